@@ -1,0 +1,144 @@
+//! A delivery: one event handed to user code, to acknowledge or fail.
+
+use std::fmt;
+use std::ops::Deref;
+use std::sync::Arc;
+
+use crate::consumer::{AggregateKey, MAX_ERROR_BYTES, Shared};
+use crate::event::Event;
+
+/// What user code decided about a delivery; sent to the drain loop.
+#[derive(Debug)]
+pub(crate) enum Settlement {
+    Ack { id: i64 },
+    Fail { id: i64, key: AggregateKey, retry_count: i32, error: String },
+    Release { id: i64, key: AggregateKey },
+}
+
+/// One event handed out by an [`EventStream`](crate::EventStream).
+///
+/// Dereferences to [`Event`]. Settle it exactly once:
+/// - [`Delivery::ack`]: delivered; the row is marked published.
+/// - [`Delivery::fail`]: not delivered; `retry_count` goes up by one,
+///   `last_error` is set, and the event is due again after the retry
+///   ladder's delay, or becomes a dead letter at the threshold.
+/// - dropped without either (or [`Delivery::release`]): released. Nothing is
+///   written; the event stays unpublished and is delivered again on a later
+///   fetch, before any later event of its aggregate.
+///
+/// Settling never blocks and never fails: settlements are queued and written
+/// in batches (one `UPDATE` per flush). If the process dies before a flush,
+/// the event is delivered again (at-least-once).
+pub struct Delivery {
+    event: Event,
+    seq: u64,
+    shared: Option<Arc<Shared>>,
+}
+
+impl Delivery {
+    pub(crate) fn new(event: Event, seq: u64, shared: Arc<Shared>) -> Self {
+        Delivery { event, seq, shared: Some(shared) }
+    }
+
+    pub(crate) fn seq(&self) -> u64 {
+        self.seq
+    }
+
+    /// The event.
+    pub fn event(&self) -> &Event {
+        &self.event
+    }
+
+    fn key(&self) -> AggregateKey {
+        (self.event.aggregate_type.clone(), self.event.aggregate_id)
+    }
+
+    /// Acknowledge: the event was delivered; mark it published.
+    pub fn ack(mut self) {
+        if let Some(shared) = self.shared.take() {
+            let _ = shared.settle_tx.send(Settlement::Ack { id: self.event.id });
+        }
+    }
+
+    /// Fail: the event was not delivered. `error` is stored in `last_error`
+    /// (NUL characters replaced, cut to 4096 bytes). Later events of the same
+    /// aggregate are held back until this one is delivered.
+    pub fn fail(mut self, error: impl fmt::Display) {
+        if let Some(shared) = self.shared.take() {
+            let key = self.key();
+            shared.holdback().entry(key.clone()).or_default().pending += 1;
+            let _ = shared.settle_tx.send(Settlement::Fail {
+                id: self.event.id,
+                key,
+                retry_count: self.event.retry_count,
+                error: sanitize_error(&error.to_string()),
+            });
+        }
+    }
+
+    /// Release without a verdict: nothing is written and the event is
+    /// delivered again later. Same as dropping the delivery.
+    pub fn release(mut self) {
+        self.do_release();
+    }
+
+    /// Released because an earlier event of its aggregate failed or was
+    /// released after this one was fetched.
+    pub(crate) fn release_held(mut self) {
+        self.do_release();
+    }
+
+    fn do_release(&mut self) {
+        if let Some(shared) = self.shared.take() {
+            let key = self.key();
+            shared.holdback().entry(key.clone()).or_default().pending += 1;
+            let _ = shared.settle_tx.send(Settlement::Release { id: self.event.id, key });
+        }
+    }
+}
+
+impl Deref for Delivery {
+    type Target = Event;
+    fn deref(&self) -> &Event {
+        &self.event
+    }
+}
+
+impl Drop for Delivery {
+    fn drop(&mut self) {
+        self.do_release();
+    }
+}
+
+impl fmt::Debug for Delivery {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Delivery").field("event", &self.event).field("settled", &self.shared.is_none()).finish()
+    }
+}
+
+/// Replace NUL characters (PostgreSQL text cannot hold them) and cut to
+/// [`MAX_ERROR_BYTES`] on a character boundary.
+pub(crate) fn sanitize_error(s: &str) -> String {
+    let mut out = s.replace('\0', "\u{FFFD}");
+    if out.len() > MAX_ERROR_BYTES {
+        let mut cut = MAX_ERROR_BYTES;
+        while !out.is_char_boundary(cut) {
+            cut -= 1;
+        }
+        out.truncate(cut);
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::sanitize_error;
+
+    #[test]
+    fn error_text_is_made_storable() {
+        assert_eq!(sanitize_error("a\0b"), "a\u{FFFD}b");
+        let long = "é".repeat(5000);
+        let s = sanitize_error(&long);
+        assert!(s.len() <= 4096 && s.chars().all(|c| c == 'é'));
+    }
+}

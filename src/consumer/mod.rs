@@ -1,0 +1,453 @@
+//! The consumer: an async [`Stream`](futures::Stream) of [`Delivery`] values.
+
+mod delivery;
+mod drain;
+mod notifier;
+
+use std::collections::HashMap;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use futures::Stream;
+use futures::stream::FusedStream;
+use tokio::sync::{Notify, mpsc, watch};
+use tokio::task::JoinHandle;
+use std::future::Future;
+
+use tokio_util::sync::{CancellationToken, WaitForCancellationFutureOwned};
+use uuid::Uuid;
+
+pub use delivery::Delivery;
+
+use crate::connect;
+use crate::error::{Error, Result};
+use crate::retry::RetryPolicy;
+
+/// The channel the insert trigger notifies (`triggers/outbox_notify.sql`).
+pub const NOTIFY_CHANNEL: &str = "events.outbox";
+/// Default rows fetched per query: 50 (the seed's FetchUnpublishedBatch).
+pub const DEFAULT_BATCH_SIZE: usize = 50;
+/// Default fallback sweep interval: 1 second. Bounds how long a lost
+/// notification can delay an event.
+pub const DEFAULT_SWEEP_INTERVAL: Duration = Duration::from_secs(1);
+/// Default dead-letter threshold: an event whose `retry_count` reaches 10 is
+/// a dead letter (the seed: "Dead letters (`retry_count >= 10`)").
+pub const DEFAULT_MAX_RETRIES: i32 = 10;
+/// Default acknowledgement batch: flush once 500 settlements are pending.
+pub const DEFAULT_ACK_BATCH_SIZE: usize = 500;
+/// Default acknowledgement delay: flush pending settlements after 10 ms.
+pub const DEFAULT_ACK_INTERVAL: Duration = Duration::from_millis(10);
+/// Default longest wait between reconnect attempts: 30 seconds.
+pub const DEFAULT_RECONNECT_MAX_DELAY: Duration = Duration::from_secs(30);
+/// Default liveness ping on the idle LISTEN connection: every 5 seconds.
+pub const DEFAULT_PING_INTERVAL: Duration = Duration::from_secs(5);
+/// Default time graceful shutdown waits for handed-out deliveries: 30 s.
+pub const DEFAULT_SHUTDOWN_GRACE: Duration = Duration::from_secs(30);
+/// Interval at which the backlog gauges are refreshed: 5 seconds.
+pub const STATUS_INTERVAL: Duration = Duration::from_secs(5);
+/// Longest `last_error` stored, in bytes; longer messages are cut.
+pub const MAX_ERROR_BYTES: usize = 4096;
+
+/// Settings of a consumer. Build it with [`Consumer::builder`].
+#[derive(Debug, Clone)]
+pub(crate) struct ConsumerConfig {
+    pub(crate) pg: tokio_postgres::Config,
+    pub(crate) listener_pg: Option<tokio_postgres::Config>,
+    pub(crate) batch_size: usize,
+    pub(crate) buffer: usize,
+    pub(crate) sweep_interval: Duration,
+    pub(crate) retry: RetryPolicy,
+    pub(crate) max_retries: i32,
+    pub(crate) ack_batch_size: usize,
+    pub(crate) ack_interval: Duration,
+    pub(crate) reconnect_max_delay: Duration,
+    pub(crate) ping_interval: Duration,
+    pub(crate) shutdown_grace: Duration,
+}
+
+/// Entry point of the consuming side. See [`Consumer::builder`].
+#[derive(Debug)]
+pub struct Consumer(());
+
+impl Consumer {
+    /// A builder for a consumer of `events.outbox` on the database `pg`
+    /// (parse a URL with [`crate::parse_url`]).
+    ///
+    /// # Example
+    /// ```no_run
+    /// # async fn run() -> Result<(), pg_outbox::Error> {
+    /// use futures::StreamExt;
+    /// let pg = pg_outbox::parse_url("postgres://postgres@127.0.0.1/app")?;
+    /// let mut events = pg_outbox::Consumer::builder(pg).batch_size(100).start().await?;
+    /// while let Some(delivery) = events.next().await {
+    ///     println!("{} {}", delivery.id, delivery.event_type);
+    ///     delivery.ack();
+    /// }
+    /// # Ok(()) }
+    /// ```
+    pub fn builder(pg: tokio_postgres::Config) -> ConsumerBuilder {
+        ConsumerBuilder {
+            cfg: ConsumerConfig {
+                pg,
+                listener_pg: None,
+                batch_size: DEFAULT_BATCH_SIZE,
+                buffer: 0,
+                sweep_interval: DEFAULT_SWEEP_INTERVAL,
+                retry: RetryPolicy::default(),
+                max_retries: DEFAULT_MAX_RETRIES,
+                ack_batch_size: DEFAULT_ACK_BATCH_SIZE,
+                ack_interval: DEFAULT_ACK_INTERVAL,
+                reconnect_max_delay: DEFAULT_RECONNECT_MAX_DELAY,
+                ping_interval: DEFAULT_PING_INTERVAL,
+                shutdown_grace: DEFAULT_SHUTDOWN_GRACE,
+            },
+        }
+    }
+}
+
+/// Builds and starts a consumer. Every setter documents its default.
+#[derive(Debug, Clone)]
+#[must_use = "a builder does nothing until start() is called"]
+pub struct ConsumerBuilder {
+    cfg: ConsumerConfig,
+}
+
+impl ConsumerBuilder {
+    /// Rows fetched per query (default 50). A backlog is drained in batches
+    /// of this size and is never read into memory at once.
+    pub fn batch_size(mut self, rows: usize) -> Self {
+        self.cfg.batch_size = rows;
+        self
+    }
+
+    /// Deliveries buffered ahead of the stream's reader, in rows (default:
+    /// twice the batch size). The next batch is fetched while the reader
+    /// works through the buffer.
+    pub fn buffer(mut self, rows: usize) -> Self {
+        self.cfg.buffer = rows;
+        self
+    }
+
+    /// Interval of the fallback sweep (default 1 s, plus up to 10 % jitter).
+    /// A lost notification delays an event by at most this long.
+    pub fn sweep_interval(mut self, interval: Duration) -> Self {
+        self.cfg.sweep_interval = interval;
+        self
+    }
+
+    /// The retry ladder (default [`RetryPolicy::default`]: 1 min, 5 min,
+    /// 15 min, 1 h, then doubling, capped at 24 h, with 0–10 % jitter).
+    pub fn retry_policy(mut self, policy: RetryPolicy) -> Self {
+        self.cfg.retry = policy;
+        self
+    }
+
+    /// Dead-letter threshold (default 10): the failure that brings
+    /// `retry_count` to this value makes the event a dead letter.
+    pub fn max_retries(mut self, n: i32) -> Self {
+        self.cfg.max_retries = n;
+        self
+    }
+
+    /// Flush acknowledgements once this many are pending (default 500).
+    pub fn ack_batch_size(mut self, n: usize) -> Self {
+        self.cfg.ack_batch_size = n;
+        self
+    }
+
+    /// Flush pending acknowledgements at the latest this long after the
+    /// first of them (default 10 ms).
+    pub fn ack_interval(mut self, interval: Duration) -> Self {
+        self.cfg.ack_interval = interval;
+        self
+    }
+
+    /// Longest wait between reconnect attempts (default 30 s; attempts
+    /// start at 100 ms and double, with jitter).
+    pub fn reconnect_max_delay(mut self, delay: Duration) -> Self {
+        self.cfg.reconnect_max_delay = delay;
+        self
+    }
+
+    /// Liveness ping interval on the idle LISTEN connection (default 5 s).
+    pub fn ping_interval(mut self, interval: Duration) -> Self {
+        self.cfg.ping_interval = interval;
+        self
+    }
+
+    /// How long a graceful shutdown waits for deliveries already handed out
+    /// to be acknowledged or failed (default 30 s). Those still open then are
+    /// released: not published, delivered again later.
+    pub fn shutdown_grace(mut self, grace: Duration) -> Self {
+        self.cfg.shutdown_grace = grace;
+        self
+    }
+
+    /// Use a different database address for the LISTEN connection (default:
+    /// the same as the work connection). LISTEN needs a direct or
+    /// session-mode connection; it does not work through a transaction-mode
+    /// pooler.
+    pub fn listener_config(mut self, pg: tokio_postgres::Config) -> Self {
+        self.cfg.listener_pg = Some(pg);
+        self
+    }
+
+    fn validate(&mut self) -> Result<()> {
+        let c = &mut self.cfg;
+        if c.batch_size == 0 || c.batch_size > 100_000 {
+            return Err(Error::Config(format!("batch size must be 1..=100000 rows, got {}", c.batch_size)));
+        }
+        if c.buffer == 0 {
+            c.buffer = c.batch_size * 2;
+        }
+        c.buffer = c.buffer.max(c.batch_size);
+        if c.sweep_interval.is_zero() {
+            return Err(Error::Config("sweep interval must be longer than zero".into()));
+        }
+        if c.max_retries < 1 {
+            return Err(Error::Config(format!("max retries must be at least 1, got {}", c.max_retries)));
+        }
+        if c.ack_batch_size == 0 {
+            return Err(Error::Config("acknowledgement batch size must be at least 1".into()));
+        }
+        if c.ping_interval.is_zero() || c.reconnect_max_delay.is_zero() {
+            return Err(Error::Config("ping interval and reconnect delay must be longer than zero".into()));
+        }
+        Ok(())
+    }
+
+    /// Connect, check the schema, LISTEN, and start the background tasks.
+    ///
+    /// Spawns two tasks on the current Tokio runtime: the notifier (a
+    /// dedicated LISTEN connection that never opens a transaction) and the
+    /// drain loop (fetch, hand out, write acknowledgements in batches). A
+    /// first drain runs at once.
+    ///
+    /// # Errors
+    /// [`Error::Config`] for out-of-range settings; [`Error::Connect`] if the
+    /// database cannot be reached (the first connection fails fast; later
+    /// losses are retried with backoff); [`Error::NotMigrated`] if the
+    /// schema has not been migrated.
+    pub async fn start(mut self) -> Result<EventStream> {
+        self.validate()?;
+        let cfg = Arc::new(self.cfg);
+        let (work, work_handle) = connect::connect(&cfg.pg, "pg-outbox drain").await?;
+        crate::migrate::check(&work).await?;
+        let listener_pg = cfg.listener_pg.clone().unwrap_or_else(|| cfg.pg.clone());
+        let wake = Arc::new(Notify::new());
+        let (status_tx, status_rx) = watch::channel(ListenerStatus::default());
+        let first_listener = notifier::listen(&listener_pg, wake.clone()).await?;
+
+        let token = CancellationToken::new();
+        let (tx, rx) = mpsc::channel(cfg.buffer);
+        let (settle_tx, settle_rx) = mpsc::unbounded_channel();
+        let shared = Arc::new(Shared { holdback: Mutex::new(HashMap::new()), settle_tx });
+
+        let notifier = tokio::spawn(notifier::run(
+            listener_pg,
+            first_listener,
+            wake.clone(),
+            token.child_token(),
+            status_tx,
+            cfg.clone(),
+        ));
+        let engine = drain::Engine::new(cfg.clone(), (work, work_handle), tx, settle_rx, shared.clone(), wake, token.clone());
+        let drain = tokio::spawn(engine.run());
+        Ok(EventStream { rx, shared, token: token.clone(), cancelled: Box::pin(token.clone().cancelled_owned()), tasks: Some((drain, notifier)), status: status_rx, done: false })
+    }
+}
+
+/// State of the LISTEN connection, for monitoring and tests.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct ListenerStatus {
+    /// True while the LISTEN connection is up and listening.
+    pub listening: bool,
+    /// Successful reconnects since start (the first connection is not counted).
+    pub reconnects: u64,
+}
+
+/// Key of an aggregate: `(aggregate_type, aggregate_id)`.
+pub(crate) type AggregateKey = (String, Uuid);
+
+/// Per-aggregate hold-back of deliveries already fetched. When a delivery is
+/// failed or released, later deliveries of its aggregate that were fetched
+/// before the database knew about it must not be handed out.
+#[derive(Debug, Default)]
+pub(crate) struct Hold {
+    /// Failures/releases of this aggregate not yet processed by the drain loop.
+    pub(crate) pending: u32,
+    /// Deliveries of this aggregate from fetches numbered up to this are held back.
+    pub(crate) upto_seq: u64,
+}
+
+#[derive(Debug)]
+pub(crate) struct Shared {
+    pub(crate) holdback: Mutex<HashMap<AggregateKey, Hold>>,
+    pub(crate) settle_tx: mpsc::UnboundedSender<delivery::Settlement>,
+}
+
+impl Shared {
+    pub(crate) fn holdback(&self) -> std::sync::MutexGuard<'_, HashMap<AggregateKey, Hold>> {
+        self.holdback.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn is_held(&self, d: &Delivery) -> bool {
+        let map = self.holdback();
+        match map.get(&(d.aggregate_type.clone(), d.aggregate_id)) {
+            Some(h) => h.pending > 0 || d.seq() <= h.upto_seq,
+            None => false,
+        }
+    }
+}
+
+/// The consumer's stream of deliveries, in id order.
+///
+/// Each [`Delivery`] must be acknowledged ([`Delivery::ack`]) or failed
+/// ([`Delivery::fail`]); one dropped without either is released: nothing is
+/// written, and the event is delivered again on a later fetch.
+///
+/// Order: events are handed out in ascending id. An event waiting for a
+/// retry, or a dead letter, holds back the later events of its aggregate;
+/// other aggregates go on. For this to hold end to end, settle an
+/// aggregate's deliveries one after another (a reader that handles several
+/// deliveries of one aggregate at once decides their order itself).
+///
+/// The stream ends (`None`) after [`EventStream::shutdown`] or
+/// [`ShutdownHandle::shutdown`]; deliveries still buffered then are released.
+/// Dropping the stream also stops the consumer.
+///
+/// # Cancel safety
+/// `next()` is cancel safe: a delivery is either returned or stays buffered.
+#[derive(Debug)]
+pub struct EventStream {
+    rx: mpsc::Receiver<Delivery>,
+    shared: Arc<Shared>,
+    token: CancellationToken,
+    tasks: Option<(JoinHandle<Result<()>>, JoinHandle<()>)>,
+    status: watch::Receiver<ListenerStatus>,
+    cancelled: Pin<Box<WaitForCancellationFutureOwned>>,
+    done: bool,
+}
+
+impl EventStream {
+    /// A handle that can stop this consumer from another task.
+    pub fn shutdown_handle(&self) -> ShutdownHandle {
+        ShutdownHandle { token: self.token.clone() }
+    }
+
+    /// Stop fetching; the stream then ends. Idempotent. Call
+    /// [`EventStream::finish`] to wait for the final acknowledgements.
+    pub fn shutdown(&self) {
+        self.token.cancel();
+    }
+
+    /// Watch the LISTEN connection's state.
+    pub fn listener_status(&self) -> watch::Receiver<ListenerStatus> {
+        self.status.clone()
+    }
+
+    /// Stop (if not stopped yet), release buffered deliveries, wait until
+    /// every delivery already handed out is settled (up to the shutdown
+    /// grace), write the final acknowledgements, and close the connections.
+    ///
+    /// # Errors
+    /// The error that stopped the drain loop, if any; acknowledgements that
+    /// could not be written are logged, and those events are delivered again.
+    pub async fn finish(mut self) -> Result<()> {
+        self.token.cancel();
+        self.release_buffered();
+        match self.tasks.take() {
+            Some((drain, notifier)) => {
+                let r = drain.await;
+                let _ = notifier.await;
+                match r {
+                    Ok(r) => r,
+                    Err(e) => Err(Error::Io(std::io::Error::other(e))),
+                }
+            }
+            None => Ok(()),
+        }
+    }
+
+    fn release_buffered(&mut self) {
+        self.rx.close();
+        while let Ok(d) = self.rx.try_recv() {
+            drop(d); // Drop releases it
+        }
+    }
+}
+
+impl Stream for EventStream {
+    type Item = Delivery;
+
+    fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Delivery>> {
+        if self.done {
+            return Poll::Ready(None);
+        }
+        if self.token.is_cancelled() {
+            self.done = true;
+            self.release_buffered();
+            return Poll::Ready(None);
+        }
+        loop {
+            match self.rx.poll_recv(cx) {
+                Poll::Ready(Some(d)) => {
+                    if self.shared.is_held(&d) {
+                        d.release_held();
+                        continue;
+                    }
+                    return Poll::Ready(Some(d));
+                }
+                Poll::Ready(None) => {
+                    self.done = true;
+                    return Poll::Ready(None);
+                }
+                Poll::Pending => {
+                    // Also wake up when shutdown is requested.
+                    if self.cancelled.as_mut().poll(cx).is_ready() {
+                        self.done = true;
+                        self.release_buffered();
+                        return Poll::Ready(None);
+                    }
+                    return Poll::Pending;
+                }
+            }
+        }
+    }
+}
+
+impl FusedStream for EventStream {
+    fn is_terminated(&self) -> bool {
+        self.done
+    }
+}
+
+impl Drop for EventStream {
+    fn drop(&mut self) {
+        self.token.cancel();
+    }
+}
+
+/// Stops a consumer from another task; cheap to clone.
+#[derive(Debug, Clone)]
+pub struct ShutdownHandle {
+    token: CancellationToken,
+}
+
+impl ShutdownHandle {
+    /// Stop fetching: the stream ends, buffered deliveries are released, and
+    /// the drain loop waits (up to the shutdown grace) for deliveries already
+    /// handed out, then writes the final acknowledgements. Idempotent; does
+    /// not wait (use [`EventStream::finish`]).
+    pub fn shutdown(&self) {
+        self.token.cancel();
+    }
+
+    /// True once shutdown was requested.
+    pub fn is_shutdown(&self) -> bool {
+        self.token.is_cancelled()
+    }
+}

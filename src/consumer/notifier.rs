@@ -1,0 +1,165 @@
+//! The notifier: a dedicated LISTEN connection that turns notifications into
+//! wake-ups of the drain loop.
+//!
+//! The connection is driven through `Connection::poll_message` (a plainly
+//! spawned tokio-postgres connection drops notifications), never opens a
+//! transaction, and keeps reading even while delivery is stalled, so the
+//! server's notification queue is never pinned by us. A notification is only
+//! a wake signal: all notifications that arrive while a drain runs collapse
+//! into one more drain (a [`Notify`] permit), so memory stays flat.
+//!
+//! On connection loss it reconnects with exponential backoff, LISTENs again
+//! *first*, and only then wakes the drain loop for a sweep; events committed
+//! while it was down are found by that sweep.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use backon::BackoffBuilder;
+use futures::StreamExt;
+use tokio::sync::{Notify, watch};
+use tokio::task::JoinHandle;
+use tokio_postgres::{AsyncMessage, Client, Config, NoTls};
+use tokio_util::sync::CancellationToken;
+
+use super::{ConsumerConfig, ListenerStatus, NOTIFY_CHANNEL};
+use crate::connect;
+use crate::error::{Error, Result};
+use crate::metrics as m;
+
+/// Operations on the LISTEN connection time out after this long.
+const OP_TIMEOUT: Duration = Duration::from_secs(10);
+
+pub(crate) struct Listening {
+    client: Client,
+    driver: JoinHandle<std::result::Result<(), tokio_postgres::Error>>,
+}
+
+/// Quote a channel name as an SQL identifier.
+pub(crate) fn quote_ident(s: &str) -> String {
+    format!("\"{}\"", s.replace('"', "\"\""))
+}
+
+/// Connect, start driving the connection, and LISTEN.
+pub(crate) async fn listen(pg: &Config, wake: Arc<Notify>) -> Result<Listening> {
+    let cfg = connect::prepared(pg, "pg-outbox listener");
+    let (client, mut connection) = cfg
+        .connect(NoTls)
+        .await
+        .map_err(|source| Error::Connect { target: connect::describe_target(&cfg), source })?;
+    let driver = tokio::spawn(async move {
+        let mut messages = futures::stream::poll_fn(move |cx| connection.poll_message(cx));
+        while let Some(msg) = messages.next().await {
+            match msg? {
+                AsyncMessage::Notification(_) => {
+                    metrics::counter!(m::NOTIFICATIONS).increment(1);
+                    wake.notify_one();
+                }
+                AsyncMessage::Notice(n) => tracing::debug!(notice = %n.message(), "listener notice"),
+                _ => {}
+            }
+        }
+        Ok(())
+    });
+    let listen_sql = format!("LISTEN {}", quote_ident(NOTIFY_CHANNEL));
+    match tokio::time::timeout(OP_TIMEOUT, client.batch_execute(&listen_sql)).await {
+        Ok(Ok(())) => Ok(Listening { client, driver }),
+        Ok(Err(e)) => {
+            driver.abort();
+            Err(Error::Db(e))
+        }
+        Err(_) => {
+            driver.abort();
+            Err(Error::Io(std::io::Error::new(std::io::ErrorKind::TimedOut, "LISTEN timed out")))
+        }
+    }
+}
+
+/// Run until cancelled: watch the connection, ping it while idle, reconnect
+/// with backoff when it is lost, and wake the drain loop after every
+/// reconnect.
+pub(crate) async fn run(
+    pg: Config,
+    first: Listening,
+    wake: Arc<Notify>,
+    token: CancellationToken,
+    status: watch::Sender<ListenerStatus>,
+    cfg: Arc<ConsumerConfig>,
+) {
+    let mut current = Some(first);
+    let mut reconnects: u64 = 0;
+    let new_backoff = || {
+        backon::ExponentialBuilder::default()
+            .with_min_delay(Duration::from_millis(100))
+            .with_max_delay(cfg.reconnect_max_delay)
+            .with_jitter()
+            .without_max_times()
+            .build()
+    };
+    let mut backoff = new_backoff();
+    loop {
+        if let Some(Listening { client, mut driver }) = current.take() {
+            status.send_replace(ListenerStatus { listening: true, reconnects });
+            metrics::gauge!(m::LISTENER_UP).set(1.0);
+            let mut ping = tokio::time::interval(cfg.ping_interval);
+            ping.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            ping.tick().await;
+            let reason: String = loop {
+                tokio::select! {
+                    _ = token.cancelled() => {
+                        driver.abort();
+                        metrics::gauge!(m::LISTENER_UP).set(0.0);
+                        status.send_replace(ListenerStatus { listening: false, reconnects });
+                        return;
+                    }
+                    r = &mut driver => {
+                        break match r {
+                            Ok(Ok(())) => "connection closed by the server".to_string(),
+                            Ok(Err(e)) => crate::error::report(&e),
+                            Err(e) => e.to_string(),
+                        };
+                    }
+                    _ = ping.tick() => {
+                        match tokio::time::timeout(OP_TIMEOUT, client.simple_query("")).await {
+                            Ok(Ok(_)) => {}
+                            Ok(Err(e)) => { driver.abort(); break crate::error::report(&e); }
+                            Err(_) => { driver.abort(); break "liveness ping timed out".to_string(); }
+                        }
+                    }
+                }
+            };
+            drop(client);
+            metrics::gauge!(m::LISTENER_UP).set(0.0);
+            status.send_replace(ListenerStatus { listening: false, reconnects });
+            tracing::warn!(reason = %reason, "LISTEN connection lost; reconnecting (a sweep follows)");
+            backoff = new_backoff();
+        }
+        let delay = backoff.next().unwrap_or(cfg.reconnect_max_delay);
+        tokio::select! {
+            _ = token.cancelled() => return,
+            _ = tokio::time::sleep(delay) => {}
+        }
+        match listen(&pg, wake.clone()).await {
+            Ok(l) => {
+                reconnects += 1;
+                metrics::counter!(m::LISTENER_RECONNECTS).increment(1);
+                tracing::info!(reconnects, "LISTEN connection re-established; sweeping");
+                current = Some(l);
+                // LISTEN is in place: now sweep for what was committed while down.
+                wake.notify_one();
+            }
+            Err(e) => {
+                tracing::warn!(error = %crate::error::report(&e), retry_in = ?delay, "LISTEN reconnect failed");
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn channel_is_quoted() {
+        assert_eq!(super::quote_ident("events.outbox"), "\"events.outbox\"");
+        assert_eq!(super::quote_ident("a\"b"), "\"a\"\"b\"");
+    }
+}

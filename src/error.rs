@@ -1,0 +1,130 @@
+//! The error type of pg-outbox.
+
+use tokio_postgres::error::{DbError, SqlState};
+
+/// A boxed error from user code or a sink.
+pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
+
+/// `Result` with [`Error`] as the default error type.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// Everything that can go wrong in pg-outbox.
+///
+/// # Formatting
+/// `Display` shows one level only; the cause is available through
+/// [`std::error::Error::source`]. Use a reporter that walks the chain (the
+/// `pg-outbox` binary prints `a: b: c`). Message text is not stable; match on
+/// variants, [`Error::code`] or [`Error::as_db_error`] instead.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// The database URL or connection settings could not be parsed.
+    #[error("invalid database URL")]
+    InvalidUrl(#[source] tokio_postgres::Error),
+    /// A connection to the database could not be opened. `target` names the
+    /// host, port and database (never the password).
+    #[error("cannot connect to the database at {target}")]
+    Connect {
+        /// Host, port and database name.
+        target: String,
+        /// What the driver reported.
+        #[source]
+        source: tokio_postgres::Error,
+    },
+    /// A query failed.
+    #[error("database error")]
+    Db(#[from] tokio_postgres::Error),
+    /// The schema is missing or older than this version of pg-outbox expects.
+    #[error("schema not migrated: {0}; run `pg-outbox migrate`")]
+    NotMigrated(String),
+    /// An event was refused before any SQL was sent (empty or NUL-bearing
+    /// text, a payload PostgreSQL's jsonb cannot store, an oversized payload).
+    #[error("invalid event: {0}")]
+    InvalidEvent(String),
+    /// A configuration value is out of range.
+    #[error("invalid configuration: {0}")]
+    Config(String),
+    /// A payload could not be serialised to JSON.
+    #[error("payload is not serialisable to JSON")]
+    Json(#[from] serde_json::Error),
+    /// A throwaway PostgreSQL server could not be started or stopped.
+    #[error("throwaway PostgreSQL server: {0}")]
+    TempServer(String),
+    /// An I/O error outside the database driver.
+    #[error("i/o error")]
+    Io(#[from] std::io::Error),
+    /// A sink failed to deliver an event.
+    #[error("sink error")]
+    Sink(#[source] BoxError),
+}
+
+impl Error {
+    /// The database's error report, if this error came from the server.
+    pub fn as_db_error(&self) -> Option<&DbError> {
+        match self {
+            Error::Db(e) | Error::Connect { source: e, .. } => e.as_db_error(),
+            _ => None,
+        }
+    }
+
+    /// The SQLSTATE code, if the server reported one.
+    pub fn code(&self) -> Option<&SqlState> {
+        match self {
+            Error::Db(e) | Error::Connect { source: e, .. } => e.code(),
+            _ => None,
+        }
+    }
+
+    /// True when retrying later may succeed: the connection was closed or
+    /// broken, the server is shutting down or starting, or the statement lost
+    /// a serialization or deadlock race. Rows are never touched because of
+    /// such an error.
+    pub fn is_transient(&self) -> bool {
+        match self {
+            Error::Connect { .. } => true,
+            Error::Db(e) => is_transient_pg(e),
+            Error::Io(_) => true,
+            _ => false,
+        }
+    }
+}
+
+/// Classify a driver error as transient (see [`Error::is_transient`]).
+pub(crate) fn is_transient_pg(e: &tokio_postgres::Error) -> bool {
+    if e.is_closed() {
+        return true;
+    }
+    match e.code() {
+        None => true, // I/O-level failure: the connection is gone or broken
+        Some(code) => {
+            let s = code.code();
+            // Class 08 (connection exception), 57P (operator intervention:
+            // admin/crash shutdown, cannot connect now), 53 (insufficient
+            // resources), 40001/40P01 (serialization failure, deadlock),
+            // 25006 (read-only transaction: we landed on a standby).
+            s.starts_with("08")
+                || s.starts_with("57P")
+                || s.starts_with("53")
+                || *code == SqlState::T_R_SERIALIZATION_FAILURE
+                || *code == SqlState::T_R_DEADLOCK_DETECTED
+                || *code == SqlState::READ_ONLY_SQL_TRANSACTION
+                || *code == SqlState::QUERY_CANCELED
+        }
+    }
+}
+
+/// Format an error and its whole `source()` chain as `a: b: c`, skipping a
+/// cause whose text its parent already contains.
+pub fn report(err: &(dyn std::error::Error + 'static)) -> String {
+    let mut out = err.to_string();
+    let mut cur = err.source();
+    while let Some(e) = cur {
+        let s = e.to_string();
+        if !out.contains(&s) {
+            out.push_str(": ");
+            out.push_str(&s);
+        }
+        cur = e.source();
+    }
+    out
+}

@@ -1,0 +1,28 @@
+#![doc = include_str!("../README.md")]
+#![warn(missing_docs, missing_debug_implementations, unreachable_pub, rust_2018_idioms)]
+#![doc(test(attr(deny(warnings))))]
+
+mod connect;
+mod consumer;
+pub mod error;
+mod event;
+pub mod metrics;
+pub mod migrate;
+mod publisher;
+pub mod relay;
+mod retry;
+mod store;
+pub mod temp_server;
+
+pub use connect::{DEFAULT_CONNECT_TIMEOUT, KEEPALIVE_IDLE, describe_target, parse_url};
+pub use consumer::{
+    Consumer, ConsumerBuilder, DEFAULT_ACK_BATCH_SIZE, DEFAULT_ACK_INTERVAL, DEFAULT_BATCH_SIZE, DEFAULT_MAX_RETRIES,
+    DEFAULT_PING_INTERVAL, DEFAULT_RECONNECT_MAX_DELAY, DEFAULT_SHUTDOWN_GRACE, DEFAULT_SWEEP_INTERVAL, Delivery,
+    EventStream, ListenerStatus, MAX_ERROR_BYTES, NOTIFY_CHANNEL, STATUS_INTERVAL, ShutdownHandle,
+};
+pub use error::{Error, Result};
+pub use event::{Envelope, Event, Metadata, NewEvent};
+pub use publisher::{DEFAULT_MAX_PAYLOAD_BYTES, Publisher};
+pub use retry::{AfterLastStep, DEFAULT_RETRY_CAP, DEFAULT_RETRY_JITTER, DEFAULT_RETRY_STEPS, RetryPolicy};
+pub use store::{OutboxStatus, status};
+pub use tokio_postgres;

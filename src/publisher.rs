@@ -1,0 +1,91 @@
+//! Publishing events inside the caller's transaction.
+
+use tokio_postgres::GenericClient;
+
+use crate::error::Result;
+use crate::event::NewEvent;
+use crate::store;
+
+/// Default largest payload accepted: 1 MiB of JSON text, the default message
+/// limit of common brokers (Kafka `message.max.bytes`, NATS `max_payload`).
+pub const DEFAULT_MAX_PAYLOAD_BYTES: usize = 1024 * 1024;
+
+/// Inserts events into `events.outbox` through the caller's client or
+/// transaction. It never commits, never spawns, and never notifies by itself:
+/// the table's trigger sends one notification per statement, delivered when
+/// the caller commits. A rolled-back transaction leaves no event and wakes
+/// nobody.
+///
+/// # Example
+/// ```no_run
+/// # async fn run(client: &mut tokio_postgres::Client) -> Result<(), pg_outbox::Error> {
+/// use pg_outbox::{Envelope, NewEvent, Publisher};
+/// let sub = uuid::Uuid::new_v4();
+/// let tx = client.transaction().await?;
+/// tx.execute("UPDATE billing.subscriptions SET status = 'active' WHERE id = $1", &[&sub]).await?;
+/// let id = Publisher::new()
+///     .publish(&tx, &NewEvent::with_envelope("subscription", sub, "PaymentSucceeded",
+///         &Envelope::new(1, serde_json::json!({"amount": 990})))?)
+///     .await?;
+/// tx.commit().await?;
+/// println!("published event {id}");
+/// # Ok(()) }
+/// ```
+#[derive(Debug, Clone)]
+pub struct Publisher {
+    max_payload_bytes: usize,
+}
+
+impl Default for Publisher {
+    fn default() -> Self {
+        Publisher { max_payload_bytes: DEFAULT_MAX_PAYLOAD_BYTES }
+    }
+}
+
+impl Publisher {
+    /// A publisher with the default payload limit ([`DEFAULT_MAX_PAYLOAD_BYTES`]).
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Set the largest payload accepted, in bytes of JSON text (default 1 MiB).
+    pub fn max_payload_bytes(mut self, bytes: usize) -> Self {
+        self.max_payload_bytes = bytes;
+        self
+    }
+
+    /// Insert one event and return its id.
+    ///
+    /// # Errors
+    /// [`crate::Error::InvalidEvent`] before any SQL for an invalid event (see
+    /// [`NewEvent::validate`]); [`crate::Error::Db`] if the INSERT fails.
+    ///
+    /// # Cancel safety
+    /// Not cancel safe: if the future is dropped, the row may or may not have
+    /// been inserted in the caller's transaction. Roll the transaction back
+    /// rather than retrying blindly.
+    pub async fn publish<C: GenericClient + Sync>(&self, client: &C, event: &NewEvent) -> Result<i64> {
+        event.validate(self.max_payload_bytes)?;
+        store::insert_event(client, event).await
+    }
+
+    /// Insert several events with one statement and return their ids, in the
+    /// order of `events` (ids increase in that order). An empty slice inserts
+    /// nothing and returns an empty vector. One statement means one
+    /// notification, however many events.
+    ///
+    /// # Errors
+    /// As [`Publisher::publish`]; nothing is inserted if any event is invalid.
+    ///
+    /// # Cancel safety
+    /// Not cancel safe, as [`Publisher::publish`].
+    pub async fn publish_many<C: GenericClient + Sync>(&self, client: &C, events: &[NewEvent]) -> Result<Vec<i64>> {
+        for e in events {
+            e.validate(self.max_payload_bytes)?;
+        }
+        if events.is_empty() {
+            return Ok(Vec::new());
+        }
+        store::insert_events(client, events).await
+    }
+}

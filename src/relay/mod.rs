@@ -1,0 +1,133 @@
+//! The relay: a consumer whose deliveries go to a [`Sink`]. What the
+//! `pg-outbox relay` command runs, usable from a program too.
+//!
+//! Each delivery is handed to the sink; `Ok` acknowledges it (it becomes
+//! published), `Err` fails it (retry with backoff, dead letter at the
+//! threshold). Deliveries are handed over one after another, in id order,
+//! so per-aggregate order holds at the sink.
+
+mod stdout;
+mod webhook;
+
+use std::future::Future;
+use std::pin::Pin;
+use std::time::Instant;
+
+use futures::StreamExt;
+use serde::Serialize;
+
+pub use stdout::StdoutSink;
+pub use webhook::{DEFAULT_WEBHOOK_TIMEOUT, WebhookSink};
+
+use crate::error::{BoxError, Result};
+use crate::event::Event;
+use crate::{EventStream, metrics as m};
+
+/// A boxed future returned by [`Sink::deliver`].
+pub type SinkFuture<'a> = Pin<Box<dyn Future<Output = Result<(), BoxError>> + Send + 'a>>;
+
+/// Where the relay delivers events.
+///
+/// `deliver` returns `Ok(())` only once the destination has taken the event
+/// (written and flushed, a 2xx response, a broker's confirmation): the event
+/// is then marked published. An `Err` fails the event; its text is stored in
+/// `last_error`.
+pub trait Sink: Send + Sync {
+    /// Deliver one event.
+    fn deliver<'a>(&'a self, event: &'a Event) -> SinkFuture<'a>;
+}
+
+/// The JSON record of an event as sinks write it: keys `id`,
+/// `aggregate_type`, `aggregate_id`, `event_type`, `payload`, `occurred_at`
+/// (RFC 3339) and `retry_count`.
+#[derive(Debug, Serialize)]
+pub struct SinkRecord<'a> {
+    /// Outbox id.
+    pub id: i64,
+    /// Kind of aggregate.
+    pub aggregate_type: &'a str,
+    /// Aggregate id.
+    pub aggregate_id: uuid::Uuid,
+    /// Event name.
+    pub event_type: &'a str,
+    /// The payload as stored.
+    pub payload: &'a serde_json::Value,
+    /// RFC 3339 time the producer inserted the event.
+    pub occurred_at: String,
+    /// Failed attempts before this one.
+    pub retry_count: i32,
+}
+
+impl<'a> SinkRecord<'a> {
+    /// The record of `event`.
+    pub fn new(event: &'a Event) -> Self {
+        SinkRecord {
+            id: event.id,
+            aggregate_type: &event.aggregate_type,
+            aggregate_id: event.aggregate_id,
+            event_type: &event.event_type,
+            payload: &event.payload,
+            occurred_at: event.occurred_at.to_rfc3339_opts(chrono::SecondsFormat::Micros, true),
+            retry_count: event.retry_count,
+        }
+    }
+}
+
+/// Counts of what a relay run did.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct RelayStats {
+    /// Events the sink accepted (acknowledged).
+    pub delivered: u64,
+    /// Attempts the sink refused (failed, to be retried or dead-lettered).
+    pub failed: u64,
+}
+
+/// Deliver every event of `stream` to `sink` until `shutdown` resolves or
+/// the stream ends, then finish the stream (final acknowledgements).
+///
+/// On shutdown it stops fetching; the delivery in progress is finished and
+/// settled, buffered ones are released (delivered again by the next relay),
+/// and the final acknowledgements are written before it returns.
+///
+/// # Errors
+/// The error that stopped the consumer, if any.
+pub async fn run<S, F>(mut stream: EventStream, sink: &S, shutdown: F) -> Result<RelayStats>
+where
+    S: Sink + ?Sized,
+    F: Future<Output = ()>,
+{
+    let mut stats = RelayStats::default();
+    let handle = stream.shutdown_handle();
+    tokio::pin!(shutdown);
+    let mut shutdown_seen = false;
+    loop {
+        let next = tokio::select! {
+            d = stream.next() => d,
+            _ = &mut shutdown, if !shutdown_seen => {
+                shutdown_seen = true;
+                tracing::info!("shutting down: finishing the event in hand and writing acknowledgements");
+                handle.shutdown();
+                continue;
+            }
+        };
+        let Some(delivery) = next else { break };
+        let started = Instant::now();
+        let result = sink.deliver(delivery.event()).await;
+        metrics::histogram!(m::SINK_DURATION).record(started.elapsed().as_secs_f64());
+        match result {
+            Ok(()) => {
+                stats.delivered += 1;
+                delivery.ack();
+            }
+            Err(e) => {
+                stats.failed += 1;
+                let msg = crate::error::report(e.as_ref());
+                tracing::warn!(id = delivery.id, retry_count = delivery.retry_count, error = %msg, "sink failed");
+                delivery.fail(msg);
+            }
+        }
+    }
+    stream.finish().await?;
+    Ok(stats)
+}

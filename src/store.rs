@@ -1,0 +1,173 @@
+//! All SQL that pg-outbox runs at run time (schema SQL lives in `migrations/`
+//! and `triggers/`). Every time comparison uses the database's `now()`.
+
+use std::time::Duration;
+
+use tokio_postgres::{GenericClient, Row};
+
+use crate::error::{Error, Result};
+use crate::event::{Event, NewEvent};
+
+/// Column list of [`Event`], in the order [`event_from_row`] reads it.
+const EVENT_COLUMNS: &str =
+    "id, aggregate_type, aggregate_id, event_type, payload, occurred_at, retry_count, last_error";
+
+pub(crate) const INSERT_ONE: &str = "INSERT INTO events.outbox (aggregate_type, aggregate_id, event_type, payload) \
+     VALUES ($1, $2, $3, $4) RETURNING id";
+
+pub(crate) const INSERT_MANY: &str = "INSERT INTO events.outbox (aggregate_type, aggregate_id, event_type, payload) \
+     SELECT t, a, e, p FROM unnest($1::text[], $2::uuid[], $3::text[], $4::jsonb[]) \
+     WITH ORDINALITY AS x(t, a, e, p, n) ORDER BY n RETURNING id";
+
+/// The hold-back condition: no earlier event of the same aggregate has failed
+/// and is not due again (waiting for a retry, or a dead letter). Served by
+/// `outbox_aggregate_failed_idx`.
+const NOT_HELD_BACK: &str = "NOT EXISTS (SELECT 1 FROM events.outbox b \
+     WHERE b.aggregate_type = o.aggregate_type AND b.aggregate_id = o.aggregate_id \
+       AND b.id < o.id AND b.published_at IS NULL AND b.next_retry_at IS NOT NULL \
+       AND (b.retry_count >= $4 OR b.next_retry_at > now()))";
+
+/// Fetch the next due events in id order. Two index range scans, merged:
+/// fresh rows from `outbox_fresh_idx` (id > $1), and failed rows whose retry
+/// is due from `outbox_retry_due_idx`. $2 are ids already in flight, $3 the
+/// batch size, $4 the dead-letter threshold.
+pub(crate) fn fetch_sql() -> String {
+    format!(
+        "SELECT {cols} FROM ( \
+           (SELECT o.* FROM events.outbox o \
+             WHERE o.published_at IS NULL AND o.next_retry_at IS NULL AND o.id > $1 \
+               AND o.retry_count < $4 AND o.id <> ALL($2::bigint[]) AND {hb} \
+             ORDER BY o.id LIMIT $3) \
+           UNION ALL \
+           (SELECT o.* FROM events.outbox o \
+             WHERE o.published_at IS NULL AND o.next_retry_at IS NOT NULL AND o.next_retry_at <= now() \
+               AND o.retry_count < $4 AND o.id <> ALL($2::bigint[]) AND {hb} \
+             ORDER BY o.id LIMIT $3) \
+         ) c ORDER BY id LIMIT $3",
+        cols = EVENT_COLUMNS,
+        hb = NOT_HELD_BACK
+    )
+}
+
+/// Mark events published (the seed's MarkPublished, batched). Returns, per
+/// row actually published, seconds from `occurred_at` to now.
+pub(crate) const ACK: &str = "UPDATE events.outbox SET published_at = now() \
+     WHERE id = ANY($1::bigint[]) AND published_at IS NULL \
+     RETURNING EXTRACT(EPOCH FROM (now() - occurred_at))::float8";
+
+/// Record failures (the seed's MarkRetry, batched): retry_count + 1,
+/// last_error, and next_retry_at = now() + delay, or 'infinity' when the
+/// event becomes a dead letter (retry_count reaches $4).
+pub(crate) const FAIL: &str = "UPDATE events.outbox o SET retry_count = o.retry_count + 1, last_error = f.err, \
+       next_retry_at = CASE WHEN o.retry_count + 1 >= $4 THEN 'infinity'::timestamptz \
+                            ELSE now() + make_interval(secs => f.delay) END \
+     FROM unnest($1::bigint[], $2::text[], $3::float8[]) AS f(id, err, delay) \
+     WHERE o.id = f.id AND o.published_at IS NULL \
+     RETURNING o.id, o.retry_count >= $4 AS dead, \
+       CASE WHEN o.retry_count >= $4 THEN NULL \
+            ELSE EXTRACT(EPOCH FROM (o.next_retry_at - now()))::float8 END";
+
+/// Seconds until the earliest pending retry is due, or NULL if none waits.
+pub(crate) const NEXT_RETRY_IN: &str = "SELECT EXTRACT(EPOCH FROM (min(next_retry_at) - now()))::float8 \
+     FROM events.outbox WHERE published_at IS NULL AND next_retry_at IS NOT NULL \
+       AND next_retry_at > now() AND next_retry_at < 'infinity' AND retry_count < $1";
+
+/// Backlog and lag figures; see [`OutboxStatus`].
+pub(crate) const STATUS: &str = "SELECT \
+       count(*) AS unpublished, \
+       count(*) FILTER (WHERE retry_count < $1 AND (next_retry_at IS NULL OR next_retry_at <= now())) AS due, \
+       count(*) FILTER (WHERE retry_count < $1 AND next_retry_at > now()) AS waiting, \
+       count(*) FILTER (WHERE retry_count >= $1) AS dead, \
+       EXTRACT(EPOCH FROM (now() - min(occurred_at) FILTER (WHERE retry_count < $1)))::float8 AS oldest \
+     FROM events.outbox WHERE published_at IS NULL";
+
+/// Figures about the outbox, as `pg-outbox status` prints them.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+#[non_exhaustive]
+pub struct OutboxStatus {
+    /// Rows with `published_at IS NULL`, dead letters included.
+    pub unpublished: i64,
+    /// Unpublished rows that are due now (fresh, or their retry is due).
+    pub due_now: i64,
+    /// Unpublished rows waiting for their retry (`next_retry_at` in the future).
+    pub waiting_for_retry: i64,
+    /// Dead letters: unpublished rows with `retry_count >= max_retries`.
+    pub dead_letters: i64,
+    /// Age in seconds of the oldest unpublished event that is not a dead
+    /// letter (from its `occurred_at`), or `None` when there is none.
+    pub oldest_unpublished_age_seconds: Option<f64>,
+}
+
+/// Read [`OutboxStatus`]; `max_retries` is the dead-letter threshold.
+///
+/// # Errors
+/// [`Error::Db`] if the query fails (for example the schema is missing).
+pub async fn status<C: GenericClient + Sync>(client: &C, max_retries: i32) -> Result<OutboxStatus> {
+    let row = client.query_one(STATUS, &[&max_retries]).await?;
+    Ok(OutboxStatus {
+        unpublished: row.try_get(0)?,
+        due_now: row.try_get(1)?,
+        waiting_for_retry: row.try_get(2)?,
+        dead_letters: row.try_get(3)?,
+        oldest_unpublished_age_seconds: row.try_get(4)?,
+    })
+}
+
+pub(crate) fn event_from_row(row: &Row) -> Result<Event> {
+    Ok(Event {
+        id: row.try_get(0)?,
+        aggregate_type: row.try_get(1)?,
+        aggregate_id: row.try_get(2)?,
+        event_type: row.try_get(3)?,
+        payload: row.try_get(4)?,
+        occurred_at: row.try_get(5)?,
+        retry_count: row.try_get(6)?,
+        last_error: row.try_get(7)?,
+    })
+}
+
+pub(crate) async fn insert_event<C: GenericClient + Sync>(client: &C, e: &NewEvent) -> Result<i64> {
+    let row = client
+        .query_one(INSERT_ONE, &[&e.aggregate_type, &e.aggregate_id, &e.event_type, &e.payload])
+        .await
+        .map_err(map_missing_schema)?;
+    Ok(row.try_get(0)?)
+}
+
+pub(crate) async fn insert_events<C: GenericClient + Sync>(client: &C, events: &[NewEvent]) -> Result<Vec<i64>> {
+    let types: Vec<&str> = events.iter().map(|e| e.aggregate_type.as_str()).collect();
+    let ids: Vec<uuid::Uuid> = events.iter().map(|e| e.aggregate_id).collect();
+    let names: Vec<&str> = events.iter().map(|e| e.event_type.as_str()).collect();
+    let payloads: Vec<&serde_json::Value> = events.iter().map(|e| &e.payload).collect();
+    let rows = client
+        .query(INSERT_MANY, &[&types, &ids, &names, &payloads])
+        .await
+        .map_err(map_missing_schema)?;
+    let mut out = rows.iter().map(|r| r.try_get::<_, i64>(0)).collect::<Result<Vec<_>, _>>()?;
+    // Sequence values are drawn in ORDER BY n order within the statement, so
+    // ascending ids are the input order.
+    out.sort_unstable();
+    Ok(out)
+}
+
+/// Turn "relation events.outbox does not exist" into [`Error::NotMigrated`].
+pub(crate) fn map_missing_schema(e: tokio_postgres::Error) -> Error {
+    if let Some(db) = e.as_db_error() {
+        if *db.code() == tokio_postgres::error::SqlState::UNDEFINED_TABLE
+            || *db.code() == tokio_postgres::error::SqlState::INVALID_SCHEMA_NAME
+        {
+            return Error::NotMigrated(db.message().to_string());
+        }
+    }
+    Error::Db(e)
+}
+
+/// Seconds as a [`Duration`], clamped to zero and to a day (a timer never
+/// needs more: the sweep runs far more often).
+pub(crate) fn secs_to_duration(secs: f64) -> Duration {
+    if !secs.is_finite() || secs <= 0.0 {
+        Duration::ZERO
+    } else {
+        Duration::from_secs_f64(secs.min(86_400.0))
+    }
+}

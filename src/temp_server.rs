@@ -1,0 +1,237 @@
+//! A throwaway PostgreSQL server started from the local binaries, for
+//! `pg-outbox demo` and for tests on a machine where no server runs.
+//!
+//! It lives in a temporary directory (data, socket, log), listens on
+//! 127.0.0.1 on a free port with trust authentication for the `postgres`
+//! role, and is stopped and deleted when dropped. Durability is traded for
+//! speed (`fsync=off`): never keep data in it.
+//!
+//! Binaries are looked up in `$PG_BINDIR`, then `pg_config --bindir`, then
+//! the newest `/usr/lib/postgresql/*/bin`, then `$PATH`. PostgreSQL refuses
+//! to run as root; when run as root the server runs as the `postgres` user
+//! (or `nobody`).
+
+use std::ffi::CString;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+
+use crate::error::{Error, Result};
+
+/// A running throwaway server; stopped and deleted on drop.
+#[derive(Debug)]
+pub struct TempServer {
+    dir: tempfile::TempDir,
+    bindir: PathBuf,
+    port: u16,
+    run_as: Option<(u32, u32)>,
+    running: bool,
+}
+
+fn err(msg: impl Into<String>) -> Error {
+    Error::TempServer(msg.into())
+}
+
+fn has_server_binaries(dir: &Path) -> bool {
+    ["initdb", "pg_ctl", "postgres"].iter().all(|b| dir.join(b).is_file())
+}
+
+/// Find the directory holding `initdb`, `pg_ctl` and `postgres`.
+///
+/// # Errors
+/// [`Error::TempServer`] saying how to install them when none is found.
+pub fn find_bindir() -> Result<PathBuf> {
+    if let Some(d) = std::env::var_os("PG_BINDIR").map(PathBuf::from) {
+        if has_server_binaries(&d) {
+            return Ok(d);
+        }
+    }
+    if let Ok(out) = Command::new("pg_config").arg("--bindir").stderr(Stdio::null()).output() {
+        let d = PathBuf::from(String::from_utf8_lossy(&out.stdout).trim());
+        if out.status.success() && has_server_binaries(&d) {
+            return Ok(d);
+        }
+    }
+    if let Ok(entries) = std::fs::read_dir("/usr/lib/postgresql") {
+        let mut versions: Vec<(u32, PathBuf)> = entries
+            .filter_map(|e| e.ok())
+            .filter_map(|e| {
+                let v = e.file_name().to_string_lossy().parse::<u32>().ok()?;
+                Some((v, e.path().join("bin")))
+            })
+            .filter(|(_, p)| has_server_binaries(p))
+            .collect();
+        versions.sort();
+        if let Some((_, p)) = versions.pop() {
+            return Ok(p);
+        }
+    }
+    if let Some(path) = std::env::var_os("PATH") {
+        for d in std::env::split_paths(&path) {
+            if has_server_binaries(&d) {
+                return Ok(d);
+            }
+        }
+    }
+    Err(err(
+        "PostgreSQL server binaries (initdb, pg_ctl, postgres) not found; install them \
+         (Debian/Ubuntu: apt-get install postgresql; macOS: brew install postgresql) \
+         or set PG_BINDIR, or point DATABASE_URL at a running server",
+    ))
+}
+
+/// uid/gid of a user, via getpwnam(3).
+fn lookup_user(name: &str) -> Option<(u32, u32)> {
+    let c = CString::new(name).ok()?;
+    // SAFETY: getpwnam returns a pointer to static storage or NULL; we read
+    // two integers from it immediately and keep no reference.
+    unsafe {
+        let pw = libc::getpwnam(c.as_ptr());
+        if pw.is_null() { None } else { Some(((*pw).pw_uid, (*pw).pw_gid)) }
+    }
+}
+
+fn free_port() -> Result<u16> {
+    let l = std::net::TcpListener::bind("127.0.0.1:0")?;
+    Ok(l.local_addr()?.port())
+}
+
+impl TempServer {
+    /// Create a cluster in a new temporary directory and start it. Blocks
+    /// for the second or two that `initdb` and start take.
+    ///
+    /// # Errors
+    /// [`Error::TempServer`] if the binaries are missing or `initdb`/`pg_ctl`
+    /// fail (the message carries their output).
+    pub fn start() -> Result<Self> {
+        let bindir = find_bindir()?;
+        // SAFETY: geteuid has no preconditions.
+        let is_root = unsafe { libc::geteuid() } == 0;
+        let run_as = if is_root {
+            Some(lookup_user("postgres").or_else(|| lookup_user("nobody")).ok_or_else(|| {
+                err("running as root and neither a `postgres` nor a `nobody` user exists to run the server")
+            })?)
+        } else {
+            None
+        };
+        let dir = tempfile::Builder::new().prefix("pg-outbox-pg.").tempdir()?;
+        if let Some((uid, gid)) = run_as {
+            std::os::unix::fs::chown(dir.path(), Some(uid), Some(gid))?;
+        }
+        let mut server = TempServer { dir, bindir, port: 0, run_as, running: false };
+        let data = server.data_dir();
+        server.run(
+            "initdb",
+            &[
+                "-D".as_ref(),
+                data.as_os_str(),
+                "-U".as_ref(),
+                "postgres".as_ref(),
+                "-A".as_ref(),
+                "trust".as_ref(),
+                "-E".as_ref(),
+                "UTF8".as_ref(),
+                "--no-sync".as_ref(),
+            ],
+        )?;
+        let mut last = None;
+        for _ in 0..3 {
+            server.port = free_port()?;
+            match server.pg_ctl_start() {
+                Ok(()) => {
+                    server.running = true;
+                    return Ok(server);
+                }
+                Err(e) => last = Some(e),
+            }
+        }
+        Err(last.unwrap_or_else(|| err("could not start")))
+    }
+
+    fn data_dir(&self) -> PathBuf {
+        self.dir.path().join("data")
+    }
+
+    fn run(&self, bin: &str, args: &[&std::ffi::OsStr]) -> Result<()> {
+        let mut cmd = Command::new(self.bindir.join(bin));
+        cmd.args(args).stdin(Stdio::null()).current_dir(self.dir.path());
+        if let Some((uid, gid)) = self.run_as {
+            use std::os::unix::process::CommandExt;
+            cmd.uid(uid).gid(gid);
+        }
+        let out = cmd.output().map_err(|e| err(format!("cannot run {bin}: {e}")))?;
+        if !out.status.success() {
+            let log = std::fs::read_to_string(self.dir.path().join("server.log")).unwrap_or_default();
+            let tail: String = log.lines().rev().take(5).collect::<Vec<_>>().into_iter().rev().collect::<Vec<_>>().join(" | ");
+            return Err(err(format!(
+                "{bin} failed ({}): {} {} {}",
+                out.status,
+                String::from_utf8_lossy(&out.stderr).trim(),
+                String::from_utf8_lossy(&out.stdout).trim(),
+                tail
+            )));
+        }
+        Ok(())
+    }
+
+    fn pg_ctl_start(&self) -> Result<()> {
+        let data = self.data_dir();
+        let log = self.dir.path().join("server.log");
+        let opts = format!(
+            "-p {} -k {} -c listen_addresses=127.0.0.1 -c fsync=off -c max_connections=300",
+            self.port,
+            self.dir.path().display()
+        );
+        self.run(
+            "pg_ctl",
+            &["-D".as_ref(), data.as_os_str(), "-l".as_ref(), log.as_os_str(), "-w".as_ref(), "-o".as_ref(), opts.as_ref(), "start".as_ref()],
+        )
+    }
+
+    /// TCP port on 127.0.0.1.
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
+    /// URL of the `postgres` database as the `postgres` superuser.
+    pub fn url(&self) -> String {
+        self.url_for("postgres")
+    }
+
+    /// URL of database `db` as the `postgres` superuser.
+    pub fn url_for(&self, db: &str) -> String {
+        format!("postgres://postgres@127.0.0.1:{}/{}", self.port, db)
+    }
+
+    /// Restart the server (`pg_ctl restart -m fast`): every connection is
+    /// closed, then the server accepts connections again on the same port.
+    ///
+    /// # Errors
+    /// [`Error::TempServer`] if `pg_ctl` fails.
+    pub fn restart(&self) -> Result<()> {
+        let data = self.data_dir();
+        self.run("pg_ctl", &["-D".as_ref(), data.as_os_str(), "-m".as_ref(), "fast".as_ref(), "-w".as_ref(), "stop".as_ref()])?;
+        self.pg_ctl_start()
+    }
+
+    /// Stop the server now (`pg_ctl stop -m immediate`). Idempotent; also
+    /// done on drop.
+    ///
+    /// # Errors
+    /// [`Error::TempServer`] if `pg_ctl` fails.
+    pub fn stop(&mut self) -> Result<()> {
+        if !self.running {
+            return Ok(());
+        }
+        self.running = false;
+        let data = self.data_dir();
+        self.run("pg_ctl", &["-D".as_ref(), data.as_os_str(), "-m".as_ref(), "immediate".as_ref(), "-w".as_ref(), "stop".as_ref()])
+    }
+}
+
+impl Drop for TempServer {
+    fn drop(&mut self) {
+        if let Err(e) = self.stop() {
+            eprintln!("pg-outbox: could not stop the throwaway PostgreSQL server: {}", crate::error::report(&e));
+        }
+    }
+}
