@@ -1,0 +1,238 @@
+//! `pg-outbox demo`: the seed's flow end to end on a throwaway server.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use pg_outbox::relay::{Sink, SinkFuture, StdoutSink};
+use pg_outbox::temp_server::TempServer;
+use pg_outbox::{Consumer, Envelope, Error, Event, Metadata, NewEvent, Publisher};
+
+#[derive(clap::Args, Debug)]
+pub(crate) struct DemoArgs {
+    /// Events to produce in all.
+    #[arg(long, default_value_t = 1000)]
+    events: usize,
+    /// Concurrent producer connections.
+    #[arg(long, default_value_t = 4)]
+    producers: usize,
+    /// Subscriptions (aggregates) the producers update.
+    #[arg(long, default_value_t = 20)]
+    subscriptions: usize,
+    /// One producer transaction in this many is rolled back (its event must
+    /// never be delivered); 0 for none.
+    #[arg(long, default_value_t = 10)]
+    rollback_every: usize,
+}
+
+#[derive(Default)]
+struct Seen {
+    delivered_at: HashMap<i64, Instant>,
+    per_aggregate_last: HashMap<uuid::Uuid, i64>,
+    order_violations: u64,
+    duplicates: u64,
+}
+
+/// Stdout, plus bookkeeping for the summary.
+struct DemoSink {
+    inner: StdoutSink,
+    seen: Arc<Mutex<Seen>>,
+}
+
+impl Sink for DemoSink {
+    fn deliver<'a>(&'a self, event: &'a Event) -> SinkFuture<'a> {
+        Box::pin(async move {
+            self.inner.deliver(event).await?;
+            let now = Instant::now();
+            let mut s = self.seen.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            if s.delivered_at.insert(event.id, now).is_some() {
+                s.duplicates += 1;
+            }
+            let last = s.per_aggregate_last.insert(event.aggregate_id, event.id);
+            if last.is_some_and(|l| l > event.id) {
+                s.order_violations += 1;
+            }
+            Ok(())
+        })
+    }
+}
+
+const SCHEMA: &str = "CREATE SCHEMA IF NOT EXISTS billing; \
+    CREATE TABLE IF NOT EXISTS billing.subscriptions ( \
+      id UUID PRIMARY KEY, status TEXT NOT NULL DEFAULT 'active', \
+      payments INTEGER NOT NULL DEFAULT 0, updated_at TIMESTAMPTZ NOT NULL DEFAULT now())";
+
+pub(crate) async fn run(database_url: Option<String>, args: DemoArgs) -> Result<(), Error> {
+    if args.producers == 0 || args.subscriptions == 0 {
+        return Err(Error::Config("--producers and --subscriptions must be at least 1".into()));
+    }
+    let (server, url) = match database_url {
+        Some(url) => {
+            eprintln!("demo: using DATABASE_URL (creates schema billing and migrates events.outbox there)");
+            (None, url)
+        }
+        None => {
+            eprintln!("demo: starting a throwaway PostgreSQL from the local binaries ...");
+            let server = tokio::task::spawn_blocking(TempServer::start)
+                .await
+                .map_err(|e| Error::TempServer(e.to_string()))??;
+            let url = server.url();
+            eprintln!("demo: PostgreSQL running at 127.0.0.1:{}", server.port());
+            (Some(server), url)
+        }
+    };
+    let result = run_on(&url, &args).await;
+    drop(server); // stops and deletes the throwaway server
+    result
+}
+
+async fn run_on(url: &str, args: &DemoArgs) -> Result<(), Error> {
+    let metrics = crate::install_metrics(None)?;
+    let admin = crate::connect(url).await?;
+    let report = pg_outbox::migrate::apply(&admin).await?;
+    eprintln!("demo: migrated ({} files applied)", report.applied.len());
+    admin.batch_execute(SCHEMA).await?;
+    let subs: Vec<uuid::Uuid> = (0..args.subscriptions).map(|_| uuid::Uuid::new_v4()).collect();
+    admin.execute("INSERT INTO billing.subscriptions (id) SELECT unnest($1::uuid[]) ON CONFLICT DO NOTHING", &[&subs]).await?;
+    let start_id: i64 = admin.query_one("SELECT coalesce(max(id), 0) FROM events.outbox", &[]).await?.try_get(0)?;
+
+    let pg = pg_outbox::parse_url(url)?;
+    let stream = Consumer::builder(pg).start().await?;
+    let seen = Arc::new(Mutex::new(Seen::default()));
+    let sink = DemoSink { inner: StdoutSink::new(), seen: seen.clone() };
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let relay = tokio::spawn(async move {
+        let stop = async {
+            let _ = stop_rx.await;
+        };
+        pg_outbox::relay::run(stream, &sink, stop).await
+    });
+
+    eprintln!(
+        "demo: {} producers write {} events for {} subscriptions (1 in {} rolled back) ...",
+        args.producers, args.events, args.subscriptions, args.rollback_every
+    );
+    let started = Instant::now();
+    let committed: Arc<Mutex<HashMap<i64, Instant>>> = Arc::default();
+    let mut producers = Vec::new();
+    for p in 0..args.producers {
+        let url = url.to_string();
+        let subs = subs.clone();
+        let committed = committed.clone();
+        let n = args.events / args.producers + usize::from(p < args.events % args.producers);
+        let rollback_every = args.rollback_every;
+        producers.push(tokio::spawn(async move { produce(&url, p, n, &subs, rollback_every, &committed).await }));
+    }
+    let mut rolled_back = 0u64;
+    for p in producers {
+        rolled_back += p.await.map_err(|e| Error::Config(format!("producer panicked: {e}")))??;
+    }
+    let produced = committed.lock().unwrap_or_else(std::sync::PoisonError::into_inner).len();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let delivered = seen.lock().unwrap_or_else(std::sync::PoisonError::into_inner).delivered_at.len();
+        if delivered >= produced || Instant::now() > deadline {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let elapsed = started.elapsed();
+    let _ = stop_tx.send(());
+    relay.await.map_err(|e| Error::Config(format!("relay panicked: {e}")))??;
+
+    let unpublished: i64 = admin
+        .query_one("SELECT count(*) FROM events.outbox WHERE id > $1 AND published_at IS NULL", &[&start_id])
+        .await?
+        .try_get(0)?;
+    let committed = committed.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+    let seen = seen.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+    let mut hist = hdrhistogram::Histogram::<u64>::new_with_bounds(1, 60_000_000, 3)
+        .map_err(|e| Error::Config(format!("histogram: {e}")))?;
+    let mut lost = 0u64;
+    for (id, c) in committed.iter() {
+        match seen.delivered_at.get(id) {
+            Some(d) => {
+                let us = d.saturating_duration_since(*c).as_micros().max(1);
+                let _ = hist.record(u64::try_from(us).unwrap_or(u64::MAX));
+            }
+            None => lost += 1,
+        }
+    }
+    let stray = seen.delivered_at.keys().filter(|id| !committed.contains_key(id)).count();
+    let ms = |q: f64| hist.value_at_quantile(q) as f64 / 1000.0;
+    eprintln!();
+    eprintln!("demo summary");
+    eprintln!("  events committed        {produced}");
+    eprintln!("  transactions rolled back {rolled_back} (their events must not appear)");
+    eprintln!("  events delivered        {}", seen.delivered_at.len());
+    eprintln!("  lost                    {lost}");
+    eprintln!("  delivered but not committed {stray}");
+    eprintln!("  duplicates              {}", seen.duplicates);
+    eprintln!("  per-aggregate order violations {}", seen.order_violations);
+    eprintln!("  still unpublished       {unpublished}");
+    eprintln!("  wall time               {:.2} s ({:.0} events/s)", elapsed.as_secs_f64(), produced as f64 / elapsed.as_secs_f64());
+    eprintln!(
+        "  commit-to-delivery lag  p50 {:.2} ms  p90 {:.2} ms  p99 {:.2} ms  max {:.2} ms",
+        ms(0.5),
+        ms(0.9),
+        ms(0.99),
+        hist.max() as f64 / 1000.0
+    );
+    eprintln!("  metrics (Prometheus text, selected):");
+    for line in metrics.render().lines() {
+        if !line.starts_with('#')
+            && (line.starts_with("outbox_events_") || line.starts_with("outbox_notifications") || line.starts_with("outbox_sweeps") || line.starts_with("outbox_delivery_lag_seconds_count") || line.starts_with("outbox_delivery_lag_seconds_sum"))
+        {
+            eprintln!("    {line}");
+        }
+    }
+    if lost > 0 || stray > 0 || seen.order_violations > 0 || unpublished > 0 {
+        return Err(Error::Config(format!(
+            "demo found a problem: {lost} lost, {stray} delivered without commit, {} order violations, {unpublished} unpublished",
+            seen.order_violations
+        )));
+    }
+    Ok(())
+}
+
+/// One producer: the seed's publisher flow, in the same transaction as the
+/// domain update. Returns how many transactions it rolled back.
+async fn produce(
+    url: &str,
+    p: usize,
+    n: usize,
+    subs: &[uuid::Uuid],
+    rollback_every: usize,
+    committed: &Mutex<HashMap<i64, Instant>>,
+) -> Result<u64, Error> {
+    let mut client = crate::connect(url).await?;
+    let publisher = Publisher::new();
+    let mut rolled_back = 0;
+    for i in 0..n {
+        let sub = subs[(p * 7919 + i * 31) % subs.len()];
+        let tx = client.transaction().await?;
+        let row = tx
+            .query_one(
+                "UPDATE billing.subscriptions SET payments = payments + 1, updated_at = now() WHERE id = $1 RETURNING payments",
+                &[&sub],
+            )
+            .await?;
+        let payments: i32 = row.try_get(0)?;
+        let envelope = Envelope::new(1, serde_json::json!({"subscription_id": sub, "amount": 990, "currency": "EUR", "payment_no": payments}))
+            .with_metadata(Metadata::new().correlation_id(format!("demo-{p}-{i}")));
+        let id = publisher
+            .publish(&tx, &NewEvent::with_envelope("subscription", sub, "PaymentSucceeded", &envelope)?)
+            .await?;
+        if rollback_every > 0 && (i + 1) % rollback_every == 0 {
+            tx.rollback().await?;
+            rolled_back += 1;
+        } else {
+            tx.commit().await?;
+            committed.lock().unwrap_or_else(std::sync::PoisonError::into_inner).insert(id, Instant::now());
+        }
+        if i % 8 == 7 {
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+    }
+    Ok(rolled_back)
+}

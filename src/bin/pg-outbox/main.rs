@@ -1,0 +1,309 @@
+//! `pg-outbox`: migrate, relay, publish, status and demo for the
+//! PostgreSQL transactional outbox `events.outbox`.
+
+use std::net::SocketAddr;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use clap::{Parser, Subcommand};
+use pg_outbox::relay::{self, Sink, StdoutSink, WebhookSink};
+use pg_outbox::{Consumer, Error, NewEvent, Publisher, RetryPolicy};
+
+mod demo;
+
+#[derive(Parser, Debug)]
+#[command(name = "pg-outbox", version, about = "Stream a PostgreSQL transactional outbox (events.outbox) with low latency.")]
+#[command(after_help = "Logs go to stderr (set RUST_LOG, e.g. RUST_LOG=debug); data goes to stdout.")]
+struct Cli {
+    /// PostgreSQL URL, e.g. postgres://user@localhost:5432/app (libpq
+    /// key=value strings work too).
+    #[arg(long, env = "DATABASE_URL", global = true, hide_env_values = true)]
+    database_url: Option<String>,
+
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Create or update the outbox schema (idempotent; safe to run twice).
+    Migrate,
+    /// Deliver outbox events to a sink until SIGINT/SIGTERM.
+    Relay(RelayArgs),
+    /// Insert one event and print its id.
+    Publish(PublishArgs),
+    /// Show backlog, retries and dead letters.
+    Status(StatusArgs),
+    /// Run a self-contained demo: throwaway PostgreSQL, concurrent producers,
+    /// relay to stdout, summary with delivery lag.
+    Demo(demo::DemoArgs),
+}
+
+#[derive(clap::Args, Debug)]
+struct RelayArgs {
+    /// Where events go: `stdout` (one JSON object per line) or an http(s)
+    /// URL (a webhook: one POST per event, 2xx acknowledges).
+    #[arg(long, default_value = "stdout")]
+    sink: String,
+    /// Serve Prometheus metrics at http://HOST:PORT/metrics.
+    #[arg(long, value_name = "HOST:PORT")]
+    metrics_addr: Option<SocketAddr>,
+    /// Rows fetched per query.
+    #[arg(long, default_value_t = pg_outbox::DEFAULT_BATCH_SIZE)]
+    batch_size: usize,
+    /// Fallback sweep interval (e.g. 200ms, 1s, 5m).
+    #[arg(long, value_parser = parse_duration, default_value = "1s")]
+    sweep_interval: Duration,
+    /// Retry delays after each failure, comma separated (e.g. 1m,5m,15m,1h);
+    /// the last step repeats. Default: 1m,5m,15m,1h then doubling, capped at 24h.
+    #[arg(long, value_parser = parse_schedule)]
+    retry_schedule: Option<RetryPolicy>,
+    /// Failures after which an event is a dead letter.
+    #[arg(long, default_value_t = pg_outbox::DEFAULT_MAX_RETRIES)]
+    max_retries: i32,
+    /// Webhook request timeout.
+    #[arg(long, value_parser = parse_duration, default_value = "10s")]
+    webhook_timeout: Duration,
+    /// On SIGINT/SIGTERM, how long to wait for the event in hand.
+    #[arg(long, value_parser = parse_duration, default_value = "30s")]
+    shutdown_grace: Duration,
+}
+
+#[derive(clap::Args, Debug)]
+struct PublishArgs {
+    /// Kind of aggregate, e.g. subscription.
+    #[arg(long)]
+    aggregate_type: String,
+    /// Aggregate id (a UUID).
+    #[arg(long, value_parser = parse_uuid)]
+    aggregate_id: uuid::Uuid,
+    /// Event name, e.g. PaymentSucceeded.
+    #[arg(long)]
+    event_type: String,
+    /// JSON payload, e.g. '{"version":1,"data":{"amount":990}}'.
+    #[arg(long)]
+    payload: String,
+}
+
+#[derive(clap::Args, Debug)]
+struct StatusArgs {
+    /// Print JSON instead of a table.
+    #[arg(long)]
+    json: bool,
+    /// Dead-letter threshold the relay uses.
+    #[arg(long, default_value_t = pg_outbox::DEFAULT_MAX_RETRIES)]
+    max_retries: i32,
+}
+
+fn parse_duration(s: &str) -> Result<Duration, String> {
+    let d = humantime::parse_duration(s.trim())
+        .map_err(|e| format!("invalid duration '{s}': {e} (write e.g. 200ms, 1s, 5m, 1h)"))?;
+    if d.is_zero() {
+        return Err(format!("invalid duration '{s}': must be longer than zero"));
+    }
+    Ok(d)
+}
+
+fn parse_schedule(s: &str) -> Result<RetryPolicy, String> {
+    let steps = s.split(',').map(parse_duration).collect::<Result<Vec<_>, _>>()?;
+    RetryPolicy::schedule(steps).map_err(|e| e.to_string())
+}
+
+fn parse_uuid(s: &str) -> Result<uuid::Uuid, String> {
+    uuid::Uuid::parse_str(s.trim()).map_err(|e| format!("'{s}' is not a valid UUID: {e}"))
+}
+
+fn database_url(cli: &Option<String>) -> Result<String, Error> {
+    cli.clone()
+        .filter(|s| !s.trim().is_empty())
+        .ok_or_else(|| Error::Config("no database given: set DATABASE_URL or pass --database-url".into()))
+}
+
+async fn connect(url: &str) -> Result<tokio_postgres::Client, Error> {
+    let cfg = pg_outbox::parse_url(url)?;
+    let target = pg_outbox::describe_target(&cfg);
+    let mut cfg = cfg;
+    if cfg.get_connect_timeout().is_none() {
+        cfg.connect_timeout(pg_outbox::DEFAULT_CONNECT_TIMEOUT);
+    }
+    if cfg.get_application_name().is_none() {
+        cfg.application_name("pg-outbox cli");
+    }
+    let (client, conn) = cfg.connect(tokio_postgres::NoTls).await.map_err(|source| Error::Connect { target, source })?;
+    tokio::spawn(async move {
+        let _ = conn.await;
+    });
+    Ok(client)
+}
+
+async fn shutdown_signal() {
+    let ctrl_c = tokio::signal::ctrl_c();
+    #[cfg(unix)]
+    {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut term) => {
+                tokio::select! {
+                    _ = ctrl_c => {}
+                    _ = term.recv() => {}
+                }
+            }
+            Err(_) => {
+                let _ = ctrl_c.await;
+            }
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = ctrl_c.await;
+    }
+}
+
+/// Install the Prometheus recorder; serve it on `addr` when given.
+pub(crate) fn install_metrics(addr: Option<SocketAddr>) -> Result<metrics_exporter_prometheus::PrometheusHandle, Error> {
+    use metrics_exporter_prometheus::{Matcher, PrometheusBuilder};
+    let buckets = [
+        0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0, 3600.0,
+    ];
+    let builder = PrometheusBuilder::new()
+        .set_buckets_for_metric(Matcher::Full(pg_outbox::metrics::DELIVERY_LAG.into()), &buckets)
+        .and_then(|b| b.set_buckets_for_metric(Matcher::Full(pg_outbox::metrics::SINK_DURATION.into()), &buckets))
+        .map_err(|e| Error::Config(format!("metrics: {e}")))?;
+    let handle = match addr {
+        Some(addr) => {
+            let (recorder, exporter) = builder
+                .with_http_listener(addr)
+                .build()
+                .map_err(|e| Error::Config(format!("cannot serve metrics on {addr}: {e}")))?;
+            let handle = recorder.handle();
+            metrics::set_global_recorder(recorder).map_err(|e| Error::Config(format!("metrics: {e}")))?;
+            tokio::spawn(async move {
+                if let Err(e) = exporter.await {
+                    tracing::error!(error = ?e, "metrics endpoint stopped");
+                }
+            });
+            handle
+        }
+        None => builder.install_recorder().map_err(|e| Error::Config(format!("metrics: {e}")))?,
+    };
+    pg_outbox::metrics::describe();
+    Ok(handle)
+}
+
+async fn relay_cmd(url: &str, args: RelayArgs) -> Result<(), Error> {
+    let sink: Box<dyn Sink> = if args.sink == "stdout" {
+        Box::new(StdoutSink::new())
+    } else if args.sink.starts_with("http://") || args.sink.starts_with("https://") {
+        Box::new(WebhookSink::new(&args.sink, args.webhook_timeout)?)
+    } else {
+        return Err(Error::Config(format!(
+            "unsupported sink '{}': expected `stdout` or an http:// or https:// URL",
+            args.sink
+        )));
+    };
+    let pg = pg_outbox::parse_url(url)?;
+    let target = pg_outbox::describe_target(&pg);
+    if let Some(addr) = args.metrics_addr {
+        // Bind check first, so a taken port is a clear error, not a log line.
+        std::net::TcpListener::bind(addr)
+            .map_err(|e| Error::Config(format!("cannot serve metrics on {addr}: {e}")))?;
+    }
+    install_metrics(args.metrics_addr)?;
+    let mut builder = Consumer::builder(pg)
+        .batch_size(args.batch_size)
+        .sweep_interval(args.sweep_interval)
+        .max_retries(args.max_retries)
+        .shutdown_grace(args.shutdown_grace);
+    if let Some(policy) = args.retry_schedule {
+        builder = builder.retry_policy(policy);
+    }
+    let stream = builder.start().await?;
+    let sink_name = if args.sink == "stdout" { "stdout".to_string() } else { format!("webhook {}", args.sink) };
+    match args.metrics_addr {
+        Some(a) => tracing::info!(database = %target, sink = %sink_name, metrics = %format!("http://{a}/metrics"), "relay started; listening on channel {}", pg_outbox::NOTIFY_CHANNEL),
+        None => tracing::info!(database = %target, sink = %sink_name, "relay started; listening on channel {}", pg_outbox::NOTIFY_CHANNEL),
+    }
+    let stats = relay::run(stream, sink.as_ref(), shutdown_signal()).await?;
+    tracing::info!(delivered = stats.delivered, failed = stats.failed, "relay stopped");
+    Ok(())
+}
+
+async fn publish_cmd(url: &str, args: PublishArgs) -> Result<(), Error> {
+    let payload: serde_json::Value = serde_json::from_str(&args.payload)
+        .map_err(|e| Error::InvalidEvent(format!("--payload is not valid JSON: {e}")))?;
+    let event = NewEvent::new(args.aggregate_type, args.aggregate_id, args.event_type, payload);
+    let publisher = Publisher::new();
+    event.validate(pg_outbox::DEFAULT_MAX_PAYLOAD_BYTES)?;
+    let client = connect(url).await?;
+    let id = publisher.publish(&client, &event).await?;
+    println!("{id}");
+    Ok(())
+}
+
+async fn status_cmd(url: &str, args: StatusArgs) -> Result<(), Error> {
+    let client = connect(url).await?;
+    let s = pg_outbox::status(&client, args.max_retries).await.map_err(|e| match e {
+        Error::Db(db) => pg_outbox::error::not_migrated_or(db),
+        other => other,
+    })?;
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&s)?);
+    } else {
+        let age = s.oldest_unpublished_age_seconds.map_or("-".to_string(), |a| format!("{a:.3} s"));
+        println!("unpublished         {}", s.unpublished);
+        println!("due now             {}", s.due_now);
+        println!("waiting for retry   {}", s.waiting_for_retry);
+        println!("dead letters        {}", s.dead_letters);
+        println!("oldest pending age  {age}");
+    }
+    Ok(())
+}
+
+async fn migrate_cmd(url: &str) -> Result<(), Error> {
+    let client = connect(url).await?;
+    let report = pg_outbox::migrate::apply(&client).await?;
+    if report.applied.is_empty() {
+        eprintln!("schema is up to date");
+    } else {
+        for name in &report.applied {
+            eprintln!("applied {name}");
+        }
+    }
+    Ok(())
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    use std::io::IsTerminal;
+    tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal())
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info,tokio_postgres=warn")),
+        )
+        .init();
+    let rt = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("error: cannot start the async runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let result = rt.block_on(async move {
+        match cli.command {
+            Command::Demo(args) => demo::run(cli.database_url.filter(|s| !s.trim().is_empty()), args).await,
+            Command::Migrate => migrate_cmd(&database_url(&cli.database_url)?).await,
+            Command::Relay(args) => relay_cmd(&database_url(&cli.database_url)?, args).await,
+            Command::Publish(args) => publish_cmd(&database_url(&cli.database_url)?, args).await,
+            Command::Status(args) => status_cmd(&database_url(&cli.database_url)?, args).await,
+        }
+    });
+    rt.shutdown_timeout(Duration::from_secs(1));
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {}", pg_outbox::error::report(&e));
+            ExitCode::FAILURE
+        }
+    }
+}
