@@ -148,7 +148,7 @@ mod tests {
     #[test]
     fn default_ladder_matches_seed_then_doubles_to_cap() {
         let p = RetryPolicy::default();
-        let mins = |m| Duration::from_secs(m * 60);
+        let mins = |m: u64| Duration::from_secs(m * 60);
         let got: Vec<_> = (1..=10).map(|n| p.base_delay(n)).collect();
         assert_eq!(
             got,

@@ -1,1 +1,9 @@
+//! Integration tests against a real PostgreSQL (see `support`).
 
+mod auto_traits;
+mod cli;
+mod consumer;
+mod faults;
+mod relay;
+mod schema;
+mod support;

@@ -1,0 +1,242 @@
+//! Test harness: a real PostgreSQL, one database per test.
+//!
+//! Server: `DATABASE_URL` when set; otherwise a server on 127.0.0.1:5432 or
+//! the local socket if one answers; otherwise a throwaway server started from
+//! the local binaries (stopped when the test process exits). Each test gets
+//! its own database (NOTIFY is per database) cloned from a template migrated
+//! once per process, so tests run in parallel. A test's database is dropped
+//! when the test passes and kept (its name printed) when it fails.
+
+#![allow(dead_code)]
+
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{Mutex, OnceLock};
+use std::time::Duration;
+
+use pg_outbox::temp_server::TempServer;
+use tokio_postgres::{Client, NoTls};
+
+static SERVER: OnceLock<Mutex<Option<TempServer>>> = OnceLock::new();
+static SETUP: tokio::sync::OnceCell<Setup> = tokio::sync::OnceCell::const_new();
+static COUNTER: AtomicU32 = AtomicU32::new(0);
+
+#[derive(Debug, Clone)]
+struct Setup {
+    /// Admin URL without a database name part we rely on: we swap dbname.
+    admin: tokio_postgres::Config,
+    template: String,
+}
+
+extern "C" fn cleanup_at_exit() {
+    if let Some(setup) = SETUP.get() {
+        let admin = setup.admin.clone();
+        let template = setup.template.clone();
+        let _ = std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().ok()?;
+            rt.block_on(async move {
+                let (c, conn) = admin.connect(NoTls).await.ok()?;
+                tokio::spawn(conn);
+                c.batch_execute(&format!("DROP DATABASE IF EXISTS {template} WITH (FORCE)")).await.ok()
+            })
+        })
+        .join();
+    }
+    if let Some(m) = SERVER.get() {
+        if let Ok(mut g) = m.lock() {
+            drop(g.take());
+        }
+    }
+}
+
+async fn try_connect(cfg: &tokio_postgres::Config) -> bool {
+    let mut cfg = cfg.clone();
+    cfg.connect_timeout(Duration::from_secs(3));
+    match cfg.connect(NoTls).await {
+        Ok((c, conn)) => {
+            tokio::spawn(conn);
+            c.simple_query("SELECT 1").await.is_ok()
+        }
+        Err(_) => false,
+    }
+}
+
+async fn find_server() -> tokio_postgres::Config {
+    if let Ok(url) = std::env::var("DATABASE_URL") {
+        if !url.trim().is_empty() {
+            return pg_outbox::parse_url(&url).expect("DATABASE_URL does not parse");
+        }
+    }
+    for candidate in ["postgres://postgres@127.0.0.1:5432/postgres", "host=/var/run/postgresql user=postgres dbname=postgres"] {
+        let cfg = pg_outbox::parse_url(candidate).expect("candidate URL");
+        if try_connect(&cfg).await {
+            return cfg;
+        }
+    }
+    let server = tokio::task::spawn_blocking(TempServer::start)
+        .await
+        .expect("join")
+        .unwrap_or_else(|e| panic!("no PostgreSQL to test against: {}", pg_outbox::error::report(&e)));
+    let url = server.url();
+    SERVER.get_or_init(|| Mutex::new(None)).lock().expect("lock").replace(server);
+    pg_outbox::parse_url(&url).expect("temp server URL")
+}
+
+async fn setup() -> &'static Setup {
+    SETUP
+        .get_or_init(|| async {
+            let admin = find_server().await;
+            let template = format!("pgo_it_tmpl_{}", std::process::id());
+            let (c, conn) = admin.connect(NoTls).await.expect("connect admin");
+            tokio::spawn(conn);
+            c.batch_execute(&format!("DROP DATABASE IF EXISTS {template} WITH (FORCE)")).await.expect("drop template");
+            c.batch_execute(&format!("CREATE DATABASE {template}")).await.expect("create template");
+            let mut tcfg = admin.clone();
+            tcfg.dbname(&template);
+            {
+                let (t, tconn) = tcfg.connect(NoTls).await.expect("connect template");
+                let h = tokio::spawn(tconn);
+                pg_outbox::migrate::apply(&t).await.expect("migrate template");
+                drop(t);
+                let _ = h.await;
+            }
+            // SAFETY: registering a plain extern "C" fn with atexit(3).
+            unsafe {
+                libc::atexit(cleanup_at_exit);
+            }
+            Setup { admin, template }
+        })
+        .await
+}
+
+/// A database of its own for one test.
+pub struct TestDb {
+    pub name: String,
+    pub pg: tokio_postgres::Config,
+    admin: tokio_postgres::Config,
+}
+
+impl TestDb {
+    /// Create a migrated database for the test `tag`.
+    pub async fn new(tag: &str) -> TestDb {
+        let s = setup().await;
+        let n = COUNTER.fetch_add(1, Ordering::SeqCst);
+        let clean: String = tag.chars().map(|c| if c.is_ascii_alphanumeric() { c.to_ascii_lowercase() } else { '_' }).collect();
+        let mut name = format!("pgo_it_{}_{}_{}", std::process::id(), n, clean);
+        name.truncate(63);
+        let (c, conn) = s.admin.connect(NoTls).await.expect("connect admin");
+        tokio::spawn(conn);
+        // CREATE DATABASE ... TEMPLATE fails if another session is copying
+        // the template at the same instant; retry briefly.
+        let mut tries = 0;
+        loop {
+            match c.batch_execute(&format!("CREATE DATABASE {name} TEMPLATE {}", s.template)).await {
+                Ok(()) => break,
+                Err(e) if tries < 50 => {
+                    tries += 1;
+                    let _ = e;
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+                Err(e) => panic!("create test database {name}: {e}"),
+            }
+        }
+        let mut pg = s.admin.clone();
+        pg.dbname(&name);
+        TestDb { name, pg, admin: s.admin.clone() }
+    }
+
+    /// A new plain connection to this test's database.
+    pub async fn client(&self) -> Client {
+        let (c, conn) = self.pg.connect(NoTls).await.expect("connect test db");
+        tokio::spawn(conn);
+        c
+    }
+
+    /// This database's URL (for child processes).
+    pub fn url(&self) -> String {
+        let host = match self.pg.get_hosts().first() {
+            Some(tokio_postgres::config::Host::Tcp(h)) => h.clone(),
+            Some(tokio_postgres::config::Host::Unix(p)) => p.display().to_string(),
+            None => "127.0.0.1".into(),
+        };
+        let port = self.pg.get_ports().first().copied().unwrap_or(5432);
+        let user = self.pg.get_user().unwrap_or("postgres");
+        if host.starts_with('/') {
+            format!("host={host} port={port} user={user} dbname={}", self.name)
+        } else {
+            format!("postgres://{user}@{host}:{port}/{}", self.name)
+        }
+    }
+
+    /// Terminate the backends of this database whose application_name is `app`.
+    pub async fn terminate(&self, app: &str) -> i64 {
+        let c = self.client().await;
+        let row = c
+            .query_one(
+                "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity WHERE datname = $1 AND application_name = $2",
+                &[&self.name, &app],
+            )
+            .await
+            .expect("terminate");
+        row.get(0)
+    }
+}
+
+impl Drop for TestDb {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            eprintln!("test failed: keeping database {} for inspection", self.name);
+            return;
+        }
+        let admin = self.admin.clone();
+        let name = self.name.clone();
+        let _ = std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().ok()?;
+            rt.block_on(async move {
+                let (c, conn) = admin.connect(NoTls).await.ok()?;
+                tokio::spawn(conn);
+                c.batch_execute(&format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)")).await.ok()
+            })
+        })
+        .join();
+    }
+}
+
+/// Insert `n` events for `aggregate` as a producer that knows only the seed
+/// would, in one transaction; returns their ids.
+pub async fn insert_seed_events(c: &Client, aggregate: uuid::Uuid, n: i64) -> Vec<i64> {
+    c.query(
+        "INSERT INTO events.outbox (aggregate_type, aggregate_id, event_type, payload) \
+         SELECT 'subscription', $1, 'PaymentSucceeded', jsonb_build_object('version', 1, 'data', jsonb_build_object('n', g)) \
+         FROM generate_series(1, $2) g RETURNING id",
+        &[&aggregate, &n],
+    )
+    .await
+    .expect("insert")
+    .iter()
+    .map(|r| r.get(0))
+    .collect()
+}
+
+/// Wait for a condition, polling every 20 ms, failing after `secs` seconds
+/// (a liveness bound, not a speed assertion).
+pub async fn eventually<F, Fut>(secs: u64, what: &str, mut f: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(secs);
+    loop {
+        if f().await {
+            return;
+        }
+        if tokio::time::Instant::now() > deadline {
+            panic!("timed out after {secs}s waiting for: {what}");
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// Path of the built `pg-outbox` binary.
+pub fn bin() -> &'static str {
+    env!("CARGO_BIN_EXE_pg-outbox")
+}
