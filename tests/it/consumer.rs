@@ -1,1 +1,400 @@
-//! placeholder
+//! The consumer stream: delivery, order, acknowledgement, retries, dead
+//! letters, hold-back, and wake-ups (notification, sweep, reconnect).
+
+use std::collections::{HashMap, HashSet};
+use std::time::Duration;
+
+use futures::StreamExt;
+use pg_outbox::{Consumer, ConsumerBuilder, Delivery, Envelope, EventStream, Metadata, NewEvent, Publisher, RetryPolicy};
+use uuid::Uuid;
+
+use crate::support::{TestDb, eventually, insert_seed_events};
+
+pub(crate) async fn start(db: &TestDb, f: impl FnOnce(ConsumerBuilder) -> ConsumerBuilder) -> EventStream {
+    f(Consumer::builder(db.pg.clone())).start().await.expect("start consumer")
+}
+
+/// The next delivery, failing the test after `secs` (liveness bound).
+pub(crate) async fn next(stream: &mut EventStream, secs: u64) -> Delivery {
+    tokio::time::timeout(Duration::from_secs(secs), stream.next())
+        .await
+        .unwrap_or_else(|_| panic!("no delivery within {secs}s"))
+        .expect("stream ended")
+}
+
+/// Assert that nothing is delivered for `ms` milliseconds.
+async fn assert_quiet(stream: &mut EventStream, ms: u64) {
+    if let Ok(Some(d)) = tokio::time::timeout(Duration::from_millis(ms), stream.next()).await {
+        panic!("unexpected delivery of id {} ({})", d.id, d.event_type);
+    }
+}
+
+fn fast_retries(steps_ms: &[u64]) -> RetryPolicy {
+    RetryPolicy::schedule(steps_ms.iter().map(|m| Duration::from_millis(*m)).collect()).expect("schedule").jitter(0.0)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn published_event_is_delivered_acknowledged_and_marked_published() {
+    let db = TestDb::new("happy_path").await;
+    let mut stream = start(&db, |b| b.sweep_interval(Duration::from_secs(3600))).await;
+    let mut c = db.client().await;
+    let agg = Uuid::new_v4();
+    let tx = c.transaction().await.expect("tx");
+    let env = Envelope::new(1, serde_json::json!({"amount": 990}))
+        .with_metadata(Metadata::new().causation_id("cause-1").correlation_id("req-1"));
+    let id = Publisher::new()
+        .publish(&tx, &NewEvent::with_envelope("subscription", agg, "PaymentSucceeded", &env).expect("envelope"))
+        .await
+        .expect("publish");
+    tx.commit().await.expect("commit");
+
+    // The sweep is an hour away: only the notification can deliver this.
+    let d = next(&mut stream, 10).await;
+    assert_eq!((d.id, d.aggregate_id, d.event_type.as_str(), d.retry_count), (id, agg, "PaymentSucceeded", 0));
+    assert_eq!(d.payload["version"], 1);
+    assert_eq!(d.payload["data"]["amount"], 990);
+    assert_eq!(d.payload["metadata"]["correlation_id"], "req-1");
+    assert_eq!(d.payload["metadata"]["causation_id"], "cause-1");
+    d.ack();
+    eventually(10, "row marked published", || async {
+        c.query_one("SELECT published_at IS NOT NULL FROM events.outbox WHERE id = $1", &[&id]).await.expect("q").get::<_, bool>(0)
+    })
+    .await;
+    stream.finish().await.expect("finish");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn publisher_rejects_bad_events_before_sql_and_batches_return_ids_in_order() {
+    let db = TestDb::new("publisher").await;
+    let c = db.client().await;
+    let p = Publisher::new().max_payload_bytes(1000);
+    let agg = Uuid::new_v4();
+    let bad = [
+        NewEvent::new("", agg, "E", serde_json::json!({})),
+        NewEvent::new("a\0b", agg, "E", serde_json::json!({})),
+        NewEvent::new("a", agg, "", serde_json::json!({})),
+        NewEvent::new("a", agg, "E", serde_json::json!({"s": "x\u{0}y"})),
+        NewEvent::new("a", agg, "E", serde_json::json!({"k\u{0}": 1})),
+        NewEvent::new("a", agg, "E", serde_json::json!({"blob": "y".repeat(2000)})),
+    ];
+    for e in &bad {
+        let err = p.publish(&c, e).await.expect_err("must be refused");
+        assert!(matches!(err, pg_outbox::Error::InvalidEvent(_)), "{err:?}");
+    }
+    let err = p.publish_many(&c, &bad[3..4]).await.expect_err("batch refused");
+    assert!(err.to_string().contains("\\u0000"), "{err}");
+    let n: i64 = c.query_one("SELECT count(*) FROM events.outbox", &[]).await.expect("count").get(0);
+    assert_eq!(n, 0, "nothing inserted for refused events");
+
+    let batch: Vec<NewEvent> =
+        (0..20).map(|i| NewEvent::new("order", Uuid::new_v4(), format!("E{i}"), serde_json::json!({"i": i}))).collect();
+    let ids = p.publish_many(&c, &batch).await.expect("batch");
+    assert_eq!(ids.len(), 20);
+    for (i, id) in ids.iter().enumerate() {
+        let t: String = c.query_one("SELECT event_type FROM events.outbox WHERE id = $1", &[id]).await.expect("row").get(0);
+        assert_eq!(t, format!("E{i}"));
+    }
+    assert!(p.publish_many(&c, &[]).await.expect("empty").is_empty());
+
+    // Rolled back: no rows.
+    let mut c2 = db.client().await;
+    let tx = c2.transaction().await.expect("tx");
+    p.publish(&tx, &NewEvent::new("a", agg, "Gone", serde_json::json!({}))).await.expect("publish");
+    tx.rollback().await.expect("rollback");
+    let n: i64 = c.query_one("SELECT count(*) FROM events.outbox WHERE event_type = 'Gone'", &[]).await.expect("count").get(0);
+    assert_eq!(n, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn backlog_is_drained_in_id_order_across_many_batches() {
+    let db = TestDb::new("id_order").await;
+    let c = db.client().await;
+    // Interleave aggregates; 1003 rows with batch size 7 means many fetches.
+    let aggs: Vec<Uuid> = (0..5).map(|_| Uuid::new_v4()).collect();
+    c.execute(
+        "INSERT INTO events.outbox (aggregate_type, aggregate_id, event_type, payload) \
+         SELECT 'acct', ($1::uuid[])[1 + g % 5], 'E', jsonb_build_object('g', g) FROM generate_series(1, 1003) g",
+        &[&aggs],
+    )
+    .await
+    .expect("load");
+    let mut stream = start(&db, |b| b.batch_size(7)).await;
+    let mut got = Vec::new();
+    while got.len() < 1003 {
+        let d = next(&mut stream, 20).await;
+        got.push(d.id);
+        d.ack();
+    }
+    let mut sorted = got.clone();
+    sorted.sort_unstable();
+    assert_eq!(got, sorted, "ids must arrive in ascending order");
+    assert_eq!(got.iter().collect::<HashSet<_>>().len(), 1003, "no duplicates");
+    stream.finish().await.expect("finish");
+    let left: i64 = c.query_one("SELECT count(*) FROM events.outbox WHERE published_at IS NULL", &[]).await.expect("q").get(0);
+    assert_eq!(left, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_producers_with_rollbacks_deliver_each_committed_event_exactly_once() {
+    let db = TestDb::new("concurrent_producers").await;
+    // As in the seed's flow, each transaction updates its aggregate's domain
+    // row first; that row lock orders the transactions of one aggregate.
+    // (Producers that do not lock the aggregate are a separate guarantee.)
+    let setup = db.client().await;
+    setup.batch_execute("CREATE TABLE accounts (id uuid PRIMARY KEY, n int NOT NULL DEFAULT 0)").await.expect("domain table");
+    let mut stream = start(&db, |b| b.sweep_interval(Duration::from_millis(500))).await;
+    let aggs: Vec<Uuid> = (0..6).map(|_| Uuid::new_v4()).collect();
+    setup.execute("INSERT INTO accounts (id) SELECT unnest($1::uuid[])", &[&aggs]).await.expect("accounts");
+    let mut producers = Vec::new();
+    for p in 0..6u64 {
+        let pg = db.pg.clone();
+        let aggs = aggs.clone();
+        producers.push(tokio::spawn(async move {
+            let (mut c, conn) = pg.connect(tokio_postgres::NoTls).await.expect("connect");
+            tokio::spawn(conn);
+            let publisher = Publisher::new();
+            let mut committed = Vec::new();
+            let mut rolled_back = Vec::new();
+            for i in 0..60u64 {
+                let tx = c.transaction().await.expect("tx");
+                let agg = aggs[((p * 31 + i * 7) % 6) as usize];
+                tx.execute("UPDATE accounts SET n = n + 1 WHERE id = $1", &[&agg]).await.expect("domain update");
+                let id = publisher
+                    .publish(&tx, &NewEvent::new("acct", agg, "Moved", serde_json::json!({"p": p, "i": i})))
+                    .await
+                    .expect("publish");
+                if (p + i) % 5 == 0 {
+                    tx.rollback().await.expect("rollback");
+                    rolled_back.push(id);
+                } else {
+                    tx.commit().await.expect("commit");
+                    committed.push(id);
+                }
+            }
+            (committed, rolled_back)
+        }));
+    }
+    let mut committed = HashSet::new();
+    let mut rolled_back = HashSet::new();
+    for p in producers {
+        let (c, r) = p.await.expect("producer");
+        committed.extend(c);
+        rolled_back.extend(r);
+    }
+    let mut seen: HashMap<i64, u32> = HashMap::new();
+    let mut last_per_agg: HashMap<Uuid, i64> = HashMap::new();
+    while seen.len() < committed.len() {
+        let d = next(&mut stream, 20).await;
+        assert!(!rolled_back.contains(&d.id), "rolled-back event {} delivered", d.id);
+        if let Some(prev) = last_per_agg.insert(d.aggregate_id, d.id) {
+            assert!(prev < d.id, "aggregate order: {prev} then {}", d.id);
+        }
+        *seen.entry(d.id).or_default() += 1;
+        d.ack();
+    }
+    // Nothing more arrives (no duplicates, no rolled-back rows), even across sweeps.
+    assert_quiet(&mut stream, 1200).await;
+    assert!(seen.values().all(|n| *n == 1), "a clean run delivers exactly once");
+    assert_eq!(seen.keys().copied().collect::<HashSet<_>>(), committed);
+    stream.finish().await.expect("finish");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn failed_event_holds_back_its_aggregate_while_others_go_on() {
+    let db = TestDb::new("hold_back").await;
+    let c = db.client().await;
+    let a = Uuid::new_v4();
+    let b = Uuid::new_v4();
+    let a1 = insert_seed_events(&c, a, 1).await[0];
+    let a2 = insert_seed_events(&c, a, 1).await[0];
+    let b1 = insert_seed_events(&c, b, 1).await[0];
+    let mut stream = start(&db, |bld| bld.retry_policy(fast_retries(&[1500]))).await;
+
+    let d = next(&mut stream, 10).await;
+    assert_eq!(d.id, a1);
+    d.fail("downstream said no");
+    // a2 was fetched with a1 but must not be handed out; b1 goes on.
+    let d = next(&mut stream, 10).await;
+    assert_eq!(d.id, b1, "the other aggregate goes on; {a2} must wait behind {a1}");
+    d.ack();
+    assert_quiet(&mut stream, 700).await;
+    let row = c
+        .query_one("SELECT retry_count, last_error, next_retry_at > now() FROM events.outbox WHERE id = $1", &[&a1])
+        .await
+        .expect("row");
+    assert_eq!(row.get::<_, i32>(0), 1);
+    assert_eq!(row.get::<_, String>(1), "downstream said no");
+    assert!(row.get::<_, bool>(2), "waiting for its retry");
+    // The retry timer brings a1 back first, then a2.
+    let d = next(&mut stream, 10).await;
+    assert_eq!((d.id, d.retry_count, d.last_error.as_deref()), (a1, 1, Some("downstream said no")));
+    d.ack();
+    let d = next(&mut stream, 10).await;
+    assert_eq!(d.id, a2);
+    d.ack();
+    stream.finish().await.expect("finish");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tenth_failure_makes_a_dead_letter_that_is_never_fetched_and_holds_back_its_aggregate() {
+    let db = TestDb::new("dead_letter").await;
+    let c = db.client().await;
+    let a = Uuid::new_v4();
+    let first = insert_seed_events(&c, a, 1).await[0];
+    let later = insert_seed_events(&c, a, 1).await[0];
+    let mut stream = start(&db, |b| b.retry_policy(fast_retries(&[20, 40])).sweep_interval(Duration::from_millis(100))).await;
+    for attempt in 0..10 {
+        let d = next(&mut stream, 10).await;
+        assert_eq!((d.id, d.retry_count), (first, attempt), "attempt {attempt}");
+        d.fail(format!("failure {}", attempt + 1));
+    }
+    // Many sweeps pass: neither the dead letter nor the event behind it comes back.
+    assert_quiet(&mut stream, 1500).await;
+    let row = c
+        .query_one(
+            "SELECT retry_count, last_error, next_retry_at = 'infinity', published_at IS NULL FROM events.outbox WHERE id = $1",
+            &[&first],
+        )
+        .await
+        .expect("row");
+    assert_eq!(row.get::<_, i32>(0), 10);
+    assert_eq!(row.get::<_, String>(1), "failure 10");
+    assert!(row.get::<_, bool>(2) && row.get::<_, bool>(3));
+    let s = pg_outbox::status(&c, 10).await.expect("status");
+    assert_eq!((s.dead_letters, s.unpublished, s.due_now), (1, 2, 1));
+    // Another aggregate still flows.
+    let other = insert_seed_events(&c, Uuid::new_v4(), 1).await[0];
+    let d = next(&mut stream, 10).await;
+    assert_eq!(d.id, other);
+    d.ack();
+    let later_published: bool =
+        c.query_one("SELECT published_at IS NOT NULL FROM events.outbox WHERE id = $1", &[&later]).await.expect("q").get(0);
+    assert!(!later_published);
+    stream.finish().await.expect("finish");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn default_ladder_sets_next_retry_at_from_the_database_clock() {
+    let db = TestDb::new("ladder").await;
+    let c = db.client().await;
+    let id = insert_seed_events(&c, Uuid::new_v4(), 1).await[0];
+    // Simulate 4 earlier failures: the 5th waits 2 h (+0-10 % jitter).
+    c.execute("UPDATE events.outbox SET retry_count = 4, next_retry_at = now() - interval '1 second' WHERE id = $1", &[&id])
+        .await
+        .expect("setup");
+    let mut stream = start(&db, |b| b).await;
+    let d = next(&mut stream, 10).await;
+    assert_eq!((d.id, d.retry_count), (id, 4));
+    d.fail("again");
+    eventually(10, "failure written", || async {
+        c.query_one("SELECT retry_count FROM events.outbox WHERE id = $1", &[&id]).await.expect("q").get::<_, i32>(0) == 5
+    })
+    .await;
+    let secs: f64 = c
+        .query_one("SELECT EXTRACT(EPOCH FROM next_retry_at - now())::float8 FROM events.outbox WHERE id = $1", &[&id])
+        .await
+        .expect("q")
+        .get(0);
+    assert!((7200.0 - 30.0..=7920.0).contains(&secs), "5th failure waits 2 h + jitter, got {secs} s");
+    stream.finish().await.expect("finish");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dropped_delivery_is_released_and_delivered_again_first() {
+    let db = TestDb::new("release").await;
+    let c = db.client().await;
+    let a = Uuid::new_v4();
+    let ids = insert_seed_events(&c, a, 3).await;
+    let mut stream = start(&db, |b| b).await;
+    let d = next(&mut stream, 10).await;
+    assert_eq!(d.id, ids[0]);
+    drop(d); // neither ack nor fail
+    let d = next(&mut stream, 10).await;
+    assert_eq!(d.id, ids[0], "released event comes again before later events of its aggregate");
+    assert_eq!(d.retry_count, 0, "a release is not a failure");
+    d.ack();
+    for want in &ids[1..] {
+        let d = next(&mut stream, 10).await;
+        assert_eq!(d.id, *want);
+        d.ack();
+    }
+    stream.finish().await.expect("finish");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sweep_finds_rows_inserted_without_a_notification() {
+    let db = TestDb::new("sweep").await;
+    let c = db.client().await;
+    c.batch_execute("ALTER TABLE events.outbox DISABLE TRIGGER outbox_notify").await.expect("disable trigger");
+    let mut stream = start(&db, |b| b.sweep_interval(Duration::from_millis(300))).await;
+    // Let the first drain pass, then insert silently.
+    assert_quiet(&mut stream, 300).await;
+    let id = insert_seed_events(&c, Uuid::new_v4(), 1).await[0];
+    let d = next(&mut stream, 10).await;
+    assert_eq!(d.id, id);
+    d.ack();
+    stream.finish().await.expect("finish");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn events_committed_while_the_listener_is_down_arrive_after_reconnect_not_at_the_next_sweep() {
+    let db = TestDb::new("listener_down").await;
+    let mut stream = start(&db, |b| b.sweep_interval(Duration::from_secs(3600)).reconnect_max_delay(Duration::from_millis(500))).await;
+    let mut status = stream.listener_status();
+    let c = db.client().await;
+    assert_eq!(db.terminate("pg-outbox listener").await, 1, "one listener backend");
+    // Insert while the listener is gone (its NOTIFY is lost).
+    status.wait_for(|s| !s.listening).await.expect("status");
+    let id = insert_seed_events(&c, Uuid::new_v4(), 1).await[0];
+    // No sweep for an hour: only the reconnect's catch-up can deliver it.
+    let d = next(&mut stream, 15).await;
+    assert_eq!(d.id, id);
+    d.ack();
+    assert!(status.borrow().reconnects >= 1, "reconnect counted");
+    stream.finish().await.expect("finish");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn finish_writes_final_acknowledgements_and_stream_ends_after_shutdown() {
+    let db = TestDb::new("shutdown").await;
+    let c = db.client().await;
+    let ids = insert_seed_events(&c, Uuid::new_v4(), 30).await;
+    let mut stream = start(&db, |b| b.batch_size(10).ack_interval(Duration::from_secs(3600)).ack_batch_size(1000)).await;
+    let handle = stream.shutdown_handle();
+    let mut acked = Vec::new();
+    for _ in 0..5 {
+        let d = next(&mut stream, 10).await;
+        acked.push(d.id);
+        d.ack();
+    }
+    // Acks are pending (flush interval is an hour); shutdown must write them.
+    handle.shutdown();
+    assert!(tokio::time::timeout(Duration::from_secs(5), stream.next()).await.expect("ends").is_none());
+    stream.finish().await.expect("finish");
+    let published: Vec<i64> = c
+        .query("SELECT id FROM events.outbox WHERE published_at IS NOT NULL ORDER BY id", &[])
+        .await
+        .expect("q")
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert_eq!(published, acked, "exactly the acknowledged events are published");
+    assert_eq!(&ids[..5], &acked[..]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn start_fails_clearly_on_an_unmigrated_database_and_bad_settings() {
+    let db = TestDb::new("unmigrated").await;
+    let c = db.client().await;
+    c.batch_execute("DROP SCHEMA events CASCADE").await.expect("drop");
+    let err = Consumer::builder(db.pg.clone()).start().await.expect_err("unmigrated");
+    assert!(matches!(err, pg_outbox::Error::NotMigrated(_)), "{err:?}");
+    assert!(err.to_string().contains("pg-outbox migrate"));
+    let err = Consumer::builder(db.pg.clone()).batch_size(0).start().await.expect_err("bad batch");
+    assert!(matches!(err, pg_outbox::Error::Config(_)));
+    let bad = pg_outbox::parse_url("postgres://postgres:s3cret@127.0.0.1:1/nowhere").expect("url");
+    let err = Consumer::builder(bad).start().await.expect_err("unreachable");
+    let full = pg_outbox::error::report(&err);
+    assert!(full.contains("127.0.0.1:1/nowhere"), "names the target: {full}");
+    assert!(!full.contains("s3cret"), "never shows the password: {full}");
+}

@@ -207,7 +207,7 @@ pub async fn insert_seed_events(c: &Client, aggregate: uuid::Uuid, n: i64) -> Ve
     c.query(
         "INSERT INTO events.outbox (aggregate_type, aggregate_id, event_type, payload) \
          SELECT 'subscription', $1, 'PaymentSucceeded', jsonb_build_object('version', 1, 'data', jsonb_build_object('n', g)) \
-         FROM generate_series(1, $2) g RETURNING id",
+         FROM generate_series(1, $2::bigint) g RETURNING id",
         &[&aggregate, &n],
     )
     .await
