@@ -47,10 +47,8 @@ pub fn describe_target(cfg: &Config) -> String {
 /// notifier itself (see `consumer::notifier`).
 pub(crate) async fn connect(cfg: &Config, application_name: &str) -> Result<(Client, JoinHandle<()>)> {
     let cfg = prepared(cfg, application_name);
-    let (client, connection) = cfg
-        .connect(NoTls)
-        .await
-        .map_err(|source| Error::Connect { target: describe_target(&cfg), source })?;
+    let (client, connection) =
+        cfg.connect(NoTls).await.map_err(|source| Error::Connect { target: describe_target(&cfg), source })?;
     let name = application_name.to_string();
     let handle = tokio::spawn(async move {
         if let Err(e) = connection.await {

@@ -160,11 +160,7 @@ fn find_nul(v: &serde_json::Value, path: &str) -> Option<String> {
         serde_json::Value::String(s) if s.contains('\0') => Some(path.to_string()),
         serde_json::Value::Array(a) => a.iter().enumerate().find_map(|(i, x)| find_nul(x, &format!("{path}[{i}]"))),
         serde_json::Value::Object(m) => m.iter().find_map(|(k, x)| {
-            if k.contains('\0') {
-                Some(format!("{path} (a key)"))
-            } else {
-                find_nul(x, &format!("{path}.{k}"))
-            }
+            if k.contains('\0') { Some(format!("{path} (a key)")) } else { find_nul(x, &format!("{path}.{k}")) }
         }),
         _ => None,
     }

@@ -120,10 +120,8 @@ async fn apply_locked(client: &Client) -> Result<MigrationReport> {
 /// [`Error::NotMigrated`] naming the first missing file (or the missing
 /// table); [`Error::Db`] if the check itself fails.
 pub async fn check(client: &Client) -> Result<()> {
-    let rows = client
-        .query("SELECT name FROM events.outbox_schema_migrations", &[])
-        .await
-        .map_err(map_missing_schema)?;
+    let rows =
+        client.query("SELECT name FROM events.outbox_schema_migrations", &[]).await.map_err(map_missing_schema)?;
     let have: Vec<String> = rows.iter().map(|r| r.try_get(0)).collect::<Result<_, _>>()?;
     for (name, _) in MIGRATIONS.iter().chain(TRIGGERS.iter()) {
         if !have.iter().any(|h| h == name) {
@@ -142,12 +140,8 @@ mod tests {
         for (i, (name, sql)) in MIGRATIONS.iter().enumerate() {
             assert!(name.starts_with(&format!("{:04}_", i + 1)), "{name}");
             if sql.contains("CONCURRENTLY") {
-                let statements = sql
-                    .lines()
-                    .filter(|l| !l.trim_start().starts_with("--"))
-                    .collect::<String>()
-                    .matches(';')
-                    .count();
+                let statements =
+                    sql.lines().filter(|l| !l.trim_start().starts_with("--")).collect::<String>().matches(';').count();
                 assert_eq!(statements, 1, "{name} must hold one statement");
             }
         }

@@ -6,12 +6,8 @@ use crate::error::{Error, Result};
 
 /// The seeded ladder's steps: 1 min, 5 min, 15 min, 1 h
 /// (seed-events-outbox-schema, "MarkRetry").
-pub const DEFAULT_RETRY_STEPS: [Duration; 4] = [
-    Duration::from_secs(60),
-    Duration::from_secs(5 * 60),
-    Duration::from_secs(15 * 60),
-    Duration::from_secs(60 * 60),
-];
+pub const DEFAULT_RETRY_STEPS: [Duration; 4] =
+    [Duration::from_secs(60), Duration::from_secs(5 * 60), Duration::from_secs(15 * 60), Duration::from_secs(60 * 60)];
 
 /// Longest wait of the default ladder: 24 hours.
 pub const DEFAULT_RETRY_CAP: Duration = Duration::from_secs(24 * 60 * 60);
@@ -81,7 +77,12 @@ impl RetryPolicy {
             return Err(Error::Config("retry schedule steps must be longer than zero".into()));
         }
         let cap = steps.iter().copied().max().unwrap_or(DEFAULT_RETRY_CAP);
-        Ok(RetryPolicy { steps, after: AfterLastStep::Repeat, cap: cap.max(DEFAULT_RETRY_CAP), jitter: DEFAULT_RETRY_JITTER })
+        Ok(RetryPolicy {
+            steps,
+            after: AfterLastStep::Repeat,
+            cap: cap.max(DEFAULT_RETRY_CAP),
+            jitter: DEFAULT_RETRY_JITTER,
+        })
     }
 
     /// Set what follows the last step (default for [`RetryPolicy::default`]:
@@ -152,7 +153,18 @@ mod tests {
         let got: Vec<_> = (1..=10).map(|n| p.base_delay(n)).collect();
         assert_eq!(
             got,
-            vec![mins(1), mins(5), mins(15), mins(60), mins(120), mins(240), mins(480), mins(960), mins(1440), mins(1440)]
+            vec![
+                mins(1),
+                mins(5),
+                mins(15),
+                mins(60),
+                mins(120),
+                mins(240),
+                mins(480),
+                mins(960),
+                mins(1440),
+                mins(1440)
+            ]
         );
         assert_eq!(p.base_delay(1000), DEFAULT_RETRY_CAP);
     }

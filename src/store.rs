@@ -139,10 +139,7 @@ pub(crate) async fn insert_events<C: GenericClient + Sync>(client: &C, events: &
     let ids: Vec<uuid::Uuid> = events.iter().map(|e| e.aggregate_id).collect();
     let names: Vec<&str> = events.iter().map(|e| e.event_type.as_str()).collect();
     let payloads: Vec<&serde_json::Value> = events.iter().map(|e| &e.payload).collect();
-    let rows = client
-        .query(INSERT_MANY, &[&types, &ids, &names, &payloads])
-        .await
-        .map_err(map_missing_schema)?;
+    let rows = client.query(INSERT_MANY, &[&types, &ids, &names, &payloads]).await.map_err(map_missing_schema)?;
     let mut out = rows.iter().map(|r| r.try_get::<_, i64>(0)).collect::<Result<Vec<_>, _>>()?;
     // Sequence values are drawn in ORDER BY n order within the statement, so
     // ascending ids are the input order.
@@ -152,12 +149,11 @@ pub(crate) async fn insert_events<C: GenericClient + Sync>(client: &C, events: &
 
 /// Turn "relation events.outbox does not exist" into [`Error::NotMigrated`].
 pub(crate) fn map_missing_schema(e: tokio_postgres::Error) -> Error {
-    if let Some(db) = e.as_db_error() {
-        if *db.code() == tokio_postgres::error::SqlState::UNDEFINED_TABLE
-            || *db.code() == tokio_postgres::error::SqlState::INVALID_SCHEMA_NAME
-        {
-            return Error::NotMigrated(db.message().to_string());
-        }
+    if let Some(db) = e.as_db_error()
+        && (*db.code() == tokio_postgres::error::SqlState::UNDEFINED_TABLE
+            || *db.code() == tokio_postgres::error::SqlState::INVALID_SCHEMA_NAME)
+    {
+        return Error::NotMigrated(db.message().to_string());
     }
     Error::Db(e)
 }
@@ -165,9 +161,5 @@ pub(crate) fn map_missing_schema(e: tokio_postgres::Error) -> Error {
 /// Seconds as a [`Duration`], clamped to zero and to a day (a timer never
 /// needs more: the sweep runs far more often).
 pub(crate) fn secs_to_duration(secs: f64) -> Duration {
-    if !secs.is_finite() || secs <= 0.0 {
-        Duration::ZERO
-    } else {
-        Duration::from_secs_f64(secs.min(86_400.0))
-    }
+    if !secs.is_finite() || secs <= 0.0 { Duration::ZERO } else { Duration::from_secs_f64(secs.min(86_400.0)) }
 }

@@ -40,10 +40,10 @@ fn has_server_binaries(dir: &Path) -> bool {
 /// # Errors
 /// [`Error::TempServer`] saying how to install them when none is found.
 pub fn find_bindir() -> Result<PathBuf> {
-    if let Some(d) = std::env::var_os("PG_BINDIR").map(PathBuf::from) {
-        if has_server_binaries(&d) {
-            return Ok(d);
-        }
+    if let Some(d) = std::env::var_os("PG_BINDIR").map(PathBuf::from)
+        && has_server_binaries(&d)
+    {
+        return Ok(d);
     }
     if let Ok(out) = Command::new("pg_config").arg("--bindir").stderr(Stdio::null()).output() {
         let d = PathBuf::from(String::from_utf8_lossy(&out.stdout).trim());
@@ -72,11 +72,9 @@ pub fn find_bindir() -> Result<PathBuf> {
             }
         }
     }
-    Err(err(
-        "PostgreSQL server binaries (initdb, pg_ctl, postgres) not found; install them \
+    Err(err("PostgreSQL server binaries (initdb, pg_ctl, postgres) not found; install them \
          (Debian/Ubuntu: apt-get install postgresql; macOS: brew install postgresql) \
-         or set PG_BINDIR, or point DATABASE_URL at a running server",
-    ))
+         or set PG_BINDIR, or point DATABASE_URL at a running server"))
 }
 
 /// uid/gid of a user, via getpwnam(3).
@@ -161,7 +159,8 @@ impl TempServer {
         let out = cmd.output().map_err(|e| err(format!("cannot run {bin}: {e}")))?;
         if !out.status.success() {
             let log = std::fs::read_to_string(self.dir.path().join("server.log")).unwrap_or_default();
-            let tail: String = log.lines().rev().take(5).collect::<Vec<_>>().into_iter().rev().collect::<Vec<_>>().join(" | ");
+            let tail: String =
+                log.lines().rev().take(5).collect::<Vec<_>>().into_iter().rev().collect::<Vec<_>>().join(" | ");
             return Err(err(format!(
                 "{bin} failed ({}): {} {} {}",
                 out.status,
@@ -183,7 +182,16 @@ impl TempServer {
         );
         self.run(
             "pg_ctl",
-            &["-D".as_ref(), data.as_os_str(), "-l".as_ref(), log.as_os_str(), "-w".as_ref(), "-o".as_ref(), opts.as_ref(), "start".as_ref()],
+            &[
+                "-D".as_ref(),
+                data.as_os_str(),
+                "-l".as_ref(),
+                log.as_os_str(),
+                "-w".as_ref(),
+                "-o".as_ref(),
+                opts.as_ref(),
+                "start".as_ref(),
+            ],
         )
     }
 
@@ -209,7 +217,10 @@ impl TempServer {
     /// [`Error::TempServer`] if `pg_ctl` fails.
     pub fn restart(&self) -> Result<()> {
         let data = self.data_dir();
-        self.run("pg_ctl", &["-D".as_ref(), data.as_os_str(), "-m".as_ref(), "fast".as_ref(), "-w".as_ref(), "stop".as_ref()])?;
+        self.run(
+            "pg_ctl",
+            &["-D".as_ref(), data.as_os_str(), "-m".as_ref(), "fast".as_ref(), "-w".as_ref(), "stop".as_ref()],
+        )?;
         self.pg_ctl_start()
     }
 
@@ -224,7 +235,10 @@ impl TempServer {
         }
         self.running = false;
         let data = self.data_dir();
-        self.run("pg_ctl", &["-D".as_ref(), data.as_os_str(), "-m".as_ref(), "immediate".as_ref(), "-w".as_ref(), "stop".as_ref()])
+        self.run(
+            "pg_ctl",
+            &["-D".as_ref(), data.as_os_str(), "-m".as_ref(), "immediate".as_ref(), "-w".as_ref(), "stop".as_ref()],
+        )
     }
 }
 

@@ -144,10 +144,10 @@ impl Engine {
                 self.want_fetch = false;
                 tracing::debug!(outstanding = self.outstanding.len(), "drain loop stopping");
             }
-            if let Some(deadline) = stop_deadline {
-                if self.outstanding.is_empty() || Instant::now() >= deadline {
-                    break;
-                }
+            if let Some(deadline) = stop_deadline
+                && (self.outstanding.is_empty() || Instant::now() >= deadline)
+            {
+                break;
             }
             if self.conn.is_some() && self.pending() >= self.cfg.ack_batch_size {
                 self.flush().await;
@@ -366,13 +366,8 @@ impl Engine {
         let Some(conn) = self.conn.as_ref() else { return };
         let acks = std::mem::take(&mut self.acks);
         let fails = std::mem::take(&mut self.fails);
-        let ack_fut = async {
-            if acks.is_empty() {
-                Ok(Vec::new())
-            } else {
-                conn.client.query(&conn.ack, &[&acks]).await
-            }
-        };
+        let ack_fut =
+            async { if acks.is_empty() { Ok(Vec::new()) } else { conn.client.query(&conn.ack, &[&acks]).await } };
         let fail_ids: Vec<i64> = fails.iter().map(|f| f.id).collect();
         let fail_errs: Vec<&str> = fails.iter().map(|f| f.error.as_str()).collect();
         let fail_delays: Vec<f64> = fails.iter().map(|f| f.delay.as_secs_f64()).collect();

@@ -12,9 +12,9 @@ use std::time::Duration;
 
 use futures::Stream;
 use futures::stream::FusedStream;
+use std::future::Future;
 use tokio::sync::{Notify, mpsc, watch};
 use tokio::task::JoinHandle;
-use std::future::Future;
 
 use tokio_util::sync::{CancellationToken, WaitForCancellationFutureOwned};
 use uuid::Uuid;
@@ -253,9 +253,18 @@ impl ConsumerBuilder {
             status_tx,
             cfg.clone(),
         ));
-        let engine = drain::Engine::new(cfg.clone(), (work, work_handle), tx, settle_rx, shared.clone(), wake, token.clone());
+        let engine =
+            drain::Engine::new(cfg.clone(), (work, work_handle), tx, settle_rx, shared.clone(), wake, token.clone());
         let drain = tokio::spawn(engine.run());
-        Ok(EventStream { rx, shared, token: token.clone(), cancelled: Box::pin(token.clone().cancelled_owned()), tasks: Some((drain, notifier)), status: status_rx, done: false })
+        Ok(EventStream {
+            rx,
+            shared,
+            token: token.clone(),
+            cancelled: Box::pin(token.clone().cancelled_owned()),
+            tasks: Some((drain, notifier)),
+            status: status_rx,
+            done: false,
+        })
     }
 }
 

@@ -43,10 +43,8 @@ pub(crate) fn quote_ident(s: &str) -> String {
 /// Connect, start driving the connection, and LISTEN.
 pub(crate) async fn listen(pg: &Config, wake: Arc<Notify>) -> Result<Listening> {
     let cfg = connect::prepared(pg, "pg-outbox listener");
-    let (client, mut connection) = cfg
-        .connect(NoTls)
-        .await
-        .map_err(|source| Error::Connect { target: connect::describe_target(&cfg), source })?;
+    let (client, mut connection) =
+        cfg.connect(NoTls).await.map_err(|source| Error::Connect { target: connect::describe_target(&cfg), source })?;
     let driver = tokio::spawn(async move {
         let mut messages = futures::stream::poll_fn(move |cx| connection.poll_message(cx));
         while let Some(msg) = messages.next().await {

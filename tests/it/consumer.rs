@@ -5,7 +5,9 @@ use std::collections::{HashMap, HashSet};
 use std::time::Duration;
 
 use futures::StreamExt;
-use pg_outbox::{Consumer, ConsumerBuilder, Delivery, Envelope, EventStream, Metadata, NewEvent, Publisher, RetryPolicy};
+use pg_outbox::{
+    Consumer, ConsumerBuilder, Delivery, Envelope, EventStream, Metadata, NewEvent, Publisher, RetryPolicy,
+};
 use uuid::Uuid;
 
 use crate::support::{TestDb, eventually, insert_seed_events};
@@ -57,7 +59,10 @@ async fn published_event_is_delivered_acknowledged_and_marked_published() {
     assert_eq!(d.payload["metadata"]["causation_id"], "cause-1");
     d.ack();
     eventually(10, "row marked published", || async {
-        c.query_one("SELECT published_at IS NOT NULL FROM events.outbox WHERE id = $1", &[&id]).await.expect("q").get::<_, bool>(0)
+        c.query_one("SELECT published_at IS NOT NULL FROM events.outbox WHERE id = $1", &[&id])
+            .await
+            .expect("q")
+            .get::<_, bool>(0)
     })
     .await;
     stream.finish().await.expect("finish");
@@ -91,7 +96,8 @@ async fn publisher_rejects_bad_events_before_sql_and_batches_return_ids_in_order
     let ids = p.publish_many(&c, &batch).await.expect("batch");
     assert_eq!(ids.len(), 20);
     for (i, id) in ids.iter().enumerate() {
-        let t: String = c.query_one("SELECT event_type FROM events.outbox WHERE id = $1", &[id]).await.expect("row").get(0);
+        let t: String =
+            c.query_one("SELECT event_type FROM events.outbox WHERE id = $1", &[id]).await.expect("row").get(0);
         assert_eq!(t, format!("E{i}"));
     }
     assert!(p.publish_many(&c, &[]).await.expect("empty").is_empty());
@@ -101,7 +107,8 @@ async fn publisher_rejects_bad_events_before_sql_and_batches_return_ids_in_order
     let tx = c2.transaction().await.expect("tx");
     p.publish(&tx, &NewEvent::new("a", agg, "Gone", serde_json::json!({}))).await.expect("publish");
     tx.rollback().await.expect("rollback");
-    let n: i64 = c.query_one("SELECT count(*) FROM events.outbox WHERE event_type = 'Gone'", &[]).await.expect("count").get(0);
+    let n: i64 =
+        c.query_one("SELECT count(*) FROM events.outbox WHERE event_type = 'Gone'", &[]).await.expect("count").get(0);
     assert_eq!(n, 0);
 }
 
@@ -130,7 +137,8 @@ async fn backlog_is_drained_in_id_order_across_many_batches() {
     assert_eq!(got, sorted, "ids must arrive in ascending order");
     assert_eq!(got.iter().collect::<HashSet<_>>().len(), 1003, "no duplicates");
     stream.finish().await.expect("finish");
-    let left: i64 = c.query_one("SELECT count(*) FROM events.outbox WHERE published_at IS NULL", &[]).await.expect("q").get(0);
+    let left: i64 =
+        c.query_one("SELECT count(*) FROM events.outbox WHERE published_at IS NULL", &[]).await.expect("q").get(0);
     assert_eq!(left, 0);
 }
 
@@ -141,7 +149,10 @@ async fn concurrent_producers_with_rollbacks_deliver_each_committed_event_exactl
     // row first; that row lock orders the transactions of one aggregate.
     // (Producers that do not lock the aggregate are a separate guarantee.)
     let setup = db.client().await;
-    setup.batch_execute("CREATE TABLE accounts (id uuid PRIMARY KEY, n int NOT NULL DEFAULT 0)").await.expect("domain table");
+    setup
+        .batch_execute("CREATE TABLE accounts (id uuid PRIMARY KEY, n int NOT NULL DEFAULT 0)")
+        .await
+        .expect("domain table");
     let mut stream = start(&db, |b| b.sweep_interval(Duration::from_millis(500))).await;
     let aggs: Vec<Uuid> = (0..6).map(|_| Uuid::new_v4()).collect();
     setup.execute("INSERT INTO accounts (id) SELECT unnest($1::uuid[])", &[&aggs]).await.expect("accounts");
@@ -242,7 +253,8 @@ async fn tenth_failure_makes_a_dead_letter_that_is_never_fetched_and_holds_back_
     let a = Uuid::new_v4();
     let first = insert_seed_events(&c, a, 1).await[0];
     let later = insert_seed_events(&c, a, 1).await[0];
-    let mut stream = start(&db, |b| b.retry_policy(fast_retries(&[20, 40])).sweep_interval(Duration::from_millis(100))).await;
+    let mut stream =
+        start(&db, |b| b.retry_policy(fast_retries(&[20, 40])).sweep_interval(Duration::from_millis(100))).await;
     for attempt in 0..10 {
         let d = next(&mut stream, 10).await;
         assert_eq!((d.id, d.retry_count), (first, attempt), "attempt {attempt}");
@@ -267,8 +279,11 @@ async fn tenth_failure_makes_a_dead_letter_that_is_never_fetched_and_holds_back_
     let d = next(&mut stream, 10).await;
     assert_eq!(d.id, other);
     d.ack();
-    let later_published: bool =
-        c.query_one("SELECT published_at IS NOT NULL FROM events.outbox WHERE id = $1", &[&later]).await.expect("q").get(0);
+    let later_published: bool = c
+        .query_one("SELECT published_at IS NOT NULL FROM events.outbox WHERE id = $1", &[&later])
+        .await
+        .expect("q")
+        .get(0);
     assert!(!later_published);
     stream.finish().await.expect("finish");
 }
@@ -279,15 +294,19 @@ async fn default_ladder_sets_next_retry_at_from_the_database_clock() {
     let c = db.client().await;
     let id = insert_seed_events(&c, Uuid::new_v4(), 1).await[0];
     // Simulate 4 earlier failures: the 5th waits 2 h (+0-10 % jitter).
-    c.execute("UPDATE events.outbox SET retry_count = 4, next_retry_at = now() - interval '1 second' WHERE id = $1", &[&id])
-        .await
-        .expect("setup");
+    c.execute(
+        "UPDATE events.outbox SET retry_count = 4, next_retry_at = now() - interval '1 second' WHERE id = $1",
+        &[&id],
+    )
+    .await
+    .expect("setup");
     let mut stream = start(&db, |b| b).await;
     let d = next(&mut stream, 10).await;
     assert_eq!((d.id, d.retry_count), (id, 4));
     d.fail("again");
     eventually(10, "failure written", || async {
-        c.query_one("SELECT retry_count FROM events.outbox WHERE id = $1", &[&id]).await.expect("q").get::<_, i32>(0) == 5
+        c.query_one("SELECT retry_count FROM events.outbox WHERE id = $1", &[&id]).await.expect("q").get::<_, i32>(0)
+            == 5
     })
     .await;
     let secs: f64 = c
@@ -339,7 +358,9 @@ async fn sweep_finds_rows_inserted_without_a_notification() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn events_committed_while_the_listener_is_down_arrive_after_reconnect_not_at_the_next_sweep() {
     let db = TestDb::new("listener_down").await;
-    let mut stream = start(&db, |b| b.sweep_interval(Duration::from_secs(3600)).reconnect_max_delay(Duration::from_millis(500))).await;
+    let mut stream =
+        start(&db, |b| b.sweep_interval(Duration::from_secs(3600)).reconnect_max_delay(Duration::from_millis(500)))
+            .await;
     let mut status = stream.listener_status();
     let c = db.client().await;
     assert_eq!(db.terminate("pg-outbox listener").await, 1, "one listener backend");
@@ -359,7 +380,8 @@ async fn finish_writes_final_acknowledgements_and_stream_ends_after_shutdown() {
     let db = TestDb::new("shutdown").await;
     let c = db.client().await;
     let ids = insert_seed_events(&c, Uuid::new_v4(), 30).await;
-    let mut stream = start(&db, |b| b.batch_size(10).ack_interval(Duration::from_secs(3600)).ack_batch_size(1000)).await;
+    let mut stream =
+        start(&db, |b| b.batch_size(10).ack_interval(Duration::from_secs(3600)).ack_batch_size(1000)).await;
     let handle = stream.shutdown_handle();
     let mut acked = Vec::new();
     for _ in 0..5 {

@@ -37,7 +37,9 @@ async fn terminating_the_work_connection_loses_nothing() {
     let mut stream = start(&db, |b| b.sweep_interval(Duration::from_millis(200))).await;
     let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
     loop {
-        while let Ok(Some(d)) = tokio::time::timeout(Duration::from_millis(50), futures::StreamExt::next(&mut stream)).await {
+        while let Ok(Some(d)) =
+            tokio::time::timeout(Duration::from_millis(50), futures::StreamExt::next(&mut stream)).await
+        {
             d.ack();
         }
         let left: i64 =

@@ -57,7 +57,13 @@ async fn seeded_columns_defaults_check_and_index_names_are_exact() {
         .iter()
         .map(|r| r.get(0))
         .collect();
-    for seeded in ["outbox_pkey", "outbox_unpublished_idx", "outbox_retry_due_idx", "outbox_aggregate_idx", "outbox_event_type_occurred_idx"] {
+    for seeded in [
+        "outbox_pkey",
+        "outbox_unpublished_idx",
+        "outbox_retry_due_idx",
+        "outbox_aggregate_idx",
+        "outbox_event_type_occurred_idx",
+    ] {
         assert!(indexes.iter().any(|i| i == seeded), "missing {seeded} in {indexes:?}");
     }
     let check: String = c
@@ -90,7 +96,10 @@ async fn migrate_twice_is_a_no_op_and_seed_only_producer_works() {
         .expect("seed insert")
         .get(0);
     let row = c
-        .query_one("SELECT retry_count, published_at IS NULL, next_retry_at IS NULL FROM events.outbox WHERE id = $1", &[&id])
+        .query_one(
+            "SELECT retry_count, published_at IS NULL, next_retry_at IS NULL FROM events.outbox WHERE id = $1",
+            &[&id],
+        )
         .await
         .expect("row");
     assert_eq!((row.get::<_, i32>(0), row.get::<_, bool>(1), row.get::<_, bool>(2)), (0, true, true));
@@ -123,11 +132,18 @@ async fn sql_files_run_with_psql_twice() {
                 .args(["-X", "-q", "-v", "ON_ERROR_STOP=1", "-d", &db.url(), "-f", f])
                 .output()
                 .expect("run psql");
-            assert!(out.status.success(), "round {round}: psql -f {f} failed: {}", String::from_utf8_lossy(&out.stderr));
+            assert!(
+                out.status.success(),
+                "round {round}: psql -f {f} failed: {}",
+                String::from_utf8_lossy(&out.stderr)
+            );
         }
     }
     let n: i64 = c
-        .query_one("SELECT count(*) FROM pg_trigger WHERE tgrelid = 'events.outbox'::regclass AND NOT tgisinternal", &[])
+        .query_one(
+            "SELECT count(*) FROM pg_trigger WHERE tgrelid = 'events.outbox'::regclass AND NOT tgisinternal",
+            &[],
+        )
         .await
         .expect("triggers")
         .get(0);
@@ -139,14 +155,22 @@ async fn invariants_reject_unpublishing_and_lowering_retry_count() {
     let db = TestDb::new("invariants").await;
     let c = db.client().await;
     let id = insert_seed_events(&c, uuid::Uuid::new_v4(), 1).await[0];
-    c.execute("UPDATE events.outbox SET retry_count = 3, published_at = now() WHERE id = $1", &[&id]).await.expect("valid update");
+    c.execute("UPDATE events.outbox SET retry_count = 3, published_at = now() WHERE id = $1", &[&id])
+        .await
+        .expect("valid update");
 
-    let e = c.execute("UPDATE events.outbox SET published_at = NULL WHERE id = $1", &[&id]).await.expect_err("unpublish must fail");
+    let e = c
+        .execute("UPDATE events.outbox SET published_at = NULL WHERE id = $1", &[&id])
+        .await
+        .expect_err("unpublish must fail");
     let db_err = e.as_db_error().expect("db error");
     assert_eq!(db_err.code(), &tokio_postgres::error::SqlState::CHECK_VIOLATION);
     assert!(db_err.message().contains("published_at cannot go back to NULL"), "{}", db_err.message());
 
-    let e = c.execute("UPDATE events.outbox SET retry_count = 2 WHERE id = $1", &[&id]).await.expect_err("lowering must fail");
+    let e = c
+        .execute("UPDATE events.outbox SET retry_count = 2 WHERE id = $1", &[&id])
+        .await
+        .expect_err("lowering must fail");
     assert!(e.as_db_error().expect("db error").message().contains("retry_count cannot decrease"));
 
     let e = c.execute("UPDATE events.outbox SET retry_count = -1 WHERE id = $1", &[&id]).await.expect_err("negative");
@@ -161,7 +185,10 @@ async fn invariants_reject_unpublishing_and_lowering_retry_count() {
         .expect_err("non-JSON payload");
     assert_eq!(e.code(), Some(&tokio_postgres::error::SqlState::INVALID_TEXT_REPRESENTATION));
 
-    let row = c.query_one("SELECT retry_count, published_at IS NOT NULL FROM events.outbox WHERE id = $1", &[&id]).await.expect("row");
+    let row = c
+        .query_one("SELECT retry_count, published_at IS NOT NULL FROM events.outbox WHERE id = $1", &[&id])
+        .await
+        .expect("row");
     assert_eq!((row.get::<_, i32>(0), row.get::<_, bool>(1)), (3, true));
 }
 

@@ -41,10 +41,10 @@ extern "C" fn cleanup_at_exit() {
         })
         .join();
     }
-    if let Some(m) = SERVER.get() {
-        if let Ok(mut g) = m.lock() {
-            drop(g.take());
-        }
+    if let Some(m) = SERVER.get()
+        && let Ok(mut g) = m.lock()
+    {
+        drop(g.take());
     }
 }
 
@@ -61,12 +61,14 @@ async fn try_connect(cfg: &tokio_postgres::Config) -> bool {
 }
 
 async fn find_server() -> tokio_postgres::Config {
-    if let Ok(url) = std::env::var("DATABASE_URL") {
-        if !url.trim().is_empty() {
-            return pg_outbox::parse_url(&url).expect("DATABASE_URL does not parse");
-        }
+    if let Ok(url) = std::env::var("DATABASE_URL")
+        && !url.trim().is_empty()
+    {
+        return pg_outbox::parse_url(&url).expect("DATABASE_URL does not parse");
     }
-    for candidate in ["postgres://postgres@127.0.0.1:5432/postgres", "host=/var/run/postgresql user=postgres dbname=postgres"] {
+    for candidate in
+        ["postgres://postgres@127.0.0.1:5432/postgres", "host=/var/run/postgresql user=postgres dbname=postgres"]
+    {
         let cfg = pg_outbox::parse_url(candidate).expect("candidate URL");
         if try_connect(&cfg).await {
             return cfg;
@@ -120,7 +122,8 @@ impl TestDb {
     pub async fn new(tag: &str) -> TestDb {
         let s = setup().await;
         let n = COUNTER.fetch_add(1, Ordering::SeqCst);
-        let clean: String = tag.chars().map(|c| if c.is_ascii_alphanumeric() { c.to_ascii_lowercase() } else { '_' }).collect();
+        let clean: String =
+            tag.chars().map(|c| if c.is_ascii_alphanumeric() { c.to_ascii_lowercase() } else { '_' }).collect();
         let mut name = format!("pgo_it_{}_{}_{}", std::process::id(), n, clean);
         name.truncate(63);
         let (c, conn) = s.admin.connect(NoTls).await.expect("connect admin");

@@ -93,7 +93,9 @@ async fn run_on(url: &str, args: &DemoArgs) -> Result<(), Error> {
     eprintln!("demo: migrated ({} files applied)", report.applied.len());
     admin.batch_execute(SCHEMA).await?;
     let subs: Vec<uuid::Uuid> = (0..args.subscriptions).map(|_| uuid::Uuid::new_v4()).collect();
-    admin.execute("INSERT INTO billing.subscriptions (id) SELECT unnest($1::uuid[]) ON CONFLICT DO NOTHING", &[&subs]).await?;
+    admin
+        .execute("INSERT INTO billing.subscriptions (id) SELECT unnest($1::uuid[]) ON CONFLICT DO NOTHING", &[&subs])
+        .await?;
     let start_id: i64 = admin.query_one("SELECT coalesce(max(id), 0) FROM events.outbox", &[]).await?.try_get(0)?;
 
     let pg = pg_outbox::parse_url(url)?;
@@ -170,7 +172,11 @@ async fn run_on(url: &str, args: &DemoArgs) -> Result<(), Error> {
     eprintln!("  duplicates              {}", seen.duplicates);
     eprintln!("  per-aggregate order violations {}", seen.order_violations);
     eprintln!("  still unpublished       {unpublished}");
-    eprintln!("  wall time               {:.2} s ({:.0} events/s)", elapsed.as_secs_f64(), produced as f64 / elapsed.as_secs_f64());
+    eprintln!(
+        "  wall time               {:.2} s ({:.0} events/s)",
+        elapsed.as_secs_f64(),
+        produced as f64 / elapsed.as_secs_f64()
+    );
     eprintln!(
         "  commit-to-delivery lag  p50 {:.2} ms  p90 {:.2} ms  p99 {:.2} ms  max {:.2} ms",
         ms(0.5),
@@ -181,7 +187,11 @@ async fn run_on(url: &str, args: &DemoArgs) -> Result<(), Error> {
     eprintln!("  metrics (Prometheus text, selected):");
     for line in metrics.render().lines() {
         if !line.starts_with('#')
-            && (line.starts_with("outbox_events_") || line.starts_with("outbox_notifications") || line.starts_with("outbox_sweeps") || line.starts_with("outbox_delivery_lag_seconds_count") || line.starts_with("outbox_delivery_lag_seconds_sum"))
+            && (line.starts_with("outbox_events_")
+                || line.starts_with("outbox_notifications")
+                || line.starts_with("outbox_sweeps")
+                || line.starts_with("outbox_delivery_lag_seconds_count")
+                || line.starts_with("outbox_delivery_lag_seconds_sum"))
         {
             eprintln!("    {line}");
         }
@@ -218,8 +228,11 @@ async fn produce(
             )
             .await?;
         let payments: i32 = row.try_get(0)?;
-        let envelope = Envelope::new(1, serde_json::json!({"subscription_id": sub, "amount": 990, "currency": "EUR", "payment_no": payments}))
-            .with_metadata(Metadata::new().correlation_id(format!("demo-{p}-{i}")));
+        let envelope = Envelope::new(
+            1,
+            serde_json::json!({"subscription_id": sub, "amount": 990, "currency": "EUR", "payment_no": payments}),
+        )
+        .with_metadata(Metadata::new().correlation_id(format!("demo-{p}-{i}")));
         let id = publisher
             .publish(&tx, &NewEvent::with_envelope("subscription", sub, "PaymentSucceeded", &envelope)?)
             .await?;

@@ -12,7 +12,11 @@ use pg_outbox::{Consumer, Error, NewEvent, Publisher, RetryPolicy};
 mod demo;
 
 #[derive(Parser, Debug)]
-#[command(name = "pg-outbox", version, about = "Stream a PostgreSQL transactional outbox (events.outbox) with low latency.")]
+#[command(
+    name = "pg-outbox",
+    version,
+    about = "Stream a PostgreSQL transactional outbox (events.outbox) with low latency."
+)]
 #[command(after_help = "Logs go to stderr (set RUST_LOG, e.g. RUST_LOG=debug); data goes to stdout.")]
 struct Cli {
     /// PostgreSQL URL, e.g. postgres://user@localhost:5432/app (libpq
@@ -129,7 +133,8 @@ async fn connect(url: &str) -> Result<tokio_postgres::Client, Error> {
     if cfg.get_application_name().is_none() {
         cfg.application_name("pg-outbox cli");
     }
-    let (client, conn) = cfg.connect(tokio_postgres::NoTls).await.map_err(|source| Error::Connect { target, source })?;
+    let (client, conn) =
+        cfg.connect(tokio_postgres::NoTls).await.map_err(|source| Error::Connect { target, source })?;
     tokio::spawn(async move {
         let _ = conn.await;
     });
@@ -159,11 +164,12 @@ async fn shutdown_signal() {
 }
 
 /// Install the Prometheus recorder; serve it on `addr` when given.
-pub(crate) fn install_metrics(addr: Option<SocketAddr>) -> Result<metrics_exporter_prometheus::PrometheusHandle, Error> {
+pub(crate) fn install_metrics(
+    addr: Option<SocketAddr>,
+) -> Result<metrics_exporter_prometheus::PrometheusHandle, Error> {
     use metrics_exporter_prometheus::{Matcher, PrometheusBuilder};
-    let buckets = [
-        0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0, 3600.0,
-    ];
+    let buckets =
+        [0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0, 3600.0];
     let builder = PrometheusBuilder::new()
         .set_buckets_for_metric(Matcher::Full(pg_outbox::metrics::DELIVERY_LAG.into()), &buckets)
         .and_then(|b| b.set_buckets_for_metric(Matcher::Full(pg_outbox::metrics::SINK_DURATION.into()), &buckets))
@@ -204,8 +210,7 @@ async fn relay_cmd(url: &str, args: RelayArgs) -> Result<(), Error> {
     let target = pg_outbox::describe_target(&pg);
     if let Some(addr) = args.metrics_addr {
         // Bind check first, so a taken port is a clear error, not a log line.
-        std::net::TcpListener::bind(addr)
-            .map_err(|e| Error::Config(format!("cannot serve metrics on {addr}: {e}")))?;
+        std::net::TcpListener::bind(addr).map_err(|e| Error::Config(format!("cannot serve metrics on {addr}: {e}")))?;
     }
     install_metrics(args.metrics_addr)?;
     let mut builder = Consumer::builder(pg)
@@ -219,8 +224,12 @@ async fn relay_cmd(url: &str, args: RelayArgs) -> Result<(), Error> {
     let stream = builder.start().await?;
     let sink_name = if args.sink == "stdout" { "stdout".to_string() } else { format!("webhook {}", args.sink) };
     match args.metrics_addr {
-        Some(a) => tracing::info!(database = %target, sink = %sink_name, metrics = %format!("http://{a}/metrics"), "relay started; listening on channel {}", pg_outbox::NOTIFY_CHANNEL),
-        None => tracing::info!(database = %target, sink = %sink_name, "relay started; listening on channel {}", pg_outbox::NOTIFY_CHANNEL),
+        Some(a) => {
+            tracing::info!(database = %target, sink = %sink_name, metrics = %format!("http://{a}/metrics"), "relay started; listening on channel {}", pg_outbox::NOTIFY_CHANNEL)
+        }
+        None => {
+            tracing::info!(database = %target, sink = %sink_name, "relay started; listening on channel {}", pg_outbox::NOTIFY_CHANNEL)
+        }
     }
     let stats = relay::run(stream, sink.as_ref(), shutdown_signal()).await?;
     tracing::info!(delivered = stats.delivered, failed = stats.failed, "relay stopped");
