@@ -114,7 +114,11 @@ struct RawDb {
 impl RawDb {
     async fn new(db: &TestDb) -> RawDb {
         let name = format!("pgo_it_raw_{}_{}", std::process::id(), uuid::Uuid::new_v4().simple());
-        db.client().await.batch_execute(&format!("CREATE DATABASE {name}")).await.expect("create an unmigrated database");
+        db.client()
+            .await
+            .batch_execute(&format!("CREATE DATABASE {name}"))
+            .await
+            .expect("create an unmigrated database");
         // The test database's name is unique, so swapping it in the URL is safe.
         let url = db.url().replace(&db.name, &name);
         assert_ne!(url, db.url(), "could not derive the URL of {name}");
@@ -161,7 +165,9 @@ impl Drop for RawDb {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn malformed_url_is_one_line_naming_the_url_without_its_password() {
     let agg = uuid::Uuid::new_v4().to_string();
-    let out = run(None, &[&["--database-url", "postgres://host:notaport/db"][..], &publish_args(&agg, "{}")[..]].concat()).await;
+    let out =
+        run(None, &[&["--database-url", "postgres://host:notaport/db"][..], &publish_args(&agg, "{}")[..]].concat())
+            .await;
     assert_one_line_error(&out, &["invalid database URL", "port"]);
 
     // Same through DATABASE_URL, with a password in it: never echoed.
@@ -181,7 +187,8 @@ async fn unreachable_database_names_host_and_port_but_not_the_password() {
     let agg = uuid::Uuid::new_v4().to_string();
     let out = run(
         None,
-        &[&["--database-url", "postgres://u:secret@127.0.0.1:1/db"][..], &publish_args(&agg, r#"{"a":1}"#)[..]].concat(),
+        &[&["--database-url", "postgres://u:secret@127.0.0.1:1/db"][..], &publish_args(&agg, r#"{"a":1}"#)[..]]
+            .concat(),
     )
     .await;
     assert_one_line_error(&out, &["cannot connect", "127.0.0.1:1"]);
@@ -277,7 +284,10 @@ async fn migrate_twice_applies_then_reports_up_to_date() {
 
     let first = run(Some(&raw.url), &["migrate"]).await;
     assert_eq!(first.code, Some(0), "first migrate failed: {first:?}");
-    assert!(first.stderr.contains("applied 0001_events_outbox"), "first migrate should list what it applied: {first:?}");
+    assert!(
+        first.stderr.contains("applied 0001_events_outbox"),
+        "first migrate should list what it applied: {first:?}"
+    );
     assert!(!first.stderr.contains("up to date"), "{first:?}");
     assert!(first.stdout.is_empty(), "migrate prints nothing on stdout: {first:?}");
 
