@@ -128,9 +128,3 @@ pub fn report(err: &(dyn std::error::Error + 'static)) -> String {
     }
     out
 }
-
-/// Map a driver error to [`Error::NotMigrated`] when it says the outbox
-/// schema or table is missing, else to [`Error::Db`].
-pub fn not_migrated_or(e: tokio_postgres::Error) -> Error {
-    crate::store::map_missing_schema(e)
-}

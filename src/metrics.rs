@@ -22,7 +22,7 @@ pub const EVENTS_FETCHED: &str = "outbox_events_fetched_total";
 pub const DELIVERY_LAG: &str = "outbox_delivery_lag_seconds";
 /// Gauge, rows: unpublished events that are not dead letters.
 pub const BACKLOG: &str = "outbox_backlog_events";
-/// Gauge, rows: dead letters (unpublished, `retry_count >= max_retries`).
+/// Gauge, rows: dead letters (unpublished, `next_retry_at = 'infinity'`).
 pub const DEAD_LETTERS: &str = "outbox_dead_letters";
 /// Gauge, seconds: age of the oldest unpublished event that is not a dead letter.
 pub const OLDEST_UNPUBLISHED_AGE: &str = "outbox_oldest_unpublished_age_seconds";

@@ -16,12 +16,14 @@ pub const MIGRATIONS: &[(&str, &str)] = &[
     ("0001_events_outbox", include_str!("../migrations/0001_events_outbox.sql")),
     ("0002_outbox_fresh_idx", include_str!("../migrations/0002_outbox_fresh_idx.sql")),
     ("0003_outbox_aggregate_failed_idx", include_str!("../migrations/0003_outbox_aggregate_failed_idx.sql")),
+    ("0004_outbox_aggregate_heads", include_str!("../migrations/0004_outbox_aggregate_heads.sql")),
 ];
 
 /// Trigger files, applied after the migrations: (name, SQL).
 pub const TRIGGERS: &[(&str, &str)] = &[
     ("triggers/outbox_guard", include_str!("../triggers/outbox_guard.sql")),
     ("triggers/outbox_notify", include_str!("../triggers/outbox_notify.sql")),
+    ("triggers/outbox_order", include_str!("../triggers/outbox_order.sql")),
 ];
 
 /// Advisory lock key that serialises concurrent `migrate` runs.

@@ -20,28 +20,28 @@ pub(crate) const INSERT_MANY: &str = "INSERT INTO events.outbox (aggregate_type,
      WITH ORDINALITY AS x(t, a, e, p, n) ORDER BY n RETURNING id";
 
 /// The hold-back condition: no earlier event of the same aggregate has failed
-/// and is not due again (waiting for a retry, or a dead letter). Served by
-/// `outbox_aggregate_failed_idx`.
+/// and is not due again (waiting for a retry, or a dead letter, whose
+/// `next_retry_at` is 'infinity'). Served by `outbox_aggregate_failed_idx`.
 const NOT_HELD_BACK: &str = "NOT EXISTS (SELECT 1 FROM events.outbox b \
      WHERE b.aggregate_type = o.aggregate_type AND b.aggregate_id = o.aggregate_id \
        AND b.id < o.id AND b.published_at IS NULL AND b.next_retry_at IS NOT NULL \
-       AND (b.retry_count >= $4 OR b.next_retry_at > now()))";
+       AND b.next_retry_at > now())";
 
 /// Fetch the next due events in id order. Two index range scans, merged:
 /// fresh rows from `outbox_fresh_idx` (id > $1), and failed rows whose retry
-/// is due from `outbox_retry_due_idx`. $2 are ids already in flight, $3 the
-/// batch size, $4 the dead-letter threshold.
+/// is due from `outbox_retry_due_idx` (dead letters, at 'infinity', never
+/// are). $2 are ids already in flight, $3 the batch size.
 pub(crate) fn fetch_sql() -> String {
     format!(
         "SELECT {cols} FROM ( \
            (SELECT o.* FROM events.outbox o \
              WHERE o.published_at IS NULL AND o.next_retry_at IS NULL AND o.id > $1 \
-               AND o.retry_count < $4 AND o.id <> ALL($2::bigint[]) AND {hb} \
+               AND o.id <> ALL($2::bigint[]) AND {hb} \
              ORDER BY o.id LIMIT $3) \
            UNION ALL \
            (SELECT o.* FROM events.outbox o \
              WHERE o.published_at IS NULL AND o.next_retry_at IS NOT NULL AND o.next_retry_at <= now() \
-               AND o.retry_count < $4 AND o.id <> ALL($2::bigint[]) AND {hb} \
+               AND o.id <> ALL($2::bigint[]) AND {hb} \
              ORDER BY o.id LIMIT $3) \
          ) c ORDER BY id LIMIT $3",
         cols = EVENT_COLUMNS,
@@ -70,15 +70,15 @@ pub(crate) const FAIL: &str = "UPDATE events.outbox o SET retry_count = o.retry_
 /// Seconds until the earliest pending retry is due, or NULL if none waits.
 pub(crate) const NEXT_RETRY_IN: &str = "SELECT EXTRACT(EPOCH FROM (min(next_retry_at) - now()))::float8 \
      FROM events.outbox WHERE published_at IS NULL AND next_retry_at IS NOT NULL \
-       AND next_retry_at > now() AND next_retry_at < 'infinity' AND retry_count < $1";
+       AND next_retry_at > now() AND next_retry_at < 'infinity'";
 
 /// Backlog and lag figures; see [`OutboxStatus`].
 pub(crate) const STATUS: &str = "SELECT \
        count(*) AS unpublished, \
-       count(*) FILTER (WHERE retry_count < $1 AND (next_retry_at IS NULL OR next_retry_at <= now())) AS due, \
-       count(*) FILTER (WHERE retry_count < $1 AND next_retry_at > now()) AS waiting, \
-       count(*) FILTER (WHERE retry_count >= $1) AS dead, \
-       EXTRACT(EPOCH FROM (now() - min(occurred_at) FILTER (WHERE retry_count < $1)))::float8 AS oldest \
+       count(*) FILTER (WHERE next_retry_at IS NULL OR next_retry_at <= now()) AS due, \
+       count(*) FILTER (WHERE next_retry_at > now() AND next_retry_at < 'infinity') AS waiting, \
+       count(*) FILTER (WHERE next_retry_at = 'infinity') AS dead, \
+       EXTRACT(EPOCH FROM (now() - min(occurred_at) FILTER (WHERE next_retry_at IS DISTINCT FROM 'infinity')))::float8 \
      FROM events.outbox WHERE published_at IS NULL";
 
 /// Figures about the outbox, as `pg-outbox status` prints them.
@@ -91,19 +91,21 @@ pub struct OutboxStatus {
     pub due_now: i64,
     /// Unpublished rows waiting for their retry (`next_retry_at` in the future).
     pub waiting_for_retry: i64,
-    /// Dead letters: unpublished rows with `retry_count >= max_retries`.
+    /// Dead letters: unpublished rows with `next_retry_at = 'infinity'` (set
+    /// by the failure that reached the dead-letter threshold).
     pub dead_letters: i64,
     /// Age in seconds of the oldest unpublished event that is not a dead
     /// letter (from its `occurred_at`), or `None` when there is none.
     pub oldest_unpublished_age_seconds: Option<f64>,
 }
 
-/// Read [`OutboxStatus`]; `max_retries` is the dead-letter threshold.
+/// Read [`OutboxStatus`].
 ///
 /// # Errors
-/// [`Error::Db`] if the query fails (for example the schema is missing).
-pub async fn status<C: GenericClient + Sync>(client: &C, max_retries: i32) -> Result<OutboxStatus> {
-    let row = client.query_one(STATUS, &[&max_retries]).await?;
+/// [`Error::NotMigrated`] if the schema is missing; [`Error::Db`] if the
+/// query fails otherwise.
+pub async fn status<C: GenericClient + Sync>(client: &C) -> Result<OutboxStatus> {
+    let row = client.query_one(STATUS, &[]).await.map_err(map_missing_schema)?;
     Ok(OutboxStatus {
         unpublished: row.try_get(0)?,
         due_now: row.try_get(1)?,

@@ -302,7 +302,7 @@ impl Engine {
         exclude.extend(self.acks.iter().copied());
         exclude.extend(self.fails.iter().map(|f| f.id));
         let batch = i64::try_from(self.cfg.batch_size).unwrap_or(i64::MAX);
-        let res = conn.client.query(&conn.fetch, &[&self.cursor, &exclude, &batch, &self.cfg.max_retries]).await;
+        let res = conn.client.query(&conn.fetch, &[&self.cursor, &exclude, &batch]).await;
         let rows = match res {
             Ok(rows) => rows,
             Err(e) => {
@@ -342,7 +342,7 @@ impl Engine {
 
     async fn schedule_retry_timer(&mut self) {
         let Some(conn) = self.conn.as_ref() else { return };
-        match conn.client.query_one(&conn.next_retry, &[&self.cfg.max_retries]).await {
+        match conn.client.query_one(&conn.next_retry, &[]).await {
             Ok(row) => match row.try_get::<_, Option<f64>>(0) {
                 Ok(Some(secs)) => self.arm_retry(secs),
                 Ok(None) => {}
@@ -443,7 +443,7 @@ impl Engine {
 
     async fn refresh_gauges(&mut self) {
         let Some(conn) = self.conn.as_ref() else { return };
-        match store::status(&conn.client, self.cfg.max_retries).await {
+        match store::status(&conn.client).await {
             Ok(s) => {
                 metrics::gauge!(m::BACKLOG).set((s.unpublished - s.dead_letters) as f64);
                 metrics::gauge!(m::DEAD_LETTERS).set(s.dead_letters as f64);

@@ -397,11 +397,18 @@ async fn status_counts_match_the_rows() {
     let age = v["oldest_unpublished_age_seconds"].as_f64().unwrap_or_else(|| panic!("no age: {v}"));
     assert!(age >= 0.0, "{v}");
 
-    // With a higher threshold the dead letter is not dead: it waits (forever).
-    let out = run(Some(&url), &["status", "--json", "--max-retries", "20"]).await;
-    assert_eq!(out.code, Some(0), "status --max-retries 20 failed: {out:?}");
+    // Dead means next_retry_at = 'infinity', not a retry_count: a dead letter
+    // an operator released (due again, retry_count still 10) counts as due.
+    c.batch_execute(
+        "INSERT INTO events.outbox (aggregate_type, aggregate_id, event_type, payload, retry_count, next_retry_at) \
+           VALUES ('subscription', gen_random_uuid(), 'Released', '{}', 10, now() - interval '1 second')",
+    )
+    .await
+    .expect("released dead letter");
+    let out = run(Some(&url), &["status", "--json"]).await;
+    assert_eq!(out.code, Some(0), "status failed: {out:?}");
     let v: serde_json::Value = serde_json::from_str(&out.stdout).unwrap_or_else(|e| panic!("not JSON ({e}): {out:?}"));
-    assert_eq!(v["dead_letters"], 0, "{v}");
-    assert_eq!(v["waiting_for_retry"], 2, "{v}");
-    assert_eq!(v["due_now"], 2, "{v}");
+    assert_eq!(v["dead_letters"], 1, "{v}");
+    assert_eq!(v["waiting_for_retry"], 1, "{v}");
+    assert_eq!(v["due_now"], 3, "{v}");
 }

@@ -4,6 +4,7 @@ mod auto_traits;
 mod cli;
 mod consumer;
 mod faults;
+mod order;
 mod relay;
 mod schema;
 mod support;

@@ -147,7 +147,7 @@ async fn sql_files_run_with_psql_twice() {
         .await
         .expect("triggers")
         .get(0);
-    assert_eq!(n, 2, "exactly the guard and notify triggers, once each");
+    assert_eq!(n, 3, "exactly the guard, notify and order triggers, once each");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

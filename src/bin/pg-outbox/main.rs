@@ -94,9 +94,6 @@ struct StatusArgs {
     /// Print JSON instead of a table.
     #[arg(long)]
     json: bool,
-    /// Dead-letter threshold the relay uses.
-    #[arg(long, default_value_t = pg_outbox::DEFAULT_MAX_RETRIES)]
-    max_retries: i32,
 }
 
 fn parse_duration(s: &str) -> Result<Duration, String> {
@@ -250,10 +247,7 @@ async fn publish_cmd(url: &str, args: PublishArgs) -> Result<(), Error> {
 
 async fn status_cmd(url: &str, args: StatusArgs) -> Result<(), Error> {
     let client = connect(url).await?;
-    let s = pg_outbox::status(&client, args.max_retries).await.map_err(|e| match e {
-        Error::Db(db) => pg_outbox::error::not_migrated_or(db),
-        other => other,
-    })?;
+    let s = pg_outbox::status(&client).await?;
     if args.json {
         println!("{}", serde_json::to_string_pretty(&s)?);
     } else {
