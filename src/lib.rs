@@ -4,6 +4,7 @@
 
 mod connect;
 mod consumer;
+pub mod dead_letters;
 pub mod error;
 mod event;
 pub mod metrics;

@@ -3,6 +3,7 @@
 mod auto_traits;
 mod cli;
 mod consumer;
+mod dead_letters;
 mod faults;
 mod order;
 mod relay;

@@ -9,6 +9,7 @@ use clap::{Parser, Subcommand};
 use pg_outbox::relay::{self, Sink, StdoutSink, WebhookSink};
 use pg_outbox::{Consumer, Error, NewEvent, Publisher, RetryPolicy};
 
+mod dead_letters;
 mod demo;
 
 #[derive(Parser, Debug)]
@@ -38,6 +39,9 @@ enum Command {
     Publish(PublishArgs),
     /// Show backlog, retries and dead letters.
     Status(StatusArgs),
+    /// List, show, retry or discard dead letters.
+    #[command(subcommand)]
+    DeadLetters(dead_letters::DeadLetterCmd),
     /// Run a self-contained demo: throwaway PostgreSQL, concurrent producers,
     /// relay to stdout, summary with delivery lag.
     Demo(demo::DemoArgs),
@@ -299,6 +303,7 @@ fn main() -> ExitCode {
             Command::Relay(args) => relay_cmd(&database_url(&cli.database_url)?, args).await,
             Command::Publish(args) => publish_cmd(&database_url(&cli.database_url)?, args).await,
             Command::Status(args) => status_cmd(&database_url(&cli.database_url)?, args).await,
+            Command::DeadLetters(cmd) => dead_letters::run(&database_url(&cli.database_url)?, cmd).await,
         }
     });
     rt.shutdown_timeout(Duration::from_secs(1));

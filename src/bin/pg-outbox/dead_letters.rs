@@ -1,0 +1,185 @@
+//! `pg-outbox dead-letters ...`: operate dead letters from the command line.
+
+use chrono::{DateTime, Utc};
+use clap::{Args, Subcommand};
+use pg_outbox::Error;
+use pg_outbox::dead_letters::{self, Filter};
+
+#[derive(Subcommand, Debug)]
+pub(crate) enum DeadLetterCmd {
+    /// List dead letters (table, or --json).
+    List {
+        #[command(flatten)]
+        filter: FilterArgs,
+        /// Print JSON (one array) instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Show one dead letter in full, as JSON.
+    Show {
+        /// Outbox id.
+        id: i64,
+    },
+    /// Make dead letters due again (one more attempt each; retry_count is kept).
+    Retry {
+        /// Outbox ids; or use the filters, or --all.
+        ids: Vec<i64>,
+        #[command(flatten)]
+        filter: FilterArgs,
+        /// Apply to every dead letter when no id or filter is given.
+        #[arg(long)]
+        all: bool,
+        /// Print what would be retried, change nothing.
+        #[arg(long)]
+        dry_run: bool,
+    },
+    /// Delete dead letters for good; their aggregates' later events then flow.
+    Discard {
+        /// Outbox ids; or use the filters, or --all.
+        ids: Vec<i64>,
+        #[command(flatten)]
+        filter: FilterArgs,
+        /// Apply to every dead letter when no id or filter is given.
+        #[arg(long)]
+        all: bool,
+        /// Print what would be deleted, change nothing.
+        #[arg(long)]
+        dry_run: bool,
+        /// Confirm the deletion.
+        #[arg(long)]
+        yes: bool,
+    },
+}
+
+#[derive(Args, Debug, Default)]
+pub(crate) struct FilterArgs {
+    /// Only this aggregate type.
+    #[arg(long)]
+    aggregate_type: Option<String>,
+    /// Only this event type.
+    #[arg(long)]
+    event_type: Option<String>,
+    /// Only dead letters whose last_error contains this text.
+    #[arg(long)]
+    error_contains: Option<String>,
+    /// Only events that occurred since this time: RFC 3339 (2026-01-31T00:00:00Z) or an age (24h, 7d).
+    #[arg(long, value_parser = parse_since)]
+    since: Option<DateTime<Utc>>,
+    /// At most this many rows (list default: 100).
+    #[arg(long)]
+    limit: Option<i64>,
+}
+
+fn parse_since(s: &str) -> Result<DateTime<Utc>, String> {
+    if let Ok(t) = DateTime::parse_from_rfc3339(s.trim()) {
+        return Ok(t.with_timezone(&Utc));
+    }
+    let age = humantime::parse_duration(s.trim())
+        .map_err(|_| format!("invalid --since '{s}': write an RFC 3339 time or an age like 24h or 7d"))?;
+    let age = chrono::Duration::from_std(age).map_err(|e| format!("invalid --since '{s}': {e}"))?;
+    Ok(Utc::now() - age)
+}
+
+impl FilterArgs {
+    fn is_empty(&self) -> bool {
+        self.aggregate_type.is_none()
+            && self.event_type.is_none()
+            && self.error_contains.is_none()
+            && self.since.is_none()
+            && self.limit.is_none()
+    }
+
+    fn to_filter(&self, ids: &[i64]) -> Result<Filter, Error> {
+        if let Some(l) = self.limit
+            && l < 1
+        {
+            return Err(Error::Config(format!("--limit must be at least 1, got {l}")));
+        }
+        let mut f = if ids.is_empty() { Filter::all() } else { Filter::ids(ids.to_vec()) };
+        f.aggregate_type = self.aggregate_type.clone();
+        f.event_type = self.event_type.clone();
+        f.error_contains = self.error_contains.clone();
+        f.since = self.since;
+        f.limit = self.limit;
+        Ok(f)
+    }
+}
+
+fn ids_text(ids: &[i64]) -> String {
+    let shown: Vec<String> = ids.iter().take(50).map(|i| i.to_string()).collect();
+    let more = if ids.len() > 50 { format!(" and {} more", ids.len() - 50) } else { String::new() };
+    format!("{}{more}", shown.join(", "))
+}
+
+fn require_selection(ids: &[i64], filter: &FilterArgs, all: bool, verb: &str) -> Result<(), Error> {
+    if ids.is_empty() && filter.is_empty() && !all {
+        return Err(Error::Config(format!(
+            "name the dead letters to {verb}: give ids, a filter (--aggregate-type, --event-type, --error-contains, --since, --limit), or --all"
+        )));
+    }
+    Ok(())
+}
+
+pub(crate) async fn run(url: &str, cmd: DeadLetterCmd) -> Result<(), Error> {
+    let client = crate::connect(url).await?;
+    match cmd {
+        DeadLetterCmd::List { filter, json } => {
+            let rows = dead_letters::list(&client, &filter.to_filter(&[])?).await?;
+            if json {
+                println!("{}", serde_json::to_string_pretty(&rows)?);
+            } else if rows.is_empty() {
+                eprintln!("no dead letters");
+            } else {
+                println!(
+                    "{:>10}  {:<20}  {:<36}  {:<24}  {:>7}  last_error",
+                    "id", "aggregate_type", "aggregate_id", "event_type", "retries"
+                );
+                for e in rows {
+                    let err: String = e.last_error.unwrap_or_default().replace('\n', " ").chars().take(80).collect();
+                    println!(
+                        "{:>10}  {:<20}  {:<36}  {:<24}  {:>7}  {}",
+                        e.id, e.aggregate_type, e.aggregate_id, e.event_type, e.retry_count, err
+                    );
+                }
+            }
+        }
+        DeadLetterCmd::Show { id } => {
+            let rows = dead_letters::list(&client, &Filter::ids(vec![id])).await?;
+            match rows.first() {
+                Some(e) => println!("{}", serde_json::to_string_pretty(e)?),
+                None => return Err(Error::Config(format!("event {id} is not a dead letter (or does not exist)"))),
+            }
+        }
+        DeadLetterCmd::Retry { ids, filter, all, dry_run } => {
+            require_selection(&ids, &filter, all, "retry")?;
+            let f = filter.to_filter(&ids)?;
+            if dry_run {
+                let found = dead_letters::matching_ids(&client, &f).await?;
+                println!("dry run: would retry {} dead letters: {}", found.len(), ids_text(&found));
+            } else {
+                let done = dead_letters::retry(&client, &f).await?;
+                println!("retried {} dead letters: {}", done.len(), ids_text(&done));
+            }
+        }
+        DeadLetterCmd::Discard { ids, filter, all, dry_run, yes } => {
+            require_selection(&ids, &filter, all, "discard")?;
+            let f = filter.to_filter(&ids)?;
+            if dry_run || !yes {
+                let found = dead_letters::matching_ids(&client, &f).await?;
+                if dry_run {
+                    println!("dry run: would delete {} dead letters: {}", found.len(), ids_text(&found));
+                } else {
+                    return Err(Error::Config(format!(
+                        "discard deletes {} events for good ({}); pass --yes to confirm, or --dry-run",
+                        found.len(),
+                        ids_text(&found)
+                    )));
+                }
+            } else {
+                let done = dead_letters::discard(&client, &f).await?;
+                println!("deleted {} dead letters: {}", done.len(), ids_text(&done));
+            }
+        }
+    }
+    Ok(())
+}
