@@ -19,7 +19,7 @@ pub use connect::{DEFAULT_CONNECT_TIMEOUT, KEEPALIVE_IDLE, describe_target, pars
 pub use consumer::{
     Consumer, ConsumerBuilder, DEFAULT_ACK_BATCH_SIZE, DEFAULT_ACK_INTERVAL, DEFAULT_BATCH_SIZE, DEFAULT_MAX_RETRIES,
     DEFAULT_PING_INTERVAL, DEFAULT_RECONNECT_MAX_DELAY, DEFAULT_SHUTDOWN_GRACE, DEFAULT_SWEEP_INTERVAL, Delivery,
-    EventStream, ListenerStatus, MAX_ERROR_BYTES, NOTIFY_CHANNEL, STATUS_INTERVAL, ShutdownHandle,
+    EventStream, ListenerStatus, MAX_ERROR_BYTES, Mode, NOTIFY_CHANNEL, PROBE_TIMEOUT, STATUS_INTERVAL, ShutdownHandle,
 };
 pub use error::{Error, Result};
 pub use event::{Envelope, Event, Metadata, NewEvent};

@@ -15,7 +15,10 @@ pub const EVENTS_DEAD_LETTERED: &str = "outbox_events_dead_lettered_total";
 /// held back behind a failed event of their aggregate, or left at shutdown);
 /// they are delivered again later.
 pub const EVENTS_RELEASED: &str = "outbox_events_released_total";
-/// Counter: events fetched from the outbox and handed out.
+/// Counter: events fetched from the outbox and handed out, labelled `wake`
+/// by what started the drain: `notification`, `sweep` (found by the fallback
+/// timer: a notification was lost or late), `retry`, `reconnect`,
+/// `release`, `ownership` (became active or took partitions), `start`.
 pub const EVENTS_FETCHED: &str = "outbox_events_fetched_total";
 /// Histogram, seconds: from an event's `occurred_at` to its acknowledgement
 /// being written (database clock).
@@ -36,6 +39,18 @@ pub const LISTENER_RECONNECTS: &str = "outbox_listener_reconnects_total";
 pub const LISTENER_UP: &str = "outbox_listener_up";
 /// Counter: errors on the work connection (each followed by a reconnect with backoff).
 pub const DATABASE_ERRORS: &str = "outbox_database_errors_total";
+/// Gauge: 1 while this consumer holds the outbox lock (single mode), else 0.
+pub const LEADER: &str = "outbox_leader";
+/// Gauge: partitions this consumer holds (partitioned mode).
+pub const PARTITIONS_OWNED: &str = "outbox_partitions_owned";
+/// Gauge, 0..1: `pg_notification_queue_usage()`, the fraction of the
+/// server's notification queue in use (PostgreSQL docs, "NOTIFY"). Near 1,
+/// every notifying COMMIT fails.
+pub const NOTIFICATION_QUEUE_USAGE: &str = "outbox_notification_queue_usage_ratio";
+/// Gauge: 1 when a test notification sent at start came back on the LISTEN
+/// connection; 0 when it did not (a transaction-mode pooler, a replica, or
+/// `listen(false)`): then only the sweep finds events.
+pub const NOTIFICATIONS_WORKING: &str = "outbox_notifications_working";
 /// Histogram, seconds: time a sink took to deliver one event (relay only).
 pub const SINK_DURATION: &str = "outbox_sink_duration_seconds";
 
@@ -57,4 +72,8 @@ pub fn describe() {
     describe_gauge!(LISTENER_UP, "1 while the LISTEN connection is listening.");
     describe_counter!(DATABASE_ERRORS, "Errors on the work connection.");
     describe_histogram!(SINK_DURATION, Unit::Seconds, "Time a sink took to deliver one event.");
+    describe_gauge!(LEADER, "1 while this consumer holds the outbox lock (single mode).");
+    describe_gauge!(PARTITIONS_OWNED, "Partitions this consumer holds (partitioned mode).");
+    describe_gauge!(NOTIFICATION_QUEUE_USAGE, "pg_notification_queue_usage(), 0..1.");
+    describe_gauge!(NOTIFICATIONS_WORKING, "1 when notifications round-trip to the LISTEN connection.");
 }

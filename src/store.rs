@@ -30,24 +30,49 @@ const NOT_HELD_BACK: &str = "NOT EXISTS (SELECT 1 FROM events.outbox b \
 /// Fetch the next due events in id order. Two index range scans, merged:
 /// fresh rows from `outbox_fresh_idx` (id > $1), and failed rows whose retry
 /// is due from `outbox_retry_due_idx` (dead letters, at 'infinity', never
-/// are). $2 are ids already in flight, $3 the batch size.
-pub(crate) fn fetch_sql() -> String {
+/// are). $2 are ids already in flight, $3 the batch size. With
+/// `partitioned`, only aggregates whose hash partition (of $4) is in $5, and
+/// the partition is returned as column [`PARTITION_COLUMN`].
+pub(crate) fn fetch_sql(partitioned: bool) -> String {
+    let (part_filter, part_col) = if partitioned {
+        (format!("AND {PARTITION_EXPR} = ANY($5::int4[])"), format!(", {PARTITION_EXPR} AS part"))
+    } else {
+        (String::new(), String::new())
+    };
     format!(
-        "SELECT {cols} FROM ( \
+        "SELECT {cols}{part_col} FROM ( \
            (SELECT o.* FROM events.outbox o \
              WHERE o.published_at IS NULL AND o.next_retry_at IS NULL AND o.id > $1 \
-               AND o.id <> ALL($2::bigint[]) AND {hb} \
+               AND o.id <> ALL($2::bigint[]) {part_filter} AND {hb} \
              ORDER BY o.id LIMIT $3) \
            UNION ALL \
            (SELECT o.* FROM events.outbox o \
              WHERE o.published_at IS NULL AND o.next_retry_at IS NOT NULL AND o.next_retry_at <= now() \
-               AND o.id <> ALL($2::bigint[]) AND {hb} \
+               AND o.id <> ALL($2::bigint[]) {part_filter} AND {hb} \
              ORDER BY o.id LIMIT $3) \
-         ) c ORDER BY id LIMIT $3",
+         ) o ORDER BY id LIMIT $3",
         cols = EVENT_COLUMNS,
         hb = NOT_HELD_BACK
     )
 }
+
+/// The hash partition of a row's aggregate, 0..$4 (partitioned mode).
+const PARTITION_EXPR: &str =
+    "((hashtextextended(o.aggregate_type || '/' || o.aggregate_id::text, 0) & 2147483647) % $4)::int4";
+
+/// Index of the partition column in a partitioned fetch's rows.
+pub(crate) const PARTITION_COLUMN: usize = 8;
+
+/// The seed's competing mode: claim due rows with `FOR UPDATE SKIP LOCKED`
+/// inside a transaction held until the batch is settled. The claim is a
+/// plain SELECT with LIMIT, so it can never lock more than $1 rows (unlike
+/// `UPDATE ... WHERE id IN (SELECT ... LIMIT n FOR UPDATE SKIP LOCKED)`,
+/// whose subquery the planner may run more than once). No per-aggregate
+/// order.
+pub(crate) const COMPETING_FETCH: &str = "SELECT id, aggregate_type, aggregate_id, event_type, payload, occurred_at, retry_count, last_error \
+     FROM events.outbox \
+     WHERE published_at IS NULL AND (next_retry_at IS NULL OR next_retry_at <= now()) \
+     ORDER BY id LIMIT $1 FOR UPDATE SKIP LOCKED";
 
 /// Mark events published (the seed's MarkPublished, batched). Returns, per
 /// row actually published, seconds from `occurred_at` to now.

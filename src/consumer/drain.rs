@@ -14,7 +14,7 @@
 //! batch is followed by another fetch as soon as there is room again, so a
 //! backlog of any size is streamed, never loaded.
 
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -26,7 +26,7 @@ use tokio_postgres::{Client, Statement};
 use tokio_util::sync::CancellationToken;
 
 use super::delivery::Settlement;
-use super::{AggregateKey, ConsumerConfig, Delivery, STATUS_INTERVAL, Shared};
+use super::{AggregateKey, ConsumerConfig, Delivery, Mode, STATUS_INTERVAL, Shared};
 use crate::error::{Error, Result};
 use crate::metrics as m;
 use crate::store;
@@ -35,6 +35,8 @@ struct Conn {
     client: Client,
     handle: JoinHandle<()>,
     fetch: Statement,
+    /// The session's membership lock key (partitioned mode).
+    member_key: i32,
     ack: Statement,
     fail: Statement,
     next_retry: Statement,
@@ -58,7 +60,46 @@ struct Io {
     tx: mpsc::Sender<Delivery>,
     settle_rx: mpsc::UnboundedReceiver<Settlement>,
     wake: Arc<Notify>,
+    reconnect_wake: Arc<Notify>,
 }
+
+/// What started the current drain; events fetched are counted per reason
+/// (`outbox_events_fetched_total{wake=...}`), so a healthy relay shows most
+/// events found by notifications and few by the sweep.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Wake {
+    Start,
+    Notification,
+    Sweep,
+    Retry,
+    Reconnect,
+    Release,
+    Ownership,
+}
+
+impl Wake {
+    fn label(self) -> &'static str {
+        match self {
+            Wake::Start => "start",
+            Wake::Notification => "notification",
+            Wake::Sweep => "sweep",
+            Wake::Retry => "retry",
+            Wake::Reconnect => "reconnect",
+            Wake::Release => "release",
+            Wake::Ownership => "ownership",
+        }
+    }
+}
+
+/// Advisory lock keys (PostgreSQL docs, "Advisory Locks"). Single mode takes
+/// one bigint-keyed session lock; partitioned mode takes two-int4 locks: one
+/// per partition under class `PARTITION_CLASS`, and one membership lock per
+/// consumer under `MEMBER_CLASS`, whose count tells how many share the work.
+const LEADER_KEY: i64 = 0x7067_6f75_7400_0001;
+const PARTITION_CLASS: i32 = 0x706f_0001;
+const MEMBER_CLASS: i32 = 0x706f_0002;
+/// How often a standby tries to take over, and partitions are rebalanced.
+const LOCK_INTERVAL: Duration = Duration::from_millis(250);
 
 pub(crate) struct Engine {
     cfg: Arc<ConsumerConfig>,
@@ -78,6 +119,19 @@ pub(crate) struct Engine {
     flush_at: Option<Instant>,
     reconnect_at: Option<Instant>,
     backoff: backon::ExponentialBackoff,
+    reason: Wake,
+    /// Single mode: this consumer holds the outbox lock.
+    leader: bool,
+    /// Partitioned mode: partitions held and fetched.
+    owned: BTreeSet<i32>,
+    /// Partitioned mode: partitions given up, unlocked once nothing of them is in flight.
+    releasing: BTreeSet<i32>,
+    /// Partitioned mode: partition of every fetched, not yet flushed id.
+    part_of: HashMap<i64, i32>,
+    /// Competing mode: a claim transaction is open.
+    in_tx: bool,
+    lock_at: Option<Instant>,
+    standby_logged: bool,
 }
 
 fn new_backoff(max: Duration) -> backon::ExponentialBackoff {
@@ -94,6 +148,7 @@ fn jittered(d: Duration) -> Duration {
 }
 
 impl Engine {
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn new(
         cfg: Arc<ConsumerConfig>,
         first: (Client, JoinHandle<()>),
@@ -101,6 +156,7 @@ impl Engine {
         settle_rx: mpsc::UnboundedReceiver<Settlement>,
         shared: Arc<Shared>,
         wake: Arc<Notify>,
+        reconnect_wake: Arc<Notify>,
         token: CancellationToken,
     ) -> Self {
         let backoff = new_backoff(cfg.reconnect_max_delay);
@@ -108,7 +164,7 @@ impl Engine {
             cfg,
             conn: None,
             first: Some(first),
-            io: Some(Io { tx, settle_rx, wake }),
+            io: Some(Io { tx, settle_rx, wake, reconnect_wake }),
             shared,
             token,
             outstanding: HashMap::new(),
@@ -121,6 +177,32 @@ impl Engine {
             flush_at: None,
             reconnect_at: Some(Instant::now()),
             backoff,
+            reason: Wake::Start,
+            leader: false,
+            owned: BTreeSet::new(),
+            releasing: BTreeSet::new(),
+            part_of: HashMap::new(),
+            in_tx: false,
+            lock_at: None,
+            standby_logged: false,
+        }
+    }
+
+    /// Start (or continue) a drain from the beginning of the outbox.
+    fn wake_up(&mut self, reason: Wake) {
+        if !self.want_fetch {
+            self.reason = reason;
+        }
+        self.want_fetch = true;
+        self.cursor = 0;
+    }
+
+    /// May this consumer fetch now, given its mode?
+    fn may_fetch(&self) -> bool {
+        match self.cfg.mode {
+            Mode::Single => self.leader,
+            Mode::Partitioned { .. } => !self.owned.is_empty(),
+            Mode::Competing => !self.in_tx,
         }
     }
 
@@ -129,7 +211,7 @@ impl Engine {
     }
 
     pub(crate) async fn run(mut self) -> Result<()> {
-        let Some(Io { tx, mut settle_rx, wake }) = self.io.take() else { return Ok(()) };
+        let Some(Io { tx, mut settle_rx, wake, reconnect_wake }) = self.io.take() else { return Ok(()) };
         let token = self.token.clone();
         let sweep = sleep(jittered(self.cfg.sweep_interval));
         tokio::pin!(sweep);
@@ -154,7 +236,7 @@ impl Engine {
                 continue;
             }
             let stopping = stop_deadline.is_some();
-            let can_fetch = self.want_fetch && !stopping && self.conn.is_some();
+            let can_fetch = self.want_fetch && !stopping && self.conn.is_some() && self.may_fetch();
             let batch = self.cfg.batch_size;
             tokio::select! {
                 biased;
@@ -181,20 +263,19 @@ impl Engine {
                         Err(_) => token.cancel(), // the stream was dropped
                     }
                 }
-                _ = wake.notified(), if !stopping => {
-                    self.want_fetch = true;
-                    self.cursor = 0;
-                }
+                _ = wake.notified(), if !stopping => self.wake_up(Wake::Notification),
+                _ = reconnect_wake.notified(), if !stopping => self.wake_up(Wake::Reconnect),
                 _ = &mut sweep => {
                     metrics::counter!(m::SWEEPS).increment(1);
-                    self.want_fetch = true;
-                    self.cursor = 0;
+                    self.wake_up(Wake::Sweep);
                     sweep.as_mut().reset(Instant::now() + jittered(self.cfg.sweep_interval));
                 }
                 _ = sleep_until(self.retry_at.unwrap_or(far)), if self.retry_at.is_some() => {
                     self.retry_at = None;
-                    self.want_fetch = true;
-                    self.cursor = 0;
+                    self.wake_up(Wake::Retry);
+                }
+                _ = sleep_until(self.lock_at.unwrap_or(far)), if self.lock_at.is_some() && self.conn.is_some() && !stopping => {
+                    self.take_locks().await;
                 }
                 _ = status_tick.tick(), if self.conn.is_some() && !stopping => {
                     self.refresh_gauges().await;
@@ -235,9 +316,13 @@ impl Engine {
                 h.pending = h.pending.saturating_sub(1);
                 h.upto_seq = h.upto_seq.max(seq);
                 drop(map);
-                self.want_fetch = true;
-                self.cursor = 0;
+                self.part_of.remove(&id);
+                self.wake_up(Wake::Release);
             }
+        }
+        if self.in_tx && self.outstanding.is_empty() {
+            // Competing mode: the whole claimed batch is settled; write and commit.
+            self.flush_at = Some(Instant::now());
         }
     }
 
@@ -252,22 +337,41 @@ impl Engine {
                 }
             },
         };
+        let mode = self.cfg.mode;
+        let member_key: i32 = rand::random::<i32>();
         let prepared = async {
-            let fetch = client.prepare(&store::fetch_sql()).await?;
+            let fetch_sql = match mode {
+                Mode::Single => store::fetch_sql(false),
+                Mode::Partitioned { .. } => store::fetch_sql(true),
+                Mode::Competing => store::COMPETING_FETCH.to_string(),
+            };
+            let fetch = client.prepare(&fetch_sql).await?;
             let ack = client.prepare(store::ACK).await?;
             let fail = client.prepare(store::FAIL).await?;
             let next_retry = client.prepare(store::NEXT_RETRY_IN).await?;
+            if let Mode::Partitioned { .. } = mode {
+                client.execute("SELECT pg_advisory_lock($1, $2)", &[&MEMBER_CLASS, &member_key]).await?;
+            }
             Ok::<_, tokio_postgres::Error>((fetch, ack, fail, next_retry))
         }
         .await;
         match prepared {
             Ok((fetch, ack, fail, next_retry)) => {
-                self.conn = Some(Conn { client, handle, fetch, ack, fail, next_retry });
+                self.conn = Some(Conn { client, handle, fetch, member_key, ack, fail, next_retry });
                 self.backoff = new_backoff(self.cfg.reconnect_max_delay);
                 self.reconnect_at = None;
+                // Locks of the old session are gone with it.
+                self.set_leader(false);
+                self.owned.clear();
+                self.releasing.clear();
+                self.in_tx = false;
+                self.standby_logged = false;
+                metrics::gauge!(m::PARTITIONS_OWNED).set(0.0);
+                if !matches!(mode, Mode::Competing) {
+                    self.lock_at = Some(Instant::now());
+                }
                 // Sweep after (re)connecting: notifications may have been missed.
-                self.want_fetch = true;
-                self.cursor = 0;
+                self.wake_up(Wake::Reconnect);
                 if self.pending() > 0 {
                     self.flush_at = Some(Instant::now());
                 }
@@ -283,8 +387,124 @@ impl Engine {
         metrics::counter!(m::DATABASE_ERRORS).increment(1);
         let delay = self.backoff.next().unwrap_or(self.cfg.reconnect_max_delay);
         tracing::warn!(error = %crate::error::report(e), retry_in = ?delay, "drain connection failed; retrying");
+        self.lost_connection(delay);
+    }
+
+    fn lost_connection(&mut self, delay: Duration) {
         self.conn = None;
+        self.in_tx = false;
+        self.set_leader(false);
+        self.owned.clear();
+        self.releasing.clear();
+        metrics::gauge!(m::PARTITIONS_OWNED).set(0.0);
         self.reconnect_at = Some(Instant::now() + delay);
+    }
+
+    fn set_leader(&mut self, leader: bool) {
+        if matches!(self.cfg.mode, Mode::Single) {
+            if leader && !self.leader {
+                tracing::info!("active: this consumer holds the outbox lock and delivers");
+            } else if !leader && self.leader {
+                tracing::warn!("no longer active (connection lost); will try to take over again");
+            }
+            metrics::gauge!(m::LEADER).set(if leader { 1.0 } else { 0.0 });
+        }
+        self.leader = leader;
+    }
+
+    /// Single mode: try to become the active consumer. Partitioned mode:
+    /// take or give up partitions to hold a fair share.
+    async fn take_locks(&mut self) {
+        self.lock_at = None;
+        let Some(conn) = self.conn.as_ref() else { return };
+        match self.cfg.mode {
+            Mode::Competing => {}
+            Mode::Single => {
+                if self.leader {
+                    return;
+                }
+                match conn.client.query_one("SELECT pg_try_advisory_lock($1)", &[&LEADER_KEY]).await {
+                    Ok(row) => {
+                        if row.try_get::<_, bool>(0).unwrap_or(false) {
+                            self.set_leader(true);
+                            self.wake_up(Wake::Ownership);
+                        } else {
+                            if !self.standby_logged {
+                                self.standby_logged = true;
+                                tracing::info!("standby: another consumer holds the outbox lock; waiting to take over");
+                            }
+                            metrics::gauge!(m::LEADER).set(0.0);
+                            self.lock_at = Some(Instant::now() + LOCK_INTERVAL);
+                        }
+                    }
+                    Err(e) => self.db_error("taking the outbox lock", e),
+                }
+            }
+            Mode::Partitioned { partitions } => {
+                if let Err(e) = self.rebalance(partitions).await {
+                    self.db_error("rebalancing partitions", e);
+                    return;
+                }
+                self.lock_at = Some(Instant::now() + jittered(LOCK_INTERVAL * 4));
+            }
+        }
+    }
+
+    async fn rebalance(&mut self, partitions: u32) -> std::result::Result<(), tokio_postgres::Error> {
+        let Some(conn) = self.conn.as_ref() else { return Ok(()) };
+        let members: i64 = conn
+            .client
+            .query_one(
+                "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND granted                    AND database = (SELECT oid FROM pg_database WHERE datname = current_database())                    AND classid = ($1::int4)::bigint::oid AND objsubid = 2",
+                &[&MEMBER_CLASS],
+            )
+            .await?
+            .try_get(0)?;
+        let members = u32::try_from(members.max(1)).unwrap_or(1);
+        let share = partitions.div_ceil(members) as usize;
+        let before = self.owned.len();
+        if self.owned.len() < share {
+            let start = (conn.member_key.unsigned_abs() % partitions.max(1)) as i32;
+            let total = i32::try_from(partitions).unwrap_or(i32::MAX);
+            for k in 0..total {
+                if self.owned.len() >= share {
+                    break;
+                }
+                let p = (start + k) % total;
+                if self.owned.contains(&p) || self.releasing.contains(&p) {
+                    continue;
+                }
+                let got: bool = conn
+                    .client
+                    .query_one("SELECT pg_try_advisory_lock($1, $2)", &[&PARTITION_CLASS, &p])
+                    .await?
+                    .try_get(0)?;
+                if got {
+                    self.owned.insert(p);
+                }
+            }
+        } else if self.owned.len() > share {
+            while self.owned.len() > share {
+                if let Some(p) = self.owned.pop_last() {
+                    self.releasing.insert(p);
+                }
+            }
+        }
+        // Unlock given-up partitions once nothing of them is in flight.
+        let busy: BTreeSet<i32> = self.part_of.values().copied().collect();
+        let free: Vec<i32> = self.releasing.iter().copied().filter(|p| !busy.contains(p)).collect();
+        for p in free {
+            conn.client.execute("SELECT pg_advisory_unlock($1, $2)", &[&PARTITION_CLASS, &p]).await?;
+            self.releasing.remove(&p);
+        }
+        if self.owned.len() != before {
+            tracing::info!(owned = ?self.owned, members, "partitions rebalanced");
+            metrics::gauge!(m::PARTITIONS_OWNED).set(self.owned.len() as f64);
+            if self.owned.len() > before {
+                self.wake_up(Wake::Ownership);
+            }
+        }
+        Ok(())
     }
 
     fn db_error(&mut self, what: &str, e: tokio_postgres::Error) {
@@ -292,8 +512,7 @@ impl Engine {
         let delay = self.backoff.next().unwrap_or(self.cfg.reconnect_max_delay);
         tracing::warn!(error = %crate::error::report(&e), during = what, retry_in = ?delay,
             "database error in the drain loop; reconnecting");
-        self.conn = None;
-        self.reconnect_at = Some(Instant::now() + delay);
+        self.lost_connection(delay);
     }
 
     async fn fetch(&mut self, permit: mpsc::PermitIterator<'_, Delivery>) {
@@ -302,7 +521,25 @@ impl Engine {
         exclude.extend(self.acks.iter().copied());
         exclude.extend(self.fails.iter().map(|f| f.id));
         let batch = i64::try_from(self.cfg.batch_size).unwrap_or(i64::MAX);
-        let res = conn.client.query(&conn.fetch, &[&self.cursor, &exclude, &batch]).await;
+        let res = match self.cfg.mode {
+            Mode::Single => conn.client.query(&conn.fetch, &[&self.cursor, &exclude, &batch]).await,
+            Mode::Partitioned { partitions } => {
+                let owned: Vec<i32> = self.owned.iter().copied().collect();
+                let n = i64::from(partitions);
+                conn.client.query(&conn.fetch, &[&self.cursor, &exclude, &batch, &n, &owned]).await
+            }
+            Mode::Competing => {
+                // Claim rows with row locks held by an open transaction until
+                // the whole batch is settled; other consumers skip them.
+                match conn.client.batch_execute("BEGIN").await {
+                    Ok(()) => {
+                        self.in_tx = true;
+                        conn.client.query(&conn.fetch, &[&batch]).await
+                    }
+                    Err(e) => Err(e),
+                }
+            }
+        };
         let rows = match res {
             Ok(rows) => rows,
             Err(e) => {
@@ -316,11 +553,15 @@ impl Engine {
         let full = rows.len() >= self.cfg.batch_size;
         let mut last_id = self.cursor;
         let mut handed = 0u64;
+        let partitioned = matches!(self.cfg.mode, Mode::Partitioned { .. });
         for (row, slot) in rows.iter().zip(permit) {
             match store::event_from_row(row) {
                 Ok(event) => {
                     last_id = last_id.max(event.id);
                     self.outstanding.insert(event.id, seq);
+                    if partitioned && let Ok(p) = row.try_get::<_, i32>(store::PARTITION_COLUMN) {
+                        self.part_of.insert(event.id, p);
+                    }
                     slot.send(Delivery::new(event, seq, self.shared.clone()));
                     handed += 1;
                 }
@@ -329,14 +570,23 @@ impl Engine {
                 }
             }
         }
-        metrics::counter!(m::EVENTS_FETCHED).increment(handed);
-        if full {
+        metrics::counter!(m::EVENTS_FETCHED, "wake" => self.reason.label()).increment(handed);
+        if self.in_tx && handed == 0 {
+            // Nothing claimed: close the claim transaction at once.
+            self.flush_at = Some(Instant::now());
+        }
+        if full && !self.in_tx {
             self.cursor = last_id;
+            self.want_fetch = true;
+        } else if full {
+            // Competing: fetch again once this batch is committed.
             self.want_fetch = true;
         } else {
             self.cursor = 0;
             self.want_fetch = false;
-            self.schedule_retry_timer().await;
+            if !self.in_tx {
+                self.schedule_retry_timer().await;
+            }
         }
     }
 
@@ -388,6 +638,9 @@ impl Engine {
                     }
                 }
                 metrics::counter!(m::EVENTS_PUBLISHED).increment(rows.len() as u64);
+                for id in &acks {
+                    self.part_of.remove(id);
+                }
             }
             Err(e) => {
                 self.acks.extend(acks);
@@ -421,6 +674,10 @@ impl Engine {
                     h.pending = h.pending.saturating_sub(1);
                     h.upto_seq = h.upto_seq.max(seq);
                 }
+                drop(map);
+                for f in &fails {
+                    self.part_of.remove(&f.id);
+                }
             }
             Err(e) => {
                 self.fails.extend(fails);
@@ -430,6 +687,19 @@ impl Engine {
             }
         }
         self.collect_holdback();
+        if self.in_tx && self.outstanding.is_empty() && self.pending() == 0 {
+            if let Some(conn) = self.conn.as_ref() {
+                match conn.client.batch_execute("COMMIT").await {
+                    Ok(()) => {
+                        self.in_tx = false;
+                        if self.want_fetch {
+                            self.cursor = 0;
+                        }
+                    }
+                    Err(e) => self.db_error("committing the claim transaction", e),
+                }
+            }
+        }
         if self.pending() > 0 && self.flush_at.is_none() && self.conn.is_some() {
             self.flush_at = Some(Instant::now() + self.cfg.ack_interval);
         }
@@ -450,6 +720,11 @@ impl Engine {
                 metrics::gauge!(m::OLDEST_UNPUBLISHED_AGE).set(s.oldest_unpublished_age_seconds.unwrap_or(0.0));
             }
             Err(e) => tracing::debug!(error = %crate::error::report(&e), "could not refresh backlog gauges"),
+        }
+        if let Ok(row) = conn.client.query_one("SELECT pg_notification_queue_usage()", &[]).await
+            && let Ok(usage) = row.try_get::<_, f64>(0)
+        {
+            metrics::gauge!(m::NOTIFICATION_QUEUE_USAGE).set(usage);
         }
     }
 

@@ -47,8 +47,42 @@ pub const DEFAULT_PING_INTERVAL: Duration = Duration::from_secs(5);
 pub const DEFAULT_SHUTDOWN_GRACE: Duration = Duration::from_secs(30);
 /// Interval at which the backlog gauges are refreshed: 5 seconds.
 pub const STATUS_INTERVAL: Duration = Duration::from_secs(5);
+/// How long start waits for its test notification to come back: 2 s.
+pub const PROBE_TIMEOUT: Duration = Duration::from_secs(2);
 /// Longest `last_error` stored, in bytes; longer messages are cut.
 pub const MAX_ERROR_BYTES: usize = 4096;
+
+/// How several consumers of one outbox share it. The same choice is the
+/// relay's `--mode` flag.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum Mode {
+    /// One active consumer per outbox (default). Each consumer takes a
+    /// session advisory lock on its work connection before it fetches; the
+    /// others are hot standbys that try to take the lock every 250 ms, so
+    /// when the active one dies (its session ends, releasing the lock) a
+    /// standby takes over within about a quarter of a second of the server
+    /// noticing. Keeps id order and per-aggregate order.
+    #[default]
+    Single,
+    /// Several active consumers share the work by a hash of the aggregate:
+    /// `partitions` partitions, each held by one consumer at a time through
+    /// an advisory lock, rebalanced (every second or so) to a fair share as
+    /// consumers join and leave. A partition is handed over only once
+    /// nothing of it is in flight, so per-aggregate order holds; there is
+    /// no order between aggregates.
+    Partitioned {
+        /// Number of partitions (default in the relay: 16). Every consumer
+        /// of one outbox must use the same number.
+        partitions: u32,
+    },
+    /// The seed's competing consumers: each fetch claims due rows with
+    /// `FOR UPDATE SKIP LOCKED` in a transaction kept open until the batch
+    /// is settled, so consumers never deliver the same row at once. **No
+    /// order at all**, not even per aggregate, and no hold-back behind
+    /// failed events: for events whose order does not matter.
+    Competing,
+}
 
 /// Settings of a consumer. Build it with [`Consumer::builder`].
 #[derive(Debug, Clone)]
@@ -65,6 +99,8 @@ pub(crate) struct ConsumerConfig {
     pub(crate) reconnect_max_delay: Duration,
     pub(crate) ping_interval: Duration,
     pub(crate) shutdown_grace: Duration,
+    pub(crate) mode: Mode,
+    pub(crate) listen: bool,
 }
 
 /// Entry point of the consuming side. See [`Consumer::builder`].
@@ -102,6 +138,8 @@ impl Consumer {
                 reconnect_max_delay: DEFAULT_RECONNECT_MAX_DELAY,
                 ping_interval: DEFAULT_PING_INTERVAL,
                 shutdown_grace: DEFAULT_SHUTDOWN_GRACE,
+                mode: Mode::Single,
+                listen: true,
             },
         }
     }
@@ -194,6 +232,20 @@ impl ConsumerBuilder {
         self
     }
 
+    /// How consumers of one outbox share it (default [`Mode::Single`]).
+    pub fn mode(mut self, mode: Mode) -> Self {
+        self.cfg.mode = mode;
+        self
+    }
+
+    /// Whether to LISTEN for notifications (default true). With `false`
+    /// only the sweep finds events (every sweep interval): for environments
+    /// without LISTEN, such as a transaction-mode pooler.
+    pub fn listen(mut self, listen: bool) -> Self {
+        self.cfg.listen = listen;
+        self
+    }
+
     fn validate(&mut self) -> Result<()> {
         let c = &mut self.cfg;
         if c.batch_size == 0 || c.batch_size > 100_000 {
@@ -211,6 +263,11 @@ impl ConsumerBuilder {
         }
         if c.ack_batch_size == 0 {
             return Err(Error::Config("acknowledgement batch size must be at least 1".into()));
+        }
+        if let Mode::Partitioned { partitions } = c.mode
+            && !(1..=4096).contains(&partitions)
+        {
+            return Err(Error::Config(format!("partitions must be 1..=4096, got {partitions}")));
         }
         if c.ping_interval.is_zero() || c.reconnect_max_delay.is_zero() {
             return Err(Error::Config("ping interval and reconnect delay must be longer than zero".into()));
@@ -237,24 +294,56 @@ impl ConsumerBuilder {
         crate::migrate::check(&work).await?;
         let listener_pg = cfg.listener_pg.clone().unwrap_or_else(|| cfg.pg.clone());
         let wake = Arc::new(Notify::new());
+        let reconnect_wake = Arc::new(Notify::new());
         let (status_tx, status_rx) = watch::channel(ListenerStatus::default());
-        let first_listener = notifier::listen(&listener_pg, wake.clone()).await?;
-
         let token = CancellationToken::new();
+        let notifier = if cfg.listen {
+            let (probe_tx, mut probe_rx) = watch::channel(String::new());
+            let first_listener = notifier::listen(&listener_pg, wake.clone(), probe_tx.clone()).await?;
+            // Check that a notification sent on our connection comes back.
+            let probe = format!("{}{}", notifier::PROBE_PREFIX, Uuid::new_v4());
+            work.execute("SELECT pg_notify($1, $2)", &[&NOTIFY_CHANNEL, &probe]).await?;
+            let came_back = tokio::time::timeout(PROBE_TIMEOUT, probe_rx.wait_for(|p| *p == probe)).await.is_ok();
+            metrics::gauge!(crate::metrics::NOTIFICATIONS_WORKING).set(if came_back { 1.0 } else { 0.0 });
+            if came_back {
+                tracing::info!(channel = NOTIFY_CHANNEL, "notifications work: LISTEN connection receives them");
+            } else {
+                tracing::warn!(
+                    channel = NOTIFY_CHANNEL,
+                    sweep_interval = ?cfg.sweep_interval,
+                    "a test notification did not come back within {PROBE_TIMEOUT:?} (transaction-mode pooler? replica?): \
+                     running in sweep-only mode; events may wait up to one sweep interval"
+                );
+            }
+            Some(tokio::spawn(notifier::run(
+                listener_pg,
+                first_listener,
+                wake.clone(),
+                reconnect_wake.clone(),
+                probe_tx,
+                token.child_token(),
+                status_tx,
+                cfg.clone(),
+            )))
+        } else {
+            metrics::gauge!(crate::metrics::NOTIFICATIONS_WORKING).set(0.0);
+            tracing::info!(sweep_interval = ?cfg.sweep_interval, "LISTEN disabled: sweep-only mode");
+            None
+        };
+
         let (tx, rx) = mpsc::channel(cfg.buffer);
         let (settle_tx, settle_rx) = mpsc::unbounded_channel();
         let shared = Arc::new(Shared { holdback: Mutex::new(HashMap::new()), settle_tx });
-
-        let notifier = tokio::spawn(notifier::run(
-            listener_pg,
-            first_listener,
-            wake.clone(),
-            token.child_token(),
-            status_tx,
+        let engine = drain::Engine::new(
             cfg.clone(),
-        ));
-        let engine =
-            drain::Engine::new(cfg.clone(), (work, work_handle), tx, settle_rx, shared.clone(), wake, token.clone());
+            (work, work_handle),
+            tx,
+            settle_rx,
+            shared.clone(),
+            wake,
+            reconnect_wake,
+            token.clone(),
+        );
         let drain = tokio::spawn(engine.run());
         Ok(EventStream {
             rx,
@@ -335,7 +424,7 @@ pub struct EventStream {
     rx: mpsc::Receiver<Delivery>,
     shared: Arc<Shared>,
     token: CancellationToken,
-    tasks: Option<(JoinHandle<Result<()>>, JoinHandle<()>)>,
+    tasks: Option<(JoinHandle<Result<()>>, Option<JoinHandle<()>>)>,
     status: watch::Receiver<ListenerStatus>,
     cancelled: Pin<Box<WaitForCancellationFutureOwned>>,
     done: bool,
@@ -371,7 +460,9 @@ impl EventStream {
         match self.tasks.take() {
             Some((drain, notifier)) => {
                 let r = drain.await;
-                let _ = notifier.await;
+                if let Some(n) = notifier {
+                    let _ = n.await;
+                }
                 match r {
                     Ok(r) => r,
                     Err(e) => Err(Error::Io(std::io::Error::other(e))),

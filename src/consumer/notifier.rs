@@ -27,6 +27,9 @@ use crate::connect;
 use crate::error::{Error, Result};
 use crate::metrics as m;
 
+/// Payload prefix of the start-up test notification (not a wake-up).
+pub(crate) const PROBE_PREFIX: &str = "pg-outbox probe ";
+
 /// Operations on the LISTEN connection time out after this long.
 const OP_TIMEOUT: Duration = Duration::from_secs(10);
 
@@ -41,7 +44,7 @@ pub(crate) fn quote_ident(s: &str) -> String {
 }
 
 /// Connect, start driving the connection, and LISTEN.
-pub(crate) async fn listen(pg: &Config, wake: Arc<Notify>) -> Result<Listening> {
+pub(crate) async fn listen(pg: &Config, wake: Arc<Notify>, probe: watch::Sender<String>) -> Result<Listening> {
     let cfg = connect::prepared(pg, "pg-outbox listener");
     let (client, mut connection) =
         cfg.connect(NoTls).await.map_err(|source| Error::Connect { target: connect::describe_target(&cfg), source })?;
@@ -49,9 +52,13 @@ pub(crate) async fn listen(pg: &Config, wake: Arc<Notify>) -> Result<Listening> 
         let mut messages = futures::stream::poll_fn(move |cx| connection.poll_message(cx));
         while let Some(msg) = messages.next().await {
             match msg? {
-                AsyncMessage::Notification(_) => {
-                    metrics::counter!(m::NOTIFICATIONS).increment(1);
-                    wake.notify_one();
+                AsyncMessage::Notification(n) => {
+                    if n.payload().starts_with(PROBE_PREFIX) {
+                        probe.send_replace(n.payload().to_string());
+                    } else {
+                        metrics::counter!(m::NOTIFICATIONS).increment(1);
+                        wake.notify_one();
+                    }
                 }
                 AsyncMessage::Notice(n) => tracing::debug!(notice = %n.message(), "listener notice"),
                 _ => {}
@@ -76,10 +83,13 @@ pub(crate) async fn listen(pg: &Config, wake: Arc<Notify>) -> Result<Listening> 
 /// Run until cancelled: watch the connection, ping it while idle, reconnect
 /// with backoff when it is lost, and wake the drain loop after every
 /// reconnect.
+#[allow(clippy::too_many_arguments)]
 pub(crate) async fn run(
     pg: Config,
     first: Listening,
     wake: Arc<Notify>,
+    reconnect_wake: Arc<Notify>,
+    probe: watch::Sender<String>,
     token: CancellationToken,
     status: watch::Sender<ListenerStatus>,
     cfg: Arc<ConsumerConfig>,
@@ -137,14 +147,14 @@ pub(crate) async fn run(
             _ = token.cancelled() => return,
             _ = tokio::time::sleep(delay) => {}
         }
-        match listen(&pg, wake.clone()).await {
+        match listen(&pg, wake.clone(), probe.clone()).await {
             Ok(l) => {
                 reconnects += 1;
                 metrics::counter!(m::LISTENER_RECONNECTS).increment(1);
                 tracing::info!(reconnects, "LISTEN connection re-established; sweeping");
                 current = Some(l);
                 // LISTEN is in place: now sweep for what was committed while down.
-                wake.notify_one();
+                reconnect_wake.notify_one();
             }
             Err(e) => {
                 tracing::warn!(error = %crate::error::report(&e), retry_in = ?delay, "LISTEN reconnect failed");

@@ -75,6 +75,25 @@ struct RelayArgs {
     /// On SIGINT/SIGTERM, how long to wait for the event in hand.
     #[arg(long, value_parser = parse_duration, default_value = "30s")]
     shutdown_grace: Duration,
+    /// How several relays share one outbox: `single` (one active, others
+    /// hot standbys; keeps order), `partitioned` (all active, split by a hash
+    /// of the aggregate; keeps per-aggregate order), `competing` (the seed's
+    /// FOR UPDATE SKIP LOCKED; no order at all).
+    #[arg(long, value_enum, default_value_t = ModeArg::Single)]
+    mode: ModeArg,
+    /// Partitions in `--mode partitioned` (the same on every relay).
+    #[arg(long, default_value_t = 16)]
+    partitions: u32,
+    /// Do not LISTEN: find events by the sweep only (for a transaction-mode pooler).
+    #[arg(long)]
+    no_listen: bool,
+}
+
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+enum ModeArg {
+    Single,
+    Partitioned,
+    Competing,
 }
 
 #[derive(clap::Args, Debug)]
@@ -218,7 +237,13 @@ async fn relay_cmd(url: &str, args: RelayArgs) -> Result<(), Error> {
         .batch_size(args.batch_size)
         .sweep_interval(args.sweep_interval)
         .max_retries(args.max_retries)
-        .shutdown_grace(args.shutdown_grace);
+        .shutdown_grace(args.shutdown_grace)
+        .listen(!args.no_listen)
+        .mode(match args.mode {
+            ModeArg::Single => pg_outbox::Mode::Single,
+            ModeArg::Partitioned => pg_outbox::Mode::Partitioned { partitions: args.partitions },
+            ModeArg::Competing => pg_outbox::Mode::Competing,
+        });
     if let Some(policy) = args.retry_schedule {
         builder = builder.retry_policy(policy);
     }
