@@ -687,17 +687,19 @@ impl Engine {
             }
         }
         self.collect_holdback();
-        if self.in_tx && self.outstanding.is_empty() && self.pending() == 0 {
-            if let Some(conn) = self.conn.as_ref() {
-                match conn.client.batch_execute("COMMIT").await {
-                    Ok(()) => {
-                        self.in_tx = false;
-                        if self.want_fetch {
-                            self.cursor = 0;
-                        }
+        if self.in_tx
+            && self.outstanding.is_empty()
+            && self.pending() == 0
+            && let Some(conn) = self.conn.as_ref()
+        {
+            match conn.client.batch_execute("COMMIT").await {
+                Ok(()) => {
+                    self.in_tx = false;
+                    if self.want_fetch {
+                        self.cursor = 0;
                     }
-                    Err(e) => self.db_error("committing the claim transaction", e),
                 }
+                Err(e) => self.db_error("committing the claim transaction", e),
             }
         }
         if self.pending() > 0 && self.flush_at.is_none() && self.conn.is_some() {

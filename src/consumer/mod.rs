@@ -357,6 +357,9 @@ impl ConsumerBuilder {
     }
 }
 
+/// The drain loop's and the notifier's task handles.
+type Tasks = (JoinHandle<Result<()>>, Option<JoinHandle<()>>);
+
 /// State of the LISTEN connection, for monitoring and tests.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 #[non_exhaustive]
@@ -424,7 +427,7 @@ pub struct EventStream {
     rx: mpsc::Receiver<Delivery>,
     shared: Arc<Shared>,
     token: CancellationToken,
-    tasks: Option<(JoinHandle<Result<()>>, Option<JoinHandle<()>>)>,
+    tasks: Option<Tasks>,
     status: watch::Receiver<ListenerStatus>,
     cancelled: Pin<Box<WaitForCancellationFutureOwned>>,
     done: bool,
