@@ -5,6 +5,7 @@ mod cli;
 mod consumer;
 mod dead_letters;
 mod faults;
+mod modes;
 mod order;
 mod relay;
 mod schema;

@@ -1,0 +1,150 @@
+//! Several consumers on one outbox: standby takeover (single mode),
+//! partitioned sharing with per-aggregate order, and competing consumers.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use futures::StreamExt;
+use pg_outbox::{EventStream, Mode};
+use uuid::Uuid;
+
+use crate::consumer::{next, start};
+use crate::support::{TestDb, insert_seed_events};
+
+/// (consumer index, id, aggregate) in the order each consumer received them.
+type Log = Arc<Mutex<Vec<(usize, i64, Uuid)>>>;
+
+fn spawn_reader(mut stream: EventStream, idx: usize, log: Log) -> tokio::task::JoinHandle<()> {
+    tokio::spawn(async move {
+        while let Some(d) = stream.next().await {
+            log.lock().expect("log").push((idx, d.id, d.aggregate_id));
+            d.ack();
+        }
+        stream.finish().await.expect("finish");
+    })
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn single_mode_has_one_active_consumer_and_a_standby_takes_over() {
+    let db = TestDb::new("standby").await;
+    let c = db.client().await;
+    let mut a = start(&db, |b| b.mode(Mode::Single)).await;
+    let mut b = start(&db, |b| b.mode(Mode::Single)).await;
+    let ids = insert_seed_events(&c, Uuid::new_v4(), 20).await;
+    // Exactly one of them delivers.
+    let first = tokio::select! {
+        d = a.next() => { let d = d.expect("a"); let id = d.id; d.ack(); ("a", id) }
+        d = b.next() => { let d = d.expect("b"); let id = d.id; d.ack(); ("b", id) }
+    };
+    assert_eq!(first.1, ids[0]);
+    let (mut active, mut standby) = if first.0 == "a" { (a, b) } else { (b, a) };
+    for want in &ids[1..] {
+        let d = next(&mut active, 10).await;
+        assert_eq!(d.id, *want);
+        d.ack();
+    }
+    if let Ok(Some(d)) = tokio::time::timeout(Duration::from_millis(500), standby.next()).await {
+        panic!("the standby delivered {} while the other is active", d.id);
+    }
+    // The active one stops; the standby takes over.
+    active.finish().await.expect("finish");
+    let stopped = Instant::now();
+    let more = insert_seed_events(&c, Uuid::new_v4(), 5).await;
+    for want in &more {
+        let d = next(&mut standby, 10).await;
+        assert_eq!(d.id, *want);
+        d.ack();
+    }
+    eprintln!("standby took over and delivered within {:?} of the active consumer stopping", stopped.elapsed());
+    standby.finish().await.expect("finish");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn partitioned_consumers_share_the_work_and_keep_each_aggregate_in_order() {
+    let db = TestDb::new("partitioned").await;
+    let c = db.client().await;
+    let log: Log = Arc::default();
+    let mode = Mode::Partitioned { partitions: 8 };
+    let mut readers = Vec::new();
+    for i in 0..3 {
+        let s = start(&db, |b| b.mode(mode).batch_size(10)).await;
+        readers.push((s.shutdown_handle(), spawn_reader(s, i, log.clone())));
+    }
+    // Let the three settle on a fair share (rebalancing runs about every second).
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let aggs: Vec<Uuid> = (0..24).map(|_| Uuid::new_v4()).collect();
+    let mut committed = Vec::new();
+    for round in 0..10 {
+        for a in &aggs {
+            committed.extend(insert_seed_events(&c, *a, 1 + (round % 2)).await);
+        }
+    }
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while log.lock().expect("log").len() < committed.len() {
+        assert!(Instant::now() < deadline, "not all events delivered");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // One consumer leaves; the others take its partitions.
+    let (h, r) = readers.remove(0);
+    h.shutdown();
+    r.await.expect("reader");
+    for a in &aggs {
+        committed.extend(insert_seed_events(&c, *a, 2).await);
+    }
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while log.lock().expect("log").len() < committed.len() {
+        assert!(Instant::now() < deadline, "events of the departed consumer's partitions were not taken over");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    for (h, r) in readers {
+        h.shutdown();
+        r.await.expect("reader");
+    }
+    let log = log.lock().expect("log").clone();
+    let ids: Vec<i64> = log.iter().map(|e| e.1).collect();
+    assert_eq!(ids.iter().collect::<HashSet<_>>().len(), ids.len(), "each event delivered once in a clean run");
+    assert_eq!(ids.iter().copied().collect::<HashSet<_>>(), committed.iter().copied().collect::<HashSet<_>>());
+    // Per-aggregate order across all consumers, in the order deliveries were logged.
+    let mut last: HashMap<Uuid, i64> = HashMap::new();
+    for (_, id, agg) in &log {
+        if let Some(prev) = last.insert(*agg, *id) {
+            assert!(prev < *id, "aggregate {agg}: {id} after {prev}");
+        }
+    }
+    let per_consumer: HashSet<usize> = log.iter().map(|e| e.0).collect();
+    assert_eq!(per_consumer.len(), 3, "all three consumers took a share");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn competing_consumers_never_deliver_an_event_twice_in_a_clean_run() {
+    let db = TestDb::new("competing").await;
+    let c = db.client().await;
+    let log: Log = Arc::default();
+    let mut readers = Vec::new();
+    for i in 0..2 {
+        let s = start(&db, |b| b.mode(Mode::Competing).batch_size(10)).await;
+        readers.push((s.shutdown_handle(), spawn_reader(s, i, log.clone())));
+    }
+    let mut committed = Vec::new();
+    for _ in 0..20 {
+        committed.extend(insert_seed_events(&c, Uuid::new_v4(), 10).await);
+    }
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let left: i64 =
+            c.query_one("SELECT count(*) FROM events.outbox WHERE published_at IS NULL", &[]).await.expect("q").get(0);
+        if left == 0 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "{left} events still unpublished");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    for (h, r) in readers {
+        h.shutdown();
+        r.await.expect("reader");
+    }
+    let ids: Vec<i64> = log.lock().expect("log").iter().map(|e| e.1).collect();
+    assert_eq!(ids.len(), committed.len(), "each event exactly once");
+    assert_eq!(ids.iter().copied().collect::<HashSet<_>>(), committed.iter().copied().collect::<HashSet<_>>());
+}
