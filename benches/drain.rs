@@ -40,7 +40,7 @@
 //! Under `cargo test --all-targets` (no `--bench` argument) it runs a quick
 //! smoke pass over 1000 events and writes no files.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashSet};
 use std::hint::black_box;
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -132,6 +132,8 @@ struct Outcome {
     order_violations: u64,
     /// Deliveries of an id already delivered (Consumer only).
     duplicates: u64,
+    /// Seconds `EventStream::finish` took after the measurement (Consumer only).
+    finish_seconds: Option<f64>,
 }
 
 impl Outcome {
@@ -143,12 +145,16 @@ impl Outcome {
 
 /// A connection to `cfg` whose driver runs on a spawned task.
 async fn connect(cfg: &Config) -> BenchResult<Client> {
-    let (client, connection) = cfg.connect(NoTls).await.map_err(|source| Error::Connect {
-        target: pg_outbox::describe_target(cfg),
-        source,
-    })?;
+    let (client, connection) = cfg
+        .connect(NoTls)
+        .await
+        .map_err(|source| Error::Connect { target: pg_outbox::describe_target(cfg), source })?;
     tokio::spawn(async move {
-        if let Err(e) = connection.await {
+        // A connection closed by the server (DROP DATABASE ... WITH (FORCE)
+        // at the end) is expected; anything else is worth a line.
+        if let Err(e) = connection.await
+            && !e.is_closed()
+        {
             eprintln!("bench: connection ended: {e}");
         }
     });
@@ -158,20 +164,20 @@ async fn connect(cfg: &Config) -> BenchResult<Client> {
 /// The server to run against, and the throwaway server if one was started
 /// (kept alive as long as the returned value lives).
 async fn find_server() -> BenchResult<(Config, Option<TempServer>)> {
-    if let Ok(url) = std::env::var("DATABASE_URL") {
-        if !url.trim().is_empty() {
-            eprintln!("bench: using DATABASE_URL");
-            return Ok((pg_outbox::parse_url(&url)?, None));
-        }
+    if let Ok(url) = std::env::var("DATABASE_URL")
+        && !url.trim().is_empty()
+    {
+        eprintln!("bench: using DATABASE_URL");
+        return Ok((pg_outbox::parse_url(&url)?, None));
     }
     let local = pg_outbox::parse_url("postgres://postgres@127.0.0.1:5432/postgres")?;
     let mut probe = local.clone();
     probe.connect_timeout(Duration::from_secs(3));
-    if let Ok(client) = connect(&probe).await {
-        if client.simple_query("SELECT 1").await.is_ok() {
-            eprintln!("bench: using the server at 127.0.0.1:5432");
-            return Ok((local, None));
-        }
+    if let Ok(client) = connect(&probe).await
+        && client.simple_query("SELECT 1").await.is_ok()
+    {
+        eprintln!("bench: using the server at 127.0.0.1:5432");
+        return Ok((local, None));
     }
     eprintln!("bench: no server at 127.0.0.1:5432; starting a throwaway one from the local binaries");
     let server = tokio::task::spawn_blocking(TempServer::start).await??;
@@ -181,10 +187,10 @@ async fn find_server() -> BenchResult<(Config, Option<TempServer>)> {
 /// Drop the benchmark database, forcibly if the server supports it (13+).
 async fn drop_database(admin: &Client, name: &str) {
     let forced = admin.batch_execute(&format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)")).await;
-    if let Err(e) = forced {
-        if let Err(e2) = admin.batch_execute(&format!("DROP DATABASE IF EXISTS {name}")).await {
-            eprintln!("bench: could not drop database {name}: {e}; {e2}");
-        }
+    if let Err(e) = forced
+        && let Err(e2) = admin.batch_execute(&format!("DROP DATABASE IF EXISTS {name}")).await
+    {
+        eprintln!("bench: could not drop database {name}: {e}; {e2}");
     }
 }
 
@@ -266,7 +272,15 @@ async fn seed_poller(cfg: &Config, s: &Settings) -> BenchResult<Outcome> {
         }
     }
     let seconds = started.elapsed().as_secs_f64();
-    Ok(Outcome { scenario: "seed poller (50, UPDATE per row)".into(), events: done, seconds, capped, order_violations: 0, duplicates: 0 })
+    Ok(Outcome {
+        scenario: "seed poller (50, UPDATE per row)".into(),
+        events: done,
+        seconds,
+        capped,
+        order_violations: 0,
+        duplicates: 0,
+        finish_seconds: None,
+    })
 }
 
 /// A plain-SQL batched loop: fetch 500 rows, mark them with one UPDATE.
@@ -296,73 +310,111 @@ async fn plain_loop(cfg: &Config, s: &Settings) -> BenchResult<Outcome> {
         }
     }
     let seconds = started.elapsed().as_secs_f64();
-    Ok(Outcome { scenario: "plain-SQL loop (500, UPDATE ... ANY)".into(), events: done, seconds, capped, order_violations: 0, duplicates: 0 })
+    Ok(Outcome {
+        scenario: "plain-SQL loop (500, UPDATE ... ANY)".into(),
+        events: done,
+        seconds,
+        capped,
+        order_violations: 0,
+        duplicates: 0,
+        finish_seconds: None,
+    })
 }
 
-/// pg-outbox's consumer stream with `batch` rows per fetch, acknowledging
-/// every delivery; timed from `start()` until the table shows no
-/// unpublished row.
-async fn consumer(cfg: &Config, s: &Settings, batch: usize) -> BenchResult<Outcome> {
-    let probe = connect(cfg).await?;
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(s.max_secs);
-    let expected = u64::try_from(s.events)?;
-    let mut seen = vec![false; usize::try_from(s.events)? + 1];
-    let (mut order_violations, mut duplicates) = (0u64, 0u64);
-    let started = Instant::now();
-    let mut stream = Consumer::builder(cfg.clone()).batch_size(batch).start().await?;
-    let mut delivered = 0u64;
-    let mut last_id = 0i64;
-    let mut capped = false;
-    while delivered < expected {
+/// What the consumer scenario saw while reading the stream.
+#[derive(Debug, Default)]
+struct Tally {
+    /// Deliveries acknowledged.
+    delivered: u64,
+    /// Deliveries whose id was not above the previous one.
+    order_violations: u64,
+    /// Deliveries of an id already delivered.
+    duplicates: u64,
+    /// True when the time cap stopped the reading.
+    capped: bool,
+    /// Seconds from `start()` until the table showed no unpublished row (or
+    /// until the cap).
+    seconds: f64,
+}
+
+/// Read and acknowledge deliveries until `expected` distinct events were
+/// acknowledged and the table shows them all published, or until `deadline`.
+async fn read_stream(
+    stream: &mut pg_outbox::EventStream,
+    probe: &Client,
+    expected: u64,
+    deadline: tokio::time::Instant,
+    started: Instant,
+) -> BenchResult<Tally> {
+    let mut tally = Tally::default();
+    let mut seen: HashSet<i64> = HashSet::with_capacity(usize::try_from(expected)?);
+    let mut last_id = i64::MIN;
+    while tally.delivered - tally.duplicates < expected {
         match tokio::time::timeout_at(deadline, stream.next()).await {
             Ok(Some(delivery)) => {
                 let id = delivery.id;
                 if id <= last_id {
-                    order_violations += 1;
+                    tally.order_violations += 1;
                 }
                 last_id = last_id.max(id);
-                match usize::try_from(id).ok().and_then(|i| seen.get_mut(i)) {
-                    Some(slot) if *slot => duplicates += 1,
-                    Some(slot) => *slot = true,
-                    None => return Err(format!("delivered id {id} is outside the loaded backlog").into()),
+                if !seen.insert(id) {
+                    tally.duplicates += 1;
                 }
                 black_box(delivery.payload.get("version"));
                 delivery.ack();
-                delivered += 1;
+                tally.delivered += 1;
             }
             Ok(None) => return Err("the consumer stream ended before the backlog was drained".into()),
             Err(_) => {
-                capped = true;
-                break;
+                tally.capped = true;
+                tally.seconds = started.elapsed().as_secs_f64();
+                return Ok(tally);
             }
         }
     }
-    let mut seconds = started.elapsed().as_secs_f64();
-    if !capped {
-        // Acknowledgements are flushed in batches: wait for the last one.
-        loop {
-            if unpublished(&probe).await? == 0 {
-                seconds = started.elapsed().as_secs_f64();
-                break;
-            }
-            if tokio::time::Instant::now() >= deadline + Duration::from_secs(10) {
-                return Err("all events were delivered and acknowledged, but rows stayed unpublished".into());
-            }
-            tokio::time::sleep(Duration::from_millis(2)).await;
+    // Acknowledgements are written in batches: wait for the last one.
+    loop {
+        if unpublished(probe).await? == 0 {
+            tally.seconds = started.elapsed().as_secs_f64();
+            return Ok(tally);
         }
+        if tokio::time::Instant::now() >= deadline + Duration::from_secs(10) {
+            return Err("every event was delivered and acknowledged, but rows stayed unpublished".into());
+        }
+        tokio::time::sleep(Duration::from_millis(2)).await;
     }
-    stream.finish().await?;
-    let published: i64 = probe.query_one("SELECT count(*) FROM events.outbox WHERE published_at IS NOT NULL", &[]).await?.try_get(0)?;
-    if u64::try_from(published)? < delivered - duplicates {
-        return Err(format!("{delivered} deliveries acknowledged but only {published} rows published after finish()").into());
+}
+
+/// pg-outbox's consumer stream with `batch` rows per fetch, acknowledging
+/// every delivery; timed from `start()` until the table shows no
+/// unpublished row. `finish()` is called in every case (also on error) and
+/// timed apart.
+async fn consumer(cfg: &Config, s: &Settings, batch: usize) -> BenchResult<Outcome> {
+    let probe = connect(cfg).await?;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(s.max_secs);
+    let expected = u64::try_from(s.events)?;
+    let started = Instant::now();
+    let mut stream = Consumer::builder(cfg.clone()).batch_size(batch).start().await?;
+    let read = read_stream(&mut stream, &probe, expected, deadline, started).await;
+    let finish_started = Instant::now();
+    let finished = stream.finish().await;
+    let finish_seconds = finish_started.elapsed().as_secs_f64();
+    let tally = read?;
+    finished?;
+    let published: i64 =
+        probe.query_one("SELECT count(*) FROM events.outbox WHERE published_at IS NOT NULL", &[]).await?.try_get(0)?;
+    let distinct = tally.delivered - tally.duplicates;
+    if u64::try_from(published)? < distinct {
+        return Err(format!("{distinct} events acknowledged but only {published} rows published after finish()").into());
     }
     Ok(Outcome {
         scenario: format!("pg_outbox Consumer (batch {batch}, ack each)"),
-        events: delivered - duplicates,
-        seconds,
-        capped,
-        order_violations,
-        duplicates,
+        events: distinct,
+        seconds: tally.seconds,
+        capped: tally.capped,
+        order_violations: tally.order_violations,
+        duplicates: tally.duplicates,
+        finish_seconds: Some(finish_seconds),
     })
 }
 
@@ -383,7 +435,11 @@ async fn run_scenario(cfg: &Config, s: &Settings, which: Scenario) -> BenchResul
     let admin = connect(cfg).await?;
     let load_started = Instant::now();
     let payload_bytes = load_backlog(&admin, s).await?;
-    eprintln!("bench: loaded {} events ({payload_bytes:.0} B payload avg) in {:.1} s", s.events, load_started.elapsed().as_secs_f64());
+    eprintln!(
+        "bench: loaded {} events ({payload_bytes:.0} B payload avg) in {:.1} s",
+        s.events,
+        load_started.elapsed().as_secs_f64()
+    );
     let outcome = match which {
         Scenario::Seed => seed_poller(cfg, s).await?,
         Scenario::Plain => plain_loop(cfg, s).await?,
@@ -401,6 +457,9 @@ async fn run_scenario(cfg: &Config, s: &Settings, which: Scenario) -> BenchResul
         outcome.rate(),
         if outcome.capped { " (capped)" } else { "" }
     );
+    if let Some(f) = outcome.finish_seconds {
+        eprintln!("bench: {:<42} finish() took {:.3} s", outcome.scenario, f);
+    }
     Ok((outcome, payload_bytes))
 }
 
@@ -421,7 +480,12 @@ fn markdown(s: &Settings, context: &BTreeMap<&str, String>, outcomes: &[Outcome]
     for (k, v) in context {
         out.push_str(&format!("- {k}: {v}\n"));
     }
-    out.push_str(&format!("- backlog: {} events over {} aggregates, cap {} s per scenario\n\n", s.events, s.aggregates, s.max_secs));
+    out.push_str(&format!(
+        "- backlog: {} events over {} aggregates, cap {} s per scenario\n\n",
+        s.events,
+        s.aggregates.min(s.events),
+        s.max_secs
+    ));
     out.push_str("| scenario | events | seconds | events/s | vs seed poller | vs plain-SQL loop |\n");
     out.push_str("|---|---:|---:|---:|---:|---:|\n");
     for o in outcomes {
@@ -464,7 +528,7 @@ async fn server_context(client: &Client) -> BenchResult<BTreeMap<&'static str, S
     ctx.insert("server", version);
     let rows = client
         .query(
-            "SELECT name, setting FROM pg_settings \
+            "SELECT name, current_setting(name) FROM pg_settings \
              WHERE name IN ('fsync', 'synchronous_commit', 'shared_buffers') ORDER BY name",
             &[],
         )
@@ -476,7 +540,10 @@ async fn server_context(client: &Client) -> BenchResult<BTreeMap<&'static str, S
         })
         .collect::<Result<_, _>>()?;
     ctx.insert("settings", settings.join(", "));
-    ctx.insert("cpus", std::thread::available_parallelism().map(|n| n.get().to_string()).unwrap_or_else(|_| "?".into()));
+    ctx.insert(
+        "cpus",
+        std::thread::available_parallelism().map(|n| n.get().to_string()).unwrap_or_else(|_| "?".into()),
+    );
     Ok(ctx)
 }
 
@@ -484,7 +551,9 @@ async fn server_context(client: &Client) -> BenchResult<BTreeMap<&'static str, S
 async fn run_all(cfg: &Config, s: &Settings) -> BenchResult<(Vec<Outcome>, f64)> {
     let mut outcomes = Vec::new();
     let mut payload = 0.0;
-    for which in [Scenario::Seed, Scenario::Plain, Scenario::Consumer(pg_outbox::DEFAULT_BATCH_SIZE), Scenario::Consumer(500)] {
+    for which in
+        [Scenario::Seed, Scenario::Plain, Scenario::Consumer(pg_outbox::DEFAULT_BATCH_SIZE), Scenario::Consumer(500)]
+    {
         let (outcome, bytes) = run_scenario(cfg, s, which).await?;
         payload = bytes;
         outcomes.push(outcome);
@@ -537,6 +606,7 @@ async fn bench() -> BenchResult<()> {
             "capped": o.capped,
             "order_violations": o.order_violations,
             "duplicates": o.duplicates,
+            "finish_seconds": o.finish_seconds,
         })).collect::<Vec<_>>(),
     });
     std::fs::write(dir.join("drain.json"), serde_json::to_string_pretty(&json)?)?;
@@ -549,7 +619,8 @@ fn main() -> ExitCode {
     tracing_subscriber::fmt()
         .with_writer(std::io::stderr)
         .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
         )
         .init();
     let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {

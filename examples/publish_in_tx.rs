@@ -113,13 +113,14 @@ async fn run(url: &str) -> Result<(), Error> {
             "SELECT count(*) FROM events.outbox WHERE aggregate_type = 'subscription' AND aggregate_id = $1",
             &[&subscription],
         )
-        .await
-        .map_err(pg_outbox::error::not_migrated_or)?;
+        .await?;
     let events: i64 = row.try_get(0)?;
     println!("the outbox holds {events} event(s) for subscription {subscription}");
     Ok(())
 }
 
+/// Entry point: read `DATABASE_URL` (exit code 2 with a hint when it is
+/// missing), run, and print any error with its causes (exit code 1).
 #[tokio::main]
 async fn main() -> ExitCode {
     let Some(url) = std::env::var("DATABASE_URL").ok().filter(|u| !u.trim().is_empty()) else {
