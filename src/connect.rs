@@ -22,8 +22,18 @@ pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 ///
 /// # Errors
 /// [`Error::InvalidUrl`] describing what could not be parsed (the text of
-/// the URL, which may hold a password, is not repeated).
+/// the URL, which may hold a password, is not repeated);
+/// [`Error::Config`] for a URL of another scheme (`mysql://...`).
 pub fn parse_url(url: &str) -> Result<Config> {
+    let trimmed = url.trim_start();
+    if let Some((scheme, _)) = trimmed.split_once("://")
+        && scheme != "postgres"
+        && scheme != "postgresql"
+    {
+        return Err(Error::Config(format!(
+            "invalid database URL: scheme `{scheme}://` is not PostgreSQL; write postgres://user@host:5432/dbname"
+        )));
+    }
     url.parse::<Config>().map_err(Error::InvalidUrl)
 }
 

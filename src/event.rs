@@ -128,16 +128,20 @@ impl NewEvent {
     ///
     /// # Errors
     /// [`Error::InvalidEvent`] when `aggregate_type` or `event_type` is empty
-    /// or holds a NUL character (PostgreSQL text cannot store byte 0), when
+    /// or blank, holds a control character, or a NUL character (PostgreSQL
+    /// text cannot store byte 0), when
     /// the payload holds `\u0000` anywhere (jsonb rejects it, PostgreSQL docs
     /// "JSON Types"), or when its JSON text is longer than `max_payload_bytes`.
     pub fn validate(&self, max_payload_bytes: usize) -> Result<()> {
         for (name, v) in [("aggregate_type", &self.aggregate_type), ("event_type", &self.event_type)] {
-            if v.is_empty() {
+            if v.trim().is_empty() {
                 return Err(Error::InvalidEvent(format!("{name} is empty")));
             }
             if v.contains('\0') {
                 return Err(Error::InvalidEvent(format!("{name} contains a NUL character (\\u0000)")));
+            }
+            if v.chars().any(char::is_control) {
+                return Err(Error::InvalidEvent(format!("{name} contains a control character")));
             }
         }
         if let Some(path) = find_nul(&self.payload, "$") {

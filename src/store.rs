@@ -28,37 +28,42 @@ const NOT_HELD_BACK: &str = "NOT EXISTS (SELECT 1 FROM events.outbox b \
        AND b.next_retry_at > now())";
 
 /// Fetch the next due events in id order. Two index range scans, merged:
-/// fresh rows from `outbox_fresh_idx` (id > $1), and failed rows whose retry
-/// is due from `outbox_retry_due_idx` (dead letters, at 'infinity', never
-/// are). $2 are ids already in flight, $3 the batch size. With
-/// `partitioned`, only aggregates whose hash partition (of $4) is in $5, and
-/// the partition is returned as column [`PARTITION_COLUMN`].
+/// fresh rows from `outbox_fresh_idx`, and failed rows whose retry is due
+/// from `outbox_retry_due_idx` (dead letters, at 'infinity', never are).
+/// $1 are ids already in flight, $2 the batch size. With `partitioned`,
+/// only aggregates whose hash partition (of $3) is in $4, and the partition
+/// is returned as column [`PARTITION_COLUMN`].
+///
+/// Every fetch starts from the lowest id: no cursor. A cursor (`id > last`)
+/// would skip rows that were held back when it passed them and became
+/// eligible since (their blocker's retry came due, or it was delivered or
+/// discarded), and deliver a later event of their aggregate first.
 pub(crate) fn fetch_sql(partitioned: bool) -> String {
     let (part_filter, part_col) = if partitioned {
-        (format!("AND {PARTITION_EXPR} = ANY($5::int4[])"), format!(", {PARTITION_EXPR} AS part"))
+        (format!("AND {PARTITION_EXPR} = ANY($4::int4[])"), format!(", {PARTITION_EXPR} AS part"))
     } else {
         (String::new(), String::new())
     };
     format!(
         "SELECT {cols}{part_col} FROM ( \
            (SELECT o.* FROM events.outbox o \
-             WHERE o.published_at IS NULL AND o.next_retry_at IS NULL AND o.id > $1 \
-               AND o.id <> ALL($2::bigint[]) {part_filter} AND {hb} \
-             ORDER BY o.id LIMIT $3) \
+             WHERE o.published_at IS NULL AND o.next_retry_at IS NULL \
+               AND o.id <> ALL($1::bigint[]) {part_filter} AND {hb} \
+             ORDER BY o.id LIMIT $2) \
            UNION ALL \
            (SELECT o.* FROM events.outbox o \
              WHERE o.published_at IS NULL AND o.next_retry_at IS NOT NULL AND o.next_retry_at <= now() \
-               AND o.id <> ALL($2::bigint[]) {part_filter} AND {hb} \
-             ORDER BY o.id LIMIT $3) \
-         ) o ORDER BY id LIMIT $3",
+               AND o.id <> ALL($1::bigint[]) {part_filter} AND {hb} \
+             ORDER BY o.id LIMIT $2) \
+         ) o ORDER BY id LIMIT $2",
         cols = EVENT_COLUMNS,
         hb = NOT_HELD_BACK
     )
 }
 
-/// The hash partition of a row's aggregate, 0..$4 (partitioned mode).
+/// The hash partition of a row's aggregate, 0..$3 (partitioned mode).
 const PARTITION_EXPR: &str =
-    "((hashtextextended(o.aggregate_type || '/' || o.aggregate_id::text, 0) & 2147483647) % $4)::int4";
+    "((hashtextextended(o.aggregate_type || '/' || o.aggregate_id::text, 0) & 2147483647) % $3)::int4";
 
 /// Index of the partition column in a partitioned fetch's rows.
 pub(crate) const PARTITION_COLUMN: usize = 8;
@@ -97,23 +102,43 @@ pub(crate) const NEXT_RETRY_IN: &str = "SELECT EXTRACT(EPOCH FROM (min(next_retr
      FROM events.outbox WHERE published_at IS NULL AND next_retry_at IS NOT NULL \
        AND next_retry_at > now() AND next_retry_at < 'infinity'";
 
-/// Backlog and lag figures; see [`OutboxStatus`].
-pub(crate) const STATUS: &str = "SELECT \
-       count(*) AS unpublished, \
-       count(*) FILTER (WHERE next_retry_at IS NULL OR next_retry_at <= now()) AS due, \
-       count(*) FILTER (WHERE next_retry_at > now() AND next_retry_at < 'infinity') AS waiting, \
-       count(*) FILTER (WHERE next_retry_at = 'infinity') AS dead, \
+/// The relay's gauges, cheaper than [`status_sql`]: pending (not dead)
+/// rows, dead letters, and the age of the oldest pending row in seconds.
+pub(crate) const GAUGES: &str = "SELECT \
+       count(*) FILTER (WHERE next_retry_at IS DISTINCT FROM 'infinity'), \
+       count(*) FILTER (WHERE next_retry_at = 'infinity'), \
        EXTRACT(EPOCH FROM (now() - min(occurred_at) FILTER (WHERE next_retry_at IS DISTINCT FROM 'infinity')))::float8 \
      FROM events.outbox WHERE published_at IS NULL";
+
+/// Backlog and lag figures; see [`OutboxStatus`]. `held` marks due rows
+/// held back behind an earlier failed event of their aggregate.
+fn status_sql() -> String {
+    format!(
+        "SELECT \
+           count(*) AS unpublished, \
+           count(*) FILTER (WHERE (next_retry_at IS NULL OR next_retry_at <= now()) AND NOT held) AS due, \
+           count(*) FILTER (WHERE next_retry_at > now() AND next_retry_at < 'infinity') AS waiting, \
+           count(*) FILTER (WHERE next_retry_at = 'infinity') AS dead, \
+           EXTRACT(EPOCH FROM (now() - min(occurred_at) FILTER (WHERE next_retry_at IS DISTINCT FROM 'infinity')))::float8, \
+           count(*) FILTER (WHERE (next_retry_at IS NULL OR next_retry_at <= now()) AND held) AS held \
+         FROM (SELECT o.occurred_at, o.next_retry_at, NOT {NOT_HELD_BACK} AS held \
+               FROM events.outbox o WHERE o.published_at IS NULL) o"
+    )
+}
 
 /// Figures about the outbox, as `pg-outbox status` prints them.
 #[derive(Debug, Clone, PartialEq, serde::Serialize)]
 #[non_exhaustive]
 pub struct OutboxStatus {
-    /// Rows with `published_at IS NULL`, dead letters included.
+    /// Rows with `published_at IS NULL`, dead letters included:
+    /// `due_now + held_back + waiting_for_retry + dead_letters`.
     pub unpublished: i64,
-    /// Unpublished rows that are due now (fresh, or their retry is due).
+    /// Unpublished rows that are due now (fresh, or their retry is due) and
+    /// not held back.
     pub due_now: i64,
+    /// Due rows held back behind an earlier failed event of their aggregate
+    /// (waiting for a retry, or a dead letter).
+    pub held_back: i64,
     /// Unpublished rows waiting for their retry (`next_retry_at` in the future).
     pub waiting_for_retry: i64,
     /// Dead letters: unpublished rows with `next_retry_at = 'infinity'` (set
@@ -130,10 +155,11 @@ pub struct OutboxStatus {
 /// [`Error::NotMigrated`] if the schema is missing; [`Error::Db`] if the
 /// query fails otherwise.
 pub async fn status<C: GenericClient + Sync>(client: &C) -> Result<OutboxStatus> {
-    let row = client.query_one(STATUS, &[]).await.map_err(map_missing_schema)?;
+    let row = client.query_one(&status_sql(), &[]).await.map_err(map_missing_schema)?;
     Ok(OutboxStatus {
         unpublished: row.try_get(0)?,
         due_now: row.try_get(1)?,
+        held_back: row.try_get(5)?,
         waiting_for_retry: row.try_get(2)?,
         dead_letters: row.try_get(3)?,
         oldest_unpublished_age_seconds: row.try_get(4)?,

@@ -113,7 +113,6 @@ pub(crate) struct Engine {
     acks: Vec<i64>,
     fails: Vec<PendingFail>,
     fetch_seq: u64,
-    cursor: i64,
     want_fetch: bool,
     retry_at: Option<Instant>,
     flush_at: Option<Instant>,
@@ -171,7 +170,6 @@ impl Engine {
             acks: Vec::new(),
             fails: Vec::new(),
             fetch_seq: 0,
-            cursor: 0,
             want_fetch: true,
             retry_at: None,
             flush_at: None,
@@ -194,7 +192,6 @@ impl Engine {
             self.reason = reason;
         }
         self.want_fetch = true;
-        self.cursor = 0;
     }
 
     /// May this consumer fetch now, given its mode?
@@ -522,11 +519,11 @@ impl Engine {
         exclude.extend(self.fails.iter().map(|f| f.id));
         let batch = i64::try_from(self.cfg.batch_size).unwrap_or(i64::MAX);
         let res = match self.cfg.mode {
-            Mode::Single => conn.client.query(&conn.fetch, &[&self.cursor, &exclude, &batch]).await,
+            Mode::Single => conn.client.query(&conn.fetch, &[&exclude, &batch]).await,
             Mode::Partitioned { partitions } => {
                 let owned: Vec<i32> = self.owned.iter().copied().collect();
                 let n = i64::from(partitions);
-                conn.client.query(&conn.fetch, &[&self.cursor, &exclude, &batch, &n, &owned]).await
+                conn.client.query(&conn.fetch, &[&exclude, &batch, &n, &owned]).await
             }
             Mode::Competing => {
                 // Claim rows with row locks held by an open transaction until
@@ -551,13 +548,15 @@ impl Engine {
         self.fetch_seq += 1;
         let seq = self.fetch_seq;
         let full = rows.len() >= self.cfg.batch_size;
-        let mut last_id = self.cursor;
         let mut handed = 0u64;
         let partitioned = matches!(self.cfg.mode, Mode::Partitioned { .. });
         for (row, slot) in rows.iter().zip(permit) {
+            if self.token.is_cancelled() {
+                // Stopping: hand out nothing more; these rows stay unpublished.
+                break;
+            }
             match store::event_from_row(row) {
                 Ok(event) => {
-                    last_id = last_id.max(event.id);
                     self.outstanding.insert(event.id, seq);
                     if partitioned && let Ok(p) = row.try_get::<_, i32>(store::PARTITION_COLUMN) {
                         self.part_of.insert(event.id, p);
@@ -575,14 +574,11 @@ impl Engine {
             // Nothing claimed: close the claim transaction at once.
             self.flush_at = Some(Instant::now());
         }
-        if full && !self.in_tx {
-            self.cursor = last_id;
-            self.want_fetch = true;
-        } else if full {
-            // Competing: fetch again once this batch is committed.
+        if full {
+            // More may be due: fetch again as soon as there is room (in
+            // competing mode, once this batch is committed).
             self.want_fetch = true;
         } else {
-            self.cursor = 0;
             self.want_fetch = false;
             if !self.in_tx {
                 self.schedule_retry_timer().await;
@@ -693,12 +689,7 @@ impl Engine {
             && let Some(conn) = self.conn.as_ref()
         {
             match conn.client.batch_execute("COMMIT").await {
-                Ok(()) => {
-                    self.in_tx = false;
-                    if self.want_fetch {
-                        self.cursor = 0;
-                    }
-                }
+                Ok(()) => self.in_tx = false,
                 Err(e) => self.db_error("committing the claim transaction", e),
             }
         }
@@ -715,11 +706,14 @@ impl Engine {
 
     async fn refresh_gauges(&mut self) {
         let Some(conn) = self.conn.as_ref() else { return };
-        match store::status(&conn.client).await {
-            Ok(s) => {
-                metrics::gauge!(m::BACKLOG).set((s.unpublished - s.dead_letters) as f64);
-                metrics::gauge!(m::DEAD_LETTERS).set(s.dead_letters as f64);
-                metrics::gauge!(m::OLDEST_UNPUBLISHED_AGE).set(s.oldest_unpublished_age_seconds.unwrap_or(0.0));
+        match conn.client.query_one(store::GAUGES, &[]).await {
+            Ok(row) => {
+                let pending: i64 = row.try_get(0).unwrap_or(0);
+                let dead: i64 = row.try_get(1).unwrap_or(0);
+                let oldest: Option<f64> = row.try_get(2).unwrap_or(None);
+                metrics::gauge!(m::BACKLOG).set(pending as f64);
+                metrics::gauge!(m::DEAD_LETTERS).set(dead as f64);
+                metrics::gauge!(m::OLDEST_UNPUBLISHED_AGE).set(oldest.unwrap_or(0.0));
             }
             Err(e) => tracing::debug!(error = %crate::error::report(&e), "could not refresh backlog gauges"),
         }

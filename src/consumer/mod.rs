@@ -352,6 +352,7 @@ impl ConsumerBuilder {
             cancelled: Box::pin(token.clone().cancelled_owned()),
             tasks: Some((drain, notifier)),
             status: status_rx,
+            grace: cfg.shutdown_grace,
             done: false,
         })
     }
@@ -430,6 +431,7 @@ pub struct EventStream {
     tasks: Option<Tasks>,
     status: watch::Receiver<ListenerStatus>,
     cancelled: Pin<Box<WaitForCancellationFutureOwned>>,
+    grace: Duration,
     done: bool,
 }
 
@@ -443,6 +445,11 @@ impl EventStream {
     /// [`EventStream::finish`] to wait for the final acknowledgements.
     pub fn shutdown(&self) {
         self.token.cancel();
+    }
+
+    /// The shutdown grace this consumer was built with (default 30 s).
+    pub fn shutdown_grace(&self) -> Duration {
+        self.grace
     }
 
     /// Watch the LISTEN connection's state.
@@ -461,8 +468,19 @@ impl EventStream {
         self.token.cancel();
         self.release_buffered();
         match self.tasks.take() {
-            Some((drain, notifier)) => {
-                let r = drain.await;
+            Some((mut drain, notifier)) => {
+                // Keep releasing what a fetch in progress still hands out, so
+                // the drain loop does not wait for deliveries nobody will read.
+                let mut open = true;
+                let r = loop {
+                    tokio::select! {
+                        r = &mut drain => break r,
+                        d = self.rx.recv(), if open => match d {
+                            Some(d) => drop(d),
+                            None => open = false,
+                        },
+                    }
+                };
                 if let Some(n) = notifier {
                     let _ = n.await;
                 }

@@ -17,7 +17,7 @@ use futures::StreamExt;
 use serde::Serialize;
 
 pub use stdout::StdoutSink;
-pub use webhook::{DEFAULT_WEBHOOK_TIMEOUT, WebhookSink};
+pub use webhook::{DEFAULT_WEBHOOK_TIMEOUT, WebhookSink, redact_url};
 
 use crate::error::{BoxError, Result};
 use crate::event::Event;
@@ -83,15 +83,25 @@ pub struct RelayStats {
     pub failed: u64,
 }
 
+/// A sink error that means the sink itself is gone (for example standard
+/// output was closed), not that this event is bad. [`run`] stops on it: the
+/// event is released (not charged a failure) and `run` returns
+/// [`Error::Sink`](crate::Error::Sink).
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub struct FatalSinkError(pub String);
+
 /// Deliver every event of `stream` to `sink` until `shutdown` resolves or
 /// the stream ends, then finish the stream (final acknowledgements).
 ///
-/// On shutdown it stops fetching; the delivery in progress is finished and
-/// settled, buffered ones are released (delivered again by the next relay),
-/// and the final acknowledgements are written before it returns.
+/// On shutdown it stops fetching; the delivery in progress gets up to the
+/// consumer's shutdown grace to finish (then it is released: not published,
+/// delivered again by the next relay); buffered deliveries are released;
+/// the final acknowledgements are written before it returns.
 ///
 /// # Errors
-/// The error that stopped the consumer, if any.
+/// [`Error::Sink`](crate::Error::Sink) when the sink reported a
+/// [`FatalSinkError`]; otherwise the error that stopped the consumer, if any.
 pub async fn run<S, F>(mut stream: EventStream, sink: &S, shutdown: F) -> Result<RelayStats>
 where
     S: Sink + ?Sized,
@@ -99,35 +109,69 @@ where
 {
     let mut stats = RelayStats::default();
     let handle = stream.shutdown_handle();
+    let grace = stream.shutdown_grace();
     tokio::pin!(shutdown);
     let mut shutdown_seen = false;
+    let mut fatal: Option<FatalSinkError> = None;
     loop {
         let next = tokio::select! {
             d = stream.next() => d,
             _ = &mut shutdown, if !shutdown_seen => {
                 shutdown_seen = true;
-                tracing::info!("shutting down: finishing the event in hand and writing acknowledgements");
+                tracing::info!("shutting down: writing acknowledgements");
                 handle.shutdown();
                 continue;
             }
         };
         let Some(delivery) = next else { break };
         let started = Instant::now();
-        let result = sink.deliver(delivery.event()).await;
+        let result = {
+            let deliver = sink.deliver(delivery.event());
+            tokio::pin!(deliver);
+            tokio::select! {
+                r = &mut deliver => Some(r),
+                _ = &mut shutdown, if !shutdown_seen => {
+                    shutdown_seen = true;
+                    tracing::info!(id = delivery.id, grace = ?grace, "shutting down: waiting for the event in hand");
+                    handle.shutdown();
+                    tokio::time::timeout(grace, &mut deliver).await.ok()
+                }
+            }
+        };
         metrics::histogram!(m::SINK_DURATION).record(started.elapsed().as_secs_f64());
         match result {
-            Ok(()) => {
+            None => {
+                tracing::warn!(
+                    id = delivery.id,
+                    "shutdown grace ran out; the event in hand is released and will be delivered again"
+                );
+                delivery.release();
+                break;
+            }
+            Some(Ok(())) => {
                 stats.delivered += 1;
                 delivery.ack();
             }
-            Err(e) => {
-                stats.failed += 1;
-                let msg = crate::error::report(e.as_ref());
-                tracing::warn!(id = delivery.id, retry_count = delivery.retry_count, error = %msg, "sink failed");
-                delivery.fail(msg);
-            }
+            Some(Err(e)) => match e.downcast::<FatalSinkError>() {
+                Ok(f) => {
+                    tracing::error!(id = delivery.id, error = %f, "sink is gone; stopping (the event is released, not failed)");
+                    delivery.release();
+                    handle.shutdown();
+                    fatal = Some(*f);
+                    break;
+                }
+                Err(e) => {
+                    stats.failed += 1;
+                    let msg = crate::error::report(e.as_ref());
+                    tracing::warn!(id = delivery.id, attempt = delivery.retry_count + 1, error = %msg.escape_debug(), "sink failed");
+                    delivery.fail(msg);
+                }
+            },
         }
     }
     stream.finish().await?;
-    Ok(stats)
+    match fatal {
+        Some(f) => Err(crate::Error::Sink(Box::new(f))),
+        None => Ok(stats),
+    }
 }

@@ -6,7 +6,9 @@ use crate::event::Event;
 
 /// Writes each event as one JSON object per line ([`SinkRecord`]) to
 /// standard output, flushed before the event is acknowledged. Nothing else
-/// is written to standard output.
+/// is written to standard output. If standard output is closed (the reader
+/// went away: `EPIPE`), it returns a [`super::FatalSinkError`]: the relay
+/// stops without charging the event a failure.
 #[derive(Debug, Default)]
 pub struct StdoutSink {
     lock: Mutex<()>,
@@ -26,9 +28,14 @@ impl Sink for StdoutSink {
             line.push(b'\n');
             let _guard = self.lock.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
             let mut out = std::io::stdout().lock();
-            out.write_all(&line)?;
-            out.flush()?;
-            Ok(())
+            match out.write_all(&line).and_then(|()| out.flush()) {
+                Ok(()) => Ok(()),
+                // Nobody reads any more: stop, rather than fail every event.
+                Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => {
+                    Err(Box::new(super::FatalSinkError(format!("standard output was closed: {e}"))) as _)
+                }
+                Err(e) => Err(e.into()),
+            }
         })
     }
 }

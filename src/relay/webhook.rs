@@ -11,14 +11,28 @@ pub const DEFAULT_WEBHOOK_TIMEOUT: Duration = Duration::from_secs(10);
 const BODY_SNIPPET: usize = 512;
 
 /// POSTs each event's [`SinkRecord`] as JSON to a URL. A 2xx response
-/// acknowledges the event; any other status, a connection error or a
-/// timeout fails it, with the status (and the start of the body) in
+/// acknowledges the event; any other status (redirects are not followed: a
+/// 3xx fails the event too), a connection error or a timeout fails it, with
+/// the status (and the start of the body, on one line) in `last_error`.
+/// Credentials and the query string of the URL never appear in logs or
 /// `last_error`. The request carries `Idempotency-Key: <outbox id>` so the
 /// receiver can drop redeliveries.
 #[derive(Debug, Clone)]
 pub struct WebhookSink {
     client: reqwest::Client,
     url: reqwest::Url,
+    shown: String,
+}
+
+/// The URL without credentials and query string, for messages.
+pub fn redact_url(url: &reqwest::Url) -> String {
+    let mut u = url.clone();
+    let _ = u.set_username("");
+    let _ = u.set_password(None);
+    if u.query().is_some() {
+        u.set_query(Some("…"));
+    }
+    u.to_string()
 }
 
 impl WebhookSink {
@@ -32,12 +46,22 @@ impl WebhookSink {
         if url.scheme() != "http" && url.scheme() != "https" {
             return Err(Error::Config(format!("webhook URL must be http or https, got {}", url.scheme())));
         }
+        if url.host_str().is_none_or(str::is_empty) {
+            return Err(Error::Config("webhook URL has no host".into()));
+        }
         let client = reqwest::Client::builder()
             .timeout(timeout)
+            .redirect(reqwest::redirect::Policy::none())
             .user_agent(concat!("pg-outbox/", env!("CARGO_PKG_VERSION")))
             .build()
             .map_err(|e| Error::Config(format!("cannot build the HTTP client: {e}")))?;
-        Ok(WebhookSink { client, url })
+        let shown = redact_url(&url);
+        Ok(WebhookSink { client, url, shown })
+    }
+
+    /// The URL as shown in messages (no credentials, no query string).
+    pub fn display_url(&self) -> &str {
+        &self.shown
     }
 }
 
@@ -52,10 +76,12 @@ impl Sink for WebhookSink {
                 .send()
                 .await
                 .map_err(|e| {
-                    if e.is_timeout() {
-                        format!("webhook timed out: {}", crate::error::report(&e))
+                    let timeout = e.is_timeout();
+                    let e = e.without_url();
+                    if timeout {
+                        format!("webhook {} timed out: {}", self.shown, crate::error::report(&e))
                     } else {
-                        format!("webhook request failed: {}", crate::error::report(&e))
+                        format!("webhook {} request failed: {}", self.shown, crate::error::report(&e))
                     }
                 })?;
             let status = resp.status();
@@ -63,9 +89,14 @@ impl Sink for WebhookSink {
                 return Ok(());
             }
             let body = resp.text().await.unwrap_or_default();
-            let mut snippet: String = body.chars().take(BODY_SNIPPET).collect();
-            if snippet.len() < body.len() {
+            // One line: collapse whitespace (HTML error pages span many lines).
+            let flat = body.split_whitespace().collect::<Vec<_>>().join(" ");
+            let mut snippet: String = flat.chars().take(BODY_SNIPPET).collect();
+            if snippet.len() < flat.len() {
                 snippet.push('…');
+            }
+            if status.is_redirection() {
+                return Err(format!("webhook answered HTTP {status} (redirects are not followed; point --sink at the final URL): {snippet}").into());
             }
             Err(format!("webhook answered HTTP {status}: {snippet}").into())
         })

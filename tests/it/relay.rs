@@ -507,3 +507,94 @@ async fn hanging_webhook_times_out_and_the_event_waits_for_a_retry() {
     assert!(last_error.contains("timed out"), "last_error says it timed out: {last_error}");
     assert_eq!(hook.attempts(id).len(), 1, "the webhook got the request");
 }
+
+/// A webhook that redirects POST /hook to a GET-able 200 page.
+async fn start_redirecting_hook() -> (Arc<AtomicU8>, String) {
+    let landed = Arc::new(AtomicU8::new(0));
+    let l2 = landed.clone();
+    let app = axum::Router::new()
+        .route("/hook", axum::routing::post(|| async { (StatusCode::FOUND, [("location", "/landing")], "moved") }))
+        .route(
+            "/landing",
+            axum::routing::get(move || {
+                let l = l2.clone();
+                async move {
+                    l.fetch_add(1, Ordering::SeqCst);
+                    (StatusCode::OK, "landed")
+                }
+            }),
+        );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    tokio::spawn(async move {
+        let _ = axum::serve(listener, app).await;
+    });
+    (landed, format!("http://user:hunter2@{addr}/hook?token=abc123"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redirecting_webhook_fails_the_event_and_credentials_never_show() {
+    let db = TestDb::new("relay_hook_redirect").await;
+    let c = db.client().await;
+    let (landed, url) = start_redirecting_hook().await;
+    let relay = Relay::start(&db, &["--sink", &url, "--sweep-interval", "200ms"]).await;
+    let id = support::insert_seed_events(&c, Uuid::new_v4(), 1).await[0];
+    support::eventually(30, "the redirected delivery to fail", || async { retry_count(&c, id).await >= 1 }).await;
+    let (published, _, _, _, last_error) = row_state(&c, id).await;
+    assert!(!published, "a 3xx answer is not a delivery");
+    let last_error = last_error.expect("last_error");
+    assert!(last_error.contains("302"), "{last_error}");
+    assert_eq!(landed.load(Ordering::SeqCst), 0, "the redirect is not followed");
+    let log = relay.log();
+    for secret in ["hunter2", "abc123"] {
+        assert!(!log.contains(secret), "the log shows {secret}:\n{log}");
+        assert!(!last_error.contains(secret), "last_error shows {secret}: {last_error}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_during_a_hanging_delivery_exits_after_the_grace_and_releases_the_event() {
+    let db = TestDb::new("relay_grace").await;
+    let c = db.client().await;
+    let (hook, url) = start_hook(HOOK_HANG).await;
+    let mut relay = Relay::start(&db, &["--sink", &url, "--webhook-timeout", "60s", "--shutdown-grace", "500ms"]).await;
+    let id = support::insert_seed_events(&c, Uuid::new_v4(), 1).await[0];
+    support::eventually(30, "the webhook to receive the event", || async { !hook.attempts(id).is_empty() }).await;
+    relay.sigterm();
+    // Liveness: far below the 60 s webhook timeout, the process is gone.
+    let status = relay.wait().await;
+    assert!(status.success(), "exit status {status}; stderr:\n{}", relay.log());
+    let (published, retries, _, _, _) = row_state(&c, id).await;
+    assert!(!published, "the unfinished delivery is not published");
+    assert_eq!(retries, 0, "and not charged a failure: it is released for the next relay");
+    assert!(relay.log().contains("released"), "the log says so:\n{}", relay.log());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn closed_stdout_stops_the_relay_without_failing_events() {
+    let db = TestDb::new("relay_epipe").await;
+    let c = db.client().await;
+    let mut child = Command::new(support::bin())
+        .args(["relay", "--sink", "stdout", "--sweep-interval", "200ms"])
+        .env("DATABASE_URL", db.url())
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("spawn relay");
+    let mut out = BufReader::new(child.stdout.take().expect("stdout")).lines();
+    support::insert_seed_events(&c, Uuid::new_v4(), 1).await;
+    let first = tokio::time::timeout(LIVENESS, out.next_line()).await.expect("a line").expect("read").expect("line");
+    assert!(first.starts_with('{'));
+    // The reader goes away, like `pg-outbox relay | head -1`.
+    drop(out);
+    support::insert_seed_events(&c, Uuid::new_v4(), 3).await;
+    let output = tokio::time::timeout(LIVENESS, child.wait_with_output()).await.expect("relay exits").expect("wait");
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(!output.status.success(), "a relay whose stdout is gone exits non-zero; stderr:\n{stderr}");
+    assert!(stderr.contains("standard output was closed"), "{stderr}");
+    let failed: i64 =
+        c.query_one("SELECT count(*) FROM events.outbox WHERE retry_count > 0", &[]).await.expect("q").get(0);
+    assert_eq!(failed, 0, "no event was charged a failure");
+}

@@ -105,15 +105,43 @@ impl FilterArgs {
     }
 }
 
-fn ids_text(ids: &[i64]) -> String {
+/// "3 dead letters: 12, 15, 19" (at most 50 ids shown).
+fn counted(ids: &[i64]) -> String {
+    let noun = if ids.len() == 1 { "dead letter" } else { "dead letters" };
+    if ids.is_empty() {
+        return format!("0 {noun}");
+    }
     let shown: Vec<String> = ids.iter().take(50).map(|i| i.to_string()).collect();
     let more = if ids.len() > 50 { format!(" and {} more", ids.len() - 50) } else { String::new() };
-    format!("{}{more}", shown.join(", "))
+    format!("{} {noun}: {}{more}", ids.len(), shown.join(", "))
+}
+
+/// Explain ids that were asked for by number but are not dead letters.
+async fn explain_missing(client: &tokio_postgres::Client, asked: &[i64], found: &[i64]) -> Result<(), Error> {
+    let missing: Vec<i64> = asked.iter().copied().filter(|i| !found.contains(i)).collect();
+    if missing.is_empty() {
+        return Ok(());
+    }
+    let existing: Vec<i64> = client
+        .query("SELECT id FROM events.outbox WHERE id = ANY($1)", &[&missing])
+        .await?
+        .iter()
+        .map(|r| r.try_get(0))
+        .collect::<Result<_, _>>()?;
+    let (exist, absent): (Vec<i64>, Vec<i64>) = missing.iter().partition(|i| existing.contains(i));
+    let mut parts = Vec::new();
+    if !exist.is_empty() {
+        parts.push(format!("not dead letters: {exist:?}"));
+    }
+    if !absent.is_empty() {
+        parts.push(format!("no such events: {absent:?}"));
+    }
+    Err(Error::Usage(format!("nothing done for {}", parts.join("; "))))
 }
 
 fn require_selection(ids: &[i64], filter: &FilterArgs, all: bool, verb: &str) -> Result<(), Error> {
     if ids.is_empty() && filter.is_empty() && !all {
-        return Err(Error::Config(format!(
+        return Err(Error::Usage(format!(
             "name the dead letters to {verb}: give ids, a filter (--aggregate-type, --event-type, --error-contains, --since, --limit), or --all"
         )));
     }
@@ -147,7 +175,14 @@ pub(crate) async fn run(url: &str, cmd: DeadLetterCmd) -> Result<(), Error> {
             let rows = dead_letters::list(&client, &Filter::ids(vec![id])).await?;
             match rows.first() {
                 Some(e) => println!("{}", serde_json::to_string_pretty(e)?),
-                None => return Err(Error::Config(format!("event {id} is not a dead letter (or does not exist)"))),
+                None => {
+                    let exists = client.query_opt("SELECT 1 FROM events.outbox WHERE id = $1", &[&id]).await?.is_some();
+                    return Err(Error::Usage(if exists {
+                        format!("event {id} is not a dead letter")
+                    } else {
+                        format!("no event {id} in events.outbox")
+                    }));
+                }
             }
         }
         DeadLetterCmd::Retry { ids, filter, all, dry_run } => {
@@ -155,10 +190,12 @@ pub(crate) async fn run(url: &str, cmd: DeadLetterCmd) -> Result<(), Error> {
             let f = filter.to_filter(&ids)?;
             if dry_run {
                 let found = dead_letters::matching_ids(&client, &f).await?;
-                println!("dry run: would retry {} dead letters: {}", found.len(), ids_text(&found));
+                println!("dry run: would retry {}", counted(&found));
+                explain_missing(&client, &ids, &found).await?;
             } else {
                 let done = dead_letters::retry(&client, &f).await?;
-                println!("retried {} dead letters: {}", done.len(), ids_text(&done));
+                println!("retried {}", counted(&done));
+                explain_missing(&client, &ids, &done).await?;
             }
         }
         DeadLetterCmd::Discard { ids, filter, all, dry_run, yes } => {
@@ -167,17 +204,18 @@ pub(crate) async fn run(url: &str, cmd: DeadLetterCmd) -> Result<(), Error> {
             if dry_run || !yes {
                 let found = dead_letters::matching_ids(&client, &f).await?;
                 if dry_run {
-                    println!("dry run: would delete {} dead letters: {}", found.len(), ids_text(&found));
+                    println!("dry run: would delete {}", counted(&found));
+                    explain_missing(&client, &ids, &found).await?;
                 } else {
-                    return Err(Error::Config(format!(
-                        "discard deletes {} events for good ({}); pass --yes to confirm, or --dry-run",
-                        found.len(),
-                        ids_text(&found)
+                    return Err(Error::Usage(format!(
+                        "discard would delete {} for good; pass --yes to confirm, or --dry-run",
+                        counted(&found)
                     )));
                 }
             } else {
                 let done = dead_letters::discard(&client, &f).await?;
-                println!("deleted {} dead letters: {}", done.len(), ids_text(&done));
+                println!("deleted {}", counted(&done));
+                explain_missing(&client, &ids, &done).await?;
             }
         }
     }

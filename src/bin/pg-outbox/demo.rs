@@ -23,6 +23,12 @@ pub(crate) struct DemoArgs {
     /// never be delivered); 0 for none.
     #[arg(long, default_value_t = 10)]
     rollback_every: usize,
+    /// Run on this PostgreSQL server instead of a throwaway one: the demo
+    /// creates a scratch database there (pg_outbox_demo_<pid>) and drops it
+    /// afterwards. DATABASE_URL is deliberately not used, so the demo never
+    /// touches an application's outbox.
+    #[arg(long, value_name = "URL")]
+    server_url: Option<String>,
 }
 
 #[derive(Default)]
@@ -62,28 +68,61 @@ const SCHEMA: &str = "CREATE SCHEMA IF NOT EXISTS billing; \
       id UUID PRIMARY KEY, status TEXT NOT NULL DEFAULT 'active', \
       payments INTEGER NOT NULL DEFAULT 0, updated_at TIMESTAMPTZ NOT NULL DEFAULT now())";
 
-pub(crate) async fn run(database_url: Option<String>, args: DemoArgs) -> Result<(), Error> {
-    if args.producers == 0 || args.subscriptions == 0 {
-        return Err(Error::Config("--producers and --subscriptions must be at least 1".into()));
+pub(crate) async fn run(args: DemoArgs) -> Result<(), Error> {
+    if args.producers == 0 || args.subscriptions == 0 || args.events == 0 {
+        return Err(Error::Config("--events, --producers and --subscriptions must be at least 1".into()));
     }
-    let (server, url) = match database_url {
-        Some(url) => {
-            eprintln!("demo: using DATABASE_URL (creates schema billing and migrates events.outbox there)");
-            (None, url)
+    match args.server_url.clone() {
+        Some(server) => {
+            // A scratch database on the given server, dropped afterwards.
+            let name = format!("pg_outbox_demo_{}", std::process::id());
+            let admin = crate::connect(&server).await?;
+            admin.batch_execute(&format!("CREATE DATABASE {name}")).await?;
+            let mut cfg = pg_outbox::parse_url(&server)?;
+            cfg.dbname(&name);
+            eprintln!("demo: created scratch database {name} on {}", pg_outbox::describe_target(&cfg));
+            let url = config_url(&cfg);
+            let result = run_on(&url, &args).await;
+            if let Err(e) = admin.batch_execute(&format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)")).await {
+                eprintln!("demo: could not drop {name}: {}", pg_outbox::error::report(&e));
+            }
+            result
         }
         None => {
             eprintln!("demo: starting a throwaway PostgreSQL from the local binaries ...");
             let server = tokio::task::spawn_blocking(TempServer::start)
                 .await
                 .map_err(|e| Error::TempServer(e.to_string()))??;
-            let url = server.url();
             eprintln!("demo: PostgreSQL running at 127.0.0.1:{}", server.port());
-            (Some(server), url)
+            let result = run_on(&server.url(), &args).await;
+            drop(server); // stops and deletes the throwaway server
+            result
         }
-    };
-    let result = run_on(&url, &args).await;
-    drop(server); // stops and deletes the throwaway server
-    result
+    }
+}
+
+/// A key=value connection string for `cfg` (keeps the password, if any).
+fn config_url(cfg: &tokio_postgres::Config) -> String {
+    use tokio_postgres::config::Host;
+    let mut parts = Vec::new();
+    match cfg.get_hosts().first() {
+        Some(Host::Tcp(h)) => parts.push(format!("host='{h}'")),
+        Some(Host::Unix(p)) => parts.push(format!("host='{}'", p.display())),
+        None => {}
+    }
+    if let Some(p) = cfg.get_ports().first() {
+        parts.push(format!("port={p}"));
+    }
+    if let Some(u) = cfg.get_user() {
+        parts.push(format!("user='{u}'"));
+    }
+    if let Some(pw) = cfg.get_password() {
+        parts.push(format!("password='{}'", String::from_utf8_lossy(pw).replace('\\', "\\\\").replace('\'', "\\'")));
+    }
+    if let Some(d) = cfg.get_dbname() {
+        parts.push(format!("dbname='{d}'"));
+    }
+    parts.join(" ")
 }
 
 async fn run_on(url: &str, args: &DemoArgs) -> Result<(), Error> {
@@ -197,7 +236,7 @@ async fn run_on(url: &str, args: &DemoArgs) -> Result<(), Error> {
         }
     }
     if lost > 0 || stray > 0 || seen.order_violations > 0 || unpublished > 0 {
-        return Err(Error::Config(format!(
+        return Err(Error::Check(format!(
             "demo found a problem: {lost} lost, {stray} delivered without commit, {} order violations, {unpublished} unpublished",
             seen.order_violations
         )));

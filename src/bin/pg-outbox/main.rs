@@ -53,8 +53,9 @@ struct RelayArgs {
     /// URL (a webhook: one POST per event, 2xx acknowledges).
     #[arg(long, default_value = "stdout")]
     sink: String,
-    /// Serve Prometheus metrics at http://HOST:PORT/metrics.
-    #[arg(long, value_name = "HOST:PORT")]
+    /// Serve Prometheus metrics at http://HOST:PORT/metrics (e.g.
+    /// 127.0.0.1:9464 or localhost:9464).
+    #[arg(long, value_name = "HOST:PORT", value_parser = parse_addr)]
     metrics_addr: Option<SocketAddr>,
     /// Rows fetched per query.
     #[arg(long, default_value_t = pg_outbox::DEFAULT_BATCH_SIZE)]
@@ -107,7 +108,8 @@ struct PublishArgs {
     /// Event name, e.g. PaymentSucceeded.
     #[arg(long)]
     event_type: String,
-    /// JSON payload, e.g. '{"version":1,"data":{"amount":990}}'.
+    /// JSON payload, e.g. '{"version":1,"data":{"amount":990}}'; `-` reads
+    /// it from standard input, `@FILE` from a file.
     #[arg(long)]
     payload: String,
 }
@@ -131,6 +133,14 @@ fn parse_duration(s: &str) -> Result<Duration, String> {
 fn parse_schedule(s: &str) -> Result<RetryPolicy, String> {
     let steps = s.split(',').map(parse_duration).collect::<Result<Vec<_>, _>>()?;
     RetryPolicy::schedule(steps).map_err(|e| e.to_string())
+}
+
+fn parse_addr(s: &str) -> Result<SocketAddr, String> {
+    use std::net::ToSocketAddrs;
+    s.to_socket_addrs()
+        .map_err(|e| format!("invalid address '{s}': {e} (write HOST:PORT, e.g. 127.0.0.1:9464)"))?
+        .next()
+        .ok_or_else(|| format!("address '{s}' resolves to nothing"))
 }
 
 fn parse_uuid(s: &str) -> Result<uuid::Uuid, String> {
@@ -216,10 +226,13 @@ pub(crate) fn install_metrics(
 }
 
 async fn relay_cmd(url: &str, args: RelayArgs) -> Result<(), Error> {
+    let mut sink_name = "stdout".to_string();
     let sink: Box<dyn Sink> = if args.sink == "stdout" {
         Box::new(StdoutSink::new())
     } else if args.sink.starts_with("http://") || args.sink.starts_with("https://") {
-        Box::new(WebhookSink::new(&args.sink, args.webhook_timeout)?)
+        let hook = WebhookSink::new(&args.sink, args.webhook_timeout)?;
+        sink_name = format!("webhook {}", hook.display_url());
+        Box::new(hook)
     } else {
         return Err(Error::Config(format!(
             "unsupported sink '{}': expected `stdout` or an http:// or https:// URL",
@@ -248,7 +261,6 @@ async fn relay_cmd(url: &str, args: RelayArgs) -> Result<(), Error> {
         builder = builder.retry_policy(policy);
     }
     let stream = builder.start().await?;
-    let sink_name = if args.sink == "stdout" { "stdout".to_string() } else { format!("webhook {}", args.sink) };
     match args.metrics_addr {
         Some(a) => {
             tracing::info!(database = %target, sink = %sink_name, metrics = %format!("http://{a}/metrics"), "relay started; listening on channel {}", pg_outbox::NOTIFY_CHANNEL)
@@ -263,8 +275,19 @@ async fn relay_cmd(url: &str, args: RelayArgs) -> Result<(), Error> {
 }
 
 async fn publish_cmd(url: &str, args: PublishArgs) -> Result<(), Error> {
-    let payload: serde_json::Value = serde_json::from_str(&args.payload)
-        .map_err(|e| Error::InvalidEvent(format!("--payload is not valid JSON: {e}")))?;
+    let text = if args.payload == "-" {
+        let mut buf = String::new();
+        std::io::Read::read_to_string(&mut std::io::stdin(), &mut buf)
+            .map_err(|e| Error::InvalidEvent(format!("cannot read the payload from standard input: {e}")))?;
+        buf
+    } else if let Some(path) = args.payload.strip_prefix('@') {
+        std::fs::read_to_string(path)
+            .map_err(|e| Error::InvalidEvent(format!("cannot read the payload file {path}: {e}")))?
+    } else {
+        args.payload.clone()
+    };
+    let payload: serde_json::Value =
+        serde_json::from_str(&text).map_err(|e| Error::InvalidEvent(format!("--payload is not valid JSON: {e}")))?;
     let event = NewEvent::new(args.aggregate_type, args.aggregate_id, args.event_type, payload);
     let publisher = Publisher::new();
     event.validate(pg_outbox::DEFAULT_MAX_PAYLOAD_BYTES)?;
@@ -283,6 +306,7 @@ async fn status_cmd(url: &str, args: StatusArgs) -> Result<(), Error> {
         let age = s.oldest_unpublished_age_seconds.map_or("-".to_string(), |a| format!("{a:.3} s"));
         println!("unpublished         {}", s.unpublished);
         println!("due now             {}", s.due_now);
+        println!("held back           {}", s.held_back);
         println!("waiting for retry   {}", s.waiting_for_retry);
         println!("dead letters        {}", s.dead_letters);
         println!("oldest pending age  {age}");
@@ -323,7 +347,7 @@ fn main() -> ExitCode {
     };
     let result = rt.block_on(async move {
         match cli.command {
-            Command::Demo(args) => demo::run(cli.database_url.filter(|s| !s.trim().is_empty()), args).await,
+            Command::Demo(args) => demo::run(args).await,
             Command::Migrate => migrate_cmd(&database_url(&cli.database_url)?).await,
             Command::Relay(args) => relay_cmd(&database_url(&cli.database_url)?, args).await,
             Command::Publish(args) => publish_cmd(&database_url(&cli.database_url)?, args).await,
