@@ -216,3 +216,27 @@ pub(crate) fn map_missing_schema(e: tokio_postgres::Error) -> Error {
 pub(crate) fn secs_to_duration(secs: f64) -> Duration {
     if !secs.is_finite() || secs <= 0.0 { Duration::ZERO } else { Duration::from_secs_f64(secs.min(86_400.0)) }
 }
+
+/// Single mode: try to take the outbox's session lock ($1: bigint key).
+pub(crate) const TRY_LEADER_LOCK: &str = "SELECT pg_try_advisory_lock($1)";
+/// Partitioned mode: hold a membership lock for this session ($1 class, $2 key).
+pub(crate) const MEMBER_LOCK: &str = "SELECT pg_advisory_lock($1, $2)";
+/// Partitioned mode: how many consumers hold a membership lock of class $1
+/// in this database (two-int4 advisory locks have `objsubid = 2`,
+/// PostgreSQL docs "pg_locks").
+pub(crate) const COUNT_MEMBERS: &str = "SELECT count(*) FROM pg_locks \
+     WHERE locktype = 'advisory' AND granted \
+       AND database = (SELECT oid FROM pg_database WHERE datname = current_database()) \
+       AND classid = ($1::int4)::bigint::oid AND objsubid = 2";
+/// Partitioned mode: try to take partition $2 of class $1.
+pub(crate) const TRY_PARTITION_LOCK: &str = "SELECT pg_try_advisory_lock($1, $2)";
+/// Partitioned mode: give partition $2 of class $1 up.
+pub(crate) const PARTITION_UNLOCK: &str = "SELECT pg_advisory_unlock($1, $2)";
+/// Competing mode: open and close the claim transaction.
+pub(crate) const BEGIN: &str = "BEGIN";
+/// See [`BEGIN`].
+pub(crate) const COMMIT: &str = "COMMIT";
+/// Fraction of the notification queue in use (0..1).
+pub(crate) const NOTIFICATION_QUEUE_USAGE: &str = "SELECT pg_notification_queue_usage()";
+/// Send notification payload $2 on channel $1 (the start-up probe).
+pub(crate) const NOTIFY: &str = "SELECT pg_notify($1, $2)";

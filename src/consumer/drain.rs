@@ -347,7 +347,7 @@ impl Engine {
             let fail = client.prepare(store::FAIL).await?;
             let next_retry = client.prepare(store::NEXT_RETRY_IN).await?;
             if let Mode::Partitioned { .. } = mode {
-                client.execute("SELECT pg_advisory_lock($1, $2)", &[&MEMBER_CLASS, &member_key]).await?;
+                client.execute(store::MEMBER_LOCK, &[&MEMBER_CLASS, &member_key]).await?;
             }
             Ok::<_, tokio_postgres::Error>((fetch, ack, fail, next_retry))
         }
@@ -420,7 +420,7 @@ impl Engine {
                 if self.leader {
                     return;
                 }
-                match conn.client.query_one("SELECT pg_try_advisory_lock($1)", &[&LEADER_KEY]).await {
+                match conn.client.query_one(store::TRY_LEADER_LOCK, &[&LEADER_KEY]).await {
                     Ok(row) => {
                         if row.try_get::<_, bool>(0).unwrap_or(false) {
                             self.set_leader(true);
@@ -449,14 +449,7 @@ impl Engine {
 
     async fn rebalance(&mut self, partitions: u32) -> std::result::Result<(), tokio_postgres::Error> {
         let Some(conn) = self.conn.as_ref() else { return Ok(()) };
-        let members: i64 = conn
-            .client
-            .query_one(
-                "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND granted                    AND database = (SELECT oid FROM pg_database WHERE datname = current_database())                    AND classid = ($1::int4)::bigint::oid AND objsubid = 2",
-                &[&MEMBER_CLASS],
-            )
-            .await?
-            .try_get(0)?;
+        let members: i64 = conn.client.query_one(store::COUNT_MEMBERS, &[&MEMBER_CLASS]).await?.try_get(0)?;
         let members = u32::try_from(members.max(1)).unwrap_or(1);
         let share = partitions.div_ceil(members) as usize;
         let before = self.owned.len();
@@ -471,11 +464,8 @@ impl Engine {
                 if self.owned.contains(&p) || self.releasing.contains(&p) {
                     continue;
                 }
-                let got: bool = conn
-                    .client
-                    .query_one("SELECT pg_try_advisory_lock($1, $2)", &[&PARTITION_CLASS, &p])
-                    .await?
-                    .try_get(0)?;
+                let got: bool =
+                    conn.client.query_one(store::TRY_PARTITION_LOCK, &[&PARTITION_CLASS, &p]).await?.try_get(0)?;
                 if got {
                     self.owned.insert(p);
                 }
@@ -491,7 +481,7 @@ impl Engine {
         let busy: BTreeSet<i32> = self.part_of.values().copied().collect();
         let free: Vec<i32> = self.releasing.iter().copied().filter(|p| !busy.contains(p)).collect();
         for p in free {
-            conn.client.execute("SELECT pg_advisory_unlock($1, $2)", &[&PARTITION_CLASS, &p]).await?;
+            conn.client.execute(store::PARTITION_UNLOCK, &[&PARTITION_CLASS, &p]).await?;
             self.releasing.remove(&p);
         }
         if self.owned.len() != before {
@@ -528,7 +518,7 @@ impl Engine {
             Mode::Competing => {
                 // Claim rows with row locks held by an open transaction until
                 // the whole batch is settled; other consumers skip them.
-                match conn.client.batch_execute("BEGIN").await {
+                match conn.client.batch_execute(store::BEGIN).await {
                     Ok(()) => {
                         self.in_tx = true;
                         conn.client.query(&conn.fetch, &[&batch]).await
@@ -688,7 +678,7 @@ impl Engine {
             && self.pending() == 0
             && let Some(conn) = self.conn.as_ref()
         {
-            match conn.client.batch_execute("COMMIT").await {
+            match conn.client.batch_execute(store::COMMIT).await {
                 Ok(()) => self.in_tx = false,
                 Err(e) => self.db_error("committing the claim transaction", e),
             }
@@ -717,7 +707,7 @@ impl Engine {
             }
             Err(e) => tracing::debug!(error = %crate::error::report(&e), "could not refresh backlog gauges"),
         }
-        if let Ok(row) = conn.client.query_one("SELECT pg_notification_queue_usage()", &[]).await
+        if let Ok(row) = conn.client.query_one(store::NOTIFICATION_QUEUE_USAGE, &[]).await
             && let Ok(usage) = row.try_get::<_, f64>(0)
         {
             metrics::gauge!(m::NOTIFICATION_QUEUE_USAGE).set(usage);

@@ -302,7 +302,7 @@ impl ConsumerBuilder {
             let first_listener = notifier::listen(&listener_pg, wake.clone(), probe_tx.clone()).await?;
             // Check that a notification sent on our connection comes back.
             let probe = format!("{}{}", notifier::PROBE_PREFIX, Uuid::new_v4());
-            work.execute("SELECT pg_notify($1, $2)", &[&NOTIFY_CHANNEL, &probe]).await?;
+            work.execute(crate::store::NOTIFY, &[&NOTIFY_CHANNEL, &probe]).await?;
             let came_back = tokio::time::timeout(PROBE_TIMEOUT, probe_rx.wait_for(|p| *p == probe)).await.is_ok();
             metrics::gauge!(crate::metrics::NOTIFICATIONS_WORKING).set(if came_back { 1.0 } else { 0.0 });
             if came_back {
