@@ -42,20 +42,16 @@
 
 use std::collections::{BTreeMap, HashSet};
 use std::hint::black_box;
-use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
-use futures::StreamExt;
-use pg_outbox::temp_server::TempServer;
-use pg_outbox::tokio_postgres::{self, Client, Config, NoTls, Row};
-use pg_outbox::{Consumer, Error, Event};
-use serde::Serialize;
+mod common;
 
-/// Boxed error for the benchmark's plumbing.
-type BoxError = Box<dyn std::error::Error + Send + Sync>;
-/// Result of the benchmark's plumbing.
-type BenchResult<T> = Result<T, BoxError>;
+use common::{BenchResult, BoxError, connect, drop_database, find_server, report_dir};
+use futures::StreamExt;
+use pg_outbox::tokio_postgres::{self, Client, Config, Row};
+use pg_outbox::{Consumer, Event};
+use serde::Serialize;
 
 /// The seed's FetchUnpublishedBatch, verbatim.
 const SEED_FETCH: &str = "SELECT * FROM events.outbox \
@@ -140,57 +136,6 @@ impl Outcome {
     /// Events per second.
     fn rate(&self) -> f64 {
         if self.seconds > 0.0 { self.events as f64 / self.seconds } else { 0.0 }
-    }
-}
-
-/// A connection to `cfg` whose driver runs on a spawned task.
-async fn connect(cfg: &Config) -> BenchResult<Client> {
-    let (client, connection) = cfg
-        .connect(NoTls)
-        .await
-        .map_err(|source| Error::Connect { target: pg_outbox::describe_target(cfg), source })?;
-    tokio::spawn(async move {
-        // A connection closed by the server (DROP DATABASE ... WITH (FORCE)
-        // at the end) is expected; anything else is worth a line.
-        if let Err(e) = connection.await
-            && !e.is_closed()
-        {
-            eprintln!("bench: connection ended: {e}");
-        }
-    });
-    Ok(client)
-}
-
-/// The server to run against, and the throwaway server if one was started
-/// (kept alive as long as the returned value lives).
-async fn find_server() -> BenchResult<(Config, Option<TempServer>)> {
-    if let Ok(url) = std::env::var("DATABASE_URL")
-        && !url.trim().is_empty()
-    {
-        eprintln!("bench: using DATABASE_URL");
-        return Ok((pg_outbox::parse_url(&url)?, None));
-    }
-    let local = pg_outbox::parse_url("postgres://postgres@127.0.0.1:5432/postgres")?;
-    let mut probe = local.clone();
-    probe.connect_timeout(Duration::from_secs(3));
-    if let Ok(client) = connect(&probe).await
-        && client.simple_query("SELECT 1").await.is_ok()
-    {
-        eprintln!("bench: using the server at 127.0.0.1:5432");
-        return Ok((local, None));
-    }
-    eprintln!("bench: no server at 127.0.0.1:5432; starting a throwaway one from the local binaries");
-    let server = tokio::task::spawn_blocking(TempServer::start).await??;
-    Ok((pg_outbox::parse_url(&server.url())?, Some(server)))
-}
-
-/// Drop the benchmark database, forcibly if the server supports it (13+).
-async fn drop_database(admin: &Client, name: &str) {
-    let forced = admin.batch_execute(&format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)")).await;
-    if let Err(e) = forced
-        && let Err(e2) = admin.batch_execute(&format!("DROP DATABASE IF EXISTS {name}")).await
-    {
-        eprintln!("bench: could not drop database {name}: {e}; {e2}");
     }
 }
 
@@ -512,15 +457,6 @@ fn markdown(s: &Settings, context: &BTreeMap<&str, String>, outcomes: &[Outcome]
     out
 }
 
-/// Where reports go: `$CARGO_TARGET_DIR/bench`, else `target/bench` in the
-/// package.
-fn report_dir() -> PathBuf {
-    std::env::var_os("CARGO_TARGET_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("target"))
-        .join("bench")
-}
-
 /// Facts about the server that matter for reading the numbers.
 async fn server_context(client: &Client) -> BenchResult<BTreeMap<&'static str, String>> {
     let mut ctx = BTreeMap::new();
@@ -616,25 +552,5 @@ async fn bench() -> BenchResult<()> {
 
 /// Entry point: run [`bench`] on a multi-threaded runtime and report errors.
 fn main() -> ExitCode {
-    tracing_subscriber::fmt()
-        .with_writer(std::io::stderr)
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
-        )
-        .init();
-    let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
-        Ok(rt) => rt,
-        Err(e) => {
-            eprintln!("bench: cannot start the Tokio runtime: {e}");
-            return ExitCode::FAILURE;
-        }
-    };
-    match runtime.block_on(bench()) {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(e) => {
-            eprintln!("bench failed: {}", pg_outbox::error::report(e.as_ref()));
-            ExitCode::FAILURE
-        }
-    }
+    common::main_with(bench)
 }

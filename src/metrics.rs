@@ -51,6 +51,9 @@ pub const NOTIFICATION_QUEUE_USAGE: &str = "outbox_notification_queue_usage_rati
 /// connection; 0 when it did not (a transaction-mode pooler, a replica, or
 /// `listen(false)`): then only the sweep finds events.
 pub const NOTIFICATIONS_WORKING: &str = "outbox_notifications_working";
+/// Gauge: 1 while this relay asks producers to notify it (idle), 0 while
+/// it is draining and polls by itself (producers then skip NOTIFY).
+pub const WAITING_FOR_NOTIFICATIONS: &str = "outbox_waiting_for_notifications";
 /// Histogram, seconds: time a sink took to deliver one event (relay only).
 pub const SINK_DURATION: &str = "outbox_sink_duration_seconds";
 
@@ -72,6 +75,7 @@ pub fn describe() {
     describe_gauge!(LISTENER_UP, "1 while the LISTEN connection is listening.");
     describe_counter!(DATABASE_ERRORS, "Errors on the work connection.");
     describe_histogram!(SINK_DURATION, Unit::Seconds, "Time a sink took to deliver one event.");
+    describe_gauge!(WAITING_FOR_NOTIFICATIONS, "1 while this relay asks producers to notify it.");
     describe_gauge!(LEADER, "1 while this consumer holds the outbox lock (single mode).");
     describe_gauge!(PARTITIONS_OWNED, "Partitions this consumer holds (partitioned mode).");
     describe_gauge!(NOTIFICATION_QUEUE_USAGE, "pg_notification_queue_usage(), 0..1.");

@@ -9,7 +9,6 @@
 use tokio_postgres::Client;
 
 use crate::error::{Error, Result};
-use crate::store::map_missing_schema;
 
 /// Schema migrations, in order: (name, SQL). Numbered `NNNN_name`.
 pub const MIGRATIONS: &[(&str, &str)] = &[
@@ -17,6 +16,7 @@ pub const MIGRATIONS: &[(&str, &str)] = &[
     ("0002_outbox_fresh_idx", include_str!("../migrations/0002_outbox_fresh_idx.sql")),
     ("0003_outbox_aggregate_failed_idx", include_str!("../migrations/0003_outbox_aggregate_failed_idx.sql")),
     ("0004_outbox_aggregate_heads", include_str!("../migrations/0004_outbox_aggregate_heads.sql")),
+    ("0005_outbox_relays", include_str!("../migrations/0005_outbox_relays.sql")),
 ];
 
 /// Trigger files, applied after the migrations: (name, SQL).
@@ -116,18 +116,48 @@ async fn apply_locked(client: &Client) -> Result<MigrationReport> {
     Ok(report)
 }
 
-/// Check that every embedded migration and trigger has been applied.
+/// Objects the relay needs, each with the file that creates it.
+const REQUIRED: &[(&str, &str)] = &[
+    ("events.outbox", "0001_events_outbox"),
+    ("events.outbox_fresh_idx", "0002_outbox_fresh_idx"),
+    ("events.outbox_aggregate_failed_idx", "0003_outbox_aggregate_failed_idx"),
+    ("events.outbox_aggregate_heads", "0004_outbox_aggregate_heads"),
+    ("events.outbox_relays", "0005_outbox_relays"),
+];
+
+/// Triggers the relay needs on `events.outbox`, with their files.
+const REQUIRED_TRIGGERS: &[(&str, &str)] = &[
+    ("outbox_guard", "triggers/outbox_guard.sql"),
+    ("outbox_notify", "triggers/outbox_notify.sql"),
+    ("outbox_order", "triggers/outbox_order.sql"),
+];
+
+/// Check that the schema has what this version needs: the tables, indexes
+/// and triggers that the embedded files create (whether `pg-outbox migrate`
+/// or `psql -f` applied them).
 ///
 /// # Errors
-/// [`Error::NotMigrated`] naming the first missing file (or the missing
-/// table); [`Error::Db`] if the check itself fails.
+/// [`Error::NotMigrated`] naming the first missing object and its file;
+/// [`Error::Db`] if the check itself fails.
 pub async fn check(client: &Client) -> Result<()> {
-    let rows =
-        client.query("SELECT name FROM events.outbox_schema_migrations", &[]).await.map_err(map_missing_schema)?;
-    let have: Vec<String> = rows.iter().map(|r| r.try_get(0)).collect::<Result<_, _>>()?;
-    for (name, _) in MIGRATIONS.iter().chain(TRIGGERS.iter()) {
-        if !have.iter().any(|h| h == name) {
-            return Err(Error::NotMigrated(format!("{name} has not been applied")));
+    for (object, file) in REQUIRED {
+        let present: bool = client.query_one("SELECT to_regclass($1) IS NOT NULL", &[object]).await?.try_get(0)?;
+        if !present {
+            return Err(Error::NotMigrated(format!("{object} does not exist (created by {file})")));
+        }
+    }
+    let names: Vec<String> = client
+        .query(
+            "SELECT tgname::text FROM pg_trigger WHERE tgrelid = 'events.outbox'::regclass AND NOT tgisinternal",
+            &[],
+        )
+        .await?
+        .iter()
+        .map(|r| r.try_get(0))
+        .collect::<Result<_, _>>()?;
+    for (trigger, file) in REQUIRED_TRIGGERS {
+        if !names.iter().any(|n| n == trigger) {
+            return Err(Error::NotMigrated(format!("trigger {trigger} on events.outbox is missing ({file})")));
         }
     }
     Ok(())

@@ -240,3 +240,13 @@ pub(crate) const COMMIT: &str = "COMMIT";
 pub(crate) const NOTIFICATION_QUEUE_USAGE: &str = "SELECT pg_notification_queue_usage()";
 /// Send notification payload $2 on channel $1 (the start-up probe).
 pub(crate) const NOTIFY: &str = "SELECT pg_notify($1, $2)";
+
+/// Register this relay (its work connection's backend pid) as waiting for a
+/// wake-up ($1 = true) or as busy draining ($1 = false).
+pub(crate) const SET_WAITING: &str = "INSERT INTO events.outbox_relays (pid, waiting) VALUES (pg_backend_pid(), $1) \
+     ON CONFLICT (pid) DO UPDATE SET waiting = EXCLUDED.waiting, updated_at = now()";
+/// Forget relays whose sessions are gone (their `waiting` no longer means anything).
+pub(crate) const FORGET_GONE_RELAYS: &str = "DELETE FROM events.outbox_relays r \
+     WHERE NOT EXISTS (SELECT 1 FROM pg_stat_activity a WHERE a.pid = r.pid)";
+/// Stop receiving wake-ups: drop this session's row.
+pub(crate) const UNREGISTER: &str = "DELETE FROM events.outbox_relays WHERE pid = pg_backend_pid()";

@@ -75,6 +75,7 @@ enum Wake {
     Reconnect,
     Release,
     Ownership,
+    Recheck,
 }
 
 impl Wake {
@@ -87,6 +88,7 @@ impl Wake {
             Wake::Reconnect => "reconnect",
             Wake::Release => "release",
             Wake::Ownership => "ownership",
+            Wake::Recheck => "recheck",
         }
     }
 }
@@ -100,6 +102,23 @@ const PARTITION_CLASS: i32 = 0x706f_0001;
 const MEMBER_CLASS: i32 = 0x706f_0002;
 /// How often a standby tries to take over, and partitions are rebalanced.
 const LOCK_INTERVAL: Duration = Duration::from_millis(250);
+/// The relay measures how many events it fetches per window of this length
+/// to decide whether it is busy (it polls, producers skip NOTIFY) or idle
+/// (it sleeps, producers notify).
+const RATE_WINDOW: Duration = Duration::from_millis(100);
+/// Busy from 20 events per window (200 events/s) on ...
+const BUSY_EVENTS_PER_WINDOW: u64 = 20;
+/// ... until fewer than 10 per window (100 events/s): below that, one
+/// notification per transaction costs producers little, and it is the
+/// fastest wake-up there is.
+const IDLE_EVENTS_PER_WINDOW: u64 = 10;
+/// While busy, an empty fetch is followed by another after this long.
+const BUSY_POLL: Duration = Duration::from_millis(1);
+/// After a relay asks for wake-ups again, it looks once more after each of
+/// these delays, for events whose producers decided not to notify just
+/// before the request became visible and committed a little later (their
+/// COMMIT's WAL flush). Anything later still is found by the sweep.
+const RECHECKS: [Duration; 3] = [Duration::from_millis(2), Duration::from_millis(10), Duration::from_millis(50)];
 
 pub(crate) struct Engine {
     cfg: Arc<ConsumerConfig>,
@@ -131,6 +150,17 @@ pub(crate) struct Engine {
     in_tx: bool,
     lock_at: Option<Instant>,
     standby_logged: bool,
+    /// This relay's row in events.outbox_relays says it waits for a wake-up.
+    waiting: bool,
+    /// This relay has a row in events.outbox_relays.
+    registered: bool,
+    /// Events fetched in the current rate window, and in the one before.
+    window_start: Instant,
+    window_events: u64,
+    last_window_events: u64,
+    /// After going idle: when to look once more, and how many looks are left.
+    recheck_at: Option<Instant>,
+    rechecks_left: u8,
 }
 
 fn new_backoff(max: Duration) -> backon::ExponentialBackoff {
@@ -183,6 +213,13 @@ impl Engine {
             in_tx: false,
             lock_at: None,
             standby_logged: false,
+            waiting: false,
+            registered: false,
+            window_start: Instant::now(),
+            window_events: 0,
+            last_window_events: 0,
+            recheck_at: None,
+            rechecks_left: 0,
         }
     }
 
@@ -270,6 +307,10 @@ impl Engine {
                 _ = sleep_until(self.retry_at.unwrap_or(far)), if self.retry_at.is_some() => {
                     self.retry_at = None;
                     self.wake_up(Wake::Retry);
+                }
+                _ = sleep_until(self.recheck_at.unwrap_or(far)), if self.recheck_at.is_some() && !stopping => {
+                    self.recheck_at = None;
+                    self.wake_up(Wake::Recheck);
                 }
                 _ = sleep_until(self.lock_at.unwrap_or(far)), if self.lock_at.is_some() && self.conn.is_some() && !stopping => {
                     self.take_locks().await;
@@ -363,6 +404,8 @@ impl Engine {
                 self.releasing.clear();
                 self.in_tx = false;
                 self.standby_logged = false;
+                self.waiting = false;
+                self.registered = false;
                 metrics::gauge!(m::PARTITIONS_OWNED).set(0.0);
                 if !matches!(mode, Mode::Competing) {
                     self.lock_at = Some(Instant::now());
@@ -389,6 +432,8 @@ impl Engine {
 
     fn lost_connection(&mut self, delay: Duration) {
         self.conn = None;
+        self.waiting = false;
+        self.registered = false;
         self.in_tx = false;
         self.set_leader(false);
         self.owned.clear();
@@ -564,15 +609,75 @@ impl Engine {
             // Nothing claimed: close the claim transaction at once.
             self.flush_at = Some(Instant::now());
         }
-        if full {
-            // More may be due: fetch again as soon as there is room (in
-            // competing mode, once this batch is committed).
+        self.count_rate(handed);
+        let adaptive = self.cfg.listen && !matches!(self.cfg.mode, Mode::Competing);
+        if handed > 0 {
+            // Keep fetching until a fetch finds nothing.
+            self.want_fetch = true;
+            self.rechecks_left = 0;
+            self.recheck_at = None;
+            if adaptive && (!self.registered || (self.waiting && self.busy_rate())) {
+                // Draining at a high rate: poll, and spare producers NOTIFY.
+                self.set_waiting(false).await;
+            }
+        } else if full {
+            // Every row of a full result was skipped (stopping): look again later.
             self.want_fetch = true;
         } else {
             self.want_fetch = false;
+            if adaptive && !self.waiting && self.idle_rate() {
+                // Idle: ask for wake-ups again, then look once more at once
+                // and a few times shortly after, for events whose producers
+                // decided not to notify just before and were still committing.
+                self.set_waiting(true).await;
+                self.want_fetch = true;
+                self.rechecks_left = RECHECKS.len() as u8;
+            } else if adaptive && !self.waiting {
+                // Busy and nothing right now: poll again in a moment.
+                self.recheck_at = Some(Instant::now() + BUSY_POLL);
+            } else if self.rechecks_left > 0 {
+                let i = RECHECKS.len() - usize::from(self.rechecks_left);
+                self.rechecks_left -= 1;
+                self.recheck_at = Some(Instant::now() + RECHECKS[i]);
+            }
             if !self.in_tx {
                 self.schedule_retry_timer().await;
             }
+        }
+    }
+
+    fn count_rate(&mut self, n: u64) {
+        let elapsed = self.window_start.elapsed();
+        if elapsed >= RATE_WINDOW * 2 {
+            self.last_window_events = 0;
+            self.window_events = 0;
+            self.window_start = Instant::now();
+        } else if elapsed >= RATE_WINDOW {
+            self.last_window_events = self.window_events;
+            self.window_events = 0;
+            self.window_start += RATE_WINDOW;
+        }
+        self.window_events += n;
+    }
+
+    fn busy_rate(&self) -> bool {
+        self.window_events >= BUSY_EVENTS_PER_WINDOW || self.last_window_events >= BUSY_EVENTS_PER_WINDOW
+    }
+
+    fn idle_rate(&self) -> bool {
+        self.window_events < IDLE_EVENTS_PER_WINDOW && self.last_window_events < IDLE_EVENTS_PER_WINDOW
+    }
+
+    /// Say in events.outbox_relays whether this relay waits for wake-ups.
+    async fn set_waiting(&mut self, waiting: bool) {
+        let Some(conn) = self.conn.as_ref() else { return };
+        match conn.client.execute(store::SET_WAITING, &[&waiting]).await {
+            Ok(_) => {
+                self.waiting = waiting;
+                self.registered = true;
+                metrics::gauge!(m::WAITING_FOR_NOTIFICATIONS).set(if waiting { 1.0 } else { 0.0 });
+            }
+            Err(e) => self.db_error("registering for wake-ups", e),
         }
     }
 
@@ -707,6 +812,9 @@ impl Engine {
             }
             Err(e) => tracing::debug!(error = %crate::error::report(&e), "could not refresh backlog gauges"),
         }
+        if let Err(e) = conn.client.execute(store::FORGET_GONE_RELAYS, &[]).await {
+            tracing::debug!(error = %crate::error::report(&e), "could not forget gone relays");
+        }
         if let Ok(row) = conn.client.query_one(store::NOTIFICATION_QUEUE_USAGE, &[]).await
             && let Ok(usage) = row.try_get::<_, f64>(0)
         {
@@ -715,6 +823,11 @@ impl Engine {
     }
 
     async fn final_flush(&mut self) {
+        if let Some(conn) = self.conn.as_ref()
+            && let Err(e) = conn.client.execute(store::UNREGISTER, &[]).await
+        {
+            tracing::debug!(error = %crate::error::report(&e), "could not unregister for wake-ups");
+        }
         // Whatever is still handed out is released by its Drop later; here we
         // write what was settled.
         for _ in 0..3 {

@@ -363,6 +363,8 @@ async fn events_committed_while_the_listener_is_down_arrive_after_reconnect_not_
             .await;
     let mut status = stream.listener_status();
     let c = db.client().await;
+    // Let the start-up drain and its follow-up looks finish first.
+    assert_quiet(&mut stream, 300).await;
     assert_eq!(db.terminate("pg-outbox listener").await, 1, "one listener backend");
     // Insert while the listener is gone (its NOTIFY is lost).
     status.wait_for(|s| !s.listening).await.expect("status");
@@ -371,7 +373,10 @@ async fn events_committed_while_the_listener_is_down_arrive_after_reconnect_not_
     let d = next(&mut stream, 15).await;
     assert_eq!(d.id, id);
     d.ack();
-    assert!(status.borrow().reconnects >= 1, "reconnect counted");
+    tokio::time::timeout(Duration::from_secs(10), status.wait_for(|s| s.reconnects >= 1))
+        .await
+        .expect("the reconnect is counted")
+        .expect("status");
     stream.finish().await.expect("finish");
 }
 

@@ -23,13 +23,23 @@ async fn cli(db: &TestDb, args: &[&str]) -> (i32, String, String) {
     )
 }
 
-/// Make `id` a dead letter through the consumer (10 real failures).
-async fn kill_event(stream: &mut pg_outbox::EventStream, id: i64) {
+/// Make `id` a dead letter through the consumer (10 real failures), and
+/// wait until the last failure is written.
+async fn kill_event(db: &TestDb, stream: &mut pg_outbox::EventStream, id: i64) {
     for attempt in 0..10 {
         let d = next(stream, 10).await;
         assert_eq!((d.id, d.retry_count), (id, attempt));
         d.fail(format!("HTTP 500 attempt {}", attempt + 1));
     }
+    let c = db.client().await;
+    crate::support::eventually(10, "the dead letter to be written", || async {
+        c.query_one("SELECT next_retry_at = 'infinity' FROM events.outbox WHERE id = $1", &[&id])
+            .await
+            .expect("q")
+            .get::<_, Option<bool>>(0)
+            == Some(true)
+    })
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -40,7 +50,7 @@ async fn retry_gives_a_dead_letter_one_more_attempt_then_its_aggregate_flows() {
     let ids = insert_seed_events(&c, a, 3).await;
     let policy = pg_outbox::RetryPolicy::schedule(vec![Duration::from_millis(10)]).expect("policy").jitter(0.0);
     let mut stream = start(&db, |b| b.retry_policy(policy).sweep_interval(Duration::from_millis(100))).await;
-    kill_event(&mut stream, ids[0]).await;
+    kill_event(&db, &mut stream, ids[0]).await;
     if let Ok(Some(d)) = tokio::time::timeout(Duration::from_millis(600), stream.next()).await {
         panic!("held back, yet {} was delivered", d.id);
     }
@@ -81,7 +91,7 @@ async fn discard_deletes_the_dead_letter_and_releases_its_aggregate() {
     let ids = insert_seed_events(&c, a, 2).await;
     let policy = pg_outbox::RetryPolicy::schedule(vec![Duration::from_millis(10)]).expect("policy").jitter(0.0);
     let mut stream = start(&db, |b| b.retry_policy(policy).sweep_interval(Duration::from_millis(100))).await;
-    kill_event(&mut stream, ids[0]).await;
+    kill_event(&db, &mut stream, ids[0]).await;
 
     let (code, _, err) = cli(&db, &["dead-letters", "discard", &ids[0].to_string()]).await;
     assert_ne!(code, 0, "discard needs --yes");

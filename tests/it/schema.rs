@@ -218,9 +218,9 @@ async fn count_notifications<F: std::future::Future<Output = ()>>(db: &TestDb, w
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn notify_fires_once_per_statement_with_a_tiny_payload() {
-    let db = TestDb::new("notify_statement").await;
-    let c = db.client().await;
+async fn notify_fires_once_per_transaction_with_a_tiny_payload() {
+    let db = TestDb::new("notify_transaction").await;
+    let mut c = db.client().await;
     let big = "x".repeat(10_000);
     let (n, payloads) = count_notifications(&db, async {
         // One statement, 1000 rows, each payload larger than NOTIFY's 8000-byte limit.
@@ -233,8 +233,24 @@ async fn notify_fires_once_per_statement_with_a_tiny_payload() {
         .expect("bulk insert");
     })
     .await;
-    assert_eq!(n, 1, "one notification for one statement: {payloads:?}");
+    assert_eq!(n, 1, "one notification for one transaction: {payloads:?}");
     assert!(payloads.iter().all(|p| p.len() < 100));
+
+    // Several statements in one transaction: still one.
+    let (n, _) = count_notifications(&db, async {
+        let tx = c.transaction().await.expect("tx");
+        for _ in 0..3 {
+            tx.execute(
+                "INSERT INTO events.outbox (aggregate_type, aggregate_id, event_type, payload) VALUES ('a', gen_random_uuid(), 'e', '{}')",
+                &[],
+            )
+            .await
+            .expect("insert");
+        }
+        tx.commit().await.expect("commit");
+    })
+    .await;
+    assert_eq!(n, 1, "one notification for a transaction of three statements");
 
     // Rolled back: no notification at all.
     let (n, _) = count_notifications(&db, async {
@@ -246,4 +262,34 @@ async fn notify_fires_once_per_statement_with_a_tiny_payload() {
     })
     .await;
     assert_eq!(n, 0, "a rolled-back insert must wake nobody");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn producers_skip_notify_while_every_relay_is_busy() {
+    let db = TestDb::new("notify_when_idle").await;
+    let c = db.client().await;
+    let insert = "INSERT INTO events.outbox (aggregate_type, aggregate_id, event_type, payload) VALUES ('a', gen_random_uuid(), 'e', '{}')";
+    // A registered relay that is draining (not waiting): no notification.
+    c.execute("INSERT INTO events.outbox_relays (pid, waiting) VALUES (pg_backend_pid(), false)", &[])
+        .await
+        .expect("busy relay");
+    let (n, _) = count_notifications(&db, async {
+        c.execute(insert, &[]).await.expect("insert");
+    })
+    .await;
+    assert_eq!(n, 0, "a busy relay polls; producers need not notify");
+    // The relay goes idle and asks for wake-ups: producers notify again.
+    c.execute("UPDATE events.outbox_relays SET waiting = true", &[]).await.expect("idle relay");
+    let (n, _) = count_notifications(&db, async {
+        c.execute(insert, &[]).await.expect("insert");
+    })
+    .await;
+    assert_eq!(n, 1);
+    // No relay registered at all (another kind of consumer): always notify.
+    c.execute("DELETE FROM events.outbox_relays", &[]).await.expect("no relay");
+    let (n, _) = count_notifications(&db, async {
+        c.execute(insert, &[]).await.expect("insert");
+    })
+    .await;
+    assert_eq!(n, 1);
 }
