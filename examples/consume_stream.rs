@@ -24,6 +24,8 @@
 //! cargo run --example publish_in_tx
 //! ```
 
+mod common;
+
 use std::process::ExitCode;
 
 use futures::StreamExt;
@@ -87,28 +89,9 @@ async fn run(url: &str) -> Result<(), Error> {
 /// missing), run, and print any error with its causes (exit code 1).
 #[tokio::main]
 async fn main() -> ExitCode {
-    tracing_subscriber::fmt()
-        .with_writer(std::io::stderr)
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
-        )
-        .init();
-    let Some(url) = std::env::var("DATABASE_URL").ok().filter(|u| !u.trim().is_empty()) else {
-        eprintln!(
-            "error: DATABASE_URL is not set.\n\
-             Point it at a migrated database, for example:\n  \
-             export DATABASE_URL=postgres://postgres@127.0.0.1:5432/app\n  \
-             cargo run -- migrate\n  \
-             cargo run --example consume_stream"
-        );
-        return ExitCode::from(2);
-    };
-    match run(&url).await {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(e) => {
-            eprintln!("error: {}", pg_outbox::error::report(&e));
-            ExitCode::FAILURE
-        }
+    common::init_logs("warn");
+    match common::database_url("consume_stream") {
+        Ok(url) => common::exit(run(&url).await),
+        Err(code) => code,
     }
 }

@@ -22,6 +22,8 @@
 //! cargo run --example publish_in_tx
 //! ```
 
+mod common;
+
 use std::path::PathBuf;
 use std::process::ExitCode;
 
@@ -80,29 +82,13 @@ async fn run(url: &str, path: PathBuf) -> Result<(), Error> {
 /// missing), run, and print any error with its causes (exit code 1).
 #[tokio::main]
 async fn main() -> ExitCode {
-    tracing_subscriber::fmt()
-        .with_writer(std::io::stderr)
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
-        )
-        .init();
-    let Some(url) = std::env::var("DATABASE_URL").ok().filter(|u| !u.trim().is_empty()) else {
-        eprintln!(
-            "error: DATABASE_URL is not set.\n\
-             Point it at a migrated database, for example:\n  \
-             export DATABASE_URL=postgres://postgres@127.0.0.1:5432/app\n  \
-             cargo run -- migrate\n  \
-             cargo run --example custom_sink -- /tmp/outbox-events.jsonl"
-        );
-        return ExitCode::from(2);
-    };
-    let path = std::env::args_os().nth(1).map(PathBuf::from).unwrap_or_else(|| PathBuf::from("outbox-events.jsonl"));
-    match run(&url, path).await {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(e) => {
-            eprintln!("error: {}", pg_outbox::error::report(&e));
-            ExitCode::FAILURE
+    common::init_logs("info");
+    match common::database_url("custom_sink -- /tmp/outbox-events.jsonl") {
+        Ok(url) => {
+            let path =
+                std::env::args_os().nth(1).map(PathBuf::from).unwrap_or_else(|| PathBuf::from("outbox-events.jsonl"));
+            common::exit(run(&url, path).await)
         }
+        Err(code) => code,
     }
 }

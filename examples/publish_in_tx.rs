@@ -18,6 +18,8 @@
 //!
 //! Then watch the event arrive with `cargo run --example consume_stream`.
 
+mod common;
+
 use std::process::ExitCode;
 
 use pg_outbox::tokio_postgres::{Client, NoTls};
@@ -123,21 +125,8 @@ async fn run(url: &str) -> Result<(), Error> {
 /// missing), run, and print any error with its causes (exit code 1).
 #[tokio::main]
 async fn main() -> ExitCode {
-    let Some(url) = std::env::var("DATABASE_URL").ok().filter(|u| !u.trim().is_empty()) else {
-        eprintln!(
-            "error: DATABASE_URL is not set.\n\
-             Point it at a migrated database, for example:\n  \
-             export DATABASE_URL=postgres://postgres@127.0.0.1:5432/app\n  \
-             cargo run -- migrate\n  \
-             cargo run --example publish_in_tx"
-        );
-        return ExitCode::from(2);
-    };
-    match run(&url).await {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(e) => {
-            eprintln!("error: {}", pg_outbox::error::report(&e));
-            ExitCode::FAILURE
-        }
+    match common::database_url("publish_in_tx") {
+        Ok(url) => common::exit(run(&url).await),
+        Err(code) => code,
     }
 }

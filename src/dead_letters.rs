@@ -129,24 +129,36 @@ pub async fn matching_ids<C: GenericClient + Sync>(client: &C, filter: &Filter) 
     rows.iter().map(|r| r.try_get(0).map_err(Into::into)).collect()
 }
 
+/// Apply `action` (an UPDATE or DELETE of `events.outbox o` joined to the
+/// picked ids, returning `o.id`) to the matching dead letters, locking them
+/// first; wake the relays when any changed. Returns the ids, ascending.
+async fn apply_to_matching<C: GenericClient + Sync>(client: &C, filter: &Filter, action: &str) -> Result<Vec<i64>> {
+    let limit = filter.limit.unwrap_or(i64::MAX);
+    let sql = format!(
+        "WITH picked AS (SELECT id FROM events.outbox WHERE {MATCHES} ORDER BY id LIMIT $6 FOR UPDATE), \
+              done AS ({action}) \
+         SELECT id FROM done ORDER BY id"
+    );
+    let [a, b, c, d, e] = filter.params();
+    let rows = client.query(&sql, &[a, b, c, d, e, &limit]).await.map_err(map_missing_schema)?;
+    if !rows.is_empty() {
+        client.execute(crate::store::NOTIFY, &[&crate::NOTIFY_CHANNEL, &""]).await?;
+    }
+    rows.iter().map(|r| r.try_get(0).map_err(Into::into)).collect()
+}
+
 /// Make the matching dead letters due now and wake the relays. Returns the
 /// ids retried. `retry_count` and `last_error` are kept.
 ///
 /// # Errors
 /// [`crate::Error::NotMigrated`] or [`crate::Error::Db`].
 pub async fn retry<C: GenericClient + Sync>(client: &C, filter: &Filter) -> Result<Vec<i64>> {
-    let limit = filter.limit.unwrap_or(i64::MAX);
-    let sql = format!(
-        "WITH picked AS (SELECT id FROM events.outbox WHERE {MATCHES} ORDER BY id LIMIT $6 FOR UPDATE), \
-              done AS (UPDATE events.outbox o SET next_retry_at = now() FROM picked WHERE o.id = picked.id RETURNING o.id) \
-         SELECT id FROM done ORDER BY id"
-    );
-    let [a, b, c, d, e] = filter.params();
-    let rows = client.query(&sql, &[a, b, c, d, e, &limit]).await.map_err(map_missing_schema)?;
-    if !rows.is_empty() {
-        client.execute("SELECT pg_notify($1, '')", &[&crate::NOTIFY_CHANNEL]).await?;
-    }
-    rows.iter().map(|r| r.try_get(0).map_err(Into::into)).collect()
+    apply_to_matching(
+        client,
+        filter,
+        "UPDATE events.outbox o SET next_retry_at = now() FROM picked WHERE o.id = picked.id RETURNING o.id",
+    )
+    .await
 }
 
 /// Delete the matching dead letters. Returns the ids deleted. The later
@@ -155,16 +167,6 @@ pub async fn retry<C: GenericClient + Sync>(client: &C, filter: &Filter) -> Resu
 /// # Errors
 /// [`crate::Error::NotMigrated`] or [`crate::Error::Db`].
 pub async fn discard<C: GenericClient + Sync>(client: &C, filter: &Filter) -> Result<Vec<i64>> {
-    let limit = filter.limit.unwrap_or(i64::MAX);
-    let sql = format!(
-        "WITH picked AS (SELECT id FROM events.outbox WHERE {MATCHES} ORDER BY id LIMIT $6 FOR UPDATE), \
-              done AS (DELETE FROM events.outbox o USING picked WHERE o.id = picked.id RETURNING o.id) \
-         SELECT id FROM done ORDER BY id"
-    );
-    let [a, b, c, d, e] = filter.params();
-    let rows = client.query(&sql, &[a, b, c, d, e, &limit]).await.map_err(map_missing_schema)?;
-    if !rows.is_empty() {
-        client.execute("SELECT pg_notify($1, '')", &[&crate::NOTIFY_CHANNEL]).await?;
-    }
-    rows.iter().map(|r| r.try_get(0).map_err(Into::into)).collect()
+    apply_to_matching(client, filter, "DELETE FROM events.outbox o USING picked WHERE o.id = picked.id RETURNING o.id")
+        .await
 }

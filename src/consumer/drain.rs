@@ -88,7 +88,7 @@ impl Wake {
             Wake::Reconnect => "reconnect",
             Wake::Release => "release",
             Wake::Ownership => "ownership",
-            Wake::Recheck => "recheck",
+            Wake::Recheck => "poll",
         }
     }
 }

@@ -22,33 +22,32 @@ pub(crate) enum DeadLetterCmd {
     },
     /// Make dead letters due again (one more attempt each; retry_count is kept).
     Retry {
-        /// Outbox ids; or use the filters, or --all.
-        ids: Vec<i64>,
         #[command(flatten)]
-        filter: FilterArgs,
-        /// Apply to every dead letter when no id or filter is given.
-        #[arg(long)]
-        all: bool,
-        /// Print what would be retried, change nothing.
-        #[arg(long)]
-        dry_run: bool,
+        sel: Selection,
     },
     /// Delete dead letters for good; their aggregates' later events then flow.
     Discard {
-        /// Outbox ids; or use the filters, or --all.
-        ids: Vec<i64>,
         #[command(flatten)]
-        filter: FilterArgs,
-        /// Apply to every dead letter when no id or filter is given.
-        #[arg(long)]
-        all: bool,
-        /// Print what would be deleted, change nothing.
-        #[arg(long)]
-        dry_run: bool,
+        sel: Selection,
         /// Confirm the deletion.
         #[arg(long)]
         yes: bool,
     },
+}
+
+/// Which dead letters `retry` and `discard` touch.
+#[derive(Args, Debug)]
+pub(crate) struct Selection {
+    /// Outbox ids; or use the filters, or --all.
+    ids: Vec<i64>,
+    #[command(flatten)]
+    filter: FilterArgs,
+    /// Apply to every dead letter when no id or filter is given.
+    #[arg(long)]
+    all: bool,
+    /// Print what would change, change nothing.
+    #[arg(long)]
+    dry_run: bool,
 }
 
 #[derive(Args, Debug, Default)]
@@ -185,7 +184,7 @@ pub(crate) async fn run(url: &str, cmd: DeadLetterCmd) -> Result<(), Error> {
                 }
             }
         }
-        DeadLetterCmd::Retry { ids, filter, all, dry_run } => {
+        DeadLetterCmd::Retry { sel: Selection { ids, filter, all, dry_run } } => {
             require_selection(&ids, &filter, all, "retry")?;
             let f = filter.to_filter(&ids)?;
             if dry_run {
@@ -198,7 +197,7 @@ pub(crate) async fn run(url: &str, cmd: DeadLetterCmd) -> Result<(), Error> {
                 explain_missing(&client, &ids, &done).await?;
             }
         }
-        DeadLetterCmd::Discard { ids, filter, all, dry_run, yes } => {
+        DeadLetterCmd::Discard { sel: Selection { ids, filter, all, dry_run }, yes } => {
             require_selection(&ids, &filter, all, "discard")?;
             let f = filter.to_filter(&ids)?;
             if dry_run || !yes {
