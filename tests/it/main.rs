@@ -4,6 +4,7 @@ mod auto_traits;
 mod cli;
 mod consumer;
 mod dead_letters;
+mod fault_suite;
 mod faults;
 mod modes;
 mod order;
