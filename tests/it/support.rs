@@ -61,6 +61,12 @@ async fn try_connect(cfg: &tokio_postgres::Config) -> bool {
 }
 
 async fn find_server() -> tokio_postgres::Config {
+    // PG_OUTBOX_TEST_SERVER=throwaway skips the lookups (to exercise the
+    // fresh-machine path where no server runs).
+    let forced = std::env::var("PG_OUTBOX_TEST_SERVER").is_ok_and(|v| v == "throwaway");
+    if forced {
+        return start_throwaway().await;
+    }
     if let Ok(url) = std::env::var("DATABASE_URL")
         && !url.trim().is_empty()
     {
@@ -74,6 +80,10 @@ async fn find_server() -> tokio_postgres::Config {
             return cfg;
         }
     }
+    start_throwaway().await
+}
+
+async fn start_throwaway() -> tokio_postgres::Config {
     let server = tokio::task::spawn_blocking(TempServer::start)
         .await
         .expect("join")
