@@ -11,6 +11,7 @@ pub mod metrics;
 pub mod migrate;
 mod publisher;
 pub mod relay;
+pub mod retention;
 mod retry;
 mod store;
 pub mod temp_server;

@@ -54,6 +54,10 @@ pub const NOTIFICATIONS_WORKING: &str = "outbox_notifications_working";
 /// Gauge: 1 while this relay asks producers to notify it (idle), 0 while
 /// it is draining and polls by itself (producers then skip NOTIFY).
 pub const WAITING_FOR_NOTIFICATIONS: &str = "outbox_waiting_for_notifications";
+/// Counter: published events deleted by retention.
+pub const RETENTION_DELETED: &str = "outbox_retention_deleted_total";
+/// Gauge, Unix seconds: when the last retention run finished.
+pub const RETENTION_LAST_RUN: &str = "outbox_retention_last_run_timestamp_seconds";
 /// Histogram, seconds: time a sink took to deliver one event (relay only).
 pub const SINK_DURATION: &str = "outbox_sink_duration_seconds";
 
@@ -76,6 +80,8 @@ pub fn describe() {
     describe_counter!(DATABASE_ERRORS, "Errors on the work connection.");
     describe_histogram!(SINK_DURATION, Unit::Seconds, "Time a sink took to deliver one event.");
     describe_gauge!(WAITING_FOR_NOTIFICATIONS, "1 while this relay asks producers to notify it.");
+    describe_counter!(RETENTION_DELETED, "Published events deleted by retention.");
+    describe_gauge!(RETENTION_LAST_RUN, Unit::Seconds, "When the last retention run finished (Unix time).");
     describe_gauge!(LEADER, "1 while this consumer holds the outbox lock (single mode).");
     describe_gauge!(PARTITIONS_OWNED, "Partitions this consumer holds (partitioned mode).");
     describe_gauge!(NOTIFICATION_QUEUE_USAGE, "pg_notification_queue_usage(), 0..1.");

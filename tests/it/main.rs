@@ -9,5 +9,6 @@ mod faults;
 mod modes;
 mod order;
 mod relay;
+mod retention;
 mod schema;
 mod support;

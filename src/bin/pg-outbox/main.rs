@@ -42,6 +42,9 @@ enum Command {
     /// List, show, retry or discard dead letters.
     #[command(subcommand)]
     DeadLetters(dead_letters::DeadLetterCmd),
+    /// Delete published events older than a cutoff (the seed's retention), in
+    /// bounded batches; never unpublished events or dead letters.
+    Archive(ArchiveArgs),
     /// Run a self-contained demo: throwaway PostgreSQL, concurrent producers,
     /// relay to stdout, summary with delivery lag.
     Demo(demo::DemoArgs),
@@ -88,6 +91,13 @@ struct RelayArgs {
     /// Do not LISTEN: find events by the sweep only (for a transaction-mode pooler).
     #[arg(long)]
     no_listen: bool,
+    /// Run retention daily: delete published events older than this (e.g.
+    /// 30d, the seed's figure). Off unless given: deleting is your call.
+    #[arg(long, value_parser = parse_duration, value_name = "DURATION")]
+    retention: Option<Duration>,
+    /// Hour of the day (UTC, 0-23) at which retention runs.
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(0..24))]
+    retention_hour: u32,
 }
 
 #[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
@@ -112,6 +122,22 @@ struct PublishArgs {
     /// it from standard input, `@FILE` from a file.
     #[arg(long)]
     payload: String,
+}
+
+#[derive(clap::Args, Debug)]
+struct ArchiveArgs {
+    /// Delete published events older than this (the seed: 30 days).
+    #[arg(long, value_parser = parse_duration, default_value = "30d")]
+    older_than: Duration,
+    /// Rows per DELETE statement.
+    #[arg(long, default_value_t = pg_outbox::retention::DEFAULT_RETENTION_BATCH)]
+    batch_size: i64,
+    /// Pause between batches.
+    #[arg(long, value_parser = parse_duration, default_value = "100ms")]
+    pause: Duration,
+    /// Count what would be deleted; delete nothing.
+    #[arg(long)]
+    dry_run: bool,
 }
 
 #[derive(clap::Args, Debug)]
@@ -269,8 +295,57 @@ async fn relay_cmd(url: &str, args: RelayArgs) -> Result<(), Error> {
             tracing::info!(database = %target, sink = %sink_name, "relay started; listening on channel {}", pg_outbox::NOTIFY_CHANNEL)
         }
     }
-    let stats = relay::run(stream, sink.as_ref(), shutdown_signal()).await?;
+    let retention =
+        args.retention.map(|older| tokio::spawn(retention_loop(url.to_string(), older, args.retention_hour)));
+    let stats = relay::run(stream, sink.as_ref(), shutdown_signal()).await;
+    if let Some(task) = retention {
+        task.abort();
+    }
+    let stats = stats?;
     tracing::info!(delivered = stats.delivered, failed = stats.failed, "relay stopped");
+    Ok(())
+}
+
+/// Run retention every day at `hour`:00 UTC on its own connection.
+async fn retention_loop(url: String, older_than: Duration, hour: u32) {
+    loop {
+        let now = chrono::Utc::now();
+        let today = now.date_naive().and_hms_opt(hour, 0, 0).map(|t| t.and_utc());
+        let next = match today {
+            Some(t) if t > now => t,
+            Some(t) => t + chrono::Duration::days(1),
+            None => now + chrono::Duration::days(1),
+        };
+        let wait = (next - now).to_std().unwrap_or(Duration::from_secs(3600));
+        tracing::info!(next = %next.to_rfc3339(), "retention scheduled");
+        tokio::time::sleep(wait).await;
+        let r = pg_outbox::retention::Retention { older_than, ..Default::default() };
+        match connect(&url).await {
+            Ok(client) => match pg_outbox::retention::run(&client, &r).await {
+                Ok(rep) if rep.skipped => tracing::info!("retention skipped: another relay is running it"),
+                Ok(rep) => tracing::info!(deleted = rep.deleted, batches = rep.batches, "retention done"),
+                Err(e) => tracing::error!(error = %pg_outbox::error::report(&e), "retention failed"),
+            },
+            Err(e) => tracing::error!(error = %pg_outbox::error::report(&e), "retention could not connect"),
+        }
+    }
+}
+
+async fn archive_cmd(url: &str, args: ArchiveArgs) -> Result<(), Error> {
+    let client = connect(url).await?;
+    let r =
+        pg_outbox::retention::Retention { older_than: args.older_than, batch_size: args.batch_size, pause: args.pause };
+    let age = humantime::format_duration(args.older_than);
+    if args.dry_run {
+        let rep = pg_outbox::retention::dry_run(&client, &r).await?;
+        println!("dry run: would delete {} published events older than {age}", rep.deleted);
+        return Ok(());
+    }
+    let rep = pg_outbox::retention::run(&client, &r).await?;
+    if rep.skipped {
+        return Err(Error::Usage("another retention run holds the lock; nothing deleted".into()));
+    }
+    println!("deleted {} published events older than {age} in {} batches", rep.deleted, rep.batches);
     Ok(())
 }
 
@@ -353,6 +428,7 @@ fn main() -> ExitCode {
             Command::Publish(args) => publish_cmd(&database_url(&cli.database_url)?, args).await,
             Command::Status(args) => status_cmd(&database_url(&cli.database_url)?, args).await,
             Command::DeadLetters(cmd) => dead_letters::run(&database_url(&cli.database_url)?, cmd).await,
+            Command::Archive(args) => archive_cmd(&database_url(&cli.database_url)?, args).await,
         }
     });
     rt.shutdown_timeout(Duration::from_secs(1));

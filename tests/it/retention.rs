@@ -1,0 +1,73 @@
+//! Retention: `pg-outbox archive` deletes only published events older than
+//! the cutoff, in bounded batches.
+
+use uuid::Uuid;
+
+use crate::support::{TestDb, bin, insert_seed_events};
+
+async fn archive(db: &TestDb, args: &[&str]) -> (i32, String, String) {
+    let out = tokio::process::Command::new(bin())
+        .arg("archive")
+        .args(args)
+        .env("DATABASE_URL", db.url())
+        .output()
+        .await
+        .expect("run pg-outbox archive");
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn archive_deletes_old_published_events_only_in_batches() {
+    let db = TestDb::new("archive").await;
+    let c = db.client().await;
+    let old_published = insert_seed_events(&c, Uuid::new_v4(), 5).await;
+    let recent_published = insert_seed_events(&c, Uuid::new_v4(), 2).await;
+    let old_unpublished = insert_seed_events(&c, Uuid::new_v4(), 2).await;
+    let dead = insert_seed_events(&c, Uuid::new_v4(), 1).await;
+    c.execute(
+        "UPDATE events.outbox SET occurred_at = now() - interval '60 days', published_at = now() - interval '40 days' WHERE id = ANY($1)",
+        &[&old_published],
+    )
+    .await
+    .expect("old published");
+    c.execute(
+        "UPDATE events.outbox SET published_at = now() - interval '1 day' WHERE id = ANY($1)",
+        &[&recent_published],
+    )
+    .await
+    .expect("recent");
+    c.execute(
+        "UPDATE events.outbox SET occurred_at = now() - interval '90 days' WHERE id = ANY($1)",
+        &[&old_unpublished],
+    )
+    .await
+    .expect("old unpublished");
+    c.execute(
+        "UPDATE events.outbox SET occurred_at = now() - interval '90 days', retry_count = 10, next_retry_at = 'infinity' WHERE id = ANY($1)",
+        &[&dead],
+    )
+    .await
+    .expect("dead letter");
+
+    let (code, out, err) = archive(&db, &["--dry-run"]).await;
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("would delete 5 "), "{out}");
+    let (code, out, err) = archive(&db, &["--batch-size", "2", "--pause", "10ms"]).await;
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("deleted 5 published events older than 30days in 3 batches"), "{out}");
+    let left: Vec<i64> =
+        c.query("SELECT id FROM events.outbox ORDER BY id", &[]).await.expect("q").iter().map(|r| r.get(0)).collect();
+    let mut kept = [recent_published, old_unpublished, dead].concat();
+    kept.sort_unstable();
+    assert_eq!(left, kept, "recent published, unpublished and dead letters stay");
+    let (code, out, _) = archive(&db, &[]).await;
+    assert_eq!(code, 0);
+    assert!(out.contains("deleted 0 "), "{out}");
+    let (code, _, err) = archive(&db, &["--batch-size", "0"]).await;
+    assert_ne!(code, 0);
+    assert!(err.contains("batch size"), "{err}");
+}
