@@ -14,6 +14,10 @@ use crate::error::{Error, Result};
 /// a minute instead of the kernel's two hours.
 pub const KEEPALIVE_IDLE: Duration = Duration::from_secs(30);
 
+/// Server-side TCP keepalive settings sent with every connection (unless the
+/// URL's `options` set them): idle 30 s, then 3 probes 10 s apart.
+pub const SERVER_KEEPALIVES: &str = "-c tcp_keepalives_idle=30 -c tcp_keepalives_interval=10 -c tcp_keepalives_count=3";
+
 /// Default connect timeout when the URL sets none: 10 seconds.
 pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 
@@ -75,8 +79,44 @@ pub(crate) fn prepared(cfg: &Config, application_name: &str) -> Config {
         cfg.application_name(application_name);
     }
     cfg.keepalives(true).keepalives_idle(KEEPALIVE_IDLE);
+    // The server's side too (PostgreSQL docs, "Connection Settings"): a relay
+    // that vanished behind a half-open connection is dropped in about a
+    // minute, releasing its locks, so a standby can take over.
+    let server_keepalives = SERVER_KEEPALIVES;
+    let options = match cfg.get_options() {
+        Some(o) if !o.contains("tcp_keepalives_idle") => format!("{o} {server_keepalives}"),
+        Some(o) => o.to_string(),
+        None => server_keepalives.to_string(),
+    };
+    cfg.options(&options);
     if cfg.get_connect_timeout().is_none() {
         cfg.connect_timeout(DEFAULT_CONNECT_TIMEOUT);
     }
     cfg
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn prepared_sets_keepalives_and_keeps_user_options() {
+        let cfg = prepared(&parse_url("postgres://u@h/db").expect("url"), "app");
+        assert_eq!(cfg.get_options(), Some(SERVER_KEEPALIVES));
+        assert_eq!(cfg.get_application_name(), Some("app"));
+        assert!(cfg.get_keepalives());
+        let cfg = prepared(&parse_url("host=h user=u options='-c search_path=x'").expect("url"), "app");
+        assert_eq!(cfg.get_options(), Some(format!("-c search_path=x {SERVER_KEEPALIVES}").as_str()));
+        let mine = "-c tcp_keepalives_idle=5";
+        let cfg = prepared(&parse_url(&format!("host=h user=u options='{mine}'")).expect("url"), "app");
+        assert_eq!(cfg.get_options(), Some(mine));
+    }
+
+    #[test]
+    fn other_schemes_are_named() {
+        let e = parse_url("mysql://u@h/db").expect_err("not postgres");
+        assert!(e.to_string().contains("mysql://"), "{e}");
+        let secret = parse_url("postgres://u:s3cret@h:notaport/db").expect_err("bad port");
+        assert!(!crate::error::report(&secret).contains("s3cret"));
+    }
 }
