@@ -87,12 +87,14 @@ pub(crate) const ACK: &str = "UPDATE events.outbox SET published_at = now() \
 
 /// Record failures (the seed's MarkRetry, batched): retry_count + 1,
 /// last_error, and next_retry_at = now() + delay, or 'infinity' when the
-/// event becomes a dead letter (retry_count reaches $4).
+/// event becomes a dead letter (retry_count reaches $4). Only rows whose
+/// retry_count is still what was fetched ($5) change, so replaying a batch
+/// whose reply was lost counts nothing twice.
 pub(crate) const FAIL: &str = "UPDATE events.outbox o SET retry_count = o.retry_count + 1, last_error = f.err, \
        next_retry_at = CASE WHEN o.retry_count + 1 >= $4 THEN 'infinity'::timestamptz \
                             ELSE now() + make_interval(secs => f.delay) END \
-     FROM unnest($1::bigint[], $2::text[], $3::float8[]) AS f(id, err, delay) \
-     WHERE o.id = f.id AND o.published_at IS NULL \
+     FROM unnest($1::bigint[], $2::text[], $3::float8[], $5::int4[]) AS f(id, err, delay, seen) \
+     WHERE o.id = f.id AND o.published_at IS NULL AND o.retry_count = f.seen \
      RETURNING o.id, o.retry_count >= $4 AS dead, \
        CASE WHEN o.retry_count >= $4 THEN NULL \
             ELSE EXTRACT(EPOCH FROM (o.next_retry_at - now()))::float8 END";

@@ -53,6 +53,11 @@ struct PendingFail {
     key: AggregateKey,
     error: String,
     delay: Duration,
+    /// The row's retry_count when it was fetched: the write applies only if
+    /// it is still that, so a failure replayed after a lost reply (the
+    /// UPDATE committed, the connection died before the answer) is not
+    /// counted twice.
+    retry_count: i32,
 }
 
 /// What the select loop waits on; kept apart from the state it mutates.
@@ -118,7 +123,13 @@ const BUSY_POLL: Duration = Duration::from_millis(1);
 /// these delays, for events whose producers decided not to notify just
 /// before the request became visible and committed a little later (their
 /// COMMIT's WAL flush). Anything later still is found by the sweep.
-const RECHECKS: [Duration; 3] = [Duration::from_millis(2), Duration::from_millis(10), Duration::from_millis(50)];
+const RECHECKS: [Duration; 5] = [
+    Duration::from_millis(2),
+    Duration::from_millis(10),
+    Duration::from_millis(50),
+    Duration::from_millis(200),
+    Duration::from_millis(500),
+];
 
 pub(crate) struct Engine {
     cfg: Arc<ConsumerConfig>,
@@ -342,7 +353,7 @@ impl Engine {
                 self.outstanding.remove(&id);
                 let failures = u32::try_from(retry_count.max(0)).unwrap_or(0).saturating_add(1);
                 let delay = self.cfg.retry.delay(failures);
-                self.fails.push(PendingFail { id, key, error, delay });
+                self.fails.push(PendingFail { id, key, error, delay, retry_count });
                 arm_flush(&mut self.flush_at, self.cfg.ack_interval);
             }
             Settlement::Release { id, key } => {
@@ -431,6 +442,9 @@ impl Engine {
     }
 
     fn lost_connection(&mut self, delay: Duration) {
+        // Locks and claims went with the session: another consumer may
+        // deliver what is buffered here, so none of it is handed out.
+        self.shared.stale_before.store(self.fetch_seq + 1, std::sync::atomic::Ordering::SeqCst);
         self.conn = None;
         self.waiting = false;
         self.registered = false;
@@ -599,9 +613,7 @@ impl Engine {
                     slot.send(Delivery::new(event, seq, self.shared.clone()));
                     handed += 1;
                 }
-                Err(e) => {
-                    tracing::error!(error = %crate::error::report(&e), "could not read an outbox row; it stays unpublished");
-                }
+                Err(e) => self.undecodable(row, &e),
             }
         }
         metrics::counter!(m::EVENTS_FETCHED, "wake" => self.reason.label()).increment(handed);
@@ -614,10 +626,13 @@ impl Engine {
         if handed > 0 {
             // Keep fetching until a fetch finds nothing.
             self.want_fetch = true;
-            self.rechecks_left = 0;
-            self.recheck_at = None;
             if adaptive && (!self.registered || (self.waiting && self.busy_rate())) {
                 // Draining at a high rate: poll, and spare producers NOTIFY.
+                self.rechecks_left = 0;
+                self.recheck_at = None;
+                self.set_waiting(false).await;
+            } else if !self.cfg.listen && !self.registered {
+                // Sweep-only: never ask producers to notify (nobody listens).
                 self.set_waiting(false).await;
             }
         } else if full {
@@ -625,6 +640,9 @@ impl Engine {
             self.want_fetch = true;
         } else {
             self.want_fetch = false;
+            if !self.cfg.listen && !self.registered && !self.in_tx {
+                self.set_waiting(false).await;
+            }
             if adaptive && !self.waiting && self.idle_rate() {
                 // Idle: ask for wake-ups again, then look once more at once
                 // and a few times shortly after, for events whose producers
@@ -666,6 +684,34 @@ impl Engine {
 
     fn idle_rate(&self) -> bool {
         self.window_events < IDLE_EVENTS_PER_WINDOW && self.last_window_events < IDLE_EVENTS_PER_WINDOW
+    }
+
+    /// A row that cannot be decoded (e.g. `occurred_at = 'infinity'`) is
+    /// recorded as a failed attempt, like a sink failure: it holds back the
+    /// later events of its aggregate, is retried on the ladder, and becomes
+    /// a dead letter an operator can see, rather than being skipped.
+    fn undecodable(&mut self, row: &tokio_postgres::Row, e: &Error) {
+        let msg =
+            crate::consumer::delivery::sanitize_error(&format!("cannot decode the row: {}", crate::error::report(e)));
+        let (Ok(id), Ok(t), Ok(a), Ok(retry_count)) = (
+            row.try_get::<_, i64>(0),
+            row.try_get::<_, String>(1),
+            row.try_get::<_, uuid::Uuid>(2),
+            row.try_get::<_, i32>(6),
+        ) else {
+            tracing::error!(error = %msg, "could not read an outbox row's id or aggregate; it stays unpublished");
+            return;
+        };
+        tracing::error!(id, error = %msg, "could not read an outbox row; recording it as a failed attempt");
+        let key = (t, a);
+        // Hold back the aggregate's later events until the failure is written.
+        self.shared.holdback().entry(key.clone()).or_default().pending += 1;
+        let failures = u32::try_from(retry_count.max(0)).unwrap_or(0).saturating_add(1);
+        let delay = self.cfg.retry.delay(failures);
+        self.fails.push(PendingFail { id, key, error: msg, delay, retry_count });
+        if self.flush_at.is_none() {
+            self.flush_at = Some(Instant::now() + self.cfg.ack_interval);
+        }
     }
 
     /// Say in events.outbox_relays whether this relay waits for wake-ups.
@@ -712,11 +758,14 @@ impl Engine {
         let fail_ids: Vec<i64> = fails.iter().map(|f| f.id).collect();
         let fail_errs: Vec<&str> = fails.iter().map(|f| f.error.as_str()).collect();
         let fail_delays: Vec<f64> = fails.iter().map(|f| f.delay.as_secs_f64()).collect();
+        let fail_counts: Vec<i32> = fails.iter().map(|f| f.retry_count).collect();
         let fail_fut = async {
             if fails.is_empty() {
                 Ok(Vec::new())
             } else {
-                conn.client.query(&conn.fail, &[&fail_ids, &fail_errs, &fail_delays, &self.cfg.max_retries]).await
+                conn.client
+                    .query(&conn.fail, &[&fail_ids, &fail_errs, &fail_delays, &self.cfg.max_retries, &fail_counts])
+                    .await
             }
         };
         let (ack_res, fail_res) = tokio::join!(ack_fut, fail_fut);

@@ -333,7 +333,11 @@ impl ConsumerBuilder {
 
         let (tx, rx) = mpsc::channel(cfg.buffer);
         let (settle_tx, settle_rx) = mpsc::unbounded_channel();
-        let shared = Arc::new(Shared { holdback: Mutex::new(HashMap::new()), settle_tx });
+        let shared = Arc::new(Shared {
+            holdback: Mutex::new(HashMap::new()),
+            settle_tx,
+            stale_before: std::sync::atomic::AtomicU64::new(0),
+        });
         let engine = drain::Engine::new(
             cfg.clone(),
             (work, work_handle),
@@ -389,6 +393,9 @@ pub(crate) struct Hold {
 pub(crate) struct Shared {
     pub(crate) holdback: Mutex<HashMap<AggregateKey, Hold>>,
     pub(crate) settle_tx: mpsc::UnboundedSender<delivery::Settlement>,
+    /// Deliveries from fetches numbered below this are stale (fetched on a
+    /// session that was lost with its locks): released, not handed out.
+    pub(crate) stale_before: std::sync::atomic::AtomicU64,
 }
 
 impl Shared {
@@ -397,6 +404,9 @@ impl Shared {
     }
 
     fn is_held(&self, d: &Delivery) -> bool {
+        if d.seq() < self.stale_before.load(std::sync::atomic::Ordering::SeqCst) {
+            return true;
+        }
         let map = self.holdback();
         match map.get(&(d.aggregate_type.clone(), d.aggregate_id)) {
             Some(h) => h.pending > 0 || d.seq() <= h.upto_seq,

@@ -425,3 +425,50 @@ async fn start_fails_clearly_on_an_unmigrated_database_and_bad_settings() {
     assert!(full.contains("127.0.0.1:1/nowhere"), "names the target: {full}");
     assert!(!full.contains("s3cret"), "never shows the password: {full}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_undecodable_row_is_a_recorded_failure_that_holds_back_its_aggregate() {
+    let db = TestDb::new("undecodable").await;
+    let c = db.client().await;
+    let a = Uuid::new_v4();
+    let ids = insert_seed_events(&c, a, 2).await;
+    // chrono cannot represent 'infinity'.
+    c.execute("UPDATE events.outbox SET occurred_at = 'infinity' WHERE id = $1", &[&ids[0]]).await.expect("poison");
+    let other = insert_seed_events(&c, Uuid::new_v4(), 1).await[0];
+    let mut stream = start(&db, |b| b).await;
+    let d = next(&mut stream, 10).await;
+    assert_eq!(d.id, other, "the other aggregate flows; {} waits behind {}", ids[1], ids[0]);
+    d.ack();
+    assert_quiet(&mut stream, 500).await;
+    let row = c
+        .query_one("SELECT retry_count, last_error, next_retry_at > now() FROM events.outbox WHERE id = $1", &[&ids[0]])
+        .await
+        .expect("row");
+    assert_eq!(row.get::<_, i32>(0), 1, "recorded as a failed attempt");
+    assert!(row.get::<_, String>(1).contains("cannot decode"), "{}", row.get::<_, String>(1));
+    assert!(row.get::<_, bool>(2));
+    stream.finish().await.expect("finish");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn payload_numbers_are_delivered_digit_for_digit() {
+    let db = TestDb::new("precision").await;
+    let c = db.client().await;
+    let text = r#"{"big": 1e400, "wei": 1000000000000000000001, "eth": 1.000000000000000001}"#;
+    c.execute(
+        "INSERT INTO events.outbox (aggregate_type, aggregate_id, event_type, payload) VALUES ('a', gen_random_uuid(), 'e', $1::text::jsonb)",
+        &[&text],
+    )
+    .await
+    .expect("insert");
+    let mut stream = start(&db, |b| b).await;
+    let d = next(&mut stream, 10).await;
+    let out = serde_json::to_string(&d.payload).expect("json");
+    for digits in ["1000000000000000000001", "1.000000000000000001"] {
+        assert!(out.contains(digits), "{digits} lost in {out}");
+    }
+    // jsonb stores 1e400 as the exact numeric 1 followed by 400 zeros.
+    assert!(out.contains(&format!("\"big\":1{},", "0".repeat(400))), "{out}");
+    d.ack();
+    stream.finish().await.expect("finish");
+}
