@@ -312,7 +312,9 @@ impl Engine {
                 _ = reconnect_wake.notified(), if !stopping => self.wake_up(Wake::Reconnect),
                 _ = &mut sweep => {
                     metrics::counter!(m::SWEEPS).increment(1);
-                    self.wake_up(Wake::Sweep);
+                    // While polling (busy, or looking again after going idle) a
+                    // sweep finds nothing a poll would not: count it as a poll.
+                    self.wake_up(if self.recheck_at.is_some() { Wake::Recheck } else { Wake::Sweep });
                     sweep.as_mut().reset(Instant::now() + jittered(self.cfg.sweep_interval));
                 }
                 _ = sleep_until(self.retry_at.unwrap_or(far)), if self.retry_at.is_some() => {
