@@ -55,21 +55,32 @@ pub fn describe_target(cfg: &Config) -> String {
 
 /// Connect with the given application name (visible in `pg_stat_activity`),
 /// TCP keepalives and a connect timeout; spawn the connection task and return
-/// its handle (its error is logged when it ends with one).
+/// its [`Link`] (its error is logged when it ends with one).
 ///
 /// Used for the work connection. The LISTEN connection is driven by the
 /// notifier itself (see `consumer::notifier`).
-pub(crate) async fn connect(cfg: &Config, application_name: &str) -> Result<(Client, JoinHandle<()>)> {
+/// A spawned connection task, and a token cancelled the moment it ends
+/// (the server closed the session, the network broke, or it was aborted).
+#[derive(Debug)]
+pub(crate) struct Link {
+    pub(crate) handle: JoinHandle<()>,
+    pub(crate) closed: tokio_util::sync::CancellationToken,
+}
+
+pub(crate) async fn connect(cfg: &Config, application_name: &str) -> Result<(Client, Link)> {
     let cfg = prepared(cfg, application_name);
     let (client, connection) =
         cfg.connect(NoTls).await.map_err(|source| Error::Connect { target: describe_target(&cfg), source })?;
     let name = application_name.to_string();
+    let closed = tokio_util::sync::CancellationToken::new();
+    let guard = closed.clone().drop_guard();
     let handle = tokio::spawn(async move {
+        let _guard = guard;
         if let Err(e) = connection.await {
             tracing::debug!(connection = %name, error = %e, "connection ended");
         }
     });
-    Ok((client, handle))
+    Ok((client, Link { handle, closed }))
 }
 
 /// The config with our application name, keepalives and a connect timeout.

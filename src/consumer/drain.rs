@@ -20,20 +20,20 @@ use std::time::Duration;
 
 use backon::BackoffBuilder;
 use tokio::sync::{Notify, mpsc};
-use tokio::task::JoinHandle;
 use tokio::time::{Instant, sleep, sleep_until};
 use tokio_postgres::{Client, Statement};
 use tokio_util::sync::CancellationToken;
 
 use super::delivery::Settlement;
 use super::{AggregateKey, ConsumerConfig, Delivery, Mode, STATUS_INTERVAL, Shared};
+use crate::connect::Link;
 use crate::error::{Error, Result};
 use crate::metrics as m;
 use crate::store;
 
 struct Conn {
     client: Client,
-    handle: JoinHandle<()>,
+    link: Link,
     fetch: Statement,
     /// The session's membership lock key (partitioned mode).
     member_key: i32,
@@ -44,7 +44,7 @@ struct Conn {
 
 impl Drop for Conn {
     fn drop(&mut self) {
-        self.handle.abort();
+        self.link.handle.abort();
     }
 }
 
@@ -134,7 +134,7 @@ const RECHECKS: [Duration; 5] = [
 pub(crate) struct Engine {
     cfg: Arc<ConsumerConfig>,
     conn: Option<Conn>,
-    first: Option<(Client, JoinHandle<()>)>,
+    first: Option<(Client, Link)>,
     io: Option<Io>,
     shared: Arc<Shared>,
     token: CancellationToken,
@@ -191,7 +191,7 @@ impl Engine {
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn new(
         cfg: Arc<ConsumerConfig>,
-        first: (Client, JoinHandle<()>),
+        first: (Client, Link),
         tx: mpsc::Sender<Delivery>,
         settle_rx: mpsc::UnboundedReceiver<Settlement>,
         shared: Arc<Shared>,
@@ -283,8 +283,17 @@ impl Engine {
             let stopping = stop_deadline.is_some();
             let can_fetch = self.want_fetch && !stopping && self.conn.is_some() && self.may_fetch();
             let batch = self.cfg.batch_size;
+            // Notice a lost session at once, not at the next query: its locks
+            // are gone, and what it buffered must not be handed out.
+            let closed = self.conn.as_ref().map(|c| c.link.closed.clone());
             tokio::select! {
                 biased;
+                _ = async { if let Some(t) = &closed { t.cancelled().await } }, if closed.is_some() => {
+                    metrics::counter!(m::DATABASE_ERRORS).increment(1);
+                    let delay = self.backoff.next().unwrap_or(self.cfg.reconnect_max_delay);
+                    tracing::warn!(retry_in = ?delay, "drain connection closed; reconnecting");
+                    self.lost_connection(delay);
+                }
                 _ = token.cancelled(), if !stopping => {}
                 Some(s) = settle_rx.recv() => {
                     self.settle(s);
@@ -339,24 +348,33 @@ impl Engine {
         Ok(())
     }
 
+    /// Flush pending settlements at the latest one ack interval from now.
+    fn arm_flush(&mut self) {
+        if self.flush_at.is_none() {
+            self.flush_at = Some(Instant::now() + self.cfg.ack_interval);
+        }
+    }
+
+    /// Queue a failed attempt of `id` (fetched with `retry_count`) with its
+    /// retry delay from the ladder. The caller has already counted it in the
+    /// aggregate's hold-back (`pending`); the flush releases that.
+    fn queue_fail(&mut self, id: i64, key: AggregateKey, retry_count: i32, error: String) {
+        let failures = u32::try_from(retry_count.max(0)).unwrap_or(0).saturating_add(1);
+        let delay = self.cfg.retry.delay(failures);
+        self.fails.push(PendingFail { id, key, error, delay, retry_count });
+        self.arm_flush();
+    }
+
     fn settle(&mut self, s: Settlement) {
-        let arm_flush = |flush_at: &mut Option<Instant>, every: Duration| {
-            if flush_at.is_none() {
-                *flush_at = Some(Instant::now() + every);
-            }
-        };
         match s {
             Settlement::Ack { id } => {
                 self.outstanding.remove(&id);
                 self.acks.push(id);
-                arm_flush(&mut self.flush_at, self.cfg.ack_interval);
+                self.arm_flush();
             }
             Settlement::Fail { id, key, retry_count, error } => {
                 self.outstanding.remove(&id);
-                let failures = u32::try_from(retry_count.max(0)).unwrap_or(0).saturating_add(1);
-                let delay = self.cfg.retry.delay(failures);
-                self.fails.push(PendingFail { id, key, error, delay, retry_count });
-                arm_flush(&mut self.flush_at, self.cfg.ack_interval);
+                self.queue_fail(id, key, retry_count, error);
             }
             Settlement::Release { id, key } => {
                 self.outstanding.remove(&id);
@@ -378,7 +396,7 @@ impl Engine {
     }
 
     async fn reconnect(&mut self) {
-        let (client, handle) = match self.first.take() {
+        let (client, link) = match self.first.take() {
             Some(first) => first,
             None => match crate::connect::connect(&self.cfg.pg, "pg-outbox drain").await {
                 Ok(c) => c,
@@ -408,7 +426,7 @@ impl Engine {
         .await;
         match prepared {
             Ok((fetch, ack, fail, next_retry)) => {
-                self.conn = Some(Conn { client, handle, fetch, member_key, ack, fail, next_retry });
+                self.conn = Some(Conn { client, link, fetch, member_key, ack, fail, next_retry });
                 self.backoff = new_backoff(self.cfg.reconnect_max_delay);
                 self.reconnect_at = None;
                 // Locks of the old session are gone with it.
@@ -430,7 +448,7 @@ impl Engine {
                 }
             }
             Err(e) => {
-                handle.abort();
+                link.handle.abort();
                 self.connection_failed(&Error::Db(e));
             }
         }
@@ -708,12 +726,7 @@ impl Engine {
         let key = (t, a);
         // Hold back the aggregate's later events until the failure is written.
         self.shared.holdback().entry(key.clone()).or_default().pending += 1;
-        let failures = u32::try_from(retry_count.max(0)).unwrap_or(0).saturating_add(1);
-        let delay = self.cfg.retry.delay(failures);
-        self.fails.push(PendingFail { id, key, error: msg, delay, retry_count });
-        if self.flush_at.is_none() {
-            self.flush_at = Some(Instant::now() + self.cfg.ack_interval);
-        }
+        self.queue_fail(id, key, retry_count, msg);
     }
 
     /// Say in events.outbox_relays whether this relay waits for wake-ups.

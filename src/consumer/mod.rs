@@ -290,7 +290,7 @@ impl ConsumerBuilder {
     pub async fn start(mut self) -> Result<EventStream> {
         self.validate()?;
         let cfg = Arc::new(self.cfg);
-        let (work, work_handle) = connect::connect(&cfg.pg, "pg-outbox drain").await?;
+        let (work, work_link) = connect::connect(&cfg.pg, "pg-outbox drain").await?;
         crate::migrate::check(&work).await?;
         let listener_pg = cfg.listener_pg.clone().unwrap_or_else(|| cfg.pg.clone());
         let wake = Arc::new(Notify::new());
@@ -340,7 +340,7 @@ impl ConsumerBuilder {
         });
         let engine = drain::Engine::new(
             cfg.clone(),
-            (work, work_handle),
+            (work, work_link),
             tx,
             settle_rx,
             shared.clone(),

@@ -412,3 +412,68 @@ async fn status_counts_match_the_rows() {
     assert_eq!(v["waiting_for_retry"], 1, "{v}");
     assert_eq!(v["due_now"], 3, "{v}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn publish_reads_the_payload_from_stdin_and_from_a_file() {
+    let db = TestDb::new("cli_payload_sources").await;
+    let c = db.client().await;
+    let agg = uuid::Uuid::new_v4().to_string();
+    let base = ["publish", "--aggregate-type", "subscription", "--aggregate-id", agg.as_str(), "--event-type", "E"];
+
+    // `--payload -`: standard input (beyond a command line's 128 KiB limit).
+    let big = serde_json::json!({"version": 1, "data": {"blob": "x".repeat(200_000)}}).to_string();
+    let mut child = Command::new(support::bin())
+        .args(base)
+        .args(["--payload", "-"])
+        .env("DATABASE_URL", db.url())
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn publish");
+    let mut stdin = child.stdin.take().expect("stdin");
+    tokio::io::AsyncWriteExt::write_all(&mut stdin, big.as_bytes()).await.expect("write payload");
+    drop(stdin);
+    let out = child.wait_with_output().await.expect("publish");
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let id: i64 = String::from_utf8_lossy(&out.stdout).trim().parse().expect("an id on stdout");
+    let len: i32 = c
+        .query_one("SELECT length(payload->'data'->>'blob') FROM events.outbox WHERE id = $1", &[&id])
+        .await
+        .expect("row")
+        .get(0);
+    assert_eq!(len, 200_000);
+
+    // `--payload @FILE`, and a missing file is a clear error with nothing written.
+    let dir = tempfile::tempdir().expect("tempdir");
+    let file = dir.path().join("payload.json");
+    std::fs::write(&file, r#"{"version":1,"data":{"from":"file"}}"#).expect("write file");
+    let arg = format!("@{}", file.display());
+    let out = Command::new(support::bin())
+        .args(base)
+        .args(["--payload", arg.as_str()])
+        .env("DATABASE_URL", db.url())
+        .output()
+        .await
+        .expect("publish");
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let id: i64 = String::from_utf8_lossy(&out.stdout).trim().parse().expect("an id on stdout");
+    let from: String = c
+        .query_one("SELECT payload->'data'->>'from' FROM events.outbox WHERE id = $1", &[&id])
+        .await
+        .expect("row")
+        .get(0);
+    assert_eq!(from, "file");
+    let before = outbox_rows(&c).await;
+    let missing = format!("@{}", dir.path().join("nope.json").display());
+    let out = Command::new(support::bin())
+        .args(base)
+        .args(["--payload", missing.as_str()])
+        .env("DATABASE_URL", db.url())
+        .output()
+        .await
+        .expect("publish");
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("cannot read the payload file"));
+    assert_eq!(outbox_rows(&c).await, before, "nothing written");
+}

@@ -24,6 +24,13 @@ pub(crate) async fn next(stream: &mut EventStream, secs: u64) -> Delivery {
         .expect("stream ended")
 }
 
+/// The next delivery must be event `id`; acknowledge it.
+pub(crate) async fn ack_next(stream: &mut EventStream, id: i64, secs: u64) {
+    let d = next(stream, secs).await;
+    assert_eq!(d.id, id);
+    d.ack();
+}
+
 /// Assert that nothing is delivered for `ms` milliseconds.
 async fn assert_quiet(stream: &mut EventStream, ms: u64) {
     if let Ok(Some(d)) = tokio::time::timeout(Duration::from_millis(ms), stream.next()).await {
@@ -240,9 +247,7 @@ async fn failed_event_holds_back_its_aggregate_while_others_go_on() {
     let d = next(&mut stream, 10).await;
     assert_eq!((d.id, d.retry_count, d.last_error.as_deref()), (a1, 1, Some("downstream said no")));
     d.ack();
-    let d = next(&mut stream, 10).await;
-    assert_eq!(d.id, a2);
-    d.ack();
+    ack_next(&mut stream, a2, 10).await;
     stream.finish().await.expect("finish");
 }
 
@@ -276,9 +281,7 @@ async fn tenth_failure_makes_a_dead_letter_that_is_never_fetched_and_holds_back_
     assert_eq!((s.dead_letters, s.unpublished, s.due_now, s.held_back), (1, 2, 0, 1));
     // Another aggregate still flows.
     let other = insert_seed_events(&c, Uuid::new_v4(), 1).await[0];
-    let d = next(&mut stream, 10).await;
-    assert_eq!(d.id, other);
-    d.ack();
+    ack_next(&mut stream, other, 10).await;
     let later_published: bool = c
         .query_one("SELECT published_at IS NOT NULL FROM events.outbox WHERE id = $1", &[&later])
         .await
@@ -333,9 +336,7 @@ async fn dropped_delivery_is_released_and_delivered_again_first() {
     assert_eq!(d.retry_count, 0, "a release is not a failure");
     d.ack();
     for want in &ids[1..] {
-        let d = next(&mut stream, 10).await;
-        assert_eq!(d.id, *want);
-        d.ack();
+        ack_next(&mut stream, *want, 10).await;
     }
     stream.finish().await.expect("finish");
 }
@@ -349,9 +350,7 @@ async fn sweep_finds_rows_inserted_without_a_notification() {
     // Let the first drain pass, then insert silently.
     assert_quiet(&mut stream, 300).await;
     let id = insert_seed_events(&c, Uuid::new_v4(), 1).await[0];
-    let d = next(&mut stream, 10).await;
-    assert_eq!(d.id, id);
-    d.ack();
+    ack_next(&mut stream, id, 10).await;
     stream.finish().await.expect("finish");
 }
 
@@ -370,9 +369,7 @@ async fn events_committed_while_the_listener_is_down_arrive_after_reconnect_not_
     status.wait_for(|s| !s.listening).await.expect("status");
     let id = insert_seed_events(&c, Uuid::new_v4(), 1).await[0];
     // No sweep for an hour: only the reconnect's catch-up can deliver it.
-    let d = next(&mut stream, 15).await;
-    assert_eq!(d.id, id);
-    d.ack();
+    ack_next(&mut stream, id, 15).await;
     tokio::time::timeout(Duration::from_secs(10), status.wait_for(|s| s.reconnects >= 1))
         .await
         .expect("the reconnect is counted")

@@ -6,7 +6,7 @@ use std::time::Duration;
 use futures::StreamExt;
 use uuid::Uuid;
 
-use crate::consumer::{next, start};
+use crate::consumer::{ack_next, next, start};
 use crate::support::{TestDb, bin, insert_seed_events};
 
 async fn cli(db: &TestDb, args: &[&str]) -> (i32, String, String) {
@@ -99,9 +99,7 @@ async fn discard_deletes_the_dead_letter_and_releases_its_aggregate() {
     let (code, out, err) = cli(&db, &["dead-letters", "discard", "--yes", &ids[0].to_string()]).await;
     assert_eq!(code, 0, "{err}");
     assert!(out.contains("deleted 1"), "{out}");
-    let d = next(&mut stream, 10).await;
-    assert_eq!(d.id, ids[1]);
-    d.ack();
+    ack_next(&mut stream, ids[1], 10).await;
     let left: i64 =
         c.query_one("SELECT count(*) FROM events.outbox WHERE id = $1", &[&ids[0]]).await.expect("q").get(0);
     assert_eq!(left, 0);

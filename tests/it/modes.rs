@@ -9,7 +9,7 @@ use futures::StreamExt;
 use pg_outbox::{EventStream, Mode};
 use uuid::Uuid;
 
-use crate::consumer::{next, start};
+use crate::consumer::{ack_next, start};
 use crate::support::{TestDb, insert_seed_events};
 
 /// (consumer index, id, aggregate) in the order each consumer received them.
@@ -40,9 +40,7 @@ async fn single_mode_has_one_active_consumer_and_a_standby_takes_over() {
     assert_eq!(first.1, ids[0]);
     let (mut active, mut standby) = if first.0 == "a" { (a, b) } else { (b, a) };
     for want in &ids[1..] {
-        let d = next(&mut active, 10).await;
-        assert_eq!(d.id, *want);
-        d.ack();
+        ack_next(&mut active, *want, 10).await;
     }
     if let Ok(Some(d)) = tokio::time::timeout(Duration::from_millis(500), standby.next()).await {
         panic!("the standby delivered {} while the other is active", d.id);
@@ -52,9 +50,7 @@ async fn single_mode_has_one_active_consumer_and_a_standby_takes_over() {
     let stopped = Instant::now();
     let more = insert_seed_events(&c, Uuid::new_v4(), 5).await;
     for want in &more {
-        let d = next(&mut standby, 10).await;
-        assert_eq!(d.id, *want);
-        d.ack();
+        ack_next(&mut standby, *want, 10).await;
     }
     eprintln!("standby took over and delivered within {:?} of the active consumer stopping", stopped.elapsed());
     standby.finish().await.expect("finish");
@@ -147,4 +143,42 @@ async fn competing_consumers_never_deliver_an_event_twice_in_a_clean_run() {
     let ids: Vec<i64> = log.lock().expect("log").iter().map(|e| e.1).collect();
     assert_eq!(ids.len(), committed.len(), "each event exactly once");
     assert_eq!(ids.iter().copied().collect::<HashSet<_>>(), committed.iter().copied().collect::<HashSet<_>>());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_consumer_that_loses_its_session_hands_out_nothing_it_had_buffered() {
+    let db = TestDb::new("stale_buffer").await;
+    let c = db.client().await;
+    let ids = insert_seed_events(&c, Uuid::new_v4(), 20).await;
+    let mut a = start(&db, |b| b.mode(Mode::Single).batch_size(5).buffer(20)).await;
+    let first = crate::consumer::next(&mut a, 10).await;
+    assert_eq!(first.id, ids[0]);
+    // The outbox lock's key, as A holds it (bigint key = classid << 32 | objid).
+    let key: i64 = c
+        .query_one(
+            "SELECT (l.classid::bigint << 32) | l.objid::bigint FROM pg_locks l JOIN pg_stat_activity s ON s.pid = l.pid \
+             WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 1 AND s.datname = $1",
+            &[&db.name],
+        )
+        .await
+        .expect("A holds the outbox lock")
+        .get(0);
+    // A's session (and its lock) goes away while it has events buffered; the
+    // test takes the lock, so no consumer may deliver now.
+    assert_eq!(db.terminate_pid_of_lock_holder().await, 1);
+    crate::support::eventually(10, "the lock to be free", || async {
+        c.query_one("SELECT pg_try_advisory_lock($1)", &[&key]).await.expect("lock").get::<_, bool>(0)
+    })
+    .await;
+    if let Ok(Some(d)) = tokio::time::timeout(Duration::from_millis(700), a.next()).await {
+        panic!("the consumer that lost its session handed out buffered event {}", d.id);
+    }
+    // The first delivery was in hand: its acknowledgement is written after
+    // the reconnect. Once the lock is free again, A goes on from there.
+    first.ack();
+    c.execute("SELECT pg_advisory_unlock($1)", &[&key]).await.expect("unlock");
+    for want in &ids[1..] {
+        ack_next(&mut a, *want, 15).await;
+    }
+    a.finish().await.expect("finish a");
 }

@@ -8,7 +8,7 @@ use std::time::Duration;
 use futures::StreamExt;
 use uuid::Uuid;
 
-use crate::consumer::{next, start};
+use crate::consumer::{ack_next, next, start};
 use crate::support::TestDb;
 
 async fn insert(tx: &tokio_postgres::Transaction<'_>, agg: Uuid, name: &str) -> i64 {
@@ -64,12 +64,8 @@ async fn later_insert_of_the_same_aggregate_waits_and_is_delivered_after_the_ear
     t1.commit().await.expect("commit t1");
     let second = tokio::time::timeout(Duration::from_secs(10), t2).await.expect("t2 finishes").expect("t2 task");
     assert!(second > first, "the waiting insert drew its id after T1: {first} < {second}");
-    let d = next(&mut stream, 10).await;
-    assert_eq!(d.id, first);
-    d.ack();
-    let d = next(&mut stream, 10).await;
-    assert_eq!(d.id, second);
-    d.ack();
+    ack_next(&mut stream, first, 10).await;
+    ack_next(&mut stream, second, 10).await;
     stream.finish().await.expect("finish");
 }
 

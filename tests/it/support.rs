@@ -194,6 +194,22 @@ impl TestDb {
     }
 }
 
+impl TestDb {
+    /// Terminate the backend holding the single-mode outbox lock.
+    pub async fn terminate_pid_of_lock_holder(&self) -> i64 {
+        let c = self.client().await;
+        c.query_one(
+            "SELECT count(pg_terminate_backend(l.pid)) FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid \
+             WHERE l.locktype = 'advisory' AND l.granted AND a.datname = $1 AND a.application_name = 'pg-outbox drain' \
+               AND l.objsubid = 1",
+            &[&self.name],
+        )
+        .await
+        .expect("terminate lock holder")
+        .get(0)
+    }
+}
+
 impl Drop for TestDb {
     fn drop(&mut self) {
         if std::thread::panicking() {
