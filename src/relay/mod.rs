@@ -6,16 +6,18 @@
 //! threshold). Deliveries are handed over one after another, in id order,
 //! so per-aggregate order holds at the sink.
 
+mod message;
 mod stdout;
 mod webhook;
 
 use std::future::Future;
 use std::pin::Pin;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use futures::StreamExt;
 use serde::Serialize;
 
+pub use message::{DEFAULT_CLOUDEVENTS_SOURCE, Format, Message, Template, header};
 pub use stdout::StdoutSink;
 pub use webhook::{DEFAULT_WEBHOOK_TIMEOUT, WebhookSink, redact_url};
 
@@ -70,6 +72,84 @@ impl<'a> SinkRecord<'a> {
             occurred_at: event.occurred_at.to_rfc3339_opts(chrono::SecondsFormat::Micros, true),
             retry_count: event.retry_count,
         }
+    }
+}
+
+/// Settings of the sinks, as the `pg-outbox relay` flags give them. Each
+/// sink reads the fields it needs; the others are ignored.
+#[derive(Debug, Clone)]
+#[non_exhaustive]
+pub struct SinkOptions {
+    /// Message body format (default [`Format::Record`]).
+    pub format: Format,
+    /// CloudEvents `source` attribute (default [`DEFAULT_CLOUDEVENTS_SOURCE`]).
+    pub cloudevents_source: String,
+    /// How long one delivery may take before it fails: the webhook request,
+    /// or the wait for a broker's acknowledgement (default 10 s).
+    pub timeout: Duration,
+    /// NATS JetStream subject (default `events.{aggregate_type}.{event_type}`).
+    pub nats_subject: Template,
+    /// Kafka topic (default `outbox.event.{aggregate_type}`, the topic
+    /// Debezium's outbox event router uses).
+    pub kafka_topic: Template,
+    /// Redis stream key (default `outbox:{aggregate_type}`).
+    pub redis_stream: Template,
+    /// Redis `XADD ... MAXLEN ~ N` trimming; `None` (the default) never trims.
+    pub redis_maxlen: Option<usize>,
+    /// RabbitMQ exchange (default `amq.topic`, which every broker has).
+    pub amqp_exchange: String,
+    /// RabbitMQ routing key (default `{aggregate_type}.{event_type}`).
+    pub amqp_routing_key: Template,
+    /// Webhook signing secret (Standard Webhooks, `whsec_` base64); `None`
+    /// (the default) sends unsigned requests.
+    pub webhook_secret: Option<String>,
+    /// Extra HTTP headers on every webhook request (default none).
+    pub webhook_headers: Vec<(String, String)>,
+}
+
+impl Default for SinkOptions {
+    fn default() -> Self {
+        let t = |s: &str| Template::parse(s).unwrap_or_else(|_| unreachable!("built-in template {s} parses"));
+        SinkOptions {
+            format: Format::Record,
+            cloudevents_source: DEFAULT_CLOUDEVENTS_SOURCE.to_string(),
+            timeout: DEFAULT_WEBHOOK_TIMEOUT,
+            nats_subject: t("events.{aggregate_type}.{event_type}"),
+            kafka_topic: t("outbox.event.{aggregate_type}"),
+            redis_stream: t("outbox:{aggregate_type}"),
+            redis_maxlen: None,
+            amqp_exchange: "amq.topic".to_string(),
+            amqp_routing_key: t("{aggregate_type}.{event_type}"),
+            webhook_secret: None,
+            webhook_headers: Vec::new(),
+        }
+    }
+}
+
+/// The sink schemes `--sink` accepts, for messages.
+pub const SINK_SCHEMES: &str = "`stdout`, http(s)://, nats://, kafka://, redis://, amqp://";
+
+/// Open the sink a `--sink` value names: `stdout`, `http://` or `https://`
+/// (webhook), `nats://` (NATS JetStream), `kafka://` (Kafka), `redis://` or
+/// `rediss://` (Redis Streams), `amqp://` or `amqps://` (RabbitMQ).
+/// Returns the sink and a name for logs (credentials removed).
+///
+/// # Errors
+/// [`Error::Config`](crate::Error::Config) for an unknown scheme, a
+/// malformed URL, a scheme whose Cargo feature this build lacks, or a broker
+/// that cannot be reached at start.
+pub async fn open_sink(spec: &str, opts: &SinkOptions) -> Result<(Box<dyn Sink>, String)> {
+    if spec == "stdout" {
+        return Ok((Box::new(StdoutSink::with_format(opts.format, &opts.cloudevents_source)), "stdout".into()));
+    }
+    let scheme = spec.split_once("://").map(|(s, _)| s.to_ascii_lowercase()).unwrap_or_default();
+    match scheme.as_str() {
+        "http" | "https" => {
+            let hook = WebhookSink::new(spec, opts.timeout)?.with_options(opts)?;
+            let name = format!("webhook {}", hook.display_url());
+            Ok((Box::new(hook), name))
+        }
+        _ => Err(crate::Error::Config(format!("unsupported sink '{spec}': expected one of {SINK_SCHEMES}"))),
     }
 }
 

@@ -1,6 +1,6 @@
 use std::time::Duration;
 
-use super::{Sink, SinkFuture, SinkRecord};
+use super::{Format, Message, Sink, SinkFuture, SinkOptions, header};
 use crate::error::{Error, Result};
 use crate::event::Event;
 
@@ -22,6 +22,9 @@ pub struct WebhookSink {
     client: reqwest::Client,
     url: reqwest::Url,
     shown: String,
+    format: Format,
+    source: String,
+    headers: reqwest::header::HeaderMap,
 }
 
 /// The URL without credentials and query string, for messages.
@@ -56,7 +59,31 @@ impl WebhookSink {
             .build()
             .map_err(|e| Error::Config(format!("cannot build the HTTP client: {e}")))?;
         let shown = redact_url(&url);
-        Ok(WebhookSink { client, url, shown })
+        Ok(WebhookSink {
+            client,
+            url,
+            shown,
+            format: Format::Record,
+            source: super::DEFAULT_CLOUDEVENTS_SOURCE.to_string(),
+            headers: reqwest::header::HeaderMap::new(),
+        })
+    }
+
+    /// Apply the webhook fields of `opts`: body format and extra headers.
+    ///
+    /// # Errors
+    /// [`Error::Config`] for a header name or value HTTP does not allow.
+    pub fn with_options(mut self, opts: &SinkOptions) -> Result<Self> {
+        self.format = opts.format;
+        self.source = opts.cloudevents_source.clone();
+        for (name, value) in &opts.webhook_headers {
+            let n = reqwest::header::HeaderName::from_bytes(name.as_bytes())
+                .map_err(|e| Error::Config(format!("invalid webhook header name '{name}': {e}")))?;
+            let v = reqwest::header::HeaderValue::from_str(value)
+                .map_err(|e| Error::Config(format!("invalid value for webhook header '{name}': {e}")))?;
+            self.headers.append(n, v);
+        }
+        Ok(self)
     }
 
     /// The URL as shown in messages (no credentials, no query string).
@@ -68,22 +95,30 @@ impl WebhookSink {
 impl Sink for WebhookSink {
     fn deliver<'a>(&'a self, event: &'a Event) -> SinkFuture<'a> {
         Box::pin(async move {
-            let resp = self
+            let msg = Message::new(event, self.format, &self.source)?;
+            let mut req = self
                 .client
                 .post(self.url.clone())
-                .header("Idempotency-Key", event.id.to_string())
-                .json(&SinkRecord::new(event))
-                .send()
-                .await
-                .map_err(|e| {
-                    let timeout = e.is_timeout();
-                    let e = e.without_url();
-                    if timeout {
-                        format!("webhook {} timed out: {}", self.shown, crate::error::report(&e))
-                    } else {
-                        format!("webhook {} request failed: {}", self.shown, crate::error::report(&e))
-                    }
-                })?;
+                .headers(self.headers.clone())
+                .header("Idempotency-Key", &msg.id)
+                .header(reqwest::header::CONTENT_TYPE, msg.content_type);
+            for (name, value) in &msg.headers {
+                // Trace context keeps its W3C names; the rest are prefixed.
+                req = match *name {
+                    header::CONTENT_TYPE => req,
+                    header::TRACEPARENT | header::TRACESTATE => req.header(*name, value),
+                    _ => req.header(format!("outbox-{}", name.replace('_', "-")), value),
+                };
+            }
+            let resp = req.body(msg.body).send().await.map_err(|e| {
+                let timeout = e.is_timeout();
+                let e = e.without_url();
+                if timeout {
+                    format!("webhook {} timed out: {}", self.shown, crate::error::report(&e))
+                } else {
+                    format!("webhook {} request failed: {}", self.shown, crate::error::report(&e))
+                }
+            })?;
             let status = resp.status();
             if status.is_success() {
                 return Ok(());

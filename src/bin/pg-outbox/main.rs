@@ -6,11 +6,12 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use clap::{Parser, Subcommand};
-use pg_outbox::relay::{self, Sink, StdoutSink, WebhookSink};
+use pg_outbox::relay;
 use pg_outbox::{Consumer, Error, NewEvent, Publisher, RetryPolicy};
 
 mod dead_letters;
 mod demo;
+mod sink_args;
 
 #[derive(Parser, Debug)]
 #[command(
@@ -34,7 +35,7 @@ enum Command {
     /// Create or update the outbox schema (idempotent; safe to run twice).
     Migrate,
     /// Deliver outbox events to a sink until SIGINT/SIGTERM.
-    Relay(RelayArgs),
+    Relay(Box<RelayArgs>),
     /// Insert one event and print its id.
     Publish(PublishArgs),
     /// Show backlog, retries and dead letters.
@@ -52,10 +53,8 @@ enum Command {
 
 #[derive(clap::Args, Debug)]
 struct RelayArgs {
-    /// Where events go: `stdout` (one JSON object per line) or an http(s)
-    /// URL (a webhook: one POST per event, 2xx acknowledges).
-    #[arg(long, default_value = "stdout")]
-    sink: String,
+    #[command(flatten)]
+    sink: sink_args::SinkArgs,
     /// Serve Prometheus metrics at http://HOST:PORT/metrics (e.g.
     /// 127.0.0.1:9464 or localhost:9464).
     #[arg(long, value_name = "HOST:PORT", value_parser = parse_addr)]
@@ -73,9 +72,6 @@ struct RelayArgs {
     /// Failures after which an event is a dead letter.
     #[arg(long, default_value_t = pg_outbox::DEFAULT_MAX_RETRIES)]
     max_retries: i32,
-    /// Webhook request timeout.
-    #[arg(long, value_parser = parse_duration, default_value = "10s")]
-    webhook_timeout: Duration,
     /// On SIGINT/SIGTERM, how long to wait for the event in hand.
     #[arg(long, value_parser = parse_duration, default_value = "30s")]
     shutdown_grace: Duration,
@@ -147,7 +143,7 @@ struct StatusArgs {
     json: bool,
 }
 
-fn parse_duration(s: &str) -> Result<Duration, String> {
+pub(crate) fn parse_duration(s: &str) -> Result<Duration, String> {
     let d = humantime::parse_duration(s.trim())
         .map_err(|e| format!("invalid duration '{s}': {e} (write e.g. 200ms, 1s, 5m, 1h)"))?;
     if d.is_zero() {
@@ -252,19 +248,7 @@ pub(crate) fn install_metrics(
 }
 
 async fn relay_cmd(url: &str, args: RelayArgs) -> Result<(), Error> {
-    let mut sink_name = "stdout".to_string();
-    let sink: Box<dyn Sink> = if args.sink == "stdout" {
-        Box::new(StdoutSink::new())
-    } else if args.sink.starts_with("http://") || args.sink.starts_with("https://") {
-        let hook = WebhookSink::new(&args.sink, args.webhook_timeout)?;
-        sink_name = format!("webhook {}", hook.display_url());
-        Box::new(hook)
-    } else {
-        return Err(Error::Config(format!(
-            "unsupported sink '{}': expected `stdout` or an http:// or https:// URL",
-            args.sink
-        )));
-    };
+    let (sink, sink_name) = relay::open_sink(&args.sink.sink, &args.sink.options()).await?;
     let pg = pg_outbox::parse_url(url)?;
     let target = pg_outbox::describe_target(&pg);
     if let Some(addr) = args.metrics_addr {
@@ -424,7 +408,7 @@ fn main() -> ExitCode {
         match cli.command {
             Command::Demo(args) => demo::run(args).await,
             Command::Migrate => migrate_cmd(&database_url(&cli.database_url)?).await,
-            Command::Relay(args) => relay_cmd(&database_url(&cli.database_url)?, args).await,
+            Command::Relay(args) => relay_cmd(&database_url(&cli.database_url)?, *args).await,
             Command::Publish(args) => publish_cmd(&database_url(&cli.database_url)?, args).await,
             Command::Status(args) => status_cmd(&database_url(&cli.database_url)?, args).await,
             Command::DeadLetters(cmd) => dead_letters::run(&database_url(&cli.database_url)?, cmd).await,
