@@ -269,3 +269,21 @@ where
 pub fn bin() -> &'static str {
     env!("CARGO_BIN_EXE_pg-outbox")
 }
+
+/// Whether a broker answers on `addr` (a TCP connect within 2 s).
+///
+/// Broker tests use the servers this machine runs (NATS 4222, Redis 6379,
+/// RabbitMQ 5672). When one is not reachable, the test prints a SKIPPED line
+/// naming it and returns early, unless `PG_OUTBOX_REQUIRE_BROKERS=1` (set by
+/// `.ci/run`, which makes sure they run), in which case it fails.
+pub async fn broker_available(name: &str, addr: &str) -> bool {
+    let up =
+        matches!(tokio::time::timeout(Duration::from_secs(2), tokio::net::TcpStream::connect(addr)).await, Ok(Ok(_)));
+    if up {
+        return true;
+    }
+    let required = std::env::var("PG_OUTBOX_REQUIRE_BROKERS").is_ok_and(|v| v == "1");
+    assert!(!required, "{name} is not reachable at {addr} and PG_OUTBOX_REQUIRE_BROKERS=1");
+    eprintln!("SKIPPED: {name} is not reachable at {addr}; start it (or set PG_OUTBOX_REQUIRE_BROKERS=1 to fail)");
+    false
+}
