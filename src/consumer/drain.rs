@@ -1,11 +1,16 @@
-//! The drain loop: one task that owns the work connection and does, strictly
-//! one after another, the fetching of due events and the writing of
-//! acknowledgements in batches.
+//! The drain loop: one task that owns the work connection, fetches due
+//! events, and writes acknowledgements and failures in batches.
 //!
-//! Keeping both in one task (rather than a separate fetcher and completer)
-//! is what makes per-aggregate hold-back exact: a fetch issued after a flush
-//! sees that flush, so each failure's effect on later fetches is known by
-//! fetch number (see [`super::Hold`]).
+//! Writes go over a second session (the writer) while the loop goes on
+//! fetching, so the database updates one batch while the next is fetched,
+//! decoded and delivered: on two cores this is what lets a consumer drain
+//! faster than a fetch-then-update loop. At most one write is in flight;
+//! its ids are excluded from fetches until it is done. Its completion is
+//! handled by the loop itself between fetches, so per-aggregate hold-back
+//! stays exact: a fetch issued after a failure's write completed sees it,
+//! and each failure's effect on earlier fetches is known by fetch number
+//! (see [`super::Hold`]). In competing mode the writes stay on the work
+//! session, inside the claim transaction.
 //!
 //! Wake-ups: a notification, the fallback sweep (jittered), the retry timer
 //! (the earliest `next_retry_at`, read with the database's clock), a
@@ -32,20 +37,38 @@ use crate::metrics as m;
 use crate::store;
 
 struct Conn {
-    client: Client,
+    client: Arc<Client>,
     link: Link,
     fetch: Statement,
     /// The session's membership lock key (partitioned mode).
     member_key: i32,
+    next_retry: Statement,
+    /// The session acknowledgements and failures are written on: a second
+    /// session, or the work session itself in competing mode.
+    writer: Arc<Client>,
+    /// The second session's connection task (`None` in competing mode).
+    writer_link: Option<Link>,
     ack: Statement,
     fail: Statement,
-    next_retry: Statement,
 }
 
 impl Drop for Conn {
     fn drop(&mut self) {
         self.link.handle.abort();
+        if let Some(l) = &self.writer_link {
+            l.handle.abort();
+        }
     }
+}
+
+/// The outcome of one batched write, sent back to the loop.
+struct FlushDone {
+    /// The connection generation it was written on.
+    generation: u64,
+    acks: Vec<i64>,
+    fails: Vec<PendingFail>,
+    ack_res: std::result::Result<Vec<tokio_postgres::Row>, tokio_postgres::Error>,
+    fail_res: std::result::Result<Vec<tokio_postgres::Row>, tokio_postgres::Error>,
 }
 
 struct PendingFail {
@@ -142,6 +165,11 @@ pub(crate) struct Engine {
     outstanding: HashMap<i64, u64>,
     acks: Vec<i64>,
     fails: Vec<PendingFail>,
+    /// Ids of the write in flight, if one is: excluded from fetches.
+    flushing: Option<Vec<i64>>,
+    flush_tx: Option<mpsc::UnboundedSender<FlushDone>>,
+    /// Counts connections made, so a write's outcome is tied to its session.
+    generation: u64,
     fetch_seq: u64,
     want_fetch: bool,
     retry_at: Option<Instant>,
@@ -210,6 +238,9 @@ impl Engine {
             outstanding: HashMap::new(),
             acks: Vec::new(),
             fails: Vec::new(),
+            flushing: None,
+            flush_tx: None,
+            generation: 0,
             fetch_seq: 0,
             want_fetch: true,
             retry_at: None,
@@ -257,6 +288,8 @@ impl Engine {
 
     pub(crate) async fn run(mut self) -> Result<()> {
         let Some(Io { tx, mut settle_rx, wake, reconnect_wake }) = self.io.take() else { return Ok(()) };
+        let (flush_tx, mut flush_rx) = mpsc::unbounded_channel();
+        self.flush_tx = Some(flush_tx);
         let token = self.token.clone();
         let sweep = sleep(jittered(self.cfg.sweep_interval));
         tokio::pin!(sweep);
@@ -276,9 +309,8 @@ impl Engine {
             {
                 break;
             }
-            if self.conn.is_some() && self.pending() >= self.cfg.ack_batch_size {
-                self.flush().await;
-                continue;
+            if self.conn.is_some() && self.flushing.is_none() && self.pending() >= self.cfg.ack_batch_size {
+                self.start_flush();
             }
             let stopping = stop_deadline.is_some();
             let can_fetch = self.want_fetch && !stopping && self.conn.is_some() && self.may_fetch();
@@ -286,6 +318,7 @@ impl Engine {
             // Notice a lost session at once, not at the next query: its locks
             // are gone, and what it buffered must not be handed out.
             let closed = self.conn.as_ref().map(|c| c.link.closed.clone());
+            let writer_closed = self.conn.as_ref().and_then(|c| c.writer_link.as_ref()).map(|l| l.closed.clone());
             tokio::select! {
                 biased;
                 _ = async { if let Some(t) = &closed { t.cancelled().await } }, if closed.is_some() => {
@@ -294,6 +327,13 @@ impl Engine {
                     tracing::warn!(retry_in = ?delay, "drain connection closed; reconnecting");
                     self.lost_connection(delay);
                 }
+                _ = async { if let Some(t) = &writer_closed { t.cancelled().await } }, if writer_closed.is_some() => {
+                    metrics::counter!(m::DATABASE_ERRORS).increment(1);
+                    let delay = self.backoff.next().unwrap_or(self.cfg.reconnect_max_delay);
+                    tracing::warn!(retry_in = ?delay, "writer connection closed; reconnecting");
+                    self.lost_connection(delay);
+                }
+                Some(done) = flush_rx.recv() => self.finish_flush(done).await,
                 _ = token.cancelled(), if !stopping => {}
                 Some(s) = settle_rx.recv() => {
                     self.settle(s);
@@ -305,8 +345,8 @@ impl Engine {
                         }
                     }
                 }
-                _ = sleep_until(self.flush_at.unwrap_or(far)), if self.flush_at.is_some() && self.conn.is_some() => {
-                    self.flush().await;
+                _ = sleep_until(self.flush_at.unwrap_or(far)), if self.flush_at.is_some() && self.conn.is_some() && self.flushing.is_none() => {
+                    self.flush_timer().await;
                 }
                 _ = sleep_until(self.reconnect_at.unwrap_or(far)), if self.conn.is_none() => {
                     self.reconnect().await;
@@ -344,7 +384,7 @@ impl Engine {
                 _ = sleep_until(stop_deadline.unwrap_or(far)), if stopping => {}
             }
         }
-        self.final_flush().await;
+        self.final_flush(&mut flush_rx).await;
         Ok(())
     }
 
@@ -407,6 +447,23 @@ impl Engine {
             },
         };
         let mode = self.cfg.mode;
+        let client = Arc::new(client);
+        let writer = if matches!(mode, Mode::Competing) {
+            None
+        } else {
+            match crate::connect::connect(&self.cfg.pg, "pg-outbox writer").await {
+                Ok((c, l)) => Some((Arc::new(c), l)),
+                Err(e) => {
+                    link.handle.abort();
+                    self.connection_failed(&e);
+                    return;
+                }
+            }
+        };
+        let (writer, writer_link) = match writer {
+            Some((c, l)) => (c, Some(l)),
+            None => (client.clone(), None),
+        };
         let member_key: i32 = rand::random::<i32>();
         let prepared = async {
             let fetch_sql = match mode {
@@ -415,8 +472,8 @@ impl Engine {
                 Mode::Competing => store::COMPETING_FETCH.to_string(),
             };
             let fetch = client.prepare(&fetch_sql).await?;
-            let ack = client.prepare(store::ACK).await?;
-            let fail = client.prepare(store::FAIL).await?;
+            let ack = writer.prepare(store::ACK).await?;
+            let fail = writer.prepare(store::FAIL).await?;
             let next_retry = client.prepare(store::NEXT_RETRY_IN).await?;
             if let Mode::Partitioned { .. } = mode {
                 client.execute(store::MEMBER_LOCK, &[&MEMBER_CLASS, &member_key]).await?;
@@ -426,7 +483,8 @@ impl Engine {
         .await;
         match prepared {
             Ok((fetch, ack, fail, next_retry)) => {
-                self.conn = Some(Conn { client, link, fetch, member_key, ack, fail, next_retry });
+                self.generation += 1;
+                self.conn = Some(Conn { client, link, fetch, member_key, next_retry, writer, writer_link, ack, fail });
                 self.backoff = new_backoff(self.cfg.reconnect_max_delay);
                 self.reconnect_at = None;
                 // Locks of the old session are gone with it.
@@ -449,6 +507,9 @@ impl Engine {
             }
             Err(e) => {
                 link.handle.abort();
+                if let Some(l) = writer_link {
+                    l.handle.abort();
+                }
                 self.connection_failed(&Error::Db(e));
             }
         }
@@ -586,6 +647,9 @@ impl Engine {
         let mut exclude: Vec<i64> = self.outstanding.keys().copied().collect();
         exclude.extend(self.acks.iter().copied());
         exclude.extend(self.fails.iter().map(|f| f.id));
+        if let Some(ids) = &self.flushing {
+            exclude.extend(ids.iter().copied());
+        }
         let batch = i64::try_from(self.cfg.batch_size).unwrap_or(i64::MAX);
         let res = match self.cfg.mode {
             Mode::Single => conn.client.query(&conn.fetch, &[&exclude, &batch]).await,
@@ -763,27 +827,68 @@ impl Engine {
         });
     }
 
-    async fn flush(&mut self) {
+    /// The flush timer fired: write what is pending, or, in competing mode
+    /// with nothing to write, end a claim transaction whose batch is settled.
+    async fn flush_timer(&mut self) {
+        if self.pending() > 0 {
+            self.start_flush();
+            return;
+        }
         self.flush_at = None;
-        let Some(conn) = self.conn.as_ref() else { return };
+        if self.in_tx
+            && self.outstanding.is_empty()
+            && let Some(conn) = self.conn.as_ref()
+        {
+            match conn.client.batch_execute(store::COMMIT).await {
+                Ok(()) => self.in_tx = false,
+                Err(e) => self.db_error("committing the claim transaction", e),
+            }
+        }
+    }
+
+    /// Start writing the pending settlements (one `UPDATE` for the
+    /// acknowledgements, one for the failures, pipelined) on the writer
+    /// session, without waiting: the loop goes on fetching and delivering.
+    /// The outcome comes back through the flush channel ([`Self::finish_flush`]).
+    fn start_flush(&mut self) {
+        self.flush_at = None;
+        if self.flushing.is_some() || self.pending() == 0 {
+            return;
+        }
+        let (Some(conn), Some(done_tx)) = (self.conn.as_ref(), self.flush_tx.clone()) else { return };
         let acks = std::mem::take(&mut self.acks);
         let fails = std::mem::take(&mut self.fails);
-        let ack_fut =
-            async { if acks.is_empty() { Ok(Vec::new()) } else { conn.client.query(&conn.ack, &[&acks]).await } };
-        let fail_ids: Vec<i64> = fails.iter().map(|f| f.id).collect();
-        let fail_errs: Vec<&str> = fails.iter().map(|f| f.error.as_str()).collect();
-        let fail_delays: Vec<f64> = fails.iter().map(|f| f.delay.as_secs_f64()).collect();
-        let fail_counts: Vec<i32> = fails.iter().map(|f| f.retry_count).collect();
-        let fail_fut = async {
-            if fails.is_empty() {
-                Ok(Vec::new())
-            } else {
-                conn.client
-                    .query(&conn.fail, &[&fail_ids, &fail_errs, &fail_delays, &self.cfg.max_retries, &fail_counts])
-                    .await
-            }
-        };
-        let (ack_res, fail_res) = tokio::join!(ack_fut, fail_fut);
+        self.flushing = Some(acks.iter().copied().chain(fails.iter().map(|f| f.id)).collect());
+        let writer = conn.writer.clone();
+        let (ack, fail) = (conn.ack.clone(), conn.fail.clone());
+        let max_retries = self.cfg.max_retries;
+        let generation = self.generation;
+        tokio::spawn(async move {
+            let ack_fut = async { if acks.is_empty() { Ok(Vec::new()) } else { writer.query(&ack, &[&acks]).await } };
+            let fail_ids: Vec<i64> = fails.iter().map(|f| f.id).collect();
+            let fail_errs: Vec<&str> = fails.iter().map(|f| f.error.as_str()).collect();
+            let fail_delays: Vec<f64> = fails.iter().map(|f| f.delay.as_secs_f64()).collect();
+            let fail_counts: Vec<i32> = fails.iter().map(|f| f.retry_count).collect();
+            let fail_fut = async {
+                if fail_ids.is_empty() {
+                    Ok(Vec::new())
+                } else {
+                    writer.query(&fail, &[&fail_ids, &fail_errs, &fail_delays, &max_retries, &fail_counts]).await
+                }
+            };
+            let (ack_res, fail_res) = tokio::join!(ack_fut, fail_fut);
+            drop((fail_errs, fail_ids, fail_delays, fail_counts));
+            let _ = done_tx.send(FlushDone { generation, acks, fails, ack_res, fail_res });
+        });
+    }
+
+    /// Take in the outcome of a write: metrics, hold-back release, retry
+    /// timer; on an error, queue the settlements again (both writes are
+    /// idempotent) and reconnect if the write's session is the current one.
+    async fn finish_flush(&mut self, done: FlushDone) {
+        self.flushing = None;
+        let FlushDone { generation, acks, fails, ack_res, fail_res } = done;
+        let current = generation == self.generation && self.conn.is_some();
         match ack_res {
             Ok(rows) => {
                 let hist = metrics::histogram!(m::DELIVERY_LAG);
@@ -799,7 +904,9 @@ impl Engine {
             }
             Err(e) => {
                 self.acks.extend(acks);
-                self.db_error("writing acknowledgements", e);
+                if current {
+                    self.db_error("writing acknowledgements", e);
+                }
             }
         }
         match fail_res {
@@ -822,6 +929,8 @@ impl Engine {
                 if let Some(s) = earliest {
                     self.arm_retry(s);
                 }
+                // No fetch is in flight while this runs (fetches are awaited
+                // by this same task), so every later fetch sees the failures.
                 let seq = self.fetch_seq;
                 let mut map = self.shared.holdback();
                 for f in &fails {
@@ -836,7 +945,7 @@ impl Engine {
             }
             Err(e) => {
                 self.fails.extend(fails);
-                if self.conn.is_some() {
+                if current && self.conn.is_some() {
                     self.db_error("writing failures", e);
                 }
             }
@@ -886,7 +995,7 @@ impl Engine {
         }
     }
 
-    async fn final_flush(&mut self) {
+    async fn final_flush(&mut self, flush_rx: &mut mpsc::UnboundedReceiver<FlushDone>) {
         if let Some(conn) = self.conn.as_ref()
             && let Err(e) = conn.client.execute(store::UNREGISTER, &[]).await
         {
@@ -895,13 +1004,24 @@ impl Engine {
         // Whatever is still handed out is released by its Drop later; here we
         // write what was settled.
         for _ in 0..3 {
+            if self.flushing.is_some() {
+                match flush_rx.recv().await {
+                    Some(done) => self.finish_flush(done).await,
+                    None => break,
+                }
+            }
             if self.pending() == 0 {
                 break;
             }
             if self.conn.is_none() {
                 self.reconnect().await;
             }
-            self.flush().await;
+            self.start_flush();
+            if self.flushing.is_some()
+                && let Some(done) = flush_rx.recv().await
+            {
+                self.finish_flush(done).await;
+            }
         }
         if self.pending() > 0 {
             tracing::error!(

@@ -408,6 +408,9 @@ impl Shared {
             return true;
         }
         let map = self.holdback();
+        if map.is_empty() {
+            return false;
+        }
         match map.get(&(d.aggregate_type.clone(), d.aggregate_id)) {
             Some(h) => h.pending > 0 || d.seq() <= h.upto_seq,
             None => false,
