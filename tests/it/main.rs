@@ -9,6 +9,8 @@ mod faults;
 mod modes;
 mod order;
 mod relay;
+mod relay_proc;
 mod retention;
 mod schema;
 mod support;
+mod webhook_signing;
