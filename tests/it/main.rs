@@ -12,5 +12,6 @@ mod relay;
 mod relay_proc;
 mod retention;
 mod schema;
+mod status_detail;
 mod support;
 mod webhook_signing;

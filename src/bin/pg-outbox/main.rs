@@ -369,8 +369,83 @@ async fn status_cmd(url: &str, args: StatusArgs) -> Result<(), Error> {
         println!("waiting for retry   {}", s.waiting_for_retry);
         println!("dead letters        {}", s.dead_letters);
         println!("oldest pending age  {age}");
+        print_by_type(&s);
+        print_retries(&s.retries);
     }
     Ok(())
+}
+
+/// Seconds as a short human figure: `850 ms`, `42 s`, `3m 5s`, `2h 10m`.
+fn short_secs(secs: f64) -> String {
+    if !secs.is_finite() {
+        return "-".into();
+    }
+    if secs < 1.0 {
+        return format!("{:.0} ms", secs * 1000.0);
+    }
+    if secs < 60.0 {
+        return format!("{secs:.0} s");
+    }
+    let whole = Duration::from_secs(secs as u64);
+    let (h, m, s) = (whole.as_secs() / 3600, whole.as_secs() / 60 % 60, whole.as_secs() % 60);
+    if h > 0 { format!("{h}h {m}m") } else { format!("{m}m {s}s") }
+}
+
+fn print_by_type(s: &pg_outbox::OutboxStatus) {
+    if s.by_type.is_empty() {
+        return;
+    }
+    let w_event = s.by_type.iter().map(|t| t.event_type.chars().count()).max().unwrap_or(0).max(10);
+    let w_agg = s.by_type.iter().map(|t| t.aggregate_type.chars().count()).max().unwrap_or(0).max(14);
+    println!();
+    println!("by event type");
+    println!(
+        "{:<w_event$}  {:<w_agg$}  {:>11}  {:>7}  {:>9}  {:>17}  {:>12}  oldest pending",
+        "event_type", "aggregate_type", "unpublished", "due now", "held back", "waiting for retry", "dead letters"
+    );
+    for t in &s.by_type {
+        let age = t.oldest_unpublished_age_seconds.map_or("-".to_string(), short_secs);
+        println!(
+            "{:<w_event$}  {:<w_agg$}  {:>11}  {:>7}  {:>9}  {:>17}  {:>12}  {age}",
+            t.event_type, t.aggregate_type, t.unpublished, t.due_now, t.held_back, t.waiting_for_retry, t.dead_letters
+        );
+    }
+    if s.by_type_truncated {
+        println!("(only the {} types with the most unpublished events are shown)", s.by_type.len());
+    }
+}
+
+fn print_retries(r: &pg_outbox::RetryLadder) {
+    let Some(next_at) = r.next_due_at else { return };
+    println!();
+    let next_in = r.next_due_in_seconds.map_or("-".to_string(), short_secs);
+    println!(
+        "retries due         next at {} (in {next_in})",
+        next_at.to_rfc3339_opts(chrono::SecondsFormat::Secs, true)
+    );
+    println!("  within 1 m        {}", r.due_within_1m);
+    println!("  within 1 h        {}", r.due_within_1h);
+    println!("  later             {}", r.due_later);
+    if r.next.is_empty() {
+        return;
+    }
+    println!("next retries");
+    println!(
+        "{:>10}  {:<24}  {:<20}  {:>7}  {:<20}  {:>8}  last_error",
+        "id", "event_type", "aggregate_type", "retries", "due at", "due in"
+    );
+    for p in &r.next {
+        let err: String = p.last_error.clone().unwrap_or_default().replace('\n', " ").chars().take(60).collect();
+        println!(
+            "{:>10}  {:<24}  {:<20}  {:>7}  {:<20}  {:>8}  {err}",
+            p.id,
+            p.event_type,
+            p.aggregate_type,
+            p.retry_count,
+            p.due_at.to_rfc3339_opts(chrono::SecondsFormat::Secs, true),
+            short_secs(p.due_in_seconds)
+        );
+    }
 }
 
 async fn migrate_cmd(url: &str) -> Result<(), Error> {
