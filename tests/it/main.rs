@@ -3,6 +3,7 @@
 mod auto_traits;
 mod cli;
 mod consumer;
+mod contrib;
 mod dead_letters;
 mod fault_suite;
 mod faults;

@@ -94,6 +94,10 @@ struct RelayArgs {
     /// Hour of the day (UTC, 0-23) at which retention runs.
     #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(0..24))]
     retention_hour: u32,
+    /// Also run retention once right after start (then daily as usual).
+    /// Hidden: meant for tests and for checking a deployment.
+    #[arg(long, hide = true, requires = "retention")]
+    retention_at_start: bool,
 }
 
 #[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
@@ -244,6 +248,7 @@ pub(crate) fn install_metrics(
         None => builder.install_recorder().map_err(|e| Error::Config(format!("metrics: {e}")))?,
     };
     pg_outbox::metrics::describe();
+    pg_outbox::metrics::record_initial_values();
     Ok(handle)
 }
 
@@ -279,8 +284,9 @@ async fn relay_cmd(url: &str, args: RelayArgs) -> Result<(), Error> {
             tracing::info!(database = %target, sink = %sink_name, "relay started; listening on channel {}", pg_outbox::NOTIFY_CHANNEL)
         }
     }
-    let retention =
-        args.retention.map(|older| tokio::spawn(retention_loop(url.to_string(), older, args.retention_hour)));
+    let retention = args.retention.map(|older| {
+        tokio::spawn(retention_loop(url.to_string(), older, args.retention_hour, args.retention_at_start))
+    });
     let stats = relay::run(stream, sink.as_ref(), shutdown_signal()).await;
     if let Some(task) = retention {
         task.abort();
@@ -290,27 +296,33 @@ async fn relay_cmd(url: &str, args: RelayArgs) -> Result<(), Error> {
     Ok(())
 }
 
-/// Run retention every day at `hour`:00 UTC on its own connection.
-async fn retention_loop(url: String, older_than: Duration, hour: u32) {
+/// Run retention every day at `hour`:00 UTC (and once at start when
+/// `at_start`), each run on a connection of its own.
+async fn retention_loop(url: String, older_than: Duration, hour: u32, at_start: bool) {
+    let r = pg_outbox::retention::Retention { older_than, ..Default::default() };
+    if at_start {
+        retention_once(&url, &r).await;
+    }
     loop {
         let now = chrono::Utc::now();
-        let today = now.date_naive().and_hms_opt(hour, 0, 0).map(|t| t.and_utc());
-        let next = match today {
-            Some(t) if t > now => t,
-            Some(t) => t + chrono::Duration::days(1),
-            None => now + chrono::Duration::days(1),
-        };
+        let next = pg_outbox::retention::next_daily_run(now, hour);
         let wait = (next - now).to_std().unwrap_or(Duration::from_secs(3600));
         tracing::info!(next = %next.to_rfc3339(), "retention scheduled");
         tokio::time::sleep(wait).await;
-        let r = pg_outbox::retention::Retention { older_than, ..Default::default() };
-        match connect(&url).await {
-            Ok(client) => match pg_outbox::retention::run(&client, &r).await {
-                Ok(rep) if rep.skipped => tracing::info!("retention skipped: another relay is running it"),
-                Ok(rep) => tracing::info!(deleted = rep.deleted, batches = rep.batches, "retention done"),
-                Err(e) => tracing::error!(error = %pg_outbox::error::report(&e), "retention failed"),
-            },
-            Err(e) => tracing::error!(error = %pg_outbox::error::report(&e), "retention could not connect"),
+        retention_once(&url, &r).await;
+    }
+}
+
+async fn retention_once(url: &str, r: &pg_outbox::retention::Retention) {
+    match connect(url).await {
+        Ok(client) => match pg_outbox::retention::run(&client, r).await {
+            Ok(rep) if rep.skipped => tracing::info!("retention skipped: another relay is running it"),
+            Ok(rep) => tracing::info!(deleted = rep.deleted, batches = rep.batches, "retention done"),
+            Err(e) => tracing::error!(error = %pg_outbox::error::report(&e), "retention failed"),
+        },
+        Err(e) => {
+            metrics::counter!(pg_outbox::metrics::RETENTION_ERRORS).increment(1);
+            tracing::error!(error = %pg_outbox::error::report(&e), "retention could not connect")
         }
     }
 }
