@@ -8,6 +8,7 @@ mod dead_letters;
 mod fault_suite;
 mod faults;
 mod modes;
+mod operator;
 mod order;
 mod relay;
 mod relay_proc;
