@@ -56,8 +56,13 @@ pub const NOTIFICATIONS_WORKING: &str = "outbox_notifications_working";
 pub const WAITING_FOR_NOTIFICATIONS: &str = "outbox_waiting_for_notifications";
 /// Counter: published events deleted by retention.
 pub const RETENTION_DELETED: &str = "outbox_retention_deleted_total";
-/// Gauge, Unix seconds: when the last retention run finished.
+/// Gauge, Unix seconds: when the last successful retention run finished.
+/// Absent until retention has run once in this process (a zero would read
+/// as "last ran in 1970").
 pub const RETENTION_LAST_RUN: &str = "outbox_retention_last_run_timestamp_seconds";
+/// Counter: retention runs that failed (a database error, or the relay's
+/// scheduled run could not connect).
+pub const RETENTION_ERRORS: &str = "outbox_retention_errors_total";
 /// Histogram, seconds: time a sink took to deliver one event (relay only).
 pub const SINK_DURATION: &str = "outbox_sink_duration_seconds";
 
@@ -81,9 +86,58 @@ pub fn describe() {
     describe_histogram!(SINK_DURATION, Unit::Seconds, "Time a sink took to deliver one event.");
     describe_gauge!(WAITING_FOR_NOTIFICATIONS, "1 while this relay asks producers to notify it.");
     describe_counter!(RETENTION_DELETED, "Published events deleted by retention.");
-    describe_gauge!(RETENTION_LAST_RUN, Unit::Seconds, "When the last retention run finished (Unix time).");
+    describe_gauge!(RETENTION_LAST_RUN, Unit::Seconds, "When the last successful retention run finished (Unix time).");
+    describe_counter!(RETENTION_ERRORS, "Retention runs that failed.");
     describe_gauge!(LEADER, "1 while this consumer holds the outbox lock (single mode).");
     describe_gauge!(PARTITIONS_OWNED, "Partitions this consumer holds (partitioned mode).");
     describe_gauge!(NOTIFICATION_QUEUE_USAGE, "pg_notification_queue_usage(), 0..1.");
     describe_gauge!(NOTIFICATIONS_WORKING, "1 when notifications round-trip to the LISTEN connection.");
+}
+
+/// The `wake` label values of [`EVENTS_FETCHED`].
+pub const FETCH_WAKES: [&str; 8] =
+    ["start", "notification", "sweep", "retry", "reconnect", "release", "ownership", "poll"];
+
+/// Record the starting value of every counter (0, and for
+/// [`EVENTS_FETCHED`] one 0 per [`FETCH_WAKES`] label) and of every gauge
+/// (0, except [`RETENTION_LAST_RUN`], which stays absent until retention
+/// runs), so a Prometheus exporter shows each series from the first scrape
+/// and dashboards and alerts never show "no data" for a metric that simply
+/// has not happened yet. The consumer overwrites the gauges with real values
+/// as soon as it knows them (the backlog gauges within 5 s).
+///
+/// Histograms ([`DELIVERY_LAG`], [`SINK_DURATION`]) appear with their first
+/// sample. Call once after installing a recorder and before starting a
+/// consumer; calling it later would reset gauges to 0 until their next update.
+pub fn record_initial_values() {
+    for name in [
+        EVENTS_PUBLISHED,
+        EVENTS_FAILED,
+        EVENTS_DEAD_LETTERED,
+        EVENTS_RELEASED,
+        NOTIFICATIONS,
+        SWEEPS,
+        LISTENER_RECONNECTS,
+        DATABASE_ERRORS,
+        RETENTION_DELETED,
+        RETENTION_ERRORS,
+    ] {
+        metrics::counter!(name).increment(0);
+    }
+    for wake in FETCH_WAKES {
+        metrics::counter!(EVENTS_FETCHED, "wake" => wake).increment(0);
+    }
+    for name in [
+        BACKLOG,
+        DEAD_LETTERS,
+        OLDEST_UNPUBLISHED_AGE,
+        LISTENER_UP,
+        LEADER,
+        PARTITIONS_OWNED,
+        NOTIFICATION_QUEUE_USAGE,
+        NOTIFICATIONS_WORKING,
+        WAITING_FOR_NOTIFICATIONS,
+    ] {
+        metrics::gauge!(name).set(0.0);
+    }
 }

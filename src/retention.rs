@@ -81,7 +81,9 @@ pub async fn dry_run(client: &Client, r: &Retention) -> Result<RetentionReport> 
 
 /// Delete published events older than `r.older_than`, batch by batch,
 /// until a batch finds fewer rows than its size. Records
-/// `outbox_retention_deleted_total` and `outbox_retention_last_run_timestamp_seconds`.
+/// `outbox_retention_deleted_total` (per batch), `outbox_retention_last_run_timestamp_seconds`
+/// (after a successful run) and `outbox_retention_errors_total` (when a
+/// batch fails).
 ///
 /// Must run outside a transaction (each batch commits on its own).
 ///
@@ -98,7 +100,11 @@ pub async fn run(client: &Client, r: &Retention) -> Result<RetentionReport> {
         return Ok(RetentionReport { skipped: true, ..RetentionReport::default() });
     }
     let result = delete_batches(client, r).await;
-    client.execute("SELECT pg_advisory_unlock($1)", &[&RETENTION_LOCK_KEY]).await?;
+    let unlocked = client.execute("SELECT pg_advisory_unlock($1)", &[&RETENTION_LOCK_KEY]).await;
+    if result.is_err() || unlocked.is_err() {
+        metrics::counter!(crate::metrics::RETENTION_ERRORS).increment(1);
+    }
+    unlocked?;
     let report = result?;
     metrics::gauge!(crate::metrics::RETENTION_LAST_RUN)
         .set(std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64()));
@@ -118,5 +124,51 @@ async fn delete_batches(client: &Client, r: &Retention) -> Result<RetentionRepor
             return Ok(report);
         }
         tokio::time::sleep(r.pause).await;
+    }
+}
+
+/// When a daily run at `hour`:00 UTC comes next after `now`: today at that
+/// hour if it is still ahead, else tomorrow (a run is never scheduled for
+/// `now` itself). An `hour` above 23 is taken as 23.
+///
+/// # Example
+/// ```
+/// use chrono::{TimeZone, Utc};
+/// let now = Utc.with_ymd_and_hms(2026, 1, 31, 2, 59, 59).unwrap();
+/// let next = pg_outbox::retention::next_daily_run(now, 3);
+/// assert_eq!(next, Utc.with_ymd_and_hms(2026, 1, 31, 3, 0, 0).unwrap());
+/// ```
+pub fn next_daily_run(now: chrono::DateTime<chrono::Utc>, hour: u32) -> chrono::DateTime<chrono::Utc> {
+    let at = chrono::NaiveTime::from_hms_opt(hour.min(23), 0, 0).unwrap_or(chrono::NaiveTime::MIN);
+    let today = now.date_naive().and_time(at).and_utc();
+    if today > now { today } else { today + chrono::Duration::days(1) }
+}
+
+#[cfg(test)]
+mod tests {
+    use chrono::{TimeZone, Utc};
+
+    use super::next_daily_run;
+
+    fn t(d: u32, h: u32, m: u32, s: u32) -> chrono::DateTime<Utc> {
+        Utc.with_ymd_and_hms(2026, 2, d, h, m, s).single().expect("valid time")
+    }
+
+    #[test]
+    fn next_daily_run_is_today_if_ahead_else_tomorrow() {
+        assert_eq!(next_daily_run(t(10, 1, 0, 0), 3), t(10, 3, 0, 0), "later today");
+        assert_eq!(next_daily_run(t(10, 3, 0, 0), 3), t(11, 3, 0, 0), "exactly at the hour: tomorrow");
+        assert_eq!(next_daily_run(t(10, 3, 0, 1), 3), t(11, 3, 0, 0), "just after: tomorrow");
+        assert_eq!(next_daily_run(t(10, 23, 59, 59), 0), t(11, 0, 0, 0), "midnight");
+        assert_eq!(next_daily_run(t(28, 12, 0, 0), 3), Utc.with_ymd_and_hms(2026, 3, 1, 3, 0, 0).unwrap(), "month end");
+        assert_eq!(next_daily_run(t(10, 22, 0, 0), 99), t(10, 23, 0, 0), "hour clamped to 23");
+        // Always strictly ahead and at most a day away.
+        for h in 0..24 {
+            let now = t(15, h, 30, 0);
+            for at in 0..24 {
+                let next = next_daily_run(now, at);
+                assert!(next > now && next - now <= chrono::Duration::days(1), "{now} {at} -> {next}");
+            }
+        }
     }
 }

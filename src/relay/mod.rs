@@ -19,7 +19,7 @@ use serde::Serialize;
 
 pub use message::{DEFAULT_CLOUDEVENTS_SOURCE, Format, Message, Template, header};
 pub use stdout::StdoutSink;
-pub use webhook::{DEFAULT_WEBHOOK_TIMEOUT, WebhookSink, redact_url};
+pub use webhook::{DEFAULT_WEBHOOK_TIMEOUT, WebhookSecret, WebhookSink, redact_url};
 
 use crate::error::{BoxError, Result};
 use crate::event::Event;

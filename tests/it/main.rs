@@ -3,12 +3,17 @@
 mod auto_traits;
 mod cli;
 mod consumer;
+mod contrib;
 mod dead_letters;
 mod fault_suite;
 mod faults;
 mod modes;
+mod operator;
 mod order;
 mod relay;
+mod relay_proc;
 mod retention;
 mod schema;
+mod status_detail;
 mod support;
+mod webhook_signing;

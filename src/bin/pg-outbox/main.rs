@@ -94,6 +94,10 @@ struct RelayArgs {
     /// Hour of the day (UTC, 0-23) at which retention runs.
     #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(0..24))]
     retention_hour: u32,
+    /// Also run retention once right after start (then daily as usual).
+    /// Hidden: meant for tests and for checking a deployment.
+    #[arg(long, hide = true, requires = "retention")]
+    retention_at_start: bool,
 }
 
 #[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
@@ -244,6 +248,7 @@ pub(crate) fn install_metrics(
         None => builder.install_recorder().map_err(|e| Error::Config(format!("metrics: {e}")))?,
     };
     pg_outbox::metrics::describe();
+    pg_outbox::metrics::record_initial_values();
     Ok(handle)
 }
 
@@ -279,8 +284,9 @@ async fn relay_cmd(url: &str, args: RelayArgs) -> Result<(), Error> {
             tracing::info!(database = %target, sink = %sink_name, "relay started; listening on channel {}", pg_outbox::NOTIFY_CHANNEL)
         }
     }
-    let retention =
-        args.retention.map(|older| tokio::spawn(retention_loop(url.to_string(), older, args.retention_hour)));
+    let retention = args.retention.map(|older| {
+        tokio::spawn(retention_loop(url.to_string(), older, args.retention_hour, args.retention_at_start))
+    });
     let stats = relay::run(stream, sink.as_ref(), shutdown_signal()).await;
     if let Some(task) = retention {
         task.abort();
@@ -290,27 +296,33 @@ async fn relay_cmd(url: &str, args: RelayArgs) -> Result<(), Error> {
     Ok(())
 }
 
-/// Run retention every day at `hour`:00 UTC on its own connection.
-async fn retention_loop(url: String, older_than: Duration, hour: u32) {
+/// Run retention every day at `hour`:00 UTC (and once at start when
+/// `at_start`), each run on a connection of its own.
+async fn retention_loop(url: String, older_than: Duration, hour: u32, at_start: bool) {
+    let r = pg_outbox::retention::Retention { older_than, ..Default::default() };
+    if at_start {
+        retention_once(&url, &r).await;
+    }
     loop {
         let now = chrono::Utc::now();
-        let today = now.date_naive().and_hms_opt(hour, 0, 0).map(|t| t.and_utc());
-        let next = match today {
-            Some(t) if t > now => t,
-            Some(t) => t + chrono::Duration::days(1),
-            None => now + chrono::Duration::days(1),
-        };
+        let next = pg_outbox::retention::next_daily_run(now, hour);
         let wait = (next - now).to_std().unwrap_or(Duration::from_secs(3600));
         tracing::info!(next = %next.to_rfc3339(), "retention scheduled");
         tokio::time::sleep(wait).await;
-        let r = pg_outbox::retention::Retention { older_than, ..Default::default() };
-        match connect(&url).await {
-            Ok(client) => match pg_outbox::retention::run(&client, &r).await {
-                Ok(rep) if rep.skipped => tracing::info!("retention skipped: another relay is running it"),
-                Ok(rep) => tracing::info!(deleted = rep.deleted, batches = rep.batches, "retention done"),
-                Err(e) => tracing::error!(error = %pg_outbox::error::report(&e), "retention failed"),
-            },
-            Err(e) => tracing::error!(error = %pg_outbox::error::report(&e), "retention could not connect"),
+        retention_once(&url, &r).await;
+    }
+}
+
+async fn retention_once(url: &str, r: &pg_outbox::retention::Retention) {
+    match connect(url).await {
+        Ok(client) => match pg_outbox::retention::run(&client, r).await {
+            Ok(rep) if rep.skipped => tracing::info!("retention skipped: another relay is running it"),
+            Ok(rep) => tracing::info!(deleted = rep.deleted, batches = rep.batches, "retention done"),
+            Err(e) => tracing::error!(error = %pg_outbox::error::report(&e), "retention failed"),
+        },
+        Err(e) => {
+            metrics::counter!(pg_outbox::metrics::RETENTION_ERRORS).increment(1);
+            tracing::error!(error = %pg_outbox::error::report(&e), "retention could not connect")
         }
     }
 }
@@ -369,8 +381,83 @@ async fn status_cmd(url: &str, args: StatusArgs) -> Result<(), Error> {
         println!("waiting for retry   {}", s.waiting_for_retry);
         println!("dead letters        {}", s.dead_letters);
         println!("oldest pending age  {age}");
+        print_by_type(&s);
+        print_retries(&s.retries);
     }
     Ok(())
+}
+
+/// Seconds as a short human figure: `850 ms`, `42 s`, `3m 5s`, `2h 10m`.
+fn short_secs(secs: f64) -> String {
+    if !secs.is_finite() {
+        return "-".into();
+    }
+    if secs < 1.0 {
+        return format!("{:.0} ms", secs * 1000.0);
+    }
+    if secs < 60.0 {
+        return format!("{secs:.0} s");
+    }
+    let whole = Duration::from_secs(secs as u64);
+    let (h, m, s) = (whole.as_secs() / 3600, whole.as_secs() / 60 % 60, whole.as_secs() % 60);
+    if h > 0 { format!("{h}h {m}m") } else { format!("{m}m {s}s") }
+}
+
+fn print_by_type(s: &pg_outbox::OutboxStatus) {
+    if s.by_type.is_empty() {
+        return;
+    }
+    let w_event = s.by_type.iter().map(|t| t.event_type.chars().count()).max().unwrap_or(0).max(10);
+    let w_agg = s.by_type.iter().map(|t| t.aggregate_type.chars().count()).max().unwrap_or(0).max(14);
+    println!();
+    println!("by event type");
+    println!(
+        "{:<w_event$}  {:<w_agg$}  {:>11}  {:>7}  {:>9}  {:>17}  {:>12}  oldest pending",
+        "event_type", "aggregate_type", "unpublished", "due now", "held back", "waiting for retry", "dead letters"
+    );
+    for t in &s.by_type {
+        let age = t.oldest_unpublished_age_seconds.map_or("-".to_string(), short_secs);
+        println!(
+            "{:<w_event$}  {:<w_agg$}  {:>11}  {:>7}  {:>9}  {:>17}  {:>12}  {age}",
+            t.event_type, t.aggregate_type, t.unpublished, t.due_now, t.held_back, t.waiting_for_retry, t.dead_letters
+        );
+    }
+    if s.by_type_truncated {
+        println!("(only the {} types with the most unpublished events are shown)", s.by_type.len());
+    }
+}
+
+fn print_retries(r: &pg_outbox::RetryLadder) {
+    let Some(next_at) = r.next_due_at else { return };
+    println!();
+    let next_in = r.next_due_in_seconds.map_or("-".to_string(), short_secs);
+    println!(
+        "retries due         next at {} (in {next_in})",
+        next_at.to_rfc3339_opts(chrono::SecondsFormat::Secs, true)
+    );
+    println!("  within 1 m        {}", r.due_within_1m);
+    println!("  within 1 h        {}", r.due_within_1h);
+    println!("  later             {}", r.due_later);
+    if r.next.is_empty() {
+        return;
+    }
+    println!("next retries");
+    println!(
+        "{:>10}  {:<24}  {:<20}  {:>7}  {:<20}  {:>8}  last_error",
+        "id", "event_type", "aggregate_type", "retries", "due at", "due in"
+    );
+    for p in &r.next {
+        let err: String = p.last_error.clone().unwrap_or_default().replace('\n', " ").chars().take(60).collect();
+        println!(
+            "{:>10}  {:<24}  {:<20}  {:>7}  {:<20}  {:>8}  {err}",
+            p.id,
+            p.event_type,
+            p.aggregate_type,
+            p.retry_count,
+            p.due_at.to_rfc3339_opts(chrono::SecondsFormat::Secs, true),
+            short_secs(p.due_in_seconds)
+        );
+    }
 }
 
 async fn migrate_cmd(url: &str) -> Result<(), Error> {

@@ -1,0 +1,150 @@
+//! Operator commands by filter: `dead-letters list|retry|discard` with
+//! --aggregate-type, --event-type, --error-contains, --since and --limit,
+//! dry runs that change nothing, and what a retried dead letter looks like.
+
+use serde_json::Value;
+use tokio_postgres::Client;
+
+use crate::support::{TestDb, bin};
+
+async fn cli(db: &TestDb, args: &[&str]) -> (i32, String, String) {
+    let out = tokio::process::Command::new(bin())
+        .args(args)
+        .env("DATABASE_URL", db.url())
+        .env_remove("RUST_LOG")
+        .output()
+        .await
+        .expect("run pg-outbox");
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+/// A dead letter as the relay leaves one (10 failures, next_retry_at =
+/// 'infinity'), `age` old.
+async fn dead(c: &Client, agg_type: &str, event_type: &str, error: &str, age: &str) -> i64 {
+    c.query_one(
+        "INSERT INTO events.outbox (aggregate_type, aggregate_id, event_type, payload, occurred_at, retry_count, next_retry_at, last_error) \
+         VALUES ($1, gen_random_uuid(), $2, '{}', now() - $4::text::interval, 10, 'infinity', $3) RETURNING id",
+        &[&agg_type, &event_type, &error, &age],
+    )
+    .await
+    .expect("insert a dead letter")
+    .get(0)
+}
+
+/// `(dead letters, retried ones: unpublished, due, retry_count 10)` now.
+async fn counts(c: &Client) -> (i64, i64) {
+    let r = c
+        .query_one(
+            "SELECT count(*) FILTER (WHERE next_retry_at = 'infinity'), \
+                    count(*) FILTER (WHERE next_retry_at <= now() AND retry_count = 10) \
+             FROM events.outbox WHERE published_at IS NULL",
+            &[],
+        )
+        .await
+        .expect("count");
+    (r.get(0), r.get(1))
+}
+
+fn listed_ids(json: &str) -> Vec<i64> {
+    let v: Vec<Value> =
+        serde_json::from_str(json).unwrap_or_else(|e| panic!("list --json is a JSON array ({e}): {json}"));
+    v.iter().map(|e| e["id"].as_i64().expect("id")).collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dead_letter_filters_select_the_same_rows_for_list_retry_and_discard() {
+    let db = TestDb::new("operator_filters").await;
+    let c = db.client().await;
+    let a = dead(&c, "subscription", "PaymentFailed", "HTTP 500 from billing", "2 hours").await;
+    let b = dead(&c, "subscription", "PaymentFailed", "timed out", "3 days").await;
+    let d = dead(&c, "invoice", "InvoiceIssued", "HTTP 500 from mail", "1 hour").await;
+    let e = dead(&c, "invoice", "InvoiceVoided", "HTTP 400", "10 minutes").await;
+    // Not dead letters: never listed, retried or discarded.
+    c.batch_execute(
+        "INSERT INTO events.outbox (aggregate_type, aggregate_id, event_type, payload) VALUES ('invoice', gen_random_uuid(), 'InvoiceIssued', '{}'); \
+         INSERT INTO events.outbox (aggregate_type, aggregate_id, event_type, payload, retry_count, next_retry_at, last_error) \
+           VALUES ('invoice', gen_random_uuid(), 'InvoiceIssued', '{}', 3, now() + interval '1 hour', 'HTTP 500 from mail')",
+    )
+    .await
+    .expect("other rows");
+
+    let list = |args: &'static [&'static str]| {
+        let db = &db;
+        async move {
+            let mut all = vec!["dead-letters", "list", "--json"];
+            all.extend_from_slice(args);
+            let (code, out, err) = cli(db, &all).await;
+            assert_eq!(code, 0, "{args:?}: {err}");
+            listed_ids(&out)
+        }
+    };
+    assert_eq!(list(&[]).await, [a, b, d, e]);
+    assert_eq!(list(&["--aggregate-type", "subscription"]).await, [a, b]);
+    assert_eq!(list(&["--event-type", "InvoiceIssued"]).await, [d]);
+    assert_eq!(list(&["--error-contains", "HTTP 500"]).await, [a, d]);
+    assert_eq!(list(&["--since", "1d"]).await, [a, d, e], "--since as an age");
+    assert_eq!(list(&["--limit", "2"]).await, [a, b], "--limit keeps the lowest ids");
+    assert_eq!(list(&["--aggregate-type", "invoice", "--error-contains", "HTTP"]).await, [d, e], "filters combine");
+
+    let (code, out, err) = cli(&db, &["dead-letters", "list"]).await;
+    assert_eq!(code, 0, "{err}");
+    assert_eq!(out.lines().count(), 5, "a header and one line per dead letter:\n{out}");
+    assert!(out.lines().next().is_some_and(|h| h.contains("event_type") && h.contains("last_error")), "{out}");
+    let (code, _, err) = cli(&db, &["dead-letters", "list", "--limit", "0"]).await;
+    assert_ne!(code, 0);
+    assert!(err.contains("--limit"), "{err}");
+    let (code, _, err) = cli(&db, &["dead-letters", "list", "--since", "yesterday-ish"]).await;
+    assert_ne!(code, 0);
+    assert!(err.contains("--since"), "{err}");
+
+    // Dry runs report the same selection and change nothing.
+    let (code, out, err) = cli(&db, &["dead-letters", "retry", "--dry-run", "--error-contains", "HTTP 500"]).await;
+    assert_eq!(code, 0, "{err}");
+    assert_eq!(out.trim(), format!("dry run: would retry 2 dead letters: {a}, {d}"));
+    let (code, out, err) = cli(&db, &["dead-letters", "discard", "--dry-run", "--aggregate-type", "invoice"]).await;
+    assert_eq!(code, 0, "{err}");
+    assert_eq!(out.trim(), format!("dry run: would delete 2 dead letters: {d}, {e}"));
+    assert_eq!(counts(&c).await, (4, 0), "dry runs change nothing");
+    let (code, out, err) = cli(&db, &["dead-letters", "discard", "--aggregate-type", "invoice"]).await;
+    assert_ne!(code, 0, "discard without --yes refuses");
+    assert!(err.contains("--yes") && err.contains("2 dead letters"), "{err}");
+    assert!(out.is_empty(), "{out}");
+    assert_eq!(counts(&c).await, (4, 0));
+
+    // Retry by filter: those two become due now, retry_count kept at 10.
+    let (code, out, err) = cli(&db, &["dead-letters", "retry", "--error-contains", "HTTP 500"]).await;
+    assert_eq!(code, 0, "{err}");
+    assert_eq!(out.trim(), format!("retried 2 dead letters: {a}, {d}"));
+    assert_eq!(counts(&c).await, (2, 2));
+    let r = c
+        .query_one("SELECT retry_count, next_retry_at <= now(), last_error FROM events.outbox WHERE id = $1", &[&a])
+        .await
+        .expect("row");
+    assert_eq!(
+        (r.get::<_, i32>(0), r.get::<_, bool>(1)),
+        (10, true),
+        "retry sets next_retry_at = now(), keeps retry_count"
+    );
+    assert_eq!(r.get::<_, Option<String>>(2).as_deref(), Some("HTTP 500 from billing"), "last_error is kept");
+    // A retried event is no longer a dead letter: list and show leave it out.
+    assert_eq!(list(&[]).await, [b, e]);
+    let (code, _, err) = cli(&db, &["dead-letters", "show", &a.to_string()]).await;
+    assert_ne!(code, 0);
+    assert!(err.contains("not a dead letter"), "{err}");
+    // The status counts it as due, not dead.
+    let (_, out, _) = cli(&db, &["status", "--json"]).await;
+    let s: Value = serde_json::from_str(&out).expect("status JSON");
+    assert_eq!(s["dead_letters"], 2, "{s}");
+
+    // Discard by filter, confirmed.
+    let (code, out, err) = cli(&db, &["dead-letters", "discard", "--yes", "--event-type", "InvoiceVoided"]).await;
+    assert_eq!(code, 0, "{err}");
+    assert_eq!(out.trim(), format!("deleted 1 dead letter: {e}"));
+    assert_eq!(list(&[]).await, [b]);
+    let left: i64 = c.query_one("SELECT count(*) FROM events.outbox", &[]).await.expect("count").get(0);
+    assert_eq!(left, 5, "only the discarded row is gone");
+}

@@ -1,0 +1,176 @@
+//! `pg-outbox status`: backlog per event type and the retry ladder, in the
+//! table and in `--json`, against rows set up in a real database.
+
+use std::time::Duration;
+
+use serde_json::Value;
+use tokio_postgres::Client;
+
+use crate::support::{self, TestDb};
+
+async fn status(db: &TestDb, json: bool) -> String {
+    let mut args = vec!["status"];
+    if json {
+        args.push("--json");
+    }
+    let out = tokio::time::timeout(
+        Duration::from_secs(30),
+        tokio::process::Command::new(support::bin()).args(&args).env("DATABASE_URL", db.url()).output(),
+    )
+    .await
+    .expect("status exits within 30 s")
+    .expect("run pg-outbox status");
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(out.status.success(), "status failed: {}\n{stdout}", String::from_utf8_lossy(&out.stderr));
+    stdout
+}
+
+async fn status_json(db: &TestDb) -> Value {
+    let out = status(db, true).await;
+    serde_json::from_str(&out).unwrap_or_else(|e| panic!("status --json is not JSON ({e}): {out}"))
+}
+
+/// Insert one row; returns its id.
+async fn row(c: &Client, agg_type: &str, agg: uuid::Uuid, event_type: &str, extra: &str) -> i64 {
+    let (cols, vals) = match extra {
+        "" => (String::new(), String::new()),
+        e => {
+            let (c, v) = e.split_once('=').expect("col=value");
+            (format!(", {c}"), format!(", {v}"))
+        }
+    };
+    let sql = format!(
+        "INSERT INTO events.outbox (aggregate_type, aggregate_id, event_type, payload{cols}) \
+         VALUES ($1, $2, $3, '{{}}'{vals}) RETURNING id"
+    );
+    c.query_one(&sql, &[&agg_type, &agg, &event_type]).await.expect("insert a row").get(0)
+}
+
+/// The by_type entry for `(event_type, aggregate_type)`.
+fn entry<'a>(v: &'a Value, event_type: &str, agg_type: &str) -> &'a Value {
+    v["by_type"]
+        .as_array()
+        .unwrap_or_else(|| panic!("by_type is an array: {v}"))
+        .iter()
+        .find(|e| e["event_type"] == event_type && e["aggregate_type"] == agg_type)
+        .unwrap_or_else(|| panic!("no by_type entry for {event_type}/{agg_type}: {v}"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn status_splits_the_backlog_by_event_type_and_shows_when_retries_come_due() {
+    let db = TestDb::new("status_detail").await;
+    let c = db.client().await;
+    let new = uuid::Uuid::new_v4;
+
+    // Empty outbox: empty lists, no next retry.
+    let v = status_json(&db).await;
+    assert_eq!(v["by_type"], serde_json::json!([]), "{v}");
+    assert_eq!(v["by_type_truncated"], false, "{v}");
+    assert!(v["retries"]["next_due_at"].is_null() && v["retries"]["next"] == serde_json::json!([]), "{v}");
+
+    // invoice/InvoiceIssued: 3 fresh, 1 published (not counted).
+    for _ in 0..3 {
+        row(&c, "invoice", new(), "InvoiceIssued", "").await;
+    }
+    row(&c, "invoice", new(), "InvoiceIssued", "published_at=now()").await;
+    // subscription/PaymentFailed: retries due in 30 s, 10 min and 2 h; a dead
+    // letter, and a fresh event of the dead letter's aggregate (held back).
+    let soon = row(
+        &c,
+        "subscription",
+        new(),
+        "PaymentFailed",
+        "retry_count, next_retry_at, last_error=1, now() + interval '30 seconds', 'HTTP 503'",
+    )
+    .await;
+    let mid =
+        row(&c, "subscription", new(), "PaymentFailed", "retry_count, next_retry_at=2, now() + interval '10 minutes'")
+            .await;
+    let late =
+        row(&c, "subscription", new(), "PaymentFailed", "retry_count, next_retry_at=4, now() + interval '2 hours'")
+            .await;
+    let dead_agg = new();
+    row(
+        &c,
+        "subscription",
+        dead_agg,
+        "PaymentFailed",
+        "retry_count, next_retry_at, occurred_at=10, 'infinity', now() - interval '3 days'",
+    )
+    .await;
+    row(&c, "subscription", dead_agg, "PaymentFailed", "").await;
+
+    let v = status_json(&db).await;
+    assert_eq!(v["unpublished"], 8, "{v}");
+    let types = v["by_type"].as_array().expect("array");
+    assert_eq!(types.len(), 2, "{v}");
+    assert_eq!(types[0]["event_type"], "PaymentFailed", "most unpublished first: {v}");
+    let pf = entry(&v, "PaymentFailed", "subscription");
+    assert_eq!(
+        (&pf["unpublished"], &pf["due_now"], &pf["held_back"], &pf["waiting_for_retry"], &pf["dead_letters"]),
+        (&Value::from(5), &Value::from(0), &Value::from(1), &Value::from(3), &Value::from(1)),
+        "{pf}"
+    );
+    // The oldest pending is not the 3-day-old dead letter.
+    let age = pf["oldest_unpublished_age_seconds"].as_f64().unwrap_or_else(|| panic!("an age: {pf}"));
+    assert!((0.0..3600.0).contains(&age), "dead letters are not pending: {pf}");
+    let inv = entry(&v, "InvoiceIssued", "invoice");
+    assert_eq!(
+        (&inv["unpublished"], &inv["due_now"], &inv["dead_letters"]),
+        (&Value::from(3), &Value::from(3), &Value::from(0)),
+        "{inv}"
+    );
+    let sum = |k: &str| types.iter().map(|t| t[k].as_i64().expect("count")).sum::<i64>();
+    for k in ["unpublished", "due_now", "held_back", "waiting_for_retry", "dead_letters"] {
+        assert_eq!(Value::from(sum(k)), v[k], "per-type {k} adds up to the total: {v}");
+    }
+
+    let r = &v["retries"];
+    assert_eq!(
+        (&r["due_within_1m"], &r["due_within_1h"], &r["due_later"]),
+        (&Value::from(1), &Value::from(1), &Value::from(1)),
+        "{r}"
+    );
+    let next_in = r["next_due_in_seconds"].as_f64().unwrap_or_else(|| panic!("next_due_in_seconds: {r}"));
+    assert!(next_in > 20.0 && next_in <= 30.0, "the next retry is the 30 s one: {r}");
+    let next_at = r["next_due_at"].as_str().unwrap_or_else(|| panic!("next_due_at: {r}"));
+    chrono::DateTime::parse_from_rfc3339(next_at).unwrap_or_else(|e| panic!("next_due_at is RFC 3339 ({e}): {r}"));
+    let ids: Vec<i64> = r["next"].as_array().expect("next").iter().map(|p| p["id"].as_i64().expect("id")).collect();
+    assert_eq!(ids, [soon, mid, late], "next retries in due order, dead letters excluded: {r}");
+    assert_eq!(r["next"][0]["last_error"], "HTTP 503", "{r}");
+    assert_eq!(r["next"][0]["retry_count"], 1, "{r}");
+
+    // The table shows the same.
+    let table = status(&db, false).await;
+    let line = |start: &str| {
+        table.lines().find(|l| l.starts_with(start)).unwrap_or_else(|| panic!("no line starting {start:?}:\n{table}"))
+    };
+    let cols: Vec<&str> = line("PaymentFailed").split_whitespace().collect();
+    assert_eq!(cols[..7], ["PaymentFailed", "subscription", "5", "0", "1", "3", "1"], "{table}");
+    let cols: Vec<&str> = line("InvoiceIssued").split_whitespace().collect();
+    assert_eq!(cols[..7], ["InvoiceIssued", "invoice", "3", "3", "0", "0", "0"], "{table}");
+    assert!(line("retries due").contains("next at"), "{table}");
+    assert_eq!(line("  within 1 m").split_whitespace().last(), Some("1"), "{table}");
+    assert_eq!(line("  later").split_whitespace().last(), Some("1"), "{table}");
+    let first_next = table
+        .lines()
+        .skip_while(|l| !l.starts_with("next retries"))
+        .nth(2)
+        .unwrap_or_else(|| panic!("no next retries rows:\n{table}"));
+    assert_eq!(first_next.split_whitespace().next(), Some(soon.to_string().as_str()), "{table}");
+
+    // Bounded: at most 50 types, and the output says more exist.
+    c.execute(
+        "INSERT INTO events.outbox (aggregate_type, aggregate_id, event_type, payload) \
+         SELECT 'bulk', gen_random_uuid(), 'Type' || g, '{}' FROM generate_series(1, 60) g",
+        &[],
+    )
+    .await
+    .expect("60 more types");
+    let v = status_json(&db).await;
+    assert_eq!(v["by_type"].as_array().expect("array").len(), pg_outbox::STATUS_MAX_TYPES as usize, "{v}");
+    assert_eq!(v["by_type_truncated"], true, "{v}");
+    assert_eq!(v["by_type"][0]["event_type"], "PaymentFailed", "the largest backlog stays in view");
+    let table = status(&db, false).await;
+    assert!(table.contains("only the 50 types with the most unpublished events are shown"), "{table}");
+}
