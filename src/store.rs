@@ -61,6 +61,16 @@ pub(crate) fn fetch_sql(partitioned: bool) -> String {
     )
 }
 
+/// The SQL text of the consumer's fetch in single mode, for `EXPLAIN`:
+/// `$1` the ids in flight (`bigint[]`), `$2` the batch size in rows
+/// (`bigint`). Exposed so its plan can be checked against real data: each
+/// of its two branches must be an index range scan (`outbox_fresh_idx` for
+/// fresh rows, `outbox_retry_due_idx` for due retries) that skips dead
+/// letters and rows waiting for a retry instead of walking them.
+pub fn fetch_query() -> String {
+    fetch_sql(false)
+}
+
 /// The hash partition of a row's aggregate, 0..$3 (partitioned mode).
 const PARTITION_EXPR: &str =
     "((hashtextextended(o.aggregate_type || '/' || o.aggregate_id::text, 0) & 2147483647) % $3)::int4";

@@ -10,6 +10,7 @@ mod faults;
 mod modes;
 mod operator;
 mod order;
+mod plans;
 mod relay;
 mod relay_proc;
 mod retention;

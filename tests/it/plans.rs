@@ -1,0 +1,84 @@
+//! Query plans under a pathological head: 100 000 dead letters and 100 000
+//! events waiting for a retry at the low end of the id range, fresh events
+//! after them. Every fetch must skip the failed rows through its indexes
+//! (buffers touched stay far below the number of failed rows), never walk
+//! them.
+
+use crate::support::TestDb;
+
+/// Buffers (hit + read) a plan node and its children touched.
+fn buffers(node: &serde_json::Value) -> i64 {
+    node["Shared Hit Blocks"].as_i64().unwrap_or(0) + node["Shared Read Blocks"].as_i64().unwrap_or(0)
+}
+
+fn collect(node: &serde_json::Value, out: &mut Vec<(String, String)>) {
+    let kind = node["Node Type"].as_str().unwrap_or("").to_string();
+    let index = node["Index Name"].as_str().unwrap_or("").to_string();
+    let relation = node["Relation Name"].as_str().unwrap_or("").to_string();
+    out.push((kind, if index.is_empty() { relation } else { index }));
+    if let Some(children) = node["Plans"].as_array() {
+        for c in children {
+            collect(c, out);
+        }
+    }
+}
+
+#[tokio::test]
+async fn fetch_skips_a_head_of_dead_letters_and_waiting_retries_through_its_indexes() {
+    let db = TestDb::new("plans").await;
+    let c = db.client().await;
+    // 100 000 dead letters, then 100 000 waiting for a retry in an hour, each
+    // on its own aggregate, then 2 000 fresh events of other aggregates.
+    c.batch_execute(
+        "INSERT INTO events.outbox (aggregate_type, aggregate_id, event_type, payload) \
+           SELECT 'dead', md5('d' || g)::uuid, 'E', jsonb_build_object('n', g) FROM generate_series(1, 100000) g; \
+         UPDATE events.outbox SET retry_count = 10, last_error = 'boom', next_retry_at = 'infinity'; \
+         INSERT INTO events.outbox (aggregate_type, aggregate_id, event_type, payload) \
+           SELECT 'waiting', md5('w' || g)::uuid, 'E', jsonb_build_object('n', g) FROM generate_series(1, 100000) g; \
+         UPDATE events.outbox SET retry_count = 1, last_error = 'later', next_retry_at = now() + interval '1 hour' \
+           WHERE aggregate_type = 'waiting'; \
+         INSERT INTO events.outbox (aggregate_type, aggregate_id, event_type, payload) \
+           SELECT 'fresh', md5('f' || g)::uuid, 'E', jsonb_build_object('n', g) FROM generate_series(1, 2000) g;",
+    )
+    .await
+    .expect("load the pathological head");
+    c.batch_execute("VACUUM ANALYZE events.outbox").await.expect("vacuum");
+    let sql = format!("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) {}", pg_outbox::fetch_query());
+    let none: Vec<i64> = Vec::new();
+    let row = c.query_one(&sql, &[&none, &500i64]).await.expect("explain the fetch");
+    let plan: serde_json::Value = row.get(0);
+    let root = &plan[0]["Plan"];
+    let rows = root["Actual Rows"].as_i64().expect("actual rows");
+    assert_eq!(rows, 500, "the fetch returns a full batch of fresh events");
+    let mut nodes = Vec::new();
+    collect(root, &mut nodes);
+    let touched = buffers(root);
+    assert!(
+        !nodes.iter().any(|(kind, rel)| kind == "Seq Scan" && rel == "outbox"),
+        "the fetch must not scan the outbox sequentially: {nodes:?}"
+    );
+    assert!(
+        nodes.iter().any(|(_, rel)| rel == "outbox_fresh_idx"),
+        "fresh events must come from outbox_fresh_idx: {nodes:?}"
+    );
+    assert!(
+        !nodes.iter().any(|(_, rel)| rel == "outbox_unpublished_idx" || rel == "outbox_pkey"),
+        "no branch may walk every unpublished row in id order: {nodes:?}"
+    );
+    // Walking the 200 000 failed rows would touch at least one buffer each.
+    assert!(touched < 10_000, "the fetch touched {touched} buffers: it walks the failed head ({nodes:?})");
+
+    // The same fetch with an empty head, for comparison: the head may add
+    // one hold-back probe per fetched row (a descent of
+    // outbox_aggregate_failed_idx, a few buffers), never a walk.
+    c.batch_execute("DELETE FROM events.outbox WHERE aggregate_type <> 'fresh'").await.expect("remove the head");
+    c.batch_execute("VACUUM ANALYZE events.outbox").await.expect("vacuum");
+    let row = c.query_one(&sql, &[&none, &500i64]).await.expect("explain the fetch again");
+    let plan: serde_json::Value = row.get(0);
+    let empty_head = buffers(&plan[0]["Plan"]);
+    assert!(
+        touched <= empty_head + 6 * rows,
+        "a pathological head makes the fetch touch {touched} buffers against {empty_head} without it: \
+         more than a few index descents per fetched row"
+    );
+}
