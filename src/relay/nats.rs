@@ -44,10 +44,28 @@ pub struct NatsSink {
     shown: String,
 }
 
-/// The server list for the client (credentials removed) and the
-/// credentials found, percent-decoded: `(user, password)`; a user without a
-/// password is a token.
-fn split_credentials(spec: &str) -> Result<(String, Option<(String, Option<String>)>)> {
+/// Credentials taken out of a NATS URL (percent-decoded). `Debug` hides
+/// the secrets.
+#[cfg_attr(test, derive(PartialEq))]
+enum Credentials {
+    /// `nats://user:password@host`.
+    UserPassword(String, String),
+    /// `nats://token@host`.
+    Token(String),
+}
+
+impl std::fmt::Debug for Credentials {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Credentials::UserPassword(user, _) => write!(f, "UserPassword({user:?}, ***)"),
+            Credentials::Token(_) => f.write_str("Token(***)"),
+        }
+    }
+}
+
+/// The server list for the client, credentials removed, and the
+/// credentials found.
+fn split_credentials(spec: &str) -> Result<(String, Option<Credentials>)> {
     let mut servers = Vec::new();
     let mut creds = None;
     for part in spec.split(',').map(str::trim) {
@@ -65,8 +83,10 @@ fn split_credentials(spec: &str) -> Result<(String, Option<(String, Option<Strin
         if !url.username().is_empty() {
             let decode = |s: &str| percent_encoding::percent_decode_str(s).decode_utf8_lossy().into_owned();
             let user = decode(url.username());
-            let pass = url.password().map(decode);
-            creds = Some((user, pass));
+            creds = Some(match url.password() {
+                Some(pass) => Credentials::UserPassword(user, decode(pass)),
+                None => Credentials::Token(user),
+            });
             let _ = url.set_username("");
             let _ = url.set_password(None);
         }
@@ -106,8 +126,8 @@ impl NatsSink {
                 }
             });
         options = match creds {
-            Some((user, Some(pass))) => options.user_and_password(user, pass),
-            Some((token, None)) => options.token(token),
+            Some(Credentials::UserPassword(user, pass)) => options.user_and_password(user, pass),
+            Some(Credentials::Token(token)) => options.token(token),
             None => options,
         };
         let client = options
@@ -194,9 +214,9 @@ mod tests {
     fn credentials_leave_the_url_and_are_decoded() {
         let (servers, creds) = split_credentials("nats://al%40ice:p%3Ass@h1:4222,nats://h2:4223").expect("parses");
         assert_eq!(servers, "nats://h1:4222,nats://h2:4223");
-        assert_eq!(creds, Some(("al@ice".to_string(), Some("p:ss".to_string()))));
+        assert!(creds == Some(Credentials::UserPassword("al@ice".into(), "p:ss".into())), "user and password");
         let (_, creds) = split_credentials("nats://s3cr3t@h1:4222").expect("parses");
-        assert_eq!(creds, Some(("s3cr3t".to_string(), None)));
+        assert!(creds == Some(Credentials::Token("s3cr3t".into())), "a lone user part is a token");
         let err = split_credentials("nats://u:pw@h1:4222,http://h2").expect_err("http is refused").to_string();
         assert!(err.contains("nats://") && !err.contains("pw"), "{err}");
     }
