@@ -194,3 +194,84 @@ pub fn check_once_in_aggregate_order(ids: &[i64], sent: &BTreeMap<i64, Sent>) {
         }
     }
 }
+
+/// A broker server of the test's own (`nats-server`, `redis-server`) on a
+/// free port, so a test can stop and restart it without disturbing the
+/// shared one. Killed when dropped.
+pub struct PrivateServer {
+    program: std::path::PathBuf,
+    args: Vec<String>,
+    child: Option<Child>,
+    pub port: u16,
+    /// Data directory, kept across restarts (removed on drop).
+    _dir: tempfile::TempDir,
+}
+
+/// The path of `program` on PATH or in the usual sbin folders, if any.
+pub fn find_program(program: &str) -> Option<std::path::PathBuf> {
+    let path = std::env::var_os("PATH").unwrap_or_default();
+    std::env::split_paths(&path)
+        .chain(["/usr/sbin", "/usr/local/sbin", "/usr/local/bin"].map(std::path::PathBuf::from))
+        .map(|d| d.join(program))
+        .find(|p| p.is_file())
+}
+
+/// Whether `program` can be run; prints a SKIPPED line when it cannot
+/// (and fails under `PG_OUTBOX_REQUIRE_BROKERS=1`).
+pub fn program_available(program: &str) -> Option<std::path::PathBuf> {
+    let found = find_program(program);
+    if found.is_none() {
+        let required = std::env::var("PG_OUTBOX_REQUIRE_BROKERS").is_ok_and(|v| v == "1");
+        assert!(!required, "{program} is not installed and PG_OUTBOX_REQUIRE_BROKERS=1");
+        eprintln!("SKIPPED: {program} is not installed (Debian package of the same name)");
+    }
+    found
+}
+
+impl PrivateServer {
+    /// Start `program` with `args`, where `{port}` and `{dir}` are replaced
+    /// by a free port and a fresh data directory; waits until the port
+    /// accepts connections.
+    pub async fn start(program: std::path::PathBuf, args: &[&str]) -> PrivateServer {
+        let port =
+            std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).expect("find a free port").port();
+        let dir = tempfile::tempdir().expect("a data directory");
+        let args = args
+            .iter()
+            .map(|a| a.replace("{port}", &port.to_string()).replace("{dir}", &dir.path().display().to_string()))
+            .collect();
+        let mut s = PrivateServer { program, args, child: None, port, _dir: dir };
+        s.restart().await;
+        s
+    }
+
+    /// Start the server again (same port and data directory).
+    pub async fn restart(&mut self) {
+        assert!(self.child.is_none(), "the server is already running");
+        let child = Command::new(&self.program)
+            .args(&self.args)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .kill_on_drop(true)
+            .spawn()
+            .unwrap_or_else(|e| panic!("cannot start {}: {e}", self.program.display()));
+        self.child = Some(child);
+        let addr = format!("127.0.0.1:{}", self.port);
+        support::eventually(LIVENESS.as_secs(), &format!("{} accepts connections", self.program.display()), || {
+            let addr = addr.clone();
+            async move { tokio::net::TcpStream::connect(addr).await.is_ok() }
+        })
+        .await;
+    }
+
+    /// Stop the server (SIGTERM, so it saves its data) and wait for it.
+    pub async fn stop(&mut self) {
+        let mut child = self.child.take().expect("the server is running");
+        let pid = libc::pid_t::try_from(child.id().expect("running")).expect("pid fits pid_t");
+        // SAFETY: kill(2) on a child we spawned and have not reaped.
+        let rc = unsafe { libc::kill(pid, libc::SIGTERM) };
+        assert_eq!(rc, 0, "kill(SIGTERM) failed: {}", std::io::Error::last_os_error());
+        tokio::time::timeout(LIVENESS, child.wait()).await.expect("the server stops").expect("reap the server");
+    }
+}

@@ -248,3 +248,82 @@ async fn nats_unreachable_at_start_is_a_clear_error() {
     assert!(stderr.contains("cannot connect to NATS at nats://127.0.0.1:1"), "clear error:\n{stderr}");
     assert!(!stderr.contains("hunter2"), "the password is not shown:\n{stderr}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nats_server_lost_mid_run_fails_events_until_the_client_reconnects() {
+    let Some(program) = broker_relay::program_available("nats-server") else { return };
+    let mut server = broker_relay::PrivateServer::start(
+        program,
+        &["-a", "127.0.0.1", "-p", "{port}", "-js", "-sd", "{dir}", "--http_port", "0"],
+    )
+    .await;
+    let url = format!("nats://127.0.0.1:{}", server.port);
+    let js = jetstream::new(async_nats::connect(url.as_str()).await.expect("connect to the private NATS"));
+    let mut created = false;
+    for _ in 0..50 {
+        // JetStream may need a moment after the port opens.
+        let config = stream::Config {
+            name: "OUTBOX".into(),
+            subjects: vec!["events.>".into()],
+            storage: stream::StorageType::File,
+            duplicate_window: Duration::from_secs(120),
+            ..Default::default()
+        };
+        if js.create_stream(config).await.is_ok() {
+            created = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(created, "create a file-backed stream on the private server");
+    drop(js);
+
+    let db = TestDb::new("sink_nats_reconnect").await;
+    let c = db.client().await;
+    let relay = RelayProc::start(
+        &db,
+        &["--sink", &url, "--sink-timeout", "1s", "--retry-schedule", "300ms", "--sweep-interval", "200ms"],
+    )
+    .await;
+    let mut sent = broker_relay::publish_events(&c, 1).await;
+    broker_relay::wait_published(&c, sent.len() as i64).await;
+
+    server.stop().await;
+    let later = broker_relay::publish_events(&c, 2).await;
+    support::eventually(LIVENESS.as_secs(), "events fail while the server is gone", || async {
+        let r = c
+            .query_one("SELECT count(*) FROM events.outbox WHERE retry_count >= 1 AND last_error LIKE '%NATS%'", &[])
+            .await
+            .expect("count failures");
+        r.get::<_, i64>(0) >= 1
+    })
+    .await;
+    assert_eq!(broker_relay::published_count(&c).await, sent.len() as i64, "nothing is acknowledged meanwhile");
+
+    server.restart().await;
+    sent.extend(later);
+    broker_relay::wait_published(&c, sent.len() as i64).await;
+    let log = relay.log();
+    relay.stop().await;
+    assert!(log.contains("NATS disconnected"), "the loss is logged:\n{log}");
+    let js = jetstream::new(async_nats::connect(url.as_str()).await.expect("connect to the private NATS"));
+    let s = js.get_stream("OUTBOX").await.expect("the stream survived the restart");
+    let c2 = s
+        .create_consumer(consumer::pull::Config { ack_policy: consumer::AckPolicy::None, ..Default::default() })
+        .await
+        .expect("create a consumer");
+    let n = sent.len();
+    let mut batch = c2
+        .fetch()
+        .max_messages(n + 10)
+        .expires(Duration::from_secs(2))
+        .messages()
+        .await
+        .expect("fetch from the stream");
+    let mut ids = Vec::new();
+    while let Some(m) = batch.next().await {
+        let m = m.expect("a stream message").message;
+        ids.push(check_message(&m, "events", &sent));
+    }
+    broker_relay::check_once_in_aggregate_order(&ids, &sent);
+}

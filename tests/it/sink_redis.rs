@@ -154,3 +154,51 @@ async fn redis_unreachable_at_start_is_a_clear_error() {
     assert!(stderr.contains("cannot connect to Redis at redis://127.0.0.1:1"), "clear error:\n{stderr}");
     assert!(!stderr.contains("hunter2"), "the password is not shown:\n{stderr}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_server_lost_mid_run_fails_events_until_it_is_back() {
+    let Some(program) = broker_relay::program_available("redis-server") else { return };
+    let mut server = broker_relay::PrivateServer::start(
+        program,
+        &["--bind", "127.0.0.1", "--port", "{port}", "--dir", "{dir}", "--save", "", "--appendonly", "yes"],
+    )
+    .await;
+    let url = format!("redis://127.0.0.1:{}", server.port);
+    let db = TestDb::new("sink_redis_reconnect").await;
+    let c = db.client().await;
+    let relay = RelayProc::start(
+        &db,
+        &["--sink", &url, "--sink-timeout", "1s", "--retry-schedule", "300ms", "--sweep-interval", "200ms"],
+    )
+    .await;
+    let mut sent = broker_relay::publish_events(&c, 1).await;
+    broker_relay::wait_published(&c, sent.len() as i64).await;
+
+    server.stop().await;
+    let later = broker_relay::publish_events(&c, 2).await;
+    support::eventually(broker_relay::LIVENESS.as_secs(), "events fail while Redis is gone", || async {
+        let r = c
+            .query_one("SELECT count(*) FROM events.outbox WHERE retry_count >= 1 AND last_error LIKE '%Redis%'", &[])
+            .await
+            .expect("count failures");
+        r.get::<_, i64>(0) >= 1
+    })
+    .await;
+    assert_eq!(broker_relay::published_count(&c).await, sent.len() as i64, "nothing is acknowledged meanwhile");
+
+    server.restart().await;
+    sent.extend(later);
+    broker_relay::wait_published(&c, sent.len() as i64).await;
+    relay.stop().await;
+    let client = redis::Client::open(url.as_str()).expect("Redis URL");
+    let mut conn = client.get_multiplexed_async_connection().await.expect("connect to the private Redis");
+    let mut ids = Vec::new();
+    for key in ["outbox:order", "outbox:invoice"] {
+        let entries: Entries =
+            redis::cmd("XRANGE").arg(key).arg("-").arg("+").query_async(&mut conn).await.expect("XRANGE");
+        ids.extend(entries.iter().map(|(_, fields)| check_entry(fields, &sent)));
+    }
+    // A failed XADD may still have reached Redis before the reply was lost;
+    // here the server was down, so nothing was written twice.
+    broker_relay::check_once_in_aggregate_order(&ids, &sent);
+}
