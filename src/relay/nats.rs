@@ -63,9 +63,9 @@ impl std::fmt::Debug for Credentials {
     }
 }
 
-/// The server list for the client, credentials removed, and the
-/// credentials found.
-fn split_credentials(spec: &str) -> Result<(String, Option<Credentials>)> {
+/// The servers of a comma-separated list, credentials removed, and the
+/// credentials found (the last URL's that has any).
+fn split_credentials(spec: &str) -> Result<(Vec<String>, Option<Credentials>)> {
     let mut servers = Vec::new();
     let mut creds = None;
     for part in spec.split(',').map(str::trim) {
@@ -92,7 +92,7 @@ fn split_credentials(spec: &str) -> Result<(String, Option<Credentials>)> {
         }
         servers.push(url.to_string());
     }
-    Ok((servers.join(","), creds))
+    Ok((servers, creds))
 }
 
 impl NatsSink {
@@ -120,6 +120,7 @@ impl NatsSink {
                             async_nats::Event::Disconnected => {
                                 tracing::warn!(server = %shown, "NATS disconnected; reconnecting")
                             }
+                            async_nats::Event::Closed => tracing::info!(server = %shown, "NATS connection closed"),
                             other => tracing::warn!(server = %shown, "NATS: {other}"),
                         }
                     }
@@ -131,7 +132,7 @@ impl NatsSink {
             None => options,
         };
         let client = options
-            .connect(servers.as_str())
+            .connect(servers)
             .await
             .map_err(|e| Error::Config(format!("cannot connect to NATS at {shown}: {}", scrub(&e.to_string(), url))))?;
         let mut js = jetstream::new(client);
@@ -213,7 +214,7 @@ mod tests {
     #[test]
     fn credentials_leave_the_url_and_are_decoded() {
         let (servers, creds) = split_credentials("nats://al%40ice:p%3Ass@h1:4222,nats://h2:4223").expect("parses");
-        assert_eq!(servers, "nats://h1:4222,nats://h2:4223");
+        assert_eq!(servers, ["nats://h1:4222", "nats://h2:4223"]);
         assert!(creds == Some(Credentials::UserPassword("al@ice".into(), "p:ss".into())), "user and password");
         let (_, creds) = split_credentials("nats://s3cr3t@h1:4222").expect("parses");
         assert!(creds == Some(Credentials::Token("s3cr3t".into())), "a lone user part is a token");
