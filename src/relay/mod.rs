@@ -7,6 +7,10 @@
 //! so per-aggregate order holds at the sink.
 
 mod message;
+#[cfg(feature = "nats")]
+mod nats;
+#[cfg(feature = "redis")]
+mod redis;
 mod stdout;
 mod webhook;
 
@@ -18,6 +22,10 @@ use futures::StreamExt;
 use serde::Serialize;
 
 pub use message::{DEFAULT_CLOUDEVENTS_SOURCE, Format, Message, Template, header};
+#[cfg(feature = "nats")]
+pub use nats::NatsSink;
+#[cfg(feature = "redis")]
+pub use redis::RedisSink;
 pub use stdout::StdoutSink;
 pub use webhook::{DEFAULT_WEBHOOK_TIMEOUT, WebhookSecret, WebhookSink, redact_url};
 
@@ -149,8 +157,95 @@ pub async fn open_sink(spec: &str, opts: &SinkOptions) -> Result<(Box<dyn Sink>,
             let name = format!("webhook {}", hook.display_url());
             Ok((Box::new(hook), name))
         }
-        _ => Err(crate::Error::Config(format!("unsupported sink '{spec}': expected one of {SINK_SCHEMES}"))),
+        "nats" => {
+            #[cfg(feature = "nats")]
+            {
+                let sink = NatsSink::connect(spec, opts).await?;
+                let name = format!("NATS JetStream {}", sink.display_url());
+                Ok((Box::new(sink), name))
+            }
+            #[cfg(not(feature = "nats"))]
+            Err(missing_feature("nats"))
+        }
+        "redis" | "rediss" => {
+            #[cfg(feature = "redis")]
+            {
+                let sink = RedisSink::connect(spec, opts).await?;
+                let name = format!("Redis Streams {}", sink.display_url());
+                Ok((Box::new(sink), name))
+            }
+            #[cfg(not(feature = "redis"))]
+            Err(missing_feature("redis"))
+        }
+        _ => Err(crate::Error::Config(format!(
+            "unsupported sink '{}': expected one of {SINK_SCHEMES}",
+            redact_spec(spec)
+        ))),
     }
+}
+
+/// The error for a sink scheme whose Cargo feature this build lacks.
+#[allow(dead_code)] // unused when every sink feature is on
+fn missing_feature(feature: &str) -> crate::Error {
+    crate::Error::Config(format!(
+        "this pg-outbox was built without the `{feature}` feature; rebuild with `--features {feature}` \
+         (it is in the default features)"
+    ))
+}
+
+/// `spec` without credentials, query string or fragment, for logs and
+/// messages: each comma-separated URL keeps its scheme, host, port and path
+/// (`nats://user:pw@h:4222` becomes `nats://h:4222`).
+pub(crate) fn redact_spec(spec: &str) -> String {
+    spec.split(',')
+        .map(|part| {
+            let part = part.trim();
+            let (scheme, rest) = match part.split_once("://") {
+                Some((s, r)) => (format!("{s}://"), r),
+                None => (String::new(), part),
+            };
+            let end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
+            let (authority, tail) = rest.split_at(end);
+            let host = authority.rsplit_once('@').map_or(authority, |(_, h)| h);
+            let tail = match tail.find(['?', '#']) {
+                Some(i) => format!("{}?…", &tail[..i]),
+                None => tail.to_string(),
+            };
+            format!("{scheme}{host}{tail}")
+        })
+        .collect::<Vec<_>>()
+        .join(",")
+}
+
+/// `text` with every secret of `spec` (the password of each URL, or the
+/// user part when it has no password: a token; as written and
+/// percent-decoded) replaced by `***`: for error messages of
+/// client libraries that might quote the URL.
+#[allow(dead_code)] // unused when no broker feature is on
+pub(crate) fn scrub(text: &str, spec: &str) -> String {
+    let mut secrets: Vec<String> = Vec::new();
+    for part in spec.split(',') {
+        let rest = part.trim().split_once("://").map_or(part, |(_, r)| r);
+        let end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
+        if let Some((userinfo, _)) = rest[..end].rsplit_once('@') {
+            // `user:password` hides the password; a lone user part is a token.
+            let secret = userinfo.split_once(':').map_or(userinfo, |(_, p)| p);
+            if !secret.is_empty() {
+                secrets.push(secret.to_string());
+                let decoded = percent_encoding::percent_decode_str(secret).decode_utf8_lossy();
+                if decoded != secret {
+                    secrets.push(decoded.into_owned());
+                }
+            }
+        }
+    }
+    // Longest first, so a secret that contains another is replaced whole.
+    secrets.sort_by_key(|s| std::cmp::Reverse(s.len()));
+    let mut out = text.to_string();
+    for s in &secrets {
+        out = out.replace(s.as_str(), "***");
+    }
+    out
 }
 
 /// Counts of what a relay run did.
@@ -253,5 +348,21 @@ where
     match fatal {
         Some(f) => Err(crate::Error::Sink(Box::new(f))),
         None => Ok(stats),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn broker_urls_lose_credentials_in_names_and_messages() {
+        assert_eq!(redact_spec("nats://u:p%40ss@h1:4222,nats://tok@h2:4223"), "nats://h1:4222,nats://h2:4223");
+        assert_eq!(redact_spec("rediss://:secret@cache:6380/2?protocol=resp3"), "rediss://cache:6380/2?…");
+        assert_eq!(redact_spec("redis://127.0.0.1:6379"), "redis://127.0.0.1:6379");
+        let text = "auth failed for u with p%40ss (p@ss) and secret";
+        assert_eq!(scrub(text, "nats://u:p%40ss@h1:4222"), "auth failed for u with *** (***) and secret");
+        assert_eq!(scrub(text, "nats://secret@h1:4222"), "auth failed for u with p%40ss (p@ss) and ***");
+        assert_eq!(scrub(text, "redis://h:6379"), text);
     }
 }

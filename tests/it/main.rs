@@ -1,6 +1,8 @@
 //! Integration tests against a real PostgreSQL (see `support`).
 
 mod auto_traits;
+#[cfg(any(feature = "nats", feature = "redis"))]
+mod broker_relay;
 mod cli;
 mod consumer;
 mod contrib;
@@ -15,6 +17,10 @@ mod relay;
 mod relay_proc;
 mod retention;
 mod schema;
+#[cfg(feature = "nats")]
+mod sink_nats;
+#[cfg(feature = "redis")]
+mod sink_redis;
 mod status_detail;
 mod support;
 mod webhook_signing;

@@ -1,0 +1,277 @@
+//! Helpers for the broker sink tests: a real `pg-outbox relay` process, and
+//! events published with envelope metadata across several aggregates.
+
+use std::collections::BTreeMap;
+use std::process::{ExitStatus, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use serde_json::{Value, json};
+use tokio::io::{AsyncBufReadExt, BufReader};
+use tokio::process::{Child, Command};
+use tokio_postgres::Client;
+use uuid::Uuid;
+
+use pg_outbox::{NewEvent, Publisher};
+
+use crate::support::{self, TestDb};
+
+/// Liveness bound for anything the relay should do "soon".
+pub const LIVENESS: Duration = Duration::from_secs(30);
+
+/// A running `pg-outbox relay` child process; killed when dropped.
+pub struct RelayProc {
+    child: Child,
+    log: Arc<Mutex<String>>,
+}
+
+fn command(db: &TestDb, args: &[&str]) -> Command {
+    let mut cmd = Command::new(support::bin());
+    cmd.arg("relay")
+        .args(args)
+        .env("DATABASE_URL", db.url())
+        .env("RUST_LOG", "info,tokio_postgres=warn")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true);
+    cmd
+}
+
+impl RelayProc {
+    /// Start `pg-outbox relay args...` on `db` and wait until it says it
+    /// started (its sink is connected by then).
+    pub async fn start(db: &TestDb, args: &[&str]) -> RelayProc {
+        let mut child = command(db, args).spawn().unwrap_or_else(|e| panic!("cannot start {}: {e}", support::bin()));
+        let stderr = child.stderr.take().expect("stderr is piped");
+        let log = Arc::new(Mutex::new(String::new()));
+        let sink = log.clone();
+        tokio::spawn(async move {
+            let mut lines = BufReader::new(stderr).lines();
+            while let Ok(Some(line)) = lines.next_line().await {
+                let mut s = sink.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+                s.push_str(&line);
+                s.push('\n');
+            }
+        });
+        let mut relay = RelayProc { child, log };
+        let deadline = tokio::time::Instant::now() + LIVENESS;
+        while !relay.log().contains("relay started") {
+            if let Some(status) = relay.child.try_wait().expect("poll the relay process") {
+                tokio::time::sleep(Duration::from_millis(200)).await;
+                panic!("relay exited before starting ({status}); stderr:\n{}", relay.log());
+            }
+            assert!(tokio::time::Instant::now() < deadline, "relay did not start in {LIVENESS:?}:\n{}", relay.log());
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        relay
+    }
+
+    /// Run `pg-outbox relay args...` on `db` expecting it to exit on its
+    /// own; returns its exit status and stderr.
+    pub async fn run_to_exit(db: &TestDb, args: &[&str]) -> (ExitStatus, String) {
+        let child = command(db, args).spawn().unwrap_or_else(|e| panic!("cannot start {}: {e}", support::bin()));
+        let out = tokio::time::timeout(LIVENESS, child.wait_with_output())
+            .await
+            .unwrap_or_else(|_| panic!("relay did not exit within {LIVENESS:?}"))
+            .expect("wait for the relay");
+        (out.status, String::from_utf8_lossy(&out.stderr).into_owned())
+    }
+
+    /// What the relay wrote on stderr so far.
+    pub fn log(&self) -> String {
+        self.log.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone()
+    }
+
+    /// `kill -9` the relay and reap it.
+    pub async fn kill9(&mut self) {
+        let pid = self.child.id().expect("the relay is still running");
+        let pid = libc::pid_t::try_from(pid).expect("pid fits pid_t");
+        // SAFETY: kill(2) on a child we spawned and have not reaped.
+        let rc = unsafe { libc::kill(pid, libc::SIGKILL) };
+        assert_eq!(rc, 0, "kill(SIGKILL) failed: {}", std::io::Error::last_os_error());
+        tokio::time::timeout(LIVENESS, self.child.wait())
+            .await
+            .expect("the relay dies after SIGKILL")
+            .expect("reap the relay");
+    }
+
+    /// SIGTERM the relay and wait for a clean exit.
+    pub async fn stop(mut self) {
+        let pid = self.child.id().expect("the relay is still running");
+        let pid = libc::pid_t::try_from(pid).expect("pid fits pid_t");
+        // SAFETY: kill(2) on a child we spawned and have not reaped.
+        let rc = unsafe { libc::kill(pid, libc::SIGTERM) };
+        assert_eq!(rc, 0, "kill(SIGTERM) failed: {}", std::io::Error::last_os_error());
+        let status = tokio::time::timeout(LIVENESS, self.child.wait())
+            .await
+            .unwrap_or_else(|_| panic!("relay did not exit after SIGTERM:\n{}", self.log()))
+            .expect("wait for the relay");
+        assert!(status.success(), "relay exits 0 on SIGTERM ({status}):\n{}", self.log());
+    }
+}
+
+/// One published event as the tests expect to find it at the broker.
+#[derive(Debug, Clone)]
+pub struct Sent {
+    pub aggregate_type: String,
+    pub aggregate_id: Uuid,
+    pub event_type: String,
+    pub payload: Value,
+    pub correlation_id: String,
+    pub causation_id: Option<String>,
+    pub traceparent: String,
+}
+
+/// Publish `per_aggregate` events for each of three aggregates (two of type
+/// `order`, one `invoice`), interleaved, each in its own transaction, with
+/// envelope metadata (`correlation_id`, `traceparent`, and `causation_id`
+/// on every other event); returns them by id.
+pub async fn publish_events(c: &Client, per_aggregate: usize) -> BTreeMap<i64, Sent> {
+    let aggs = [("order", Uuid::new_v4()), ("order", Uuid::new_v4()), ("invoice", Uuid::new_v4())];
+    let publisher = Publisher::new();
+    let mut out = BTreeMap::new();
+    for i in 0..per_aggregate {
+        for (k, (aggregate_type, aggregate_id)) in aggs.iter().enumerate() {
+            let event_type = if i % 2 == 0 { "Created" } else { "Updated" };
+            let correlation_id = format!("corr-{k}-{i}");
+            let causation_id = (i % 2 == 1).then(|| format!("cause-{k}-{i}"));
+            let traceparent = format!("00-{:032x}-{:016x}-01", (k * 1000 + i + 1) as u128, (i + 1) as u64);
+            let mut metadata = json!({"correlation_id": correlation_id, "traceparent": traceparent});
+            if let Some(c) = &causation_id {
+                metadata["causation_id"] = json!(c);
+            }
+            let payload = json!({"version": 1, "data": {"k": k, "i": i, "note": "ünïcödé"}, "metadata": metadata});
+            let event = NewEvent::new(*aggregate_type, *aggregate_id, event_type, payload.clone());
+            let id = publisher.publish(c, &event).await.expect("publish an event");
+            out.insert(
+                id,
+                Sent {
+                    aggregate_type: aggregate_type.to_string(),
+                    aggregate_id: *aggregate_id,
+                    event_type: event_type.to_string(),
+                    payload,
+                    correlation_id,
+                    causation_id,
+                    traceparent,
+                },
+            );
+        }
+    }
+    out
+}
+
+/// Rows with `published_at` set.
+pub async fn published_count(c: &Client) -> i64 {
+    c.query_one("SELECT count(*) FROM events.outbox WHERE published_at IS NOT NULL", &[])
+        .await
+        .expect("count published rows")
+        .get(0)
+}
+
+/// Wait until `n` rows are published.
+pub async fn wait_published(c: &Client, n: i64) {
+    support::eventually(LIVENESS.as_secs(), &format!("{n} events published"), || async {
+        published_count(c).await == n
+    })
+    .await;
+}
+
+/// Check that `ids` (in broker order) hold each expected id exactly once and
+/// keep every aggregate's events in id order.
+pub fn check_once_in_aggregate_order(ids: &[i64], sent: &BTreeMap<i64, Sent>) {
+    let mut seen = std::collections::BTreeSet::new();
+    for id in ids {
+        assert!(seen.insert(*id), "id {id} arrived more than once: {ids:?}");
+        assert!(sent.contains_key(id), "id {id} was not published by the test: {ids:?}");
+    }
+    assert_eq!(seen.len(), sent.len(), "every event arrived: got {ids:?}");
+    let mut last: BTreeMap<Uuid, i64> = BTreeMap::new();
+    for id in ids {
+        let agg = sent[id].aggregate_id;
+        if let Some(prev) = last.insert(agg, *id) {
+            assert!(prev < *id, "aggregate {agg}: id {id} arrived after {prev}: {ids:?}");
+        }
+    }
+}
+
+/// A broker server of the test's own (`nats-server`, `redis-server`) on a
+/// free port, so a test can stop and restart it without disturbing the
+/// shared one. Killed when dropped.
+pub struct PrivateServer {
+    program: std::path::PathBuf,
+    args: Vec<String>,
+    child: Option<Child>,
+    pub port: u16,
+    /// Data directory, kept across restarts (removed on drop).
+    _dir: tempfile::TempDir,
+}
+
+/// The path of `program` on PATH or in the usual sbin folders, if any.
+pub fn find_program(program: &str) -> Option<std::path::PathBuf> {
+    let path = std::env::var_os("PATH").unwrap_or_default();
+    std::env::split_paths(&path)
+        .chain(["/usr/sbin", "/usr/local/sbin", "/usr/local/bin"].map(std::path::PathBuf::from))
+        .map(|d| d.join(program))
+        .find(|p| p.is_file())
+}
+
+/// Whether `program` can be run; prints a SKIPPED line when it cannot
+/// (and fails under `PG_OUTBOX_REQUIRE_BROKERS=1`).
+pub fn program_available(program: &str) -> Option<std::path::PathBuf> {
+    let found = find_program(program);
+    if found.is_none() {
+        let required = std::env::var("PG_OUTBOX_REQUIRE_BROKERS").is_ok_and(|v| v == "1");
+        assert!(!required, "{program} is not installed and PG_OUTBOX_REQUIRE_BROKERS=1");
+        eprintln!("SKIPPED: {program} is not installed (Debian package of the same name)");
+    }
+    found
+}
+
+impl PrivateServer {
+    /// Start `program` with `args`, where `{port}` and `{dir}` are replaced
+    /// by a free port and a fresh data directory; waits until the port
+    /// accepts connections.
+    pub async fn start(program: std::path::PathBuf, args: &[&str]) -> PrivateServer {
+        let port =
+            std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).expect("find a free port").port();
+        let dir = tempfile::tempdir().expect("a data directory");
+        let args = args
+            .iter()
+            .map(|a| a.replace("{port}", &port.to_string()).replace("{dir}", &dir.path().display().to_string()))
+            .collect();
+        let mut s = PrivateServer { program, args, child: None, port, _dir: dir };
+        s.restart().await;
+        s
+    }
+
+    /// Start the server again (same port and data directory).
+    pub async fn restart(&mut self) {
+        assert!(self.child.is_none(), "the server is already running");
+        let child = Command::new(&self.program)
+            .args(&self.args)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .kill_on_drop(true)
+            .spawn()
+            .unwrap_or_else(|e| panic!("cannot start {}: {e}", self.program.display()));
+        self.child = Some(child);
+        let addr = format!("127.0.0.1:{}", self.port);
+        support::eventually(LIVENESS.as_secs(), &format!("{} accepts connections", self.program.display()), || {
+            let addr = addr.clone();
+            async move { tokio::net::TcpStream::connect(addr).await.is_ok() }
+        })
+        .await;
+    }
+
+    /// Stop the server (SIGTERM, so it saves its data) and wait for it.
+    pub async fn stop(&mut self) {
+        let mut child = self.child.take().expect("the server is running");
+        let pid = libc::pid_t::try_from(child.id().expect("running")).expect("pid fits pid_t");
+        // SAFETY: kill(2) on a child we spawned and have not reaped.
+        let rc = unsafe { libc::kill(pid, libc::SIGTERM) };
+        assert_eq!(rc, 0, "kill(SIGTERM) failed: {}", std::io::Error::last_os_error());
+        tokio::time::timeout(LIVENESS, child.wait()).await.expect("the server stops").expect("reap the server");
+    }
+}

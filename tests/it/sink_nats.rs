@@ -1,0 +1,329 @@
+//! The NATS JetStream sink through a real `pg-outbox relay` process and the
+//! NATS server on 127.0.0.1:4222: every event arrives once, in per-aggregate
+//! order, with its headers and body; a redelivery after a crash is dropped by
+//! the stream's duplicate window (`Nats-Msg-Id`); a subject that no stream
+//! captures fails events with a clear message.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use async_nats::jetstream::{self, consumer, stream};
+use futures::StreamExt;
+use serde_json::Value;
+
+use crate::broker_relay::{self, LIVENESS, RelayProc, Sent};
+use crate::support::{self, TestDb};
+
+const NATS: &str = "127.0.0.1:4222";
+const NATS_URL: &str = "nats://127.0.0.1:4222";
+
+/// A JetStream stream of its own for one test, on subjects `<prefix>.>`;
+/// deleted when dropped.
+struct TestStream {
+    js: jetstream::Context,
+    name: String,
+    prefix: String,
+}
+
+impl TestStream {
+    async fn create(tag: &str) -> TestStream {
+        let client = async_nats::connect(NATS).await.expect("connect to NATS");
+        let js = jetstream::new(client);
+        let unique = uuid::Uuid::new_v4().simple().to_string();
+        let name = format!("PGO_IT_{}_{}", tag.to_uppercase(), &unique[..12]);
+        let prefix = format!("pgo_it_{tag}_{}", &unique[..12]);
+        js.create_stream(stream::Config {
+            name: name.clone(),
+            subjects: vec![format!("{prefix}.>")],
+            storage: stream::StorageType::Memory,
+            // JetStream docs, "Message Deduplication": messages with a
+            // Nats-Msg-Id already seen within this window are dropped.
+            duplicate_window: Duration::from_secs(120),
+            max_age: Duration::from_secs(3600),
+            ..Default::default()
+        })
+        .await
+        .expect("create the test stream");
+        TestStream { js, name, prefix }
+    }
+
+    async fn count(&self) -> u64 {
+        let mut s = self.js.get_stream(&self.name).await.expect("get the test stream");
+        s.info().await.expect("stream info").state.messages
+    }
+
+    /// Every message of the stream, in stream order.
+    async fn messages(&self) -> Vec<async_nats::Message> {
+        let n = usize::try_from(self.count().await).expect("count fits usize");
+        let s = self.js.get_stream(&self.name).await.expect("get the test stream");
+        let c = s
+            .create_consumer(consumer::pull::Config {
+                deliver_policy: consumer::DeliverPolicy::All,
+                ack_policy: consumer::AckPolicy::None,
+                ..Default::default()
+            })
+            .await
+            .expect("create an ephemeral consumer");
+        let mut out = Vec::with_capacity(n);
+        while out.len() < n {
+            let mut batch = c
+                .fetch()
+                .max_messages(n - out.len())
+                .expires(Duration::from_secs(2))
+                .messages()
+                .await
+                .expect("fetch from the test stream");
+            let before = out.len();
+            while let Some(m) = batch.next().await {
+                out.push(m.expect("a stream message").message);
+            }
+            assert!(out.len() > before, "the stream says {n} messages but only {} could be read", out.len());
+        }
+        out
+    }
+}
+
+impl Drop for TestStream {
+    fn drop(&mut self) {
+        let js = self.js.clone();
+        let name = self.name.clone();
+        let _ = std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().ok()?;
+            rt.block_on(async move { js.delete_stream(&name).await.ok() })
+        })
+        .join();
+    }
+}
+
+fn header<'a>(m: &'a async_nats::Message, name: &str) -> Option<&'a str> {
+    m.headers.as_ref()?.get(name).map(|v| v.as_str())
+}
+
+/// Check one message against the event the test published.
+fn check_message(m: &async_nats::Message, prefix: &str, sent: &BTreeMap<i64, Sent>) -> i64 {
+    let id: i64 = header(m, "Nats-Msg-Id").and_then(|v| v.parse().ok()).expect("Nats-Msg-Id is the outbox id");
+    let e = sent.get(&id).unwrap_or_else(|| panic!("message for unknown id {id}"));
+    assert_eq!(m.subject.as_str(), format!("{prefix}.{}.{}", e.aggregate_type, e.event_type), "subject of {id}");
+    let id_text = id.to_string();
+    let agg_text = e.aggregate_id.to_string();
+    for (name, want) in [
+        ("id", Some(id_text.as_str())),
+        ("event_type", Some(e.event_type.as_str())),
+        ("aggregate_type", Some(e.aggregate_type.as_str())),
+        ("aggregate_id", Some(agg_text.as_str())),
+        ("Content-Type", Some("application/json")),
+        ("correlation_id", Some(e.correlation_id.as_str())),
+        ("causation_id", e.causation_id.as_deref()),
+        ("traceparent", Some(e.traceparent.as_str())),
+        ("tracestate", None),
+    ] {
+        assert_eq!(header(m, name), want, "header {name} of event {id}");
+    }
+    let occurred = header(m, "occurred_at").expect("occurred_at header");
+    chrono::DateTime::parse_from_rfc3339(occurred).expect("occurred_at is RFC 3339");
+    let body: Value = serde_json::from_slice(&m.payload).expect("the body is JSON");
+    assert_eq!(body["id"], id, "body id");
+    assert_eq!(body["aggregate_id"], agg_text.as_str());
+    assert_eq!(body["event_type"], e.event_type.as_str());
+    assert_eq!(body["payload"], e.payload, "body payload of {id}");
+    id
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nats_sink_delivers_once_in_order_and_the_duplicate_window_drops_redeliveries() {
+    if !support::broker_available("NATS", NATS).await {
+        return;
+    }
+    let stream = TestStream::create("deliver").await;
+    let db = TestDb::new("sink_nats_deliver").await;
+    let c = db.client().await;
+    let sent = broker_relay::publish_events(&c, 4).await;
+    let n = sent.len();
+    let subject = format!("{}.{{aggregate_type}}.{{event_type}}", stream.prefix);
+    let args = ["--sink", NATS_URL, "--nats-subject", &subject, "--sweep-interval", "200ms"];
+
+    // The crash window: hold row locks so the relay's acknowledgement
+    // UPDATE waits, let the broker store everything, then kill -9 the relay.
+    // (A plain SELECT fetches the rows; only the UPDATE needs the locks.)
+    let mut locker = db.client().await;
+    let tx = locker.transaction().await.expect("begin");
+    let locked = tx.query("SELECT id FROM events.outbox FOR UPDATE", &[]).await.expect("lock the rows");
+    assert_eq!(locked.len(), n);
+    let locker_pid: i32 = tx.query_one("SELECT pg_backend_pid()", &[]).await.expect("pid").get(0);
+    let mut relay = RelayProc::start(&db, &args).await;
+    support::eventually(LIVENESS.as_secs(), "the stream holds every event", || async {
+        stream.count().await == n as u64
+    })
+    .await;
+    assert_eq!(broker_relay::published_count(&c).await, 0, "acknowledgements wait for the row locks");
+    relay.kill9().await;
+    // The dead relay's backend still waits for the locks; end it so its
+    // UPDATE cannot run when the locks go (PostgreSQL has not noticed yet
+    // that its client is gone).
+    c.execute(
+        "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = current_database() \
+         AND pid <> pg_backend_pid() AND pid <> $1",
+        &[&locker_pid],
+    )
+    .await
+    .expect("terminate the dead relay's backends");
+    support::eventually(10, "the dead relay's backends are gone", || async {
+        let r = c
+            .query_one(
+                "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() \
+                 AND pid <> pg_backend_pid() AND pid <> $1 AND backend_type = 'client backend'",
+                &[&locker_pid],
+            )
+            .await
+            .expect("count backends");
+        r.get::<_, i64>(0) == 0
+    })
+    .await;
+    tx.rollback().await.expect("release the row locks");
+    assert_eq!(
+        broker_relay::published_count(&c).await,
+        0,
+        "the crash lost every acknowledgement: the broker has the events, the outbox does not know"
+    );
+
+    // The restarted relay delivers all of them again; the stream drops the
+    // copies (same Nats-Msg-Id inside the duplicate window).
+    let relay = RelayProc::start(&db, &args).await;
+    broker_relay::wait_published(&c, n as i64).await;
+    relay.stop().await;
+    assert_eq!(stream.count().await, n as u64, "the stream holds each event once after the redelivery");
+    let messages = stream.messages().await;
+    let ids: Vec<i64> = messages.iter().map(|m| check_message(m, &stream.prefix, &sent)).collect();
+    broker_relay::check_once_in_aggregate_order(&ids, &sent);
+    let failed: i64 = c
+        .query_one("SELECT count(*) FROM events.outbox WHERE retry_count > 0 OR last_error IS NOT NULL", &[])
+        .await
+        .expect("count failures")
+        .get(0);
+    assert_eq!(failed, 0, "no event failed");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nats_subject_without_a_stream_fails_events_with_a_clear_message() {
+    if !support::broker_available("NATS", NATS).await {
+        return;
+    }
+    let db = TestDb::new("sink_nats_no_stream").await;
+    let c = db.client().await;
+    let sent = broker_relay::publish_events(&c, 1).await;
+    let prefix = format!("pgo_it_nostream_{}", uuid::Uuid::new_v4().simple());
+    let subject = format!("{prefix}.{{aggregate_type}}");
+    let relay = RelayProc::start(
+        &db,
+        &["--sink", NATS_URL, "--nats-subject", &subject, "--sweep-interval", "200ms", "--retry-schedule", "1h"],
+    )
+    .await;
+    support::eventually(LIVENESS.as_secs(), "every event failed once", || async {
+        let r = c.query_one("SELECT count(*) FROM events.outbox WHERE retry_count >= 1", &[]).await.expect("count");
+        r.get::<_, i64>(0) == sent.len() as i64
+    })
+    .await;
+    relay.stop().await;
+    for (id, e) in &sent {
+        let r = c
+            .query_one("SELECT published_at IS NULL, retry_count, last_error FROM events.outbox WHERE id = $1", &[id])
+            .await
+            .expect("read the row");
+        let (unpublished, retries, last_error): (bool, i32, Option<String>) = (r.get(0), r.get(1), r.get(2));
+        assert!(unpublished, "event {id} is not published");
+        assert_eq!(retries, 1, "event {id} failed once (the next try is an hour away)");
+        let want = format!("no JetStream stream captures subject {prefix}.{}", e.aggregate_type);
+        let last_error = last_error.unwrap_or_default();
+        assert!(last_error.contains(&want), "last_error of {id} names the subject: {last_error}");
+    }
+    assert_eq!(broker_relay::published_count(&c).await, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nats_unreachable_at_start_is_a_clear_error() {
+    let db = TestDb::new("sink_nats_unreachable").await;
+    let (status, stderr) =
+        RelayProc::run_to_exit(&db, &["--sink", "nats://user:hunter2@127.0.0.1:1", "--sink-timeout", "2s"]).await;
+    assert!(!status.success(), "relay exits non-zero: {status}");
+    assert!(stderr.contains("cannot connect to NATS at nats://127.0.0.1:1"), "clear error:\n{stderr}");
+    assert!(!stderr.contains("hunter2"), "the password is not shown:\n{stderr}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nats_server_lost_mid_run_fails_events_until_the_client_reconnects() {
+    let Some(program) = broker_relay::program_available("nats-server") else { return };
+    let mut server = broker_relay::PrivateServer::start(
+        program,
+        &["-a", "127.0.0.1", "-p", "{port}", "-js", "-sd", "{dir}", "--http_port", "0"],
+    )
+    .await;
+    let url = format!("nats://127.0.0.1:{}", server.port);
+    let js = jetstream::new(async_nats::connect(url.as_str()).await.expect("connect to the private NATS"));
+    let mut created = false;
+    for _ in 0..50 {
+        // JetStream may need a moment after the port opens.
+        let config = stream::Config {
+            name: "OUTBOX".into(),
+            subjects: vec!["events.>".into()],
+            storage: stream::StorageType::File,
+            duplicate_window: Duration::from_secs(120),
+            ..Default::default()
+        };
+        if js.create_stream(config).await.is_ok() {
+            created = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(created, "create a file-backed stream on the private server");
+    drop(js);
+
+    let db = TestDb::new("sink_nats_reconnect").await;
+    let c = db.client().await;
+    let relay = RelayProc::start(
+        &db,
+        &["--sink", &url, "--sink-timeout", "1s", "--retry-schedule", "300ms", "--sweep-interval", "200ms"],
+    )
+    .await;
+    let mut sent = broker_relay::publish_events(&c, 1).await;
+    broker_relay::wait_published(&c, sent.len() as i64).await;
+
+    server.stop().await;
+    let later = broker_relay::publish_events(&c, 2).await;
+    support::eventually(LIVENESS.as_secs(), "events fail while the server is gone", || async {
+        let r = c
+            .query_one("SELECT count(*) FROM events.outbox WHERE retry_count >= 1 AND last_error LIKE '%NATS%'", &[])
+            .await
+            .expect("count failures");
+        r.get::<_, i64>(0) >= 1
+    })
+    .await;
+    assert_eq!(broker_relay::published_count(&c).await, sent.len() as i64, "nothing is acknowledged meanwhile");
+
+    server.restart().await;
+    sent.extend(later);
+    broker_relay::wait_published(&c, sent.len() as i64).await;
+    let log = relay.log();
+    relay.stop().await;
+    assert!(log.contains("NATS disconnected"), "the loss is logged:\n{log}");
+    let js = jetstream::new(async_nats::connect(url.as_str()).await.expect("connect to the private NATS"));
+    let s = js.get_stream("OUTBOX").await.expect("the stream survived the restart");
+    let c2 = s
+        .create_consumer(consumer::pull::Config { ack_policy: consumer::AckPolicy::None, ..Default::default() })
+        .await
+        .expect("create a consumer");
+    let n = sent.len();
+    let mut batch = c2
+        .fetch()
+        .max_messages(n + 10)
+        .expires(Duration::from_secs(2))
+        .messages()
+        .await
+        .expect("fetch from the stream");
+    let mut ids = Vec::new();
+    while let Some(m) = batch.next().await {
+        let m = m.expect("a stream message").message;
+        ids.push(check_message(&m, "events", &sent));
+    }
+    broker_relay::check_once_in_aggregate_order(&ids, &sent);
+}
