@@ -6,6 +6,10 @@
 //! threshold). Deliveries are handed over one after another, in id order,
 //! so per-aggregate order holds at the sink.
 
+#[cfg(feature = "amqp")]
+mod amqp;
+#[cfg(feature = "kafka")]
+mod kafka;
 mod message;
 mod stdout;
 mod webhook;
@@ -17,6 +21,10 @@ use std::time::{Duration, Instant};
 use futures::StreamExt;
 use serde::Serialize;
 
+#[cfg(feature = "amqp")]
+pub use amqp::{AMQP_APP_ID, AmqpSink};
+#[cfg(feature = "kafka")]
+pub use kafka::{DEFAULT_KAFKA_PORT, KafkaSink, parse_kafka_url};
 pub use message::{DEFAULT_CLOUDEVENTS_SOURCE, Format, Message, Template, header};
 pub use stdout::StdoutSink;
 pub use webhook::{DEFAULT_WEBHOOK_TIMEOUT, WebhookSink, redact_url};
@@ -149,8 +157,32 @@ pub async fn open_sink(spec: &str, opts: &SinkOptions) -> Result<(Box<dyn Sink>,
             let name = format!("webhook {}", hook.display_url());
             Ok((Box::new(hook), name))
         }
+        #[cfg(feature = "amqp")]
+        "amqp" | "amqps" => {
+            let sink = AmqpSink::connect(spec, opts).await?;
+            let name = sink.describe();
+            Ok((Box::new(sink), name))
+        }
+        #[cfg(not(feature = "amqp"))]
+        "amqp" | "amqps" => Err(missing_feature("amqp")),
+        #[cfg(feature = "kafka")]
+        "kafka" => {
+            let sink = KafkaSink::connect(spec, opts).await?;
+            let name = sink.describe();
+            Ok((Box::new(sink), name))
+        }
+        #[cfg(not(feature = "kafka"))]
+        "kafka" => Err(missing_feature("kafka")),
         _ => Err(crate::Error::Config(format!("unsupported sink '{spec}': expected one of {SINK_SCHEMES}"))),
     }
+}
+
+/// The error for a sink scheme whose Cargo feature this build lacks.
+#[allow(dead_code)] // unused when every sink feature is on
+fn missing_feature(feature: &str) -> crate::Error {
+    crate::Error::Config(format!(
+        "this pg-outbox was built without the `{feature}` feature; rebuild with `--features {feature}` (it is in the default features)"
+    ))
 }
 
 /// Counts of what a relay run did.

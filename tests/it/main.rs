@@ -11,4 +11,9 @@ mod order;
 mod relay;
 mod retention;
 mod schema;
+#[cfg(feature = "amqp")]
+mod sink_amqp;
+#[cfg(feature = "kafka")]
+mod sink_kafka;
+mod sink_relay;
 mod support;
