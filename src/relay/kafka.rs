@@ -35,8 +35,8 @@ const REPORT_MARGIN: Duration = Duration::from_secs(5);
 /// the delivery report says the partition leader wrote the message with all
 /// in-sync replicas (`acks=all`); it fails when the report is an error or
 /// does not arrive within the timeout (`message.timeout.ms`), e.g. while the
-/// broker is down. A producer that hit a fatal idempotence error is
-/// replaced on the next delivery.
+/// broker is down. After a failed delivery, or a fatal idempotence error,
+/// the producer is replaced by a new one (with a new producer id).
 pub struct KafkaSink {
     config: ClientConfig,
     brokers: String,
@@ -84,7 +84,9 @@ pub fn parse_kafka_url(url: &str) -> Result<String> {
     for part in rest.split(',') {
         let part = part.trim();
         if part.is_empty() {
-            return Err(Error::Config(format!("Kafka URL '{url}' has an empty host; write kafka://HOST:PORT[,HOST:PORT]")));
+            return Err(Error::Config(format!(
+                "Kafka URL '{url}' has an empty host; write kafka://HOST:PORT[,HOST:PORT]"
+            )));
         }
         // A bracketed IPv6 address keeps its colons: [::1]:9092.
         let (host, port) = match part.rsplit_once(':') {
@@ -166,9 +168,9 @@ impl KafkaSink {
     }
 
     fn create(config: &ClientConfig, brokers: &str) -> Result<FutureProducer> {
-        config
-            .create()
-            .map_err(|e| Error::Config(format!("cannot create a Kafka producer for {brokers}: {}", crate::error::report(&e))))
+        config.create().map_err(|e| {
+            Error::Config(format!("cannot create a Kafka producer for {brokers}: {}", crate::error::report(&e)))
+        })
     }
 
     /// Where the sink produces, for logs: the bootstrap servers.
@@ -184,9 +186,32 @@ impl KafkaSink {
         if let Some((code, reason)) = current.client().fatal_error() {
             tracing::warn!(brokers = %self.brokers, %code, %reason, "Kafka producer hit a fatal error; creating a new one");
             let fresh = Self::create(&self.config, &self.brokers).map_err(|e| e.to_string())?;
-            *current = Arc::new(fresh);
+            let old = std::mem::replace(&mut *current, Arc::new(fresh));
+            // Destroying a librdkafka handle joins its threads: off the runtime.
+            tokio::task::spawn_blocking(move || drop(old));
         }
         Ok(current.clone())
+    }
+
+    /// Replace `used` (if it is still the current producer) after a failed
+    /// delivery. Nothing else is in flight then (the relay waits for each
+    /// report), so nothing is lost; the new producer gets a new producer id.
+    /// That also recovers from a broker that forgot the old id (it answers
+    /// UNKNOWN_PRODUCER_ID forever, e.g. after losing its state).
+    fn renew(&self, used: &Arc<FutureProducer>) {
+        let mut current = self.producer.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        if !Arc::ptr_eq(&current, used) {
+            return;
+        }
+        match Self::create(&self.config, &self.brokers) {
+            Ok(fresh) => {
+                let old = std::mem::replace(&mut *current, Arc::new(fresh));
+                tokio::task::spawn_blocking(move || drop(old));
+            }
+            Err(e) => {
+                tracing::warn!(brokers = %self.brokers, error = %e, "cannot create a new Kafka producer; keeping the old one")
+            }
+        }
     }
 
     async fn produce(&self, event: &Event) -> Result<(), String> {
@@ -202,20 +227,24 @@ impl KafkaSink {
         let report = producer
             .send_result(record)
             .map_err(|(e, _)| format!("Kafka producer refused the message for topic '{topic}': {e}"))?;
-        match tokio::time::timeout(self.timeout + REPORT_MARGIN, report).await {
-            Ok(Ok(Ok(_delivery))) => Ok(()),
-            Ok(Ok(Err((e, _)))) => Err(format!(
+        let failure = match tokio::time::timeout(self.timeout + REPORT_MARGIN, report).await {
+            Ok(Ok(Ok(_delivery))) => return Ok(()),
+            Ok(Ok(Err((e, _)))) => format!(
                 "Kafka at {} did not take the message for topic '{topic}': {}",
                 self.brokers,
                 crate::error::report(&e)
-            )),
-            Ok(Err(_canceled)) => Err(format!("Kafka producer for {} dropped the message for topic '{topic}'", self.brokers)),
-            Err(_) => Err(format!(
+            ),
+            Ok(Err(_canceled)) => {
+                format!("Kafka producer for {} dropped the message for topic '{topic}'", self.brokers)
+            }
+            Err(_) => format!(
                 "no delivery report from Kafka at {} for topic '{topic}' within {:?}",
                 self.brokers,
                 self.timeout + REPORT_MARGIN
-            )),
-        }
+            ),
+        };
+        self.renew(&producer);
+        Err(failure)
     }
 }
 
@@ -234,7 +263,9 @@ mod tests {
         assert_eq!(parse_kafka_url("kafka://k1:9093").expect("one host"), "k1:9093");
         assert_eq!(parse_kafka_url("kafka://k1,k2:9094/").expect("two hosts"), "k1:9092,k2:9094");
         assert_eq!(parse_kafka_url("KAFKA://[::1]:9092").expect("ipv6"), "[::1]:9092");
-        for bad in ["kafka://", "kafka://a,,b", "kafka://a:0", "kafka://a:x", "kafka://u:p@a", "kafka://a/t", "http://a"] {
+        for bad in
+            ["kafka://", "kafka://a,,b", "kafka://a:0", "kafka://a:x", "kafka://u:p@a", "kafka://a/t", "http://a"]
+        {
             assert!(parse_kafka_url(bad).is_err(), "{bad} must be refused");
         }
     }

@@ -55,7 +55,8 @@ async fn amqp_sink_publishes_every_event_persistent_with_id_headers_and_order() 
     let prefix = format!("pgo-test-{}", Uuid::new_v4().simple());
     let (conn, ch, queue) = bound_queue(&prefix).await;
     let rk = format!("{prefix}.{{aggregate_type}}.{{event_type}}");
-    let mut relay = RelayProc::start(&db, &["--sink", URL, "--amqp-routing-key", &rk, "--sweep-interval", "200ms"]).await;
+    let mut relay =
+        RelayProc::start(&db, &["--sink", URL, "--amqp-routing-key", &rk, "--sweep-interval", "200ms"]).await;
     assert!(!relay.log().contains("guest:guest"), "the log shows credentials:\n{}", relay.log());
 
     let aggs = [Uuid::new_v4(), Uuid::new_v4(), Uuid::new_v4()];
@@ -71,11 +72,14 @@ async fn amqp_sink_publishes_every_event_persistent_with_id_headers_and_order() 
     while got.len() < sent.len() {
         let delivery = tokio::time::timeout(LIVENESS, consumer.next())
             .await
-            .unwrap_or_else(|_| panic!("only {} of {} messages within {LIVENESS:?}; relay:\n{}", got.len(), sent.len(), relay.log()))
+            .unwrap_or_else(|_| {
+                panic!("only {} of {} messages within {LIVENESS:?}; relay:\n{}", got.len(), sent.len(), relay.log())
+            })
             .expect("consumer stream ended")
             .expect("delivery");
         let p = &delivery.properties;
-        let id: i64 = p.message_id().as_ref().expect("message_id is set").as_str().parse().expect("message_id is the id");
+        let id: i64 =
+            p.message_id().as_ref().expect("message_id is set").as_str().parse().expect("message_id is the id");
         let agg = *agg_of.get(&id).unwrap_or_else(|| panic!("unknown message_id {id}"));
         assert_eq!(delivery.routing_key.as_str(), format!("{prefix}.invoice.InvoiceIssued"));
         assert_eq!(p.delivery_mode(), &Some(2), "persistent");

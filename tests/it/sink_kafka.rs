@@ -116,8 +116,10 @@ impl Tansu {
         format!("kafka://{}", self.addr())
     }
 
-    /// Create `topic` with [`PARTITIONS`] partitions.
-    async fn create_topic(&self, topic: &str) {
+    /// Create `topic` with [`PARTITIONS`] partitions. With `may_exist`, a
+    /// topic that is already there (tansu auto-creates topics a producer
+    /// asks for) is fine.
+    async fn create_topic(&self, topic: &str, may_exist: bool) {
         let admin: AdminClient<DefaultClientContext> =
             ClientConfig::new().set("bootstrap.servers", self.addr()).create().expect("admin client");
         let opts = AdminOptions::new().operation_timeout(Some(Duration::from_secs(10)));
@@ -126,7 +128,11 @@ impl Tansu {
             .await
             .expect("create_topics request");
         for r in res {
-            r.unwrap_or_else(|(t, e)| panic!("create topic {t}: {e}"));
+            match r {
+                Ok(_) => {}
+                Err((_, rdkafka::types::RDKafkaErrorCode::TopicAlreadyExists)) if may_exist => {}
+                Err((t, e)) => panic!("create topic {t}: {e}"),
+            }
         }
     }
 
@@ -192,7 +198,7 @@ async fn kafka_sink_keys_by_aggregate_with_headers_and_keeps_per_aggregate_order
     let Some(bin) = tansu_bin() else { return };
     let tansu = Tansu::start(bin).await;
     let topic = format!("pgo-test-{}", Uuid::new_v4().simple());
-    tansu.create_topic(&topic).await;
+    tansu.create_topic(&topic, false).await;
     let db = TestDb::new("sink_kafka").await;
     let c = db.client().await;
     let url = tansu.url();
@@ -247,7 +253,7 @@ async fn kafka_broker_down_fails_events_for_retry_and_they_arrive_after_it_retur
     let Some(bin) = tansu_bin() else { return };
     let mut tansu = Tansu::start(bin).await;
     let topic = format!("pgo-test-{}", Uuid::new_v4().simple());
-    tansu.create_topic(&topic).await;
+    tansu.create_topic(&topic, false).await;
     let db = TestDb::new("sink_kafka_down").await;
     let c = db.client().await;
     let url = tansu.url();
@@ -294,7 +300,7 @@ async fn kafka_broker_down_fails_events_for_retry_and_they_arrive_after_it_retur
 
     // The broker returns (empty: in-memory storage) and the topic is back.
     tansu.restart().await;
-    tansu.create_topic(&topic).await;
+    tansu.create_topic(&topic, true).await;
     support::eventually(60, "all 8 rows published after the broker returned", || async {
         sink_relay::published_count(&c).await == 8
     })

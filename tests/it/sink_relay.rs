@@ -107,7 +107,10 @@ impl RelayProc {
 
 /// Metadata every event of [`publish_events`] carries in its envelope.
 pub fn metadata(i: usize) -> (String, String) {
-    (format!("corr-{i}"), format!("00-{:032x}-{:016x}-01", 0x0af7_6519_16cd_43dd_u128 + i as u128, 0xb7ad_6b71_u64 + i as u64))
+    (
+        format!("corr-{i}"),
+        format!("00-{:032x}-{:016x}-01", 0x0af7_6519_16cd_43dd_u128 + i as u128, 0xb7ad_6b71_u64 + i as u64),
+    )
 }
 
 /// Publish `n` events with the library's publisher, round-robin over
