@@ -169,3 +169,121 @@ async fn amqp_missing_exchange_or_bad_login_is_refused_at_start_without_showing_
     assert!(log.contains("127.0.0.1:5672") && log.contains("vhost '/'"), "the error names the broker:\n{log}");
     assert!(!log.contains(secret), "the password shows:\n{log}");
 }
+
+/// A TCP proxy to RabbitMQ that the test can cut: `cut()` closes every
+/// proxied connection and refuses new ones until `restore()`.
+struct CuttableProxy {
+    port: u16,
+    up: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    cut: tokio::sync::watch::Sender<u64>,
+}
+
+impl CuttableProxy {
+    async fn start() -> CuttableProxy {
+        use std::sync::atomic::Ordering;
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind the proxy");
+        let port = listener.local_addr().expect("proxy address").port();
+        let up = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(true));
+        let (cut, _) = tokio::sync::watch::channel(0u64);
+        let (up2, cut2) = (up.clone(), cut.clone());
+        tokio::spawn(async move {
+            while let Ok((mut client, _)) = listener.accept().await {
+                if !up2.load(Ordering::SeqCst) {
+                    drop(client);
+                    continue;
+                }
+                let mut cut_rx = cut2.subscribe();
+                tokio::spawn(async move {
+                    let Ok(mut server) = tokio::net::TcpStream::connect(BROKER).await else { return };
+                    tokio::select! {
+                        _ = tokio::io::copy_bidirectional(&mut client, &mut server) => {}
+                        _ = cut_rx.changed() => {}
+                    }
+                });
+            }
+        });
+        CuttableProxy { port, up, cut }
+    }
+
+    fn url(&self) -> String {
+        format!("amqp://guest:guest@127.0.0.1:{}/%2f", self.port)
+    }
+
+    fn cut(&self) {
+        self.up.store(false, std::sync::atomic::Ordering::SeqCst);
+        self.cut.send_modify(|n| *n += 1);
+    }
+
+    fn restore(&self) {
+        self.up.store(true, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn amqp_connection_lost_mid_run_fails_events_then_the_sink_reconnects() {
+    if !support::broker_available("RabbitMQ", BROKER).await {
+        return;
+    }
+    let db = TestDb::new("sink_amqp_lost").await;
+    let c = db.client().await;
+    let prefix = format!("pgo-test-{}", Uuid::new_v4().simple());
+    let (conn, ch, queue) = bound_queue(&prefix).await;
+    let proxy = CuttableProxy::start().await;
+    let rk = format!("{prefix}.{{event_type}}");
+    let url = proxy.url();
+    let mut relay = RelayProc::start(
+        &db,
+        &[
+            "--sink",
+            &url,
+            "--amqp-routing-key",
+            &rk,
+            "--retry-schedule",
+            "300ms",
+            "--sink-timeout",
+            "2s",
+            "--sweep-interval",
+            "200ms",
+        ],
+    )
+    .await;
+    let mut consumer = ch
+        .basic_consume(queue.as_str().into(), "pgo-test".into(), BasicConsumeOptions::default(), FieldTable::default())
+        .await
+        .expect("consume the test queue");
+    let mut next_id = async || -> i64 {
+        let d = tokio::time::timeout(LIVENESS, consumer.next())
+            .await
+            .expect("a message within the liveness bound")
+            .expect("consumer stream ended")
+            .expect("delivery");
+        d.ack(BasicAckOptions::default()).await.expect("ack");
+        d.properties.message_id().as_ref().expect("message_id").as_str().parse().expect("numeric message_id")
+    };
+
+    let first = support::insert_seed_events(&c, Uuid::new_v4(), 1).await[0];
+    assert_eq!(next_id().await, first);
+
+    proxy.cut();
+    let during = support::insert_seed_events(&c, Uuid::new_v4(), 1).await[0];
+    support::eventually(30, "the event to fail while the connection is down", || async {
+        sink_relay::row_state(&c, during).await.1 >= 2
+    })
+    .await;
+    let (published, _, last_error) = sink_relay::row_state(&c, during).await;
+    assert!(!published, "nothing is published while the connection is down");
+    let last_error = last_error.expect("last_error is set");
+    assert!(last_error.contains("RabbitMQ"), "{last_error}");
+    assert!(!last_error.contains("guest:guest"), "{last_error}");
+
+    proxy.restore();
+    support::eventually(30, "the event published after the connection returned", || async {
+        sink_relay::row_state(&c, during).await.0
+    })
+    .await;
+    assert_eq!(next_id().await, during, "the event arrived after the reconnect");
+    assert!(relay.log().contains("connected to RabbitMQ"), "the reconnect is logged:\n{}", relay.log());
+    relay.stop_cleanly().await;
+    ch.queue_delete(queue.as_str().into(), QueueDeleteOptions::default()).await.expect("delete the test queue");
+    let _ = conn.close(200, "done".into()).await;
+}

@@ -316,3 +316,25 @@ async fn kafka_broker_down_fails_events_for_retry_and_they_arrive_after_it_retur
     relay.stop_cleanly().await;
     tansu.kill().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kafka_unreachable_or_malformed_url_is_refused_at_start() {
+    let db = TestDb::new("sink_kafka_refused").await;
+    // Nothing listens on a port that was free a moment ago.
+    let url = format!("kafka://127.0.0.1:{}", sink_relay::free_port());
+    let mut relay = RelayProc::spawn(&db, &["--sink", &url, "--sink-timeout", "2s"]);
+    let status = relay.wait().await;
+    let log = relay.log();
+    assert!(!status.success(), "an unreachable Kafka must stop the relay; stderr:\n{log}");
+    assert!(log.contains("cannot reach Kafka at 127.0.0.1:"), "{log}");
+    assert!(!log.contains("relay started"), "{log}");
+
+    for (bad, says) in [("kafka://k1:notaport", "port"), ("kafka://user:s3cret@k1:9092", "SASL/TLS")] {
+        let mut relay = RelayProc::spawn(&db, &["--sink", bad]);
+        let status = relay.wait().await;
+        let log = relay.log();
+        assert!(!status.success(), "{bad} must be refused; stderr:\n{log}");
+        assert!(log.contains(says), "{bad}: the error says {says}:\n{log}");
+        assert!(!log.contains("s3cret"), "the password shows:\n{log}");
+    }
+}
