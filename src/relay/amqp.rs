@@ -74,8 +74,13 @@ impl Link {
 
     /// Close in the background, without waiting (the link may be dead).
     fn discard(self) {
+        Self::discard_conn(self.conn);
+    }
+
+    /// Close `conn` in the background, giving it 2 s.
+    fn discard_conn(conn: Connection) {
         tokio::spawn(async move {
-            let _ = tokio::time::timeout(Duration::from_secs(2), self.conn.close(200, "reconnecting".into())).await;
+            let _ = tokio::time::timeout(Duration::from_secs(2), conn.close(200, "pg-outbox closing".into())).await;
         });
     }
 }
@@ -110,8 +115,9 @@ impl AmqpSink {
     /// exist.
     pub async fn connect(url: &str, opts: &SinkOptions) -> Result<Self> {
         let uri: AMQPUri = url.parse().map_err(|e: String| {
-            // The parser's message does not echo the URL, so no password leaks.
-            Error::Config(format!("invalid RabbitMQ URL: {e}"))
+            // Some parser messages quote the URL, password included: cut it out.
+            let e = e.replace(url, "…");
+            Error::Config(format!("invalid RabbitMQ URL ({e}); write amqp://USER:PASS@HOST:PORT/VHOST"))
         })?;
         if opts.amqp_exchange.len() > SHORTSTR_MAX {
             return Err(Error::Config(format!(
@@ -136,44 +142,33 @@ impl AmqpSink {
             .map_err(Error::Config)?;
         // The default exchange ("") always exists and cannot be declared.
         if !sink.exchange.is_empty() {
+            // A passive declare only checks; a missing exchange closes the
+            // channel with 404 NOT_FOUND.
             let check = link.channel.exchange_declare(
                 sink.exchange.as_str().into(),
                 ExchangeKind::Topic,
                 ExchangeDeclareOptions { passive: true, ..ExchangeDeclareOptions::default() },
                 FieldTable::default(),
             );
-            match tokio::time::timeout(sink.timeout, check).await {
-                Ok(Ok(())) => {}
-                Ok(Err(e)) => {
-                    link.discard();
-                    return Err(Error::Config(format!(
-                        "RabbitMQ exchange '{}' on {}: {} (declare it first, or pick another with --amqp-exchange)",
-                        sink.exchange,
-                        sink.shown,
-                        report(&e)
-                    )));
-                }
-                Err(_) => {
-                    link.discard();
-                    return Err(Error::Config(format!(
-                        "RabbitMQ at {} did not confirm that exchange '{}' exists within {:?}",
-                        sink.shown, sink.exchange, sink.timeout
-                    )));
-                }
+            let problem = match tokio::time::timeout(sink.timeout, check).await {
+                Ok(Ok(())) => None,
+                Ok(Err(e)) => Some(format!(
+                    "RabbitMQ exchange '{}' on {}: {} (declare it first, or pick another with --amqp-exchange)",
+                    sink.exchange,
+                    sink.shown,
+                    report(&e)
+                )),
+                Err(_) => Some(format!(
+                    "RabbitMQ at {} did not confirm that exchange '{}' exists within {:?}",
+                    sink.shown, sink.exchange, sink.timeout
+                )),
+            };
+            if let Some(problem) = problem {
+                link.discard();
+                return Err(Error::Config(problem));
             }
-            // A failed passive declare closes the channel; a successful one
-            // leaves it open, but use a fresh one for publishing anyway.
-            link.discard();
-            let link = tokio::time::timeout(sink.timeout, sink.open())
-                .await
-                .map_err(|_| {
-                    Error::Config(format!("RabbitMQ at {} did not answer within {:?}", sink.shown, sink.timeout))
-                })?
-                .map_err(Error::Config)?;
-            *sink.link.lock().await = Some(link);
-        } else {
-            *sink.link.lock().await = Some(link);
         }
+        *sink.link.lock().await = Some(link);
         Ok(sink)
     }
 
@@ -276,14 +271,6 @@ impl AmqpSink {
                 Err(format!("no confirm from RabbitMQ at {}: {}", self.shown, report(&e)))
             }
         }
-    }
-}
-
-impl Link {
-    fn discard_conn(conn: Connection) {
-        tokio::spawn(async move {
-            let _ = tokio::time::timeout(Duration::from_secs(2), conn.close(200, "giving up".into())).await;
-        });
     }
 }
 
