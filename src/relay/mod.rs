@@ -6,6 +6,10 @@
 //! threshold). Deliveries are handed over one after another, in id order,
 //! so per-aggregate order holds at the sink.
 
+#[cfg(feature = "amqp")]
+mod amqp;
+#[cfg(feature = "kafka")]
+mod kafka;
 mod message;
 #[cfg(feature = "nats")]
 mod nats;
@@ -21,6 +25,10 @@ use std::time::{Duration, Instant};
 use futures::StreamExt;
 use serde::Serialize;
 
+#[cfg(feature = "amqp")]
+pub use amqp::{AMQP_APP_ID, AmqpSink};
+#[cfg(feature = "kafka")]
+pub use kafka::{DEFAULT_KAFKA_PORT, KafkaSink, parse_kafka_url};
 pub use message::{DEFAULT_CLOUDEVENTS_SOURCE, Format, Message, Template, header};
 #[cfg(feature = "nats")]
 pub use nats::NatsSink;
@@ -177,6 +185,22 @@ pub async fn open_sink(spec: &str, opts: &SinkOptions) -> Result<(Box<dyn Sink>,
             #[cfg(not(feature = "redis"))]
             Err(missing_feature("redis"))
         }
+        #[cfg(feature = "amqp")]
+        "amqp" | "amqps" => {
+            let sink = AmqpSink::connect(spec, opts).await?;
+            let name = sink.describe();
+            Ok((Box::new(sink), name))
+        }
+        #[cfg(not(feature = "amqp"))]
+        "amqp" | "amqps" => Err(missing_feature("amqp")),
+        #[cfg(feature = "kafka")]
+        "kafka" => {
+            let sink = KafkaSink::connect(spec, opts).await?;
+            let name = sink.describe();
+            Ok((Box::new(sink), name))
+        }
+        #[cfg(not(feature = "kafka"))]
+        "kafka" => Err(missing_feature("kafka")),
         _ => Err(crate::Error::Config(format!(
             "unsupported sink '{}': expected one of {SINK_SCHEMES}",
             redact_spec(spec)

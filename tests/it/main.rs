@@ -17,10 +17,15 @@ mod relay;
 mod relay_proc;
 mod retention;
 mod schema;
+#[cfg(feature = "amqp")]
+mod sink_amqp;
+#[cfg(feature = "kafka")]
+mod sink_kafka;
 #[cfg(feature = "nats")]
 mod sink_nats;
 #[cfg(feature = "redis")]
 mod sink_redis;
+mod sink_relay;
 mod status_detail;
 mod support;
 mod webhook_signing;

@@ -1,0 +1,299 @@
+//! RabbitMQ (AMQP 0-9-1) sink, on the `lapin` client.
+
+use std::time::Duration;
+
+use lapin::Confirmation;
+use lapin::options::{BasicPublishOptions, ConfirmSelectOptions, ExchangeDeclareOptions};
+use lapin::types::{AMQPValue, FieldTable, ShortString};
+use lapin::uri::AMQPUri;
+use lapin::{BasicProperties, Channel, Connection, ConnectionProperties, ExchangeKind};
+
+use super::{Format, Message, Sink, SinkFuture, SinkOptions, Template};
+use crate::error::{Error, Result};
+use crate::event::Event;
+
+/// The `app_id` property of every message: `pg-outbox`.
+pub const AMQP_APP_ID: &str = "pg-outbox";
+
+/// AMQP 0-9-1 `delivery_mode` 2: the broker writes the message to disk
+/// (AMQP 0-9-1 spec, `basic` class properties).
+const PERSISTENT: u8 = 2;
+
+/// Longest exchange name or routing key AMQP 0-9-1 allows (a `shortstr`).
+const SHORTSTR_MAX: usize = 255;
+
+/// Publishes each event to a RabbitMQ exchange and acknowledges it only on
+/// the broker's publisher confirm.
+///
+/// Each message goes to `exchange` (default `amq.topic`) with the routing key
+/// rendered from a [`Template`], `mandatory` set, persistent
+/// (`delivery_mode` 2), `message_id` = outbox id (deduplicate on it),
+/// `content_type`, `app_id` [`AMQP_APP_ID`], `timestamp` = occurred_at
+/// (seconds) and the [`Message`] headers as a headers table (long strings).
+///
+/// A delivery returns `Ok` only after the broker's `basic.ack` for the
+/// message (RabbitMQ "Consumer Acknowledgements and Publisher Confirms":
+/// for a persistent message routed to durable queues the ack follows the
+/// write to disk). It fails when the broker nacks, when it returns the
+/// message as unroutable (`basic.return`: no queue is bound for the routing
+/// key, which RabbitMQ reports before the ack), when no confirm arrives
+/// within the timeout, or when the connection is down. After a lost
+/// connection the next delivery reconnects.
+pub struct AmqpSink {
+    uri: AMQPUri,
+    shown: String,
+    exchange: String,
+    routing_key: Template,
+    format: Format,
+    source: String,
+    timeout: Duration,
+    link: tokio::sync::Mutex<Option<Link>>,
+}
+
+impl std::fmt::Debug for AmqpSink {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // Never the URI: it holds the password.
+        f.debug_struct("AmqpSink")
+            .field("broker", &self.shown)
+            .field("exchange", &self.exchange)
+            .field("routing_key", &self.routing_key.as_str())
+            .finish_non_exhaustive()
+    }
+}
+
+/// An open connection and its confirm-mode channel.
+struct Link {
+    conn: Connection,
+    channel: Channel,
+}
+
+impl Link {
+    fn usable(&self) -> bool {
+        self.conn.status().connected() && self.channel.status().connected()
+    }
+
+    /// Close in the background, without waiting (the link may be dead).
+    fn discard(self) {
+        Self::discard_conn(self.conn);
+    }
+
+    /// Close `conn` in the background, giving it 2 s.
+    fn discard_conn(conn: Connection) {
+        tokio::spawn(async move {
+            let _ = tokio::time::timeout(Duration::from_secs(2), conn.close(200, "pg-outbox closing".into())).await;
+        });
+    }
+}
+
+/// `host:port vhost '/x'`: where the URI points, without credentials.
+fn describe(uri: &AMQPUri) -> String {
+    let scheme = match uri.scheme {
+        lapin::uri::AMQPScheme::AMQP => "amqp",
+        lapin::uri::AMQPScheme::AMQPS => "amqps",
+    };
+    format!("{scheme}://{}:{} vhost '{}'", uri.authority.host, uri.authority.port, uri.vhost)
+}
+
+/// The error of a failed step, one line, with its source chain.
+fn report(e: &lapin::Error) -> String {
+    crate::error::report(e)
+}
+
+impl AmqpSink {
+    /// Connect to the broker an `amqp://` or `amqps://` URL names
+    /// (`amqp://USER:PASS@HOST:5672/VHOST`; RabbitMQ's URI spec: the default
+    /// vhost `/` is written `%2f`, an empty path means `/`), open a channel in
+    /// confirm mode and check that `opts.amqp_exchange` exists (a passive
+    /// declare). Uses `opts.amqp_exchange`, `opts.amqp_routing_key`,
+    /// `opts.format`, `opts.cloudevents_source` and `opts.timeout` (which
+    /// also bounds the connection attempt).
+    ///
+    /// # Errors
+    /// [`Error::Config`] naming the broker (scheme, host, port, vhost; never
+    /// the password) when the URL does not parse, the broker cannot be
+    /// reached, refuses the login or the vhost, or the exchange does not
+    /// exist.
+    pub async fn connect(url: &str, opts: &SinkOptions) -> Result<Self> {
+        let uri: AMQPUri = url.parse().map_err(|e: String| {
+            // Some parser messages quote the URL, password included: cut it out.
+            let e = e.replace(url, "…");
+            Error::Config(format!("invalid RabbitMQ URL ({e}); write amqp://USER:PASS@HOST:PORT/VHOST"))
+        })?;
+        if opts.amqp_exchange.len() > SHORTSTR_MAX {
+            return Err(Error::Config(format!(
+                "RabbitMQ exchange name is {} bytes; AMQP allows at most {SHORTSTR_MAX}",
+                opts.amqp_exchange.len()
+            )));
+        }
+        let shown = describe(&uri);
+        let sink = AmqpSink {
+            uri,
+            shown,
+            exchange: opts.amqp_exchange.clone(),
+            routing_key: opts.amqp_routing_key.clone(),
+            format: opts.format,
+            source: opts.cloudevents_source.clone(),
+            timeout: opts.timeout,
+            link: tokio::sync::Mutex::new(None),
+        };
+        let link = tokio::time::timeout(sink.timeout, sink.open())
+            .await
+            .map_err(|_| Error::Config(format!("RabbitMQ at {} did not answer within {:?}", sink.shown, sink.timeout)))?
+            .map_err(Error::Config)?;
+        // The default exchange ("") always exists and cannot be declared.
+        if !sink.exchange.is_empty() {
+            // A passive declare only checks; a missing exchange closes the
+            // channel with 404 NOT_FOUND.
+            let check = link.channel.exchange_declare(
+                sink.exchange.as_str().into(),
+                ExchangeKind::Topic,
+                ExchangeDeclareOptions { passive: true, ..ExchangeDeclareOptions::default() },
+                FieldTable::default(),
+            );
+            let problem = match tokio::time::timeout(sink.timeout, check).await {
+                Ok(Ok(())) => None,
+                Ok(Err(e)) => Some(format!(
+                    "RabbitMQ exchange '{}' on {}: {} (declare it first, or pick another with --amqp-exchange)",
+                    sink.exchange,
+                    sink.shown,
+                    report(&e)
+                )),
+                Err(_) => Some(format!(
+                    "RabbitMQ at {} did not confirm that exchange '{}' exists within {:?}",
+                    sink.shown, sink.exchange, sink.timeout
+                )),
+            };
+            if let Some(problem) = problem {
+                link.discard();
+                return Err(Error::Config(problem));
+            }
+        }
+        *sink.link.lock().await = Some(link);
+        Ok(sink)
+    }
+
+    /// Where the sink publishes, for logs: broker (no credentials) and exchange.
+    pub fn describe(&self) -> String {
+        format!("RabbitMQ {} exchange '{}'", self.shown, self.exchange)
+    }
+
+    /// Open a connection and a channel with publisher confirms on.
+    async fn open(&self) -> Result<Link, String> {
+        let props = ConnectionProperties::default().with_connection_name("pg-outbox relay".into());
+        let conn = Connection::connect_uri(self.uri.clone(), props)
+            .await
+            .map_err(|e| format!("cannot connect to RabbitMQ at {}: {}", self.shown, report(&e)))?;
+        let channel = match conn.create_channel().await {
+            Ok(c) => c,
+            Err(e) => {
+                Link::discard_conn(conn);
+                return Err(format!("cannot open a channel on RabbitMQ at {}: {}", self.shown, report(&e)));
+            }
+        };
+        if let Err(e) = channel.confirm_select(ConfirmSelectOptions::default()).await {
+            Link::discard_conn(conn);
+            return Err(format!("RabbitMQ at {} refused publisher confirms: {}", self.shown, report(&e)));
+        }
+        Ok(Link { conn, channel })
+    }
+
+    /// Publish one message and wait for its confirm. `link` is dropped
+    /// (to be reopened by the next delivery) when the channel may be broken.
+    async fn publish(&self, link: &mut Option<Link>, event: &Event) -> Result<(), String> {
+        let msg = Message::new(event, self.format, &self.source).map_err(|e| crate::error::report(&e))?;
+        let routing_key = self.routing_key.render(event);
+        if routing_key.len() > SHORTSTR_MAX {
+            return Err(format!(
+                "routing key '{routing_key}' is {} bytes; AMQP allows at most {SHORTSTR_MAX}",
+                routing_key.len()
+            ));
+        }
+        if link.as_ref().is_some_and(|l| !l.usable())
+            && let Some(old) = link.take()
+        {
+            tracing::warn!(broker = %self.shown, "RabbitMQ connection lost; reconnecting");
+            old.discard();
+        }
+        if link.is_none() {
+            *link = Some(self.open().await?);
+            tracing::info!(broker = %self.shown, "connected to RabbitMQ");
+        }
+        let Some(l) = link.as_ref() else { unreachable!("the link was just opened") };
+
+        let mut headers = FieldTable::default();
+        for (name, value) in &msg.headers {
+            headers.insert(ShortString::from(*name), AMQPValue::LongString(value.as_str().into()));
+        }
+        let mut props = BasicProperties::default()
+            .with_delivery_mode(PERSISTENT)
+            .with_message_id(msg.id.as_str().into())
+            .with_content_type(msg.content_type.into())
+            .with_app_id(AMQP_APP_ID.into())
+            .with_headers(headers);
+        if let Ok(secs) = u64::try_from(event.occurred_at.timestamp()) {
+            props = props.with_timestamp(secs);
+        }
+        let options = BasicPublishOptions { mandatory: true, ..BasicPublishOptions::default() };
+        let confirm = match l
+            .channel
+            .basic_publish(self.exchange.as_str().into(), routing_key.as_str().into(), options, &msg.body, props)
+            .await
+        {
+            Ok(c) => c,
+            Err(e) => {
+                if let Some(old) = link.take() {
+                    old.discard();
+                }
+                return Err(format!("publishing to RabbitMQ at {} failed: {}", self.shown, report(&e)));
+            }
+        };
+        match confirm.await {
+            Ok(Confirmation::Ack(None)) => Ok(()),
+            Ok(Confirmation::Ack(Some(returned)) | Confirmation::Nack(Some(returned))) => Err(format!(
+                "RabbitMQ returned the message as unroutable: exchange '{}', routing key '{}' ({} {}; bind a queue \
+                 to the exchange for this routing key)",
+                self.exchange, routing_key, returned.reply_code, returned.reply_text
+            )),
+            Ok(Confirmation::Nack(None)) => {
+                Err(format!("RabbitMQ refused the message (basic.nack) on exchange '{}'", self.exchange))
+            }
+            Ok(Confirmation::NotRequested) => {
+                // The channel lost confirm mode: never count that as delivered.
+                if let Some(old) = link.take() {
+                    old.discard();
+                }
+                Err("RabbitMQ channel is not in confirm mode; the message is not confirmed".to_string())
+            }
+            Err(e) => {
+                if let Some(old) = link.take() {
+                    old.discard();
+                }
+                Err(format!("no confirm from RabbitMQ at {}: {}", self.shown, report(&e)))
+            }
+        }
+    }
+}
+
+impl Sink for AmqpSink {
+    fn deliver<'a>(&'a self, event: &'a Event) -> SinkFuture<'a> {
+        Box::pin(async move {
+            let mut link = self.link.lock().await;
+            match tokio::time::timeout(self.timeout, self.publish(&mut link, event)).await {
+                Ok(Ok(())) => Ok(()),
+                Ok(Err(msg)) => Err(msg.into()),
+                Err(_) => {
+                    // The broker may be stuck or the socket half-open: start
+                    // afresh on the next delivery.
+                    if let Some(old) = link.take() {
+                        old.discard();
+                    }
+                    Err(format!(
+                        "RabbitMQ at {} did not confirm within {:?} (exchange '{}')",
+                        self.shown, self.timeout, self.exchange
+                    )
+                    .into())
+                }
+            }
+        })
+    }
+}

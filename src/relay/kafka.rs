@@ -1,0 +1,280 @@
+//! Kafka sink, on `rdkafka` (librdkafka).
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use rdkafka::ClientConfig;
+use rdkafka::message::{Header, OwnedHeaders};
+use rdkafka::producer::{FutureProducer, FutureRecord, Producer};
+
+use super::{Format, Message, Sink, SinkFuture, SinkOptions, Template};
+use crate::error::{Error, Result};
+use crate::event::Event;
+
+/// Port used for a `kafka://` host given without one: 9092.
+pub const DEFAULT_KAFKA_PORT: u16 = 9092;
+
+/// Longest Kafka topic name: 249 characters (Kafka's `Topic.validate`).
+const TOPIC_MAX: usize = 249;
+
+/// Extra wait past `message.timeout.ms` for librdkafka's own delivery
+/// report, before the sink gives up on it.
+const REPORT_MARGIN: Duration = Duration::from_secs(5);
+
+/// Produces each event to a Kafka topic and acknowledges it only on the
+/// broker's delivery report.
+///
+/// The producer runs with `acks=all` and `enable.idempotence=true`
+/// (librdkafka's idempotent producer: no duplicates or reordering from its
+/// own retries), `linger.ms=0` (the relay sends one event at a time), and
+/// `partitioner=murmur2_random`, the hash Java clients use, so a key lands in
+/// the partition a Java producer would pick. The message key is the
+/// aggregate id (one aggregate stays in one partition, as Debezium's outbox
+/// event router does), the topic is rendered from a [`Template`], the
+/// headers are the [`Message`] headers. A delivery returns `Ok` only when
+/// the delivery report says the partition leader wrote the message with all
+/// in-sync replicas (`acks=all`); it fails when the report is an error or
+/// does not arrive within the timeout (`message.timeout.ms`), e.g. while the
+/// broker is down. After a failed delivery, or a fatal idempotence error,
+/// the producer is replaced by a new one (with a new producer id).
+pub struct KafkaSink {
+    config: ClientConfig,
+    brokers: String,
+    topic: Template,
+    format: Format,
+    source: String,
+    timeout: Duration,
+    producer: Mutex<Arc<FutureProducer>>,
+}
+
+impl std::fmt::Debug for KafkaSink {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("KafkaSink")
+            .field("brokers", &self.brokers)
+            .field("topic", &self.topic.as_str())
+            .field("timeout", &self.timeout)
+            .finish_non_exhaustive()
+    }
+}
+
+/// The bootstrap servers of a `kafka://host:port[,host:port]` URL, as
+/// librdkafka's `bootstrap.servers` wants them (`host:port,host:port`).
+///
+/// # Errors
+/// [`Error::Config`] for another scheme, an empty host list, a bad port,
+/// credentials, a path or a query string (not supported by this sink).
+pub fn parse_kafka_url(url: &str) -> Result<String> {
+    let rest = match url.split_once("://") {
+        Some((scheme, rest)) if scheme.eq_ignore_ascii_case("kafka") => rest,
+        _ => return Err(Error::Config("a Kafka sink URL starts with kafka://".into())),
+    };
+    let rest = rest.strip_suffix('/').unwrap_or(rest);
+    if rest.contains('@') {
+        return Err(Error::Config(
+            "Kafka URL with credentials: SASL/TLS are not supported by this sink; use kafka://HOST:PORT[,HOST:PORT]"
+                .into(),
+        ));
+    }
+    if rest.contains(['/', '?', '#']) {
+        return Err(Error::Config(format!(
+            "Kafka URL '{url}' has a path or query; write kafka://HOST:PORT[,HOST:PORT]"
+        )));
+    }
+    let mut servers = Vec::new();
+    for part in rest.split(',') {
+        let part = part.trim();
+        if part.is_empty() {
+            return Err(Error::Config(format!(
+                "Kafka URL '{url}' has an empty host; write kafka://HOST:PORT[,HOST:PORT]"
+            )));
+        }
+        // A bracketed IPv6 address keeps its colons: [::1]:9092.
+        let (host, port) = match part.rsplit_once(':') {
+            Some((h, p)) if !p.contains(']') => (h, Some(p)),
+            _ => (part, None),
+        };
+        if host.is_empty() {
+            return Err(Error::Config(format!("Kafka URL '{url}' has an empty host in '{part}'")));
+        }
+        let port = match port {
+            None => DEFAULT_KAFKA_PORT,
+            Some(p) => p.parse::<u16>().ok().filter(|p| *p != 0).ok_or_else(|| {
+                Error::Config(format!("Kafka URL '{url}': port '{p}' of '{part}' is not a number from 1 to 65535"))
+            })?,
+        };
+        servers.push(format!("{host}:{port}"));
+    }
+    Ok(servers.join(","))
+}
+
+/// Whether `topic` is a legal Kafka topic name: 1 to 249 characters from
+/// `[a-zA-Z0-9._-]`, and not `.` or `..` (Kafka's `Topic.validate`).
+fn check_topic(topic: &str) -> Result<(), String> {
+    let legal = |c: char| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-');
+    if topic.is_empty() || topic.len() > TOPIC_MAX || topic == "." || topic == ".." || !topic.chars().all(legal) {
+        return Err(format!(
+            "'{topic}' is not a valid Kafka topic name (1 to {TOPIC_MAX} of a-z A-Z 0-9 . _ -); check --kafka-topic"
+        ));
+    }
+    Ok(())
+}
+
+impl KafkaSink {
+    /// Create the producer for `url` (`kafka://host:port[,host:port]`,
+    /// port [`DEFAULT_KAFKA_PORT`] when left out) and check that a broker
+    /// answers (a metadata request within `opts.timeout`). Uses
+    /// `opts.kafka_topic`, `opts.format`, `opts.cloudevents_source` and
+    /// `opts.timeout`, which becomes librdkafka's `message.timeout.ms`: how
+    /// long one event may wait for its delivery report, retries included.
+    ///
+    /// # Errors
+    /// [`Error::Config`] for a malformed URL, a producer librdkafka refuses to
+    /// create, or no broker answering.
+    pub async fn connect(url: &str, opts: &SinkOptions) -> Result<Self> {
+        let brokers = parse_kafka_url(url)?;
+        let timeout_ms = opts.timeout.as_millis().clamp(1, u128::from(i32::MAX as u32)).to_string();
+        let request_ms = opts.timeout.as_millis().clamp(1, 30_000).to_string();
+        let mut config = ClientConfig::new();
+        config
+            .set("bootstrap.servers", &brokers)
+            .set("client.id", "pg-outbox")
+            .set("acks", "all")
+            .set("enable.idempotence", "true")
+            .set("linger.ms", "0")
+            .set("partitioner", "murmur2_random")
+            .set("message.timeout.ms", &timeout_ms)
+            .set("request.timeout.ms", &request_ms);
+        let producer = Arc::new(Self::create(&config, &brokers)?);
+        let probe = producer.clone();
+        let wait = opts.timeout;
+        let answered = tokio::task::spawn_blocking(move || probe.client().fetch_metadata(None, wait).map(|_| ()))
+            .await
+            .map_err(|e| Error::Config(format!("Kafka metadata check did not finish: {e}")))?;
+        if let Err(e) = answered {
+            return Err(Error::Config(format!(
+                "cannot reach Kafka at {brokers} within {wait:?}: {}",
+                crate::error::report(&e)
+            )));
+        }
+        Ok(KafkaSink {
+            config,
+            brokers,
+            topic: opts.kafka_topic.clone(),
+            format: opts.format,
+            source: opts.cloudevents_source.clone(),
+            timeout: opts.timeout,
+            producer: Mutex::new(producer),
+        })
+    }
+
+    fn create(config: &ClientConfig, brokers: &str) -> Result<FutureProducer> {
+        config.create().map_err(|e| {
+            Error::Config(format!("cannot create a Kafka producer for {brokers}: {}", crate::error::report(&e)))
+        })
+    }
+
+    /// Where the sink produces, for logs: the bootstrap servers.
+    pub fn describe(&self) -> String {
+        format!("Kafka {} topic '{}'", self.brokers, self.topic)
+    }
+
+    /// The producer to use now; a new one if the current one hit a fatal
+    /// error (librdkafka: an idempotent producer that lost its guarantees
+    /// must be recreated).
+    fn producer(&self) -> Result<Arc<FutureProducer>, String> {
+        let mut current = self.producer.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        if let Some((code, reason)) = current.client().fatal_error() {
+            tracing::warn!(brokers = %self.brokers, %code, %reason, "Kafka producer hit a fatal error; creating a new one");
+            let fresh = Self::create(&self.config, &self.brokers).map_err(|e| e.to_string())?;
+            let old = std::mem::replace(&mut *current, Arc::new(fresh));
+            // Destroying a librdkafka handle joins its threads: off the runtime.
+            tokio::task::spawn_blocking(move || drop(old));
+        }
+        Ok(current.clone())
+    }
+
+    /// Replace `used` (if it is still the current producer) after a failed
+    /// delivery. Nothing else is in flight then (the relay waits for each
+    /// report), so nothing is lost; the new producer gets a new producer id.
+    /// That also recovers from a broker that forgot the old id (it answers
+    /// UNKNOWN_PRODUCER_ID forever, e.g. after losing its state).
+    fn renew(&self, used: &Arc<FutureProducer>) {
+        let mut current = self.producer.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        if !Arc::ptr_eq(&current, used) {
+            return;
+        }
+        match Self::create(&self.config, &self.brokers) {
+            Ok(fresh) => {
+                let old = std::mem::replace(&mut *current, Arc::new(fresh));
+                tokio::task::spawn_blocking(move || drop(old));
+            }
+            Err(e) => {
+                tracing::warn!(brokers = %self.brokers, error = %e, "cannot create a new Kafka producer; keeping the old one")
+            }
+        }
+    }
+
+    async fn produce(&self, event: &Event) -> Result<(), String> {
+        let msg = Message::new(event, self.format, &self.source).map_err(|e| crate::error::report(&e))?;
+        let topic = self.topic.render(event);
+        check_topic(&topic)?;
+        let mut headers = OwnedHeaders::new_with_capacity(msg.headers.len());
+        for (name, value) in &msg.headers {
+            headers = headers.insert(Header { key: name, value: Some(value.as_bytes()) });
+        }
+        let producer = self.producer()?;
+        let record = FutureRecord::to(&topic).key(msg.key.as_bytes()).payload(&msg.body).headers(headers);
+        let report = producer
+            .send_result(record)
+            .map_err(|(e, _)| format!("Kafka producer refused the message for topic '{topic}': {e}"))?;
+        let failure = match tokio::time::timeout(self.timeout + REPORT_MARGIN, report).await {
+            Ok(Ok(Ok(_delivery))) => return Ok(()),
+            Ok(Ok(Err((e, _)))) => format!(
+                "Kafka at {} did not take the message for topic '{topic}': {}",
+                self.brokers,
+                crate::error::report(&e)
+            ),
+            Ok(Err(_canceled)) => {
+                format!("Kafka producer for {} dropped the message for topic '{topic}'", self.brokers)
+            }
+            Err(_) => format!(
+                "no delivery report from Kafka at {} for topic '{topic}' within {:?}",
+                self.brokers,
+                self.timeout + REPORT_MARGIN
+            ),
+        };
+        self.renew(&producer);
+        Err(failure)
+    }
+}
+
+impl Sink for KafkaSink {
+    fn deliver<'a>(&'a self, event: &'a Event) -> SinkFuture<'a> {
+        Box::pin(async move { self.produce(event).await.map_err(Into::into) })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn kafka_urls_give_bootstrap_servers() {
+        assert_eq!(parse_kafka_url("kafka://k1:9093").expect("one host"), "k1:9093");
+        assert_eq!(parse_kafka_url("kafka://k1,k2:9094/").expect("two hosts"), "k1:9092,k2:9094");
+        assert_eq!(parse_kafka_url("KAFKA://[::1]:9092").expect("ipv6"), "[::1]:9092");
+        for bad in
+            ["kafka://", "kafka://a,,b", "kafka://a:0", "kafka://a:x", "kafka://u:p@a", "kafka://a/t", "http://a"]
+        {
+            assert!(parse_kafka_url(bad).is_err(), "{bad} must be refused");
+        }
+    }
+
+    #[test]
+    fn topic_names_follow_kafkas_rules() {
+        assert!(check_topic("outbox.event.invoice_v2-x").is_ok());
+        for bad in ["", ".", "..", "a b", "a/b", &"x".repeat(250)] {
+            assert!(check_topic(bad).is_err(), "{bad:?} must be refused");
+        }
+    }
+}

