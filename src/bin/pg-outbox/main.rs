@@ -176,21 +176,7 @@ fn database_url(cli: &Option<String>) -> Result<String, Error> {
 }
 
 async fn connect(url: &str) -> Result<tokio_postgres::Client, Error> {
-    let cfg = pg_outbox::parse_url(url)?;
-    let target = pg_outbox::describe_target(&cfg);
-    let mut cfg = cfg;
-    if cfg.get_connect_timeout().is_none() {
-        cfg.connect_timeout(pg_outbox::DEFAULT_CONNECT_TIMEOUT);
-    }
-    if cfg.get_application_name().is_none() {
-        cfg.application_name("pg-outbox cli");
-    }
-    let (client, conn) =
-        cfg.connect(tokio_postgres::NoTls).await.map_err(|source| Error::Connect { target, source })?;
-    tokio::spawn(async move {
-        let _ = conn.await;
-    });
-    Ok(client)
+    pg_outbox::parse_url(url)?.connect_client("pg-outbox cli").await
 }
 
 async fn shutdown_signal() {
@@ -250,7 +236,7 @@ pub(crate) fn install_metrics(
 async fn relay_cmd(url: &str, args: RelayArgs) -> Result<(), Error> {
     let (sink, sink_name) = relay::open_sink(&args.sink.sink, &args.sink.options()).await?;
     let pg = pg_outbox::parse_url(url)?;
-    let target = pg_outbox::describe_target(&pg);
+    let target = pg.describe();
     if let Some(addr) = args.metrics_addr {
         // Bind check first, so a taken port is a clear error, not a log line.
         std::net::TcpListener::bind(addr).map_err(|e| Error::Config(format!("cannot serve metrics on {addr}: {e}")))?;
