@@ -12,3 +12,4 @@ mod relay;
 mod retention;
 mod schema;
 mod support;
+mod tls;
