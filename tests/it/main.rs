@@ -2,6 +2,7 @@
 
 mod auto_traits;
 mod cli;
+mod config;
 mod consumer;
 mod dead_letters;
 mod fault_suite;
