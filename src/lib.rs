@@ -18,7 +18,7 @@ pub mod temp_server;
 
 pub use connect::{
     ConnectOptions, DEFAULT_CONNECT_TIMEOUT, KEEPALIVE_IDLE, RootCert, SERVER_KEEPALIVES, SslMode, describe_target,
-    parse_url,
+    parse_url, redact_password,
 };
 pub use consumer::{
     Consumer, ConsumerBuilder, DEFAULT_ACK_BATCH_SIZE, DEFAULT_ACK_INTERVAL, DEFAULT_BATCH_SIZE, DEFAULT_MAX_RETRIES,

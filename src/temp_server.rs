@@ -24,7 +24,7 @@ use crate::error::{Error, Result};
 /// ```no_run
 /// # fn run(cert_pem: &str, key_pem: &str) -> Result<(), pg_outbox::Error> {
 /// use pg_outbox::temp_server::{TempServer, TempServerOptions};
-/// let server = TempServer::start_with(
+/// let _server = TempServer::start_with(
 ///     TempServerOptions::default()
 ///         .file("server.crt", cert_pem)
 ///         .file("server.key", key_pem)

@@ -149,7 +149,10 @@ pub async fn open_sink(spec: &str, opts: &SinkOptions) -> Result<(Box<dyn Sink>,
             let name = format!("webhook {}", hook.display_url());
             Ok((Box::new(hook), name))
         }
-        _ => Err(crate::Error::Config(format!("unsupported sink '{spec}': expected one of {SINK_SCHEMES}"))),
+        _ => Err(crate::Error::Config(format!(
+            "unsupported sink '{}': expected one of {SINK_SCHEMES}",
+            crate::redact_password(spec)
+        ))),
     }
 }
 

@@ -157,7 +157,10 @@ async fn print_config_masks_passwords_and_secrets() {
     assert_eq!(s["webhook_secret"], ("\"****\"".into(), "environment (OUTBOX_WEBHOOK_SECRET)".into()), "{out}");
     assert_eq!(s["webhook_header"].0, "[\"Authorization: ****\", \"X-Team: billing\"]", "{out}");
 
-    // Nor do connect errors name the password.
+    // Nor does an unknown sink's error, nor a connect error.
+    let (code, _, err) = run(&[("DATABASE_URL", NOWHERE)], &["relay", "--sink", "ftp://u:sink-pw-5@127.0.0.1/x"]).await;
+    assert_eq!(code, Some(1), "{err}");
+    assert!(err.contains("unsupported sink 'ftp://u:****@127.0.0.1/x'") && !err.contains("sink-pw-5"), "{err}");
     let (code, _, err) =
         run(&[("DATABASE_URL", "postgres://app:db-pw-2@127.0.0.1:1/app?connect_timeout=2")], &["status"]).await;
     assert_eq!(code, Some(1), "{err}");

@@ -291,53 +291,7 @@ pub(crate) fn redact(id: &str, value: &str) -> String {
         }
         return value.to_string();
     }
-    redact_url(value)
-}
-
-/// `scheme://user:****@host...`; `password=****` in key=value strings and
-/// query strings.
-pub(crate) fn redact_url(value: &str) -> String {
-    let mut s = value.to_string();
-    if let Some(scheme_end) = s.find("://") {
-        let rest_start = scheme_end + 3;
-        let authority_end = s[rest_start..].find(['/', '?', '#']).map_or(s.len(), |i| rest_start + i);
-        if let Some(at) = s[rest_start..authority_end].rfind('@') {
-            let userinfo = &s[rest_start..rest_start + at];
-            if let Some(colon) = userinfo.find(':') {
-                s.replace_range(rest_start + colon + 1..rest_start + at, "****");
-            }
-        }
-    }
-    // password=... in a query string or a key=value string.
-    let mut out = String::with_capacity(s.len());
-    let mut rest = s.as_str();
-    while let Some(i) = rest.find("password") {
-        let (before, after) = rest.split_at(i + "password".len());
-        out.push_str(before);
-        let trimmed = after.trim_start();
-        if let Some(value) = trimmed.strip_prefix('=') {
-            out.push_str(&after[..after.len() - trimmed.len()]);
-            out.push('=');
-            let value_trim = value.trim_start();
-            out.push_str(&value[..value.len() - value_trim.len()]);
-            let end = if let Some(q) = value_trim.strip_prefix('\'') {
-                let mut j = 0;
-                let b = q.as_bytes();
-                while j < b.len() && b[j] != b'\'' {
-                    j += if b[j] == b'\\' { 2 } else { 1 };
-                }
-                (j + 2).min(value_trim.len())
-            } else {
-                value_trim.find(|c: char| c.is_whitespace() || c == '&').unwrap_or(value_trim.len())
-            };
-            out.push_str("****");
-            rest = &value_trim[end..];
-        } else {
-            rest = after;
-        }
-    }
-    out.push_str(rest);
-    out
+    pg_outbox::redact_password(value)
 }
 
 #[cfg(test)]
@@ -346,15 +300,18 @@ mod tests {
 
     #[test]
     fn passwords_are_masked() {
-        assert_eq!(redact_url("postgres://app:s3cret@db:5432/app"), "postgres://app:****@db:5432/app");
-        assert_eq!(redact_url("amqp://guest:guest@localhost:5672/%2f"), "amqp://guest:****@localhost:5672/%2f");
+        assert_eq!(pg_outbox::redact_password("postgres://app:s3cret@db:5432/app"), "postgres://app:****@db:5432/app");
         assert_eq!(
-            redact_url("postgres://app@db/app?password=x&sslmode=require"),
+            pg_outbox::redact_password("amqp://guest:guest@localhost:5672/%2f"),
+            "amqp://guest:****@localhost:5672/%2f"
+        );
+        assert_eq!(
+            pg_outbox::redact_password("postgres://app@db/app?password=x&sslmode=require"),
             "postgres://app@db/app?password=****&sslmode=require"
         );
-        assert_eq!(redact_url("host=db password='a b\\'c' user=u"), "host=db password=**** user=u");
-        assert_eq!(redact_url("host=db password = abc user=u"), "host=db password = **** user=u");
-        assert_eq!(redact_url("nats://localhost:4222"), "nats://localhost:4222");
+        assert_eq!(pg_outbox::redact_password("host=db password='a b\\'c' user=u"), "host=db password=**** user=u");
+        assert_eq!(pg_outbox::redact_password("host=db password = abc user=u"), "host=db password = **** user=u");
+        assert_eq!(pg_outbox::redact_password("nats://localhost:4222"), "nats://localhost:4222");
         assert_eq!(redact("webhook_secret", "whsec_abc"), "****");
         assert_eq!(redact("webhook_headers", "Authorization: Bearer x"), "Authorization: ****");
         assert_eq!(redact("webhook_headers", "X-Team: billing"), "X-Team: billing");
