@@ -150,8 +150,10 @@ impl fmt::Display for RootCert {
 /// Made by [`parse_url`] / [`ConnectOptions::parse`], or from a
 /// `tokio_postgres::Config` (`From`; its `sslmode` disable/prefer/require
 /// carries over). It dereferences to the `Config`, so its getters and
-/// setters (`dbname`, `get_hosts`, ...) work directly. Every connection
-/// pg-outbox opens goes through it, with TLS by rustls (ring provider).
+/// setters (`dbname`, `get_hosts`, ...) work directly; its own `sslmode` is
+/// ignored when pg-outbox connects: [`ConnectOptions::ssl_mode`] decides.
+/// Every connection pg-outbox opens goes through it, with TLS by rustls
+/// (ring provider).
 ///
 /// # Example
 /// ```
@@ -260,7 +262,9 @@ impl ConnectOptions {
         self.synced()
     }
 
-    /// Set the trusted roots (`sslrootcert`).
+    /// Set the trusted roots (`sslrootcert`). [`RootCert::System`] needs
+    /// [`SslMode::VerifyFull`] (connecting otherwise fails with
+    /// [`Error::Config`]).
     ///
     /// # Example
     /// ```
@@ -355,8 +359,9 @@ impl ConnectOptions {
                 let loaded = rustls_native_certs::load_native_certs();
                 let (added, _) = store.add_parsable_certificates(loaded.certs);
                 if added == 0 {
-                    let why = loaded.errors.iter().map(ToString::to_string).collect::<Vec<_>>().join("; ");
-                    return Err(Error::Config(format!("sslrootcert=system: no system root certificates found {why}")));
+                    let why: Vec<String> = loaded.errors.iter().map(ToString::to_string).collect();
+                    let why = if why.is_empty() { String::new() } else { format!(": {}", why.join("; ")) };
+                    return Err(Error::Config(format!("sslrootcert=system: no system root certificates found{why}")));
                 }
             }
             RootCert::File(path) => load_pem_roots(&path, &mut store)?,
