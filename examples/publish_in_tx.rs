@@ -22,7 +22,7 @@ mod common;
 
 use std::process::ExitCode;
 
-use pg_outbox::tokio_postgres::{Client, NoTls};
+use pg_outbox::tokio_postgres::Client;
 use pg_outbox::{Envelope, Error, Metadata, NewEvent, Publisher};
 use serde::Serialize;
 use uuid::Uuid;
@@ -46,19 +46,10 @@ const DOMAIN_SCHEMA: &str = "CREATE SCHEMA IF NOT EXISTS billing; \
       payments INTEGER NOT NULL DEFAULT 0, \
       updated_at TIMESTAMPTZ NOT NULL DEFAULT now())";
 
-/// Connect to `url`; the connection is driven by a spawned task.
+/// Connect to `url` (TLS as its `sslmode` says); the connection is driven by
+/// a spawned task.
 async fn connect(url: &str) -> Result<Client, Error> {
-    let cfg = pg_outbox::parse_url(url)?;
-    let (client, connection) = cfg
-        .connect(NoTls)
-        .await
-        .map_err(|source| Error::Connect { target: pg_outbox::describe_target(&cfg), source })?;
-    tokio::spawn(async move {
-        if let Err(e) = connection.await {
-            eprintln!("connection ended with an error: {e}");
-        }
-    });
-    Ok(client)
+    pg_outbox::parse_url(url)?.connect_client("publish_in_tx example").await
 }
 
 /// Record a payment and publish `PaymentSucceeded` atomically; returns the

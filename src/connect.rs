@@ -1,11 +1,30 @@
-//! Opening connections: URL parsing, keepalives, application names, and
-//! errors that name the target without the password.
+//! Opening connections: URL parsing, TLS, keepalives, application names,
+//! and errors that name the target without the password.
+//!
+//! TLS follows libpq (PostgreSQL docs, "SSL Support", table "SSL Mode
+//! Descriptions"): `sslmode` is one of `disable`, `allow`, `prefer`
+//! (default), `require`, `verify-ca`, `verify-full`; `sslrootcert` names a
+//! PEM file of trusted CA certificates, or `system` for the system's store.
+//! tokio-postgres's own parser knows neither `allow`/`verify-*` nor
+//! `sslrootcert`, so [`ConnectOptions::parse`] takes them out of the URL
+//! first and keeps them beside the [`tokio_postgres::Config`].
 
+use std::fmt;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::Duration;
 
+use rustls::client::WebPkiServerVerifier;
+use rustls::client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier};
+use rustls::crypto::CryptoProvider;
+use rustls::pki_types::pem::PemObject;
+use rustls::pki_types::{CertificateDer, ServerName, UnixTime};
+use rustls::{CertificateError, DigitallySignedStruct, RootCertStore, SignatureScheme};
 use tokio::task::JoinHandle;
 use tokio_postgres::config::Host;
-use tokio_postgres::{Client, Config, NoTls};
+use tokio_postgres::tls::MakeTlsConnect;
+use tokio_postgres::{Client, Config, Connection, Socket};
+use tokio_postgres_rustls::MakeRustlsConnect;
 
 use crate::error::{Error, Result};
 
@@ -21,24 +40,618 @@ pub const SERVER_KEEPALIVES: &str = "-c tcp_keepalives_idle=30 -c tcp_keepalives
 /// Default connect timeout when the URL sets none: 10 seconds.
 pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 
+/// TLS mode of a connection, as libpq's `sslmode` (PostgreSQL docs, libpq
+/// "SSL Support", table "SSL Mode Descriptions").
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum SslMode {
+    /// Never use TLS.
+    Disable,
+    /// Try without TLS first; if that connection fails, try with TLS (the
+    /// certificate is not checked).
+    Allow,
+    /// Use TLS if the server offers it, else go on without (default). The
+    /// certificate is not checked.
+    #[default]
+    Prefer,
+    /// TLS or fail. The certificate is not checked, unless a root
+    /// certificate is given (`sslrootcert`, or `~/.postgresql/root.crt`
+    /// exists): then its chain is checked as in `verify-ca`.
+    Require,
+    /// TLS, and the server's certificate must chain to a trusted root
+    /// (`sslrootcert`, default `~/.postgresql/root.crt`). The host name is
+    /// not checked.
+    VerifyCa,
+    /// As `verify-ca`, and the certificate must be issued for the host name
+    /// connected to (DNS name or IP address in its subjectAltName).
+    VerifyFull,
+}
+
+impl SslMode {
+    /// The libpq name (`verify-full`, ...).
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            SslMode::Disable => "disable",
+            SslMode::Allow => "allow",
+            SslMode::Prefer => "prefer",
+            SslMode::Require => "require",
+            SslMode::VerifyCa => "verify-ca",
+            SslMode::VerifyFull => "verify-full",
+        }
+    }
+
+    /// The closest mode tokio-postgres knows (it has no `allow` or
+    /// `verify-*`): `verify-*` map to `require`, so a plain
+    /// `Config::connect(NoTls)` refuses instead of going on without TLS.
+    fn coarse(self) -> tokio_postgres::config::SslMode {
+        use tokio_postgres::config::SslMode as T;
+        match self {
+            SslMode::Disable | SslMode::Allow => T::Disable,
+            SslMode::Prefer => T::Prefer,
+            SslMode::Require | SslMode::VerifyCa | SslMode::VerifyFull => T::Require,
+        }
+    }
+}
+
+impl fmt::Display for SslMode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl std::str::FromStr for SslMode {
+    type Err = Error;
+
+    /// Parse a libpq `sslmode` value.
+    ///
+    /// # Errors
+    /// [`Error::Config`] naming the value and the accepted ones.
+    fn from_str(s: &str) -> Result<Self> {
+        Ok(match s {
+            "disable" => SslMode::Disable,
+            "allow" => SslMode::Allow,
+            "prefer" => SslMode::Prefer,
+            "require" => SslMode::Require,
+            "verify-ca" => SslMode::VerifyCa,
+            "verify-full" => SslMode::VerifyFull,
+            other => {
+                return Err(Error::Config(format!(
+                    "invalid sslmode `{other}`: expected disable, allow, prefer, require, verify-ca or verify-full"
+                )));
+            }
+        })
+    }
+}
+
+/// Trusted root certificates for checking the server (libpq `sslrootcert`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum RootCert {
+    /// A PEM file holding one or more CA certificates.
+    File(PathBuf),
+    /// The system's trusted roots (`sslrootcert=system`, libpq 16): loaded
+    /// with `rustls-native-certs`. As in libpq, this requires
+    /// `sslmode=verify-full` (and makes it the default).
+    System,
+}
+
+impl fmt::Display for RootCert {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            RootCert::File(p) => write!(f, "{}", p.display()),
+            RootCert::System => f.write_str("system"),
+        }
+    }
+}
+
+/// Connection settings: a [`tokio_postgres::Config`] plus the TLS settings
+/// it cannot hold (libpq's `sslmode` and `sslrootcert`).
+///
+/// Made by [`parse_url`] / [`ConnectOptions::parse`], or from a
+/// `tokio_postgres::Config` (`From`; its `sslmode` disable/prefer/require
+/// carries over). It dereferences to the `Config`, so its getters and
+/// setters (`dbname`, `get_hosts`, ...) work directly; its own `sslmode` is
+/// ignored when pg-outbox connects: [`ConnectOptions::ssl_mode`] decides.
+/// Every connection pg-outbox opens goes through it, with TLS by rustls
+/// (ring provider).
+///
+/// # Example
+/// ```
+/// let opts = pg_outbox::ConnectOptions::parse(
+///     "postgres://app@db.example.com/app?sslmode=verify-full&sslrootcert=/etc/ssl/pg-ca.pem",
+/// )?;
+/// assert_eq!(opts.ssl_mode(), pg_outbox::SslMode::VerifyFull);
+/// assert_eq!(opts.get_dbname(), Some("app"));
+/// # Ok::<(), pg_outbox::Error>(())
+/// ```
+#[derive(Debug, Clone)]
+pub struct ConnectOptions {
+    pg: Config,
+    ssl_mode: SslMode,
+    root_cert: Option<RootCert>,
+}
+
+impl From<Config> for ConnectOptions {
+    fn from(pg: Config) -> Self {
+        use tokio_postgres::config::SslMode as T;
+        let ssl_mode = match pg.get_ssl_mode() {
+            T::Disable => SslMode::Disable,
+            T::Prefer => SslMode::Prefer,
+            _ => SslMode::Require,
+        };
+        ConnectOptions { pg, ssl_mode, root_cert: None }
+    }
+}
+
+impl std::ops::Deref for ConnectOptions {
+    type Target = Config;
+
+    fn deref(&self) -> &Config {
+        &self.pg
+    }
+}
+
+impl std::ops::DerefMut for ConnectOptions {
+    fn deref_mut(&mut self) -> &mut Config {
+        &mut self.pg
+    }
+}
+
+impl ConnectOptions {
+    /// Parse a libpq-style URL (`postgres://user@host:5432/db?sslmode=...`)
+    /// or key=value string (`host=h dbname=d sslmode=verify-full
+    /// sslrootcert=/ca.pem`). `sslmode` and `sslrootcert` are taken out
+    /// first; the rest goes to tokio-postgres's parser. Without `sslmode` the
+    /// mode is `prefer` (libpq's default), or `verify-full` with
+    /// `sslrootcert=system`.
+    ///
+    /// # Errors
+    /// [`Error::InvalidUrl`] describing what could not be parsed (the URL,
+    /// which may hold a password, is not repeated); [`Error::Config`] for
+    /// a URL of another scheme (`mysql://...`), an unknown `sslmode`, or a
+    /// mode weaker than `verify-full` with `sslrootcert=system`.
+    pub fn parse(url: &str) -> Result<Self> {
+        let trimmed = url.trim_start();
+        let (rest, mode, root) = if let Some((scheme, _)) = trimmed.split_once("://") {
+            if scheme != "postgres" && scheme != "postgresql" {
+                return Err(Error::Config(format!(
+                    "invalid database URL: scheme `{scheme}://` is not PostgreSQL; write postgres://user@host:5432/dbname"
+                )));
+            }
+            take_tls_params_url(trimmed)
+        } else {
+            take_tls_params_kv(url)?
+        };
+        let pg = rest.parse::<Config>().map_err(Error::InvalidUrl)?;
+        let root_cert = match root.as_deref() {
+            None | Some("") => None,
+            Some("system") => Some(RootCert::System),
+            Some(p) => Some(RootCert::File(PathBuf::from(p))),
+        };
+        let ssl_mode = match mode.as_deref() {
+            Some(m) => m.parse()?,
+            None if root_cert == Some(RootCert::System) => SslMode::VerifyFull,
+            None => SslMode::Prefer,
+        };
+        let opts = ConnectOptions { pg, ssl_mode, root_cert }.synced();
+        opts.check_system_roots()?;
+        Ok(opts)
+    }
+
+    /// The TLS mode (default [`SslMode::Prefer`]).
+    pub fn ssl_mode(&self) -> SslMode {
+        self.ssl_mode
+    }
+
+    /// The trusted roots given (`sslrootcert`), if any. Without one,
+    /// `~/.postgresql/root.crt` is used when it exists (as libpq does).
+    pub fn root_cert(&self) -> Option<&RootCert> {
+        self.root_cert.as_ref()
+    }
+
+    /// Set the TLS mode.
+    ///
+    /// # Example
+    /// ```
+    /// let pg = pg_outbox::parse_url("postgres://app@db/app")?.with_ssl_mode(pg_outbox::SslMode::Require);
+    /// assert_eq!(pg.ssl_mode(), pg_outbox::SslMode::Require);
+    /// # Ok::<(), pg_outbox::Error>(())
+    /// ```
+    pub fn with_ssl_mode(mut self, mode: SslMode) -> Self {
+        self.ssl_mode = mode;
+        self.synced()
+    }
+
+    /// Set the trusted roots (`sslrootcert`). [`RootCert::System`] needs
+    /// [`SslMode::VerifyFull`] (connecting otherwise fails with
+    /// [`Error::Config`]).
+    ///
+    /// # Example
+    /// ```
+    /// use pg_outbox::{RootCert, SslMode};
+    /// let pg = pg_outbox::parse_url("postgres://app@db/app")?
+    ///     .with_ssl_mode(SslMode::VerifyFull)
+    ///     .with_root_cert(RootCert::File("/etc/ssl/pg-ca.pem".into()));
+    /// assert_eq!(pg.root_cert(), Some(&RootCert::File("/etc/ssl/pg-ca.pem".into())));
+    /// # Ok::<(), pg_outbox::Error>(())
+    /// ```
+    pub fn with_root_cert(mut self, root: RootCert) -> Self {
+        self.root_cert = Some(root);
+        self
+    }
+
+    /// The tokio-postgres part (no TLS settings beyond disable/prefer/require).
+    pub fn config(&self) -> &Config {
+        &self.pg
+    }
+
+    /// The tokio-postgres part, by value.
+    pub fn into_config(self) -> Config {
+        self.pg
+    }
+
+    /// `host:port/dbname (sslmode=...)`, for messages. Never includes the
+    /// password.
+    pub fn describe(&self) -> String {
+        format!("{} (sslmode={})", describe_target(&self.pg), self.ssl_mode)
+    }
+
+    /// Connect with the given application name (unless the URL sets one),
+    /// TCP keepalives and a connect timeout, over TLS as the `sslmode` says.
+    /// Spawns the connection task on the current Tokio runtime (it ends when
+    /// the client is dropped; its error is logged at debug level).
+    ///
+    /// # Errors
+    /// [`Error::Config`] if the root certificates cannot be loaded or the
+    /// mode and roots do not fit together; [`Error::Connect`] naming the
+    /// target and sslmode, with the driver's reason (e.g. `server does not
+    /// support TLS`, `certificate not valid for name ...`).
+    ///
+    /// # Example
+    /// ```no_run
+    /// # async fn run() -> Result<(), pg_outbox::Error> {
+    /// let client = pg_outbox::parse_url("postgres://app@db/app?sslmode=require")?.connect_client("my app").await?;
+    /// client.simple_query("SELECT 1").await?;
+    /// # Ok(()) }
+    /// ```
+    pub async fn connect_client(&self, application_name: &str) -> Result<Client> {
+        let (client, _link) = connect(self, application_name).await?;
+        Ok(client)
+    }
+
+    /// Keep the tokio-postgres mode in line with ours.
+    fn synced(mut self) -> Self {
+        self.pg.ssl_mode(self.ssl_mode.coarse());
+        self
+    }
+
+    fn check_system_roots(&self) -> Result<()> {
+        if self.root_cert == Some(RootCert::System) && self.ssl_mode != SslMode::VerifyFull {
+            return Err(Error::Config(format!(
+                "sslrootcert=system requires sslmode=verify-full (libpq 16), got sslmode={}",
+                self.ssl_mode
+            )));
+        }
+        Ok(())
+    }
+
+    /// The root store, if certificates are to be checked.
+    fn roots(&self) -> Result<Option<RootCertStore>> {
+        let root = match &self.root_cert {
+            Some(r) => Some(r.clone()),
+            None => default_root_file().map(RootCert::File),
+        };
+        let needed = matches!(self.ssl_mode, SslMode::VerifyCa | SslMode::VerifyFull);
+        let wanted = needed || self.ssl_mode == SslMode::Require;
+        let Some(root) = root.filter(|_| wanted) else {
+            if needed {
+                return Err(Error::Config(format!(
+                    "sslmode={} needs trusted root certificates: set sslrootcert=FILE (a PEM file of CA \
+                     certificates), or sslrootcert=system, or create ~/.postgresql/root.crt",
+                    self.ssl_mode
+                )));
+            }
+            return Ok(None);
+        };
+        let mut store = RootCertStore::empty();
+        match root {
+            RootCert::System => {
+                let loaded = rustls_native_certs::load_native_certs();
+                let (added, _) = store.add_parsable_certificates(loaded.certs);
+                if added == 0 {
+                    let why: Vec<String> = loaded.errors.iter().map(ToString::to_string).collect();
+                    let why = if why.is_empty() { String::new() } else { format!(": {}", why.join("; ")) };
+                    return Err(Error::Config(format!("sslrootcert=system: no system root certificates found{why}")));
+                }
+            }
+            RootCert::File(path) => load_pem_roots(&path, &mut store)?,
+        }
+        Ok(Some(store))
+    }
+
+    /// The rustls connector for this mode.
+    fn tls(&self) -> Result<MakeRustlsConnect> {
+        self.check_system_roots()?;
+        let provider = Arc::new(rustls::crypto::ring::default_provider());
+        let roots = if self.ssl_mode == SslMode::Disable { None } else { self.roots()? };
+        let check = match (self.ssl_mode, roots) {
+            (SslMode::VerifyFull, Some(r)) => Check::Full(webpki(r, &provider)?),
+            (SslMode::VerifyCa | SslMode::Require, Some(r)) => Check::Chain(webpki(r, &provider)?),
+            _ => Check::Nothing,
+        };
+        let verifier = Arc::new(Verifier { check, provider: provider.clone() });
+        let config = rustls::ClientConfig::builder_with_provider(provider)
+            .with_safe_default_protocol_versions()
+            .map_err(|e| Error::Config(format!("TLS: {e}")))?
+            .dangerous()
+            .with_custom_certificate_verifier(verifier)
+            .with_no_client_auth();
+        Ok(MakeRustlsConnect::new(config))
+    }
+}
+
+fn webpki(roots: RootCertStore, provider: &Arc<CryptoProvider>) -> Result<Arc<WebPkiServerVerifier>> {
+    WebPkiServerVerifier::builder_with_provider(Arc::new(roots), provider.clone())
+        .build()
+        .map_err(|e| Error::Config(format!("TLS root certificates: {e}")))
+}
+
+/// `~/.postgresql/root.crt` if it exists (libpq's default `sslrootcert`).
+fn default_root_file() -> Option<PathBuf> {
+    let home = std::env::var_os("HOME")?;
+    let p = Path::new(&home).join(".postgresql").join("root.crt");
+    p.is_file().then_some(p)
+}
+
+fn load_pem_roots(path: &Path, store: &mut RootCertStore) -> Result<()> {
+    let shown = path.display();
+    let bytes = std::fs::read(path).map_err(|e| Error::Config(format!("sslrootcert {shown}: cannot read: {e}")))?;
+    let mut n = 0;
+    for cert in CertificateDer::pem_slice_iter(&bytes) {
+        let cert = cert.map_err(|e| Error::Config(format!("sslrootcert {shown}: not a PEM certificate file: {e}")))?;
+        store.add(cert).map_err(|e| Error::Config(format!("sslrootcert {shown}: unusable certificate: {e}")))?;
+        n += 1;
+    }
+    if n == 0 {
+        return Err(Error::Config(format!(
+            "sslrootcert {shown}: no certificate found (expected PEM, BEGIN CERTIFICATE)"
+        )));
+    }
+    Ok(())
+}
+
+/// What the server's certificate is checked for.
+#[derive(Debug)]
+enum Check {
+    /// Nothing (libpq `prefer`, `allow`, `require` without a root).
+    Nothing,
+    /// The chain to a trusted root, not the name (`verify-ca`).
+    Chain(Arc<WebPkiServerVerifier>),
+    /// Chain and host name (`verify-full`).
+    Full(Arc<WebPkiServerVerifier>),
+}
+
+/// Certificate checks by sslmode; handshake signatures are always checked.
+#[derive(Debug)]
+struct Verifier {
+    check: Check,
+    provider: Arc<CryptoProvider>,
+}
+
+impl ServerCertVerifier for Verifier {
+    fn verify_server_cert(
+        &self,
+        end_entity: &CertificateDer<'_>,
+        intermediates: &[CertificateDer<'_>],
+        server_name: &ServerName<'_>,
+        ocsp_response: &[u8],
+        now: UnixTime,
+    ) -> std::result::Result<ServerCertVerified, rustls::Error> {
+        match &self.check {
+            Check::Nothing => Ok(ServerCertVerified::assertion()),
+            Check::Full(v) => v.verify_server_cert(end_entity, intermediates, server_name, ocsp_response, now),
+            // The name is checked after the chain (rustls's WebPkiServerVerifier),
+            // so a name error means the chain is good.
+            Check::Chain(v) => match v.verify_server_cert(end_entity, intermediates, server_name, ocsp_response, now) {
+                Err(rustls::Error::InvalidCertificate(
+                    CertificateError::NotValidForName | CertificateError::NotValidForNameContext { .. },
+                )) => Ok(ServerCertVerified::assertion()),
+                other => other,
+            },
+        }
+    }
+
+    fn verify_tls12_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> std::result::Result<HandshakeSignatureValid, rustls::Error> {
+        rustls::crypto::verify_tls12_signature(message, cert, dss, &self.provider.signature_verification_algorithms)
+    }
+
+    fn verify_tls13_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> std::result::Result<HandshakeSignatureValid, rustls::Error> {
+        rustls::crypto::verify_tls13_signature(message, cert, dss, &self.provider.signature_verification_algorithms)
+    }
+
+    fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
+        self.provider.signature_verification_algorithms.supported_schemes()
+    }
+}
+
+const TLS_KEYS: [&str; 2] = ["sslmode", "sslrootcert"];
+
+/// Take `sslmode` and `sslrootcert` out of a URL's query string.
+fn take_tls_params_url(url: &str) -> (String, Option<String>, Option<String>) {
+    let (base, query) = match url.split_once('?') {
+        Some((b, q)) => (b, q),
+        None => return (url.to_string(), None, None),
+    };
+    let (mut mode, mut root) = (None, None);
+    let mut kept = Vec::new();
+    for part in query.split('&') {
+        let (k, v) = part.split_once('=').unwrap_or((part, ""));
+        let key = percent_encoding::percent_decode_str(k).decode_utf8_lossy();
+        let value = || percent_encoding::percent_decode_str(v).decode_utf8_lossy().into_owned();
+        match key.as_ref() {
+            "sslmode" => mode = Some(value()),
+            "sslrootcert" => root = Some(value()),
+            _ => kept.push(part),
+        }
+    }
+    let rest = if kept.is_empty() { base.to_string() } else { format!("{base}?{}", kept.join("&")) };
+    (rest, mode, root)
+}
+
+/// Take `sslmode` and `sslrootcert` out of a libpq key=value string
+/// (`key = value`, values optionally single-quoted with `\'` and `\\`
+/// escapes; libpq "Keyword/Value Connection Strings").
+fn take_tls_params_kv(s: &str) -> Result<(String, Option<String>, Option<String>)> {
+    let b = s.as_bytes();
+    let (mut mode, mut root) = (None, None);
+    let mut rest = String::new();
+    let mut i = 0;
+    let skip_ws = |mut i: usize| {
+        while i < b.len() && b[i].is_ascii_whitespace() {
+            i += 1;
+        }
+        i
+    };
+    loop {
+        i = skip_ws(i);
+        if i >= b.len() {
+            break;
+        }
+        let start = i;
+        while i < b.len() && b[i] != b'=' && !b[i].is_ascii_whitespace() {
+            i += 1;
+        }
+        let key = &s[start..i];
+        i = skip_ws(i);
+        if i >= b.len() || b[i] != b'=' {
+            // Not key=value: let tokio-postgres report it.
+            return Ok((s.to_string(), None, None));
+        }
+        i = skip_ws(i + 1);
+        let mut value = String::new();
+        if i < b.len() && b[i] == b'\'' {
+            i += 1;
+            let mut closed = false;
+            while i < b.len() {
+                match b[i] {
+                    b'\\' if i + 1 < b.len() => {
+                        let ch = s[i + 1..].chars().next().unwrap_or('\u{fffd}');
+                        value.push(ch);
+                        i += 1 + ch.len_utf8();
+                    }
+                    b'\'' => {
+                        closed = true;
+                        i += 1;
+                        break;
+                    }
+                    _ => {
+                        let ch = s[i..].chars().next().unwrap_or('\u{fffd}');
+                        value.push(ch);
+                        i += ch.len_utf8();
+                    }
+                }
+            }
+            if !closed && TLS_KEYS.contains(&key) {
+                return Err(Error::Config(format!("invalid connection string: unterminated quote in {key}")));
+            }
+        } else {
+            while i < b.len() && !b[i].is_ascii_whitespace() {
+                if b[i] == b'\\' && i + 1 < b.len() {
+                    let ch = s[i + 1..].chars().next().unwrap_or('\u{fffd}');
+                    value.push(ch);
+                    i += 1 + ch.len_utf8();
+                } else {
+                    let ch = s[i..].chars().next().unwrap_or('\u{fffd}');
+                    value.push(ch);
+                    i += ch.len_utf8();
+                }
+            }
+        }
+        match key {
+            "sslmode" => mode = Some(value),
+            "sslrootcert" => root = Some(value),
+            _ => {
+                rest.push_str(&s[start..i]);
+                rest.push(' ');
+            }
+        }
+    }
+    Ok((rest.trim_end().to_string(), mode, root))
+}
+
 /// Parse a libpq-style URL (`postgres://user@host:5432/db?...`) or key=value
-/// string.
+/// string, TLS settings included: the same as [`ConnectOptions::parse`].
 ///
 /// # Errors
 /// [`Error::InvalidUrl`] describing what could not be parsed (the text of
 /// the URL, which may hold a password, is not repeated);
-/// [`Error::Config`] for a URL of another scheme (`mysql://...`).
-pub fn parse_url(url: &str) -> Result<Config> {
-    let trimmed = url.trim_start();
-    if let Some((scheme, _)) = trimmed.split_once("://")
-        && scheme != "postgres"
-        && scheme != "postgresql"
-    {
-        return Err(Error::Config(format!(
-            "invalid database URL: scheme `{scheme}://` is not PostgreSQL; write postgres://user@host:5432/dbname"
-        )));
+/// [`Error::Config`] for a URL of another scheme (`mysql://...`) or bad TLS
+/// settings.
+pub fn parse_url(url: &str) -> Result<ConnectOptions> {
+    ConnectOptions::parse(url)
+}
+
+/// Mask passwords in a URL or connection string, for messages and printed
+/// settings: `scheme://user:****@host/...` (the userinfo password of any
+/// URL), and `password=****` in query strings and libpq key=value strings.
+///
+/// # Example
+/// ```
+/// assert_eq!(pg_outbox::redact_password("amqp://app:pw@mq:5672/%2f"), "amqp://app:****@mq:5672/%2f");
+/// assert_eq!(pg_outbox::redact_password("host=db password='p w' user=u"), "host=db password=**** user=u");
+/// ```
+pub fn redact_password(value: &str) -> String {
+    let mut s = value.to_string();
+    if let Some(scheme_end) = s.find("://") {
+        let rest_start = scheme_end + 3;
+        let authority_end = s[rest_start..].find(['/', '?', '#']).map_or(s.len(), |i| rest_start + i);
+        if let Some(at) = s[rest_start..authority_end].rfind('@') {
+            let userinfo = &s[rest_start..rest_start + at];
+            if let Some(colon) = userinfo.find(':') {
+                s.replace_range(rest_start + colon + 1..rest_start + at, "****");
+            }
+        }
     }
-    url.parse::<Config>().map_err(Error::InvalidUrl)
+    // password=... in a query string or a key=value string.
+    let mut out = String::with_capacity(s.len());
+    let mut rest = s.as_str();
+    while let Some(i) = rest.find("password") {
+        let (before, after) = rest.split_at(i + "password".len());
+        out.push_str(before);
+        let trimmed = after.trim_start();
+        if let Some(value) = trimmed.strip_prefix('=') {
+            out.push_str(&after[..after.len() - trimmed.len()]);
+            out.push('=');
+            let value_trim = value.trim_start();
+            out.push_str(&value[..value.len() - value_trim.len()]);
+            let end = if let Some(q) = value_trim.strip_prefix('\'') {
+                let mut j = 0;
+                let b = q.as_bytes();
+                while j < b.len() && b[j] != b'\'' {
+                    j += if b[j] == b'\\' { 2 } else { 1 };
+                }
+                (j + 2).min(value_trim.len())
+            } else {
+                value_trim.find(|c: char| c.is_whitespace() || c == '&').unwrap_or(value_trim.len())
+            };
+            out.push_str("****");
+            rest = &value_trim[end..];
+        } else {
+            rest = after;
+        }
+    }
+    out.push_str(rest);
+    out
 }
 
 /// `host:port/dbname` of a config, for messages. Never includes the password.
@@ -53,12 +666,9 @@ pub fn describe_target(cfg: &Config) -> String {
     format!("{host}:{port}/{db}")
 }
 
-/// Connect with the given application name (visible in `pg_stat_activity`),
-/// TCP keepalives and a connect timeout; spawn the connection task and return
-/// its [`Link`] (its error is logged when it ends with one).
-///
-/// Used for the work connection. The LISTEN connection is driven by the
-/// notifier itself (see `consumer::notifier`).
+/// The TLS stream type of our connections.
+pub(crate) type TlsStream = <MakeRustlsConnect as MakeTlsConnect<Socket>>::Stream;
+
 /// A spawned connection task, and a token cancelled the moment it ends
 /// (the server closed the session, the network broke, or it was aborted).
 #[derive(Debug)]
@@ -67,10 +677,53 @@ pub(crate) struct Link {
     pub(crate) closed: tokio_util::sync::CancellationToken,
 }
 
-pub(crate) async fn connect(cfg: &Config, application_name: &str) -> Result<(Client, Link)> {
-    let cfg = prepared(cfg, application_name);
-    let (client, connection) =
-        cfg.connect(NoTls).await.map_err(|source| Error::Connect { target: describe_target(&cfg), source })?;
+/// Open a connection as `opts` says (TLS included), with our application
+/// name, keepalives and a connect timeout; do not spawn it.
+///
+/// `allow` tries without TLS and then with it; `prefer` asks for TLS and
+/// goes on without if the server declines; a Unix socket never uses TLS
+/// (as libpq).
+pub(crate) async fn open(
+    opts: &ConnectOptions,
+    application_name: &str,
+) -> Result<(Client, Connection<Socket, TlsStream>)> {
+    use tokio_postgres::config::SslMode as T;
+    let mut cfg = prepared(&opts.pg, application_name);
+    let tls = opts.tls()?;
+    let all_unix = !cfg.get_hosts().is_empty() && cfg.get_hosts().iter().all(|h| matches!(h, Host::Unix(_)));
+    let attempts: &[T] = match opts.ssl_mode {
+        _ if all_unix => &[T::Disable],
+        SslMode::Disable => &[T::Disable],
+        SslMode::Allow => &[T::Disable, T::Require],
+        SslMode::Prefer => &[T::Prefer],
+        SslMode::Require | SslMode::VerifyCa | SslMode::VerifyFull => &[T::Require],
+    };
+    let mut last = None;
+    for mode in attempts {
+        cfg.ssl_mode(*mode);
+        match cfg.connect(tls.clone()).await {
+            Ok(pair) => return Ok(pair),
+            Err(e) => {
+                tracing::debug!(target_db = %opts.describe(), error = %crate::error::report(&e), "connection attempt failed");
+                last = Some(e);
+            }
+        }
+    }
+    match last {
+        Some(source) => Err(Error::Connect { target: opts.describe(), source }),
+        None => Err(Error::Config("no connection attempt made".into())),
+    }
+}
+
+/// Connect with the given application name (visible in `pg_stat_activity`),
+/// TLS as configured, TCP keepalives and a connect timeout; spawn the
+/// connection task and return its [`Link`] (its error is logged when it
+/// ends with one).
+///
+/// Used for the work connection. The LISTEN connection is driven by the
+/// notifier itself (see `consumer::notifier`).
+pub(crate) async fn connect(opts: &ConnectOptions, application_name: &str) -> Result<(Client, Link)> {
+    let (client, connection) = open(opts, application_name).await?;
     let name = application_name.to_string();
     let closed = tokio_util::sync::CancellationToken::new();
     let guard = closed.clone().drop_guard();
@@ -121,6 +774,47 @@ mod tests {
         let mine = "-c tcp_keepalives_idle=5";
         let cfg = prepared(&parse_url(&format!("host=h user=u options='{mine}'")).expect("url"), "app");
         assert_eq!(cfg.get_options(), Some(mine));
+    }
+
+    #[test]
+    fn tls_settings_are_taken_out_of_urls() {
+        let o = parse_url("postgres://u@h/db?sslmode=verify-full&sslrootcert=%2Ftmp%2Fca.pem&application_name=x")
+            .expect("url");
+        assert_eq!(o.ssl_mode(), SslMode::VerifyFull);
+        assert_eq!(o.root_cert(), Some(&RootCert::File("/tmp/ca.pem".into())));
+        assert_eq!(o.get_application_name(), Some("x"));
+        assert_eq!(o.get_ssl_mode(), tokio_postgres::config::SslMode::Require);
+        let o = parse_url("postgres://u@h/db").expect("url");
+        assert_eq!(o.ssl_mode(), SslMode::Prefer);
+        assert_eq!(o.root_cert(), None);
+        let o = parse_url("postgres://u@h/db?sslrootcert=system").expect("url");
+        assert_eq!((o.ssl_mode(), o.root_cert()), (SslMode::VerifyFull, Some(&RootCert::System)));
+        let e = parse_url("postgres://u@h/db?sslrootcert=system&sslmode=require").expect_err("weaker than verify-full");
+        assert!(e.to_string().contains("sslrootcert=system requires sslmode=verify-full"), "{e}");
+        let e = parse_url("postgres://u@h/db?sslmode=verify").expect_err("unknown mode");
+        assert!(e.to_string().contains("invalid sslmode `verify`"), "{e}");
+        let o = parse_url("postgres://u@h/db?sslmode=allow").expect("url");
+        assert_eq!(o.ssl_mode(), SslMode::Allow);
+    }
+
+    #[test]
+    fn tls_settings_are_taken_out_of_key_value_strings() {
+        let o = parse_url("host=h sslmode = verify-ca user=u sslrootcert='/tmp/my ca\\'s.pem' dbname=d").expect("kv");
+        assert_eq!(o.ssl_mode(), SslMode::VerifyCa);
+        assert_eq!(o.root_cert(), Some(&RootCert::File("/tmp/my ca's.pem".into())));
+        assert_eq!((o.get_user(), o.get_dbname()), (Some("u"), Some("d")));
+        let o = parse_url("host=h options='-c a=b' sslmode=disable").expect("kv");
+        assert_eq!(o.ssl_mode(), SslMode::Disable);
+        assert_eq!(o.get_options(), Some("-c a=b"));
+        let o: ConnectOptions = parse_url("host=h sslmode=require").expect("kv").into_config().into();
+        assert_eq!(o.ssl_mode(), SslMode::Require);
+    }
+
+    #[test]
+    fn verify_modes_need_roots() {
+        let o = parse_url("postgres://u@h/db?sslmode=verify-full&sslrootcert=/nonexistent/ca.pem").expect("url");
+        let Err(e) = o.tls() else { panic!("a missing sslrootcert file must fail") };
+        assert!(e.to_string().contains("sslrootcert /nonexistent/ca.pem: cannot read"), "{e}");
     }
 
     #[test]

@@ -16,7 +16,10 @@ mod retry;
 mod store;
 pub mod temp_server;
 
-pub use connect::{DEFAULT_CONNECT_TIMEOUT, KEEPALIVE_IDLE, SERVER_KEEPALIVES, describe_target, parse_url};
+pub use connect::{
+    ConnectOptions, DEFAULT_CONNECT_TIMEOUT, KEEPALIVE_IDLE, RootCert, SERVER_KEEPALIVES, SslMode, describe_target,
+    parse_url, redact_password,
+};
 pub use consumer::{
     Consumer, ConsumerBuilder, DEFAULT_ACK_BATCH_SIZE, DEFAULT_ACK_INTERVAL, DEFAULT_BATCH_SIZE, DEFAULT_MAX_RETRIES,
     DEFAULT_PING_INTERVAL, DEFAULT_RECONNECT_MAX_DELAY, DEFAULT_SHUTDOWN_GRACE, DEFAULT_SWEEP_INTERVAL, Delivery,

@@ -17,6 +17,45 @@ use std::process::{Command, Stdio};
 
 use crate::error::{Error, Result};
 
+/// Extra settings and files for [`TempServer::start_with`] (e.g. `ssl = on`
+/// with a certificate and key).
+///
+/// # Example
+/// ```no_run
+/// # fn run(cert_pem: &str, key_pem: &str) -> Result<(), pg_outbox::Error> {
+/// use pg_outbox::temp_server::{TempServer, TempServerOptions};
+/// let _server = TempServer::start_with(
+///     TempServerOptions::default()
+///         .file("server.crt", cert_pem)
+///         .file("server.key", key_pem)
+///         .setting("ssl", "on"),
+/// )?;
+/// # Ok(()) }
+/// ```
+#[derive(Debug, Clone, Default)]
+pub struct TempServerOptions {
+    settings: Vec<(String, String)>,
+    files: Vec<(String, Vec<u8>)>,
+}
+
+impl TempServerOptions {
+    /// Add `name = 'value'` to `postgresql.conf` (PostgreSQL docs, "Setting
+    /// Parameters"). Relative file names in settings are relative to the data
+    /// directory.
+    pub fn setting(mut self, name: &str, value: &str) -> Self {
+        self.settings.push((name.to_string(), value.to_string()));
+        self
+    }
+
+    /// Write a file into the data directory before the server starts, owned
+    /// by the server's user with mode 0600 (as a TLS key must be). `name` is
+    /// a plain file name; an existing file (e.g. `pg_hba.conf`) is replaced.
+    pub fn file(mut self, name: &str, contents: impl AsRef<[u8]>) -> Self {
+        self.files.push((name.to_string(), contents.as_ref().to_vec()));
+        self
+    }
+}
+
 /// A running throwaway server; stopped and deleted on drop.
 #[derive(Debug)]
 pub struct TempServer {
@@ -101,6 +140,16 @@ impl TempServer {
     /// [`Error::TempServer`] if the binaries are missing or `initdb`/`pg_ctl`
     /// fail (the message carries their output).
     pub fn start() -> Result<Self> {
+        Self::start_with(TempServerOptions::default())
+    }
+
+    /// As [`TempServer::start`], with extra settings and files.
+    ///
+    /// # Errors
+    /// As [`TempServer::start`]; also [`Error::TempServer`] for a file name
+    /// that is not a plain name, and [`Error::Io`] if a file cannot be
+    /// written.
+    pub fn start_with(options: TempServerOptions) -> Result<Self> {
         let bindir = find_bindir()?;
         // SAFETY: geteuid has no preconditions.
         let is_root = unsafe { libc::geteuid() } == 0;
@@ -131,6 +180,7 @@ impl TempServer {
                 "--no-sync".as_ref(),
             ],
         )?;
+        server.configure(&options)?;
         let mut last = None;
         for _ in 0..3 {
             server.port = free_port()?;
@@ -143,6 +193,30 @@ impl TempServer {
             }
         }
         Err(last.unwrap_or_else(|| err("could not start")))
+    }
+
+    fn configure(&self, options: &TempServerOptions) -> Result<()> {
+        use std::io::Write;
+        use std::os::unix::fs::OpenOptionsExt;
+        let data = self.data_dir();
+        for (name, contents) in &options.files {
+            if name.is_empty() || name.contains('/') || name.starts_with('.') {
+                return Err(err(format!("file name `{name}` must be a plain name in the data directory")));
+            }
+            let path = data.join(name);
+            let mut f = std::fs::OpenOptions::new().write(true).create(true).truncate(true).mode(0o600).open(&path)?;
+            f.write_all(contents)?;
+            if let Some((uid, gid)) = self.run_as {
+                std::os::unix::fs::chown(&path, Some(uid), Some(gid))?;
+            }
+        }
+        if !options.settings.is_empty() {
+            let mut conf = std::fs::OpenOptions::new().append(true).open(data.join("postgresql.conf"))?;
+            for (name, value) in &options.settings {
+                writeln!(conf, "{name} = '{}'", value.replace('\'', "''"))?;
+            }
+        }
+        Ok(())
     }
 
     fn data_dir(&self) -> PathBuf {

@@ -87,8 +87,8 @@ pub enum Mode {
 /// Settings of a consumer. Build it with [`Consumer::builder`].
 #[derive(Debug, Clone)]
 pub(crate) struct ConsumerConfig {
-    pub(crate) pg: tokio_postgres::Config,
-    pub(crate) listener_pg: Option<tokio_postgres::Config>,
+    pub(crate) pg: connect::ConnectOptions,
+    pub(crate) listener_pg: Option<connect::ConnectOptions>,
     pub(crate) batch_size: usize,
     pub(crate) buffer: usize,
     pub(crate) sweep_interval: Duration,
@@ -108,8 +108,10 @@ pub(crate) struct ConsumerConfig {
 pub struct Consumer(());
 
 impl Consumer {
-    /// A builder for a consumer of `events.outbox` on the database `pg`
-    /// (parse a URL with [`crate::parse_url`]).
+    /// A builder for a consumer of `events.outbox` on the database `pg`:
+    /// [`ConnectOptions`](crate::ConnectOptions) from [`crate::parse_url`]
+    /// (TLS settings included), or a plain `tokio_postgres::Config` (its
+    /// `sslmode` disable/prefer/require carries over).
     ///
     /// # Example
     /// ```no_run
@@ -123,10 +125,10 @@ impl Consumer {
     /// }
     /// # Ok(()) }
     /// ```
-    pub fn builder(pg: tokio_postgres::Config) -> ConsumerBuilder {
+    pub fn builder(pg: impl Into<connect::ConnectOptions>) -> ConsumerBuilder {
         ConsumerBuilder {
             cfg: ConsumerConfig {
-                pg,
+                pg: pg.into(),
                 listener_pg: None,
                 batch_size: DEFAULT_BATCH_SIZE,
                 buffer: 0,
@@ -227,8 +229,8 @@ impl ConsumerBuilder {
     /// the same as the work connection). LISTEN needs a direct or
     /// session-mode connection; it does not work through a transaction-mode
     /// pooler.
-    pub fn listener_config(mut self, pg: tokio_postgres::Config) -> Self {
-        self.cfg.listener_pg = Some(pg);
+    pub fn listener_config(mut self, pg: impl Into<connect::ConnectOptions>) -> Self {
+        self.cfg.listener_pg = Some(pg.into());
         self
     }
 

@@ -19,7 +19,7 @@ use backon::BackoffBuilder;
 use futures::StreamExt;
 use tokio::sync::{Notify, watch};
 use tokio::task::JoinHandle;
-use tokio_postgres::{AsyncMessage, Client, Config, NoTls};
+use tokio_postgres::{AsyncMessage, Client};
 use tokio_util::sync::CancellationToken;
 
 use super::{ConsumerConfig, ListenerStatus, NOTIFY_CHANNEL};
@@ -44,10 +44,12 @@ pub(crate) fn quote_ident(s: &str) -> String {
 }
 
 /// Connect, start driving the connection, and LISTEN.
-pub(crate) async fn listen(pg: &Config, wake: Arc<Notify>, probe: watch::Sender<String>) -> Result<Listening> {
-    let cfg = connect::prepared(pg, "pg-outbox listener");
-    let (client, mut connection) =
-        cfg.connect(NoTls).await.map_err(|source| Error::Connect { target: connect::describe_target(&cfg), source })?;
+pub(crate) async fn listen(
+    pg: &connect::ConnectOptions,
+    wake: Arc<Notify>,
+    probe: watch::Sender<String>,
+) -> Result<Listening> {
+    let (client, mut connection) = connect::open(pg, "pg-outbox listener").await?;
     let driver = tokio::spawn(async move {
         let mut messages = futures::stream::poll_fn(move |cx| connection.poll_message(cx));
         while let Some(msg) = messages.next().await {
@@ -85,7 +87,7 @@ pub(crate) async fn listen(pg: &Config, wake: Arc<Notify>, probe: watch::Sender<
 /// reconnect.
 #[allow(clippy::too_many_arguments)]
 pub(crate) async fn run(
-    pg: Config,
+    pg: connect::ConnectOptions,
     first: Listening,
     wake: Arc<Notify>,
     reconnect_wake: Arc<Notify>,

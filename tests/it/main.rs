@@ -4,6 +4,7 @@ mod auto_traits;
 #[cfg(any(feature = "nats", feature = "redis"))]
 mod broker_relay;
 mod cli;
+mod config;
 mod consumer;
 mod contrib;
 mod dead_letters;
@@ -28,4 +29,5 @@ mod sink_redis;
 mod sink_relay;
 mod status_detail;
 mod support;
+mod tls;
 mod webhook_signing;

@@ -70,12 +70,12 @@ async fn find_server() -> tokio_postgres::Config {
     if let Ok(url) = std::env::var("DATABASE_URL")
         && !url.trim().is_empty()
     {
-        return pg_outbox::parse_url(&url).expect("DATABASE_URL does not parse");
+        return pg_outbox::parse_url(&url).expect("DATABASE_URL does not parse").into_config();
     }
     for candidate in
         ["postgres://postgres@127.0.0.1:5432/postgres", "host=/var/run/postgresql user=postgres dbname=postgres"]
     {
-        let cfg = pg_outbox::parse_url(candidate).expect("candidate URL");
+        let cfg = pg_outbox::parse_url(candidate).expect("candidate URL").into_config();
         if try_connect(&cfg).await {
             return cfg;
         }
@@ -90,7 +90,7 @@ async fn start_throwaway() -> tokio_postgres::Config {
         .unwrap_or_else(|e| panic!("no PostgreSQL to test against: {}", pg_outbox::error::report(&e)));
     let url = server.url();
     SERVER.get_or_init(|| Mutex::new(None)).lock().expect("lock").replace(server);
-    pg_outbox::parse_url(&url).expect("temp server URL")
+    pg_outbox::parse_url(&url).expect("temp server URL").into_config()
 }
 
 async fn setup() -> &'static Setup {

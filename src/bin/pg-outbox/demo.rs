@@ -102,7 +102,7 @@ pub(crate) async fn run(args: DemoArgs) -> Result<(), Error> {
 }
 
 /// A key=value connection string for `cfg` (keeps the password, if any).
-fn config_url(cfg: &tokio_postgres::Config) -> String {
+fn config_url(cfg: &pg_outbox::ConnectOptions) -> String {
     use tokio_postgres::config::Host;
     let mut parts = Vec::new();
     match cfg.get_hosts().first() {
@@ -121,6 +121,10 @@ fn config_url(cfg: &tokio_postgres::Config) -> String {
     }
     if let Some(d) = cfg.get_dbname() {
         parts.push(format!("dbname='{d}'"));
+    }
+    parts.push(format!("sslmode={}", cfg.ssl_mode()));
+    if let Some(root) = cfg.root_cert() {
+        parts.push(format!("sslrootcert='{}'", root.to_string().replace('\\', "\\\\").replace('\'', "\\'")));
     }
     parts.join(" ")
 }

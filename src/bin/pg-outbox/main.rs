@@ -9,6 +9,7 @@ use clap::{Parser, Subcommand};
 use pg_outbox::relay;
 use pg_outbox::{Consumer, Error, NewEvent, Publisher, RetryPolicy};
 
+mod config;
 mod dead_letters;
 mod demo;
 mod sink_args;
@@ -35,6 +36,7 @@ enum Command {
     /// Create or update the outbox schema (idempotent; safe to run twice).
     Migrate,
     /// Deliver outbox events to a sink until SIGINT/SIGTERM.
+    #[command(after_help = RELAY_HELP)]
     Relay(Box<RelayArgs>),
     /// Insert one event and print its id.
     Publish(PublishArgs),
@@ -51,13 +53,29 @@ enum Command {
     Demo(demo::DemoArgs),
 }
 
+const RELAY_HELP: &str = "\
+Every setting can also come from the environment (OUTBOX_<FLAG>, e.g. OUTBOX_BATCH_SIZE=500,
+OUTBOX_SINK=stdout) or from a TOML file given by --config FILE or OUTBOX_CONFIG, whose keys are
+the flag names (batch_size = 500, or batch-size; database_url = \"postgres://...\").
+Precedence: command line > environment > config file > built-in default.
+--print-config shows the effective settings and where each comes from (secrets masked).";
+
 #[derive(clap::Args, Debug)]
 struct RelayArgs {
+    /// Read settings from this TOML file (keys are the flag names, e.g.
+    /// `batch_size = 500`; unknown keys are an error).
+    #[arg(long, env = "OUTBOX_CONFIG", value_name = "FILE")]
+    config: Option<std::path::PathBuf>,
+    /// Print the effective settings as TOML, each with its source, secrets
+    /// masked, and exit without connecting.
+    #[arg(long)]
+    print_config: bool,
     #[command(flatten)]
     sink: sink_args::SinkArgs,
-    /// Serve Prometheus metrics at http://HOST:PORT/metrics (e.g.
-    /// 127.0.0.1:9464 or localhost:9464).
-    #[arg(long, value_name = "HOST:PORT", value_parser = parse_addr)]
+    /// Serve Prometheus metrics at http://HOST:PORT/metrics. A bare PORT
+    /// binds 127.0.0.1 (this machine only); give a host to listen elsewhere
+    /// (e.g. 0.0.0.0:9464).
+    #[arg(long, value_name = "[HOST:]PORT", value_parser = parse_metrics_addr)]
     metrics_addr: Option<SocketAddr>,
     /// Rows fetched per query.
     #[arg(long, default_value_t = pg_outbox::DEFAULT_BATCH_SIZE)]
@@ -161,10 +179,15 @@ fn parse_schedule(s: &str) -> Result<RetryPolicy, String> {
     RetryPolicy::schedule(steps).map_err(|e| e.to_string())
 }
 
-fn parse_addr(s: &str) -> Result<SocketAddr, String> {
+/// `PORT` (bound on 127.0.0.1) or `HOST:PORT`.
+fn parse_metrics_addr(s: &str) -> Result<SocketAddr, String> {
     use std::net::ToSocketAddrs;
+    let s = s.trim();
+    if let Ok(port) = s.parse::<u16>() {
+        return Ok(SocketAddr::from(([127, 0, 0, 1], port)));
+    }
     s.to_socket_addrs()
-        .map_err(|e| format!("invalid address '{s}': {e} (write HOST:PORT, e.g. 127.0.0.1:9464)"))?
+        .map_err(|e| format!("invalid address '{s}': {e} (write PORT or HOST:PORT, e.g. 9464 or 0.0.0.0:9464)"))?
         .next()
         .ok_or_else(|| format!("address '{s}' resolves to nothing"))
 }
@@ -180,21 +203,7 @@ fn database_url(cli: &Option<String>) -> Result<String, Error> {
 }
 
 async fn connect(url: &str) -> Result<tokio_postgres::Client, Error> {
-    let cfg = pg_outbox::parse_url(url)?;
-    let target = pg_outbox::describe_target(&cfg);
-    let mut cfg = cfg;
-    if cfg.get_connect_timeout().is_none() {
-        cfg.connect_timeout(pg_outbox::DEFAULT_CONNECT_TIMEOUT);
-    }
-    if cfg.get_application_name().is_none() {
-        cfg.application_name("pg-outbox cli");
-    }
-    let (client, conn) =
-        cfg.connect(tokio_postgres::NoTls).await.map_err(|source| Error::Connect { target, source })?;
-    tokio::spawn(async move {
-        let _ = conn.await;
-    });
-    Ok(client)
+    pg_outbox::parse_url(url)?.connect_client("pg-outbox cli").await
 }
 
 async fn shutdown_signal() {
@@ -255,7 +264,7 @@ pub(crate) fn install_metrics(
 async fn relay_cmd(url: &str, args: RelayArgs) -> Result<(), Error> {
     let (sink, sink_name) = relay::open_sink(&args.sink.sink, &args.sink.options()).await?;
     let pg = pg_outbox::parse_url(url)?;
-    let target = pg_outbox::describe_target(&pg);
+    let target = pg.describe();
     if let Some(addr) = args.metrics_addr {
         // Bind check first, so a taken port is a clear error, not a log line.
         std::net::TcpListener::bind(addr).map_err(|e| Error::Config(format!("cannot serve metrics on {addr}: {e}")))?;
@@ -474,7 +483,20 @@ async fn migrate_cmd(url: &str) -> Result<(), Error> {
 }
 
 fn main() -> ExitCode {
-    let cli = Cli::parse();
+    let loaded = match config::load() {
+        Ok(l) => l,
+        Err(e) => {
+            eprintln!("error: {}", pg_outbox::error::report(&e));
+            return ExitCode::FAILURE;
+        }
+    };
+    if let Command::Relay(args) = &loaded.cli.command
+        && args.print_config
+    {
+        print!("{}", config::render(&loaded));
+        return ExitCode::SUCCESS;
+    }
+    let cli = loaded.cli;
     use std::io::IsTerminal;
     tracing_subscriber::fmt()
         .with_writer(std::io::stderr)

@@ -1,0 +1,331 @@
+//! `relay` settings from the command line, the environment and a TOML file.
+//!
+//! Every `relay` flag `--some-flag` can also be set by the environment
+//! variable `OUTBOX_SOME_FLAG` and by the key `some_flag` (or `some-flag`) in
+//! the TOML file named by `--config FILE` or `OUTBOX_CONFIG`. Precedence:
+//! command line > environment > config file > built-in default. The
+//! database URL comes from `--database-url`, `DATABASE_URL` or the file's
+//! `database_url`.
+//!
+//! The mechanism is generic over the relay's arguments: environment names
+//! are added to every argument with `Command::mut_args`, and the file's
+//! values become the arguments' defaults, so clap's own value parsers check
+//! them and its precedence (command line, then environment, then default)
+//! holds.
+
+use std::collections::BTreeMap;
+use std::ffi::OsString;
+use std::path::{Path, PathBuf};
+
+use clap::parser::ValueSource;
+use clap::{Arg, ArgMatches, Command, CommandFactory, FromArgMatches};
+use pg_outbox::Error;
+
+use crate::Cli;
+
+/// Prefix of the environment variables of relay flags.
+pub(crate) const ENV_PREFIX: &str = "OUTBOX_";
+
+/// Relay arguments that are not settings (no environment name, no file key).
+const NOT_SETTINGS: [&str; 3] = ["help", "config", "print_config"];
+
+/// The top-level argument that names the database.
+const DATABASE_URL: &str = "database_url";
+
+/// Settings read from a config file: argument id -> values.
+#[derive(Debug, Default)]
+pub(crate) struct FileLayer {
+    pub(crate) path: Option<PathBuf>,
+    values: BTreeMap<String, Vec<String>>,
+}
+
+/// Everything parsed: the typed CLI, the raw matches (for sources), the file.
+pub(crate) struct Loaded {
+    pub(crate) cli: Cli,
+    pub(crate) matches: ArgMatches,
+    pub(crate) command: Command,
+    pub(crate) file: FileLayer,
+}
+
+/// `OUTBOX_BATCH_SIZE` for `--batch-size`.
+fn env_name(long: &str) -> String {
+    format!("{ENV_PREFIX}{}", long.replace('-', "_").to_uppercase())
+}
+
+/// The command with an `OUTBOX_*` environment variable on every relay
+/// setting (values hidden in `--help`: they may hold secrets).
+fn command() -> Command {
+    Cli::command().mut_subcommand("relay", |relay| {
+        relay.mut_args(|arg| {
+            let id = arg.get_id().as_str();
+            if NOT_SETTINGS.contains(&id) || arg.get_env().is_some() {
+                return arg;
+            }
+            match arg.get_long().map(env_name) {
+                Some(name) => arg.env(name).hide_env_values(true),
+                None => arg,
+            }
+        })
+    })
+}
+
+/// Parse the command line (exits with clap's message on a usage error or
+/// for `--help`), then, for `relay`, read the config file and parse again
+/// with its values as defaults.
+///
+/// # Errors
+/// [`Error::Config`] naming the file and key for an unreadable file, bad
+/// TOML, an unknown key or a wrong value.
+pub(crate) fn load() -> Result<Loaded, Error> {
+    let args: Vec<OsString> = std::env::args_os().collect();
+    let cmd = command();
+    let first = cmd.clone().get_matches_from(&args);
+    let path = first.subcommand_matches("relay").and_then(|m| m.get_one::<PathBuf>("config")).cloned();
+    let (cmd, file) = match path {
+        None => (cmd, FileLayer::default()),
+        Some(path) => {
+            let file = read_file(&path, &cmd)?;
+            (with_file_defaults(cmd, &file), file)
+        }
+    };
+    let matches = cmd.clone().get_matches_from(&args);
+    let cli = Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
+    Ok(Loaded { cli, matches, command: cmd, file })
+}
+
+fn relay_args(cmd: &Command) -> Vec<&Arg> {
+    cmd.get_subcommands()
+        .find(|s| s.get_name() == "relay")
+        .map(|s| s.get_arguments().filter(|a| !NOT_SETTINGS.contains(&a.get_id().as_str())).collect())
+        .unwrap_or_default()
+}
+
+fn database_arg(cmd: &Command) -> Option<&Arg> {
+    cmd.get_arguments().find(|a| a.get_id() == DATABASE_URL)
+}
+
+/// Whether an argument is a flag (no value: `--no-listen`).
+fn is_flag(arg: &Arg) -> bool {
+    !arg.get_action().takes_values()
+}
+
+/// Whether an argument may be given several times.
+fn is_repeatable(arg: &Arg) -> bool {
+    matches!(arg.get_action(), clap::ArgAction::Append)
+}
+
+/// The file keys of an argument: its long name and aliases, with `-` or `_`.
+fn keys_of(arg: &Arg) -> Vec<String> {
+    let mut names: Vec<&str> = arg.get_long().into_iter().collect();
+    names.extend(arg.get_all_aliases().unwrap_or_default());
+    names.iter().flat_map(|n| [n.to_string(), n.replace('-', "_")]).collect()
+}
+
+fn file_error(path: &Path, msg: impl std::fmt::Display) -> Error {
+    Error::Config(format!("config file {}: {msg}", path.display()))
+}
+
+/// Read and check a config file against the relay's arguments.
+fn read_file(path: &Path, cmd: &Command) -> Result<FileLayer, Error> {
+    let text = std::fs::read_to_string(path).map_err(|e| file_error(path, format!("cannot read: {e}")))?;
+    let table: toml::Table = text.parse().map_err(|e: toml::de::Error| {
+        let msg = e.message().to_string();
+        match e.span() {
+            Some(span) => {
+                let line = text[..span.start.min(text.len())].matches('\n').count() + 1;
+                file_error(path, format!("invalid TOML at line {line}: {msg}"))
+            }
+            None => file_error(path, format!("invalid TOML: {msg}")),
+        }
+    })?;
+    let mut args: Vec<&Arg> = relay_args(cmd);
+    args.extend(database_arg(cmd));
+    let mut values = BTreeMap::new();
+    for (key, value) in &table {
+        let Some(arg) = args.iter().find(|a| keys_of(a).iter().any(|k| k == key)) else {
+            let mut known: Vec<String> = args
+                .iter()
+                .filter(|a| !a.is_hide_set())
+                .filter_map(|a| a.get_long())
+                .map(|l| l.replace('-', "_"))
+                .collect();
+            known.sort();
+            return Err(file_error(path, format!("unknown key `{key}` (known keys: {})", known.join(", "))));
+        };
+        let id = arg.get_id().as_str().to_string();
+        if values.contains_key(&id) {
+            return Err(file_error(path, format!("key `{key}` is set twice (under two spellings)")));
+        }
+        let strings = file_values(path, key, arg, value)?;
+        check_values(path, key, arg, &strings)?;
+        values.insert(id, strings);
+    }
+    Ok(FileLayer { path: Some(path.to_path_buf()), values })
+}
+
+/// A TOML value as the argument's textual values.
+fn file_values(path: &Path, key: &str, arg: &Arg, value: &toml::Value) -> Result<Vec<String>, Error> {
+    use toml::Value as V;
+    if is_flag(arg) {
+        return match value {
+            V::Boolean(b) => Ok(vec![b.to_string()]),
+            other => Err(file_error(path, format!("key `{key}` must be true or false, got {}", other.type_str()))),
+        };
+    }
+    let scalar = |v: &V| -> Result<String, Error> {
+        match v {
+            V::String(s) => Ok(s.clone()),
+            V::Integer(i) => Ok(i.to_string()),
+            V::Float(f) => Ok(f.to_string()),
+            V::Boolean(b) => Ok(b.to_string()),
+            other => {
+                Err(file_error(path, format!("key `{key}` must be a string or a number, got {}", other.type_str())))
+            }
+        }
+    };
+    match value {
+        V::Array(items) if is_repeatable(arg) => items.iter().map(scalar).collect(),
+        V::Array(_) => Err(file_error(path, format!("key `{key}` takes one value, not an array"))),
+        v => Ok(vec![scalar(v)?]),
+    }
+}
+
+/// Check values with the argument's own parser (a one-argument command).
+fn check_values(path: &Path, key: &str, arg: &Arg, values: &[String]) -> Result<(), Error> {
+    if is_flag(arg) {
+        return Ok(());
+    }
+    let Some(long) = arg.get_long() else { return Ok(()) };
+    let probe_arg = arg.clone().env(None::<&str>).required(false).global(false).default_values(Vec::<&str>::new());
+    let probe = Command::new("config").no_binary_name(true).arg(probe_arg);
+    let mut argv: Vec<String> = Vec::new();
+    for v in values {
+        argv.push(format!("--{long}={v}"));
+    }
+    probe.try_get_matches_from(argv).map(|_| ()).map_err(|e| {
+        let text = e.to_string();
+        let first = text.lines().next().unwrap_or("invalid value").trim_start_matches("error: ").to_string();
+        file_error(path, format!("key `{key}`: {first}"))
+    })
+}
+
+/// The command with the file's values as the arguments' defaults.
+fn with_file_defaults(cmd: Command, file: &FileLayer) -> Command {
+    let set = |arg: Arg| -> Arg {
+        match file.values.get(arg.get_id().as_str()) {
+            Some(v) => arg.default_values(v.clone()),
+            None => arg,
+        }
+    };
+    let cmd = if file.values.contains_key(DATABASE_URL) { cmd.mut_arg(DATABASE_URL, set) } else { cmd };
+    cmd.mut_subcommand("relay", |relay| relay.mut_args(set))
+}
+
+/// Where a setting's value came from.
+fn source(m: &ArgMatches, arg: &Arg, file: &FileLayer) -> String {
+    let id = arg.get_id().as_str();
+    match m.value_source(id) {
+        Some(ValueSource::CommandLine) => "command line".to_string(),
+        Some(ValueSource::EnvVariable) => {
+            format!("environment ({})", arg.get_env().map(|e| e.to_string_lossy().into_owned()).unwrap_or_default())
+        }
+        Some(ValueSource::DefaultValue) if file.values.contains_key(id) => match &file.path {
+            Some(p) => format!("config file {}", p.display()),
+            None => "config file".to_string(),
+        },
+        Some(_) => "default".to_string(),
+        None => "not set".to_string(),
+    }
+}
+
+/// The effective relay settings as TOML, each with its source as a comment,
+/// secrets redacted. Feeding the output back as `--config` gives the same
+/// settings (redacted secrets aside).
+pub(crate) fn render(loaded: &Loaded) -> String {
+    let Some(m) = loaded.matches.subcommand_matches("relay") else { return String::new() };
+    let mut out = String::from(
+        "# pg-outbox relay: effective settings (precedence: command line > environment > config file > default)\n",
+    );
+    let mut args: Vec<&Arg> = database_arg(&loaded.command).into_iter().collect();
+    args.extend(relay_args(&loaded.command));
+    for arg in args {
+        let id = arg.get_id().as_str();
+        let key = arg.get_long().map(|l| l.replace('-', "_")).unwrap_or_else(|| id.to_string());
+        let raw: Vec<String> =
+            m.get_raw(id).map(|vals| vals.map(|v| redact(id, &v.to_string_lossy())).collect()).unwrap_or_default();
+        let src = source(m, arg, &loaded.file);
+        let line = if raw.is_empty() {
+            format!("# {key} =")
+        } else if is_flag(arg) {
+            let on = raw.last().is_some_and(|v| v == "true");
+            format!("{key} = {on}")
+        } else if is_repeatable(arg) {
+            let items: Vec<String> = raw.into_iter().map(|v| toml::Value::String(v).to_string()).collect();
+            format!("{key} = [{}]", items.join(", "))
+        } else {
+            let v = raw.into_iter().last().unwrap_or_default();
+            match v.parse::<i64>() {
+                Ok(n) if n.to_string() == v => format!("{key} = {n}"),
+                _ => format!("{key} = {}", toml::Value::String(v)),
+            }
+        };
+        out.push_str(&format!("{line:<60} # {src}\n"));
+    }
+    out
+}
+
+/// Mask secrets in a setting's value: passwords in URLs and key=value
+/// strings, the webhook secret, values of credential-like webhook headers.
+pub(crate) fn redact(id: &str, value: &str) -> String {
+    const MASK: &str = "****";
+    if id.contains("secret") {
+        return MASK.to_string();
+    }
+    if id == "webhook_headers" {
+        if let Some((name, _)) = value.split_once(':') {
+            let n = name.trim().to_ascii_lowercase();
+            let sensitive = ["auth", "token", "secret", "key", "cookie", "password", "signature"];
+            if sensitive.iter().any(|s| n.contains(s)) {
+                return format!("{}: {MASK}", name.trim());
+            }
+        }
+        return value.to_string();
+    }
+    pg_outbox::redact_password(value)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn passwords_are_masked() {
+        assert_eq!(pg_outbox::redact_password("postgres://app:s3cret@db:5432/app"), "postgres://app:****@db:5432/app");
+        assert_eq!(
+            pg_outbox::redact_password("amqp://guest:guest@localhost:5672/%2f"),
+            "amqp://guest:****@localhost:5672/%2f"
+        );
+        assert_eq!(
+            pg_outbox::redact_password("postgres://app@db/app?password=x&sslmode=require"),
+            "postgres://app@db/app?password=****&sslmode=require"
+        );
+        assert_eq!(pg_outbox::redact_password("host=db password='a b\\'c' user=u"), "host=db password=**** user=u");
+        assert_eq!(pg_outbox::redact_password("host=db password = abc user=u"), "host=db password = **** user=u");
+        assert_eq!(pg_outbox::redact_password("nats://localhost:4222"), "nats://localhost:4222");
+        assert_eq!(redact("webhook_secret", "whsec_abc"), "****");
+        assert_eq!(redact("webhook_headers", "Authorization: Bearer x"), "Authorization: ****");
+        assert_eq!(redact("webhook_headers", "X-Team: billing"), "X-Team: billing");
+    }
+
+    #[test]
+    fn env_names_follow_flags() {
+        assert_eq!(env_name("batch-size"), "OUTBOX_BATCH_SIZE");
+        let cmd = command();
+        let names: Vec<String> =
+            relay_args(&cmd).iter().filter_map(|a| a.get_env().map(|e| e.to_string_lossy().into_owned())).collect();
+        assert!(names.contains(&"OUTBOX_SINK".to_string()), "{names:?}");
+        assert!(names.contains(&"OUTBOX_BATCH_SIZE".to_string()), "{names:?}");
+        // Every relay setting has one.
+        assert_eq!(names.len(), relay_args(&cmd).len(), "{names:?}");
+    }
+}

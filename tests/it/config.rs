@@ -1,0 +1,259 @@
+//! `pg-outbox relay` settings from the command line, `OUTBOX_*` environment
+//! variables and a TOML file (`--config`/`OUTBOX_CONFIG`): precedence,
+//! errors naming the key and file, `--print-config` with secrets masked, and
+//! a real relay run configured by file and environment (with a bare
+//! `--metrics-addr` port bound on 127.0.0.1).
+
+use std::collections::HashMap;
+use std::process::Stdio;
+use std::time::Duration;
+
+use tokio::io::{AsyncBufReadExt, BufReader};
+use tokio::process::Command;
+
+use crate::support::{self, TestDb};
+
+/// A database nobody listens on: `--print-config` must not connect.
+const NOWHERE: &str = "postgres://postgres@127.0.0.1:1/nowhere";
+
+/// Run `pg-outbox args...` with exactly the given `OUTBOX_*`/`DATABASE_URL`
+/// variables (inherited ones removed); (exit code, stdout, stderr).
+async fn run(env: &[(&str, &str)], args: &[&str]) -> (Option<i32>, String, String) {
+    let mut cmd = Command::new(support::bin());
+    cmd.args(args).env_remove("DATABASE_URL").stdin(Stdio::null()).kill_on_drop(true);
+    for (k, _) in std::env::vars() {
+        if k.starts_with("OUTBOX_") {
+            cmd.env_remove(k);
+        }
+    }
+    cmd.envs(env.iter().copied());
+    let out = tokio::time::timeout(Duration::from_secs(30), cmd.output())
+        .await
+        .unwrap_or_else(|_| panic!("pg-outbox {args:?} did not exit within 30 s"))
+        .expect("run pg-outbox");
+    (
+        out.status.code(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+/// `--print-config` output as key -> (value text, source).
+fn settings(out: &str) -> HashMap<String, (String, String)> {
+    out.lines()
+        .filter(|l| !l.starts_with('#'))
+        .filter_map(|l| {
+            let (setting, source) = l.rsplit_once(" # ")?;
+            let (key, value) = setting.split_once(" = ")?;
+            Some((key.trim().to_string(), (value.trim().to_string(), source.trim().to_string())))
+        })
+        .collect()
+}
+
+fn write(dir: &tempfile::TempDir, name: &str, text: &str) -> String {
+    let path = dir.path().join(name);
+    std::fs::write(&path, text).expect("write the config file");
+    path.display().to_string()
+}
+
+#[tokio::test]
+async fn precedence_is_command_line_then_environment_then_file_then_default() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let file = write(
+        &dir,
+        "relay.toml",
+        "batch-size = 500\nsweep_interval = \"5s\"\nmax_retries = 3\nmode = \"competing\"\n\
+         database_url = \"postgres://fromfile@127.0.0.1:1/file\"\n",
+    );
+    let env = [
+        ("OUTBOX_CONFIG", file.as_str()),
+        ("OUTBOX_SWEEP_INTERVAL", "2s"),
+        ("OUTBOX_MAX_RETRIES", "4"),
+        ("DATABASE_URL", NOWHERE),
+    ];
+    let (code, out, err) = run(&env, &["relay", "--max-retries", "5", "--print-config"]).await;
+    assert_eq!(code, Some(0), "print-config exits 0 without connecting: {err}");
+    let s = settings(&out);
+    let file_src = format!("config file {file}");
+    assert_eq!(s["batch_size"], ("500".into(), file_src.clone()), "{out}");
+    assert_eq!(s["mode"], ("\"competing\"".into(), file_src.clone()), "{out}");
+    assert_eq!(s["sweep_interval"], ("\"2s\"".into(), "environment (OUTBOX_SWEEP_INTERVAL)".into()), "{out}");
+    assert_eq!(s["max_retries"], ("5".into(), "command line".into()), "{out}");
+    assert_eq!(s["partitions"], ("16".into(), "default".into()), "{out}");
+    assert_eq!(s["sink"], ("\"stdout\"".into(), "default".into()), "{out}");
+    assert_eq!(s["database_url"], (format!("\"{NOWHERE}\""), "environment (DATABASE_URL)".into()), "{out}");
+
+    // Without DATABASE_URL the file's database_url applies; --config on the
+    // command line works as OUTBOX_CONFIG does.
+    let (code, out, err) = run(&[], &["relay", "--config", &file, "--print-config"]).await;
+    assert_eq!(code, Some(0), "{err}");
+    let s = settings(&out);
+    assert_eq!(s["database_url"], ("\"postgres://fromfile@127.0.0.1:1/file\"".into(), file_src.clone()), "{out}");
+    assert_eq!(s["max_retries"], ("3".into(), file_src), "{out}");
+
+    // The printed settings are a config file that gives the same settings.
+    let again = write(&dir, "printed.toml", &out);
+    let (code, out2, err) = run(&[], &["relay", "--config", &again, "--print-config"]).await;
+    assert_eq!(code, Some(0), "{err}");
+    let values = |m: HashMap<String, (String, String)>| {
+        let mut v: Vec<(String, String)> = m.into_iter().map(|(k, (v, _))| (k, v)).collect();
+        v.sort();
+        v
+    };
+    assert_eq!(values(settings(&out2)), values(settings(&out)), "{out}\n---\n{out2}");
+}
+
+#[tokio::test]
+async fn bad_config_files_are_refused_naming_the_key_and_file() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let cases: [(&str, &str, &[&str]); 6] = [
+        ("unknown.toml", "batch_size = 10\nbatchsize = 5\n", &["unknown key `batchsize`", "batch_size"]),
+        ("type.toml", "batch_size = \"lots\"\n", &["key `batch_size`", "invalid value 'lots'"]),
+        ("range.toml", "retention_hour = 24\n", &["key `retention_hour`", "24"]),
+        ("flag.toml", "no_listen = \"yes\"\n", &["key `no_listen` must be true or false"]),
+        ("table.toml", "[sink]\nurl = \"x\"\n", &["key `sink`"]),
+        ("syntax.toml", "sink = stdout\n", &["invalid TOML at line 1"]),
+    ];
+    for (name, text, needles) in cases {
+        let path = write(&dir, name, text);
+        let (code, out, err) = run(&[("DATABASE_URL", NOWHERE)], &["relay", "--config", &path, "--print-config"]).await;
+        assert_eq!(code, Some(1), "{name}: expected exit 1; stderr: {err}");
+        assert!(out.is_empty(), "{name}: nothing on stdout: {out}");
+        let line = err.trim();
+        assert_eq!(line.lines().count(), 1, "{name}: one line: {err}");
+        assert!(line.starts_with("error: ") && line.contains(&path), "{name}: names the file: {err}");
+        for n in needles {
+            assert!(line.contains(n), "{name}: mentions {n:?}: {err}");
+        }
+    }
+    let missing = dir.path().join("missing.toml").display().to_string();
+    let (code, _, err) = run(&[("OUTBOX_CONFIG", missing.as_str())], &["relay", "--print-config"]).await;
+    assert_eq!(code, Some(1), "{err}");
+    assert!(err.contains(&missing) && err.contains("cannot read"), "{err}");
+    // A bad value from the environment is refused by the argument parser.
+    let (code, _, err) = run(&[("OUTBOX_BATCH_SIZE", "lots")], &["relay", "--print-config"]).await;
+    assert!(code.is_some_and(|c| c != 0), "{err}");
+    assert!(err.contains("invalid value 'lots'") && err.contains("--batch-size"), "{err}");
+}
+
+#[tokio::test]
+async fn print_config_masks_passwords_and_secrets() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let file = write(&dir, "secrets.toml", "sink = \"amqp://rabbit:amqp-pw-1@127.0.0.1:5672/%2f\"\n");
+    let env = [
+        ("DATABASE_URL", "postgres://app:db-pw-2@127.0.0.1:1/app"),
+        ("OUTBOX_WEBHOOK_SECRET", "whsec_c2VjcmV0LTM="),
+        ("OUTBOX_CONFIG", file.as_str()),
+    ];
+    let args = ["relay", "--webhook-header", "Authorization: Bearer token-4", "--webhook-header", "X-Team: billing"];
+    let (code, out, err) = run(&env, &[&args[..], &["--print-config"]].concat()).await;
+    assert_eq!(code, Some(0), "{err}");
+    for secret in ["amqp-pw-1", "db-pw-2", "c2VjcmV0LTM", "token-4"] {
+        assert!(!out.contains(secret) && !err.contains(secret), "{secret} leaked:\n{out}{err}");
+    }
+    let s = settings(&out);
+    assert_eq!(s["sink"].0, "\"amqp://rabbit:****@127.0.0.1:5672/%2f\"", "{out}");
+    assert_eq!(s["database_url"].0, "\"postgres://app:****@127.0.0.1:1/app\"", "{out}");
+    assert_eq!(s["webhook_secret"], ("\"****\"".into(), "environment (OUTBOX_WEBHOOK_SECRET)".into()), "{out}");
+    assert_eq!(s["webhook_header"].0, "[\"Authorization: ****\", \"X-Team: billing\"]", "{out}");
+
+    // Nor does an unknown sink's error, nor a connect error.
+    let (code, _, err) = run(&[("DATABASE_URL", NOWHERE)], &["relay", "--sink", "ftp://u:sink-pw-5@127.0.0.1/x"]).await;
+    assert_eq!(code, Some(1), "{err}");
+    assert!(err.contains("unsupported sink 'ftp://u:****@127.0.0.1/x'") && !err.contains("sink-pw-5"), "{err}");
+    let (code, _, err) =
+        run(&[("DATABASE_URL", "postgres://app:db-pw-2@127.0.0.1:1/app?connect_timeout=2")], &["status"]).await;
+    assert_eq!(code, Some(1), "{err}");
+    assert!(err.contains("127.0.0.1:1/app") && !err.contains("db-pw-2"), "{err}");
+}
+
+#[tokio::test]
+async fn metrics_addr_takes_a_port_or_host_and_port() {
+    let (code, out, err) =
+        run(&[("DATABASE_URL", NOWHERE)], &["relay", "--metrics-addr", "9464", "--print-config"]).await;
+    assert_eq!(code, Some(0), "{err}");
+    assert_eq!(settings(&out)["metrics_addr"].0, "9464", "{out}");
+    for bad in ["notaport", "70000", "127.0.0.1:"] {
+        let (code, _, err) =
+            run(&[("DATABASE_URL", NOWHERE)], &["relay", "--metrics-addr", bad, "--print-config"]).await;
+        assert!(code.is_some_and(|c| c != 0), "--metrics-addr {bad} must be refused: {err}");
+        assert!(err.contains(&format!("'{bad}'")) && err.contains("PORT or HOST:PORT"), "{err}");
+    }
+}
+
+/// A real relay configured by a file (database, sink, sweep interval, bare
+/// metrics port) and the environment (`OUTBOX_NO_LISTEN`), delivering to stdout.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn relay_runs_with_settings_from_file_and_environment() {
+    let db = TestDb::new("config_relay").await;
+    let c = db.client().await;
+    let port = std::net::TcpListener::bind("127.0.0.1:0").expect("bind").local_addr().expect("addr").port();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let file = write(
+        &dir,
+        "relay.toml",
+        &format!(
+            "database_url = \"{}\"\nsink = \"stdout\"\nsweep_interval = \"200ms\"\nmetrics_addr = {port}\n",
+            db.url()
+        ),
+    );
+    let mut cmd = Command::new(support::bin());
+    cmd.args(["relay", "--config", &file])
+        .env_remove("DATABASE_URL")
+        .env("OUTBOX_NO_LISTEN", "true")
+        .env("RUST_LOG", "info")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true);
+    for (k, _) in std::env::vars() {
+        if k.starts_with("OUTBOX_") {
+            cmd.env_remove(k);
+        }
+    }
+    cmd.env("OUTBOX_NO_LISTEN", "true");
+    let mut child = cmd.spawn().expect("start the relay");
+    let mut out = BufReader::new(child.stdout.take().expect("stdout")).lines();
+    let mut err = BufReader::new(child.stderr.take().expect("stderr")).lines();
+
+    let mut log = String::new();
+    let started = tokio::time::timeout(Duration::from_secs(30), async {
+        while let Ok(Some(line)) = err.next_line().await {
+            log.push_str(&line);
+            log.push('\n');
+            if line.contains("relay started") {
+                return true;
+            }
+        }
+        false
+    })
+    .await;
+    assert_eq!(started, Ok(true), "relay did not start; stderr:\n{log}");
+    assert!(log.contains("LISTEN disabled"), "OUTBOX_NO_LISTEN=true applies:\n{log}");
+    assert!(log.contains(&format!("http://127.0.0.1:{port}/metrics")), "a bare port binds 127.0.0.1:\n{log}");
+
+    let ids = support::insert_seed_events(&c, uuid::Uuid::new_v4(), 3).await;
+    for id in &ids {
+        let line = tokio::time::timeout(Duration::from_secs(30), out.next_line())
+            .await
+            .expect("a delivery within 30 s")
+            .expect("read stdout")
+            .expect("stdout open");
+        let v: serde_json::Value = serde_json::from_str(&line).expect("a JSON record");
+        assert_eq!(v["id"], serde_json::json!(id), "{line}");
+    }
+    let body = reqwest::Client::builder()
+        .no_proxy()
+        .timeout(Duration::from_secs(10))
+        .build()
+        .expect("HTTP client")
+        .get(format!("http://127.0.0.1:{port}/metrics"))
+        .send()
+        .await
+        .expect("GET /metrics on 127.0.0.1")
+        .text()
+        .await
+        .expect("metrics body");
+    assert!(body.contains("outbox_"), "metrics served on 127.0.0.1:{port}:\n{body}");
+    child.kill().await.expect("stop the relay");
+}

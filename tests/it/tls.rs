@@ -1,0 +1,221 @@
+//! TLS to PostgreSQL with libpq's `sslmode` rules, against throwaway servers:
+//! one with `ssl = on` that accepts TLS connections only (a CA and a server
+//! certificate for `localhost` generated here), one without TLS.
+
+use std::process::Stdio;
+use std::time::Duration;
+
+use pg_outbox::temp_server::{TempServer, TempServerOptions};
+use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, Issuer, KeyPair};
+use tokio::io::{AsyncBufReadExt, BufReader};
+use tokio::process::Command;
+
+use crate::support;
+
+/// A CA, and a server certificate it signed for `localhost` only (not for
+/// `127.0.0.1`, so connecting by IP address is a host name mismatch).
+struct Pki {
+    ca_pem: String,
+    server_pem: String,
+    server_key_pem: String,
+}
+
+fn new_ca(name: &str) -> (CertificateParams, KeyPair, String) {
+    let key = KeyPair::generate().expect("CA key");
+    let mut params = CertificateParams::new(Vec::<String>::new()).expect("CA params");
+    params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    params.distinguished_name.push(DnType::CommonName, name);
+    let cert = params.self_signed(&key).expect("self-signed CA");
+    (params, key, cert.pem())
+}
+
+fn pki() -> Pki {
+    let (ca_params, ca_key, ca_pem) = new_ca("pg-outbox test CA");
+    let issuer = Issuer::new(ca_params, ca_key);
+    let key = KeyPair::generate().expect("server key");
+    let mut params = CertificateParams::new(vec!["localhost".to_string()]).expect("server params");
+    params.distinguished_name.push(DnType::CommonName, "localhost");
+    let cert = params.signed_by(&key, &issuer).expect("server certificate");
+    Pki { ca_pem, server_pem: cert.pem(), server_key_pem: key.serialize_pem() }
+}
+
+/// A throwaway server that only accepts TLS connections over TCP.
+async fn tls_server(pki: &Pki) -> TempServer {
+    let options = TempServerOptions::default()
+        .file("server.crt", &pki.server_pem)
+        .file("server.key", &pki.server_key_pem)
+        .file("pg_hba.conf", "local all all trust\nhostssl all all 127.0.0.1/32 trust\n")
+        .setting("ssl", "on")
+        .setting("ssl_cert_file", "server.crt")
+        .setting("ssl_key_file", "server.key");
+    tokio::task::spawn_blocking(move || TempServer::start_with(options))
+        .await
+        .expect("join")
+        .unwrap_or_else(|e| panic!("cannot start a TLS PostgreSQL server: {}", pg_outbox::error::report(&e)))
+}
+
+async fn plain_server() -> TempServer {
+    tokio::task::spawn_blocking(TempServer::start)
+        .await
+        .expect("join")
+        .unwrap_or_else(|e| panic!("cannot start a PostgreSQL server: {}", pg_outbox::error::report(&e)))
+}
+
+fn write_file(dir: &tempfile::TempDir, name: &str, contents: &str) -> String {
+    let path = dir.path().join(name);
+    std::fs::write(&path, contents).expect("write a test file");
+    path.display().to_string()
+}
+
+/// Connect with `url` and return whether the session is encrypted (from
+/// `pg_stat_ssl`), or the error as one line.
+async fn ssl_in_use(url: &str) -> Result<bool, String> {
+    let opts = pg_outbox::parse_url(url).map_err(|e| pg_outbox::error::report(&e))?;
+    let client = opts.connect_client("pg-outbox tls test").await.map_err(|e| pg_outbox::error::report(&e))?;
+    let row = client
+        .query_one("SELECT ssl FROM pg_stat_ssl WHERE pid = pg_backend_pid()", &[])
+        .await
+        .expect("query pg_stat_ssl");
+    Ok(row.get(0))
+}
+
+/// Run the binary with `DATABASE_URL=url`; (success, stdout, stderr).
+async fn run_bin(url: &str, args: &[&str]) -> (bool, String, String) {
+    let out = Command::new(support::bin())
+        .args(args)
+        .env("DATABASE_URL", url)
+        .env_remove("OUTBOX_CONFIG")
+        .stdin(Stdio::null())
+        .output()
+        .await
+        .expect("run pg-outbox");
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+#[tokio::test]
+async fn tls_modes_against_a_tls_only_server() {
+    let pki = pki();
+    let server = tls_server(&pki).await;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let ca = write_file(&dir, "ca.pem", &pki.ca_pem);
+    let (_, _, other_ca_pem) = new_ca("some other CA");
+    let other_ca = write_file(&dir, "other-ca.pem", &other_ca_pem);
+    let port = server.port();
+    let by_name = |q: &str| format!("postgres://postgres@localhost:{port}/postgres?{q}");
+    let by_ip = |q: &str| format!("postgres://postgres@127.0.0.1:{port}/postgres?{q}");
+
+    // verify-full with the right CA and the certificate's host name.
+    assert_eq!(ssl_in_use(&by_name(&format!("sslmode=verify-full&sslrootcert={ca}"))).await, Ok(true));
+    // The same in a key=value string.
+    let kv = format!("host=localhost port={port} user=postgres dbname=postgres sslmode=verify-full sslrootcert='{ca}'");
+    assert_eq!(ssl_in_use(&kv).await, Ok(true));
+
+    // verify-full by IP address: the certificate is for localhost only.
+    let e = ssl_in_use(&by_ip(&format!("sslmode=verify-full&sslrootcert={ca}"))).await.expect_err("name mismatch");
+    assert!(e.contains("sslmode=verify-full") && e.contains("not valid for name \"127.0.0.1\""), "{e}");
+    assert!(e.contains("localhost"), "the error names what the certificate is valid for: {e}");
+
+    // verify-ca checks the chain but not the name: by IP address it works ...
+    assert_eq!(ssl_in_use(&by_ip(&format!("sslmode=verify-ca&sslrootcert={ca}"))).await, Ok(true));
+    // ... and with a CA that did not sign the certificate it fails.
+    let e = ssl_in_use(&by_name(&format!("sslmode=verify-ca&sslrootcert={other_ca}"))).await.expect_err("wrong CA");
+    assert!(e.contains("sslmode=verify-ca") && e.contains("invalid peer certificate"), "{e}");
+    // require with a root certificate verifies the chain like verify-ca (libpq).
+    let e = ssl_in_use(&by_name(&format!("sslmode=require&sslrootcert={other_ca}"))).await.expect_err("wrong CA");
+    assert!(e.contains("sslmode=require") && e.contains("invalid peer certificate"), "{e}");
+
+    // verify-full without any root certificate is refused before connecting.
+    let e = ssl_in_use(&by_name("sslmode=verify-full")).await.expect_err("no roots");
+    assert!(e.contains("sslmode=verify-full needs trusted root certificates"), "{e}");
+
+    // require without a root certificate: encrypted, not verified.
+    assert_eq!(ssl_in_use(&by_ip("sslmode=require")).await, Ok(true));
+    // prefer (also the default) uses TLS when the server offers it.
+    assert_eq!(ssl_in_use(&by_ip("sslmode=prefer")).await, Ok(true));
+    assert_eq!(ssl_in_use(&format!("postgres://postgres@127.0.0.1:{port}/postgres")).await, Ok(true));
+    // allow: the plain attempt is refused by this server, the TLS one works.
+    assert_eq!(ssl_in_use(&by_ip("sslmode=allow")).await, Ok(true));
+    // disable: refused by this server (no pg_hba entry without encryption).
+    let e = ssl_in_use(&by_ip("sslmode=disable")).await.expect_err("plain refused");
+    assert!(e.contains("sslmode=disable") && e.contains("no encryption"), "{e}");
+}
+
+/// migrate, publish and relay to stdout over verify-full; every session of
+/// the relay (the drain connection and the LISTEN connection) is encrypted.
+#[tokio::test]
+async fn relay_end_to_end_over_verify_full() {
+    let pki = pki();
+    let server = tls_server(&pki).await;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let ca = write_file(&dir, "ca.pem", &pki.ca_pem);
+    let url = format!("postgres://postgres@localhost:{}/postgres?sslmode=verify-full&sslrootcert={ca}", server.port());
+
+    let (ok, _, err) = run_bin(&url, &["migrate"]).await;
+    assert!(ok, "migrate over verify-full failed: {err}");
+    let agg = uuid::Uuid::new_v4().to_string();
+    let payload = r#"{"version":1,"data":{"tls":true}}"#;
+    let publish =
+        ["publish", "--aggregate-type", "tls", "--aggregate-id", &agg, "--event-type", "Sent", "--payload", payload];
+    let (ok, out, err) = run_bin(&url, &publish).await;
+    assert!(ok, "publish over verify-full failed: {err}");
+    let id: i64 = out.trim().parse().unwrap_or_else(|e| panic!("publish prints an id ({e}): {out}"));
+
+    let mut child = Command::new(support::bin())
+        .args(["relay", "--sink", "stdout"])
+        .env("DATABASE_URL", &url)
+        .env("RUST_LOG", "info,tokio_postgres=warn")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("start the relay");
+    let mut lines = BufReader::new(child.stdout.take().expect("stdout is piped")).lines();
+    let line = tokio::time::timeout(Duration::from_secs(30), lines.next_line())
+        .await
+        .expect("a delivery within 30 s")
+        .expect("read relay stdout")
+        .expect("relay stdout open");
+    let record: serde_json::Value = serde_json::from_str(&line).expect("a JSON record");
+    assert_eq!(record["id"], serde_json::json!(id), "{line}");
+    assert_eq!(record["aggregate_id"], serde_json::json!(agg), "{line}");
+
+    let admin = pg_outbox::parse_url(&url).expect("url").connect_client("tls test admin").await.expect("connect");
+    let rows = admin
+        .query(
+            "SELECT a.application_name, s.ssl FROM pg_stat_activity a JOIN pg_stat_ssl s USING (pid) \
+             WHERE a.application_name IN ('pg-outbox drain', 'pg-outbox listener')",
+            &[],
+        )
+        .await
+        .expect("query pg_stat_ssl");
+    let mut seen: Vec<(String, bool)> = rows.iter().map(|r| (r.get(0), r.get(1))).collect();
+    seen.sort();
+    assert_eq!(
+        seen,
+        vec![("pg-outbox drain".to_string(), true), ("pg-outbox listener".to_string(), true)],
+        "the relay's drain and LISTEN sessions are both encrypted"
+    );
+    child.kill().await.expect("stop the relay");
+}
+
+#[tokio::test]
+async fn tls_modes_against_a_server_without_tls() {
+    let server = plain_server().await;
+    let url = |q: &str| format!("postgres://postgres@127.0.0.1:{}/postgres?{q}", server.port());
+    assert_eq!(ssl_in_use(&url("sslmode=prefer")).await, Ok(false));
+    assert_eq!(ssl_in_use(&url("sslmode=allow")).await, Ok(false));
+    assert_eq!(ssl_in_use(&url("sslmode=disable")).await, Ok(false));
+    let e = ssl_in_use(&url("sslmode=require")).await.expect_err("no TLS on this server");
+    assert!(e.contains("sslmode=require") && e.contains("server does not support TLS"), "{e}");
+
+    // The binary says the same on one line and exits non-zero.
+    let (ok, _, err) = run_bin(&url("sslmode=require"), &["status"]).await;
+    assert!(!ok, "status with sslmode=require against a server without TLS must fail");
+    assert!(err.contains("sslmode=require") && err.contains("server does not support TLS"), "{err}");
+    assert_eq!(err.trim().lines().count(), 1, "one line: {err}");
+}
