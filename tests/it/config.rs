@@ -160,7 +160,7 @@ async fn print_config_masks_passwords_and_secrets() {
     // Nor does an unknown sink's error, nor a connect error.
     let (code, _, err) = run(&[("DATABASE_URL", NOWHERE)], &["relay", "--sink", "ftp://u:sink-pw-5@127.0.0.1/x"]).await;
     assert_eq!(code, Some(1), "{err}");
-    assert!(err.contains("unsupported sink 'ftp://u:****@127.0.0.1/x'") && !err.contains("sink-pw-5"), "{err}");
+    assert!(err.contains("unsupported sink 'ftp://127.0.0.1/x'") && !err.contains("sink-pw-5"), "{err}");
     let (code, _, err) =
         run(&[("DATABASE_URL", "postgres://app:db-pw-2@127.0.0.1:1/app?connect_timeout=2")], &["status"]).await;
     assert_eq!(code, Some(1), "{err}");
