@@ -35,8 +35,16 @@ pub async fn connect(cfg: &Config) -> BenchResult<Client> {
 
 /// The server to run against, and the throwaway server if one was started
 /// (kept alive as long as the returned value lives): `DATABASE_URL` if set,
-/// else 127.0.0.1:5432 if it answers, else a throwaway server.
+/// else 127.0.0.1:5432 if it answers, else a throwaway server. TLS is
+/// turned off, so pg-outbox and the plain-SQL baselines (which connect
+/// without TLS) are compared on equal terms.
 pub async fn find_server() -> BenchResult<(Config, Option<TempServer>)> {
+    let (mut cfg, server) = find_server_any().await?;
+    cfg.ssl_mode(pg_outbox::tokio_postgres::config::SslMode::Disable);
+    Ok((cfg, server))
+}
+
+async fn find_server_any() -> BenchResult<(Config, Option<TempServer>)> {
     if let Ok(url) = std::env::var("DATABASE_URL")
         && !url.trim().is_empty()
     {
