@@ -86,13 +86,13 @@ pub async fn run(ctx: &Ctx) -> BenchResult<Section> {
         if caught_up { format!("{catch_up:.2}") } else { format!("> {}", CATCH_UP_LIMIT.as_secs()) },
     ]);
     sec.notes.push(format!(
-        "{CONNECTIONS} producer connections, single-row autocommit INSERTs as fast as they go for {} s, \
+        "{CONNECTIONS} producer connections, single-row autocommit INSERTs as fast as they go for {secs} s, \
          with `pg-outbox relay --sink stdout > /dev/null` draining. Lag = age of the oldest unpublished event \
          ({n_samples} samples, every {} ms); final lag when the producers stop; catch-up = time from then until \
          nothing is left. Baseline: the producers' own rate in the same run (relay events/s = events published \
          during the window / its length). The issue sets no target here.",
+        SAMPLE_EVERY.as_millis(),
         secs = s.keepup_secs,
-        SAMPLE_EVERY.as_millis()
     ));
     sec.data = serde_json::json!({"producer_inserts_per_second": producer_tps, "relay_events_per_second": relay_rate,
         "ratio": keep, "max_lag_seconds": max_lag, "final_lag_seconds": final_lag,

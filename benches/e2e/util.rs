@@ -11,7 +11,7 @@ use pg_outbox::tokio_postgres::{Client, Config};
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::{Child, ChildStdout, Command};
 
-use crate::common::{BenchResult, connect, drop_database, migrated_database};
+use crate::common::{BenchResult, drop_database, migrated_database};
 
 /// How long a relay process may take to say "relay started".
 const RELAY_START_TIMEOUT: Duration = Duration::from_secs(30);
@@ -151,7 +151,10 @@ pub async fn truncate(client: &Client) -> BenchResult<()> {
 /// `VACUUM ANALYZE` and `CHECKPOINT`, so each measurement starts from the
 /// same state. A refused CHECKPOINT (not a superuser) is only noted.
 pub async fn settle(client: &Client) -> BenchResult<()> {
-    client.batch_execute("VACUUM ANALYZE events.outbox; VACUUM ANALYZE events.outbox_aggregate_heads").await?;
+    // One statement per call: VACUUM cannot run inside the implicit
+    // transaction of a multi-statement query.
+    client.batch_execute("VACUUM ANALYZE events.outbox").await?;
+    client.batch_execute("VACUUM ANALYZE events.outbox_aggregate_heads").await?;
     if let Err(e) = client.batch_execute("CHECKPOINT").await {
         eprintln!("e2e: CHECKPOINT refused ({e}); results may be noisier");
     }
@@ -295,9 +298,4 @@ where
         }
         tokio::time::sleep(every).await;
     }
-}
-
-/// Open a connection (shorthand used by the scenarios).
-pub async fn client(cfg: &Config) -> BenchResult<Client> {
-    connect(cfg).await
 }
