@@ -12,7 +12,7 @@ use pg_outbox::tokio_postgres::{Client, Config, Row};
 use pg_outbox::{Consumer, Event};
 use serde::{Deserialize, Serialize};
 
-use crate::common::{BenchResult, connect};
+use crate::common::{BenchResult, connect, drop_database};
 use crate::report::{Section, fmt_count, fmt_ratio, ratio};
 use crate::util::{self, RelayProc, RowKind, conninfo, scratch, vm_hwm_kib};
 use crate::{Ctx, Settings};
@@ -252,29 +252,58 @@ async fn drain_with_relay(cfg: &Config, job: &Job) -> BenchResult<DrainOutcome> 
     Ok(DrainOutcome { events, seconds, capped, vm_hwm_kib: hwm })
 }
 
-/// Load the backlog and settle (not timed).
-async fn load(admin: &Client, n: i64) -> BenchResult<()> {
+/// Load the backlog once into a template database (not timed).
+async fn load(cfg: &Config, n: i64) -> BenchResult<()> {
     let started = Instant::now();
-    util::truncate(admin).await?;
-    util::load_rows(admin, RowKind::Fresh, n, 10_000, "agg").await?;
-    util::settle(admin).await?;
+    let client = connect(cfg).await?;
+    util::load_rows(&client, RowKind::Fresh, n, 10_000, "agg").await?;
+    util::settle(&client).await?;
     eprintln!("e2e: drain: loaded {} events in {:.1} s", fmt_count(n as f64), started.elapsed().as_secs_f64());
     Ok(())
 }
 
-/// Run all drainers, each on a freshly loaded backlog.
+/// Create `name` as a copy of `template` (file copy where the server has
+/// it, PostgreSQL 15+), retrying while the template's last sessions close.
+async fn copy_database(admin: &Client, template: &str, name: &str) -> BenchResult<()> {
+    let started = Instant::now();
+    let mut attempt = 0;
+    loop {
+        let copied = match admin
+            .batch_execute(&format!("CREATE DATABASE {name} TEMPLATE {template} STRATEGY FILE_COPY"))
+            .await
+        {
+            // Before PostgreSQL 15 there is no STRATEGY (and file copy is the only one).
+            Err(e) if e.code() == Some(&pg_outbox::tokio_postgres::error::SqlState::SYNTAX_ERROR) => {
+                admin.batch_execute(&format!("CREATE DATABASE {name} TEMPLATE {template}")).await
+            }
+            other => other,
+        };
+        match copied {
+            Ok(()) => break,
+            Err(e) if e.code() == Some(&pg_outbox::tokio_postgres::error::SqlState::OBJECT_IN_USE) && attempt < 50 => {
+                attempt += 1;
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            Err(e) => return Err(e.into()),
+        }
+    }
+    eprintln!("e2e: drain: copied the backlog database in {:.1} s", started.elapsed().as_secs_f64());
+    Ok(())
+}
+
+/// Run all drainers, each on its own copy of one loaded backlog.
 pub async fn run(ctx: &Ctx) -> BenchResult<Section> {
     let s: &Settings = &ctx.settings;
-    let db = scratch(&ctx.admin, &ctx.admin_cfg, "drain").await?;
-    let result = run_in(&db.cfg, s).await;
-    db.drop_now(&ctx.admin).await;
+    let template = scratch(&ctx.admin, &ctx.admin_cfg, "drain_tmpl").await?;
+    let result = run_in(ctx, &template.name, &template.cfg, s).await;
+    template.drop_now(&ctx.admin).await;
     result
 }
 
-async fn run_in(cfg: &Config, s: &Settings) -> BenchResult<Section> {
-    let client = connect(cfg).await?;
+async fn run_in(ctx: &Ctx, template: &str, template_cfg: &Config, s: &Settings) -> BenchResult<Section> {
     let n = s.drain_events;
     let prefix = s.drain_baseline_prefix.min(n);
+    load(template_cfg, n).await?;
     let jobs = [
         (Drainer::Seed, prefix),
         (Drainer::Plain, n),
@@ -284,9 +313,15 @@ async fn run_in(cfg: &Config, s: &Settings) -> BenchResult<Section> {
     ];
     let mut results: Vec<(Drainer, u64, DrainOutcome)> = Vec::new();
     for (drainer, limit) in jobs {
-        load(&client, n).await?;
+        let name = format!("pgo_e2e_{}_drain", std::process::id());
+        drop_database(&ctx.admin, &name).await;
+        copy_database(&ctx.admin, template, &name).await?;
+        let mut cfg = ctx.admin_cfg.clone();
+        cfg.dbname(&name);
         let job = Job { drainer, limit: u64::try_from(limit)?, max_secs: s.drain_max_secs };
-        let outcome = drain_in_child(cfg, &job).await?;
+        let outcome = drain_in_child(&cfg, &job).await;
+        drop_database(&ctx.admin, &name).await;
+        let outcome = outcome?;
         eprintln!(
             "e2e: drain: {:<40} {} events in {:.1} s = {} events/s, peak RSS {} KiB{}",
             drainer.name(),
@@ -334,13 +369,12 @@ async fn run_in(cfg: &Config, s: &Settings) -> BenchResult<Section> {
     sec.notes.push(
         "Baselines in the same run: the seed's poller as written and a plain-SQL batched loop (the ceiling). \
          Every drainer decodes every column (payload JSON included) and runs as its own process; the backlog \
-         is reloaded (INSERT ... SELECT generate_series, triggers' effect restored), vacuumed and checkpointed \
-         before each, untimed. Time runs from the drainer's start until the table shows no due row."
+         is loaded once (INSERT ... SELECT generate_series, triggers' effect restored), vacuumed and analysed \
+         in a template database, and each drainer gets a fresh copy of it (CREATE DATABASE ... TEMPLATE), untimed. Time runs from the drainer's start until the table shows no due row."
             .into(),
     );
     sec.notes.push(
-        "Peak RSS is the drainer process's VmHWM from /proc (for the relay, read once the backlog is drained)."
-            .into(),
+        "Peak RSS is the drainer process's VmHWM from /proc (for the relay, read once the backlog is drained).".into(),
     );
     sec.data = serde_json::json!(
         results

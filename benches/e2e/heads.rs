@@ -82,8 +82,18 @@ pub async fn run(ctx: &Ctx) -> BenchResult<Section> {
     }
     let drain_ratio = ratio(bad.drain.rate(), empty.drain.rate());
     let p50_ratio = ratio(bad.latency.percentiles_ms[0], empty.latency.percentiles_ms[0]);
-    sec.target("drain throughput with the pathological head ~1.0x (>= 0.9x) the empty head".into(), drain_ratio, 0.9, false);
-    sec.target("fresh-event p50 latency with the pathological head ~1.0x (<= 1.25x) the empty head".into(), p50_ratio, 1.25, true);
+    sec.target(
+        "drain throughput with the pathological head ~1.0x (>= 0.9x) the empty head".into(),
+        drain_ratio,
+        0.9,
+        false,
+    );
+    sec.target(
+        "fresh-event p50 latency with the pathological head ~1.0x (<= 1.25x) the empty head".into(),
+        p50_ratio,
+        1.25,
+        true,
+    );
     sec.notes.push(format!(
         "Pathological head: {} dead letters (retry_count 10, next_retry_at 'infinity') and {} rows waiting for a \
          retry (next_retry_at a day ahead), over 1 000 aggregates each, at the low end of the id range; then {} \
@@ -95,8 +105,13 @@ pub async fn run(ctx: &Ctx) -> BenchResult<Section> {
         pg_outbox::DEFAULT_BATCH_SIZE,
         s.heads_probe_secs
     ));
-    sec.data = serde_json::json!([empty, bad].iter().map(|r| serde_json::json!({
-        "head": r.name, "drain": r.drain, "latency": r.latency,
-    })).collect::<Vec<_>>());
+    sec.data = serde_json::json!(
+        [empty, bad]
+            .iter()
+            .map(|r| serde_json::json!({
+                "head": r.name, "drain": r.drain, "latency": r.latency,
+            }))
+            .collect::<Vec<_>>()
+    );
     Ok(sec)
 }

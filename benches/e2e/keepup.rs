@@ -53,11 +53,10 @@ pub async fn run(ctx: &Ctx) -> BenchResult<Section> {
         let left_at_end = u64::try_from(util::fresh_unpublished(&probe).await?)?;
         let final_lag: f64 = probe.query_one(OLDEST_AGE, &[]).await?.try_get(0)?;
         let catch_up_started = Instant::now();
-        let caught_up =
-            util::wait_until(CATCH_UP_LIMIT, Duration::from_millis(50), || async {
-                Ok(util::fresh_unpublished(&probe).await? == 0)
-            })
-            .await?;
+        let caught_up = util::wait_until(CATCH_UP_LIMIT, Duration::from_millis(50), || async {
+            Ok(util::fresh_unpublished(&probe).await? == 0)
+        })
+        .await?;
         let catch_up = catch_up_started.elapsed().as_secs_f64();
         relay.stop().await?;
         let max_lag = samples.iter().copied().fold(final_lag, f64::max);

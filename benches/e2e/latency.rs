@@ -207,10 +207,18 @@ impl Receiver {
 /// connection is busy and the queue is full the schedule waits: that is
 /// counted as "behind", and the achieved rate falls below the target.
 /// Returns (sent, behind, seconds).
-async fn produce(cfg: &Config, subject: Subject, rate: u64, secs: f64, probe: &Arc<Probe>) -> BenchResult<(u64, u64, f64)> {
+async fn produce(
+    cfg: &Config,
+    subject: Subject,
+    rate: u64,
+    secs: f64,
+    probe: &Arc<Probe>,
+) -> BenchResult<(u64, u64, f64)> {
     let sql = match subject {
         Subject::Floor => {
-            format!("WITH i AS (INSERT INTO pgo_bench_floor (payload) VALUES ($1)) SELECT pg_notify('{FLOOR_CHANNEL}', $2)")
+            format!(
+                "WITH i AS (INSERT INTO pgo_bench_floor (payload) VALUES ($1)) SELECT pg_notify('{FLOOR_CHANNEL}', $2)"
+            )
         }
         _ => "INSERT INTO events.outbox (aggregate_type, aggregate_id, event_type, payload) \
               VALUES ('bench', gen_random_uuid(), 'LatencyProbe', $1)"
@@ -275,7 +283,9 @@ pub async fn measure(cfg: &Config, subject: Subject, rate: u64, secs: f64) -> Be
     if subject == Subject::Floor {
         connect(cfg)
             .await?
-            .batch_execute("CREATE TABLE IF NOT EXISTS pgo_bench_floor (id bigserial PRIMARY KEY, payload jsonb NOT NULL)")
+            .batch_execute(
+                "CREATE TABLE IF NOT EXISTS pgo_bench_floor (id bigserial PRIMARY KEY, payload jsonb NOT NULL)",
+            )
             .await?;
     }
     let probe = Arc::new(Probe::new()?);
@@ -350,7 +360,9 @@ pub async fn run(ctx: &Ctx) -> BenchResult<(Section, Vec<LatencyRun>)> {
     for run in &runs {
         let floor = runs.iter().find(|r| r.subject == Subject::Floor && r.rate == run.rate);
         let (r50, r99) = match floor {
-            Some(f) => (ratio(run.percentiles_ms[0], f.percentiles_ms[0]), ratio(run.percentiles_ms[2], f.percentiles_ms[2])),
+            Some(f) => {
+                (ratio(run.percentiles_ms[0], f.percentiles_ms[0]), ratio(run.percentiles_ms[2], f.percentiles_ms[2]))
+            }
             None => (None, None),
         };
         let mut row = vec![

@@ -218,7 +218,17 @@ async fn context(client: &Client, s: &Settings) -> BenchResult<BTreeMap<&'static
         "cpus",
         std::thread::available_parallelism().map(|n| n.get().to_string()).unwrap_or_else(|_| "?".into()),
     );
-    ctx.insert("mode", if s.smoke { "smoke" } else if s.quick { "quick" } else { "full" }.into());
+    ctx.insert(
+        "mode",
+        if s.smoke {
+            "smoke"
+        } else if s.quick {
+            "quick"
+        } else {
+            "full"
+        }
+        .into(),
+    );
     ctx.insert("started", chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Secs, true));
     if let Ok(out) = std::process::Command::new("git")
         .args(["rev-parse", "--short", "HEAD"])
@@ -298,11 +308,7 @@ async fn bench() -> BenchResult<()> {
         md.push_str(&sec.markdown());
     }
     let targets: Vec<&report::Target> = sections.iter().flat_map(|s| &s.targets).collect();
-    let mut summary = format!(
-        "## Targets: {} of {} met\n\n",
-        targets.iter().filter(|t| t.met).count(),
-        targets.len()
-    );
+    let mut summary = format!("## Targets: {} of {} met\n\n", targets.iter().filter(|t| t.met).count(), targets.len());
     for t in &targets {
         summary.push_str(&format!("- {} {} ({})\n", if t.met { "MET    " } else { "NOT MET" }, t.what, t.measured));
     }

@@ -61,7 +61,8 @@ impl Section {
     pub fn markdown(&self) -> String {
         let mut out = format!("## {}\n\n", self.title);
         out.push_str(&format!("| {} |\n", self.columns.join(" | ")));
-        let aligns: Vec<&str> = self.columns.iter().enumerate().map(|(i, _)| if i == 0 { "---" } else { "---:" }).collect();
+        let aligns: Vec<&str> =
+            self.columns.iter().enumerate().map(|(i, _)| if i == 0 { "---" } else { "---:" }).collect();
         out.push_str(&format!("|{}|\n", aligns.join("|")));
         for row in &self.rows {
             out.push_str(&format!("| {} |\n", row.join(" | ")));

@@ -101,13 +101,7 @@ pub enum RowKind {
 /// fire), then the order trigger's effect is restored by adding the
 /// aggregates' head rows. Ids come from the column default, so they are
 /// ascending in load order, as the triggers would make them.
-pub async fn load_rows(
-    client: &Client,
-    kind: RowKind,
-    n: i64,
-    aggregates: i64,
-    agg_prefix: &str,
-) -> BenchResult<()> {
+pub async fn load_rows(client: &Client, kind: RowKind, n: i64, aggregates: i64, agg_prefix: &str) -> BenchResult<()> {
     let (extra_cols, extra_vals) = match kind {
         RowKind::Fresh => ("", ""),
         RowKind::DeadLetter => {
@@ -142,12 +136,6 @@ pub async fn load_rows(
     Ok(())
 }
 
-/// Empty the outbox (and the aggregate heads) for a new load.
-pub async fn truncate(client: &Client) -> BenchResult<()> {
-    client.batch_execute("TRUNCATE events.outbox, events.outbox_aggregate_heads RESTART IDENTITY").await?;
-    Ok(())
-}
-
 /// `VACUUM ANALYZE` and `CHECKPOINT`, so each measurement starts from the
 /// same state. A refused CHECKPOINT (not a superuser) is only noted.
 pub async fn settle(client: &Client) -> BenchResult<()> {
@@ -173,7 +161,10 @@ pub async fn fresh_unpublished(client: &Client) -> BenchResult<i64> {
 /// `/proc/<pid>/status` (Linux); `None` where unreadable.
 pub fn vm_hwm_kib(pid: u32) -> Option<u64> {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
-    status.lines().find_map(|l| l.strip_prefix("VmHWM:")).and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
 }
 
 /// A running `pg-outbox relay` child process.
@@ -233,7 +224,9 @@ impl RelayProc {
                 return Err(format!("relay exited before starting ({status}); stderr:\n{}", relay.log()).into());
             }
             if Instant::now() > deadline {
-                return Err(format!("relay did not start within {RELAY_START_TIMEOUT:?}; stderr:\n{}", relay.log()).into());
+                return Err(
+                    format!("relay did not start within {RELAY_START_TIMEOUT:?}; stderr:\n{}", relay.log()).into()
+                );
             }
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
