@@ -1,5 +1,6 @@
 //! The latency chart: one panel per rate, percentiles on the x axis,
-//! milliseconds (log scale) on the y axis, one line per receiver.
+//! milliseconds (log scale) on the y axis, one line per receiver (the
+//! floor, NOTIFY only, the stream and the relay).
 //!
 //! Text is drawn with a subset of DejaVu Sans committed next to this file
 //! (`DejaVuSans-subset.ttf`, licence in `DejaVuSans-LICENSE.txt`) through
@@ -19,6 +20,7 @@ static FONT: &[u8] = include_bytes!("DejaVuSans-subset.ttf");
 fn colour(subject: Subject) -> RGBColor {
     match subject {
         Subject::Floor => RGBColor(90, 90, 90),
+        Subject::NotifyOnly => RGBColor(160, 160, 160),
         Subject::Stream => RGBColor(31, 119, 180),
         Subject::Relay => RGBColor(214, 39, 40),
     }
@@ -68,7 +70,7 @@ pub fn latency_png(runs: &[LatencyRun], path: &Path) -> BenchResult<()> {
             .y_label_formatter(&|y| if *y >= 1.0 { format!("{y:.0}") } else { format!("{y:.2}") })
             .label_style(("sans-serif", 13))
             .draw()?;
-        for subject in [Subject::Floor, Subject::Stream, Subject::Relay] {
+        for subject in [Subject::NotifyOnly, Subject::Floor, Subject::Stream, Subject::Relay] {
             let Some(run) = runs.iter().find(|r| r.rate == *rate && r.subject == subject) else { continue };
             let c = colour(subject);
             let points: Vec<(f64, f64)> =

@@ -139,7 +139,7 @@ impl Settings {
                 latency_rates: vec![100, 1_000, 5_000],
                 latency_secs: 2.0,
                 drain_events: 30_000,
-                drain_baseline_prefix: 30_000,
+                drain_baseline_prefix: 10_000,
                 drain_max_secs: 60.0,
                 keepup_secs: 6.0,
                 producer_connections: vec![1, 4, 16],
