@@ -1,0 +1,354 @@
+//! The end-to-end benchmark suite: `cargo bench --bench e2e` (plain
+//! `cargo bench` runs it too).
+//!
+//! Scenarios (select some by name: `cargo bench --bench e2e -- latency drain`):
+//! - `latency`: commit-to-delivery latency of the `EventStream` and of a
+//!   `pg-outbox relay --sink stdout` process at paced rates, against the raw
+//!   floor (a bare LISTEN client) at the same rates;
+//! - `drain`: drain throughput and peak RSS on a pre-loaded backlog, against
+//!   the seed's poller and a plain-SQL batched loop;
+//! - `keepup`: producers at full speed with the relay draining: lag;
+//! - `producers`: insert rate with pg-outbox's triggers against without;
+//! - `heads`: drain and latency with 100 000 dead letters and 100 000
+//!   retry-waiting rows at the head of the id range, against an empty head.
+//!
+//! Every figure is a ratio against a baseline measured in the same run (the
+//! machine may be shared and noisy); timings never fail the run, but each
+//! issue target is printed as MET or NOT MET.
+//!
+//! Server: `DATABASE_URL` if set, else 127.0.0.1:5432 if it answers, else a
+//! throwaway server from the local PostgreSQL binaries. Each scenario works
+//! in its own databases `pgo_e2e_<pid>_<scenario>`, dropped afterwards (also
+//! after a failure).
+//!
+//! Environment:
+//! - `PG_OUTBOX_BENCH_QUICK=1`: small sizes and short runs (about 2 minutes);
+//! - `PG_OUTBOX_BENCH_CONNECTIONS=1,4,16`: producer connection counts for
+//!   `producers` (default 1,4,16,64; quick 1,4,16), for servers with a low
+//!   `max_connections`.
+//!
+//! Output: the tables on stdout (progress on stderr), and
+//! `target/pg-outbox-bench/e2e.md`, `e2e.json` and `latency.png` (with
+//! `CARGO_TARGET_DIR`, under it). Under `cargo test --all-targets` (no
+//! `--bench` argument) it runs a tiny smoke pass and writes no files.
+
+mod chart;
+#[path = "../common/mod.rs"]
+mod common;
+mod drain;
+mod heads;
+mod keepup;
+mod latency;
+mod producers;
+mod report;
+mod util;
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Instant;
+
+use pg_outbox::tokio_postgres::{Client, Config};
+use serde::Serialize;
+
+use common::{BenchResult, connect, drop_database, find_server};
+use report::Section;
+
+/// Scenario names, in the order they run.
+pub const SCENARIOS: [&str; 5] = ["latency", "drain", "keepup", "producers", "heads"];
+
+/// Sizes and durations of a run.
+#[derive(Debug, Clone, Serialize)]
+pub struct Settings {
+    /// `PG_OUTBOX_BENCH_QUICK=1`.
+    pub quick: bool,
+    /// Not run by `cargo bench` (no `--bench` argument): tiny, no files.
+    pub smoke: bool,
+    /// Scenarios to run.
+    pub scenarios: Vec<&'static str>,
+    /// Latency: total rates, events/s.
+    pub latency_rates: Vec<u64>,
+    /// Latency: seconds of sending per run.
+    pub latency_secs: f64,
+    /// Drain: backlog size.
+    pub drain_events: i64,
+    /// Drain: events the seed poller drains (a prefix of the backlog).
+    pub drain_baseline_prefix: i64,
+    /// Drain: time cap per drainer, seconds.
+    pub drain_max_secs: f64,
+    /// Keep-up: seconds of producing.
+    pub keepup_secs: f64,
+    /// Producer cost: connection counts.
+    pub producer_connections: Vec<usize>,
+    /// Producer cost: seconds per cell.
+    pub producer_secs: f64,
+    /// Heads: dead letters, and as many retry-waiting rows.
+    pub heads_rows: i64,
+    /// Heads: fresh events after the head.
+    pub heads_fresh: i64,
+    /// Heads: seconds of the latency probe.
+    pub heads_probe_secs: f64,
+}
+
+impl Settings {
+    /// From the command line (scenario names) and the environment.
+    fn from_env() -> BenchResult<Settings> {
+        let smoke = !common::is_bench_run();
+        let quick = match std::env::var("PG_OUTBOX_BENCH_QUICK") {
+            Ok(v) if v == "1" || v.eq_ignore_ascii_case("true") => true,
+            Ok(v) if v.is_empty() || v == "0" || v.eq_ignore_ascii_case("false") => false,
+            Ok(v) => return Err(format!("PG_OUTBOX_BENCH_QUICK={v:?}: expected 1 or 0").into()),
+            Err(_) => false,
+        };
+        let mut scenarios = Vec::new();
+        for arg in std::env::args().skip(1).filter(|a| !a.starts_with('-')) {
+            let name = SCENARIOS.iter().find(|s| **s == arg).ok_or_else(|| {
+                format!("unknown scenario `{arg}`; expected one or more of: {}", SCENARIOS.join(", "))
+            })?;
+            if !scenarios.contains(name) {
+                scenarios.push(*name);
+            }
+        }
+        if scenarios.is_empty() {
+            scenarios = SCENARIOS.to_vec();
+        } else {
+            scenarios.sort_by_key(|s| SCENARIOS.iter().position(|x| x == s));
+        }
+        let mut s = if smoke {
+            Settings {
+                quick,
+                smoke,
+                scenarios,
+                latency_rates: vec![100],
+                latency_secs: 0.5,
+                drain_events: 1_000,
+                drain_baseline_prefix: 1_000,
+                drain_max_secs: 30.0,
+                keepup_secs: 1.0,
+                producer_connections: vec![1],
+                producer_secs: 0.5,
+                heads_rows: 1_000,
+                heads_fresh: 1_000,
+                heads_probe_secs: 0.5,
+            }
+        } else if quick {
+            Settings {
+                quick,
+                smoke,
+                scenarios,
+                latency_rates: vec![100, 1_000, 5_000],
+                latency_secs: 2.0,
+                drain_events: 30_000,
+                drain_baseline_prefix: 10_000,
+                drain_max_secs: 60.0,
+                keepup_secs: 6.0,
+                producer_connections: vec![1, 4, 16],
+                producer_secs: 1.5,
+                heads_rows: 20_000,
+                heads_fresh: 20_000,
+                heads_probe_secs: 2.0,
+            }
+        } else {
+            Settings {
+                quick,
+                smoke,
+                scenarios,
+                latency_rates: vec![100, 1_000, 5_000],
+                latency_secs: 10.0,
+                drain_events: 1_000_000,
+                drain_baseline_prefix: 100_000,
+                drain_max_secs: 300.0,
+                keepup_secs: 30.0,
+                producer_connections: vec![1, 4, 16, 64],
+                producer_secs: 5.0,
+                heads_rows: 100_000,
+                heads_fresh: 100_000,
+                heads_probe_secs: 5.0,
+            }
+        };
+        if let Ok(v) = std::env::var("PG_OUTBOX_BENCH_CONNECTIONS")
+            && !v.trim().is_empty()
+        {
+            s.producer_connections = v
+                .split(',')
+                .map(|x| match x.trim().parse::<usize>() {
+                    Ok(n) if n >= 1 => Ok(n),
+                    _ => Err(format!(
+                        "PG_OUTBOX_BENCH_CONNECTIONS={v:?}: `{x}` is not a whole number >= 1 (write e.g. 1,4,16)"
+                    )),
+                })
+                .collect::<Result<_, _>>()?;
+        }
+        Ok(s)
+    }
+}
+
+/// What every scenario gets: the admin connection and the settings.
+pub struct Ctx {
+    /// Connection to the server's admin database (creates and drops databases).
+    pub admin: Client,
+    /// Its config; scratch databases are this with another dbname.
+    pub admin_cfg: Config,
+    /// Sizes and durations.
+    pub settings: Settings,
+}
+
+/// Where the reports go: `target/pg-outbox-bench/`.
+fn out_dir() -> PathBuf {
+    let target = std::env::var_os("CARGO_TARGET_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("target"));
+    target.join("pg-outbox-bench")
+}
+
+/// Facts that matter for reading the numbers (never the password).
+async fn context(client: &Client, s: &Settings) -> BenchResult<BTreeMap<&'static str, String>> {
+    let mut ctx = BTreeMap::new();
+    ctx.insert("server", client.query_one("SELECT version()", &[]).await?.try_get::<_, String>(0)?);
+    let rows = client
+        .query(
+            "SELECT name || '=' || current_setting(name) FROM pg_settings \
+             WHERE name IN ('fsync', 'synchronous_commit', 'shared_buffers', 'max_connections') ORDER BY name",
+            &[],
+        )
+        .await?;
+    let settings: Vec<String> = rows.iter().map(|r| r.try_get::<_, String>(0)).collect::<Result<_, _>>()?;
+    ctx.insert("settings", settings.join(", "));
+    ctx.insert(
+        "cpus",
+        std::thread::available_parallelism().map(|n| n.get().to_string()).unwrap_or_else(|_| "?".into()),
+    );
+    ctx.insert(
+        "mode",
+        if s.smoke {
+            "smoke"
+        } else if s.quick {
+            "quick"
+        } else {
+            "full"
+        }
+        .into(),
+    );
+    ctx.insert("started", chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Secs, true));
+    if let Ok(out) = std::process::Command::new("git")
+        .args(["rev-parse", "--short", "HEAD"])
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .output()
+        && out.status.success()
+    {
+        ctx.insert("commit", String::from_utf8_lossy(&out.stdout).trim().to_string());
+    }
+    Ok(ctx)
+}
+
+/// Drop any scratch database of this run still there (a scenario that
+/// failed half-way).
+async fn drop_leftovers(admin: &Client) {
+    let pattern = format!("pgo_e2e_{}_%", std::process::id());
+    match admin.query("SELECT datname FROM pg_database WHERE datname LIKE $1", &[&pattern]).await {
+        Ok(rows) => {
+            for r in rows {
+                if let Ok(name) = r.try_get::<_, String>(0) {
+                    drop_database(admin, &name).await;
+                }
+            }
+        }
+        Err(e) => eprintln!("e2e: could not list leftover databases: {e}"),
+    }
+}
+
+/// Run the selected scenarios, print and write the report.
+async fn bench() -> BenchResult<()> {
+    let settings = Settings::from_env()?;
+    let (admin_cfg, _server) = find_server().await?;
+    let admin = connect(&admin_cfg).await?;
+    let info = context(&admin, &settings).await?;
+    let ctx = Ctx { admin, admin_cfg, settings };
+    let s = &ctx.settings;
+    eprintln!("e2e: scenarios {} ({} mode)", s.scenarios.join(", "), info.get("mode").map_or("?", |m| m.as_str()));
+    let started = Instant::now();
+    let mut sections: Vec<Section> = Vec::new();
+    let mut failures: Vec<String> = Vec::new();
+    let mut latency_runs = None;
+    for &scenario in &s.scenarios {
+        let t = Instant::now();
+        let result = match scenario {
+            "latency" => latency::run(&ctx).await.map(|(sec, runs)| {
+                latency_runs = Some(runs);
+                sec
+            }),
+            "drain" => drain::run(&ctx).await,
+            "keepup" => keepup::run(&ctx).await,
+            "producers" => producers::run(&ctx).await,
+            "heads" => heads::run(&ctx).await,
+            other => Err(format!("unknown scenario {other}").into()),
+        };
+        drop_leftovers(&ctx.admin).await;
+        match result {
+            Ok(mut sec) => {
+                sec.notes.push(format!("Scenario time: {:.0} s.", t.elapsed().as_secs_f64()));
+                println!("{}", sec.markdown());
+                sections.push(sec);
+            }
+            Err(e) => {
+                let msg = format!("{scenario}: {}", pg_outbox::error::report(e.as_ref()));
+                eprintln!("e2e: scenario FAILED: {msg}");
+                failures.push(msg);
+            }
+        }
+    }
+    let total = started.elapsed().as_secs_f64();
+
+    let mut md = String::from("# pg-outbox end-to-end benchmarks\n\n");
+    for (k, v) in &info {
+        md.push_str(&format!("- {k}: {v}\n"));
+    }
+    md.push_str(&format!("- total time: {total:.0} s\n\n"));
+    for sec in &sections {
+        md.push_str(&sec.markdown());
+    }
+    let targets: Vec<&report::Target> = sections.iter().flat_map(|s| &s.targets).collect();
+    let mut summary = format!("## Targets: {} of {} met\n\n", targets.iter().filter(|t| t.met).count(), targets.len());
+    for t in &targets {
+        summary.push_str(&format!("- {} {} ({})\n", if t.met { "MET    " } else { "NOT MET" }, t.what, t.measured));
+    }
+    for f in &failures {
+        summary.push_str(&format!("- FAILED scenario {f}\n"));
+    }
+    md.push_str(&summary);
+    println!("{summary}");
+    eprintln!("e2e: total {total:.0} s");
+
+    if s.smoke {
+        eprintln!("e2e: smoke pass (run `cargo bench --bench e2e` for the real thing); no files written");
+    } else {
+        let dir = out_dir();
+        std::fs::create_dir_all(&dir)?;
+        std::fs::write(dir.join("e2e.md"), &md)?;
+        let json = serde_json::json!({
+            "context": info, "settings": s, "total_seconds": total,
+            "sections": sections, "failures": failures,
+        });
+        std::fs::write(dir.join("e2e.json"), serde_json::to_string_pretty(&json)?)?;
+        if let Some(runs) = &latency_runs {
+            let png = dir.join("latency.png");
+            match chart::latency_png(runs, &png) {
+                Ok(()) => eprintln!("e2e: wrote {}", png.display()),
+                Err(e) => failures.push(format!("chart: {e}")),
+            }
+        }
+        eprintln!("e2e: wrote {} and e2e.json", dir.join("e2e.md").display());
+    }
+    if !failures.is_empty() {
+        return Err(format!("{} scenario(s) failed: {}", failures.len(), failures.join("; ")).into());
+    }
+    Ok(())
+}
+
+/// Entry point: the suite, or a drain child (`--child-drain`).
+fn main() -> ExitCode {
+    if std::env::args().nth(1).as_deref() == Some(drain::CHILD_ARG) {
+        return common::main_with(drain::child_main);
+    }
+    common::main_with(bench)
+}

@@ -1,0 +1,104 @@
+//! Scenario `producers`: insert rate with pg-outbox's triggers (a relay
+//! draining) against the same table without them (a relay draining too),
+//! at several producer connection counts. The logic of
+//! `benches/producers.rs`, reduced to the issue's two variants.
+
+use std::time::{Duration, Instant};
+
+use pg_outbox::tokio_postgres::Config;
+
+use crate::common::{BenchResult, BoxError, connect};
+use crate::report::{Section, fmt_count, fmt_ratio, ratio};
+use crate::util::{RelayProc, conninfo, scratch};
+use crate::{Ctx, Settings};
+
+/// The producers' statement: one single-row autocommit INSERT per business
+/// transaction, a new aggregate each time, a small payload.
+const INSERT: &str = "INSERT INTO events.outbox (aggregate_type, aggregate_id, event_type, payload) \
+     VALUES ('bench', $1, 'Inserted', '{\"version\":1,\"data\":{\"amount\":990}}')";
+
+/// Insert for `secs` seconds from `conns` connections as fast as each can
+/// (closed loop); returns the total number of inserts.
+pub async fn run_load(cfg: &Config, conns: usize, secs: f64) -> BenchResult<u64> {
+    let mut clients = Vec::with_capacity(conns);
+    for _ in 0..conns {
+        let client = connect(cfg).await?;
+        let stmt = client.prepare(INSERT).await?;
+        clients.push((client, stmt));
+    }
+    let deadline = Instant::now() + Duration::from_secs_f64(secs);
+    let mut tasks = Vec::new();
+    for (client, stmt) in clients {
+        tasks.push(tokio::spawn(async move {
+            let mut n = 0u64;
+            while Instant::now() < deadline {
+                client.execute(&stmt, &[&uuid::Uuid::new_v4()]).await?;
+                n += 1;
+            }
+            Ok::<u64, BoxError>(n)
+        }));
+    }
+    let mut total = 0;
+    for t in tasks {
+        total += t.await??;
+    }
+    Ok(total)
+}
+
+/// Triggers disabled in the baseline: all of pg-outbox's insert and update
+/// triggers, leaving the seeded table alone.
+const OUR_TRIGGERS: [&str; 3] = ["outbox_order", "outbox_notify", "outbox_guard"];
+
+/// One variant at one connection count: inserts/s.
+async fn one(ctx: &Ctx, conns: usize, with_triggers: bool, secs: f64) -> BenchResult<f64> {
+    let db = scratch(&ctx.admin, &ctx.admin_cfg, "producers").await?;
+    let result = async {
+        if !with_triggers {
+            let c = connect(&db.cfg).await?;
+            for t in OUR_TRIGGERS {
+                c.batch_execute(&format!("ALTER TABLE events.outbox DISABLE TRIGGER {t}")).await?;
+            }
+        }
+        let relay = RelayProc::start(&conninfo(&db.cfg), &[], false).await?;
+        // Let the relay reach its idle state (asking for wake-ups).
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let n = run_load(&db.cfg, conns, secs).await;
+        relay.stop().await?;
+        Ok::<f64, BoxError>(n? as f64 / secs)
+    }
+    .await;
+    db.drop_now(&ctx.admin).await;
+    result
+}
+
+/// Run both variants at every connection count.
+pub async fn run(ctx: &Ctx) -> BenchResult<Section> {
+    let s: &Settings = &ctx.settings;
+    let mut sec = Section::new(
+        "producers",
+        "Producer cost: insert rate with pg-outbox's triggers vs without",
+        &["connections", "without triggers inserts/s", "with triggers inserts/s", "ratio"],
+    );
+    let mut data = Vec::new();
+    for &conns in &s.producer_connections {
+        let base = one(ctx, conns, false, s.producer_secs).await?;
+        let ours = one(ctx, conns, true, s.producer_secs).await?;
+        let r = ratio(ours, base);
+        eprintln!("e2e: producers x{conns}: without {base:.0}/s, with {ours:.0}/s ({})", fmt_ratio(r));
+        sec.rows.push(vec![conns.to_string(), fmt_count(base), fmt_count(ours), fmt_ratio(r)]);
+        if conns >= 4 {
+            sec.target(format!("insert rate with triggers >= 0.95x without at {conns} connections"), r, 0.95, false);
+        }
+        data.push(serde_json::json!({"connections": conns, "without_triggers_per_second": base,
+            "with_triggers_per_second": ours, "ratio": r}));
+    }
+    sec.notes.push(format!(
+        "Single-row autocommit INSERTs, a new aggregate each, for {} s per cell, each cell in a fresh database \
+         with a `pg-outbox relay --sink stdout > /dev/null` draining. Baseline in the same run: the same table \
+         with pg-outbox's triggers ({}) disabled.",
+        s.producer_secs,
+        OUR_TRIGGERS.join(", ")
+    ));
+    sec.data = serde_json::json!(data);
+    Ok(sec)
+}

@@ -1,0 +1,297 @@
+//! Plumbing for the end-to-end suite: connection strings for child
+//! processes, scratch databases, backlog loading, the relay process, and
+//! peak memory from `/proc`.
+
+use std::process::Stdio;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{Duration, Instant};
+
+use pg_outbox::tokio_postgres::config::Host;
+use pg_outbox::tokio_postgres::{Client, Config};
+use tokio::io::{AsyncBufReadExt, BufReader};
+use tokio::process::{Child, ChildStdout, Command};
+
+use crate::common::{BenchResult, drop_database, migrated_database};
+
+/// How long a relay process may take to say "relay started".
+const RELAY_START_TIMEOUT: Duration = Duration::from_secs(30);
+/// How long a relay process may take to exit after SIGTERM.
+const RELAY_STOP_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Payload note length: with the envelope around it, each event's JSON is
+/// about 1.5 KB (as in `benches/drain.rs`).
+pub const NOTE_CHARS: usize = 1408;
+
+/// A libpq key=value connection string for `cfg` (host, port, user,
+/// password, dbname; `sslmode=disable`), for the `DATABASE_URL` of a child process. It holds
+/// the password if `cfg` has one: pass it through the environment, never
+/// print it.
+pub fn conninfo(cfg: &Config) -> String {
+    fn quote(v: &str) -> String {
+        format!("'{}'", v.replace('\\', "\\\\").replace('\'', "\\'"))
+    }
+    let mut parts = Vec::new();
+    match cfg.get_hosts().first() {
+        Some(Host::Tcp(h)) => parts.push(format!("host={}", quote(h))),
+        Some(Host::Unix(p)) => parts.push(format!("host={}", quote(&p.display().to_string()))),
+        None => parts.push("host=127.0.0.1".into()),
+    }
+    parts.push(format!("port={}", cfg.get_ports().first().copied().unwrap_or(5432)));
+    if let Some(u) = cfg.get_user() {
+        parts.push(format!("user={}", quote(u)));
+    }
+    if let Some(p) = cfg.get_password() {
+        parts.push(format!("password={}", quote(&String::from_utf8_lossy(p))));
+    }
+    if let Some(d) = cfg.get_dbname() {
+        parts.push(format!("dbname={}", quote(d)));
+    }
+    // Every side of every comparison connects without TLS (the baselines
+    // use NoTls), so encryption cost does not skew the ratios.
+    parts.push("sslmode=disable".into());
+    parts.join(" ")
+}
+
+/// A migrated scratch database, dropped by [`Scratch::drop_now`].
+pub struct Scratch {
+    /// Its name.
+    pub name: String,
+    /// Config pointing at it.
+    pub cfg: Config,
+}
+
+/// Create (anew) the migrated database `pgo_e2e_<pid>_<tag>`.
+pub async fn scratch(admin: &Client, admin_cfg: &Config, tag: &str) -> BenchResult<Scratch> {
+    let name = format!("pgo_e2e_{}_{tag}", std::process::id());
+    let cfg = migrated_database(admin, admin_cfg, &name).await?;
+    Ok(Scratch { name, cfg })
+}
+
+impl Scratch {
+    /// Drop the database (forcibly: child processes may still hold sessions).
+    pub async fn drop_now(self, admin: &Client) {
+        drop_database(admin, &self.name).await;
+    }
+}
+
+/// SQL expression of a ~1.5 KB seeded envelope for row `g` of a
+/// `generate_series` (same shape as `benches/drain.rs`).
+fn envelope_sql() -> String {
+    format!(
+        "jsonb_build_object('version', 1, \
+           'data', jsonb_build_object('seq', g, 'amount', g % 100000, 'currency', 'KRW', \
+                                      'note', repeat(md5(g::text), {})), \
+           'metadata', jsonb_build_object('causation_id', md5('cause-' || g)::uuid::text, \
+                                          'correlation_id', 'req-' || g))",
+        NOTE_CHARS / 32
+    )
+}
+
+/// One kind of rows [`load_rows`] inserts.
+#[derive(Debug, Clone, Copy)]
+pub enum RowKind {
+    /// Unpublished, never failed: due now.
+    Fresh,
+    /// Dead letters: `retry_count = 10`, `next_retry_at = 'infinity'`.
+    DeadLetter,
+    /// Waiting for a retry a day from now: `retry_count = 1`.
+    RetryWaiting,
+}
+
+/// Insert `n` rows of `kind` over `aggregates` aggregates (named after
+/// `agg_prefix`), fast: one `INSERT ... SELECT generate_series` with the
+/// session in `session_replication_role = replica` (row triggers do not
+/// fire), then the order trigger's effect is restored by adding the
+/// aggregates' head rows. Ids come from the column default, so they are
+/// ascending in load order, as the triggers would make them.
+pub async fn load_rows(client: &Client, kind: RowKind, n: i64, aggregates: i64, agg_prefix: &str) -> BenchResult<()> {
+    let (extra_cols, extra_vals) = match kind {
+        RowKind::Fresh => ("", ""),
+        RowKind::DeadLetter => {
+            (", retry_count, next_retry_at, last_error", ", 10, 'infinity'::timestamptz, 'bench: dead letter'")
+        }
+        RowKind::RetryWaiting => {
+            (", retry_count, next_retry_at, last_error", ", 1, now() + interval '1 day', 'bench: waiting for a retry'")
+        }
+    };
+    let sql = format!(
+        "SET session_replication_role = replica; \
+         INSERT INTO events.outbox (aggregate_type, aggregate_id, event_type, payload{extra_cols}) \
+         SELECT (ARRAY['subscription', 'invoice', 'account'])[1 + (g % {aggregates}) % 3], \
+                md5('{agg_prefix}-' || (g % {aggregates}))::uuid, \
+                (ARRAY['PaymentSucceeded', 'InvoiceIssued', 'AccountUpdated', 'PlanChanged'])[1 + g % 4], \
+                {env}{extra_vals} \
+         FROM generate_series(1, {n}::bigint) AS g; \
+         INSERT INTO events.outbox_aggregate_heads (aggregate_type, aggregate_id) \
+         SELECT DISTINCT (ARRAY['subscription', 'invoice', 'account'])[1 + (g % {aggregates}) % 3], \
+                md5('{agg_prefix}-' || (g % {aggregates}))::uuid \
+         FROM generate_series(1, least({n}, {aggregates})::bigint) AS g ON CONFLICT DO NOTHING; \
+         RESET session_replication_role;",
+        env = envelope_sql()
+    );
+    client.batch_execute(&sql).await.map_err(|e| {
+        format!(
+            "loading {n} rows failed ({}); the bench loads with session_replication_role = replica, \
+             which needs a superuser (or the role's SET privilege on it)",
+            pg_outbox::error::report(&e)
+        )
+    })?;
+    Ok(())
+}
+
+/// `VACUUM ANALYZE` and `CHECKPOINT`, so each measurement starts from the
+/// same state. A refused CHECKPOINT (not a superuser) is only noted.
+pub async fn settle(client: &Client) -> BenchResult<()> {
+    // One statement per call: VACUUM cannot run inside the implicit
+    // transaction of a multi-statement query.
+    client.batch_execute("VACUUM ANALYZE events.outbox").await?;
+    client.batch_execute("VACUUM ANALYZE events.outbox_aggregate_heads").await?;
+    if let Err(e) = client.batch_execute("CHECKPOINT").await {
+        eprintln!("e2e: CHECKPOINT refused ({e}); results may be noisier");
+    }
+    Ok(())
+}
+
+/// Due rows not published yet (served by `outbox_fresh_idx`).
+pub async fn fresh_unpublished(client: &Client) -> BenchResult<i64> {
+    Ok(client
+        .query_one("SELECT count(*) FROM events.outbox WHERE published_at IS NULL AND next_retry_at IS NULL", &[])
+        .await?
+        .try_get(0)?)
+}
+
+/// Peak resident set size (`VmHWM`, KiB) of process `pid`, from
+/// `/proc/<pid>/status` (Linux); `None` where unreadable.
+pub fn vm_hwm_kib(pid: u32) -> Option<u64> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+}
+
+/// A running `pg-outbox relay` child process.
+pub struct RelayProc {
+    child: Child,
+    /// Its standard output, when piped.
+    pub stdout: Option<ChildStdout>,
+    log: Arc<Mutex<String>>,
+    /// When it was spawned.
+    pub spawned: Instant,
+}
+
+/// The `pg-outbox` binary cargo built for this bench.
+pub fn relay_bin() -> &'static str {
+    env!("CARGO_BIN_EXE_pg-outbox")
+}
+
+impl RelayProc {
+    /// Start `pg-outbox relay --sink stdout <args>` on `url` (passed in the
+    /// environment as `DATABASE_URL`), its stdout piped or sent to
+    /// `/dev/null`, and wait until it logs "relay started".
+    pub async fn start(url: &str, args: &[&str], pipe_stdout: bool) -> BenchResult<RelayProc> {
+        let mut cmd = Command::new(relay_bin());
+        cmd.arg("relay")
+            .args(["--sink", "stdout"])
+            .args(args)
+            .env("DATABASE_URL", url)
+            .env("RUST_LOG", "info,tokio_postgres=warn")
+            .stdin(Stdio::null())
+            .stdout(if pipe_stdout { Stdio::piped() } else { Stdio::null() })
+            .stderr(Stdio::piped())
+            .kill_on_drop(true);
+        let spawned = Instant::now();
+        let mut child = cmd.spawn().map_err(|e| format!("cannot start {}: {e}", relay_bin()))?;
+        let stdout = child.stdout.take();
+        let stderr = child.stderr.take().ok_or("relay stderr is not piped")?;
+        let log = Arc::new(Mutex::new(String::new()));
+        let sink = log.clone();
+        tokio::spawn(async move {
+            let mut lines = BufReader::new(stderr).lines();
+            while let Ok(Some(line)) = lines.next_line().await {
+                let mut s = sink.lock().unwrap_or_else(PoisonError::into_inner);
+                // Keep the start and the tail; a long run's log is not needed.
+                if s.len() > 64 * 1024 {
+                    s.clear();
+                    s.push_str("[...]\n");
+                }
+                s.push_str(&line);
+                s.push('\n');
+            }
+        });
+        let mut relay = RelayProc { child, stdout, log, spawned };
+        let deadline = Instant::now() + RELAY_START_TIMEOUT;
+        while !relay.log().contains("relay started") {
+            if let Some(status) = relay.child.try_wait()? {
+                tokio::time::sleep(Duration::from_millis(200)).await;
+                return Err(format!("relay exited before starting ({status}); stderr:\n{}", relay.log()).into());
+            }
+            if Instant::now() > deadline {
+                return Err(
+                    format!("relay did not start within {RELAY_START_TIMEOUT:?}; stderr:\n{}", relay.log()).into()
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        Ok(relay)
+    }
+
+    /// What the relay wrote on stderr (start and the last 64 KiB).
+    pub fn log(&self) -> String {
+        self.log.lock().unwrap_or_else(PoisonError::into_inner).clone()
+    }
+
+    /// Its process id, while running.
+    pub fn pid(&self) -> Option<u32> {
+        self.child.id()
+    }
+
+    /// Fail with its stderr if it has exited.
+    pub fn check_running(&mut self) -> BenchResult<()> {
+        if let Some(status) = self.child.try_wait()? {
+            return Err(format!("relay exited early ({status}); stderr:\n{}", self.log()).into());
+        }
+        Ok(())
+    }
+
+    /// SIGTERM, then wait for a clean exit (kill after 30 s).
+    pub async fn stop(mut self) -> BenchResult<()> {
+        if let Some(pid) = self.child.id() {
+            let pid = libc::pid_t::try_from(pid)?;
+            // SAFETY: kill(2) on a child we spawned and have not reaped.
+            unsafe { libc::kill(pid, libc::SIGTERM) };
+        }
+        match tokio::time::timeout(RELAY_STOP_TIMEOUT, self.child.wait()).await {
+            Ok(status) => {
+                let status = status?;
+                if !status.success() {
+                    return Err(format!("relay exited with {status}; stderr:\n{}", self.log()).into());
+                }
+                Ok(())
+            }
+            Err(_) => {
+                self.child.kill().await?;
+                Err(format!("relay did not exit within {RELAY_STOP_TIMEOUT:?} of SIGTERM").into())
+            }
+        }
+    }
+}
+
+/// Wait until `check` returns true, polling every `every`, for at most
+/// `limit`. Returns whether it did.
+pub async fn wait_until<F, Fut>(limit: Duration, every: Duration, mut check: F) -> BenchResult<bool>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = BenchResult<bool>>,
+{
+    let deadline = Instant::now() + limit;
+    loop {
+        if check().await? {
+            return Ok(true);
+        }
+        if Instant::now() >= deadline {
+            return Ok(false);
+        }
+        tokio::time::sleep(every).await;
+    }
+}
