@@ -228,7 +228,16 @@ impl KafkaSink {
             .send_result(record)
             .map_err(|(e, _)| format!("Kafka producer refused the message for topic '{topic}': {e}"))?;
         let failure = match tokio::time::timeout(self.timeout + REPORT_MARGIN, report).await {
-            Ok(Ok(Ok(_delivery))) => return Ok(()),
+            Ok(Ok(Ok(delivery))) => {
+                tracing::debug!(
+                    id = event.id,
+                    topic = %topic,
+                    partition = delivery.partition,
+                    offset = delivery.offset,
+                    "Kafka delivery report"
+                );
+                return Ok(());
+            }
             Ok(Ok(Err((e, _)))) => format!(
                 "Kafka at {} did not take the message for topic '{topic}': {}",
                 self.brokers,

