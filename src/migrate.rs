@@ -17,6 +17,8 @@ pub const MIGRATIONS: &[(&str, &str)] = &[
     ("0003_outbox_aggregate_failed_idx", include_str!("../migrations/0003_outbox_aggregate_failed_idx.sql")),
     ("0004_outbox_aggregate_heads", include_str!("../migrations/0004_outbox_aggregate_heads.sql")),
     ("0005_outbox_relays", include_str!("../migrations/0005_outbox_relays.sql")),
+    ("0006_outbox_fresh_order_idx", include_str!("../migrations/0006_outbox_fresh_order_idx.sql")),
+    ("0007_drop_outbox_fresh_idx", include_str!("../migrations/0007_drop_outbox_fresh_idx.sql")),
 ];
 
 /// Trigger files, applied after the migrations: (name, SQL).
@@ -119,7 +121,7 @@ async fn apply_locked(client: &Client) -> Result<MigrationReport> {
 /// Objects the relay needs, each with the file that creates it.
 const REQUIRED: &[(&str, &str)] = &[
     ("events.outbox", "0001_events_outbox"),
-    ("events.outbox_fresh_idx", "0002_outbox_fresh_idx"),
+    ("events.outbox_fresh_order_idx", "0006_outbox_fresh_order_idx"),
     ("events.outbox_aggregate_failed_idx", "0003_outbox_aggregate_failed_idx"),
     ("events.outbox_aggregate_heads", "0004_outbox_aggregate_heads"),
     ("events.outbox_relays", "0005_outbox_relays"),

@@ -28,7 +28,9 @@ const NOT_HELD_BACK: &str = "NOT EXISTS (SELECT 1 FROM events.outbox b \
        AND b.next_retry_at > now())";
 
 /// Fetch the next due events in id order. Two index range scans, merged:
-/// fresh rows from `outbox_fresh_idx`, and failed rows whose retry is due
+/// fresh rows from `outbox_fresh_order_idx` (ordered by its key `id + 0`,
+/// which no other index provides, so the planner cannot pick `outbox_pkey`
+/// and walk published rows), and failed rows whose retry is due
 /// from `outbox_retry_due_idx` (dead letters, at 'infinity', never are).
 /// $1 are ids already in flight, $2 the batch size. With `partitioned`,
 /// only aggregates whose hash partition (of $3) is in $4, and the partition
@@ -49,7 +51,7 @@ pub(crate) fn fetch_sql(partitioned: bool) -> String {
            (SELECT o.* FROM events.outbox o \
              WHERE o.published_at IS NULL AND o.next_retry_at IS NULL \
                AND o.id <> ALL($1::bigint[]) {part_filter} AND {hb} \
-             ORDER BY o.id LIMIT $2) \
+             ORDER BY o.id + 0 LIMIT $2) \
            UNION ALL \
            (SELECT o.* FROM events.outbox o \
              WHERE o.published_at IS NULL AND o.next_retry_at IS NOT NULL AND o.next_retry_at <= now() \
@@ -64,7 +66,7 @@ pub(crate) fn fetch_sql(partitioned: bool) -> String {
 /// The SQL text of the consumer's fetch in single mode, for `EXPLAIN`:
 /// `$1` the ids in flight (`bigint[]`), `$2` the batch size in rows
 /// (`bigint`). Exposed so its plan can be checked against real data: each
-/// of its two branches must be an index range scan (`outbox_fresh_idx` for
+/// of its two branches must be an index range scan (`outbox_fresh_order_idx` for
 /// fresh rows, `outbox_retry_due_idx` for due retries) that skips dead
 /// letters and rows waiting for a retry instead of walking them.
 pub fn fetch_query() -> String {

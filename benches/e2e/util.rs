@@ -152,7 +152,7 @@ pub async fn settle(client: &Client) -> BenchResult<()> {
     Ok(())
 }
 
-/// Due rows not published yet (served by `outbox_fresh_idx`).
+/// Due rows not published yet (served by `outbox_fresh_order_idx`).
 pub async fn fresh_unpublished(client: &Client) -> BenchResult<i64> {
     Ok(client
         .query_one("SELECT count(*) FROM events.outbox WHERE published_at IS NULL AND next_retry_at IS NULL", &[])

@@ -58,8 +58,8 @@ async fn fetch_skips_a_head_of_dead_letters_and_waiting_retries_through_its_inde
         "the fetch must not scan the outbox sequentially: {nodes:?}"
     );
     assert!(
-        nodes.iter().any(|(_, rel)| rel == "outbox_fresh_idx"),
-        "fresh events must come from outbox_fresh_idx: {nodes:?}"
+        nodes.iter().any(|(_, rel)| rel == "outbox_fresh_order_idx"),
+        "fresh events must come from outbox_fresh_order_idx: {nodes:?}"
     );
     assert!(
         !nodes.iter().any(|(_, rel)| rel == "outbox_unpublished_idx" || rel == "outbox_pkey"),
@@ -81,4 +81,55 @@ async fn fetch_skips_a_head_of_dead_letters_and_waiting_retries_through_its_inde
         "a pathological head makes the fetch touch {touched} buffers against {empty_head} without it: \
          more than a few index descents per fetched row"
     );
+}
+
+/// Statistics taken while nearly every row was unpublished (a large backlog
+/// at the last ANALYZE), with a fresh index bigger than the id-ordered
+/// indexes (a churned partial index can be), must not lead the fetch into
+/// `outbox_pkey` or `outbox_unpublished_idx`, which would walk every row
+/// published since on every fetch. With the fresh index keyed on plain `id`
+/// the planner does pick `outbox_unpublished_idx` here.
+#[tokio::test]
+async fn fetch_uses_the_fresh_index_when_statistics_say_everything_is_unpublished() {
+    let db = TestDb::new("plans_stale").await;
+    let c = db.client().await;
+    c.batch_execute(
+        "ALTER TABLE events.outbox SET (autovacuum_enabled = false); \
+         ALTER INDEX events.outbox_fresh_order_idx SET (fillfactor = 10); \
+         INSERT INTO events.outbox (aggregate_type, aggregate_id, event_type, payload) \
+           SELECT 'a', md5('a' || g)::uuid, 'E', jsonb_build_object('note', repeat('x', 200)) \
+           FROM generate_series(1, 60000) g;",
+    )
+    .await
+    .expect("load a backlog");
+    c.batch_execute("REINDEX INDEX events.outbox_fresh_order_idx").await.expect("bloat the fresh index");
+    c.batch_execute("ANALYZE events.outbox").await.expect("analyze while all is unpublished");
+    // A relay drains most of it; the statistics still say "all unpublished".
+    c.batch_execute(
+        "UPDATE events.outbox SET published_at = now() \
+         WHERE id <= (SELECT id FROM events.outbox ORDER BY id OFFSET 50000 LIMIT 1)",
+    )
+    .await
+    .expect("publish most of the backlog");
+    let sql = format!("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) {}", pg_outbox::fetch_query());
+    let none: Vec<i64> = Vec::new();
+    // Twice: the second run meets index entries the first one marked dead.
+    let mut touched = 0;
+    let mut nodes = Vec::new();
+    for _ in 0..2 {
+        let row = c.query_one(&sql, &[&none, &500i64]).await.expect("explain the fetch");
+        let plan: serde_json::Value = row.get(0);
+        touched = buffers(&plan[0]["Plan"]);
+        nodes.clear();
+        collect(&plan[0]["Plan"], &mut nodes);
+    }
+    assert!(
+        nodes.iter().any(|(_, rel)| rel == "outbox_fresh_order_idx"),
+        "fresh events must come from outbox_fresh_order_idx: {nodes:?}"
+    );
+    assert!(
+        !nodes.iter().any(|(_, rel)| rel == "outbox_pkey" || rel == "outbox_unpublished_idx"),
+        "the fetch must not walk the table in id order: {nodes:?}"
+    );
+    assert!(touched < 5_000, "the fetch touched {touched} buffers: it walks the 50 000 published rows ({nodes:?})");
 }
