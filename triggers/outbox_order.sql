@@ -12,8 +12,6 @@
 --   * two transactions writing the same two aggregates in opposite orders
 --     can deadlock (PostgreSQL detects it and aborts one; retry it);
 --   * a rolled-back insert releases the lock at once.
--- It also records the transaction's first event id in the transaction-local
--- setting pg_outbox.first_id, for the notify trigger (outbox_notify.sql).
 -- Idempotent: running this file twice is a no-op.
 
 CREATE OR REPLACE FUNCTION events.outbox_order() RETURNS trigger
@@ -32,11 +30,6 @@ BEGIN
         EXIT WHEN FOUND;
     END LOOP;
     NEW.id := nextval('events.outbox_id_seq'::regclass);
-    -- Remember the transaction's first event: the deferred notify trigger
-    -- fires for that row only (once per transaction).
-    IF coalesce(current_setting('pg_outbox.first_id', true), '') = '' THEN
-        PERFORM set_config('pg_outbox.first_id', NEW.id::text, true);
-    END IF;
     RETURN NEW;
 END
 $$;

@@ -27,8 +27,12 @@ use crate::retry::RetryPolicy;
 
 /// The channel the insert trigger notifies (`triggers/outbox_notify.sql`).
 pub const NOTIFY_CHANNEL: &str = "events.outbox";
-/// Default rows fetched per query: 50 (the seed's FetchUnpublishedBatch).
-pub const DEFAULT_BATCH_SIZE: usize = 50;
+/// Default rows fetched per query: 500. The seed's FetchUnpublishedBatch
+/// takes 50; on a 200 000-event backlog (1.6 KB payloads) a batch of 500
+/// drained about 1.2x faster than 50 (`cargo bench --bench e2e -- drain`),
+/// and a fetch returns at once with what is there, so a small backlog is
+/// not delayed. The stream buffers up to twice the batch.
+pub const DEFAULT_BATCH_SIZE: usize = 500;
 /// Default fallback sweep interval: 1 second. Bounds how long a lost
 /// notification can delay an event.
 pub const DEFAULT_SWEEP_INTERVAL: Duration = Duration::from_secs(1);

@@ -33,7 +33,11 @@ impl StdoutSink {
 impl Sink for StdoutSink {
     fn deliver<'a>(&'a self, event: &'a Event) -> SinkFuture<'a> {
         Box::pin(async move {
-            let mut line = Message::new(event, self.format, &self.source)?.body;
+            let mut line = match self.format {
+                // The record needs no headers: serialise it directly.
+                Format::Record => serde_json::to_vec(&super::SinkRecord::new(event))?,
+                Format::Cloudevents => Message::new(event, self.format, &self.source)?.body,
+            };
             line.push(b'\n');
             let _guard = self.lock.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
             let mut out = std::io::stdout().lock();
