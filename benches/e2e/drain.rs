@@ -307,7 +307,7 @@ async fn run_in(ctx: &Ctx, template: &str, template_cfg: &Config, s: &Settings) 
     let jobs = [
         (Drainer::Seed, prefix),
         (Drainer::Plain, n),
-        (Drainer::Consumer(pg_outbox::DEFAULT_BATCH_SIZE), n),
+        (Drainer::Consumer(50), n),
         (Drainer::Consumer(500), n),
         (Drainer::Relay, n),
     ];

@@ -2,114 +2,18 @@
 //! events published with envelope metadata across several aggregates.
 
 use std::collections::BTreeMap;
-use std::process::{ExitStatus, Stdio};
-use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::process::Stdio;
 
 use serde_json::{Value, json};
-use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::{Child, Command};
 use tokio_postgres::Client;
 use uuid::Uuid;
 
 use pg_outbox::{NewEvent, Publisher};
 
-use crate::support::{self, TestDb};
+use crate::support;
 
-/// Liveness bound for anything the relay should do "soon".
-pub const LIVENESS: Duration = Duration::from_secs(30);
-
-/// A running `pg-outbox relay` child process; killed when dropped.
-pub struct RelayProc {
-    child: Child,
-    log: Arc<Mutex<String>>,
-}
-
-fn command(db: &TestDb, args: &[&str]) -> Command {
-    let mut cmd = Command::new(support::bin());
-    cmd.arg("relay")
-        .args(args)
-        .env("DATABASE_URL", db.url())
-        .env("RUST_LOG", "info,tokio_postgres=warn")
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .kill_on_drop(true);
-    cmd
-}
-
-impl RelayProc {
-    /// Start `pg-outbox relay args...` on `db` and wait until it says it
-    /// started (its sink is connected by then).
-    pub async fn start(db: &TestDb, args: &[&str]) -> RelayProc {
-        let mut child = command(db, args).spawn().unwrap_or_else(|e| panic!("cannot start {}: {e}", support::bin()));
-        let stderr = child.stderr.take().expect("stderr is piped");
-        let log = Arc::new(Mutex::new(String::new()));
-        let sink = log.clone();
-        tokio::spawn(async move {
-            let mut lines = BufReader::new(stderr).lines();
-            while let Ok(Some(line)) = lines.next_line().await {
-                let mut s = sink.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-                s.push_str(&line);
-                s.push('\n');
-            }
-        });
-        let mut relay = RelayProc { child, log };
-        let deadline = tokio::time::Instant::now() + LIVENESS;
-        while !relay.log().contains("relay started") {
-            if let Some(status) = relay.child.try_wait().expect("poll the relay process") {
-                tokio::time::sleep(Duration::from_millis(200)).await;
-                panic!("relay exited before starting ({status}); stderr:\n{}", relay.log());
-            }
-            assert!(tokio::time::Instant::now() < deadline, "relay did not start in {LIVENESS:?}:\n{}", relay.log());
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-        relay
-    }
-
-    /// Run `pg-outbox relay args...` on `db` expecting it to exit on its
-    /// own; returns its exit status and stderr.
-    pub async fn run_to_exit(db: &TestDb, args: &[&str]) -> (ExitStatus, String) {
-        let child = command(db, args).spawn().unwrap_or_else(|e| panic!("cannot start {}: {e}", support::bin()));
-        let out = tokio::time::timeout(LIVENESS, child.wait_with_output())
-            .await
-            .unwrap_or_else(|_| panic!("relay did not exit within {LIVENESS:?}"))
-            .expect("wait for the relay");
-        (out.status, String::from_utf8_lossy(&out.stderr).into_owned())
-    }
-
-    /// What the relay wrote on stderr so far.
-    pub fn log(&self) -> String {
-        self.log.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone()
-    }
-
-    /// `kill -9` the relay and reap it.
-    pub async fn kill9(&mut self) {
-        let pid = self.child.id().expect("the relay is still running");
-        let pid = libc::pid_t::try_from(pid).expect("pid fits pid_t");
-        // SAFETY: kill(2) on a child we spawned and have not reaped.
-        let rc = unsafe { libc::kill(pid, libc::SIGKILL) };
-        assert_eq!(rc, 0, "kill(SIGKILL) failed: {}", std::io::Error::last_os_error());
-        tokio::time::timeout(LIVENESS, self.child.wait())
-            .await
-            .expect("the relay dies after SIGKILL")
-            .expect("reap the relay");
-    }
-
-    /// SIGTERM the relay and wait for a clean exit.
-    pub async fn stop(mut self) {
-        let pid = self.child.id().expect("the relay is still running");
-        let pid = libc::pid_t::try_from(pid).expect("pid fits pid_t");
-        // SAFETY: kill(2) on a child we spawned and have not reaped.
-        let rc = unsafe { libc::kill(pid, libc::SIGTERM) };
-        assert_eq!(rc, 0, "kill(SIGTERM) failed: {}", std::io::Error::last_os_error());
-        let status = tokio::time::timeout(LIVENESS, self.child.wait())
-            .await
-            .unwrap_or_else(|_| panic!("relay did not exit after SIGTERM:\n{}", self.log()))
-            .expect("wait for the relay");
-        assert!(status.success(), "relay exits 0 on SIGTERM ({status}):\n{}", self.log());
-    }
-}
+pub use crate::relay_proc::{LIVENESS, RelayProc};
 
 /// One published event as the tests expect to find it at the broker.
 #[derive(Debug, Clone)]

@@ -1,7 +1,9 @@
-//! A `pg-outbox relay` child process for tests that need only to start it,
-//! read its log and stop it (stdout is discarded).
+//! A `pg-outbox relay` child process for tests that start it, read its log
+//! (stderr) and stop it; its stdout is discarded.
 
-use std::process::Stdio;
+#![allow(dead_code)]
+
+use std::process::{ExitStatus, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -19,23 +21,26 @@ pub struct RelayProc {
     log: Arc<Mutex<String>>,
 }
 
+fn command(db: &TestDb, args: &[&str]) -> Command {
+    let mut cmd = Command::new(support::bin());
+    cmd.arg("relay")
+        .args(args)
+        .env("DATABASE_URL", db.url())
+        .env("RUST_LOG", "info,tokio_postgres=warn")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true);
+    for var in ["HTTP_PROXY", "http_proxy", "HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy"] {
+        cmd.env_remove(var);
+    }
+    cmd
+}
+
 impl RelayProc {
-    /// Start `pg-outbox relay args...` on `db` and wait until it logs that it
-    /// started.
-    pub async fn start(db: &TestDb, args: &[&str]) -> RelayProc {
-        let mut cmd = Command::new(support::bin());
-        cmd.arg("relay")
-            .args(args)
-            .env("DATABASE_URL", db.url())
-            .env("RUST_LOG", "info,tokio_postgres=warn")
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .kill_on_drop(true);
-        for var in ["HTTP_PROXY", "http_proxy", "HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy"] {
-            cmd.env_remove(var);
-        }
-        let mut child = cmd.spawn().unwrap_or_else(|e| panic!("cannot start {}: {e}", support::bin()));
+    /// Spawn `pg-outbox relay args...` on `db`, collecting stderr.
+    pub fn spawn(db: &TestDb, args: &[&str]) -> RelayProc {
+        let mut child = command(db, args).spawn().unwrap_or_else(|e| panic!("cannot start {}: {e}", support::bin()));
         let stderr = child.stderr.take().expect("stderr is piped");
         let log = Arc::new(Mutex::new(String::new()));
         let sink = log.clone();
@@ -47,16 +52,23 @@ impl RelayProc {
                 s.push('\n');
             }
         });
-        let mut relay = RelayProc { child, log };
+        RelayProc { child, log }
+    }
+
+    /// Spawn the relay and wait until it logs that it started (its sink is
+    /// connected and it is listening by then).
+    pub async fn start(db: &TestDb, args: &[&str]) -> RelayProc {
+        let mut relay = Self::spawn(db, args);
         let deadline = tokio::time::Instant::now() + LIVENESS;
         while !relay.log().contains("relay started") {
             if let Some(status) = relay.child.try_wait().expect("poll the relay process") {
+                // Give the stderr reader a moment to collect the last lines.
                 tokio::time::sleep(Duration::from_millis(200)).await;
                 panic!("relay exited before starting ({status}); stderr:\n{}", relay.log());
             }
             assert!(
                 tokio::time::Instant::now() < deadline,
-                "relay did not start within {LIVENESS:?}:\n{}",
+                "relay did not start within {LIVENESS:?}; stderr:\n{}",
                 relay.log()
             );
             tokio::time::sleep(Duration::from_millis(20)).await;
@@ -64,9 +76,58 @@ impl RelayProc {
         relay
     }
 
+    /// Run `pg-outbox relay args...` on `db` expecting it to exit on its
+    /// own; returns its exit status and stderr.
+    pub async fn run_to_exit(db: &TestDb, args: &[&str]) -> (ExitStatus, String) {
+        let mut relay = Self::spawn(db, args);
+        let status = relay.wait().await;
+        (status, relay.log())
+    }
+
     /// What the relay wrote on stderr so far.
     pub fn log(&self) -> String {
         self.log.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone()
+    }
+
+    fn signal(&self, signal: libc::c_int) {
+        let pid = self.child.id().expect("the relay is still running");
+        let pid = libc::pid_t::try_from(pid).expect("pid fits pid_t");
+        // SAFETY: kill(2) with a pid we spawned and still own (not reaped).
+        let rc = unsafe { libc::kill(pid, signal) };
+        assert_eq!(rc, 0, "kill({signal}) failed: {}", std::io::Error::last_os_error());
+    }
+
+    /// Ask the relay to stop (SIGTERM).
+    pub fn sigterm(&self) {
+        self.signal(libc::SIGTERM);
+    }
+
+    /// `kill -9` the relay and reap it.
+    pub async fn kill9(&mut self) {
+        self.signal(libc::SIGKILL);
+        self.wait().await;
+    }
+
+    /// Wait for the process to exit; then give the stderr reader a moment.
+    pub async fn wait(&mut self) -> ExitStatus {
+        let status = match tokio::time::timeout(LIVENESS, self.child.wait()).await {
+            Ok(status) => status.expect("wait for the relay"),
+            Err(_) => panic!("relay did not exit within {LIVENESS:?}; stderr:\n{}", self.log()),
+        };
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        status
+    }
+
+    /// SIGTERM, then expect exit code 0.
+    pub async fn stop_cleanly(&mut self) {
+        self.sigterm();
+        let status = self.wait().await;
+        assert_eq!(status.code(), Some(0), "relay should exit 0 on SIGTERM ({status}); stderr:\n{}", self.log());
+    }
+
+    /// [`RelayProc::stop_cleanly`], consuming the relay.
+    pub async fn stop(mut self) {
+        self.stop_cleanly().await;
     }
 }
 
