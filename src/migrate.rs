@@ -65,7 +65,18 @@ fn checksum(sql: &str) -> String {
 /// [`Error::NotMigrated`] naming an index left invalid by an interrupted
 /// concurrent build, with the statement that removes it.
 pub async fn apply(client: &Client) -> Result<MigrationReport> {
-    client.execute("SELECT pg_advisory_lock($1)", &[&MIGRATE_LOCK_KEY]).await?;
+    // Poll with pg_try_advisory_lock rather than wait in pg_advisory_lock:
+    // a session waiting for the lock sits in a transaction, and
+    // CREATE INDEX CONCURRENTLY in the session holding it waits for every
+    // such transaction to end (docs, "Building Indexes Concurrently"), so
+    // two `migrate` runs at once would deadlock.
+    loop {
+        let got: bool = client.query_one("SELECT pg_try_advisory_lock($1)", &[&MIGRATE_LOCK_KEY]).await?.try_get(0)?;
+        if got {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
     let result = apply_locked(client).await;
     let unlock = client.execute("SELECT pg_advisory_unlock($1)", &[&MIGRATE_LOCK_KEY]).await;
     let report = result?;

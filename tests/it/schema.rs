@@ -293,3 +293,26 @@ async fn producers_skip_notify_while_every_relay_is_busy() {
     .await;
     assert_eq!(n, 1);
 }
+
+/// Three `pg-outbox migrate` runs at once on an empty database all succeed:
+/// the ones that wait for the migration lock must not sit in a transaction
+/// that the holder's `CREATE INDEX CONCURRENTLY` waits for.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_migrate_runs_do_not_deadlock() {
+    let db = TestDb::new("migrate_concurrent").await;
+    let c = db.client().await;
+    c.batch_execute("DROP SCHEMA events CASCADE").await.expect("start from an empty database");
+    let runs: Vec<_> = (0..3)
+        .map(|_| {
+            tokio::process::Command::new(crate::support::bin())
+                .arg("migrate")
+                .env("DATABASE_URL", db.url())
+                .output()
+        })
+        .collect();
+    for out in futures::future::join_all(runs).await {
+        let out = out.expect("run pg-outbox migrate");
+        assert!(out.status.success(), "migrate failed: {}", String::from_utf8_lossy(&out.stderr));
+    }
+    pg_outbox::migrate::check(&c).await.expect("the schema is complete");
+}
