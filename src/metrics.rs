@@ -51,6 +51,10 @@ pub const NOTIFICATION_QUEUE_USAGE: &str = "outbox_notification_queue_usage_rati
 /// connection; 0 when it did not (a transaction-mode pooler, a replica, or
 /// `listen(false)`): then only the sweep finds events.
 pub const NOTIFICATIONS_WORKING: &str = "outbox_notifications_working";
+/// Gauge: 1 when the consumer listens for notifications, 0 when it was
+/// started without (`--no-listen`, for a transaction-mode pooler): alerts
+/// on [`NOTIFICATIONS_WORKING`] and [`LISTENER_UP`] apply only where this is 1.
+pub const LISTEN_ENABLED: &str = "outbox_listen_enabled";
 /// Gauge: 1 while this relay asks producers to notify it (idle), 0 while
 /// it is draining and polls by itself (producers then skip NOTIFY).
 pub const WAITING_FOR_NOTIFICATIONS: &str = "outbox_waiting_for_notifications";
@@ -92,6 +96,7 @@ pub fn describe() {
     describe_gauge!(PARTITIONS_OWNED, "Partitions this consumer holds (partitioned mode).");
     describe_gauge!(NOTIFICATION_QUEUE_USAGE, "pg_notification_queue_usage(), 0..1.");
     describe_gauge!(NOTIFICATIONS_WORKING, "1 when notifications round-trip to the LISTEN connection.");
+    describe_gauge!(LISTEN_ENABLED, "1 when the consumer listens for notifications (0 with --no-listen).");
 }
 
 /// The `wake` label values of [`EVENTS_FETCHED`].
@@ -137,6 +142,7 @@ pub fn record_initial_values() {
         NOTIFICATION_QUEUE_USAGE,
         NOTIFICATIONS_WORKING,
         WAITING_FOR_NOTIFICATIONS,
+        LISTEN_ENABLED,
     ] {
         metrics::gauge!(name).set(0.0);
     }

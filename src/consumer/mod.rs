@@ -303,6 +303,7 @@ impl ConsumerBuilder {
         let reconnect_wake = Arc::new(Notify::new());
         let (status_tx, status_rx) = watch::channel(ListenerStatus::default());
         let token = CancellationToken::new();
+        metrics::gauge!(crate::metrics::LISTEN_ENABLED).set(if cfg.listen { 1.0 } else { 0.0 });
         let notifier = if cfg.listen {
             let (probe_tx, mut probe_rx) = watch::channel(String::new());
             let first_listener = notifier::listen(&listener_pg, wake.clone(), probe_tx.clone()).await?;

@@ -7,7 +7,7 @@ use async_nats::header::{HeaderValue, NATS_MESSAGE_ID};
 use async_nats::jetstream::{self, context::PublishErrorKind};
 
 use super::{Format, Message, Sink, SinkFuture, SinkOptions, Template, header, redact_spec, scrub};
-use crate::error::{Error, Result};
+use crate::error::{BoxError, Error, Result};
 use crate::event::Event;
 
 /// Publishes each event to NATS JetStream and acknowledges it on the
@@ -177,6 +177,7 @@ impl Sink for NatsSink {
         Box::pin(async move {
             let msg = Message::new(event, self.format, &self.source)?;
             let subject = self.subject.render(event);
+            check_subject(&subject)?;
             let headers = Self::headers(&msg)?;
             let publish = async {
                 let ack = self.js.publish_with_headers(subject.clone(), headers, msg.body.into()).await?;
@@ -239,5 +240,46 @@ mod tests {
         bad.headers.push((header::CORRELATION_ID, "a\r\nb".into()));
         let err = NatsSink::headers(&bad).expect_err("a line break is refused");
         assert!(err.contains("correlation_id"), "{err}");
+    }
+}
+
+/// A subject one can publish to (NATS docs, "Subject-Based Messaging"):
+/// tokens separated by `.`, none empty, no whitespace or control
+/// characters, and no wildcard token (`*` or `>`). Event fields rendered into
+/// the subject template can break these rules; such an event fails (and
+/// ends as a dead letter an operator sees) rather than being published to a
+/// wildcard or split subject.
+fn check_subject(subject: &str) -> Result<(), BoxError> {
+    let bad = |why: &str| -> Result<(), BoxError> {
+        Err(format!(
+            "subject {subject:?} from --nats-subject is not a subject NATS can publish to: {why} \
+             (the event's aggregate_type or event_type holds '.', '*', '>' or whitespace)"
+        )
+        .into())
+    };
+    if subject.chars().any(|c| c.is_whitespace() || c.is_control()) {
+        return bad("it holds whitespace or a control character");
+    }
+    for token in subject.split('.') {
+        if token.is_empty() {
+            return bad("it has an empty token");
+        }
+        if token == "*" || token == ">" {
+            return bad("it has a wildcard token");
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod subject_tests {
+    use super::check_subject;
+
+    #[test]
+    fn wildcards_empty_tokens_and_whitespace_are_refused() {
+        assert!(check_subject("events.invoice.Issued").is_ok());
+        for bad in ["events.x*.>", "events.*.a", "events..a", "events.a b", "events.a\tb", ".a", "a."] {
+            assert!(check_subject(bad).is_err(), "{bad:?} must be refused");
+        }
     }
 }

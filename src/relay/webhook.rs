@@ -1,3 +1,5 @@
+//! The webhook sink: one HTTP POST per event, optionally signed (Standard Webhooks).
+
 use std::time::Duration;
 
 use base64::Engine as _;
@@ -136,11 +138,31 @@ pub fn redact_url(url: &reqwest::Url) -> String {
     let mut u = url.clone();
     let _ = u.set_username("");
     let _ = u.set_password(None);
-    if u.query().is_some() {
-        u.set_query(Some("…"));
-    }
-    u.to_string()
+    let had_query = u.query().is_some();
+    u.set_query(None);
+    u.set_fragment(None);
+    // Appended as text: set_query would percent-encode the marker.
+    if had_query { format!("{u}?…") } else { u.to_string() }
 }
+
+/// Header names pg-outbox sets itself on every webhook request; a
+/// `--webhook-header` may not set them (a second `Content-Type`, or a forged
+/// `webhook-signature`, would reach the receiver beside ours).
+const RESERVED_HEADERS: [&str; 8] = [
+    "content-type",
+    "idempotency-key",
+    "webhook-id",
+    "webhook-timestamp",
+    "webhook-signature",
+    "traceparent",
+    "tracestate",
+    "user-agent",
+];
+
+/// Most bytes of a failed response's body read (the rest is not read): a
+/// receiver answering an error with a huge body cannot make the relay
+/// buffer it.
+const MAX_ERROR_BODY_READ: usize = 16 * 1024;
 
 impl WebhookSink {
     /// A webhook sink for an `http://` or `https://` URL, with a per-request
@@ -178,8 +200,11 @@ impl WebhookSink {
     /// the signing secret.
     ///
     /// # Errors
-    /// [`Error::Config`] for a header name or value HTTP does not allow, or a
-    /// malformed secret (see [`WebhookSecret::parse`]).
+    /// [`Error::Config`] for a header name or value HTTP does not allow, a
+    /// header pg-outbox sets itself (`Content-Type`, `Idempotency-Key`, the
+    /// `webhook-*` signature headers, `traceparent`, `tracestate`,
+    /// `User-Agent`, `outbox-*`), or a malformed secret (see
+    /// [`WebhookSecret::parse`]).
     pub fn with_options(mut self, opts: &SinkOptions) -> Result<Self> {
         self.format = opts.format;
         self.source = opts.cloudevents_source.clone();
@@ -187,6 +212,11 @@ impl WebhookSink {
         for (name, value) in &opts.webhook_headers {
             let n = reqwest::header::HeaderName::from_bytes(name.as_bytes())
                 .map_err(|e| Error::Config(format!("invalid webhook header name '{name}': {e}")))?;
+            if RESERVED_HEADERS.contains(&n.as_str()) || n.as_str().starts_with("outbox-") {
+                return Err(Error::Config(format!(
+                    "--webhook-header '{name}' is set by pg-outbox itself and cannot be overridden"
+                )));
+            }
             let v = reqwest::header::HeaderValue::from_str(value)
                 .map_err(|e| Error::Config(format!("invalid value for webhook header '{name}': {e}")))?;
             self.headers.append(n, v);
@@ -242,7 +272,17 @@ impl Sink for WebhookSink {
             if status.is_success() {
                 return Ok(());
             }
-            let body = resp.text().await.unwrap_or_default();
+            let mut resp = resp;
+            let mut raw: Vec<u8> = Vec::new();
+            while raw.len() < MAX_ERROR_BODY_READ {
+                match resp.chunk().await {
+                    Ok(Some(chunk)) => {
+                        raw.extend_from_slice(&chunk[..chunk.len().min(MAX_ERROR_BODY_READ - raw.len())])
+                    }
+                    _ => break,
+                }
+            }
+            let body = String::from_utf8_lossy(&raw);
             // One line: collapse whitespace (HTML error pages span many lines).
             let flat = body.split_whitespace().collect::<Vec<_>>().join(" ");
             let mut snippet: String = flat.chars().take(BODY_SNIPPET).collect();
@@ -259,6 +299,24 @@ impl Sink for WebhookSink {
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn headers_pg_outbox_sets_cannot_be_overridden_and_queries_are_hidden() {
+        for name in ["Content-Type", "idempotency-key", "webhook-signature", "traceparent", "outbox-id"] {
+            let mut opts = super::SinkOptions::default();
+            opts.webhook_headers = vec![(name.to_string(), "x".to_string())];
+            let hook = super::WebhookSink::new("http://127.0.0.1:1/h", std::time::Duration::from_secs(1))
+                .expect("a valid URL");
+            assert!(hook.with_options(&opts).is_err(), "{name} must be refused");
+        }
+        let mut opts = super::SinkOptions::default();
+        opts.webhook_headers = vec![("X-Team".to_string(), "billing".to_string())];
+        let hook = super::WebhookSink::new("http://u:pw@127.0.0.1:1/h?token=abc", std::time::Duration::from_secs(1))
+            .expect("a valid URL");
+        assert_eq!(hook.display_url(), "http://127.0.0.1:1/h?…");
+        assert!(hook.with_options(&opts).is_ok());
+    }
+
     use super::WebhookSecret;
 
     #[test]

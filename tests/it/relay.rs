@@ -598,3 +598,39 @@ async fn closed_stdout_stops_the_relay_without_failing_events() {
         c.query_one("SELECT count(*) FROM events.outbox WHERE retry_count > 0", &[]).await.expect("q").get(0);
     assert_eq!(failed, 0, "no event was charged a failure");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_with_a_stdout_reader_that_stopped_reading_exits_after_the_grace() {
+    let db = TestDb::new("relay_stuck_stdout").await;
+    let c = db.client().await;
+    // 300 events of ~8 KB: far more than a pipe holds, and nobody reads.
+    c.batch_execute(
+        "INSERT INTO events.outbox (aggregate_type, aggregate_id, event_type, payload) \
+         SELECT 'a', gen_random_uuid(), 'E', jsonb_build_object('note', repeat('x', 8000)) \
+         FROM generate_series(1, 300)",
+    )
+    .await
+    .expect("insert a backlog");
+    let mut relay = Relay::start(&db, &["--sink", "stdout", "--shutdown-grace", "1s"]).await;
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let stopped = tokio::time::Instant::now();
+    relay.sigterm();
+    let status = relay.wait().await;
+    let took = stopped.elapsed();
+    // Liveness, not timing: without the grace the relay would wait forever.
+    assert!(took < Duration::from_secs(15), "exit took {took:?}; stderr:\n{}", relay.log());
+    assert!(status.success(), "exit status {status}; stderr:\n{}", relay.log());
+    let (unpublished, failed): (i64, i64) = {
+        let r = c
+            .query_one(
+                "SELECT count(*) FILTER (WHERE published_at IS NULL), count(*) FILTER (WHERE retry_count > 0) \
+                 FROM events.outbox",
+                &[],
+            )
+            .await
+            .expect("count");
+        (r.get(0), r.get(1))
+    };
+    assert!(unpublished > 0, "events nobody read are not published");
+    assert_eq!(failed, 0, "and not charged a failure");
+}

@@ -304,10 +304,7 @@ async fn concurrent_migrate_runs_do_not_deadlock() {
     c.batch_execute("DROP SCHEMA events CASCADE").await.expect("start from an empty database");
     let runs: Vec<_> = (0..3)
         .map(|_| {
-            tokio::process::Command::new(crate::support::bin())
-                .arg("migrate")
-                .env("DATABASE_URL", db.url())
-                .output()
+            tokio::process::Command::new(crate::support::bin()).arg("migrate").env("DATABASE_URL", db.url()).output()
         })
         .collect();
     for out in futures::future::join_all(runs).await {

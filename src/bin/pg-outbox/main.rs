@@ -482,6 +482,14 @@ async fn migrate_cmd(url: &str) -> Result<(), Error> {
     Ok(())
 }
 
+/// Log filter when `RUST_LOG` is unset: our own info lines; the broker
+/// clients' own logs are off (lapin logs a returned message with its payload
+/// bytes; librdkafka logs every reconnect attempt twice), since every sink
+/// reports its failures itself, one line per event. `RUST_LOG` overrides it
+/// (e.g. `RUST_LOG=info,lapin=debug`).
+const DEFAULT_LOG_FILTER: &str =
+    "info,tokio_postgres=warn,lapin=off,rdkafka=off,librdkafka=off,async_nats=warn,redis=warn";
+
 fn main() -> ExitCode {
     let loaded = match config::load() {
         Ok(l) => l,
@@ -503,7 +511,7 @@ fn main() -> ExitCode {
         .with_ansi(std::io::stderr().is_terminal())
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info,tokio_postgres=warn")),
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(DEFAULT_LOG_FILTER)),
         )
         .init();
     let rt = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
