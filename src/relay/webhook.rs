@@ -303,14 +303,16 @@ mod tests {
     #[test]
     fn headers_pg_outbox_sets_cannot_be_overridden_and_queries_are_hidden() {
         for name in ["Content-Type", "idempotency-key", "webhook-signature", "traceparent", "outbox-id"] {
-            let mut opts = super::SinkOptions::default();
-            opts.webhook_headers = vec![(name.to_string(), "x".to_string())];
+            let opts =
+                super::SinkOptions { webhook_headers: vec![(name.to_string(), "x".to_string())], ..Default::default() };
             let hook = super::WebhookSink::new("http://127.0.0.1:1/h", std::time::Duration::from_secs(1))
                 .expect("a valid URL");
             assert!(hook.with_options(&opts).is_err(), "{name} must be refused");
         }
-        let mut opts = super::SinkOptions::default();
-        opts.webhook_headers = vec![("X-Team".to_string(), "billing".to_string())];
+        let opts = super::SinkOptions {
+            webhook_headers: vec![("X-Team".to_string(), "billing".to_string())],
+            ..Default::default()
+        };
         let hook = super::WebhookSink::new("http://u:pw@127.0.0.1:1/h?token=abc", std::time::Duration::from_secs(1))
             .expect("a valid URL");
         assert_eq!(hook.display_url(), "http://127.0.0.1:1/h?…");
