@@ -64,6 +64,10 @@ pub enum Error {
     /// A sink failed to deliver an event.
     #[error("sink error")]
     Sink(#[source] BoxError),
+    /// A sink's broker or endpoint could not be reached or refused the
+    /// connection at start (the message names it, never its password).
+    #[error("sink unavailable: {0}")]
+    SinkUnavailable(String),
 }
 
 impl Error {

@@ -138,8 +138,10 @@ impl AmqpSink {
         };
         let link = tokio::time::timeout(sink.timeout, sink.open())
             .await
-            .map_err(|_| Error::Config(format!("RabbitMQ at {} did not answer within {:?}", sink.shown, sink.timeout)))?
-            .map_err(Error::Config)?;
+            .map_err(|_| {
+                Error::SinkUnavailable(format!("RabbitMQ at {} did not answer within {:?}", sink.shown, sink.timeout))
+            })?
+            .map_err(Error::SinkUnavailable)?;
         // The default exchange ("") always exists and cannot be declared.
         if !sink.exchange.is_empty() {
             // A passive declare only checks; a missing exchange closes the

@@ -151,7 +151,7 @@ impl KafkaSink {
             .await
             .map_err(|e| Error::Config(format!("Kafka metadata check did not finish: {e}")))?;
         if let Err(e) = answered {
-            return Err(Error::Config(format!(
+            return Err(Error::SinkUnavailable(format!(
                 "cannot reach Kafka at {brokers} within {wait:?}: {}",
                 crate::error::report(&e)
             )));

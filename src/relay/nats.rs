@@ -131,10 +131,9 @@ impl NatsSink {
             Some(Credentials::Token(token)) => options.token(token),
             None => options,
         };
-        let client = options
-            .connect(servers)
-            .await
-            .map_err(|e| Error::Config(format!("cannot connect to NATS at {shown}: {}", scrub(&e.to_string(), url))))?;
+        let client = options.connect(servers).await.map_err(|e| {
+            Error::SinkUnavailable(format!("cannot connect to NATS at {shown}: {}", scrub(&e.to_string(), url)))
+        })?;
         let mut js = jetstream::new(client);
         js.set_timeout(opts.timeout);
         Ok(NatsSink {

@@ -100,7 +100,7 @@ impl RedisSink {
             .set_response_timeout(Some(opts.timeout))
             .set_number_of_retries(3)
             .set_max_delay(Duration::from_secs(2));
-        let unreachable = |what: String| Error::Config(format!("cannot connect to Redis at {shown}: {what}"));
+        let unreachable = |what: String| Error::SinkUnavailable(format!("cannot connect to Redis at {shown}: {what}"));
         let mut conn =
             match tokio::time::timeout(opts.timeout, ConnectionManager::new_with_config(client, config)).await {
                 Err(_) => return Err(unreachable(format!("no connection within {:?}", opts.timeout))),

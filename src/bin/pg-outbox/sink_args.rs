@@ -21,7 +21,7 @@ pub(crate) struct SinkArgs {
     #[arg(long, default_value = "record", value_parser = parse_format)]
     pub(crate) format: Format,
     /// CloudEvents `source` attribute (with --format cloudevents).
-    #[arg(long, default_value = pg_outbox::relay::DEFAULT_CLOUDEVENTS_SOURCE)]
+    #[arg(long, default_value = pg_outbox::relay::DEFAULT_CLOUDEVENTS_SOURCE, value_parser = parse_source)]
     pub(crate) cloudevents_source: String,
     /// How long one delivery may take (webhook request, broker acknowledgement).
     #[arg(long, alias = "webhook-timeout", value_parser = crate::parse_duration, default_value = "10s")]
@@ -37,8 +37,8 @@ pub(crate) struct SinkArgs {
     #[arg(long, default_value = "outbox:{aggregate_type}", value_parser = parse_template)]
     pub(crate) redis_stream: Template,
     /// Trim Redis streams to about this many entries (XADD MAXLEN ~); off by default.
-    #[arg(long, value_name = "ENTRIES")]
-    pub(crate) redis_maxlen: Option<usize>,
+    #[arg(long, value_name = "ENTRIES", value_parser = clap::value_parser!(u64).range(1..))]
+    pub(crate) redis_maxlen: Option<u64>,
     /// RabbitMQ exchange to publish to.
     #[arg(long, default_value = "amq.topic")]
     pub(crate) amqp_exchange: String,
@@ -64,7 +64,7 @@ impl SinkArgs {
         o.nats_subject = self.nats_subject.clone();
         o.kafka_topic = self.kafka_topic.clone();
         o.redis_stream = self.redis_stream.clone();
-        o.redis_maxlen = self.redis_maxlen;
+        o.redis_maxlen = self.redis_maxlen.and_then(|n| usize::try_from(n).ok());
         o.amqp_exchange = self.amqp_exchange.clone();
         o.amqp_routing_key = self.amqp_routing_key.clone();
         o.webhook_secret = self.webhook_secret.clone();
@@ -75,6 +75,14 @@ impl SinkArgs {
 
 fn parse_format(s: &str) -> Result<Format, String> {
     s.parse().map_err(|e: pg_outbox::Error| e.to_string())
+}
+
+/// CloudEvents 1.0 requires a non-empty `source` (a URI-reference).
+fn parse_source(s: &str) -> Result<String, String> {
+    if s.trim().is_empty() {
+        return Err("the CloudEvents source must not be empty (the spec requires it), e.g. /billing".into());
+    }
+    Ok(s.to_string())
 }
 
 fn parse_template(s: &str) -> Result<Template, String> {
