@@ -476,4 +476,20 @@ async fn publish_reads_the_payload_from_stdin_and_from_a_file() {
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("cannot read the payload file"));
     assert_eq!(outbox_rows(&c).await, before, "nothing written");
+
+    // An endless source is refused at the size limit, not read into memory.
+    let out = tokio::time::timeout(
+        Duration::from_secs(30),
+        Command::new(support::bin())
+            .args(base)
+            .args(["--payload", "@/dev/zero"])
+            .env("DATABASE_URL", db.url())
+            .output(),
+    )
+    .await
+    .expect("publish stops reading at the limit")
+    .expect("publish");
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("over the limit of 1048576 bytes"));
+    assert_eq!(outbox_rows(&c).await, before, "nothing written");
 }

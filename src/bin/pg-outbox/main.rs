@@ -355,14 +355,27 @@ async fn archive_cmd(url: &str, args: ArchiveArgs) -> Result<(), Error> {
 }
 
 async fn publish_cmd(url: &str, args: PublishArgs) -> Result<(), Error> {
-    let text = if args.payload == "-" {
+    // Read at most one byte over the limit, so `@/dev/zero` or an endless
+    // pipe is refused instead of filling memory.
+    let limit = u64::try_from(pg_outbox::DEFAULT_MAX_PAYLOAD_BYTES).unwrap_or(u64::MAX).saturating_add(1);
+    let read_limited = |r: &mut dyn std::io::Read, what: &str| -> Result<String, Error> {
         let mut buf = String::new();
-        std::io::Read::read_to_string(&mut std::io::stdin(), &mut buf)
-            .map_err(|e| Error::InvalidEvent(format!("cannot read the payload from standard input: {e}")))?;
-        buf
+        std::io::Read::read_to_string(&mut std::io::Read::take(r, limit), &mut buf)
+            .map_err(|e| Error::InvalidEvent(format!("cannot read the payload from {what}: {e}")))?;
+        if buf.len() as u64 >= limit {
+            return Err(Error::InvalidEvent(format!(
+                "the payload from {what} is over the limit of {} bytes",
+                pg_outbox::DEFAULT_MAX_PAYLOAD_BYTES
+            )));
+        }
+        Ok(buf)
+    };
+    let text = if args.payload == "-" {
+        read_limited(&mut std::io::stdin(), "standard input")?
     } else if let Some(path) = args.payload.strip_prefix('@') {
-        std::fs::read_to_string(path)
-            .map_err(|e| Error::InvalidEvent(format!("cannot read the payload file {path}: {e}")))?
+        let mut file = std::fs::File::open(path)
+            .map_err(|e| Error::InvalidEvent(format!("cannot read the payload file {path}: {e}")))?;
+        read_limited(&mut file, &format!("the file {path}"))?
     } else {
         args.payload.clone()
     };
