@@ -80,8 +80,8 @@ struct RelayArgs {
     /// Rows fetched per query.
     #[arg(long, default_value_t = pg_outbox::DEFAULT_BATCH_SIZE)]
     batch_size: usize,
-    /// Fallback sweep interval (e.g. 200ms, 1s, 5m).
-    #[arg(long, value_parser = parse_duration, default_value = "1s")]
+    /// Fallback sweep interval (e.g. 200ms, 1s, 5m; at least 10ms).
+    #[arg(long, value_parser = parse_sweep_interval, default_value = "1s")]
     sweep_interval: Duration,
     /// Retry delays after each failure, comma separated (e.g. 1m,5m,15m,1h);
     /// the last step repeats. Default: 1m,5m,15m,1h then doubling, capped at 24h.
@@ -170,6 +170,18 @@ pub(crate) fn parse_duration(s: &str) -> Result<Duration, String> {
         .map_err(|e| format!("invalid duration '{s}': {e} (write e.g. 200ms, 1s, 5m, 1h)"))?;
     if d.is_zero() {
         return Err(format!("invalid duration '{s}': must be longer than zero"));
+    }
+    Ok(d)
+}
+
+/// Shortest sweep interval: each sweep is a query, and a sweep every few
+/// microseconds would keep a database core busy for nothing.
+const MIN_SWEEP_INTERVAL: Duration = Duration::from_millis(10);
+
+fn parse_sweep_interval(s: &str) -> Result<Duration, String> {
+    let d = parse_duration(s)?;
+    if d < MIN_SWEEP_INTERVAL {
+        return Err(format!("invalid duration '{s}': the sweep interval must be at least 10ms"));
     }
     Ok(d)
 }
