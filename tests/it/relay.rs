@@ -634,3 +634,21 @@ async fn sigterm_with_a_stdout_reader_that_stopped_reading_exits_after_the_grace
     assert!(unpublished > 0, "events nobody read are not published");
     assert_eq!(failed, 0, "and not charged a failure");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_sigterm_exits_at_once_and_loses_nothing() {
+    let db = TestDb::new("relay_second_signal").await;
+    let c = db.client().await;
+    let (hook, url) = start_hook(HOOK_HANG).await;
+    let mut relay = Relay::start(&db, &["--sink", &url, "--sink-timeout", "60s", "--shutdown-grace", "60s"]).await;
+    let id = support::insert_seed_events(&c, Uuid::new_v4(), 1).await[0];
+    support::eventually(30, "the webhook to receive the event", || async { !hook.attempts(id).is_empty() }).await;
+    relay.sigterm();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    relay.sigterm();
+    // Liveness: far below the 60 s grace, the process is gone.
+    let status = relay.wait().await;
+    assert_eq!(status.code(), Some(130), "exit status {status}; stderr:\n{}", relay.log());
+    let (published, retries, _, _, _) = row_state(&c, id).await;
+    assert!(!published && retries == 0, "the event in hand stays unpublished, uncharged, for the next relay");
+}

@@ -218,6 +218,21 @@ async fn connect(url: &str) -> Result<tokio_postgres::Client, Error> {
     pg_outbox::parse_url(url)?.connect_client("pg-outbox cli").await
 }
 
+/// Resolves on the first SIGINT/SIGTERM (graceful shutdown: the event in
+/// hand gets `--shutdown-grace`, acknowledgements are written); a second
+/// signal exits at once with status 130: nothing is lost, but events
+/// delivered since the last written acknowledgement are delivered again.
+async fn shutdown_then_force() {
+    shutdown_signal().await;
+    tokio::spawn(async {
+        shutdown_signal().await;
+        tracing::warn!(
+            "second signal: exiting now; events whose acknowledgements were not written yet will be delivered again"
+        );
+        std::process::exit(130);
+    });
+}
+
 async fn shutdown_signal() {
     let ctrl_c = tokio::signal::ctrl_c();
     #[cfg(unix)]
@@ -308,7 +323,7 @@ async fn relay_cmd(url: &str, args: RelayArgs) -> Result<(), Error> {
     let retention = args.retention.map(|older| {
         tokio::spawn(retention_loop(url.to_string(), older, args.retention_hour, args.retention_at_start))
     });
-    let stats = relay::run(stream, sink.as_ref(), shutdown_signal()).await;
+    let stats = relay::run(stream, sink.as_ref(), shutdown_then_force()).await;
     if let Some(task) = retention {
         task.abort();
     }
