@@ -167,6 +167,45 @@ async fn print_config_masks_passwords_and_secrets() {
     assert!(err.contains("127.0.0.1:1/app") && !err.contains("db-pw-2"), "{err}");
 }
 
+/// Tokens (a user part without a password), every server of a list, query
+/// strings, and database passwords holding `?`, `#` or `/` are masked too.
+#[tokio::test]
+async fn print_config_masks_tokens_lists_queries_and_odd_passwords() {
+    let cases: [(&str, &str, &str, &[&str]); 4] = [
+        ("sink", "nats://NATSTOKEN@127.0.0.1:4222", "\"nats://****@127.0.0.1:4222\"", &["NATSTOKEN"]),
+        (
+            "sink",
+            "nats://nu:PW1@h1:4222,nats://nu2:PW2@h2:4222",
+            "\"nats://nu:****@h1:4222,nats://nu2:****@h2:4222\"",
+            &["PW1", "PW2"],
+        ),
+        ("sink", "http://h/path?api_key=K3Y", "\"http://h/path?****\"", &["K3Y", "api_key"]),
+        ("database_url", "postgres://u:pa?ss@127.0.0.1/db", "\"postgres://u:****@127.0.0.1/db\"", &["pa?ss", "ss@"]),
+    ];
+    for (key, value, shown, secrets) in cases {
+        let flag = format!("--{}", key.replace('_', "-"));
+        let mut env = vec![];
+        if key != "database_url" {
+            env.push(("DATABASE_URL", NOWHERE));
+        }
+        let (code, out, err) = run(&env, &["relay", &flag, value, "--print-config"]).await;
+        assert_eq!(code, Some(0), "{err}");
+        for secret in secrets {
+            assert!(!out.contains(secret) && !err.contains(secret), "{secret} leaked:\n{out}{err}");
+        }
+        assert_eq!(settings(&out)[key].0, shown, "{out}");
+    }
+    for url in ["postgres://u:p#w/d@127.0.0.1/db", "postgres://u:s3/cr#t@127.0.0.1:1/db?sslmode=disable"] {
+        let (code, out, err) = run(&[], &["relay", "--database-url", url, "--print-config"]).await;
+        assert_eq!(code, Some(0), "{err}");
+        let shown = &settings(&out)["database_url"].0;
+        assert!(shown.contains("****@127.0.0.1"), "{url} shown as {shown}");
+        for secret in ["p#w/d", "w/d", "s3/cr#t", "cr#t"] {
+            assert!(!out.contains(secret), "{secret} leaked:\n{out}");
+        }
+    }
+}
+
 #[tokio::test]
 async fn metrics_addr_takes_a_port_or_host_and_port() {
     let (code, out, err) =

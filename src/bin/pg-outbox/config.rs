@@ -291,7 +291,32 @@ pub(crate) fn redact(id: &str, value: &str) -> String {
         }
         return value.to_string();
     }
-    pg_outbox::redact_password(value)
+    match id {
+        "sink" => pg_outbox::relay::redact_sink(value),
+        DATABASE_URL => redact_database_url(value),
+        _ => pg_outbox::redact_password(value),
+    }
+}
+
+/// A database URL with its password masked however it is written: in a
+/// URL that parses, everything between `user:` and the last `@` (so a
+/// password holding `?`, `#`, `/` or `@` is masked whole); in one that does
+/// not, everything between `://` and the last `@`; then `password=...` in
+/// a query string or a libpq key=value string.
+pub(crate) fn redact_database_url(value: &str) -> String {
+    const MASK: &str = "****";
+    let Some((scheme, rest)) = value.split_once("://") else { return pg_outbox::redact_password(value) };
+    let Some(at) = rest.rfind('@') else { return pg_outbox::redact_password(value) };
+    let (userinfo, host) = rest.split_at(at);
+    let masked = if pg_outbox::parse_url(value).is_ok() {
+        match userinfo.split_once(':') {
+            Some((user, _)) => format!("{scheme}://{user}:{MASK}{host}"),
+            None => value.to_string(),
+        }
+    } else {
+        format!("{scheme}://{MASK}{host}")
+    };
+    pg_outbox::redact_password(&masked)
 }
 
 #[cfg(test)]
@@ -315,6 +340,11 @@ mod tests {
         assert_eq!(redact("webhook_secret", "whsec_abc"), "****");
         assert_eq!(redact("webhook_headers", "Authorization: Bearer x"), "Authorization: ****");
         assert_eq!(redact("webhook_headers", "X-Team: billing"), "X-Team: billing");
+        assert_eq!(redact("database_url", "postgres://u:pa?ss@127.0.0.1/db"), "postgres://u:****@127.0.0.1/db");
+        assert_eq!(redact("database_url", "postgres://u:p#a/s@s@db:5432/app"), "postgres://u:****@db:5432/app");
+        assert_eq!(redact("database_url", "postgres://app@db/app?password=x"), "postgres://app@db/app?password=****");
+        assert_eq!(redact("database_url", "host=db password=x user=u"), "host=db password=**** user=u");
+        assert_eq!(redact("sink", "nats://NATSTOKEN@127.0.0.1:4222"), "nats://****@127.0.0.1:4222");
     }
 
     #[test]
