@@ -167,6 +167,35 @@ async fn print_config_masks_passwords_and_secrets() {
     assert!(err.contains("127.0.0.1:1/app") && !err.contains("db-pw-2"), "{err}");
 }
 
+/// `OUTBOX_DATABASE_URL` is the fallback after `--database-url` and
+/// `DATABASE_URL`, above the file, and `--print-config` names it.
+#[tokio::test]
+async fn outbox_database_url_is_the_fallback_after_database_url() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let file = write(&dir, "db.toml", "database_url = \"postgres://fromfile@127.0.0.1:1/file\"\n");
+    let outbox = "postgres://fromoutbox@127.0.0.1:1/outbox";
+    let (code, out, err) =
+        run(&[("OUTBOX_DATABASE_URL", outbox)], &["relay", "--config", &file, "--print-config"]).await;
+    assert_eq!(code, Some(0), "{err}");
+    assert_eq!(
+        settings(&out)["database_url"],
+        (format!("\"{outbox}\""), "environment (OUTBOX_DATABASE_URL)".into()),
+        "{out}"
+    );
+    let both = [("OUTBOX_DATABASE_URL", outbox), ("DATABASE_URL", NOWHERE)];
+    let (code, out, err) = run(&both, &["relay", "--print-config"]).await;
+    assert_eq!(code, Some(0), "{err}");
+    assert_eq!(settings(&out)["database_url"], (format!("\"{NOWHERE}\""), "environment (DATABASE_URL)".into()));
+    let (code, out, err) =
+        run(&both, &["relay", "--database-url", "postgres://cli@127.0.0.1:1/x", "--print-config"]).await;
+    assert_eq!(code, Some(0), "{err}");
+    assert_eq!(settings(&out)["database_url"].1, "command line", "{out}");
+    // It is used to connect, too (here: a database nobody listens on).
+    let (code, _, err) = run(&[("OUTBOX_DATABASE_URL", NOWHERE)], &["status"]).await;
+    assert_eq!(code, Some(1), "{err}");
+    assert!(err.contains("127.0.0.1:1") && !err.contains("no database given"), "{err}");
+}
+
 /// Tokens (a user part without a password), every server of a list, query
 /// strings, and database passwords holding `?`, `#` or `/` are masked too.
 #[tokio::test]

@@ -4,8 +4,8 @@
 //! variable `OUTBOX_SOME_FLAG` and by the key `some_flag` (or `some-flag`) in
 //! the TOML file named by `--config FILE` or `OUTBOX_CONFIG`. Precedence:
 //! command line > environment > config file > built-in default. The
-//! database URL comes from `--database-url`, `DATABASE_URL` or the file's
-//! `database_url`.
+//! database URL comes from `--database-url`, else `DATABASE_URL`, else
+//! `OUTBOX_DATABASE_URL`, else the file's `database_url`.
 //!
 //! The mechanism is generic over the relay's arguments: environment names
 //! are added to every argument with `Command::mut_args`, and the file's
@@ -32,6 +32,10 @@ const NOT_SETTINGS: [&str; 3] = ["help", "config", "print_config"];
 /// The top-level argument that names the database.
 const DATABASE_URL: &str = "database_url";
 
+/// The fallback environment variable of `--database-url`, read when
+/// `DATABASE_URL` is unset or empty.
+pub(crate) const OUTBOX_DATABASE_URL: &str = "OUTBOX_DATABASE_URL";
+
 /// Settings read from a config file: argument id -> values.
 #[derive(Debug, Default)]
 pub(crate) struct FileLayer {
@@ -53,9 +57,18 @@ fn env_name(long: &str) -> String {
 }
 
 /// The command with an `OUTBOX_*` environment variable on every relay
-/// setting (values hidden in `--help`: they may hold secrets).
+/// setting (values hidden in `--help`: they may hold secrets), and
+/// `OUTBOX_DATABASE_URL` for `--database-url` when `DATABASE_URL` is unset
+/// or empty (so `DATABASE_URL` wins, and `--print-config` names the one used).
 fn command() -> Command {
-    Cli::command().mut_subcommand("relay", |relay| {
+    let set = |name: &str| std::env::var_os(name).is_some_and(|v| !v.to_string_lossy().trim().is_empty());
+    let cmd = Cli::command();
+    let cmd = if !set("DATABASE_URL") && set(OUTBOX_DATABASE_URL) {
+        cmd.mut_arg(DATABASE_URL, |a| a.env(OUTBOX_DATABASE_URL))
+    } else {
+        cmd
+    };
+    cmd.mut_subcommand("relay", |relay| {
         relay.mut_args(|arg| {
             let id = arg.get_id().as_str();
             if NOT_SETTINGS.contains(&id) || arg.get_env().is_some() {

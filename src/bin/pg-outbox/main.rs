@@ -23,7 +23,8 @@ mod sink_args;
 #[command(after_help = "Logs go to stderr (set RUST_LOG, e.g. RUST_LOG=debug); data goes to stdout.")]
 struct Cli {
     /// PostgreSQL URL, e.g. postgres://user@localhost:5432/app (libpq
-    /// key=value strings work too).
+    /// key=value strings work too). Falls back to OUTBOX_DATABASE_URL when
+    /// DATABASE_URL is unset.
     #[arg(long, env = "DATABASE_URL", global = true, hide_env_values = true)]
     database_url: Option<String>,
 
@@ -57,7 +58,8 @@ const RELAY_HELP: &str = "\
 Every setting can also come from the environment (OUTBOX_<FLAG>, e.g. OUTBOX_BATCH_SIZE=500,
 OUTBOX_SINK=stdout) or from a TOML file given by --config FILE or OUTBOX_CONFIG, whose keys are
 the flag names (batch_size = 500, or batch-size; database_url = \"postgres://...\").
-Precedence: command line > environment > config file > built-in default.
+Precedence: command line > environment > config file > built-in default. The database URL comes
+from --database-url, else DATABASE_URL, else OUTBOX_DATABASE_URL, else the file's database_url.
 --print-config shows the effective settings and where each comes from (secrets masked).";
 
 #[derive(clap::Args, Debug)]
@@ -197,9 +199,9 @@ fn parse_uuid(s: &str) -> Result<uuid::Uuid, String> {
 }
 
 fn database_url(cli: &Option<String>) -> Result<String, Error> {
-    cli.clone()
-        .filter(|s| !s.trim().is_empty())
-        .ok_or_else(|| Error::Config("no database given: set DATABASE_URL or pass --database-url".into()))
+    cli.clone().filter(|s| !s.trim().is_empty()).ok_or_else(|| {
+        Error::Config("no database given: pass --database-url or set DATABASE_URL (or OUTBOX_DATABASE_URL)".into())
+    })
 }
 
 async fn connect(url: &str) -> Result<tokio_postgres::Client, Error> {
