@@ -75,8 +75,9 @@ fn parse_since(s: &str) -> Result<DateTime<Utc>, String> {
     }
     let age = humantime::parse_duration(s.trim())
         .map_err(|_| format!("invalid --since '{s}': write an RFC 3339 time or an age like 24h or 7d"))?;
-    let age = chrono::Duration::from_std(age).map_err(|e| format!("invalid --since '{s}': {e}"))?;
-    Ok(Utc::now() - age)
+    let too_far = || format!("invalid --since '{s}': that age reaches before any representable time");
+    let age = chrono::Duration::from_std(age).map_err(|_| too_far())?;
+    Utc::now().checked_sub_signed(age).ok_or_else(too_far)
 }
 
 impl FilterArgs {

@@ -484,6 +484,20 @@ async fn migrate_cmd(url: &str) -> Result<(), Error> {
     Ok(())
 }
 
+/// Let a closed standard output (`pg-outbox status | head -1`) end the
+/// process quietly, as it does other command-line tools, instead of a
+/// "Broken pipe" panic: the Rust runtime ignores SIGPIPE, this restores its
+/// default action. Not for `relay` and `demo`, whose stdout sink handles
+/// EPIPE itself and which must shut down cleanly.
+fn restore_sigpipe() {
+    #[cfg(unix)]
+    // SAFETY: called at start, before any other thread exists; SIG_DFL is a
+    // valid disposition for SIGPIPE.
+    unsafe {
+        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+    }
+}
+
 fn main() -> ExitCode {
     let loaded = match config::load() {
         Ok(l) => l,
@@ -499,6 +513,9 @@ fn main() -> ExitCode {
         return ExitCode::SUCCESS;
     }
     let cli = loaded.cli;
+    if !matches!(cli.command, Command::Relay(_) | Command::Demo(_)) {
+        restore_sigpipe();
+    }
     use std::io::IsTerminal;
     tracing_subscriber::fmt()
         .with_writer(std::io::stderr)
