@@ -163,10 +163,16 @@ pub(crate) async fn run(url: &str, cmd: DeadLetterCmd) -> Result<(), Error> {
                     "id", "aggregate_type", "aggregate_id", "event_type", "retries"
                 );
                 for e in rows {
-                    let err: String = e.last_error.unwrap_or_default().replace('\n', " ").chars().take(80).collect();
+                    let err: String =
+                        crate::printable(e.last_error.as_deref().unwrap_or_default()).chars().take(80).collect();
                     println!(
                         "{:>10}  {:<20}  {:<36}  {:<24}  {:>7}  {}",
-                        e.id, e.aggregate_type, e.aggregate_id, e.event_type, e.retry_count, err
+                        e.id,
+                        crate::printable(&e.aggregate_type),
+                        e.aggregate_id,
+                        crate::printable(&e.event_type),
+                        e.retry_count,
+                        err
                     );
                 }
             }

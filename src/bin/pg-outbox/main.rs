@@ -398,6 +398,26 @@ async fn status_cmd(url: &str, args: StatusArgs) -> Result<(), Error> {
     Ok(())
 }
 
+/// `s` safe to print in a table: a line break becomes a space; other
+/// control characters (ESC, C1 controls such as CSI, DEL) and bidirectional
+/// overrides become escapes like `\u{1b}`, so stored text cannot drive the
+/// terminal. (JSON output is escaped by serde.)
+pub(crate) fn printable(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    for c in s.chars() {
+        match c {
+            '\n' | '\r' => out.push(' '),
+            c if c.is_control()
+                || matches!(c, '\u{200e}' | '\u{200f}' | '\u{202a}'..='\u{202e}' | '\u{2066}'..='\u{2069}') =>
+            {
+                out.extend(c.escape_default())
+            }
+            c => out.push(c),
+        }
+    }
+    out
+}
+
 /// Seconds as a short human figure: `850 ms`, `42 s`, `3m 5s`, `2h 10m`.
 fn short_secs(secs: f64) -> String {
     if !secs.is_finite() {
@@ -418,19 +438,21 @@ fn print_by_type(s: &pg_outbox::OutboxStatus) {
     if s.by_type.is_empty() {
         return;
     }
-    let w_event = s.by_type.iter().map(|t| t.event_type.chars().count()).max().unwrap_or(0).max(10);
-    let w_agg = s.by_type.iter().map(|t| t.aggregate_type.chars().count()).max().unwrap_or(0).max(14);
+    let types: Vec<(String, String)> =
+        s.by_type.iter().map(|t| (printable(&t.event_type), printable(&t.aggregate_type))).collect();
+    let w_event = types.iter().map(|(e, _)| e.chars().count()).max().unwrap_or(0).max(10);
+    let w_agg = types.iter().map(|(_, a)| a.chars().count()).max().unwrap_or(0).max(14);
     println!();
     println!("by event type");
     println!(
         "{:<w_event$}  {:<w_agg$}  {:>11}  {:>7}  {:>9}  {:>17}  {:>12}  oldest pending",
         "event_type", "aggregate_type", "unpublished", "due now", "held back", "waiting for retry", "dead letters"
     );
-    for t in &s.by_type {
+    for (t, (event_type, aggregate_type)) in s.by_type.iter().zip(&types) {
         let age = t.oldest_unpublished_age_seconds.map_or("-".to_string(), short_secs);
         println!(
             "{:<w_event$}  {:<w_agg$}  {:>11}  {:>7}  {:>9}  {:>17}  {:>12}  {age}",
-            t.event_type, t.aggregate_type, t.unpublished, t.due_now, t.held_back, t.waiting_for_retry, t.dead_letters
+            event_type, aggregate_type, t.unpublished, t.due_now, t.held_back, t.waiting_for_retry, t.dead_letters
         );
     }
     if s.by_type_truncated {
@@ -458,12 +480,12 @@ fn print_retries(r: &pg_outbox::RetryLadder) {
         "id", "event_type", "aggregate_type", "retries", "due at", "due in"
     );
     for p in &r.next {
-        let err: String = p.last_error.clone().unwrap_or_default().replace('\n', " ").chars().take(60).collect();
+        let err: String = printable(p.last_error.as_deref().unwrap_or_default()).chars().take(60).collect();
         println!(
             "{:>10}  {:<24}  {:<20}  {:>7}  {:<20}  {:>8}  {err}",
             p.id,
-            p.event_type,
-            p.aggregate_type,
+            printable(&p.event_type),
+            printable(&p.aggregate_type),
             p.retry_count,
             p.due_at.to_rfc3339_opts(chrono::SecondsFormat::Secs, true),
             short_secs(p.due_in_seconds)
