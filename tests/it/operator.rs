@@ -180,3 +180,33 @@ async fn tables_escape_control_characters() {
     let (_, out, _) = cli(&db, &["status"]).await;
     assert!(out.contains("HTTP 503 \\u{1b}[5m\\u{202e}") && out.contains("Wait\\u{1b}[1m"), "{out}");
 }
+
+/// A `dead-letters list` cut short by its limit says so on stderr.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn list_says_when_the_limit_cuts_it_short() {
+    let db = TestDb::new("operator_list_limit").await;
+    let c = db.client().await;
+    c.batch_execute(
+        "INSERT INTO events.outbox (aggregate_type, aggregate_id, event_type, payload, retry_count, next_retry_at, last_error) \
+         SELECT 'subscription', gen_random_uuid(), 'Dead', '{}', 10, 'infinity', 'HTTP 500' FROM generate_series(1, 105)",
+    )
+    .await
+    .expect("insert dead letters");
+    let (code, out, err) = cli(&db, &["dead-letters", "list"]).await;
+    assert_eq!(code, 0, "{err}");
+    assert_eq!(out.lines().count(), 101, "header and 100 rows: {out}");
+    assert!(err.contains("showing 100 of 105 dead letters") && err.contains("--limit"), "{err}");
+    let (code, out, err) = cli(&db, &["dead-letters", "list", "--json", "--limit", "10"]).await;
+    assert_eq!(code, 0, "{err}");
+    assert_eq!(listed_ids(&out).len(), 10, "stdout stays JSON: {out}");
+    assert!(err.contains("showing 10 of 105 dead letters"), "{err}");
+    for args in [
+        &["dead-letters", "list", "--limit", "105"][..],
+        &["dead-letters", "list", "--event-type", "Dead", "--limit", "200"],
+    ] {
+        let (code, out, err) = cli(&db, args).await;
+        assert_eq!(code, 0, "{err}");
+        assert_eq!(out.lines().count(), 106, "{args:?}: {out}");
+        assert!(err.trim().is_empty(), "{args:?}: no note when all are shown: {err}");
+    }
+}

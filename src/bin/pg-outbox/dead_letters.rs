@@ -152,7 +152,20 @@ pub(crate) async fn run(url: &str, cmd: DeadLetterCmd) -> Result<(), Error> {
     let client = crate::connect(url).await?;
     match cmd {
         DeadLetterCmd::List { filter, json } => {
-            let rows = dead_letters::list(&client, &filter.to_filter(&[])?).await?;
+            let f = filter.to_filter(&[])?;
+            let rows = dead_letters::list(&client, &f).await?;
+            // A full page may be cut short: say so (on stderr) after the rows.
+            let limit = f.limit.unwrap_or(dead_letters::DEFAULT_LIST_LIMIT);
+            let mut note = None;
+            if i64::try_from(rows.len()).is_ok_and(|n| n >= limit) {
+                let total = dead_letters::count(&client, &f).await?;
+                if total > limit {
+                    note = Some(format!(
+                        "showing {} of {total} dead letters; use --limit {total} to see them all",
+                        rows.len()
+                    ));
+                }
+            }
             if json {
                 println!("{}", serde_json::to_string_pretty(&rows)?);
             } else if rows.is_empty() {
@@ -175,6 +188,9 @@ pub(crate) async fn run(url: &str, cmd: DeadLetterCmd) -> Result<(), Error> {
                         err
                     );
                 }
+            }
+            if let Some(note) = note {
+                eprintln!("{note}");
             }
         }
         DeadLetterCmd::Show { id } => {
