@@ -106,9 +106,13 @@ async fn precedence_is_command_line_then_environment_then_file_then_default() {
 #[tokio::test]
 async fn bad_config_files_are_refused_naming_the_key_and_file() {
     let dir = tempfile::tempdir().expect("tempdir");
-    let cases: [(&str, &str, &[&str]); 6] = [
+    let cases: [(&str, &str, &[&str]); 10] = [
         ("unknown.toml", "batch_size = 10\nbatchsize = 5\n", &["unknown key `batchsize`", "batch_size"]),
-        ("type.toml", "batch_size = \"lots\"\n", &["key `batch_size`", "invalid value 'lots'"]),
+        ("type.toml", "batch_size = \"lots\"\n", &["key `batch_size`", "must be a number"]),
+        ("numstr.toml", "batch_size = \"5\"\n", &["key `batch_size` must be a number", "\"5\""]),
+        ("zero.toml", "batch_size = 0\n", &["key `batch_size`", "0"]),
+        ("parts.toml", "partitions = 0\n", &["key `partitions`", "0"]),
+        ("retries.toml", "max_retries = 0\n", &["key `max_retries`", "0"]),
         ("range.toml", "retention_hour = 24\n", &["key `retention_hour`", "24"]),
         ("flag.toml", "no_listen = \"yes\"\n", &["key `no_listen` must be true or false"]),
         ("table.toml", "[sink]\nurl = \"x\"\n", &["key `sink`"]),
@@ -134,6 +138,18 @@ async fn bad_config_files_are_refused_naming_the_key_and_file() {
     let (code, _, err) = run(&[("OUTBOX_BATCH_SIZE", "lots")], &["relay", "--print-config"]).await;
     assert!(code.is_some_and(|c| c != 0), "{err}");
     assert!(err.contains("invalid value 'lots'") && err.contains("--batch-size"), "{err}");
+    // Values the relay would refuse are refused up front, naming the flag.
+    for (flag, env) in [
+        ("--batch-size", "OUTBOX_BATCH_SIZE"),
+        ("--partitions", "OUTBOX_PARTITIONS"),
+        ("--max-retries", "OUTBOX_MAX_RETRIES"),
+    ] {
+        let (code, out, err) = run(&[("DATABASE_URL", NOWHERE)], &["relay", flag, "0", "--print-config"]).await;
+        assert!(code.is_some_and(|c| c != 0) && out.is_empty(), "{flag} 0 must be refused: {out}{err}");
+        assert!(err.starts_with("error: ") && err.contains("invalid value '0'") && err.contains(flag), "{err}");
+        let (code, _, err) = run(&[("DATABASE_URL", NOWHERE), (env, "0")], &["relay", "--print-config"]).await;
+        assert!(code.is_some_and(|c| c != 0) && err.contains(flag), "{env}=0 must be refused: {err}");
+    }
 }
 
 #[tokio::test]

@@ -122,6 +122,29 @@ fn is_flag(arg: &Arg) -> bool {
     !arg.get_action().takes_values()
 }
 
+/// Whether an argument takes a number (so a file must give it as a TOML
+/// number, not a string).
+fn is_numeric(arg: &Arg) -> bool {
+    use std::any::TypeId;
+    let id = arg.get_value_parser().type_id();
+    [
+        TypeId::of::<u8>(),
+        TypeId::of::<u16>(),
+        TypeId::of::<u32>(),
+        TypeId::of::<u64>(),
+        TypeId::of::<usize>(),
+        TypeId::of::<i8>(),
+        TypeId::of::<i16>(),
+        TypeId::of::<i32>(),
+        TypeId::of::<i64>(),
+        TypeId::of::<isize>(),
+        TypeId::of::<f32>(),
+        TypeId::of::<f64>(),
+    ]
+    .iter()
+    .any(|t| id == *t)
+}
+
 /// Whether an argument may be given several times.
 fn is_repeatable(arg: &Arg) -> bool {
     matches!(arg.get_action(), clap::ArgAction::Append)
@@ -185,8 +208,12 @@ fn file_values(path: &Path, key: &str, arg: &Arg, value: &toml::Value) -> Result
             other => Err(file_error(path, format!("key `{key}` must be true or false, got {}", other.type_str()))),
         };
     }
+    let numeric = is_numeric(arg);
     let scalar = |v: &V| -> Result<String, Error> {
         match v {
+            V::String(s) if numeric => {
+                Err(file_error(path, format!("key `{key}` must be a number, got a string ({})", V::String(s.clone()))))
+            }
             V::String(s) => Ok(s.clone()),
             V::Integer(i) => Ok(i.to_string()),
             V::Float(f) => Ok(f.to_string()),

@@ -79,8 +79,9 @@ struct RelayArgs {
     /// (e.g. 0.0.0.0:9464).
     #[arg(long, value_name = "[HOST:]PORT", value_parser = parse_metrics_addr)]
     metrics_addr: Option<SocketAddr>,
-    /// Rows fetched per query.
-    #[arg(long, default_value_t = pg_outbox::DEFAULT_BATCH_SIZE)]
+    /// Rows fetched per query (at least 1).
+    #[arg(long, default_value_t = pg_outbox::DEFAULT_BATCH_SIZE,
+          value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
     batch_size: usize,
     /// Fallback sweep interval (e.g. 200ms, 1s, 5m).
     #[arg(long, value_parser = parse_duration, default_value = "1s")]
@@ -89,8 +90,9 @@ struct RelayArgs {
     /// the last step repeats. Default: 1m,5m,15m,1h then doubling, capped at 24h.
     #[arg(long, value_parser = parse_schedule)]
     retry_schedule: Option<RetryPolicy>,
-    /// Failures after which an event is a dead letter.
-    #[arg(long, default_value_t = pg_outbox::DEFAULT_MAX_RETRIES)]
+    /// Failures after which an event is a dead letter (at least 1).
+    #[arg(long, default_value_t = pg_outbox::DEFAULT_MAX_RETRIES,
+          value_parser = clap::value_parser!(i32).range(1..))]
     max_retries: i32,
     /// On SIGINT/SIGTERM, how long to wait for the event in hand.
     #[arg(long, value_parser = parse_duration, default_value = "30s")]
@@ -101,8 +103,8 @@ struct RelayArgs {
     /// FOR UPDATE SKIP LOCKED; no order at all).
     #[arg(long, value_enum, default_value_t = ModeArg::Single)]
     mode: ModeArg,
-    /// Partitions in `--mode partitioned` (the same on every relay).
-    #[arg(long, default_value_t = 16)]
+    /// Partitions in `--mode partitioned` (the same on every relay; at least 1).
+    #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u32).range(1..))]
     partitions: u32,
     /// Do not LISTEN: find events by the sweep only (for a transaction-mode pooler).
     #[arg(long)]
