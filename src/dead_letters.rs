@@ -116,6 +116,17 @@ pub async fn list<C: GenericClient + Sync>(client: &C, filter: &Filter) -> Resul
     rows.iter().map(event_from_row).collect()
 }
 
+/// How many dead letters match `filter`, ignoring its limit (to tell
+/// whether a [`list`] was cut short).
+///
+/// # Errors
+/// [`crate::Error::NotMigrated`] or [`crate::Error::Db`].
+pub async fn count<C: GenericClient + Sync>(client: &C, filter: &Filter) -> Result<i64> {
+    let sql = format!("SELECT count(*) FROM events.outbox WHERE {MATCHES}");
+    let row = client.query_one(&sql, &filter.params()).await.map_err(map_missing_schema)?;
+    Ok(row.try_get(0)?)
+}
+
 /// Ids of the dead letters matching `filter` (what [`retry`] or
 /// [`discard`] would touch), for a dry run.
 ///

@@ -493,3 +493,53 @@ async fn publish_reads_the_payload_from_stdin_and_from_a_file() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("over the limit of 1048576 bytes"));
     assert_eq!(outbox_rows(&c).await, before, "nothing written");
 }
+
+/// Run `pg-outbox args...` with its standard output already closed (as
+/// `pg-outbox ... | head -1` leaves it once head is done).
+async fn run_with_closed_stdout(url: &str, args: &[&str]) -> (std::process::ExitStatus, String) {
+    let mut child = Command::new(support::bin())
+        .args(args)
+        .env("DATABASE_URL", url)
+        .env_remove("RUST_LOG")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap_or_else(|e| panic!("cannot run {}: {e}", support::bin()));
+    drop(child.stdout.take());
+    let out = tokio::time::timeout(Duration::from_secs(30), child.wait_with_output())
+        .await
+        .unwrap_or_else(|_| panic!("pg-outbox {args:?} did not exit within 30 s"))
+        .expect("wait for pg-outbox");
+    (out.status, String::from_utf8_lossy(&out.stderr).into_owned())
+}
+
+/// A closed standard output ends `status` and `dead-letters list` quietly
+/// (no panic, no error), and an absurd `--since` age is a one-line error
+/// naming the flag, not a panic.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn closed_stdout_and_huge_ages_do_not_panic() {
+    use std::os::unix::process::ExitStatusExt;
+    let db = TestDb::new("cli_epipe").await;
+    let c = db.client().await;
+    c.batch_execute(
+        "INSERT INTO events.outbox (aggregate_type, aggregate_id, event_type, payload, retry_count, next_retry_at, last_error) \
+           SELECT 'subscription', gen_random_uuid(), 'Dead', '{}', 10, 'infinity', 'HTTP 500' FROM generate_series(1, 3)",
+    )
+    .await
+    .expect("dead letters");
+    for args in [&["status"][..], &["dead-letters", "list"], &["dead-letters", "list", "--json"]] {
+        let (status, stderr) = run_with_closed_stdout(&db.url(), args).await;
+        assert!(!stderr.contains("panicked") && !stderr.contains("Broken pipe"), "{args:?}: {stderr}");
+        assert!(
+            status.success() || status.signal() == Some(libc::SIGPIPE),
+            "{args:?}: ends quietly, got {status:?}: {stderr}"
+        );
+        assert!(stderr.trim().is_empty(), "{args:?}: nothing on stderr: {stderr}");
+    }
+    for since in ["1000000000d", "300000000y"] {
+        let out = run(Some(&db.url()), &["dead-letters", "list", "--since", since]).await;
+        assert_usage_error(&out, &["--since", since]);
+    }
+}

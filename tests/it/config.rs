@@ -106,9 +106,13 @@ async fn precedence_is_command_line_then_environment_then_file_then_default() {
 #[tokio::test]
 async fn bad_config_files_are_refused_naming_the_key_and_file() {
     let dir = tempfile::tempdir().expect("tempdir");
-    let cases: [(&str, &str, &[&str]); 6] = [
+    let cases: [(&str, &str, &[&str]); 10] = [
         ("unknown.toml", "batch_size = 10\nbatchsize = 5\n", &["unknown key `batchsize`", "batch_size"]),
-        ("type.toml", "batch_size = \"lots\"\n", &["key `batch_size`", "invalid value 'lots'"]),
+        ("type.toml", "batch_size = \"lots\"\n", &["key `batch_size`", "must be a number"]),
+        ("numstr.toml", "batch_size = \"5\"\n", &["key `batch_size` must be a number", "\"5\""]),
+        ("zero.toml", "batch_size = 0\n", &["key `batch_size`", "0"]),
+        ("parts.toml", "partitions = 0\n", &["key `partitions`", "0"]),
+        ("retries.toml", "max_retries = 0\n", &["key `max_retries`", "0"]),
         ("range.toml", "retention_hour = 24\n", &["key `retention_hour`", "24"]),
         ("flag.toml", "no_listen = \"yes\"\n", &["key `no_listen` must be true or false"]),
         ("table.toml", "[sink]\nurl = \"x\"\n", &["key `sink`"]),
@@ -134,6 +138,18 @@ async fn bad_config_files_are_refused_naming_the_key_and_file() {
     let (code, _, err) = run(&[("OUTBOX_BATCH_SIZE", "lots")], &["relay", "--print-config"]).await;
     assert!(code.is_some_and(|c| c != 0), "{err}");
     assert!(err.contains("invalid value 'lots'") && err.contains("--batch-size"), "{err}");
+    // Values the relay would refuse are refused up front, naming the flag.
+    for (flag, env) in [
+        ("--batch-size", "OUTBOX_BATCH_SIZE"),
+        ("--partitions", "OUTBOX_PARTITIONS"),
+        ("--max-retries", "OUTBOX_MAX_RETRIES"),
+    ] {
+        let (code, out, err) = run(&[("DATABASE_URL", NOWHERE)], &["relay", flag, "0", "--print-config"]).await;
+        assert!(code.is_some_and(|c| c != 0) && out.is_empty(), "{flag} 0 must be refused: {out}{err}");
+        assert!(err.starts_with("error: ") && err.contains("invalid value '0'") && err.contains(flag), "{err}");
+        let (code, _, err) = run(&[("DATABASE_URL", NOWHERE), (env, "0")], &["relay", "--print-config"]).await;
+        assert!(code.is_some_and(|c| c != 0) && err.contains(flag), "{env}=0 must be refused: {err}");
+    }
 }
 
 #[tokio::test]
@@ -165,6 +181,74 @@ async fn print_config_masks_passwords_and_secrets() {
         run(&[("DATABASE_URL", "postgres://app:db-pw-2@127.0.0.1:1/app?connect_timeout=2")], &["status"]).await;
     assert_eq!(code, Some(1), "{err}");
     assert!(err.contains("127.0.0.1:1/app") && !err.contains("db-pw-2"), "{err}");
+}
+
+/// `OUTBOX_DATABASE_URL` is the fallback after `--database-url` and
+/// `DATABASE_URL`, above the file, and `--print-config` names it.
+#[tokio::test]
+async fn outbox_database_url_is_the_fallback_after_database_url() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let file = write(&dir, "db.toml", "database_url = \"postgres://fromfile@127.0.0.1:1/file\"\n");
+    let outbox = "postgres://fromoutbox@127.0.0.1:1/outbox";
+    let (code, out, err) =
+        run(&[("OUTBOX_DATABASE_URL", outbox)], &["relay", "--config", &file, "--print-config"]).await;
+    assert_eq!(code, Some(0), "{err}");
+    assert_eq!(
+        settings(&out)["database_url"],
+        (format!("\"{outbox}\""), "environment (OUTBOX_DATABASE_URL)".into()),
+        "{out}"
+    );
+    let both = [("OUTBOX_DATABASE_URL", outbox), ("DATABASE_URL", NOWHERE)];
+    let (code, out, err) = run(&both, &["relay", "--print-config"]).await;
+    assert_eq!(code, Some(0), "{err}");
+    assert_eq!(settings(&out)["database_url"], (format!("\"{NOWHERE}\""), "environment (DATABASE_URL)".into()));
+    let (code, out, err) =
+        run(&both, &["relay", "--database-url", "postgres://cli@127.0.0.1:1/x", "--print-config"]).await;
+    assert_eq!(code, Some(0), "{err}");
+    assert_eq!(settings(&out)["database_url"].1, "command line", "{out}");
+    // It is used to connect, too (here: a database nobody listens on).
+    let (code, _, err) = run(&[("OUTBOX_DATABASE_URL", NOWHERE)], &["status"]).await;
+    assert_eq!(code, Some(1), "{err}");
+    assert!(err.contains("127.0.0.1:1") && !err.contains("no database given"), "{err}");
+}
+
+/// Tokens (a user part without a password), every server of a list, query
+/// strings, and database passwords holding `?`, `#` or `/` are masked too.
+#[tokio::test]
+async fn print_config_masks_tokens_lists_queries_and_odd_passwords() {
+    let cases: [(&str, &str, &str, &[&str]); 4] = [
+        ("sink", "nats://NATSTOKEN@127.0.0.1:4222", "\"nats://****@127.0.0.1:4222\"", &["NATSTOKEN"]),
+        (
+            "sink",
+            "nats://nu:PW1@h1:4222,nats://nu2:PW2@h2:4222",
+            "\"nats://nu:****@h1:4222,nats://nu2:****@h2:4222\"",
+            &["PW1", "PW2"],
+        ),
+        ("sink", "http://h/path?api_key=K3Y", "\"http://h/path?****\"", &["K3Y", "api_key"]),
+        ("database_url", "postgres://u:pa?ss@127.0.0.1/db", "\"postgres://u:****@127.0.0.1/db\"", &["pa?ss", "ss@"]),
+    ];
+    for (key, value, shown, secrets) in cases {
+        let flag = format!("--{}", key.replace('_', "-"));
+        let mut env = vec![];
+        if key != "database_url" {
+            env.push(("DATABASE_URL", NOWHERE));
+        }
+        let (code, out, err) = run(&env, &["relay", &flag, value, "--print-config"]).await;
+        assert_eq!(code, Some(0), "{err}");
+        for secret in secrets {
+            assert!(!out.contains(secret) && !err.contains(secret), "{secret} leaked:\n{out}{err}");
+        }
+        assert_eq!(settings(&out)[key].0, shown, "{out}");
+    }
+    for url in ["postgres://u:p#w/d@127.0.0.1/db", "postgres://u:s3/cr#t@127.0.0.1:1/db?sslmode=disable"] {
+        let (code, out, err) = run(&[], &["relay", "--database-url", url, "--print-config"]).await;
+        assert_eq!(code, Some(0), "{err}");
+        let shown = &settings(&out)["database_url"].0;
+        assert!(shown.contains("****@127.0.0.1"), "{url} shown as {shown}");
+        for secret in ["p#w/d", "w/d", "s3/cr#t", "cr#t"] {
+            assert!(!out.contains(secret), "{secret} leaked:\n{out}");
+        }
+    }
 }
 
 #[tokio::test]

@@ -148,3 +148,65 @@ async fn dead_letter_filters_select_the_same_rows_for_list_retry_and_discard() {
     let left: i64 = c.query_one("SELECT count(*) FROM events.outbox", &[]).await.expect("count").get(0);
     assert_eq!(left, 5, "only the discarded row is gone");
 }
+
+/// Stored text (aggregate and event types, `last_error`) reaches the
+/// terminal with its control characters escaped in `status` and
+/// `dead-letters list` tables.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tables_escape_control_characters() {
+    let db = TestDb::new("operator_escape").await;
+    let c = db.client().await;
+    let id =
+        dead(&c, "agg\u{1b}[2J", "Evt\u{1b}]0;title\u{7}", "boom \u{1b}[31mred\u{9b}1m\u{7f}\nnext", "1 hour").await;
+    c.execute(
+        "INSERT INTO events.outbox (aggregate_type, aggregate_id, event_type, payload, retry_count, next_retry_at, last_error) \
+         VALUES ('agg\u{1b}[2J', gen_random_uuid(), 'Wait\u{1b}[1m', '{}', 1, now() + interval '1 hour', 'HTTP 503 \u{1b}[5m\u{202e}')",
+        &[],
+    )
+    .await
+    .expect("insert a waiting retry");
+    for args in [&["status"][..], &["dead-letters", "list"]] {
+        let (code, out, err) = cli(&db, args).await;
+        assert_eq!(code, 0, "{args:?}: {err}");
+        assert!(out.contains(&id.to_string()) || args[0] == "status", "{out}");
+        for raw in ['\u{1b}', '\u{7}', '\u{9b}', '\u{7f}', '\u{202e}'] {
+            assert!(!out.contains(raw), "{args:?}: raw {raw:?} printed:\n{}", out.escape_debug());
+        }
+        assert!(out.contains("agg\\u{1b}[2J"), "{args:?}: escaped:\n{out}");
+    }
+    let (_, out, _) = cli(&db, &["dead-letters", "list"]).await;
+    assert!(out.contains("boom \\u{1b}[31mred\\u{9b}1m\\u{7f} next"), "{out}");
+    assert!(out.contains("Evt\\u{1b}]0;title\\u{7}"), "{out}");
+    let (_, out, _) = cli(&db, &["status"]).await;
+    assert!(out.contains("HTTP 503 \\u{1b}[5m\\u{202e}") && out.contains("Wait\\u{1b}[1m"), "{out}");
+}
+
+/// A `dead-letters list` cut short by its limit says so on stderr.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn list_says_when_the_limit_cuts_it_short() {
+    let db = TestDb::new("operator_list_limit").await;
+    let c = db.client().await;
+    c.batch_execute(
+        "INSERT INTO events.outbox (aggregate_type, aggregate_id, event_type, payload, retry_count, next_retry_at, last_error) \
+         SELECT 'subscription', gen_random_uuid(), 'Dead', '{}', 10, 'infinity', 'HTTP 500' FROM generate_series(1, 105)",
+    )
+    .await
+    .expect("insert dead letters");
+    let (code, out, err) = cli(&db, &["dead-letters", "list"]).await;
+    assert_eq!(code, 0, "{err}");
+    assert_eq!(out.lines().count(), 101, "header and 100 rows: {out}");
+    assert!(err.contains("showing 100 of 105 dead letters") && err.contains("--limit"), "{err}");
+    let (code, out, err) = cli(&db, &["dead-letters", "list", "--json", "--limit", "10"]).await;
+    assert_eq!(code, 0, "{err}");
+    assert_eq!(listed_ids(&out).len(), 10, "stdout stays JSON: {out}");
+    assert!(err.contains("showing 10 of 105 dead letters"), "{err}");
+    for args in [
+        &["dead-letters", "list", "--limit", "105"][..],
+        &["dead-letters", "list", "--event-type", "Dead", "--limit", "200"],
+    ] {
+        let (code, out, err) = cli(&db, args).await;
+        assert_eq!(code, 0, "{err}");
+        assert_eq!(out.lines().count(), 106, "{args:?}: {out}");
+        assert!(err.trim().is_empty(), "{args:?}: no note when all are shown: {err}");
+    }
+}

@@ -4,8 +4,8 @@
 //! variable `OUTBOX_SOME_FLAG` and by the key `some_flag` (or `some-flag`) in
 //! the TOML file named by `--config FILE` or `OUTBOX_CONFIG`. Precedence:
 //! command line > environment > config file > built-in default. The
-//! database URL comes from `--database-url`, `DATABASE_URL` or the file's
-//! `database_url`.
+//! database URL comes from `--database-url`, else `DATABASE_URL`, else
+//! `OUTBOX_DATABASE_URL`, else the file's `database_url`.
 //!
 //! The mechanism is generic over the relay's arguments: environment names
 //! are added to every argument with `Command::mut_args`, and the file's
@@ -32,6 +32,10 @@ const NOT_SETTINGS: [&str; 3] = ["help", "config", "print_config"];
 /// The top-level argument that names the database.
 const DATABASE_URL: &str = "database_url";
 
+/// The fallback environment variable of `--database-url`, read when
+/// `DATABASE_URL` is unset or empty.
+pub(crate) const OUTBOX_DATABASE_URL: &str = "OUTBOX_DATABASE_URL";
+
 /// Settings read from a config file: argument id -> values.
 #[derive(Debug, Default)]
 pub(crate) struct FileLayer {
@@ -53,9 +57,18 @@ fn env_name(long: &str) -> String {
 }
 
 /// The command with an `OUTBOX_*` environment variable on every relay
-/// setting (values hidden in `--help`: they may hold secrets).
+/// setting (values hidden in `--help`: they may hold secrets), and
+/// `OUTBOX_DATABASE_URL` for `--database-url` when `DATABASE_URL` is unset
+/// or empty (so `DATABASE_URL` wins, and `--print-config` names the one used).
 fn command() -> Command {
-    Cli::command().mut_subcommand("relay", |relay| {
+    let set = |name: &str| std::env::var_os(name).is_some_and(|v| !v.to_string_lossy().trim().is_empty());
+    let cmd = Cli::command();
+    let cmd = if !set("DATABASE_URL") && set(OUTBOX_DATABASE_URL) {
+        cmd.mut_arg(DATABASE_URL, |a| a.env(OUTBOX_DATABASE_URL))
+    } else {
+        cmd
+    };
+    cmd.mut_subcommand("relay", |relay| {
         relay.mut_args(|arg| {
             let id = arg.get_id().as_str();
             if NOT_SETTINGS.contains(&id) || arg.get_env().is_some() {
@@ -107,6 +120,29 @@ fn database_arg(cmd: &Command) -> Option<&Arg> {
 /// Whether an argument is a flag (no value: `--no-listen`).
 fn is_flag(arg: &Arg) -> bool {
     !arg.get_action().takes_values()
+}
+
+/// Whether an argument takes a number (so a file must give it as a TOML
+/// number, not a string).
+fn is_numeric(arg: &Arg) -> bool {
+    use std::any::TypeId;
+    let id = arg.get_value_parser().type_id();
+    [
+        TypeId::of::<u8>(),
+        TypeId::of::<u16>(),
+        TypeId::of::<u32>(),
+        TypeId::of::<u64>(),
+        TypeId::of::<usize>(),
+        TypeId::of::<i8>(),
+        TypeId::of::<i16>(),
+        TypeId::of::<i32>(),
+        TypeId::of::<i64>(),
+        TypeId::of::<isize>(),
+        TypeId::of::<f32>(),
+        TypeId::of::<f64>(),
+    ]
+    .iter()
+    .any(|t| id == *t)
 }
 
 /// Whether an argument may be given several times.
@@ -172,8 +208,12 @@ fn file_values(path: &Path, key: &str, arg: &Arg, value: &toml::Value) -> Result
             other => Err(file_error(path, format!("key `{key}` must be true or false, got {}", other.type_str()))),
         };
     }
+    let numeric = is_numeric(arg);
     let scalar = |v: &V| -> Result<String, Error> {
         match v {
+            V::String(s) if numeric => {
+                Err(file_error(path, format!("key `{key}` must be a number, got a string ({})", V::String(s.clone()))))
+            }
             V::String(s) => Ok(s.clone()),
             V::Integer(i) => Ok(i.to_string()),
             V::Float(f) => Ok(f.to_string()),
@@ -291,7 +331,32 @@ pub(crate) fn redact(id: &str, value: &str) -> String {
         }
         return value.to_string();
     }
-    pg_outbox::redact_password(value)
+    match id {
+        "sink" => pg_outbox::relay::redact_sink(value),
+        DATABASE_URL => redact_database_url(value),
+        _ => pg_outbox::redact_password(value),
+    }
+}
+
+/// A database URL with its password masked however it is written: in a
+/// URL that parses, everything between `user:` and the last `@` (so a
+/// password holding `?`, `#`, `/` or `@` is masked whole); in one that does
+/// not, everything between `://` and the last `@`; then `password=...` in
+/// a query string or a libpq key=value string.
+pub(crate) fn redact_database_url(value: &str) -> String {
+    const MASK: &str = "****";
+    let Some((scheme, rest)) = value.split_once("://") else { return pg_outbox::redact_password(value) };
+    let Some(at) = rest.rfind('@') else { return pg_outbox::redact_password(value) };
+    let (userinfo, host) = rest.split_at(at);
+    let masked = if pg_outbox::parse_url(value).is_ok() {
+        match userinfo.split_once(':') {
+            Some((user, _)) => format!("{scheme}://{user}:{MASK}{host}"),
+            None => value.to_string(),
+        }
+    } else {
+        format!("{scheme}://{MASK}{host}")
+    };
+    pg_outbox::redact_password(&masked)
 }
 
 #[cfg(test)]
@@ -315,6 +380,11 @@ mod tests {
         assert_eq!(redact("webhook_secret", "whsec_abc"), "****");
         assert_eq!(redact("webhook_headers", "Authorization: Bearer x"), "Authorization: ****");
         assert_eq!(redact("webhook_headers", "X-Team: billing"), "X-Team: billing");
+        assert_eq!(redact("database_url", "postgres://u:pa?ss@127.0.0.1/db"), "postgres://u:****@127.0.0.1/db");
+        assert_eq!(redact("database_url", "postgres://u:p#a/s@s@db:5432/app"), "postgres://u:****@db:5432/app");
+        assert_eq!(redact("database_url", "postgres://app@db/app?password=x"), "postgres://app@db/app?password=****");
+        assert_eq!(redact("database_url", "host=db password=x user=u"), "host=db password=**** user=u");
+        assert_eq!(redact("sink", "nats://NATSTOKEN@127.0.0.1:4222"), "nats://****@127.0.0.1:4222");
     }
 
     #[test]

@@ -75,8 +75,9 @@ fn parse_since(s: &str) -> Result<DateTime<Utc>, String> {
     }
     let age = humantime::parse_duration(s.trim())
         .map_err(|_| format!("invalid --since '{s}': write an RFC 3339 time or an age like 24h or 7d"))?;
-    let age = chrono::Duration::from_std(age).map_err(|e| format!("invalid --since '{s}': {e}"))?;
-    Ok(Utc::now() - age)
+    let too_far = || format!("invalid --since '{s}': that age reaches before any representable time");
+    let age = chrono::Duration::from_std(age).map_err(|_| too_far())?;
+    Utc::now().checked_sub_signed(age).ok_or_else(too_far)
 }
 
 impl FilterArgs {
@@ -151,7 +152,20 @@ pub(crate) async fn run(url: &str, cmd: DeadLetterCmd) -> Result<(), Error> {
     let client = crate::connect(url).await?;
     match cmd {
         DeadLetterCmd::List { filter, json } => {
-            let rows = dead_letters::list(&client, &filter.to_filter(&[])?).await?;
+            let f = filter.to_filter(&[])?;
+            let rows = dead_letters::list(&client, &f).await?;
+            // A full page may be cut short: say so (on stderr) after the rows.
+            let limit = f.limit.unwrap_or(dead_letters::DEFAULT_LIST_LIMIT);
+            let mut note = None;
+            if i64::try_from(rows.len()).is_ok_and(|n| n >= limit) {
+                let total = dead_letters::count(&client, &f).await?;
+                if total > limit {
+                    note = Some(format!(
+                        "showing {} of {total} dead letters; use --limit {total} to see them all",
+                        rows.len()
+                    ));
+                }
+            }
             if json {
                 println!("{}", serde_json::to_string_pretty(&rows)?);
             } else if rows.is_empty() {
@@ -162,12 +176,21 @@ pub(crate) async fn run(url: &str, cmd: DeadLetterCmd) -> Result<(), Error> {
                     "id", "aggregate_type", "aggregate_id", "event_type", "retries"
                 );
                 for e in rows {
-                    let err: String = e.last_error.unwrap_or_default().replace('\n', " ").chars().take(80).collect();
+                    let err: String =
+                        crate::printable(e.last_error.as_deref().unwrap_or_default()).chars().take(80).collect();
                     println!(
                         "{:>10}  {:<20}  {:<36}  {:<24}  {:>7}  {}",
-                        e.id, e.aggregate_type, e.aggregate_id, e.event_type, e.retry_count, err
+                        e.id,
+                        crate::printable(&e.aggregate_type),
+                        e.aggregate_id,
+                        crate::printable(&e.event_type),
+                        e.retry_count,
+                        err
                     );
                 }
+            }
+            if let Some(note) = note {
+                eprintln!("{note}");
             }
         }
         DeadLetterCmd::Show { id } => {

@@ -23,7 +23,8 @@ mod sink_args;
 #[command(after_help = "Logs go to stderr (set RUST_LOG, e.g. RUST_LOG=debug); data goes to stdout.")]
 struct Cli {
     /// PostgreSQL URL, e.g. postgres://user@localhost:5432/app (libpq
-    /// key=value strings work too).
+    /// key=value strings work too). Falls back to OUTBOX_DATABASE_URL when
+    /// DATABASE_URL is unset.
     #[arg(long, env = "DATABASE_URL", global = true, hide_env_values = true)]
     database_url: Option<String>,
 
@@ -57,7 +58,8 @@ const RELAY_HELP: &str = "\
 Every setting can also come from the environment (OUTBOX_<FLAG>, e.g. OUTBOX_BATCH_SIZE=500,
 OUTBOX_SINK=stdout) or from a TOML file given by --config FILE or OUTBOX_CONFIG, whose keys are
 the flag names (batch_size = 500, or batch-size; database_url = \"postgres://...\").
-Precedence: command line > environment > config file > built-in default.
+Precedence: command line > environment > config file > built-in default. The database URL comes
+from --database-url, else DATABASE_URL, else OUTBOX_DATABASE_URL, else the file's database_url.
 --print-config shows the effective settings and where each comes from (secrets masked).";
 
 #[derive(clap::Args, Debug)]
@@ -77,8 +79,9 @@ struct RelayArgs {
     /// (e.g. 0.0.0.0:9464).
     #[arg(long, value_name = "[HOST:]PORT", value_parser = parse_metrics_addr)]
     metrics_addr: Option<SocketAddr>,
-    /// Rows fetched per query.
-    #[arg(long, default_value_t = pg_outbox::DEFAULT_BATCH_SIZE)]
+    /// Rows fetched per query (at least 1).
+    #[arg(long, default_value_t = pg_outbox::DEFAULT_BATCH_SIZE,
+          value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
     batch_size: usize,
     /// Fallback sweep interval (e.g. 200ms, 1s, 5m; at least 10ms).
     #[arg(long, value_parser = parse_sweep_interval, default_value = "1s")]
@@ -87,8 +90,9 @@ struct RelayArgs {
     /// the last step repeats. Default: 1m,5m,15m,1h then doubling, capped at 24h.
     #[arg(long, value_parser = parse_schedule)]
     retry_schedule: Option<RetryPolicy>,
-    /// Failures after which an event is a dead letter.
-    #[arg(long, default_value_t = pg_outbox::DEFAULT_MAX_RETRIES)]
+    /// Failures after which an event is a dead letter (at least 1).
+    #[arg(long, default_value_t = pg_outbox::DEFAULT_MAX_RETRIES,
+          value_parser = clap::value_parser!(i32).range(1..))]
     max_retries: i32,
     /// On SIGINT/SIGTERM, how long to wait for the event in hand.
     #[arg(long, value_parser = parse_duration, default_value = "30s")]
@@ -99,8 +103,8 @@ struct RelayArgs {
     /// FOR UPDATE SKIP LOCKED; no order at all).
     #[arg(long, value_enum, default_value_t = ModeArg::Single)]
     mode: ModeArg,
-    /// Partitions in `--mode partitioned` (the same on every relay).
-    #[arg(long, default_value_t = 16)]
+    /// Partitions in `--mode partitioned` (the same on every relay; at least 1).
+    #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u32).range(1..))]
     partitions: u32,
     /// Do not LISTEN: find events by the sweep only (for a transaction-mode pooler).
     #[arg(long)]
@@ -209,9 +213,9 @@ fn parse_uuid(s: &str) -> Result<uuid::Uuid, String> {
 }
 
 fn database_url(cli: &Option<String>) -> Result<String, Error> {
-    cli.clone()
-        .filter(|s| !s.trim().is_empty())
-        .ok_or_else(|| Error::Config("no database given: set DATABASE_URL or pass --database-url".into()))
+    cli.clone().filter(|s| !s.trim().is_empty()).ok_or_else(|| {
+        Error::Config("no database given: pass --database-url or set DATABASE_URL (or OUTBOX_DATABASE_URL)".into())
+    })
 }
 
 async fn connect(url: &str) -> Result<tokio_postgres::Client, Error> {
@@ -436,6 +440,26 @@ async fn status_cmd(url: &str, args: StatusArgs) -> Result<(), Error> {
     Ok(())
 }
 
+/// `s` safe to print in a table: a line break becomes a space; other
+/// control characters (ESC, C1 controls such as CSI, DEL) and bidirectional
+/// overrides become escapes like `\u{1b}`, so stored text cannot drive the
+/// terminal. (JSON output is escaped by serde.)
+pub(crate) fn printable(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    for c in s.chars() {
+        match c {
+            '\n' | '\r' => out.push(' '),
+            c if c.is_control()
+                || matches!(c, '\u{200e}' | '\u{200f}' | '\u{202a}'..='\u{202e}' | '\u{2066}'..='\u{2069}') =>
+            {
+                out.extend(c.escape_default())
+            }
+            c => out.push(c),
+        }
+    }
+    out
+}
+
 /// Seconds as a short human figure: `850 ms`, `42 s`, `3m 5s`, `2h 10m`.
 fn short_secs(secs: f64) -> String {
     if !secs.is_finite() {
@@ -456,19 +480,21 @@ fn print_by_type(s: &pg_outbox::OutboxStatus) {
     if s.by_type.is_empty() {
         return;
     }
-    let w_event = s.by_type.iter().map(|t| t.event_type.chars().count()).max().unwrap_or(0).max(10);
-    let w_agg = s.by_type.iter().map(|t| t.aggregate_type.chars().count()).max().unwrap_or(0).max(14);
+    let types: Vec<(String, String)> =
+        s.by_type.iter().map(|t| (printable(&t.event_type), printable(&t.aggregate_type))).collect();
+    let w_event = types.iter().map(|(e, _)| e.chars().count()).max().unwrap_or(0).max(10);
+    let w_agg = types.iter().map(|(_, a)| a.chars().count()).max().unwrap_or(0).max(14);
     println!();
     println!("by event type");
     println!(
         "{:<w_event$}  {:<w_agg$}  {:>11}  {:>7}  {:>9}  {:>17}  {:>12}  oldest pending",
         "event_type", "aggregate_type", "unpublished", "due now", "held back", "waiting for retry", "dead letters"
     );
-    for t in &s.by_type {
+    for (t, (event_type, aggregate_type)) in s.by_type.iter().zip(&types) {
         let age = t.oldest_unpublished_age_seconds.map_or("-".to_string(), short_secs);
         println!(
             "{:<w_event$}  {:<w_agg$}  {:>11}  {:>7}  {:>9}  {:>17}  {:>12}  {age}",
-            t.event_type, t.aggregate_type, t.unpublished, t.due_now, t.held_back, t.waiting_for_retry, t.dead_letters
+            event_type, aggregate_type, t.unpublished, t.due_now, t.held_back, t.waiting_for_retry, t.dead_letters
         );
     }
     if s.by_type_truncated {
@@ -496,12 +522,12 @@ fn print_retries(r: &pg_outbox::RetryLadder) {
         "id", "event_type", "aggregate_type", "retries", "due at", "due in"
     );
     for p in &r.next {
-        let err: String = p.last_error.clone().unwrap_or_default().replace('\n', " ").chars().take(60).collect();
+        let err: String = printable(p.last_error.as_deref().unwrap_or_default()).chars().take(60).collect();
         println!(
             "{:>10}  {:<24}  {:<20}  {:>7}  {:<20}  {:>8}  {err}",
             p.id,
-            p.event_type,
-            p.aggregate_type,
+            printable(&p.event_type),
+            printable(&p.aggregate_type),
             p.retry_count,
             p.due_at.to_rfc3339_opts(chrono::SecondsFormat::Secs, true),
             short_secs(p.due_in_seconds)
@@ -530,6 +556,20 @@ async fn migrate_cmd(url: &str) -> Result<(), Error> {
 const DEFAULT_LOG_FILTER: &str =
     "info,tokio_postgres=warn,lapin=off,rdkafka=off,librdkafka=off,async_nats=warn,redis=warn";
 
+/// Let a closed standard output (`pg-outbox status | head -1`) end the
+/// process quietly, as it does other command-line tools, instead of a
+/// "Broken pipe" panic: the Rust runtime ignores SIGPIPE, this restores its
+/// default action. Not for `relay` and `demo`, whose stdout sink handles
+/// EPIPE itself and which must shut down cleanly.
+fn restore_sigpipe() {
+    #[cfg(unix)]
+    // SAFETY: called at start, before any other thread exists; SIG_DFL is a
+    // valid disposition for SIGPIPE.
+    unsafe {
+        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+    }
+}
+
 fn main() -> ExitCode {
     let loaded = match config::load() {
         Ok(l) => l,
@@ -545,6 +585,9 @@ fn main() -> ExitCode {
         return ExitCode::SUCCESS;
     }
     let cli = loaded.cli;
+    if !matches!(cli.command, Command::Relay(_) | Command::Demo(_)) {
+        restore_sigpipe();
+    }
     use std::io::IsTerminal;
     tracing_subscriber::fmt()
         .with_writer(std::io::stderr)
