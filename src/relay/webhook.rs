@@ -15,7 +15,7 @@ pub const DEFAULT_WEBHOOK_TIMEOUT: Duration = Duration::from_secs(10);
 /// Most bytes of a failed response's body kept in `last_error`.
 const BODY_SNIPPET: usize = 512;
 
-/// POSTs each event's [`SinkRecord`] as JSON to a URL. A 2xx response
+/// POSTs each event's [`super::SinkRecord`] as JSON to a URL. A 2xx response
 /// acknowledges the event; any other status (redirects are not followed: a
 /// 3xx fails the event too), a connection error or a timeout fails it, with
 /// the status (and the start of the body, on one line) in `last_error`.
