@@ -689,8 +689,14 @@ pub(crate) async fn open(
 ) -> Result<(Client, Connection<Socket, TlsStream>)> {
     use tokio_postgres::config::SslMode as T;
     let mut cfg = prepared(&opts.pg, application_name);
-    let tls = opts.tls()?;
     let all_unix = !cfg.get_hosts().is_empty() && cfg.get_hosts().iter().all(|h| matches!(h, Host::Unix(_)));
+    // libpq ignores the TLS settings on a Unix socket, so a missing root
+    // certificate for verify-full must not refuse one either.
+    let tls = if all_unix {
+        ConnectOptions { pg: opts.pg.clone(), ssl_mode: SslMode::Disable, root_cert: None }.tls()?
+    } else {
+        opts.tls()?
+    };
     let attempts: &[T] = match opts.ssl_mode {
         _ if all_unix => &[T::Disable],
         SslMode::Disable => &[T::Disable],

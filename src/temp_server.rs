@@ -269,6 +269,11 @@ impl TempServer {
         )
     }
 
+    /// Directory of the server's Unix socket (`host=` for a socket connection).
+    pub fn socket_dir(&self) -> &std::path::Path {
+        self.dir.path()
+    }
+
     /// TCP port on 127.0.0.1.
     pub fn port(&self) -> u16 {
         self.port

@@ -219,3 +219,20 @@ async fn tls_modes_against_a_server_without_tls() {
     assert!(err.contains("sslmode=require") && err.contains("server does not support TLS"), "{err}");
     assert_eq!(err.trim().lines().count(), 1, "one line: {err}");
 }
+
+/// A Unix socket never uses TLS, as with libpq: `sslmode=verify-full`
+/// without any root certificate still connects there.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_unix_socket_ignores_the_tls_settings() {
+    let server = plain_server().await;
+    let url = format!(
+        "host={} port={} user=postgres dbname=postgres sslmode=verify-full",
+        server.socket_dir().display(),
+        server.port()
+    );
+    let (ok, _, err) = run_bin(&url, &["migrate"]).await;
+    assert!(ok, "migrate over the socket: {err}");
+    let (ok, out, err) = run_bin(&url, &["status"]).await;
+    assert!(ok, "status over the socket: {err}");
+    assert!(out.contains("unpublished"), "{out}");
+}
