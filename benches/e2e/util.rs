@@ -19,7 +19,7 @@ const RELAY_START_TIMEOUT: Duration = Duration::from_secs(30);
 const RELAY_STOP_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// Payload note length: with the envelope around it, each event's JSON is
-/// about 1.5 KB (as in `benches/drain.rs`).
+/// about 1.5 KB.
 pub const NOTE_CHARS: usize = 1408;
 
 /// A libpq key=value connection string for `cfg` (host, port, user,
@@ -75,7 +75,7 @@ impl Scratch {
 }
 
 /// SQL expression of a ~1.5 KB seeded envelope for row `g` of a
-/// `generate_series` (same shape as `benches/drain.rs`).
+/// `generate_series`.
 fn envelope_sql() -> String {
     format!(
         "jsonb_build_object('version', 1, \
