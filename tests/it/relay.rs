@@ -652,3 +652,36 @@ async fn a_second_sigterm_exits_at_once_and_loses_nothing() {
     let (published, retries, _, _, _) = row_state(&c, id).await;
     assert!(!published && retries == 0, "the event in hand stays unpublished, uncharged, for the next relay");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_stdout_stops_the_relay_without_failing_events() {
+    let db = TestDb::new("relay_enospc").await;
+    let c = db.client().await;
+    support::insert_seed_events(&c, Uuid::new_v4(), 3).await;
+    let full = std::fs::OpenOptions::new().write(true).open("/dev/full").expect("open /dev/full");
+    let child = Command::new(support::bin())
+        .args(["relay", "--sink", "stdout"])
+        .env("DATABASE_URL", db.url())
+        .stdin(Stdio::null())
+        .stdout(Stdio::from(full))
+        .stderr(Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("spawn relay");
+    let output = tokio::time::timeout(LIVENESS, child.wait_with_output()).await.expect("relay exits").expect("wait");
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(!output.status.success(), "a relay that cannot write its stdout exits non-zero; stderr:\n{stderr}");
+    assert!(stderr.contains("cannot write to standard output"), "{stderr}");
+    let (published, failed): (i64, i64) = {
+        let r = c
+            .query_one(
+                "SELECT count(*) FILTER (WHERE published_at IS NOT NULL), count(*) FILTER (WHERE retry_count > 0) \
+                 FROM events.outbox",
+                &[],
+            )
+            .await
+            .expect("count");
+        (r.get(0), r.get(1))
+    };
+    assert_eq!((published, failed), (0, 0), "nothing published, nothing charged a failure");
+}
