@@ -13,78 +13,36 @@ use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode};
 use serde_json::{Value, json};
 use tokio::io::{AsyncBufReadExt, BufReader, Lines};
-use tokio::process::{Child, ChildStdout, Command};
+use tokio::process::{ChildStdout, Command};
 use tokio_postgres::Client;
 use uuid::Uuid;
 
 use pg_outbox::{NewEvent, Publisher};
 
+use crate::relay_proc::{LIVENESS, RelayProc};
 use crate::support::{self, TestDb};
-
-/// Liveness bound for anything the relay should do "soon".
-const LIVENESS: Duration = Duration::from_secs(30);
 
 /// The keys of a sink record, exactly.
 const RECORD_KEYS: [&str; 7] =
     ["aggregate_id", "aggregate_type", "event_type", "id", "occurred_at", "payload", "retry_count"];
 
-/// A running `pg-outbox relay` child process.
+/// A running `pg-outbox relay` child process whose stdout the test reads.
 struct Relay {
-    child: Child,
+    proc: RelayProc,
     stdout: Lines<BufReader<ChildStdout>>,
-    log: Arc<Mutex<String>>,
 }
 
 impl Relay {
     /// Start `pg-outbox relay args...` on `db` and wait until it says it
     /// started (it is listening by then).
     async fn start(db: &TestDb, args: &[&str]) -> Relay {
-        let mut cmd = Command::new(support::bin());
-        cmd.arg("relay")
-            .args(args)
-            .env("DATABASE_URL", db.url())
-            .env("RUST_LOG", "info,tokio_postgres=warn")
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .kill_on_drop(true);
-        for var in ["HTTP_PROXY", "http_proxy", "HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy"] {
-            cmd.env_remove(var);
-        }
-        let mut child = cmd.spawn().unwrap_or_else(|e| panic!("cannot start {}: {e}", support::bin()));
-        let stdout = BufReader::new(child.stdout.take().expect("stdout is piped")).lines();
-        let stderr = child.stderr.take().expect("stderr is piped");
-        let log = Arc::new(Mutex::new(String::new()));
-        let sink = log.clone();
-        tokio::spawn(async move {
-            let mut lines = BufReader::new(stderr).lines();
-            while let Ok(Some(line)) = lines.next_line().await {
-                let mut s = sink.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-                s.push_str(&line);
-                s.push('\n');
-            }
-        });
-        let mut relay = Relay { child, stdout, log };
-        let deadline = tokio::time::Instant::now() + LIVENESS;
-        while !relay.log().contains("relay started") {
-            if let Some(status) = relay.child.try_wait().expect("poll the relay process") {
-                // Give the stderr reader a moment to collect the last lines.
-                tokio::time::sleep(Duration::from_millis(200)).await;
-                panic!("relay exited before starting ({status}); stderr:\n{}", relay.log());
-            }
-            assert!(
-                tokio::time::Instant::now() < deadline,
-                "relay did not start within {LIVENESS:?}; stderr:\n{}",
-                relay.log()
-            );
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-        relay
+        let (proc, stdout) = RelayProc::start_with_stdout(db, args).await;
+        Relay { proc, stdout: BufReader::new(stdout).lines() }
     }
 
     /// What the relay wrote on stderr so far.
     fn log(&self) -> String {
-        self.log.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone()
+        self.proc.log()
     }
 
     /// The next line on the relay's stdout.
@@ -98,18 +56,11 @@ impl Relay {
     }
 
     fn sigterm(&self) {
-        let pid = self.child.id().expect("the relay is still running");
-        let pid = libc::pid_t::try_from(pid).expect("pid fits pid_t");
-        // SAFETY: kill(2) with a pid we spawned and still own (not reaped).
-        let rc = unsafe { libc::kill(pid, libc::SIGTERM) };
-        assert_eq!(rc, 0, "kill(SIGTERM) failed: {}", std::io::Error::last_os_error());
+        self.proc.sigterm();
     }
 
     async fn wait(&mut self) -> ExitStatus {
-        match tokio::time::timeout(LIVENESS, self.child.wait()).await {
-            Ok(status) => status.expect("wait for the relay"),
-            Err(_) => panic!("relay did not exit within {LIVENESS:?}; stderr:\n{}", self.log()),
-        }
+        self.proc.wait().await
     }
 
     /// Everything left on stdout until it closes (the process has exited).

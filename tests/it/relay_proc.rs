@@ -8,7 +8,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use tokio::io::{AsyncBufReadExt, BufReader};
-use tokio::process::{Child, Command};
+use tokio::process::{Child, ChildStdout, Command};
 
 use crate::support::{self, TestDb};
 
@@ -40,7 +40,11 @@ fn command(db: &TestDb, args: &[&str]) -> Command {
 impl RelayProc {
     /// Spawn `pg-outbox relay args...` on `db`, collecting stderr.
     pub fn spawn(db: &TestDb, args: &[&str]) -> RelayProc {
-        let mut child = command(db, args).spawn().unwrap_or_else(|e| panic!("cannot start {}: {e}", support::bin()));
+        Self::spawn_cmd(command(db, args))
+    }
+
+    fn spawn_cmd(mut cmd: Command) -> RelayProc {
+        let mut child = cmd.spawn().unwrap_or_else(|e| panic!("cannot start {}: {e}", support::bin()));
         let stderr = child.stderr.take().expect("stderr is piped");
         let log = Arc::new(Mutex::new(String::new()));
         let sink = log.clone();
@@ -59,21 +63,36 @@ impl RelayProc {
     /// connected and it is listening by then).
     pub async fn start(db: &TestDb, args: &[&str]) -> RelayProc {
         let mut relay = Self::spawn(db, args);
+        relay.wait_started().await;
+        relay
+    }
+
+    /// [`RelayProc::start`] with the relay's standard output piped to the
+    /// test (for `--sink stdout`).
+    pub async fn start_with_stdout(db: &TestDb, args: &[&str]) -> (RelayProc, ChildStdout) {
+        let mut cmd = command(db, args);
+        cmd.stdout(Stdio::piped());
+        let mut relay = Self::spawn_cmd(cmd);
+        let stdout = relay.child.stdout.take().expect("stdout is piped");
+        relay.wait_started().await;
+        (relay, stdout)
+    }
+
+    async fn wait_started(&mut self) {
         let deadline = tokio::time::Instant::now() + LIVENESS;
-        while !relay.log().contains("relay started") {
-            if let Some(status) = relay.child.try_wait().expect("poll the relay process") {
+        while !self.log().contains("relay started") {
+            if let Some(status) = self.child.try_wait().expect("poll the relay process") {
                 // Give the stderr reader a moment to collect the last lines.
                 tokio::time::sleep(Duration::from_millis(200)).await;
-                panic!("relay exited before starting ({status}); stderr:\n{}", relay.log());
+                panic!("relay exited before starting ({status}); stderr:\n{}", self.log());
             }
             assert!(
                 tokio::time::Instant::now() < deadline,
                 "relay did not start within {LIVENESS:?}; stderr:\n{}",
-                relay.log()
+                self.log()
             );
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
-        relay
     }
 
     /// Run `pg-outbox relay args...` on `db` expecting it to exit on its
