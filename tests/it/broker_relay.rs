@@ -14,6 +14,7 @@ use pg_outbox::{NewEvent, Publisher};
 use crate::support;
 
 pub use crate::relay_proc::{LIVENESS, RelayProc};
+pub use crate::support::published_count;
 
 /// One published event as the tests expect to find it at the broker.
 #[derive(Debug, Clone)]
@@ -63,14 +64,6 @@ pub async fn publish_events(c: &Client, per_aggregate: usize) -> BTreeMap<i64, S
         }
     }
     out
-}
-
-/// Rows with `published_at` set.
-pub async fn published_count(c: &Client) -> i64 {
-    c.query_one("SELECT count(*) FROM events.outbox WHERE published_at IS NOT NULL", &[])
-        .await
-        .expect("count published rows")
-        .get(0)
 }
 
 /// Wait until `n` rows are published.

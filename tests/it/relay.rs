@@ -20,7 +20,7 @@ use uuid::Uuid;
 use pg_outbox::{NewEvent, Publisher};
 
 use crate::relay_proc::{LIVENESS, RelayProc};
-use crate::support::{self, TestDb};
+use crate::support::{self, TestDb, published_count};
 
 /// The keys of a sink record, exactly.
 const RECORD_KEYS: [&str; 7] =
@@ -100,13 +100,6 @@ async fn rows_by_id(c: &Client) -> BTreeMap<i64, (String, Uuid, String, Value)> 
         .iter()
         .map(|r| (r.get(0), (r.get(1), r.get(2), r.get(3), r.get(4))))
         .collect()
-}
-
-async fn published_count(c: &Client) -> i64 {
-    c.query_one("SELECT count(*) FROM events.outbox WHERE published_at IS NOT NULL", &[])
-        .await
-        .expect("count published rows")
-        .get(0)
 }
 
 /// The state of one row: (published, retry_count, next_retry_at is

@@ -10,6 +10,7 @@ use uuid::Uuid;
 use pg_outbox::{NewEvent, Publisher};
 
 pub use crate::relay_proc::{LIVENESS, RelayProc, free_port};
+pub use crate::support::published_count;
 
 /// Metadata every event of [`publish_events`] carries in its envelope.
 pub fn metadata(i: usize) -> (String, String) {
@@ -38,14 +39,6 @@ pub async fn publish_events(c: &Client, aggs: &[Uuid], n: usize, tag: &str) -> V
         out.push((publisher.publish(c, &event).await.expect("publish with the library"), agg));
     }
     out
-}
-
-/// Number of rows marked published.
-pub async fn published_count(c: &Client) -> i64 {
-    c.query_one("SELECT count(*) FROM events.outbox WHERE published_at IS NOT NULL", &[])
-        .await
-        .expect("count published rows")
-        .get(0)
 }
 
 /// `(published, retry_count, last_error)` of one row.

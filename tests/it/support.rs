@@ -287,3 +287,11 @@ pub async fn broker_available(name: &str, addr: &str) -> bool {
     eprintln!("SKIPPED: {name} is not reachable at {addr}; start it (or set PG_OUTBOX_REQUIRE_BROKERS=1 to fail)");
     false
 }
+
+/// Rows of `events.outbox` with `published_at` set.
+pub async fn published_count(c: &Client) -> i64 {
+    c.query_one("SELECT count(*) FROM events.outbox WHERE published_at IS NOT NULL", &[])
+        .await
+        .expect("count published rows")
+        .get(0)
+}
