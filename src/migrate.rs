@@ -19,6 +19,7 @@ pub const MIGRATIONS: &[(&str, &str)] = &[
     ("0005_outbox_relays", include_str!("../migrations/0005_outbox_relays.sql")),
     ("0006_outbox_fresh_order_idx", include_str!("../migrations/0006_outbox_fresh_order_idx.sql")),
     ("0007_drop_outbox_fresh_idx", include_str!("../migrations/0007_drop_outbox_fresh_idx.sql")),
+    ("0008_outbox_hint", include_str!("../migrations/0008_outbox_hint.sql")),
 ];
 
 /// Trigger files, applied after the migrations: (name, SQL).
@@ -102,7 +103,12 @@ async fn apply_locked(client: &Client) -> Result<MigrationReport> {
         if !needed {
             continue;
         }
-        client.batch_execute(sql).await?;
+        if let Err(e) = client.batch_execute(sql).await {
+            // A file that opens its own transaction (triggers/outbox_order.sql)
+            // leaves it aborted on error: end it, so the session stays usable.
+            let _ = client.batch_execute("ROLLBACK").await;
+            return Err(e.into());
+        }
         client
             .execute(
                 "INSERT INTO events.outbox_schema_migrations (name, checksum) VALUES ($1, $2) \
@@ -136,14 +142,12 @@ const REQUIRED: &[(&str, &str)] = &[
     ("events.outbox_aggregate_failed_idx", "0003_outbox_aggregate_failed_idx"),
     ("events.outbox_aggregate_heads", "0004_outbox_aggregate_heads"),
     ("events.outbox_relays", "0005_outbox_relays"),
+    ("events.outbox_hint", "0008_outbox_hint"),
 ];
 
 /// Triggers the relay needs on `events.outbox`, with their files.
-const REQUIRED_TRIGGERS: &[(&str, &str)] = &[
-    ("outbox_guard", "triggers/outbox_guard.sql"),
-    ("outbox_notify", "triggers/outbox_notify.sql"),
-    ("outbox_order", "triggers/outbox_order.sql"),
-];
+const REQUIRED_TRIGGERS: &[(&str, &str)] =
+    &[("outbox_guard", "triggers/outbox_guard.sql"), ("outbox_order", "triggers/outbox_order.sql")];
 
 /// Check that the schema has what this version needs: the tables, indexes
 /// and triggers that the embedded files create (whether `pg-outbox migrate`

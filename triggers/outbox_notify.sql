@@ -1,58 +1,63 @@
--- pg-outbox trigger: wake an idle relay when events are committed.
+-- pg-outbox trigger: keep the producers' hint (migration 0008) in step with
+-- the relays (events.outbox_relays, migration 0005) and with bulk writers.
 --
--- A BEFORE INSERT row trigger whose WHEN clause matches only the
--- transaction's first event (the transaction-local setting
--- pg_outbox.notify_checked is empty until this trigger sets it), so its
--- function runs once per transaction, and the other rows cost one
--- expression each. It sends an empty payload on the channel "events.outbox":
--- the notification only says "look"; the rows are the truth. PostgreSQL
--- holds a NOTIFY until COMMIT and drops it on ROLLBACK (docs, "NOTIFY"), so
--- a rolled-back transaction wakes nobody, and a transaction of any size
--- sends at most one notification, far below NOTIFY's 8000-byte payload limit.
---
--- It notifies only when a relay is waiting for a wake-up (or when no relay
--- has registered in events.outbox_relays, e.g. a consumer that is not
--- pg-outbox): a relay that is busy draining polls anyway, and skipping
--- NOTIFY spares producers its database-wide commit lock. The decision is
--- taken at the transaction's first insert; a relay that goes idle later
--- looks again 0, 2, 10, 50, 200 and 500 ms after it does, and its sweep
--- finds anything committed later still. (An earlier version decided at
--- COMMIT in a deferred constraint trigger; that trigger alone cost producers
--- about 15 % of their insert rate at 16 connections.)
+-- NOTIFY takes a database-wide lock at COMMIT (docs, "NOTIFY"), so every
+-- notifying producer transaction queues behind the one before it. A relay
+-- that is draining needs no wake-up: it fetches until it finds nothing.
+-- Each relay therefore says in events.outbox_relays whether it waits; after
+-- every statement on that table, events.outbox_hint_refresh() sets bit 1 of
+-- events.outbox_hint when some relay waits (or none has registered, e.g. a
+-- consumer that is not pg-outbox), and producers notify only then
+-- (triggers/outbox_order.sql). A relay that goes idle looks again 0, 2, 10,
+-- 50, 200 and 500 ms after it does, and its sweep finds anything later
+-- still, so an event whose producer read the hint just before is not lost.
+-- The refresh also clears bit 2 once no bulk transaction holds the gate.
 -- Idempotent: running this file twice is a no-op.
 
-CREATE OR REPLACE FUNCTION events.outbox_notify() RETURNS trigger
+-- Advisory lock keys (two-int4 form, class 0x706f0003): (class, 1) is the
+-- bulk gate, held in share mode by every bulk transaction; (class, 2)
+-- serialises writers of events.outbox_hint.
+CREATE OR REPLACE FUNCTION events.outbox_hint_refresh() RETURNS bigint
+LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
+DECLARE
+    notify boolean;
+    bulk boolean;
+    hint bigint;
+BEGIN
+    PERFORM pg_advisory_xact_lock(1886322691, 2);
+    notify := NOT EXISTS (SELECT 1 FROM events.outbox_relays)
+              OR EXISTS (SELECT 1 FROM events.outbox_relays WHERE waiting);
+    bulk := coalesce(pg_sequence_last_value('events.outbox_hint'), 3) & 2 <> 0;
+    -- The gate is free: no bulk transaction is running (one that starts
+    -- now waits for this transaction, then sets bit 2 again).
+    IF bulk AND pg_try_advisory_xact_lock(1886322691, 1) THEN
+        bulk := false;
+    END IF;
+    hint := (CASE WHEN notify THEN 1 ELSE 0 END) + (CASE WHEN bulk THEN 2 ELSE 0 END);
+    PERFORM setval('events.outbox_hint', hint);
+    RETURN hint;
+END
+$$;
+
+CREATE OR REPLACE FUNCTION events.outbox_relays_changed() RETURNS trigger
 LANGUAGE plpgsql AS $$
 BEGIN
-    PERFORM set_config('pg_outbox.notify_checked', 'y', true);
-    -- NULL (no relay registered) or true (one is waiting): notify.
-    IF (SELECT bool_or(waiting) FROM events.outbox_relays) IS NOT FALSE THEN
-        PERFORM pg_notify('events.outbox', '');
-    END IF;
-    RETURN NEW;
+    PERFORM events.outbox_hint_refresh();
+    RETURN NULL;
 END
 $$;
 
 DO $$
 BEGIN
-    -- Earlier versions used a statement-level trigger, then a deferred
-    -- constraint trigger, of this name. tgtype 7 = ROW | BEFORE | INSERT.
-    IF EXISTS (
-        SELECT 1 FROM pg_trigger
-        WHERE tgname = 'outbox_notify' AND tgrelid = 'events.outbox'::regclass
-          AND (tgconstraint <> 0 OR tgtype <> 7)
-    ) THEN
-        DROP TRIGGER outbox_notify ON events.outbox;
-    END IF;
     IF NOT EXISTS (
         SELECT 1 FROM pg_trigger
-        WHERE tgname = 'outbox_notify' AND tgrelid = 'events.outbox'::regclass
+        WHERE tgname = 'outbox_relays_changed' AND tgrelid = 'events.outbox_relays'::regclass
     ) THEN
-        CREATE TRIGGER outbox_notify
-            BEFORE INSERT ON events.outbox
-            FOR EACH ROW
-            WHEN (coalesce(current_setting('pg_outbox.notify_checked', true), '') = '')
-            EXECUTE FUNCTION events.outbox_notify();
+        CREATE TRIGGER outbox_relays_changed
+            AFTER INSERT OR UPDATE OR DELETE ON events.outbox_relays
+            FOR EACH STATEMENT EXECUTE FUNCTION events.outbox_relays_changed();
     END IF;
 END
 $$;
+
+SELECT events.outbox_hint_refresh();

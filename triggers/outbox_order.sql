@@ -1,35 +1,169 @@
--- pg-outbox trigger: per-aggregate commit order (see migration 0004).
+-- pg-outbox trigger: per-aggregate commit order, and the relays' wake-up.
 --
--- BEFORE INSERT, for each row: lock the aggregate's head row (creating it if
--- needed), then assign NEW.id from the sequence. Column defaults are
--- evaluated before BEFORE triggers, so the default's value was drawn too
--- early (before the lock) and is replaced; the sequence just skips it.
--- Consequences, by design:
---   * two transactions writing the same aggregate are serialised from the
---     first such INSERT to COMMIT/ROLLBACK of the first; ids of one
---     aggregate therefore become visible in id order;
+-- A sequence value is taken at INSERT but becomes visible at COMMIT, so two
+-- transactions writing events of one aggregate could commit ids 10 and 11
+-- in the order 11, 10, and a relay could deliver 11 first. This BEFORE
+-- INSERT row trigger prevents that: before an event gets its id, its
+-- transaction takes a lock on the event's aggregate, held until COMMIT or
+-- ROLLBACK; a second transaction writing the same aggregate waits there,
+-- and only then draws its id. Column defaults are evaluated before BEFORE
+-- triggers, so the default's value was drawn too early (before the lock)
+-- and is replaced; the sequence just skips it. Consequences, by design:
+--   * an aggregate's visible ids are always a prefix of its ids;
 --   * transactions writing different aggregates never wait on each other;
 --   * two transactions writing the same two aggregates in opposite orders
 --     can deadlock (PostgreSQL detects it and aborts one; retry it);
---   * a rolled-back insert releases the lock at once.
+--   * a rolled-back insert releases its locks at once.
+--
+-- The lock (the fast path, every ordinary transaction): a transaction-level
+-- advisory lock keyed by a 64-bit hash of (aggregate_type, aggregate_id).
+-- It lives in PostgreSQL's shared lock table, not in a table row, so it
+-- writes no WAL and no tuple; that table is sized for about
+-- max_locks_per_transaction (64) locks per connection (docs, "Lock
+-- Management"), so a transaction may not hold one per event forever.
+--
+-- Bulk transactions: a transaction that has written about 1 024 events
+-- (counted on the ids divisible by 64, so that counting costs nothing per
+-- row), or that called events.outbox_bulk_begin() first, becomes a bulk
+-- transaction: it takes the bulk gate (advisory lock 0x706f0003/1, share
+-- mode), sets bit 2 of events.outbox_hint, and from then on locks each
+-- further aggregate's row in events.outbox_aggregate_heads (a row lock:
+-- stored in the tuple, so any number of aggregates fits) after waiting
+-- for any transaction that holds the aggregate's advisory lock. An
+-- ordinary transaction that sees bit 2 after taking its advisory lock, and
+-- finds the gate held, also locks the aggregate's head row, so it waits for a bulk transaction that holds it, or makes the bulk
+-- transaction wait for it. Bit 2 is cleared by the next refresh
+-- (triggers/outbox_notify.sql) once the gate is free.
+--
+-- Wake-up: bit 1 of events.outbox_hint says a relay waits for one; only
+-- then does the insert NOTIFY (channel "events.outbox", empty payload: the
+-- notification only says "look"; the rows are the truth). NOTIFY is held
+-- until COMMIT and dropped on ROLLBACK, and identical notifications of one
+-- transaction fold into one (docs, "NOTIFY").
+--
+-- Applied in one transaction that first takes SHARE ROW EXCLUSIVE on
+-- events.outbox, so no producer runs an older version of this trigger
+-- while another runs this one; it waits at most 5 s for running producer
+-- transactions (lock_timeout), and can simply be run again.
 -- Idempotent: running this file twice is a no-op.
 
-CREATE OR REPLACE FUNCTION events.outbox_order() RETURNS trigger
-LANGUAGE plpgsql AS $$
+BEGIN;
+SET LOCAL lock_timeout = '5s';
+LOCK TABLE events.outbox IN SHARE ROW EXCLUSIVE MODE;
+
+-- Slow path of an ordinary transaction while bit 2 is set: if a bulk
+-- transaction is running, lock the aggregate's head row too. (Ordinary
+-- writers of one aggregate are already serialised by its advisory lock, so
+-- this row lock has one holder at a time and its xmax stays a plain xid.)
+CREATE OR REPLACE FUNCTION events.outbox_order_check_bulk(agg_type text, agg_id uuid) RETURNS void
+LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
 BEGIN
+    IF pg_try_advisory_lock(1886322691, 1) THEN
+        -- The gate is free: no bulk transaction runs, and one that starts
+        -- later waits for our advisory lock before it takes this aggregate.
+        PERFORM pg_advisory_unlock(1886322691, 1);
+        RETURN;
+    END IF;
     LOOP
         PERFORM 1 FROM events.outbox_aggregate_heads
-        WHERE aggregate_type = NEW.aggregate_type AND aggregate_id = NEW.aggregate_id
+        WHERE aggregate_type = agg_type AND aggregate_id = agg_id
         FOR NO KEY UPDATE;
         EXIT WHEN FOUND;
-        -- A new aggregate: our uncommitted head row is the lock (a concurrent
-        -- insert of the same key waits for us to end).
+        -- A new aggregate: our uncommitted head row is the lock.
         INSERT INTO events.outbox_aggregate_heads (aggregate_type, aggregate_id)
-        VALUES (NEW.aggregate_type, NEW.aggregate_id)
+        VALUES (agg_type, agg_id)
         ON CONFLICT DO NOTHING;
         EXIT WHEN FOUND;
     END LOOP;
-    NEW.id := nextval('events.outbox_id_seq'::regclass);
+END
+$$;
+
+-- Make the current transaction a bulk transaction (see above). Call it
+-- first in a transaction that writes events for thousands of aggregates.
+-- Returns nothing; errors only if PostgreSQL does.
+CREATE OR REPLACE FUNCTION events.outbox_bulk_begin() RETURNS void
+LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
+BEGIN
+    IF current_setting('pg_outbox.bulk', true) = 'on' THEN
+        RETURN;
+    END IF;
+    -- Gate first, then the bit: a refresh that sees the gate free cannot
+    -- clear a bit set after it.
+    PERFORM pg_advisory_xact_lock_shared(1886322691, 1);
+    PERFORM pg_advisory_lock(1886322691, 2);
+    BEGIN
+        PERFORM setval('events.outbox_hint', coalesce(pg_sequence_last_value('events.outbox_hint'), 3) | 2);
+    EXCEPTION WHEN OTHERS THEN
+        PERFORM pg_advisory_unlock(1886322691, 2);
+        RAISE;
+    END;
+    PERFORM pg_advisory_unlock(1886322691, 2);
+    PERFORM set_config('pg_outbox.bulk', 'on', true);
+END
+$$;
+
+-- Bulk path: lock the aggregate's head row, after waiting for ordinary
+-- transactions that hold its advisory lock.
+CREATE OR REPLACE FUNCTION events.outbox_order_bulk(agg_type text, agg_id uuid, agg_key bigint) RETURNS void
+LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
+BEGIN
+    -- Already ours (locked or created by this transaction): nothing to wait for.
+    PERFORM 1 FROM events.outbox_aggregate_heads
+    WHERE aggregate_type = agg_type AND aggregate_id = agg_id
+      AND pg_current_xact_id()::xid IN (xmin, xmax);
+    IF FOUND THEN
+        RETURN;
+    END IF;
+    -- Wait for an ordinary transaction holding the aggregate, without
+    -- keeping a lock of our own in the shared lock table.
+    PERFORM pg_advisory_lock(agg_key);
+    PERFORM pg_advisory_unlock(agg_key);
+    LOOP
+        PERFORM 1 FROM events.outbox_aggregate_heads
+        WHERE aggregate_type = agg_type AND aggregate_id = agg_id
+        FOR NO KEY UPDATE;
+        EXIT WHEN FOUND;
+        INSERT INTO events.outbox_aggregate_heads (aggregate_type, aggregate_id)
+        VALUES (agg_type, agg_id)
+        ON CONFLICT DO NOTHING;
+        EXIT WHEN FOUND;
+    END LOOP;
+END
+$$;
+
+CREATE OR REPLACE FUNCTION events.outbox_order() RETURNS trigger
+LANGUAGE plpgsql AS $$
+DECLARE
+    agg_key bigint := uuid_hash_extended(NEW.aggregate_id, hashtextextended(NEW.aggregate_type, 1886322691));
+    hint bigint;
+BEGIN
+    IF current_setting('pg_outbox.bulk', true) IS DISTINCT FROM 'on' THEN
+        IF NOT pg_try_advisory_xact_lock(agg_key) THEN
+            PERFORM pg_advisory_xact_lock(agg_key);
+        END IF;
+        -- Read after the lock: a bulk transaction that sets bit 2 later
+        -- waits for our lock before it takes this aggregate.
+        hint := coalesce(pg_sequence_last_value('events.outbox_hint'::regclass), 3);
+        IF hint >= 2 THEN
+            PERFORM events.outbox_order_check_bulk(NEW.aggregate_type, NEW.aggregate_id);
+        END IF;
+        NEW.id := nextval('events.outbox_id_seq'::regclass);
+        IF NEW.id % 64 = 0 THEN
+            IF coalesce(nullif(current_setting('pg_outbox.events', true), ''), '0')::integer >= 992 THEN
+                PERFORM events.outbox_bulk_begin();
+            ELSE
+                PERFORM set_config('pg_outbox.events',
+                    (coalesce(nullif(current_setting('pg_outbox.events', true), ''), '0')::integer + 32)::text, true);
+            END IF;
+        END IF;
+    ELSE
+        PERFORM events.outbox_order_bulk(NEW.aggregate_type, NEW.aggregate_id, agg_key);
+        hint := coalesce(pg_sequence_last_value('events.outbox_hint'::regclass), 3);
+        NEW.id := nextval('events.outbox_id_seq'::regclass);
+    END IF;
+    IF hint % 2 = 1 THEN
+        PERFORM pg_notify('events.outbox', '');
+    END IF;
     RETURN NEW;
 END
 $$;
@@ -46,3 +180,9 @@ BEGIN
     END IF;
 END
 $$;
+
+-- Earlier versions notified from a trigger of their own.
+DROP TRIGGER IF EXISTS outbox_notify ON events.outbox;
+DROP FUNCTION IF EXISTS events.outbox_notify();
+
+COMMIT;

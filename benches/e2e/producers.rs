@@ -47,7 +47,7 @@ pub async fn run_load(cfg: &Config, conns: usize, secs: f64) -> BenchResult<u64>
 
 /// Triggers disabled in the baseline: all of pg-outbox's insert and update
 /// triggers, leaving the seeded table alone.
-const OUR_TRIGGERS: [&str; 3] = ["outbox_order", "outbox_notify", "outbox_guard"];
+const OUR_TRIGGERS: [&str; 2] = ["outbox_order", "outbox_guard"];
 
 /// One variant at one connection count: inserts/s.
 async fn one(ctx: &Ctx, conns: usize, with_triggers: bool, secs: f64) -> BenchResult<f64> {

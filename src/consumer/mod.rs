@@ -25,7 +25,7 @@ use crate::connect;
 use crate::error::{Error, Result};
 use crate::retry::RetryPolicy;
 
-/// The channel the insert trigger notifies (`triggers/outbox_notify.sql`).
+/// The channel the insert trigger notifies (`triggers/outbox_order.sql`).
 pub const NOTIFY_CHANNEL: &str = "events.outbox";
 /// Default rows fetched per query: 500. The seed's FetchUnpublishedBatch
 /// takes 50; on a 200 000-event backlog (1.6 KB payloads) a batch of 500

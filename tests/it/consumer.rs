@@ -345,7 +345,8 @@ async fn dropped_delivery_is_released_and_delivered_again_first() {
 async fn sweep_finds_rows_inserted_without_a_notification() {
     let db = TestDb::new("sweep").await;
     let c = db.client().await;
-    c.batch_execute("ALTER TABLE events.outbox DISABLE TRIGGER outbox_notify").await.expect("disable trigger");
+    // Row triggers do not fire for this session (as in a restore): no NOTIFY.
+    c.batch_execute("SET session_replication_role = replica").await.expect("replica role");
     let mut stream = start(&db, |b| b.sweep_interval(Duration::from_millis(300))).await;
     // Let the first drain pass, then insert silently.
     assert_quiet(&mut stream, 300).await;

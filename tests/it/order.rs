@@ -118,12 +118,14 @@ async fn racing_transactions_on_different_aggregates_do_not_serialise() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn bulk_insert_of_100k_distinct_aggregates_in_one_transaction_succeeds() {
+async fn bulk_insert_of_100k_distinct_aggregates_in_one_transaction_holds_few_locks() {
     let db = TestDb::new("bulk_100k").await;
-    let c = db.client().await;
-    // One advisory lock per row would exhaust the shared lock table ("out of
-    // shared memory"); row locks on the heads table do not.
-    let n = c
+    let mut c = db.client().await;
+    let tx = c.transaction().await.expect("tx");
+    // One advisory lock per aggregate would exhaust the shared lock table
+    // ("out of shared memory"); after about 1 000 events the transaction
+    // turns bulk and locks head rows (stored in tuples) instead.
+    let n = tx
         .execute(
             "INSERT INTO events.outbox (aggregate_type, aggregate_id, event_type, payload) \
              SELECT 'bulk', gen_random_uuid(), 'Imported', '{}' FROM generate_series(1, 100000)",
@@ -132,12 +134,146 @@ async fn bulk_insert_of_100k_distinct_aggregates_in_one_transaction_succeeds() {
         .await
         .expect("bulk insert");
     assert_eq!(n, 100_000);
-    let heads: i64 = c
-        .query_one("SELECT count(*) FROM events.outbox_aggregate_heads WHERE aggregate_type = 'bulk'", &[])
+    let pid: i32 = tx.query_one("SELECT pg_backend_pid()", &[]).await.expect("pid").get(0);
+    let other = db.client().await;
+    let locks: i64 = other
+        .query_one("SELECT count(*) FROM pg_locks WHERE pid = $1 AND locktype = 'advisory'", &[&pid])
         .await
-        .expect("heads")
+        .expect("locks")
         .get(0);
-    assert_eq!(heads, 100_000);
+    assert!((2..=1_200).contains(&locks), "the bulk transaction holds {locks} advisory locks");
+    let bulk: Option<String> =
+        tx.query_one("SELECT current_setting('pg_outbox.bulk', true)", &[]).await.expect("guc").get(0);
+    assert_eq!(bulk.as_deref(), Some("on"));
+    tx.commit().await.expect("commit");
+    let rows: i64 = other
+        .query_one("SELECT count(*) FROM events.outbox WHERE aggregate_type = 'bulk'", &[])
+        .await
+        .expect("count")
+        .get(0);
+    assert_eq!(rows, 100_000);
+}
+
+/// Start a transaction on a fresh connection that runs `setup` and then
+/// inserts one event for `agg`; it stays open until `release` fires, then
+/// commits. Returns the event's id once inserted, and a handle that ends
+/// with the commit.
+async fn open_writer(
+    db: &TestDb,
+    setup: &'static str,
+    agg: Uuid,
+    name: &'static str,
+) -> (tokio::sync::oneshot::Receiver<i64>, tokio::sync::oneshot::Sender<()>, tokio::task::JoinHandle<()>) {
+    let pg = db.pg.clone();
+    let (id_tx, id_rx) = tokio::sync::oneshot::channel();
+    let (release_tx, release_rx) = tokio::sync::oneshot::channel::<()>();
+    let task = tokio::spawn(async move {
+        let (mut c, conn) = pg.connect(tokio_postgres::NoTls).await.expect("connect");
+        tokio::spawn(conn);
+        let tx = c.transaction().await.expect("tx");
+        if !setup.is_empty() {
+            tx.batch_execute(setup).await.expect("setup");
+        }
+        let id = insert(&tx, agg, name).await;
+        let _ = id_tx.send(id);
+        let _ = release_rx.await;
+        tx.commit().await.expect("commit");
+    });
+    (id_rx, release_tx, task)
+}
+
+/// Bulk and ordinary transactions writing one aggregate wait for each other
+/// in both orders, and the later one draws the later id.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bulk_and_ordinary_transactions_on_one_aggregate_wait_for_each_other() {
+    let db = TestDb::new("bulk_vs_ordinary").await;
+    const BULK: &str = "SELECT events.outbox_bulk_begin()";
+    // An explicit bulk transaction; one that turned bulk after 2 000 events
+    // of other aggregates; and an ordinary one, each first and second.
+    const ESCALATED: &str = "INSERT INTO events.outbox (aggregate_type, aggregate_id, event_type, payload) \
+         SELECT 'other', gen_random_uuid(), 'filler', '{}' FROM generate_series(1, 2000)";
+    let cases = [(BULK, ""), ("", BULK), (ESCALATED, ""), ("", ESCALATED), (BULK, BULK)];
+    for (first_setup, second_setup) in cases {
+        let agg = Uuid::new_v4();
+        let (first_id, release_first, first) = open_writer(&db, first_setup, agg, "first").await;
+        let first_id =
+            tokio::time::timeout(Duration::from_secs(30), first_id).await.expect("first inserts").expect("id");
+        let (second_id, release_second, second) = open_writer(&db, second_setup, agg, "second").await;
+        let mut second_id = Box::pin(second_id);
+        // Liveness wait: the second writer must still be blocked.
+        assert!(
+            tokio::time::timeout(Duration::from_millis(1_500), &mut second_id).await.is_err(),
+            "{first_setup:?} then {second_setup:?}: the second writer of the aggregate did not wait"
+        );
+        release_first.send(()).expect("release first");
+        first.await.expect("first commits");
+        let second_id =
+            tokio::time::timeout(Duration::from_secs(30), second_id).await.expect("second proceeds").expect("id");
+        assert!(second_id > first_id, "{first_setup:?} then {second_setup:?}: {second_id} <= {first_id}");
+        release_second.send(()).expect("release second");
+        second.await.expect("second commits");
+    }
+    // Once no bulk transaction runs, the next refresh clears the bulk bit.
+    let c = db.client().await;
+    c.batch_execute("DELETE FROM events.outbox_relays WHERE false").await.expect("refresh");
+    let hint: i64 = c.query_one("SELECT pg_sequence_last_value('events.outbox_hint')", &[]).await.expect("hint").get(0);
+    assert_eq!(hint & 2, 0, "hint {hint} still says a bulk transaction may run");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn racing_producers_and_bulk_transactions_never_reorder_an_aggregate() {
+    let db = TestDb::new("race_bulk").await;
+    let aggs: Vec<Uuid> = (0..4).map(|_| Uuid::new_v4()).collect();
+    let mut stream = start(&db, |b| b.sweep_interval(Duration::from_millis(100))).await;
+    let mut producers = Vec::new();
+    for p in 0..5u64 {
+        let pg = db.pg.clone();
+        let aggs = aggs.clone();
+        producers.push(tokio::spawn(async move {
+            let (mut c, conn) = pg.connect(tokio_postgres::NoTls).await.expect("connect");
+            tokio::spawn(conn);
+            let mut committed = 0usize;
+            for i in 0..30u64 {
+                let tx = c.transaction().await.expect("tx");
+                if p == 0 {
+                    // The bulk producer: 1 500 events round the aggregates
+                    // in one transaction, turning bulk part way through.
+                    let n = tx
+                        .execute(
+                            "INSERT INTO events.outbox (aggregate_type, aggregate_id, event_type, payload) \
+                             SELECT 'acct', ($1::uuid[])[1 + g % 4], 'bulk', '{}' FROM generate_series(1, 1500) g",
+                            &[&aggs],
+                        )
+                        .await
+                        .expect("bulk insert");
+                    tx.commit().await.expect("commit");
+                    committed += n as usize;
+                    if i >= 3 {
+                        break;
+                    }
+                    continue;
+                }
+                insert(&tx, aggs[((p + i) % 4) as usize], "race").await;
+                tokio::time::sleep(Duration::from_micros((p * 97 + i * 31) % 2000)).await;
+                tx.commit().await.expect("commit");
+                committed += 1;
+            }
+            committed
+        }));
+    }
+    let mut total = 0;
+    for p in producers {
+        total += p.await.expect("producer");
+    }
+    let mut last = std::collections::HashMap::new();
+    for _ in 0..total {
+        let d = next(&mut stream, 30).await;
+        if let Some(prev) = last.insert(d.aggregate_id, d.id) {
+            assert!(prev < d.id, "aggregate {} delivered {} after {prev}", d.aggregate_id, d.id);
+        }
+        d.ack();
+    }
+    stream.finish().await.expect("finish");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
