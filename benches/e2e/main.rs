@@ -80,8 +80,11 @@ pub struct Settings {
     pub keepup_secs: f64,
     /// Producer cost: connection counts.
     pub producer_connections: Vec<usize>,
-    /// Producer cost: seconds per cell.
+    /// Producer cost: seconds per run.
     pub producer_secs: f64,
+    /// Producer cost: runs of each variant per connection count, in
+    /// alternating order; the median run counts.
+    pub producer_rounds: usize,
     /// Heads: dead letters, and as many retry-waiting rows.
     pub heads_rows: i64,
     /// Heads: fresh events after the head.
@@ -127,6 +130,7 @@ impl Settings {
                 keepup_secs: 1.0,
                 producer_connections: vec![1],
                 producer_secs: 0.5,
+                producer_rounds: 1,
                 heads_rows: 1_000,
                 heads_fresh: 1_000,
                 heads_probe_secs: 0.5,
@@ -144,6 +148,7 @@ impl Settings {
                 keepup_secs: 6.0,
                 producer_connections: vec![1, 4, 16],
                 producer_secs: 1.5,
+                producer_rounds: 1,
                 heads_rows: 20_000,
                 heads_fresh: 20_000,
                 heads_probe_secs: 2.0,
@@ -160,7 +165,8 @@ impl Settings {
                 drain_max_secs: 300.0,
                 keepup_secs: 30.0,
                 producer_connections: vec![1, 4, 16, 64],
-                producer_secs: 5.0,
+                producer_secs: 4.0,
+                producer_rounds: 5,
                 heads_rows: 100_000,
                 heads_fresh: 100_000,
                 heads_probe_secs: 5.0,

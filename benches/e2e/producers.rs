@@ -71,6 +71,21 @@ async fn one(ctx: &Ctx, conns: usize, with_triggers: bool, secs: f64) -> BenchRe
     result
 }
 
+/// The median of `v` (the mean of the middle two for an even count); 0 if empty.
+fn median(v: &mut [f64]) -> f64 {
+    v.sort_by(f64::total_cmp);
+    match v.len() {
+        0 => 0.0,
+        n if n % 2 == 1 => v[n / 2],
+        n => (v[n / 2 - 1] + v[n / 2]) / 2.0,
+    }
+}
+
+/// Rates of the single runs, for the log: "1 234 / 1 250 / ...".
+fn runs(v: &[f64]) -> String {
+    v.iter().map(|r| fmt_count(*r)).collect::<Vec<_>>().join(" / ")
+}
+
 /// Run both variants at every connection count.
 pub async fn run(ctx: &Ctx) -> BenchResult<Section> {
     let s: &Settings = &ctx.settings;
@@ -81,22 +96,38 @@ pub async fn run(ctx: &Ctx) -> BenchResult<Section> {
     );
     let mut data = Vec::new();
     for &conns in &s.producer_connections {
-        let base = one(ctx, conns, false, s.producer_secs).await?;
-        let ours = one(ctx, conns, true, s.producer_secs).await?;
+        // Alternate the order (without, with; then with, without; ...) so a
+        // drift of the machine's speed during the runs favours neither.
+        let (mut bases, mut ourss) = (Vec::new(), Vec::new());
+        for round in 0..s.producer_rounds.max(1) {
+            for with in [round % 2 == 1, round % 2 == 0] {
+                let rate = one(ctx, conns, with, s.producer_secs).await?;
+                if with { &mut ourss } else { &mut bases }.push(rate);
+            }
+        }
+        let (base, ours) = (median(&mut bases), median(&mut ourss));
         let r = ratio(ours, base);
-        eprintln!("e2e: producers x{conns}: without {base:.0}/s, with {ours:.0}/s ({})", fmt_ratio(r));
+        eprintln!(
+            "e2e: producers x{conns}: without {base:.0}/s, with {ours:.0}/s ({}; runs without {}, with {})",
+            fmt_ratio(r),
+            runs(&bases),
+            runs(&ourss)
+        );
         sec.rows.push(vec![conns.to_string(), fmt_count(base), fmt_count(ours), fmt_ratio(r)]);
         if conns >= 4 {
             sec.target(format!("insert rate with triggers >= 0.95x without at {conns} connections"), r, 0.95, false);
         }
         data.push(serde_json::json!({"connections": conns, "without_triggers_per_second": base,
-            "with_triggers_per_second": ours, "ratio": r}));
+            "with_triggers_per_second": ours, "ratio": r,
+            "runs_without_per_second": bases, "runs_with_per_second": ourss}));
     }
     sec.notes.push(format!(
-        "Single-row autocommit INSERTs, a new aggregate each, for {} s per cell, each cell in a fresh database \
-         with a `pg-outbox relay --sink stdout > /dev/null` draining. Baseline in the same run: the same table \
-         with pg-outbox's triggers ({}) disabled.",
+        "Single-row autocommit INSERTs, a new aggregate each, for {} s per run, each run in a fresh database \
+         with a `pg-outbox relay --sink stdout > /dev/null` draining; {} run(s) of each variant per connection \
+         count, alternating which goes first, and the median run counts. Baseline in the same run: the same \
+         table with pg-outbox's triggers ({}) disabled.",
         s.producer_secs,
+        s.producer_rounds.max(1),
         OUR_TRIGGERS.join(", ")
     ));
     sec.data = serde_json::json!(data);

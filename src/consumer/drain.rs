@@ -144,6 +144,12 @@ const BUSY_EVENTS_PER_WINDOW: u64 = 300;
 /// NOTIFY's database-wide commit lock would cost producers more than a
 /// polling relay adds in latency.
 const IDLE_EVENTS_PER_WINDOW: u64 = 150;
+/// A fetch that finds this many events while the relay waits for wake-ups
+/// means producers commit faster than wake-ups are served: their NOTIFYs
+/// then queue on its commit lock (with 64 producer connections they held
+/// the rate near 2 200 events/s, under [`BUSY_EVENTS_PER_WINDOW`], so the
+/// rate alone never ended it). Go busy at once.
+const BUSY_FETCH_EVENTS: u64 = 8;
 /// While busy, an empty fetch is followed by another after this long.
 const BUSY_POLL: Duration = Duration::from_millis(1);
 /// After a relay asks for wake-ups again, it looks once more after each of
@@ -714,7 +720,7 @@ impl Engine {
         if handed > 0 {
             // Keep fetching until a fetch finds nothing.
             self.want_fetch = true;
-            if adaptive && (!self.registered || (self.waiting && self.busy_rate())) {
+            if adaptive && (!self.registered || (self.waiting && (self.busy_rate() || handed >= BUSY_FETCH_EVENTS))) {
                 // Draining at a high rate: poll, and spare producers NOTIFY.
                 self.rechecks_left = 0;
                 self.recheck_at = None;
