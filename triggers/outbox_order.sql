@@ -51,6 +51,26 @@ BEGIN;
 SET LOCAL lock_timeout = '5s';
 LOCK TABLE events.outbox IN SHARE ROW EXCLUSIVE MODE;
 
+-- Lock the aggregate's head row until the transaction ends, creating it if
+-- needed (a new aggregate: our uncommitted head row is the lock, and a
+-- concurrent insert of the same key waits for us). Called by the two
+-- functions below, which run as the schema's owner.
+CREATE OR REPLACE FUNCTION events.outbox_lock_head(agg_type text, agg_id uuid) RETURNS void
+LANGUAGE plpgsql AS $$
+BEGIN
+    LOOP
+        PERFORM 1 FROM events.outbox_aggregate_heads
+        WHERE aggregate_type = agg_type AND aggregate_id = agg_id
+        FOR NO KEY UPDATE;
+        EXIT WHEN FOUND;
+        INSERT INTO events.outbox_aggregate_heads (aggregate_type, aggregate_id)
+        VALUES (agg_type, agg_id)
+        ON CONFLICT DO NOTHING;
+        EXIT WHEN FOUND;
+    END LOOP;
+END
+$$;
+
 -- Slow path of an ordinary transaction while bit 2 is set: if a bulk
 -- transaction is running, lock the aggregate's head row too. (Ordinary
 -- writers of one aggregate are already serialised by its advisory lock, so
@@ -64,17 +84,7 @@ BEGIN
         PERFORM pg_advisory_unlock(1886322691, 1);
         RETURN;
     END IF;
-    LOOP
-        PERFORM 1 FROM events.outbox_aggregate_heads
-        WHERE aggregate_type = agg_type AND aggregate_id = agg_id
-        FOR NO KEY UPDATE;
-        EXIT WHEN FOUND;
-        -- A new aggregate: our uncommitted head row is the lock.
-        INSERT INTO events.outbox_aggregate_heads (aggregate_type, aggregate_id)
-        VALUES (agg_type, agg_id)
-        ON CONFLICT DO NOTHING;
-        EXIT WHEN FOUND;
-    END LOOP;
+    PERFORM events.outbox_lock_head(agg_type, agg_id);
 END
 $$;
 
@@ -118,16 +128,7 @@ BEGIN
     -- keeping a lock of our own in the shared lock table.
     PERFORM pg_advisory_lock(agg_key);
     PERFORM pg_advisory_unlock(agg_key);
-    LOOP
-        PERFORM 1 FROM events.outbox_aggregate_heads
-        WHERE aggregate_type = agg_type AND aggregate_id = agg_id
-        FOR NO KEY UPDATE;
-        EXIT WHEN FOUND;
-        INSERT INTO events.outbox_aggregate_heads (aggregate_type, aggregate_id)
-        VALUES (agg_type, agg_id)
-        ON CONFLICT DO NOTHING;
-        EXIT WHEN FOUND;
-    END LOOP;
+    PERFORM events.outbox_lock_head(agg_type, agg_id);
 END
 $$;
 
@@ -136,6 +137,7 @@ LANGUAGE plpgsql AS $$
 DECLARE
     agg_key bigint := uuid_hash_extended(NEW.aggregate_id, hashtextextended(NEW.aggregate_type, 1886322691));
     hint bigint;
+    seen integer;
 BEGIN
     IF current_setting('pg_outbox.bulk', true) IS DISTINCT FROM 'on' THEN
         IF NOT pg_try_advisory_xact_lock(agg_key) THEN
@@ -149,11 +151,13 @@ BEGIN
         END IF;
         NEW.id := nextval('events.outbox_id_seq'::regclass);
         IF NEW.id % 64 = 0 THEN
-            IF coalesce(nullif(current_setting('pg_outbox.events', true), ''), '0')::integer >= 992 THEN
+            -- Every event draws two ids (the default's and ours), so one id
+            -- in 64 stands for about 32 events.
+            seen := coalesce(nullif(current_setting('pg_outbox.events', true), ''), '0')::integer + 32;
+            IF seen >= 1024 THEN
                 PERFORM events.outbox_bulk_begin();
             ELSE
-                PERFORM set_config('pg_outbox.events',
-                    (coalesce(nullif(current_setting('pg_outbox.events', true), ''), '0')::integer + 32)::text, true);
+                PERFORM set_config('pg_outbox.events', seen::text, true);
             END IF;
         END IF;
     ELSE

@@ -341,6 +341,50 @@ async fn dropped_delivery_is_released_and_delivered_again_first() {
     stream.finish().await.expect("finish");
 }
 
+/// An idle relay that wakes to a fetch of 8 or more events marks itself busy
+/// (producers then skip NOTIFY), however low its rate; fewer do not.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_wake_up_that_finds_eight_events_turns_the_relay_busy() {
+    let db = TestDb::new("busy_fetch").await;
+    let c = db.client().await;
+    // Record every change of a relay's `waiting`.
+    c.batch_execute(
+        "CREATE TABLE waiting_log (waiting boolean NOT NULL); \
+         CREATE FUNCTION log_waiting() RETURNS trigger LANGUAGE plpgsql AS \
+         $$ BEGIN INSERT INTO waiting_log VALUES (NEW.waiting); RETURN NULL; END $$; \
+         CREATE TRIGGER log_waiting AFTER INSERT OR UPDATE ON events.outbox_relays \
+         FOR EACH ROW EXECUTE FUNCTION log_waiting()",
+    )
+    .await
+    .expect("log trigger");
+    let mut stream = start(&db, |b| b).await;
+    let waiting = || async {
+        c.query_one("SELECT coalesce(bool_and(waiting), false) FROM events.outbox_relays", &[])
+            .await
+            .expect("relays")
+            .get::<_, bool>(0)
+    };
+    eventually(10, "the idle relay asks for wake-ups", waiting).await;
+    let busy_marks = || async {
+        c.query_one("SELECT count(*) FROM waiting_log WHERE NOT waiting", &[]).await.expect("log").get::<_, i64>(0)
+    };
+    assert_eq!(busy_marks().await, 0, "an idle relay never marked itself busy");
+    // 20 events in one fetch: busy (then, the rate being low, waiting again).
+    for id in insert_seed_events(&c, Uuid::new_v4(), 20).await {
+        ack_next(&mut stream, id, 10).await;
+    }
+    eventually(10, "a fetch of 20 events marks the relay busy", || async { busy_marks().await == 1 }).await;
+    eventually(10, "the relay asks for wake-ups again", waiting).await;
+    // 5 events in one fetch: it stays waiting. (Settling wait, not a timing
+    // assertion: the mark would follow the fetch within milliseconds.)
+    for id in insert_seed_events(&c, Uuid::new_v4(), 5).await {
+        ack_next(&mut stream, id, 10).await;
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(busy_marks().await, 1, "a fetch of 5 events at a low rate must not mark the relay busy");
+    stream.finish().await.expect("finish");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sweep_finds_rows_inserted_without_a_notification() {
     let db = TestDb::new("sweep").await;

@@ -220,6 +220,19 @@ async fn bulk_and_ordinary_transactions_on_one_aggregate_wait_for_each_other() {
     assert_eq!(hint & 2, 0, "hint {hint} still says a bulk transaction may run");
 }
 
+/// Acknowledge the next `total` deliveries, asserting that each aggregate's
+/// ids come in increasing order; `secs` bounds the wait for each.
+async fn ack_each_aggregate_in_id_order(stream: &mut pg_outbox::EventStream, total: usize, secs: u64) {
+    let mut last = std::collections::HashMap::new();
+    for _ in 0..total {
+        let d = next(stream, secs).await;
+        if let Some(prev) = last.insert(d.aggregate_id, d.id) {
+            assert!(prev < d.id, "aggregate {} delivered {} after {prev}", d.aggregate_id, d.id);
+        }
+        d.ack();
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn racing_producers_and_bulk_transactions_never_reorder_an_aggregate() {
     let db = TestDb::new("race_bulk").await;
@@ -265,14 +278,7 @@ async fn racing_producers_and_bulk_transactions_never_reorder_an_aggregate() {
     for p in producers {
         total += p.await.expect("producer");
     }
-    let mut last = std::collections::HashMap::new();
-    for _ in 0..total {
-        let d = next(&mut stream, 30).await;
-        if let Some(prev) = last.insert(d.aggregate_id, d.id) {
-            assert!(prev < d.id, "aggregate {} delivered {} after {prev}", d.aggregate_id, d.id);
-        }
-        d.ack();
-    }
+    ack_each_aggregate_in_id_order(&mut stream, total, 30).await;
     stream.finish().await.expect("finish");
 }
 
@@ -288,7 +294,7 @@ async fn many_racing_producers_on_few_aggregates_never_reorder_an_aggregate() {
         producers.push(tokio::spawn(async move {
             let (mut c, conn) = pg.connect(tokio_postgres::NoTls).await.expect("connect");
             tokio::spawn(conn);
-            let mut committed = 0u32;
+            let mut committed = 0usize;
             for i in 0..40u64 {
                 let tx = c.transaction().await.expect("tx");
                 // No domain-row lock here: only our trigger orders them.
@@ -310,14 +316,7 @@ async fn many_racing_producers_on_few_aggregates_never_reorder_an_aggregate() {
     for p in producers {
         total += p.await.expect("producer");
     }
-    let mut last = std::collections::HashMap::new();
-    for _ in 0..total {
-        let d = next(&mut stream, 15).await;
-        if let Some(prev) = last.insert(d.aggregate_id, d.id) {
-            assert!(prev < d.id, "aggregate {} delivered {} after {prev}", d.aggregate_id, d.id);
-        }
-        d.ack();
-    }
+    ack_each_aggregate_in_id_order(&mut stream, total, 15).await;
     if let Ok(Some(d)) = tokio::time::timeout(Duration::from_millis(500), stream.next()).await {
         panic!("unexpected extra delivery {}", d.id);
     }
