@@ -25,7 +25,12 @@
 //! - `PG_OUTBOX_BENCH_QUICK=1`: small sizes and short runs (about 2 minutes);
 //! - `PG_OUTBOX_BENCH_CONNECTIONS=1,4,16`: producer connection counts for
 //!   `producers` (default 1,4,16,64; quick 1,4,16), for servers with a low
-//!   `max_connections`.
+//!   `max_connections`;
+//! - `PG_OUTBOX_BENCH_RATES=1000`: event rates for `latency`, events/s
+//!   (default 100,1000,5000);
+//! - `PG_OUTBOX_BENCH_RELAY_BIN=/path/to/pg-outbox`: the relay binary the
+//!   scenarios start, instead of the one cargo built (to compare two builds
+//!   on the same machine).
 //!
 //! Output: the tables on stdout (progress on stderr), and
 //! `target/pg-outbox-bench/e2e.md`, `e2e.json` and `latency.png` (with
@@ -172,21 +177,32 @@ impl Settings {
                 heads_probe_secs: 5.0,
             }
         };
-        if let Ok(v) = std::env::var("PG_OUTBOX_BENCH_CONNECTIONS")
-            && !v.trim().is_empty()
-        {
-            s.producer_connections = v
-                .split(',')
-                .map(|x| match x.trim().parse::<usize>() {
-                    Ok(n) if n >= 1 => Ok(n),
-                    _ => Err(format!(
-                        "PG_OUTBOX_BENCH_CONNECTIONS={v:?}: `{x}` is not a whole number >= 1 (write e.g. 1,4,16)"
-                    )),
-                })
-                .collect::<Result<_, _>>()?;
+        if let Some(v) = env_list::<usize>("PG_OUTBOX_BENCH_CONNECTIONS", "1,4,16")? {
+            s.producer_connections = v;
+        }
+        if let Some(v) = env_list::<u64>("PG_OUTBOX_BENCH_RATES", "100,1000")? {
+            s.latency_rates = v;
         }
         Ok(s)
     }
+}
+
+/// A comma-separated list of whole numbers >= 1 from the environment
+/// variable `name`; `None` when it is unset or empty. `example` goes into
+/// the error message.
+fn env_list<T: std::str::FromStr + PartialOrd + From<u8>>(name: &str, example: &str) -> BenchResult<Option<Vec<T>>> {
+    let Ok(v) = std::env::var(name) else { return Ok(None) };
+    if v.trim().is_empty() {
+        return Ok(None);
+    }
+    let list = v
+        .split(',')
+        .map(|x| match x.trim().parse::<T>() {
+            Ok(n) if n >= T::from(1) => Ok(n),
+            _ => Err(format!("{name}={v:?}: `{x}` is not a whole number >= 1 (write e.g. {example})")),
+        })
+        .collect::<Result<_, _>>()?;
+    Ok(Some(list))
 }
 
 /// What every scenario gets: the admin connection and the settings.

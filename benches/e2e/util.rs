@@ -175,9 +175,13 @@ pub struct RelayProc {
     pub spawned: Instant,
 }
 
-/// The `pg-outbox` binary cargo built for this bench.
-pub fn relay_bin() -> &'static str {
-    env!("CARGO_BIN_EXE_pg-outbox")
+/// The `pg-outbox` binary the scenarios start: `PG_OUTBOX_BENCH_RELAY_BIN`
+/// if set, else the one cargo built for this bench.
+pub fn relay_bin() -> String {
+    match std::env::var("PG_OUTBOX_BENCH_RELAY_BIN") {
+        Ok(p) if !p.trim().is_empty() => p,
+        _ => env!("CARGO_BIN_EXE_pg-outbox").to_string(),
+    }
 }
 
 impl RelayProc {

@@ -12,11 +12,57 @@ use crate::event::Event;
 /// went away: `EPIPE`; the disk is full: `ENOSPC`), it returns a
 /// [`super::FatalSinkError`]: the relay stops without charging the event a
 /// failure.
+///
+/// When standard output is a pipe (`pg-outbox relay | consumer`), the sink
+/// opens the pipe again through `/proc/self/fd/1` (Linux), puts its own
+/// open file description (not the one the process inherited and shares with
+/// its parent) in non-blocking mode, and writes through the async runtime's
+/// reactor: no thread hand-off per event. Otherwise (a file, a terminal, or
+/// where that reopening fails) it writes through `tokio::io::Stdout`, which
+/// hands each write to a blocking thread. Either way, a reader that stops
+/// reading never blocks the runtime, so the relay's shutdown grace still
+/// runs out.
 #[derive(Debug)]
 pub struct StdoutSink {
-    out: tokio::sync::Mutex<tokio::io::Stdout>,
+    out: tokio::sync::Mutex<Out>,
     format: Format,
     source: String,
+}
+
+/// Where the lines go; opened at the first delivery, inside the runtime.
+#[derive(Debug)]
+enum Out {
+    Unopened,
+    #[cfg(target_os = "linux")]
+    Pipe(tokio::net::unix::pipe::Sender),
+    Stdout(tokio::io::Stdout),
+}
+
+impl Out {
+    /// Standard output as a non-blocking pipe of our own if it is a pipe,
+    /// else tokio's `Stdout`.
+    fn open() -> Out {
+        #[cfg(target_os = "linux")]
+        if let Some(pipe) = reopen_pipe() {
+            return Out::Pipe(pipe);
+        }
+        Out::Stdout(tokio::io::stdout())
+    }
+}
+
+/// Reopen standard output (fd 1) if it is a pipe or FIFO with a reader;
+/// `None` otherwise, or on any error (the caller falls back).
+#[cfg(target_os = "linux")]
+fn reopen_pipe() -> Option<tokio::net::unix::pipe::Sender> {
+    use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
+    let fd1 = std::fs::metadata("/proc/self/fd/1").ok()?;
+    if !fd1.file_type().is_fifo() {
+        return None;
+    }
+    // O_NONBLOCK at open: with no reader left, fail (ENXIO) instead of
+    // waiting for one.
+    let file = std::fs::OpenOptions::new().write(true).custom_flags(libc::O_NONBLOCK).open("/proc/self/fd/1").ok()?;
+    tokio::net::unix::pipe::Sender::from_file(file).ok()
 }
 
 impl Default for StdoutSink {
@@ -34,7 +80,7 @@ impl StdoutSink {
     /// A sink writing lines in `format`; `source` is the CloudEvents
     /// `source` attribute.
     pub fn with_format(format: Format, source: &str) -> Self {
-        StdoutSink { out: tokio::sync::Mutex::new(tokio::io::stdout()), format, source: source.to_string() }
+        StdoutSink { out: tokio::sync::Mutex::new(Out::Unopened), format, source: source.to_string() }
     }
 }
 
@@ -59,17 +105,21 @@ impl Sink for StdoutSink {
                 Format::Cloudevents => Message::new(event, self.format, &self.source)?.body,
             };
             line.push(b'\n');
-            // Asynchronous, so a reader that stops reading cannot block the
-            // runtime: the relay's shutdown grace still runs out.
             let mut out = self.out.lock().await;
-            match out.write_all(&line).await {
-                Ok(()) => {}
-                Err(e) => return Err(gone(e)),
+            if matches!(*out, Out::Unopened) {
+                *out = Out::open();
             }
-            match out.flush().await {
-                Ok(()) => Ok(()),
-                Err(e) => Err(gone(e)),
-            }
+            let written = match &mut *out {
+                // A pipe has no user-space buffer: written is flushed.
+                #[cfg(target_os = "linux")]
+                Out::Pipe(pipe) => pipe.write_all(&line).await,
+                Out::Stdout(stdout) => match stdout.write_all(&line).await {
+                    Ok(()) => stdout.flush().await,
+                    Err(e) => Err(e),
+                },
+                Out::Unopened => Err(std::io::Error::other("standard output is not open")),
+            };
+            written.map_err(gone)
         })
     }
 }
