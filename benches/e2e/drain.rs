@@ -49,7 +49,7 @@ pub enum Drainer {
     Plain,
     /// `pg_outbox::Consumer`, acknowledging every delivery, with this batch size.
     Consumer(usize),
-    /// `pg-outbox relay --sink stdout` with stdout to /dev/null.
+    /// `pg-outbox relay --sink stdout`, its stdout a pipe this process reads and discards.
     Relay,
 }
 
@@ -60,7 +60,7 @@ impl Drainer {
             Drainer::Seed => "seed poller (fetch 50, UPDATE per row)".into(),
             Drainer::Plain => "plain-SQL loop (fetch 500, one UPDATE)".into(),
             Drainer::Consumer(b) => format!("Consumer (batch {b})"),
-            Drainer::Relay => "relay --sink stdout > /dev/null".into(),
+            Drainer::Relay => "relay --sink stdout, piped".into(),
         }
     }
 }

@@ -86,7 +86,7 @@ pub async fn run(ctx: &Ctx) -> BenchResult<Section> {
     ]);
     sec.notes.push(format!(
         "{CONNECTIONS} producer connections, single-row autocommit INSERTs as fast as they go for {secs} s, \
-         with `pg-outbox relay --sink stdout > /dev/null` draining. Lag = age of the oldest unpublished event \
+         with `pg-outbox relay --sink stdout` draining (its stdout a pipe the bench reads and discards). Lag = age of the oldest unpublished event \
          ({n_samples} samples, every {} ms); final lag when the producers stop; catch-up = time from then until \
          nothing is left. Baseline: the producers' own rate in the same run (relay events/s = events published \
          during the window / its length). The issue sets no target here.",

@@ -123,7 +123,7 @@ pub async fn run(ctx: &Ctx) -> BenchResult<Section> {
     }
     sec.notes.push(format!(
         "Single-row autocommit INSERTs, a new aggregate each, for {} s per run, each run in a fresh database \
-         with a `pg-outbox relay --sink stdout > /dev/null` draining; {} run(s) of each variant per connection \
+         with a `pg-outbox relay --sink stdout` draining (its stdout a pipe the bench reads and discards); {} run(s) of each variant per connection \
          count, alternating which goes first, and the median run counts. Baseline in the same run: the same \
          table with pg-outbox's triggers ({}) disabled.",
         s.producer_secs,

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use pg_outbox::tokio_postgres::config::Host;
 use pg_outbox::tokio_postgres::{Client, Config};
-use tokio::io::{AsyncBufReadExt, BufReader};
+use tokio::io::{AsyncBufReadExt, AsyncReadExt, BufReader};
 use tokio::process::{Child, ChildStdout, Command};
 
 use crate::common::{BenchResult, drop_database, migrated_database};
@@ -186,9 +186,13 @@ pub fn relay_bin() -> String {
 
 impl RelayProc {
     /// Start `pg-outbox relay --sink stdout <args>` on `url` (passed in the
-    /// environment as `DATABASE_URL`), its stdout piped or sent to
-    /// `/dev/null`, and wait until it logs "relay started".
-    pub async fn start(url: &str, args: &[&str], pipe_stdout: bool) -> BenchResult<RelayProc> {
+    /// environment as `DATABASE_URL`), its stdout a pipe, and wait until it
+    /// logs "relay started". With `read_stdout` the caller takes
+    /// [`RelayProc::stdout`] and reads the lines; otherwise a task of this
+    /// process reads and discards them, as fast as they come (a pipe, as in
+    /// `pg-outbox relay | consumer`, rather than `/dev/null`, so that the
+    /// sink writes the way it does in use).
+    pub async fn start(url: &str, args: &[&str], read_stdout: bool) -> BenchResult<RelayProc> {
         let mut cmd = Command::new(relay_bin());
         cmd.arg("relay")
             .args(["--sink", "stdout"])
@@ -196,12 +200,22 @@ impl RelayProc {
             .env("DATABASE_URL", url)
             .env("RUST_LOG", "info,tokio_postgres=warn")
             .stdin(Stdio::null())
-            .stdout(if pipe_stdout { Stdio::piped() } else { Stdio::null() })
+            .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .kill_on_drop(true);
         let spawned = Instant::now();
         let mut child = cmd.spawn().map_err(|e| format!("cannot start {}: {e}", relay_bin()))?;
-        let stdout = child.stdout.take();
+        let mut stdout = child.stdout.take();
+        if !read_stdout && let Some(mut out) = stdout.take() {
+            tokio::spawn(async move {
+                let mut buf = vec![0u8; 256 * 1024];
+                while let Ok(n) = out.read(&mut buf).await {
+                    if n == 0 {
+                        break;
+                    }
+                }
+            });
+        }
         let stderr = child.stderr.take().ok_or("relay stderr is not piped")?;
         let log = Arc::new(Mutex::new(String::new()));
         let sink = log.clone();
