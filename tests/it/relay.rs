@@ -629,3 +629,50 @@ async fn a_full_stdout_stops_the_relay_without_failing_events() {
     };
     assert_eq!((published, failed), (0, 0), "nothing published, nothing charged a failure");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stdout_pipe_gets_whole_lines_and_the_inherited_pipe_stays_blocking() {
+    use std::io::BufRead;
+    use std::os::fd::AsRawFd;
+    let db = TestDb::new("relay_pipe").await;
+    let c = db.client().await;
+    let agg = Uuid::new_v4();
+    // A line several times the pipe's capacity (64 KiB on Linux): written
+    // in parts as the reader drains it.
+    let big = "x".repeat(300_000);
+    c.execute(
+        "INSERT INTO events.outbox (aggregate_type, aggregate_id, event_type, payload) \
+         VALUES ('pipe', $1, 'Big', jsonb_build_object('data', $2::text))",
+        &[&agg, &big],
+    )
+    .await
+    .expect("insert the big event");
+    support::insert_seed_events(&c, agg, 2).await;
+    // The test keeps the write end: the relay's stdout shares its open file
+    // description, as a shell's pipeline does with its members.
+    let (reader, writer) = std::io::pipe().expect("pipe");
+    let mut child = Command::new(support::bin())
+        .args(["relay", "--sink", "stdout", "--sweep-interval", "200ms"])
+        .env("DATABASE_URL", db.url())
+        .stdin(Stdio::null())
+        .stdout(Stdio::from(writer.try_clone().expect("clone the write end")))
+        .stderr(Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("spawn relay");
+    let lines = tokio::task::spawn_blocking(move || {
+        std::io::BufReader::new(reader).lines().take(3).collect::<std::io::Result<Vec<String>>>()
+    });
+    let lines = tokio::time::timeout(LIVENESS, lines).await.expect("three lines").expect("join").expect("read");
+    let first: Value = serde_json::from_str(&lines[0]).expect("the big line is one JSON object");
+    assert_eq!(first["payload"]["data"].as_str().map(str::len), Some(big.len()), "the big payload arrives whole");
+    for line in &lines[1..] {
+        let v: Value = serde_json::from_str(line).expect("JSON line");
+        assert_eq!(v["aggregate_id"], json!(agg.to_string()));
+    }
+    // SAFETY: F_GETFL on a descriptor this test owns.
+    let flags = unsafe { libc::fcntl(writer.as_raw_fd(), libc::F_GETFL) };
+    assert!(flags >= 0, "fcntl: {}", std::io::Error::last_os_error());
+    assert_eq!(flags & libc::O_NONBLOCK, 0, "the relay left the pipe it inherited in blocking mode");
+    let _ = child.start_kill();
+}
