@@ -24,15 +24,15 @@ use crate::event::Event;
 /// runs out.
 #[derive(Debug)]
 pub struct StdoutSink {
-    out: tokio::sync::Mutex<Out>,
+    /// `None` until the first delivery opens it (inside the runtime).
+    out: tokio::sync::Mutex<Option<Out>>,
     format: Format,
     source: String,
 }
 
-/// Where the lines go; opened at the first delivery, inside the runtime.
+/// Where the lines go.
 #[derive(Debug)]
 enum Out {
-    Unopened,
     #[cfg(target_os = "linux")]
     Pipe(tokio::net::unix::pipe::Sender),
     Stdout(tokio::io::Stdout),
@@ -80,7 +80,7 @@ impl StdoutSink {
     /// A sink writing lines in `format`; `source` is the CloudEvents
     /// `source` attribute.
     pub fn with_format(format: Format, source: &str) -> Self {
-        StdoutSink { out: tokio::sync::Mutex::new(Out::Unopened), format, source: source.to_string() }
+        StdoutSink { out: tokio::sync::Mutex::new(None), format, source: source.to_string() }
     }
 }
 
@@ -106,10 +106,7 @@ impl Sink for StdoutSink {
             };
             line.push(b'\n');
             let mut out = self.out.lock().await;
-            if matches!(*out, Out::Unopened) {
-                *out = Out::open();
-            }
-            let written = match &mut *out {
+            let written = match out.get_or_insert_with(Out::open) {
                 // A pipe has no user-space buffer: written is flushed.
                 #[cfg(target_os = "linux")]
                 Out::Pipe(pipe) => pipe.write_all(&line).await,
@@ -117,7 +114,6 @@ impl Sink for StdoutSink {
                     Ok(()) => stdout.flush().await,
                     Err(e) => Err(e),
                 },
-                Out::Unopened => Err(std::io::Error::other("standard output is not open")),
             };
             written.map_err(gone)
         })

@@ -670,6 +670,16 @@ async fn a_stdout_pipe_gets_whole_lines_and_the_inherited_pipe_stays_blocking() 
         let v: Value = serde_json::from_str(line).expect("JSON line");
         assert_eq!(v["aggregate_id"], json!(agg.to_string()));
     }
+    // The fast path was taken: besides its fd 1, the relay holds a second
+    // descriptor of the same pipe (its own reopened description).
+    let pipe = std::fs::read_link(format!("/proc/self/fd/{}", writer.as_raw_fd())).expect("our pipe's name");
+    let pid = child.id().expect("relay runs");
+    let same_pipe = std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .expect("the relay's descriptors")
+        .filter_map(|e| std::fs::read_link(e.ok()?.path()).ok())
+        .filter(|target| *target == pipe)
+        .count();
+    assert!(same_pipe >= 2, "the relay writes through its own reopened pipe ({same_pipe} descriptor(s) of {pipe:?})");
     // SAFETY: F_GETFL on a descriptor this test owns.
     let flags = unsafe { libc::fcntl(writer.as_raw_fd(), libc::F_GETFL) };
     assert!(flags >= 0, "fcntl: {}", std::io::Error::last_os_error());
