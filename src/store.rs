@@ -419,6 +419,16 @@ pub(crate) const NOTIFICATION_QUEUE_USAGE: &str = "SELECT pg_notification_queue_
 /// Send notification payload $2 on channel $1 (the start-up probe).
 pub(crate) const NOTIFY: &str = "SELECT pg_notify($1, $2)";
 
+/// How many sessions wait for the lock a notifying transaction holds through
+/// its COMMIT. PostgreSQL takes it in `PreCommit_Notify`
+/// (src/backend/commands/async.c: `LockSharedObject(DatabaseRelationId,
+/// InvalidOid, 0, AccessExclusiveLock)`), so it shows in `pg_locks` as an
+/// `object` lock on `pg_database` with database and objid 0; it is one lock
+/// for the whole server. Waiters mean notifying commits are queueing.
+pub(crate) const NOTIFY_LOCK_WAITERS: &str = "SELECT count(*) FROM pg_catalog.pg_locks \
+     WHERE locktype = 'object' AND database = 0 AND classid = 'pg_catalog.pg_database'::regclass \
+       AND objid = 0 AND objsubid = 0 AND NOT granted";
+
 /// Register this relay (its work connection's backend pid) as waiting for a
 /// wake-up ($1 = true) or as busy draining ($1 = false).
 pub(crate) const SET_WAITING: &str = "INSERT INTO events.outbox_relays (pid, waiting) VALUES (pg_backend_pid(), $1) \

@@ -48,7 +48,7 @@ pub async fn run(ctx: &Ctx) -> BenchResult<Section> {
         let inserted = run_load(&cfg, CONNECTIONS, secs).await;
         stop.cancel();
         let samples = sampler.await??;
-        let inserted = inserted?;
+        let inserted: u64 = inserted?.iter().sum();
         let probe = connect(&cfg).await?;
         let left_at_end = u64::try_from(util::fresh_unpublished(&probe).await?)?;
         let final_lag: f64 = probe.query_one(OLDEST_AGE, &[]).await?.try_get(0)?;

@@ -85,8 +85,12 @@ pub struct Settings {
     pub keepup_secs: f64,
     /// Producer cost: connection counts.
     pub producer_connections: Vec<usize>,
-    /// Producer cost: seconds per run.
+    /// Producer cost: seconds per run, counted after the warm-up.
     pub producer_secs: f64,
+    /// Producer cost: seconds of inserting before counting starts, so both
+    /// variants' relays are draining (the baseline's finds events only at
+    /// its first sweep, after about a second).
+    pub producer_warmup_secs: f64,
     /// Producer cost: runs of each variant per connection count, in
     /// alternating order; the median run counts.
     pub producer_rounds: usize,
@@ -135,6 +139,7 @@ impl Settings {
                 keepup_secs: 1.0,
                 producer_connections: vec![1],
                 producer_secs: 0.5,
+                producer_warmup_secs: 0.25,
                 producer_rounds: 1,
                 heads_rows: 1_000,
                 heads_fresh: 1_000,
@@ -153,6 +158,7 @@ impl Settings {
                 keepup_secs: 6.0,
                 producer_connections: vec![1, 4, 16],
                 producer_secs: 1.5,
+                producer_warmup_secs: 1.5,
                 producer_rounds: 1,
                 heads_rows: 20_000,
                 heads_fresh: 20_000,
@@ -171,6 +177,7 @@ impl Settings {
                 keepup_secs: 30.0,
                 producer_connections: vec![1, 4, 16, 64],
                 producer_secs: 4.0,
+                producer_warmup_secs: 1.5,
                 producer_rounds: 5,
                 heads_rows: 100_000,
                 heads_fresh: 100_000,

@@ -150,6 +150,20 @@ const IDLE_EVENTS_PER_WINDOW: u64 = 150;
 /// the rate near 2 200 events/s, under [`BUSY_EVENTS_PER_WINDOW`], so the
 /// rate alone never ended it). Go busy at once.
 const BUSY_FETCH_EVENTS: u64 = 8;
+/// While the relay waits for wake-ups and fetches at least this many events
+/// per window (500 events/s), it looks (at most once per window) whether
+/// producers queue for NOTIFY's commit lock ([`store::NOTIFY_LOCK_WAITERS`]).
+/// Such a queue holds itself up: notifying commits run one at a time, each
+/// with its WAL flush, so with 64 producer connections the rate settled at
+/// about 1 200 events/s, under [`BUSY_EVENTS_PER_WINDOW`], and each wake-up
+/// found only one or two events, under [`BUSY_FETCH_EVENTS`]: neither rule
+/// ended it, for seconds.
+const NOTIFY_QUEUE_CHECK_EVENTS: u64 = 50;
+/// This many waiters on NOTIFY's lock (other producers, queued behind the
+/// one committing) make the relay go busy at once. One is common at
+/// 1 000 events/s from many connections and costs little; two or more,
+/// seen in the check above, come from a queue.
+const NOTIFY_QUEUE_WAITERS: i64 = 2;
 /// While busy, an empty fetch is followed by another after this long.
 const BUSY_POLL: Duration = Duration::from_millis(1);
 /// After a relay asks for wake-ups again, it looks once more after each of
@@ -210,6 +224,8 @@ pub(crate) struct Engine {
     /// After going idle: when to look once more, and how many looks are left.
     recheck_at: Option<Instant>,
     rechecks_left: u8,
+    /// When the relay last looked for producers queueing on NOTIFY's lock.
+    notify_queue_checked_at: Option<Instant>,
 }
 
 fn new_backoff(max: Duration) -> backon::ExponentialBackoff {
@@ -272,6 +288,7 @@ impl Engine {
             last_window_events: 0,
             recheck_at: None,
             rechecks_left: 0,
+            notify_queue_checked_at: None,
         }
     }
 
@@ -720,7 +737,11 @@ impl Engine {
         if handed > 0 {
             // Keep fetching until a fetch finds nothing.
             self.want_fetch = true;
-            if adaptive && (!self.registered || (self.waiting && (self.busy_rate() || handed >= BUSY_FETCH_EVENTS))) {
+            if adaptive
+                && (!self.registered
+                    || (self.waiting
+                        && (self.busy_rate() || handed >= BUSY_FETCH_EVENTS || self.notify_queue_forming().await)))
+            {
                 // Draining at a high rate: poll, and spare producers NOTIFY.
                 self.rechecks_left = 0;
                 self.recheck_at = None;
@@ -770,6 +791,35 @@ impl Engine {
             self.window_start += RATE_WINDOW;
         }
         self.window_events += n;
+    }
+
+    /// Do producers queue for NOTIFY's commit lock ([`NOTIFY_QUEUE_WAITERS`]
+    /// or more waiters)? Looked at only at [`NOTIFY_QUEUE_CHECK_EVENTS`]
+    /// per window or more, at most once per window. An error counts as no:
+    /// the relay then stays as it is, and the next query reports the
+    /// connection's state.
+    async fn notify_queue_forming(&mut self) -> bool {
+        if self.window_events.max(self.last_window_events) < NOTIFY_QUEUE_CHECK_EVENTS
+            || self.notify_queue_checked_at.is_some_and(|t| t.elapsed() < RATE_WINDOW)
+        {
+            return false;
+        }
+        self.notify_queue_checked_at = Some(Instant::now());
+        let Some(conn) = self.conn.as_ref() else { return false };
+        match conn.client.query_one(store::NOTIFY_LOCK_WAITERS, &[]).await {
+            Ok(row) => {
+                let waiters = row.try_get::<_, i64>(0).unwrap_or(0);
+                if waiters >= NOTIFY_QUEUE_WAITERS {
+                    tracing::debug!(waiters, "producers queue for NOTIFY's commit lock; polling instead");
+                    return true;
+                }
+                false
+            }
+            Err(e) => {
+                tracing::debug!(error = %crate::error::report(&e), "could not count NOTIFY's lock waiters");
+                false
+            }
+        }
     }
 
     fn busy_rate(&self) -> bool {

@@ -385,6 +385,89 @@ async fn a_wake_up_that_finds_eight_events_turns_the_relay_busy() {
     stream.finish().await.expect("finish");
 }
 
+/// Producers whose notifying commits queue for NOTIFY's commit lock turn an
+/// idle relay busy, although their rate stays under the busy rate and each
+/// wake-up finds fewer than 8 events: each commit is held 1 ms by
+/// `commit_delay` (a sleep before the WAL flush, inside the lock), so six
+/// producers commit one at a time, about 1 000 transactions (2 000 events)
+/// a second, five of them waiting. (With `fsync=off` the delay does not
+/// apply; commits are then fast and the busy rate turns the relay busy.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn producers_queueing_for_notify_turn_an_idle_relay_busy() {
+    let db = TestDb::new("notify_queue").await;
+    let c = db.client().await;
+    c.batch_execute(
+        "CREATE TABLE waiting_log (waiting boolean NOT NULL); \
+         CREATE FUNCTION log_waiting() RETURNS trigger LANGUAGE plpgsql AS \
+         $$ BEGIN INSERT INTO waiting_log VALUES (NEW.waiting); RETURN NULL; END $$; \
+         CREATE TRIGGER log_waiting AFTER INSERT OR UPDATE ON events.outbox_relays \
+         FOR EACH ROW EXECUTE FUNCTION log_waiting()",
+    )
+    .await
+    .expect("log trigger");
+    let mut stream = start(&db, |b| b).await;
+    eventually(10, "the idle relay asks for wake-ups", || async {
+        c.query_one("SELECT coalesce(bool_and(waiting), false) FROM events.outbox_relays", &[])
+            .await
+            .expect("relays")
+            .get::<_, bool>(0)
+    })
+    .await;
+    let handle = stream.shutdown_handle();
+    let consumer = tokio::spawn(async move {
+        let mut n = 0u64;
+        while let Some(d) = stream.next().await {
+            d.ack();
+            n += 1;
+        }
+        stream.finish().await.expect("finish");
+        n
+    });
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let mut producers = Vec::new();
+    for _ in 0..6 {
+        let p = db.client().await;
+        p.batch_execute("SET commit_delay = 1000; SET commit_siblings = 0")
+            .await
+            .expect("commit_delay (needs a superuser)");
+        let stop = stop.clone();
+        producers.push(tokio::spawn(async move {
+            let mut n = 0u64;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                p.execute(
+                    "INSERT INTO events.outbox (aggregate_type, aggregate_id, event_type, payload) VALUES \
+                     ('queue', gen_random_uuid(), 'Inserted', '{}'), ('queue', gen_random_uuid(), 'Inserted', '{}')",
+                    &[],
+                )
+                .await
+                .expect("insert");
+                n += 2;
+            }
+            n
+        }));
+    }
+    eventually(15, "producers queueing for NOTIFY's lock turn the relay busy", || async {
+        c.query_one("SELECT count(*) FROM waiting_log WHERE NOT waiting", &[]).await.expect("log").get::<_, i64>(0) >= 1
+    })
+    .await;
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let mut inserted = 0;
+    for p in producers {
+        inserted += p.await.expect("producer");
+    }
+    eventually(30, "every event is delivered", || async {
+        c.query_one("SELECT count(*) FROM events.outbox WHERE published_at IS NULL", &[])
+            .await
+            .expect("count")
+            .get::<_, i64>(0)
+            == 0
+    })
+    .await;
+    handle.shutdown();
+    let delivered = consumer.await.expect("consumer");
+    assert!(delivered >= inserted, "delivered {delivered} of {inserted} events");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sweep_finds_rows_inserted_without_a_notification() {
     let db = TestDb::new("sweep").await;
