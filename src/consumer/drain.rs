@@ -160,10 +160,14 @@ const BUSY_FETCH_EVENTS: u64 = 8;
 /// ended it, for seconds.
 const NOTIFY_QUEUE_CHECK_EVENTS: u64 = 50;
 /// This many waiters on NOTIFY's lock (other producers, queued behind the
-/// one committing) make the relay go busy at once. One is common at
-/// 1 000 events/s from many connections and costs little; two or more,
-/// seen in the check above, come from a queue.
+/// one committing), seen in [`NOTIFY_QUEUE_CHECKS`] checks in a row, make
+/// the relay go busy. A queue that holds itself up stays for seconds; at
+/// 1 000 events/s from 16 connections two waiters were seen now and then
+/// (a few times in 10 s, never twice in a row in our runs), which cost
+/// producers little and a busy relay more latency.
 const NOTIFY_QUEUE_WAITERS: i64 = 2;
+/// See [`NOTIFY_QUEUE_WAITERS`].
+const NOTIFY_QUEUE_CHECKS: u8 = 2;
 /// While busy, an empty fetch is followed by another after this long.
 const BUSY_POLL: Duration = Duration::from_millis(1);
 /// After a relay asks for wake-ups again, it looks once more after each of
@@ -224,8 +228,10 @@ pub(crate) struct Engine {
     /// After going idle: when to look once more, and how many looks are left.
     recheck_at: Option<Instant>,
     rechecks_left: u8,
-    /// When the relay last looked for producers queueing on NOTIFY's lock.
+    /// When the relay last looked for producers queueing on NOTIFY's lock,
+    /// and how many looks in a row found them queueing.
     notify_queue_checked_at: Option<Instant>,
+    notify_queue_seen: u8,
 }
 
 fn new_backoff(max: Duration) -> backon::ExponentialBackoff {
@@ -289,6 +295,7 @@ impl Engine {
             recheck_at: None,
             rechecks_left: 0,
             notify_queue_checked_at: None,
+            notify_queue_seen: 0,
         }
     }
 
@@ -794,32 +801,41 @@ impl Engine {
     }
 
     /// Do producers queue for NOTIFY's commit lock ([`NOTIFY_QUEUE_WAITERS`]
-    /// or more waiters)? Looked at only at [`NOTIFY_QUEUE_CHECK_EVENTS`]
-    /// per window or more, at most once per window. An error counts as no:
-    /// the relay then stays as it is, and the next query reports the
-    /// connection's state.
+    /// or more waiters, [`NOTIFY_QUEUE_CHECKS`] looks in a row)? Looked at
+    /// only at [`NOTIFY_QUEUE_CHECK_EVENTS`] per window or more, at most once
+    /// per window; a look two windows or more after the last one starts a
+    /// new row. An error counts as no: the relay then stays as it is, and
+    /// the next query reports the connection's state.
     async fn notify_queue_forming(&mut self) -> bool {
-        if self.window_events.max(self.last_window_events) < NOTIFY_QUEUE_CHECK_EVENTS
-            || self.notify_queue_checked_at.is_some_and(|t| t.elapsed() < RATE_WINDOW)
-        {
+        if self.window_events.max(self.last_window_events) < NOTIFY_QUEUE_CHECK_EVENTS {
+            self.notify_queue_seen = 0;
             return false;
+        }
+        match self.notify_queue_checked_at.map(|t| t.elapsed()) {
+            Some(e) if e < RATE_WINDOW => return false,
+            Some(e) if e >= RATE_WINDOW * 2 => self.notify_queue_seen = 0,
+            _ => {}
         }
         self.notify_queue_checked_at = Some(Instant::now());
         let Some(conn) = self.conn.as_ref() else { return false };
-        match conn.client.query_one(store::NOTIFY_LOCK_WAITERS, &[]).await {
-            Ok(row) => {
-                let waiters = row.try_get::<_, i64>(0).unwrap_or(0);
-                if waiters >= NOTIFY_QUEUE_WAITERS {
-                    tracing::debug!(waiters, "producers queue for NOTIFY's commit lock; polling instead");
-                    return true;
-                }
-                false
-            }
+        let waiters = match conn.client.query_one(store::NOTIFY_LOCK_WAITERS, &[]).await {
+            Ok(row) => row.try_get::<_, i64>(0).unwrap_or(0),
             Err(e) => {
                 tracing::debug!(error = %crate::error::report(&e), "could not count NOTIFY's lock waiters");
-                false
+                0
             }
+        };
+        if waiters < NOTIFY_QUEUE_WAITERS {
+            self.notify_queue_seen = 0;
+            return false;
         }
+        self.notify_queue_seen += 1;
+        if self.notify_queue_seen < NOTIFY_QUEUE_CHECKS {
+            return false;
+        }
+        self.notify_queue_seen = 0;
+        tracing::debug!(waiters, "producers queue for NOTIFY's commit lock; polling instead");
+        true
     }
 
     fn busy_rate(&self) -> bool {
