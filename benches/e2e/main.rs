@@ -176,9 +176,9 @@ impl Settings {
                 drain_max_secs: 300.0,
                 keepup_secs: 30.0,
                 producer_connections: vec![1, 4, 16, 64],
-                producer_secs: 4.0,
+                producer_secs: 2.5,
                 producer_warmup_secs: 1.5,
-                producer_rounds: 5,
+                producer_rounds: 8,
                 heads_rows: 100_000,
                 heads_fresh: 100_000,
                 heads_probe_secs: 5.0,
@@ -266,6 +266,11 @@ async fn context(client: &Client, s: &Settings) -> BenchResult<BTreeMap<&'static
         && out.status.success()
     {
         ctx.insert("commit", String::from_utf8_lossy(&out.stdout).trim().to_string());
+    }
+    // The relay binary, when it is not this build's (A/B runs).
+    let relay = util::relay_bin();
+    if relay != env!("CARGO_BIN_EXE_pg-outbox") {
+        ctx.insert("relay binary", relay);
     }
     Ok(ctx)
 }
