@@ -389,8 +389,8 @@ async fn a_wake_up_that_finds_eight_events_turns_the_relay_busy() {
 /// idle relay busy, although their rate stays under the busy rate and each
 /// wake-up finds fewer than 8 events: each commit is held 1 ms by
 /// `commit_delay` (a sleep before the WAL flush, inside the lock), so six
-/// producers commit one at a time, about 1 000 transactions (2 000 events)
-/// a second, five of them waiting. (With `fsync=off` the delay does not
+/// producers commit one at a time, at most about 1 000 transactions (2 000
+/// events) a second, the other five waiting. (With `fsync=off` the delay does not
 /// apply; commits are then fast and the busy rate turns the relay busy.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn producers_queueing_for_notify_turn_an_idle_relay_busy() {
