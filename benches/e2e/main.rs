@@ -91,8 +91,9 @@ pub struct Settings {
     /// variants' relays are draining (the baseline's finds events only at
     /// its first sweep, after about a second).
     pub producer_warmup_secs: f64,
-    /// Producer cost: runs of each variant per connection count, in
-    /// alternating order; the median run counts.
+    /// Producer cost: rounds per connection count, each a run of both
+    /// variants back to back (alternating which goes first); the ratio is
+    /// the median of the rounds' ratios.
     pub producer_rounds: usize,
     /// Heads: dead letters, and as many retry-waiting rows.
     pub heads_rows: i64,

@@ -141,7 +141,7 @@ const BUSY_EVENTS_PER_WINDOW: u64 = 300;
 /// the fastest wake-up there is: polling every millisecond while busy
 /// measured 2.5 ms p50 commit-to-delivery at 1 000 events/s against 0.5 ms
 /// for a notification (`cargo bench --bench e2e -- latency`). Above it,
-/// NOTIFY's database-wide commit lock would cost producers more than a
+/// NOTIFY's commit lock (one for the whole server) would cost producers more than a
 /// polling relay adds in latency.
 const IDLE_EVENTS_PER_WINDOW: u64 = 150;
 /// A fetch that finds this many events while the relay waits for wake-ups
@@ -165,10 +165,16 @@ const NOTIFY_QUEUE_CHECK_EVENTS: u64 = 50;
 /// 1 000 events/s from 16 connections two waiters are seen now and then:
 /// with one look enough, three 10 s pgbench runs turned the relay busy 3,
 /// 2 and 5 times (each time costing latency, not helping producers); with
-/// two in a row, 0, 0 and 2 times (0 and 0 without this rule).
+/// two in a row, 0, 0 and 2 times (and 0 and 0 in two runs without this
+/// rule).
 const NOTIFY_QUEUE_WAITERS: i64 = 2;
 /// See [`NOTIFY_QUEUE_WAITERS`].
 const NOTIFY_QUEUE_CHECKS: u8 = 2;
+/// After the NOTIFY-queue rule turned the relay busy, it stays busy at least
+/// this long: the queue's rate (about 1 200 events/s) is under the idle rate,
+/// so the rate windows still holding it would otherwise send the relay back
+/// to waiting at its first empty poll, and the queue would form again.
+const NOTIFY_QUEUE_BUSY_HOLD: Duration = Duration::from_millis(200);
 /// While busy, an empty fetch is followed by another after this long.
 const BUSY_POLL: Duration = Duration::from_millis(1);
 /// After a relay asks for wake-ups again, it looks once more after each of
@@ -233,6 +239,10 @@ pub(crate) struct Engine {
     /// and how many looks in a row found them queueing.
     notify_queue_checked_at: Option<Instant>,
     notify_queue_seen: u8,
+    /// The NOTIFY-queue rule turned the relay busy: not idle before this.
+    busy_hold_until: Option<Instant>,
+    /// A failed look at `pg_locks` was logged as a warning (once per engine).
+    notify_queue_warned: bool,
 }
 
 fn new_backoff(max: Duration) -> backon::ExponentialBackoff {
@@ -297,6 +307,8 @@ impl Engine {
             rechecks_left: 0,
             notify_queue_checked_at: None,
             notify_queue_seen: 0,
+            busy_hold_until: None,
+            notify_queue_warned: false,
         }
     }
 
@@ -564,6 +576,8 @@ impl Engine {
         self.conn = None;
         self.waiting = false;
         self.registered = false;
+        self.notify_queue_seen = 0;
+        self.busy_hold_until = None;
         self.in_tx = false;
         self.set_leader(false);
         self.owned.clear();
@@ -766,7 +780,8 @@ impl Engine {
             if !self.cfg.listen && !self.registered && !self.in_tx {
                 self.set_waiting(false).await;
             }
-            if adaptive && !self.waiting && self.idle_rate() {
+            let held = self.busy_hold_until.is_some_and(|t| Instant::now() < t);
+            if adaptive && !self.waiting && self.idle_rate() && !held {
                 // Idle: ask for wake-ups again, then look once more at once
                 // and a few times shortly after, for events whose producers
                 // decided not to notify just before and were still committing.
@@ -822,7 +837,15 @@ impl Engine {
         let waiters = match conn.client.query_one(store::NOTIFY_LOCK_WAITERS, &[]).await {
             Ok(row) => row.try_get::<_, i64>(0).unwrap_or(0),
             Err(e) => {
-                tracing::debug!(error = %crate::error::report(&e), "could not count NOTIFY's lock waiters");
+                let error = crate::error::report(&e);
+                if self.notify_queue_warned {
+                    tracing::debug!(error = %error, "could not count NOTIFY's lock waiters");
+                } else {
+                    self.notify_queue_warned = true;
+                    tracing::warn!(error = %error,
+                        "could not read pg_locks: producers queueing for NOTIFY's commit lock go unnoticed \
+                         (the other busy rules still apply)");
+                }
                 0
             }
         };
@@ -835,6 +858,7 @@ impl Engine {
             return false;
         }
         self.notify_queue_seen = 0;
+        self.busy_hold_until = Some(Instant::now() + NOTIFY_QUEUE_BUSY_HOLD);
         tracing::debug!(waiters, "producers queue for NOTIFY's commit lock; polling instead");
         true
     }
@@ -877,6 +901,8 @@ impl Engine {
             Ok(_) => {
                 self.waiting = waiting;
                 self.registered = true;
+                // A new row of looks starts from a changed state.
+                self.notify_queue_seen = 0;
                 metrics::gauge!(m::WAITING_FOR_NOTIFICATIONS).set(if waiting { 1.0 } else { 0.0 });
             }
             Err(e) => self.db_error("registering for wake-ups", e),
