@@ -239,10 +239,12 @@ async fn kafka_sink_keys_by_aggregate_with_headers_and_keeps_per_aggregate_order
     let mut relay =
         RelayProc::start(&db, &["--sink", &url, "--kafka-topic", &topic, "--sweep-interval", "200ms"]).await;
 
-    let aggs: Vec<Uuid> = (0..6).map(|_| Uuid::new_v4()).collect();
-    let sent = sink_relay::publish_events(&c, &aggs, 36, "kafka").await;
+    // 24 random aggregates: all in one of 3 partitions by chance has
+    // probability 3 * 3^-24 (with 6 it was 1 in 243, and it happened).
+    let aggs: Vec<Uuid> = (0..24).map(|_| Uuid::new_v4()).collect();
+    let sent = sink_relay::publish_events(&c, &aggs, 72, "kafka").await;
     let agg_of: BTreeMap<i64, Uuid> = sent.iter().copied().collect();
-    support::eventually(30, "all 36 rows marked published", || async { sink_relay::published_count(&c).await == 36 })
+    support::eventually(30, "all 72 rows marked published", || async { sink_relay::published_count(&c).await == 72 })
         .await;
 
     let reader = tansu.consumer(&topic);
@@ -277,7 +279,7 @@ async fn kafka_sink_keys_by_aggregate_with_headers_and_keeps_per_aggregate_order
         assert!(ids.windows(2).all(|w| w[0] < w[1]), "aggregate {agg} out of order in its partition: {ids:?}");
     }
     let used: BTreeSet<i32> = partition_of.values().copied().collect();
-    assert!(used.len() > 1, "6 aggregates over {PARTITIONS} partitions all landed in one: {partition_of:?}");
+    assert!(used.len() > 1, "24 aggregates over {PARTITIONS} partitions all landed in one: {partition_of:?}");
 
     relay.stop_cleanly().await;
 }
