@@ -857,7 +857,7 @@ impl Engine {
         if self.notify_queue_seen < NOTIFY_QUEUE_CHECKS {
             return false;
         }
-        self.notify_queue_seen = 0;
+        // The caller marks the relay busy, which restarts the row of looks.
         self.busy_hold_until = Some(Instant::now() + NOTIFY_QUEUE_BUSY_HOLD);
         tracing::debug!(waiters, "producers queue for NOTIFY's commit lock; polling instead");
         true

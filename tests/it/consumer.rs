@@ -341,13 +341,8 @@ async fn dropped_delivery_is_released_and_delivered_again_first() {
     stream.finish().await.expect("finish");
 }
 
-/// An idle relay that wakes to a fetch of 8 or more events marks itself busy
-/// (producers then skip NOTIFY), however low its rate; fewer do not.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_wake_up_that_finds_eight_events_turns_the_relay_busy() {
-    let db = TestDb::new("busy_fetch").await;
-    let c = db.client().await;
-    // Record every change of a relay's `waiting`.
+/// Record every change of a relay's `waiting` in table `waiting_log`.
+async fn log_waiting_changes(c: &tokio_postgres::Client) {
     c.batch_execute(
         "CREATE TABLE waiting_log (waiting boolean NOT NULL); \
          CREATE FUNCTION log_waiting() RETURNS trigger LANGUAGE plpgsql AS \
@@ -357,17 +352,32 @@ async fn a_wake_up_that_finds_eight_events_turns_the_relay_busy() {
     )
     .await
     .expect("log trigger");
+}
+
+/// Every registered relay waits for wake-ups (false when none is registered).
+async fn relays_waiting(c: &tokio_postgres::Client) -> bool {
+    c.query_one("SELECT coalesce(bool_and(waiting), false) FROM events.outbox_relays", &[])
+        .await
+        .expect("relays")
+        .get::<_, bool>(0)
+}
+
+/// How many times a relay marked itself busy (see [`log_waiting_changes`]).
+async fn busy_marks(c: &tokio_postgres::Client) -> i64 {
+    c.query_one("SELECT count(*) FROM waiting_log WHERE NOT waiting", &[]).await.expect("log").get::<_, i64>(0)
+}
+
+/// An idle relay that wakes to a fetch of 8 or more events marks itself busy
+/// (producers then skip NOTIFY), however low its rate; fewer do not.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_wake_up_that_finds_eight_events_turns_the_relay_busy() {
+    let db = TestDb::new("busy_fetch").await;
+    let c = db.client().await;
+    log_waiting_changes(&c).await;
     let mut stream = start(&db, |b| b).await;
-    let waiting = || async {
-        c.query_one("SELECT coalesce(bool_and(waiting), false) FROM events.outbox_relays", &[])
-            .await
-            .expect("relays")
-            .get::<_, bool>(0)
-    };
+    let waiting = || relays_waiting(&c);
     eventually(10, "the idle relay asks for wake-ups", waiting).await;
-    let busy_marks = || async {
-        c.query_one("SELECT count(*) FROM waiting_log WHERE NOT waiting", &[]).await.expect("log").get::<_, i64>(0)
-    };
+    let busy_marks = || busy_marks(&c);
     assert_eq!(busy_marks().await, 0, "an idle relay never marked itself busy");
     // 20 events in one fetch: busy (then, the rate being low, waiting again).
     for id in insert_seed_events(&c, Uuid::new_v4(), 20).await {
@@ -404,23 +414,9 @@ async fn producers_queueing_for_notify_turn_an_idle_relay_busy() {
         eprintln!("producers_queueing_for_notify_turn_an_idle_relay_busy: skipped, the server runs with fsync={fsync}");
         return;
     }
-    c.batch_execute(
-        "CREATE TABLE waiting_log (waiting boolean NOT NULL); \
-         CREATE FUNCTION log_waiting() RETURNS trigger LANGUAGE plpgsql AS \
-         $$ BEGIN INSERT INTO waiting_log VALUES (NEW.waiting); RETURN NULL; END $$; \
-         CREATE TRIGGER log_waiting AFTER INSERT OR UPDATE ON events.outbox_relays \
-         FOR EACH ROW EXECUTE FUNCTION log_waiting()",
-    )
-    .await
-    .expect("log trigger");
+    log_waiting_changes(&c).await;
     let mut stream = start(&db, |b| b).await;
-    eventually(10, "the idle relay asks for wake-ups", || async {
-        c.query_one("SELECT coalesce(bool_and(waiting), false) FROM events.outbox_relays", &[])
-            .await
-            .expect("relays")
-            .get::<_, bool>(0)
-    })
-    .await;
+    eventually(10, "the idle relay asks for wake-ups", || relays_waiting(&c)).await;
     let handle = stream.shutdown_handle();
     let consumer = tokio::spawn(async move {
         let mut n = 0u64;
@@ -454,10 +450,8 @@ async fn producers_queueing_for_notify_turn_an_idle_relay_busy() {
             n
         }));
     }
-    eventually(3, "producers queueing for NOTIFY's lock turn the relay busy", || async {
-        c.query_one("SELECT count(*) FROM waiting_log WHERE NOT waiting", &[]).await.expect("log").get::<_, i64>(0) >= 1
-    })
-    .await;
+    eventually(3, "producers queueing for NOTIFY's lock turn the relay busy", || async { busy_marks(&c).await >= 1 })
+        .await;
     stop.store(true, std::sync::atomic::Ordering::Relaxed);
     let mut inserted = 0;
     for p in producers {
