@@ -1,8 +1,10 @@
 -- pg-outbox trigger: keep the producers' hint (migration 0008) in step with
 -- the relays (events.outbox_relays, migration 0005) and with bulk writers.
 --
--- NOTIFY takes a database-wide lock at COMMIT (docs, "NOTIFY"), so every
--- notifying producer transaction queues behind the one before it. A relay
+-- NOTIFY takes a lock at COMMIT that is shared by the whole server (it is
+-- taken on database 0 in PreCommit_Notify, src/backend/commands/async.c),
+-- so every notifying producer transaction queues behind the one before it,
+-- whatever its database (docs, "NOTIFY"). A relay
 -- that is draining needs no wake-up: it fetches until it finds nothing.
 -- Each relay therefore says in events.outbox_relays whether it waits; after
 -- every statement on that table, events.outbox_hint_refresh() sets bit 1 of

@@ -421,7 +421,7 @@ pub async fn run(ctx: &Ctx) -> BenchResult<(Section, Vec<LatencyRun>)> {
     if !saturated.is_empty() {
         sec.notes.push(format!(
             "The floor could not hold {}: every floor transaction sends a NOTIFY, and notifying commits queue \
-             for one database-wide lock (PITFALLS.md 3), while pg-outbox's trigger notifies only idle relays. \
+             for one server-wide lock (PITFALLS.md 3), while pg-outbox's trigger notifies only idle relays. \
              Ratios at those rates compare against a saturated floor.",
             saturated.join(", ")
         ));

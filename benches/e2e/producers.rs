@@ -114,6 +114,56 @@ fn runs(v: &[f64]) -> String {
     v.iter().map(|r| fmt_count(*r)).collect::<Vec<_>>().join(" / ")
 }
 
+/// A procedure that commits `n` single-row inserts one by one, on the
+/// server: each a transaction of its own, as an autocommit producer's, with
+/// no client or network in the way.
+const INSERT_LOOP: &str = "CREATE PROCEDURE public.pgo_bench_inserts(n integer) LANGUAGE plpgsql AS $$ \
+     BEGIN FOR i IN 1..n LOOP \
+       INSERT INTO events.outbox (aggregate_type, aggregate_id, event_type, payload) \
+       VALUES ('bench', gen_random_uuid(), 'Inserted', '{\"version\":1,\"data\":{\"amount\":990}}'); \
+       COMMIT; \
+     END LOOP; END $$";
+
+/// The variants of [`server_cost`]: name, triggers enabled, and the value
+/// of `events.outbox_hint` (0: every relay is busy, so the trigger takes its
+/// fast path; 1: a relay waits, so every transaction notifies).
+const SERVER_VARIANTS: [(&str, bool, i64); 3] =
+    [("seeded table alone", false, 0), ("triggers, relay busy", true, 0), ("triggers, relay waiting", true, 1)];
+
+/// Server time per single-row transaction for each of [`SERVER_VARIANTS`]:
+/// `rounds` rounds of `n` inserts each (variants in a rotating order), with
+/// `synchronous_commit=off` so the WAL flush does not drown the difference.
+/// Returns, per variant, the microseconds per insert of every round.
+async fn server_cost(ctx: &Ctx, n: i32, rounds: usize) -> BenchResult<Vec<Vec<f64>>> {
+    let db = scratch(&ctx.admin, &ctx.admin_cfg, "producers_server").await?;
+    let result = async {
+        let c = connect(&db.cfg).await?;
+        c.batch_execute(INSERT_LOOP).await?;
+        c.batch_execute("SET synchronous_commit = off").await?;
+        let mut us = vec![Vec::new(); SERVER_VARIANTS.len()];
+        for round in 0..rounds {
+            for k in 0..SERVER_VARIANTS.len() {
+                let v = (round + k) % SERVER_VARIANTS.len();
+                let (_, with_triggers, hint) = SERVER_VARIANTS[v];
+                let switch = if with_triggers { "ENABLE" } else { "DISABLE" };
+                for t in OUR_TRIGGERS {
+                    c.batch_execute(&format!("ALTER TABLE events.outbox {switch} TRIGGER {t}")).await?;
+                }
+                c.batch_execute("TRUNCATE events.outbox").await?;
+                // No relay is registered here, so nothing refreshes the hint.
+                c.execute("SELECT setval('events.outbox_hint', $1)", &[&hint]).await?;
+                let t = Instant::now();
+                c.execute("CALL public.pgo_bench_inserts($1)", &[&n]).await?;
+                us[v].push(t.elapsed().as_secs_f64() * 1e6 / f64::from(n));
+            }
+        }
+        Ok::<_, BoxError>(us)
+    }
+    .await;
+    db.drop_now(&ctx.admin).await;
+    result
+}
+
 /// Run both variants at every connection count.
 pub async fn run(ctx: &Ctx) -> BenchResult<Section> {
     let s: &Settings = &ctx.settings;
@@ -174,6 +224,36 @@ pub async fn run(ctx: &Ctx) -> BenchResult<Section> {
         s.producer_rounds.max(1),
         OUR_TRIGGERS.join(", ")
     ));
-    sec.data = serde_json::json!(data);
+    let (n, rounds) = if s.smoke {
+        (500, 1)
+    } else if s.quick {
+        (5_000, 3)
+    } else {
+        (20_000, 7)
+    };
+    let us = server_cost(ctx, n, rounds).await?;
+    let base = us[0].clone();
+    let mut parts = Vec::new();
+    let mut server = Vec::new();
+    for (i, ((name, _, hint), runs)) in SERVER_VARIANTS.iter().zip(&us).enumerate() {
+        // Per round against the baseline's run of the same round.
+        let mut added: Vec<f64> = runs.iter().zip(&base).map(|(v, b)| v - b).collect();
+        let mut per = runs.clone();
+        let (median_us, added_us) = (median(&mut per), median(&mut added));
+        parts.push(if i == 0 {
+            format!("{name} {median_us:.1} µs")
+        } else {
+            format!("{name} {median_us:.1} µs ({added_us:+.1} µs)")
+        });
+        server.push(serde_json::json!({"variant": name, "hint": hint, "us_per_insert": median_us,
+            "added_us_median": added_us, "rounds_us": runs}));
+    }
+    sec.notes.push(format!(
+        "Server time per single-row transaction ({rounds} round(s) of {n} inserts committed one by one inside a \
+         procedure, `synchronous_commit=off`, no client in the way; median, and in brackets the median of each \
+         round's difference to the seeded table): {}.",
+        parts.join("; ")
+    ));
+    sec.data = serde_json::json!({"connections": data, "server_time": server});
     Ok(sec)
 }

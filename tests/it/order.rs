@@ -182,6 +182,76 @@ async fn open_writer(
     (id_rx, release_tx, task)
 }
 
+/// Every value of the producers' hint (0: the trigger's fast path, no relay
+/// waits and no bulk transaction may run; 1-3: its full path) keeps an
+/// aggregate's writers in order: the second waits for the first and draws
+/// the later id, another aggregate is not delayed, and a transaction that
+/// writes 3 000 aggregates turns bulk instead of holding a lock for each.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_hint_value_keeps_an_aggregates_writers_in_order_and_turns_large_transactions_bulk() {
+    let db = TestDb::new("order_hints").await;
+    let c = db.client().await;
+    for hint in 0..=3i64 {
+        // No relay is registered, so nothing refreshes the hint meanwhile.
+        c.query_one("SELECT setval('events.outbox_hint', $1)", &[&hint]).await.expect("set hint");
+        let agg = Uuid::new_v4();
+        let (first_id, release_first, first) = open_writer(&db, "", agg, "first").await;
+        let first_id =
+            tokio::time::timeout(Duration::from_secs(10), first_id).await.expect("first inserts").expect("id");
+        let (second_id, release_second, second) = open_writer(&db, "", agg, "second").await;
+        let mut second_id = Box::pin(second_id);
+        tokio::time::timeout(
+            Duration::from_secs(5),
+            c.execute(
+                "INSERT INTO events.outbox (aggregate_type, aggregate_id, event_type, payload) VALUES ('acct', $1, 'other', '{}')",
+                &[&Uuid::new_v4()],
+            ),
+        )
+        .await
+        .unwrap_or_else(|_| panic!("hint {hint}: another aggregate must not wait"))
+        .expect("insert other");
+        // Liveness wait: the second writer must still be blocked.
+        assert!(
+            tokio::time::timeout(Duration::from_millis(500), &mut second_id).await.is_err(),
+            "hint {hint}: the second writer of the aggregate did not wait for the first"
+        );
+        release_first.send(()).expect("release first");
+        first.await.expect("first commits");
+        let second_id =
+            tokio::time::timeout(Duration::from_secs(10), second_id).await.expect("second proceeds").expect("id");
+        assert!(second_id > first_id, "hint {hint}: second id {second_id} <= first id {first_id}");
+        release_second.send(()).expect("release second");
+        second.await.expect("second commits");
+
+        c.query_one("SELECT setval('events.outbox_hint', $1)", &[&hint]).await.expect("set hint");
+        let mut big = db.client().await;
+        let tx = big.transaction().await.expect("tx");
+        let n = tx
+            .execute(
+                "INSERT INTO events.outbox (aggregate_type, aggregate_id, event_type, payload) \
+                 SELECT 'many', gen_random_uuid(), 'Imported', '{}' FROM generate_series(1, 3000)",
+                &[],
+            )
+            .await
+            .expect("large insert");
+        assert_eq!(n, 3_000);
+        let pid: i32 = tx.query_one("SELECT pg_backend_pid()", &[]).await.expect("pid").get(0);
+        let locks: i64 = c
+            .query_one("SELECT count(*) FROM pg_locks WHERE pid = $1 AND locktype = 'advisory'", &[&pid])
+            .await
+            .expect("locks")
+            .get(0);
+        assert!(
+            (2..=1_200).contains(&locks),
+            "hint {hint}: 3 000 aggregates in one transaction hold {locks} advisory locks"
+        );
+        let bulk: Option<String> =
+            tx.query_one("SELECT current_setting('pg_outbox.bulk', true)", &[]).await.expect("guc").get(0);
+        assert_eq!(bulk.as_deref(), Some("on"), "hint {hint}: the large transaction did not turn bulk");
+        tx.commit().await.expect("commit");
+    }
+}
+
 /// Bulk and ordinary transactions writing one aggregate wait for each other
 /// in both orders, and the later one draws the later id.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
