@@ -177,6 +177,12 @@ const NOTIFY_QUEUE_CHECKS: u8 = 2;
 const NOTIFY_QUEUE_BUSY_HOLD: Duration = Duration::from_millis(200);
 /// While busy, an empty fetch is followed by another after this long.
 const BUSY_POLL: Duration = Duration::from_millis(1);
+/// A drain woken by a notification or a poll reads the earliest retry time
+/// again only if it last did longer ago than this: at 1 000 wake-ups/s the
+/// read would otherwise be a third of the drain connection's round trips.
+/// The retry timer is armed directly for this consumer's own failures; what
+/// others fail is seen at most this much later, or at the next sweep.
+const RETRY_READ_GAP: Duration = Duration::from_millis(100);
 /// After a relay asks for wake-ups again, it looks once more after each of
 /// these delays, for events whose producers decided not to notify just
 /// before the request became visible and committed a little later (their
@@ -208,6 +214,8 @@ pub(crate) struct Engine {
     fetch_seq: u64,
     want_fetch: bool,
     retry_at: Option<Instant>,
+    /// When the earliest retry was last read (`store::NEXT_RETRY_IN`).
+    retry_read_at: Option<Instant>,
     flush_at: Option<Instant>,
     reconnect_at: Option<Instant>,
     backoff: backon::ExponentialBackoff,
@@ -287,6 +295,7 @@ impl Engine {
             fetch_seq: 0,
             want_fetch: true,
             retry_at: None,
+            retry_read_at: None,
             flush_at: None,
             reconnect_at: Some(Instant::now()),
             backoff,
@@ -578,6 +587,7 @@ impl Engine {
         self.registered = false;
         self.notify_queue_seen = 0;
         self.busy_hold_until = None;
+        self.retry_read_at = None;
         self.in_tx = false;
         self.set_leader(false);
         self.owned.clear();
@@ -772,6 +782,17 @@ impl Engine {
                 // Sweep-only: never ask producers to notify (nobody listens).
                 self.set_waiting(false).await;
             }
+            if adaptive && self.waiting && !full && !self.in_tx && !self.token.is_cancelled() {
+                // Still waiting, and the fetch returned less than a batch: it
+                // took every event that was due when it ran, and whatever
+                // commits later notifies (its producer reads the hint after
+                // this relay asked for wake-ups). So this drain is done,
+                // without a fetch that finds nothing; at low rates that fetch
+                // was the round trip a next notification queued behind.
+                self.want_fetch = false;
+                self.next_recheck();
+                self.schedule_retry_timer().await;
+            }
         } else if full {
             // Every row of a full result was skipped (stopping): look again later.
             self.want_fetch = true;
@@ -791,14 +812,22 @@ impl Engine {
             } else if adaptive && !self.waiting {
                 // Busy and nothing right now: poll again in a moment.
                 self.recheck_at = Some(Instant::now() + BUSY_POLL);
-            } else if self.rechecks_left > 0 {
-                let i = RECHECKS.len() - usize::from(self.rechecks_left);
-                self.rechecks_left -= 1;
-                self.recheck_at = Some(Instant::now() + RECHECKS[i]);
+            } else {
+                self.next_recheck();
             }
             if !self.in_tx {
                 self.schedule_retry_timer().await;
             }
+        }
+    }
+
+    /// After going idle, a drain that ended schedules the next of its
+    /// [`RECHECKS`], if any is left.
+    fn next_recheck(&mut self) {
+        if self.rechecks_left > 0 {
+            let i = RECHECKS.len() - usize::from(self.rechecks_left);
+            self.rechecks_left -= 1;
+            self.recheck_at = Some(Instant::now() + RECHECKS[i]);
         }
     }
 
@@ -909,8 +938,18 @@ impl Engine {
         }
     }
 
+    /// Arm the retry timer for the earliest `next_retry_at` (the database's
+    /// clock). Skipped for a drain woken by a notification or a poll within
+    /// [`RETRY_READ_GAP`] of the last read.
     async fn schedule_retry_timer(&mut self) {
         let Some(conn) = self.conn.as_ref() else { return };
+        let now = Instant::now();
+        if matches!(self.reason, Wake::Notification | Wake::Recheck)
+            && self.retry_read_at.is_some_and(|t| now.duration_since(t) < RETRY_READ_GAP)
+        {
+            return;
+        }
+        self.retry_read_at = Some(now);
         match conn.client.query_one(&conn.next_retry, &[]).await {
             Ok(row) => match row.try_get::<_, Option<f64>>(0) {
                 Ok(Some(secs)) => self.arm_retry(secs),

@@ -395,6 +395,63 @@ async fn a_wake_up_that_finds_eight_events_turns_the_relay_busy() {
     stream.finish().await.expect("finish");
 }
 
+/// With the sweep an hour away, every event of a trickle is delivered: a
+/// waiting relay ends a drain after a fetch of less than a batch (without a
+/// fetch that finds nothing), so what commits later must wake it; a busy
+/// relay, which producers do not notify, must go on polling. Three
+/// producers write 1-3 events per transaction every few milliseconds, after
+/// one 200-event transaction that turns the relay busy.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_trickle_after_a_burst_is_delivered_without_the_sweep() {
+    let db = TestDb::new("trickle").await;
+    let c = db.client().await;
+    log_waiting_changes(&c).await;
+    let mut stream = start(&db, |b| b.sweep_interval(Duration::from_secs(3_600))).await;
+    eventually(10, "the idle relay asks for wake-ups", || relays_waiting(&c)).await;
+    let mut expected: HashSet<i64> = insert_seed_events(&c, Uuid::new_v4(), 200).await.into_iter().collect();
+    let mut producers = Vec::new();
+    for p in 0..3u64 {
+        let pg = db.pg.clone();
+        producers.push(tokio::spawn(async move {
+            let (c, conn) = pg.connect(tokio_postgres::NoTls).await.expect("connect");
+            tokio::spawn(conn);
+            let mut ids = Vec::new();
+            for i in 0..150u64 {
+                ids.extend(insert_seed_events(&c, Uuid::new_v4(), 1 + ((p + i) % 3) as i64).await);
+                tokio::time::sleep(Duration::from_millis(2 + (p * 5 + i * 3) % 6)).await;
+            }
+            ids
+        }));
+    }
+    // Deliveries are taken while the producers write.
+    let written = futures::future::join_all(producers);
+    tokio::pin!(written);
+    let mut delivered = HashSet::new();
+    let mut all_written = false;
+    while !all_written || !expected.is_subset(&delivered) {
+        tokio::select! {
+            ids = &mut written, if !all_written => {
+                for ids in ids {
+                    expected.extend(ids.expect("producer"));
+                }
+                all_written = true;
+            }
+            // Liveness bound: producers commit every few milliseconds, and
+            // the sweep is an hour away.
+            d = tokio::time::timeout(Duration::from_secs(5), stream.next()) => {
+                let d = d
+                    .unwrap_or_else(|_| panic!("nothing delivered for 5 s; {} events delivered so far", delivered.len()))
+                    .expect("stream ended");
+                assert!(delivered.insert(d.id), "event {} delivered twice", d.id);
+                d.ack();
+            }
+        }
+    }
+    assert_eq!(delivered, expected, "delivered events differ from those written");
+    assert!(busy_marks(&c).await >= 1, "the 200-event fetch did not turn the relay busy");
+    stream.finish().await.expect("finish");
+}
+
 /// Producers whose notifying commits queue for NOTIFY's commit lock turn an
 /// idle relay busy, although their rate stays under the busy rate and each
 /// wake-up finds fewer than 8 events: each commit is held 1 ms by
