@@ -180,8 +180,9 @@ const BUSY_POLL: Duration = Duration::from_millis(1);
 /// A drain woken by a notification or a poll reads the earliest retry time
 /// again only if it last did longer ago than this: at 1 000 wake-ups/s the
 /// read would otherwise be a third of the drain connection's round trips.
-/// The retry timer is armed directly for this consumer's own failures; what
-/// others fail is seen at most this much later, or at the next sweep.
+/// A skipped read is made up this long after the last one, so a retry
+/// written by another session, or the next one after the retry timer fired,
+/// is armed at most this much later.
 const RETRY_READ_GAP: Duration = Duration::from_millis(100);
 /// After a relay asks for wake-ups again, it looks once more after each of
 /// these delays, for events whose producers decided not to notify just
@@ -216,6 +217,8 @@ pub(crate) struct Engine {
     retry_at: Option<Instant>,
     /// When the earliest retry was last read (`store::NEXT_RETRY_IN`).
     retry_read_at: Option<Instant>,
+    /// A skipped read of the earliest retry is made up at this time.
+    retry_read_due: Option<Instant>,
     flush_at: Option<Instant>,
     reconnect_at: Option<Instant>,
     backoff: backon::ExponentialBackoff,
@@ -296,6 +299,7 @@ impl Engine {
             want_fetch: true,
             retry_at: None,
             retry_read_at: None,
+            retry_read_due: None,
             flush_at: None,
             reconnect_at: Some(Instant::now()),
             backoff,
@@ -424,7 +428,14 @@ impl Engine {
                 }
                 _ = sleep_until(self.retry_at.unwrap_or(far)), if self.retry_at.is_some() => {
                     self.retry_at = None;
+                    // The timer held only the earliest retry: read the next.
+                    self.retry_read_at = None;
                     self.wake_up(Wake::Retry);
+                }
+                _ = sleep_until(self.retry_read_due.unwrap_or(far)), if self.retry_read_due.is_some() && self.conn.is_some() && !self.in_tx => {
+                    self.retry_read_due = None;
+                    self.retry_read_at = None;
+                    self.schedule_retry_timer().await;
                 }
                 _ = sleep_until(self.recheck_at.unwrap_or(far)), if self.recheck_at.is_some() && !stopping => {
                     self.recheck_at = None;
@@ -588,6 +599,7 @@ impl Engine {
         self.notify_queue_seen = 0;
         self.busy_hold_until = None;
         self.retry_read_at = None;
+        self.retry_read_due = None;
         self.in_tx = false;
         self.set_leader(false);
         self.owned.clear();
@@ -939,17 +951,22 @@ impl Engine {
     }
 
     /// Arm the retry timer for the earliest `next_retry_at` (the database's
-    /// clock). Skipped for a drain woken by a notification or a poll within
-    /// [`RETRY_READ_GAP`] of the last read.
+    /// clock). For a drain woken by a notification or a poll within
+    /// [`RETRY_READ_GAP`] of the last read, the read is put off until that
+    /// gap has passed (`retry_read_due`) instead.
     async fn schedule_retry_timer(&mut self) {
         let Some(conn) = self.conn.as_ref() else { return };
         let now = Instant::now();
         if matches!(self.reason, Wake::Notification | Wake::Recheck)
             && self.retry_read_at.is_some_and(|t| now.duration_since(t) < RETRY_READ_GAP)
         {
+            if self.retry_read_due.is_none() {
+                self.retry_read_due = self.retry_read_at.map(|t| t + RETRY_READ_GAP);
+            }
             return;
         }
         self.retry_read_at = Some(now);
+        self.retry_read_due = None;
         match conn.client.query_one(&conn.next_retry, &[]).await {
             Ok(row) => match row.try_get::<_, Option<f64>>(0) {
                 Ok(Some(secs)) => self.arm_retry(secs),

@@ -395,6 +395,104 @@ async fn a_wake_up_that_finds_eight_events_turns_the_relay_busy() {
     stream.finish().await.expect("finish");
 }
 
+/// A relay's own second retry does not wait for the sweep. Two failures (a1
+/// due at T, b1 due at T+0.3 s); the retry timer holds only T.
+/// A notification drain reads min(next_retry_at) at T-45 ms and leaves c1
+/// unread in the buffer (buffer = batch, so the next fetch waits for room);
+/// d1's notification starts a drain, the retry timer fires at T+5 ms while
+/// that drain waits (its reason stays "notification"); the drain then runs
+/// at T+15 ms and ends within 100 ms of the last read, so it skips the
+/// read: the skipped read must be made up (`RETRY_READ_GAP`), else nothing
+/// arms b1's retry. Timings off by a slow machine only make the case
+/// easier, never a false failure.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_retry_is_armed_although_a_drain_skipped_the_retry_read() {
+    use tokio::time::{Instant, sleep, sleep_until};
+    let db = TestDb::new("second_retry").await;
+    let c = db.client().await;
+    let mut stream = start(&db, |b| {
+        b.batch_size(5).buffer(5).retry_policy(fast_retries(&[1500])).sweep_interval(Duration::from_secs(3_600))
+    })
+    .await;
+    eventually(10, "the idle relay asks for wake-ups", || relays_waiting(&c)).await;
+    sleep(Duration::from_millis(1_200)).await; // the rechecks after going idle are over
+    let a1 = insert_seed_events(&c, Uuid::new_v4(), 1).await[0];
+    let d = next(&mut stream, 10).await;
+    assert_eq!(d.id, a1);
+    d.fail("no");
+    sleep(Duration::from_millis(300)).await;
+    let b1 = insert_seed_events(&c, Uuid::new_v4(), 1).await[0];
+    let d = next(&mut stream, 10).await;
+    assert_eq!(d.id, b1);
+    d.fail("no");
+    eventually(10, "both failures written", || async {
+        c.query_one("SELECT count(*) FROM events.outbox WHERE next_retry_at IS NOT NULL", &[])
+            .await
+            .expect("count")
+            .get::<_, i64>(0)
+            == 2
+    })
+    .await;
+    let secs: f64 = c
+        .query_one("SELECT EXTRACT(EPOCH FROM next_retry_at - now())::float8 FROM events.outbox WHERE id = $1", &[&a1])
+        .await
+        .expect("due")
+        .get(0);
+    let due = Instant::now() + Duration::from_secs_f64(secs);
+    sleep_until(due - Duration::from_millis(45)).await;
+    let c1 = insert_seed_events(&c, Uuid::new_v4(), 1).await[0];
+    sleep_until(due - Duration::from_millis(25)).await;
+    let d1 = insert_seed_events(&c, Uuid::new_v4(), 1).await[0];
+    sleep_until(due + Duration::from_millis(15)).await;
+    // Liveness bound: b1 was due 0.3 s after a1, and the sweep is an hour away.
+    let mut got = Vec::new();
+    for _ in 0..4 {
+        let d = tokio::time::timeout(Duration::from_secs(3), stream.next())
+            .await
+            .unwrap_or_else(|_| panic!("after {got:?}, nothing within 3 s (b1 = {b1}, due 0.3 s after a1)"))
+            .expect("stream");
+        got.push(d.id);
+        d.ack();
+    }
+    got.sort_unstable();
+    let mut want = vec![a1, b1, c1, d1];
+    want.sort_unstable();
+    assert_eq!(got, want);
+    stream.finish().await.expect("finish");
+}
+
+/// A row another writer put in the retry ladder (a partitioned peer, a
+/// former leader's late write) is delivered when due, although the
+/// notification drain after it came within 100 ms of the last retry read.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn another_writers_retry_is_delivered_when_due_not_at_the_sweep() {
+    use tokio::time::sleep;
+    let db = TestDb::new("foreign_retry").await;
+    let c = db.client().await;
+    let mut stream = start(&db, |b| b.sweep_interval(Duration::from_secs(3_600))).await;
+    eventually(10, "the idle relay asks for wake-ups", || relays_waiting(&c)).await;
+    sleep(Duration::from_millis(1_200)).await;
+    let e = insert_seed_events(&c, Uuid::new_v4(), 1).await[0];
+    sleep(Duration::from_millis(20)).await;
+    let x: i64 = c
+        .query_one(
+            "INSERT INTO events.outbox (aggregate_type, aggregate_id, event_type, payload, retry_count, next_retry_at) \
+             VALUES ('subscription', gen_random_uuid(), 'PaymentSucceeded', '{\"version\":1,\"data\":{}}', 1, now() + interval '1 second') RETURNING id",
+            &[],
+        )
+        .await
+        .expect("insert retry row")
+        .get(0);
+    ack_next(&mut stream, e, 10).await;
+    let d = tokio::time::timeout(Duration::from_secs(4), stream.next())
+        .await
+        .unwrap_or_else(|_| panic!("{x}, due in 1 s, was not delivered within 4 s"))
+        .expect("stream");
+    assert_eq!(d.id, x);
+    d.ack();
+    stream.finish().await.expect("finish");
+}
+
 /// With the sweep an hour away, every event of a trickle is delivered: a
 /// waiting relay ends a drain after a fetch of less than a batch (without a
 /// fetch that finds nothing), so what commits later must wake it; a busy
