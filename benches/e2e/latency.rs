@@ -106,6 +106,11 @@ pub struct LatencyRun {
     pub behind: u64,
     /// p50, p90, p99, p99.9 and max in milliseconds.
     pub percentiles_ms: [f64; 5],
+    /// Relay only: CPU time of the relay process and of its database
+    /// sessions' server processes, microseconds per event received, while
+    /// the producers ran; `None` for other receivers, or where the server's
+    /// processes cannot be read (another machine).
+    pub relay_cpu_us_per_event: Option<f64>,
 }
 
 impl LatencyRun {
@@ -299,6 +304,7 @@ pub async fn measure(cfg: &Config, subject: Subject, rate: u64, secs: f64) -> Be
     }
     let probe = Arc::new(Probe::new()?);
     let receiver = Receiver::start(cfg, subject, probe.clone()).await?;
+    let cpu_before = relay_cpu_us(cfg, &receiver).await;
     let produced = produce(cfg, subject, rate, secs, &probe).await;
     let (sent, behind, seconds) = match produced {
         Ok(p) => p,
@@ -311,6 +317,12 @@ pub async fn measure(cfg: &Config, subject: Subject, rate: u64, secs: f64) -> Be
     while probe.received.load(Ordering::SeqCst) < sent && Instant::now() < deadline {
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
+    let cpu_after = relay_cpu_us(cfg, &receiver).await;
+    let received = probe.received.load(Ordering::SeqCst);
+    let relay_cpu_us_per_event = match (cpu_before, cpu_after) {
+        (Some(b), Some(a)) if received > 0 => Some((a - b) / received as f64),
+        _ => None,
+    };
     receiver.stop().await?;
     let hist = probe.hist.lock().unwrap_or_else(PoisonError::into_inner);
     let ms = |q: f64| hist.value_at_quantile(q) as f64 / 1000.0;
@@ -322,7 +334,31 @@ pub async fn measure(cfg: &Config, subject: Subject, rate: u64, secs: f64) -> Be
         received: probe.received.load(Ordering::SeqCst),
         behind,
         percentiles_ms: [ms(0.5), ms(0.9), ms(0.99), ms(0.999), hist.max() as f64 / 1000.0],
+        relay_cpu_us_per_event,
     })
+}
+
+/// For a relay receiver: the CPU time (microseconds) used so far by the
+/// relay process and by the server processes of its sessions in this
+/// database (`application_name` `pg-outbox ...`, from `pg_stat_activity`);
+/// `None` for other receivers or where any of them cannot be read.
+async fn relay_cpu_us(cfg: &Config, receiver: &Receiver) -> Option<f64> {
+    let Receiver::Relay { relay, .. } = receiver else { return None };
+    let client = connect(cfg).await.ok()?;
+    let rows = client
+        .query(
+            "SELECT pid FROM pg_stat_activity WHERE datname = current_database() \
+             AND application_name LIKE 'pg-outbox%'",
+            &[],
+        )
+        .await
+        .ok()?;
+    let mut total = crate::util::cpu_us(relay.pid()?)?;
+    for row in rows {
+        let pid: i32 = row.try_get(0).ok()?;
+        total += crate::util::cpu_us(u32::try_from(pid).ok()?)?;
+    }
+    Some(total)
 }
 
 /// Run every subject at every rate, each in a fresh database.
@@ -408,6 +444,17 @@ pub async fn run(ctx: &Ctx) -> BenchResult<(Section, Vec<LatencyRun>)> {
         GRACE.as_secs(),
         fmt_count(runs.iter().map(|r| r.behind).sum::<u64>() as f64)
     ));
+    let cpu: Vec<String> = runs
+        .iter()
+        .filter_map(|r| r.relay_cpu_us_per_event.map(|us| format!("{}/s {us:.0} µs", fmt_count(r.rate as f64))))
+        .collect();
+    if !cpu.is_empty() {
+        sec.notes.push(format!(
+            "Relay CPU per event (the relay process and its sessions' server processes, while the producers ran; \
+             no baseline, for comparing builds): {}.",
+            cpu.join(", ")
+        ));
+    }
     sec.notes.push(
         "\"NOTIFY only, no write\" is for reference (no target uses it): producers send `SELECT pg_notify(...)` \
          alone, so their commit writes and flushes no WAL; the gap to the floor is the cost of committing a write."

@@ -165,6 +165,21 @@ pub fn vm_hwm_kib(pid: u32) -> Option<u64> {
         .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
 }
 
+/// CPU time (user + system, microseconds) process `pid` has used, from
+/// `/proc/<pid>/stat` (Linux, fields 14 and 15, in clock ticks); `None`
+/// where unreadable (another machine's process, or not Linux).
+pub fn cpu_us(pid: u32) -> Option<f64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // The command name (field 2) is in parentheses and may hold spaces.
+    let rest = &stat[stat.rfind(')')? + 1..];
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    // `rest` starts at field 3, so fields 14 and 15 are at 11 and 12.
+    let ticks: f64 = fields.get(11)?.parse::<f64>().ok()? + fields.get(12)?.parse::<f64>().ok()?;
+    // SAFETY: sysconf only reads a system constant.
+    let per_second = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
+    (per_second > 0).then(|| ticks * 1e6 / per_second as f64)
+}
+
 /// A running `pg-outbox relay` child process.
 pub struct RelayProc {
     child: Child,
