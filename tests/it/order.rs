@@ -21,6 +21,38 @@ async fn insert(tx: &tokio_postgres::Transaction<'_>, agg: Uuid, name: &str) -> 
     .get(0)
 }
 
+/// Insert `n` events of distinct aggregates (type `agg_type`) in one
+/// transaction and commit it, asserting on the way that the transaction
+/// turned bulk and holds few advisory locks: one per aggregate would
+/// exhaust the shared lock table ("out of shared memory"); after about
+/// 1 000 events it locks head rows (stored in tuples) instead. `what`
+/// names the case in failure messages.
+async fn insert_many_and_check_bulk(db: &TestDb, agg_type: &str, n: i64, what: &str) {
+    let mut c = db.client().await;
+    let other = db.client().await;
+    let tx = c.transaction().await.expect("tx");
+    let inserted = tx
+        .execute(
+            "INSERT INTO events.outbox (aggregate_type, aggregate_id, event_type, payload) \
+             SELECT $1, gen_random_uuid(), 'Imported', '{}' FROM generate_series(1, $2::bigint)",
+            &[&agg_type, &n],
+        )
+        .await
+        .expect("large insert");
+    assert_eq!(inserted, u64::try_from(n).expect("n >= 0"), "{what}");
+    let pid: i32 = tx.query_one("SELECT pg_backend_pid()", &[]).await.expect("pid").get(0);
+    let locks: i64 = other
+        .query_one("SELECT count(*) FROM pg_locks WHERE pid = $1 AND locktype = 'advisory'", &[&pid])
+        .await
+        .expect("locks")
+        .get(0);
+    assert!((2..=1_200).contains(&locks), "{what}: {n} aggregates in one transaction hold {locks} advisory locks");
+    let bulk: Option<String> =
+        tx.query_one("SELECT current_setting('pg_outbox.bulk', true)", &[]).await.expect("guc").get(0);
+    assert_eq!(bulk.as_deref(), Some("on"), "{what}: the large transaction did not turn bulk");
+    tx.commit().await.expect("commit");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn later_insert_of_the_same_aggregate_waits_and_is_delivered_after_the_earlier_commit() {
     let db = TestDb::new("race_same_aggregate").await;
@@ -120,32 +152,8 @@ async fn racing_transactions_on_different_aggregates_do_not_serialise() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bulk_insert_of_100k_distinct_aggregates_in_one_transaction_holds_few_locks() {
     let db = TestDb::new("bulk_100k").await;
-    let mut c = db.client().await;
-    let tx = c.transaction().await.expect("tx");
-    // One advisory lock per aggregate would exhaust the shared lock table
-    // ("out of shared memory"); after about 1 000 events the transaction
-    // turns bulk and locks head rows (stored in tuples) instead.
-    let n = tx
-        .execute(
-            "INSERT INTO events.outbox (aggregate_type, aggregate_id, event_type, payload) \
-             SELECT 'bulk', gen_random_uuid(), 'Imported', '{}' FROM generate_series(1, 100000)",
-            &[],
-        )
-        .await
-        .expect("bulk insert");
-    assert_eq!(n, 100_000);
-    let pid: i32 = tx.query_one("SELECT pg_backend_pid()", &[]).await.expect("pid").get(0);
+    insert_many_and_check_bulk(&db, "bulk", 100_000, "100 000 events").await;
     let other = db.client().await;
-    let locks: i64 = other
-        .query_one("SELECT count(*) FROM pg_locks WHERE pid = $1 AND locktype = 'advisory'", &[&pid])
-        .await
-        .expect("locks")
-        .get(0);
-    assert!((2..=1_200).contains(&locks), "the bulk transaction holds {locks} advisory locks");
-    let bulk: Option<String> =
-        tx.query_one("SELECT current_setting('pg_outbox.bulk', true)", &[]).await.expect("guc").get(0);
-    assert_eq!(bulk.as_deref(), Some("on"));
-    tx.commit().await.expect("commit");
     let rows: i64 = other
         .query_one("SELECT count(*) FROM events.outbox WHERE aggregate_type = 'bulk'", &[])
         .await
@@ -224,31 +232,7 @@ async fn every_hint_value_keeps_an_aggregates_writers_in_order_and_turns_large_t
         second.await.expect("second commits");
 
         c.query_one("SELECT setval('events.outbox_hint', $1)", &[&hint]).await.expect("set hint");
-        let mut big = db.client().await;
-        let tx = big.transaction().await.expect("tx");
-        let n = tx
-            .execute(
-                "INSERT INTO events.outbox (aggregate_type, aggregate_id, event_type, payload) \
-                 SELECT 'many', gen_random_uuid(), 'Imported', '{}' FROM generate_series(1, 3000)",
-                &[],
-            )
-            .await
-            .expect("large insert");
-        assert_eq!(n, 3_000);
-        let pid: i32 = tx.query_one("SELECT pg_backend_pid()", &[]).await.expect("pid").get(0);
-        let locks: i64 = c
-            .query_one("SELECT count(*) FROM pg_locks WHERE pid = $1 AND locktype = 'advisory'", &[&pid])
-            .await
-            .expect("locks")
-            .get(0);
-        assert!(
-            (2..=1_200).contains(&locks),
-            "hint {hint}: 3 000 aggregates in one transaction hold {locks} advisory locks"
-        );
-        let bulk: Option<String> =
-            tx.query_one("SELECT current_setting('pg_outbox.bulk', true)", &[]).await.expect("guc").get(0);
-        assert_eq!(bulk.as_deref(), Some("on"), "hint {hint}: the large transaction did not turn bulk");
-        tx.commit().await.expect("commit");
+        insert_many_and_check_bulk(&db, "many", 3_000, &format!("hint {hint}")).await;
     }
 }
 
