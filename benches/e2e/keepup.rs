@@ -45,10 +45,10 @@ pub async fn run(ctx: &Ctx) -> BenchResult<Section> {
             Ok::<_, BoxError>(samples)
         });
         let secs = s.keepup_secs;
-        let inserted = run_load(&cfg, CONNECTIONS, secs).await;
+        let inserted = run_load(&cfg, CONNECTIONS, secs, 0.0).await;
         stop.cancel();
         let samples = sampler.await??;
-        let inserted: u64 = inserted?.iter().sum();
+        let inserted: u64 = inserted?.slices.iter().sum();
         let probe = connect(&cfg).await?;
         let left_at_end = u64::try_from(util::fresh_unpublished(&probe).await?)?;
         let final_lag: f64 = probe.query_one(OLDEST_AGE, &[]).await?.try_get(0)?;

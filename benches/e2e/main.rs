@@ -179,7 +179,7 @@ impl Settings {
                 producer_connections: vec![1, 4, 16, 64],
                 producer_secs: 2.5,
                 producer_warmup_secs: 1.5,
-                producer_rounds: 8,
+                producer_rounds: 6,
                 heads_rows: 100_000,
                 heads_fresh: 100_000,
                 heads_probe_secs: 5.0,

@@ -1,7 +1,8 @@
 //! Scenario `producers`: insert rate with pg-outbox's triggers (a relay
 //! draining) against the same table without them (a relay draining too),
-//! at several producer connection counts. The logic of
-//! `benches/producers.rs`, reduced to the issue's two variants.
+//! at several producer connection counts, and against an empty PL/pgSQL
+//! row trigger (the floor of any such trigger). The logic of
+//! `benches/producers.rs`, reduced to the issue's variants.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -11,7 +12,7 @@ use pg_outbox::tokio_postgres::Config;
 
 use crate::common::{BenchResult, BoxError, connect};
 use crate::report::{Section, fmt_count, fmt_ratio, ratio};
-use crate::util::{RelayProc, conninfo, scratch};
+use crate::util::{RelayProc, conninfo, cpu_us, scratch};
 use crate::{Ctx, Settings};
 
 /// The producers' statement: one single-row autocommit INSERT per business
@@ -22,19 +23,40 @@ const INSERT: &str = "INSERT INTO events.outbox (aggregate_type, aggregate_id, e
 /// Inserts are counted per slice of this length.
 pub const SLICE: Duration = Duration::from_millis(250);
 
+/// What [`run_load`] measured.
+pub struct Load {
+    /// Inserts committed in each [`SLICE`] (the last one may be shorter), in order.
+    pub slices: Vec<u64>,
+    /// CPU time (microseconds, user + system, from `/proc`) the producers'
+    /// server processes used from the end of the warm-up to the end; `None`
+    /// where unreadable (a server on another machine).
+    pub backend_cpu_us: Option<f64>,
+}
+
+/// Total CPU time (microseconds) of the processes `pids`; `None` if any is unreadable.
+fn cpu_of(pids: &[u32]) -> Option<f64> {
+    pids.iter().map(|p| cpu_us(*p)).sum()
+}
+
 /// Insert for `secs` seconds from `conns` connections as fast as each can
-/// (closed loop); returns the number of inserts committed in each
-/// [`SLICE`] (the last one may be shorter), in order.
-pub async fn run_load(cfg: &Config, conns: usize, secs: f64) -> BenchResult<Vec<u64>> {
+/// (closed loop), the first `warmup` seconds of them a warm-up (counted in
+/// the slices, left out of [`Load::backend_cpu_us`]).
+pub async fn run_load(cfg: &Config, conns: usize, secs: f64, warmup: f64) -> BenchResult<Load> {
     let mut clients = Vec::with_capacity(conns);
+    let mut pids = Vec::with_capacity(conns);
     for _ in 0..conns {
         let client = connect(cfg).await?;
         let stmt = client.prepare(INSERT).await?;
-        clients.push((client, stmt));
+        let pid: i32 = client.query_one("SELECT pg_backend_pid()", &[]).await?.try_get(0)?;
+        pids.push(u32::try_from(pid)?);
+        clients.push((Arc::new(client), stmt));
     }
+    // Held until the CPU is read: a closed connection's server process is gone.
+    let keep: Vec<_> = clients.iter().map(|(c, _)| c.clone()).collect();
     let done = Arc::new(AtomicU64::new(0));
     let start = Instant::now();
     let deadline = start + Duration::from_secs_f64(secs);
+    let warm_end = start + Duration::from_secs_f64(warmup.clamp(0.0, secs));
     let mut tasks = Vec::new();
     for (client, stmt) in clients {
         let done = done.clone();
@@ -49,13 +71,19 @@ pub async fn run_load(cfg: &Config, conns: usize, secs: f64) -> BenchResult<Vec<
     let mut slices = Vec::new();
     let mut seen = 0;
     let mut at = start;
+    let mut cpu_at_warm_end = if warm_end <= start { cpu_of(&pids) } else { None };
     while at < deadline {
         at = (at + SLICE).min(deadline);
         tokio::time::sleep_until(at.into()).await;
         let now = done.load(Ordering::Relaxed);
         slices.push(now - seen);
         seen = now;
+        if at >= warm_end && cpu_at_warm_end.is_none() && at < deadline {
+            cpu_at_warm_end = cpu_of(&pids);
+        }
     }
+    let cpu_at_end = cpu_of(&pids);
+    drop(keep);
     for t in tasks {
         t.await??;
     }
@@ -64,35 +92,75 @@ pub async fn run_load(cfg: &Config, conns: usize, secs: f64) -> BenchResult<Vec<
     if let Some(l) = slices.last_mut() {
         *l += last;
     }
-    Ok(slices)
+    let backend_cpu_us = match (cpu_at_warm_end, cpu_at_end) {
+        (Some(a), Some(b)) => Some(b - a),
+        _ => None,
+    };
+    Ok(Load { slices, backend_cpu_us })
 }
 
 /// Triggers disabled in the baseline: all of pg-outbox's insert and update
 /// triggers, leaving the seeded table alone.
 const OUR_TRIGGERS: [&str; 2] = ["outbox_order", "outbox_guard"];
 
-/// One run of one variant at one connection count: inserts/s after the
-/// warm-up, and during it.
-async fn one(ctx: &Ctx, conns: usize, with_triggers: bool) -> BenchResult<(f64, f64)> {
+/// The reference variant's trigger: a PL/pgSQL row trigger that does
+/// nothing (`RETURN NEW`), on the seeded table. What any PL/pgSQL row
+/// trigger costs before it does any work.
+const EMPTY_TRIGGER: &str = "CREATE FUNCTION public.pgo_bench_empty_trigger() RETURNS trigger \
+     LANGUAGE plpgsql AS $$ BEGIN RETURN NEW; END $$; \
+     CREATE TRIGGER pgo_bench_empty BEFORE INSERT ON events.outbox \
+     FOR EACH ROW EXECUTE FUNCTION public.pgo_bench_empty_trigger()";
+
+/// The table a run inserts into.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Variant {
+    /// The seeded table alone: pg-outbox's triggers disabled (the baseline).
+    Seeded,
+    /// pg-outbox's triggers.
+    Ours,
+    /// The seeded table with [`EMPTY_TRIGGER`] (a reference).
+    EmptyTrigger,
+}
+
+/// Every variant, in the order of a round's first run.
+const VARIANTS: [Variant; 3] = [Variant::Seeded, Variant::Ours, Variant::EmptyTrigger];
+
+/// One run's figures (after the warm-up, unless said).
+struct Run {
+    /// Inserts/s after the warm-up.
+    rate: f64,
+    /// Inserts/s during the warm-up.
+    warm_rate: f64,
+    /// CPU time of the producers' server processes per insert (microseconds).
+    backend_us: Option<f64>,
+}
+
+/// One run of one variant at one connection count.
+async fn one(ctx: &Ctx, conns: usize, variant: Variant) -> BenchResult<Run> {
     let (warmup, secs) = (ctx.settings.producer_warmup_secs, ctx.settings.producer_secs);
     let db = scratch(&ctx.admin, &ctx.admin_cfg, "producers").await?;
     let result = async {
-        if !with_triggers {
+        if variant != Variant::Ours {
             let c = connect(&db.cfg).await?;
             for t in OUR_TRIGGERS {
                 c.batch_execute(&format!("ALTER TABLE events.outbox DISABLE TRIGGER {t}")).await?;
+            }
+            if variant == Variant::EmptyTrigger {
+                c.batch_execute(EMPTY_TRIGGER).await?;
             }
         }
         let relay = RelayProc::start(&conninfo(&db.cfg), &[], false).await?;
         // Let the relay reach its idle state (asking for wake-ups).
         tokio::time::sleep(Duration::from_millis(200)).await;
-        let slices = run_load(&db.cfg, conns, warmup + secs).await;
+        let load = run_load(&db.cfg, conns, warmup + secs, warmup).await;
         relay.stop().await?;
-        let slices = slices?;
-        let warm = ((warmup / SLICE.as_secs_f64()).round() as usize).min(slices.len());
-        let (during, after) = slices.split_at(warm);
+        let load = load?;
+        let warm = ((warmup / SLICE.as_secs_f64()).round() as usize).min(load.slices.len());
+        let (during, after) = load.slices.split_at(warm);
+        let counted: u64 = after.iter().sum();
         let rate = |s: &[u64], secs: f64| if secs > 0.0 { s.iter().sum::<u64>() as f64 / secs } else { 0.0 };
-        Ok::<_, BoxError>((rate(after, secs), rate(during, warmup)))
+        let backend_us = load.backend_cpu_us.filter(|_| counted > 0).map(|us| us / counted as f64);
+        Ok::<_, BoxError>(Run { rate: rate(after, secs), warm_rate: rate(during, warmup), backend_us })
     }
     .await;
     db.drop_now(&ctx.admin).await;
@@ -170,46 +238,91 @@ pub async fn run(ctx: &Ctx) -> BenchResult<Section> {
     let mut sec = Section::new(
         "producers",
         "Producer cost: insert rate with pg-outbox's triggers vs without",
-        &["connections", "without triggers inserts/s", "with triggers inserts/s", "ratio", "warm-up ratio"],
+        &[
+            "connections",
+            "without triggers inserts/s",
+            "with triggers inserts/s",
+            "ratio",
+            "warm-up ratio",
+            "empty trigger ratio",
+            "producers' server CPU µs/insert: without / with / empty trigger",
+        ],
     );
     let mut data = Vec::new();
     for &conns in &s.producer_connections {
-        // Alternate the order (without, with; then with, without; ...) so a
-        // drift of the machine's speed during the runs favours neither.
-        let (mut bases, mut ourss) = (Vec::new(), Vec::new());
-        let (mut warm_bases, mut warm_ourss) = (Vec::new(), Vec::new());
+        // Each round runs every variant back to back, starting one further
+        // each round, so a drift of the machine's speed favours none.
+        let mut runs_of: Vec<Vec<Run>> = VARIANTS.iter().map(|_| Vec::new()).collect();
         for round in 0..s.producer_rounds.max(1) {
-            for with in [round % 2 == 1, round % 2 == 0] {
-                let (rate, warm) = one(ctx, conns, with).await?;
-                if with { &mut ourss } else { &mut bases }.push(rate);
-                if with { &mut warm_ourss } else { &mut warm_bases }.push(warm);
+            for k in 0..VARIANTS.len() {
+                let v = (round + k) % VARIANTS.len();
+                runs_of[v].push(one(ctx, conns, VARIANTS[v]).await?);
             }
         }
-        // The ratio is the median of each round's ratio (its two runs ran
-        // back to back), so a drift of the machine over the rounds cancels.
-        let mut pairs: Vec<f64> = ourss.iter().zip(&bases).filter_map(|(o, b)| ratio(*o, *b)).collect();
-        let mut warm_pairs: Vec<f64> = warm_ourss.iter().zip(&warm_bases).filter_map(|(o, b)| ratio(*o, *b)).collect();
-        let in_order = serde_json::json!({"runs_without_per_second": bases, "runs_with_per_second": ourss,
-            "round_ratios": pairs, "warmup_round_ratios": warm_pairs});
+        let [seeded, ours, empty] = [0, 1, 2].map(|v| &runs_of[v]);
+        // Ratios are the median of each round's ratio (its runs ran back to
+        // back), so a drift of the machine over the rounds cancels.
+        let round_ratios = |of: &[Run], field: fn(&Run) -> f64| -> Vec<f64> {
+            of.iter().zip(seeded).filter_map(|(o, b)| ratio(field(o), field(b))).collect()
+        };
+        let pairs = round_ratios(ours, |r| r.rate);
+        let mut warm_pairs = round_ratios(ours, |r| r.warm_rate);
+        let empty_pairs = round_ratios(empty, |r| r.rate);
         let median_ratio = |v: &mut Vec<f64>| (!v.is_empty()).then(|| median(v));
-        let (r, warm_r) = (median_ratio(&mut pairs), median_ratio(&mut warm_pairs));
-        let (runs_base, runs_ours) = (runs(&bases), runs(&ourss));
-        let (base, ours) = (median(&mut bases), median(&mut ourss));
-        let (warm_base, warm_ours) = (median(&mut warm_bases), median(&mut warm_ourss));
+        let (r, warm_r, empty_r) =
+            (median_ratio(&mut pairs.clone()), median_ratio(&mut warm_pairs), median_ratio(&mut empty_pairs.clone()));
+        let rates = |of: &[Run]| of.iter().map(|r| r.rate).collect::<Vec<f64>>();
+        let (mut base_rates, mut our_rates, mut empty_rates) = (rates(seeded), rates(ours), rates(empty));
+        let (runs_base, runs_ours, runs_empty) = (runs(&base_rates), runs(&our_rates), runs(&empty_rates));
+        let (base, our, emp) = (median(&mut base_rates), median(&mut our_rates), median(&mut empty_rates));
+        // CPU per insert of the producers' server processes: the median of
+        // each variant's runs, and of each round's difference to the seeded run.
+        let cpu = |of: &[Run]| of.iter().map(|r| r.backend_us).collect::<Option<Vec<f64>>>();
+        let cpu_fig = match (cpu(seeded), cpu(ours), cpu(empty)) {
+            (Some(mut b), Some(mut o), Some(mut e)) if !b.is_empty() => {
+                let added = |x: &[f64]| median(&mut x.iter().zip(&b).map(|(x, b)| x - b).collect::<Vec<_>>());
+                let (added_ours, added_empty) = (added(&o), added(&e));
+                Some((median(&mut b), median(&mut o), median(&mut e), added_ours, added_empty))
+            }
+            _ => None,
+        };
+        let cpu_cell = match cpu_fig {
+            Some((b, o, e, ao, ae)) => format!("{b:.1} / {o:.1} ({ao:+.1}) / {e:.1} ({ae:+.1})"),
+            None => "n/a (server not local)".into(),
+        };
         eprintln!(
-            "e2e: producers x{conns}: without {base:.0}/s, with {ours:.0}/s (median round ratio {}; runs in order \
-             without {runs_base}, with {runs_ours}); warm-up without {warm_base:.0}/s, with {warm_ours:.0}/s ({})",
+            "e2e: producers x{conns}: without {base:.0}/s, with {our:.0}/s (median round ratio {}), empty trigger \
+             {emp:.0}/s ({}); runs in order: without {runs_base}, with {runs_ours}, empty trigger {runs_empty}; \
+             server CPU µs/insert {cpu_cell}",
             fmt_ratio(r),
-            fmt_ratio(warm_r)
+            fmt_ratio(empty_r)
         );
-        sec.rows.push(vec![conns.to_string(), fmt_count(base), fmt_count(ours), fmt_ratio(r), fmt_ratio(warm_r)]);
+        sec.rows.push(vec![
+            conns.to_string(),
+            fmt_count(base),
+            fmt_count(our),
+            fmt_ratio(r),
+            fmt_ratio(warm_r),
+            fmt_ratio(empty_r),
+            cpu_cell,
+        ]);
         if conns >= 4 {
             sec.target(format!("insert rate with triggers >= 0.95x without at {conns} connections"), r, 0.95, false);
         }
+        let cpu_json = cpu_fig.map(|(b, o, e, ao, ae)| {
+            serde_json::json!({"without_us": b, "with_us": o, "empty_trigger_us": e,
+                "with_added_us_median": ao, "empty_trigger_added_us_median": ae})
+        });
+        let in_order = |of: &[Run]| {
+            serde_json::json!({"per_second": rates(of), "warmup_per_second": of.iter().map(|r| r.warm_rate).collect::<Vec<_>>(),
+                "backend_cpu_us_per_insert": of.iter().map(|r| r.backend_us).collect::<Vec<_>>()})
+        };
         data.push(serde_json::json!({"connections": conns, "without_triggers_per_second": base,
-            "with_triggers_per_second": ours, "ratio": r,
-            "in_order": in_order, "warmup_ratio": warm_r,
-            "warmup_without_per_second": warm_base, "warmup_with_per_second": warm_ours}));
+            "with_triggers_per_second": our, "empty_trigger_per_second": emp, "ratio": r,
+            "warmup_ratio": warm_r, "empty_trigger_ratio": empty_r,
+            "round_ratios": pairs, "empty_trigger_round_ratios": empty_pairs,
+            "backend_cpu_us_per_insert": cpu_json,
+            "runs_in_order": {"without": in_order(seeded), "with": in_order(ours), "empty_trigger": in_order(empty)}}));
     }
     sec.notes.push(format!(
         "Single-row autocommit INSERTs, a new aggregate each, each run in a fresh database \
@@ -217,8 +330,13 @@ pub async fn run(ctx: &Ctx) -> BenchResult<Section> {
          warm-up, then {} s counted. The warm-up is left out of the ratio because the baseline's relay, never \
          notified, finds events only at its first sweep (about 1 s in) and until then leaves the producers the \
          whole machine; its own ratio (`warm-up ratio`: it also holds any start-of-burst cost of NOTIFY) is shown \
-         beside. {} round(s) per connection count, each a run of both variants back to back, alternating which \
-         goes first; the rates are the median runs, the ratios the median of the rounds' ratios. Baseline in the same run: the same table with pg-outbox's triggers ({}) disabled.",
+         beside. {} round(s) per connection count, each a run of every variant back to back, starting with the \
+         next one each round; the rates are the median runs, the ratios the median of the rounds' ratios. \
+         Baseline in the same run: the same table with pg-outbox's triggers ({}) disabled. Reference: the same \
+         table with a PL/pgSQL row trigger that only returns NEW (`empty trigger`): the cost of any PL/pgSQL row \
+         trigger before it does work. Server CPU: user + system time of the producers' own server processes \
+         (`/proc`, after the warm-up) per insert, median of the runs; in brackets the median of each round's \
+         difference to the run without triggers.",
         s.producer_warmup_secs,
         s.producer_secs,
         s.producer_rounds.max(1),
