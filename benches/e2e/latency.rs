@@ -356,7 +356,7 @@ async fn relay_cpu_us(cfg: &Config, receiver: &Receiver) -> Option<f64> {
     let mut total = crate::util::cpu_us(relay.pid()?)?;
     for row in rows {
         let pid: i32 = row.try_get(0).ok()?;
-        total += crate::util::cpu_us(u32::try_from(pid).ok()?)?;
+        total += crate::util::server_cpu_us(u32::try_from(pid).ok()?)?;
     }
     Some(total)
 }

@@ -12,7 +12,7 @@ use pg_outbox::tokio_postgres::Config;
 
 use crate::common::{BenchResult, BoxError, connect};
 use crate::report::{Section, fmt_count, fmt_ratio, ratio};
-use crate::util::{RelayProc, conninfo, cpu_us, scratch};
+use crate::util::{RelayProc, conninfo, scratch, server_cpu_us};
 use crate::{Ctx, Settings};
 
 /// The producers' statement: one single-row autocommit INSERT per business
@@ -27,20 +27,23 @@ pub const SLICE: Duration = Duration::from_millis(250);
 pub struct Load {
     /// Inserts committed in each [`SLICE`] (the last one may be shorter), in order.
     pub slices: Vec<u64>,
-    /// CPU time (microseconds, user + system, from `/proc`) the producers'
-    /// server processes used from the end of the warm-up to the end; `None`
-    /// where unreadable (a server on another machine).
+    /// How many of the first slices are the warm-up.
+    pub warm_slices: usize,
+    /// CPU time (microseconds, from `/proc`) the producers' server processes
+    /// used from the end of the warm-up slices to the end; `None` where
+    /// unreadable (a server on another machine or in a container).
     pub backend_cpu_us: Option<f64>,
 }
 
-/// Total CPU time (microseconds) of the processes `pids`; `None` if any is unreadable.
+/// Total CPU time (microseconds) of the server processes `pids`; `None` if
+/// any is unreadable.
 fn cpu_of(pids: &[u32]) -> Option<f64> {
-    pids.iter().map(|p| cpu_us(*p)).sum()
+    pids.iter().map(|p| server_cpu_us(*p)).sum()
 }
 
 /// Insert for `secs` seconds from `conns` connections as fast as each can
-/// (closed loop), the first `warmup` seconds of them a warm-up (counted in
-/// the slices, left out of [`Load::backend_cpu_us`]).
+/// (closed loop), the first `warmup` seconds of them (rounded to whole
+/// [`SLICE`]s) a warm-up: in the slices, left out of [`Load::backend_cpu_us`].
 pub async fn run_load(cfg: &Config, conns: usize, secs: f64, warmup: f64) -> BenchResult<Load> {
     let mut clients = Vec::with_capacity(conns);
     let mut pids = Vec::with_capacity(conns);
@@ -56,7 +59,6 @@ pub async fn run_load(cfg: &Config, conns: usize, secs: f64, warmup: f64) -> Ben
     let done = Arc::new(AtomicU64::new(0));
     let start = Instant::now();
     let deadline = start + Duration::from_secs_f64(secs);
-    let warm_end = start + Duration::from_secs_f64(warmup.clamp(0.0, secs));
     let mut tasks = Vec::new();
     for (client, stmt) in clients {
         let done = done.clone();
@@ -71,14 +73,15 @@ pub async fn run_load(cfg: &Config, conns: usize, secs: f64, warmup: f64) -> Ben
     let mut slices = Vec::new();
     let mut seen = 0;
     let mut at = start;
-    let mut cpu_at_warm_end = if warm_end <= start { cpu_of(&pids) } else { None };
+    let warm_slices = (warmup.max(0.0) / SLICE.as_secs_f64()).round() as usize;
+    let mut cpu_at_warm_end = if warm_slices == 0 { cpu_of(&pids) } else { None };
     while at < deadline {
         at = (at + SLICE).min(deadline);
         tokio::time::sleep_until(at.into()).await;
         let now = done.load(Ordering::Relaxed);
         slices.push(now - seen);
         seen = now;
-        if at >= warm_end && cpu_at_warm_end.is_none() && at < deadline {
+        if slices.len() == warm_slices && at < deadline {
             cpu_at_warm_end = cpu_of(&pids);
         }
     }
@@ -96,7 +99,8 @@ pub async fn run_load(cfg: &Config, conns: usize, secs: f64, warmup: f64) -> Ben
         (Some(a), Some(b)) => Some(b - a),
         _ => None,
     };
-    Ok(Load { slices, backend_cpu_us })
+    let warm_slices = warm_slices.min(slices.len());
+    Ok(Load { slices, warm_slices, backend_cpu_us })
 }
 
 /// Triggers disabled in the baseline: all of pg-outbox's insert and update
@@ -155,8 +159,7 @@ async fn one(ctx: &Ctx, conns: usize, variant: Variant) -> BenchResult<Run> {
         let load = run_load(&db.cfg, conns, warmup + secs, warmup).await;
         relay.stop().await?;
         let load = load?;
-        let warm = ((warmup / SLICE.as_secs_f64()).round() as usize).min(load.slices.len());
-        let (during, after) = load.slices.split_at(warm);
+        let (during, after) = load.slices.split_at(load.warm_slices);
         let counted: u64 = after.iter().sum();
         let rate = |s: &[u64], secs: f64| if secs > 0.0 { s.iter().sum::<u64>() as f64 / secs } else { 0.0 };
         let backend_us = load.backend_cpu_us.filter(|_| counted > 0).map(|us| us / counted as f64);
@@ -232,7 +235,7 @@ async fn server_cost(ctx: &Ctx, n: i32, rounds: usize) -> BenchResult<Vec<Vec<f6
     result
 }
 
-/// Run both variants at every connection count.
+/// Run every variant at every connection count.
 pub async fn run(ctx: &Ctx) -> BenchResult<Section> {
     let s: &Settings = &ctx.settings;
     let mut sec = Section::new(

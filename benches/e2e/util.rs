@@ -165,10 +165,17 @@ pub fn vm_hwm_kib(pid: u32) -> Option<u64> {
         .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
 }
 
-/// CPU time (user + system, microseconds) process `pid` has used, from
-/// `/proc/<pid>/stat` (Linux, fields 14 and 15, in clock ticks); `None`
-/// where unreadable (another machine's process, or not Linux).
+/// CPU time (microseconds) process `pid` has used: from
+/// `/proc/<pid>/schedstat` (Linux, its first field, time on a CPU in
+/// nanoseconds) where the kernel has it, else from `/proc/<pid>/stat`
+/// (user + system, fields 14 and 15, in clock ticks of usually 10 ms);
+/// `None` where unreadable (not Linux, or no such process).
 pub fn cpu_us(pid: u32) -> Option<f64> {
+    if let Ok(sched) = std::fs::read_to_string(format!("/proc/{pid}/schedstat"))
+        && let Some(ns) = sched.split_whitespace().next().and_then(|v| v.parse::<f64>().ok())
+    {
+        return Some(ns / 1e3);
+    }
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
     // The command name (field 2) is in parentheses and may hold spaces.
     let rest = &stat[stat.rfind(')')? + 1..];
@@ -178,6 +185,19 @@ pub fn cpu_us(pid: u32) -> Option<f64> {
     // SAFETY: sysconf only reads a system constant.
     let per_second = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
     (per_second > 0).then(|| ticks * 1e6 / per_second as f64)
+}
+
+/// [`cpu_us`] of a PostgreSQL server process whose pid the server reported
+/// (`pg_backend_pid()`, `pg_stat_activity`): `None` unless a local process of
+/// that pid is named `postgres`, so a server on another machine or in a
+/// container (whose pids mean other processes here) gives no figure rather
+/// than a wrong one.
+pub fn server_cpu_us(pid: u32) -> Option<f64> {
+    let comm = std::fs::read_to_string(format!("/proc/{pid}/comm")).ok()?;
+    if comm.trim_end() != "postgres" {
+        return None;
+    }
+    cpu_us(pid)
 }
 
 /// A running `pg-outbox relay` child process.
