@@ -10,7 +10,9 @@
 //! - `keepup`: producers at full speed with the relay draining: lag;
 //! - `producers`: insert rate with pg-outbox's triggers against without;
 //! - `heads`: drain and latency with 100 000 dead letters and 100 000
-//!   retry-waiting rows at the head of the id range, against an empty head.
+//!   retry-waiting rows at the head of the id range, against an empty head;
+//! - `trigger-split` (only when named): the producers' server CPU per insert
+//!   for each step of the trigger's fast path, at 16 connections.
 //!
 //! Every figure is a ratio against a baseline measured in the same run (the
 //! machine may be shared and noisy); timings never fail the run, but each
@@ -24,8 +26,8 @@
 //! Environment:
 //! - `PG_OUTBOX_BENCH_QUICK=1`: small sizes and short runs (about 2 minutes);
 //! - `PG_OUTBOX_BENCH_CONNECTIONS=1,4,16`: producer connection counts for
-//!   `producers` (default 1,4,16,64; quick 1,4,16), for servers with a low
-//!   `max_connections`;
+//!   `producers` (default 1,4,16,64; quick 1,4,16) and `trigger-split`
+//!   (default 16), for servers with a low `max_connections`;
 //! - `PG_OUTBOX_BENCH_RATES=1000`: event rates for `latency`, events/s
 //!   (default 100,1000,5000);
 //! - `PG_OUTBOX_BENCH_RELAY_BIN=/path/to/pg-outbox`: the relay binary the
@@ -61,6 +63,8 @@ use report::Section;
 
 /// Scenario names, in the order they run.
 pub const SCENARIOS: [&str; 5] = ["latency", "drain", "keepup", "producers", "heads"];
+/// Scenarios that run only when named, after the others.
+pub const EXTRA_SCENARIOS: [&str; 1] = ["trigger-split"];
 
 /// Sizes and durations of a run.
 #[derive(Debug, Clone, Serialize)]
@@ -95,6 +99,10 @@ pub struct Settings {
     /// variants back to back (alternating which goes first); the ratio is
     /// the median of the rounds' ratios.
     pub producer_rounds: usize,
+    /// Trigger split: connection counts.
+    pub split_connections: Vec<usize>,
+    /// Trigger split: rounds per connection count, each a run of every step.
+    pub split_rounds: usize,
     /// Heads: dead letters, and as many retry-waiting rows.
     pub heads_rows: i64,
     /// Heads: fresh events after the head.
@@ -115,8 +123,11 @@ impl Settings {
         };
         let mut scenarios = Vec::new();
         for arg in std::env::args().skip(1).filter(|a| !a.starts_with('-')) {
-            let name = SCENARIOS.iter().find(|s| **s == arg).ok_or_else(|| {
-                format!("unknown scenario `{arg}`; expected one or more of: {}", SCENARIOS.join(", "))
+            let name = SCENARIOS.iter().chain(&EXTRA_SCENARIOS).find(|s| **s == arg).ok_or_else(|| {
+                format!(
+                    "unknown scenario `{arg}`; expected one or more of: {}",
+                    SCENARIOS.iter().chain(&EXTRA_SCENARIOS).copied().collect::<Vec<_>>().join(", ")
+                )
             })?;
             if !scenarios.contains(name) {
                 scenarios.push(*name);
@@ -125,7 +136,7 @@ impl Settings {
         if scenarios.is_empty() {
             scenarios = SCENARIOS.to_vec();
         } else {
-            scenarios.sort_by_key(|s| SCENARIOS.iter().position(|x| x == s));
+            scenarios.sort_by_key(|s| SCENARIOS.iter().chain(&EXTRA_SCENARIOS).position(|x| x == s));
         }
         let mut s = if smoke {
             Settings {
@@ -142,6 +153,8 @@ impl Settings {
                 producer_secs: 0.5,
                 producer_warmup_secs: 0.25,
                 producer_rounds: 1,
+                split_connections: vec![1],
+                split_rounds: 1,
                 heads_rows: 1_000,
                 heads_fresh: 1_000,
                 heads_probe_secs: 0.5,
@@ -161,6 +174,8 @@ impl Settings {
                 producer_secs: 1.5,
                 producer_warmup_secs: 1.5,
                 producer_rounds: 1,
+                split_connections: vec![16],
+                split_rounds: 1,
                 heads_rows: 20_000,
                 heads_fresh: 20_000,
                 heads_probe_secs: 2.0,
@@ -180,12 +195,15 @@ impl Settings {
                 producer_secs: 2.5,
                 producer_warmup_secs: 1.5,
                 producer_rounds: 6,
+                split_connections: vec![16],
+                split_rounds: 3,
                 heads_rows: 100_000,
                 heads_fresh: 100_000,
                 heads_probe_secs: 5.0,
             }
         };
         if let Some(v) = env_list::<usize>("PG_OUTBOX_BENCH_CONNECTIONS", "1,4,16")? {
+            s.split_connections = v.clone();
             s.producer_connections = v;
         }
         if let Some(v) = env_list::<u64>("PG_OUTBOX_BENCH_RATES", "100,1000")? {
@@ -316,6 +334,7 @@ async fn bench() -> BenchResult<()> {
             "keepup" => keepup::run(&ctx).await,
             "producers" => producers::run(&ctx).await,
             "heads" => heads::run(&ctx).await,
+            "trigger-split" => producers::split(&ctx).await,
             other => Err(format!("unknown scenario {other}").into()),
         };
         drop_leftovers(&ctx.admin).await;

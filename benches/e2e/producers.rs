@@ -107,27 +107,69 @@ pub async fn run_load(cfg: &Config, conns: usize, secs: f64, warmup: f64) -> Ben
 /// triggers, leaving the seeded table alone.
 const OUR_TRIGGERS: [&str; 2] = ["outbox_order", "outbox_guard"];
 
-/// The reference variant's trigger: a PL/pgSQL row trigger that does
-/// nothing (`RETURN NEW`), on the seeded table. What any PL/pgSQL row
-/// trigger costs before it does any work.
-const EMPTY_TRIGGER: &str = "CREATE FUNCTION public.pgo_bench_empty_trigger() RETURNS trigger \
-     LANGUAGE plpgsql AS $$ BEGIN RETURN NEW; END $$; \
-     CREATE TRIGGER pgo_bench_empty BEFORE INSERT ON events.outbox \
-     FOR EACH ROW EXECUTE FUNCTION public.pgo_bench_empty_trigger()";
-
-/// The table a run inserts into.
-#[derive(Clone, Copy, PartialEq, Eq)]
-enum Variant {
-    /// The seeded table alone: pg-outbox's triggers disabled (the baseline).
-    Seeded,
-    /// pg-outbox's triggers.
-    Ours,
-    /// The seeded table with [`EMPTY_TRIGGER`] (a reference).
-    EmptyTrigger,
+/// The table a run inserts into: pg-outbox's triggers enabled or not, and
+/// optionally a PL/pgSQL row trigger of the bench's own.
+#[derive(Clone, Copy)]
+struct Table {
+    /// Name in the report.
+    name: &'static str,
+    /// pg-outbox's triggers enabled ([`OUR_TRIGGERS`]).
+    ours: bool,
+    /// With a `BEFORE INSERT ... FOR EACH ROW` PL/pgSQL trigger whose body
+    /// runs these statements, then `RETURN NEW`.
+    trigger: Option<&'static str>,
 }
 
-/// Every variant, in the order of a round's first run.
-const VARIANTS: [Variant; 3] = [Variant::Seeded, Variant::Ours, Variant::EmptyTrigger];
+/// The seeded table alone: pg-outbox's triggers disabled (the baseline).
+const SEEDED: Table = Table { name: "without triggers", ours: false, trigger: None };
+/// What `pg-outbox migrate` installs.
+const OURS: Table = Table { name: "pg-outbox's triggers", ours: true, trigger: None };
+/// The seeded table with a PL/pgSQL row trigger that does nothing: what any
+/// PL/pgSQL row trigger costs before it does any work (a reference).
+const EMPTY: Table = Table { name: "empty trigger (RETURN NEW)", ours: false, trigger: Some("") };
+
+/// The variants of [`run`], in the order of a round's first run.
+const VARIANTS: [Table; 3] = [SEEDED, OURS, EMPTY];
+
+/// The variants of [`split`]: the steps of pg-outbox's fast path one at a
+/// time, each in a trigger of its own on the seeded table. The lock key is
+/// the one `triggers/outbox_order.sql` uses; every aggregate is new, so the
+/// lock is always free.
+const SPLIT: [Table; 8] = [
+    SEEDED,
+    OURS,
+    EMPTY,
+    Table { name: "assign NEW.id", ours: false, trigger: Some("NEW.id := NEW.id;") },
+    Table {
+        name: "assign through a CASE of the lock key's hashes",
+        ours: false,
+        trigger: Some(
+            "NEW.id := CASE WHEN uuid_hash_extended(NEW.aggregate_id, \
+             hashtextextended(NEW.aggregate_type, 1886322691)) <> 0 THEN NEW.id ELSE NEW.id END;",
+        ),
+    },
+    Table {
+        name: "advisory lock in that CASE",
+        ours: false,
+        trigger: Some(
+            "NEW.id := CASE WHEN pg_try_advisory_xact_lock(uuid_hash_extended(NEW.aggregate_id, \
+             hashtextextended(NEW.aggregate_type, 1886322691))) THEN NEW.id ELSE NEW.id END;",
+        ),
+    },
+    Table {
+        name: "second id (nextval)",
+        ours: false,
+        trigger: Some("NEW.id := nextval('events.outbox_id_seq'::regclass);"),
+    },
+    Table {
+        name: "hint read and second id",
+        ours: false,
+        trigger: Some(
+            "NEW.id := CASE WHEN pg_sequence_last_value('events.outbox_hint'::regclass) >= 0 \
+             THEN nextval('events.outbox_id_seq'::regclass) ELSE NEW.id END;",
+        ),
+    },
+];
 
 /// One run's figures (after the warm-up, unless said).
 struct Run {
@@ -140,19 +182,26 @@ struct Run {
 }
 
 /// One run of one variant at one connection count.
-async fn one(ctx: &Ctx, conns: usize, variant: Variant) -> BenchResult<Run> {
+async fn one(ctx: &Ctx, conns: usize, table: Table) -> BenchResult<Run> {
     let (warmup, secs) = (ctx.settings.producer_warmup_secs, ctx.settings.producer_secs);
     let db = scratch(&ctx.admin, &ctx.admin_cfg, "producers").await?;
     let result = async {
-        if variant != Variant::Ours {
-            let c = connect(&db.cfg).await?;
+        let c = connect(&db.cfg).await?;
+        if !table.ours {
             for t in OUR_TRIGGERS {
                 c.batch_execute(&format!("ALTER TABLE events.outbox DISABLE TRIGGER {t}")).await?;
             }
-            if variant == Variant::EmptyTrigger {
-                c.batch_execute(EMPTY_TRIGGER).await?;
-            }
         }
+        if let Some(body) = table.trigger {
+            c.batch_execute(&format!(
+                "CREATE FUNCTION public.pgo_bench_trigger() RETURNS trigger LANGUAGE plpgsql \
+                 AS $$ BEGIN {body} RETURN NEW; END $$; \
+                 CREATE TRIGGER pgo_bench_trigger BEFORE INSERT ON events.outbox \
+                 FOR EACH ROW EXECUTE FUNCTION public.pgo_bench_trigger()"
+            ))
+            .await?;
+        }
+        drop(c);
         let relay = RelayProc::start(&conninfo(&db.cfg), &[], false).await?;
         // Let the relay reach its idle state (asking for wake-ups).
         tokio::time::sleep(Duration::from_millis(200)).await;
@@ -235,6 +284,90 @@ async fn server_cost(ctx: &Ctx, n: i32, rounds: usize) -> BenchResult<Vec<Vec<f6
     result
 }
 
+/// `rounds` (at least one) rounds of a run of every table at `conns`
+/// connections, back to back, each round starting one further, so a drift
+/// of the machine's speed favours none; per table, its runs in round order.
+async fn rounds(ctx: &Ctx, conns: usize, tables: &[Table], rounds: usize) -> BenchResult<Vec<Vec<Run>>> {
+    let mut runs_of: Vec<Vec<Run>> = tables.iter().map(|_| Vec::new()).collect();
+    for round in 0..rounds.max(1) {
+        for k in 0..tables.len() {
+            let v = (round + k) % tables.len();
+            runs_of[v].push(one(ctx, conns, tables[v]).await?);
+        }
+    }
+    Ok(runs_of)
+}
+
+/// Scenario `trigger-split` (run only when named): the producers' server CPU
+/// per insert and the insert rate for each of [`SPLIT`], against the seeded
+/// table, at `Settings::split_connections` connections. Where the fast
+/// path's time goes; no target.
+pub async fn split(ctx: &Ctx) -> BenchResult<Section> {
+    let s: &Settings = &ctx.settings;
+    let mut sec = Section::new(
+        "trigger-split",
+        "Producer cost split: the trigger's fast path one step at a time",
+        &["connections", "table", "inserts/s", "vs without triggers", "server CPU µs/insert", "added µs/insert"],
+    );
+    let mut data = Vec::new();
+    for &conns in &s.split_connections {
+        let runs_of = rounds(ctx, conns, &SPLIT, s.split_rounds).await?;
+        let base = &runs_of[0];
+        for (table, of) in SPLIT.iter().zip(&runs_of) {
+            let mut ratios: Vec<f64> = of.iter().zip(base).filter_map(|(o, b)| ratio(o.rate, b.rate)).collect();
+            let r = (!ratios.is_empty()).then(|| median(&mut ratios));
+            let mut rates: Vec<f64> = of.iter().map(|r| r.rate).collect();
+            let cpu: Option<Vec<f64>> = of.iter().map(|r| r.backend_us).collect();
+            let base_cpu: Option<Vec<f64>> = base.iter().map(|r| r.backend_us).collect();
+            let (us, added) = match (cpu, base_cpu) {
+                (Some(mut c), Some(b)) if !c.is_empty() => {
+                    let mut d: Vec<f64> = c.iter().zip(&b).map(|(c, b)| c - b).collect();
+                    (Some(median(&mut c)), Some(median(&mut d)))
+                }
+                _ => (None, None),
+            };
+            let fmt_us = |v: Option<f64>, sign: bool| match v {
+                Some(v) if sign => format!("{v:+.1}"),
+                Some(v) => format!("{v:.1}"),
+                None => "n/a".into(),
+            };
+            let rate = median(&mut rates);
+            eprintln!(
+                "e2e: trigger-split x{conns}: {}: {rate:.0}/s ({}), server CPU {} µs/insert ({})",
+                table.name,
+                fmt_ratio(r),
+                fmt_us(us, false),
+                fmt_us(added, true)
+            );
+            sec.rows.push(vec![
+                conns.to_string(),
+                table.name.to_string(),
+                fmt_count(rate),
+                fmt_ratio(r),
+                fmt_us(us, false),
+                fmt_us(added, true),
+            ]);
+            data.push(serde_json::json!({"connections": conns, "table": table.name, "trigger_body": table.trigger,
+                "per_second": rate, "ratio": r, "backend_cpu_us_per_insert": us, "added_us_median": added,
+                "runs_in_order": {"per_second": of.iter().map(|r| r.rate).collect::<Vec<_>>(),
+                    "backend_cpu_us_per_insert": of.iter().map(|r| r.backend_us).collect::<Vec<_>>()}}));
+        }
+    }
+    sec.notes.push(format!(
+        "Runs as in `producers` ({} s warm-up, {} s counted, a relay draining), {} round(s), each a run of every \
+         table back to back, starting one further each round. Every table but pg-outbox's has pg-outbox's \
+         triggers disabled and, except the baseline, one PL/pgSQL `BEFORE INSERT` row trigger of its own that \
+         runs the step named, then `RETURN NEW` (bodies in `e2e.json`). Server CPU: the producers' own server \
+         processes (`/proc`), median of the runs; added: median of each round's difference to the run without \
+         triggers. Differences of 1 to 2 µs are within this measurement's spread; read them as ranges.",
+        s.producer_warmup_secs,
+        s.producer_secs,
+        s.split_rounds.max(1)
+    ));
+    sec.data = serde_json::json!(data);
+    Ok(sec)
+}
+
 /// Run every variant at every connection count.
 pub async fn run(ctx: &Ctx) -> BenchResult<Section> {
     let s: &Settings = &ctx.settings;
@@ -253,15 +386,7 @@ pub async fn run(ctx: &Ctx) -> BenchResult<Section> {
     );
     let mut data = Vec::new();
     for &conns in &s.producer_connections {
-        // Each round runs every variant back to back, starting one further
-        // each round, so a drift of the machine's speed favours none.
-        let mut runs_of: Vec<Vec<Run>> = VARIANTS.iter().map(|_| Vec::new()).collect();
-        for round in 0..s.producer_rounds.max(1) {
-            for k in 0..VARIANTS.len() {
-                let v = (round + k) % VARIANTS.len();
-                runs_of[v].push(one(ctx, conns, VARIANTS[v]).await?);
-            }
-        }
+        let runs_of = rounds(ctx, conns, &VARIANTS, s.producer_rounds).await?;
         let [seeded, ours, empty] = [0, 1, 2].map(|v| &runs_of[v]);
         // Ratios are the median of each round's ratio (its runs ran back to
         // back), so a drift of the machine over the rounds cancels.
