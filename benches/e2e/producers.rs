@@ -298,6 +298,37 @@ async fn rounds(ctx: &Ctx, conns: usize, tables: &[Table], rounds: usize) -> Ben
     Ok(runs_of)
 }
 
+/// One table's runs against the baseline's runs of the same rounds.
+struct Versus {
+    /// Median inserts/s.
+    rate: f64,
+    /// Each round's rate ratio to the baseline's run of that round (its
+    /// runs ran back to back, so a drift of the machine over the rounds cancels).
+    round_ratios: Vec<f64>,
+    /// Median of `round_ratios`.
+    ratio: Option<f64>,
+    /// Median server CPU per insert (µs); `None` unless every run has it.
+    cpu_us: Option<f64>,
+    /// Median of each round's CPU difference to the baseline (µs).
+    added_us: Option<f64>,
+}
+
+/// `of` against `base` (runs in the same round order).
+fn versus(of: &[Run], base: &[Run]) -> Versus {
+    let round_ratios: Vec<f64> = of.iter().zip(base).filter_map(|(o, b)| ratio(o.rate, b.rate)).collect();
+    let ratio = (!round_ratios.is_empty()).then(|| median(&mut round_ratios.clone()));
+    let cpu = |runs: &[Run]| runs.iter().map(|r| r.backend_us).collect::<Option<Vec<f64>>>();
+    let (cpu_us, added_us) = match (cpu(of), cpu(base)) {
+        (Some(mut c), Some(b)) if !c.is_empty() => {
+            let mut d: Vec<f64> = c.iter().zip(&b).map(|(c, b)| c - b).collect();
+            (Some(median(&mut c)), Some(median(&mut d)))
+        }
+        _ => (None, None),
+    };
+    let rate = median(&mut of.iter().map(|r| r.rate).collect::<Vec<f64>>());
+    Versus { rate, round_ratios, ratio, cpu_us, added_us }
+}
+
 /// Scenario `trigger-split` (run only when named): the producers' server CPU
 /// per insert and the insert rate for each of [`SPLIT`], against the seeded
 /// table, at `Settings::split_connections` connections. Where the fast
@@ -314,24 +345,12 @@ pub async fn split(ctx: &Ctx) -> BenchResult<Section> {
         let runs_of = rounds(ctx, conns, &SPLIT, s.split_rounds).await?;
         let base = &runs_of[0];
         for (table, of) in SPLIT.iter().zip(&runs_of) {
-            let mut ratios: Vec<f64> = of.iter().zip(base).filter_map(|(o, b)| ratio(o.rate, b.rate)).collect();
-            let r = (!ratios.is_empty()).then(|| median(&mut ratios));
-            let mut rates: Vec<f64> = of.iter().map(|r| r.rate).collect();
-            let cpu: Option<Vec<f64>> = of.iter().map(|r| r.backend_us).collect();
-            let base_cpu: Option<Vec<f64>> = base.iter().map(|r| r.backend_us).collect();
-            let (us, added) = match (cpu, base_cpu) {
-                (Some(mut c), Some(b)) if !c.is_empty() => {
-                    let mut d: Vec<f64> = c.iter().zip(&b).map(|(c, b)| c - b).collect();
-                    (Some(median(&mut c)), Some(median(&mut d)))
-                }
-                _ => (None, None),
-            };
+            let Versus { rate, ratio: r, cpu_us: us, added_us: added, .. } = versus(of, base);
             let fmt_us = |v: Option<f64>, sign: bool| match v {
                 Some(v) if sign => format!("{v:+.1}"),
                 Some(v) => format!("{v:.1}"),
                 None => "n/a".into(),
             };
-            let rate = median(&mut rates);
             eprintln!(
                 "e2e: trigger-split x{conns}: {}: {rate:.0}/s ({}), server CPU {} µs/insert ({})",
                 table.name,
@@ -388,36 +407,23 @@ pub async fn run(ctx: &Ctx) -> BenchResult<Section> {
     for &conns in &s.producer_connections {
         let runs_of = rounds(ctx, conns, &VARIANTS, s.producer_rounds).await?;
         let [seeded, ours, empty] = [0, 1, 2].map(|v| &runs_of[v]);
-        // Ratios are the median of each round's ratio (its runs ran back to
-        // back), so a drift of the machine over the rounds cancels.
-        let round_ratios = |of: &[Run], field: fn(&Run) -> f64| -> Vec<f64> {
-            of.iter().zip(seeded).filter_map(|(o, b)| ratio(field(o), field(b))).collect()
-        };
-        let pairs = round_ratios(ours, |r| r.rate);
-        let mut warm_pairs = round_ratios(ours, |r| r.warm_rate);
-        let empty_pairs = round_ratios(empty, |r| r.rate);
-        let median_ratio = |v: &mut Vec<f64>| (!v.is_empty()).then(|| median(v));
-        let (r, warm_r, empty_r) =
-            (median_ratio(&mut pairs.clone()), median_ratio(&mut warm_pairs), median_ratio(&mut empty_pairs.clone()));
+        let (base, our, emp) = (versus(seeded, seeded), versus(ours, seeded), versus(empty, seeded));
+        let mut warm_pairs: Vec<f64> =
+            ours.iter().zip(seeded).filter_map(|(o, b)| ratio(o.warm_rate, b.warm_rate)).collect();
+        let warm_r = (!warm_pairs.is_empty()).then(|| median(&mut warm_pairs));
+        let (r, empty_r) = (our.ratio, emp.ratio);
         let rates = |of: &[Run]| of.iter().map(|r| r.rate).collect::<Vec<f64>>();
-        let (mut base_rates, mut our_rates, mut empty_rates) = (rates(seeded), rates(ours), rates(empty));
-        let (runs_base, runs_ours, runs_empty) = (runs(&base_rates), runs(&our_rates), runs(&empty_rates));
-        let (base, our, emp) = (median(&mut base_rates), median(&mut our_rates), median(&mut empty_rates));
-        // CPU per insert of the producers' server processes: the median of
-        // each variant's runs, and of each round's difference to the seeded run.
-        let cpu = |of: &[Run]| of.iter().map(|r| r.backend_us).collect::<Option<Vec<f64>>>();
-        let cpu_fig = match (cpu(seeded), cpu(ours), cpu(empty)) {
-            (Some(mut b), Some(mut o), Some(mut e)) if !b.is_empty() => {
-                let added = |x: &[f64]| median(&mut x.iter().zip(&b).map(|(x, b)| x - b).collect::<Vec<_>>());
-                let (added_ours, added_empty) = (added(&o), added(&e));
-                Some((median(&mut b), median(&mut o), median(&mut e), added_ours, added_empty))
-            }
+        let (runs_base, runs_ours, runs_empty) = (runs(&rates(seeded)), runs(&rates(ours)), runs(&rates(empty)));
+        let cpu_fig = match (base.cpu_us, our.cpu_us, emp.cpu_us, our.added_us, emp.added_us) {
+            (Some(b), Some(o), Some(e), Some(ao), Some(ae)) => Some((b, o, e, ao, ae)),
             _ => None,
         };
         let cpu_cell = match cpu_fig {
             Some((b, o, e, ao, ae)) => format!("{b:.1} / {o:.1} ({ao:+.1}) / {e:.1} ({ae:+.1})"),
             None => "n/a (server not local)".into(),
         };
+        let (pairs, empty_pairs) = (our.round_ratios, emp.round_ratios);
+        let (base, our, emp) = (base.rate, our.rate, emp.rate);
         eprintln!(
             "e2e: producers x{conns}: without {base:.0}/s, with {our:.0}/s (median round ratio {}), empty trigger \
              {emp:.0}/s ({}); runs in order: without {runs_base}, with {runs_ours}, empty trigger {runs_empty}; \
@@ -462,7 +468,7 @@ pub async fn run(ctx: &Ctx) -> BenchResult<Section> {
          next one each round; the rates are the median runs, the ratios the median of the rounds' ratios. \
          Baseline in the same run: the same table with pg-outbox's triggers ({}) disabled. Reference: the same \
          table with a PL/pgSQL row trigger that only returns NEW (`empty trigger`): the cost of any PL/pgSQL row \
-         trigger before it does work. Server CPU: user + system time of the producers' own server processes \
+         trigger before it does work. Server CPU: CPU time of the producers' own server processes \
          (`/proc`, after the warm-up) per insert, median of the runs; in brackets the median of each round's \
          difference to the run without triggers.",
         s.producer_warmup_secs,
