@@ -37,6 +37,29 @@ pub const KEEPALIVE_IDLE: Duration = Duration::from_secs(30);
 /// URL's `options` set them): idle 30 s, then 3 probes 10 s apart.
 pub const SERVER_KEEPALIVES: &str = "-c tcp_keepalives_idle=30 -c tcp_keepalives_interval=10 -c tcp_keepalives_count=3";
 
+/// Planner settings sent with every pg-outbox session (as startup
+/// `options`, before the URL's own, which therefore win):
+///
+/// * `enable_sort=off`: every ordered, limited statement pg-outbox runs on
+///   `events.outbox` orders by a key that exactly one index provides (the
+///   expression `id + 0` of `outbox_fresh_order_idx`, `outbox_holdback_idx`
+///   and `outbox_dead_letter_idx`, or `next_retry_at` of
+///   `outbox_retry_due_idx`), so the only plan without an explicit sort is
+///   the walk of that index, which stops after the rows it returns. With
+///   sorts discouraged (PostgreSQL docs, "Planner Method Configuration":
+///   the planner avoids a sort "if there are other methods available"), the
+///   planner takes that walk whatever the statistics say. Without it,
+///   statistics taken before a backlog formed (no unpublished rows) make
+///   every plan over unpublished rows look like one row, and the planner may
+///   sort the whole backlog, or walk it once per candidate row.
+/// * `jit=off`: the discouraged sort adds a large constant to the estimated
+///   cost of a plan that must sort a few rows anyway, which would otherwise
+///   pass `jit_above_cost` and compile every fetch.
+/// * `max_parallel_workers_per_gather=0`: a fetch returns at most a batch;
+///   starting workers costs more than it saves, and estimates from missing
+///   statistics could ask for them.
+pub const PLANNER_SETTINGS: &str = "-c enable_sort=off -c jit=off -c max_parallel_workers_per_gather=0";
+
 /// Default connect timeout when the URL sets none: 10 seconds.
 pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 
@@ -752,11 +775,11 @@ pub(crate) fn prepared(cfg: &Config, application_name: &str) -> Config {
     // The server's side too (PostgreSQL docs, "Connection Settings"): a relay
     // that vanished behind a half-open connection is dropped in about a
     // minute, releasing its locks, so a standby can take over.
-    let server_keepalives = SERVER_KEEPALIVES;
+    // Ours first: a later `-c` of the URL's own options overrides them.
+    let ours = format!("{SERVER_KEEPALIVES} {PLANNER_SETTINGS}");
     let options = match cfg.get_options() {
-        Some(o) if !o.contains("tcp_keepalives_idle") => format!("{o} {server_keepalives}"),
-        Some(o) => o.to_string(),
-        None => server_keepalives.to_string(),
+        Some(o) => format!("{ours} {o}"),
+        None => ours,
     };
     cfg.options(&options);
     if cfg.get_connect_timeout().is_none() {
@@ -770,16 +793,18 @@ mod tests {
     use super::*;
 
     #[test]
-    fn prepared_sets_keepalives_and_keeps_user_options() {
+    fn prepared_sets_keepalives_and_planner_settings_and_keeps_user_options() {
+        let ours = format!("{SERVER_KEEPALIVES} {PLANNER_SETTINGS}");
         let cfg = prepared(&parse_url("postgres://u@h/db").expect("url"), "app");
-        assert_eq!(cfg.get_options(), Some(SERVER_KEEPALIVES));
+        assert_eq!(cfg.get_options(), Some(ours.as_str()));
         assert_eq!(cfg.get_application_name(), Some("app"));
         assert!(cfg.get_keepalives());
         let cfg = prepared(&parse_url("host=h user=u options='-c search_path=x'").expect("url"), "app");
-        assert_eq!(cfg.get_options(), Some(format!("-c search_path=x {SERVER_KEEPALIVES}").as_str()));
+        assert_eq!(cfg.get_options(), Some(format!("{ours} -c search_path=x").as_str()));
+        // The URL's own settings come last, so they win.
         let mine = "-c tcp_keepalives_idle=5";
         let cfg = prepared(&parse_url(&format!("host=h user=u options='{mine}'")).expect("url"), "app");
-        assert_eq!(cfg.get_options(), Some(mine));
+        assert_eq!(cfg.get_options(), Some(format!("{ours} {mine}").as_str()));
     }
 
     #[test]

@@ -89,12 +89,51 @@ impl Filter {
 }
 
 /// The WHERE clause shared by every operation; `$6` is the row limit.
+/// Every statement orders by `id + 0`, the key of `outbox_dead_letter_idx`
+/// (dead letters only), which no other index provides: with sorts
+/// discouraged on pg-outbox's sessions ([`crate::PLANNER_SETTINGS`]) each
+/// is a walk of that index, touching dead letters only, whatever the
+/// statistics say (the count too: its subquery keeps the order).
 const MATCHES: &str = "published_at IS NULL AND next_retry_at = 'infinity' \
      AND ($1::bigint[] IS NULL OR id = ANY($1)) \
      AND ($2::text IS NULL OR aggregate_type = $2) \
      AND ($3::text IS NULL OR event_type = $3) \
      AND ($4::text IS NULL OR strpos(coalesce(last_error, ''), $4) > 0) \
      AND ($5::timestamptz IS NULL OR occurred_at >= $5)";
+
+/// [`list`]'s statement: `$1`..`$5` the filter, `$6` the limit.
+pub(crate) fn list_sql() -> String {
+    format!(
+        "SELECT id, aggregate_type, aggregate_id, event_type, payload, occurred_at, retry_count, last_error \
+         FROM events.outbox WHERE {MATCHES} ORDER BY id + 0 LIMIT $6"
+    )
+}
+
+/// [`count`]'s statement: `$1`..`$5` the filter.
+pub(crate) fn count_sql() -> String {
+    format!("SELECT count(*) FROM (SELECT 1 FROM events.outbox WHERE {MATCHES} ORDER BY id + 0) d")
+}
+
+/// [`matching_ids`]'s statement: `$1`..`$5` the filter, `$6` the limit.
+pub(crate) fn ids_sql() -> String {
+    format!("SELECT id FROM events.outbox WHERE {MATCHES} ORDER BY id + 0 LIMIT $6")
+}
+
+/// [`retry`]'s action on the picked dead letters.
+pub(crate) const RETRY: &str =
+    "UPDATE events.outbox o SET next_retry_at = now() FROM picked WHERE o.id = picked.id RETURNING o.id";
+/// [`discard`]'s action on the picked dead letters.
+pub(crate) const DISCARD: &str = "DELETE FROM events.outbox o USING picked WHERE o.id = picked.id RETURNING o.id";
+
+/// [`retry`]'s and [`discard`]'s statement around `action`: `$1`..`$5` the
+/// filter, `$6` the limit.
+pub(crate) fn apply_sql(action: &str) -> String {
+    format!(
+        "WITH picked AS (SELECT id FROM events.outbox WHERE {MATCHES} ORDER BY id + 0 LIMIT $6 FOR UPDATE), \
+              done AS ({action}) \
+         SELECT id FROM done ORDER BY id"
+    )
+}
 
 /// A dead letter as listed: the event plus when it died (its last failure is
 /// in `event.last_error`).
@@ -107,10 +146,7 @@ pub type DeadLetter = Event;
 /// [`crate::Error::NotMigrated`] or [`crate::Error::Db`].
 pub async fn list<C: GenericClient + Sync>(client: &C, filter: &Filter) -> Result<Vec<DeadLetter>> {
     let limit = filter.limit.unwrap_or(DEFAULT_LIST_LIMIT);
-    let sql = format!(
-        "SELECT id, aggregate_type, aggregate_id, event_type, payload, occurred_at, retry_count, last_error \
-         FROM events.outbox WHERE {MATCHES} ORDER BY id LIMIT $6"
-    );
+    let sql = list_sql();
     let [a, b, c, d, e] = filter.params();
     let rows = client.query(&sql, &[a, b, c, d, e, &limit]).await.map_err(map_missing_schema)?;
     rows.iter().map(event_from_row).collect()
@@ -122,7 +158,7 @@ pub async fn list<C: GenericClient + Sync>(client: &C, filter: &Filter) -> Resul
 /// # Errors
 /// [`crate::Error::NotMigrated`] or [`crate::Error::Db`].
 pub async fn count<C: GenericClient + Sync>(client: &C, filter: &Filter) -> Result<i64> {
-    let sql = format!("SELECT count(*) FROM events.outbox WHERE {MATCHES}");
+    let sql = count_sql();
     let row = client.query_one(&sql, &filter.params()).await.map_err(map_missing_schema)?;
     Ok(row.try_get(0)?)
 }
@@ -134,7 +170,7 @@ pub async fn count<C: GenericClient + Sync>(client: &C, filter: &Filter) -> Resu
 /// [`crate::Error::NotMigrated`] or [`crate::Error::Db`].
 pub async fn matching_ids<C: GenericClient + Sync>(client: &C, filter: &Filter) -> Result<Vec<i64>> {
     let limit = filter.limit.unwrap_or(i64::MAX);
-    let sql = format!("SELECT id FROM events.outbox WHERE {MATCHES} ORDER BY id LIMIT $6");
+    let sql = ids_sql();
     let [a, b, c, d, e] = filter.params();
     let rows = client.query(&sql, &[a, b, c, d, e, &limit]).await.map_err(map_missing_schema)?;
     rows.iter().map(|r| r.try_get(0).map_err(Into::into)).collect()
@@ -145,11 +181,7 @@ pub async fn matching_ids<C: GenericClient + Sync>(client: &C, filter: &Filter) 
 /// first; wake the relays when any changed. Returns the ids, ascending.
 async fn apply_to_matching<C: GenericClient + Sync>(client: &C, filter: &Filter, action: &str) -> Result<Vec<i64>> {
     let limit = filter.limit.unwrap_or(i64::MAX);
-    let sql = format!(
-        "WITH picked AS (SELECT id FROM events.outbox WHERE {MATCHES} ORDER BY id LIMIT $6 FOR UPDATE), \
-              done AS ({action}) \
-         SELECT id FROM done ORDER BY id"
-    );
+    let sql = apply_sql(action);
     let [a, b, c, d, e] = filter.params();
     let rows = client.query(&sql, &[a, b, c, d, e, &limit]).await.map_err(map_missing_schema)?;
     if !rows.is_empty() {
@@ -164,12 +196,7 @@ async fn apply_to_matching<C: GenericClient + Sync>(client: &C, filter: &Filter,
 /// # Errors
 /// [`crate::Error::NotMigrated`] or [`crate::Error::Db`].
 pub async fn retry<C: GenericClient + Sync>(client: &C, filter: &Filter) -> Result<Vec<i64>> {
-    apply_to_matching(
-        client,
-        filter,
-        "UPDATE events.outbox o SET next_retry_at = now() FROM picked WHERE o.id = picked.id RETURNING o.id",
-    )
-    .await
+    apply_to_matching(client, filter, RETRY).await
 }
 
 /// Delete the matching dead letters. Returns the ids deleted. The later
@@ -178,6 +205,5 @@ pub async fn retry<C: GenericClient + Sync>(client: &C, filter: &Filter) -> Resu
 /// # Errors
 /// [`crate::Error::NotMigrated`] or [`crate::Error::Db`].
 pub async fn discard<C: GenericClient + Sync>(client: &C, filter: &Filter) -> Result<Vec<i64>> {
-    apply_to_matching(client, filter, "DELETE FROM events.outbox o USING picked WHERE o.id = picked.id RETURNING o.id")
-        .await
+    apply_to_matching(client, filter, DISCARD).await
 }

@@ -17,8 +17,8 @@ mod store;
 pub mod temp_server;
 
 pub use connect::{
-    ConnectOptions, DEFAULT_CONNECT_TIMEOUT, KEEPALIVE_IDLE, RootCert, SERVER_KEEPALIVES, SslMode, describe_target,
-    parse_url, redact_password,
+    ConnectOptions, DEFAULT_CONNECT_TIMEOUT, KEEPALIVE_IDLE, PLANNER_SETTINGS, RootCert, SERVER_KEEPALIVES, SslMode,
+    describe_target, parse_url, redact_password,
 };
 pub use consumer::{
     Consumer, ConsumerBuilder, DEFAULT_ACK_BATCH_SIZE, DEFAULT_ACK_INTERVAL, DEFAULT_BATCH_SIZE, DEFAULT_MAX_RETRIES,
@@ -30,6 +30,7 @@ pub use event::{Envelope, Event, Metadata, NewEvent};
 pub use publisher::{DEFAULT_MAX_PAYLOAD_BYTES, Publisher};
 pub use retry::{AfterLastStep, DEFAULT_RETRY_CAP, DEFAULT_RETRY_JITTER, DEFAULT_RETRY_STEPS, RetryPolicy};
 pub use store::{
-    OutboxStatus, PendingRetry, RetryLadder, STATUS_MAX_TYPES, STATUS_NEXT_RETRIES, TypeBacklog, fetch_query, status,
+    OutboxStatus, PendingRetry, RetryLadder, STATUS_MAX_TYPES, STATUS_NEXT_RETRIES, TypeBacklog, fetch_query,
+    run_time_statements, status,
 };
 pub use tokio_postgres;

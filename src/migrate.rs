@@ -20,6 +20,9 @@ pub const MIGRATIONS: &[(&str, &str)] = &[
     ("0006_outbox_fresh_order_idx", include_str!("../migrations/0006_outbox_fresh_order_idx.sql")),
     ("0007_drop_outbox_fresh_idx", include_str!("../migrations/0007_drop_outbox_fresh_idx.sql")),
     ("0008_outbox_hint", include_str!("../migrations/0008_outbox_hint.sql")),
+    ("0009_outbox_holdback_idx", include_str!("../migrations/0009_outbox_holdback_idx.sql")),
+    ("0010_outbox_dead_letter_idx", include_str!("../migrations/0010_outbox_dead_letter_idx.sql")),
+    ("0011_drop_outbox_aggregate_failed_idx", include_str!("../migrations/0011_drop_outbox_aggregate_failed_idx.sql")),
 ];
 
 /// Trigger files, applied after the migrations: (name, SQL).
@@ -139,7 +142,8 @@ async fn apply_locked(client: &Client) -> Result<MigrationReport> {
 const REQUIRED: &[(&str, &str)] = &[
     ("events.outbox", "0001_events_outbox"),
     ("events.outbox_fresh_order_idx", "0006_outbox_fresh_order_idx"),
-    ("events.outbox_aggregate_failed_idx", "0003_outbox_aggregate_failed_idx"),
+    ("events.outbox_holdback_idx", "0009_outbox_holdback_idx"),
+    ("events.outbox_dead_letter_idx", "0010_outbox_dead_letter_idx"),
     ("events.outbox_aggregate_heads", "0004_outbox_aggregate_heads"),
     ("events.outbox_relays", "0005_outbox_relays"),
     ("events.outbox_hint", "0008_outbox_hint"),

@@ -31,13 +31,21 @@ pub const DEFAULT_RETENTION_PAUSE: Duration = Duration::from_millis(100);
 
 const RETENTION_LOCK_KEY: i64 = 0x7067_6f75_7400_0002;
 
-const DELETE_BATCH: &str = "WITH doomed AS MATERIALIZED ( \
+/// Delete one batch: up to $2 published rows older than $1 seconds with ids
+/// above $3, lowest ids first; returns how many it deleted and the highest
+/// id it deleted. The next batch starts after that id, so a run walks
+/// `outbox_pkey` once instead of passing, in every batch, the index entries
+/// of the rows earlier batches deleted (they stay until VACUUM) and the
+/// unpublished rows and dead letters at the low end of the ids. A row
+/// skipped because another session had it locked is left for the next run.
+pub(crate) const DELETE_BATCH: &str = "WITH doomed AS MATERIALIZED ( \
        SELECT id FROM events.outbox \
-       WHERE published_at IS NOT NULL AND published_at < now() - make_interval(secs => $1) \
-       ORDER BY id LIMIT $2 FOR UPDATE SKIP LOCKED) \
-     DELETE FROM events.outbox o USING doomed WHERE o.id = doomed.id";
+       WHERE published_at IS NOT NULL AND published_at < now() - make_interval(secs => $1) AND id > $3 \
+       ORDER BY id LIMIT $2 FOR UPDATE SKIP LOCKED), \
+     gone AS (DELETE FROM events.outbox o USING doomed WHERE o.id = doomed.id RETURNING o.id) \
+     SELECT count(*), max(id) FROM gone";
 
-const COUNT_DUE: &str = "SELECT count(*) FROM events.outbox \
+pub(crate) const COUNT_DUE: &str = "SELECT count(*) FROM events.outbox \
      WHERE published_at IS NOT NULL AND published_at < now() - make_interval(secs => $1)";
 
 /// Settings of a retention run.
@@ -114,9 +122,13 @@ pub async fn run(client: &Client, r: &Retention) -> Result<RetentionReport> {
 async fn delete_batches(client: &Client, r: &Retention) -> Result<RetentionReport> {
     let secs = r.older_than.as_secs_f64();
     let mut report = RetentionReport::default();
+    let mut after: i64 = 0;
     loop {
-        let n = client.execute(DELETE_BATCH, &[&secs, &r.batch_size]).await.map_err(map_missing_schema)?;
-        let n = i64::try_from(n).unwrap_or(i64::MAX);
+        let row = client.query_one(DELETE_BATCH, &[&secs, &r.batch_size, &after]).await.map_err(map_missing_schema)?;
+        let n: i64 = row.try_get(0)?;
+        if let Some(last) = row.try_get::<_, Option<i64>>(1)? {
+            after = last;
+        }
         report.deleted += n;
         report.batches += 1;
         metrics::counter!(crate::metrics::RETENTION_DELETED).increment(u64::try_from(n).unwrap_or(0));

@@ -19,27 +19,62 @@ pub(crate) const INSERT_MANY: &str = "INSERT INTO events.outbox (aggregate_type,
      SELECT t, a, e, p FROM unnest($1::text[], $2::uuid[], $3::text[], $4::jsonb[]) \
      WITH ORDINALITY AS x(t, a, e, p, n) ORDER BY n RETURNING id";
 
-/// The hold-back condition: no earlier event of the same aggregate has failed
-/// and is not due again (waiting for a retry, or a dead letter, whose
-/// `next_retry_at` is 'infinity'). Served by `outbox_aggregate_failed_idx`.
-const NOT_HELD_BACK: &str = "NOT EXISTS (SELECT 1 FROM events.outbox b \
-     WHERE b.aggregate_type = o.aggregate_type AND b.aggregate_id = o.aggregate_id \
-       AND b.id < o.id AND b.published_at IS NULL AND b.next_retry_at IS NOT NULL \
-       AND b.next_retry_at > now())";
+/// The hold-back probe of a candidate row `o`: the id of the first earlier
+/// event of its aggregate that has failed and is not published (waiting for
+/// a retry, due again, or a dead letter), or NULL. An event is handed out
+/// only when this is NULL, so per aggregate the failed event is always
+/// delivered (or discarded) before anything after it.
+///
+/// Why it is robust: it is a correlated scalar subquery, so PostgreSQL runs
+/// it once per candidate row and never turns it into a join, and it orders
+/// by the expression `id + 0`, which only `outbox_holdback_idx` (aggregate,
+/// `id + 0`; failed unpublished rows only) provides; with sorts discouraged
+/// on pg-outbox's sessions ([`crate::PLANNER_SETTINGS`]) the probe is one
+/// descent of that index whatever the statistics say. (Written as
+/// `NOT EXISTS`, the planner flattens it into an anti-join, and with
+/// statistics from before a backlog formed it chose to walk the whole
+/// backlog through `outbox_unpublished_idx` for every candidate.)
+macro_rules! held_back_by {
+    () => {
+        "(SELECT b.id FROM events.outbox b \
+           WHERE b.aggregate_type = o.aggregate_type AND b.aggregate_id = o.aggregate_id \
+             AND b.id + 0 < o.id AND b.published_at IS NULL AND b.next_retry_at IS NOT NULL \
+           ORDER BY b.id + 0 LIMIT 1)"
+    };
+}
 
-/// Fetch the next due events in id order. Two index range scans, merged:
-/// fresh rows from `outbox_fresh_order_idx` (ordered by its key `id + 0`,
-/// which no other index provides, so the planner cannot pick `outbox_pkey`
-/// and walk published rows), and failed rows whose retry is due
-/// from `outbox_retry_due_idx` (dead letters, at 'infinity', never are).
+/// See [`held_back_by`]: the row is not held back.
+const NOT_HELD_BACK: &str = concat!(held_back_by!(), " IS NULL");
+/// See [`held_back_by`]: the row is held back.
+const HELD_BACK: &str = concat!(held_back_by!(), " IS NOT NULL");
+
+/// Fetch the next due events. Two index walks, each in the order of an
+/// index no other index can stand in for, each stopping after $2 rows it
+/// returns (plus the held-back rows it passes, one probe each):
+/// fresh rows from `outbox_fresh_order_idx`, by its key `id + 0` (a key of
+/// plain id would let the planner walk `outbox_pkey` or
+/// `outbox_unpublished_idx` instead, through every published or failed
+/// row), and failed rows whose retry is due from `outbox_retry_due_idx`, by
+/// `next_retry_at` (rows waiting for a retry and dead letters, at
+/// 'infinity', are outside its range). Then the lowest $2 ids of both.
+/// With sorts discouraged on pg-outbox's sessions
+/// ([`crate::PLANNER_SETTINGS`]), those walks are the only plans without a
+/// sort, so the planner takes them whatever the statistics say (none, taken
+/// before a backlog formed, or current); the final sort is over at most
+/// twice $2 rows.
+///
+/// Due retries may come in any order: [`held_back_by`] lets through only
+/// the earliest failed event of each aggregate, and nothing after it, so no
+/// two events of one aggregate come from different branches.
+///
 /// $1 are ids already in flight, $2 the batch size. With `partitioned`,
 /// only aggregates whose hash partition (of $3) is in $4, and the partition
 /// is returned as column [`PARTITION_COLUMN`].
 ///
 /// Every fetch starts from the lowest id: no cursor. A cursor (`id > last`)
 /// would skip rows that were held back when it passed them and became
-/// eligible since (their blocker's retry came due, or it was delivered or
-/// discarded), and deliver a later event of their aggregate first.
+/// eligible since (their blocker was delivered or discarded), and rows of
+/// another aggregate that committed after a higher id.
 pub(crate) fn fetch_sql(partitioned: bool) -> String {
     let (part_filter, part_col) = if partitioned {
         (format!("AND {PARTITION_EXPR} = ANY($4::int4[])"), format!(", {PARTITION_EXPR} AS part"))
@@ -56,7 +91,7 @@ pub(crate) fn fetch_sql(partitioned: bool) -> String {
            (SELECT o.* FROM events.outbox o \
              WHERE o.published_at IS NULL AND o.next_retry_at IS NOT NULL AND o.next_retry_at <= now() \
                AND o.id <> ALL($1::bigint[]) {part_filter} AND {hb} \
-             ORDER BY o.id LIMIT $2) \
+             ORDER BY o.next_retry_at LIMIT $2) \
          ) o ORDER BY id LIMIT $2",
         cols = EVENT_COLUMNS,
         hb = NOT_HELD_BACK
@@ -73,6 +108,48 @@ pub fn fetch_query() -> String {
     fetch_sql(false)
 }
 
+/// Every statement pg-outbox runs on `events.outbox` at run time, by name,
+/// with the SQL text it runs: for checking their plans with `EXPLAIN`
+/// against real tables (the integration tests do, in every statistics
+/// state). Not a stable interface: names and texts change with the code.
+///
+/// The parameters, by name: `fetch` `$1 bigint[]` ids in flight, `$2 bigint`
+/// batch; `fetch_partitioned` those and `$3 bigint` partitions, `$4 int4[]`
+/// partitions held; `competing_fetch`, `$1 bigint` batch; `ack` `$1 bigint[]`;
+/// `fail` `$1 bigint[]` ids, `$2 text[]` errors, `$3 float8[]` delays in
+/// seconds, `$4 int4` dead-letter threshold, `$5 int4[]` retry counts seen;
+/// `next_retry_in`, `gauges`, `status`, `retry_buckets`: none;
+/// `status_by_type`, `next_retries`: `$1 bigint` limit; `dead_letters_*`:
+/// `$1 bigint[]` ids, `$2 text` aggregate type, `$3 text` event type, `$4
+/// text` error text, `$5 timestamptz` since (each NULL for any), and but for
+/// `dead_letters_count`, `$6 bigint` limit; `retention_delete` `$1 float8`
+/// age in seconds, `$2 bigint` batch, `$3 bigint` after id;
+/// `retention_count` `$1 float8`.
+#[doc(hidden)]
+pub fn run_time_statements() -> Vec<(&'static str, String)> {
+    use crate::dead_letters as d;
+    vec![
+        ("fetch", fetch_sql(false)),
+        ("fetch_partitioned", fetch_sql(true)),
+        ("competing_fetch", COMPETING_FETCH.to_string()),
+        ("ack", ACK.to_string()),
+        ("fail", FAIL.to_string()),
+        ("next_retry_in", NEXT_RETRY_IN.to_string()),
+        ("gauges", GAUGES.to_string()),
+        ("status", status_sql()),
+        ("status_by_type", by_type_sql()),
+        ("retry_buckets", RETRY_BUCKETS.to_string()),
+        ("next_retries", NEXT_RETRIES.to_string()),
+        ("dead_letters_list", d::list_sql()),
+        ("dead_letters_count", d::count_sql()),
+        ("dead_letters_ids", d::ids_sql()),
+        ("dead_letters_retry", d::apply_sql(d::RETRY)),
+        ("dead_letters_discard", d::apply_sql(d::DISCARD)),
+        ("retention_delete", crate::retention::DELETE_BATCH.to_string()),
+        ("retention_count", crate::retention::COUNT_DUE.to_string()),
+    ]
+}
+
 /// The hash partition of a row's aggregate, 0..$3 (partitioned mode).
 const PARTITION_EXPR: &str =
     "((hashtextextended(o.aggregate_type || '/' || o.aggregate_id::text, 0) & 2147483647) % $3)::int4";
@@ -81,15 +158,26 @@ const PARTITION_EXPR: &str =
 pub(crate) const PARTITION_COLUMN: usize = 8;
 
 /// The seed's competing mode: claim due rows with `FOR UPDATE SKIP LOCKED`
-/// inside a transaction held until the batch is settled. The claim is a
-/// plain SELECT with LIMIT, so it can never lock more than $1 rows (unlike
-/// `UPDATE ... WHERE id IN (SELECT ... LIMIT n FOR UPDATE SKIP LOCKED)`,
-/// whose subquery the planner may run more than once). No per-aggregate
-/// order.
-pub(crate) const COMPETING_FETCH: &str = "SELECT id, aggregate_type, aggregate_id, event_type, payload, occurred_at, retry_count, last_error \
-     FROM events.outbox \
-     WHERE published_at IS NULL AND (next_retry_at IS NULL OR next_retry_at <= now()) \
-     ORDER BY id LIMIT $1 FOR UPDATE SKIP LOCKED";
+/// inside a transaction held until the batch is settled. No per-aggregate
+/// order, no hold-back. Due retries first (a walk of `outbox_retry_due_idx`
+/// by `next_retry_at`), then fresh rows for the rest of the $1 (a walk of
+/// `outbox_fresh_order_idx` by `id + 0`): as in [`fetch_sql`], each is the
+/// only plan without a sort, so a head of dead letters or rows waiting for a
+/// retry is never walked, whatever the statistics. Each claim is a plain
+/// SELECT with LIMIT, so together they never lock more than $1 rows
+/// (unlike `UPDATE ... WHERE id IN (SELECT ... LIMIT n FOR UPDATE SKIP
+/// LOCKED)`, whose subquery the planner may run more than once).
+pub(crate) const COMPETING_FETCH: &str = "WITH r AS ( \
+       SELECT id, aggregate_type, aggregate_id, event_type, payload, occurred_at, retry_count, last_error \
+       FROM events.outbox \
+       WHERE published_at IS NULL AND next_retry_at IS NOT NULL AND next_retry_at <= now() \
+       ORDER BY next_retry_at LIMIT $1 FOR UPDATE SKIP LOCKED), \
+     f AS ( \
+       SELECT id, aggregate_type, aggregate_id, event_type, payload, occurred_at, retry_count, last_error \
+       FROM events.outbox \
+       WHERE published_at IS NULL AND next_retry_at IS NULL \
+       ORDER BY id + 0 LIMIT $1 - (SELECT count(*) FROM r) FOR UPDATE SKIP LOCKED) \
+     SELECT * FROM r UNION ALL SELECT * FROM f";
 
 /// Mark events published (the seed's MarkPublished, batched). Returns, per
 /// row actually published, seconds from `occurred_at` to now.
@@ -101,20 +189,26 @@ pub(crate) const ACK: &str = "UPDATE events.outbox SET published_at = now() \
 /// last_error, and next_retry_at = now() + delay, or 'infinity' when the
 /// event becomes a dead letter (retry_count reaches $4). Only rows whose
 /// retry_count is still what was fetched ($5) change, so replaying a batch
-/// whose reply was lost counts nothing twice.
+/// whose reply was lost counts nothing twice. `o.id = ANY($1)` makes every
+/// plan of `events.outbox` here an index lookup of those ids (joined on
+/// `o.id = f.id` alone, a hash join over all unpublished rows looked as
+/// cheap under statistics from before a backlog).
 pub(crate) const FAIL: &str = "UPDATE events.outbox o SET retry_count = o.retry_count + 1, last_error = f.err, \
        next_retry_at = CASE WHEN o.retry_count + 1 >= $4 THEN 'infinity'::timestamptz \
                             ELSE now() + make_interval(secs => f.delay) END \
      FROM unnest($1::bigint[], $2::text[], $3::float8[], $5::int4[]) AS f(id, err, delay, seen) \
-     WHERE o.id = f.id AND o.published_at IS NULL AND o.retry_count = f.seen \
+     WHERE o.id = f.id AND o.id = ANY($1::bigint[]) AND o.published_at IS NULL AND o.retry_count = f.seen \
      RETURNING o.id, o.retry_count >= $4 AS dead, \
        CASE WHEN o.retry_count >= $4 THEN NULL \
             ELSE EXTRACT(EPOCH FROM (o.next_retry_at - now()))::float8 END";
 
-/// Seconds until the earliest pending retry is due, or NULL if none waits.
-pub(crate) const NEXT_RETRY_IN: &str = "SELECT EXTRACT(EPOCH FROM (min(next_retry_at) - now()))::float8 \
+/// Seconds until the earliest pending retry is due, or NULL if none waits:
+/// the first entry of `outbox_retry_due_idx` after now() (ordered by its
+/// key, the only plan without a sort; see [`fetch_sql`]). Always one row.
+pub(crate) const NEXT_RETRY_IN: &str = "SELECT (SELECT EXTRACT(EPOCH FROM (next_retry_at - now()))::float8 \
      FROM events.outbox WHERE published_at IS NULL AND next_retry_at IS NOT NULL \
-       AND next_retry_at > now() AND next_retry_at < 'infinity'";
+       AND next_retry_at > now() AND next_retry_at < 'infinity' \
+     ORDER BY next_retry_at LIMIT 1)";
 
 /// The relay's gauges, cheaper than [`status_sql`]: pending (not dead)
 /// rows, dead letters, and the age of the oldest pending row in seconds.
@@ -124,8 +218,9 @@ pub(crate) const GAUGES: &str = "SELECT \
        EXTRACT(EPOCH FROM (now() - min(occurred_at) FILTER (WHERE next_retry_at IS DISTINCT FROM 'infinity')))::float8 \
      FROM events.outbox WHERE published_at IS NULL";
 
-/// Backlog and lag figures; see [`OutboxStatus`]. `held` marks due rows
-/// held back behind an earlier failed event of their aggregate.
+/// Backlog and lag figures; see [`OutboxStatus`]. `held` marks rows held
+/// back behind an earlier failed event of their aggregate (one probe of
+/// `outbox_holdback_idx` per unpublished row; see [`held_back_by`]).
 fn status_sql() -> String {
     format!(
         "SELECT \
@@ -135,7 +230,8 @@ fn status_sql() -> String {
            count(*) FILTER (WHERE next_retry_at = 'infinity') AS dead, \
            EXTRACT(EPOCH FROM (now() - min(occurred_at) FILTER (WHERE next_retry_at IS DISTINCT FROM 'infinity')))::float8, \
            count(*) FILTER (WHERE (next_retry_at IS NULL OR next_retry_at <= now()) AND held) AS held \
-         FROM (SELECT o.occurred_at, o.next_retry_at, NOT {NOT_HELD_BACK} AS held \
+         FROM (SELECT o.occurred_at, o.next_retry_at, \
+                 CASE WHEN o.next_retry_at IS NULL OR o.next_retry_at <= now() THEN {HELD_BACK} ELSE false END AS held \
                FROM events.outbox o WHERE o.published_at IS NULL) o"
     )
 }
@@ -243,17 +339,19 @@ pub struct PendingRetry {
 
 /// Backlog per type: one pass over the unpublished rows (the partial index
 /// `outbox_unpublished_idx`), grouped; the hold-back probe
-/// (`outbox_aggregate_failed_idx`) runs only for due rows. $1 is the row
+/// (`outbox_holdback_idx`, see [`held_back_by`]) runs only for due rows. $1 is the row
 /// limit (one more than shown, to tell whether rows were left out).
 fn by_type_sql() -> String {
     format!(
         "SELECT o.event_type, o.aggregate_type, count(*) AS unpublished, \
-           count(*) FILTER (WHERE (o.next_retry_at IS NULL OR o.next_retry_at <= now()) AND {NOT_HELD_BACK}) AS due, \
-           count(*) FILTER (WHERE (o.next_retry_at IS NULL OR o.next_retry_at <= now()) AND NOT {NOT_HELD_BACK}) AS held, \
+           count(*) FILTER (WHERE (o.next_retry_at IS NULL OR o.next_retry_at <= now()) AND NOT o.held) AS due, \
+           count(*) FILTER (WHERE (o.next_retry_at IS NULL OR o.next_retry_at <= now()) AND o.held) AS held, \
            count(*) FILTER (WHERE o.next_retry_at > now() AND o.next_retry_at < 'infinity') AS waiting, \
            count(*) FILTER (WHERE o.next_retry_at = 'infinity') AS dead, \
            EXTRACT(EPOCH FROM (now() - min(o.occurred_at) FILTER (WHERE o.next_retry_at IS DISTINCT FROM 'infinity')))::float8 \
-         FROM events.outbox o WHERE o.published_at IS NULL \
+         FROM (SELECT o.event_type, o.aggregate_type, o.occurred_at, o.next_retry_at, \
+                 CASE WHEN o.next_retry_at IS NULL OR o.next_retry_at <= now() THEN {HELD_BACK} ELSE false END AS held \
+               FROM events.outbox o WHERE o.published_at IS NULL) o \
          GROUP BY o.event_type, o.aggregate_type \
          ORDER BY unpublished DESC, o.event_type, o.aggregate_type LIMIT $1"
     )
@@ -268,11 +366,14 @@ const RETRY_BUCKETS: &str = "SELECT min(next_retry_at), EXTRACT(EPOCH FROM (min(
      FROM events.outbox WHERE published_at IS NULL AND next_retry_at > now() AND next_retry_at < 'infinity'";
 
 /// The next $1 rows to come due for a retry, in due order: the first
-/// entries of `outbox_retry_due_idx` after now().
+/// entries of `outbox_retry_due_idx` after now(), in the order of its key,
+/// the only plan without a sort (ties, which the failures of one batch can
+/// share, in index order; ordering them by id too would sort every row of
+/// the tie).
 const NEXT_RETRIES: &str = "SELECT id, event_type, aggregate_type, retry_count, next_retry_at, \
        EXTRACT(EPOCH FROM (next_retry_at - now()))::float8, last_error \
      FROM events.outbox WHERE published_at IS NULL AND next_retry_at > now() AND next_retry_at < 'infinity' \
-     ORDER BY next_retry_at, id LIMIT $1";
+     ORDER BY next_retry_at LIMIT $1";
 
 /// Read [`OutboxStatus`]: four read-only queries (totals, per type, retry
 /// buckets, next retries), each served by a partial index and bounded by a

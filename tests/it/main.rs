@@ -13,6 +13,7 @@ mod faults;
 mod modes;
 mod operator;
 mod order;
+mod plan_states;
 mod plans;
 mod relay;
 mod relay_proc;

@@ -70,7 +70,7 @@ async fn fetch_skips_a_head_of_dead_letters_and_waiting_retries_through_its_inde
 
     // The same fetch with an empty head, for comparison: the head may add
     // one hold-back probe per fetched row (a descent of
-    // outbox_aggregate_failed_idx, a few buffers), never a walk.
+    // outbox_holdback_idx, a few buffers), never a walk.
     c.batch_execute("DELETE FROM events.outbox WHERE aggregate_type <> 'fresh'").await.expect("remove the head");
     c.batch_execute("VACUUM ANALYZE events.outbox").await.expect("vacuum");
     let row = c.query_one(&sql, &[&none, &500i64]).await.expect("explain the fetch again");

@@ -1,0 +1,230 @@
+//! Plans of every run-time statement in the statistics states users meet.
+//!
+//! Each test builds one state for real, with autovacuum off for the table
+//! so that nothing fixes the statistics behind the test's back:
+//! - never analyzed: rows loaded right after migrating, no ANALYZE or VACUUM;
+//! - stale: a steady state (published rows only) analyzed, then the failed
+//!   head and the backlog inserted after it, as an outage leaves them;
+//! - current: ANALYZE after every change.
+//!
+//! In each: 100 000 dead letters and 100 000 events waiting for a retry at
+//! the low end of the ids (each on an aggregate of its own), then backlogs of
+//! 0, 10 000 and 1 000 000 fresh events. Every statement of
+//! `pg_outbox::run_time_statements()` runs under `EXPLAIN (ANALYZE, BUFFERS)`
+//! on a session opened as pg-outbox opens its own (so with its planner
+//! settings), and the buffers it touched must stay within a bound
+//! proportional to the rows it returns (fetches, writes, lists) or counts
+//! (status figures), never to the failed head or the table. Writes run in a
+//! transaction that is rolled back.
+
+use pg_outbox::tokio_postgres::types::ToSql;
+use pg_outbox::tokio_postgres::{Client, Transaction};
+
+use crate::support::TestDb;
+
+const DEAD: i64 = 100_000;
+const WAITING: i64 = 100_000;
+const STEADY: i64 = 100_000;
+const BACKLOGS: [i64; 3] = [0, 10_000, 1_000_000];
+const BATCH: i64 = 500;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Stats {
+    Never,
+    Stale,
+    Current,
+}
+
+/// Buffers (shared hit + read) of a plan's top node, which counts its
+/// children, subplans and CTEs.
+fn buffers(plan: &serde_json::Value) -> i64 {
+    let top = &plan[0]["Plan"];
+    top["Shared Hit Blocks"].as_i64().unwrap_or(0) + top["Shared Read Blocks"].as_i64().unwrap_or(0)
+}
+
+fn top_rows(plan: &serde_json::Value) -> i64 {
+    plan[0]["Plan"]["Actual Rows"].as_i64().unwrap_or(0)
+}
+
+fn node_names(node: &serde_json::Value, out: &mut Vec<String>) {
+    let kind = node["Node Type"].as_str().unwrap_or("");
+    let on = node["Index Name"].as_str().or(node["Relation Name"].as_str()).unwrap_or("");
+    out.push(format!("{kind} {on}"));
+    if let Some(children) = node["Plans"].as_array() {
+        for c in children {
+            node_names(c, out);
+        }
+    }
+}
+
+async fn explain(tx: &Transaction<'_>, sql: &str, params: &[&(dyn ToSql + Sync)]) -> serde_json::Value {
+    let row = tx
+        .query_one(&format!("EXPLAIN (ANALYZE, BUFFERS, TIMING OFF, FORMAT JSON) {sql}"), params)
+        .await
+        .unwrap_or_else(|e| panic!("explain {sql}: {e}"));
+    row.get(0)
+}
+
+/// Load `n` rows of one kind with a cheap server-side statement. Triggers
+/// are skipped when the session may (`session_replication_role`, superuser
+/// only): they order producers and notify relays, which a load needs not.
+async fn insert(c: &Client, kind: &str, n: i64, cols: &str, vals: &str) {
+    if n == 0 {
+        return;
+    }
+    let base: i64 = c.query_one("SELECT coalesce(max(id), 0) FROM events.outbox", &[]).await.expect("max id").get(0);
+    c.batch_execute(&format!(
+        "INSERT INTO events.outbox (aggregate_type, aggregate_id, event_type, payload{cols}) \
+         SELECT '{kind}', md5('{kind}' || ({base} + g))::uuid, 'PaymentSucceeded', \
+                jsonb_build_object('version', 1, 'data', jsonb_build_object('n', g, 'note', md5(g::text))){vals} \
+         FROM generate_series(1, {n}) g"
+    ))
+    .await
+    .unwrap_or_else(|e| panic!("load {n} {kind} rows: {e}"));
+}
+
+async fn build(c: &Client, stats: Stats) {
+    c.batch_execute("ALTER TABLE events.outbox SET (autovacuum_enabled = false, toast.autovacuum_enabled = false)")
+        .await
+        .expect("autovacuum off");
+    let _ = c.batch_execute("SET session_replication_role = replica").await;
+    insert(c, "steady", STEADY, ", published_at", ", now() - interval '1 day'").await;
+    if stats == Stats::Stale {
+        c.batch_execute("VACUUM ANALYZE events.outbox").await.expect("analyze the steady state");
+    }
+    insert(c, "dead", DEAD, ", retry_count, last_error, next_retry_at", ", 10, 'sink refused', 'infinity'").await;
+    insert(
+        c,
+        "waiting",
+        WAITING,
+        ", retry_count, last_error, next_retry_at",
+        ", 1, 'sink timed out', now() + interval '1 hour'",
+    )
+    .await;
+}
+
+/// Check every statement against the current table; `backlog` fresh rows.
+async fn check_all(c: &mut Client, stats: Stats, backlog: i64) {
+    let first: Vec<i64> = c
+        .query("SELECT id FROM events.outbox WHERE aggregate_type = 'fresh' ORDER BY id LIMIT $1", &[&BATCH])
+        .await
+        .expect("first backlog ids")
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    let n_first = first.len() as i64;
+    let unpublished = DEAD + WAITING + backlog;
+    let none: Vec<i64> = Vec::new();
+    let errs: Vec<&str> = first.iter().map(|_| "sink refused").collect();
+    let delays: Vec<f64> = first.iter().map(|_| 60.0).collect();
+    let seen: Vec<i32> = first.iter().map(|_| 0).collect();
+    let all_parts: Vec<i32> = (0..16).collect();
+    let half_parts: Vec<i32> = (0..8).collect();
+    let (no_ids, no_text, no_time): (Option<Vec<i64>>, Option<String>, Option<chrono::DateTime<chrono::Utc>>) =
+        (None, None, None);
+    let dead_type = Some("dead".to_string());
+    let ten_days = 864_000.0f64;
+    let limit_list = 100i64;
+    let max_retries = 10i32;
+    let parts = 16i64;
+    let zero = 0i64;
+    let five = 5i64;
+    let types = pg_outbox::STATUS_MAX_TYPES + 1;
+    let mut failures = Vec::new();
+    for (name, sql) in pg_outbox::run_time_statements() {
+        // (parameters, bound on buffers)
+        let fetched = BATCH.min(backlog);
+        let cases: Vec<(Vec<&(dyn ToSql + Sync)>, i64, &str)> = match name {
+            "fetch" => vec![
+                (vec![&none, &BATCH], 8 * fetched + 50, "nothing in flight"),
+                (vec![&first, &BATCH], 8 * (fetched + n_first) + 50, "the first batch in flight"),
+            ],
+            "fetch_partitioned" => vec![
+                (vec![&none, &BATCH, &parts, &all_parts], 8 * fetched + 50, "all partitions"),
+                (vec![&none, &BATCH, &parts, &half_parts], 16 * fetched + 50, "half the partitions"),
+            ],
+            "competing_fetch" => vec![(vec![&BATCH], 8 * fetched + 50, "")],
+            "ack" => vec![(vec![&first], 30 * n_first + 50, "")],
+            "fail" => vec![(vec![&first, &errs, &delays, &max_retries, &seen], 40 * n_first + 50, "")],
+            "next_retry_in" => vec![(vec![], 50, "")],
+            "next_retries" => vec![(vec![&five], 100, "")],
+            "gauges" | "status" | "retry_buckets" => vec![(vec![], 6 * unpublished + 100, "")],
+            "status_by_type" => vec![(vec![&types], 6 * unpublished + 100, "")],
+            "dead_letters_list" | "dead_letters_ids" => {
+                vec![(vec![&no_ids, &dead_type, &no_text, &no_text, &no_time, &limit_list], 5 * limit_list + 50, "")]
+            }
+            "dead_letters_count" => vec![(vec![&no_ids, &dead_type, &no_text, &no_text, &no_time], 3 * DEAD + 100, "")],
+            "dead_letters_retry" | "dead_letters_discard" => {
+                vec![(vec![&no_ids, &dead_type, &no_text, &no_text, &no_time, &limit_list], 40 * limit_list + 100, "")]
+            }
+            // Retention walks the ids once per run (see retention.rs): in
+            // proportion to the table, never more.
+            "retention_delete" => vec![(vec![&ten_days, &BATCH, &zero], 3 * (STEADY + unpublished) + 100, "")],
+            "retention_count" => vec![(vec![&ten_days], 3 * (STEADY + unpublished) + 100, "")],
+            other => panic!("no plan check for statement {other}: add one"),
+        };
+        for (params, bound, case) in cases {
+            let tx = c.transaction().await.expect("begin");
+            let plan = explain(&tx, &sql, &params).await;
+            tx.rollback().await.expect("rollback");
+            let touched = buffers(&plan);
+            if touched > bound {
+                let mut nodes = Vec::new();
+                node_names(&plan[0]["Plan"], &mut nodes);
+                failures.push(format!(
+                    "{name} {case}: {touched} buffers > {bound} ({} rows; plan: {})",
+                    top_rows(&plan),
+                    nodes.join(" / ")
+                ));
+            }
+            if name == "fetch" && case == "nothing in flight" {
+                assert_eq!(top_rows(&plan), fetched, "{stats:?}, backlog {backlog}: the fetch returns a full batch");
+                eprintln!("plan_states {stats:?} backlog {backlog}: fetch of {fetched} rows touched {touched} buffers");
+            }
+        }
+    }
+    assert!(failures.is_empty(), "{stats:?} statistics, backlog {backlog}:\n{}", failures.join("\n"));
+}
+
+async fn run_state(stats: Stats, tag: &str) {
+    let db = TestDb::new(tag).await;
+    let setup = db.client().await;
+    build(&setup, stats).await;
+    // A session as pg-outbox opens its own: its planner settings included.
+    let mut c =
+        pg_outbox::parse_url(&db.url()).expect("url").connect_client("pg-outbox plan check").await.expect("connect");
+    let mut loaded = 0;
+    for backlog in BACKLOGS {
+        insert(&setup, "fresh", backlog - loaded, "", "").await;
+        loaded = backlog;
+        if stats == Stats::Current {
+            setup.batch_execute("ANALYZE events.outbox").await.expect("analyze");
+        }
+        check_all(&mut c, stats, backlog).await;
+    }
+    let analyzed: Option<chrono::DateTime<chrono::Utc>> = setup
+        .query_one(
+            "SELECT greatest(last_analyze, last_autoanalyze) FROM pg_stat_user_tables \
+             WHERE schemaname = 'events' AND relname = 'outbox'",
+            &[],
+        )
+        .await
+        .expect("analyze times")
+        .get(0);
+    assert_eq!(analyzed.is_some(), stats != Stats::Never, "{stats:?}: the table's analyze state");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_statement_is_bounded_on_a_table_never_analyzed() {
+    run_state(Stats::Never, "plan_never").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_statement_is_bounded_under_statistics_from_before_the_backlog() {
+    run_state(Stats::Stale, "plan_stale").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_statement_is_bounded_under_current_statistics() {
+    run_state(Stats::Current, "plan_current").await;
+}
