@@ -246,8 +246,8 @@ pub struct OutboxStatus {
     /// Unpublished rows that are due now (fresh, or their retry is due) and
     /// not held back.
     pub due_now: i64,
-    /// Due rows held back behind an earlier failed event of their aggregate
-    /// (waiting for a retry, or a dead letter).
+    /// Due rows held back behind an earlier failed, unpublished event of
+    /// their aggregate (waiting for a retry, due again, or a dead letter).
     pub held_back: i64,
     /// Unpublished rows waiting for their retry (`next_retry_at` in the future).
     pub waiting_for_retry: i64,
