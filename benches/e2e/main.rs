@@ -6,7 +6,9 @@
 //!   `pg-outbox relay --sink stdout` process at paced rates, against the raw
 //!   floor (a bare LISTEN client) at the same rates;
 //! - `drain`: drain throughput and peak RSS on a pre-loaded backlog, against
-//!   the seed's poller and a plain-SQL batched loop;
+//!   the seed's poller and a plain-SQL batched loop, in three table states:
+//!   stale statistics (analysed before the backlog formed, as an outage
+//!   leaves it), never analysed, and settled (vacuumed and analysed);
 //! - `keepup`: producers at full speed with the relay draining: lag;
 //! - `producers`: insert rate with pg-outbox's triggers against without;
 //! - `heads`: drain and latency with 100 000 dead letters and 100 000
@@ -82,11 +84,11 @@ pub struct Settings {
     pub latency_rates: Vec<u64>,
     /// Latency: seconds of sending per run.
     pub latency_secs: f64,
-    /// Drain: backlog size.
+    /// Drain: backlog size (in every table state).
     pub drain_events: i64,
     /// Drain: events the seed poller drains (a prefix of the backlog).
     pub drain_baseline_prefix: i64,
-    /// Drain: time cap per drainer, seconds.
+    /// Drain: time cap per drainer and table state, seconds.
     pub drain_max_secs: f64,
     /// Keep-up: seconds of producing.
     pub keepup_secs: f64,

@@ -96,6 +96,8 @@ pub enum RowKind {
     DeadLetter,
     /// Waiting for a retry a day from now: `retry_count = 1`.
     RetryWaiting,
+    /// Already published (`published_at = now()`): a steady state's rows.
+    Published,
 }
 
 /// Insert `n` rows of `kind` over `aggregates` aggregates (named after
@@ -113,6 +115,7 @@ pub async fn load_rows(client: &Client, kind: RowKind, n: i64, aggregates: i64, 
         RowKind::RetryWaiting => {
             (", retry_count, next_retry_at, last_error", ", 1, now() + interval '1 day', 'bench: waiting for a retry'")
         }
+        RowKind::Published => (", published_at", ", now()"),
     };
     let sql = format!(
         "SET session_replication_role = replica; \
@@ -299,6 +302,13 @@ impl RelayProc {
         if let Some(status) = self.child.try_wait()? {
             return Err(format!("relay exited early ({status}); stderr:\n{}", self.log()).into());
         }
+        Ok(())
+    }
+
+    /// SIGKILL, and reap it: for a relay whose measurement is over but which
+    /// may be stuck in a statement (a graceful stop would wait for it).
+    pub async fn kill(mut self) -> BenchResult<()> {
+        self.child.kill().await?;
         Ok(())
     }
 
