@@ -45,6 +45,18 @@ macro_rules! held_back_by {
 
 /// See [`held_back_by`]: the row is not held back.
 const NOT_HELD_BACK: &str = concat!(held_back_by!(), " IS NULL");
+/// [`NOT_HELD_BACK`], skipped when no unpublished row has failed at all
+/// (the usual case while a sink is healthy): the first test is one read of
+/// the first entry of `outbox_retry_due_idx`, by its key (the only plan
+/// without a sort), which PostgreSQL runs once per statement (an InitPlan),
+/// and `OR` evaluates its arguments in order, so then no row pays for the
+/// probe.
+const NOT_HELD_BACK_IF_ANY_FAILED: &str = concat!(
+    "((SELECT 1 FROM events.outbox f WHERE f.published_at IS NULL AND f.next_retry_at IS NOT NULL \
+       ORDER BY f.next_retry_at LIMIT 1) IS NULL OR ",
+    held_back_by!(),
+    " IS NULL)"
+);
 /// See [`held_back_by`]: the row is held back.
 const HELD_BACK: &str = concat!(held_back_by!(), " IS NOT NULL");
 
@@ -85,7 +97,7 @@ pub(crate) fn fetch_sql(partitioned: bool) -> String {
         "SELECT {cols}{part_col} FROM ( \
            (SELECT o.* FROM events.outbox o \
              WHERE o.published_at IS NULL AND o.next_retry_at IS NULL \
-               AND o.id <> ALL($1::bigint[]) {part_filter} AND {hb} \
+               AND o.id <> ALL($1::bigint[]) {part_filter} AND {hb_fresh} \
              ORDER BY o.id + 0 LIMIT $2) \
            UNION ALL \
            (SELECT o.* FROM events.outbox o \
@@ -94,6 +106,7 @@ pub(crate) fn fetch_sql(partitioned: bool) -> String {
              ORDER BY o.next_retry_at LIMIT $2) \
          ) o ORDER BY id LIMIT $2",
         cols = EVENT_COLUMNS,
+        hb_fresh = NOT_HELD_BACK_IF_ANY_FAILED,
         hb = NOT_HELD_BACK
     )
 }
