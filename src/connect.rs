@@ -63,6 +63,18 @@ pub const PLANNER_SETTINGS: &str = "-c enable_sort=off -c jit=off -c max_paralle
 /// Default connect timeout when the URL sets none: 10 seconds.
 pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 
+/// `client_connection_check_interval` of the consumer's sessions: 5 s.
+/// While a statement runs, the server polls the socket this often and ends
+/// the statement and the session once the client is gone (PostgreSQL 14+,
+/// docs "Connection Settings"), instead of running on until it has a result
+/// to send: a relay killed with `kill -9` during a slow statement leaves it
+/// running for at most about this long. Only running statements are
+/// checked, so an idle session costs nothing.
+pub(crate) const CLIENT_CONNECTION_CHECK_INTERVAL: Duration = Duration::from_secs(5);
+
+/// How long a cancel request may take (it opens a connection of its own).
+pub(crate) const CANCEL_REQUEST_TIMEOUT: Duration = Duration::from_secs(5);
+
 /// TLS mode of a connection, as libpq's `sslmode` (PostgreSQL docs, libpq
 /// "SSL Support", table "SSL Mode Descriptions").
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -338,7 +350,7 @@ impl ConnectOptions {
     /// # Ok(()) }
     /// ```
     pub async fn connect_client(&self, application_name: &str) -> Result<Client> {
-        let (client, _link) = connect(self, application_name).await?;
+        let (client, _link) = connect(self, application_name, &SessionSettings::default()).await?;
         Ok(client)
     }
 
@@ -692,16 +704,97 @@ pub fn describe_target(cfg: &Config) -> String {
 /// The TLS stream type of our connections.
 pub(crate) type TlsStream = <MakeRustlsConnect as MakeTlsConnect<Socket>>::Stream;
 
-/// A spawned connection task, and a token cancelled the moment it ends
-/// (the server closed the session, the network broke, or it was aborted).
+/// A spawned connection task, a token cancelled the moment it ends (the
+/// server closed the session, the network broke, or it was aborted), and
+/// what cancels the session's running statement.
 #[derive(Debug)]
 pub(crate) struct Link {
     pub(crate) handle: JoinHandle<()>,
     pub(crate) closed: tokio_util::sync::CancellationToken,
+    pub(crate) canceller: Canceller,
+}
+
+/// Settings of one kind of session beyond those of every session, sent as
+/// startup options before the URL's own `options` (which therefore win).
+/// The default adds nothing.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(crate) struct SessionSettings {
+    /// `statement_timeout` (zero disables it, as in PostgreSQL); `None`
+    /// leaves the server's, role's or URL's setting alone.
+    pub(crate) statement_timeout: Option<Duration>,
+    /// Send `client_connection_check_interval` =
+    /// [`CLIENT_CONNECTION_CHECK_INTERVAL`]. A server older than PostgreSQL
+    /// 14 refuses the unknown setting at startup; the connection is then
+    /// made again without it.
+    pub(crate) check_client_connection: bool,
+}
+
+impl SessionSettings {
+    /// The startup options, `-c name=value` each; with or without the
+    /// connection check.
+    pub(crate) fn options(&self, with_check: bool) -> String {
+        let mut out = Vec::new();
+        if let Some(t) = self.statement_timeout {
+            out.push(format!("-c statement_timeout={}", setting_millis(t)));
+        }
+        if with_check && self.check_client_connection {
+            out.push(format!(
+                "-c client_connection_check_interval={}",
+                setting_millis(CLIENT_CONNECTION_CHECK_INTERVAL)
+            ));
+        }
+        out.join(" ")
+    }
+}
+
+/// A duration as the whole milliseconds of a server setting whose unit is
+/// ms: rounded up (500 us is 1 ms, not 0, which would turn a timeout off),
+/// at most `i32::MAX` (the largest such setting the server takes).
+pub(crate) fn setting_millis(d: Duration) -> u64 {
+    let ms = d.as_nanos().div_ceil(1_000_000);
+    u64::try_from(ms).unwrap_or(u64::MAX).min(i32::MAX as u64)
+}
+
+/// Sends cancel requests for the statement a session is running
+/// (PostgreSQL docs, "Canceling Requests in Progress"), over a connection of
+/// its own with the session's TLS settings.
+#[derive(Clone)]
+pub(crate) struct Canceller {
+    token: tokio_postgres::CancelToken,
+    tls: MakeRustlsConnect,
+}
+
+impl fmt::Debug for Canceller {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Canceller").finish_non_exhaustive()
+    }
+}
+
+impl Canceller {
+    /// Ask the server to cancel the statement the session runs now, waiting
+    /// at most [`CANCEL_REQUEST_TIMEOUT`]. Cancelling is racy by nature: a
+    /// statement that ends first is not affected, but one sent right after
+    /// may be, so a session is not used again after a cancel it may not have
+    /// answered. Returns whether the request was sent; a failure is logged
+    /// at debug level (the server may be gone, which ends the statement too).
+    pub(crate) async fn cancel(&self) -> bool {
+        match tokio::time::timeout(CANCEL_REQUEST_TIMEOUT, self.token.cancel_query(self.tls.clone())).await {
+            Ok(Ok(())) => true,
+            Ok(Err(e)) => {
+                tracing::debug!(error = %crate::error::report(&e), "cancel request failed");
+                false
+            }
+            Err(_) => {
+                tracing::debug!(timeout = ?CANCEL_REQUEST_TIMEOUT, "cancel request timed out");
+                false
+            }
+        }
+    }
 }
 
 /// Open a connection as `opts` says (TLS included), with our application
-/// name, keepalives and a connect timeout; do not spawn it.
+/// name, keepalives, a connect timeout and `settings`; do not spawn it.
+/// Returns the client, its connection and its [`Canceller`].
 ///
 /// `allow` tries without TLS and then with it; `prefer` asks for TLS and
 /// goes on without if the server declines; a Unix socket never uses TLS
@@ -709,10 +802,11 @@ pub(crate) struct Link {
 pub(crate) async fn open(
     opts: &ConnectOptions,
     application_name: &str,
-) -> Result<(Client, Connection<Socket, TlsStream>)> {
+    settings: &SessionSettings,
+) -> Result<(Client, Connection<Socket, TlsStream>, Canceller)> {
     use tokio_postgres::config::SslMode as T;
-    let mut cfg = prepared(&opts.pg, application_name);
-    let all_unix = !cfg.get_hosts().is_empty() && cfg.get_hosts().iter().all(|h| matches!(h, Host::Unix(_)));
+    let base = prepared(&opts.pg, application_name);
+    let all_unix = !base.get_hosts().is_empty() && base.get_hosts().iter().all(|h| matches!(h, Host::Unix(_)));
     // libpq ignores the TLS settings on a Unix socket, so a missing root
     // certificate for verify-full must not refuse one either.
     let tls = if all_unix {
@@ -728,15 +822,33 @@ pub(crate) async fn open(
         SslMode::Require | SslMode::VerifyCa | SslMode::VerifyFull => &[T::Require],
     };
     let mut last = None;
-    for mode in attempts {
-        cfg.ssl_mode(*mode);
-        match cfg.connect(tls.clone()).await {
-            Ok(pair) => return Ok(pair),
-            Err(e) => {
-                tracing::debug!(target_db = %opts.describe(), error = %crate::error::report(&e), "connection attempt failed");
-                last = Some(e);
+    // With the connection check first; without it if the server does not
+    // know the setting (PostgreSQL 13 or older: "unrecognized configuration
+    // parameter", SQLSTATE 42704, at startup).
+    let variants: &[bool] = if settings.check_client_connection { &[true, false] } else { &[false] };
+    for &with_check in variants {
+        let mut cfg = with_session_options(&base, &settings.options(with_check));
+        let mut unknown_setting = false;
+        for mode in attempts {
+            cfg.ssl_mode(*mode);
+            match cfg.connect(tls.clone()).await {
+                Ok((client, connection)) => {
+                    let canceller = Canceller { token: client.cancel_token(), tls: tls.clone() };
+                    return Ok((client, connection, canceller));
+                }
+                Err(e) => {
+                    tracing::debug!(target_db = %opts.describe(), error = %crate::error::report(&e), "connection attempt failed");
+                    unknown_setting |=
+                        with_check && e.code() == Some(&tokio_postgres::error::SqlState::UNDEFINED_OBJECT);
+                    last = Some(e);
+                }
             }
         }
+        if !unknown_setting {
+            break;
+        }
+        tracing::debug!(target_db = %opts.describe(),
+            "the server does not know client_connection_check_interval (PostgreSQL 13 or older); connecting without it");
     }
     match last {
         Some(source) => Err(Error::Connect { target: opts.describe(), source }),
@@ -751,8 +863,12 @@ pub(crate) async fn open(
 ///
 /// Used for the work connection. The LISTEN connection is driven by the
 /// notifier itself (see `consumer::notifier`).
-pub(crate) async fn connect(opts: &ConnectOptions, application_name: &str) -> Result<(Client, Link)> {
-    let (client, connection) = open(opts, application_name).await?;
+pub(crate) async fn connect(
+    opts: &ConnectOptions,
+    application_name: &str,
+    settings: &SessionSettings,
+) -> Result<(Client, Link)> {
+    let (client, connection, canceller) = open(opts, application_name, settings).await?;
     let name = application_name.to_string();
     let closed = tokio_util::sync::CancellationToken::new();
     let guard = closed.clone().drop_guard();
@@ -762,7 +878,23 @@ pub(crate) async fn connect(opts: &ConnectOptions, application_name: &str) -> Re
             tracing::debug!(connection = %name, error = %e, "connection ended");
         }
     });
-    Ok((client, Link { handle, closed }))
+    Ok((client, Link { handle, closed, canceller }))
+}
+
+/// `base`'s options with `extra` in front, so that `base`'s (ours of every
+/// session, then the URL's) come later and win.
+fn with_session_options(base: &Config, extra: &str) -> Config {
+    let mut cfg = base.clone();
+    match base.get_options() {
+        _ if extra.is_empty() => {}
+        Some(o) if !o.is_empty() => {
+            cfg.options(format!("{extra} {o}"));
+        }
+        _ => {
+            cfg.options(extra);
+        }
+    }
+    cfg
 }
 
 /// The config with our application name, keepalives and a connect timeout.
@@ -854,5 +986,25 @@ mod tests {
         assert!(e.to_string().contains("mysql://"), "{e}");
         let secret = parse_url("postgres://u:s3cret@h:notaport/db").expect_err("bad port");
         assert!(!crate::error::report(&secret).contains("s3cret"));
+    }
+
+    #[test]
+    fn session_settings_come_before_the_urls_options() {
+        let s = SessionSettings { statement_timeout: Some(Duration::from_millis(200)), check_client_connection: true };
+        assert_eq!(s.options(true), "-c statement_timeout=200 -c client_connection_check_interval=5000");
+        assert_eq!(s.options(false), "-c statement_timeout=200");
+        assert_eq!(SessionSettings::default().options(true), "");
+        let off = SessionSettings { statement_timeout: Some(Duration::ZERO), check_client_connection: false };
+        assert_eq!(off.options(true), "-c statement_timeout=0");
+        let base = prepared(&parse_url("host=h user=u options='-c statement_timeout=0'").expect("url"), "app");
+        let cfg = with_session_options(&base, &s.options(true));
+        let o = cfg.get_options().expect("options");
+        assert!(o.starts_with("-c statement_timeout=200 -c client_connection_check_interval=5000 "), "{o}");
+        assert!(o.ends_with("-c statement_timeout=0"), "the URL's own setting comes last, so it wins: {o}");
+        assert_eq!(with_session_options(&base, "").get_options(), base.get_options());
+        assert_eq!(setting_millis(Duration::from_micros(500)), 1, "rounded up, never to 0 (off)");
+        assert_eq!(setting_millis(Duration::ZERO), 0);
+        assert_eq!(setting_millis(Duration::from_secs(60)), 60_000);
+        assert_eq!(setting_millis(Duration::from_secs(u64::MAX)), i32::MAX as u64);
     }
 }

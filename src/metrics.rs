@@ -39,6 +39,12 @@ pub const LISTENER_RECONNECTS: &str = "outbox_listener_reconnects_total";
 pub const LISTENER_UP: &str = "outbox_listener_up";
 /// Counter: errors on the work connection (each followed by a reconnect with backoff).
 pub const DATABASE_ERRORS: &str = "outbox_database_errors_total";
+/// Counter: statements of the consumer's own sessions that the server cut
+/// at the statement timeout (`statement_timeout`, default 60 s; each is
+/// followed by a reconnect with backoff, and counts in [`DATABASE_ERRORS`]
+/// too), labelled `statement` by what it was doing: one of
+/// [`TIMEOUT_STATEMENTS`].
+pub const STATEMENT_TIMEOUTS: &str = "outbox_statement_timeouts_total";
 /// Gauge: 1 while this consumer holds the outbox lock (single mode), else 0.
 pub const LEADER: &str = "outbox_leader";
 /// Gauge: partitions this consumer holds (partitioned mode).
@@ -87,6 +93,7 @@ pub fn describe() {
     describe_counter!(LISTENER_RECONNECTS, "LISTEN connection reconnects.");
     describe_gauge!(LISTENER_UP, "1 while the LISTEN connection is listening.");
     describe_counter!(DATABASE_ERRORS, "Errors on the work connection.");
+    describe_counter!(STATEMENT_TIMEOUTS, "Statements cut by the statement timeout, by statement.");
     describe_histogram!(SINK_DURATION, Unit::Seconds, "Time a sink took to deliver one event.");
     describe_gauge!(WAITING_FOR_NOTIFICATIONS, "1 while this relay asks producers to notify it.");
     describe_counter!(RETENTION_DELETED, "Published events deleted by retention.");
@@ -103,8 +110,29 @@ pub fn describe() {
 pub const FETCH_WAKES: [&str; 8] =
     ["start", "notification", "sweep", "retry", "reconnect", "release", "ownership", "poll"];
 
+/// The `statement` label values of [`STATEMENT_TIMEOUTS`]: `fetch`,
+/// `ack_write` (marking events published), `fail_write` (recording failed
+/// attempts), `next_retry_read` (the earliest retry time), `gauges` (the
+/// backlog gauges), `registration` (whether this relay waits for wake-ups),
+/// `lock` (the outbox lock or partitions), `notify_lock_waiters` (producers
+/// queued on NOTIFY's lock), `claim_commit` (competing mode), and
+/// `session_setup` (preparing a new session's statements).
+pub const TIMEOUT_STATEMENTS: [&str; 10] = [
+    "fetch",
+    "ack_write",
+    "fail_write",
+    "next_retry_read",
+    "gauges",
+    "registration",
+    "lock",
+    "notify_lock_waiters",
+    "claim_commit",
+    "session_setup",
+];
+
 /// Record the starting value of every counter (0, and for
-/// [`EVENTS_FETCHED`] one 0 per [`FETCH_WAKES`] label) and of every gauge
+/// [`EVENTS_FETCHED`] one 0 per [`FETCH_WAKES`] label, for
+/// [`STATEMENT_TIMEOUTS`] one per [`TIMEOUT_STATEMENTS`] label) and of every gauge
 /// (0, except [`RETENTION_LAST_RUN`], which stays absent until retention
 /// runs), so a Prometheus exporter shows each series from the first scrape
 /// and dashboards and alerts never show "no data" for a metric that simply
@@ -131,6 +159,9 @@ pub fn record_initial_values() {
     }
     for wake in FETCH_WAKES {
         metrics::counter!(EVENTS_FETCHED, "wake" => wake).increment(0);
+    }
+    for statement in TIMEOUT_STATEMENTS {
+        metrics::counter!(STATEMENT_TIMEOUTS, "statement" => statement).increment(0);
     }
     for name in [
         BACKLOG,

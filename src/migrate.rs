@@ -63,12 +63,29 @@ fn checksum(sql: &str) -> String {
 /// Must run outside a transaction (indexes are built `CONCURRENTLY`, so
 /// producers keep writing while they build).
 ///
+/// Runs with the session's `statement_timeout` off (a concurrent index
+/// build on a large table may take long, and first waits for every older
+/// transaction), so a timeout set for the role, the database or in the
+/// URL's `options` does not cut it; the session's own value is put back at
+/// the end, also after an error.
+///
 /// # Errors
 /// [`Error::Db`] if a statement fails (nothing after it runs; the files are
 /// idempotent, so running again after fixing the cause is safe), or
 /// [`Error::NotMigrated`] naming an index left invalid by an interrupted
 /// concurrent build, with the statement that removes it.
 pub async fn apply(client: &Client) -> Result<MigrationReport> {
+    let timeout: String = client.query_one("SELECT current_setting('statement_timeout')", &[]).await?.try_get(0)?;
+    client.batch_execute("SET statement_timeout = 0").await?;
+    let result = apply_unlimited(client).await;
+    let restored = client.execute("SELECT set_config('statement_timeout', $1, false)", &[&timeout]).await;
+    let report = result?;
+    restored?;
+    Ok(report)
+}
+
+/// [`apply`], with the statement timeout already off.
+async fn apply_unlimited(client: &Client) -> Result<MigrationReport> {
     // Poll with pg_try_advisory_lock rather than wait in pg_advisory_lock:
     // a session waiting for the lock sits in a transaction, and
     // CREATE INDEX CONCURRENTLY in the session holding it waits for every

@@ -30,6 +30,7 @@ use tokio_postgres::{Client, Statement};
 use tokio_util::sync::CancellationToken;
 
 use super::delivery::Settlement;
+use super::statement::{self, Failure, Kind, Session, StatementError};
 use super::{AggregateKey, ConsumerConfig, Delivery, Mode, STATUS_INTERVAL, Shared};
 use crate::connect::Link;
 use crate::error::{Error, Result};
@@ -39,6 +40,8 @@ use crate::store;
 struct Conn {
     client: Arc<Client>,
     link: Link,
+    /// The work session's cancel requests and statements in flight.
+    session: Session,
     fetch: Statement,
     /// The session's membership lock key (partitioned mode).
     member_key: i32,
@@ -48,12 +51,24 @@ struct Conn {
     writer: Arc<Client>,
     /// The second session's connection task (`None` in competing mode).
     writer_link: Option<Link>,
+    /// The writer session's cancel requests and statements in flight (the
+    /// work session's in competing mode).
+    writer_session: Session,
     ack: Statement,
     fail: Statement,
 }
 
 impl Drop for Conn {
     fn drop(&mut self) {
+        // The sessions are given up (an error, a lost connection, the end):
+        // a statement of theirs still running is cancelled, so it does not
+        // run on at the server after its session is closed here.
+        if self.session.busy() {
+            self.session.cancel_in_background();
+        }
+        if self.writer_link.is_some() && self.writer_session.busy() {
+            self.writer_session.cancel_in_background();
+        }
         self.link.handle.abort();
         if let Some(l) = &self.writer_link {
             l.handle.abort();
@@ -67,8 +82,8 @@ struct FlushDone {
     generation: u64,
     acks: Vec<i64>,
     fails: Vec<PendingFail>,
-    ack_res: std::result::Result<Vec<tokio_postgres::Row>, tokio_postgres::Error>,
-    fail_res: std::result::Result<Vec<tokio_postgres::Row>, tokio_postgres::Error>,
+    ack_res: std::result::Result<Vec<tokio_postgres::Row>, StatementError>,
+    fail_res: std::result::Result<Vec<tokio_postgres::Row>, StatementError>,
 }
 
 struct PendingFail {
@@ -409,7 +424,7 @@ impl Engine {
                     self.flush_timer().await;
                 }
                 _ = sleep_until(self.reconnect_at.unwrap_or(far)), if self.conn.is_none() => {
-                    self.reconnect().await;
+                    self.reconnect(token.cancelled()).await;
                 }
                 permit = tx.reserve_many(batch), if can_fetch => {
                     match permit {
@@ -502,10 +517,14 @@ impl Engine {
         }
     }
 
-    async fn reconnect(&mut self) {
+    /// Open the work and writer sessions and prepare their statements. When
+    /// `stop` resolves while they are being prepared, the statement running
+    /// is cancelled and the sessions are closed (see [`statement::run`]).
+    async fn reconnect(&mut self, stop: impl std::future::Future<Output = ()>) {
+        let session = self.cfg.session();
         let (client, link) = match self.first.take() {
             Some(first) => first,
-            None => match crate::connect::connect(&self.cfg.pg, "pg-outbox drain").await {
+            None => match crate::connect::connect(&self.cfg.pg, "pg-outbox drain", &session).await {
                 Ok(c) => c,
                 Err(e) => {
                     self.connection_failed(&e);
@@ -518,7 +537,7 @@ impl Engine {
         let writer = if matches!(mode, Mode::Competing) {
             None
         } else {
-            match crate::connect::connect(&self.cfg.pg, "pg-outbox writer").await {
+            match crate::connect::connect(&self.cfg.pg, "pg-outbox writer", &session).await {
                 Ok((c, l)) => Some((Arc::new(c), l)),
                 Err(e) => {
                     link.handle.abort();
@@ -531,27 +550,55 @@ impl Engine {
             Some((c, l)) => (c, Some(l)),
             None => (client.clone(), None),
         };
+        let work_session = Session::new(link.canceller.clone());
+        let writer_session = match &writer_link {
+            Some(l) => Session::new(l.canceller.clone()),
+            None => work_session.clone(),
+        };
         let member_key: i32 = rand::random::<i32>();
-        let prepared = async {
+        let timeout = self.cfg.statement_timeout;
+        tokio::pin!(stop);
+        let work_prepared = statement::run(Kind::SessionSetup, &work_session, timeout, &mut stop, async {
             let fetch_sql = match mode {
                 Mode::Single => store::fetch_sql(false),
                 Mode::Partitioned { .. } => store::fetch_sql(true),
                 Mode::Competing => store::COMPETING_FETCH.to_string(),
             };
             let fetch = client.prepare(&fetch_sql).await?;
-            let ack = writer.prepare(store::ACK).await?;
-            let fail = writer.prepare(store::FAIL).await?;
             let next_retry = client.prepare(store::NEXT_RETRY_IN).await?;
             if let Mode::Partitioned { .. } = mode {
                 client.execute(store::MEMBER_LOCK, &[&MEMBER_CLASS, &member_key]).await?;
             }
-            Ok::<_, tokio_postgres::Error>((fetch, ack, fail, next_retry))
-        }
+            Ok((fetch, next_retry))
+        })
         .await;
+        let prepared = match work_prepared {
+            Ok((fetch, next_retry)) => {
+                statement::run(Kind::SessionSetup, &writer_session, timeout, &mut stop, async {
+                    let ack = writer.prepare(store::ACK).await?;
+                    let fail = writer.prepare(store::FAIL).await?;
+                    Ok((fetch, ack, fail, next_retry))
+                })
+                .await
+            }
+            Err(e) => Err(e),
+        };
         match prepared {
             Ok((fetch, ack, fail, next_retry)) => {
                 self.generation += 1;
-                self.conn = Some(Conn { client, link, fetch, member_key, next_retry, writer, writer_link, ack, fail });
+                self.conn = Some(Conn {
+                    client,
+                    link,
+                    session: work_session,
+                    fetch,
+                    member_key,
+                    next_retry,
+                    writer,
+                    writer_link,
+                    writer_session,
+                    ack,
+                    fail,
+                });
                 self.backoff = new_backoff(self.cfg.reconnect_max_delay);
                 self.reconnect_at = None;
                 // Locks of the old session are gone with it.
@@ -577,7 +624,10 @@ impl Engine {
                 if let Some(l) = writer_link {
                     l.handle.abort();
                 }
-                self.connection_failed(&Error::Db(e));
+                match e.failure {
+                    Failure::Db(e) => self.connection_failed(&Error::Db(e)),
+                    _ => self.db_error(e),
+                }
             }
         }
     }
@@ -631,7 +681,9 @@ impl Engine {
                 if self.leader {
                     return;
                 }
-                match conn.client.query_one(store::TRY_LEADER_LOCK, &[&LEADER_KEY]).await {
+                let timeout = self.cfg.statement_timeout;
+                let lock = conn.client.query_one(store::TRY_LEADER_LOCK, &[&LEADER_KEY]);
+                match statement::run(Kind::Lock, &conn.session, timeout, self.token.cancelled(), lock).await {
                     Ok(row) => {
                         if row.try_get::<_, bool>(0).unwrap_or(false) {
                             self.set_leader(true);
@@ -645,12 +697,15 @@ impl Engine {
                             self.lock_at = Some(Instant::now() + LOCK_INTERVAL);
                         }
                     }
-                    Err(e) => self.db_error("taking the outbox lock", e),
+                    Err(e) => self.db_error(e),
                 }
             }
             Mode::Partitioned { partitions } => {
-                if let Err(e) = self.rebalance(partitions).await {
-                    self.db_error("rebalancing partitions", e);
+                let (session, token) = (conn.session.clone(), self.token.clone());
+                let timeout = self.cfg.statement_timeout;
+                let rebalanced = self.rebalance(partitions);
+                if let Err(e) = statement::run(Kind::Lock, &session, timeout, token.cancelled(), rebalanced).await {
+                    self.db_error(e);
                     return;
                 }
                 self.lock_at = Some(Instant::now() + jittered(LOCK_INTERVAL * 4));
@@ -705,10 +760,29 @@ impl Engine {
         Ok(())
     }
 
-    fn db_error(&mut self, what: &str, e: tokio_postgres::Error) {
+    /// A statement failed: reconnect with backoff (a statement the
+    /// timeout cut is logged and counted as such); one cancelled because the
+    /// consumer is stopping just closes its sessions.
+    fn db_error(&mut self, e: StatementError) {
+        let StatementError { kind, failure } = e;
+        let e = match failure {
+            Failure::Stopped => {
+                tracing::debug!(during = kind.describe(), "stopping: closing the sessions of a cancelled statement");
+                self.lost_connection(Duration::ZERO);
+                return;
+            }
+            Failure::TimedOut(e) => {
+                metrics::counter!(m::DATABASE_ERRORS).increment(1);
+                let delay = self.backoff.next().unwrap_or(self.cfg.reconnect_max_delay);
+                statement::record_timeout(kind, self.cfg.statement_timeout, &e, Some(delay));
+                self.lost_connection(delay);
+                return;
+            }
+            Failure::Db(e) => e,
+        };
         metrics::counter!(m::DATABASE_ERRORS).increment(1);
         let delay = self.backoff.next().unwrap_or(self.cfg.reconnect_max_delay);
-        tracing::warn!(error = %crate::error::report(&e), during = what, retry_in = ?delay,
+        tracing::warn!(error = %crate::error::report(&e), during = kind.describe(), retry_in = ?delay,
             "database error in the drain loop; reconnecting");
         self.lost_connection(delay);
     }
@@ -722,30 +796,36 @@ impl Engine {
             exclude.extend(ids.iter().copied());
         }
         let batch = i64::try_from(self.cfg.batch_size).unwrap_or(i64::MAX);
+        let (timeout, session, stop) = (self.cfg.statement_timeout, &conn.session, self.token.cancelled());
         let res = match self.cfg.mode {
-            Mode::Single => conn.client.query(&conn.fetch, &[&exclude, &batch]).await,
+            Mode::Single => {
+                statement::run(Kind::Fetch, session, timeout, stop, conn.client.query(&conn.fetch, &[&exclude, &batch]))
+                    .await
+            }
             Mode::Partitioned { partitions } => {
                 let owned: Vec<i32> = self.owned.iter().copied().collect();
                 let n = i64::from(partitions);
-                conn.client.query(&conn.fetch, &[&exclude, &batch, &n, &owned]).await
+                let params: [&(dyn tokio_postgres::types::ToSql + Sync); 4] = [&exclude, &batch, &n, &owned];
+                statement::run(Kind::Fetch, session, timeout, stop, conn.client.query(&conn.fetch, &params)).await
             }
             Mode::Competing => {
                 // Claim rows with row locks held by an open transaction until
                 // the whole batch is settled; other consumers skip them.
-                match conn.client.batch_execute(store::BEGIN).await {
-                    Ok(()) => {
-                        self.in_tx = true;
-                        conn.client.query(&conn.fetch, &[&batch]).await
-                    }
-                    Err(e) => Err(e),
-                }
+                let claim = async {
+                    conn.client.batch_execute(store::BEGIN).await?;
+                    conn.client.query(&conn.fetch, &[&batch]).await
+                };
+                // A failed claim leaves no transaction behind that matters:
+                // its session is closed.
+                self.in_tx = true;
+                statement::run(Kind::Fetch, session, timeout, stop, claim).await
             }
         };
         let rows = match res {
             Ok(rows) => rows,
             Err(e) => {
                 drop(permit);
-                self.db_error("fetch", e);
+                self.db_error(e);
                 return;
             }
         };
@@ -875,9 +955,18 @@ impl Engine {
         }
         self.notify_queue_checked_at = Some(Instant::now());
         let Some(conn) = self.conn.as_ref() else { return false };
-        let waiters = match conn.client.query_one(store::NOTIFY_LOCK_WAITERS, &[]).await {
+        let look = conn.client.query_one(store::NOTIFY_LOCK_WAITERS, &[]);
+        let waiters = match statement::run(
+            Kind::NotifyLockWaiters,
+            &conn.session,
+            self.cfg.statement_timeout,
+            self.token.cancelled(),
+            look,
+        )
+        .await
+        {
             Ok(row) => row.try_get::<_, i64>(0).unwrap_or(0),
-            Err(e) => {
+            Err(StatementError { failure: Failure::Db(e), .. }) => {
                 let error = crate::error::report(&e);
                 if self.notify_queue_warned {
                     tracing::debug!(error = %error, "could not count NOTIFY's lock waiters");
@@ -888,6 +977,10 @@ impl Engine {
                          (the other busy rules still apply)");
                 }
                 0
+            }
+            Err(e) => {
+                self.db_error(e);
+                return false;
             }
         };
         if waiters < NOTIFY_QUEUE_WAITERS {
@@ -938,7 +1031,11 @@ impl Engine {
     /// Say in events.outbox_relays whether this relay waits for wake-ups.
     async fn set_waiting(&mut self, waiting: bool) {
         let Some(conn) = self.conn.as_ref() else { return };
-        match conn.client.execute(store::SET_WAITING, &[&waiting]).await {
+        let params: [&(dyn tokio_postgres::types::ToSql + Sync); 1] = [&waiting];
+        let set = conn.client.execute(store::SET_WAITING, &params);
+        match statement::run(Kind::Registration, &conn.session, self.cfg.statement_timeout, self.token.cancelled(), set)
+            .await
+        {
             Ok(_) => {
                 self.waiting = waiting;
                 self.registered = true;
@@ -946,7 +1043,7 @@ impl Engine {
                 self.notify_queue_seen = 0;
                 metrics::gauge!(m::WAITING_FOR_NOTIFICATIONS).set(if waiting { 1.0 } else { 0.0 });
             }
-            Err(e) => self.db_error("registering for wake-ups", e),
+            Err(e) => self.db_error(e),
         }
     }
 
@@ -967,13 +1064,22 @@ impl Engine {
         }
         self.retry_read_at = Some(now);
         self.retry_read_due = None;
-        match conn.client.query_one(&conn.next_retry, &[]).await {
+        let read = conn.client.query_one(&conn.next_retry, &[]);
+        match statement::run(
+            Kind::NextRetryRead,
+            &conn.session,
+            self.cfg.statement_timeout,
+            self.token.cancelled(),
+            read,
+        )
+        .await
+        {
             Ok(row) => match row.try_get::<_, Option<f64>>(0) {
                 Ok(Some(secs)) => self.arm_retry(secs),
                 Ok(None) => {}
-                Err(e) => self.db_error("reading the next retry time", e),
+                Err(e) => self.db_error(StatementError::db(Kind::NextRetryRead, e)),
             },
-            Err(e) => self.db_error("reading the next retry time", e),
+            Err(e) => self.db_error(e),
         }
     }
 
@@ -994,14 +1100,18 @@ impl Engine {
             return;
         }
         self.flush_at = None;
-        if self.in_tx
-            && self.outstanding.is_empty()
-            && let Some(conn) = self.conn.as_ref()
-        {
-            match conn.client.batch_execute(store::COMMIT).await {
-                Ok(()) => self.in_tx = false,
-                Err(e) => self.db_error("committing the claim transaction", e),
-            }
+        if self.in_tx && self.outstanding.is_empty() {
+            self.commit_claim().await;
+        }
+    }
+
+    /// Competing mode: commit the claim transaction (its batch is settled).
+    async fn commit_claim(&mut self) {
+        let Some(conn) = self.conn.as_ref() else { return };
+        let commit = conn.client.batch_execute(store::COMMIT);
+        match statement::run_to_end(Kind::ClaimCommit, &conn.session, self.cfg.statement_timeout, commit).await {
+            Ok(()) => self.in_tx = false,
+            Err(e) => self.db_error(e),
         }
     }
 
@@ -1019,11 +1129,19 @@ impl Engine {
         let fails = std::mem::take(&mut self.fails);
         self.flushing = Some(acks.iter().copied().chain(fails.iter().map(|f| f.id)).collect());
         let writer = conn.writer.clone();
+        let session = conn.writer_session.clone();
+        let timeout = self.cfg.statement_timeout;
         let (ack, fail) = (conn.ack.clone(), conn.fail.clone());
         let max_retries = self.cfg.max_retries;
         let generation = self.generation;
         tokio::spawn(async move {
-            let ack_fut = async { if acks.is_empty() { Ok(Vec::new()) } else { writer.query(&ack, &[&acks]).await } };
+            let ack_fut = async {
+                if acks.is_empty() {
+                    Ok(Vec::new())
+                } else {
+                    statement::run_to_end(Kind::AckWrite, &session, timeout, writer.query(&ack, &[&acks])).await
+                }
+            };
             let fail_ids: Vec<i64> = fails.iter().map(|f| f.id).collect();
             let fail_errs: Vec<&str> = fails.iter().map(|f| f.error.as_str()).collect();
             let fail_delays: Vec<f64> = fails.iter().map(|f| f.delay.as_secs_f64()).collect();
@@ -1032,7 +1150,9 @@ impl Engine {
                 if fail_ids.is_empty() {
                     Ok(Vec::new())
                 } else {
-                    writer.query(&fail, &[&fail_ids, &fail_errs, &fail_delays, &max_retries, &fail_counts]).await
+                    let params: [&(dyn tokio_postgres::types::ToSql + Sync); 5] =
+                        [&fail_ids, &fail_errs, &fail_delays, &max_retries, &fail_counts];
+                    statement::run_to_end(Kind::FailWrite, &session, timeout, writer.query(&fail, &params)).await
                 }
             };
             let (ack_res, fail_res) = tokio::join!(ack_fut, fail_fut);
@@ -1064,7 +1184,7 @@ impl Engine {
             Err(e) => {
                 self.acks.extend(acks);
                 if current {
-                    self.db_error("writing acknowledgements", e);
+                    self.db_error(e);
                 }
             }
         }
@@ -1105,24 +1225,36 @@ impl Engine {
             Err(e) => {
                 self.fails.extend(fails);
                 if current && self.conn.is_some() {
-                    self.db_error("writing failures", e);
+                    self.db_error(e);
                 }
             }
         }
         self.collect_holdback();
-        if self.in_tx
-            && self.outstanding.is_empty()
-            && self.pending() == 0
-            && let Some(conn) = self.conn.as_ref()
-        {
-            match conn.client.batch_execute(store::COMMIT).await {
-                Ok(()) => self.in_tx = false,
-                Err(e) => self.db_error("committing the claim transaction", e),
-            }
+        if self.in_tx && self.outstanding.is_empty() && self.pending() == 0 {
+            self.commit_claim().await;
         }
         if self.pending() > 0 && self.flush_at.is_none() && self.conn.is_some() {
             self.flush_at = Some(Instant::now() + self.cfg.ack_interval);
         }
+    }
+
+    /// The outcome of the write in flight, waited for until `deadline`;
+    /// then the write is cancelled and waited for a little longer (`None`
+    /// if it still does not end: its events stay unpublished).
+    async fn flush_outcome(
+        &mut self,
+        flush_rx: &mut mpsc::UnboundedReceiver<FlushDone>,
+        deadline: Instant,
+    ) -> Option<FlushDone> {
+        if let Ok(done) = tokio::time::timeout_at(deadline, flush_rx.recv()).await {
+            return done;
+        }
+        tracing::warn!(grace = ?self.cfg.shutdown_grace,
+            "the final settlements were not written within the shutdown grace; cancelling the write");
+        if let Some(conn) = self.conn.as_ref() {
+            conn.writer_session.cancel().await;
+        }
+        tokio::time::timeout(statement::CANCELLED_WAIT, flush_rx.recv()).await.ok().flatten()
     }
 
     /// Forget hold-back entries that can no longer match a buffered delivery.
@@ -1131,9 +1263,14 @@ impl Engine {
         self.shared.holdback().retain(|_, h| h.pending > 0 || h.upto_seq >= oldest);
     }
 
+    /// Refresh the backlog gauges, forget gone relays, read the notification
+    /// queue's usage. A failure of these is logged at debug level and the
+    /// loop goes on, except a timeout or a stop (see [`Self::db_error`]).
     async fn refresh_gauges(&mut self) {
         let Some(conn) = self.conn.as_ref() else { return };
-        match conn.client.query_one(store::GAUGES, &[]).await {
+        let (timeout, stop) = (self.cfg.statement_timeout, self.token.clone());
+        let gauges = conn.client.query_one(store::GAUGES, &[]);
+        match statement::run(Kind::Gauges, &conn.session, timeout, stop.cancelled(), gauges).await {
             Ok(row) => {
                 let pending: i64 = row.try_get(0).unwrap_or(0);
                 let dead: i64 = row.try_get(1).unwrap_or(0);
@@ -1142,50 +1279,77 @@ impl Engine {
                 metrics::gauge!(m::DEAD_LETTERS).set(dead as f64);
                 metrics::gauge!(m::OLDEST_UNPUBLISHED_AGE).set(oldest.unwrap_or(0.0));
             }
-            Err(e) => tracing::debug!(error = %crate::error::report(&e), "could not refresh backlog gauges"),
+            Err(StatementError { failure: Failure::Db(e), .. }) => {
+                tracing::debug!(error = %crate::error::report(&e), "could not refresh backlog gauges")
+            }
+            Err(e) => return self.db_error(e),
         }
-        if let Err(e) = conn.client.execute(store::FORGET_GONE_RELAYS, &[]).await {
-            tracing::debug!(error = %crate::error::report(&e), "could not forget gone relays");
+        let forget = conn.client.execute(store::FORGET_GONE_RELAYS, &[]);
+        match statement::run(Kind::Registration, &conn.session, timeout, stop.cancelled(), forget).await {
+            Ok(_) => {}
+            Err(StatementError { failure: Failure::Db(e), .. }) => {
+                tracing::debug!(error = %crate::error::report(&e), "could not forget gone relays")
+            }
+            Err(e) => return self.db_error(e),
         }
-        if let Ok(row) = conn.client.query_one(store::NOTIFICATION_QUEUE_USAGE, &[]).await
-            && let Ok(usage) = row.try_get::<_, f64>(0)
-        {
-            metrics::gauge!(m::NOTIFICATION_QUEUE_USAGE).set(usage);
+        let usage = conn.client.query_one(store::NOTIFICATION_QUEUE_USAGE, &[]);
+        match statement::run(Kind::Gauges, &conn.session, timeout, stop.cancelled(), usage).await {
+            Ok(row) => {
+                if let Ok(usage) = row.try_get::<_, f64>(0) {
+                    metrics::gauge!(m::NOTIFICATION_QUEUE_USAGE).set(usage);
+                }
+            }
+            Err(StatementError { failure: Failure::Db(_), .. }) => {}
+            Err(e) => self.db_error(e),
         }
     }
 
+    /// Unregister and write the final settlements, within one shutdown
+    /// grace: a statement still running then is cancelled.
     async fn final_flush(&mut self, flush_rx: &mut mpsc::UnboundedReceiver<FlushDone>) {
-        if let Some(conn) = self.conn.as_ref()
-            && let Err(e) = conn.client.execute(store::UNREGISTER, &[]).await
-        {
-            tracing::debug!(error = %crate::error::report(&e), "could not unregister for wake-ups");
+        let deadline = Instant::now() + self.cfg.shutdown_grace;
+        if let Some(conn) = self.conn.as_ref() {
+            let unregister = conn.client.execute(store::UNREGISTER, &[]);
+            let timeout = self.cfg.statement_timeout;
+            match statement::run(Kind::Registration, &conn.session, timeout, sleep_until(deadline), unregister).await {
+                Ok(_) => {}
+                Err(StatementError { failure: Failure::Db(e), .. }) => {
+                    tracing::debug!(error = %crate::error::report(&e), "could not unregister for wake-ups")
+                }
+                Err(StatementError { kind, failure: Failure::TimedOut(e) }) => {
+                    statement::record_timeout(kind, timeout, &e, None)
+                }
+                Err(e) => self.db_error(e),
+            }
         }
         // Whatever is still handed out is released by its Drop later; here we
         // write what was settled.
         for _ in 0..3 {
             if self.flushing.is_some() {
-                match flush_rx.recv().await {
+                match self.flush_outcome(flush_rx, deadline).await {
                     Some(done) => self.finish_flush(done).await,
                     None => break,
                 }
             }
-            if self.pending() == 0 {
+            if self.pending() == 0 || Instant::now() >= deadline {
                 break;
             }
             if self.conn.is_none() {
-                self.reconnect().await;
+                self.reconnect(sleep_until(deadline)).await;
             }
             self.start_flush();
             if self.flushing.is_some()
-                && let Some(done) = flush_rx.recv().await
+                && let Some(done) = self.flush_outcome(flush_rx, deadline).await
             {
                 self.finish_flush(done).await;
             }
         }
-        if self.pending() > 0 {
+        let unwritten = self.flushing.as_ref().map_or(0, Vec::len);
+        if self.pending() + unwritten > 0 {
             tracing::error!(
                 acknowledgements = self.acks.len(),
                 failures = self.fails.len(),
+                unfinished = unwritten,
                 "could not write the final settlements; those events will be delivered again"
             );
         }

@@ -3,6 +3,7 @@
 mod delivery;
 mod drain;
 mod notifier;
+mod statement;
 
 use std::collections::HashMap;
 use std::pin::Pin;
@@ -47,8 +48,19 @@ pub const DEFAULT_ACK_INTERVAL: Duration = Duration::from_millis(10);
 pub const DEFAULT_RECONNECT_MAX_DELAY: Duration = Duration::from_secs(30);
 /// Default liveness ping on the idle LISTEN connection: every 5 seconds.
 pub const DEFAULT_PING_INTERVAL: Duration = Duration::from_secs(5);
+/// Default statement timeout of the consumer's own sessions (drain, writer,
+/// LISTEN): 60 seconds. A healthy statement of theirs takes milliseconds (a
+/// fetch of a 500-row batch, the UPDATE of an acknowledged batch), so a
+/// minute is three orders of magnitude above it: an overloaded server, a
+/// checkpoint or a lock held for a while by a migration does not reach it.
+/// A statement that does (a bad plan, a lock held by a forgotten session)
+/// is cut by the server after a minute instead of running on for as long
+/// as it takes, after the relay gave up on it or was killed.
+pub const DEFAULT_STATEMENT_TIMEOUT: Duration = Duration::from_secs(60);
 /// Default time graceful shutdown waits for handed-out deliveries: 30 s.
 pub const DEFAULT_SHUTDOWN_GRACE: Duration = Duration::from_secs(30);
+/// The largest statement timeout the server takes: `i32::MAX` ms.
+const MAX_STATEMENT_TIMEOUT: Duration = Duration::from_millis(i32::MAX as u64);
 /// Interval at which the backlog gauges are refreshed: 5 seconds.
 pub const STATUS_INTERVAL: Duration = Duration::from_secs(5);
 /// How long start waits for its test notification to come back: 2 s.
@@ -103,8 +115,18 @@ pub(crate) struct ConsumerConfig {
     pub(crate) reconnect_max_delay: Duration,
     pub(crate) ping_interval: Duration,
     pub(crate) shutdown_grace: Duration,
+    pub(crate) statement_timeout: Duration,
     pub(crate) mode: Mode,
     pub(crate) listen: bool,
+}
+
+impl ConsumerConfig {
+    /// Startup settings of the consumer's own sessions: the statement
+    /// timeout, and the server's check for a vanished client while a
+    /// statement runs.
+    pub(crate) fn session(&self) -> connect::SessionSettings {
+        connect::SessionSettings { statement_timeout: Some(self.statement_timeout), check_client_connection: true }
+    }
 }
 
 /// Entry point of the consuming side. See [`Consumer::builder`].
@@ -144,6 +166,7 @@ impl Consumer {
                 reconnect_max_delay: DEFAULT_RECONNECT_MAX_DELAY,
                 ping_interval: DEFAULT_PING_INTERVAL,
                 shutdown_grace: DEFAULT_SHUTDOWN_GRACE,
+                statement_timeout: DEFAULT_STATEMENT_TIMEOUT,
                 mode: Mode::Single,
                 listen: true,
             },
@@ -229,6 +252,31 @@ impl ConsumerBuilder {
         self
     }
 
+    /// The longest a statement of the consumer's own sessions (drain,
+    /// writer, LISTEN) may run before the server cancels it (default
+    /// [`DEFAULT_STATEMENT_TIMEOUT`], 60 s; zero disables it, as in
+    /// PostgreSQL; at most `i32::MAX` milliseconds, about 24.8 days).
+    ///
+    /// Sent as `-c statement_timeout=...` when each session starts; an
+    /// `options` setting of the database URL wins over it. The sessions also
+    /// get `client_connection_check_interval` (5 s, on PostgreSQL 14 and
+    /// later), so a statement whose relay vanished ends within seconds.
+    /// When a statement times out the consumer logs a warning naming it,
+    /// counts it in `outbox_statement_timeouts_total{statement}`, and
+    /// reconnects with backoff as after other database errors: nothing is
+    /// marked published and no attempt is counted as failed because of it.
+    ///
+    /// # Example
+    /// ```
+    /// # fn f(pg: pg_outbox::ConnectOptions) -> pg_outbox::ConsumerBuilder {
+    /// pg_outbox::Consumer::builder(pg).statement_timeout(std::time::Duration::from_secs(10))
+    /// # }
+    /// ```
+    pub fn statement_timeout(mut self, timeout: Duration) -> Self {
+        self.cfg.statement_timeout = timeout;
+        self
+    }
+
     /// Use a different database address for the LISTEN connection (default:
     /// the same as the work connection). LISTEN needs a direct or
     /// session-mode connection; it does not work through a transaction-mode
@@ -278,6 +326,13 @@ impl ConsumerBuilder {
         if c.ping_interval.is_zero() || c.reconnect_max_delay.is_zero() {
             return Err(Error::Config("ping interval and reconnect delay must be longer than zero".into()));
         }
+        if c.statement_timeout > MAX_STATEMENT_TIMEOUT {
+            return Err(Error::Config(format!(
+                "statement timeout must be at most {} ms (about 24.8 days; 0 disables it), got {:?}",
+                i32::MAX,
+                c.statement_timeout
+            )));
+        }
         Ok(())
     }
 
@@ -296,7 +351,7 @@ impl ConsumerBuilder {
     pub async fn start(mut self) -> Result<EventStream> {
         self.validate()?;
         let cfg = Arc::new(self.cfg);
-        let (work, work_link) = connect::connect(&cfg.pg, "pg-outbox drain").await?;
+        let (work, work_link) = connect::connect(&cfg.pg, "pg-outbox drain", &cfg.session()).await?;
         crate::migrate::check(&work).await?;
         let listener_pg = cfg.listener_pg.clone().unwrap_or_else(|| cfg.pg.clone());
         let wake = Arc::new(Notify::new());
@@ -306,7 +361,7 @@ impl ConsumerBuilder {
         metrics::gauge!(crate::metrics::LISTEN_ENABLED).set(if cfg.listen { 1.0 } else { 0.0 });
         let notifier = if cfg.listen {
             let (probe_tx, mut probe_rx) = watch::channel(String::new());
-            let first_listener = notifier::listen(&listener_pg, wake.clone(), probe_tx.clone()).await?;
+            let first_listener = notifier::listen(&listener_pg, &cfg.session(), wake.clone(), probe_tx.clone()).await?;
             // Check that a notification sent on our connection comes back.
             let probe = format!("{}{}", notifier::PROBE_PREFIX, Uuid::new_v4());
             work.execute(crate::store::NOTIFY, &[&NOTIFY_CHANNEL, &probe]).await?;

@@ -43,13 +43,15 @@ pub(crate) fn quote_ident(s: &str) -> String {
     format!("\"{}\"", s.replace('"', "\"\""))
 }
 
-/// Connect, start driving the connection, and LISTEN.
+/// Connect with `settings` (the consumer's statement timeout and client
+/// check), start driving the connection, and LISTEN.
 pub(crate) async fn listen(
     pg: &connect::ConnectOptions,
+    settings: &connect::SessionSettings,
     wake: Arc<Notify>,
     probe: watch::Sender<String>,
 ) -> Result<Listening> {
-    let (client, mut connection) = connect::open(pg, "pg-outbox listener").await?;
+    let (client, mut connection, _canceller) = connect::open(pg, "pg-outbox listener", settings).await?;
     let driver = tokio::spawn(async move {
         let mut messages = futures::stream::poll_fn(move |cx| connection.poll_message(cx));
         while let Some(msg) = messages.next().await {
@@ -149,7 +151,7 @@ pub(crate) async fn run(
             _ = token.cancelled() => return,
             _ = tokio::time::sleep(delay) => {}
         }
-        match listen(&pg, wake.clone(), probe.clone()).await {
+        match listen(&pg, &cfg.session(), wake.clone(), probe.clone()).await {
             Ok(l) => {
                 reconnects += 1;
                 metrics::counter!(m::LISTENER_RECONNECTS).increment(1);

@@ -30,5 +30,6 @@ mod sink_redis;
 mod sink_relay;
 mod status_detail;
 mod support;
+mod timeouts;
 mod tls;
 mod webhook_signing;

@@ -97,6 +97,12 @@ struct RelayArgs {
     /// On SIGINT/SIGTERM, how long to wait for the event in hand.
     #[arg(long, value_parser = parse_duration, default_value = "30s")]
     shutdown_grace: Duration,
+    /// Longest a statement of the relay's own database sessions may run
+    /// before the server cancels it (e.g. 5s, 500ms; 0 disables it). A
+    /// healthy one takes milliseconds; one that times out is logged, counted
+    /// in outbox_statement_timeouts_total, and retried after a reconnect.
+    #[arg(long, value_parser = parse_timeout, default_value = "60s", value_name = "DURATION")]
+    statement_timeout: Duration,
     /// How several relays share one outbox: `single` (one active, others
     /// hot standbys; keeps order), `partitioned` (all active, split by a hash
     /// of the aggregate; keeps per-aggregate order), `competing` (the seed's
@@ -176,6 +182,15 @@ pub(crate) fn parse_duration(s: &str) -> Result<Duration, String> {
         return Err(format!("invalid duration '{s}': must be longer than zero"));
     }
     Ok(d)
+}
+
+/// A timeout: a duration as [`parse_duration`], or `0` for none (as in
+/// PostgreSQL).
+fn parse_timeout(s: &str) -> Result<Duration, String> {
+    if s.trim() == "0" {
+        return Ok(Duration::ZERO);
+    }
+    parse_duration(s).map_err(|e| format!("{e}; 0 disables the timeout"))
 }
 
 /// Shortest sweep interval: each sweep is a query, and a sweep every few
@@ -306,6 +321,7 @@ async fn relay_cmd(url: &str, args: RelayArgs) -> Result<(), Error> {
         .sweep_interval(args.sweep_interval)
         .max_retries(args.max_retries)
         .shutdown_grace(args.shutdown_grace)
+        .statement_timeout(args.statement_timeout)
         .listen(!args.no_listen)
         .mode(match args.mode {
             ModeArg::Single => pg_outbox::Mode::Single,
@@ -622,5 +638,22 @@ fn main() -> ExitCode {
             eprintln!("error: {}", pg_outbox::error::report(&e));
             ExitCode::FAILURE
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn statement_timeout_takes_durations_and_zero_and_defaults_to_the_librarys() {
+        assert_eq!(parse_timeout("0"), Ok(Duration::ZERO));
+        assert_eq!(parse_timeout("5s"), Ok(Duration::from_secs(5)));
+        assert_eq!(parse_timeout(" 250ms "), Ok(Duration::from_millis(250)));
+        let e = parse_timeout("abc").expect_err("not a duration");
+        assert!(e.contains("invalid duration 'abc'") && e.contains("0 disables"), "{e}");
+        let cli = Cli::try_parse_from(["pg-outbox", "relay"]).expect("relay parses without flags");
+        let Command::Relay(args) = cli.command else { panic!("relay") };
+        assert_eq!(args.statement_timeout, pg_outbox::DEFAULT_STATEMENT_TIMEOUT);
     }
 }
