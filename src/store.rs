@@ -129,8 +129,9 @@ pub fn fetch_query() -> String {
 /// The parameters, by name: `fetch` `$1 bigint[]` ids in flight, `$2 bigint`
 /// batch; `fetch_partitioned` those and `$3 bigint` partitions, `$4 int4[]`
 /// partitions held; `competing_fetch`, `$1 bigint` batch; `ack` `$1 bigint[]`;
-/// `fail` `$1 bigint[]` ids, `$2 text[]` errors, `$3 float8[]` delays in
-/// seconds, `$4 int4` dead-letter threshold, `$5 int4[]` retry counts seen;
+/// `fail` `$1 bigint[]` ids, `$2 jsonb` details per id (`{"<id>": {"e":
+/// error, "d": delay in seconds, "s": retry count seen}}`), `$3 int4`
+/// dead-letter threshold;
 /// `next_retry_in`, `gauges`, `status`, `retry_buckets`: none;
 /// `status_by_type`, `next_retries`: `$1 bigint` limit; `dead_letters_*`:
 /// `$1 bigint[]` ids, `$2 text` aggregate type, `$3 text` event type, `$4
@@ -200,20 +201,35 @@ pub(crate) const ACK: &str = "UPDATE events.outbox SET published_at = now() \
 
 /// Record failures (the seed's MarkRetry, batched): retry_count + 1,
 /// last_error, and next_retry_at = now() + delay, or 'infinity' when the
-/// event becomes a dead letter (retry_count reaches $4). Only rows whose
-/// retry_count is still what was fetched ($5) change, so replaying a batch
-/// whose reply was lost counts nothing twice. `o.id = ANY($1)` makes every
-/// plan of `events.outbox` here an index lookup of those ids (joined on
-/// `o.id = f.id` alone, a hash join over all unpublished rows looked as
-/// cheap under statistics from before a backlog).
-pub(crate) const FAIL: &str = "UPDATE events.outbox o SET retry_count = o.retry_count + 1, last_error = f.err, \
-       next_retry_at = CASE WHEN o.retry_count + 1 >= $4 THEN 'infinity'::timestamptz \
-                            ELSE now() + make_interval(secs => f.delay) END \
-     FROM unnest($1::bigint[], $2::text[], $3::float8[], $5::int4[]) AS f(id, err, delay, seen) \
-     WHERE o.id = f.id AND o.id = ANY($1::bigint[]) AND o.published_at IS NULL AND o.retry_count = f.seen \
-     RETURNING o.id, o.retry_count >= $4 AS dead, \
-       CASE WHEN o.retry_count >= $4 THEN NULL \
+/// event becomes a dead letter (retry_count reaches $3). $1 are the ids; $2
+/// a jsonb object keyed by id (as text), each value `{"e": error, "d": delay
+/// in seconds, "s": retry_count when fetched}` (see [`fail_details`]). Only
+/// rows whose retry_count is still what was fetched change, so replaying a
+/// batch whose reply was lost counts nothing twice.
+///
+/// Why it is robust: there is no join. `o.id = ANY($1)` makes every plan of
+/// `events.outbox` an index lookup of those ids, and each row finds its
+/// details by a key lookup in $2 (a binary search of the object's sorted
+/// keys). Joined to `unnest` of arrays instead, under statistics from before
+/// a backlog the planner took the outbox side for one row and rescanned the
+/// whole array for every row: 3 s for 4 000 failures.
+pub(crate) const FAIL: &str = "UPDATE events.outbox o SET retry_count = o.retry_count + 1, \
+       last_error = $2::jsonb -> o.id::text ->> 'e', \
+       next_retry_at = CASE WHEN o.retry_count + 1 >= $3 THEN 'infinity'::timestamptz \
+         ELSE now() + make_interval(secs => ($2::jsonb -> o.id::text ->> 'd')::float8) END \
+     WHERE o.id = ANY($1::bigint[]) AND o.published_at IS NULL \
+       AND o.retry_count = ($2::jsonb -> o.id::text ->> 's')::int4 \
+     RETURNING o.id, o.retry_count >= $3 AS dead, \
+       CASE WHEN o.retry_count >= $3 THEN NULL \
             ELSE EXTRACT(EPOCH FROM (o.next_retry_at - now()))::float8 END";
+
+/// [`FAIL`]'s `$2`: per id (as text), the error (`e`), the delay in seconds
+/// (`d`) and the retry_count when fetched (`s`).
+pub(crate) fn fail_details<'a>(fails: impl Iterator<Item = (i64, &'a str, f64, i32)>) -> serde_json::Value {
+    serde_json::Value::Object(
+        fails.map(|(id, e, d, s)| (id.to_string(), serde_json::json!({ "e": e, "d": d, "s": s }))).collect(),
+    )
+}
 
 /// Seconds until the earliest pending retry is due, or NULL if none waits:
 /// the first entry of `outbox_retry_due_idx` after now() (ordered by its

@@ -1127,6 +1127,12 @@ impl Engine {
         }
     }
 
+    /// Most acknowledgements (and, apart, most failures) one write takes:
+    /// the acknowledgement batch size.
+    fn write_cap(&self) -> usize {
+        self.cfg.ack_batch_size.max(1)
+    }
+
     /// Start writing the pending settlements (one `UPDATE` for the
     /// acknowledgements, one for the failures, pipelined) on the writer
     /// session, without waiting: the loop goes on fetching and delivering.
@@ -1137,8 +1143,12 @@ impl Engine {
             return;
         }
         let (Some(conn), Some(done_tx)) = (self.conn.as_ref(), self.flush_tx.clone()) else { return };
-        let acks = std::mem::take(&mut self.acks);
-        let fails = std::mem::take(&mut self.fails);
+        // At most one batch of each per write: settlements put back after a
+        // failed write must not make the next write bigger (and slower to
+        // meet the statement timeout) than the one that failed.
+        let cap = self.write_cap();
+        let acks: Vec<i64> = self.acks.drain(..self.acks.len().min(cap)).collect();
+        let fails: Vec<PendingFail> = self.fails.drain(..self.fails.len().min(cap)).collect();
         self.flushing = Some(acks.iter().copied().chain(fails.iter().map(|f| f.id)).collect());
         let writer = conn.writer.clone();
         let session = conn.writer_session.clone();
@@ -1155,20 +1165,19 @@ impl Engine {
                 }
             };
             let fail_ids: Vec<i64> = fails.iter().map(|f| f.id).collect();
-            let fail_errs: Vec<&str> = fails.iter().map(|f| f.error.as_str()).collect();
-            let fail_delays: Vec<f64> = fails.iter().map(|f| f.delay.as_secs_f64()).collect();
-            let fail_counts: Vec<i32> = fails.iter().map(|f| f.retry_count).collect();
+            let details = store::fail_details(
+                fails.iter().map(|f| (f.id, f.error.as_str(), f.delay.as_secs_f64(), f.retry_count)),
+            );
             let fail_fut = async {
                 if fail_ids.is_empty() {
                     Ok(Vec::new())
                 } else {
-                    let params: [&(dyn tokio_postgres::types::ToSql + Sync); 5] =
-                        [&fail_ids, &fail_errs, &fail_delays, &max_retries, &fail_counts];
+                    let params: [&(dyn tokio_postgres::types::ToSql + Sync); 3] = [&fail_ids, &details, &max_retries];
                     statement::run_to_end(Kind::FailWrite, &session, timeout, writer.query(&fail, &params)).await
                 }
             };
             let (ack_res, fail_res) = tokio::join!(ack_fut, fail_fut);
-            drop((fail_errs, fail_ids, fail_delays, fail_counts));
+            drop((fail_ids, details));
             let _ = done_tx.send(FlushDone { generation, acks, fails, ack_res, fail_res });
         });
     }
@@ -1301,6 +1310,12 @@ impl Engine {
             Err(StatementError { failure: Failure::Db(e), .. }) => {
                 tracing::debug!(error = %crate::error::report(&e), "could not refresh backlog gauges")
             }
+            // Their cost grows with the backlog: a statement timeout cuts
+            // only this read (the session stays usable), which is tried
+            // again GAUGES_SHARE times its duration later.
+            Err(StatementError { kind, failure: Failure::TimedOut(e) }) => {
+                statement::record_timeout(kind, timeout, &e, None)
+            }
             Err(e) => return self.db_error(e),
         }
         let forget = conn.client.execute(store::FORGET_GONE_RELAYS, &[]);
@@ -1342,8 +1357,10 @@ impl Engine {
             }
         }
         // Whatever is still handed out is released by its Drop later; here we
-        // write what was settled.
-        for _ in 0..3 {
+        // write what was settled: a write per batch, and up to three more for
+        // writes that fail.
+        let rounds = 3 + self.pending().div_ceil(self.write_cap());
+        for _ in 0..rounds {
             if self.flushing.is_some() {
                 match self.flush_outcome(flush_rx, deadline).await {
                     Some(done) => self.finish_flush(done).await,

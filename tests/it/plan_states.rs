@@ -42,6 +42,18 @@ fn buffers(plan: &serde_json::Value) -> i64 {
     top["Shared Hit Blocks"].as_i64().unwrap_or(0) + top["Shared Read Blocks"].as_i64().unwrap_or(0)
 }
 
+/// Rows every node produced or filtered out, times its loops, over the whole
+/// plan: what a plan does that touches no buffers (a rescanned function
+/// scan or sort) shows here.
+fn rows_handled(node: &serde_json::Value) -> i64 {
+    let loops = node["Actual Loops"].as_i64().unwrap_or(1);
+    let own = ["Actual Rows", "Rows Removed by Filter", "Rows Removed by Join Filter", "Rows Removed by Index Recheck"]
+        .iter()
+        .map(|k| node[*k].as_i64().unwrap_or(0))
+        .sum::<i64>();
+    own * loops + node["Plans"].as_array().map_or(0, |c| c.iter().map(rows_handled).sum())
+}
+
 fn top_rows(plan: &serde_json::Value) -> i64 {
     plan[0]["Plan"]["Actual Rows"].as_i64().unwrap_or(0)
 }
@@ -115,9 +127,9 @@ async fn check_all(c: &mut Client, stats: Stats, backlog: i64) {
     let n_first = first.len() as i64;
     let unpublished = DEAD + WAITING + backlog;
     let none: Vec<i64> = Vec::new();
-    let errs: Vec<&str> = first.iter().map(|_| "sink refused").collect();
-    let delays: Vec<f64> = first.iter().map(|_| 60.0).collect();
-    let seen: Vec<i32> = first.iter().map(|_| 0).collect();
+    let details = serde_json::Value::Object(
+        first.iter().map(|id| (id.to_string(), serde_json::json!({"e": "sink refused", "d": 60.0, "s": 0}))).collect(),
+    );
     let all_parts: Vec<i32> = (0..16).collect();
     let half_parts: Vec<i32> = (0..8).collect();
     let (no_ids, no_text, no_time): (Option<Vec<i64>>, Option<String>, Option<chrono::DateTime<chrono::Utc>>) =
@@ -145,7 +157,7 @@ async fn check_all(c: &mut Client, stats: Stats, backlog: i64) {
             ],
             "competing_fetch" => vec![(vec![&BATCH], 8 * fetched + 50, "")],
             "ack" => vec![(vec![&first], 30 * n_first + 50, "")],
-            "fail" => vec![(vec![&first, &errs, &delays, &max_retries, &seen], 40 * n_first + 50, "")],
+            "fail" => vec![(vec![&first, &details, &max_retries], 40 * n_first + 50, "")],
             "next_retry_in" => vec![(vec![], 50, "")],
             "next_retries" => vec![(vec![&five], 100, "")],
             "gauges" | "status" | "retry_buckets" => vec![(vec![], 6 * unpublished + 100, "")],
@@ -163,16 +175,23 @@ async fn check_all(c: &mut Client, stats: Stats, backlog: i64) {
             "retention_count" => vec![(vec![&ten_days], 3 * (STEADY + unpublished) + 100, "")],
             other => panic!("no plan check for statement {other}: add one"),
         };
-        for (params, bound, case) in cases {
+        // Custom plans (a statement's first runs), and the generic plan a
+        // long-lived prepared statement of the relay's switches to.
+        for ((params, bound, case), generic) in cases.iter().flat_map(|c| [(c, false), (c, true)]) {
+            let (bound, case) = (*bound, if generic { format!("{case} (generic plan)") } else { case.to_string() });
             let tx = c.transaction().await.expect("begin");
-            let plan = explain(&tx, &sql, &params).await;
+            if generic {
+                tx.batch_execute("SET LOCAL plan_cache_mode = force_generic_plan").await.expect("generic plans");
+            }
+            let plan = explain(&tx, &sql, params).await;
             tx.rollback().await.expect("rollback");
             let touched = buffers(&plan);
-            if touched > bound {
+            let handled = rows_handled(&plan[0]["Plan"]);
+            if touched > bound || handled > bound {
                 let mut nodes = Vec::new();
                 node_names(&plan[0]["Plan"], &mut nodes);
                 failures.push(format!(
-                    "{name} {case}: {touched} buffers > {bound} ({} rows; plan: {})",
+                    "{name} {case}: {touched} buffers, {handled} rows handled, bound {bound} ({} rows; plan: {})",
                     top_rows(&plan),
                     nodes.join(" / ")
                 ));
