@@ -822,6 +822,11 @@ pub(crate) async fn open(
         SslMode::Require | SslMode::VerifyCa | SslMode::VerifyFull => &[T::Require],
     };
     let mut last = None;
+    // tokio-postgres bounds only the TCP connect by `connect_timeout`; a
+    // server that accepts and then never answers would hang the startup
+    // exchange forever. The whole attempt gets the same bound (libpq's
+    // `connect_timeout` is "maximum time to wait while connecting").
+    let bound = base.get_connect_timeout().copied().unwrap_or(DEFAULT_CONNECT_TIMEOUT);
     // With the connection check first; without it if the server does not
     // know the setting (PostgreSQL 13 or older: "unrecognized configuration
     // parameter", SQLSTATE 42704, at startup).
@@ -831,7 +836,10 @@ pub(crate) async fn open(
         let mut unknown_setting = false;
         for mode in attempts {
             cfg.ssl_mode(*mode);
-            match cfg.connect(tls.clone()).await {
+            let Ok(attempt) = tokio::time::timeout(bound, cfg.connect(tls.clone())).await else {
+                return Err(Error::ConnectTimedOut { target: opts.describe(), after: bound });
+            };
+            match attempt {
                 Ok((client, connection)) => {
                     let canceller = Canceller { token: client.cancel_token(), tls: tls.clone() };
                     return Ok((client, connection, canceller));

@@ -31,6 +31,18 @@ pub enum Error {
         #[source]
         source: tokio_postgres::Error,
     },
+    /// The server accepted the connection but did not finish the startup
+    /// exchange (TLS negotiation, authentication) within the connect
+    /// timeout (`connect_timeout` of the URL, default
+    /// [`crate::DEFAULT_CONNECT_TIMEOUT`]): not a PostgreSQL server, or one
+    /// that hangs. `target` names the host, port and database.
+    #[error("cannot connect to the database at {target}: the server did not answer the startup within {after:?}")]
+    ConnectTimedOut {
+        /// Host, port and database name.
+        target: String,
+        /// The connect timeout that ran out.
+        after: std::time::Duration,
+    },
     /// A query failed.
     #[error("database error")]
     Db(#[from] tokio_postgres::Error),
@@ -93,7 +105,7 @@ impl Error {
     /// such an error.
     pub fn is_transient(&self) -> bool {
         match self {
-            Error::Connect { .. } => true,
+            Error::Connect { .. } | Error::ConnectTimedOut { .. } => true,
             Error::Db(e) => is_transient_pg(e),
             Error::Io(_) => true,
             _ => false,

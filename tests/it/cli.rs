@@ -196,6 +196,27 @@ async fn unreachable_database_names_host_and_port_but_not_the_password() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_that_accepts_and_never_answers_is_an_error_within_the_connect_timeout() {
+    // A listener that accepts connections and never writes a byte (not a
+    // PostgreSQL server, or one that hangs in its startup).
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let port = listener.local_addr().expect("local addr").port();
+    let held = tokio::spawn(async move {
+        let mut open = Vec::new();
+        while let Ok((socket, _)) = listener.accept().await {
+            open.push(socket);
+        }
+    });
+    let url = format!("postgres://u:secret@127.0.0.1:{port}/db?connect_timeout=2&sslmode=disable");
+    for args in [vec!["status"], vec!["relay", "--sink", "stdout"]] {
+        let out = run(Some(&url), &args).await;
+        assert_one_line_error(&out, &["cannot connect", &format!("127.0.0.1:{port}"), "did not answer", "2s"]);
+        assert!(!out.stderr.contains("secret"), "the password leaked: {out:?}");
+    }
+    held.abort();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn missing_database_url_says_how_to_give_one() {
     let agg = uuid::Uuid::new_v4().to_string();
     for args in [vec!["status"], vec!["migrate"], vec!["relay"], publish_args(&agg, "{}")] {
