@@ -249,7 +249,8 @@ pub(crate) const GAUGES: &str = "SELECT \
 
 /// Backlog and lag figures; see [`OutboxStatus`]. `held` marks rows held
 /// back behind an earlier failed event of their aggregate (one probe of
-/// `outbox_holdback_idx` per unpublished row; see [`held_back_by`]).
+/// `outbox_holdback_idx` per due row, once: `OFFSET 0` keeps the subquery,
+/// so `held` is not inlined into both FILTERs; see [`held_back_by`]).
 fn status_sql() -> String {
     format!(
         "SELECT \
@@ -261,7 +262,7 @@ fn status_sql() -> String {
            count(*) FILTER (WHERE (next_retry_at IS NULL OR next_retry_at <= now()) AND held) AS held \
          FROM (SELECT o.occurred_at, o.next_retry_at, \
                  CASE WHEN o.next_retry_at IS NULL OR o.next_retry_at <= now() THEN {HELD_BACK} ELSE false END AS held \
-               FROM events.outbox o WHERE o.published_at IS NULL) o"
+               FROM events.outbox o WHERE o.published_at IS NULL OFFSET 0) o"
     )
 }
 
@@ -368,7 +369,9 @@ pub struct PendingRetry {
 
 /// Backlog per type: one pass over the unpublished rows (the partial index
 /// `outbox_unpublished_idx`), grouped; the hold-back probe
-/// (`outbox_holdback_idx`, see [`held_back_by`]) runs only for due rows. $1 is the row
+/// (`outbox_holdback_idx`, see [`held_back_by`]) runs only for due rows,
+/// once each (`OFFSET 0` keeps the subquery, so its `held` is not inlined
+/// into both FILTERs that read it). $1 is the row
 /// limit (one more than shown, to tell whether rows were left out).
 fn by_type_sql() -> String {
     format!(
@@ -380,7 +383,7 @@ fn by_type_sql() -> String {
            EXTRACT(EPOCH FROM (now() - min(o.occurred_at) FILTER (WHERE o.next_retry_at IS DISTINCT FROM 'infinity')))::float8 \
          FROM (SELECT o.event_type, o.aggregate_type, o.occurred_at, o.next_retry_at, \
                  CASE WHEN o.next_retry_at IS NULL OR o.next_retry_at <= now() THEN {HELD_BACK} ELSE false END AS held \
-               FROM events.outbox o WHERE o.published_at IS NULL) o \
+               FROM events.outbox o WHERE o.published_at IS NULL OFFSET 0) o \
          GROUP BY o.event_type, o.aggregate_type \
          ORDER BY unpublished DESC, o.event_type, o.aggregate_type LIMIT $1"
     )

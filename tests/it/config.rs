@@ -18,7 +18,7 @@ const NOWHERE: &str = "postgres://postgres@127.0.0.1:1/nowhere";
 
 /// Run `pg-outbox args...` with exactly the given `OUTBOX_*`/`DATABASE_URL`
 /// variables (inherited ones removed); (exit code, stdout, stderr).
-async fn run(env: &[(&str, &str)], args: &[&str]) -> (Option<i32>, String, String) {
+pub(crate) async fn run(env: &[(&str, &str)], args: &[&str]) -> (Option<i32>, String, String) {
     let mut cmd = Command::new(support::bin());
     cmd.args(args).env_remove("DATABASE_URL").stdin(Stdio::null()).kill_on_drop(true);
     for (k, _) in std::env::vars() {

@@ -8,17 +8,16 @@
 //! on `events.outbox` that they wait for.
 
 use std::collections::HashSet;
-use std::process::Stdio;
 use std::time::Duration;
 
 use futures::StreamExt;
 use tokio::io::{AsyncBufReadExt, BufReader};
-use tokio::process::Command;
 use tokio_postgres::{Client, NoTls};
 use uuid::Uuid;
 
+use crate::config::run;
 use crate::relay_proc::{LIVENESS, RelayProc, free_port};
-use crate::support::{self, TestDb, eventually, insert_seed_events, published_count};
+use crate::support::{TestDb, eventually, insert_seed_events, published_count};
 
 /// The application names of pg-outbox's consumer sessions (drain, writer,
 /// listener), as a LIKE pattern.
@@ -318,28 +317,6 @@ async fn a_statement_timeout_in_the_urls_options_wins_over_the_consumers() {
     assert_eq!(pids(&c, &db, OURS).await, first, "no timeout, no reconnect");
     locker.batch_execute("ROLLBACK").await.expect("release the lock");
     stream.finish().await.expect("finish");
-}
-
-/// Run `pg-outbox args...` with no inherited `OUTBOX_*`/`DATABASE_URL`
-/// variables plus `env`; (exit code, stdout, stderr).
-async fn run(env: &[(&str, &str)], args: &[&str]) -> (Option<i32>, String, String) {
-    let mut cmd = Command::new(support::bin());
-    cmd.args(args).env_remove("DATABASE_URL").stdin(Stdio::null()).kill_on_drop(true);
-    for (k, _) in std::env::vars() {
-        if k.starts_with("OUTBOX_") {
-            cmd.env_remove(k);
-        }
-    }
-    cmd.envs(env.iter().copied());
-    let out = tokio::time::timeout(Duration::from_secs(30), cmd.output())
-        .await
-        .unwrap_or_else(|_| panic!("pg-outbox {args:?} did not exit within 30 s"))
-        .expect("run pg-outbox");
-    (
-        out.status.code(),
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
 }
 
 /// The `statement_timeout` line of `--print-config` output.
