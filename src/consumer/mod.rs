@@ -182,7 +182,7 @@ pub struct ConsumerBuilder {
 }
 
 impl ConsumerBuilder {
-    /// Rows fetched per query (default 50). A backlog is drained in batches
+    /// Rows fetched per query (default [`DEFAULT_BATCH_SIZE`], 500; the seed's poller fetches 50). A backlog is drained in batches
     /// of this size and is never read into memory at once.
     pub fn batch_size(mut self, rows: usize) -> Self {
         self.cfg.batch_size = rows;
