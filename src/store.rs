@@ -477,17 +477,36 @@ pub async fn status<C: GenericClient + Sync>(client: &C) -> Result<OutboxStatus>
     })
 }
 
+/// An [`Event`] from a row of [`EVENT_COLUMNS`], read by column name.
 pub(crate) fn event_from_row(row: &Row) -> Result<Event> {
     Ok(Event {
-        id: row.try_get(0)?,
-        aggregate_type: row.try_get(1)?,
-        aggregate_id: row.try_get(2)?,
-        event_type: row.try_get(3)?,
-        payload: row.try_get(4)?,
-        occurred_at: row.try_get(5)?,
-        retry_count: row.try_get(6)?,
-        last_error: row.try_get(7)?,
+        id: row.try_get("id")?,
+        aggregate_type: row.try_get("aggregate_type")?,
+        aggregate_id: row.try_get("aggregate_id")?,
+        event_type: row.try_get("event_type")?,
+        payload: row.try_get("payload")?,
+        occurred_at: row.try_get("occurred_at")?,
+        retry_count: row.try_get("retry_count")?,
+        last_error: row.try_get("last_error")?,
     })
+}
+
+/// What a failure needs of a row [`event_from_row`] could not decode: its
+/// id, aggregate type, aggregate id and retry count, read by name, or
+/// `None` if one of those cannot be read either.
+pub(crate) fn row_identity(row: &Row) -> Option<(i64, String, uuid::Uuid, i32)> {
+    Some((
+        row.try_get("id").ok()?,
+        row.try_get("aggregate_type").ok()?,
+        row.try_get("aggregate_id").ok()?,
+        row.try_get("retry_count").ok()?,
+    ))
+}
+
+/// The partition of a row of a partitioned fetch ([`fetch_sql`]`(true)`),
+/// read by name; `None` for a row of another fetch.
+pub(crate) fn row_partition(row: &Row) -> Option<i32> {
+    row.try_get("part").ok()
 }
 
 pub(crate) async fn insert_event<C: GenericClient + Sync>(client: &C, e: &NewEvent) -> Result<i64> {
