@@ -4,7 +4,8 @@ use std::fmt;
 use std::ops::Deref;
 use std::sync::Arc;
 
-use crate::consumer::{AggregateKey, MAX_ERROR_BYTES, Shared};
+use crate::consumer::holdback::AggregateKey;
+use crate::consumer::{MAX_ERROR_BYTES, Shared};
 use crate::event::Event;
 
 /// What user code decided about a delivery; sent to the drain loop.
@@ -66,7 +67,7 @@ impl Delivery {
     pub fn fail(mut self, error: impl fmt::Display) {
         if let Some(shared) = self.shared.take() {
             let key = self.key();
-            shared.holdback().entry(key.clone()).or_default().pending += 1;
+            shared.holdback.hold(&key);
             let _ = shared.settle_tx.send(Settlement::Fail {
                 id: self.event.id,
                 key,
@@ -91,7 +92,7 @@ impl Delivery {
     fn do_release(&mut self) {
         if let Some(shared) = self.shared.take() {
             let key = self.key();
-            shared.holdback().entry(key.clone()).or_default().pending += 1;
+            shared.holdback.hold(&key);
             let _ = shared.settle_tx.send(Settlement::Release { id: self.event.id, key });
         }
     }

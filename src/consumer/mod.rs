@@ -1,13 +1,20 @@
 //! The consumer: an async [`Stream`](futures::Stream) of [`Delivery`] values.
 
+mod completer;
 mod delivery;
 mod drain;
+mod fetcher;
+mod holdback;
+mod maintenance;
 mod notifier;
+mod ownership;
+mod retry_timer;
+mod session;
 mod statement;
+mod wake;
 
-use std::collections::HashMap;
 use std::pin::Pin;
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
@@ -26,13 +33,13 @@ use crate::connect;
 use crate::error::{Error, Result};
 use crate::retry::RetryPolicy;
 
-/// The channel the insert trigger notifies (`triggers/outbox_order.sql`).
+/// The channel the insert trigger notifies
+/// (`triggers/outbox_insert_order_and_notify.sql`).
 pub const NOTIFY_CHANNEL: &str = "events.outbox";
-/// Default rows fetched per query: 500. The seed's FetchUnpublishedBatch
-/// takes 50; on a 200 000-event backlog (1.6 KB payloads) a batch of 500
-/// drained about 1.2x faster than 50 (`cargo bench --bench e2e -- drain`),
-/// and a fetch returns at once with what is there, so a small backlog is
-/// not delayed. The stream buffers up to twice the batch.
+/// Default rows fetched per query: 500 (the seed's FetchUnpublishedBatch
+/// takes 50; docs/performance.md, "Batch sizes", says why 500). A fetch
+/// returns at once with what is there, so a small backlog is not delayed.
+/// The stream buffers up to twice the batch.
 pub const DEFAULT_BATCH_SIZE: usize = 500;
 /// Default fallback sweep interval: 1 second. Bounds how long a lost
 /// notification can delay an event.
@@ -353,64 +360,17 @@ impl ConsumerBuilder {
         let cfg = Arc::new(self.cfg);
         let (work, work_link) = connect::connect(&cfg.pg, "pg-outbox drain", &cfg.session()).await?;
         crate::migrate::check(&work).await?;
-        let listener_pg = cfg.listener_pg.clone().unwrap_or_else(|| cfg.pg.clone());
         let wake = Arc::new(Notify::new());
         let reconnect_wake = Arc::new(Notify::new());
         let (status_tx, status_rx) = watch::channel(ListenerStatus::default());
         let token = CancellationToken::new();
-        metrics::gauge!(crate::metrics::LISTEN_ENABLED).set(if cfg.listen { 1.0 } else { 0.0 });
-        let notifier = if cfg.listen {
-            let (probe_tx, mut probe_rx) = watch::channel(String::new());
-            let first_listener = notifier::listen(&listener_pg, &cfg.session(), wake.clone(), probe_tx.clone()).await?;
-            // Check that a notification sent on our connection comes back.
-            let probe = format!("{}{}", notifier::PROBE_PREFIX, Uuid::new_v4());
-            work.execute(crate::store::NOTIFY, &[&NOTIFY_CHANNEL, &probe]).await?;
-            let came_back = tokio::time::timeout(PROBE_TIMEOUT, probe_rx.wait_for(|p| *p == probe)).await.is_ok();
-            metrics::gauge!(crate::metrics::NOTIFICATIONS_WORKING).set(if came_back { 1.0 } else { 0.0 });
-            if came_back {
-                tracing::info!(channel = NOTIFY_CHANNEL, "notifications work: LISTEN connection receives them");
-            } else {
-                tracing::warn!(
-                    channel = NOTIFY_CHANNEL,
-                    sweep_interval = ?cfg.sweep_interval,
-                    "a test notification did not come back within {PROBE_TIMEOUT:?} (transaction-mode pooler? replica?): \
-                     running in sweep-only mode; events may wait up to one sweep interval"
-                );
-            }
-            Some(tokio::spawn(notifier::run(
-                listener_pg,
-                first_listener,
-                wake.clone(),
-                reconnect_wake.clone(),
-                probe_tx,
-                token.child_token(),
-                status_tx,
-                cfg.clone(),
-            )))
-        } else {
-            metrics::gauge!(crate::metrics::NOTIFICATIONS_WORKING).set(0.0);
-            tracing::info!(sweep_interval = ?cfg.sweep_interval, "LISTEN disabled: sweep-only mode");
-            None
-        };
-
+        let wakes = (wake.clone(), reconnect_wake.clone());
+        let notifier = start_notifier(&cfg, &work, wakes, token.child_token(), status_tx).await?;
         let (tx, rx) = mpsc::channel(cfg.buffer);
         let (settle_tx, settle_rx) = mpsc::unbounded_channel();
-        let shared = Arc::new(Shared {
-            holdback: Mutex::new(HashMap::new()),
-            settle_tx,
-            stale_before: std::sync::atomic::AtomicU64::new(0),
-        });
-        let engine = drain::Engine::new(
-            cfg.clone(),
-            (work, work_link),
-            tx,
-            settle_rx,
-            shared.clone(),
-            wake,
-            reconnect_wake,
-            token.clone(),
-        );
-        let drain = tokio::spawn(engine.run());
+        let shared = Arc::new(Shared { holdback: holdback::HoldBack::default(), settle_tx });
+        let io = drain::Io { tx, settle_rx, wake, reconnect_wake };
+        let drain = tokio::spawn(drain::run(cfg.clone(), (work, work_link), io, shared.clone(), token.clone()));
         Ok(EventStream {
             rx,
             shared,
@@ -424,8 +384,54 @@ impl ConsumerBuilder {
     }
 }
 
+/// Start the notifier (LISTEN on its own session) unless LISTEN is off,
+/// after checking that a notification sent on `work` comes back: when none
+/// does within [`PROBE_TIMEOUT`] (a transaction-mode pooler, a replica), the
+/// consumer runs on sweeps alone and says so.
+async fn start_notifier(
+    cfg: &Arc<ConsumerConfig>,
+    work: &tokio_postgres::Client,
+    (wake, reconnect_wake): (Arc<Notify>, Arc<Notify>),
+    token: CancellationToken,
+    status_tx: watch::Sender<ListenerStatus>,
+) -> Result<Option<JoinHandle<()>>> {
+    metrics::gauge!(crate::metrics::LISTEN_ENABLED).set(if cfg.listen { 1.0 } else { 0.0 });
+    if !cfg.listen {
+        metrics::gauge!(crate::metrics::NOTIFICATIONS_WORKING).set(0.0);
+        tracing::info!(sweep_interval = ?cfg.sweep_interval, "LISTEN disabled: sweep-only mode");
+        return Ok(None);
+    }
+    let listener_pg = cfg.listener_pg.clone().unwrap_or_else(|| cfg.pg.clone());
+    let (probe_tx, mut probe_rx) = watch::channel(String::new());
+    let first_listener = notifier::listen(&listener_pg, &cfg.session(), wake.clone(), probe_tx.clone()).await?;
+    let probe = format!("{}{}", notifier::PROBE_PREFIX, Uuid::new_v4());
+    work.execute(crate::store::NOTIFY, &[&NOTIFY_CHANNEL, &probe]).await?;
+    let came_back = tokio::time::timeout(PROBE_TIMEOUT, probe_rx.wait_for(|p| *p == probe)).await.is_ok();
+    metrics::gauge!(crate::metrics::NOTIFICATIONS_WORKING).set(if came_back { 1.0 } else { 0.0 });
+    if came_back {
+        tracing::info!(channel = NOTIFY_CHANNEL, "notifications work: LISTEN connection receives them");
+    } else {
+        tracing::warn!(
+            channel = NOTIFY_CHANNEL,
+            sweep_interval = ?cfg.sweep_interval,
+            "a test notification did not come back within {PROBE_TIMEOUT:?} (transaction-mode pooler? replica?): \
+             running in sweep-only mode; events may wait up to one sweep interval"
+        );
+    }
+    Ok(Some(tokio::spawn(notifier::run(
+        listener_pg,
+        first_listener,
+        wake,
+        reconnect_wake,
+        probe_tx,
+        token,
+        status_tx,
+        cfg.clone(),
+    ))))
+}
+
 /// The drain loop's and the notifier's task handles.
-type Tasks = (JoinHandle<Result<()>>, Option<JoinHandle<()>>);
+type Tasks = (JoinHandle<()>, Option<JoinHandle<()>>);
 
 /// State of the LISTEN connection, for monitoring and tests.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -437,46 +443,19 @@ pub struct ListenerStatus {
     pub reconnects: u64,
 }
 
-/// Key of an aggregate: `(aggregate_type, aggregate_id)`.
-pub(crate) type AggregateKey = (String, Uuid);
-
-/// Per-aggregate hold-back of deliveries already fetched. When a delivery is
-/// failed or released, later deliveries of its aggregate that were fetched
-/// before the database knew about it must not be handed out.
-#[derive(Debug, Default)]
-pub(crate) struct Hold {
-    /// Failures/releases of this aggregate not yet processed by the drain loop.
-    pub(crate) pending: u32,
-    /// Deliveries of this aggregate from fetches numbered up to this are held back.
-    pub(crate) upto_seq: u64,
-}
-
+/// What the drain loop and the deliveries share.
 #[derive(Debug)]
 pub(crate) struct Shared {
-    pub(crate) holdback: Mutex<HashMap<AggregateKey, Hold>>,
+    /// Per-aggregate hold-back of deliveries already fetched.
+    pub(crate) holdback: holdback::HoldBack,
+    /// Settlements, to the drain loop.
     pub(crate) settle_tx: mpsc::UnboundedSender<delivery::Settlement>,
-    /// Deliveries from fetches numbered below this are stale (fetched on a
-    /// session that was lost with its locks): released, not handed out.
-    pub(crate) stale_before: std::sync::atomic::AtomicU64,
 }
 
 impl Shared {
-    pub(crate) fn holdback(&self) -> std::sync::MutexGuard<'_, HashMap<AggregateKey, Hold>> {
-        self.holdback.lock().unwrap_or_else(PoisonError::into_inner)
-    }
-
+    /// Must `d` be released instead of handed out ([`holdback`])?
     fn is_held(&self, d: &Delivery) -> bool {
-        if d.seq() < self.stale_before.load(std::sync::atomic::Ordering::SeqCst) {
-            return true;
-        }
-        let map = self.holdback();
-        if map.is_empty() {
-            return false;
-        }
-        match map.get(&(d.aggregate_type.clone(), d.aggregate_id)) {
-            Some(h) => h.pending > 0 || d.seq() <= h.upto_seq,
-            None => false,
-        }
+        self.holdback.is_held(&d.aggregate_type, d.aggregate_id, d.seq())
     }
 }
 
@@ -536,9 +515,12 @@ impl EventStream {
     /// every delivery already handed out is settled (up to the shutdown
     /// grace), write the final acknowledgements, and close the connections.
     ///
+    /// Database errors while the consumer runs are retried (with backoff),
+    /// never returned; settlements that could not be written by the end are
+    /// logged as an error, and those events are delivered again.
+    ///
     /// # Errors
-    /// The error that stopped the drain loop, if any; acknowledgements that
-    /// could not be written are logged, and those events are delivered again.
+    /// [`Error::Io`] only if the drain task panicked.
     pub async fn finish(mut self) -> Result<()> {
         self.token.cancel();
         self.release_buffered();
@@ -559,10 +541,7 @@ impl EventStream {
                 if let Some(n) = notifier {
                     let _ = n.await;
                 }
-                match r {
-                    Ok(r) => r,
-                    Err(e) => Err(Error::Io(std::io::Error::other(e))),
-                }
+                r.map_err(|e| Error::Io(std::io::Error::other(e)))
             }
             None => Ok(()),
         }

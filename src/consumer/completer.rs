@@ -1,0 +1,298 @@
+//! The completer: acknowledgements and failures, written in batches.
+//!
+//! Settlements wait here until a batch is full ([`ConsumerConfig`]'s
+//! acknowledgement batch size) or the acknowledgement interval has passed
+//! since the first of them. A write is one `UPDATE` for the
+//! acknowledgements and one for the failures, pipelined on the writer
+//! session, and runs in a task of its own while the loop goes on fetching;
+//! at most one write is in flight, and its ids are excluded from fetches
+//! until its outcome is taken in ([`Completer::finish`]). Both statements
+//! are idempotent (an acknowledged row is skipped, a failure applies only
+//! while the row's `retry_count` is still the one fetched), so a write whose
+//! reply was lost is simply written again.
+
+use std::time::Duration;
+
+use tokio::sync::mpsc;
+use tokio::time::Instant;
+
+use super::ConsumerConfig;
+use super::holdback::AggregateKey;
+use super::session::Conn;
+use super::statement::{self, Kind, StatementError};
+use crate::metrics as m;
+use crate::retry::RetryPolicy;
+use crate::store;
+
+/// A failed attempt waiting to be written.
+pub(super) struct PendingFail {
+    pub(super) id: i64,
+    pub(super) key: AggregateKey,
+    pub(super) error: String,
+    /// Retry delay from the ladder.
+    delay: Duration,
+    /// The row's retry_count when it was fetched: the write applies only if
+    /// it is still that, so a failure replayed after a lost reply is not
+    /// counted twice.
+    retry_count: i32,
+}
+
+/// The outcome of one write, sent back to the loop.
+pub(super) struct FlushDone {
+    /// The session generation it was written on.
+    pub(super) generation: u64,
+    acks: Vec<i64>,
+    fails: Vec<PendingFail>,
+    ack_res: Result<Vec<tokio_postgres::Row>, StatementError>,
+    fail_res: Result<Vec<tokio_postgres::Row>, StatementError>,
+}
+
+/// What a write's outcome means for the rest of the loop.
+pub(super) struct Written {
+    /// Ids marked published.
+    pub(super) acked: Vec<i64>,
+    /// Failures written (id, aggregate).
+    pub(super) failed: Vec<(i64, AggregateKey)>,
+    /// Seconds from now to the earliest retry the failures scheduled.
+    pub(super) earliest_retry: Option<f64>,
+    /// The first statement error (its settlements are queued again).
+    pub(super) error: Option<StatementError>,
+}
+
+/// Pending settlements and the write in flight.
+pub(super) struct Completer {
+    acks: Vec<i64>,
+    fails: Vec<PendingFail>,
+    /// Ids of the write in flight: excluded from fetches.
+    flushing: Option<Vec<i64>>,
+    flush_at: Option<Instant>,
+    done_tx: mpsc::UnboundedSender<FlushDone>,
+    /// Most acknowledgements (and, apart, most failures) one write takes.
+    cap: usize,
+    interval: Duration,
+    retry: RetryPolicy,
+    max_retries: i32,
+}
+
+impl Completer {
+    /// A completer sending write outcomes to `done_tx`.
+    pub(super) fn new(cfg: &ConsumerConfig, done_tx: mpsc::UnboundedSender<FlushDone>) -> Self {
+        Completer {
+            acks: Vec::new(),
+            fails: Vec::new(),
+            flushing: None,
+            flush_at: None,
+            done_tx,
+            cap: cfg.ack_batch_size.max(1),
+            interval: cfg.ack_interval,
+            retry: cfg.retry.clone(),
+            max_retries: cfg.max_retries,
+        }
+    }
+
+    /// Settlements waiting to be written.
+    pub(super) fn pending(&self) -> usize {
+        self.acks.len() + self.fails.len()
+    }
+
+    /// A write is in flight.
+    pub(super) fn is_writing(&self) -> bool {
+        self.flushing.is_some()
+    }
+
+    /// Ids the write in flight holds.
+    pub(super) fn writing(&self) -> usize {
+        self.flushing.as_ref().map_or(0, Vec::len)
+    }
+
+    /// Settlements waiting: (acknowledgements, failures).
+    pub(super) fn pending_counts(&self) -> (usize, usize) {
+        (self.acks.len(), self.fails.len())
+    }
+
+    /// Writes it takes to write every pending settlement.
+    pub(super) fn writes_needed(&self) -> usize {
+        self.pending().div_ceil(self.cap)
+    }
+
+    /// A whole batch waits and nothing is being written.
+    pub(super) fn batch_ready(&self) -> bool {
+        self.flushing.is_none() && self.pending() >= self.cap
+    }
+
+    /// When the pending settlements are due to be written.
+    pub(super) fn flush_at(&self) -> Option<Instant> {
+        self.flush_at
+    }
+
+    /// Ids settled but not yet written, or being written: a fetch must not
+    /// return them.
+    pub(super) fn unwritten_ids(&self) -> impl Iterator<Item = i64> + '_ {
+        let fails = self.fails.iter().map(|f| f.id);
+        self.acks.iter().copied().chain(fails).chain(self.flushing.iter().flatten().copied())
+    }
+
+    /// Write at the latest one acknowledgement interval from now.
+    pub(super) fn arm(&mut self) {
+        if self.flush_at.is_none() {
+            self.flush_at = Some(Instant::now() + self.interval);
+        }
+    }
+
+    /// Write (or, with nothing pending, end the claim) at once.
+    pub(super) fn flush_now(&mut self) {
+        self.flush_at = Some(Instant::now());
+    }
+
+    /// The flush time passed with nothing to write.
+    pub(super) fn disarm(&mut self) {
+        self.flush_at = None;
+    }
+
+    /// Event `id` was delivered.
+    pub(super) fn ack(&mut self, id: i64) {
+        self.acks.push(id);
+        self.arm();
+    }
+
+    /// Event `id` (of aggregate `key`, fetched with `retry_count`) failed
+    /// with `error`; its retry delay comes from the ladder. The caller has
+    /// already held its aggregate back; the write releases it.
+    pub(super) fn fail(&mut self, id: i64, key: AggregateKey, retry_count: i32, error: String) {
+        let failures = u32::try_from(retry_count.max(0)).unwrap_or(0).saturating_add(1);
+        let delay = self.retry.delay(failures);
+        self.fails.push(PendingFail { id, key, error, delay, retry_count });
+        self.arm();
+    }
+
+    /// Start writing up to one batch of acknowledgements and one of failures
+    /// on `conn`'s writer session (of session generation `generation`),
+    /// without waiting: the outcome comes back as a [`FlushDone`].
+    pub(super) fn start(&mut self, conn: &Conn, generation: u64) {
+        self.flush_at = None;
+        if self.flushing.is_some() || self.pending() == 0 {
+            return;
+        }
+        // At most one batch of each per write: settlements put back after a
+        // failed write must not make the next write bigger (and slower to
+        // meet the statement timeout) than the one that failed.
+        let acks: Vec<i64> = self.acks.drain(..self.acks.len().min(self.cap)).collect();
+        let fails: Vec<PendingFail> = self.fails.drain(..self.fails.len().min(self.cap)).collect();
+        self.flushing = Some(acks.iter().copied().chain(fails.iter().map(|f| f.id)).collect());
+        let write = Write {
+            writer: conn.writer.clone(),
+            session: conn.writer_session.clone(),
+            timeout: conn.timeout,
+            ack: conn.ack.clone(),
+            fail: conn.fail.clone(),
+            max_retries: self.max_retries,
+        };
+        let done_tx = self.done_tx.clone();
+        tokio::spawn(async move {
+            let (ack_res, fail_res) = write.run(&acks, &fails).await;
+            let _ = done_tx.send(FlushDone { generation, acks, fails, ack_res, fail_res });
+        });
+    }
+
+    /// Take in the outcome of a write: metrics and dead-letter logs; on an
+    /// error the settlements are queued again (both writes are idempotent).
+    pub(super) fn finish(&mut self, done: FlushDone) -> Written {
+        self.flushing = None;
+        let FlushDone { acks, fails, ack_res, fail_res, .. } = done;
+        let mut written = Written { acked: Vec::new(), failed: Vec::new(), earliest_retry: None, error: None };
+        match ack_res {
+            Ok(rows) => {
+                record_published(&rows);
+                written.acked = acks;
+            }
+            Err(e) => {
+                self.acks.extend(acks);
+                written.error = Some(e);
+            }
+        }
+        match fail_res {
+            Ok(rows) => {
+                written.earliest_retry = record_failed(&rows, &fails);
+                written.failed = fails.into_iter().map(|f| (f.id, f.key)).collect();
+            }
+            Err(e) => {
+                self.fails.extend(fails);
+                written.error = written.error.or(Some(e));
+            }
+        }
+        written
+    }
+}
+
+/// Acknowledged rows (`RETURNING` delivery lag, seconds): the lag histogram
+/// and the published counter.
+fn record_published(rows: &[tokio_postgres::Row]) {
+    let hist = metrics::histogram!(m::DELIVERY_LAG);
+    for r in rows {
+        if let Ok(Some(lag)) = r.try_get::<_, Option<f64>>(0) {
+            hist.record(lag);
+        }
+    }
+    metrics::counter!(m::EVENTS_PUBLISHED).increment(rows.len() as u64);
+}
+
+/// Failed rows (`RETURNING id, dead, seconds to the retry`): counters, a
+/// warning per new dead letter; the earliest retry, in seconds from now.
+fn record_failed(rows: &[tokio_postgres::Row], fails: &[PendingFail]) -> Option<f64> {
+    let mut earliest: Option<f64> = None;
+    let mut dead = 0u64;
+    for r in rows {
+        let id: i64 = r.try_get(0).unwrap_or_default();
+        if r.try_get::<_, bool>(1).unwrap_or(false) {
+            dead += 1;
+            let err = fails.iter().find(|f| f.id == id).map(|f| f.error.as_str()).unwrap_or("");
+            tracing::warn!(id, error = err, "event became a dead letter");
+        }
+        if let Ok(Some(s)) = r.try_get::<_, Option<f64>>(2) {
+            earliest = Some(earliest.map_or(s, |e: f64| e.min(s)));
+        }
+    }
+    metrics::counter!(m::EVENTS_FAILED).increment(fails.len() as u64);
+    metrics::counter!(m::EVENTS_DEAD_LETTERED).increment(dead);
+    earliest
+}
+
+/// One write's statements and session, moved into its task.
+struct Write {
+    writer: std::sync::Arc<tokio_postgres::Client>,
+    session: statement::Session,
+    timeout: Duration,
+    ack: tokio_postgres::Statement,
+    fail: tokio_postgres::Statement,
+    max_retries: i32,
+}
+
+type WriteResult = Result<Vec<tokio_postgres::Row>, StatementError>;
+
+impl Write {
+    /// The acknowledgement and failure `UPDATE`s, pipelined; each runs to
+    /// its end or its statement timeout.
+    async fn run(&self, acks: &[i64], fails: &[PendingFail]) -> (WriteResult, WriteResult) {
+        let ack = async {
+            if acks.is_empty() {
+                return Ok(Vec::new());
+            }
+            let params: [&(dyn tokio_postgres::types::ToSql + Sync); 1] = [&acks];
+            let acked = self.writer.query(&self.ack, &params);
+            statement::run_to_end(Kind::AckWrite, &self.session, self.timeout, acked).await
+        };
+        let fail = async {
+            if fails.is_empty() {
+                return Ok(Vec::new());
+            }
+            let ids: Vec<i64> = fails.iter().map(|f| f.id).collect();
+            let details = store::fail_details(
+                fails.iter().map(|f| (f.id, f.error.as_str(), f.delay.as_secs_f64(), f.retry_count)),
+            );
+            let params: [&(dyn tokio_postgres::types::ToSql + Sync); 3] = [&ids, &details, &self.max_retries];
+            statement::run_to_end(Kind::FailWrite, &self.session, self.timeout, self.writer.query(&self.fail, &params))
+                .await
+        };
+        tokio::join!(ack, fail)
+    }
+}

@@ -1,0 +1,165 @@
+//! The fetcher: due events into the stream's buffer, in id order.
+//!
+//! A fetch takes only as many rows as there is room for in the stream's
+//! buffer (the caller reserves the slots first), and never an event that is
+//! handed out, settled but not yet written, or being written: those ids are
+//! excluded. Every fetch has a number; the fetcher keeps, for every event
+//! handed out and not yet settled, the number of the fetch that returned it,
+//! which is what per-aggregate hold-back ([`super::holdback`]) is decided
+//! by. Every fetch starts from the lowest id (no cursor: a cursor would skip
+//! rows that were held back when it passed them).
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use tokio::sync::mpsc;
+use tokio_postgres::Row;
+use tokio_util::sync::CancellationToken;
+
+use super::completer::Completer;
+use super::holdback::AggregateKey;
+use super::ownership::{Ownership, Scope};
+use super::session::Conn;
+use super::statement::{Kind, StatementError};
+use super::{Delivery, Shared};
+use crate::error::Error;
+use crate::store;
+
+/// Events handed out and the fetch count.
+pub(super) struct Fetcher {
+    /// Handed out (in the buffer or with user code), not settled: id -> fetch number.
+    outstanding: HashMap<i64, u64>,
+    /// Number of the last fetch.
+    seq: u64,
+    shared: Arc<Shared>,
+    /// Rows per fetch.
+    batch: usize,
+}
+
+impl Fetcher {
+    /// A fetcher taking `batch` rows per fetch.
+    pub(super) fn new(shared: Arc<Shared>, batch: usize) -> Self {
+        Fetcher { outstanding: HashMap::new(), seq: 0, shared, batch }
+    }
+
+    /// Rows per fetch.
+    pub(super) fn batch(&self) -> usize {
+        self.batch
+    }
+
+    /// Events handed out and not settled.
+    pub(super) fn outstanding(&self) -> usize {
+        self.outstanding.len()
+    }
+
+    /// Run one fetch of `scope` on `conn`, excluding `completer`'s unwritten
+    /// ids and the events handed out, until `stop` resolves.
+    pub(super) async fn query(
+        &self,
+        conn: &Conn,
+        scope: Scope,
+        completer: &Completer,
+        stop: impl std::future::Future<Output = ()>,
+    ) -> Result<Vec<Row>, StatementError> {
+        let mut exclude: Vec<i64> = self.outstanding.keys().copied().collect();
+        exclude.extend(completer.unwritten_ids());
+        let batch = i64::try_from(self.batch).unwrap_or(i64::MAX);
+        match scope {
+            Scope::All => conn.run(Kind::Fetch, stop, conn.client.query(&conn.fetch, &[&exclude, &batch])).await,
+            Scope::Partitions { partitions, owned } => {
+                let params: [&(dyn tokio_postgres::types::ToSql + Sync); 4] = [&exclude, &batch, &partitions, &owned];
+                conn.run(Kind::Fetch, stop, conn.client.query(&conn.fetch, &params)).await
+            }
+            Scope::Claim => {
+                // Claim rows with row locks held by an open transaction until
+                // the whole batch is settled; other consumers skip them.
+                let claim = async {
+                    conn.client.batch_execute(store::BEGIN).await?;
+                    conn.client.query(&conn.fetch, &[&batch]).await
+                };
+                conn.run(Kind::Fetch, stop, claim).await
+            }
+        }
+    }
+
+    /// Hand the fetched `rows` out through `permit` as one new fetch; a row
+    /// that cannot be decoded is recorded as a failed attempt. Stops handing
+    /// out when `token` is cancelled (the rest stay unpublished). Returns
+    /// how many were handed out.
+    pub(super) fn hand_out(
+        &mut self,
+        rows: &[Row],
+        permit: mpsc::PermitIterator<'_, Delivery>,
+        token: &CancellationToken,
+        ownership: &mut Ownership,
+        completer: &mut Completer,
+    ) -> u64 {
+        self.seq += 1;
+        let partitioned = ownership.is_partitioned();
+        let mut handed = 0u64;
+        for (row, slot) in rows.iter().zip(permit) {
+            if token.is_cancelled() {
+                break;
+            }
+            match store::event_from_row(row) {
+                Ok(event) => {
+                    self.outstanding.insert(event.id, self.seq);
+                    if partitioned {
+                        ownership.fetched(event.id, store::row_partition(row));
+                    }
+                    slot.send(Delivery::new(event, self.seq, self.shared.clone()));
+                    handed += 1;
+                }
+                Err(e) => self.undecodable(row, &e, completer),
+            }
+        }
+        handed
+    }
+
+    /// A row that cannot be decoded (e.g. `occurred_at = 'infinity'`) is
+    /// recorded as a failed attempt, like a sink failure: it holds back the
+    /// later events of its aggregate, is retried on the ladder, and becomes
+    /// a dead letter an operator can see, rather than being skipped.
+    fn undecodable(&self, row: &Row, e: &Error, completer: &mut Completer) {
+        let msg = super::delivery::sanitize_error(&format!("cannot decode the row: {}", crate::error::report(e)));
+        let Some((id, aggregate_type, aggregate_id, retry_count)) = store::row_identity(row) else {
+            tracing::error!(error = %msg, "could not read an outbox row's id or aggregate; it stays unpublished");
+            return;
+        };
+        tracing::error!(id, error = %msg, "could not read an outbox row; recording it as a failed attempt");
+        let key = (aggregate_type, aggregate_id);
+        // Hold back the aggregate's later events until the failure is written.
+        self.shared.holdback.hold(&key);
+        completer.fail(id, key, retry_count, msg);
+    }
+
+    /// Event `id` was acknowledged or failed by user code.
+    pub(super) fn settled(&mut self, id: i64) {
+        self.outstanding.remove(&id);
+    }
+
+    /// Event `id` of aggregate `key` was released: fetched again later, and
+    /// the aggregate's deliveries from fetches so far are held.
+    pub(super) fn released(&mut self, id: i64, key: &AggregateKey) {
+        self.outstanding.remove(&id);
+        self.shared.holdback.written([key], self.seq);
+    }
+
+    /// Failures of these aggregates were written: every later fetch sees
+    /// them, so only deliveries of fetches so far stay held.
+    pub(super) fn failures_written<'a>(&self, keys: impl IntoIterator<Item = &'a AggregateKey>) {
+        self.shared.holdback.written(keys, self.seq);
+    }
+
+    /// Forget hold-back entries that can no longer match a buffered delivery.
+    pub(super) fn forget_holdback(&self) {
+        let oldest = self.outstanding.values().copied().min().unwrap_or(u64::MAX);
+        self.shared.holdback.forget_before(oldest);
+    }
+
+    /// The session was lost: locks and claims went with it, and another
+    /// consumer may deliver what is buffered, so none of it is handed out.
+    pub(super) fn session_lost(&self) {
+        self.shared.holdback.stale_through(self.seq);
+    }
+}

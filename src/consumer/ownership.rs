@@ -1,0 +1,291 @@
+//! Ownership: what this consumer may fetch, by mode.
+//!
+//! - Single: one active consumer per outbox, the holder of a session
+//!   advisory lock on its work session; the others are standbys that try to
+//!   take it every [`LOCK_INTERVAL`].
+//! - Partitioned: each consumer holds a membership lock; partitions (a hash
+//!   of the aggregate) are held through one advisory lock each, taken or
+//!   given up every few [`LOCK_INTERVAL`]s to a fair share of the members.
+//!   A partition given up is unlocked only once nothing of it is in flight,
+//!   so per-aggregate order holds across the hand-over.
+//! - Competing: no lock; each fetch claims its rows with `FOR UPDATE SKIP
+//!   LOCKED` in a transaction held open until the batch is settled.
+//!
+//! Every lock belongs to the work session: when it is lost, ownership is
+//! gone with it. The lock keys are listed in docs/architecture.md,
+//! "Advisory lock keys" (PostgreSQL docs, "Advisory Locks").
+
+use std::collections::{BTreeSet, HashMap};
+use std::time::Duration;
+
+use tokio::time::Instant;
+
+use super::Mode;
+use super::drain::jittered;
+use super::session::Conn;
+use super::statement::{Kind, StatementError};
+use crate::metrics as m;
+use crate::store;
+use crate::store::locks::{LEADER_KEY, MEMBER_CLASS, PARTITION_CLASS};
+
+/// How often a standby tries to take over (and, times four, how often
+/// partitions are rebalanced): 250 ms.
+pub(super) const LOCK_INTERVAL: Duration = Duration::from_millis(250);
+
+/// Which rows a fetch may take.
+pub(super) enum Scope {
+    /// Every due row (single mode, as the active consumer).
+    All,
+    /// Rows of these partitions, out of `partitions`.
+    Partitions { partitions: i64, owned: Vec<i32> },
+    /// Rows claimed in a new transaction (competing mode).
+    Claim,
+}
+
+/// Partitioned mode's state.
+#[derive(Debug, Default)]
+pub(super) struct Partitions {
+    partitions: u32,
+    /// This session's membership key.
+    member_key: i32,
+    owned: BTreeSet<i32>,
+    /// Given up, unlocked once nothing of them is in flight.
+    releasing: BTreeSet<i32>,
+    /// Partition of every fetched, not yet written id.
+    part_of: HashMap<i64, i32>,
+    lock_at: Option<Instant>,
+}
+
+/// Ownership by mode: each variant holds only its mode's state.
+#[derive(Debug)]
+pub(super) enum Ownership {
+    Single { leader: bool, standby_logged: bool, lock_at: Option<Instant> },
+    Partitioned(Partitions),
+    Competing { in_tx: bool },
+}
+
+impl Ownership {
+    /// Nothing owned yet, for `mode`.
+    pub(super) fn new(mode: Mode) -> Self {
+        match mode {
+            Mode::Single => Ownership::Single { leader: false, standby_logged: false, lock_at: None },
+            Mode::Partitioned { partitions } => Ownership::Partitioned(Partitions { partitions, ..Default::default() }),
+            Mode::Competing => Ownership::Competing { in_tx: false },
+        }
+    }
+
+    /// May this consumer fetch now?
+    pub(super) fn may_fetch(&self) -> bool {
+        match self {
+            Ownership::Single { leader, .. } => *leader,
+            Ownership::Partitioned(p) => !p.owned.is_empty(),
+            Ownership::Competing { in_tx } => !*in_tx,
+        }
+    }
+
+    /// Partitioned mode: fetched rows carry their partition.
+    pub(super) fn is_partitioned(&self) -> bool {
+        matches!(self, Ownership::Partitioned(_))
+    }
+
+    /// Competing mode: a claim transaction is open.
+    pub(super) fn claiming(&self) -> bool {
+        matches!(self, Ownership::Competing { in_tx: true })
+    }
+
+    /// When to try to take (or rebalance) locks next.
+    pub(super) fn lock_at(&self) -> Option<Instant> {
+        match self {
+            Ownership::Single { lock_at, .. } => *lock_at,
+            Ownership::Partitioned(p) => p.lock_at,
+            Ownership::Competing { .. } => None,
+        }
+    }
+
+    /// Sessions are about to be opened: the membership key the new work
+    /// session takes (partitioned mode), drawn anew.
+    pub(super) fn new_member_key(&mut self) -> Option<i32> {
+        match self {
+            Ownership::Partitioned(p) => {
+                p.member_key = rand::random::<i32>();
+                Some(p.member_key)
+            }
+            _ => None,
+        }
+    }
+
+    /// New sessions are open: nothing is owned, locks are taken at once.
+    pub(super) fn session_opened(&mut self) {
+        self.session_lost();
+        match self {
+            Ownership::Single { standby_logged, lock_at, .. } => {
+                *standby_logged = false;
+                *lock_at = Some(Instant::now());
+            }
+            Ownership::Partitioned(p) => p.lock_at = Some(Instant::now()),
+            Ownership::Competing { .. } => {}
+        }
+    }
+
+    /// The work session is gone, and its locks and claim with it.
+    pub(super) fn session_lost(&mut self) {
+        match self {
+            Ownership::Single { .. } => self.set_leader(false),
+            Ownership::Partitioned(p) => {
+                p.owned.clear();
+                p.releasing.clear();
+            }
+            Ownership::Competing { in_tx } => *in_tx = false,
+        }
+        metrics::gauge!(m::PARTITIONS_OWNED).set(0.0);
+    }
+
+    fn set_leader(&mut self, now: bool) {
+        let Ownership::Single { leader, .. } = self else { return };
+        if now && !*leader {
+            tracing::info!("active: this consumer holds the outbox lock and delivers");
+        } else if !now && *leader {
+            tracing::warn!("no longer active (connection lost); will try to take over again");
+        }
+        metrics::gauge!(m::LEADER).set(if now { 1.0 } else { 0.0 });
+        *leader = now;
+    }
+
+    /// The scope of the next fetch; in competing mode this opens a claim
+    /// (the caller begins its transaction).
+    pub(super) fn scope(&mut self) -> Scope {
+        match self {
+            Ownership::Single { .. } => Scope::All,
+            Ownership::Partitioned(p) => {
+                Scope::Partitions { partitions: i64::from(p.partitions), owned: p.owned.iter().copied().collect() }
+            }
+            Ownership::Competing { in_tx } => {
+                // A failed claim leaves no transaction behind that matters:
+                // its session is closed.
+                *in_tx = true;
+                Scope::Claim
+            }
+        }
+    }
+
+    /// Competing mode: the claim transaction ended.
+    pub(super) fn claim_ended(&mut self) {
+        if let Ownership::Competing { in_tx } = self {
+            *in_tx = false;
+        }
+    }
+
+    /// Event `id` of partition `partition` was fetched.
+    pub(super) fn fetched(&mut self, id: i64, partition: Option<i32>) {
+        if let (Ownership::Partitioned(p), Some(part)) = (self, partition) {
+            p.part_of.insert(id, part);
+        }
+    }
+
+    /// Event `id` is no longer in flight (written, or released).
+    pub(super) fn done(&mut self, id: i64) {
+        if let Ownership::Partitioned(p) = self {
+            p.part_of.remove(&id);
+        }
+    }
+
+    /// Take the outbox lock (single mode) or rebalance partitions. `Ok(true)`:
+    /// this consumer owns more than before and should fetch.
+    pub(super) async fn take_locks(
+        &mut self,
+        conn: &Conn,
+        stop: impl std::future::Future<Output = ()>,
+    ) -> Result<bool, StatementError> {
+        match self {
+            Ownership::Single { leader: true, lock_at, .. } => {
+                *lock_at = None;
+                Ok(false)
+            }
+            Ownership::Single { .. } => self.try_lead(conn, stop).await,
+            Ownership::Partitioned(p) => {
+                p.lock_at = None;
+                let gained = conn.run(Kind::Lock, stop, p.rebalance(conn)).await?;
+                p.lock_at = Some(Instant::now() + jittered(LOCK_INTERVAL * 4));
+                Ok(gained)
+            }
+            Ownership::Competing { .. } => Ok(false),
+        }
+    }
+
+    async fn try_lead(
+        &mut self,
+        conn: &Conn,
+        stop: impl std::future::Future<Output = ()>,
+    ) -> Result<bool, StatementError> {
+        if let Ownership::Single { lock_at, .. } = self {
+            *lock_at = None;
+        }
+        let row = conn.run(Kind::Lock, stop, conn.client.query_one(store::TRY_LEADER_LOCK, &[&LEADER_KEY])).await?;
+        if row.try_get::<_, bool>(0).unwrap_or(false) {
+            self.set_leader(true);
+            return Ok(true);
+        }
+        if let Ownership::Single { standby_logged, lock_at, .. } = self {
+            if !*standby_logged {
+                *standby_logged = true;
+                tracing::info!("standby: another consumer holds the outbox lock; waiting to take over");
+            }
+            *lock_at = Some(Instant::now() + LOCK_INTERVAL);
+        }
+        metrics::gauge!(m::LEADER).set(0.0);
+        Ok(false)
+    }
+}
+
+impl Partitions {
+    /// Take partitions up to a fair share of the members, give up any over
+    /// it, and unlock given-up partitions with nothing in flight.
+    /// `Ok(true)`: more partitions are owned than before.
+    async fn rebalance(&mut self, conn: &Conn) -> Result<bool, tokio_postgres::Error> {
+        let members: i64 = conn.client.query_one(store::COUNT_MEMBERS, &[&MEMBER_CLASS]).await?.try_get(0)?;
+        let members = u32::try_from(members.max(1)).unwrap_or(1);
+        let share = self.partitions.div_ceil(members) as usize;
+        let before = self.owned.len();
+        if self.owned.len() < share {
+            self.take_share(conn, share).await?;
+        }
+        while self.owned.len() > share {
+            if let Some(p) = self.owned.pop_last() {
+                self.releasing.insert(p);
+            }
+        }
+        let busy: BTreeSet<i32> = self.part_of.values().copied().collect();
+        let free: Vec<i32> = self.releasing.iter().copied().filter(|p| !busy.contains(p)).collect();
+        for p in free {
+            conn.client.execute(store::PARTITION_UNLOCK, &[&PARTITION_CLASS, &p]).await?;
+            self.releasing.remove(&p);
+        }
+        if self.owned.len() == before {
+            return Ok(false);
+        }
+        tracing::info!(owned = ?self.owned, members, "partitions rebalanced");
+        metrics::gauge!(m::PARTITIONS_OWNED).set(self.owned.len() as f64);
+        Ok(self.owned.len() > before)
+    }
+
+    /// Try the partitions in turn, starting at one given by this session's
+    /// member key, until `share` are held.
+    async fn take_share(&mut self, conn: &Conn, share: usize) -> Result<(), tokio_postgres::Error> {
+        let start = (self.member_key.unsigned_abs() % self.partitions.max(1)) as i32;
+        let total = i32::try_from(self.partitions).unwrap_or(i32::MAX);
+        for k in 0..total {
+            if self.owned.len() >= share {
+                break;
+            }
+            let p = (start + k) % total;
+            if self.owned.contains(&p) || self.releasing.contains(&p) {
+                continue;
+            }
+            let row = conn.client.query_one(store::TRY_PARTITION_LOCK, &[&PARTITION_CLASS, &p]).await?;
+            if row.try_get::<_, bool>(0)? {
+                self.owned.insert(p);
+            }
+        }
+        Ok(())
+    }
+}
