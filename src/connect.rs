@@ -550,78 +550,72 @@ fn take_tls_params_kv(s: &str) -> Result<(String, Option<String>, Option<String>
     let b = s.as_bytes();
     let (mut mode, mut root) = (None, None);
     let mut rest = String::new();
-    let mut i = 0;
-    let skip_ws = |mut i: usize| {
-        while i < b.len() && b[i].is_ascii_whitespace() {
-            i += 1;
-        }
-        i
-    };
-    loop {
-        i = skip_ws(i);
-        if i >= b.len() {
-            break;
-        }
+    let mut i = skip_ws(b, 0);
+    while i < b.len() {
         let start = i;
         while i < b.len() && b[i] != b'=' && !b[i].is_ascii_whitespace() {
             i += 1;
         }
         let key = &s[start..i];
-        i = skip_ws(i);
+        i = skip_ws(b, i);
         if i >= b.len() || b[i] != b'=' {
             // Not key=value: let tokio-postgres report it.
             return Ok((s.to_string(), None, None));
         }
-        i = skip_ws(i + 1);
-        let mut value = String::new();
-        if i < b.len() && b[i] == b'\'' {
-            i += 1;
-            let mut closed = false;
-            while i < b.len() {
-                match b[i] {
-                    b'\\' if i + 1 < b.len() => {
-                        let ch = s[i + 1..].chars().next().unwrap_or('\u{fffd}');
-                        value.push(ch);
-                        i += 1 + ch.len_utf8();
-                    }
-                    b'\'' => {
-                        closed = true;
-                        i += 1;
-                        break;
-                    }
-                    _ => {
-                        let ch = s[i..].chars().next().unwrap_or('\u{fffd}');
-                        value.push(ch);
-                        i += ch.len_utf8();
-                    }
-                }
-            }
-            if !closed && TLS_KEYS.contains(&key) {
-                return Err(Error::Config(format!("invalid connection string: unterminated quote in {key}")));
-            }
-        } else {
-            while i < b.len() && !b[i].is_ascii_whitespace() {
-                if b[i] == b'\\' && i + 1 < b.len() {
-                    let ch = s[i + 1..].chars().next().unwrap_or('\u{fffd}');
-                    value.push(ch);
-                    i += 1 + ch.len_utf8();
-                } else {
-                    let ch = s[i..].chars().next().unwrap_or('\u{fffd}');
-                    value.push(ch);
-                    i += ch.len_utf8();
-                }
-            }
+        let (value, end, terminated) = kv_value(s, skip_ws(b, i + 1));
+        if !terminated && TLS_KEYS.contains(&key) {
+            return Err(Error::Config(format!("invalid connection string: unterminated quote in {key}")));
         }
         match key {
             "sslmode" => mode = Some(value),
             "sslrootcert" => root = Some(value),
             _ => {
-                rest.push_str(&s[start..i]);
+                rest.push_str(&s[start..end]);
                 rest.push(' ');
             }
         }
+        i = skip_ws(b, end);
     }
     Ok((rest.trim_end().to_string(), mode, root))
+}
+
+/// The first byte at or after `i` that is not ASCII whitespace.
+fn skip_ws(b: &[u8], mut i: usize) -> usize {
+    while i < b.len() && b[i].is_ascii_whitespace() {
+        i += 1;
+    }
+    i
+}
+
+/// The key=value value starting at byte `i` of `s`: single-quoted (with
+/// `\'` and `\\` escapes) or up to the next whitespace (with `\`
+/// escapes). Returns the value, the byte after it, and whether a quote that
+/// was opened was closed.
+fn kv_value(s: &str, mut i: usize) -> (String, usize, bool) {
+    let b = s.as_bytes();
+    let quoted = i < b.len() && b[i] == b'\'';
+    if quoted {
+        i += 1;
+    }
+    let char_at = |i: usize| s[i..].chars().next().unwrap_or('\u{fffd}');
+    let mut value = String::new();
+    while i < b.len() {
+        match b[i] {
+            b'\'' if quoted => return (value, i + 1, true),
+            c if !quoted && c.is_ascii_whitespace() => break,
+            b'\\' if i + 1 < b.len() => {
+                let ch = char_at(i + 1);
+                value.push(ch);
+                i += 1 + ch.len_utf8();
+            }
+            _ => {
+                let ch = char_at(i);
+                value.push(ch);
+                i += ch.len_utf8();
+            }
+        }
+    }
+    (value, i, !quoted)
 }
 
 /// Parse a libpq-style URL (`postgres://user@host:5432/db?...`) or key=value

@@ -142,36 +142,40 @@ impl AmqpSink {
                 Error::SinkUnavailable(format!("RabbitMQ at {} did not answer within {:?}", sink.shown, sink.timeout))
             })?
             .map_err(Error::SinkUnavailable)?;
-        // The default exchange ("") always exists and cannot be declared.
-        if !sink.exchange.is_empty() {
-            // A passive declare only checks; a missing exchange closes the
-            // channel with 404 NOT_FOUND.
-            let check = link.channel.exchange_declare(
-                sink.exchange.as_str().into(),
-                ExchangeKind::Topic,
-                ExchangeDeclareOptions { passive: true, ..ExchangeDeclareOptions::default() },
-                FieldTable::default(),
-            );
-            let problem = match tokio::time::timeout(sink.timeout, check).await {
-                Ok(Ok(())) => None,
-                Ok(Err(e)) => Some(format!(
-                    "RabbitMQ exchange '{}' on {}: {} (declare it first, or pick another with --amqp-exchange)",
-                    sink.exchange,
-                    sink.shown,
-                    report(&e)
-                )),
-                Err(_) => Some(format!(
-                    "RabbitMQ at {} did not confirm that exchange '{}' exists within {:?}",
-                    sink.shown, sink.exchange, sink.timeout
-                )),
-            };
-            if let Some(problem) = problem {
-                link.discard();
-                return Err(Error::Config(problem));
-            }
+        if let Err(e) = sink.check_exchange(&link).await {
+            link.discard();
+            return Err(e);
         }
         *sink.link.lock().await = Some(link);
         Ok(sink)
+    }
+
+    /// Check that the exchange exists: a passive declare only checks, and a
+    /// missing exchange closes the channel with 404 NOT_FOUND. The default
+    /// exchange ("") always exists and cannot be declared.
+    async fn check_exchange(&self, link: &Link) -> Result<()> {
+        if self.exchange.is_empty() {
+            return Ok(());
+        }
+        let check = link.channel.exchange_declare(
+            self.exchange.as_str().into(),
+            ExchangeKind::Topic,
+            ExchangeDeclareOptions { passive: true, ..ExchangeDeclareOptions::default() },
+            FieldTable::default(),
+        );
+        match tokio::time::timeout(self.timeout, check).await {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(e)) => Err(Error::Config(format!(
+                "RabbitMQ exchange '{}' on {}: {} (declare it first, or pick another with --amqp-exchange)",
+                self.exchange,
+                self.shown,
+                report(&e)
+            ))),
+            Err(_) => Err(Error::Config(format!(
+                "RabbitMQ at {} did not confirm that exchange '{}' exists within {:?}",
+                self.shown, self.exchange, self.timeout
+            ))),
+        }
     }
 
     /// Where the sink publishes, for logs: broker (no credentials) and exchange.
@@ -210,69 +214,91 @@ impl AmqpSink {
                 routing_key.len()
             ));
         }
+        let channel = self.channel(link).await?;
+        let options = BasicPublishOptions { mandatory: true, ..BasicPublishOptions::default() };
+        let props = properties(event, &msg);
+        let exchange = self.exchange.as_str().into();
+        let outcome =
+            match channel.basic_publish(exchange, routing_key.as_str().into(), options, &msg.body, props).await {
+                Ok(confirm) => self.confirmed(confirm.await, &routing_key),
+                Err(e) => Err(Broken(format!("publishing to RabbitMQ at {} failed: {}", self.shown, report(&e)))),
+            };
+        outcome.map_err(|e| match e {
+            Broken(msg) => {
+                if let Some(old) = link.take() {
+                    old.discard();
+                }
+                msg
+            }
+            Refused(msg) => msg,
+        })
+    }
+
+    /// The channel of `link`, reopened first when it was lost.
+    async fn channel(&self, link: &mut Option<Link>) -> Result<lapin::Channel, String> {
         if link.as_ref().is_some_and(|l| !l.usable())
             && let Some(old) = link.take()
         {
             tracing::warn!(broker = %self.shown, "RabbitMQ connection lost; reconnecting");
             old.discard();
         }
-        if link.is_none() {
-            *link = Some(self.open().await?);
-            tracing::info!(broker = %self.shown, "connected to RabbitMQ");
+        if let Some(l) = link.as_ref() {
+            return Ok(l.channel.clone());
         }
-        let Some(l) = link.as_ref() else { unreachable!("the link was just opened") };
+        let opened = self.open().await?;
+        tracing::info!(broker = %self.shown, "connected to RabbitMQ");
+        let channel = opened.channel.clone();
+        *link = Some(opened);
+        Ok(channel)
+    }
 
-        let mut headers = FieldTable::default();
-        for (name, value) in &msg.headers {
-            headers.insert(ShortString::from(*name), AMQPValue::LongString(value.as_str().into()));
-        }
-        let mut props = BasicProperties::default()
-            .with_delivery_mode(PERSISTENT)
-            .with_message_id(msg.id.as_str().into())
-            .with_content_type(msg.content_type.into())
-            .with_app_id(AMQP_APP_ID.into())
-            .with_headers(headers);
-        if let Ok(secs) = u64::try_from(event.occurred_at.timestamp()) {
-            props = props.with_timestamp(secs);
-        }
-        let options = BasicPublishOptions { mandatory: true, ..BasicPublishOptions::default() };
-        let confirm = match l
-            .channel
-            .basic_publish(self.exchange.as_str().into(), routing_key.as_str().into(), options, &msg.body, props)
-            .await
-        {
-            Ok(c) => c,
-            Err(e) => {
-                if let Some(old) = link.take() {
-                    old.discard();
-                }
-                return Err(format!("publishing to RabbitMQ at {} failed: {}", self.shown, report(&e)));
-            }
-        };
-        match confirm.await {
+    /// What a publisher confirm means: delivered, refused (the channel is
+    /// fine), or a channel that may be broken.
+    fn confirmed(&self, confirm: lapin::Result<Confirmation>, routing_key: &str) -> Result<(), PublishError> {
+        match confirm {
             Ok(Confirmation::Ack(None)) => Ok(()),
-            Ok(Confirmation::Ack(Some(returned)) | Confirmation::Nack(Some(returned))) => Err(format!(
+            Ok(Confirmation::Ack(Some(returned)) | Confirmation::Nack(Some(returned))) => Err(Refused(format!(
                 "RabbitMQ returned the message as unroutable: exchange '{}', routing key '{}' ({} {}; bind a queue \
                  to the exchange for this routing key)",
                 self.exchange, routing_key, returned.reply_code, returned.reply_text
-            )),
+            ))),
             Ok(Confirmation::Nack(None)) => {
-                Err(format!("RabbitMQ refused the message (basic.nack) on exchange '{}'", self.exchange))
+                Err(Refused(format!("RabbitMQ refused the message (basic.nack) on exchange '{}'", self.exchange)))
             }
+            // The channel lost confirm mode: never count that as delivered.
             Ok(Confirmation::NotRequested) => {
-                // The channel lost confirm mode: never count that as delivered.
-                if let Some(old) = link.take() {
-                    old.discard();
-                }
-                Err("RabbitMQ channel is not in confirm mode; the message is not confirmed".to_string())
+                Err(Broken("RabbitMQ channel is not in confirm mode; the message is not confirmed".to_string()))
             }
-            Err(e) => {
-                if let Some(old) = link.take() {
-                    old.discard();
-                }
-                Err(format!("no confirm from RabbitMQ at {}: {}", self.shown, report(&e)))
-            }
+            Err(e) => Err(Broken(format!("no confirm from RabbitMQ at {}: {}", self.shown, report(&e)))),
         }
+    }
+}
+
+/// Why a publish failed.
+enum PublishError {
+    /// The broker refused or returned the message; the channel is fine.
+    Refused(String),
+    /// The channel may be broken: it is discarded and reopened.
+    Broken(String),
+}
+use PublishError::{Broken, Refused};
+
+/// The message's AMQP properties: persistent, with the envelope's headers,
+/// id, content type and the event's time (seconds).
+fn properties(event: &Event, msg: &Message) -> BasicProperties {
+    let mut headers = FieldTable::default();
+    for (name, value) in &msg.headers {
+        headers.insert(ShortString::from(*name), AMQPValue::LongString(value.as_str().into()));
+    }
+    let props = BasicProperties::default()
+        .with_delivery_mode(PERSISTENT)
+        .with_message_id(msg.id.as_str().into())
+        .with_content_type(msg.content_type.into())
+        .with_app_id(AMQP_APP_ID.into())
+        .with_headers(headers);
+    match u64::try_from(event.occurred_at.timestamp()) {
+        Ok(secs) => props.with_timestamp(secs),
+        Err(_) => props,
     }
 }
 

@@ -230,36 +230,70 @@ impl WebhookSink {
     }
 }
 
+impl WebhookSink {
+    /// The POST request for `msg`: its headers, and the Standard Webhooks
+    /// signature when a secret is set.
+    fn request(&self, msg: Message) -> reqwest::RequestBuilder {
+        let mut req = self
+            .client
+            .post(self.url.clone())
+            .headers(self.headers.clone())
+            .header("Idempotency-Key", &msg.id)
+            .header(reqwest::header::CONTENT_TYPE, msg.content_type);
+        for (name, value) in &msg.headers {
+            // Trace context keeps its W3C names; the rest are prefixed.
+            req = match *name {
+                header::CONTENT_TYPE => req,
+                header::TRACEPARENT | header::TRACESTATE => req.header(*name, value),
+                _ => req.header(format!("outbox-{}", name.replace('_', "-")), value),
+            };
+        }
+        if let Some(secret) = &self.secret {
+            // The attempt's own time (Standard Webhooks: "the timestamp of
+            // when the webhook attempt has been made").
+            let now = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| i64::try_from(d.as_secs()).unwrap_or(i64::MAX));
+            req = req
+                .header("webhook-id", &msg.id)
+                .header("webhook-timestamp", now)
+                .header("webhook-signature", secret.sign(&msg.id, now, &msg.body));
+        }
+        req.body(msg.body)
+    }
+
+    /// The error for a response that is not a success: its status and the
+    /// start of its body, on one line.
+    async fn refused(&self, mut resp: reqwest::Response) -> String {
+        let status = resp.status();
+        let mut raw: Vec<u8> = Vec::new();
+        while raw.len() < MAX_ERROR_BODY_READ {
+            match resp.chunk().await {
+                Ok(Some(chunk)) => raw.extend_from_slice(&chunk[..chunk.len().min(MAX_ERROR_BODY_READ - raw.len())]),
+                _ => break,
+            }
+        }
+        let body = String::from_utf8_lossy(&raw);
+        // One line: collapse whitespace (HTML error pages span many lines).
+        let flat = body.split_whitespace().collect::<Vec<_>>().join(" ");
+        let mut snippet: String = flat.chars().take(BODY_SNIPPET).collect();
+        if snippet.len() < flat.len() {
+            snippet.push('…');
+        }
+        if status.is_redirection() {
+            return format!(
+                "webhook answered HTTP {status} (redirects are not followed; point --sink at the final URL): {snippet}"
+            );
+        }
+        format!("webhook answered HTTP {status}: {snippet}")
+    }
+}
+
 impl Sink for WebhookSink {
     fn deliver<'a>(&'a self, event: &'a Event) -> SinkFuture<'a> {
         Box::pin(async move {
             let msg = Message::new(event, self.format, &self.source)?;
-            let mut req = self
-                .client
-                .post(self.url.clone())
-                .headers(self.headers.clone())
-                .header("Idempotency-Key", &msg.id)
-                .header(reqwest::header::CONTENT_TYPE, msg.content_type);
-            for (name, value) in &msg.headers {
-                // Trace context keeps its W3C names; the rest are prefixed.
-                req = match *name {
-                    header::CONTENT_TYPE => req,
-                    header::TRACEPARENT | header::TRACESTATE => req.header(*name, value),
-                    _ => req.header(format!("outbox-{}", name.replace('_', "-")), value),
-                };
-            }
-            if let Some(secret) = &self.secret {
-                // The attempt's own time (Standard Webhooks: "the timestamp
-                // of when the webhook attempt has been made").
-                let now = std::time::SystemTime::now()
-                    .duration_since(std::time::UNIX_EPOCH)
-                    .map_or(0, |d| i64::try_from(d.as_secs()).unwrap_or(i64::MAX));
-                req = req
-                    .header("webhook-id", &msg.id)
-                    .header("webhook-timestamp", now)
-                    .header("webhook-signature", secret.sign(&msg.id, now, &msg.body));
-            }
-            let resp = req.body(msg.body).send().await.map_err(|e| {
+            let resp = self.request(msg).send().await.map_err(|e| {
                 let timeout = e.is_timeout();
                 let e = e.without_url();
                 if timeout {
@@ -268,31 +302,10 @@ impl Sink for WebhookSink {
                     format!("webhook {} request failed: {}", self.shown, crate::error::report(&e))
                 }
             })?;
-            let status = resp.status();
-            if status.is_success() {
+            if resp.status().is_success() {
                 return Ok(());
             }
-            let mut resp = resp;
-            let mut raw: Vec<u8> = Vec::new();
-            while raw.len() < MAX_ERROR_BODY_READ {
-                match resp.chunk().await {
-                    Ok(Some(chunk)) => {
-                        raw.extend_from_slice(&chunk[..chunk.len().min(MAX_ERROR_BODY_READ - raw.len())])
-                    }
-                    _ => break,
-                }
-            }
-            let body = String::from_utf8_lossy(&raw);
-            // One line: collapse whitespace (HTML error pages span many lines).
-            let flat = body.split_whitespace().collect::<Vec<_>>().join(" ");
-            let mut snippet: String = flat.chars().take(BODY_SNIPPET).collect();
-            if snippet.len() < flat.len() {
-                snippet.push('…');
-            }
-            if status.is_redirection() {
-                return Err(format!("webhook answered HTTP {status} (redirects are not followed; point --sink at the final URL): {snippet}").into());
-            }
-            Err(format!("webhook answered HTTP {status}: {snippet}").into())
+            Err(self.refused(resp).await.into())
         })
     }
 }

@@ -50,7 +50,7 @@ impl Sink for DemoSink {
         Box::pin(async move {
             self.inner.deliver(event).await?;
             let now = Instant::now();
-            let mut s = self.seen.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            let mut s = lock(&self.seen);
             if s.delivered_at.insert(event.id, now).is_some() {
                 s.duplicates += 1;
             }
@@ -129,10 +129,42 @@ fn config_url(cfg: &pg_outbox::ConnectOptions) -> String {
     parts.join(" ")
 }
 
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// Commit times of the events producers committed, by id.
+type Committed = HashMap<i64, Instant>;
+
 async fn run_on(url: &str, args: &DemoArgs) -> Result<(), Error> {
     let metrics = crate::install_metrics(None)?;
     let admin = crate::connect(url).await?;
-    let report = pg_outbox::migrate::apply(&admin).await?;
+    let (subs, start_id) = prepare(&admin, args).await?;
+    let seen = Arc::new(Mutex::new(Seen::default()));
+    let (stop_tx, relay) = start_relay(url, seen.clone()).await?;
+    eprintln!(
+        "demo: {} producers write {} events for {} subscriptions (1 in {} rolled back) ...",
+        args.producers, args.events, args.subscriptions, args.rollback_every
+    );
+    let started = Instant::now();
+    let (committed, rolled_back) = run_producers(url, args, &subs).await?;
+    wait_delivered(&seen, committed.len(), Duration::from_secs(60)).await;
+    let elapsed = started.elapsed();
+    let _ = stop_tx.send(());
+    relay.await.map_err(|e| Error::Config(format!("relay panicked: {e}")))??;
+    let unpublished: i64 = admin
+        .query_one("SELECT count(*) FROM events.outbox WHERE id > $1 AND published_at IS NULL", &[&start_id])
+        .await?
+        .try_get(0)?;
+    let summary = Summary::new(&committed, &lock(&seen), rolled_back, unpublished, elapsed)?;
+    summary.print(&metrics);
+    summary.check()
+}
+
+/// Migrate, create the demo's domain table and subscriptions; returns them
+/// and the highest outbox id before the demo.
+async fn prepare(admin: &tokio_postgres::Client, args: &DemoArgs) -> Result<(Vec<uuid::Uuid>, i64), Error> {
+    let report = pg_outbox::migrate::apply(admin).await?;
     eprintln!("demo: migrated ({} files applied)", report.applied.len());
     admin.batch_execute(SCHEMA).await?;
     let subs: Vec<uuid::Uuid> = (0..args.subscriptions).map(|_| uuid::Uuid::new_v4()).collect();
@@ -140,11 +172,18 @@ async fn run_on(url: &str, args: &DemoArgs) -> Result<(), Error> {
         .execute("INSERT INTO billing.subscriptions (id) SELECT unnest($1::uuid[]) ON CONFLICT DO NOTHING", &[&subs])
         .await?;
     let start_id: i64 = admin.query_one("SELECT coalesce(max(id), 0) FROM events.outbox", &[]).await?.try_get(0)?;
+    Ok((subs, start_id))
+}
 
-    let pg = pg_outbox::parse_url(url)?;
-    let stream = Consumer::builder(pg).start().await?;
-    let seen = Arc::new(Mutex::new(Seen::default()));
-    let sink = DemoSink { inner: StdoutSink::new(), seen: seen.clone() };
+type RelayTask = tokio::task::JoinHandle<Result<pg_outbox::relay::RelayStats, Error>>;
+
+/// Start a relay into the demo sink; it stops when the sender is used.
+async fn start_relay(
+    url: &str,
+    seen: Arc<Mutex<Seen>>,
+) -> Result<(tokio::sync::oneshot::Sender<()>, RelayTask), Error> {
+    let stream = Consumer::builder(pg_outbox::parse_url(url)?).start().await?;
+    let sink = DemoSink { inner: StdoutSink::new(), seen };
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
     let relay = tokio::spawn(async move {
         let stop = async {
@@ -152,18 +191,16 @@ async fn run_on(url: &str, args: &DemoArgs) -> Result<(), Error> {
         };
         pg_outbox::relay::run(stream, &sink, stop).await
     });
+    Ok((stop_tx, relay))
+}
 
-    eprintln!(
-        "demo: {} producers write {} events for {} subscriptions (1 in {} rolled back) ...",
-        args.producers, args.events, args.subscriptions, args.rollback_every
-    );
-    let started = Instant::now();
-    let committed: Arc<Mutex<HashMap<i64, Instant>>> = Arc::default();
+/// Run the producers to their end: what they committed, and how many
+/// transactions they rolled back.
+async fn run_producers(url: &str, args: &DemoArgs, subs: &[uuid::Uuid]) -> Result<(Committed, u64), Error> {
+    let committed: Arc<Mutex<Committed>> = Arc::default();
     let mut producers = Vec::new();
     for p in 0..args.producers {
-        let url = url.to_string();
-        let subs = subs.clone();
-        let committed = committed.clone();
+        let (url, subs, committed) = (url.to_string(), subs.to_vec(), committed.clone());
         let n = args.events / args.producers + usize::from(p < args.events % args.producers);
         let rollback_every = args.rollback_every;
         producers.push(tokio::spawn(async move { produce(&url, p, n, &subs, rollback_every, &committed).await }));
@@ -172,80 +209,112 @@ async fn run_on(url: &str, args: &DemoArgs) -> Result<(), Error> {
     for p in producers {
         rolled_back += p.await.map_err(|e| Error::Config(format!("producer panicked: {e}")))??;
     }
-    let produced = committed.lock().unwrap_or_else(std::sync::PoisonError::into_inner).len();
-    let deadline = Instant::now() + Duration::from_secs(60);
-    loop {
-        let delivered = seen.lock().unwrap_or_else(std::sync::PoisonError::into_inner).delivered_at.len();
-        if delivered >= produced || Instant::now() > deadline {
-            break;
-        }
+    let committed = std::mem::take(&mut *lock(&committed));
+    Ok((committed, rolled_back))
+}
+
+/// Wait until `produced` events were delivered, or `limit` passed.
+async fn wait_delivered(seen: &Mutex<Seen>, produced: usize, limit: Duration) {
+    let deadline = Instant::now() + limit;
+    while lock(seen).delivered_at.len() < produced && Instant::now() <= deadline {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    let elapsed = started.elapsed();
-    let _ = stop_tx.send(());
-    relay.await.map_err(|e| Error::Config(format!("relay panicked: {e}")))??;
+}
 
-    let unpublished: i64 = admin
-        .query_one("SELECT count(*) FROM events.outbox WHERE id > $1 AND published_at IS NULL", &[&start_id])
-        .await?
-        .try_get(0)?;
-    let committed = committed.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-    let seen = seen.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-    let mut hist = hdrhistogram::Histogram::<u64>::new_with_bounds(1, 60_000_000, 3)
-        .map_err(|e| Error::Config(format!("histogram: {e}")))?;
-    let mut lost = 0u64;
-    for (id, c) in committed.iter() {
-        match seen.delivered_at.get(id) {
-            Some(d) => {
-                let us = d.saturating_duration_since(*c).as_micros().max(1);
-                let _ = hist.record(u64::try_from(us).unwrap_or(u64::MAX));
+/// What the demo found.
+struct Summary {
+    produced: usize,
+    rolled_back: u64,
+    delivered: usize,
+    lost: u64,
+    stray: usize,
+    duplicates: u64,
+    order_violations: u64,
+    unpublished: i64,
+    elapsed: Duration,
+    /// Commit-to-delivery lag, microseconds.
+    lag: hdrhistogram::Histogram<u64>,
+}
+
+impl Summary {
+    fn new(
+        committed: &Committed,
+        seen: &Seen,
+        rolled_back: u64,
+        unpublished: i64,
+        elapsed: Duration,
+    ) -> Result<Self, Error> {
+        let mut lag = hdrhistogram::Histogram::<u64>::new_with_bounds(1, 60_000_000, 3)
+            .map_err(|e| Error::Config(format!("histogram: {e}")))?;
+        let mut lost = 0u64;
+        for (id, c) in committed {
+            match seen.delivered_at.get(id) {
+                Some(d) => {
+                    let us = d.saturating_duration_since(*c).as_micros().max(1);
+                    let _ = lag.record(u64::try_from(us).unwrap_or(u64::MAX));
+                }
+                None => lost += 1,
             }
-            None => lost += 1,
+        }
+        Ok(Summary {
+            produced: committed.len(),
+            rolled_back,
+            delivered: seen.delivered_at.len(),
+            lost,
+            stray: seen.delivered_at.keys().filter(|id| !committed.contains_key(id)).count(),
+            duplicates: seen.duplicates,
+            order_violations: seen.order_violations,
+            unpublished,
+            elapsed,
+            lag,
+        })
+    }
+
+    fn print(&self, metrics: &metrics_exporter_prometheus::PrometheusHandle) {
+        let ms = |q: f64| self.lag.value_at_quantile(q) as f64 / 1000.0;
+        let secs = self.elapsed.as_secs_f64();
+        eprintln!();
+        eprintln!("demo summary");
+        eprintln!("  events committed        {}", self.produced);
+        eprintln!("  transactions rolled back {} (their events must not appear)", self.rolled_back);
+        eprintln!("  events delivered        {}", self.delivered);
+        eprintln!("  lost                    {}", self.lost);
+        eprintln!("  delivered but not committed {}", self.stray);
+        eprintln!("  duplicates              {}", self.duplicates);
+        eprintln!("  per-aggregate order violations {}", self.order_violations);
+        eprintln!("  still unpublished       {}", self.unpublished);
+        eprintln!("  wall time               {secs:.2} s ({:.0} events/s)", self.produced as f64 / secs);
+        eprintln!(
+            "  commit-to-delivery lag  p50 {:.2} ms  p90 {:.2} ms  p99 {:.2} ms  max {:.2} ms",
+            ms(0.5),
+            ms(0.9),
+            ms(0.99),
+            self.lag.max() as f64 / 1000.0
+        );
+        eprintln!("  metrics (Prometheus text, selected):");
+        const SHOWN: [&str; 5] = [
+            "outbox_events_",
+            "outbox_notifications",
+            "outbox_sweeps",
+            "outbox_delivery_lag_seconds_count",
+            "outbox_delivery_lag_seconds_sum",
+        ];
+        for line in metrics.render().lines() {
+            if !line.starts_with('#') && SHOWN.iter().any(|p| line.starts_with(p)) {
+                eprintln!("    {line}");
+            }
         }
     }
-    let stray = seen.delivered_at.keys().filter(|id| !committed.contains_key(id)).count();
-    let ms = |q: f64| hist.value_at_quantile(q) as f64 / 1000.0;
-    eprintln!();
-    eprintln!("demo summary");
-    eprintln!("  events committed        {produced}");
-    eprintln!("  transactions rolled back {rolled_back} (their events must not appear)");
-    eprintln!("  events delivered        {}", seen.delivered_at.len());
-    eprintln!("  lost                    {lost}");
-    eprintln!("  delivered but not committed {stray}");
-    eprintln!("  duplicates              {}", seen.duplicates);
-    eprintln!("  per-aggregate order violations {}", seen.order_violations);
-    eprintln!("  still unpublished       {unpublished}");
-    eprintln!(
-        "  wall time               {:.2} s ({:.0} events/s)",
-        elapsed.as_secs_f64(),
-        produced as f64 / elapsed.as_secs_f64()
-    );
-    eprintln!(
-        "  commit-to-delivery lag  p50 {:.2} ms  p90 {:.2} ms  p99 {:.2} ms  max {:.2} ms",
-        ms(0.5),
-        ms(0.9),
-        ms(0.99),
-        hist.max() as f64 / 1000.0
-    );
-    eprintln!("  metrics (Prometheus text, selected):");
-    for line in metrics.render().lines() {
-        if !line.starts_with('#')
-            && (line.starts_with("outbox_events_")
-                || line.starts_with("outbox_notifications")
-                || line.starts_with("outbox_sweeps")
-                || line.starts_with("outbox_delivery_lag_seconds_count")
-                || line.starts_with("outbox_delivery_lag_seconds_sum"))
-        {
-            eprintln!("    {line}");
+
+    fn check(&self) -> Result<(), Error> {
+        if self.lost > 0 || self.stray > 0 || self.order_violations > 0 || self.unpublished > 0 {
+            return Err(Error::Check(format!(
+                "demo found a problem: {} lost, {} delivered without commit, {} order violations, {} unpublished",
+                self.lost, self.stray, self.order_violations, self.unpublished
+            )));
         }
+        Ok(())
     }
-    if lost > 0 || stray > 0 || seen.order_violations > 0 || unpublished > 0 {
-        return Err(Error::Check(format!(
-            "demo found a problem: {lost} lost, {stray} delivered without commit, {} order violations, {unpublished} unpublished",
-            seen.order_violations
-        )));
-    }
-    Ok(())
 }
 
 /// One producer: the seed's publisher flow, in the same transaction as the
@@ -256,7 +325,7 @@ async fn produce(
     n: usize,
     subs: &[uuid::Uuid],
     rollback_every: usize,
-    committed: &Mutex<HashMap<i64, Instant>>,
+    committed: &Mutex<Committed>,
 ) -> Result<u64, Error> {
     let mut client = crate::connect(url).await?;
     let publisher = Publisher::new();
@@ -284,7 +353,7 @@ async fn produce(
             rolled_back += 1;
         } else {
             tx.commit().await?;
-            committed.lock().unwrap_or_else(std::sync::PoisonError::into_inner).insert(id, Instant::now());
+            lock(committed).insert(id, Instant::now());
         }
         if i % 8 == 7 {
             tokio::time::sleep(Duration::from_millis(2)).await;
