@@ -18,7 +18,8 @@ use tokio_postgres::types::ToSql;
 
 use crate::error::Result;
 use crate::event::Event;
-use crate::store::{event_from_row, map_missing_schema};
+use crate::store::dead_letters::{DISCARD, EXISTING_IDS, RETRY, apply_sql, count_sql, ids_sql, list_sql};
+use crate::store::{NOTIFY, event_from_row, map_missing_schema};
 
 /// Default number of rows `list` returns: 100.
 pub const DEFAULT_LIST_LIMIT: i64 = 100;
@@ -88,53 +89,6 @@ impl Filter {
     }
 }
 
-/// The WHERE clause shared by every operation; `$6` is the row limit.
-/// Every statement orders by `id + 0`, the key of `outbox_dead_letter_idx`
-/// (dead letters only), which no other index provides: with sorts
-/// discouraged on pg-outbox's sessions ([`crate::PLANNER_SETTINGS`]) each
-/// is a walk of that index, touching dead letters only, whatever the
-/// statistics say (the count too: its subquery keeps the order).
-const MATCHES: &str = "published_at IS NULL AND next_retry_at = 'infinity' \
-     AND ($1::bigint[] IS NULL OR id = ANY($1)) \
-     AND ($2::text IS NULL OR aggregate_type = $2) \
-     AND ($3::text IS NULL OR event_type = $3) \
-     AND ($4::text IS NULL OR strpos(coalesce(last_error, ''), $4) > 0) \
-     AND ($5::timestamptz IS NULL OR occurred_at >= $5)";
-
-/// [`list`]'s statement: `$1`..`$5` the filter, `$6` the limit.
-pub(crate) fn list_sql() -> String {
-    format!(
-        "SELECT id, aggregate_type, aggregate_id, event_type, payload, occurred_at, retry_count, last_error \
-         FROM events.outbox WHERE {MATCHES} ORDER BY id + 0 LIMIT $6"
-    )
-}
-
-/// [`count`]'s statement: `$1`..`$5` the filter.
-pub(crate) fn count_sql() -> String {
-    format!("SELECT count(*) FROM (SELECT 1 FROM events.outbox WHERE {MATCHES} ORDER BY id + 0) d")
-}
-
-/// [`matching_ids`]'s statement: `$1`..`$5` the filter, `$6` the limit.
-pub(crate) fn ids_sql() -> String {
-    format!("SELECT id FROM events.outbox WHERE {MATCHES} ORDER BY id + 0 LIMIT $6")
-}
-
-/// [`retry`]'s action on the picked dead letters.
-pub(crate) const RETRY: &str =
-    "UPDATE events.outbox o SET next_retry_at = now() FROM picked WHERE o.id = picked.id RETURNING o.id";
-/// [`discard`]'s action on the picked dead letters.
-pub(crate) const DISCARD: &str = "DELETE FROM events.outbox o USING picked WHERE o.id = picked.id RETURNING o.id";
-
-/// [`retry`]'s and [`discard`]'s statement around `action`: `$1`..`$5` the
-/// filter, `$6` the limit.
-pub(crate) fn apply_sql(action: &str) -> String {
-    format!(
-        "WITH picked AS (SELECT id FROM events.outbox WHERE {MATCHES} ORDER BY id + 0 LIMIT $6 FOR UPDATE), \
-              done AS ({action}) \
-         SELECT id FROM done ORDER BY id"
-    )
-}
-
 /// A dead letter as listed: the event plus when it died (its last failure is
 /// in `event.last_error`).
 pub type DeadLetter = Event;
@@ -160,7 +114,7 @@ pub async fn list<C: GenericClient + Sync>(client: &C, filter: &Filter) -> Resul
 pub async fn count<C: GenericClient + Sync>(client: &C, filter: &Filter) -> Result<i64> {
     let sql = count_sql();
     let row = client.query_one(&sql, &filter.params()).await.map_err(map_missing_schema)?;
-    Ok(row.try_get(0)?)
+    Ok(row.try_get("count")?)
 }
 
 /// Ids of the dead letters matching `filter` (what [`retry`] or
@@ -173,7 +127,7 @@ pub async fn matching_ids<C: GenericClient + Sync>(client: &C, filter: &Filter) 
     let sql = ids_sql();
     let [a, b, c, d, e] = filter.params();
     let rows = client.query(&sql, &[a, b, c, d, e, &limit]).await.map_err(map_missing_schema)?;
-    rows.iter().map(|r| r.try_get(0).map_err(Into::into)).collect()
+    rows.iter().map(|r| r.try_get("id").map_err(Into::into)).collect()
 }
 
 /// Apply `action` (an UPDATE or DELETE of `events.outbox o` joined to the
@@ -185,9 +139,9 @@ async fn apply_to_matching<C: GenericClient + Sync>(client: &C, filter: &Filter,
     let [a, b, c, d, e] = filter.params();
     let rows = client.query(&sql, &[a, b, c, d, e, &limit]).await.map_err(map_missing_schema)?;
     if !rows.is_empty() {
-        client.execute(crate::store::NOTIFY, &[&crate::NOTIFY_CHANNEL, &""]).await?;
+        client.execute(NOTIFY, &[&crate::NOTIFY_CHANNEL, &""]).await?;
     }
-    rows.iter().map(|r| r.try_get(0).map_err(Into::into)).collect()
+    rows.iter().map(|r| r.try_get("id").map_err(Into::into)).collect()
 }
 
 /// Make the matching dead letters due now and wake the relays. Returns the
@@ -206,4 +160,16 @@ pub async fn retry<C: GenericClient + Sync>(client: &C, filter: &Filter) -> Resu
 /// [`crate::Error::NotMigrated`] or [`crate::Error::Db`].
 pub async fn discard<C: GenericClient + Sync>(client: &C, filter: &Filter) -> Result<Vec<i64>> {
     apply_to_matching(client, filter, DISCARD).await
+}
+
+/// Which of `ids` are in `events.outbox` at all, dead letters or not (to
+/// explain ids that an operation did not touch), ascending.
+///
+/// # Errors
+/// [`crate::Error::NotMigrated`] or [`crate::Error::Db`].
+pub async fn existing<C: GenericClient + Sync>(client: &C, ids: &[i64]) -> Result<Vec<i64>> {
+    let rows = client.query(EXISTING_IDS, &[&ids]).await.map_err(map_missing_schema)?;
+    let mut found = rows.iter().map(|r| r.try_get("id")).collect::<Result<Vec<i64>, _>>()?;
+    found.sort_unstable();
+    Ok(found)
 }

@@ -5,10 +5,15 @@
 //! relays starting at once do not race), records what it ran in
 //! `events.outbox_schema_migrations`, and skips what is recorded. Trigger
 //! files are re-applied only when their text changed.
+//!
+//! Both [`apply`] and [`check`] first check that the server is PostgreSQL
+//! [`MIN_SERVER_VERSION`] or later.
 
 use tokio_postgres::Client;
 
 use crate::error::{Error, Result};
+use crate::store::locks::{MIGRATE_KEY, TRY_LOCK, UNLOCK};
+use crate::store::schema as sql;
 
 /// Schema migrations, in order: (name, SQL). Numbered `NNNN_name`.
 pub const MIGRATIONS: &[(&str, &str)] = &[
@@ -23,21 +28,42 @@ pub const MIGRATIONS: &[(&str, &str)] = &[
     ("0009_outbox_holdback_idx", include_str!("../migrations/0009_outbox_holdback_idx.sql")),
     ("0010_outbox_dead_letter_idx", include_str!("../migrations/0010_outbox_dead_letter_idx.sql")),
     ("0011_drop_outbox_aggregate_failed_idx", include_str!("../migrations/0011_drop_outbox_aggregate_failed_idx.sql")),
+    ("0012_drop_legacy_notify_trigger", include_str!("../migrations/0012_drop_legacy_notify_trigger.sql")),
 ];
 
 /// Trigger files, applied after the migrations: (name, SQL).
 pub const TRIGGERS: &[(&str, &str)] = &[
-    ("triggers/outbox_guard", include_str!("../triggers/outbox_guard.sql")),
-    ("triggers/outbox_notify", include_str!("../triggers/outbox_notify.sql")),
-    ("triggers/outbox_order", include_str!("../triggers/outbox_order.sql")),
+    ("triggers/outbox_update_check_invariants", include_str!("../triggers/outbox_update_check_invariants.sql")),
+    ("triggers/outbox_relays_refresh_hint", include_str!("../triggers/outbox_relays_refresh_hint.sql")),
+    ("triggers/outbox_insert_order_and_notify", include_str!("../triggers/outbox_insert_order_and_notify.sql")),
 ];
 
-/// Advisory lock key that serialises concurrent `migrate` runs.
-const MIGRATE_LOCK_KEY: i64 = 0x7067_6f75_7462_6f78; // "pgoutbox"
+/// The oldest PostgreSQL pg-outbox supports: 13 (`server_version_num`
+/// 130000). The insert trigger needs `pg_current_xact_id()` (new in 13);
+/// the rest needs 12 or older (`hashtextextended` and `uuid_hash_extended`
+/// 11, `WITH ... AS MATERIALIZED` 12). `client_connection_check_interval`
+/// (14) is used only where the server knows it.
+pub const MIN_SERVER_VERSION: (i32, &str) = (130_000, "13");
 
-const CREATE_LEDGER: &str = "CREATE SCHEMA IF NOT EXISTS events; \
-     CREATE TABLE IF NOT EXISTS events.outbox_schema_migrations ( \
-       name TEXT PRIMARY KEY, checksum TEXT NOT NULL, applied_at TIMESTAMPTZ NOT NULL DEFAULT now())";
+/// `Ok` when `server_version_num` `num` is [`MIN_SERVER_VERSION`] or later;
+/// else an error naming the server's version (`version`, as the server
+/// spells it) and the version needed.
+fn supported(num: i32, version: &str) -> Result<()> {
+    let (min_num, min) = MIN_SERVER_VERSION;
+    if num >= min_num {
+        return Ok(());
+    }
+    Err(Error::Usage(format!(
+        "the server runs PostgreSQL {version} (server_version_num {num}); \
+         pg-outbox needs PostgreSQL {min} or later (server_version_num {min_num} or more)"
+    )))
+}
+
+/// Check the server's version (see [`MIN_SERVER_VERSION`]).
+async fn check_server_version(client: &Client) -> Result<()> {
+    let row = client.query_one(sql::SERVER_VERSION, &[]).await?;
+    supported(row.try_get("num")?, row.try_get("version")?)
+}
 
 /// What [`apply`] did.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -70,15 +96,18 @@ fn checksum(sql: &str) -> String {
 /// the end, also after an error.
 ///
 /// # Errors
-/// [`Error::Db`] if a statement fails (nothing after it runs; the files are
-/// idempotent, so running again after fixing the cause is safe), or
+/// [`Error::Usage`] before anything runs if the server is older than
+/// [`MIN_SERVER_VERSION`], naming both versions; [`Error::Db`] if a
+/// statement fails (nothing after it runs; the files are idempotent, so
+/// running again after fixing the cause is safe), or
 /// [`Error::NotMigrated`] naming an index left invalid by an interrupted
 /// concurrent build, with the statement that removes it.
 pub async fn apply(client: &Client) -> Result<MigrationReport> {
-    let timeout: String = client.query_one("SELECT current_setting('statement_timeout')", &[]).await?.try_get(0)?;
-    client.batch_execute("SET statement_timeout = 0").await?;
+    check_server_version(client).await?;
+    let timeout: String = client.query_one(sql::STATEMENT_TIMEOUT, &[]).await?.try_get("timeout")?;
+    client.batch_execute(sql::NO_STATEMENT_TIMEOUT).await?;
     let result = apply_unlimited(client).await;
-    let restored = client.execute("SELECT set_config('statement_timeout', $1, false)", &[&timeout]).await;
+    let restored = client.execute(sql::RESTORE_STATEMENT_TIMEOUT, &[&timeout]).await;
     let report = result?;
     restored?;
     Ok(report)
@@ -92,29 +121,26 @@ async fn apply_unlimited(client: &Client) -> Result<MigrationReport> {
     // such transaction to end (docs, "Building Indexes Concurrently"), so
     // two `migrate` runs at once would deadlock.
     loop {
-        let got: bool = client.query_one("SELECT pg_try_advisory_lock($1)", &[&MIGRATE_LOCK_KEY]).await?.try_get(0)?;
+        let got: bool = client.query_one(TRY_LOCK, &[&MIGRATE_KEY]).await?.try_get(0)?;
         if got {
             break;
         }
         tokio::time::sleep(std::time::Duration::from_millis(100)).await;
     }
     let result = apply_locked(client).await;
-    let unlock = client.execute("SELECT pg_advisory_unlock($1)", &[&MIGRATE_LOCK_KEY]).await;
+    let unlock = client.execute(UNLOCK, &[&MIGRATE_KEY]).await;
     let report = result?;
     unlock?;
     Ok(report)
 }
 
 async fn apply_locked(client: &Client) -> Result<MigrationReport> {
-    client.batch_execute(CREATE_LEDGER).await?;
+    client.batch_execute(sql::CREATE_LEDGER).await?;
     let mut report = MigrationReport::default();
     for (name, sql) in MIGRATIONS.iter().chain(TRIGGERS.iter()) {
         let sum = checksum(sql);
-        let recorded: Option<String> = client
-            .query_opt("SELECT checksum FROM events.outbox_schema_migrations WHERE name = $1", &[name])
-            .await?
-            .map(|r| r.try_get(0))
-            .transpose()?;
+        let recorded: Option<String> =
+            client.query_opt(sql::RECORDED_CHECKSUM, &[name]).await?.map(|r| r.try_get("checksum")).transpose()?;
         let is_trigger = name.starts_with("triggers/");
         let needed = match recorded {
             None => true,
@@ -124,29 +150,18 @@ async fn apply_locked(client: &Client) -> Result<MigrationReport> {
             continue;
         }
         if let Err(e) = client.batch_execute(sql).await {
-            // A file that opens its own transaction (triggers/outbox_order.sql)
-            // leaves it aborted on error: end it, so the session stays usable.
-            let _ = client.batch_execute("ROLLBACK").await;
+            // A file that opens its own transaction
+            // (triggers/outbox_insert_order_and_notify.sql) leaves it aborted
+            // on error: end it, so the session stays usable.
+            let _ = client.batch_execute(sql::ROLLBACK).await;
             return Err(e.into());
         }
-        client
-            .execute(
-                "INSERT INTO events.outbox_schema_migrations (name, checksum) VALUES ($1, $2) \
-                 ON CONFLICT (name) DO UPDATE SET checksum = EXCLUDED.checksum, applied_at = now()",
-                &[name, &sum],
-            )
-            .await?;
+        client.execute(sql::RECORD, &[name, &sum]).await?;
         report.applied.push((*name).to_string());
     }
-    let invalid = client
-        .query(
-            "SELECT i.indexrelid::regclass::text FROM pg_index i \
-             WHERE i.indrelid = 'events.outbox'::regclass AND NOT i.indisvalid",
-            &[],
-        )
-        .await?;
+    let invalid = client.query(sql::INVALID_INDEXES, &[]).await?;
     if let Some(row) = invalid.first() {
-        let name: String = row.try_get(0)?;
+        let name: String = row.try_get("name")?;
         return Err(Error::NotMigrated(format!(
             "index {name} is invalid (an earlier concurrent build was interrupted); \
              drop it with `DROP INDEX CONCURRENTLY {name}`"
@@ -167,32 +182,29 @@ const REQUIRED: &[(&str, &str)] = &[
 ];
 
 /// Triggers the relay needs on `events.outbox`, with their files.
-const REQUIRED_TRIGGERS: &[(&str, &str)] =
-    &[("outbox_guard", "triggers/outbox_guard.sql"), ("outbox_order", "triggers/outbox_order.sql")];
+const REQUIRED_TRIGGERS: &[(&str, &str)] = &[
+    ("outbox_guard", "triggers/outbox_update_check_invariants.sql"),
+    ("outbox_order", "triggers/outbox_insert_order_and_notify.sql"),
+];
 
 /// Check that the schema has what this version needs: the tables, indexes
 /// and triggers that the embedded files create (whether `pg-outbox migrate`
 /// or `psql -f` applied them).
 ///
 /// # Errors
-/// [`Error::NotMigrated`] naming the first missing object and its file;
-/// [`Error::Db`] if the check itself fails.
+/// [`Error::Usage`] if the server is older than [`MIN_SERVER_VERSION`],
+/// naming both versions; [`Error::NotMigrated`] naming the first missing
+/// object and its file; [`Error::Db`] if the check itself fails.
 pub async fn check(client: &Client) -> Result<()> {
+    check_server_version(client).await?;
     for (object, file) in REQUIRED {
-        let present: bool = client.query_one("SELECT to_regclass($1) IS NOT NULL", &[object]).await?.try_get(0)?;
+        let present: bool = client.query_one(sql::RELATION_EXISTS, &[object]).await?.try_get("present")?;
         if !present {
             return Err(Error::NotMigrated(format!("{object} does not exist (created by {file})")));
         }
     }
-    let names: Vec<String> = client
-        .query(
-            "SELECT tgname::text FROM pg_trigger WHERE tgrelid = 'events.outbox'::regclass AND NOT tgisinternal",
-            &[],
-        )
-        .await?
-        .iter()
-        .map(|r| r.try_get(0))
-        .collect::<Result<_, _>>()?;
+    let names: Vec<String> =
+        client.query(sql::OUTBOX_TRIGGERS, &[]).await?.iter().map(|r| r.try_get("name")).collect::<Result<_, _>>()?;
     for (trigger, file) in REQUIRED_TRIGGERS {
         if !names.iter().any(|n| n == trigger) {
             return Err(Error::NotMigrated(format!("trigger {trigger} on events.outbox is missing ({file})")));
@@ -214,6 +226,33 @@ mod tests {
                     sql.lines().filter(|l| !l.trim_start().starts_with("--")).collect::<String>().matches(';').count();
                 assert_eq!(statements, 1, "{name} must hold one statement");
             }
+        }
+    }
+
+    #[test]
+    fn the_server_version_is_compared_by_number() {
+        assert!(supported(130_000, "13.0").is_ok());
+        assert!(supported(150_020, "15.20").is_ok());
+        assert!(supported(180_000, "18beta1").is_ok());
+        let e = supported(120_022, "12.22").expect_err("12 is too old").to_string();
+        assert!(e.contains("PostgreSQL 12.22 (server_version_num 120022)"), "{e}");
+        assert!(e.contains("needs PostgreSQL 13 or later (server_version_num 130000 or more)"), "{e}");
+        assert!(supported(90_624, "9.6.24").is_err());
+    }
+
+    #[test]
+    fn every_trigger_file_says_what_it_does_and_names_its_locks() {
+        for (name, sql) in TRIGGERS {
+            for part in ["What it does:", "Fires:", "Needs: PostgreSQL 13", "Idempotent"] {
+                assert!(sql.contains(part), "{name}: the header lacks {part:?}");
+            }
+            for (i, line) in sql.lines().enumerate() {
+                if line.contains("1886322691") && !line.trim_start().starts_with("--") {
+                    let near = sql.lines().skip(i.saturating_sub(3)).take(4).collect::<String>();
+                    assert!(near.contains("Advisory lock keys"), "{name}:{}: name the docs table", i + 1);
+                }
+            }
+            assert!(!sql.contains("DROP TRIGGER") && !sql.contains("DROP FUNCTION"), "{name}: drops go in migrations");
         }
     }
 

@@ -20,7 +20,9 @@ use std::time::Duration;
 use tokio_postgres::Client;
 
 use crate::error::Result;
+use crate::store::locks::{RETENTION_KEY, TRY_LOCK, UNLOCK};
 use crate::store::map_missing_schema;
+use crate::store::retention::{COUNT_DUE, DELETE_BATCH};
 
 /// The seed's retention: published events older than 30 days.
 pub const DEFAULT_RETENTION: Duration = Duration::from_secs(30 * 24 * 60 * 60);
@@ -28,25 +30,6 @@ pub const DEFAULT_RETENTION: Duration = Duration::from_secs(30 * 24 * 60 * 60);
 pub const DEFAULT_RETENTION_BATCH: i64 = 1000;
 /// Default pause between batches: 100 ms.
 pub const DEFAULT_RETENTION_PAUSE: Duration = Duration::from_millis(100);
-
-const RETENTION_LOCK_KEY: i64 = 0x7067_6f75_7400_0002;
-
-/// Delete one batch: up to $2 published rows older than $1 seconds with ids
-/// above $3, lowest ids first; returns how many it deleted and the highest
-/// id it deleted. The next batch starts after that id, so a run walks
-/// `outbox_pkey` once instead of passing, in every batch, the index entries
-/// of the rows earlier batches deleted (they stay until VACUUM) and the
-/// unpublished rows and dead letters at the low end of the ids. A row
-/// skipped because another session had it locked is left for the next run.
-pub(crate) const DELETE_BATCH: &str = "WITH doomed AS MATERIALIZED ( \
-       SELECT id FROM events.outbox \
-       WHERE published_at IS NOT NULL AND published_at < now() - make_interval(secs => $1) AND id > $3 \
-       ORDER BY id LIMIT $2 FOR UPDATE SKIP LOCKED), \
-     gone AS (DELETE FROM events.outbox o USING doomed WHERE o.id = doomed.id RETURNING o.id) \
-     SELECT count(*), max(id) FROM gone";
-
-pub(crate) const COUNT_DUE: &str = "SELECT count(*) FROM events.outbox \
-     WHERE published_at IS NOT NULL AND published_at < now() - make_interval(secs => $1)";
 
 /// Settings of a retention run.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -83,7 +66,7 @@ pub struct RetentionReport {
 /// [`crate::Error::NotMigrated`] or [`crate::Error::Db`].
 pub async fn dry_run(client: &Client, r: &Retention) -> Result<RetentionReport> {
     let secs = r.older_than.as_secs_f64();
-    let n: i64 = client.query_one(COUNT_DUE, &[&secs]).await.map_err(map_missing_schema)?.try_get(0)?;
+    let n: i64 = client.query_one(COUNT_DUE, &[&secs]).await.map_err(map_missing_schema)?.try_get("due")?;
     Ok(RetentionReport { deleted: n, batches: 0, skipped: false })
 }
 
@@ -103,12 +86,12 @@ pub async fn run(client: &Client, r: &Retention) -> Result<RetentionReport> {
     if r.batch_size < 1 {
         return Err(crate::Error::Config(format!("retention batch size must be at least 1, got {}", r.batch_size)));
     }
-    let got: bool = client.query_one(crate::store::TRY_LEADER_LOCK, &[&RETENTION_LOCK_KEY]).await?.try_get(0)?;
+    let got: bool = client.query_one(TRY_LOCK, &[&RETENTION_KEY]).await?.try_get(0)?;
     if !got {
         return Ok(RetentionReport { skipped: true, ..RetentionReport::default() });
     }
     let result = delete_batches(client, r).await;
-    let unlocked = client.execute("SELECT pg_advisory_unlock($1)", &[&RETENTION_LOCK_KEY]).await;
+    let unlocked = client.execute(UNLOCK, &[&RETENTION_KEY]).await;
     if result.is_err() || unlocked.is_err() {
         metrics::counter!(crate::metrics::RETENTION_ERRORS).increment(1);
     }
@@ -125,8 +108,8 @@ async fn delete_batches(client: &Client, r: &Retention) -> Result<RetentionRepor
     let mut after: i64 = 0;
     loop {
         let row = client.query_one(DELETE_BATCH, &[&secs, &r.batch_size, &after]).await.map_err(map_missing_schema)?;
-        let n: i64 = row.try_get(0)?;
-        if let Some(last) = row.try_get::<_, Option<i64>>(1)? {
+        let n: i64 = row.try_get("deleted")?;
+        if let Some(last) = row.try_get::<_, Option<i64>>("last_id")? {
             after = last;
         }
         report.deleted += n;

@@ -26,6 +26,7 @@ use super::{ConsumerConfig, ListenerStatus, NOTIFY_CHANNEL};
 use crate::connect;
 use crate::error::{Error, Result};
 use crate::metrics as m;
+use crate::store;
 
 /// Payload prefix of the start-up test notification (not a wake-up).
 pub(crate) const PROBE_PREFIX: &str = "pg-outbox probe ";
@@ -36,11 +37,6 @@ const OP_TIMEOUT: Duration = Duration::from_secs(10);
 pub(crate) struct Listening {
     client: Client,
     driver: JoinHandle<std::result::Result<(), tokio_postgres::Error>>,
-}
-
-/// Quote a channel name as an SQL identifier.
-pub(crate) fn quote_ident(s: &str) -> String {
-    format!("\"{}\"", s.replace('"', "\"\""))
 }
 
 /// Connect with `settings` (the consumer's statement timeout and client
@@ -70,8 +66,7 @@ pub(crate) async fn listen(
         }
         Ok(())
     });
-    let listen_sql = format!("LISTEN {}", quote_ident(NOTIFY_CHANNEL));
-    match tokio::time::timeout(OP_TIMEOUT, client.batch_execute(&listen_sql)).await {
+    match tokio::time::timeout(OP_TIMEOUT, client.batch_execute(&store::listen_sql(NOTIFY_CHANNEL))).await {
         Ok(Ok(())) => Ok(Listening { client, driver }),
         Ok(Err(e)) => {
             driver.abort();
@@ -132,7 +127,7 @@ pub(crate) async fn run(
                         };
                     }
                     _ = ping.tick() => {
-                        match tokio::time::timeout(OP_TIMEOUT, client.simple_query("")).await {
+                        match tokio::time::timeout(OP_TIMEOUT, client.simple_query(store::PING)).await {
                             Ok(Ok(_)) => {}
                             Ok(Err(e)) => { driver.abort(); break crate::error::report(&e); }
                             Err(_) => { driver.abort(); break "liveness ping timed out".to_string(); }
@@ -164,14 +159,5 @@ pub(crate) async fn run(
                 tracing::warn!(error = %crate::error::report(&e), retry_in = ?delay, "LISTEN reconnect failed");
             }
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    #[test]
-    fn channel_is_quoted() {
-        assert_eq!(super::quote_ident("events.outbox"), "\"events.outbox\"");
-        assert_eq!(super::quote_ident("a\"b"), "\"a\"\"b\"");
     }
 }

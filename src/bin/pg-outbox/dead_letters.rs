@@ -122,12 +122,7 @@ async fn explain_missing(client: &tokio_postgres::Client, asked: &[i64], found: 
     if missing.is_empty() {
         return Ok(());
     }
-    let existing: Vec<i64> = client
-        .query("SELECT id FROM events.outbox WHERE id = ANY($1)", &[&missing])
-        .await?
-        .iter()
-        .map(|r| r.try_get(0))
-        .collect::<Result<_, _>>()?;
+    let existing = dead_letters::existing(client, &missing).await?;
     let (exist, absent): (Vec<i64>, Vec<i64>) = missing.iter().partition(|i| existing.contains(i));
     let mut parts = Vec::new();
     if !exist.is_empty() {
@@ -198,7 +193,7 @@ pub(crate) async fn run(url: &str, cmd: DeadLetterCmd) -> Result<(), Error> {
             match rows.first() {
                 Some(e) => println!("{}", serde_json::to_string_pretty(e)?),
                 None => {
-                    let exists = client.query_opt("SELECT 1 FROM events.outbox WHERE id = $1", &[&id]).await?.is_some();
+                    let exists = !dead_letters::existing(&client, &[id]).await?.is_empty();
                     return Err(Error::Usage(if exists {
                         format!("event {id} is not a dead letter")
                     } else {

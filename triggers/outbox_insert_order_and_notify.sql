@@ -1,50 +1,85 @@
--- pg-outbox trigger: per-aggregate commit order, and the relays' wake-up.
+-- pg-outbox trigger file: the insert trigger `outbox_order` on events.outbox.
 --
--- A sequence value is taken at INSERT but becomes visible at COMMIT, so two
--- transactions writing events of one aggregate could commit ids 10 and 11
--- in the order 11, 10, and a relay could deliver 11 first. This BEFORE
--- INSERT row trigger prevents that: before an event gets its id, its
--- transaction takes a lock on the event's aggregate, held until COMMIT or
--- ROLLBACK; a second transaction writing the same aggregate waits there,
--- and only then draws its id. Column defaults are evaluated before BEFORE
--- triggers, so the default's value was drawn too early (before the lock)
--- and is replaced; the sequence just skips it. Consequences, by design:
+-- What it does: before each event row is inserted, it takes a lock on the
+-- event's aggregate (so each aggregate's ids become visible in id order),
+-- only then draws the event's id, and sends the relays' wake-up (NOTIFY)
+-- when one is wanted.
+-- Fires: BEFORE INSERT ON events.outbox, FOR EACH ROW, every insert.
+-- Reads: events.outbox_hint (migration 0008), a sequence whose value is the
+-- hint: bit 1 (value & 1) "some relay waits for a wake-up", bit 2 (value & 2)
+-- "a bulk transaction may be writing events". It is kept by
+-- triggers/outbox_relays_refresh_hint.sql and by events.outbox_bulk_begin().
+-- Locks: the per-aggregate key and class 0x706f0003 = 1886322691, the
+-- insert trigger's class (docs/architecture.md, "Advisory lock keys");
+-- row locks on events.outbox_aggregate_heads (migration 0004).
+-- Needs: PostgreSQL 13 or later (pg_current_xact_id); checked below and by
+-- `pg-outbox migrate`.
+--
+-- Decision table, per inserted row (hint as read after the aggregate's
+-- lock; a NULL hint counts as 3):
+--
+--   hint | ordinary transaction                 | bulk transaction
+--   -----+--------------------------------------+-------------------------------
+--    0   | aggregate's advisory lock; no NOTIFY | aggregate's head row; no NOTIFY
+--    1   | aggregate's advisory lock; NOTIFY    | aggregate's head row; NOTIFY
+--    2   | advisory lock, and the head row if   | aggregate's head row; no NOTIFY
+--        | a bulk transaction runs; no NOTIFY   |
+--    3   | advisory lock, and the head row if   | aggregate's head row; NOTIFY
+--        | a bulk transaction runs; NOTIFY      |
+--
+--   * "aggregate's advisory lock": pg_advisory_xact_lock on the bigint key
+--     uuid_hash_extended(aggregate_id, hashtextextended(aggregate_type,
+--     1886322691)), held until the transaction ends; it waits while another
+--     transaction holds it.
+--   * "head row": FOR NO KEY UPDATE of the aggregate's row in
+--     events.outbox_aggregate_heads (created if new), held until the
+--     transaction ends, after waiting for any ordinary transaction holding
+--     the aggregate's advisory lock (taken and released at once).
+--   * "a bulk transaction runs": the bulk gate (1886322691, 1) is held; the
+--     trigger tries it and releases it at once.
+--   * NOTIFY: pg_notify('events.outbox', ''), sent at COMMIT, dropped on
+--     ROLLBACK; identical notifications of one transaction fold into one.
+--   * The fast path, one PL/pgSQL expression: an ordinary transaction,
+--     hint 0, and the advisory lock free at once. Everything else is the
+--     full path.
+--   * Ordinary turns bulk: a transaction that has written about 1 024
+--     events (counted on the ids divisible by 64), or that called
+--     events.outbox_bulk_begin(), becomes a bulk transaction: it takes the
+--     bulk gate in share mode and sets bit 2 of the hint.
+--
+-- Why: a sequence value is taken at INSERT but becomes visible at COMMIT,
+-- so two transactions writing events of one aggregate could commit ids 10
+-- and 11 in the order 11, 10, and a relay could deliver 11 first. Here a
+-- second transaction writing the same aggregate waits for the first at the
+-- lock, and only then draws its id. Column defaults are evaluated before
+-- BEFORE triggers, so the default's value was drawn too early (before the
+-- lock) and is replaced; the sequence just skips it. Consequences, by
+-- design:
 --   * an aggregate's visible ids are always a prefix of its ids;
 --   * transactions writing different aggregates never wait on each other;
 --   * two transactions writing the same two aggregates in opposite orders
 --     can deadlock (PostgreSQL detects it and aborts one; retry it);
 --   * a rolled-back insert releases its locks at once.
 --
--- The lock (the fast path, every ordinary transaction): a transaction-level
--- advisory lock keyed by a 64-bit hash of (aggregate_type, aggregate_id).
--- It lives in PostgreSQL's shared lock table, not in a table row, so it
--- writes no WAL and no tuple; that table is sized for about
+-- The advisory lock lives in PostgreSQL's shared lock table, not in a table
+-- row, so it writes no WAL and no tuple; that table is sized for about
 -- max_locks_per_transaction (64) locks per connection (docs, "Lock
--- Management"), so a transaction may not hold one per event forever.
+-- Management"), so a transaction may not hold one per event forever: hence
+-- bulk transactions and their row locks (stored in the tuple, so any number
+-- of aggregates fits). An ordinary transaction that sees bit 2 after taking
+-- its advisory lock, and finds the gate held, also locks the aggregate's
+-- head row, so it waits for a bulk transaction that holds it, or makes the
+-- bulk transaction wait for it. Bit 2 is cleared by the next refresh
+-- (triggers/outbox_relays_refresh_hint.sql) once the gate is free.
 --
--- Bulk transactions: a transaction that has written about 1 024 events
--- (counted on the ids divisible by 64, so that counting costs nothing per
--- row), or that called events.outbox_bulk_begin() first, becomes a bulk
--- transaction: it takes the bulk gate (advisory lock 0x706f0003/1, share
--- mode), sets bit 2 of events.outbox_hint, and from then on locks each
--- further aggregate's row in events.outbox_aggregate_heads (a row lock:
--- stored in the tuple, so any number of aggregates fits) after waiting
--- for any transaction that holds the aggregate's advisory lock. An
--- ordinary transaction that sees bit 2 after taking its advisory lock, and
--- finds the gate held, also locks the aggregate's head row, so it waits for a bulk transaction that holds it, or makes the bulk
--- transaction wait for it. Bit 2 is cleared by the next refresh
--- (triggers/outbox_notify.sql) once the gate is free.
---
--- Wake-up: bit 1 of events.outbox_hint says a relay waits for one; only
--- then does the insert NOTIFY (channel "events.outbox", empty payload: the
--- notification only says "look"; the rows are the truth). NOTIFY is held
--- until COMMIT and dropped on ROLLBACK, and identical notifications of one
--- transaction fold into one (docs, "NOTIFY").
+-- The wake-up: NOTIFY takes a lock at COMMIT that is one for the whole
+-- server, so producers notify only while a relay waits for one (bit 1);
+-- the notification only says "look" (empty payload); the rows are the
+-- truth.
 --
 -- Cost: with every relay busy (hint 0), an ordinary insert takes the fast
--- path, two PL/pgSQL expressions; everything else (a lock to wait for, a
--- wake-up to send, a bulk transaction, the bulk count) the full path. The
--- e2e bench's producers scenario reports the server time per insert.
+-- path, two PL/pgSQL expressions; the e2e bench's producers scenario
+-- reports the server time per insert.
 --
 -- Applied in one transaction that first takes SHARE ROW EXCLUSIVE on
 -- events.outbox, so no producer runs an older version of this trigger
@@ -53,6 +88,14 @@
 -- Idempotent: running this file twice is a no-op.
 
 BEGIN;
+DO $$
+BEGIN
+    IF current_setting('server_version_num')::integer < 130000 THEN
+        RAISE EXCEPTION 'pg-outbox needs PostgreSQL 13 or later; this server runs %',
+            current_setting('server_version');
+    END IF;
+END
+$$;
 SET LOCAL lock_timeout = '5s';
 LOCK TABLE events.outbox IN SHARE ROW EXCLUSIVE MODE;
 
@@ -83,17 +126,19 @@ $$;
 CREATE OR REPLACE FUNCTION events.outbox_order_check_bulk(agg_type text, agg_id uuid) RETURNS void
 LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
 BEGIN
+    -- The bulk gate (docs/architecture.md, "Advisory lock keys").
     IF pg_try_advisory_lock(1886322691, 1) THEN
         -- The gate is free: no bulk transaction runs, and one that starts
         -- later waits for our advisory lock before it takes this aggregate.
-        PERFORM pg_advisory_unlock(1886322691, 1);
+        PERFORM pg_advisory_unlock(1886322691, 1);  -- the bulk gate (docs/architecture.md, "Advisory lock keys")
         RETURN;
     END IF;
     PERFORM events.outbox_lock_head(agg_type, agg_id);
 END
 $$;
 
--- Make the current transaction a bulk transaction (see above). Call it
+-- Make the current transaction a bulk transaction (see "Ordinary turns bulk"
+-- above). Call it
 -- first in a transaction that writes events for thousands of aggregates.
 -- Returns nothing; errors only if PostgreSQL does.
 CREATE OR REPLACE FUNCTION events.outbox_bulk_begin() RETURNS void
@@ -103,16 +148,17 @@ BEGIN
         RETURN;
     END IF;
     -- Gate first, then the bit: a refresh that sees the gate free cannot
-    -- clear a bit set after it.
-    PERFORM pg_advisory_xact_lock_shared(1886322691, 1);
-    PERFORM pg_advisory_lock(1886322691, 2);
+    -- clear a bit set after it. Keys: the bulk gate and the hint writers
+    -- (docs/architecture.md, "Advisory lock keys").
+    PERFORM pg_advisory_xact_lock_shared(1886322691, 1);  -- bulk gate ("Advisory lock keys")
+    PERFORM pg_advisory_lock(1886322691, 2);  -- hint writers ("Advisory lock keys")
     BEGIN
         PERFORM setval('events.outbox_hint', coalesce(pg_sequence_last_value('events.outbox_hint'), 3) | 2);
     EXCEPTION WHEN OTHERS THEN
-        PERFORM pg_advisory_unlock(1886322691, 2);
+        PERFORM pg_advisory_unlock(1886322691, 2);  -- hint writers ("Advisory lock keys")
         RAISE;
     END;
-    PERFORM pg_advisory_unlock(1886322691, 2);
+    PERFORM pg_advisory_unlock(1886322691, 2);  -- hint writers ("Advisory lock keys")
     PERFORM set_config('pg_outbox.bulk', 'on', true);
 END
 $$;
@@ -152,7 +198,8 @@ BEGIN
     -- below) and, when it is 0 (no relay waits for a wake-up, no bulk
     -- transaction may run), draws the id. CASE evaluates its branches in
     -- order and only when reached (docs, "Conditional Expressions").
-    -- Anything else leaves NEW.id NULL for the full path below.
+    -- Anything else leaves NEW.id NULL for the full path below. The key:
+    -- the per-aggregate key (docs/architecture.md, "Advisory lock keys").
     NEW.id := CASE WHEN current_setting('pg_outbox.bulk', true) IS DISTINCT FROM 'on' THEN
                   CASE WHEN pg_try_advisory_xact_lock(uuid_hash_extended(NEW.aggregate_id,
                                 hashtextextended(NEW.aggregate_type, 1886322691))) THEN
@@ -168,6 +215,7 @@ BEGIN
     IF NEW.id IS NOT NULL THEN
         hint := 0;
     ELSIF current_setting('pg_outbox.bulk', true) IS DISTINCT FROM 'on' THEN
+        -- The per-aggregate key (docs/architecture.md, "Advisory lock keys").
         agg_key := uuid_hash_extended(NEW.aggregate_id, hashtextextended(NEW.aggregate_type, 1886322691));
         -- Already ours if the fast path took it (a second take only counts).
         IF NOT pg_try_advisory_xact_lock(agg_key) THEN
@@ -181,6 +229,7 @@ BEGIN
         END IF;
         NEW.id := nextval('events.outbox_id_seq'::regclass);
     ELSE
+        -- The per-aggregate key (docs/architecture.md, "Advisory lock keys").
         agg_key := uuid_hash_extended(NEW.aggregate_id, hashtextextended(NEW.aggregate_type, 1886322691));
         PERFORM events.outbox_order_bulk(NEW.aggregate_type, NEW.aggregate_id, agg_key);
         hint := coalesce(pg_sequence_last_value('events.outbox_hint'::regclass), 3);
@@ -216,9 +265,5 @@ BEGIN
     END IF;
 END
 $$;
-
--- Earlier versions notified from a trigger of their own.
-DROP TRIGGER IF EXISTS outbox_notify ON events.outbox;
-DROP FUNCTION IF EXISTS events.outbox_notify();
 
 COMMIT;

@@ -1,11 +1,26 @@
--- pg-outbox trigger: enforce the seed's invariants (seed-events-outbox-schema,
--- "Invariants") on every UPDATE, whoever runs it:
+-- pg-outbox trigger file: the update trigger `outbox_guard` on events.outbox.
+--
+-- What it does: rejects an UPDATE that breaks the seed's invariants
+-- (seed-events-outbox-schema, "Invariants"), whoever runs it:
 --   * published_at is one-way: once set it never goes back to NULL;
 --   * retry_count only increases (never decreases).
--- Violations raise SQLSTATE 23514 (check_violation) naming the row.
--- The payload being JSON is enforced by the column type (jsonb).
--- The WHEN clause keeps the check free for valid updates: the function only
--- runs for a row that breaks an invariant.
+-- The payload being JSON is enforced by the column type (jsonb), and
+-- retry_count >= 0 by the seeded CHECK constraint.
+-- Fires: BEFORE UPDATE ON events.outbox, FOR EACH ROW, and only for a row
+-- that breaks an invariant (its WHEN clause), so valid updates pay nothing.
+-- Locks: none of its own.
+-- Needs: PostgreSQL 13 or later (pg-outbox's minimum, checked by
+-- `pg-outbox migrate`; this file alone needs 11).
+--
+-- Decision table, per updated row:
+--
+--   OLD.published_at | NEW.published_at | retry_count   | outcome
+--   -----------------+------------------+---------------+---------------------------
+--   NULL             | any              | same or more  | allowed (function not run)
+--   set              | set              | same or more  | allowed (function not run)
+--   set              | NULL             | any           | SQLSTATE 23514, names the id
+--   any              | any              | lower         | SQLSTATE 23514, names the id
+--
 -- Idempotent: running this file twice is a no-op.
 
 CREATE OR REPLACE FUNCTION events.outbox_guard() RETURNS trigger

@@ -1,0 +1,174 @@
+//! The consumer's fetches: the ordered fetch (single and partitioned mode),
+//! the competing mode's claim, and when the next retry is due.
+
+use super::rows::{EVENT_COLUMNS, PARTITION};
+
+/// The hold-back probe of a candidate row `o`: the id of the first earlier
+/// event of its aggregate that has failed and is not published (waiting for
+/// a retry, due again, or a dead letter), or NULL. An event is handed out
+/// only when this is NULL, so per aggregate the failed event is always
+/// delivered (or discarded) before anything after it.
+///
+/// Why it is robust: it is a correlated scalar subquery, so PostgreSQL runs
+/// it once per candidate row and never turns it into a join, and it orders
+/// by the expression `id + 0`, which only `outbox_holdback_idx` (aggregate,
+/// `id + 0`; failed unpublished rows only) provides; with sorts discouraged
+/// on pg-outbox's sessions ([`crate::PLANNER_SETTINGS`]) the probe is one
+/// descent of that index whatever the statistics say. (Written as
+/// `NOT EXISTS`, the planner flattens it into an anti-join, and with
+/// statistics from before a backlog formed it chose to walk the whole
+/// backlog through `outbox_unpublished_idx` for every candidate.)
+macro_rules! held_back_by {
+    () => {
+        "(SELECT b.id FROM events.outbox b \
+           WHERE b.aggregate_type = o.aggregate_type AND b.aggregate_id = o.aggregate_id \
+             AND b.id + 0 < o.id AND b.published_at IS NULL AND b.next_retry_at IS NOT NULL \
+           ORDER BY b.id + 0 LIMIT 1)"
+    };
+}
+
+/// See [`held_back_by`]: the row is not held back.
+const NOT_HELD_BACK: &str = concat!(held_back_by!(), " IS NULL");
+/// [`NOT_HELD_BACK`], skipped when no unpublished row has failed at all
+/// (the usual case while a sink is healthy): the first test is one read of
+/// the first entry of `outbox_retry_due_idx`, by its key (the only plan
+/// without a sort), which PostgreSQL runs once per statement (an InitPlan),
+/// and `OR` evaluates its arguments in order, so then no row pays for the
+/// probe.
+const NOT_HELD_BACK_IF_ANY_FAILED: &str = concat!(
+    "((SELECT 1 FROM events.outbox f WHERE f.published_at IS NULL AND f.next_retry_at IS NOT NULL \
+       ORDER BY f.next_retry_at LIMIT 1) IS NULL OR ",
+    held_back_by!(),
+    " IS NULL)"
+);
+/// See [`held_back_by`]: the row is held back.
+pub(super) const HELD_BACK: &str = concat!(held_back_by!(), " IS NOT NULL");
+
+/// Fetch the next due events. Two index walks, each in the order of an
+/// index no other index can stand in for, each stopping after $2 rows it
+/// returns (plus the held-back rows it passes, one probe each):
+/// fresh rows from `outbox_fresh_order_idx`, by its key `id + 0` (a key of
+/// plain id would let the planner walk `outbox_pkey` or
+/// `outbox_unpublished_idx` instead, through every published or failed
+/// row), and failed rows whose retry is due from `outbox_retry_due_idx`, by
+/// `next_retry_at` (rows waiting for a retry and dead letters, at
+/// 'infinity', are outside its range). Then the lowest $2 ids of both.
+/// With sorts discouraged on pg-outbox's sessions
+/// ([`crate::PLANNER_SETTINGS`]), those walks are the only plans without a
+/// sort, so the planner takes them whatever the statistics say (none, taken
+/// before a backlog formed, or current); the final sort is over at most
+/// twice $2 rows.
+///
+/// Due retries may come in any order: [`held_back_by`] lets through only
+/// the earliest failed event of each aggregate, and nothing after it, so no
+/// two events of one aggregate come from different branches.
+///
+/// $1 are ids already in flight, $2 the batch size. With `partitioned`,
+/// only aggregates whose hash partition (of $3) is in $4, and the partition
+/// is returned as column `part` ([`super::row_partition`]).
+///
+/// Every fetch starts from the lowest id: no cursor. A cursor (`id > last`)
+/// would skip rows that were held back when it passed them and became
+/// eligible since (their blocker was delivered or discarded), and rows of
+/// another aggregate that committed after a higher id.
+pub(crate) fn fetch_sql(partitioned: bool) -> String {
+    let (part_filter, part_col) = if partitioned {
+        (format!("AND {PARTITION_EXPR} = ANY($4::int4[])"), format!(", {PARTITION_EXPR} AS {PARTITION}"))
+    } else {
+        (String::new(), String::new())
+    };
+    format!(
+        "SELECT {cols}{part_col} FROM ( \
+           (SELECT o.* FROM events.outbox o \
+             WHERE o.published_at IS NULL AND o.next_retry_at IS NULL \
+               AND o.id <> ALL($1::bigint[]) {part_filter} AND {hb_fresh} \
+             ORDER BY o.id + 0 LIMIT $2) \
+           UNION ALL \
+           (SELECT o.* FROM events.outbox o \
+             WHERE o.published_at IS NULL AND o.next_retry_at IS NOT NULL AND o.next_retry_at <= now() \
+               AND o.id <> ALL($1::bigint[]) {part_filter} AND {hb} \
+             ORDER BY o.next_retry_at LIMIT $2) \
+         ) o ORDER BY id LIMIT $2",
+        cols = EVENT_COLUMNS,
+        hb_fresh = NOT_HELD_BACK_IF_ANY_FAILED,
+        hb = NOT_HELD_BACK
+    )
+}
+
+/// The SQL text of the consumer's fetch in single mode, for `EXPLAIN`:
+/// `$1` the ids in flight (`bigint[]`), `$2` the batch size in rows
+/// (`bigint`). Exposed so its plan can be checked against real data: each
+/// of its two branches must be an index range scan (`outbox_fresh_order_idx` for
+/// fresh rows, `outbox_retry_due_idx` for due retries) that skips dead
+/// letters and rows waiting for a retry instead of walking them.
+pub fn fetch_query() -> String {
+    fetch_sql(false)
+}
+
+/// The hash partition of a row's aggregate, 0..$3 (partitioned mode).
+const PARTITION_EXPR: &str =
+    "((hashtextextended(o.aggregate_type || '/' || o.aggregate_id::text, 0) & 2147483647) % $3)::int4";
+
+/// Index of the partition column in a partitioned fetch's rows (after the
+/// event columns); [`super::row_partition`] reads it by name instead.
+#[allow(dead_code, reason = "kept for callers that read the partition by position")]
+pub(crate) const PARTITION_COLUMN: usize = 8;
+
+/// The seed's competing mode: claim due rows with `FOR UPDATE SKIP LOCKED`
+/// inside a transaction held until the batch is settled. No per-aggregate
+/// order, no hold-back. Due retries first (a walk of `outbox_retry_due_idx`
+/// by `next_retry_at`), then fresh rows for the rest of the $1 (a walk of
+/// `outbox_fresh_order_idx` by `id + 0`): as in [`fetch_sql`], each is the
+/// only plan without a sort, so a head of dead letters or rows waiting for a
+/// retry is never walked, whatever the statistics. Each claim is a plain
+/// SELECT with LIMIT, so together they never lock more than $1 rows
+/// (unlike `UPDATE ... WHERE id IN (SELECT ... LIMIT n FOR UPDATE SKIP
+/// LOCKED)`, whose subquery the planner may run more than once).
+pub(crate) const COMPETING_FETCH: &str = concat!(
+    "WITH r AS ( \
+       SELECT ",
+    event_columns!(),
+    " FROM events.outbox \
+       WHERE published_at IS NULL AND next_retry_at IS NOT NULL AND next_retry_at <= now() \
+       ORDER BY next_retry_at LIMIT $1 FOR UPDATE SKIP LOCKED), \
+     f AS ( \
+       SELECT ",
+    event_columns!(),
+    " FROM events.outbox \
+       WHERE published_at IS NULL AND next_retry_at IS NULL \
+       ORDER BY id + 0 LIMIT $1 - (SELECT count(*) FROM r) FOR UPDATE SKIP LOCKED) \
+     SELECT * FROM r UNION ALL SELECT * FROM f"
+);
+
+/// Competing mode: open and close the claim transaction.
+pub(crate) const BEGIN: &str = "BEGIN";
+/// See [`BEGIN`].
+pub(crate) const COMMIT: &str = "COMMIT";
+
+/// Seconds until the earliest pending retry is due (`retry_in`), or NULL if
+/// none waits: the first entry of `outbox_retry_due_idx` after now()
+/// (ordered by its key, the only plan without a sort; see [`fetch_sql`]).
+/// Always one row.
+pub(crate) const NEXT_RETRY_IN: &str = "SELECT (SELECT EXTRACT(EPOCH FROM (next_retry_at - now()))::float8 \
+     FROM events.outbox WHERE published_at IS NULL AND next_retry_at IS NOT NULL \
+       AND next_retry_at > now() AND next_retry_at < 'infinity' \
+     ORDER BY next_retry_at LIMIT 1) AS retry_in";
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_partition_column_follows_the_event_columns() {
+        assert_eq!(EVENT_COLUMNS.split(',').count(), PARTITION_COLUMN);
+        let sql = fetch_sql(true);
+        assert!(sql.starts_with(&format!("SELECT {EVENT_COLUMNS}, ")), "{sql}");
+        assert!(sql.contains(&format!("AS {PARTITION} FROM")), "{sql}");
+        assert!(!fetch_sql(false).contains(PARTITION_EXPR));
+    }
+
+    #[test]
+    fn the_competing_claim_selects_the_event_columns_in_both_branches() {
+        assert_eq!(COMPETING_FETCH.matches(EVENT_COLUMNS).count(), 2, "{COMPETING_FETCH}");
+    }
+}

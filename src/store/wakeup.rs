@@ -1,0 +1,50 @@
+//! Wake-ups: LISTEN and NOTIFY, and the relays' registrations in
+//! `events.outbox_relays` that tell producers whether to notify
+//! (`triggers/outbox_relays_refresh_hint.sql`).
+
+/// Send notification payload $2 on channel $1 (the start-up probe, and the
+/// wake-up after an operator made dead letters due or deleted them).
+pub(crate) const NOTIFY: &str = "SELECT pg_notify($1, $2)";
+/// Fraction of the notification queue in use (0..1).
+pub(crate) const NOTIFICATION_QUEUE_USAGE: &str = "SELECT pg_notification_queue_usage() AS usage";
+/// The listener's liveness ping: an empty query, one round trip.
+pub(crate) const PING: &str = "";
+
+/// `LISTEN` on `channel`, quoted as an identifier.
+pub(crate) fn listen_sql(channel: &str) -> String {
+    format!("LISTEN {}", quote_ident(channel))
+}
+
+/// Quote a name as an SQL identifier.
+fn quote_ident(s: &str) -> String {
+    format!("\"{}\"", s.replace('"', "\"\""))
+}
+
+/// How many sessions wait for the lock a notifying transaction holds through
+/// its COMMIT. PostgreSQL takes it in `PreCommit_Notify`
+/// (src/backend/commands/async.c: `LockSharedObject(DatabaseRelationId,
+/// InvalidOid, 0, AccessExclusiveLock)`), so it shows in `pg_locks` as an
+/// `object` lock on `pg_database` with database and objid 0; it is one lock
+/// for the whole server. Waiters mean notifying commits are queueing.
+pub(crate) const NOTIFY_LOCK_WAITERS: &str = "SELECT count(*) AS waiters FROM pg_catalog.pg_locks \
+     WHERE locktype = 'object' AND database = 0 AND classid = 'pg_catalog.pg_database'::regclass \
+       AND objid = 0 AND objsubid = 0 AND NOT granted";
+
+/// Register this relay (its work connection's backend pid) as waiting for a
+/// wake-up ($1 = true) or as busy draining ($1 = false).
+pub(crate) const SET_WAITING: &str = "INSERT INTO events.outbox_relays (pid, waiting) VALUES (pg_backend_pid(), $1) \
+     ON CONFLICT (pid) DO UPDATE SET waiting = EXCLUDED.waiting, updated_at = now()";
+/// Forget relays whose sessions are gone (their `waiting` no longer means anything).
+pub(crate) const FORGET_GONE_RELAYS: &str = "DELETE FROM events.outbox_relays r \
+     WHERE NOT EXISTS (SELECT 1 FROM pg_stat_activity a WHERE a.pid = r.pid)";
+/// Stop receiving wake-ups: drop this session's row.
+pub(crate) const UNREGISTER: &str = "DELETE FROM events.outbox_relays WHERE pid = pg_backend_pid()";
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn channel_is_quoted() {
+        assert_eq!(super::listen_sql("events.outbox"), "LISTEN \"events.outbox\"");
+        assert_eq!(super::quote_ident("a\"b"), "\"a\"\"b\"");
+    }
+}
