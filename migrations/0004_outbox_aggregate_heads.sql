@@ -3,7 +3,7 @@
 -- A sequence value is taken at INSERT but becomes visible at COMMIT, so two
 -- transactions writing events of one aggregate could commit ids 10 and 11 in
 -- the order 11, 10, and a relay could deliver 11 first. The trigger in
--- triggers/outbox_order.sql prevents that: before an event row gets its id,
+-- triggers/outbox_insert_order_and_notify.sql prevents that: before an event row gets its id,
 -- its transaction locks the aggregate's row in this table (a row lock: it
 -- lives in the tuple, not in the shared lock table, so a bulk insert of any
 -- number of aggregates cannot run out of lock memory). A second transaction

@@ -5,8 +5,9 @@
 -- A relay that is draining needs no wake-up: it keeps fetching until it
 -- finds nothing. Each active relay keeps a row here (keyed by its work
 -- connection's backend pid) and sets `waiting` only while it is idle; the
--- notify trigger (triggers/outbox_notify.sql) notifies only when some relay
--- is waiting, or when no relay has registered at all.
+-- insert trigger (triggers/outbox_insert_order_and_notify.sql), through the
+-- hint that triggers/outbox_relays_refresh_hint.sql keeps, notifies only
+-- when some relay is waiting, or when no relay has registered at all.
 -- UNLOGGED: this is ephemeral state; no WAL, emptied after a crash.
 -- Idempotent: running this file twice is a no-op.
 CREATE UNLOGGED TABLE IF NOT EXISTS events.outbox_relays (

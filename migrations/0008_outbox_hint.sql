@@ -2,12 +2,12 @@
 --
 -- Every event insert reads this one value (pg_sequence_last_value, a buffer
 -- read without a query), so that the per-row trigger costs producers as
--- little as possible (triggers/outbox_order.sql):
+-- little as possible (triggers/outbox_insert_order_and_notify.sql):
 --   bit 1 (value & 1): some relay waits for a wake-up, or none has
 --         registered: producers NOTIFY;
 --   bit 2 (value & 2): a bulk transaction may be writing events: producers
---         check whether it holds their aggregate (see outbox_order.sql).
--- Kept by triggers/outbox_notify.sql from events.outbox_relays and by bulk
+--         check whether it holds their aggregate (see that file).
+-- Kept by triggers/outbox_relays_refresh_hint.sql from events.outbox_relays and by bulk
 -- transactions. A sequence because setval is immediate and needs no
 -- transaction of its own (docs, "Sequence Manipulation Functions").
 -- Starts at 3 (notify, check): the safe value until the first refresh.

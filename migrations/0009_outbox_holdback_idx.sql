@@ -1,8 +1,8 @@
 -- pg-outbox migration 0009 (addition): the index of the hold-back probe,
 -- replacing outbox_aggregate_failed_idx (0003, dropped by 0011).
 -- The probe asks, for a candidate row o: "which is the first earlier event
--- of o's aggregate that failed and is not published?" (src/store.rs,
--- HELD_BACK_BY), ordered by the expression (id + 0). No other index can
+-- of o's aggregate that failed and is not published?" (src/store/fetch.rs,
+-- held_back_by), ordered by the expression (id + 0). No other index can
 -- produce that order (PostgreSQL does not infer an expression's order from
 -- its column's; docs, "Indexes and ORDER BY"), and pg-outbox's sessions
 -- discourage explicit sorts (src/connect.rs, PLANNER_SETTINGS), so the probe

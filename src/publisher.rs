@@ -12,9 +12,12 @@ pub const DEFAULT_MAX_PAYLOAD_BYTES: usize = 1024 * 1024;
 
 /// Inserts events into `events.outbox` through the caller's client or
 /// transaction. It never commits, never spawns, and never notifies by itself:
-/// the table's trigger sends one notification per statement, delivered when
-/// the caller commits. A rolled-back transaction leaves no event and wakes
-/// nobody.
+/// the table's insert trigger (`triggers/outbox_insert_order_and_notify.sql`)
+/// sends the wake-up, and only while some relay waits for one (or none has
+/// registered); while every relay is busy draining, inserts send none. All
+/// notifications of one transaction are identical, so PostgreSQL delivers at
+/// most one per transaction, when the caller commits, however many events it
+/// inserted. A rolled-back transaction leaves no event and wakes nobody.
 ///
 /// # Example
 /// ```no_run
@@ -71,8 +74,8 @@ impl Publisher {
 
     /// Insert several events with one statement and return their ids, in the
     /// order of `events` (ids increase in that order). An empty slice inserts
-    /// nothing and returns an empty vector. One statement means one
-    /// notification, however many events.
+    /// nothing and returns an empty vector. Like any transaction, it sends at
+    /// most one notification, however many events (see [`Publisher`]).
     ///
     /// # Errors
     /// As [`Publisher::publish`]; nothing is inserted if any event is invalid.

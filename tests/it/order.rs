@@ -1,5 +1,5 @@
 //! Per-aggregate order when producers race: an aggregate's ids become
-//! visible in id order (triggers/outbox_order.sql), so the relay never
+//! visible in id order (triggers/outbox_insert_order_and_notify.sql), so the relay never
 //! delivers a later event of an aggregate while an earlier one may still
 //! commit; unrelated aggregates never wait on each other.
 
