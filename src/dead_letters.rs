@@ -19,7 +19,7 @@ use tokio_postgres::types::ToSql;
 use crate::error::Result;
 use crate::event::Event;
 use crate::store::dead_letters::{DISCARD, EXISTING_IDS, RETRY, apply_sql, count_sql, ids_sql, list_sql};
-use crate::store::{NOTIFY, event_from_row, map_missing_schema};
+use crate::store::{NOTIFY, event_from_row, map_missing_schema, query_map, row_id};
 
 /// Default number of rows `list` returns: 100.
 pub const DEFAULT_LIST_LIMIT: i64 = 100;
@@ -87,6 +87,12 @@ impl Filter {
     fn params(&self) -> [&(dyn ToSql + Sync); 5] {
         [&self.ids, &self.aggregate_type, &self.event_type, &self.error_contains, &self.since]
     }
+
+    /// [`Filter::params`] and the row limit `$6`.
+    fn params_limited<'a>(&'a self, limit: &'a i64) -> [&'a (dyn ToSql + Sync); 6] {
+        let [a, b, c, d, e] = self.params();
+        [a, b, c, d, e, limit]
+    }
 }
 
 /// A dead letter as listed: the event plus when it died (its last failure is
@@ -100,10 +106,7 @@ pub type DeadLetter = Event;
 /// [`crate::Error::NotMigrated`] or [`crate::Error::Db`].
 pub async fn list<C: GenericClient + Sync>(client: &C, filter: &Filter) -> Result<Vec<DeadLetter>> {
     let limit = filter.limit.unwrap_or(DEFAULT_LIST_LIMIT);
-    let sql = list_sql();
-    let [a, b, c, d, e] = filter.params();
-    let rows = client.query(&sql, &[a, b, c, d, e, &limit]).await.map_err(map_missing_schema)?;
-    rows.iter().map(event_from_row).collect()
+    query_map(client, &list_sql(), &filter.params_limited(&limit), event_from_row).await
 }
 
 /// How many dead letters match `filter`, ignoring its limit (to tell
@@ -112,8 +115,7 @@ pub async fn list<C: GenericClient + Sync>(client: &C, filter: &Filter) -> Resul
 /// # Errors
 /// [`crate::Error::NotMigrated`] or [`crate::Error::Db`].
 pub async fn count<C: GenericClient + Sync>(client: &C, filter: &Filter) -> Result<i64> {
-    let sql = count_sql();
-    let row = client.query_one(&sql, &filter.params()).await.map_err(map_missing_schema)?;
+    let row = client.query_one(&count_sql(), &filter.params()).await.map_err(map_missing_schema)?;
     Ok(row.try_get("count")?)
 }
 
@@ -124,10 +126,7 @@ pub async fn count<C: GenericClient + Sync>(client: &C, filter: &Filter) -> Resu
 /// [`crate::Error::NotMigrated`] or [`crate::Error::Db`].
 pub async fn matching_ids<C: GenericClient + Sync>(client: &C, filter: &Filter) -> Result<Vec<i64>> {
     let limit = filter.limit.unwrap_or(i64::MAX);
-    let sql = ids_sql();
-    let [a, b, c, d, e] = filter.params();
-    let rows = client.query(&sql, &[a, b, c, d, e, &limit]).await.map_err(map_missing_schema)?;
-    rows.iter().map(|r| r.try_get("id").map_err(Into::into)).collect()
+    query_map(client, &ids_sql(), &filter.params_limited(&limit), row_id).await
 }
 
 /// Apply `action` (an UPDATE or DELETE of `events.outbox o` joined to the
@@ -135,13 +134,11 @@ pub async fn matching_ids<C: GenericClient + Sync>(client: &C, filter: &Filter) 
 /// first; wake the relays when any changed. Returns the ids, ascending.
 async fn apply_to_matching<C: GenericClient + Sync>(client: &C, filter: &Filter, action: &str) -> Result<Vec<i64>> {
     let limit = filter.limit.unwrap_or(i64::MAX);
-    let sql = apply_sql(action);
-    let [a, b, c, d, e] = filter.params();
-    let rows = client.query(&sql, &[a, b, c, d, e, &limit]).await.map_err(map_missing_schema)?;
-    if !rows.is_empty() {
+    let ids = query_map(client, &apply_sql(action), &filter.params_limited(&limit), row_id).await?;
+    if !ids.is_empty() {
         client.execute(NOTIFY, &[&crate::NOTIFY_CHANNEL, &""]).await?;
     }
-    rows.iter().map(|r| r.try_get("id").map_err(Into::into)).collect()
+    Ok(ids)
 }
 
 /// Make the matching dead letters due now and wake the relays. Returns the
@@ -168,8 +165,7 @@ pub async fn discard<C: GenericClient + Sync>(client: &C, filter: &Filter) -> Re
 /// # Errors
 /// [`crate::Error::NotMigrated`] or [`crate::Error::Db`].
 pub async fn existing<C: GenericClient + Sync>(client: &C, ids: &[i64]) -> Result<Vec<i64>> {
-    let rows = client.query(EXISTING_IDS, &[&ids]).await.map_err(map_missing_schema)?;
-    let mut found = rows.iter().map(|r| r.try_get("id")).collect::<Result<Vec<i64>, _>>()?;
+    let mut found = query_map(client, EXISTING_IDS, &[&ids], row_id).await?;
     found.sort_unstable();
     Ok(found)
 }

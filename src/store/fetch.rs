@@ -109,11 +109,6 @@ pub fn fetch_query() -> String {
 const PARTITION_EXPR: &str =
     "((hashtextextended(o.aggregate_type || '/' || o.aggregate_id::text, 0) & 2147483647) % $3)::int4";
 
-/// Index of the partition column in a partitioned fetch's rows (after the
-/// event columns); [`super::row_partition`] reads it by name instead.
-#[allow(dead_code, reason = "kept for callers that read the partition by position")]
-pub(crate) const PARTITION_COLUMN: usize = 8;
-
 /// The seed's competing mode: claim due rows with `FOR UPDATE SKIP LOCKED`
 /// inside a transaction held until the batch is settled. No per-aggregate
 /// order, no hold-back. Due retries first (a walk of `outbox_retry_due_idx`
@@ -160,7 +155,7 @@ mod tests {
 
     #[test]
     fn the_partition_column_follows_the_event_columns() {
-        assert_eq!(EVENT_COLUMNS.split(',').count(), PARTITION_COLUMN);
+        assert_eq!(EVENT_COLUMNS.split(", ").count(), 8, "{EVENT_COLUMNS}");
         let sql = fetch_sql(true);
         assert!(sql.starts_with(&format!("SELECT {EVENT_COLUMNS}, ")), "{sql}");
         assert!(sql.contains(&format!("AS {PARTITION} FROM")), "{sql}");

@@ -15,7 +15,10 @@
 
 use std::time::Duration;
 
-use crate::error::Error;
+use tokio_postgres::types::ToSql;
+use tokio_postgres::{GenericClient, Row};
+
+use crate::error::{Error, Result};
 
 /// The columns of an event row ([`crate::Event`]), written once: every
 /// statement that returns event rows selects these, and
@@ -46,13 +49,11 @@ mod settle;
 mod status;
 mod wakeup;
 
-#[allow(unused_imports, reason = "kept for callers that read the partition by position")]
-pub(crate) use fetch::PARTITION_COLUMN;
 pub use fetch::fetch_query;
 pub(crate) use fetch::{BEGIN, COMMIT, COMPETING_FETCH, NEXT_RETRY_IN, fetch_sql};
 pub(crate) use locks::{COUNT_MEMBERS, MEMBER_LOCK, PARTITION_UNLOCK, TRY_LEADER_LOCK, TRY_PARTITION_LOCK};
 pub(crate) use publish::{insert_event, insert_events};
-pub(crate) use rows::{event_from_row, row_identity, row_partition};
+pub(crate) use rows::{event_from_row, row_id, row_identity, row_partition};
 pub(crate) use settle::{ACK, FAIL, fail_details};
 pub(crate) use status::GAUGES;
 pub use status::{OutboxStatus, PendingRetry, RetryLadder, STATUS_MAX_TYPES, STATUS_NEXT_RETRIES, TypeBacklog, status};
@@ -107,6 +108,17 @@ pub fn run_time_statements() -> Vec<(&'static str, String)> {
         ("retention_delete", retention::DELETE_BATCH.to_string()),
         ("retention_count", retention::COUNT_DUE.to_string()),
     ]
+}
+
+/// Run `sql` with `params` and read every row it returns with `read`; a
+/// missing schema is [`Error::NotMigrated`].
+pub(crate) async fn query_map<C: GenericClient + Sync, T>(
+    client: &C,
+    sql: &str,
+    params: &[&(dyn ToSql + Sync)],
+    read: impl Fn(&Row) -> Result<T>,
+) -> Result<Vec<T>> {
+    client.query(sql, params).await.map_err(map_missing_schema)?.iter().map(read).collect()
 }
 
 /// Turn "relation events.outbox does not exist" into [`Error::NotMigrated`].

@@ -4,7 +4,7 @@
 
 use tokio_postgres::GenericClient;
 
-use super::map_missing_schema;
+use super::{map_missing_schema, query_map, row_id};
 use crate::error::Result;
 use crate::event::NewEvent;
 
@@ -27,7 +27,7 @@ pub(crate) async fn insert_event<C: GenericClient + Sync>(client: &C, e: &NewEve
         .query_one(INSERT_ONE, &[&e.aggregate_type, &e.aggregate_id, &e.event_type, &e.payload])
         .await
         .map_err(map_missing_schema)?;
-    Ok(row.try_get("id")?)
+    row_id(&row)
 }
 
 pub(crate) async fn insert_events<C: GenericClient + Sync>(client: &C, events: &[NewEvent]) -> Result<Vec<i64>> {
@@ -35,8 +35,7 @@ pub(crate) async fn insert_events<C: GenericClient + Sync>(client: &C, events: &
     let ids: Vec<uuid::Uuid> = events.iter().map(|e| e.aggregate_id).collect();
     let names: Vec<&str> = events.iter().map(|e| e.event_type.as_str()).collect();
     let payloads: Vec<&serde_json::Value> = events.iter().map(|e| &e.payload).collect();
-    let rows = client.query(INSERT_MANY, &[&types, &ids, &names, &payloads]).await.map_err(map_missing_schema)?;
-    let mut out = rows.iter().map(|r| r.try_get::<_, i64>("id")).collect::<Result<Vec<_>, _>>()?;
+    let mut out = query_map(client, INSERT_MANY, &[&types, &ids, &names, &payloads], row_id).await?;
     // Sequence values are drawn in ORDER BY n order within the statement, so
     // ascending ids are the input order.
     out.sort_unstable();

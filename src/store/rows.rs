@@ -26,6 +26,11 @@ pub(crate) fn event_from_row(row: &Row) -> Result<Event> {
     })
 }
 
+/// The `id` column of a row.
+pub(crate) fn row_id(row: &Row) -> Result<i64> {
+    Ok(row.try_get("id")?)
+}
+
 /// What a failure needs of a row [`event_from_row`] could not decode: its
 /// id, aggregate type, aggregate id and retry count, read by name, or
 /// `None` if one of those cannot be read either.

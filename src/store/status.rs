@@ -3,7 +3,7 @@
 use tokio_postgres::GenericClient;
 
 use super::fetch::HELD_BACK;
-use super::map_missing_schema;
+use super::{map_missing_schema, query_map};
 use crate::error::Result;
 
 /// The relay's gauges, cheaper than [`status_sql`]: pending (not dead)
@@ -188,44 +188,34 @@ pub(super) const NEXT_RETRIES: &str = "SELECT id, event_type, aggregate_type, re
 /// query fails otherwise.
 pub async fn status<C: GenericClient + Sync>(client: &C) -> Result<OutboxStatus> {
     let row = client.query_one(&status_sql(), &[]).await.map_err(map_missing_schema)?;
-    let mut by_type = client
-        .query(&by_type_sql(), &[&(STATUS_MAX_TYPES + 1)])
-        .await
-        .map_err(map_missing_schema)?
-        .iter()
-        .map(|r| {
-            Ok(TypeBacklog {
-                event_type: r.try_get("event_type")?,
-                aggregate_type: r.try_get("aggregate_type")?,
-                unpublished: r.try_get("unpublished")?,
-                due_now: r.try_get("due")?,
-                held_back: r.try_get("held")?,
-                waiting_for_retry: r.try_get("waiting")?,
-                dead_letters: r.try_get("dead")?,
-                oldest_unpublished_age_seconds: r.try_get("oldest_age")?,
-            })
+    let mut by_type = query_map(client, &by_type_sql(), &[&(STATUS_MAX_TYPES + 1)], |r| {
+        Ok(TypeBacklog {
+            event_type: r.try_get("event_type")?,
+            aggregate_type: r.try_get("aggregate_type")?,
+            unpublished: r.try_get("unpublished")?,
+            due_now: r.try_get("due")?,
+            held_back: r.try_get("held")?,
+            waiting_for_retry: r.try_get("waiting")?,
+            dead_letters: r.try_get("dead")?,
+            oldest_unpublished_age_seconds: r.try_get("oldest_age")?,
         })
-        .collect::<Result<Vec<_>>>()?;
+    })
+    .await?;
     let by_type_truncated = by_type.len() > usize::try_from(STATUS_MAX_TYPES).unwrap_or(usize::MAX);
     by_type.truncate(usize::try_from(STATUS_MAX_TYPES).unwrap_or(usize::MAX));
     let b = client.query_one(RETRY_BUCKETS, &[]).await.map_err(map_missing_schema)?;
-    let next = client
-        .query(NEXT_RETRIES, &[&STATUS_NEXT_RETRIES])
-        .await
-        .map_err(map_missing_schema)?
-        .iter()
-        .map(|r| {
-            Ok(PendingRetry {
-                id: r.try_get("id")?,
-                event_type: r.try_get("event_type")?,
-                aggregate_type: r.try_get("aggregate_type")?,
-                retry_count: r.try_get("retry_count")?,
-                due_at: r.try_get("next_retry_at")?,
-                due_in_seconds: r.try_get("due_in")?,
-                last_error: r.try_get("last_error")?,
-            })
+    let next = query_map(client, NEXT_RETRIES, &[&STATUS_NEXT_RETRIES], |r| {
+        Ok(PendingRetry {
+            id: r.try_get("id")?,
+            event_type: r.try_get("event_type")?,
+            aggregate_type: r.try_get("aggregate_type")?,
+            retry_count: r.try_get("retry_count")?,
+            due_at: r.try_get("next_retry_at")?,
+            due_in_seconds: r.try_get("due_in")?,
+            last_error: r.try_get("last_error")?,
         })
-        .collect::<Result<Vec<_>>>()?;
+    })
+    .await?;
     Ok(OutboxStatus {
         unpublished: row.try_get("unpublished")?,
         due_now: row.try_get("due")?,
