@@ -2,46 +2,9 @@
 //! problem (exit code != 0, nothing written), and the happy paths of
 //! `migrate`, `publish` and `status`.
 
-use std::process::Stdio;
-use std::time::Duration;
-
-use tokio::process::Command;
 use tokio_postgres::Client;
 
-use crate::support::{self, TestDb};
-
-/// What a finished `pg-outbox` run left behind.
-#[derive(Debug)]
-struct Out {
-    code: Option<i32>,
-    stdout: String,
-    stderr: String,
-}
-
-/// Run `pg-outbox args...` with `DATABASE_URL` set to `url` (or unset), and
-/// wait for it to exit (liveness bound 30 s).
-async fn run(url: Option<&str>, args: &[&str]) -> Out {
-    let mut cmd = Command::new(support::bin());
-    cmd.args(args)
-        .env_remove("DATABASE_URL")
-        .env_remove("RUST_LOG")
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .kill_on_drop(true);
-    if let Some(url) = url {
-        cmd.env("DATABASE_URL", url);
-    }
-    let out = tokio::time::timeout(Duration::from_secs(30), cmd.output())
-        .await
-        .unwrap_or_else(|_| panic!("pg-outbox {args:?} did not exit within 30 s"))
-        .unwrap_or_else(|e| panic!("cannot run {}: {e}", support::bin()));
-    Out {
-        code: out.status.code(),
-        stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
-        stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
-    }
-}
+use crate::support::{self, Out, TestDb, cli};
 
 /// A failed run of our own code: exit code 1 (not a crash, not 0), and stderr
 /// is exactly one line, `error: ...`, holding every one of `needles`.
@@ -165,13 +128,13 @@ impl Drop for RawDb {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn malformed_url_is_one_line_naming_the_url_without_its_password() {
     let agg = uuid::Uuid::new_v4().to_string();
-    let out =
-        run(None, &[&["--database-url", "postgres://host:notaport/db"][..], &publish_args(&agg, "{}")[..]].concat())
-            .await;
+    let out = cli(&[&["--database-url", "postgres://host:notaport/db"][..], &publish_args(&agg, "{}")[..]].concat())
+        .run()
+        .await;
     assert_one_line_error(&out, &["invalid database URL", "port"]);
 
     // Same through DATABASE_URL, with a password in it: never echoed.
-    let out = run(Some("postgres://u:secret@host:notaport/db"), &["status"]).await;
+    let out = cli(&["status"]).url("postgres://u:secret@host:notaport/db").run().await;
     assert_one_line_error(&out, &["invalid database URL", "port"]);
     assert!(!out.stderr.contains("secret"), "the password leaked: {out:?}");
 }
@@ -180,17 +143,16 @@ async fn malformed_url_is_one_line_naming_the_url_without_its_password() {
 async fn unreachable_database_names_host_and_port_but_not_the_password() {
     // Nothing listens on port 1 (a privileged port nobody binds in tests).
     for args in [vec!["status"], vec!["migrate"], vec!["relay", "--sink", "stdout"]] {
-        let out = run(Some("postgres://u:secret@127.0.0.1:1/db"), &args).await;
+        let out = cli(&args).url("postgres://u:secret@127.0.0.1:1/db").run().await;
         assert_one_line_error(&out, &["cannot connect", "127.0.0.1:1"]);
         assert!(!out.stderr.contains("secret"), "the password leaked: {out:?}");
     }
     let agg = uuid::Uuid::new_v4().to_string();
-    let out = run(
-        None,
-        &[&["--database-url", "postgres://u:secret@127.0.0.1:1/db"][..], &publish_args(&agg, r#"{"a":1}"#)[..]]
-            .concat(),
-    )
-    .await;
+    let out =
+        cli(&[&["--database-url", "postgres://u:secret@127.0.0.1:1/db"][..], &publish_args(&agg, r#"{"a":1}"#)[..]]
+            .concat())
+        .run()
+        .await;
     assert_one_line_error(&out, &["cannot connect", "127.0.0.1:1"]);
     assert!(!out.stderr.contains("secret"), "the password leaked: {out:?}");
 }
@@ -209,7 +171,7 @@ async fn a_server_that_accepts_and_never_answers_is_an_error_within_the_connect_
     });
     let url = format!("postgres://u:secret@127.0.0.1:{port}/db?connect_timeout=2&sslmode=disable");
     for args in [vec!["status"], vec!["relay", "--sink", "stdout"]] {
-        let out = run(Some(&url), &args).await;
+        let out = cli(&args).url(&url).run().await;
         assert_one_line_error(&out, &["cannot connect", &format!("127.0.0.1:{port}"), "did not answer", "2s"]);
         assert!(!out.stderr.contains("secret"), "the password leaked: {out:?}");
     }
@@ -220,11 +182,11 @@ async fn a_server_that_accepts_and_never_answers_is_an_error_within_the_connect_
 async fn missing_database_url_says_how_to_give_one() {
     let agg = uuid::Uuid::new_v4().to_string();
     for args in [vec!["status"], vec!["migrate"], vec!["relay"], publish_args(&agg, "{}")] {
-        let out = run(None, &args).await;
+        let out = cli(&args).run().await;
         assert_one_line_error(&out, &["DATABASE_URL", "--database-url"]);
     }
     // An empty or blank value counts as missing, not as a URL to parse.
-    let out = run(Some("  "), &["status"]).await;
+    let out = cli(&["status"]).url("  ").run().await;
     assert_one_line_error(&out, &["DATABASE_URL"]);
 }
 
@@ -235,23 +197,23 @@ async fn publish_rejects_bad_input_before_writing_anything() {
     let url = db.url();
     let agg = uuid::Uuid::new_v4().to_string();
 
-    let out = run(Some(&url), &publish_args(&agg, "not json")).await;
+    let out = cli(&publish_args(&agg, "not json")).url(&url).run().await;
     assert_one_line_error(&out, &["--payload", "not valid JSON"]);
 
     // JSON text with an escaped NUL: valid JSON, but jsonb cannot store it.
-    let out = run(Some(&url), &publish_args(&agg, r#"{"a":"x\u0000y"}"#)).await;
+    let out = cli(&publish_args(&agg, r#"{"a":"x\u0000y"}"#)).url(&url).run().await;
     assert_one_line_error(&out, &["\\u0000", "$.a"]);
 
-    let out = run(Some(&url), &publish_args("not-a-uuid", "{}")).await;
+    let out = cli(&publish_args("not-a-uuid", "{}")).url(&url).run().await;
     assert_usage_error(&out, &["--aggregate-id", "not-a-uuid", "UUID"]);
 
-    let out = run(Some(&url), &[&publish_args(&agg, "{}")[..], &["--bogus-flag"][..]].concat()).await;
+    let out = cli(&[&publish_args(&agg, "{}")[..], &["--bogus-flag"][..]].concat()).url(&url).run().await;
     assert_eq!(out.code, Some(2), "an unknown flag is a usage error (exit 2): {out:?}");
     assert_usage_error(&out, &["--bogus-flag"]);
 
     let empty_type =
         ["publish", "--aggregate-type", "", "--aggregate-id", &agg, "--event-type", "E", "--payload", "{}"];
-    let out = run(Some(&url), &empty_type).await;
+    let out = cli(&empty_type).url(&url).run().await;
     assert_one_line_error(&out, &["aggregate_type"]);
 
     assert_eq!(outbox_rows(&c).await, 0, "a rejected publish must write nothing");
@@ -264,19 +226,19 @@ async fn relay_rejects_bad_sink_and_bad_durations_without_touching_rows() {
     support::insert_seed_events(&c, uuid::Uuid::new_v4(), 3).await;
     let url = db.url();
 
-    let out = run(Some(&url), &["relay", "--sink", "ftp://x"]).await;
+    let out = cli(&["relay", "--sink", "ftp://x"]).url(&url).run().await;
     assert_one_line_error(&out, &["ftp://x", "stdout", "http"]);
 
-    let out = run(Some(&url), &["relay", "--sink", "http://"]).await;
+    let out = cli(&["relay", "--sink", "http://"]).url(&url).run().await;
     assert_one_line_error(&out, &["webhook URL", "empty host"]);
 
-    let out = run(Some(&url), &["relay", "--sweep-interval", "5parsecs"]).await;
+    let out = cli(&["relay", "--sweep-interval", "5parsecs"]).url(&url).run().await;
     assert_usage_error(&out, &["--sweep-interval", "5parsecs"]);
 
-    let out = run(Some(&url), &["relay", "--sweep-interval", "0s"]).await;
+    let out = cli(&["relay", "--sweep-interval", "0s"]).url(&url).run().await;
     assert_usage_error(&out, &["--sweep-interval", "0s"]);
 
-    let out = run(Some(&url), &["relay", "--retry-schedule", "1m,soon"]).await;
+    let out = cli(&["relay", "--retry-schedule", "1m,soon"]).url(&url).run().await;
     assert_usage_error(&out, &["--retry-schedule", "soon"]);
 
     assert_eq!(untouched_rows(&c).await, (3, 3), "a relay that refused to start must not touch any row");
@@ -290,7 +252,7 @@ async fn unmigrated_database_says_run_migrate_and_creates_nothing() {
 
     for args in [vec!["status"], vec!["status", "--json"], vec!["relay", "--sink", "stdout"], publish_args(&agg, "{}")]
     {
-        let out = run(Some(&raw.url), &args).await;
+        let out = cli(&args).url(&raw.url).run().await;
         assert_one_line_error(&out, &["not migrated", "pg-outbox migrate"]);
     }
     assert!(!raw.has_events_schema().await, "only `migrate` may create the schema");
@@ -303,7 +265,7 @@ async fn migrate_twice_applies_then_reports_up_to_date() {
     let db = TestDb::new("cli_migrate").await;
     let raw = RawDb::new(&db).await;
 
-    let first = run(Some(&raw.url), &["migrate"]).await;
+    let first = cli(&["migrate"]).url(&raw.url).run().await;
     assert_eq!(first.code, Some(0), "first migrate failed: {first:?}");
     assert!(
         first.stderr.contains("applied 0001_events_outbox"),
@@ -312,7 +274,7 @@ async fn migrate_twice_applies_then_reports_up_to_date() {
     assert!(!first.stderr.contains("up to date"), "{first:?}");
     assert!(first.stdout.is_empty(), "migrate prints nothing on stdout: {first:?}");
 
-    let second = run(Some(&raw.url), &["migrate"]).await;
+    let second = cli(&["migrate"]).url(&raw.url).run().await;
     assert_eq!(second.code, Some(0), "second migrate failed: {second:?}");
     assert!(second.stderr.contains("schema is up to date"), "{second:?}");
     assert!(!second.stderr.contains("applied"), "second migrate must apply nothing: {second:?}");
@@ -320,7 +282,7 @@ async fn migrate_twice_applies_then_reports_up_to_date() {
 
     // The schema works: publish and status succeed on the migrated database.
     let agg = uuid::Uuid::new_v4().to_string();
-    let out = run(Some(&raw.url), &publish_args(&agg, "{}")).await;
+    let out = cli(&publish_args(&agg, "{}")).url(&raw.url).run().await;
     assert_eq!(out.code, Some(0), "publish after migrate: {out:?}");
     let n: i64 = raw.client().await.query_one("SELECT count(*) FROM events.outbox", &[]).await.expect("count").get(0);
     assert_eq!(n, 1);
@@ -334,7 +296,7 @@ async fn publish_prints_only_the_id_and_inserts_the_row() {
     let payload = r#"{"version":1,"data":{"amount":990},"metadata":{"correlation_id":"req-42"}}"#;
     let agg_s = agg.to_string();
 
-    let out = run(Some(&db.url()), &publish_args(&agg_s, payload)).await;
+    let out = cli(&publish_args(&agg_s, payload)).url(&db.url()).run().await;
     assert_eq!(out.code, Some(0), "publish failed: {out:?}");
     let id: i64 = out.stdout.trim_end().parse().unwrap_or_else(|e| panic!("stdout is not an id ({e}): {out:?}"));
     assert_eq!(out.stdout, format!("{id}\n"), "stdout must hold only the id");
@@ -357,7 +319,7 @@ async fn publish_prints_only_the_id_and_inserts_the_row() {
     assert_eq!(outbox_rows(&c).await, 1);
 
     // A second publish gets a larger id.
-    let out = run(Some(&db.url()), &publish_args(&agg_s, "{}")).await;
+    let out = cli(&publish_args(&agg_s, "{}")).url(&db.url()).run().await;
     assert_eq!(out.code, Some(0), "second publish failed: {out:?}");
     let id2: i64 = out.stdout.trim_end().parse().unwrap_or_else(|e| panic!("stdout is not an id ({e}): {out:?}"));
     assert!(id2 > id, "ids increase: {id} then {id2}");
@@ -381,7 +343,7 @@ async fn status_counts_match_the_rows() {
     let url = db.url();
 
     // Empty outbox first.
-    let out = run(Some(&url), &["status", "--json"]).await;
+    let out = cli(&["status", "--json"]).url(&url).run().await;
     assert_eq!(out.code, Some(0), "status failed: {out:?}");
     let v: serde_json::Value = serde_json::from_str(&out.stdout).unwrap_or_else(|e| panic!("not JSON ({e}): {out:?}"));
     assert_eq!(v["unpublished"], 0, "{v}");
@@ -400,7 +362,7 @@ async fn status_counts_match_the_rows() {
     .await
     .expect("set up rows");
 
-    let out = run(Some(&url), &["status"]).await;
+    let out = cli(&["status"]).url(&url).run().await;
     assert_eq!(out.code, Some(0), "status failed: {out:?}");
     assert_eq!(table_value(&out, "unpublished"), 4, "{out:?}");
     assert_eq!(table_value(&out, "due now"), 2, "{out:?}");
@@ -408,7 +370,7 @@ async fn status_counts_match_the_rows() {
     assert_eq!(table_value(&out, "dead letters"), 1, "{out:?}");
     assert!(out.stdout.lines().any(|l| l.starts_with("oldest pending age") && l.ends_with(" s")), "{out:?}");
 
-    let out = run(Some(&url), &["status", "--json"]).await;
+    let out = cli(&["status", "--json"]).url(&url).run().await;
     assert_eq!(out.code, Some(0), "status --json failed: {out:?}");
     let v: serde_json::Value = serde_json::from_str(&out.stdout).unwrap_or_else(|e| panic!("not JSON ({e}): {out:?}"));
     assert_eq!(v["unpublished"], 4, "{v}");
@@ -426,7 +388,7 @@ async fn status_counts_match_the_rows() {
     )
     .await
     .expect("released dead letter");
-    let out = run(Some(&url), &["status", "--json"]).await;
+    let out = cli(&["status", "--json"]).url(&url).run().await;
     assert_eq!(out.code, Some(0), "status failed: {out:?}");
     let v: serde_json::Value = serde_json::from_str(&out.stdout).unwrap_or_else(|e| panic!("not JSON ({e}): {out:?}"));
     assert_eq!(v["dead_letters"], 1, "{v}");
@@ -443,21 +405,9 @@ async fn publish_reads_the_payload_from_stdin_and_from_a_file() {
 
     // `--payload -`: standard input (beyond a command line's 128 KiB limit).
     let big = serde_json::json!({"version": 1, "data": {"blob": "x".repeat(200_000)}}).to_string();
-    let mut child = Command::new(support::bin())
-        .args(base)
-        .args(["--payload", "-"])
-        .env("DATABASE_URL", db.url())
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("spawn publish");
-    let mut stdin = child.stdin.take().expect("stdin");
-    tokio::io::AsyncWriteExt::write_all(&mut stdin, big.as_bytes()).await.expect("write payload");
-    drop(stdin);
-    let out = child.wait_with_output().await.expect("publish");
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    let id: i64 = String::from_utf8_lossy(&out.stdout).trim().parse().expect("an id on stdout");
+    let out = db.cli(&[&base[..], &["--payload", "-"]].concat()).stdin(big.as_bytes()).run().await;
+    assert!(out.ok(), "{}", out.stderr);
+    let id: i64 = out.stdout.trim().parse().expect("an id on stdout");
     let len: i32 = c
         .query_one("SELECT length(payload->'data'->>'blob') FROM events.outbox WHERE id = $1", &[&id])
         .await
@@ -470,15 +420,9 @@ async fn publish_reads_the_payload_from_stdin_and_from_a_file() {
     let file = dir.path().join("payload.json");
     std::fs::write(&file, r#"{"version":1,"data":{"from":"file"}}"#).expect("write file");
     let arg = format!("@{}", file.display());
-    let out = Command::new(support::bin())
-        .args(base)
-        .args(["--payload", arg.as_str()])
-        .env("DATABASE_URL", db.url())
-        .output()
-        .await
-        .expect("publish");
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    let id: i64 = String::from_utf8_lossy(&out.stdout).trim().parse().expect("an id on stdout");
+    let out = db.cli(&[&base[..], &["--payload", arg.as_str()]].concat()).run().await;
+    assert!(out.ok(), "{}", out.stderr);
+    let id: i64 = out.stdout.trim().parse().expect("an id on stdout");
     let from: String = c
         .query_one("SELECT payload->'data'->>'from' FROM events.outbox WHERE id = $1", &[&id])
         .await
@@ -487,53 +431,17 @@ async fn publish_reads_the_payload_from_stdin_and_from_a_file() {
     assert_eq!(from, "file");
     let before = outbox_rows(&c).await;
     let missing = format!("@{}", dir.path().join("nope.json").display());
-    let out = Command::new(support::bin())
-        .args(base)
-        .args(["--payload", missing.as_str()])
-        .env("DATABASE_URL", db.url())
-        .output()
-        .await
-        .expect("publish");
-    assert!(!out.status.success());
-    assert!(String::from_utf8_lossy(&out.stderr).contains("cannot read the payload file"));
+    let out = db.cli(&[&base[..], &["--payload", missing.as_str()]].concat()).run().await;
+    assert!(!out.ok());
+    assert!(out.stderr.contains("cannot read the payload file"));
     assert_eq!(outbox_rows(&c).await, before, "nothing written");
 
     // An endless source is refused at the size limit, not read into memory.
-    let out = tokio::time::timeout(
-        Duration::from_secs(30),
-        Command::new(support::bin())
-            .args(base)
-            .args(["--payload", "@/dev/zero"])
-            .env("DATABASE_URL", db.url())
-            .output(),
-    )
-    .await
-    .expect("publish stops reading at the limit")
-    .expect("publish");
-    assert!(!out.status.success());
-    assert!(String::from_utf8_lossy(&out.stderr).contains("over the limit of 1048576 bytes"));
+    // (Within the runner's 30 s bound: publish stops reading at the limit.)
+    let out = db.cli(&[&base[..], &["--payload", "@/dev/zero"]].concat()).run().await;
+    assert!(!out.ok());
+    assert!(out.stderr.contains("over the limit of 1048576 bytes"));
     assert_eq!(outbox_rows(&c).await, before, "nothing written");
-}
-
-/// Run `pg-outbox args...` with its standard output already closed (as
-/// `pg-outbox ... | head -1` leaves it once head is done).
-async fn run_with_closed_stdout(url: &str, args: &[&str]) -> (std::process::ExitStatus, String) {
-    let mut child = Command::new(support::bin())
-        .args(args)
-        .env("DATABASE_URL", url)
-        .env_remove("RUST_LOG")
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .kill_on_drop(true)
-        .spawn()
-        .unwrap_or_else(|e| panic!("cannot run {}: {e}", support::bin()));
-    drop(child.stdout.take());
-    let out = tokio::time::timeout(Duration::from_secs(30), child.wait_with_output())
-        .await
-        .unwrap_or_else(|_| panic!("pg-outbox {args:?} did not exit within 30 s"))
-        .expect("wait for pg-outbox");
-    (out.status, String::from_utf8_lossy(&out.stderr).into_owned())
 }
 
 /// A closed standard output ends `status` and `dead-letters list` quietly
@@ -544,14 +452,9 @@ async fn closed_stdout_and_huge_ages_do_not_panic() {
     use std::os::unix::process::ExitStatusExt;
     let db = TestDb::new("cli_epipe").await;
     let c = db.client().await;
-    c.batch_execute(
-        "INSERT INTO events.outbox (aggregate_type, aggregate_id, event_type, payload, retry_count, next_retry_at, last_error) \
-           SELECT 'subscription', gen_random_uuid(), 'Dead', '{}', 10, 'infinity', 'HTTP 500' FROM generate_series(1, 3)",
-    )
-    .await
-    .expect("dead letters");
+    support::insert_dead_letters(&c, 3).await;
     for args in [&["status"][..], &["dead-letters", "list"], &["dead-letters", "list", "--json"]] {
-        let (status, stderr) = run_with_closed_stdout(&db.url(), args).await;
+        let Out { status, stderr, .. } = db.cli(args).closed_stdout().run().await;
         assert!(!stderr.contains("panicked") && !stderr.contains("Broken pipe"), "{args:?}: {stderr}");
         assert!(
             status.success() || status.signal() == Some(libc::SIGPIPE),
@@ -560,7 +463,7 @@ async fn closed_stdout_and_huge_ages_do_not_panic() {
         assert!(stderr.trim().is_empty(), "{args:?}: nothing on stderr: {stderr}");
     }
     for since in ["1000000000d", "300000000y"] {
-        let out = run(Some(&db.url()), &["dead-letters", "list", "--since", since]).await;
+        let out = cli(&["dead-letters", "list", "--since", since]).url(&db.url()).run().await;
         assert_usage_error(&out, &["--since", since]);
     }
 }

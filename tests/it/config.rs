@@ -5,38 +5,15 @@
 //! `--metrics-addr` port bound on 127.0.0.1).
 
 use std::collections::HashMap;
-use std::process::Stdio;
 use std::time::Duration;
 
 use tokio::io::{AsyncBufReadExt, BufReader};
-use tokio::process::Command;
 
-use crate::support::{self, TestDb};
+use crate::relay_proc::{Output, Relay, RelayProc, free_port};
+use crate::support::{self, TestDb, cli};
 
 /// A database nobody listens on: `--print-config` must not connect.
 const NOWHERE: &str = "postgres://postgres@127.0.0.1:1/nowhere";
-
-/// Run `pg-outbox args...` with exactly the given `OUTBOX_*`/`DATABASE_URL`
-/// variables (inherited ones removed); (exit code, stdout, stderr).
-pub(crate) async fn run(env: &[(&str, &str)], args: &[&str]) -> (Option<i32>, String, String) {
-    let mut cmd = Command::new(support::bin());
-    cmd.args(args).env_remove("DATABASE_URL").stdin(Stdio::null()).kill_on_drop(true);
-    for (k, _) in std::env::vars() {
-        if k.starts_with("OUTBOX_") {
-            cmd.env_remove(k);
-        }
-    }
-    cmd.envs(env.iter().copied());
-    let out = tokio::time::timeout(Duration::from_secs(30), cmd.output())
-        .await
-        .unwrap_or_else(|_| panic!("pg-outbox {args:?} did not exit within 30 s"))
-        .expect("run pg-outbox");
-    (
-        out.status.code(),
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
-}
 
 /// `--print-config` output as key -> (value text, source).
 fn settings(out: &str) -> HashMap<String, (String, String)> {
@@ -71,7 +48,7 @@ async fn precedence_is_command_line_then_environment_then_file_then_default() {
         ("OUTBOX_MAX_RETRIES", "4"),
         ("DATABASE_URL", NOWHERE),
     ];
-    let (code, out, err) = run(&env, &["relay", "--max-retries", "5", "--print-config"]).await;
+    let (code, out, err) = cli(&["relay", "--max-retries", "5", "--print-config"]).envs(&env).run().await.parts();
     assert_eq!(code, Some(0), "print-config exits 0 without connecting: {err}");
     let s = settings(&out);
     let file_src = format!("config file {file}");
@@ -85,7 +62,7 @@ async fn precedence_is_command_line_then_environment_then_file_then_default() {
 
     // Without DATABASE_URL the file's database_url applies; --config on the
     // command line works as OUTBOX_CONFIG does.
-    let (code, out, err) = run(&[], &["relay", "--config", &file, "--print-config"]).await;
+    let (code, out, err) = cli(&["relay", "--config", &file, "--print-config"]).envs(&[]).run().await.parts();
     assert_eq!(code, Some(0), "{err}");
     let s = settings(&out);
     assert_eq!(s["database_url"], ("\"postgres://fromfile@127.0.0.1:1/file\"".into(), file_src.clone()), "{out}");
@@ -93,7 +70,7 @@ async fn precedence_is_command_line_then_environment_then_file_then_default() {
 
     // The printed settings are a config file that gives the same settings.
     let again = write(&dir, "printed.toml", &out);
-    let (code, out2, err) = run(&[], &["relay", "--config", &again, "--print-config"]).await;
+    let (code, out2, err) = cli(&["relay", "--config", &again, "--print-config"]).envs(&[]).run().await.parts();
     assert_eq!(code, Some(0), "{err}");
     let values = |m: HashMap<String, (String, String)>| {
         let mut v: Vec<(String, String)> = m.into_iter().map(|(k, (v, _))| (k, v)).collect();
@@ -120,7 +97,8 @@ async fn bad_config_files_are_refused_naming_the_key_and_file() {
     ];
     for (name, text, needles) in cases {
         let path = write(&dir, name, text);
-        let (code, out, err) = run(&[("DATABASE_URL", NOWHERE)], &["relay", "--config", &path, "--print-config"]).await;
+        let (code, out, err) =
+            cli(&["relay", "--config", &path, "--print-config"]).envs(&[("DATABASE_URL", NOWHERE)]).run().await.parts();
         assert_eq!(code, Some(1), "{name}: expected exit 1; stderr: {err}");
         assert!(out.is_empty(), "{name}: nothing on stdout: {out}");
         let line = err.trim();
@@ -131,11 +109,12 @@ async fn bad_config_files_are_refused_naming_the_key_and_file() {
         }
     }
     let missing = dir.path().join("missing.toml").display().to_string();
-    let (code, _, err) = run(&[("OUTBOX_CONFIG", missing.as_str())], &["relay", "--print-config"]).await;
+    let (code, _, err) =
+        cli(&["relay", "--print-config"]).envs(&[("OUTBOX_CONFIG", missing.as_str())]).run().await.parts();
     assert_eq!(code, Some(1), "{err}");
     assert!(err.contains(&missing) && err.contains("cannot read"), "{err}");
     // A bad value from the environment is refused by the argument parser.
-    let (code, _, err) = run(&[("OUTBOX_BATCH_SIZE", "lots")], &["relay", "--print-config"]).await;
+    let (code, _, err) = cli(&["relay", "--print-config"]).envs(&[("OUTBOX_BATCH_SIZE", "lots")]).run().await.parts();
     assert!(code.is_some_and(|c| c != 0), "{err}");
     assert!(err.contains("invalid value 'lots'") && err.contains("--batch-size"), "{err}");
     // Values the relay would refuse are refused up front, naming the flag.
@@ -144,10 +123,12 @@ async fn bad_config_files_are_refused_naming_the_key_and_file() {
         ("--partitions", "OUTBOX_PARTITIONS"),
         ("--max-retries", "OUTBOX_MAX_RETRIES"),
     ] {
-        let (code, out, err) = run(&[("DATABASE_URL", NOWHERE)], &["relay", flag, "0", "--print-config"]).await;
+        let (code, out, err) =
+            cli(&["relay", flag, "0", "--print-config"]).envs(&[("DATABASE_URL", NOWHERE)]).run().await.parts();
         assert!(code.is_some_and(|c| c != 0) && out.is_empty(), "{flag} 0 must be refused: {out}{err}");
         assert!(err.starts_with("error: ") && err.contains("invalid value '0'") && err.contains(flag), "{err}");
-        let (code, _, err) = run(&[("DATABASE_URL", NOWHERE), (env, "0")], &["relay", "--print-config"]).await;
+        let (code, _, err) =
+            cli(&["relay", "--print-config"]).envs(&[("DATABASE_URL", NOWHERE), (env, "0")]).run().await.parts();
         assert!(code.is_some_and(|c| c != 0) && err.contains(flag), "{env}=0 must be refused: {err}");
     }
 }
@@ -162,7 +143,7 @@ async fn print_config_masks_passwords_and_secrets() {
         ("OUTBOX_CONFIG", file.as_str()),
     ];
     let args = ["relay", "--webhook-header", "Authorization: Bearer token-4", "--webhook-header", "X-Team: billing"];
-    let (code, out, err) = run(&env, &[&args[..], &["--print-config"]].concat()).await;
+    let (code, out, err) = cli(&[&args[..], &["--print-config"]].concat()).envs(&env).run().await.parts();
     assert_eq!(code, Some(0), "{err}");
     for secret in ["amqp-pw-1", "db-pw-2", "c2VjcmV0LTM", "token-4"] {
         assert!(!out.contains(secret) && !err.contains(secret), "{secret} leaked:\n{out}{err}");
@@ -174,11 +155,18 @@ async fn print_config_masks_passwords_and_secrets() {
     assert_eq!(s["webhook_header"].0, "[\"Authorization: ****\", \"X-Team: billing\"]", "{out}");
 
     // Nor does an unknown sink's error, nor a connect error.
-    let (code, _, err) = run(&[("DATABASE_URL", NOWHERE)], &["relay", "--sink", "ftp://u:sink-pw-5@127.0.0.1/x"]).await;
+    let (code, _, err) = cli(&["relay", "--sink", "ftp://u:sink-pw-5@127.0.0.1/x"])
+        .envs(&[("DATABASE_URL", NOWHERE)])
+        .run()
+        .await
+        .parts();
     assert_eq!(code, Some(1), "{err}");
     assert!(err.contains("unsupported sink 'ftp://127.0.0.1/x'") && !err.contains("sink-pw-5"), "{err}");
-    let (code, _, err) =
-        run(&[("DATABASE_URL", "postgres://app:db-pw-2@127.0.0.1:1/app?connect_timeout=2")], &["status"]).await;
+    let (code, _, err) = cli(&["status"])
+        .envs(&[("DATABASE_URL", "postgres://app:db-pw-2@127.0.0.1:1/app?connect_timeout=2")])
+        .run()
+        .await
+        .parts();
     assert_eq!(code, Some(1), "{err}");
     assert!(err.contains("127.0.0.1:1/app") && !err.contains("db-pw-2"), "{err}");
 }
@@ -190,8 +178,11 @@ async fn outbox_database_url_is_the_fallback_after_database_url() {
     let dir = tempfile::tempdir().expect("tempdir");
     let file = write(&dir, "db.toml", "database_url = \"postgres://fromfile@127.0.0.1:1/file\"\n");
     let outbox = "postgres://fromoutbox@127.0.0.1:1/outbox";
-    let (code, out, err) =
-        run(&[("OUTBOX_DATABASE_URL", outbox)], &["relay", "--config", &file, "--print-config"]).await;
+    let (code, out, err) = cli(&["relay", "--config", &file, "--print-config"])
+        .envs(&[("OUTBOX_DATABASE_URL", outbox)])
+        .run()
+        .await
+        .parts();
     assert_eq!(code, Some(0), "{err}");
     assert_eq!(
         settings(&out)["database_url"],
@@ -199,15 +190,18 @@ async fn outbox_database_url_is_the_fallback_after_database_url() {
         "{out}"
     );
     let both = [("OUTBOX_DATABASE_URL", outbox), ("DATABASE_URL", NOWHERE)];
-    let (code, out, err) = run(&both, &["relay", "--print-config"]).await;
+    let (code, out, err) = cli(&["relay", "--print-config"]).envs(&both).run().await.parts();
     assert_eq!(code, Some(0), "{err}");
     assert_eq!(settings(&out)["database_url"], (format!("\"{NOWHERE}\""), "environment (DATABASE_URL)".into()));
-    let (code, out, err) =
-        run(&both, &["relay", "--database-url", "postgres://cli@127.0.0.1:1/x", "--print-config"]).await;
+    let (code, out, err) = cli(&["relay", "--database-url", "postgres://cli@127.0.0.1:1/x", "--print-config"])
+        .envs(&both)
+        .run()
+        .await
+        .parts();
     assert_eq!(code, Some(0), "{err}");
     assert_eq!(settings(&out)["database_url"].1, "command line", "{out}");
     // It is used to connect, too (here: a database nobody listens on).
-    let (code, _, err) = run(&[("OUTBOX_DATABASE_URL", NOWHERE)], &["status"]).await;
+    let (code, _, err) = cli(&["status"]).envs(&[("OUTBOX_DATABASE_URL", NOWHERE)]).run().await.parts();
     assert_eq!(code, Some(1), "{err}");
     assert!(err.contains("127.0.0.1:1") && !err.contains("no database given"), "{err}");
 }
@@ -233,7 +227,7 @@ async fn print_config_masks_tokens_lists_queries_and_odd_passwords() {
         if key != "database_url" {
             env.push(("DATABASE_URL", NOWHERE));
         }
-        let (code, out, err) = run(&env, &["relay", &flag, value, "--print-config"]).await;
+        let (code, out, err) = cli(&["relay", &flag, value, "--print-config"]).envs(&env).run().await.parts();
         assert_eq!(code, Some(0), "{err}");
         for secret in secrets {
             assert!(!out.contains(secret) && !err.contains(secret), "{secret} leaked:\n{out}{err}");
@@ -241,7 +235,7 @@ async fn print_config_masks_tokens_lists_queries_and_odd_passwords() {
         assert_eq!(settings(&out)[key].0, shown, "{out}");
     }
     for url in ["postgres://u:p#w/d@127.0.0.1/db", "postgres://u:s3/cr#t@127.0.0.1:1/db?sslmode=disable"] {
-        let (code, out, err) = run(&[], &["relay", "--database-url", url, "--print-config"]).await;
+        let (code, out, err) = cli(&["relay", "--database-url", url, "--print-config"]).envs(&[]).run().await.parts();
         assert_eq!(code, Some(0), "{err}");
         let shown = &settings(&out)["database_url"].0;
         assert!(shown.contains("****@127.0.0.1"), "{url} shown as {shown}");
@@ -253,13 +247,19 @@ async fn print_config_masks_tokens_lists_queries_and_odd_passwords() {
 
 #[tokio::test]
 async fn metrics_addr_takes_a_port_or_host_and_port() {
-    let (code, out, err) =
-        run(&[("DATABASE_URL", NOWHERE)], &["relay", "--metrics-addr", "9464", "--print-config"]).await;
+    let (code, out, err) = cli(&["relay", "--metrics-addr", "9464", "--print-config"])
+        .envs(&[("DATABASE_URL", NOWHERE)])
+        .run()
+        .await
+        .parts();
     assert_eq!(code, Some(0), "{err}");
     assert_eq!(settings(&out)["metrics_addr"].0, "9464", "{out}");
     for bad in ["notaport", "70000", "127.0.0.1:"] {
-        let (code, _, err) =
-            run(&[("DATABASE_URL", NOWHERE)], &["relay", "--metrics-addr", bad, "--print-config"]).await;
+        let (code, _, err) = cli(&["relay", "--metrics-addr", bad, "--print-config"])
+            .envs(&[("DATABASE_URL", NOWHERE)])
+            .run()
+            .await
+            .parts();
         assert!(code.is_some_and(|c| c != 0), "--metrics-addr {bad} must be refused: {err}");
         assert!(err.contains(&format!("'{bad}'")) && err.contains("PORT or HOST:PORT"), "{err}");
     }
@@ -271,7 +271,7 @@ async fn metrics_addr_takes_a_port_or_host_and_port() {
 async fn relay_runs_with_settings_from_file_and_environment() {
     let db = TestDb::new("config_relay").await;
     let c = db.client().await;
-    let port = std::net::TcpListener::bind("127.0.0.1:0").expect("bind").local_addr().expect("addr").port();
+    let port = free_port();
     let dir = tempfile::tempdir().expect("tempdir");
     let file = write(
         &dir,
@@ -281,38 +281,17 @@ async fn relay_runs_with_settings_from_file_and_environment() {
             db.url()
         ),
     );
-    let mut cmd = Command::new(support::bin());
-    cmd.args(["relay", "--config", &file])
-        .env_remove("DATABASE_URL")
-        .env("OUTBOX_NO_LISTEN", "true")
-        .env("RUST_LOG", "info")
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .kill_on_drop(true);
-    for (k, _) in std::env::vars() {
-        if k.starts_with("OUTBOX_") {
-            cmd.env_remove(k);
-        }
-    }
-    cmd.env("OUTBOX_NO_LISTEN", "true");
-    let mut child = cmd.spawn().expect("start the relay");
-    let mut out = BufReader::new(child.stdout.take().expect("stdout")).lines();
-    let mut err = BufReader::new(child.stderr.take().expect("stderr")).lines();
-
-    let mut log = String::new();
-    let started = tokio::time::timeout(Duration::from_secs(30), async {
-        while let Ok(Some(line)) = err.next_line().await {
-            log.push_str(&line);
-            log.push('\n');
-            if line.contains("relay started") {
-                return true;
-            }
-        }
-        false
-    })
+    // No DATABASE_URL: the file names the database.
+    let mut relay = RelayProc::start_spec(
+        Relay::new(support::bin())
+            .args(&["--config", &file])
+            .env("OUTBOX_NO_LISTEN", "true")
+            .env("RUST_LOG", "info")
+            .stdout(Output::Piped),
+    )
     .await;
-    assert_eq!(started, Ok(true), "relay did not start; stderr:\n{log}");
+    let mut out = BufReader::new(relay.stdout.take().expect("stdout")).lines();
+    let log = relay.log();
     assert!(log.contains("LISTEN disabled"), "OUTBOX_NO_LISTEN=true applies:\n{log}");
     assert!(log.contains(&format!("http://127.0.0.1:{port}/metrics")), "a bare port binds 127.0.0.1:\n{log}");
 
@@ -339,5 +318,5 @@ async fn relay_runs_with_settings_from_file_and_environment() {
         .await
         .expect("metrics body");
     assert!(body.contains("outbox_"), "metrics served on 127.0.0.1:{port}:\n{body}");
-    child.kill().await.expect("stop the relay");
+    relay.kill9().await;
 }

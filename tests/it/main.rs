@@ -1,20 +1,19 @@
 //! Integration tests against a real PostgreSQL (see `support`).
 
 mod auto_traits;
-#[cfg(any(feature = "nats", feature = "redis"))]
-mod broker_relay;
+mod brokers;
 mod cli;
 mod config;
 mod consumer;
 mod contrib;
 mod dead_letters;
-mod fault_suite;
 mod faults;
 mod modes;
-mod operator;
 mod order;
 mod plan_states;
 mod plans;
+#[path = "../kit/process.rs"]
+mod process;
 mod relay;
 mod relay_proc;
 mod retention;
@@ -27,7 +26,6 @@ mod sink_kafka;
 mod sink_nats;
 #[cfg(feature = "redis")]
 mod sink_redis;
-mod sink_relay;
 mod status_detail;
 mod support;
 mod timeouts;

@@ -13,13 +13,13 @@ use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode};
 use serde_json::{Value, json};
 use tokio::io::{AsyncBufReadExt, BufReader, Lines};
-use tokio::process::{ChildStdout, Command};
+use tokio::process::ChildStdout;
 use tokio_postgres::Client;
 use uuid::Uuid;
 
 use pg_outbox::{NewEvent, Publisher};
 
-use crate::relay_proc::{LIVENESS, RelayProc};
+use crate::relay_proc::{LIVENESS, Output, RelayProc, free_port, relay};
 use crate::support::{self, TestDb, published_count};
 
 /// The keys of a sink record, exactly.
@@ -252,12 +252,6 @@ async fn stdout_sink_prints_every_event_as_one_json_line_then_exits_cleanly_on_s
     let rest = relay.rest_of_stdout().await;
     assert!(rest.is_empty(), "nothing else may be printed on stdout: {rest:?}");
     assert_eq!(published_count(&c).await, 50);
-}
-
-/// A port on 127.0.0.1 that was free a moment ago.
-fn free_port() -> u16 {
-    let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind an ephemeral port");
-    l.local_addr().expect("local address").port()
 }
 
 /// Sum of the samples of `name` (with or without labels) in a Prometheus
@@ -518,25 +512,19 @@ async fn sigterm_during_a_hanging_delivery_exits_after_the_grace_and_releases_th
 async fn closed_stdout_stops_the_relay_without_failing_events() {
     let db = TestDb::new("relay_epipe").await;
     let c = db.client().await;
-    let mut child = Command::new(support::bin())
-        .args(["relay", "--sink", "stdout", "--sweep-interval", "200ms"])
-        .env("DATABASE_URL", db.url())
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .kill_on_drop(true)
-        .spawn()
-        .expect("spawn relay");
-    let mut out = BufReader::new(child.stdout.take().expect("stdout")).lines();
+    let mut relay =
+        RelayProc::start_spec(relay(&db, &["--sink", "stdout", "--sweep-interval", "200ms"]).stdout(Output::Piped))
+            .await;
+    let mut out = BufReader::new(relay.stdout.take().expect("stdout")).lines();
     support::insert_seed_events(&c, Uuid::new_v4(), 1).await;
     let first = tokio::time::timeout(LIVENESS, out.next_line()).await.expect("a line").expect("read").expect("line");
     assert!(first.starts_with('{'));
     // The reader goes away, like `pg-outbox relay | head -1`.
     drop(out);
     support::insert_seed_events(&c, Uuid::new_v4(), 3).await;
-    let output = tokio::time::timeout(LIVENESS, child.wait_with_output()).await.expect("relay exits").expect("wait");
-    let stderr = String::from_utf8_lossy(&output.stderr);
-    assert!(!output.status.success(), "a relay whose stdout is gone exits non-zero; stderr:\n{stderr}");
+    let status = relay.wait().await;
+    let stderr = relay.log();
+    assert!(!status.success(), "a relay whose stdout is gone exits non-zero; stderr:\n{stderr}");
     assert!(stderr.contains("standard output was closed"), "{stderr}");
     let failed: i64 =
         c.query_one("SELECT count(*) FROM events.outbox WHERE retry_count > 0", &[]).await.expect("q").get(0);
@@ -603,18 +591,13 @@ async fn a_full_stdout_stops_the_relay_without_failing_events() {
     let c = db.client().await;
     support::insert_seed_events(&c, Uuid::new_v4(), 3).await;
     let full = std::fs::OpenOptions::new().write(true).open("/dev/full").expect("open /dev/full");
-    let child = Command::new(support::bin())
-        .args(["relay", "--sink", "stdout"])
-        .env("DATABASE_URL", db.url())
-        .stdin(Stdio::null())
-        .stdout(Stdio::from(full))
-        .stderr(Stdio::piped())
-        .kill_on_drop(true)
+    let mut relay = relay(&db, &["--sink", "stdout"])
+        .stdout(Output::To(Stdio::from(full)))
         .spawn()
-        .expect("spawn relay");
-    let output = tokio::time::timeout(LIVENESS, child.wait_with_output()).await.expect("relay exits").expect("wait");
-    let stderr = String::from_utf8_lossy(&output.stderr);
-    assert!(!output.status.success(), "a relay that cannot write its stdout exits non-zero; stderr:\n{stderr}");
+        .unwrap_or_else(|e| panic!("{e}"));
+    let status = relay.wait().await;
+    let stderr = relay.log();
+    assert!(!status.success(), "a relay that cannot write its stdout exits non-zero; stderr:\n{stderr}");
     assert!(stderr.contains("cannot write to standard output"), "{stderr}");
     let (published, failed): (i64, i64) = {
         let r = c
@@ -651,15 +634,10 @@ async fn a_stdout_pipe_gets_whole_lines_and_the_inherited_pipe_stays_blocking() 
     // The test keeps the write end: the relay's stdout shares its open file
     // description, as a shell's pipeline does with its members.
     let (reader, writer) = std::io::pipe().expect("pipe");
-    let mut child = Command::new(support::bin())
-        .args(["relay", "--sink", "stdout", "--sweep-interval", "200ms"])
-        .env("DATABASE_URL", db.url())
-        .stdin(Stdio::null())
-        .stdout(Stdio::from(writer.try_clone().expect("clone the write end")))
-        .stderr(Stdio::piped())
-        .kill_on_drop(true)
+    let child = relay(&db, &["--sink", "stdout", "--sweep-interval", "200ms"])
+        .stdout(Output::To(Stdio::from(writer.try_clone().expect("clone the write end"))))
         .spawn()
-        .expect("spawn relay");
+        .unwrap_or_else(|e| panic!("{e}"));
     let lines = tokio::task::spawn_blocking(move || {
         std::io::BufReader::new(reader).lines().take(3).collect::<std::io::Result<Vec<String>>>()
     });
@@ -673,7 +651,7 @@ async fn a_stdout_pipe_gets_whole_lines_and_the_inherited_pipe_stays_blocking() 
     // The fast path was taken: besides its fd 1, the relay holds a second
     // descriptor of the same pipe (its own reopened description).
     let pipe = std::fs::read_link(format!("/proc/self/fd/{}", writer.as_raw_fd())).expect("our pipe's name");
-    let pid = child.id().expect("relay runs");
+    let pid = child.pid().expect("relay runs");
     let same_pipe = std::fs::read_dir(format!("/proc/{pid}/fd"))
         .expect("the relay's descriptors")
         .filter_map(|e| std::fs::read_link(e.ok()?.path()).ok())
@@ -684,5 +662,5 @@ async fn a_stdout_pipe_gets_whole_lines_and_the_inherited_pipe_stays_blocking() 
     let flags = unsafe { libc::fcntl(writer.as_raw_fd(), libc::F_GETFL) };
     assert!(flags >= 0, "fcntl: {}", std::io::Error::last_os_error());
     assert_eq!(flags & libc::O_NONBLOCK, 0, "the relay left the pipe it inherited in blocking mode");
-    let _ = child.start_kill();
+    drop(child);
 }

@@ -3,22 +3,7 @@
 
 use uuid::Uuid;
 
-use crate::support::{TestDb, bin, insert_seed_events};
-
-async fn archive(db: &TestDb, args: &[&str]) -> (i32, String, String) {
-    let out = tokio::process::Command::new(bin())
-        .arg("archive")
-        .args(args)
-        .env("DATABASE_URL", db.url())
-        .output()
-        .await
-        .expect("run pg-outbox archive");
-    (
-        out.status.code().unwrap_or(-1),
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
-}
+use crate::support::{TestDb, insert_seed_events};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn archive_deletes_old_published_events_only_in_batches() {
@@ -53,21 +38,21 @@ async fn archive_deletes_old_published_events_only_in_batches() {
     .await
     .expect("dead letter");
 
-    let (code, out, err) = archive(&db, &["--dry-run"]).await;
-    assert_eq!(code, 0, "{err}");
+    let (code, out, err) = db.cli(&["archive", "--dry-run"]).run().await.parts();
+    assert_eq!(code, Some(0), "{err}");
     assert!(out.contains("would delete 5 "), "{out}");
-    let (code, out, err) = archive(&db, &["--batch-size", "2", "--pause", "10ms"]).await;
-    assert_eq!(code, 0, "{err}");
+    let (code, out, err) = db.cli(&["archive", "--batch-size", "2", "--pause", "10ms"]).run().await.parts();
+    assert_eq!(code, Some(0), "{err}");
     assert!(out.contains("deleted 5 published events older than 30days in 3 batches"), "{out}");
     let left: Vec<i64> =
         c.query("SELECT id FROM events.outbox ORDER BY id", &[]).await.expect("q").iter().map(|r| r.get(0)).collect();
     let mut kept = [recent_published, old_unpublished, dead].concat();
     kept.sort_unstable();
     assert_eq!(left, kept, "recent published, unpublished and dead letters stay");
-    let (code, out, _) = archive(&db, &[]).await;
-    assert_eq!(code, 0);
+    let (code, out, _) = db.cli(&["archive"]).run().await.parts();
+    assert_eq!(code, Some(0));
     assert!(out.contains("deleted 0 "), "{out}");
-    let (code, _, err) = archive(&db, &["--batch-size", "0"]).await;
-    assert_ne!(code, 0);
+    let (code, _, err) = db.cli(&["archive", "--batch-size", "0"]).run().await.parts();
+    assert_ne!(code, Some(0));
     assert!(err.contains("batch size"), "{err}");
 }

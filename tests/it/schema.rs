@@ -311,14 +311,9 @@ async fn concurrent_migrate_runs_do_not_deadlock() {
     let db = TestDb::new("migrate_concurrent").await;
     let c = db.client().await;
     c.batch_execute("DROP SCHEMA events CASCADE").await.expect("start from an empty database");
-    let runs: Vec<_> = (0..3)
-        .map(|_| {
-            tokio::process::Command::new(crate::support::bin()).arg("migrate").env("DATABASE_URL", db.url()).output()
-        })
-        .collect();
+    let runs: Vec<_> = (0..3).map(|_| db.cli(&["migrate"]).run()).collect();
     for out in futures::future::join_all(runs).await {
-        let out = out.expect("run pg-outbox migrate");
-        assert!(out.status.success(), "migrate failed: {}", String::from_utf8_lossy(&out.stderr));
+        assert!(out.ok(), "migrate failed: {}", out.stderr);
     }
     pg_outbox::migrate::check(&c).await.expect("the schema is complete");
 }

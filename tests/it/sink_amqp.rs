@@ -11,7 +11,7 @@ use lapin::{Channel, Connection, ConnectionProperties};
 use serde_json::Value;
 use uuid::Uuid;
 
-use crate::sink_relay::{self, LIVENESS, RelayProc};
+use crate::brokers::{self, LIVENESS, RelayProc};
 use crate::support::{self, TestDb};
 
 const BROKER: &str = "127.0.0.1:5672";
@@ -59,9 +59,8 @@ async fn amqp_sink_publishes_every_event_persistent_with_id_headers_and_order() 
         RelayProc::start(&db, &["--sink", URL, "--amqp-routing-key", &rk, "--sweep-interval", "200ms"]).await;
     assert!(!relay.log().contains("guest:guest"), "the log shows credentials:\n{}", relay.log());
 
-    let aggs = [Uuid::new_v4(), Uuid::new_v4(), Uuid::new_v4()];
-    let sent = sink_relay::publish_events(&c, &aggs, 30, "amqp").await;
-    let agg_of: BTreeMap<i64, Uuid> = sent.iter().copied().collect();
+    let sent = brokers::publish_events(&c, &brokers::three_aggregates(), 30, "amqp").await;
+    let agg_of: BTreeMap<i64, Uuid> = sent.iter().map(|(id, e)| (*id, e.aggregate_id)).collect();
 
     let mut consumer = ch
         .basic_consume(queue.as_str().into(), "pgo-test".into(), BasicConsumeOptions::default(), FieldTable::default())
@@ -81,7 +80,8 @@ async fn amqp_sink_publishes_every_event_persistent_with_id_headers_and_order() 
         let id: i64 =
             p.message_id().as_ref().expect("message_id is set").as_str().parse().expect("message_id is the id");
         let agg = *agg_of.get(&id).unwrap_or_else(|| panic!("unknown message_id {id}"));
-        assert_eq!(delivery.routing_key.as_str(), format!("{prefix}.invoice.InvoiceIssued"));
+        let e = &sent[&id];
+        assert_eq!(delivery.routing_key.as_str(), format!("{prefix}.{}.{}", e.aggregate_type, e.event_type));
         assert_eq!(p.delivery_mode(), &Some(2), "persistent");
         assert_eq!(p.content_type().as_ref().map(|s| s.as_str()), Some("application/json"));
         assert_eq!(p.app_id().as_ref().map(|s| s.as_str()), Some("pg-outbox"));
@@ -90,16 +90,15 @@ async fn amqp_sink_publishes_every_event_persistent_with_id_headers_and_order() 
         let h: BTreeMap<String, String> =
             headers.inner().iter().map(|(k, v)| (k.as_str().to_string(), text(v))).collect();
         let body: Value = serde_json::from_slice(&delivery.data).expect("the body is JSON");
-        let i = body["payload"]["data"]["i"].as_u64().expect("payload.data.i") as usize;
-        let (corr, tp) = sink_relay::metadata(i);
+        assert_eq!(body["payload"], e.payload, "the body's payload");
         assert_eq!(h["id"], id.to_string());
-        assert_eq!(h["event_type"], "InvoiceIssued");
-        assert_eq!(h["aggregate_type"], "invoice");
+        assert_eq!(h["event_type"], e.event_type);
+        assert_eq!(h["aggregate_type"], e.aggregate_type);
         assert_eq!(h["aggregate_id"], agg.to_string());
         assert_eq!(h["content-type"], "application/json");
-        assert_eq!(h["correlation_id"], corr);
-        assert_eq!(h["causation_id"], format!("cause-{i}"));
-        assert_eq!(h["traceparent"], tp);
+        assert_eq!(h["correlation_id"], e.correlation_id);
+        assert_eq!(h.get("causation_id"), e.causation_id.as_ref(), "causation_id only where the envelope has one");
+        assert_eq!(h["traceparent"], e.traceparent);
         assert!(!h.contains_key("tracestate"), "no tracestate in the envelope, so no header: {h:?}");
         chrono::DateTime::parse_from_rfc3339(&h["occurred_at"]).expect("occurred_at is RFC 3339");
         assert_eq!(body["id"], id);
@@ -114,7 +113,7 @@ async fn amqp_sink_publishes_every_event_persistent_with_id_headers_and_order() 
     for (agg, ids) in &per_agg {
         assert!(ids.windows(2).all(|w| w[0] < w[1]), "aggregate {agg} out of order: {ids:?}");
     }
-    support::eventually(30, "all 30 rows marked published", || async { sink_relay::published_count(&c).await == 30 })
+    support::eventually(30, "all 30 rows marked published", || async { brokers::published_count(&c).await == 30 })
         .await;
     relay.stop_cleanly().await;
 
@@ -135,9 +134,8 @@ async fn amqp_unroutable_message_fails_the_event() {
     let rk = format!("pgo-test-unbound-{}.{{event_type}}", Uuid::new_v4().simple());
     let relay = RelayProc::start(&db, &["--sink", URL, "--amqp-routing-key", &rk, "--sweep-interval", "200ms"]).await;
     let id = support::insert_seed_events(&c, Uuid::new_v4(), 1).await[0];
-    support::eventually(30, "the unroutable event to fail", || async { sink_relay::row_state(&c, id).await.1 >= 1 })
-        .await;
-    let (published, retries, last_error) = sink_relay::row_state(&c, id).await;
+    support::eventually(30, "the unroutable event to fail", || async { brokers::row_state(&c, id).await.1 >= 1 }).await;
+    let (published, retries, last_error) = brokers::row_state(&c, id).await;
     assert!(!published, "an unroutable message is not a delivery");
     assert_eq!(retries, 1, "one failure (the default ladder waits a minute before the next try)");
     let last_error = last_error.expect("last_error is set");
@@ -267,10 +265,10 @@ async fn amqp_connection_lost_mid_run_fails_events_then_the_sink_reconnects() {
     proxy.cut();
     let during = support::insert_seed_events(&c, Uuid::new_v4(), 1).await[0];
     support::eventually(30, "the event to fail while the connection is down", || async {
-        sink_relay::row_state(&c, during).await.1 >= 2
+        brokers::row_state(&c, during).await.1 >= 2
     })
     .await;
-    let (published, _, last_error) = sink_relay::row_state(&c, during).await;
+    let (published, _, last_error) = brokers::row_state(&c, during).await;
     assert!(!published, "nothing is published while the connection is down");
     let last_error = last_error.expect("last_error is set");
     assert!(last_error.contains("RabbitMQ"), "{last_error}");
@@ -278,7 +276,7 @@ async fn amqp_connection_lost_mid_run_fails_events_then_the_sink_reconnects() {
 
     proxy.restore();
     support::eventually(30, "the event published after the connection returned", || async {
-        sink_relay::row_state(&c, during).await.0
+        brokers::row_state(&c, during).await.0
     })
     .await;
     assert_eq!(next_id().await, during, "the event arrived after the reconnect");

@@ -22,7 +22,7 @@ use serde_json::Value;
 use tokio::process::{Child, Command};
 use uuid::Uuid;
 
-use crate::sink_relay::{self, LIVENESS, RelayProc};
+use crate::brokers::{self, LIVENESS, RelayProc};
 use crate::support::{self, TestDb};
 
 const PARTITIONS: i32 = 3;
@@ -76,7 +76,7 @@ struct Tansu {
 
 impl Tansu {
     async fn start(bin: PathBuf) -> Tansu {
-        let mut t = Tansu { bin, port: sink_relay::free_port(), child: None };
+        let mut t = Tansu { bin, port: brokers::free_port(), child: None };
         t.restart().await;
         t
     }
@@ -241,10 +241,10 @@ async fn kafka_sink_keys_by_aggregate_with_headers_and_keeps_per_aggregate_order
 
     // 24 random aggregates: all in one of 3 partitions by chance has
     // probability 3 * 3^-24 (with 6 it was 1 in 243, and it happened).
-    let aggs: Vec<Uuid> = (0..24).map(|_| Uuid::new_v4()).collect();
-    let sent = sink_relay::publish_events(&c, &aggs, 72, "kafka").await;
-    let agg_of: BTreeMap<i64, Uuid> = sent.iter().copied().collect();
-    support::eventually(30, "all 72 rows marked published", || async { sink_relay::published_count(&c).await == 72 })
+    let aggs: Vec<(&str, Uuid)> = (0..24).map(|_| ("invoice", Uuid::new_v4())).collect();
+    let sent = brokers::publish_events(&c, &aggs, 72, "kafka").await;
+    let agg_of: BTreeMap<i64, Uuid> = sent.iter().map(|(id, e)| (*id, e.aggregate_id)).collect();
+    support::eventually(30, "all 72 rows marked published", || async { brokers::published_count(&c).await == 72 })
         .await;
 
     let reader = tansu.consumer(&topic);
@@ -261,17 +261,17 @@ async fn kafka_sink_keys_by_aggregate_with_headers_and_keeps_per_aggregate_order
         let p = *partition_of.entry(agg).or_insert(g.partition);
         assert_eq!(p, g.partition, "aggregate {agg} spans partitions {p} and {}", g.partition);
         per_agg.entry(agg).or_default().push(g.id);
-        let i = g.body["payload"]["data"]["i"].as_u64().expect("payload.data.i") as usize;
-        let (corr, tp) = sink_relay::metadata(i);
+        let e = &sent[&g.id];
+        assert_eq!(g.body["payload"], e.payload, "the body's payload");
         let h = &g.headers;
         assert_eq!(h["id"], g.id.to_string());
-        assert_eq!(h["event_type"], "InvoiceIssued");
-        assert_eq!(h["aggregate_type"], "invoice");
+        assert_eq!(h["event_type"], e.event_type);
+        assert_eq!(h["aggregate_type"], e.aggregate_type);
         assert_eq!(h["aggregate_id"], agg.to_string());
         assert_eq!(h["content-type"], "application/json");
-        assert_eq!(h["correlation_id"], corr);
-        assert_eq!(h["causation_id"], format!("cause-{i}"));
-        assert_eq!(h["traceparent"], tp);
+        assert_eq!(h["correlation_id"], e.correlation_id);
+        assert_eq!(h.get("causation_id"), e.causation_id.as_ref(), "causation_id only where the envelope has one");
+        assert_eq!(h["traceparent"], e.traceparent);
         chrono::DateTime::parse_from_rfc3339(&h["occurred_at"]).expect("occurred_at is RFC 3339");
         assert_eq!(g.body["aggregate_id"], agg.to_string());
     }
@@ -310,29 +310,27 @@ async fn kafka_broker_down_fails_events_for_retry_and_they_arrive_after_it_retur
     )
     .await;
 
-    let aggs = [Uuid::new_v4(), Uuid::new_v4()];
-    let before = sink_relay::publish_events(&c, &aggs, 4, "before").await;
-    support::eventually(30, "the first 4 rows published", || async { sink_relay::published_count(&c).await == 4 })
-        .await;
+    let aggs = [("invoice", Uuid::new_v4()), ("invoice", Uuid::new_v4())];
+    let before = brokers::publish_events(&c, &aggs, 4, "before").await;
+    support::eventually(30, "the first 4 rows published", || async { brokers::published_count(&c).await == 4 }).await;
     let got = read(&tansu.consumer(&topic), 4, &relay).await;
-    assert_eq!(got.iter().map(|g| g.id).collect::<BTreeSet<_>>(), before.iter().map(|(id, _)| *id).collect());
+    assert_eq!(got.iter().map(|g| g.id).collect::<BTreeSet<_>>(), before.keys().copied().collect());
 
     tansu.kill().await;
-    let during = sink_relay::publish_events(&c, &aggs, 4, "during").await;
-    let first = during[0].0;
+    let during = brokers::publish_events(&c, &aggs, 4, "during").await;
+    let first = *during.keys().next().expect("events published");
     support::eventually(30, "an event to fail while the broker is down", || async {
-        sink_relay::row_state(&c, first).await.1 >= 1
+        brokers::row_state(&c, first).await.1 >= 1
     })
     .await;
-    let (published, retries, last_error) = sink_relay::row_state(&c, first).await;
+    let (published, retries, last_error) = brokers::row_state(&c, first).await;
     assert!(!published, "nothing is published while the broker is down");
     assert!(retries >= 1);
     let last_error = last_error.expect("last_error is set");
     assert!(last_error.contains("Kafka"), "{last_error}");
-    assert_eq!(sink_relay::published_count(&c).await, 4, "no event published while the broker is down");
+    assert_eq!(brokers::published_count(&c).await, 4, "no event published while the broker is down");
     // Let it fail more than once (retries every 500 ms, 2 s timeout each).
-    support::eventually(30, "a second failed attempt", || async { sink_relay::row_state(&c, first).await.1 >= 2 })
-        .await;
+    support::eventually(30, "a second failed attempt", || async { brokers::row_state(&c, first).await.1 >= 2 }).await;
 
     // The broker returns (empty: in-memory storage) and the topic is back.
     // The relay's producer, still retrying, usually reaches the broker
@@ -342,14 +340,14 @@ async fn kafka_broker_down_fails_events_for_retry_and_they_arrive_after_it_retur
     tansu.restart().await;
     tansu.create_topic(&topic, true).await;
     support::eventually(60, "all 8 rows published after the broker returned", || async {
-        sink_relay::published_count(&c).await == 8
+        brokers::published_count(&c).await == 8
     })
     .await;
     let got = read(&tansu.consumer(&topic), 4, &relay).await;
     let ids: BTreeSet<i64> = got.iter().map(|g| g.id).collect();
-    assert_eq!(ids, during.iter().map(|(id, _)| *id).collect(), "the events from the outage arrived");
-    let agg_of: BTreeMap<i64, Uuid> = during.iter().copied().collect();
-    for agg in aggs {
+    assert_eq!(ids, during.keys().copied().collect(), "the events from the outage arrived");
+    let agg_of: BTreeMap<i64, Uuid> = during.iter().map(|(id, e)| (*id, e.aggregate_id)).collect();
+    for (_, agg) in aggs {
         let mine: Vec<&Got> = got.iter().filter(|g| agg_of[&g.id] == agg).collect();
         let parts: BTreeSet<i32> = mine.iter().map(|g| g.partition).collect();
         assert_eq!(parts.len(), 1, "aggregate {agg} spans partitions {parts:?}");
@@ -364,7 +362,7 @@ async fn kafka_broker_down_fails_events_for_retry_and_they_arrive_after_it_retur
 async fn kafka_unreachable_or_malformed_url_is_refused_at_start() {
     let db = TestDb::new("sink_kafka_refused").await;
     // Nothing listens on a port that was free a moment ago.
-    let url = format!("kafka://127.0.0.1:{}", sink_relay::free_port());
+    let url = format!("kafka://127.0.0.1:{}", brokers::free_port());
     let mut relay = RelayProc::spawn(&db, &["--sink", &url, "--sink-timeout", "2s"]);
     let status = relay.wait().await;
     let log = relay.log();

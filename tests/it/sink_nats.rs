@@ -11,7 +11,7 @@ use async_nats::jetstream::{self, consumer, stream};
 use futures::StreamExt;
 use serde_json::Value;
 
-use crate::broker_relay::{self, LIVENESS, RelayProc, Sent};
+use crate::brokers::{self, LIVENESS, RelayProc, Sent};
 use crate::support::{self, TestDb};
 
 const NATS: &str = "127.0.0.1:4222";
@@ -137,7 +137,7 @@ async fn nats_sink_delivers_once_in_order_and_the_duplicate_window_drops_redeliv
     let stream = TestStream::create("deliver").await;
     let db = TestDb::new("sink_nats_deliver").await;
     let c = db.client().await;
-    let sent = broker_relay::publish_events(&c, 4).await;
+    let sent = brokers::publish_events(&c, &brokers::three_aggregates(), 12, "t").await;
     let n = sent.len();
     let subject = format!("{}.{{aggregate_type}}.{{event_type}}", stream.prefix);
     let args = ["--sink", NATS_URL, "--nats-subject", &subject, "--sweep-interval", "200ms"];
@@ -155,7 +155,7 @@ async fn nats_sink_delivers_once_in_order_and_the_duplicate_window_drops_redeliv
         stream.count().await == n as u64
     })
     .await;
-    assert_eq!(broker_relay::published_count(&c).await, 0, "acknowledgements wait for the row locks");
+    assert_eq!(brokers::published_count(&c).await, 0, "acknowledgements wait for the row locks");
     relay.kill9().await;
     // The dead relay's backend still waits for the locks; end it so its
     // UPDATE cannot run when the locks go (PostgreSQL has not noticed yet
@@ -181,7 +181,7 @@ async fn nats_sink_delivers_once_in_order_and_the_duplicate_window_drops_redeliv
     .await;
     tx.rollback().await.expect("release the row locks");
     assert_eq!(
-        broker_relay::published_count(&c).await,
+        brokers::published_count(&c).await,
         0,
         "the crash lost every acknowledgement: the broker has the events, the outbox does not know"
     );
@@ -189,12 +189,12 @@ async fn nats_sink_delivers_once_in_order_and_the_duplicate_window_drops_redeliv
     // The restarted relay delivers all of them again; the stream drops the
     // copies (same Nats-Msg-Id inside the duplicate window).
     let relay = RelayProc::start(&db, &args).await;
-    broker_relay::wait_published(&c, n as i64).await;
+    brokers::wait_published(&c, n as i64).await;
     relay.stop().await;
     assert_eq!(stream.count().await, n as u64, "the stream holds each event once after the redelivery");
     let messages = stream.messages().await;
     let ids: Vec<i64> = messages.iter().map(|m| check_message(m, &stream.prefix, &sent)).collect();
-    broker_relay::check_once_in_aggregate_order(&ids, &sent);
+    brokers::check_once_in_aggregate_order(&ids, &sent);
     let failed: i64 = c
         .query_one("SELECT count(*) FROM events.outbox WHERE retry_count > 0 OR last_error IS NOT NULL", &[])
         .await
@@ -210,7 +210,7 @@ async fn nats_subject_without_a_stream_fails_events_with_a_clear_message() {
     }
     let db = TestDb::new("sink_nats_no_stream").await;
     let c = db.client().await;
-    let sent = broker_relay::publish_events(&c, 1).await;
+    let sent = brokers::publish_events(&c, &brokers::three_aggregates(), 3, "t").await;
     let prefix = format!("pgo_it_nostream_{}", uuid::Uuid::new_v4().simple());
     let subject = format!("{prefix}.{{aggregate_type}}");
     let relay = RelayProc::start(
@@ -236,7 +236,7 @@ async fn nats_subject_without_a_stream_fails_events_with_a_clear_message() {
         let last_error = last_error.unwrap_or_default();
         assert!(last_error.contains(&want), "last_error of {id} names the subject: {last_error}");
     }
-    assert_eq!(broker_relay::published_count(&c).await, 0);
+    assert_eq!(brokers::published_count(&c).await, 0);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -251,8 +251,8 @@ async fn nats_unreachable_at_start_is_a_clear_error() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn nats_server_lost_mid_run_fails_events_until_the_client_reconnects() {
-    let Some(program) = broker_relay::program_available("nats-server") else { return };
-    let mut server = broker_relay::PrivateServer::start(
+    let Some(program) = brokers::program_available("nats-server") else { return };
+    let mut server = brokers::PrivateServer::start(
         program,
         &["-a", "127.0.0.1", "-p", "{port}", "-js", "-sd", "{dir}", "--http_port", "0"],
     )
@@ -285,11 +285,11 @@ async fn nats_server_lost_mid_run_fails_events_until_the_client_reconnects() {
         &["--sink", &url, "--sink-timeout", "1s", "--retry-schedule", "300ms", "--sweep-interval", "200ms"],
     )
     .await;
-    let mut sent = broker_relay::publish_events(&c, 1).await;
-    broker_relay::wait_published(&c, sent.len() as i64).await;
+    let mut sent = brokers::publish_events(&c, &brokers::three_aggregates(), 3, "t").await;
+    brokers::wait_published(&c, sent.len() as i64).await;
 
     server.stop().await;
-    let later = broker_relay::publish_events(&c, 2).await;
+    let later = brokers::publish_events(&c, &brokers::three_aggregates(), 6, "t").await;
     support::eventually(LIVENESS.as_secs(), "events fail while the server is gone", || async {
         let r = c
             .query_one("SELECT count(*) FROM events.outbox WHERE retry_count >= 1 AND last_error LIKE '%NATS%'", &[])
@@ -298,11 +298,11 @@ async fn nats_server_lost_mid_run_fails_events_until_the_client_reconnects() {
         r.get::<_, i64>(0) >= 1
     })
     .await;
-    assert_eq!(broker_relay::published_count(&c).await, sent.len() as i64, "nothing is acknowledged meanwhile");
+    assert_eq!(brokers::published_count(&c).await, sent.len() as i64, "nothing is acknowledged meanwhile");
 
     server.restart().await;
     sent.extend(later);
-    broker_relay::wait_published(&c, sent.len() as i64).await;
+    brokers::wait_published(&c, sent.len() as i64).await;
     let log = relay.log();
     relay.stop().await;
     assert!(log.contains("NATS disconnected"), "the loss is logged:\n{log}");
@@ -325,5 +325,5 @@ async fn nats_server_lost_mid_run_fails_events_until_the_client_reconnects() {
         let m = m.expect("a stream message").message;
         ids.push(check_message(&m, "events", &sent));
     }
-    broker_relay::check_once_in_aggregate_order(&ids, &sent);
+    brokers::check_once_in_aggregate_order(&ids, &sent);
 }

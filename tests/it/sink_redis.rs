@@ -7,7 +7,7 @@ use std::collections::{BTreeMap, HashMap};
 
 use serde_json::Value;
 
-use crate::broker_relay::{self, RelayProc, Sent};
+use crate::brokers::{self, RelayProc, Sent};
 use crate::support::{self, TestDb};
 
 const REDIS: &str = "127.0.0.1:6379";
@@ -93,11 +93,11 @@ async fn redis_sink_appends_each_event_once_in_order_with_its_fields() {
     let keys = TestKeys::new("deliver");
     let db = TestDb::new("sink_redis_deliver").await;
     let c = db.client().await;
-    let sent = broker_relay::publish_events(&c, 4).await;
+    let sent = brokers::publish_events(&c, &brokers::three_aggregates(), 12, "t").await;
     let template = format!("{}:{{aggregate_type}}", keys.prefix);
     let relay =
         RelayProc::start(&db, &["--sink", REDIS_URL, "--redis-stream", &template, "--sweep-interval", "200ms"]).await;
-    broker_relay::wait_published(&c, sent.len() as i64).await;
+    brokers::wait_published(&c, sent.len() as i64).await;
     relay.stop().await;
     let mut ids = Vec::new();
     for aggregate_type in ["order", "invoice"] {
@@ -110,7 +110,7 @@ async fn redis_sink_appends_each_event_once_in_order_with_its_fields() {
             ids.push(id);
         }
     }
-    broker_relay::check_once_in_aggregate_order(&ids, &sent);
+    brokers::check_once_in_aggregate_order(&ids, &sent);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -132,7 +132,7 @@ async fn redis_maxlen_trims_the_stream_approximately() {
         &["--sink", REDIS_URL, "--redis-stream", &template, "--redis-maxlen", &maxlen, "--sweep-interval", "200ms"],
     )
     .await;
-    broker_relay::wait_published(&c, EVENTS).await;
+    brokers::wait_published(&c, EVENTS).await;
     relay.stop().await;
     // Redis docs, XADD "Capped streams": with `~` Redis removes only whole
     // macro nodes (stream-node-max-entries, 100 by default), so the stream
@@ -157,8 +157,8 @@ async fn redis_unreachable_at_start_is_a_clear_error() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis_server_lost_mid_run_fails_events_until_it_is_back() {
-    let Some(program) = broker_relay::program_available("redis-server") else { return };
-    let mut server = broker_relay::PrivateServer::start(
+    let Some(program) = brokers::program_available("redis-server") else { return };
+    let mut server = brokers::PrivateServer::start(
         program,
         &["--bind", "127.0.0.1", "--port", "{port}", "--dir", "{dir}", "--save", "", "--appendonly", "yes"],
     )
@@ -171,12 +171,12 @@ async fn redis_server_lost_mid_run_fails_events_until_it_is_back() {
         &["--sink", &url, "--sink-timeout", "1s", "--retry-schedule", "300ms", "--sweep-interval", "200ms"],
     )
     .await;
-    let mut sent = broker_relay::publish_events(&c, 1).await;
-    broker_relay::wait_published(&c, sent.len() as i64).await;
+    let mut sent = brokers::publish_events(&c, &brokers::three_aggregates(), 3, "t").await;
+    brokers::wait_published(&c, sent.len() as i64).await;
 
     server.stop().await;
-    let later = broker_relay::publish_events(&c, 2).await;
-    support::eventually(broker_relay::LIVENESS.as_secs(), "events fail while Redis is gone", || async {
+    let later = brokers::publish_events(&c, &brokers::three_aggregates(), 6, "t").await;
+    support::eventually(brokers::LIVENESS.as_secs(), "events fail while Redis is gone", || async {
         let r = c
             .query_one("SELECT count(*) FROM events.outbox WHERE retry_count >= 1 AND last_error LIKE '%Redis%'", &[])
             .await
@@ -184,11 +184,11 @@ async fn redis_server_lost_mid_run_fails_events_until_it_is_back() {
         r.get::<_, i64>(0) >= 1
     })
     .await;
-    assert_eq!(broker_relay::published_count(&c).await, sent.len() as i64, "nothing is acknowledged meanwhile");
+    assert_eq!(brokers::published_count(&c).await, sent.len() as i64, "nothing is acknowledged meanwhile");
 
     server.restart().await;
     sent.extend(later);
-    broker_relay::wait_published(&c, sent.len() as i64).await;
+    brokers::wait_published(&c, sent.len() as i64).await;
     relay.stop().await;
     let client = redis::Client::open(url.as_str()).expect("Redis URL");
     let mut conn = client.get_multiplexed_async_connection().await.expect("connect to the private Redis");
@@ -200,5 +200,5 @@ async fn redis_server_lost_mid_run_fails_events_until_it_is_back() {
     }
     // A failed XADD may still have reached Redis before the reply was lost;
     // here the server was down, so nothing was written twice.
-    broker_relay::check_once_in_aggregate_order(&ids, &sent);
+    brokers::check_once_in_aggregate_order(&ids, &sent);
 }

@@ -1,28 +1,19 @@
 //! `pg-outbox status`: backlog per event type and the retry ladder, in the
 //! table and in `--json`, against rows set up in a real database.
 
-use std::time::Duration;
-
 use serde_json::Value;
 use tokio_postgres::Client;
 
-use crate::support::{self, TestDb};
+use crate::support::TestDb;
 
 async fn status(db: &TestDb, json: bool) -> String {
     let mut args = vec!["status"];
     if json {
         args.push("--json");
     }
-    let out = tokio::time::timeout(
-        Duration::from_secs(30),
-        tokio::process::Command::new(support::bin()).args(&args).env("DATABASE_URL", db.url()).output(),
-    )
-    .await
-    .expect("status exits within 30 s")
-    .expect("run pg-outbox status");
-    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
-    assert!(out.status.success(), "status failed: {}\n{stdout}", String::from_utf8_lossy(&out.stderr));
-    stdout
+    let out = db.cli(&args).run().await;
+    assert!(out.ok(), "status failed: {}\n{}", out.stderr, out.stdout);
+    out.stdout
 }
 
 async fn status_json(db: &TestDb) -> Value {

@@ -9,6 +9,7 @@
 
 #![allow(dead_code)]
 
+use std::process::Stdio;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Mutex, OnceLock};
 use std::time::Duration;
@@ -246,6 +247,18 @@ pub async fn insert_seed_events(c: &Client, aggregate: uuid::Uuid, n: i64) -> Ve
     .collect()
 }
 
+/// Insert `n` dead letters as the relay leaves them (10 failures,
+/// `next_retry_at = 'infinity'`, last error `HTTP 500`), type `Dead`.
+pub async fn insert_dead_letters(c: &Client, n: i64) {
+    c.execute(
+        "INSERT INTO events.outbox (aggregate_type, aggregate_id, event_type, payload, retry_count, next_retry_at, last_error) \
+         SELECT 'subscription', gen_random_uuid(), 'Dead', '{}', 10, 'infinity', 'HTTP 500' FROM generate_series(1, $1::bigint)",
+        &[&n],
+    )
+    .await
+    .expect("insert dead letters");
+}
+
 /// Wait for a condition, polling every 20 ms, failing after `secs` seconds
 /// (a liveness bound, not a speed assertion).
 pub async fn eventually<F, Fut>(secs: u64, what: &str, mut f: F)
@@ -294,4 +307,117 @@ pub async fn published_count(c: &Client) -> i64 {
         .await
         .expect("count published rows")
         .get(0)
+}
+
+/// What a finished `pg-outbox` run left behind.
+#[derive(Debug)]
+pub struct Out {
+    pub status: std::process::ExitStatus,
+    /// Exit code (`None`: killed by a signal).
+    pub code: Option<i32>,
+    pub stdout: String,
+    pub stderr: String,
+}
+
+impl Out {
+    /// Exit code 0.
+    pub fn ok(&self) -> bool {
+        self.code == Some(0)
+    }
+
+    /// `(exit code, stdout, stderr)`.
+    pub fn parts(self) -> (Option<i32>, String, String) {
+        (self.code, self.stdout, self.stderr)
+    }
+}
+
+/// A run of the built `pg-outbox` binary, the one way every test runs the
+/// command line: a [clean environment](crate::process::clean_env) (no
+/// inherited `DATABASE_URL`, `RUST_LOG` or `OUTBOX_*`), standard input empty
+/// unless given, both outputs captured, and a liveness bound of 30 s.
+pub struct Cli {
+    cmd: tokio::process::Command,
+    args: Vec<String>,
+    stdin: Option<Vec<u8>>,
+    closed_stdout: bool,
+}
+
+/// `pg-outbox args...` (run it with [`Cli::run`]).
+pub fn cli<S: AsRef<str>>(args: &[S]) -> Cli {
+    let args: Vec<String> = args.iter().map(|a| a.as_ref().to_string()).collect();
+    let mut cmd = tokio::process::Command::new(bin());
+    cmd.args(&args);
+    crate::process::clean_env(&mut cmd);
+    Cli { cmd, args, stdin: None, closed_stdout: false }
+}
+
+impl Cli {
+    /// `DATABASE_URL=url`.
+    pub fn url(mut self, url: &str) -> Cli {
+        self.cmd.env("DATABASE_URL", url);
+        self
+    }
+
+    /// One environment variable more.
+    pub fn env(mut self, key: &str, value: &str) -> Cli {
+        self.cmd.env(key, value);
+        self
+    }
+
+    /// Environment variables more.
+    pub fn envs(mut self, vars: &[(&str, &str)]) -> Cli {
+        self.cmd.envs(vars.iter().copied());
+        self
+    }
+
+    /// These bytes on standard input.
+    pub fn stdin(mut self, bytes: impl Into<Vec<u8>>) -> Cli {
+        self.stdin = Some(bytes.into());
+        self
+    }
+
+    /// Standard output closed before the command writes (as
+    /// `pg-outbox ... | head -1` leaves it once head is done).
+    pub fn closed_stdout(mut self) -> Cli {
+        self.closed_stdout = true;
+        self
+    }
+
+    /// Run it to its exit.
+    pub async fn run(mut self) -> Out {
+        let stdin = if self.stdin.is_some() { Stdio::piped() } else { Stdio::null() };
+        self.cmd.stdin(stdin).stdout(Stdio::piped()).stderr(Stdio::piped()).kill_on_drop(true);
+        let args = self.args;
+        let mut child = self.cmd.spawn().unwrap_or_else(|e| panic!("cannot run {}: {e}", bin()));
+        if self.closed_stdout {
+            drop(child.stdout.take());
+        }
+        let input = self.stdin;
+        let mut pipe = child.stdin.take();
+        let feed = async move {
+            if let (Some(bytes), Some(pipe)) = (input, pipe.as_mut()) {
+                // A command that stops reading early closes the pipe: not an error here.
+                let _ = tokio::io::AsyncWriteExt::write_all(pipe, &bytes).await;
+            }
+            drop(pipe);
+        };
+        let (_, out) =
+            tokio::time::timeout(Duration::from_secs(30), async { tokio::join!(feed, child.wait_with_output()) })
+                .await
+                .unwrap_or_else(|_| panic!("pg-outbox {args:?} did not exit within 30 s"));
+        let out = out.unwrap_or_else(|e| panic!("wait for pg-outbox {args:?}: {e}"));
+        Out {
+            status: out.status,
+            code: out.status.code(),
+            stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
+            stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
+        }
+    }
+}
+
+impl TestDb {
+    /// `pg-outbox args...` on this database.
+    pub fn cli<S: AsRef<str>>(&self, args: &[S]) -> Cli {
+        cli(args).url(&self.url())
+    }
 }

@@ -15,8 +15,8 @@ use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio_postgres::{Client, NoTls};
 use uuid::Uuid;
 
-use crate::config::run;
 use crate::relay_proc::{LIVENESS, RelayProc, free_port};
+use crate::support::cli;
 use crate::support::{TestDb, eventually, insert_seed_events, published_count};
 
 /// The application names of pg-outbox's consumer sessions (drain, writer,
@@ -328,20 +328,20 @@ fn printed(out: &str) -> &str {
 async fn the_statement_timeout_flag_takes_durations_and_zero_and_refuses_anything_else() {
     const NOWHERE: &str = "postgres://postgres@127.0.0.1:1/nowhere";
     let db = [("DATABASE_URL", NOWHERE)];
-    let (code, out, err) = run(&db, &["relay", "--print-config"]).await;
+    let (code, out, err) = cli(&["relay", "--print-config"]).envs(&db).run().await.parts();
     assert_eq!(code, Some(0), "{err}");
     assert!(printed(&out).starts_with("statement_timeout = \"60s\"") && printed(&out).ends_with("# default"), "{out}");
 
-    let (code, out, err) = run(&db, &["relay", "--statement-timeout", "5s", "--print-config"]).await;
+    let (code, out, err) = cli(&["relay", "--statement-timeout", "5s", "--print-config"]).envs(&db).run().await.parts();
     assert_eq!(code, Some(0), "{err}");
     assert!(printed(&out).starts_with("statement_timeout = \"5s\"") && printed(&out).ends_with("# command line"));
 
-    let (code, out, err) = run(&db, &["relay", "--statement-timeout", "0", "--print-config"]).await;
+    let (code, out, err) = cli(&["relay", "--statement-timeout", "0", "--print-config"]).envs(&db).run().await.parts();
     assert_eq!(code, Some(0), "0 disables the timeout: {err}");
     assert!(printed(&out).starts_with("statement_timeout = 0 "), "{out}");
 
     let env = [("DATABASE_URL", NOWHERE), ("OUTBOX_STATEMENT_TIMEOUT", "750ms")];
-    let (code, out, err) = run(&env, &["relay", "--print-config"]).await;
+    let (code, out, err) = cli(&["relay", "--print-config"]).envs(&env).run().await.parts();
     assert_eq!(code, Some(0), "{err}");
     assert!(printed(&out).contains("\"750ms\"") && printed(&out).contains("OUTBOX_STATEMENT_TIMEOUT"), "{out}");
 
@@ -349,16 +349,16 @@ async fn the_statement_timeout_flag_takes_durations_and_zero_and_refuses_anythin
     let file = dir.path().join("relay.toml");
     std::fs::write(&file, "statement_timeout = \"2m\"\n").expect("write the config file");
     let file = file.display().to_string();
-    let (code, out, err) = run(&db, &["relay", "--config", &file, "--print-config"]).await;
+    let (code, out, err) = cli(&["relay", "--config", &file, "--print-config"]).envs(&db).run().await.parts();
     assert_eq!(code, Some(0), "{err}");
     assert!(printed(&out).starts_with("statement_timeout = \"2m\"") && printed(&out).contains("config file"));
     std::fs::write(&file, "statement_timeout = 0\n").expect("write the config file");
-    let (code, out, err) = run(&db, &["relay", "--config", &file, "--print-config"]).await;
+    let (code, out, err) = cli(&["relay", "--config", &file, "--print-config"]).envs(&db).run().await.parts();
     assert_eq!(code, Some(0), "a TOML 0 disables it too: {err}");
     assert!(printed(&out).starts_with("statement_timeout = 0 "), "{out}");
 
     for bad in ["abc", "-1s", "5 parsecs"] {
-        let (code, out, err) = run(&db, &["relay", &format!("--statement-timeout={bad}")]).await;
+        let (code, out, err) = cli(&["relay", &format!("--statement-timeout={bad}")]).envs(&db).run().await.parts();
         assert!(code.is_some_and(|c| c != 0), "--statement-timeout {bad} must be refused: {err}");
         let first = err.lines().next().unwrap_or_default();
         assert!(
@@ -368,7 +368,7 @@ async fn the_statement_timeout_flag_takes_durations_and_zero_and_refuses_anythin
         assert!(out.is_empty(), "{out}");
     }
     std::fs::write(&file, "statement_timeout = \"soon\"\n").expect("write the config file");
-    let (code, _, err) = run(&db, &["relay", "--config", &file, "--print-config"]).await;
+    let (code, _, err) = cli(&["relay", "--config", &file, "--print-config"]).envs(&db).run().await.parts();
     assert!(code.is_some_and(|c| c != 0), "a bad file value must be refused: {err}");
     assert!(err.contains("statement_timeout") && err.contains("invalid duration"), "{err}");
 }

@@ -2,15 +2,14 @@
 //! one with `ssl = on` that accepts TLS connections only (a CA and a server
 //! certificate for `localhost` generated here), one without TLS.
 
-use std::process::Stdio;
 use std::time::Duration;
 
 use pg_outbox::temp_server::{TempServer, TempServerOptions};
 use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, Issuer, KeyPair};
 use tokio::io::{AsyncBufReadExt, BufReader};
-use tokio::process::Command;
 
-use crate::support;
+use crate::relay_proc::{Output, Relay, RelayProc};
+use crate::support::{self, Out, cli};
 
 /// A CA, and a server certificate it signed for `localhost` only (not for
 /// `127.0.0.1`, so connecting by IP address is a host name mismatch).
@@ -79,23 +78,6 @@ async fn ssl_in_use(url: &str) -> Result<bool, String> {
     Ok(row.get(0))
 }
 
-/// Run the binary with `DATABASE_URL=url`; (success, stdout, stderr).
-async fn run_bin(url: &str, args: &[&str]) -> (bool, String, String) {
-    let out = Command::new(support::bin())
-        .args(args)
-        .env("DATABASE_URL", url)
-        .env_remove("OUTBOX_CONFIG")
-        .stdin(Stdio::null())
-        .output()
-        .await
-        .expect("run pg-outbox");
-    (
-        out.status.success(),
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
-}
-
 #[tokio::test]
 async fn tls_modes_against_a_tls_only_server() {
     let pki = pki();
@@ -154,27 +136,20 @@ async fn relay_end_to_end_over_verify_full() {
     let ca = write_file(&dir, "ca.pem", &pki.ca_pem);
     let url = format!("postgres://postgres@localhost:{}/postgres?sslmode=verify-full&sslrootcert={ca}", server.port());
 
-    let (ok, _, err) = run_bin(&url, &["migrate"]).await;
-    assert!(ok, "migrate over verify-full failed: {err}");
+    let Out { code, stderr: err, .. } = cli(&["migrate"]).url(&url).run().await;
+    assert_eq!(code, Some(0), "migrate over verify-full failed: {err}");
     let agg = uuid::Uuid::new_v4().to_string();
     let payload = r#"{"version":1,"data":{"tls":true}}"#;
     let publish =
         ["publish", "--aggregate-type", "tls", "--aggregate-id", &agg, "--event-type", "Sent", "--payload", payload];
-    let (ok, out, err) = run_bin(&url, &publish).await;
-    assert!(ok, "publish over verify-full failed: {err}");
+    let Out { code, stdout: out, stderr: err, .. } = cli(&publish).url(&url).run().await;
+    assert_eq!(code, Some(0), "publish over verify-full failed: {err}");
     let id: i64 = out.trim().parse().unwrap_or_else(|e| panic!("publish prints an id ({e}): {out}"));
 
-    let mut child = Command::new(support::bin())
-        .args(["relay", "--sink", "stdout"])
-        .env("DATABASE_URL", &url)
-        .env("RUST_LOG", "info,tokio_postgres=warn")
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .kill_on_drop(true)
-        .spawn()
-        .expect("start the relay");
-    let mut lines = BufReader::new(child.stdout.take().expect("stdout is piped")).lines();
+    let mut relay =
+        RelayProc::start_spec(Relay::new(support::bin()).url(&url).args(&["--sink", "stdout"]).stdout(Output::Piped))
+            .await;
+    let mut lines = BufReader::new(relay.stdout.take().expect("stdout is piped")).lines();
     let line = tokio::time::timeout(Duration::from_secs(30), lines.next_line())
         .await
         .expect("a delivery within 30 s")
@@ -200,7 +175,7 @@ async fn relay_end_to_end_over_verify_full() {
         vec![("pg-outbox drain".to_string(), true), ("pg-outbox listener".to_string(), true)],
         "the relay's drain and LISTEN sessions are both encrypted"
     );
-    child.kill().await.expect("stop the relay");
+    relay.kill9().await;
 }
 
 #[tokio::test]
@@ -214,8 +189,8 @@ async fn tls_modes_against_a_server_without_tls() {
     assert!(e.contains("sslmode=require") && e.contains("server does not support TLS"), "{e}");
 
     // The binary says the same on one line and exits non-zero.
-    let (ok, _, err) = run_bin(&url("sslmode=require"), &["status"]).await;
-    assert!(!ok, "status with sslmode=require against a server without TLS must fail");
+    let Out { code, stderr: err, .. } = cli(&["status"]).url(&url("sslmode=require")).run().await;
+    assert_ne!(code, Some(0), "status with sslmode=require against a server without TLS must fail");
     assert!(err.contains("sslmode=require") && err.contains("server does not support TLS"), "{err}");
     assert_eq!(err.trim().lines().count(), 1, "one line: {err}");
 }
@@ -230,9 +205,9 @@ async fn a_unix_socket_ignores_the_tls_settings() {
         server.socket_dir().display(),
         server.port()
     );
-    let (ok, _, err) = run_bin(&url, &["migrate"]).await;
-    assert!(ok, "migrate over the socket: {err}");
-    let (ok, out, err) = run_bin(&url, &["status"]).await;
-    assert!(ok, "status over the socket: {err}");
+    let Out { code, stderr: err, .. } = cli(&["migrate"]).url(&url).run().await;
+    assert_eq!(code, Some(0), "migrate over the socket: {err}");
+    let Out { code, stdout: out, stderr: err, .. } = cli(&["status"]).url(&url).run().await;
+    assert_eq!(code, Some(0), "status over the socket: {err}");
     assert!(out.contains("unpublished"), "{out}");
 }

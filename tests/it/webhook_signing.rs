@@ -5,7 +5,6 @@
 //! start.
 
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
 
 use axum::body::Bytes;
 use axum::extract::State;
@@ -218,18 +217,9 @@ async fn malformed_webhook_secret_is_refused_at_start_without_showing_it() {
     for (secret, needle) in
         [("whsec_hunter2!!", "standard base64"), ("whsec_aHVudGVyMg==", "7-byte key"), ("whsec_", "empty")]
     {
-        let out = tokio::time::timeout(
-            Duration::from_secs(30),
-            tokio::process::Command::new(support::bin())
-                .args(["relay", "--sink", "http://127.0.0.1:9/hook", "--webhook-secret", secret])
-                .env("DATABASE_URL", db.url())
-                .output(),
-        )
-        .await
-        .expect("the relay exits at once")
-        .expect("run the relay");
-        let stderr = String::from_utf8_lossy(&out.stderr);
-        assert_eq!(out.status.code(), Some(1), "{secret}: {stderr}");
+        let out = db.cli(&["relay", "--sink", "http://127.0.0.1:9/hook", "--webhook-secret", secret]).run().await;
+        let stderr = &out.stderr;
+        assert_eq!(out.code, Some(1), "{secret}: {stderr}");
         let lines: Vec<&str> = stderr.lines().collect();
         assert_eq!(lines.len(), 1, "one line: {stderr}");
         assert!(lines[0].starts_with("error: ") && lines[0].contains("--webhook-secret"), "{stderr}");

@@ -1,5 +1,8 @@
-//! Helpers for the broker sink tests: a real `pg-outbox relay` process, and
-//! events published with envelope metadata across several aggregates.
+//! Helpers for the broker sink tests: a real `pg-outbox relay` process,
+//! events published with envelope metadata across several aggregates, row
+//! state, and brokers of a test's own.
+
+#![allow(dead_code)]
 
 use std::collections::BTreeMap;
 use std::process::Stdio;
@@ -13,7 +16,7 @@ use pg_outbox::{NewEvent, Publisher};
 
 use crate::support;
 
-pub use crate::relay_proc::{LIVENESS, RelayProc};
+pub use crate::relay_proc::{LIVENESS, RelayProc, free_port};
 pub use crate::support::published_count;
 
 /// One published event as the tests expect to find it at the broker.
@@ -28,42 +31,57 @@ pub struct Sent {
     pub traceparent: String,
 }
 
-/// Publish `per_aggregate` events for each of three aggregates (two of type
-/// `order`, one `invoice`), interleaved, each in its own transaction, with
-/// envelope metadata (`correlation_id`, `traceparent`, and `causation_id`
-/// on every other event); returns them by id.
-pub async fn publish_events(c: &Client, per_aggregate: usize) -> BTreeMap<i64, Sent> {
-    let aggs = [("order", Uuid::new_v4()), ("order", Uuid::new_v4()), ("invoice", Uuid::new_v4())];
+/// Aggregates for [`publish_events`]: two of type `order` and one `invoice`.
+pub fn three_aggregates() -> Vec<(&'static str, Uuid)> {
+    vec![("order", Uuid::new_v4()), ("order", Uuid::new_v4()), ("invoice", Uuid::new_v4())]
+}
+
+/// Publish `n` events with the library's publisher, round-robin over
+/// `aggs` (type and id), each in its own transaction: `Created` on each
+/// aggregate's even rounds and `Updated` on its odd ones, with envelope
+/// metadata (`correlation_id`, `traceparent`, and `causation_id` on the odd
+/// rounds) and `tag` and the event's index `i` in `data`; returns them by id.
+pub async fn publish_events(c: &Client, aggs: &[(&str, Uuid)], n: usize, tag: &str) -> BTreeMap<i64, Sent> {
     let publisher = Publisher::new();
     let mut out = BTreeMap::new();
-    for i in 0..per_aggregate {
-        for (k, (aggregate_type, aggregate_id)) in aggs.iter().enumerate() {
-            let event_type = if i % 2 == 0 { "Created" } else { "Updated" };
-            let correlation_id = format!("corr-{k}-{i}");
-            let causation_id = (i % 2 == 1).then(|| format!("cause-{k}-{i}"));
-            let traceparent = format!("00-{:032x}-{:016x}-01", (k * 1000 + i + 1) as u128, (i + 1) as u64);
-            let mut metadata = json!({"correlation_id": correlation_id, "traceparent": traceparent});
-            if let Some(c) = &causation_id {
-                metadata["causation_id"] = json!(c);
-            }
-            let payload = json!({"version": 1, "data": {"k": k, "i": i, "note": "ünïcödé"}, "metadata": metadata});
-            let event = NewEvent::new(*aggregate_type, *aggregate_id, event_type, payload.clone());
-            let id = publisher.publish(c, &event).await.expect("publish an event");
-            out.insert(
-                id,
-                Sent {
-                    aggregate_type: aggregate_type.to_string(),
-                    aggregate_id: *aggregate_id,
-                    event_type: event_type.to_string(),
-                    payload,
-                    correlation_id,
-                    causation_id,
-                    traceparent,
-                },
-            );
+    for j in 0..n {
+        let (k, round) = (j % aggs.len(), j / aggs.len());
+        let (aggregate_type, aggregate_id) = aggs[k];
+        let event_type = if round % 2 == 0 { "Created" } else { "Updated" };
+        let correlation_id = format!("corr-{tag}-{k}-{round}");
+        let causation_id = (round % 2 == 1).then(|| format!("cause-{tag}-{k}-{round}"));
+        let traceparent = format!("00-{:032x}-{:016x}-01", 0x0af7_6519_16cd_43dd_u128 + j as u128, (round + 1) as u64);
+        let mut metadata = json!({"correlation_id": correlation_id, "traceparent": traceparent});
+        if let Some(c) = &causation_id {
+            metadata["causation_id"] = json!(c);
         }
+        let payload =
+            json!({"version": 1, "data": {"tag": tag, "k": k, "i": j, "note": "ünïcödé"}, "metadata": metadata});
+        let event = NewEvent::new(aggregate_type, aggregate_id, event_type, payload.clone());
+        let id = publisher.publish(c, &event).await.expect("publish an event");
+        out.insert(
+            id,
+            Sent {
+                aggregate_type: aggregate_type.to_string(),
+                aggregate_id,
+                event_type: event_type.to_string(),
+                payload,
+                correlation_id,
+                causation_id,
+                traceparent,
+            },
+        );
     }
     out
+}
+
+/// `(published, retry_count, last_error)` of one row.
+pub async fn row_state(c: &Client, id: i64) -> (bool, i32, Option<String>) {
+    let r = c
+        .query_one("SELECT published_at IS NOT NULL, retry_count, last_error FROM events.outbox WHERE id = $1", &[&id])
+        .await
+        .expect("read the row");
+    (r.get(0), r.get(1), r.get(2))
 }
 
 /// Wait until `n` rows are published.
