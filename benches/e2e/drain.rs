@@ -16,7 +16,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::common::{BenchResult, BoxError, connect, drop_database};
 use crate::report::{Section, fmt_count, fmt_ratio, ratio};
-use crate::util::{self, RelayProc, RowKind, conninfo, scratch, vm_hwm_kib};
+use crate::util::{self, RowKind, conninfo, scratch, start_relay, stop_relay, vm_hwm_kib};
 use crate::{Ctx, Settings};
 
 /// The seed's FetchUnpublishedBatch, verbatim.
@@ -245,12 +245,12 @@ pub async fn drain_in_child(cfg: &Config, job: &Job) -> BenchResult<DrainOutcome
 /// the time cap stopped the measurement).
 async fn drain_with_relay(cfg: &Config, job: &Job) -> BenchResult<DrainOutcome> {
     let probe = connect(cfg).await?;
-    let mut relay = RelayProc::start(&conninfo(cfg), &[], false).await?;
+    let mut relay = start_relay(&conninfo(cfg), &[], false).await?;
     let started = relay.spawned;
     let deadline = started + Duration::from_secs_f64(job.max_secs);
     let mut capped = false;
     while any_due(&probe).await? {
-        relay.check_running()?;
+        relay.check_running().await?;
         if Instant::now() >= deadline {
             capped = true;
             break;
@@ -264,7 +264,7 @@ async fn drain_with_relay(cfg: &Config, job: &Job) -> BenchResult<DrainOutcome> 
         // for; the measurement is over.
         relay.kill().await?;
     } else {
-        relay.stop().await?;
+        stop_relay(relay).await?;
     }
     let events = if capped {
         let left: i64 = util::fresh_unpublished(&probe).await?;

@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 use crate::common::{BenchResult, BoxError, connect};
 use crate::producers::run_load;
 use crate::report::{Section, fmt_count, fmt_ratio, ratio};
-use crate::util::{self, RelayProc, conninfo, scratch};
+use crate::util::{self, conninfo, scratch, start_relay, stop_relay};
 use crate::{Ctx, Settings};
 
 /// Producer connections.
@@ -25,7 +25,7 @@ pub async fn run(ctx: &Ctx) -> BenchResult<Section> {
     let db = scratch(&ctx.admin, &ctx.admin_cfg, "keepup").await?;
     let result = async {
         let cfg = db.cfg.clone();
-        let relay = RelayProc::start(&conninfo(&cfg), &[], false).await?;
+        let relay = start_relay(&conninfo(&cfg), &[], false).await?;
         tokio::time::sleep(Duration::from_millis(200)).await;
         let sampler_client = connect(&cfg).await?;
         let stop = tokio_util::sync::CancellationToken::new();
@@ -45,7 +45,7 @@ pub async fn run(ctx: &Ctx) -> BenchResult<Section> {
             Ok::<_, BoxError>(samples)
         });
         let secs = s.keepup_secs;
-        let inserted = run_load(&cfg, CONNECTIONS, secs, 0.0).await;
+        let inserted = run_load(&cfg, CONNECTIONS, secs, 0.0, 0).await;
         stop.cancel();
         let samples = sampler.await??;
         let inserted: u64 = inserted?.slices.iter().sum();
@@ -58,7 +58,7 @@ pub async fn run(ctx: &Ctx) -> BenchResult<Section> {
         })
         .await?;
         let catch_up = catch_up_started.elapsed().as_secs_f64();
-        relay.stop().await?;
+        stop_relay(relay).await?;
         let max_lag = samples.iter().copied().fold(final_lag, f64::max);
         let producer_tps = inserted as f64 / secs;
         let relay_rate = inserted.saturating_sub(left_at_end) as f64 / secs;

@@ -16,7 +16,7 @@ use tokio::task::JoinSet;
 
 use crate::common::{BenchResult, connect};
 use crate::report::{Section, fmt_count, fmt_ms, fmt_ratio, ratio};
-use crate::util::{RelayProc, conninfo, scratch};
+use crate::util::{RelayProc, conninfo, scratch, start_relay, stop_relay};
 use crate::{Ctx, Settings};
 
 /// Producer connections sharing the rate.
@@ -172,7 +172,7 @@ impl Receiver {
                 Ok(Receiver::Stream { handle, task })
             }
             Subject::Relay => {
-                let mut relay = RelayProc::start(&conninfo(cfg), &[], true).await?;
+                let mut relay = start_relay(&conninfo(cfg), &[], true).await?;
                 let stdout = relay.stdout.take().ok_or("relay stdout is not piped")?;
                 let task = tokio::spawn(async move {
                     let mut lines = BufReader::new(stdout).lines();
@@ -201,7 +201,7 @@ impl Receiver {
                 task.await??;
             }
             Receiver::Relay { relay, task } => {
-                relay.stop().await?;
+                stop_relay(relay).await?;
                 task.await??;
             }
         }

@@ -14,7 +14,8 @@
 //! - `heads`: drain and latency with 100 000 dead letters and 100 000
 //!   retry-waiting rows at the head of the id range, against an empty head;
 //! - `trigger-split` (only when named): the producers' server CPU per insert
-//!   for each step of the trigger's fast path, at 16 connections.
+//!   for each step of the trigger's fast path, at 16 connections; and
+//!   pg-outbox's triggers with no relay running and with 8 hot aggregates.
 //!
 //! Every figure is a ratio against a baseline measured in the same run (the
 //! machine may be shared and noisy); timings never fail the run, but each
@@ -51,6 +52,8 @@ mod drain;
 mod heads;
 mod keepup;
 mod latency;
+#[path = "../../tests/kit/process.rs"]
+mod process;
 mod producers;
 mod report;
 mod util;

@@ -1,8 +1,9 @@
 //! Scenario `producers`: insert rate with pg-outbox's triggers (a relay
 //! draining) against the same table without them (a relay draining too),
 //! at several producer connection counts, and against an empty PL/pgSQL
-//! row trigger (the floor of any such trigger). The logic of
-//! `benches/producers.rs`, reduced to the issue's variants.
+//! row trigger (the floor of any such trigger). Scenario `trigger-split`:
+//! where the triggers' cost goes, step by step, with 8 hot aggregates
+//! (which the order trigger serialises by design) and with no relay at all.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -12,11 +13,11 @@ use pg_outbox::tokio_postgres::Config;
 
 use crate::common::{BenchResult, BoxError, connect};
 use crate::report::{Section, fmt_count, fmt_ratio, ratio};
-use crate::util::{RelayProc, conninfo, scratch, server_cpu_us};
+use crate::util::{conninfo, scratch, server_cpu_us, start_relay, stop_relay};
 use crate::{Ctx, Settings};
 
 /// The producers' statement: one single-row autocommit INSERT per business
-/// transaction, a new aggregate each time, a small payload.
+/// transaction, a small payload; the aggregate is a parameter.
 const INSERT: &str = "INSERT INTO events.outbox (aggregate_type, aggregate_id, event_type, payload) \
      VALUES ('bench', $1, 'Inserted', '{\"version\":1,\"data\":{\"amount\":990}}')";
 
@@ -44,7 +45,10 @@ fn cpu_of(pids: &[u32]) -> Option<f64> {
 /// Insert for `secs` seconds from `conns` connections as fast as each can
 /// (closed loop), the first `warmup` seconds of them (rounded to whole
 /// [`SLICE`]s) a warm-up: in the slices, left out of [`Load::backend_cpu_us`].
-pub async fn run_load(cfg: &Config, conns: usize, secs: f64, warmup: f64) -> BenchResult<Load> {
+/// Each insert is for a new aggregate, or with `hot` > 0 for one of `hot`
+/// aggregates, each connection going round them from its own start.
+pub async fn run_load(cfg: &Config, conns: usize, secs: f64, warmup: f64, hot: usize) -> BenchResult<Load> {
+    let hot_aggs: Arc<Vec<uuid::Uuid>> = Arc::new((0..hot).map(|_| uuid::Uuid::new_v4()).collect());
     let mut clients = Vec::with_capacity(conns);
     let mut pids = Vec::with_capacity(conns);
     for _ in 0..conns {
@@ -60,12 +64,16 @@ pub async fn run_load(cfg: &Config, conns: usize, secs: f64, warmup: f64) -> Ben
     let start = Instant::now();
     let deadline = start + Duration::from_secs_f64(secs);
     let mut tasks = Vec::new();
-    for (client, stmt) in clients {
+    for (p, (client, stmt)) in clients.into_iter().enumerate() {
         let done = done.clone();
+        let hot_aggs = hot_aggs.clone();
         tasks.push(tokio::spawn(async move {
+            let mut n = 0;
             while Instant::now() < deadline {
-                client.execute(&stmt, &[&uuid::Uuid::new_v4()]).await?;
+                let agg = if hot_aggs.is_empty() { uuid::Uuid::new_v4() } else { hot_aggs[(p + n) % hot_aggs.len()] };
+                client.execute(&stmt, &[&agg]).await?;
                 done.fetch_add(1, Ordering::Relaxed);
+                n += 1;
             }
             Ok::<(), BoxError>(())
         }));
@@ -108,7 +116,8 @@ pub async fn run_load(cfg: &Config, conns: usize, secs: f64, warmup: f64) -> Ben
 const OUR_TRIGGERS: [&str; 2] = ["outbox_order", "outbox_guard"];
 
 /// The table a run inserts into: pg-outbox's triggers enabled or not, and
-/// optionally a PL/pgSQL row trigger of the bench's own.
+/// optionally a PL/pgSQL row trigger of the bench's own; and how the run
+/// uses it (a relay draining or not, new or hot aggregates).
 #[derive(Clone, Copy)]
 struct Table {
     /// Name in the report.
@@ -118,58 +127,67 @@ struct Table {
     /// With a `BEFORE INSERT ... FOR EACH ROW` PL/pgSQL trigger whose body
     /// runs these statements, then `RETURN NEW`.
     trigger: Option<&'static str>,
+    /// A `pg-outbox relay` draining while the producers insert.
+    relay: bool,
+    /// Inserts go round this many aggregates (0: a new aggregate each).
+    hot: usize,
 }
 
 /// The seeded table alone: pg-outbox's triggers disabled (the baseline).
-const SEEDED: Table = Table { name: "without triggers", ours: false, trigger: None };
+const SEEDED: Table = Table { name: "without triggers", ours: false, trigger: None, relay: true, hot: 0 };
 /// What `pg-outbox migrate` installs.
-const OURS: Table = Table { name: "pg-outbox's triggers", ours: true, trigger: None };
+const OURS: Table = Table { name: "pg-outbox's triggers", ours: true, trigger: None, relay: true, hot: 0 };
 /// The seeded table with a PL/pgSQL row trigger that does nothing: what any
 /// PL/pgSQL row trigger costs before it does any work (a reference).
-const EMPTY: Table = Table { name: "empty trigger (RETURN NEW)", ours: false, trigger: Some("") };
+const EMPTY: Table = Table { name: "empty trigger (RETURN NEW)", ours: false, trigger: Some(""), relay: true, hot: 0 };
+/// How many hot aggregates the hot variants of [`split`] insert into.
+const HOT: usize = 8;
+/// A single-row trigger body for [`SPLIT`]: the seeded table, a relay, new aggregates.
+const fn step(name: &'static str, body: &'static str) -> Table {
+    Table { name, ours: false, trigger: Some(body), relay: true, hot: 0 }
+}
 
 /// The variants of [`run`], in the order of a round's first run.
 const VARIANTS: [Table; 3] = [SEEDED, OURS, EMPTY];
 
 /// The variants of [`split`]: the steps of pg-outbox's fast path one at a
 /// time, each in a trigger of its own on the seeded table. The lock key is
-/// the one `triggers/outbox_order.sql` uses; every aggregate is new, so the
+/// the one `triggers/outbox_insert_order_and_notify.sql` uses; every aggregate is new, so the
 /// lock is always free.
-const SPLIT: [Table; 8] = [
+const SPLIT: [Table; 11] = [
     SEEDED,
     OURS,
     EMPTY,
-    Table { name: "assign NEW.id", ours: false, trigger: Some("NEW.id := NEW.id;") },
-    Table {
-        name: "assign through a CASE of the lock key's hashes",
-        ours: false,
-        trigger: Some(
-            "NEW.id := CASE WHEN uuid_hash_extended(NEW.aggregate_id, \
-             hashtextextended(NEW.aggregate_type, 1886322691)) <> 0 THEN NEW.id ELSE NEW.id END;",
-        ),
-    },
-    Table {
-        name: "advisory lock in that CASE",
-        ours: false,
-        trigger: Some(
-            "NEW.id := CASE WHEN pg_try_advisory_xact_lock(uuid_hash_extended(NEW.aggregate_id, \
-             hashtextextended(NEW.aggregate_type, 1886322691))) THEN NEW.id ELSE NEW.id END;",
-        ),
-    },
-    Table {
-        name: "second id (nextval)",
-        ours: false,
-        trigger: Some("NEW.id := nextval('events.outbox_id_seq'::regclass);"),
-    },
-    Table {
-        name: "hint read and second id",
-        ours: false,
-        trigger: Some(
-            "NEW.id := CASE WHEN pg_sequence_last_value('events.outbox_hint'::regclass) >= 0 \
-             THEN nextval('events.outbox_id_seq'::regclass) ELSE NEW.id END;",
-        ),
-    },
+    step("assign NEW.id", "NEW.id := NEW.id;"),
+    step(
+        "assign through a CASE of the lock key's hashes",
+        "NEW.id := CASE WHEN uuid_hash_extended(NEW.aggregate_id, \
+         hashtextextended(NEW.aggregate_type, 1886322691)) <> 0 THEN NEW.id ELSE NEW.id END;",
+    ),
+    step(
+        "advisory lock in that CASE",
+        "NEW.id := CASE WHEN pg_try_advisory_xact_lock(uuid_hash_extended(NEW.aggregate_id, \
+         hashtextextended(NEW.aggregate_type, 1886322691))) THEN NEW.id ELSE NEW.id END;",
+    ),
+    step("second id (nextval)", "NEW.id := nextval('events.outbox_id_seq'::regclass);"),
+    step(
+        "hint read and second id",
+        "NEW.id := CASE WHEN pg_sequence_last_value('events.outbox_hint'::regclass) >= 0 \
+         THEN nextval('events.outbox_id_seq'::regclass) ELSE NEW.id END;",
+    ),
+    // No relay registered: every transaction notifies (the trigger's answer
+    // when nobody says whether it waits).
+    Table { name: "pg-outbox's triggers, no relay", ours: true, trigger: None, relay: false, hot: 0 },
+    // Hot aggregates: same-aggregate transactions queue on the order lock.
+    Table { name: "without triggers, 8 hot aggregates", ours: false, trigger: None, relay: true, hot: HOT },
+    Table { name: "pg-outbox's triggers, 8 hot aggregates", ours: true, trigger: None, relay: true, hot: HOT },
 ];
+
+/// The run of [`SPLIT`] a table is compared with: the seeded table with as
+/// many hot aggregates.
+fn baseline_of(table: &Table) -> usize {
+    SPLIT.iter().position(|t| !t.ours && t.trigger.is_none() && t.relay && t.hot == table.hot).unwrap_or(0)
+}
 
 /// One run's figures (after the warm-up, unless said).
 struct Run {
@@ -202,11 +220,13 @@ async fn one(ctx: &Ctx, conns: usize, table: Table) -> BenchResult<Run> {
             .await?;
         }
         drop(c);
-        let relay = RelayProc::start(&conninfo(&db.cfg), &[], false).await?;
+        let relay = if table.relay { Some(start_relay(&conninfo(&db.cfg), &[], false).await?) } else { None };
         // Let the relay reach its idle state (asking for wake-ups).
         tokio::time::sleep(Duration::from_millis(200)).await;
-        let load = run_load(&db.cfg, conns, warmup + secs, warmup).await;
-        relay.stop().await?;
+        let load = run_load(&db.cfg, conns, warmup + secs, warmup, table.hot).await;
+        if let Some(relay) = relay {
+            stop_relay(relay).await?;
+        }
         let load = load?;
         let (during, after) = load.slices.split_at(load.warm_slices);
         let counted: u64 = after.iter().sum();
@@ -343,8 +363,8 @@ pub async fn split(ctx: &Ctx) -> BenchResult<Section> {
     let mut data = Vec::new();
     for &conns in &s.split_connections {
         let runs_of = rounds(ctx, conns, &SPLIT, s.split_rounds).await?;
-        let base = &runs_of[0];
         for (table, of) in SPLIT.iter().zip(&runs_of) {
+            let base = &runs_of[baseline_of(table)];
             let Versus { rate, ratio: r, cpu_us: us, added_us: added, .. } = versus(of, base);
             let fmt_us = |v: Option<f64>, sign: bool| match v {
                 Some(v) if sign => format!("{v:+.1}"),
@@ -367,6 +387,7 @@ pub async fn split(ctx: &Ctx) -> BenchResult<Section> {
                 fmt_us(added, true),
             ]);
             data.push(serde_json::json!({"connections": conns, "table": table.name, "trigger_body": table.trigger,
+                "relay": table.relay, "hot_aggregates": table.hot,
                 "per_second": rate, "ratio": r, "backend_cpu_us_per_insert": us, "added_us_median": added,
                 "runs_in_order": {"per_second": of.iter().map(|r| r.rate).collect::<Vec<_>>(),
                     "backend_cpu_us_per_insert": of.iter().map(|r| r.backend_us).collect::<Vec<_>>()}}));
@@ -376,9 +397,13 @@ pub async fn split(ctx: &Ctx) -> BenchResult<Section> {
         "Runs as in `producers` ({} s warm-up, {} s counted, a relay draining), {} round(s), each a run of every \
          table back to back, starting one further each round. Every table but pg-outbox's has pg-outbox's \
          triggers disabled and, except the baseline, one PL/pgSQL `BEFORE INSERT` row trigger of its own that \
-         runs the step named, then `RETURN NEW` (bodies in `e2e.json`). Server CPU: the producers' own server \
+         runs the step named, then `RETURN NEW` (bodies in `e2e.json`). Two more runs of pg-outbox's triggers: \
+         with no relay running (nobody registered, so every transaction notifies), and with the inserts going \
+         round {HOT} hot aggregates (the order trigger serialises same-aggregate transactions by design; compared \
+         with the seeded table under the same {HOT} aggregates). Server CPU: the producers' own server \
          processes (`/proc`), median of the runs; added: median of each round's difference to the run without \
-         triggers. Differences of 1 to 2 µs are within this measurement's spread; read them as ranges.",
+         triggers (with as many hot aggregates). Differences of 1 to 2 µs are within this measurement's spread; \
+         read them as ranges.",
         s.producer_warmup_secs,
         s.producer_secs,
         s.split_rounds.max(1)

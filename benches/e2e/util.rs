@@ -1,20 +1,14 @@
 //! Plumbing for the end-to-end suite: connection strings for child
-//! processes, scratch databases, backlog loading, the relay process, and
-//! peak memory from `/proc`.
+//! processes, scratch databases, backlog loading, the relay process (the
+//! kit's, `tests/kit/process.rs`), and peak memory and CPU time from `/proc`.
 
-use std::process::Stdio;
-use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use pg_outbox::tokio_postgres::config::Host;
 use pg_outbox::tokio_postgres::{Client, Config};
-use tokio::io::{AsyncBufReadExt, AsyncReadExt, BufReader};
-use tokio::process::{Child, ChildStdout, Command};
 
 use crate::common::{BenchResult, drop_database, migrated_database};
 
-/// How long a relay process may take to say "relay started".
-const RELAY_START_TIMEOUT: Duration = Duration::from_secs(30);
 /// How long a relay process may take to exit after SIGTERM.
 const RELAY_STOP_TIMEOUT: Duration = Duration::from_secs(30);
 
@@ -203,15 +197,8 @@ pub fn server_cpu_us(pid: u32) -> Option<f64> {
     cpu_us(pid)
 }
 
-/// A running `pg-outbox relay` child process.
-pub struct RelayProc {
-    child: Child,
-    /// Its standard output, when piped.
-    pub stdout: Option<ChildStdout>,
-    log: Arc<Mutex<String>>,
-    /// When it was spawned.
-    pub spawned: Instant,
-}
+pub use crate::process::RelayProc;
+use crate::process::{Output, Relay};
 
 /// The `pg-outbox` binary the scenarios start: `PG_OUTBOX_BENCH_RELAY_BIN`
 /// if set, else the one cargo built for this bench.
@@ -222,117 +209,25 @@ pub fn relay_bin() -> String {
     }
 }
 
-impl RelayProc {
-    /// Start `pg-outbox relay --sink stdout <args>` on `url` (passed in the
-    /// environment as `DATABASE_URL`), its stdout a pipe, and wait until it
-    /// logs "relay started". With `read_stdout` the caller takes
-    /// [`RelayProc::stdout`] and reads the lines; otherwise a task of this
-    /// process reads and discards them, as fast as they come (a pipe, as in
-    /// `pg-outbox relay | consumer`, rather than `/dev/null`, so that the
-    /// sink writes the way it does in use).
-    pub async fn start(url: &str, args: &[&str], read_stdout: bool) -> BenchResult<RelayProc> {
-        let mut cmd = Command::new(relay_bin());
-        cmd.arg("relay")
-            .args(["--sink", "stdout"])
-            .args(args)
-            .env("DATABASE_URL", url)
-            .env("RUST_LOG", "info,tokio_postgres=warn")
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .kill_on_drop(true);
-        let spawned = Instant::now();
-        let mut child = cmd.spawn().map_err(|e| format!("cannot start {}: {e}", relay_bin()))?;
-        let mut stdout = child.stdout.take();
-        if !read_stdout && let Some(mut out) = stdout.take() {
-            tokio::spawn(async move {
-                let mut buf = vec![0u8; 256 * 1024];
-                while let Ok(n) = out.read(&mut buf).await {
-                    if n == 0 {
-                        break;
-                    }
-                }
-            });
-        }
-        let stderr = child.stderr.take().ok_or("relay stderr is not piped")?;
-        let log = Arc::new(Mutex::new(String::new()));
-        let sink = log.clone();
-        tokio::spawn(async move {
-            let mut lines = BufReader::new(stderr).lines();
-            while let Ok(Some(line)) = lines.next_line().await {
-                let mut s = sink.lock().unwrap_or_else(PoisonError::into_inner);
-                // Keep the start and the tail; a long run's log is not needed.
-                if s.len() > 64 * 1024 {
-                    s.clear();
-                    s.push_str("[...]\n");
-                }
-                s.push_str(&line);
-                s.push('\n');
-            }
-        });
-        let mut relay = RelayProc { child, stdout, log, spawned };
-        let deadline = Instant::now() + RELAY_START_TIMEOUT;
-        while !relay.log().contains("relay started") {
-            if let Some(status) = relay.child.try_wait()? {
-                tokio::time::sleep(Duration::from_millis(200)).await;
-                return Err(format!("relay exited before starting ({status}); stderr:\n{}", relay.log()).into());
-            }
-            if Instant::now() > deadline {
-                return Err(
-                    format!("relay did not start within {RELAY_START_TIMEOUT:?}; stderr:\n{}", relay.log()).into()
-                );
-            }
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-        Ok(relay)
-    }
+/// Start `pg-outbox relay --sink stdout <args>` ([`relay_bin`]) on `url`
+/// (passed in the environment as `DATABASE_URL`) and wait until it logs
+/// "relay started". Its stdout is a pipe: with `read_stdout` the caller
+/// takes [`RelayProc::stdout`] and reads the lines; otherwise a task of this
+/// process reads and discards them. Its stderr is kept up to the last
+/// 64 KiB or so (a long run's log is not needed).
+pub async fn start_relay(url: &str, args: &[&str], read_stdout: bool) -> BenchResult<RelayProc> {
+    let relay = Relay::new(&relay_bin())
+        .url(url)
+        .args(&["--sink", "stdout"])
+        .args(args)
+        .stdout(if read_stdout { Output::Piped } else { Output::Drained })
+        .log_cap(64 * 1024);
+    Ok(relay.start().await?)
+}
 
-    /// What the relay wrote on stderr (start and the last 64 KiB).
-    pub fn log(&self) -> String {
-        self.log.lock().unwrap_or_else(PoisonError::into_inner).clone()
-    }
-
-    /// Its process id, while running.
-    pub fn pid(&self) -> Option<u32> {
-        self.child.id()
-    }
-
-    /// Fail with its stderr if it has exited.
-    pub fn check_running(&mut self) -> BenchResult<()> {
-        if let Some(status) = self.child.try_wait()? {
-            return Err(format!("relay exited early ({status}); stderr:\n{}", self.log()).into());
-        }
-        Ok(())
-    }
-
-    /// SIGKILL, and reap it: for a relay whose measurement is over but which
-    /// may be stuck in a statement (a graceful stop would wait for it).
-    pub async fn kill(mut self) -> BenchResult<()> {
-        self.child.kill().await?;
-        Ok(())
-    }
-
-    /// SIGTERM, then wait for a clean exit (kill after 30 s).
-    pub async fn stop(mut self) -> BenchResult<()> {
-        if let Some(pid) = self.child.id() {
-            let pid = libc::pid_t::try_from(pid)?;
-            // SAFETY: kill(2) on a child we spawned and have not reaped.
-            unsafe { libc::kill(pid, libc::SIGTERM) };
-        }
-        match tokio::time::timeout(RELAY_STOP_TIMEOUT, self.child.wait()).await {
-            Ok(status) => {
-                let status = status?;
-                if !status.success() {
-                    return Err(format!("relay exited with {status}; stderr:\n{}", self.log()).into());
-                }
-                Ok(())
-            }
-            Err(_) => {
-                self.child.kill().await?;
-                Err(format!("relay did not exit within {RELAY_STOP_TIMEOUT:?} of SIGTERM").into())
-            }
-        }
-    }
+/// Stop a relay: SIGTERM, then a clean exit within 30 s (killed after that).
+pub async fn stop_relay(mut relay: RelayProc) -> BenchResult<()> {
+    Ok(relay.terminate(RELAY_STOP_TIMEOUT).await?)
 }
 
 /// Wait until `check` returns true, polling every `every`, for at most
