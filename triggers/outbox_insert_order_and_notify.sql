@@ -9,9 +9,11 @@
 -- hint: bit 1 (value & 1) "some relay waits for a wake-up", bit 2 (value & 2)
 -- "a bulk transaction may be writing events". It is kept by
 -- triggers/outbox_relays_refresh_hint.sql and by events.outbox_bulk_begin().
--- Locks: the per-aggregate key and class 0x706f0003 = 1886322691, the
--- insert trigger's class (docs/architecture.md, "Advisory lock keys");
--- row locks on events.outbox_aggregate_heads (migration 0004).
+-- Locks: the per-aggregate key, and the trigger class 0x706f0003 =
+-- 1886322691 (TRIGGER_CLASS in src/store/locks.rs) with its keys 1, the
+-- bulk gate (BULK_GATE), and 2, the hint writers (HINT_WRITERS): see
+-- docs/architecture.md, "Advisory lock keys". Row locks on
+-- events.outbox_aggregate_heads (migration 0004).
 -- Needs: PostgreSQL 13 or later (pg_current_xact_id); checked below and by
 -- `pg-outbox migrate`.
 --

@@ -10,10 +10,11 @@
 -- its own).
 -- Fires: AFTER INSERT OR UPDATE OR DELETE ON events.outbox_relays, FOR EACH
 -- STATEMENT; and once when this file is applied.
--- Locks: class 0x706f0003 = 1886322691, the insert trigger's class
--- (docs/architecture.md, "Advisory lock keys"): (1886322691, 2), the hint
--- writers, for the rest of the transaction; (1886322691, 1), the bulk
--- gate, tried in exclusive mode.
+-- Locks: the trigger class 0x706f0003 = 1886322691 (TRIGGER_CLASS in
+-- src/store/locks.rs; docs/architecture.md, "Advisory lock keys"):
+-- (1886322691, 2), the hint writers (HINT_WRITERS), for the rest of the
+-- transaction; (1886322691, 1), the bulk gate (BULK_GATE), tried in
+-- exclusive mode and, when free, held for the rest of the transaction.
 -- Needs: PostgreSQL 13 or later (pg-outbox's minimum, checked by
 -- `pg-outbox migrate`; this file alone needs 11).
 --

@@ -1,6 +1,7 @@
 //! All SQL that pg-outbox runs at run time, split by concern (schema SQL
-//! lives in `migrations/` and `triggers/`). Every time comparison uses the
-//! database's `now()`.
+//! lives in `migrations/` and `triggers/`; the `demo` command's own
+//! application SQL, its `billing` schema and scratch database, stays with
+//! it). Every time comparison uses the database's `now()`.
 //!
 //! - [`rows`]: the column list of an event row, written once, and reading
 //!   rows by column name;
