@@ -630,59 +630,6 @@ pub fn parse_url(url: &str) -> Result<ConnectOptions> {
     ConnectOptions::parse(url)
 }
 
-/// Mask passwords in a URL or connection string, for messages and printed
-/// settings: `scheme://user:****@host/...` (the userinfo password of any
-/// URL), and `password=****` in query strings and libpq key=value strings.
-///
-/// # Example
-/// ```
-/// assert_eq!(pg_outbox::redact_password("amqp://app:pw@mq:5672/%2f"), "amqp://app:****@mq:5672/%2f");
-/// assert_eq!(pg_outbox::redact_password("host=db password='p w' user=u"), "host=db password=**** user=u");
-/// ```
-pub fn redact_password(value: &str) -> String {
-    let mut s = value.to_string();
-    if let Some(scheme_end) = s.find("://") {
-        let rest_start = scheme_end + 3;
-        let authority_end = s[rest_start..].find(['/', '?', '#']).map_or(s.len(), |i| rest_start + i);
-        if let Some(at) = s[rest_start..authority_end].rfind('@') {
-            let userinfo = &s[rest_start..rest_start + at];
-            if let Some(colon) = userinfo.find(':') {
-                s.replace_range(rest_start + colon + 1..rest_start + at, "****");
-            }
-        }
-    }
-    // password=... in a query string or a key=value string.
-    let mut out = String::with_capacity(s.len());
-    let mut rest = s.as_str();
-    while let Some(i) = rest.find("password") {
-        let (before, after) = rest.split_at(i + "password".len());
-        out.push_str(before);
-        let trimmed = after.trim_start();
-        if let Some(value) = trimmed.strip_prefix('=') {
-            out.push_str(&after[..after.len() - trimmed.len()]);
-            out.push('=');
-            let value_trim = value.trim_start();
-            out.push_str(&value[..value.len() - value_trim.len()]);
-            let end = if let Some(q) = value_trim.strip_prefix('\'') {
-                let mut j = 0;
-                let b = q.as_bytes();
-                while j < b.len() && b[j] != b'\'' {
-                    j += if b[j] == b'\\' { 2 } else { 1 };
-                }
-                (j + 2).min(value_trim.len())
-            } else {
-                value_trim.find(|c: char| c.is_whitespace() || c == '&').unwrap_or(value_trim.len())
-            };
-            out.push_str("****");
-            rest = &value_trim[end..];
-        } else {
-            rest = after;
-        }
-    }
-    out.push_str(rest);
-    out
-}
-
 /// `host:port/dbname` of a config, for messages. Never includes the password.
 pub fn describe_target(cfg: &Config) -> String {
     let host = match cfg.get_hosts().first() {

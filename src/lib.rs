@@ -10,6 +10,7 @@ mod event;
 pub mod metrics;
 pub mod migrate;
 mod publisher;
+mod redact;
 pub mod relay;
 pub mod retention;
 mod retry;
@@ -18,7 +19,7 @@ pub mod temp_server;
 
 pub use connect::{
     ConnectOptions, DEFAULT_CONNECT_TIMEOUT, KEEPALIVE_IDLE, PLANNER_SETTINGS, RootCert, SERVER_KEEPALIVES, SslMode,
-    describe_target, parse_url, redact_password,
+    describe_target, parse_url,
 };
 pub use consumer::{
     Consumer, ConsumerBuilder, DEFAULT_ACK_BATCH_SIZE, DEFAULT_ACK_INTERVAL, DEFAULT_BATCH_SIZE, DEFAULT_MAX_RETRIES,
@@ -29,6 +30,7 @@ pub use consumer::{
 pub use error::{Error, Result};
 pub use event::{Envelope, Event, Metadata, NewEvent};
 pub use publisher::{DEFAULT_MAX_PAYLOAD_BYTES, Publisher};
+pub use redact::{redact_database_url, redact_password};
 pub use retry::{AfterLastStep, DEFAULT_RETRY_CAP, DEFAULT_RETRY_JITTER, DEFAULT_RETRY_STEPS, RetryPolicy};
 pub use store::{
     OutboxStatus, PendingRetry, RetryLadder, STATUS_MAX_TYPES, STATUS_NEXT_RETRIES, TypeBacklog, fetch_query,

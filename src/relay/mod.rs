@@ -35,10 +35,13 @@ pub use nats::NatsSink;
 #[cfg(feature = "redis")]
 pub use redis::RedisSink;
 pub use stdout::StdoutSink;
-pub use webhook::{DEFAULT_WEBHOOK_TIMEOUT, WebhookSecret, WebhookSink, redact_url};
+pub use webhook::{DEFAULT_WEBHOOK_TIMEOUT, WebhookSecret, WebhookSink};
+
+pub use crate::redact::{redact_sink, redact_url};
 
 use crate::error::{BoxError, Result};
 use crate::event::Event;
+use crate::redact::redact_spec;
 use crate::{EventStream, metrics as m};
 
 /// A boxed future returned by [`Sink::deliver`].
@@ -217,166 +220,6 @@ fn missing_feature(feature: &str) -> crate::Error {
     ))
 }
 
-/// `spec` without credentials, query string or fragment, for logs and
-/// messages: each comma-separated URL keeps its scheme, host, port and path
-/// (`nats://user:pw@h:4222` becomes `nats://h:4222`).
-pub(crate) fn redact_spec(spec: &str) -> String {
-    spec.split(',')
-        .map(|part| {
-            let part = part.trim();
-            let (scheme, rest) = match part.split_once("://") {
-                Some((s, r)) => (format!("{s}://"), r),
-                None => (String::new(), part),
-            };
-            let end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
-            let (authority, tail) = rest.split_at(end);
-            let host = authority.rsplit_once('@').map_or(authority, |(_, h)| h);
-            let tail = match tail.find(['?', '#']) {
-                Some(i) => format!("{}?…", &tail[..i]),
-                None => tail.to_string(),
-            };
-            format!("{scheme}{host}{tail}")
-        })
-        .collect::<Vec<_>>()
-        .join(",")
-}
-
-/// `spec` (a `--sink` value) with every secret masked as `****`, keeping
-/// everything else readable, for printed settings: in each URL of a
-/// comma-separated list (`nats://a:pw@h1,nats://b:pw@h2`) and each host of
-/// a multi-host authority, the password of `user:password@` (or the whole
-/// user part when it has no password: a token), and any query string or
-/// fragment (`?****`, `#****`).
-///
-/// The credentials end at the last `@` of a URL, so a password holding an
-/// unencoded `/`, `?` or `#` is masked too; an `@` in a path or query makes
-/// it mask more than needed, never less.
-///
-/// # Example
-/// ```
-/// use pg_outbox::relay::redact_sink;
-/// assert_eq!(redact_sink("nats://tok@h:4222"), "nats://****@h:4222");
-/// assert_eq!(redact_sink("amqp://app:pw@mq:5672/%2f"), "amqp://app:****@mq:5672/%2f");
-/// assert_eq!(redact_sink("https://h/hook?api_key=k"), "https://h/hook?****");
-/// ```
-pub fn redact_sink(spec: &str) -> String {
-    const MASK: &str = "****";
-    // Group the comma-separated parts into URLs: a part with a scheme starts
-    // one; a part without continues the previous one (more hosts, or a
-    // comma inside a path or query).
-    let mut urls: Vec<String> = Vec::new();
-    for part in spec.split(',') {
-        match urls.last_mut() {
-            Some(last) if !has_scheme(part) => {
-                last.push(',');
-                last.push_str(part);
-            }
-            _ => urls.push(part.to_string()),
-        }
-    }
-    urls.iter()
-        .map(|url| {
-            let (scheme, rest) = match url.split_once("://") {
-                Some((s, r)) => (format!("{s}://"), r),
-                None => (String::new(), url.as_str()),
-            };
-            // The authority ends at the first `/`, `?` or `#` after the last `@`.
-            let from = rest.rfind('@').map_or(0, |i| i + 1);
-            let end = rest[from..].find(['/', '?', '#']).map_or(rest.len(), |i| from + i);
-            let (authority, tail) = rest.split_at(end);
-            let authority = mask_authority(authority, MASK);
-            let (path, query, fragment) = match tail.find(['?', '#']) {
-                Some(i) => {
-                    let after = &tail[i..];
-                    (&tail[..i], after.starts_with('?'), after.contains('#'))
-                }
-                None => (tail, false, false),
-            };
-            let mut out = format!("{scheme}{authority}{path}");
-            if query {
-                out.push('?');
-                out.push_str(MASK);
-            }
-            if fragment {
-                out.push('#');
-                out.push_str(MASK);
-            }
-            out
-        })
-        .collect::<Vec<_>>()
-        .join(",")
-}
-
-/// Whether `part` starts with `scheme://`.
-fn has_scheme(part: &str) -> bool {
-    part.trim_start().split_once("://").is_some_and(|(s, _)| {
-        s.chars().next().is_some_and(|c| c.is_ascii_alphabetic())
-            && s.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '+' | '-' | '.'))
-    })
-}
-
-/// An authority (`user:pw@h1,h2` or `u:p@h1,u:q@h2`) with its secrets masked.
-fn mask_authority(authority: &str, mask: &str) -> String {
-    let Some(last_at) = authority.rfind('@') else { return authority.to_string() };
-    let userinfo = |u: &str| match u.split_once(':') {
-        Some((user, _)) => format!("{user}:{mask}"),
-        None => mask.to_string(),
-    };
-    // Host by host when every host before the last credentials has its own
-    // (`u:p@h1,u:q@h2`); otherwise a comma may sit inside a password, so
-    // everything up to the last `@` is masked as one.
-    let hosts: Vec<&str> = authority.split(',').collect();
-    let last_with_creds = hosts.iter().rposition(|h| h.contains('@')).unwrap_or(0);
-    if hosts[..last_with_creds].iter().all(|h| h.contains('@')) {
-        hosts
-            .iter()
-            .map(|h| match h.rsplit_once('@') {
-                Some((u, host)) => format!("{}@{host}", userinfo(u)),
-                None => h.to_string(),
-            })
-            .collect::<Vec<_>>()
-            .join(",")
-    } else {
-        let (u, host) = authority.split_at(last_at);
-        let user = u.split_once(':').map(|(user, _)| user).filter(|user| !user.contains([',', '@']));
-        match user {
-            Some(user) => format!("{user}:{mask}{host}"),
-            None => format!("{mask}{host}"),
-        }
-    }
-}
-
-/// `text` with every secret of `spec` (the password of each URL, or the
-/// user part when it has no password: a token; as written and
-/// percent-decoded) replaced by `***`: for error messages of
-/// client libraries that might quote the URL.
-#[allow(dead_code)] // unused when no broker feature is on
-pub(crate) fn scrub(text: &str, spec: &str) -> String {
-    let mut secrets: Vec<String> = Vec::new();
-    for part in spec.split(',') {
-        let rest = part.trim().split_once("://").map_or(part, |(_, r)| r);
-        let end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
-        if let Some((userinfo, _)) = rest[..end].rsplit_once('@') {
-            // `user:password` hides the password; a lone user part is a token.
-            let secret = userinfo.split_once(':').map_or(userinfo, |(_, p)| p);
-            if !secret.is_empty() {
-                secrets.push(secret.to_string());
-                let decoded = percent_encoding::percent_decode_str(secret).decode_utf8_lossy();
-                if decoded != secret {
-                    secrets.push(decoded.into_owned());
-                }
-            }
-        }
-    }
-    // Longest first, so a secret that contains another is replaced whole.
-    secrets.sort_by_key(|s| std::cmp::Reverse(s.len()));
-    let mut out = text.to_string();
-    for s in &secrets {
-        out = out.replace(s.as_str(), "***");
-    }
-    out
-}
-
 /// Counts of what a relay run did.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 #[non_exhaustive]
@@ -477,41 +320,5 @@ where
     match fatal {
         Some(f) => Err(crate::Error::Sink(Box::new(f))),
         None => Ok(stats),
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn broker_urls_lose_credentials_in_names_and_messages() {
-        assert_eq!(redact_spec("nats://u:p%40ss@h1:4222,nats://tok@h2:4223"), "nats://h1:4222,nats://h2:4223");
-        assert_eq!(redact_spec("rediss://:secret@cache:6380/2?protocol=resp3"), "rediss://cache:6380/2?…");
-        assert_eq!(redact_spec("redis://127.0.0.1:6379"), "redis://127.0.0.1:6379");
-        let text = "auth failed for u with p%40ss (p@ss) and secret";
-        assert_eq!(scrub(text, "nats://u:p%40ss@h1:4222"), "auth failed for u with *** (***) and secret");
-        assert_eq!(scrub(text, "nats://secret@h1:4222"), "auth failed for u with p%40ss (p@ss) and ***");
-        assert_eq!(scrub(text, "redis://h:6379"), text);
-    }
-
-    #[test]
-    fn printed_sinks_mask_every_secret() {
-        let cases = [
-            ("stdout", "stdout"),
-            ("nats://NATSTOKEN@127.0.0.1:4222", "nats://****@127.0.0.1:4222"),
-            ("nats://nu:PW1@h1:4222,nats://nu2:PW2@h2:4222", "nats://nu:****@h1:4222,nats://nu2:****@h2:4222"),
-            ("nats://nu:PW1@h1:4222,nu2:PW2@h2:4222", "nats://nu:****@h1:4222,nu2:****@h2:4222"),
-            ("kafka://u:p@h1:9092,h2:9092", "kafka://u:****@h1:9092,h2:9092"),
-            ("nats://u:p,w@h1:4222", "nats://u:****@h1:4222"),
-            ("http://h/path?api_key=K", "http://h/path?****"),
-            ("https://h/p?a=1,b=2#frag", "https://h/p?****#****"),
-            ("rediss://:secret@cache:6380/2?protocol=resp3", "rediss://:****@cache:6380/2?****"),
-            ("amqp://u:pa/ss?x#y@mq:5672/%2f", "amqp://u:****@mq:5672/%2f"),
-            ("redis://127.0.0.1:6379", "redis://127.0.0.1:6379"),
-        ];
-        for (spec, want) in cases {
-            assert_eq!(redact_sink(spec), want, "{spec}");
-        }
     }
 }

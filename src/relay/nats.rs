@@ -6,9 +6,10 @@ use async_nats::HeaderMap;
 use async_nats::header::{HeaderValue, NATS_MESSAGE_ID};
 use async_nats::jetstream::{self, context::PublishErrorKind};
 
-use super::{Format, Message, Sink, SinkFuture, SinkOptions, Template, header, redact_spec, scrub};
+use super::{Format, Message, Sink, SinkFuture, SinkOptions, Template, header};
 use crate::error::{BoxError, Error, Result};
 use crate::event::Event;
+use crate::redact::{redact_spec, scrub};
 
 /// Publishes each event to NATS JetStream and acknowledges it on the
 /// stream's PubAck.

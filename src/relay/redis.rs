@@ -5,9 +5,10 @@ use std::time::Duration;
 
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 
-use super::{Format, Message, Sink, SinkFuture, SinkOptions, Template, header, redact_spec, scrub};
+use super::{Format, Message, Sink, SinkFuture, SinkOptions, Template, header};
 use crate::error::{Error, Result};
 use crate::event::Event;
+use crate::redact::{redact_spec, scrub};
 
 /// Appends each event to a Redis stream with `XADD` and acknowledges it
 /// when Redis replies with the new entry's id.

@@ -8,6 +8,7 @@ use hmac::{KeyInit as _, Mac as _};
 use super::{Format, Message, Sink, SinkFuture, SinkOptions, header};
 use crate::error::{Error, Result};
 use crate::event::Event;
+use crate::redact::redact_url;
 
 /// Default time a webhook has to answer: 10 seconds.
 pub const DEFAULT_WEBHOOK_TIMEOUT: Duration = Duration::from_secs(10);
@@ -131,18 +132,6 @@ impl WebhookSecret {
         let tag = mac.finalize().into_bytes();
         format!("v1,{}", base64::engine::general_purpose::STANDARD.encode(tag))
     }
-}
-
-/// The URL without credentials and query string, for messages.
-pub fn redact_url(url: &reqwest::Url) -> String {
-    let mut u = url.clone();
-    let _ = u.set_username("");
-    let _ = u.set_password(None);
-    let had_query = u.query().is_some();
-    u.set_query(None);
-    u.set_fragment(None);
-    // Appended as text: set_query would percent-encode the marker.
-    if had_query { format!("{u}?…") } else { u.to_string() }
 }
 
 /// Header names pg-outbox sets itself on every webhook request; a
