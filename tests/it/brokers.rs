@@ -16,6 +16,7 @@ use pg_outbox::{NewEvent, Publisher};
 
 use crate::support;
 
+#[allow(unused_imports)]
 pub use crate::relay_proc::{LIVENESS, RelayProc, free_port};
 pub use crate::support::published_count;
 
