@@ -146,95 +146,107 @@ fn require_selection(ids: &[i64], filter: &FilterArgs, all: bool, verb: &str) ->
 pub(crate) async fn run(url: &str, cmd: DeadLetterCmd) -> Result<(), Error> {
     let client = crate::connect(url).await?;
     match cmd {
-        DeadLetterCmd::List { filter, json } => {
-            let f = filter.to_filter(&[])?;
-            let rows = dead_letters::list(&client, &f).await?;
-            // A full page may be cut short: say so (on stderr) after the rows.
-            let limit = f.limit.unwrap_or(dead_letters::DEFAULT_LIST_LIMIT);
-            let mut note = None;
-            if i64::try_from(rows.len()).is_ok_and(|n| n >= limit) {
-                let total = dead_letters::count(&client, &f).await?;
-                if total > limit {
-                    note = Some(format!(
-                        "showing {} of {total} dead letters; use --limit {total} to see them all",
-                        rows.len()
-                    ));
-                }
-            }
-            if json {
-                println!("{}", serde_json::to_string_pretty(&rows)?);
-            } else if rows.is_empty() {
-                eprintln!("no dead letters");
-            } else {
-                println!(
-                    "{:>10}  {:<20}  {:<36}  {:<24}  {:>7}  last_error",
-                    "id", "aggregate_type", "aggregate_id", "event_type", "retries"
-                );
-                for e in rows {
-                    let err: String =
-                        crate::printable(e.last_error.as_deref().unwrap_or_default()).chars().take(80).collect();
-                    println!(
-                        "{:>10}  {:<20}  {:<36}  {:<24}  {:>7}  {}",
-                        e.id,
-                        crate::printable(&e.aggregate_type),
-                        e.aggregate_id,
-                        crate::printable(&e.event_type),
-                        e.retry_count,
-                        err
-                    );
-                }
-            }
-            if let Some(note) = note {
-                eprintln!("{note}");
-            }
-        }
-        DeadLetterCmd::Show { id } => {
-            let rows = dead_letters::list(&client, &Filter::ids(vec![id])).await?;
-            match rows.first() {
-                Some(e) => println!("{}", serde_json::to_string_pretty(e)?),
-                None => {
-                    let exists = !dead_letters::existing(&client, &[id]).await?.is_empty();
-                    return Err(Error::Usage(if exists {
-                        format!("event {id} is not a dead letter")
-                    } else {
-                        format!("no event {id} in events.outbox")
-                    }));
-                }
-            }
-        }
-        DeadLetterCmd::Retry { sel: Selection { ids, filter, all, dry_run } } => {
-            require_selection(&ids, &filter, all, "retry")?;
-            let f = filter.to_filter(&ids)?;
-            if dry_run {
-                let found = dead_letters::matching_ids(&client, &f).await?;
-                println!("dry run: would retry {}", counted(&found));
-                explain_missing(&client, &ids, &found).await?;
-            } else {
-                let done = dead_letters::retry(&client, &f).await?;
-                println!("retried {}", counted(&done));
-                explain_missing(&client, &ids, &done).await?;
-            }
-        }
-        DeadLetterCmd::Discard { sel: Selection { ids, filter, all, dry_run }, yes } => {
-            require_selection(&ids, &filter, all, "discard")?;
-            let f = filter.to_filter(&ids)?;
-            if dry_run || !yes {
-                let found = dead_letters::matching_ids(&client, &f).await?;
-                if dry_run {
-                    println!("dry run: would delete {}", counted(&found));
-                    explain_missing(&client, &ids, &found).await?;
-                } else {
-                    return Err(Error::Usage(format!(
-                        "discard would delete {} for good; pass --yes to confirm, or --dry-run",
-                        counted(&found)
-                    )));
-                }
-            } else {
-                let done = dead_letters::discard(&client, &f).await?;
-                println!("deleted {}", counted(&done));
-                explain_missing(&client, &ids, &done).await?;
-            }
+        DeadLetterCmd::List { filter, json } => list(&client, &filter.to_filter(&[])?, json).await,
+        DeadLetterCmd::Show { id } => show(&client, id).await,
+        DeadLetterCmd::Retry { sel } => retry(&client, sel).await,
+        DeadLetterCmd::Discard { sel, yes } => discard(&client, sel, yes).await,
+    }
+}
+
+/// `dead-letters list`: a table (or JSON) on stdout; a note on stderr when
+/// the page is cut short by the limit.
+async fn list(client: &tokio_postgres::Client, f: &Filter, json: bool) -> Result<(), Error> {
+    let rows = dead_letters::list(client, f).await?;
+    let limit = f.limit.unwrap_or(dead_letters::DEFAULT_LIST_LIMIT);
+    let mut note = None;
+    if i64::try_from(rows.len()).is_ok_and(|n| n >= limit) {
+        let total = dead_letters::count(client, f).await?;
+        if total > limit {
+            note = Some(format!("showing {} of {total} dead letters; use --limit {total} to see them all", rows.len()));
         }
     }
+    if json {
+        println!("{}", serde_json::to_string_pretty(&rows)?);
+    } else if rows.is_empty() {
+        eprintln!("no dead letters");
+    } else {
+        print_table(&rows);
+    }
+    if let Some(note) = note {
+        eprintln!("{note}");
+    }
     Ok(())
+}
+
+fn print_table(rows: &[pg_outbox::Event]) {
+    println!(
+        "{:>10}  {:<20}  {:<36}  {:<24}  {:>7}  last_error",
+        "id", "aggregate_type", "aggregate_id", "event_type", "retries"
+    );
+    for e in rows {
+        let err: String = crate::printable(e.last_error.as_deref().unwrap_or_default()).chars().take(80).collect();
+        println!(
+            "{:>10}  {:<20}  {:<36}  {:<24}  {:>7}  {}",
+            e.id,
+            crate::printable(&e.aggregate_type),
+            e.aggregate_id,
+            crate::printable(&e.event_type),
+            e.retry_count,
+            err
+        );
+    }
+}
+
+/// `dead-letters show ID`: the dead letter as JSON, or why there is none.
+async fn show(client: &tokio_postgres::Client, id: i64) -> Result<(), Error> {
+    let rows = dead_letters::list(client, &Filter::ids(vec![id])).await?;
+    if let Some(e) = rows.first() {
+        println!("{}", serde_json::to_string_pretty(e)?);
+        return Ok(());
+    }
+    let exists = !dead_letters::existing(client, &[id]).await?.is_empty();
+    Err(Error::Usage(if exists {
+        format!("event {id} is not a dead letter")
+    } else {
+        format!("no event {id} in events.outbox")
+    }))
+}
+
+/// `dead-letters retry`: due again at once (or, with --dry-run, what would be).
+async fn retry(client: &tokio_postgres::Client, sel: Selection) -> Result<(), Error> {
+    let Selection { ids, filter, all, dry_run } = sel;
+    require_selection(&ids, &filter, all, "retry")?;
+    let f = filter.to_filter(&ids)?;
+    let done = if dry_run {
+        let found = dead_letters::matching_ids(client, &f).await?;
+        println!("dry run: would retry {}", counted(&found));
+        found
+    } else {
+        let done = dead_letters::retry(client, &f).await?;
+        println!("retried {}", counted(&done));
+        done
+    };
+    explain_missing(client, &ids, &done).await
+}
+
+/// `dead-letters discard`: delete for good, only with --yes (or, with
+/// --dry-run, say what would be deleted).
+async fn discard(client: &tokio_postgres::Client, sel: Selection, yes: bool) -> Result<(), Error> {
+    let Selection { ids, filter, all, dry_run } = sel;
+    require_selection(&ids, &filter, all, "discard")?;
+    let f = filter.to_filter(&ids)?;
+    if dry_run || !yes {
+        let found = dead_letters::matching_ids(client, &f).await?;
+        if !dry_run {
+            return Err(Error::Usage(format!(
+                "discard would delete {} for good; pass --yes to confirm, or --dry-run",
+                counted(&found)
+            )));
+        }
+        println!("dry run: would delete {}", counted(&found));
+        return explain_missing(client, &ids, &found).await;
+    }
+    let done = dead_letters::discard(client, &f).await?;
+    println!("deleted {}", counted(&done));
+    explain_missing(client, &ids, &done).await
 }
