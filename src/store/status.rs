@@ -15,23 +15,35 @@ pub(crate) const GAUGES: &str = "SELECT \
        EXTRACT(EPOCH FROM (now() - min(occurred_at) FILTER (WHERE next_retry_at IS DISTINCT FROM 'infinity')))::float8 AS oldest_age \
      FROM events.outbox WHERE published_at IS NULL";
 
-/// Backlog and lag figures; see [`OutboxStatus`]. `held` marks rows held
-/// back behind an earlier failed event of their aggregate (one probe of
-/// `outbox_holdback_idx` per due row, once: `OFFSET 0` keeps the subquery,
-/// so `held` is not inlined into both FILTERs; see `held_back_by` in `fetch.rs`).
-pub(super) fn status_sql() -> String {
+/// The figures [`status_sql`] and [`by_type_sql`] share, over
+/// [`unpublished_rows`]: all, due and not held back, due and held back,
+/// waiting for a retry, dead letters, and the age of the oldest that is not a
+/// dead letter.
+const BACKLOG_COUNTS: &str = "count(*) AS unpublished, \
+       count(*) FILTER (WHERE (next_retry_at IS NULL OR next_retry_at <= now()) AND NOT held) AS due, \
+       count(*) FILTER (WHERE (next_retry_at IS NULL OR next_retry_at <= now()) AND held) AS held, \
+       count(*) FILTER (WHERE next_retry_at > now() AND next_retry_at < 'infinity') AS waiting, \
+       count(*) FILTER (WHERE next_retry_at = 'infinity') AS dead, \
+       EXTRACT(EPOCH FROM (now() - min(occurred_at) FILTER (WHERE next_retry_at IS DISTINCT FROM 'infinity')))::float8 AS oldest_age";
+
+/// The unpublished rows (one pass of the partial index
+/// `outbox_unpublished_idx`) as `o`, with the columns `extra` names first
+/// (each followed by a comma), then `occurred_at`, `next_retry_at` and
+/// `held`: whether a due row is held back behind an earlier failed event of
+/// its aggregate (one probe of `outbox_holdback_idx` per due row, once:
+/// `OFFSET 0` keeps the subquery, so `held` is not inlined into both FILTERs
+/// that read it; see `held_back_by` in `fetch.rs`).
+fn unpublished_rows(extra: &str) -> String {
     format!(
-        "SELECT \
-           count(*) AS unpublished, \
-           count(*) FILTER (WHERE (next_retry_at IS NULL OR next_retry_at <= now()) AND NOT held) AS due, \
-           count(*) FILTER (WHERE next_retry_at > now() AND next_retry_at < 'infinity') AS waiting, \
-           count(*) FILTER (WHERE next_retry_at = 'infinity') AS dead, \
-           EXTRACT(EPOCH FROM (now() - min(occurred_at) FILTER (WHERE next_retry_at IS DISTINCT FROM 'infinity')))::float8 AS oldest_age, \
-           count(*) FILTER (WHERE (next_retry_at IS NULL OR next_retry_at <= now()) AND held) AS held \
-         FROM (SELECT o.occurred_at, o.next_retry_at, \
-                 CASE WHEN o.next_retry_at IS NULL OR o.next_retry_at <= now() THEN {HELD_BACK} ELSE false END AS held \
-               FROM events.outbox o WHERE o.published_at IS NULL OFFSET 0) o"
+        "(SELECT {extra}o.occurred_at, o.next_retry_at, \
+           CASE WHEN o.next_retry_at IS NULL OR o.next_retry_at <= now() THEN {HELD_BACK} ELSE false END AS held \
+         FROM events.outbox o WHERE o.published_at IS NULL OFFSET 0) o"
     )
+}
+
+/// Backlog and lag figures; see [`OutboxStatus`] and [`BACKLOG_COUNTS`].
+pub(super) fn status_sql() -> String {
+    format!("SELECT {BACKLOG_COUNTS} FROM {}", unpublished_rows(""))
 }
 
 /// Figures about the outbox, as `pg-outbox status` prints them.
@@ -135,25 +147,15 @@ pub struct PendingRetry {
     pub last_error: Option<String>,
 }
 
-/// Backlog per type: one pass over the unpublished rows (the partial index
-/// `outbox_unpublished_idx`), grouped; the hold-back probe
-/// (`outbox_holdback_idx`, see `held_back_by` in `fetch.rs`) runs only for due rows,
-/// once each (`OFFSET 0` keeps the subquery, so its `held` is not inlined
-/// into both FILTERs that read it). $1 is the row
-/// limit (one more than shown, to tell whether rows were left out).
+/// Backlog per type: [`BACKLOG_COUNTS`] over [`unpublished_rows`], grouped
+/// by event and aggregate type. $1 is the row limit (one more than shown, to
+/// tell whether rows were left out).
 pub(super) fn by_type_sql() -> String {
     format!(
-        "SELECT o.event_type, o.aggregate_type, count(*) AS unpublished, \
-           count(*) FILTER (WHERE (o.next_retry_at IS NULL OR o.next_retry_at <= now()) AND NOT o.held) AS due, \
-           count(*) FILTER (WHERE (o.next_retry_at IS NULL OR o.next_retry_at <= now()) AND o.held) AS held, \
-           count(*) FILTER (WHERE o.next_retry_at > now() AND o.next_retry_at < 'infinity') AS waiting, \
-           count(*) FILTER (WHERE o.next_retry_at = 'infinity') AS dead, \
-           EXTRACT(EPOCH FROM (now() - min(o.occurred_at) FILTER (WHERE o.next_retry_at IS DISTINCT FROM 'infinity')))::float8 AS oldest_age \
-         FROM (SELECT o.event_type, o.aggregate_type, o.occurred_at, o.next_retry_at, \
-                 CASE WHEN o.next_retry_at IS NULL OR o.next_retry_at <= now() THEN {HELD_BACK} ELSE false END AS held \
-               FROM events.outbox o WHERE o.published_at IS NULL OFFSET 0) o \
+        "SELECT o.event_type, o.aggregate_type, {BACKLOG_COUNTS} FROM {} \
          GROUP BY o.event_type, o.aggregate_type \
-         ORDER BY unpublished DESC, o.event_type, o.aggregate_type LIMIT $1"
+         ORDER BY unpublished DESC, o.event_type, o.aggregate_type LIMIT $1",
+        unpublished_rows("o.event_type, o.aggregate_type, ")
     )
 }
 
