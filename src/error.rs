@@ -49,6 +49,11 @@ pub enum Error {
     /// The schema is missing or older than this version of pg-outbox expects.
     #[error("schema not migrated: {0}; run `pg-outbox migrate`")]
     NotMigrated(String),
+    /// The server's PostgreSQL is older than pg-outbox supports
+    /// ([`crate::migrate::MIN_SERVER_VERSION`]); the message names both
+    /// versions.
+    #[error("unsupported server: {0}")]
+    UnsupportedServer(String),
     /// An event was refused before any SQL was sent (empty or NUL-bearing
     /// text, a payload PostgreSQL's jsonb cannot store, an oversized payload).
     #[error("invalid event: {0}")]

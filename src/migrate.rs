@@ -53,7 +53,7 @@ fn supported(num: i32, version: &str) -> Result<()> {
     if num >= min_num {
         return Ok(());
     }
-    Err(Error::Usage(format!(
+    Err(Error::UnsupportedServer(format!(
         "the server runs PostgreSQL {version} (server_version_num {num}); \
          pg-outbox needs PostgreSQL {min} or later (server_version_num {min_num} or more)"
     )))
@@ -96,7 +96,7 @@ fn checksum(sql: &str) -> String {
 /// the end, also after an error.
 ///
 /// # Errors
-/// [`Error::Usage`] before anything runs if the server is older than
+/// [`Error::UnsupportedServer`] before anything runs if the server is older than
 /// [`MIN_SERVER_VERSION`], naming both versions; [`Error::Db`] if a
 /// statement fails (nothing after it runs; the files are idempotent, so
 /// running again after fixing the cause is safe), or
@@ -192,7 +192,7 @@ const REQUIRED_TRIGGERS: &[(&str, &str)] = &[
 /// or `psql -f` applied them).
 ///
 /// # Errors
-/// [`Error::Usage`] if the server is older than [`MIN_SERVER_VERSION`],
+/// [`Error::UnsupportedServer`] if the server is older than [`MIN_SERVER_VERSION`],
 /// naming both versions; [`Error::NotMigrated`] naming the first missing
 /// object and its file; [`Error::Db`] if the check itself fails.
 pub async fn check(client: &Client) -> Result<()> {

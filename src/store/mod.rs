@@ -106,6 +106,7 @@ pub fn run_time_statements() -> Vec<(&'static str, String)> {
         ("dead_letters_ids", d::ids_sql()),
         ("dead_letters_retry", d::apply_sql(d::RETRY)),
         ("dead_letters_discard", d::apply_sql(d::DISCARD)),
+        ("dead_letters_existing", d::EXISTING_IDS.to_string()),
         ("retention_delete", retention::DELETE_BATCH.to_string()),
         ("retention_count", retention::COUNT_DUE.to_string()),
     ]

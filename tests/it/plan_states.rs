@@ -157,6 +157,8 @@ async fn check_all(c: &mut Client, stats: Stats, backlog: i64) {
             ],
             "competing_fetch" => vec![(vec![&BATCH], 8 * fetched + 50, "")],
             "ack" => vec![(vec![&first], 30 * n_first + 50, "")],
+            // One primary-key probe per id: the index levels and the heap page.
+            "dead_letters_existing" => vec![(vec![&first], 8 * n_first + 50, "")],
             "fail" => vec![(vec![&first, &details, &max_retries], 40 * n_first + 50, "")],
             "next_retry_in" => vec![(vec![], 50, "")],
             "next_retries" => vec![(vec![&five], 100, "")],
