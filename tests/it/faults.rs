@@ -1219,3 +1219,83 @@ async fn terminating_the_work_connection_loses_nothing() {
     }
     stream.finish().await.expect("finish");
 }
+
+/// The writer session (acknowledgements and failures) is terminated while
+/// writes are in flight: the consumer opens its sessions again, writes the
+/// settlements it had queued (no event is delivered twice or lost), and a
+/// failure written around the fault still holds its aggregate back until it
+/// is delivered again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn terminating_the_writer_connection_loses_nothing_and_keeps_each_aggregate_in_order() {
+    let db = TestDb::new("writer_conn_killed").await;
+    let c = db.client().await;
+    let aggs = [Uuid::new_v4(), Uuid::new_v4()];
+    let mut ids = Vec::new();
+    for _ in 0..10 {
+        for a in aggs {
+            ids.extend(crate::support::insert_seed_events(&c, a, 20).await);
+        }
+    }
+    let ladder = pg_outbox::RetryPolicy::schedule(vec![Duration::from_millis(50)]).expect("schedule").jitter(0.0);
+    let mut stream = start(&db, |b| {
+        b.batch_size(20)
+            .ack_batch_size(5)
+            .ack_interval(Duration::from_millis(5))
+            .retry_policy(ladder)
+            .sweep_interval(Duration::from_millis(200))
+            .reconnect_max_delay(Duration::from_millis(300))
+    })
+    .await;
+    let mut delivered: HashMap<i64, u32> = HashMap::new();
+    let mut last: HashMap<Uuid, i64> = HashMap::new();
+    // A failed event of each aggregate, owed before any later one of it.
+    let mut owed: HashMap<Uuid, i64> = HashMap::new();
+    let (mut kills, mut failed) = (0, 0);
+    let mut acked = HashSet::new();
+    while acked.len() < ids.len() {
+        let d = next(&mut stream, 20).await;
+        let n = {
+            let n = delivered.entry(d.id).or_default();
+            *n += 1;
+            *n
+        };
+        match owed.get(&d.aggregate_id) {
+            Some(f) => assert_eq!(d.id, *f, "aggregate {}: {} overtook its failed event {f}", d.aggregate_id, d.id),
+            None => {
+                assert_eq!(n, 1, "event {} delivered again although it was acknowledged", d.id);
+                let prev = last.insert(d.aggregate_id, d.id).unwrap_or(0);
+                assert!(d.id > prev, "aggregate {}: {} after {prev}", d.aggregate_id, d.id);
+            }
+        }
+        let seen = delivered.len();
+        if seen % 60 == 30 && kills < 3 && n == 1 {
+            kills += db.terminate("pg-outbox writer").await;
+        }
+        if seen % 45 == 20 && n == 1 {
+            owed.insert(d.aggregate_id, d.id);
+            failed += 1;
+            d.fail("refused once");
+        } else {
+            owed.remove(&d.aggregate_id);
+            acked.insert(d.id);
+            d.ack();
+        }
+    }
+    assert!(kills >= 1 && failed >= 1, "faults were injected ({kills} terminations, {failed} failures)");
+    // The same consumer writes every acknowledgement, also those whose write
+    // was cut by the termination.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        let left: i64 =
+            c.query_one("SELECT count(*) FROM events.outbox WHERE published_at IS NULL", &[]).await.expect("q").get(0);
+        if left == 0 {
+            break;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "{left} acknowledged events still unpublished");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let retried: i64 =
+        c.query_one("SELECT count(*) FROM events.outbox WHERE retry_count > 0", &[]).await.expect("q").get(0);
+    assert_eq!(retried, i64::from(failed), "each failure counted once");
+    stream.finish().await.expect("finish");
+}
