@@ -229,7 +229,7 @@ impl Completer {
 fn record_published(rows: &[tokio_postgres::Row]) {
     let hist = metrics::histogram!(m::DELIVERY_LAG);
     for r in rows {
-        if let Ok(Some(lag)) = r.try_get::<_, Option<f64>>(0) {
+        if let Ok(Some(lag)) = r.try_get::<_, Option<f64>>("lag") {
             hist.record(lag);
         }
     }
@@ -242,13 +242,13 @@ fn record_failed(rows: &[tokio_postgres::Row], fails: &[PendingFail]) -> Option<
     let mut earliest: Option<f64> = None;
     let mut dead = 0u64;
     for r in rows {
-        let id: i64 = r.try_get(0).unwrap_or_default();
-        if r.try_get::<_, bool>(1).unwrap_or(false) {
+        let id: i64 = r.try_get("id").unwrap_or_default();
+        if r.try_get::<_, bool>("dead").unwrap_or(false) {
             dead += 1;
             let err = fails.iter().find(|f| f.id == id).map(|f| f.error.as_str()).unwrap_or("");
             tracing::warn!(id, error = err, "event became a dead letter");
         }
-        if let Ok(Some(s)) = r.try_get::<_, Option<f64>>(2) {
+        if let Ok(Some(s)) = r.try_get::<_, Option<f64>>("retry_in") {
             earliest = Some(earliest.map_or(s, |e: f64| e.min(s)));
         }
     }

@@ -283,7 +283,7 @@ impl Engine {
         }
         let read = conn.client.query_one(&conn.next_retry, &[]);
         match conn.run(Kind::NextRetryRead, self.token.cancelled(), read).await {
-            Ok(row) => match row.try_get::<_, Option<f64>>(0) {
+            Ok(row) => match row.try_get::<_, Option<f64>>("retry_in") {
                 Ok(Some(secs)) => self.retry.arm(secs, Instant::now()),
                 Ok(None) => {}
                 Err(e) => self.db_error(StatementError::db(Kind::NextRetryRead, e)),

@@ -50,7 +50,7 @@ impl Maintenance {
     pub(super) async fn notify_lock_waiters(&mut self, conn: &Conn, stop: &Stop) -> Result<i64, StatementError> {
         let look = conn.client.query_one(store::NOTIFY_LOCK_WAITERS, &[]);
         match conn.run(Kind::NotifyLockWaiters, stop.cancelled(), look).await {
-            Ok(row) => Ok(row.try_get::<_, i64>(0).unwrap_or(0)),
+            Ok(row) => Ok(row.try_get::<_, i64>("waiters").unwrap_or(0)),
             Err(StatementError { failure: Failure::Db(e), .. }) => {
                 let error = crate::error::report(&e);
                 if self.queue_look_warned {
@@ -84,7 +84,7 @@ impl Maintenance {
         let usage = conn.client.query_one(store::NOTIFICATION_QUEUE_USAGE, &[]);
         match conn.run(Kind::Gauges, stop.cancelled(), usage).await {
             Ok(row) => {
-                if let Ok(usage) = row.try_get::<_, f64>(0) {
+                if let Ok(usage) = row.try_get::<_, f64>("usage") {
                     metrics::gauge!(m::NOTIFICATION_QUEUE_USAGE).set(usage);
                 }
                 Ok(())
@@ -101,9 +101,9 @@ impl Maintenance {
         self.gauges_due = Some(started + started.elapsed() * GAUGES_SHARE);
         match read {
             Ok(row) => {
-                let pending: i64 = row.try_get(0).unwrap_or(0);
-                let dead: i64 = row.try_get(1).unwrap_or(0);
-                let oldest: Option<f64> = row.try_get(2).unwrap_or(None);
+                let pending: i64 = row.try_get("pending").unwrap_or(0);
+                let dead: i64 = row.try_get("dead").unwrap_or(0);
+                let oldest: Option<f64> = row.try_get("oldest_age").unwrap_or(None);
                 metrics::gauge!(m::BACKLOG).set(pending as f64);
                 metrics::gauge!(m::DEAD_LETTERS).set(dead as f64);
                 metrics::gauge!(m::OLDEST_UNPUBLISHED_AGE).set(oldest.unwrap_or(0.0));

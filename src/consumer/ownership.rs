@@ -242,7 +242,7 @@ impl Partitions {
     /// it, and unlock given-up partitions with nothing in flight.
     /// `Ok(true)`: more partitions are owned than before.
     async fn rebalance(&mut self, conn: &Conn) -> Result<bool, tokio_postgres::Error> {
-        let members: i64 = conn.client.query_one(store::COUNT_MEMBERS, &[&MEMBER_CLASS]).await?.try_get(0)?;
+        let members: i64 = conn.client.query_one(store::COUNT_MEMBERS, &[&MEMBER_CLASS]).await?.try_get("members")?;
         let members = u32::try_from(members.max(1)).unwrap_or(1);
         let share = self.partitions.div_ceil(members) as usize;
         let before = self.owned.len();

@@ -331,6 +331,50 @@ async fn metrics_endpoint_counts_deliveries_notifications_and_lag() {
     assert_eq!(status.code(), Some(0), "relay should exit 0 on SIGTERM ({status}); stderr:\n{}", relay.log());
 }
 
+/// The backlog gauges match the table, read by a standby too (it delivers
+/// nothing, so the figures stay put while the test reads them).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn backlog_gauges_count_pending_events_and_dead_letters() {
+    let db = TestDb::new("relay_gauges").await;
+    let c = db.client().await;
+    // Hold the single-mode leader lock (docs/architecture.md, "Advisory lock
+    // keys"), so the relay stays a standby.
+    let leader_key: i64 = 0x7067_6f75_7400_0001;
+    c.execute("SELECT pg_advisory_lock($1)", &[&leader_key]).await.expect("take the leader lock");
+    support::insert_seed_events(&c, Uuid::new_v4(), 3).await;
+    support::insert_dead_letters(&c, 2).await;
+    c.batch_execute("UPDATE events.outbox SET occurred_at = now() - interval '90 seconds' WHERE retry_count = 0")
+        .await
+        .expect("age the pending events");
+    let addr = format!("127.0.0.1:{}", free_port());
+    let mut relay = Relay::start(&db, &["--sink", "stdout", "--metrics-addr", &addr]).await;
+
+    let http = reqwest::Client::builder().no_proxy().timeout(Duration::from_secs(10)).build().expect("HTTP client");
+    let url = format!("http://{addr}/metrics");
+    let deadline = tokio::time::Instant::now() + LIVENESS;
+    let text = loop {
+        let body = match http.get(&url).send().await {
+            Ok(resp) => resp.text().await.unwrap_or_default(),
+            Err(e) => format!("GET {url} failed: {e}"),
+        };
+        if metric(&body, "outbox_backlog_events") == Some(3.0) {
+            break body;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "outbox_backlog_events never showed 3:\n{body}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert_eq!(metric(&text, "outbox_dead_letters"), Some(2.0), "{text}");
+    let age = metric(&text, "outbox_oldest_unpublished_age_seconds").unwrap_or(0.0);
+    assert!((90.0..3600.0).contains(&age), "oldest pending event is about 90 s old, got {age}:\n{text}");
+    assert_eq!(metric(&text, "outbox_leader"), Some(0.0), "a standby: {text}");
+    assert!(metric(&text, "outbox_notification_queue_usage_ratio").is_some(), "{text}");
+    assert_eq!(published_count(&c).await, 0, "a standby delivers nothing");
+
+    relay.sigterm();
+    let status = relay.wait().await;
+    assert_eq!(status.code(), Some(0), "relay should exit 0 on SIGTERM ({status}); stderr:\n{}", relay.log());
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn webhook_receives_every_event_in_id_order_with_an_idempotency_key() {
     let db = TestDb::new("relay_webhook").await;
