@@ -6,7 +6,8 @@
 //! acknowledgements and one for the failures, pipelined on the writer
 //! session, and runs in a task of its own while the loop goes on fetching;
 //! at most one write is in flight, and its ids are excluded from fetches
-//! until its outcome is taken in ([`Completer::finish`]). Both statements
+//! until its outcome is taken in ([`Completer::finish`]); while two batches
+//! are unwritten the loop fetches nothing ([`Completer::behind`]). Both statements
 //! are idempotent (an acknowledged row is skipped, a failure applies only
 //! while the row's `retry_count` is still the one fetched), so a write whose
 //! reply was lost is simply written again.
@@ -118,6 +119,16 @@ impl Completer {
     /// A whole batch waits and nothing is being written.
     pub(super) fn batch_ready(&self) -> bool {
         self.flushing.is_none() && self.pending() >= self.cap
+    }
+
+    /// Two batches are unwritten (pending or being written): the writer is
+    /// behind, and the loop fetches nothing more until it catches up. This
+    /// bounds the settlements held in memory, and the ids every fetch must
+    /// skip, at twice the acknowledgement batch; without it a writer slower
+    /// than delivery (one batch per write) let them grow without end, and
+    /// each fetch, which passes every one of them, grew slower with them.
+    pub(super) fn behind(&self) -> bool {
+        self.pending() + self.writing() >= 2 * self.cap
     }
 
     /// When the pending settlements are due to be written.

@@ -137,7 +137,11 @@ impl Engine {
             }
             let stopping = self.stop_deadline.is_some();
             let open = self.sessions.is_open();
-            let can_fetch = !stopping && open && self.policy.wants_fetch() && self.ownership.may_fetch();
+            let can_fetch = !stopping
+                && open
+                && self.policy.wants_fetch()
+                && self.ownership.may_fetch()
+                && !self.completer.behind();
             let writing = self.completer.is_writing();
             let (flush_at, retry_read_due) = (self.completer.flush_at(), self.retry.read_due());
             let (recheck_at, lock_at) = (self.policy.recheck_at(), self.ownership.lock_at());

@@ -754,3 +754,51 @@ async fn payload_numbers_are_delivered_digit_for_digit() {
     d.ack();
     stream.finish().await.expect("finish");
 }
+
+/// While acknowledgements cannot be written (a lock blocks their UPDATE),
+/// the consumer stops fetching once two acknowledgement batches are
+/// unwritten: the settlements it holds, and the ids each fetch must skip,
+/// stay bounded however fast user code acknowledges. Once the writes go
+/// through again, everything is delivered and published.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_writer_that_falls_behind_stops_fetches_after_two_batches() {
+    let db = TestDb::new("consumer_writer_behind").await;
+    let c = db.client().await;
+    let total = 3000i64;
+    insert_seed_events(&c, Uuid::new_v4(), total).await;
+    // Row locks on every event let the fetches (plain SELECTs) through and
+    // make the acknowledgements' UPDATE wait.
+    let locker = db.client().await;
+    locker.batch_execute("BEGIN; SELECT id FROM events.outbox FOR UPDATE").await.expect("lock the rows");
+    let (batch, ack_batch) = (50usize, 100usize);
+    let mut stream = start(&db, |b| b.batch_size(batch).ack_batch_size(ack_batch)).await;
+    let mut delivered = 0usize;
+    let until = tokio::time::Instant::now() + Duration::from_secs(3);
+    while let Ok(Some(d)) = tokio::time::timeout_at(until, stream.next()).await {
+        d.ack();
+        delivered += 1;
+    }
+    // Two unwritten batches, the stream's buffer (twice the batch) and one
+    // fetch on its way.
+    let bound = 2 * ack_batch + 2 * batch + batch;
+    assert!(
+        (2 * ack_batch..=bound).contains(&delivered),
+        "with the writer blocked, {delivered} events were delivered; expected {}..={bound}",
+        2 * ack_batch
+    );
+    assert_eq!(crate::support::published_count(&c).await, 0, "nothing written while the lock is held");
+    locker.batch_execute("COMMIT").await.expect("unlock");
+    let mut seen = delivered;
+    let until = tokio::time::Instant::now() + Duration::from_secs(60);
+    while seen < usize::try_from(total).unwrap_or(usize::MAX) {
+        match tokio::time::timeout_at(until, stream.next()).await {
+            Ok(Some(d)) => {
+                d.ack();
+                seen += 1;
+            }
+            other => panic!("the drain stopped after {seen} of {total} deliveries: {other:?}"),
+        }
+    }
+    eventually(30, "every event published", || async { crate::support::published_count(&c).await == total }).await;
+    stream.finish().await.expect("finish");
+}
