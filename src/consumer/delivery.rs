@@ -28,7 +28,8 @@ pub(crate) enum Settlement {
 ///   fetch, before any later event of its aggregate.
 ///
 /// Settling never blocks and never fails: settlements are queued and written
-/// in batches (one `UPDATE` per flush). If the process dies before a flush,
+/// in batches (per write, one `UPDATE` for the acknowledgements and one for
+/// the failures). If the process dies before a flush,
 /// the event is delivered again (at-least-once).
 pub struct Delivery {
     event: Event,

@@ -2,7 +2,8 @@
 //! each to the service that owns it.
 //!
 //! ```text
-//! wake-ups (notification, sweep, retry timer, reconnect, release, recheck)
+//! wake-ups (notification, sweep, retry timer, reconnect, release, recheck,
+//! locks taken)
 //!     -> WakePolicy says fetch -> Ownership says which rows -> Fetcher
 //!     -> the stream's buffer -> user code settles -> Completer writes
 //!     -> the write's outcome: HoldBack released, RetryTimer armed
@@ -23,7 +24,8 @@
 //! task of their own while the loop goes on fetching, so the database
 //! updates one batch while the next is fetched, decoded and delivered (on
 //! two cores this is what lets a consumer drain faster than a
-//! fetch-then-update loop); at most one is in flight.
+//! fetch-then-update loop); at most one is in flight, and while two batches
+//! are unwritten the loop fetches nothing ([`Completer::behind`]).
 
 use std::pin::Pin;
 use std::sync::Arc;

@@ -7,8 +7,8 @@
 //! event): it is released instead, and fetched again after the failure is
 //! written. Every fetch has a number (`seq`); for each aggregate the map
 //! holds how many of its failures and releases are not yet written
-//! (`pending`) and the last fetch number issued before the latest one was
-//! (`upto_seq`). A delivery is held while its aggregate has a pending entry,
+//! (`pending`) and the last fetch number issued before the latest of them
+//! was taken in by the loop (`upto_seq`). A delivery is held while its aggregate has a pending entry,
 //! or when it came from a fetch issued before the entry's write: that fetch
 //! could not see the failure. After a lost session every delivery fetched
 //! before it is held (`stale_before`): another consumer may deliver them.
@@ -17,7 +17,8 @@
 //! (dropped delivery or a held one), an undecodable row ([`HoldBack::hold`]);
 //! the drain loop when a failure is written or a release taken in
 //! ([`HoldBack::written`]); the drain loop forgetting entries no buffered
-//! delivery can match ([`HoldBack::forget_before`]). Readers: the stream, as
+//! delivery can match ([`HoldBack::forget_before`]); the drain loop after a
+//! lost session ([`HoldBack::stale_through`]). Readers: the stream, as
 //! it hands a delivery out ([`HoldBack::is_held`]).
 
 use std::collections::HashMap;

@@ -9,8 +9,9 @@
 //! into one more drain (a [`Notify`] permit), so memory stays flat.
 //!
 //! On connection loss it reconnects with exponential backoff, LISTENs again
-//! *first*, and only then wakes the drain loop for a sweep; events committed
-//! while it was down are found by that sweep.
+//! *first*, and only then wakes the drain loop (a drain counted as
+//! `wake="reconnect"`, from the lowest id like every fetch); events
+//! committed while it was down are found by that drain.
 
 use std::sync::Arc;
 use std::time::Duration;

@@ -16,7 +16,8 @@
 //!   [`BUSY_POLL`] after an empty fetch and producers skip NOTIFY.
 //! - Idle: under [`IDLE_EVENTS_PER_WINDOW`] in both the current and the
 //!   last window (and past the [`NOTIFY_QUEUE_BUSY_HOLD`]): the relay asks
-//!   for notifications again and looks once more after each of [`RECHECKS`].
+//!   for notifications again, looks once more at once, then after each of
+//!   [`RECHECKS`].
 //! - While waiting, a fetch that returns less than a batch ends the drain:
 //!   whatever commits later notifies.
 //!
