@@ -72,13 +72,8 @@ pub(super) fn jittered(d: Duration) -> Duration {
     d.mul_f64(1.0 + rand::random::<f64>() * 0.1)
 }
 
-/// The time `t`, or one so far away it never comes.
-fn until(t: Option<Instant>) -> Instant {
-    t.unwrap_or_else(|| Instant::now() + Duration::from_secs(86_400 * 365))
-}
-
 /// Resolves when `token` is cancelled; never without one.
-async fn cancelled(token: Option<CancellationToken>) {
+async fn cancelled(token: Option<&CancellationToken>) {
     match token {
         Some(t) => t.cancelled().await,
         None => std::future::pending().await,
@@ -133,6 +128,10 @@ impl Engine {
         tokio::pin!(sweep);
         let mut status_tick = tokio::time::interval(STATUS_INTERVAL);
         status_tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        // Timers not armed wait for a time so far away it never comes (every
+        // branch's future is built, armed or not).
+        let far = Instant::now() + Duration::from_secs(86_400 * 365);
+        let until = |t: Option<Instant>| t.unwrap_or(far);
         while !self.stop_reached() {
             if self.sessions.is_open() && self.completer.batch_ready() {
                 self.start_write();
@@ -153,8 +152,8 @@ impl Engine {
             let (closed, writer_closed) = (closed, writer_closed.flatten());
             tokio::select! {
                 biased;
-                _ = cancelled(closed.clone()), if closed.is_some() => self.connection_closed("drain"),
-                _ = cancelled(writer_closed.clone()), if writer_closed.is_some() => self.connection_closed("writer"),
+                _ = cancelled(closed.as_ref()), if closed.is_some() => self.connection_closed("drain"),
+                _ = cancelled(writer_closed.as_ref()), if writer_closed.is_some() => self.connection_closed("writer"),
                 Some(done) = done_rx.recv() => self.written(done).await,
                 _ = token.cancelled(), if !stopping => {}
                 Some(s) = settle_rx.recv() => self.take_settlements(s, &mut settle_rx),

@@ -83,6 +83,9 @@ impl Drop for Conn {
     }
 }
 
+/// A connected session and its connection task.
+type Connected = (Client, Link);
+
 /// Why opening the sessions failed.
 pub(super) enum OpenError {
     /// A connection could not be made.
@@ -95,7 +98,7 @@ pub(super) enum OpenError {
 pub(super) struct Sessions {
     conn: Option<Conn>,
     /// The connection `start` made (checked the schema on), used first.
-    first: Option<(Client, Link)>,
+    first: Option<Connected>,
     generation: u64,
     backoff: backon::ExponentialBackoff,
     reconnect_at: Option<Instant>,
@@ -113,7 +116,7 @@ fn new_backoff(max: Duration) -> backon::ExponentialBackoff {
 
 impl Sessions {
     /// Sessions to open at once, starting with `first`.
-    pub(super) fn new(first: (Client, Link), max_delay: Duration) -> Self {
+    pub(super) fn new(first: Connected, max_delay: Duration) -> Self {
         Sessions {
             conn: None,
             first: Some(first),
@@ -205,8 +208,7 @@ impl Sessions {
 
     /// Connect the work session (the first connection, once) and, except in
     /// competing mode, the writer.
-    #[allow(clippy::type_complexity)]
-    async fn connect(&mut self, cfg: &ConsumerConfig) -> Result<(Arc<Client>, Link, Option<(Client, Link)>), Error> {
+    async fn connect(&mut self, cfg: &ConsumerConfig) -> Result<(Arc<Client>, Link, Option<Connected>), Error> {
         let settings = cfg.session();
         let (client, link) = match self.first.take() {
             Some(first) => first,
