@@ -349,6 +349,9 @@ impl ConnectOptions {
     /// client.simple_query("SELECT 1").await?;
     /// # Ok(()) }
     /// ```
+    ///
+    /// # Cancel safety
+    /// Cancel safe: dropping the future drops the connection being opened.
     pub async fn connect_client(&self, application_name: &str) -> Result<Client> {
         let (client, _link) = connect(self, application_name, &SessionSettings::default()).await?;
         Ok(client)

@@ -104,6 +104,9 @@ pub type DeadLetter = Event;
 ///
 /// # Errors
 /// [`crate::Error::NotMigrated`] or [`crate::Error::Db`].
+///
+/// # Cancel safety
+/// Cancel safe: it only reads.
 pub async fn list<C: GenericClient + Sync>(client: &C, filter: &Filter) -> Result<Vec<DeadLetter>> {
     let limit = filter.limit.unwrap_or(DEFAULT_LIST_LIMIT);
     query_map(client, &list_sql(), &filter.params_limited(&limit), event_from_row).await
@@ -114,6 +117,9 @@ pub async fn list<C: GenericClient + Sync>(client: &C, filter: &Filter) -> Resul
 ///
 /// # Errors
 /// [`crate::Error::NotMigrated`] or [`crate::Error::Db`].
+///
+/// # Cancel safety
+/// Cancel safe: it only reads.
 pub async fn count<C: GenericClient + Sync>(client: &C, filter: &Filter) -> Result<i64> {
     let row = client.query_one(&count_sql(), &filter.params()).await.map_err(map_missing_schema)?;
     Ok(row.try_get("count")?)
@@ -124,6 +130,9 @@ pub async fn count<C: GenericClient + Sync>(client: &C, filter: &Filter) -> Resu
 ///
 /// # Errors
 /// [`crate::Error::NotMigrated`] or [`crate::Error::Db`].
+///
+/// # Cancel safety
+/// Cancel safe: it only reads.
 pub async fn matching_ids<C: GenericClient + Sync>(client: &C, filter: &Filter) -> Result<Vec<i64>> {
     let limit = filter.limit.unwrap_or(i64::MAX);
     query_map(client, &ids_sql(), &filter.params_limited(&limit), row_id).await
@@ -146,6 +155,14 @@ async fn apply_to_matching<C: GenericClient + Sync>(client: &C, filter: &Filter,
 ///
 /// # Errors
 /// [`crate::Error::NotMigrated`] or [`crate::Error::Db`].
+///
+/// # Cancel safety
+/// One statement, then a `NOTIFY` that wakes the relays. If the future is dropped,
+/// the statement may or may not have run (outside a transaction it commits
+/// on its own; inside the caller's, roll back to be sure); if it ran but the
+/// `NOTIFY` was not sent, the relays' sweep finds the retried events within
+/// one sweep interval. Running it again is harmless: it picks only what is
+/// still a dead letter.
 pub async fn retry<C: GenericClient + Sync>(client: &C, filter: &Filter) -> Result<Vec<i64>> {
     apply_to_matching(client, filter, RETRY).await
 }
@@ -155,6 +172,12 @@ pub async fn retry<C: GenericClient + Sync>(client: &C, filter: &Filter) -> Resu
 ///
 /// # Errors
 /// [`crate::Error::NotMigrated`] or [`crate::Error::Db`].
+///
+/// # Cancel safety
+/// One statement, then a `NOTIFY` that wakes the relays. If the future is dropped,
+/// the statement may or may not have run (outside a transaction it commits
+/// on its own; inside the caller's, roll back to be sure). Running it again
+/// is harmless: it picks only what is still a dead letter.
 pub async fn discard<C: GenericClient + Sync>(client: &C, filter: &Filter) -> Result<Vec<i64>> {
     apply_to_matching(client, filter, DISCARD).await
 }
@@ -164,6 +187,9 @@ pub async fn discard<C: GenericClient + Sync>(client: &C, filter: &Filter) -> Re
 ///
 /// # Errors
 /// [`crate::Error::NotMigrated`] or [`crate::Error::Db`].
+///
+/// # Cancel safety
+/// Cancel safe: it only reads.
 pub async fn existing<C: GenericClient + Sync>(client: &C, ids: &[i64]) -> Result<Vec<i64>> {
     let mut found = query_map(client, EXISTING_IDS, &[&ids], row_id).await?;
     found.sort_unstable();

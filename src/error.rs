@@ -61,20 +61,9 @@ pub enum Error {
     /// A configuration value is out of range.
     #[error("invalid configuration: {0}")]
     Config(String),
-    /// A request that cannot be carried out as asked (an id that is not a
-    /// dead letter, a destructive command without confirmation); the message
-    /// says what to do.
-    #[error("{0}")]
-    Usage(String),
-    /// A self-check found a problem (the demo's delivery checks).
-    #[error("check failed: {0}")]
-    Check(String),
     /// A payload could not be serialised to JSON.
     #[error("payload is not serialisable to JSON")]
     Json(#[from] serde_json::Error),
-    /// A throwaway PostgreSQL server could not be started or stopped.
-    #[error("throwaway PostgreSQL server: {0}")]
-    TempServer(String),
     /// An I/O error outside the database driver.
     #[error("i/o error")]
     Io(#[from] std::io::Error),

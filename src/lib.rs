@@ -11,11 +11,12 @@ pub mod metrics;
 pub mod migrate;
 mod publisher;
 mod redact;
+#[cfg(feature = "relay")]
+#[cfg_attr(docsrs, doc(cfg(feature = "relay")))]
 pub mod relay;
 pub mod retention;
 mod retry;
 mod store;
-pub mod temp_server;
 
 pub use connect::{
     ConnectOptions, DEFAULT_CONNECT_TIMEOUT, KEEPALIVE_IDLE, PLANNER_SETTINGS, RootCert, SERVER_KEEPALIVES, SslMode,
@@ -25,15 +26,17 @@ pub use consumer::{
     Consumer, ConsumerBuilder, DEFAULT_ACK_BATCH_SIZE, DEFAULT_ACK_INTERVAL, DEFAULT_BATCH_SIZE, DEFAULT_MAX_RETRIES,
     DEFAULT_PING_INTERVAL, DEFAULT_RECONNECT_MAX_DELAY, DEFAULT_SHUTDOWN_GRACE, DEFAULT_STATEMENT_TIMEOUT,
     DEFAULT_SWEEP_INTERVAL, Delivery, EventStream, ListenerStatus, MAX_ERROR_BYTES, Mode, NOTIFY_CHANNEL,
-    PROBE_TIMEOUT, STATUS_INTERVAL, ShutdownHandle,
+    ShutdownHandle,
 };
 pub use error::{Error, Result};
 pub use event::{Envelope, Event, Metadata, NewEvent};
 pub use publisher::{DEFAULT_MAX_PAYLOAD_BYTES, Publisher};
 pub use redact::{redact_database_url, redact_password};
 pub use retry::{AfterLastStep, DEFAULT_RETRY_CAP, DEFAULT_RETRY_JITTER, DEFAULT_RETRY_STEPS, RetryPolicy};
-pub use store::{
-    OutboxStatus, PendingRetry, RetryLadder, STATUS_MAX_TYPES, STATUS_NEXT_RETRIES, TypeBacklog, fetch_query,
-    run_time_statements, status,
-};
+pub use store::{OutboxStatus, PendingRetry, RetryLadder, STATUS_MAX_TYPES, STATUS_NEXT_RETRIES, TypeBacklog, status};
+/// The statements behind the consumer, for the plan tests
+/// (`EXPLAIN (ANALYZE, BUFFERS)` under every statistics state). Not part of
+/// the API: they change with any release.
+#[doc(hidden)]
+pub use store::{fetch_query, run_time_statements};
 pub use tokio_postgres;

@@ -1,8 +1,8 @@
 //! Embedded schema migrations: `migrations/*.sql` then `triggers/*.sql`.
 //!
 //! Every file is plain SQL that `psql -f` can run and that is a no-op when
-//! run twice. [`apply`] runs them under a session advisory lock (so two
-//! relays starting at once do not race), records what it ran in
+//! run twice. [`apply`] runs them on a session of its own under a session
+//! advisory lock (so two relays starting at once do not race), records what it ran in
 //! `events.outbox_schema_migrations`, and skips what is recorded. Trigger
 //! files are re-applied only when their text changed.
 //!
@@ -11,8 +11,9 @@
 
 use tokio_postgres::Client;
 
+use crate::connect::{self, ConnectOptions, SessionSettings};
 use crate::error::{Error, Result};
-use crate::store::locks::{MIGRATE_KEY, TRY_LOCK, UNLOCK};
+use crate::store::locks::{MIGRATE_KEY, TRY_LOCK};
 use crate::store::schema as sql;
 
 /// Schema migrations, in order: (name, SQL). Numbered `NNNN_name`.
@@ -84,37 +85,50 @@ fn checksum(sql: &str) -> String {
     format!("{h:016x}")
 }
 
-/// Apply every migration and trigger file that is not recorded yet.
+/// Apply every migration and trigger file that is not recorded yet, on a
+/// database session of its own (application name `pg-outbox migrate`),
+/// which it closes before returning.
 ///
-/// Must run outside a transaction (indexes are built `CONCURRENTLY`, so
-/// producers keep writing while they build).
-///
-/// Runs with the session's `statement_timeout` off (a concurrent index
-/// build on a large table may take long, and first waits for every older
-/// transaction), so a timeout set for the role, the database or in the
-/// URL's `options` does not cut it; the session's own value is put back at
-/// the end, also after an error.
+/// The files build indexes `CONCURRENTLY`, so producers keep writing while
+/// they build; such a build first waits for every transaction older than
+/// it. Concurrent runs are serialised by a session advisory lock (polled
+/// every 100 ms, never waited for in the server: a waiting session would
+/// sit in a transaction that the holder's concurrent index build waits
+/// for). The session runs with `statement_timeout` off, so a timeout set
+/// for the role, the database or in the URL's `options` does not cut a
+/// long index build.
 ///
 /// # Errors
-/// [`Error::UnsupportedServer`] before anything runs if the server is older than
-/// [`MIN_SERVER_VERSION`], naming both versions; [`Error::Db`] if a
-/// statement fails (nothing after it runs; the files are idempotent, so
-/// running again after fixing the cause is safe), or
+/// [`Error::Connect`] (or another connection error) if the session cannot
+/// be opened; [`Error::UnsupportedServer`] before anything runs if the
+/// server is older than [`MIN_SERVER_VERSION`], naming both versions;
+/// [`Error::Db`] if a statement fails (nothing after it runs; the files are
+/// idempotent, so running again after fixing the cause is safe), or
 /// [`Error::NotMigrated`] naming an index left invalid by an interrupted
 /// concurrent build, with the statement that removes it.
-pub async fn apply(client: &Client) -> Result<MigrationReport> {
-    check_server_version(client).await?;
-    let timeout: String = client.query_one(sql::STATEMENT_TIMEOUT, &[]).await?.try_get("timeout")?;
+///
+/// # Cancel safety
+/// Dropping the future closes its session, which releases the lock (once a
+/// statement still running in the server ends): nothing is left held on
+/// any connection of the caller's. Files already applied stay applied; one
+/// cut short is applied again by the next run (every file is idempotent),
+/// and an index whose concurrent build was cut short is reported by the
+/// next run as above.
+///
+/// # Example
+/// ```no_run
+/// # async fn run() -> Result<(), pg_outbox::Error> {
+/// let pg = pg_outbox::ConnectOptions::parse("postgres://app@db.internal/app")?;
+/// let report = pg_outbox::migrate::apply(&pg).await?;
+/// for file in &report.applied {
+///     println!("applied {file}");
+/// }
+/// # Ok(()) }
+/// ```
+pub async fn apply(pg: &ConnectOptions) -> Result<MigrationReport> {
+    let (client, _link) = connect::connect(pg, "pg-outbox migrate", &SessionSettings::default()).await?;
+    check_server_version(&client).await?;
     client.batch_execute(sql::NO_STATEMENT_TIMEOUT).await?;
-    let result = apply_unlimited(client).await;
-    let restored = client.execute(sql::RESTORE_STATEMENT_TIMEOUT, &[&timeout]).await;
-    let report = result?;
-    restored?;
-    Ok(report)
-}
-
-/// [`apply`], with the statement timeout already off.
-async fn apply_unlimited(client: &Client) -> Result<MigrationReport> {
     // Poll with pg_try_advisory_lock rather than wait in pg_advisory_lock:
     // a session waiting for the lock sits in a transaction, and
     // CREATE INDEX CONCURRENTLY in the session holding it waits for every
@@ -127,11 +141,9 @@ async fn apply_unlimited(client: &Client) -> Result<MigrationReport> {
         }
         tokio::time::sleep(std::time::Duration::from_millis(100)).await;
     }
-    let result = apply_locked(client).await;
-    let unlock = client.execute(UNLOCK, &[&MIGRATE_KEY]).await;
-    let report = result?;
-    unlock?;
-    Ok(report)
+    // The lock ends with the session, when `client` is dropped (also when
+    // this future is).
+    apply_locked(&client).await
 }
 
 async fn apply_locked(client: &Client) -> Result<MigrationReport> {
@@ -195,6 +207,9 @@ const REQUIRED_TRIGGERS: &[(&str, &str)] = &[
 /// [`Error::UnsupportedServer`] if the server is older than [`MIN_SERVER_VERSION`],
 /// naming both versions; [`Error::NotMigrated`] naming the first missing
 /// object and its file; [`Error::Db`] if the check itself fails.
+///
+/// # Cancel safety
+/// Cancel safe: it only reads.
 pub async fn check(client: &Client) -> Result<()> {
     check_server_version(client).await?;
     for (object, file) in REQUIRED {

@@ -132,6 +132,7 @@ pub fn redact_database_url(value: &str) -> String {
 /// assert_eq!(redact_sink("amqp://app:pw@mq:5672/%2f"), "amqp://app:****@mq:5672/%2f");
 /// assert_eq!(redact_sink("https://h/hook?api_key=k"), "https://h/hook?****");
 /// ```
+#[cfg_attr(not(feature = "relay"), allow(dead_code, unreachable_pub))]
 pub fn redact_sink(spec: &str) -> String {
     // Group the comma-separated parts into URLs: a part with a scheme starts
     // one; a part without continues the previous one (more hosts, or a
@@ -221,6 +222,7 @@ fn mask_authority(authority: &str, mask: &str) -> String {
 /// `spec` without credentials, query string or fragment, for logs and
 /// messages: each comma-separated URL keeps its scheme, host, port and path
 /// (`nats://user:pw@h:4222` becomes `nats://h:4222`).
+#[cfg_attr(not(feature = "relay"), allow(dead_code))]
 pub(crate) fn redact_spec(spec: &str) -> String {
     spec.split(',')
         .map(|part| {
@@ -251,6 +253,7 @@ pub(crate) fn redact_spec(spec: &str) -> String {
 /// let url = reqwest::Url::parse("https://u:pw@hooks.example/in?token=t#f").unwrap();
 /// assert_eq!(redact_url(&url), "https://hooks.example/in?…");
 /// ```
+#[cfg(feature = "webhook")]
 pub fn redact_url(url: &reqwest::Url) -> String {
     let mut u = url.clone();
     let _ = u.set_username("");

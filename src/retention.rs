@@ -12,13 +12,16 @@
 //!   a batch), with a pause between batches (default 100 ms) so it never
 //!   holds long locks, keeps WAL and vacuum steady, and leaves room for
 //!   producers.
-//! - One runner at a time: a session advisory lock; a second concurrent run
-//!   returns at once with `skipped = true`.
+//! - One runner at a time: a session advisory lock, on a session of the
+//!   run's own; a second concurrent run returns at once with
+//!   `skipped = true`. Dropping a run's future closes its session, so no
+//!   lock outlives the run on any connection.
 
 use std::time::Duration;
 
 use tokio_postgres::Client;
 
+use crate::connect::{self, ConnectOptions, SessionSettings};
 use crate::error::Result;
 use crate::store::locks::{RETENTION_KEY, TRY_LOCK, UNLOCK};
 use crate::store::map_missing_schema;
@@ -60,10 +63,14 @@ pub struct RetentionReport {
     pub skipped: bool,
 }
 
-/// Count what a run would delete, without deleting.
+/// Count what a run would delete, without deleting (one `SELECT count(*)`
+/// over the published rows older than the cutoff).
 ///
 /// # Errors
 /// [`crate::Error::NotMigrated`] or [`crate::Error::Db`].
+///
+/// # Cancel safety
+/// Cancel safe: it only reads.
 pub async fn dry_run(client: &Client, r: &Retention) -> Result<RetentionReport> {
     let secs = r.older_than.as_secs_f64();
     let n: i64 = client.query_one(COUNT_DUE, &[&secs]).await.map_err(map_missing_schema)?.try_get("due")?;
@@ -71,26 +78,50 @@ pub async fn dry_run(client: &Client, r: &Retention) -> Result<RetentionReport> 
 }
 
 /// Delete published events older than `r.older_than`, batch by batch,
-/// until a batch finds fewer rows than its size. Records
-/// `outbox_retention_deleted_total` (per batch), `outbox_retention_last_run_timestamp_seconds`
-/// (after a successful run) and `outbox_retention_errors_total` (when a
-/// batch fails).
+/// until a batch finds fewer rows than its size, on a database session of
+/// its own (application name `pg-outbox retention`), which it closes before
+/// returning. Records `outbox_retention_deleted_total` (per batch),
+/// `outbox_retention_last_run_timestamp_seconds` (after a successful run)
+/// and `outbox_retention_errors_total` (when a batch fails).
 ///
-/// Must run outside a transaction (each batch commits on its own).
+/// A run that finds another run holding the retention lock returns at once
+/// with [`RetentionReport::skipped`] set and nothing deleted.
 ///
 /// # Errors
-/// [`crate::Error::Config`] for a batch size below 1;
-/// [`crate::Error::NotMigrated`] or [`crate::Error::Db`]. Batches already
-/// deleted stay deleted.
-pub async fn run(client: &Client, r: &Retention) -> Result<RetentionReport> {
+/// [`crate::Error::Config`] for a batch size below 1; a connection error if
+/// the session cannot be opened; [`crate::Error::NotMigrated`] or
+/// [`crate::Error::Db`]. Batches already deleted stay deleted.
+///
+/// # Cancel safety
+/// Dropping the future closes its session, which releases the lock (once a
+/// batch still running in the server ends); batches already deleted stay
+/// deleted and the next run goes on from the oldest remaining row.
+///
+/// # Example
+/// ```no_run
+/// # async fn run() -> Result<(), pg_outbox::Error> {
+/// use pg_outbox::retention::{self, Retention};
+/// let pg = pg_outbox::ConnectOptions::parse("postgres://app@db.internal/app")?;
+/// let report = retention::run(&pg, &Retention::default()).await?;
+/// println!("deleted {} events in {} batches", report.deleted, report.batches);
+/// # Ok(()) }
+/// ```
+pub async fn run(pg: &ConnectOptions, r: &Retention) -> Result<RetentionReport> {
     if r.batch_size < 1 {
         return Err(crate::Error::Config(format!("retention batch size must be at least 1, got {}", r.batch_size)));
     }
+    let (client, _link) = match connect::connect(pg, "pg-outbox retention", &SessionSettings::default()).await {
+        Ok(c) => c,
+        Err(e) => {
+            metrics::counter!(crate::metrics::RETENTION_ERRORS).increment(1);
+            return Err(e);
+        }
+    };
     let got: bool = client.query_one(TRY_LOCK, &[&RETENTION_KEY]).await?.try_get(0)?;
     if !got {
         return Ok(RetentionReport { skipped: true, ..RetentionReport::default() });
     }
-    let result = delete_batches(client, r).await;
+    let result = delete_batches(&client, r).await;
     let unlocked = client.execute(UNLOCK, &[&RETENTION_KEY]).await;
     if result.is_err() || unlocked.is_err() {
         metrics::counter!(crate::metrics::RETENTION_ERRORS).increment(1);

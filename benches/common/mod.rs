@@ -6,8 +6,8 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
+use crate::temp_server::TempServer;
 use pg_outbox::Error;
-use pg_outbox::temp_server::TempServer;
 use pg_outbox::tokio_postgres::{Client, Config, NoTls};
 
 /// Boxed error for the benchmarks' plumbing.
@@ -82,8 +82,7 @@ pub async fn migrated_database(admin: &Client, admin_cfg: &Config, name: &str) -
     admin.batch_execute(&format!("CREATE DATABASE {name}")).await?;
     let mut cfg = admin_cfg.clone();
     cfg.dbname(name);
-    let client = connect(&cfg).await?;
-    pg_outbox::migrate::apply(&client).await?;
+    pg_outbox::migrate::apply(&pg_outbox::ConnectOptions::from(cfg.clone())).await?;
     Ok(cfg)
 }
 

@@ -56,6 +56,8 @@ mod latency;
 mod process;
 mod producers;
 mod report;
+#[path = "../../src/bin/pg-outbox/temp_server.rs"]
+mod temp_server;
 mod util;
 
 use std::collections::BTreeMap;

@@ -69,9 +69,9 @@ pub const DEFAULT_SHUTDOWN_GRACE: Duration = Duration::from_secs(30);
 /// The largest statement timeout the server takes: `i32::MAX` ms.
 const MAX_STATEMENT_TIMEOUT: Duration = Duration::from_millis(i32::MAX as u64);
 /// Interval at which the backlog gauges are refreshed: 5 seconds.
-pub const STATUS_INTERVAL: Duration = Duration::from_secs(5);
+pub(crate) const STATUS_INTERVAL: Duration = Duration::from_secs(5);
 /// How long start waits for its test notification to come back: 2 s.
-pub const PROBE_TIMEOUT: Duration = Duration::from_secs(2);
+pub(crate) const PROBE_TIMEOUT: Duration = Duration::from_secs(2);
 /// Longest `last_error` stored, in bytes; longer messages are cut.
 pub const MAX_ERROR_BYTES: usize = 4096;
 
@@ -355,6 +355,10 @@ impl ConsumerBuilder {
     /// database cannot be reached (the first connection fails fast; later
     /// losses are retried with backoff); [`Error::NotMigrated`] if the
     /// schema has not been migrated.
+    ///
+    /// # Cancel safety
+    /// Cancel safe: dropping the future before it resolves closes the sessions it
+    /// opened (and with them any lock they took); nothing was fetched yet.
     pub async fn start(mut self) -> Result<EventStream> {
         self.validate()?;
         let cfg = Arc::new(self.cfg);
@@ -521,6 +525,11 @@ impl EventStream {
     ///
     /// # Errors
     /// [`Error::Io`] only if the drain task panicked.
+    ///
+    /// # Cancel safety
+    /// Cancel safe: the consumer is told to stop before the first await, and
+    /// its tasks finish stopping on their own (final acknowledgements
+    /// included) if the future is dropped; only the wait for them is given up.
     pub async fn finish(mut self) -> Result<()> {
         self.token.cancel();
         self.release_buffered();

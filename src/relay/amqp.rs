@@ -113,6 +113,9 @@ impl AmqpSink {
     /// the password) when the URL does not parse, the broker cannot be
     /// reached, refuses the login or the vhost, or the exchange does not
     /// exist.
+    ///
+    /// # Cancel safety
+    /// Cancel safe: dropping the future drops the connection being opened.
     pub async fn connect(url: &str, opts: &SinkOptions) -> Result<Self> {
         let uri: AMQPUri = url.parse().map_err(|e: String| {
             // Some parser messages quote the URL, password included: cut it out.

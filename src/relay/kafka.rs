@@ -130,6 +130,9 @@ impl KafkaSink {
     /// # Errors
     /// [`Error::Config`] for a malformed URL, a producer librdkafka refuses to
     /// create, or no broker answering.
+    ///
+    /// # Cancel safety
+    /// Cancel safe: dropping the future drops the producer being created.
     pub async fn connect(url: &str, opts: &SinkOptions) -> Result<Self> {
         let brokers = parse_kafka_url(url)?;
         let timeout_ms = opts.timeout.as_millis().clamp(1, u128::from(i32::MAX as u32)).to_string();

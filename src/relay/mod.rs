@@ -16,6 +16,7 @@ mod nats;
 #[cfg(feature = "redis")]
 mod redis;
 mod stdout;
+#[cfg(feature = "webhook")]
 mod webhook;
 
 use std::future::Future;
@@ -35,14 +36,20 @@ pub use nats::NatsSink;
 #[cfg(feature = "redis")]
 pub use redis::RedisSink;
 pub use stdout::StdoutSink;
+#[cfg(feature = "webhook")]
 pub use webhook::{DEFAULT_WEBHOOK_TIMEOUT, WebhookSecret, WebhookSink};
 
-pub use crate::redact::{redact_sink, redact_url};
+pub use crate::redact::redact_sink;
+#[cfg(feature = "webhook")]
+pub use crate::redact::redact_url;
 
 use crate::error::{BoxError, Result};
 use crate::event::Event;
 use crate::redact::redact_spec;
 use crate::{EventStream, metrics as m};
+
+/// Default time one delivery may take (`--sink-timeout`): 10 seconds.
+pub const DEFAULT_SINK_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// A boxed future returned by [`Sink::deliver`].
 pub type SinkFuture<'a> = Pin<Box<dyn Future<Output = Result<(), BoxError>> + Send + 'a>>;
@@ -132,7 +139,7 @@ impl Default for SinkOptions {
         SinkOptions {
             format: Format::Record,
             cloudevents_source: DEFAULT_CLOUDEVENTS_SOURCE.to_string(),
-            timeout: DEFAULT_WEBHOOK_TIMEOUT,
+            timeout: DEFAULT_SINK_TIMEOUT,
             nats_subject: t("events.{aggregate_type}.{event_type}"),
             kafka_topic: t("outbox.event.{aggregate_type}"),
             redis_stream: t("outbox:{aggregate_type}"),
@@ -157,6 +164,9 @@ pub const SINK_SCHEMES: &str = "`stdout`, http(s)://, nats://, kafka://, redis:/
 /// [`Error::Config`](crate::Error::Config) for an unknown scheme, a
 /// malformed URL, a scheme whose Cargo feature this build lacks, or a broker
 /// that cannot be reached at start.
+///
+/// # Cancel safety
+/// Cancel safe: dropping the future drops the connection being opened.
 pub async fn open_sink(spec: &str, opts: &SinkOptions) -> Result<(Box<dyn Sink>, String)> {
     if spec == "stdout" {
         return Ok((Box::new(StdoutSink::with_format(opts.format, &opts.cloudevents_source)), "stdout".into()));
@@ -164,9 +174,14 @@ pub async fn open_sink(spec: &str, opts: &SinkOptions) -> Result<(Box<dyn Sink>,
     let scheme = spec.split_once("://").map(|(s, _)| s.to_ascii_lowercase()).unwrap_or_default();
     match scheme.as_str() {
         "http" | "https" => {
-            let hook = WebhookSink::new(spec, opts.timeout)?.with_options(opts)?;
-            let name = format!("webhook {}", hook.display_url());
-            Ok((Box::new(hook), name))
+            #[cfg(feature = "webhook")]
+            {
+                let hook = WebhookSink::new(spec, opts.timeout)?.with_options(opts)?;
+                let name = format!("webhook {}", hook.display_url());
+                Ok((Box::new(hook), name))
+            }
+            #[cfg(not(feature = "webhook"))]
+            Err(missing_feature("webhook"))
         }
         "nats" => {
             #[cfg(feature = "nats")]
@@ -216,7 +231,7 @@ pub async fn open_sink(spec: &str, opts: &SinkOptions) -> Result<(Box<dyn Sink>,
 fn missing_feature(feature: &str) -> crate::Error {
     crate::Error::Config(format!(
         "this pg-outbox was built without the `{feature}` feature; rebuild with `--features {feature}` \
-         (it is in the default features)"
+         (`--features full` has every sink)"
     ))
 }
 
@@ -249,6 +264,14 @@ pub struct FatalSinkError(pub String);
 /// # Errors
 /// [`Error::Sink`](crate::Error::Sink) when the sink reported a
 /// [`FatalSinkError`]; otherwise the error that stopped the consumer, if any.
+///
+/// # Cancel safety
+/// Not cancel safe, but it loses nothing: dropping the future drops the
+/// stream, which stops the consumer (as [`crate::ShutdownHandle::shutdown`]
+/// does), and the delivery in hand unacknowledged: the sink may have taken
+/// that event, which is then delivered again later (at-least-once);
+/// buffered events stay unpublished for the next relay. For a clean stop,
+/// resolve `shutdown` instead.
 pub async fn run<S, F>(mut stream: EventStream, sink: &S, shutdown: F) -> Result<RelayStats>
 where
     S: Sink + ?Sized,

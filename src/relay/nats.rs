@@ -70,7 +70,7 @@ fn split_credentials(spec: &str) -> Result<(Vec<String>, Option<Credentials>)> {
     let mut servers = Vec::new();
     let mut creds = None;
     for part in spec.split(',').map(str::trim) {
-        let mut url = reqwest::Url::parse(part)
+        let mut url = url::Url::parse(part)
             .map_err(|e| Error::Config(format!("invalid NATS URL '{}': {e}", redact_spec(part))))?;
         if url.scheme() != "nats" {
             return Err(Error::Config(format!(
@@ -105,6 +105,9 @@ impl NatsSink {
     /// [`Error::Config`] if the URL is malformed or the server cannot be
     /// reached within [`SinkOptions::timeout`]; the message names the
     /// server without credentials.
+    ///
+    /// # Cancel safety
+    /// Cancel safe: dropping the future drops the connection being opened.
     pub async fn connect(url: &str, opts: &SinkOptions) -> Result<Self> {
         let shown = redact_spec(url);
         let (servers, creds) = split_credentials(url)?;

@@ -87,6 +87,9 @@ impl RedisSink {
     /// reached (or refuses the credentials) within
     /// [`SinkOptions::timeout`]; the message names the server without
     /// credentials.
+    ///
+    /// # Cancel safety
+    /// Cancel safe: dropping the future drops the connection being opened.
     pub async fn connect(url: &str, opts: &SinkOptions) -> Result<Self> {
         let shown = redact_spec(url);
         if url.starts_with("rediss://") {

@@ -10,8 +10,9 @@ use crate::error::{Error, Result};
 use crate::event::Event;
 use crate::redact::redact_url;
 
-/// Default time a webhook has to answer: 10 seconds.
-pub const DEFAULT_WEBHOOK_TIMEOUT: Duration = Duration::from_secs(10);
+/// Default time a webhook has to answer: 10 seconds
+/// ([`super::DEFAULT_SINK_TIMEOUT`]).
+pub const DEFAULT_WEBHOOK_TIMEOUT: Duration = super::DEFAULT_SINK_TIMEOUT;
 
 /// Most bytes of a failed response's body kept in `last_error`.
 const BODY_SNIPPET: usize = 512;

@@ -1,5 +1,5 @@
 //! What [`crate::migrate`] runs besides the embedded files: the ledger of
-//! applied files, the statement timeout around a run, and the checks of the
+//! applied files, the statement timeout of a run, and the checks of the
 //! server and the schema.
 
 /// The server's version as a number (`server_version_num`, e.g. 150004) and
@@ -7,12 +7,9 @@
 pub(crate) const SERVER_VERSION: &str = "SELECT current_setting('server_version_num')::int4 AS num, \
      current_setting('server_version') AS version";
 
-/// The session's `statement_timeout` (`timeout`), to put back after a run.
-pub(crate) const STATEMENT_TIMEOUT: &str = "SELECT current_setting('statement_timeout') AS timeout";
-/// Turn the session's `statement_timeout` off for a run.
+/// Turn the session's `statement_timeout` off for a run (the run's own
+/// session, which ends with it).
 pub(crate) const NO_STATEMENT_TIMEOUT: &str = "SET statement_timeout = 0";
-/// Put the session's `statement_timeout` back to $1.
-pub(crate) const RESTORE_STATEMENT_TIMEOUT: &str = "SELECT set_config('statement_timeout', $1, false)";
 
 /// Create the ledger of applied files, `events.outbox_schema_migrations`.
 pub(crate) const CREATE_LEDGER: &str = "CREATE SCHEMA IF NOT EXISTS events; \

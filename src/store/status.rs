@@ -188,6 +188,9 @@ pub(super) const NEXT_RETRIES: &str = "SELECT id, event_type, aggregate_type, re
 /// # Errors
 /// [`crate::Error::NotMigrated`] if the schema is missing; [`crate::Error::Db`] if the
 /// query fails otherwise.
+///
+/// # Cancel safety
+/// Cancel safe: it only reads.
 pub async fn status<C: GenericClient + Sync>(client: &C) -> Result<OutboxStatus> {
     let row = client.query_one(&status_sql(), &[]).await.map_err(map_missing_schema)?;
     let mut by_type = query_map(client, &by_type_sql(), &[&(STATUS_MAX_TYPES + 1)], |r| {

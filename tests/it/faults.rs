@@ -40,7 +40,7 @@ use tokio::task::JoinHandle;
 use tokio_postgres::{Client, NoTls};
 use uuid::Uuid;
 
-use pg_outbox::temp_server::TempServer;
+use crate::temp_server::TempServer;
 
 use crate::consumer::{next, start};
 use crate::process::{self, LIVENESS};

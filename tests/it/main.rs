@@ -2,6 +2,7 @@
 
 mod auto_traits;
 mod brokers;
+mod cancel_safety;
 mod cli;
 mod config;
 mod consumer;
@@ -28,6 +29,8 @@ mod sink_nats;
 mod sink_redis;
 mod status_detail;
 mod support;
+#[path = "../../src/bin/pg-outbox/temp_server.rs"]
+mod temp_server;
 mod timeouts;
 mod tls;
 mod webhook_signing;

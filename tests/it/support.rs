@@ -14,7 +14,7 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Mutex, OnceLock};
 use std::time::Duration;
 
-use pg_outbox::temp_server::TempServer;
+use crate::temp_server::TempServer;
 use tokio_postgres::{Client, NoTls};
 
 static SERVER: OnceLock<Mutex<Option<TempServer>>> = OnceLock::new();
@@ -106,11 +106,8 @@ async fn setup() -> &'static Setup {
             let mut tcfg = admin.clone();
             tcfg.dbname(&template);
             {
-                let (t, tconn) = tcfg.connect(NoTls).await.expect("connect template");
-                let h = tokio::spawn(tconn);
-                pg_outbox::migrate::apply(&t).await.expect("migrate template");
-                drop(t);
-                let _ = h.await;
+                let pg = pg_outbox::ConnectOptions::from(tcfg.clone());
+                pg_outbox::migrate::apply(&pg).await.expect("migrate template");
             }
             // SAFETY: registering a plain extern "C" fn with atexit(3).
             unsafe {

@@ -4,7 +4,7 @@
 
 use std::time::Duration;
 
-use pg_outbox::temp_server::{TempServer, TempServerOptions};
+use crate::temp_server::{TempServer, TempServerOptions};
 use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, Issuer, KeyPair};
 use tokio::io::{AsyncBufReadExt, BufReader};
 

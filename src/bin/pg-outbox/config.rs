@@ -17,9 +17,9 @@ use std::collections::BTreeMap;
 use std::ffi::OsString;
 use std::path::{Path, PathBuf};
 
+use crate::error::Error;
 use clap::parser::ValueSource;
 use clap::{Arg, ArgMatches, Command, CommandFactory, FromArgMatches};
-use pg_outbox::Error;
 
 use crate::Cli;
 

@@ -1,8 +1,8 @@
 //! `pg-outbox dead-letters ...`: operate dead letters from the command line.
 
+use crate::error::Error;
 use chrono::{DateTime, Utc};
 use clap::{Args, Subcommand};
-use pg_outbox::Error;
 use pg_outbox::dead_letters::{self, Filter};
 
 #[derive(Subcommand, Debug)]

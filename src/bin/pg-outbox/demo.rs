@@ -4,9 +4,11 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use crate::temp_server::TempServer;
 use pg_outbox::relay::{Sink, SinkFuture, StdoutSink};
-use pg_outbox::temp_server::TempServer;
-use pg_outbox::{Consumer, Envelope, Error, Event, Metadata, NewEvent, Publisher};
+use pg_outbox::{Consumer, Envelope, Event, Metadata, NewEvent, Publisher};
+
+use crate::error::Error;
 
 #[derive(clap::Args, Debug)]
 pub(crate) struct DemoArgs {
@@ -92,7 +94,7 @@ pub(crate) async fn run(args: DemoArgs) -> Result<(), Error> {
             eprintln!("demo: starting a throwaway PostgreSQL from the local binaries ...");
             let server = tokio::task::spawn_blocking(TempServer::start)
                 .await
-                .map_err(|e| Error::TempServer(e.to_string()))??;
+                .map_err(|e| Error::Check(format!("throwaway server start panicked: {e}")))??;
             eprintln!("demo: PostgreSQL running at 127.0.0.1:{}", server.port());
             let result = run_on(&server.url(), &args).await;
             drop(server); // stops and deletes the throwaway server
@@ -139,7 +141,7 @@ type Committed = HashMap<i64, Instant>;
 async fn run_on(url: &str, args: &DemoArgs) -> Result<(), Error> {
     let metrics = crate::install_metrics(None)?;
     let admin = crate::connect(url).await?;
-    let (subs, start_id) = prepare(&admin, args).await?;
+    let (subs, start_id) = prepare(url, &admin, args).await?;
     let seen = Arc::new(Mutex::new(Seen::default()));
     let (stop_tx, relay) = start_relay(url, seen.clone()).await?;
     eprintln!(
@@ -163,8 +165,8 @@ async fn run_on(url: &str, args: &DemoArgs) -> Result<(), Error> {
 
 /// Migrate, create the demo's domain table and subscriptions; returns them
 /// and the highest outbox id before the demo.
-async fn prepare(admin: &tokio_postgres::Client, args: &DemoArgs) -> Result<(Vec<uuid::Uuid>, i64), Error> {
-    let report = pg_outbox::migrate::apply(admin).await?;
+async fn prepare(url: &str, admin: &tokio_postgres::Client, args: &DemoArgs) -> Result<(Vec<uuid::Uuid>, i64), Error> {
+    let report = pg_outbox::migrate::apply(&pg_outbox::ConnectOptions::parse(url)?).await?;
     eprintln!("demo: migrated ({} files applied)", report.applied.len());
     admin.batch_execute(SCHEMA).await?;
     let subs: Vec<uuid::Uuid> = (0..args.subscriptions).map(|_| uuid::Uuid::new_v4()).collect();
@@ -189,7 +191,7 @@ async fn start_relay(
         let stop = async {
             let _ = stop_rx.await;
         };
-        pg_outbox::relay::run(stream, &sink, stop).await
+        pg_outbox::relay::run(stream, &sink, stop).await.map_err(Error::from)
     });
     Ok((stop_tx, relay))
 }

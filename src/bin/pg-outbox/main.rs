@@ -7,12 +7,16 @@ use std::time::Duration;
 
 use clap::{Parser, Subcommand};
 use pg_outbox::relay;
-use pg_outbox::{Consumer, Error, NewEvent, Publisher, RetryPolicy};
+use pg_outbox::{Consumer, NewEvent, Publisher, RetryPolicy};
+
+use crate::error::Error;
 
 mod config;
 mod dead_letters;
 mod demo;
+mod error;
 mod sink_args;
+mod temp_server;
 
 #[derive(Parser, Debug)]
 #[command(
@@ -234,7 +238,7 @@ fn database_url(cli: &Option<String>) -> Result<String, Error> {
 }
 
 async fn connect(url: &str) -> Result<tokio_postgres::Client, Error> {
-    pg_outbox::parse_url(url)?.connect_client("pg-outbox cli").await
+    Ok(pg_outbox::parse_url(url)?.connect_client("pg-outbox cli").await?)
 }
 
 /// Resolves on the first SIGINT/SIGTERM (graceful shutdown: the event in
@@ -370,30 +374,24 @@ async fn retention_loop(url: String, older_than: Duration, hour: u32, at_start: 
 }
 
 async fn retention_once(url: &str, r: &pg_outbox::retention::Retention) {
-    match connect(url).await {
-        Ok(client) => match pg_outbox::retention::run(&client, r).await {
-            Ok(rep) if rep.skipped => tracing::info!("retention skipped: another relay is running it"),
-            Ok(rep) => tracing::info!(deleted = rep.deleted, batches = rep.batches, "retention done"),
-            Err(e) => tracing::error!(error = %pg_outbox::error::report(&e), "retention failed"),
-        },
-        Err(e) => {
-            metrics::counter!(pg_outbox::metrics::RETENTION_ERRORS).increment(1);
-            tracing::error!(error = %pg_outbox::error::report(&e), "retention could not connect")
-        }
+    let run = async { pg_outbox::retention::run(&pg_outbox::ConnectOptions::parse(url)?, r).await };
+    match run.await {
+        Ok(rep) if rep.skipped => tracing::info!("retention skipped: another relay is running it"),
+        Ok(rep) => tracing::info!(deleted = rep.deleted, batches = rep.batches, "retention done"),
+        Err(e) => tracing::error!(error = %pg_outbox::error::report(&e), "retention failed"),
     }
 }
 
 async fn archive_cmd(url: &str, args: ArchiveArgs) -> Result<(), Error> {
-    let client = connect(url).await?;
     let r =
         pg_outbox::retention::Retention { older_than: args.older_than, batch_size: args.batch_size, pause: args.pause };
     let age = humantime::format_duration(args.older_than);
     if args.dry_run {
-        let rep = pg_outbox::retention::dry_run(&client, &r).await?;
+        let rep = pg_outbox::retention::dry_run(&connect(url).await?, &r).await?;
         println!("dry run: would delete {} published events older than {age}", rep.deleted);
         return Ok(());
     }
-    let rep = pg_outbox::retention::run(&client, &r).await?;
+    let rep = pg_outbox::retention::run(&pg_outbox::ConnectOptions::parse(url)?, &r).await?;
     if rep.skipped {
         return Err(Error::Usage("another retention run holds the lock; nothing deleted".into()));
     }
@@ -552,8 +550,7 @@ fn print_retries(r: &pg_outbox::RetryLadder) {
 }
 
 async fn migrate_cmd(url: &str) -> Result<(), Error> {
-    let client = connect(url).await?;
-    let report = pg_outbox::migrate::apply(&client).await?;
+    let report = pg_outbox::migrate::apply(&pg_outbox::ConnectOptions::parse(url)?).await?;
     if report.applied.is_empty() {
         eprintln!("schema is up to date");
     } else {

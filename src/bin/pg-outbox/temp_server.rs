@@ -10,27 +10,42 @@
 //! the newest `/usr/lib/postgresql/*/bin`, then `$PATH`. PostgreSQL refuses
 //! to run as root; when run as root the server runs as the `postgres` user
 //! (or `nobody`).
+//!
+//! The binary's `demo` uses it; the tests and benchmarks include this file
+//! with `#[path]`. It is not part of the library.
+
+#![allow(dead_code)]
 
 use std::ffi::CString;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
-use crate::error::{Error, Result};
+/// Why a throwaway server could not be found, started or stopped.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// The binaries are missing, or `initdb`/`pg_ctl` failed; the message
+    /// says which and how to fix it.
+    #[error("throwaway PostgreSQL server: {0}")]
+    TempServer(String),
+    /// A file or directory of the server could not be written.
+    #[error("throwaway PostgreSQL server: i/o error")]
+    Io(#[from] std::io::Error),
+}
+
+/// `Result` with this module's [`Error`].
+pub type Result<T, E = Error> = std::result::Result<T, E>;
 
 /// Extra settings and files for [`TempServer::start_with`] (e.g. `ssl = on`
 /// with a certificate and key).
 ///
 /// # Example
-/// ```no_run
-/// # fn run(cert_pem: &str, key_pem: &str) -> Result<(), pg_outbox::Error> {
-/// use pg_outbox::temp_server::{TempServer, TempServerOptions};
+/// ```ignore
 /// let _server = TempServer::start_with(
 ///     TempServerOptions::default()
 ///         .file("server.crt", cert_pem)
 ///         .file("server.key", key_pem)
 ///         .setting("ssl", "on"),
 /// )?;
-/// # Ok(()) }
 /// ```
 #[derive(Debug, Clone, Default)]
 pub struct TempServerOptions {
@@ -324,7 +339,7 @@ impl TempServer {
 impl Drop for TempServer {
     fn drop(&mut self) {
         if let Err(e) = self.stop() {
-            eprintln!("pg-outbox: could not stop the throwaway PostgreSQL server: {}", crate::error::report(&e));
+            eprintln!("pg-outbox: could not stop the throwaway PostgreSQL server: {}", pg_outbox::error::report(&e));
         }
     }
 }
