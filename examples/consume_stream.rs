@@ -1,7 +1,7 @@
 //! Consume the outbox as an async stream: acknowledge what was handled,
 //! fail what was not, and shut down gracefully on Ctrl-C.
 //!
-//! Each delivery's payload is read as the seeded envelope
+//! Each delivery's payload is read as the standard envelope
 //! `{version, data, metadata}`. A delivery that is handled is acknowledged
 //! (`Delivery::ack`: the row is marked published); one that cannot be
 //! handled (here: a payload that is not a version-1 envelope) is failed with

@@ -4,7 +4,7 @@
 //! The sink here appends each event as one JSON line (the relay's
 //! `SinkRecord` format) to a file, and returns `Ok` only after the line is
 //! written and synced to disk: that is the `Sink` contract, since `Ok` marks
-//! the event published. Events whose payload is not the seeded envelope are
+//! the event published. Events whose payload is not the standard envelope are
 //! refused with an error; the relay fails them (retry with backoff, dead
 //! letter at the threshold) and goes on with other aggregates.
 //!

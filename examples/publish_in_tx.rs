@@ -1,9 +1,9 @@
 //! Publish an event in the same transaction as the domain change (the
-//! seed's publisher flow).
+//! publisher flow of docs/schema.md).
 //!
 //! The example keeps a small domain table, `billing.subscriptions`. In one
 //! transaction it records a payment on a subscription and inserts a
-//! `PaymentSucceeded` event whose payload is the seeded envelope
+//! `PaymentSucceeded` event whose payload is the standard envelope
 //! `{version, data, metadata{causation_id, correlation_id}}`. Both become
 //! visible at COMMIT, or neither does: the second transaction below is
 //! rolled back and leaves no event behind.

@@ -9,8 +9,8 @@
 //!   decreases), so a retried dead letter gets one more attempt; failing
 //!   again makes it a dead letter again. Once it is delivered, its
 //!   aggregate's held-back events follow, in id order.
-//! - [`discard`] deletes dead letters (the seed: "removed by hand after
-//!   review"); the later events of their aggregates are then delivered.
+//! - [`discard`] deletes dead letters ("removed by hand after review", as
+//!   docs/schema.md has it); the later events of their aggregates are then delivered.
 
 use chrono::{DateTime, Utc};
 use tokio_postgres::GenericClient;

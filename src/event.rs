@@ -6,7 +6,7 @@ use uuid::Uuid;
 
 use crate::error::{Error, Result};
 
-/// The payload's standard shape (seed-events-outbox-schema, "Event envelope"):
+/// The payload's standard shape (docs/schema.md, "Event envelope"):
 /// `{"version": 1, "data": {...}, "metadata": {"causation_id": ..., "correlation_id": ...}}`.
 ///
 /// `metadata` is optional and left out of the JSON when `None`.
@@ -76,7 +76,8 @@ impl Metadata {
 }
 
 /// An event to publish: one row of `events.outbox` as a producer writes it
-/// (the seed's `(aggregate_type, aggregate_id, event_type, payload)`).
+/// (the four columns `(aggregate_type, aggregate_id, event_type, payload)`;
+/// the database fills in the others, docs/schema.md).
 ///
 /// # Example
 /// ```
@@ -111,7 +112,7 @@ impl NewEvent {
         NewEvent { aggregate_type: aggregate_type.into(), aggregate_id, event_type: event_type.into(), payload }
     }
 
-    /// An event whose payload is the seeded [`Envelope`] around `data`.
+    /// An event whose payload is the standard [`Envelope`] around `data`.
     ///
     /// # Errors
     /// [`Error::Json`] if `data` cannot be serialised to JSON.

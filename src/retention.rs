@@ -1,6 +1,6 @@
 //! Retention: delete published events older than a cutoff, in bounded
-//! batches (the seed's ArchiveOldOutboxEvents, made safe for a large, busy
-//! table).
+//! batches (the schema's original ArchiveOldOutboxEvents, docs/schema.md,
+//! made safe for a large, busy table).
 //!
 //! - Only rows with `published_at IS NOT NULL AND published_at < now() -
 //!   older_than` are deleted: never an unpublished event, never a dead
@@ -27,7 +27,8 @@ use crate::store::locks::{RETENTION_KEY, TRY_LOCK, UNLOCK};
 use crate::store::map_missing_schema;
 use crate::store::retention::{COUNT_DUE, DELETE_BATCH};
 
-/// The seed's retention: published events older than 30 days.
+/// The schema's original retention: published events older than 30 days
+/// (docs/schema.md, "Retention and dead letters").
 pub const DEFAULT_RETENTION: Duration = Duration::from_secs(30 * 24 * 60 * 60);
 /// Default rows deleted per statement: 1000.
 pub const DEFAULT_RETENTION_BATCH: i64 = 1000;

@@ -4,8 +4,8 @@ use std::time::Duration;
 
 use crate::error::{Error, Result};
 
-/// The seeded ladder's steps: 1 min, 5 min, 15 min, 1 h
-/// (seed-events-outbox-schema, "MarkRetry").
+/// The original ladder's steps: 1 min, 5 min, 15 min, 1 h
+/// (docs/schema.md, "Publisher and poller flow", MarkRetry).
 pub const DEFAULT_RETRY_STEPS: [Duration; 4] =
     [Duration::from_secs(60), Duration::from_secs(5 * 60), Duration::from_secs(15 * 60), Duration::from_secs(60 * 60)];
 
@@ -27,7 +27,7 @@ pub enum AfterLastStep {
 
 /// How long a failed event waits before it is due again.
 ///
-/// The default is the seed's ladder, extended: after the 1st failure 1 min,
+/// The default is the schema's original ladder (docs/schema.md), extended: after the 1st failure 1 min,
 /// 2nd 5 min, 3rd 15 min, 4th 1 h, then doubling (2 h, 4 h, 8 h, 16 h) capped
 /// at 24 h. Every delay is stretched by a random 0–10 % ([`Self::jitter`]) so
 /// that events that failed together do not retry in lockstep; a delay is never
@@ -147,7 +147,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn default_ladder_matches_seed_then_doubles_to_cap() {
+    fn default_ladder_is_the_original_steps_then_doubles_to_cap() {
         let p = RetryPolicy::default();
         let mins = |m: u64| Duration::from_secs(m * 60);
         let got: Vec<_> = (1..=10).map(|n| p.base_delay(n)).collect();

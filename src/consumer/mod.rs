@@ -36,8 +36,8 @@ use crate::retry::RetryPolicy;
 /// The channel the insert trigger notifies
 /// (`triggers/outbox_insert_order_and_notify.sql`).
 pub const NOTIFY_CHANNEL: &str = "events.outbox";
-/// Default rows fetched per query: 500 (the seed's FetchUnpublishedBatch
-/// takes 50; docs/performance.md, "Batch sizes", says why 500). A fetch
+/// Default rows fetched per query: 500 (the schema's original poller query,
+/// FetchUnpublishedBatch in docs/schema.md, takes 50; docs/performance.md, "Batch sizes", says why 500). A fetch
 /// returns at once with what is there, so a small backlog is not delayed.
 /// The stream buffers up to twice the batch.
 pub const DEFAULT_BATCH_SIZE: usize = 500;
@@ -45,7 +45,8 @@ pub const DEFAULT_BATCH_SIZE: usize = 500;
 /// notification can delay an event.
 pub const DEFAULT_SWEEP_INTERVAL: Duration = Duration::from_secs(1);
 /// Default dead-letter threshold: an event whose `retry_count` reaches 10 is
-/// a dead letter (the seed: "Dead letters (`retry_count >= 10`)").
+/// a dead letter (the schema's original threshold, `retry_count >= 10`;
+/// docs/schema.md, "Retention and dead letters").
 pub const DEFAULT_MAX_RETRIES: i32 = 10;
 /// Default acknowledgement batch: flush once 500 settlements are pending.
 pub const DEFAULT_ACK_BATCH_SIZE: usize = 500;
@@ -99,7 +100,8 @@ pub enum Mode {
         /// of one outbox must use the same number.
         partitions: u32,
     },
-    /// The seed's competing consumers: each fetch claims due rows with
+    /// Competing consumers, as the schema's original design planned for
+    /// scaling out (docs/schema.md): each fetch claims due rows with
     /// `FOR UPDATE SKIP LOCKED` in a transaction kept open until the batch
     /// is settled, so consumers never deliver the same row at once. **No
     /// order at all**, not even per aggregate, and no hold-back behind
@@ -189,7 +191,7 @@ pub struct ConsumerBuilder {
 }
 
 impl ConsumerBuilder {
-    /// Rows fetched per query (default [`DEFAULT_BATCH_SIZE`], 500; the seed's poller fetches 50). A backlog is drained in batches
+    /// Rows fetched per query (default [`DEFAULT_BATCH_SIZE`], 500; the schema's original poller fetches 50). A backlog is drained in batches
     /// of this size and is never read into memory at once.
     pub fn batch_size(mut self, rows: usize) -> Self {
         self.cfg.batch_size = rows;

@@ -116,8 +116,8 @@ struct CloudEvent<'a> {
     tracestate: Option<&'a str>,
 }
 
-/// A text field of `payload.metadata`, if the payload has the seeded
-/// envelope shape and the field is a string.
+/// A text field of `payload.metadata`, if the payload has the standard
+/// envelope shape ([`crate::Envelope`]) and the field is a string.
 fn metadata_field<'a>(event: &'a Event, key: &str) -> Option<&'a str> {
     event.payload.get("metadata")?.get(key)?.as_str()
 }

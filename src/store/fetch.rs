@@ -109,8 +109,9 @@ pub fn fetch_query() -> String {
 const PARTITION_EXPR: &str =
     "((hashtextextended(o.aggregate_type || '/' || o.aggregate_id::text, 0) & 2147483647) % $3)::int4";
 
-/// The seed's competing mode: claim due rows with `FOR UPDATE SKIP LOCKED`
-/// inside a transaction held until the batch is settled. No per-aggregate
+/// Competing mode (docs/schema.md, "Publisher and poller flow"): claim
+/// due rows with `FOR UPDATE SKIP LOCKED` inside a transaction held until
+/// the batch is settled. No per-aggregate
 /// order, no hold-back. Due retries first (a walk of `outbox_retry_due_idx`
 /// by `next_retry_at`), then fresh rows for the rest of the $1 (a walk of
 /// `outbox_fresh_order_idx` by `id + 0`): as in [`fetch_sql`], each is the

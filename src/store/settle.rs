@@ -1,12 +1,12 @@
 //! Settling delivered events: acknowledgements and failures, batched.
 
-/// Mark events published (the seed's MarkPublished, batched). Returns, per
+/// Mark events published (MarkPublished of docs/schema.md, batched). Returns, per
 /// row actually published, seconds from `occurred_at` to now (`lag`).
 pub(crate) const ACK: &str = "UPDATE events.outbox SET published_at = now() \
      WHERE id = ANY($1::bigint[]) AND published_at IS NULL \
      RETURNING EXTRACT(EPOCH FROM (now() - occurred_at))::float8 AS lag";
 
-/// Record failures (the seed's MarkRetry, batched): retry_count + 1,
+/// Record failures (MarkRetry of docs/schema.md, batched): retry_count + 1,
 /// last_error, and next_retry_at = now() + delay, or 'infinity' when the
 /// event becomes a dead letter (retry_count reaches $3). $1 are the ids; $2
 /// a jsonb object keyed by id (as text), each value `{"e": error, "d": delay

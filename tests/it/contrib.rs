@@ -132,7 +132,7 @@ fn contrib_files_parse_and_every_exported_metric_is_shown() {
     assert!(unshown.is_empty(), "metrics neither on the dashboard nor in an alert: {unshown:?}");
     let unknown: Vec<&String> = used.difference(&exported).collect();
     assert!(unknown.is_empty(), "contrib names metrics the code does not define: {unknown:?}");
-    // Alerts cover what the README promises: backlog age, dead letters,
+    // Alerts cover what docs/operations.md promises: backlog age, dead letters,
     // notifications, relay down, retention.
     let alerts = alert_exprs(&rules).join("\n");
     for needle in [

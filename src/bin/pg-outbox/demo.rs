@@ -1,4 +1,5 @@
-//! `pg-outbox demo`: the seed's flow end to end on a throwaway server.
+//! `pg-outbox demo`: the publisher and consumer flow of docs/schema.md end
+//! to end on a throwaway server.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -319,8 +320,8 @@ impl Summary {
     }
 }
 
-/// One producer: the seed's publisher flow, in the same transaction as the
-/// domain update. Returns how many transactions it rolled back.
+/// One producer: the publisher flow of docs/schema.md, in the same
+/// transaction as the domain update. Returns how many transactions it rolled back.
 async fn produce(
     url: &str,
     p: usize,
