@@ -1,4 +1,5 @@
 #![doc = include_str!("guide.md")]
+#![cfg_attr(docsrs, feature(doc_cfg))]
 #![warn(missing_docs, missing_debug_implementations, unreachable_pub, rust_2018_idioms)]
 #![doc(test(attr(deny(warnings), allow(dead_code))))]
 

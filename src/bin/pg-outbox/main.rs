@@ -50,7 +50,7 @@ enum Command {
     /// List, show, retry or discard dead letters.
     #[command(subcommand)]
     DeadLetters(dead_letters::DeadLetterCmd),
-    /// Delete published events older than a cutoff (the seed's retention), in
+    /// Delete published events older than a cutoff (30 days by default, as docs/schema.md says), in
     /// bounded batches; never unpublished events or dead letters.
     Archive(ArchiveArgs),
     /// Run a self-contained demo: throwaway PostgreSQL, concurrent producers,
@@ -109,7 +109,7 @@ struct RelayArgs {
     statement_timeout: Duration,
     /// How several relays share one outbox: `single` (one active, others
     /// hot standbys; keeps order), `partitioned` (all active, split by a hash
-    /// of the aggregate; keeps per-aggregate order), `competing` (the seed's
+    /// of the aggregate; keeps per-aggregate order), `competing` (the original design's
     /// FOR UPDATE SKIP LOCKED; no order at all).
     #[arg(long, value_enum, default_value_t = ModeArg::Single)]
     mode: ModeArg,
@@ -120,7 +120,7 @@ struct RelayArgs {
     #[arg(long)]
     no_listen: bool,
     /// Run retention daily: delete published events older than this (e.g.
-    /// 30d, the seed's figure). Off unless given: deleting is your call.
+    /// 30d, docs/schema.md's figure). Off unless given: deleting is your call.
     #[arg(long, value_parser = parse_duration, value_name = "DURATION")]
     retention: Option<Duration>,
     /// Hour of the day (UTC, 0-23) at which retention runs.
@@ -158,7 +158,7 @@ struct PublishArgs {
 
 #[derive(clap::Args, Debug)]
 struct ArchiveArgs {
-    /// Delete published events older than this (the seed: 30 days).
+    /// Delete published events older than this (default 30 days, docs/schema.md).
     #[arg(long, value_parser = parse_duration, default_value = "30d")]
     older_than: Duration,
     /// Rows per DELETE statement.
