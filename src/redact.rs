@@ -127,10 +127,12 @@ pub fn redact_database_url(value: &str) -> String {
 ///
 /// # Example
 /// ```
+/// # #[cfg(feature = "relay")] {
 /// use pg_outbox::relay::redact_sink;
 /// assert_eq!(redact_sink("nats://tok@h:4222"), "nats://****@h:4222");
 /// assert_eq!(redact_sink("amqp://app:pw@mq:5672/%2f"), "amqp://app:****@mq:5672/%2f");
 /// assert_eq!(redact_sink("https://h/hook?api_key=k"), "https://h/hook?****");
+/// # }
 /// ```
 #[cfg_attr(not(feature = "relay"), allow(dead_code, unreachable_pub))]
 pub fn redact_sink(spec: &str) -> String {
