@@ -168,7 +168,7 @@ async fn print_config_masks_passwords_and_secrets() {
         .await
         .parts();
     assert_eq!(code, Some(1), "{err}");
-    assert!(err.contains("127.0.0.1:1/app") && !err.contains("db-pw-2"), "{err}");
+    assert!(err.contains("127.0.0.1:1 (database app, user app") && !err.contains("db-pw-2"), "{err}");
 }
 
 /// `OUTBOX_DATABASE_URL` is the fallback after `--database-url` and

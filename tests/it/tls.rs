@@ -69,8 +69,8 @@ fn write_file(dir: &tempfile::TempDir, name: &str, contents: &str) -> String {
 /// Connect with `url` and return whether the session is encrypted (from
 /// `pg_stat_ssl`), or the error as one line.
 async fn ssl_in_use(url: &str) -> Result<bool, String> {
-    let opts = pg_outbox::parse_url(url).map_err(|e| pg_outbox::error::report(&e))?;
-    let client = opts.connect_client("pg-outbox tls test").await.map_err(|e| pg_outbox::error::report(&e))?;
+    let opts = pg_outbox::ConnectOptions::parse(url).map_err(|e| pg_outbox::error::report(&e))?;
+    let client = opts.connect().await.map_err(|e| pg_outbox::error::report(&e))?;
     let row = client
         .query_one("SELECT ssl FROM pg_stat_ssl WHERE pid = pg_backend_pid()", &[])
         .await
@@ -159,7 +159,7 @@ async fn relay_end_to_end_over_verify_full() {
     assert_eq!(record["id"], serde_json::json!(id), "{line}");
     assert_eq!(record["aggregate_id"], serde_json::json!(agg), "{line}");
 
-    let admin = pg_outbox::parse_url(&url).expect("url").connect_client("tls test admin").await.expect("connect");
+    let admin = pg_outbox::ConnectOptions::parse(&url).expect("url").connect().await.expect("connect");
     let rows = admin
         .query(
             "SELECT a.application_name, s.ssl FROM pg_stat_activity a JOIN pg_stat_ssl s USING (pid) \
