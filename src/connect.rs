@@ -1354,3 +1354,223 @@ mod tests {
         assert_eq!(setting_millis(Duration::from_secs(u64::MAX)), i32::MAX as u64);
     }
 }
+
+#[cfg(test)]
+mod env_tests {
+    //! libpq's variables, defaults and password file, with the variables
+    //! from a map (the process environment is neither read nor changed).
+
+    use super::*;
+
+    fn parse_in(s: &str, vars: &[(&str, &str)]) -> Result<ConnectOptions> {
+        let env = |k: &str| vars.iter().find(|(n, _)| *n == k).map(|(_, v)| v.to_string());
+        ConnectOptions::parse_with(s, &env)
+    }
+
+    fn password(o: &ConnectOptions) -> Option<String> {
+        o.tokio_postgres_config().get_password().map(|p| String::from_utf8_lossy(p).into_owned())
+    }
+
+    fn tcp(h: &str) -> Host {
+        Host::Tcp(h.to_string())
+    }
+
+    fn default_sockets() -> Vec<Host> {
+        libpq::default_socket_dirs().into_iter().map(Host::Unix).collect()
+    }
+
+    const ALL: [(&str, &str); 9] = [
+        ("PGHOST", "db.example.com"),
+        ("PGPORT", "6543"),
+        ("PGUSER", "envuser"),
+        ("PGPASSWORD", "envpw"),
+        ("PGDATABASE", "envdb"),
+        ("PGSSLMODE", "verify-ca"),
+        ("PGSSLROOTCERT", "/env/ca.pem"),
+        ("PGAPPNAME", "envapp"),
+        ("PGCONNECT_TIMEOUT", "7"),
+    ];
+
+    #[test]
+    fn each_variable_fills_its_setting() {
+        let o = parse_in("", &ALL).expect("variables alone");
+        assert_eq!(o.hosts(), &[tcp("db.example.com")]);
+        assert_eq!(o.ports(), &[6543]);
+        assert_eq!(o.user(), Some("envuser"));
+        assert_eq!(password(&o).as_deref(), Some("envpw"));
+        assert_eq!(o.dbname(), Some("envdb"));
+        assert_eq!(o.ssl_mode(), SslMode::VerifyCa);
+        assert_eq!(o.root_cert(), Some(&RootCert::File("/env/ca.pem".into())));
+        assert_eq!(o.application_name(), Some("envapp"));
+        assert_eq!(o.connect_timeout(), Some(Duration::from_secs(7)));
+    }
+
+    #[test]
+    fn the_strings_fields_win_over_the_variables() {
+        for s in [
+            "postgres://u:p@h:1/d?sslmode=disable&sslrootcert=/s/ca.pem&application_name=a&connect_timeout=3",
+            "host=h port=1 user=u password=p dbname=d sslmode=disable sslrootcert=/s/ca.pem application_name=a \
+             connect_timeout=3",
+        ] {
+            let o = parse_in(s, &ALL).expect("string");
+            assert_eq!(o.hosts(), &[tcp("h")], "{s}");
+            assert_eq!(o.ports(), &[1], "{s}");
+            assert_eq!(o.user(), Some("u"), "{s}");
+            assert_eq!(password(&o).as_deref(), Some("p"), "{s}");
+            assert_eq!(o.dbname(), Some("d"), "{s}");
+            assert_eq!(o.ssl_mode(), SslMode::Disable, "{s}");
+            assert_eq!(o.root_cert(), Some(&RootCert::File("/s/ca.pem".into())), "{s}");
+            assert_eq!(o.application_name(), Some("a"), "{s}");
+            assert_eq!(o.connect_timeout(), Some(Duration::from_secs(3)), "{s}");
+        }
+        // Field by field: what the string leaves out comes from the variables.
+        let o = parse_in("postgres://u@/d", &ALL).expect("hostless");
+        assert_eq!((o.hosts(), o.ports()), (&[tcp("db.example.com")][..], &[6543][..]));
+        assert_eq!((o.user(), o.dbname()), (Some("u"), Some("d")));
+        assert_eq!(password(&o).as_deref(), Some("envpw"));
+        assert_eq!(o.ssl_mode(), SslMode::VerifyCa);
+    }
+
+    #[test]
+    fn hostless_strings_use_pghost_else_the_unix_socket() {
+        let os_user = libpq::os_user().expect("the OS user's name");
+        for s in ["postgres://postgres@/app", "dbname=app user=postgres", "postgresql://postgres@/app"] {
+            let o = parse_in(s, &[]).expect(s);
+            assert_eq!(o.hosts(), &default_sockets()[..], "{s}");
+            assert!(o.ports().is_empty(), "{s}: 5432");
+            assert_eq!((o.user(), o.dbname()), (Some("postgres"), Some("app")), "{s}");
+            let o = parse_in(s, &[("PGHOST", "127.0.0.1")]).expect(s);
+            assert_eq!(o.hosts(), &[tcp("127.0.0.1")], "{s}");
+            let o = parse_in(s, &[("PGHOST", "/run/pg")]).expect(s);
+            assert_eq!(o.hosts(), &[Host::Unix("/run/pg".into())], "{s}: a directory is a socket");
+        }
+        // No user given: PGUSER, else the OS user; no database: PGDATABASE, else the user.
+        let o = parse_in("postgres:///app", &[]).expect("no user");
+        assert_eq!((o.user(), o.dbname()), (Some(os_user.as_str()), Some("app")));
+        let o = parse_in("", &[]).expect("nothing at all");
+        assert_eq!(o.hosts(), &default_sockets()[..]);
+        assert_eq!((o.user(), o.dbname()), (Some(os_user.as_str()), Some(os_user.as_str())));
+        assert_eq!(o.ssl_mode(), SslMode::Prefer);
+        let o = parse_in("host=h", &[("PGUSER", "alice")]).expect("PGUSER");
+        assert_eq!((o.user(), o.dbname()), (Some("alice"), Some("alice")));
+        let o = parse_in("user=bob host=h", &[("PGUSER", "alice")]).expect("user wins");
+        assert_eq!((o.user(), o.dbname()), (Some("bob"), Some("bob")));
+        // hostaddr alone is a host, as in libpq.
+        let o = parse_in("hostaddr=127.0.0.1 user=u", &[("PGHOST", "elsewhere")]).expect("hostaddr");
+        assert!(o.hosts().is_empty());
+        // Several hosts and ports.
+        let o = parse_in("user=u", &[("PGHOST", "/sock, h2"), ("PGPORT", "5433,5434")]).expect("lists");
+        assert_eq!(o.hosts(), &[Host::Unix("/sock".into()), tcp("h2")]);
+        assert_eq!(o.ports(), &[5433, 5434]);
+    }
+
+    #[test]
+    fn bad_variables_are_named() {
+        for (var, value, needle) in [
+            ("PGPORT", "abc", "invalid PGPORT `abc`"),
+            ("PGPORT", "0", "invalid PGPORT `0`"),
+            ("PGPORT", "5432,x", "invalid PGPORT `5432,x`"),
+            ("PGSSLMODE", "bogus", "invalid sslmode `bogus`"),
+            ("PGCONNECT_TIMEOUT", "soon", "invalid PGCONNECT_TIMEOUT `soon`"),
+        ] {
+            let e = parse_in("host=h user=u", &[(var, value)]).expect_err(var);
+            assert!(e.to_string().contains(needle), "{var}={value}: {e}");
+        }
+        let o = parse_in("host=h user=u", &[("PGCONNECT_TIMEOUT", "0")]).expect("0 sets none");
+        assert_eq!(o.connect_timeout(), None);
+        let o = parse_in("host=h user=u", &[("PGSSLROOTCERT", "system")]).expect("system roots");
+        assert_eq!(o.ssl_mode(), SslMode::VerifyFull, "sslrootcert=system makes verify-full the default");
+        let e = parse_in("host=h user=u", &[("PGSSLROOTCERT", "system"), ("PGSSLMODE", "require")]).expect_err("weak");
+        assert!(e.to_string().contains("sslrootcert=system requires sslmode=verify-full"), "{e}");
+    }
+
+    #[cfg(unix)]
+    #[test]
+    fn the_password_file_supplies_a_missing_password() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().expect("tempdir");
+        let file = dir.path().join("pgpass");
+        std::fs::write(
+            &file,
+            "localhost:5432:app:postgres:sockpw\ndb.example.com:6543:*:app:tcppw\n/run/pg:*:*:*:dirpw\n",
+        )
+        .expect("write");
+        std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o600)).expect("chmod");
+        let path = file.display().to_string();
+        let env = [("PGPASSFILE", path.as_str())];
+        // A socket in a default directory matches `localhost`.
+        assert_eq!(password(&parse_in("postgres://postgres@/app", &env).expect("url")).as_deref(), Some("sockpw"));
+        assert_eq!(
+            password(&parse_in("postgres://app@db.example.com:6543/x", &env).expect("url")).as_deref(),
+            Some("tcppw")
+        );
+        // Another socket directory matches as its path.
+        assert_eq!(password(&parse_in("host=/run/pg user=u", &env).expect("kv")).as_deref(), Some("dirpw"));
+        // A password given, in the string or PGPASSWORD, wins over the file.
+        let given = parse_in("postgres://app:given@db.example.com:6543/x", &env).expect("url");
+        assert_eq!(password(&given).as_deref(), Some("given"));
+        let from_var =
+            parse_in("postgres://app@db.example.com:6543/x", &[env[0], ("PGPASSWORD", "envpw")]).expect("url");
+        assert_eq!(password(&from_var).as_deref(), Some("envpw"));
+        // No matching line; and the database changed after parsing is the one matched.
+        let o = parse_in("postgres://postgres@/other", &env).expect("url");
+        assert_eq!(password(&o), None);
+        assert_eq!(password(&o.with_dbname("app")).as_deref(), Some("sockpw"));
+        // HOME/.pgpass is the default.
+        std::fs::copy(&file, dir.path().join(".pgpass")).expect("copy");
+        let home = dir.path().display().to_string();
+        let o = parse_in("postgres://postgres@/app", &[("HOME", home.as_str())]).expect("url");
+        assert_eq!(password(&o).as_deref(), Some("sockpw"));
+    }
+
+    #[test]
+    fn from_config_gets_libpqs_defaults_but_not_the_environment() {
+        let mut cfg = Config::new();
+        cfg.user("u");
+        let o = ConnectOptions::from(cfg);
+        assert_eq!(o.hosts(), &default_sockets()[..]);
+        assert_eq!((o.user(), o.dbname()), (Some("u"), Some("u")));
+        assert_eq!(password(&o), None);
+    }
+
+    #[test]
+    fn targets_name_every_host_or_socket_the_database_and_the_user() {
+        let o = parse_in("postgres://app:secret@db:6543/shop?sslmode=verify-full&sslrootcert=/ca.pem", &[]).expect("u");
+        assert_eq!(o.describe(), "db:6543 (database shop, user app, sslmode=verify-full)");
+        let o = parse_in("host=/run/pg,/tmp user=u dbname=d", &[]).expect("kv");
+        assert_eq!(o.describe(), "socket /run/pg/.s.PGSQL.5432 or /tmp/.s.PGSQL.5432 (database d, user u)");
+        let o = parse_in("host=a,b port=1,2 user=u dbname=d sslmode=disable", &[]).expect("kv");
+        assert_eq!(o.describe(), "a:1 or b:2 (database d, user u, sslmode=disable)");
+        let o = parse_in("host=db hostaddr=10.0.0.1 user=u", &[]).expect("kv");
+        assert_eq!(o.describe(), "db (10.0.0.1):5432 (database u, user u, sslmode=prefer)");
+        let o = parse_in("host=::1 user=u", &[]).expect("kv");
+        assert_eq!(o.describe(), "[::1]:5432 (database u, user u, sslmode=prefer)");
+        assert!(!o.describe().contains("secret"));
+        assert_eq!(
+            with_notes("x (database d)".into(), &["directory /x does not exist".into()]),
+            "x (database d; directory /x does not exist)"
+        );
+    }
+
+    #[test]
+    fn the_pool_config_keeps_the_tls_rules() {
+        use tokio_postgres::config::SslMode as T;
+        let mode = |s: &str| parse_in(s, &[]).expect("url").tokio_postgres_config().get_ssl_mode();
+        assert_eq!(mode("host=h user=u sslmode=verify-full sslrootcert=/ca.pem"), T::Require);
+        assert_eq!(mode("host=h user=u sslmode=verify-ca sslrootcert=/ca.pem"), T::Require);
+        assert_eq!(mode("host=h user=u sslmode=require"), T::Require);
+        assert_eq!(mode("host=h user=u"), T::Prefer);
+        assert_eq!(mode("host=h user=u sslmode=allow"), T::Disable);
+        assert_eq!(mode("host=/run/pg user=u sslmode=verify-full"), T::Disable, "no TLS on a socket (libpq)");
+        let cfg = parse_in("host=h user=u", &[]).expect("url").tokio_postgres_config();
+        assert!(cfg.get_keepalives());
+        assert_eq!(cfg.get_connect_timeout(), Some(&DEFAULT_CONNECT_TIMEOUT));
+        assert_eq!(cfg.get_options(), None, "no planner settings for an application's pool");
+        // A socket needs no roots, even with verify-full.
+        let o = parse_in("host=/run/pg user=u sslmode=verify-full", &[]).expect("kv");
+        assert!(o.tls_connector().is_ok());
+        let o = parse_in("host=h user=u sslmode=verify-full", &[("HOME", "/nonexistent")]).expect("kv");
+        let e = o.tls_connector().expect_err("verify-full needs roots");
+        assert!(e.to_string().contains("needs trusted root certificates"), "{e}");
+    }
+}
