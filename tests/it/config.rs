@@ -320,3 +320,12 @@ async fn relay_runs_with_settings_from_file_and_environment() {
     assert!(body.contains("outbox_"), "metrics served on 127.0.0.1:{port}:\n{body}");
     relay.kill9().await;
 }
+
+/// Without any URL, `--print-config` says the PG variables apply.
+#[tokio::test]
+async fn print_config_without_a_url_names_the_pg_variables() {
+    let (code, out, err) = cli(&["relay", "--print-config"]).envs(&[]).run().await.parts();
+    assert_eq!(code, Some(0), "{err}");
+    let line = out.lines().find(|l| l.starts_with("# database_url =")).unwrap_or_default();
+    assert!(line.ends_with("# not set: libpq's PG* variables and defaults apply"), "{out}");
+}

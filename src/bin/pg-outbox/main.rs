@@ -24,7 +24,8 @@ mod sink_args;
 struct Cli {
     /// PostgreSQL URL, e.g. postgres://user@localhost:5432/app (libpq
     /// key=value strings work too). Falls back to OUTBOX_DATABASE_URL when
-    /// DATABASE_URL is unset; with neither, connects as psql does (see below).
+    /// DATABASE_URL is unset; with neither, connects as psql does (see
+    /// pg-outbox --help).
     #[arg(long, env = "DATABASE_URL", global = true, hide_env_values = true)]
     database_url: Option<String>,
 
