@@ -302,6 +302,7 @@ impl ConnectOptions {
     /// # async fn run() -> Result<(), pg_outbox::Error> {
     /// // PGHOST=db.internal PGUSER=app PGDATABASE=app, password in ~/.pgpass
     /// let client = pg_outbox::ConnectOptions::from_env()?.connect().await?;
+    /// client.simple_query("SELECT 1").await?;
     /// # Ok(()) }
     /// ```
     pub fn from_env() -> Result<Self> {
@@ -520,6 +521,19 @@ impl ConnectOptions {
     /// [`Error::Config`] if the root certificates cannot be loaded (a
     /// missing or unreadable `sslrootcert` file, no system roots) or the
     /// mode needs roots and none are given.
+    ///
+    /// # Example
+    /// What a pool does for each connection:
+    /// ```no_run
+    /// # async fn run() -> Result<(), Box<dyn std::error::Error>> {
+    /// let opts = pg_outbox::ConnectOptions::parse(
+    ///     "postgres://app@db.example.com/app?sslmode=verify-full&sslrootcert=/etc/ssl/pg-ca.pem",
+    /// )?;
+    /// let (client, connection) = opts.tokio_postgres_config().connect(opts.tls_connector()?).await?;
+    /// tokio::spawn(connection);
+    /// client.simple_query("SELECT 1").await?;
+    /// # Ok(()) }
+    /// ```
     pub fn tls_connector(&self) -> Result<TlsConnector> {
         Ok(TlsConnector(self.tls_for_hosts()?))
     }
