@@ -318,3 +318,22 @@ async fn no_public_path_weakens_verify_full() {
         }
     }
 }
+
+/// `TlsConnector` meets what deadpool-postgres's `Manager::from_config`
+/// asks of a connector (checked at compile time).
+#[test]
+fn the_tls_connector_fits_a_pool() {
+    use tokio_postgres::Socket;
+    use tokio_postgres::tls::{MakeTlsConnect, TlsConnect};
+    fn pool_ready<T>()
+    where
+        T: MakeTlsConnect<Socket> + Clone + Sync + Send + 'static,
+        T::Stream: Sync + Send,
+        T::TlsConnect: Sync + Send,
+        <T::TlsConnect as TlsConnect<Socket>>::Future: Send,
+    {
+    }
+    pool_ready::<pg_outbox::TlsConnector>();
+    let opts = pg_outbox::ConnectOptions::parse("postgres://u@db.example.com/d?sslmode=require").expect("url");
+    assert!(opts.tls_connector().is_ok(), "require without roots needs none");
+}
