@@ -103,7 +103,7 @@ pub fn redact_database_url(value: &str) -> String {
     let Some((scheme, rest)) = value.split_once("://") else { return redact_password(value) };
     let Some(at) = rest.rfind('@') else { return redact_password(value) };
     let (userinfo, host) = rest.split_at(at);
-    let masked = if crate::parse_url(value).is_ok() {
+    let masked = if crate::connect::parses(value) {
         match userinfo.split_once(':') {
             Some((user, _)) => format!("{scheme}://{user}:{MASK}{host}"),
             None => value.to_string(),
