@@ -84,7 +84,7 @@ impl Filter {
         self
     }
 
-    fn params(&self) -> [&(dyn ToSql + Sync); 5] {
+    pub(crate) fn params(&self) -> [&(dyn ToSql + Sync); 5] {
         [&self.ids, &self.aggregate_type, &self.event_type, &self.error_contains, &self.since]
     }
 

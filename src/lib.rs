@@ -4,6 +4,9 @@
 #![doc(test(attr(deny(warnings), allow(dead_code))))]
 
 mod connect;
+#[cfg(feature = "console")]
+#[cfg_attr(docsrs, doc(cfg(feature = "console")))]
+pub mod console;
 mod consumer;
 pub mod dead_letters;
 pub mod error;

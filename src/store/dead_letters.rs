@@ -6,7 +6,7 @@
 /// discouraged on pg-outbox's sessions ([`crate::PLANNER_SETTINGS`]) each
 /// is a walk of that index, touching dead letters only, whatever the
 /// statistics say (the count too: its subquery keeps the order).
-const MATCHES: &str = "published_at IS NULL AND next_retry_at = 'infinity' \
+pub(crate) const MATCHES: &str = "published_at IS NULL AND next_retry_at = 'infinity' \
      AND ($1::bigint[] IS NULL OR id = ANY($1)) \
      AND ($2::text IS NULL OR aggregate_type = $2) \
      AND ($3::text IS NULL OR event_type = $3) \

@@ -12,6 +12,7 @@
 //! - [`wakeup`]: LISTEN/NOTIFY and the relays' registrations;
 //! - [`locks`]: every advisory lock key, and the statements that take them;
 //! - [`dead_letters`], [`retention`]: the operators' statements;
+//! - `console`: the operator console's reads (feature `console`);
 //! - [`schema`]: what `migrate` runs besides the files.
 
 use std::time::Duration;
@@ -39,6 +40,8 @@ macro_rules! new_event_columns {
     };
 }
 
+#[cfg(feature = "console")]
+pub(crate) mod console;
 pub(crate) mod dead_letters;
 mod fetch;
 pub(crate) mod locks;

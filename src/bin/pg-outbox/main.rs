@@ -12,6 +12,7 @@ use pg_outbox::{Consumer, NewEvent, Publisher, RetryPolicy};
 use crate::error::Error;
 
 mod config;
+mod console;
 mod dead_letters;
 mod demo;
 mod error;
@@ -57,6 +58,9 @@ enum Command {
     /// Run a self-contained demo: throwaway PostgreSQL, concurrent producers,
     /// relay to stdout, summary with delivery lag.
     Demo(demo::DemoArgs),
+    /// Serve the operator console in the browser (overview, dead letters,
+    /// events; retry and discard) until SIGINT/SIGTERM.
+    Console(console::ConsoleArgs),
 }
 
 const DATABASE_HELP: &str = "\
@@ -627,7 +631,7 @@ fn main() -> ExitCode {
         return ExitCode::SUCCESS;
     }
     let cli = loaded.cli;
-    if !matches!(cli.command, Command::Relay(_) | Command::Demo(_)) {
+    if !matches!(cli.command, Command::Relay(_) | Command::Demo(_) | Command::Console(_)) {
         restore_sigpipe();
     }
     use std::io::IsTerminal;
@@ -657,6 +661,7 @@ fn main() -> ExitCode {
             Command::Status(args) => status_cmd(&url, args).await,
             Command::DeadLetters(cmd) => dead_letters::run(&url, cmd).await,
             Command::Archive(args) => archive_cmd(&url, args).await,
+            Command::Console(args) => console::run(options(&url)?, args).await,
         }
     });
     rt.shutdown_timeout(Duration::from_secs(1));

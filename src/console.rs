@@ -1,0 +1,310 @@
+//! Reads for an operator console (`pg-outbox console`): the relays and
+//! their roles, one event with its state and its aggregate's timeline, a
+//! page of dead letters (keyset paging), and delivery per minute over the
+//! last hour. The backlog figures are [`crate::status`]; the actions are
+//! [`crate::dead_letters::retry`] and [`crate::dead_letters::discard`].
+//!
+//! Every function only reads, through an index or the catalog views, with a
+//! bound on the rows it returns.
+
+use chrono::{DateTime, Utc};
+use tokio_postgres::{GenericClient, Row};
+
+use crate::dead_letters::Filter;
+use crate::error::Result;
+use crate::event::Event;
+use crate::store::console as sql;
+use crate::store::{NOTIFICATION_QUEUE_USAGE, event_from_row, map_missing_schema, query_map};
+
+/// Where an event stands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+#[non_exhaustive]
+pub enum EventState {
+    /// Delivered (`published_at` is set).
+    Published,
+    /// Not published and due (fresh, or its retry is due); it may still be
+    /// held back by an earlier failed event of its aggregate.
+    Due,
+    /// Waiting for its retry (`next_retry_at` in the future).
+    WaitingForRetry,
+    /// A dead letter (`next_retry_at = 'infinity'`).
+    DeadLetter,
+}
+
+/// An event with the columns that say where it stands.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+#[non_exhaustive]
+pub struct EventDetail {
+    /// The event (payload, retry count, last error included).
+    pub event: Event,
+    /// When it was delivered, or `None`.
+    pub published_at: Option<DateTime<Utc>>,
+    /// When its retry is due, or `None` (never failed, published, or a dead
+    /// letter: see [`EventDetail::state`]).
+    pub next_retry_at: Option<DateTime<Utc>>,
+    /// Where it stands, by the database's clock at the time of the read.
+    pub state: EventState,
+}
+
+impl EventDetail {
+    fn from_row(row: &Row, now: DateTime<Utc>) -> Result<Self> {
+        let event = event_from_row(row)?;
+        let published_at: Option<DateTime<Utc>> = row.try_get("published_at")?;
+        let next_retry_at: Option<DateTime<Utc>> = row.try_get("next_retry_at")?;
+        let dead: bool = row.try_get("dead")?;
+        let state = if published_at.is_some() {
+            EventState::Published
+        } else if dead {
+            EventState::DeadLetter
+        } else if next_retry_at.is_some_and(|t| t > now) {
+            EventState::WaitingForRetry
+        } else {
+            EventState::Due
+        };
+        Ok(EventDetail { event, published_at, next_retry_at, state })
+    }
+}
+
+/// The database's `now()`, so that states follow its clock.
+async fn db_now<C: GenericClient + Sync>(client: &C) -> Result<DateTime<Utc>> {
+    let row = client.query_one("SELECT now() AS now", &[]).await.map_err(map_missing_schema)?;
+    Ok(row.try_get("now")?)
+}
+
+/// One event by id, or `None` when there is no such row.
+///
+/// # Errors
+/// [`crate::Error::NotMigrated`] or [`crate::Error::Db`].
+///
+/// # Cancel safety
+/// Cancel safe: it only reads.
+pub async fn event<C: GenericClient + Sync>(client: &C, id: i64) -> Result<Option<EventDetail>> {
+    let now = db_now(client).await?;
+    let rows = client.query(sql::EVENT, &[&id]).await.map_err(map_missing_schema)?;
+    rows.first().map(|r| EventDetail::from_row(r, now)).transpose()
+}
+
+/// The events of one aggregate around one of its events.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+#[non_exhaustive]
+pub struct Timeline {
+    /// Earlier events, latest first (at most the `around` asked for).
+    pub earlier: Vec<EventDetail>,
+    /// Later events, in id order (at most the `around` asked for).
+    pub later: Vec<EventDetail>,
+    /// Unpublished events after this one: those it holds back while it is
+    /// not published (all of them, not only those in [`Timeline::later`]).
+    pub later_unpublished: i64,
+}
+
+/// The aggregate's events before and after `of` (at most `around` on each
+/// side), through `outbox_aggregate_idx`, and how many later ones are
+/// unpublished.
+///
+/// # Errors
+/// [`crate::Error::NotMigrated`] or [`crate::Error::Db`].
+///
+/// # Cancel safety
+/// Cancel safe: it only reads.
+pub async fn timeline<C: GenericClient + Sync>(client: &C, of: &Event, around: i64) -> Result<Timeline> {
+    let now = db_now(client).await?;
+    let p: [&(dyn tokio_postgres::types::ToSql + Sync); 4] = [&of.aggregate_type, &of.aggregate_id, &of.id, &around];
+    let earlier = query_map(client, sql::EARLIER, &p, |r| EventDetail::from_row(r, now)).await?;
+    let later = query_map(client, sql::LATER, &p, |r| EventDetail::from_row(r, now)).await?;
+    let n = client
+        .query_one(sql::LATER_UNPUBLISHED, &[&of.aggregate_type, &of.aggregate_id, &of.id])
+        .await
+        .map_err(map_missing_schema)?;
+    Ok(Timeline { earlier, later, later_unpublished: n.try_get("n")? })
+}
+
+/// Up to `limit` dead letters matching `filter` (its `limit` is ignored)
+/// with ids above `after_id` (0 for the first page), in id order: a walk of
+/// `outbox_dead_letter_idx` from `after_id`, as fast on the thousandth page
+/// as on the first. The next page starts after the last id returned.
+///
+/// # Errors
+/// [`crate::Error::NotMigrated`] or [`crate::Error::Db`].
+///
+/// # Cancel safety
+/// Cancel safe: it only reads.
+pub async fn dead_letter_page<C: GenericClient + Sync>(
+    client: &C,
+    filter: &Filter,
+    after_id: i64,
+    limit: i64,
+) -> Result<Vec<EventDetail>> {
+    let now = db_now(client).await?;
+    let [a, b, c, d, e] = filter.params();
+    query_map(client, &sql::dead_letter_page_sql(), &[a, b, c, d, e, &after_id, &limit], |r| {
+        EventDetail::from_row(r, now)
+    })
+    .await
+}
+
+/// Delivery in one minute of the last hour.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+#[non_exhaustive]
+pub struct MinuteDelivery {
+    /// The minute (`published_at` truncated to the minute).
+    pub minute: DateTime<Utc>,
+    /// Events published in that minute.
+    pub published: i64,
+    /// Mean `published_at - occurred_at` of those events, in seconds.
+    pub mean_lag_seconds: f64,
+    /// Largest `published_at - occurred_at` of those events, in seconds.
+    pub max_lag_seconds: f64,
+}
+
+/// Delivery per minute over the last hour, from the table itself.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+#[non_exhaustive]
+pub struct DeliveryChart {
+    /// Minutes with at least one publication, oldest first.
+    pub minutes: Vec<MinuteDelivery>,
+    /// The read stopped at the latest `max_rows` events, so minutes
+    /// before the first of [`DeliveryChart::minutes`] may be incomplete or
+    /// missing (more than `max_rows` events in the hour).
+    pub capped: bool,
+    /// The database's `now()` at the read: the end of the hour shown.
+    pub now: DateTime<Utc>,
+}
+
+/// Default bound of [`delivery_chart`]'s read: the latest 50 000 events.
+pub const DEFAULT_CHART_ROWS: i64 = 50_000;
+
+/// Events published per minute and their delivery lag
+/// (`published_at - occurred_at`), over the last hour, read from the latest
+/// `max_rows` events by id (a backward walk of `outbox_pkey`, so the cost is
+/// bounded whatever the publish rate; see [`DeliveryChart::capped`]).
+/// Retention that deleted rows removes them from the chart too.
+///
+/// # Errors
+/// [`crate::Error::NotMigrated`] or [`crate::Error::Db`].
+///
+/// # Cancel safety
+/// Cancel safe: it only reads.
+pub async fn delivery_chart<C: GenericClient + Sync>(client: &C, max_rows: i64) -> Result<DeliveryChart> {
+    let now = db_now(client).await?;
+    let mut capped = false;
+    let minutes = query_map(client, sql::DELIVERY_PER_MINUTE, &[&max_rows], |r| {
+        Ok((
+            MinuteDelivery {
+                minute: r.try_get("minute")?,
+                published: r.try_get("published")?,
+                mean_lag_seconds: r.try_get::<_, Option<f64>>("mean_lag")?.unwrap_or(0.0),
+                max_lag_seconds: r.try_get::<_, Option<f64>>("max_lag")?.unwrap_or(0.0),
+            },
+            r.try_get::<_, bool>("capped")?,
+        ))
+    })
+    .await?
+    .into_iter()
+    .map(|(m, c)| {
+        capped |= c;
+        m
+    })
+    .collect();
+    Ok(DeliveryChart { minutes, capped, now })
+}
+
+/// What a relay session holds or does.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+#[non_exhaustive]
+pub struct RelaySession {
+    /// Backend process id.
+    pub pid: i32,
+    /// `application_name`: the relay names its sessions `pg-outbox drain`
+    /// (fetches, holds the locks), `pg-outbox writer` (acknowledgements) and
+    /// `pg-outbox listener` (LISTEN) unless its URL names them.
+    pub application_name: String,
+    /// The client's address, or `None` over a Unix socket.
+    pub client_addr: Option<String>,
+    /// When the session started.
+    pub backend_start: Option<DateTime<Utc>>,
+    /// `pg_stat_activity.state` (`idle`, `active`, ...).
+    pub state: String,
+    /// When `state` last changed.
+    pub state_change: Option<DateTime<Utc>>,
+    /// Registered in `events.outbox_relays`: `Some(true)` while it waits for
+    /// a wake-up (idle), `Some(false)` while it drains, `None` when not
+    /// registered.
+    pub waiting: Option<bool>,
+    /// When the registration last changed.
+    pub waiting_since: Option<DateTime<Utc>>,
+    /// Holds the single mode's leader lock: the active relay.
+    pub leader: bool,
+    /// The partitions it holds (partitioned mode), ascending.
+    pub partitions: Vec<i32>,
+    /// Holds a partitioned mode membership lock.
+    pub member: bool,
+}
+
+impl RelaySession {
+    /// The role as a short phrase: `leader`, `partitions 0, 3, 5`, `member
+    /// (no partition)`, `listener`, `writer`, or `standby or competing` for a
+    /// drain session that holds no lock.
+    pub fn role(&self) -> String {
+        if self.leader {
+            return "leader".into();
+        }
+        if !self.partitions.is_empty() {
+            let list: Vec<String> = self.partitions.iter().map(i32::to_string).collect();
+            return format!("partitions {}", list.join(", "));
+        }
+        if self.member {
+            return "member (no partition)".into();
+        }
+        match self.application_name.as_str() {
+            "pg-outbox listener" => "listener".into(),
+            "pg-outbox writer" => "writer".into(),
+            _ => "standby or competing".into(),
+        }
+    }
+}
+
+/// The relays' sessions and the notification queue.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+#[non_exhaustive]
+pub struct Relays {
+    /// Relay sessions in this database, oldest first.
+    pub sessions: Vec<RelaySession>,
+    /// `pg_notification_queue_usage()`: the fraction (0 to 1) of the
+    /// server's notification queue in use; near 1, notifying commits fail.
+    pub notification_queue_usage: f64,
+}
+
+/// The relays connected to this database, as `pg_stat_activity`,
+/// `events.outbox_relays` and `pg_locks` show them: the sessions registered
+/// for wake-ups, those holding pg-outbox's leader, partition or membership
+/// locks, and those named as a relay names its sessions. Seeing other
+/// sessions' rows in `pg_stat_activity` needs the same role or
+/// `pg_read_all_stats`; sessions of other roles show with fewer details.
+///
+/// # Errors
+/// [`crate::Error::NotMigrated`] or [`crate::Error::Db`].
+///
+/// # Cancel safety
+/// Cancel safe: it only reads.
+pub async fn relays<C: GenericClient + Sync>(client: &C) -> Result<Relays> {
+    let (leader, partition, member) = sql::RELAY_LOCK_KEYS;
+    let sessions = query_map(client, sql::RELAY_SESSIONS, &[&leader, &partition, &member], |r| {
+        Ok(RelaySession {
+            pid: r.try_get("pid")?,
+            application_name: r.try_get("application_name")?,
+            client_addr: r.try_get("client_addr")?,
+            backend_start: r.try_get("backend_start")?,
+            state: r.try_get("state")?,
+            state_change: r.try_get("state_change")?,
+            waiting: r.try_get("waiting")?,
+            waiting_since: r.try_get("waiting_since")?,
+            leader: r.try_get("leader")?,
+            partitions: r.try_get("partitions")?,
+            member: r.try_get("member")?,
+        })
+    })
+    .await?;
+    let usage = client.query_one(NOTIFICATION_QUEUE_USAGE, &[]).await.map_err(map_missing_schema)?;
+    Ok(Relays { sessions, notification_queue_usage: usage.try_get("usage")? })
+}
