@@ -5,6 +5,7 @@ mod brokers;
 mod cancel_safety;
 mod cli;
 mod config;
+mod console;
 mod consumer;
 mod contrib;
 mod dead_letters;

@@ -86,19 +86,23 @@ pub(crate) fn lag(chart: &DeliveryChart, now: DateTime<Utc>) -> Markup {
     let max = nice_max(max_lag.iter().copied().fold(0.0, f64::max));
     let slot = (W - LEFT) / MINUTES as f64;
     let y0 = H - BOTTOM;
-    let points = |v: &[f64]| -> String {
+    let xy = |v: &[f64]| -> Vec<(f64, f64)> {
         v.iter()
             .enumerate()
             .filter(|(i, _)| present[*i] > 0.0)
-            .map(|(i, y)| format!("{:.1},{:.1}", LEFT + (i as f64 + 0.5) * slot, y0 - (y0 - TOP) * y / max))
-            .collect::<Vec<_>>()
-            .join(" ")
+            .map(|(i, y)| (LEFT + (i as f64 + 0.5) * slot, y0 - (y0 - TOP) * y / max))
+            .collect()
     };
+    let points =
+        |p: &[(f64, f64)]| -> String { p.iter().map(|(x, y)| format!("{x:.1},{y:.1}")).collect::<Vec<_>>().join(" ") };
+    let (max_xy, mean_xy) = (xy(&max_lag), xy(&mean));
     html! {
         svg.chart id="chart-lag" viewBox={"0 0 " (W) " " (H)} role="img" aria-label="delivery lag per minute, last hour" {
             (axis(max, "s"))
-            polyline points=(points(&max_lag)) fill="none" stroke="#d8703b" stroke-width="1.5" {}
-            polyline points=(points(&mean)) fill="none" stroke="#3b7dd8" stroke-width="1.5" {}
+            polyline points=(points(&max_xy)) fill="none" stroke="#d8703b" stroke-width="1.5" {}
+            polyline points=(points(&mean_xy)) fill="none" stroke="#3b7dd8" stroke-width="1.5" {}
+            @for (x, y) in &max_xy { circle cx=(format!("{x:.1}")) cy=(format!("{y:.1}")) r="2" fill="#d8703b" {} }
+            @for (x, y) in &mean_xy { circle cx=(format!("{x:.1}")) cy=(format!("{y:.1}")) r="2" fill="#3b7dd8" {} }
         }
     }
 }

@@ -166,7 +166,7 @@ fn respond(status: StatusCode, ctx: Option<&Ctx>, body: Markup) -> Response {
         ),
     );
     h.insert(header::X_CONTENT_TYPE_OPTIONS, HeaderValue::from_static("nosniff"));
-    h.insert(header::REFERRER_POLICY, HeaderValue::from_static("no-referrer"));
+    h.insert(header::REFERRER_POLICY, HeaderValue::from_static("same-origin"));
     h.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
     if let Some(ctx) = ctx
         && ctx.new_csrf

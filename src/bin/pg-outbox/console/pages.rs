@@ -312,20 +312,33 @@ pub(crate) fn event(ctx: &Ctx, d: &EventDetail, t: &Timeline) -> Markup {
         table id="timeline" {
             thead { tr { th { "id" } th { "event type" } th { "occurred at" } th { "published at" } th.n { "retries" } th { "state" } } }
             tbody {
-                @for r in t.earlier.iter().rev().chain(std::iter::once(d)).chain(t.later.iter()) {
+                @for (r, held) in with_held(t.earlier.iter().rev().chain(std::iter::once(d)).chain(t.later.iter())) {
                     tr class=[(r.event.id == e.id).then_some("current")] {
                         td { @if r.event.id == e.id { (r.event.id) } @else { a href={"/events/" (r.event.id)} { (r.event.id) } } }
                         td { (r.event.event_type) }
                         td { (time(&r.event.occurred_at)) }
                         td { (opt_time(&r.published_at)) }
                         td.n { (r.event.retry_count) }
-                        td { (state(r.state)) }
+                        td { @if held { span class="state wait" { "held back" } } @else { (state(r.state)) } }
                     }
                 }
             }
         }
     };
     layout(Some(ctx), &format!("Event {}", e.id), None, body)
+}
+
+/// The rows of a timeline, oldest first, each with whether it is held back:
+/// due, behind an earlier unpublished event of the aggregate that failed
+/// (as far as the rows shown tell).
+fn with_held<'a>(rows: impl Iterator<Item = &'a EventDetail>) -> Vec<(&'a EventDetail, bool)> {
+    let mut blocked = false;
+    rows.map(|r| {
+        let held = blocked && r.state == EventState::Due;
+        blocked |= r.published_at.is_none() && r.event.retry_count > 0;
+        (r, held)
+    })
+    .collect()
 }
 
 fn event_rows(rows: &[Event]) -> Markup {
