@@ -1,5 +1,8 @@
 //! Publishing events inside the caller's transaction.
 
+#[cfg(feature = "sqlx")]
+mod sqlx;
+
 use tokio_postgres::GenericClient;
 
 use crate::error::Result;
@@ -83,12 +86,15 @@ impl Publisher {
     /// # Cancel safety
     /// Not cancel safe, as [`Publisher::publish`].
     pub async fn publish_many<C: GenericClient + Sync>(&self, client: &C, events: &[NewEvent]) -> Result<Vec<i64>> {
-        for e in events {
-            e.validate(self.max_payload_bytes)?;
-        }
+        self.validate_all(events)?;
         if events.is_empty() {
             return Ok(Vec::new());
         }
         store::insert_events(client, events).await
+    }
+
+    /// Check every event of a batch before any SQL (see [`NewEvent::validate`]).
+    fn validate_all(&self, events: &[NewEvent]) -> Result<()> {
+        events.iter().try_for_each(|e| e.validate(self.max_payload_bytes))
     }
 }
