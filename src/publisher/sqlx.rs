@@ -20,6 +20,13 @@ impl Publisher {
     /// for a `PgPool`, where the INSERT runs in a transaction of its own,
     /// so it is no longer atomic with anything else.
     ///
+    /// Until the transaction ends, the insert trigger's lock on the event's
+    /// aggregate is held, and other publishers of that aggregate wait (as
+    /// through tokio-postgres). sqlx rolls a dropped `Transaction` back only
+    /// when its `PgConnection` is next used, or when a pooled connection
+    /// goes back to its pool; end transactions explicitly, or use the
+    /// connection again soon after dropping one.
+    ///
     /// # Errors
     /// [`crate::Error::InvalidEvent`] before any SQL for an invalid event
     /// (see [`NewEvent::validate`]), so the caller's transaction stays
