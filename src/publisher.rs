@@ -37,6 +37,24 @@ pub const DEFAULT_MAX_PAYLOAD_BYTES: usize = 1024 * 1024;
 /// println!("published event {id}");
 /// # Ok(()) }
 /// ```
+///
+/// From a deadpool-postgres pool: its transaction derefs to tokio-postgres'
+/// `Transaction`, so pass `&*tx` (deadpool's own `GenericClient` trait is a
+/// different one). Through sqlx, see `Publisher::publish_sqlx` (feature
+/// `sqlx`).
+/// ```no_run
+/// # async fn run(pool: &deadpool_postgres::Pool) -> Result<(), Box<dyn std::error::Error>> {
+/// use pg_outbox::{NewEvent, Publisher};
+/// let mut client = pool.get().await?;
+/// let tx = client.transaction().await?;
+/// let order = uuid::Uuid::new_v4();
+/// tx.execute("INSERT INTO shop.orders (id, total) VALUES ($1, 4200)", &[&order]).await?;
+/// let event = NewEvent::new("order", order, "OrderPlaced", serde_json::json!({"total": 4200}));
+/// let id = Publisher::new().publish(&*tx, &event).await?;
+/// tx.commit().await?;
+/// println!("published event {id}");
+/// # Ok(()) }
+/// ```
 #[derive(Debug, Clone)]
 pub struct Publisher {
     max_payload_bytes: usize,
