@@ -53,6 +53,8 @@ mod wakeup;
 pub use fetch::fetch_query;
 pub(crate) use fetch::{BEGIN, COMMIT, COMPETING_FETCH, NEXT_RETRY_IN, fetch_sql};
 pub(crate) use locks::{COUNT_MEMBERS, MEMBER_LOCK, PARTITION_UNLOCK, TRY_LEADER_LOCK, TRY_PARTITION_LOCK};
+#[cfg(feature = "sqlx")]
+pub(crate) use publish::via_sqlx;
 pub(crate) use publish::{insert_event, insert_events};
 pub(crate) use rows::{event_from_row, row_id, row_identity, row_partition};
 pub(crate) use settle::{ACK, FAIL, fail_details};
@@ -126,12 +128,17 @@ pub(crate) async fn query_map<C: GenericClient + Sync, T>(
 /// Turn "relation events.outbox does not exist" into [`Error::NotMigrated`].
 pub(crate) fn map_missing_schema(e: tokio_postgres::Error) -> Error {
     if let Some(db) = e.as_db_error()
-        && (*db.code() == tokio_postgres::error::SqlState::UNDEFINED_TABLE
-            || *db.code() == tokio_postgres::error::SqlState::INVALID_SCHEMA_NAME)
+        && is_missing_schema(db.code())
     {
         return Error::NotMigrated(db.message().to_string());
     }
     Error::Db(e)
+}
+
+/// A SQLSTATE saying the table or schema does not exist (42P01, 3F000).
+fn is_missing_schema(code: &tokio_postgres::error::SqlState) -> bool {
+    *code == tokio_postgres::error::SqlState::UNDEFINED_TABLE
+        || *code == tokio_postgres::error::SqlState::INVALID_SCHEMA_NAME
 }
 
 /// Seconds as a [`Duration`], clamped to zero and to a day (a timer never

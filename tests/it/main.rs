@@ -28,6 +28,8 @@ mod sink_kafka;
 mod sink_nats;
 #[cfg(feature = "redis")]
 mod sink_redis;
+#[cfg(feature = "sqlx")]
+mod sqlx_publish;
 mod status_detail;
 mod support;
 #[path = "../../src/bin/pg-outbox/temp_server.rs"]
