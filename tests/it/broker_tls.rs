@@ -278,3 +278,102 @@ async fn nats_tls_token() {
     relay.stop().await;
     assert_eq!(nats_message_count(&pki, port, tok(), "TOK").await, sent.len() as u64);
 }
+
+// ---------------------------------------------------------------------------
+// Redis
+
+/// Entries of stream `key` on the TLS redis-server (as `alice`).
+async fn redis_xlen(pki: &Pki, port: u16, key: &str) -> u64 {
+    let read = |name: &str| std::fs::read(pki.path(name)).expect("read a test file");
+    let info =
+        redis::IntoConnectionInfo::into_connection_info(format!("rediss://localhost:{port}")).expect("a Redis URL");
+    let settings = info.redis_settings().clone().set_username("alice").set_password("pw-redis-9");
+    let certs = redis::TlsCertificates {
+        client_tls: Some(redis::ClientTlsConfig { client_cert: read("client.pem"), client_key: read("client.key") }),
+        root_cert: Some(read("ca.pem")),
+    };
+    let client = redis::Client::build_with_tls(info.set_redis_settings(settings), certs).expect("a Redis client");
+    let mut conn = client.get_multiplexed_async_connection().await.expect("the test connects to its redis-server");
+    redis::cmd("XLEN").arg(key).query_async(&mut conn).await.expect("XLEN")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_tls_and_acl_user() {
+    let Some(program) = brokers::program_available("redis-server") else { return };
+    let pki = Pki::new();
+    let (ca, other_ca, cert, key) =
+        (pki.path("ca.pem"), pki.path("other-ca.pem"), pki.path("client.pem"), pki.path("client.key"));
+    let (server_pem, server_key) = (pki.path("server.pem"), pki.path("server.key"));
+    let server = PrivateServer::start(
+        program,
+        &[
+            "--port",
+            "0",
+            "--tls-port",
+            "{port}",
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--dir",
+            "{dir}",
+            "--tls-cert-file",
+            &server_pem,
+            "--tls-key-file",
+            &server_key,
+            "--tls-ca-cert-file",
+            &ca,
+            "--tls-auth-clients",
+            "yes",
+            // Redis joins the words after --user into one ACL rule.
+            "--user",
+            "default",
+            "off",
+            "--user",
+            "alice",
+            "on",
+            ">pw-redis-9",
+            "~*",
+            "&*",
+            "+@all",
+        ],
+    )
+    .await;
+    let port = server.port;
+    let password = pki.write("password", "pw-redis-9\n");
+    let wrong = pki.write("wrong-password", "not-the-password\n");
+    let url = format!("rediss://localhost:{port}");
+    let tls = ["--sink-tls-ca-file", ca.as_str(), "--sink-tls-client-cert", &cert, "--sink-tls-client-key", &key];
+    let user = ["--sink-user", "alice", "--sink-password-file", password.as_str(), "--sink-timeout", "3s"];
+
+    let db = TestDb::new("redis_tls_refused").await;
+    let c = db.client().await;
+    let sent = brokers::publish_events(&c, &brokers::three_aggregates(), 6, "tls").await;
+    let by_ip = format!("rediss://127.0.0.1:{port}");
+    let secrets = ["pw-redis-9", "not-the-password"];
+    let wrong_user = ["--sink-user", "alice", "--sink-password-file", wrong.as_str(), "--sink-timeout", "3s"];
+    expect_refused(&db, &[&["--sink", &url][..], &tls, &wrong_user].concat(), "Redis", BAD_CREDENTIALS, &secrets).await;
+    let untrusted =
+        ["--sink-tls-ca-file", other_ca.as_str(), "--sink-tls-client-cert", &cert, "--sink-tls-client-key", &key];
+    expect_refused(&db, &[&["--sink", &url][..], &untrusted, &user].concat(), "Redis", UNTRUSTED, &secrets).await;
+    expect_refused(&db, &[&["--sink", &by_ip][..], &tls, &user].concat(), "Redis", WRONG_HOST, &secrets).await;
+    expect_refused(
+        &db,
+        &[&["--sink", &url][..], &["--sink-tls-ca-file", &ca], &user].concat(),
+        "Redis",
+        CLIENT_CERT,
+        &secrets,
+    )
+    .await;
+    let plain = format!("redis://localhost:{port}");
+    expect_refused(&db, &[&["--sink", &plain][..], &tls, &user].concat(), "Redis", "need a rediss:// URL", &secrets)
+        .await;
+
+    let relay = RelayProc::start(&db, &[&["--sink", &url][..], &tls, &user].concat()).await;
+    brokers::wait_published(&c, sent.len() as i64).await;
+    let log = relay.log();
+    relay.stop().await;
+    assert!(!log.contains("pw-redis-9"), "no secret in the log:\n{log}");
+    let total = redis_xlen(&pki, port, "outbox:order").await + redis_xlen(&pki, port, "outbox:invoice").await;
+    assert_eq!(total, sent.len() as u64, "every event reached its stream");
+}
