@@ -257,7 +257,13 @@ impl std::fmt::Debug for SinkOptions {
 pub(crate) fn refusal_reason(error: &str) -> Option<&'static str> {
     let e = error.to_ascii_lowercase();
     let has = |needles: &[&str]| needles.iter().any(|n| e.contains(n));
-    if has(&["notvalidforname", "not valid for name", "hostname mismatch", "host name mismatch"]) {
+    if has(&["broker certificate could not be verified"]) {
+        // librdkafka (OpenSSL) reports both causes with the same words.
+        Some(
+            "TLS: the broker's certificate could not be verified: it is not signed by a trusted CA \
+             (see --sink-tls-ca-file) or not valid for the host name in the URL (librdkafka does not say which)",
+        )
+    } else if has(&["notvalidforname", "not valid for name", "hostname mismatch", "host name mismatch"]) {
         Some("TLS: the broker's certificate is not valid for the host name in the URL")
     } else if has(&[
         "unknownissuer",
@@ -265,7 +271,6 @@ pub(crate) fn refusal_reason(error: &str) -> Option<&'static str> {
         "unable to get local issuer",
         "self-signed certificate",
         "self signed certificate",
-        "certificate verify failed",
         "invalidcertificate",
     ]) {
         Some("TLS: the broker's certificate is not signed by a trusted CA (see --sink-tls-ca-file)")
@@ -297,6 +302,32 @@ pub(crate) fn refusal_reason(error: &str) -> Option<&'static str> {
         Some("the broker refused the credentials (user and password, token, NKey or credentials file)")
     } else {
         None
+    }
+}
+
+#[cfg(test)]
+mod reason_tests {
+    use super::refusal_reason;
+
+    #[test]
+    fn refusals_are_told_apart() {
+        let cases = [
+            ("IO error: invalid peer certificate: UnknownIssuer", "not signed by a trusted CA"),
+            ("invalid peer certificate: certificate not valid for name \"127.0.0.1\"", "not valid for the host name"),
+            ("received fatal alert: BadCertificate", "refused the client certificate"),
+            ("received fatal alert: CertificateRequired", "refused the client certificate"),
+            ("WRONGPASS invalid username-password pair", "refused the credentials"),
+            ("failed to connect: authorization violation", "refused the credentials"),
+            (
+                "SSL handshake failed: certificate verify failed: broker certificate could not be verified",
+                "does not say which",
+            ),
+        ];
+        for (error, want) in cases {
+            let got = refusal_reason(error).unwrap_or_default();
+            assert!(got.contains(want), "{error} -> {got}");
+        }
+        assert_eq!(refusal_reason("connection refused"), None);
     }
 }
 

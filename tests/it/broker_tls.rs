@@ -99,6 +99,8 @@ pub async fn expect_refused(db: &TestDb, args: &[&str], broker: &str, reason: &s
 pub const UNTRUSTED: &str = "not signed by a trusted CA";
 pub const WRONG_HOST: &str = "not valid for the host name";
 pub const BAD_CREDENTIALS: &str = "refused the credentials";
+/// librdkafka reports an untrusted certificate and a wrong host name alike.
+pub const KAFKA_UNVERIFIED: &str = "could not be verified";
 pub const CLIENT_CERT: &str = "refused the client certificate or wants one";
 
 // ---------------------------------------------------------------------------
@@ -376,4 +378,115 @@ async fn redis_tls_and_acl_user() {
     assert!(!log.contains("pw-redis-9"), "no secret in the log:\n{log}");
     let total = redis_xlen(&pki, port, "outbox:order").await + redis_xlen(&pki, port, "outbox:invoice").await;
     assert_eq!(total, sent.len() as u64, "every event reached its stream");
+}
+
+// ---------------------------------------------------------------------------
+// Kafka
+
+/// A tansu broker behind stunnel: tansu 0.6 has no working TLS listener
+/// (its `--cert` serves plain TCP), so stunnel terminates TLS with the
+/// server certificate for `localhost`, requires a client certificate
+/// signed by the test CA, and forwards to tansu, which advertises the
+/// stunnel port as `localhost:<port>` (so every connection librdkafka makes
+/// after the bootstrap goes through TLS too). Returns the processes (killed
+/// on drop) and the TLS port.
+async fn tansu_tls(pki: &Pki) -> Option<(Vec<tokio::process::Child>, u16)> {
+    let bin = crate::sink_kafka::tansu_bin()?;
+    let stunnel = brokers::program_available("stunnel4").or_else(|| brokers::program_available("stunnel"))?;
+    let (plain, tls) = (brokers::free_port(), brokers::free_port());
+    let spawn = |cmd: &mut tokio::process::Command| {
+        cmd.stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .kill_on_drop(true)
+            .spawn()
+            .expect("start a test server")
+    };
+    let tansu = spawn(
+        tokio::process::Command::new(&bin)
+            .args(["broker", "--listener-url", &format!("tcp://127.0.0.1:{plain}")])
+            .args(["--advertised-listener-url", &format!("tcp://localhost:{tls}")])
+            .args(["--storage-engine", "memory://tansu/", "--silent"]),
+    );
+    let conf = pki.write(
+        "stunnel.conf",
+        &format!(
+            "foreground = yes\npid =\n[kafka]\naccept = 127.0.0.1:{tls}\nconnect = 127.0.0.1:{plain}\n\
+             cert = {}\nkey = {}\nCAfile = {}\nverifyChain = yes\nrequireCert = yes\n",
+            pki.path("server.pem"),
+            pki.path("server.key"),
+            pki.path("ca.pem")
+        ),
+    );
+    let proxy = spawn(tokio::process::Command::new(&stunnel).arg(&conf));
+    for port in [plain, tls] {
+        let addr = format!("127.0.0.1:{port}");
+        support::eventually(30, "tansu and stunnel to accept connections", || async {
+            tokio::net::TcpStream::connect(&addr).await.is_ok()
+        })
+        .await;
+    }
+    Some((vec![tansu, proxy], tls))
+}
+
+/// Messages in every partition of `topic` (high watermarks), read over TLS.
+fn kafka_messages(pki: &Pki, port: u16, topic: &str) -> i64 {
+    use rdkafka::consumer::{BaseConsumer, Consumer};
+    let consumer: BaseConsumer = rdkafka::ClientConfig::new()
+        .set("bootstrap.servers", format!("localhost:{port}"))
+        .set("security.protocol", "ssl")
+        .set("ssl.ca.location", pki.path("ca.pem"))
+        .set("ssl.certificate.location", pki.path("client.pem"))
+        .set("ssl.key.location", pki.path("client.key"))
+        .set("group.id", "pgo-tls-test")
+        .create()
+        .expect("a consumer");
+    let md = consumer.fetch_metadata(Some(topic), Duration::from_secs(10)).expect("topic metadata over TLS");
+    let t = md.topics().iter().find(|t| t.name() == topic).expect("the topic exists");
+    t.partitions()
+        .iter()
+        .map(|p| {
+            let (low, high) =
+                consumer.fetch_watermarks(topic, p.id(), Duration::from_secs(10)).expect("partition watermarks");
+            high - low
+        })
+        .sum()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kafka_tls() {
+    let pki = Pki::new();
+    let Some((_tansu, port)) = tansu_tls(&pki).await else { return };
+    let (ca, other_ca, cert, key) =
+        (pki.path("ca.pem"), pki.path("other-ca.pem"), pki.path("client.pem"), pki.path("client.key"));
+    let url = format!("kafka://localhost:{port}");
+    let by_ip = format!("kafka://127.0.0.1:{port}");
+    let db = TestDb::new("kafka_tls").await;
+    let c = db.client().await;
+    let aggs = [("tlsorder", uuid::Uuid::new_v4()), ("tlsorder", uuid::Uuid::new_v4())];
+    let sent = brokers::publish_events(&c, &aggs, 6, "tls").await;
+    let quick = ["--sink-timeout", "3s", "--sink-tls-client-cert", &cert, "--sink-tls-client-key", &key];
+    expect_refused(
+        &db,
+        &[&["--sink", &url, "--sink-tls-ca-file", &other_ca][..], &quick].concat(),
+        "Kafka",
+        UNTRUSTED,
+        &[],
+    )
+    .await;
+    expect_refused(
+        &db,
+        &[&["--sink", &by_ip, "--sink-tls-ca-file", &ca][..], &quick].concat(),
+        "Kafka",
+        WRONG_HOST,
+        &[],
+    )
+    .await;
+
+    let relay = RelayProc::start(&db, &[&["--sink", &url, "--sink-tls-ca-file", &ca][..], &quick].concat()).await;
+    brokers::wait_published(&c, sent.len() as i64).await;
+    relay.stop().await;
+    let n =
+        tokio::task::spawn_blocking(move || kafka_messages(&pki, port, "outbox.event.tlsorder")).await.expect("join");
+    assert_eq!(n, sent.len() as i64, "every event reached the topic");
 }

@@ -28,7 +28,7 @@ use crate::support::{self, TestDb};
 const PARTITIONS: i32 = 3;
 
 /// The tansu binary, or `None` (after a SKIPPED line) when there is none.
-fn tansu_bin() -> Option<PathBuf> {
+pub(crate) fn tansu_bin() -> Option<PathBuf> {
     if let Some(p) = std::env::var_os("TANSU_BIN").filter(|p| !p.is_empty()) {
         let p = PathBuf::from(p);
         assert!(p.is_file(), "TANSU_BIN={} is not a file", p.display());
