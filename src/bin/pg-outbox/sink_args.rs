@@ -77,8 +77,8 @@ pub(crate) struct SinkArgs {
     #[arg(long, value_name = "USER", help_heading = "Sink TLS and credentials")]
     pub(crate) sink_user: Option<String>,
     /// File holding the broker password (one line; a trailing newline is
-    /// ignored); overrides a password in the URL.
-    #[arg(long, value_name = "FILE", conflicts_with = "sink_password", help_heading = "Sink TLS and credentials")]
+    /// ignored); overrides --sink-password and a password in the URL.
+    #[arg(long, value_name = "FILE", help_heading = "Sink TLS and credentials")]
     pub(crate) sink_password_file: Option<PathBuf>,
     /// The broker password itself; prefer OUTBOX_SINK_PASSWORD or
     /// --sink-password-file (a command line is visible to other users).
