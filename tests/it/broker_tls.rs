@@ -470,7 +470,7 @@ async fn kafka_tls() {
         &db,
         &[&["--sink", &url, "--sink-tls-ca-file", &other_ca][..], &quick].concat(),
         "Kafka",
-        UNTRUSTED,
+        KAFKA_UNVERIFIED,
         &[],
     )
     .await;
@@ -478,7 +478,7 @@ async fn kafka_tls() {
         &db,
         &[&["--sink", &by_ip, "--sink-tls-ca-file", &ca][..], &quick].concat(),
         "Kafka",
-        WRONG_HOST,
+        KAFKA_UNVERIFIED,
         &[],
     )
     .await;
