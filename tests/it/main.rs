@@ -1,6 +1,7 @@
 //! Integration tests against a real PostgreSQL (see `support`).
 
 mod auto_traits;
+mod broker_tls;
 mod brokers;
 mod cancel_safety;
 mod cli;

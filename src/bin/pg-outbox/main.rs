@@ -341,7 +341,7 @@ pub(crate) fn install_metrics(
 }
 
 async fn relay_cmd(url: &str, args: RelayArgs) -> Result<(), Error> {
-    let (sink, sink_name) = relay::open_sink(&args.sink.sink, &args.sink.options()).await?;
+    let (sink, sink_name) = relay::open_sink(&args.sink.sink, &args.sink.options()?).await?;
     let pg = pg_outbox::ConnectOptions::parse(url)?;
     let target = pg.describe();
     if let Some(addr) = args.metrics_addr {
