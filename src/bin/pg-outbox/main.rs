@@ -39,7 +39,7 @@ struct Cli {
     /// Log lines on stderr: `text` (human-readable) or `json` (one object
     /// per line with timestamp, level, message, target and the event's
     /// fields, e.g. id).
-    #[arg(long, env = "PG_OUTBOX_LOG_FORMAT", global = true, value_enum, default_value_t = logging::LogFormat::Text)]
+    #[arg(long, env = "PG_OUTBOX_LOG_FORMAT", global = true, hide_env_values = true, value_enum, default_value_t = logging::LogFormat::Text)]
     log_format: logging::LogFormat,
 
     #[command(subcommand)]
