@@ -4,7 +4,7 @@
 //! `flush` on `tokio::io::Stdout`, which hands every write to a blocking
 //! thread. No database.
 //!
-//! Run it with `cargo bench --bench stdout_sink`. The bench starts itself
+//! Run it with `cargo bench --features relay --bench stdout_sink`. The bench starts itself
 //! again as a child process whose standard output is a pipe that the parent
 //! reads and discards; the child writes `BENCH_EVENTS` events (default
 //! 100 000) of about 300 bytes each way, alternating, three rounds, and

@@ -53,7 +53,7 @@ fn handle(delivery: &Delivery) -> Result<(), String> {
 
 /// Consume until Ctrl-C, then finish cleanly.
 async fn run(url: &str) -> Result<(), Error> {
-    let pg = pg_outbox::parse_url(url)?;
+    let pg = pg_outbox::ConnectOptions::parse(url)?;
     let mut stream = Consumer::builder(pg).start().await?;
     eprintln!("consuming events.outbox; press Ctrl-C to stop");
 

@@ -66,7 +66,7 @@ impl Sink for JsonLinesFile {
 /// Relay events to the file until Ctrl-C.
 async fn run(url: &str, path: PathBuf) -> Result<(), Error> {
     let sink = JsonLinesFile::open(&path).await?;
-    let stream = Consumer::builder(pg_outbox::parse_url(url)?).start().await?;
+    let stream = Consumer::builder(pg_outbox::ConnectOptions::parse(url)?).start().await?;
     eprintln!("relaying events.outbox to {}; press Ctrl-C to stop", path.display());
     let shutdown = async {
         if let Err(e) = tokio::signal::ctrl_c().await {

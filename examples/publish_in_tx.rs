@@ -49,7 +49,7 @@ const DOMAIN_SCHEMA: &str = "CREATE SCHEMA IF NOT EXISTS billing; \
 /// Connect to `url` (TLS as its `sslmode` says); the connection is driven by
 /// a spawned task.
 async fn connect(url: &str) -> Result<Client, Error> {
-    pg_outbox::parse_url(url)?.connect_client("publish_in_tx example").await
+    pg_outbox::ConnectOptions::parse(url)?.with_application_name("publish_in_tx example").connect().await
 }
 
 /// Record a payment and publish `PaymentSucceeded` atomically; returns the

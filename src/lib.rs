@@ -19,10 +19,11 @@ pub mod retention;
 mod retry;
 mod store;
 
-pub use connect::{
-    ConnectOptions, DEFAULT_CONNECT_TIMEOUT, KEEPALIVE_IDLE, PLANNER_SETTINGS, RootCert, SERVER_KEEPALIVES, SslMode,
-    describe_target, parse_url,
-};
+#[allow(unused_imports)] // the target of intra-doc links `crate::PLANNER_SETTINGS`
+pub(crate) use connect::PLANNER_SETTINGS;
+#[doc(hidden)]
+pub use connect::describe_target;
+pub use connect::{ConnectOptions, DEFAULT_CONNECT_TIMEOUT, RootCert, SslMode, TlsConnector};
 pub use consumer::{
     Consumer, ConsumerBuilder, DEFAULT_ACK_BATCH_SIZE, DEFAULT_ACK_INTERVAL, DEFAULT_BATCH_SIZE, DEFAULT_MAX_RETRIES,
     DEFAULT_PING_INTERVAL, DEFAULT_RECONNECT_MAX_DELAY, DEFAULT_SHUTDOWN_GRACE, DEFAULT_STATEMENT_TIMEOUT,

@@ -103,7 +103,7 @@ pub fn redact_database_url(value: &str) -> String {
     let Some((scheme, rest)) = value.split_once("://") else { return redact_password(value) };
     let Some(at) = rest.rfind('@') else { return redact_password(value) };
     let (userinfo, host) = rest.split_at(at);
-    let masked = if crate::parse_url(value).is_ok() {
+    let masked = if crate::connect::parses(value) {
         match userinfo.split_once(':') {
             Some((user, _)) => format!("{scheme}://{user}:{MASK}{host}"),
             None => value.to_string(),
@@ -127,10 +127,12 @@ pub fn redact_database_url(value: &str) -> String {
 ///
 /// # Example
 /// ```
+/// # #[cfg(feature = "relay")] {
 /// use pg_outbox::relay::redact_sink;
 /// assert_eq!(redact_sink("nats://tok@h:4222"), "nats://****@h:4222");
 /// assert_eq!(redact_sink("amqp://app:pw@mq:5672/%2f"), "amqp://app:****@mq:5672/%2f");
 /// assert_eq!(redact_sink("https://h/hook?api_key=k"), "https://h/hook?****");
+/// # }
 /// ```
 #[cfg_attr(not(feature = "relay"), allow(dead_code, unreachable_pub))]
 pub fn redact_sink(spec: &str) -> String {

@@ -49,9 +49,10 @@ async fn find_server_any() -> BenchResult<(Config, Option<TempServer>)> {
         && !url.trim().is_empty()
     {
         eprintln!("bench: using DATABASE_URL");
-        return Ok((pg_outbox::parse_url(&url)?.into_config(), None));
+        return Ok((pg_outbox::ConnectOptions::parse(&url)?.tokio_postgres_config(), None));
     }
-    let local = pg_outbox::parse_url("postgres://postgres@127.0.0.1:5432/postgres")?.into_config();
+    let local =
+        pg_outbox::ConnectOptions::parse("postgres://postgres@127.0.0.1:5432/postgres")?.tokio_postgres_config();
     let mut probe = local.clone();
     probe.connect_timeout(Duration::from_secs(3));
     if let Ok(client) = connect(&probe).await
@@ -62,7 +63,7 @@ async fn find_server_any() -> BenchResult<(Config, Option<TempServer>)> {
     }
     eprintln!("bench: no server at 127.0.0.1:5432; starting a throwaway one from the local binaries");
     let server = tokio::task::spawn_blocking(TempServer::start).await??;
-    Ok((pg_outbox::parse_url(&server.url())?.into_config(), Some(server)))
+    Ok((pg_outbox::ConnectOptions::parse(&server.url())?.tokio_postgres_config(), Some(server)))
 }
 
 /// Drop a benchmark database, forcibly if the server supports it (13+).

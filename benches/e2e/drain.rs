@@ -121,7 +121,7 @@ async fn any_due(client: &Client) -> BenchResult<bool> {
 pub async fn child_main() -> BenchResult<()> {
     let url = std::env::var(ENV_URL).map_err(|_| format!("{CHILD_ARG} needs {ENV_URL}"))?;
     let job: Job = serde_json::from_str(&std::env::var(ENV_JOB).map_err(|_| format!("{CHILD_ARG} needs {ENV_JOB}"))?)?;
-    let cfg = pg_outbox::parse_url(&url)?;
+    let cfg = pg_outbox::ConnectOptions::parse(&url)?.tokio_postgres_config();
     let mut outcome = drain_here(&cfg, &job).await?;
     outcome.vm_hwm_kib = vm_hwm_kib(std::process::id());
     println!("{}", serde_json::to_string(&outcome)?);

@@ -1,7 +1,7 @@
-//! The end-to-end benchmark suite: `cargo bench --bench e2e` (plain
-//! `cargo bench` runs it too).
+//! The end-to-end benchmark suite: `cargo bench --features full --bench e2e`
+//! (`cargo bench --features full` runs it too).
 //!
-//! Scenarios (select some by name: `cargo bench --bench e2e -- latency drain`):
+//! Scenarios (select some by name: `cargo bench --features full --bench e2e -- latency drain`):
 //! - `latency`: commit-to-delivery latency of the `EventStream` and of a
 //!   `pg-outbox relay --sink stdout` process at paced rates, against the raw
 //!   floor (a bare LISTEN client) at the same rates;
@@ -388,7 +388,9 @@ async fn bench() -> BenchResult<()> {
     eprintln!("e2e: total {total:.0} s");
 
     if s.smoke {
-        eprintln!("e2e: smoke pass (run `cargo bench --bench e2e` for the real thing); no files written");
+        eprintln!(
+            "e2e: smoke pass (run `cargo bench --features full --bench e2e` for the real thing); no files written"
+        );
     } else {
         let dir = out_dir();
         std::fs::create_dir_all(&dir)?;

@@ -144,7 +144,7 @@ pub struct Consumer(());
 
 impl Consumer {
     /// A builder for a consumer of `events.outbox` on the database `pg`:
-    /// [`ConnectOptions`](crate::ConnectOptions) from [`crate::parse_url`]
+    /// [`ConnectOptions`](crate::ConnectOptions) from [`ConnectOptions::parse`](crate::ConnectOptions::parse)
     /// (TLS settings included), or a plain `tokio_postgres::Config` (its
     /// `sslmode` disable/prefer/require carries over).
     ///
@@ -152,7 +152,7 @@ impl Consumer {
     /// ```no_run
     /// # async fn run() -> Result<(), pg_outbox::Error> {
     /// use futures::StreamExt;
-    /// let pg = pg_outbox::parse_url("postgres://postgres@127.0.0.1/app")?;
+    /// let pg = pg_outbox::ConnectOptions::parse("postgres://postgres@127.0.0.1/app")?;
     /// let mut events = pg_outbox::Consumer::builder(pg).batch_size(100).start().await?;
     /// while let Some(delivery) = events.next().await {
     ///     println!("{} {}", delivery.id, delivery.event_type);

@@ -36,7 +36,7 @@
 //! ```no_run
 //! # async fn run() -> Result<(), pg_outbox::Error> {
 //! use pg_outbox::relay::{StdoutSink, replay};
-//! let db = pg_outbox::parse_url("postgres://app@db/app")?;
+//! let db = pg_outbox::ConnectOptions::parse("postgres://app@db/app")?;
 //! let filter = replay::Filter::default().from_id(1000).to_id(2000).event_type("PaymentSucceeded");
 //! let mut replay = replay::Replay::builder(filter).rate(100.0).open(&db).await?;
 //! let outcome = replay.run(&StdoutSink::new(), std::future::pending::<()>(), |_| {}).await?;
@@ -271,7 +271,11 @@ impl ReplayBuilder {
                 )));
             }
         };
-        let client = db.connect_client("pg-outbox replay").await?;
+        let db = match db.application_name() {
+            Some(_) => db.clone(),
+            None => db.clone().with_application_name("pg-outbox replay"),
+        };
+        let client = db.connect().await?;
         client.batch_execute(READ_ONLY).await?;
         let read_only: bool = client.query_one(IS_READ_ONLY, &[]).await?.try_get("read_only")?;
         if !read_only {

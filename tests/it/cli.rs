@@ -178,16 +178,60 @@ async fn a_server_that_accepts_and_never_answers_is_an_error_within_the_connect_
     held.abort();
 }
 
+/// With no URL, the binary connects as psql does (libpq's variables and
+/// defaults); when that fails, the error names what was tried and a hint
+/// says how to name a database.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn missing_database_url_says_how_to_give_one() {
+async fn missing_database_url_connects_as_psql_and_says_how_to_give_one() {
     let agg = uuid::Uuid::new_v4().to_string();
-    for args in [vec!["status"], vec!["migrate"], vec!["relay"], publish_args(&agg, "{}")] {
-        let out = cli(&args).run().await;
-        assert_one_line_error(&out, &["DATABASE_URL", "--database-url"]);
+    let check = |out: &Out| {
+        assert!(matches!(out.code, Some(c) if c != 0), "expected a non-zero exit code: {out:?}");
+        let lines: Vec<&str> = out.stderr.lines().filter(|l| !l.trim().is_empty()).collect();
+        assert_eq!(lines.len(), 2, "the error and a hint: {out:?}");
+        assert!(
+            lines[0].starts_with("error: cannot connect to the database at socket ") && lines[0].contains(".s.PGSQL.1")
+        );
+        for n in ["--database-url", "DATABASE_URL", "OUTBOX_DATABASE_URL", "PGHOST", "PGUSER", "PGDATABASE"] {
+            assert!(lines[1].contains(n), "the hint does not mention {n}: {out:?}");
+        }
+        assert!(out.stdout.is_empty(), "nothing should go to stdout on an error: {out:?}");
+    };
+    // Nothing listens on port 1, on any socket either.
+    for args in [vec!["status"], vec!["migrate"], vec!["relay", "--sink", "stdout"], publish_args(&agg, r#"{"a":1}"#)] {
+        check(&cli(&args).env("PGPORT", "1").run().await);
     }
     // An empty or blank value counts as missing, not as a URL to parse.
-    let out = cli(&["status"]).url("  ").run().await;
-    assert_one_line_error(&out, &["DATABASE_URL"]);
+    check(&cli(&["status"]).url("  ").env("PGPORT", "1").run().await);
+}
+
+/// `--help` states where the database comes from, in order.
+#[tokio::test]
+async fn help_documents_the_database_precedence_and_the_pg_variables() {
+    let out = cli(&["--help"]).run().await;
+    assert_eq!(out.code, Some(0), "{out:?}");
+    let help = out.stdout.split_whitespace().collect::<Vec<_>>().join(" ");
+    assert!(
+        help.contains(
+            "--database-url, else DATABASE_URL, else OUTBOX_DATABASE_URL; with none of them, the libpq variables alone"
+        ),
+        "{help}"
+    );
+    for var in [
+        "PGHOST",
+        "PGPORT",
+        "PGUSER",
+        "PGPASSWORD",
+        "PGDATABASE",
+        "PGSSLMODE",
+        "PGSSLROOTCERT",
+        "PGAPPNAME",
+        "PGCONNECT_TIMEOUT",
+        "PGPASSFILE",
+        "~/.pgpass",
+        "/var/run/postgresql",
+    ] {
+        assert!(help.contains(var), "--help does not mention {var}: {help}");
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -168,7 +168,7 @@ async fn print_config_masks_passwords_and_secrets() {
         .await
         .parts();
     assert_eq!(code, Some(1), "{err}");
-    assert!(err.contains("127.0.0.1:1/app") && !err.contains("db-pw-2"), "{err}");
+    assert!(err.contains("127.0.0.1:1 (database app, user app") && !err.contains("db-pw-2"), "{err}");
 }
 
 /// `OUTBOX_DATABASE_URL` is the fallback after `--database-url` and
@@ -319,4 +319,13 @@ async fn relay_runs_with_settings_from_file_and_environment() {
         .expect("metrics body");
     assert!(body.contains("outbox_"), "metrics served on 127.0.0.1:{port}:\n{body}");
     relay.kill9().await;
+}
+
+/// Without any URL, `--print-config` says the PG variables apply.
+#[tokio::test]
+async fn print_config_without_a_url_names_the_pg_variables() {
+    let (code, out, err) = cli(&["relay", "--print-config"]).envs(&[]).run().await.parts();
+    assert_eq!(code, Some(0), "{err}");
+    let line = out.lines().find(|l| l.starts_with("# database_url =")).unwrap_or_default();
+    assert!(line.ends_with("# not set: libpq's PG* variables and defaults apply"), "{out}");
 }

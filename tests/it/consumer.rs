@@ -701,10 +701,10 @@ async fn start_fails_clearly_on_an_unmigrated_database_and_bad_settings() {
     assert!(err.to_string().contains("pg-outbox migrate"));
     let err = Consumer::builder(db.pg.clone()).batch_size(0).start().await.expect_err("bad batch");
     assert!(matches!(err, pg_outbox::Error::Config(_)));
-    let bad = pg_outbox::parse_url("postgres://postgres:s3cret@127.0.0.1:1/nowhere").expect("url");
+    let bad = pg_outbox::ConnectOptions::parse("postgres://postgres:s3cret@127.0.0.1:1/nowhere").expect("url");
     let err = Consumer::builder(bad).start().await.expect_err("unreachable");
     let full = pg_outbox::error::report(&err);
-    assert!(full.contains("127.0.0.1:1/nowhere"), "names the target: {full}");
+    assert!(full.contains("127.0.0.1:1 (database nowhere, user postgres"), "names the target: {full}");
     assert!(!full.contains("s3cret"), "never shows the password: {full}");
 }
 

@@ -235,8 +235,12 @@ async fn run_state(stats: Stats, tag: &str) {
     let setup = db.client().await;
     build(&setup, stats).await;
     // A session as pg-outbox opens its own: its planner settings included.
-    let mut c =
-        pg_outbox::parse_url(&db.url()).expect("url").connect_client("pg-outbox plan check").await.expect("connect");
+    let mut c = pg_outbox::ConnectOptions::parse(&db.url())
+        .expect("url")
+        .with_application_name("pg-outbox plan check")
+        .connect()
+        .await
+        .expect("connect");
     let mut loaded = 0;
     for backlog in BACKLOGS {
         insert(&setup, "fresh", backlog - loaded, "", "").await;

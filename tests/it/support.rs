@@ -71,12 +71,12 @@ async fn find_server() -> tokio_postgres::Config {
     if let Ok(url) = std::env::var("DATABASE_URL")
         && !url.trim().is_empty()
     {
-        return pg_outbox::parse_url(&url).expect("DATABASE_URL does not parse").into_config();
+        return pg_outbox::ConnectOptions::parse(&url).expect("DATABASE_URL does not parse").tokio_postgres_config();
     }
     for candidate in
         ["postgres://postgres@127.0.0.1:5432/postgres", "host=/var/run/postgresql user=postgres dbname=postgres"]
     {
-        let cfg = pg_outbox::parse_url(candidate).expect("candidate URL").into_config();
+        let cfg = pg_outbox::ConnectOptions::parse(candidate).expect("candidate URL").tokio_postgres_config();
         if try_connect(&cfg).await {
             return cfg;
         }
@@ -91,7 +91,7 @@ async fn start_throwaway() -> tokio_postgres::Config {
         .unwrap_or_else(|e| panic!("no PostgreSQL to test against: {}", pg_outbox::error::report(&e)));
     let url = server.url();
     SERVER.get_or_init(|| Mutex::new(None)).lock().expect("lock").replace(server);
-    pg_outbox::parse_url(&url).expect("temp server URL").into_config()
+    pg_outbox::ConnectOptions::parse(&url).expect("temp server URL").tokio_postgres_config()
 }
 
 async fn setup() -> &'static Setup {

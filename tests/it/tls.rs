@@ -69,8 +69,8 @@ fn write_file(dir: &tempfile::TempDir, name: &str, contents: &str) -> String {
 /// Connect with `url` and return whether the session is encrypted (from
 /// `pg_stat_ssl`), or the error as one line.
 async fn ssl_in_use(url: &str) -> Result<bool, String> {
-    let opts = pg_outbox::parse_url(url).map_err(|e| pg_outbox::error::report(&e))?;
-    let client = opts.connect_client("pg-outbox tls test").await.map_err(|e| pg_outbox::error::report(&e))?;
+    let opts = pg_outbox::ConnectOptions::parse(url).map_err(|e| pg_outbox::error::report(&e))?;
+    let client = opts.connect().await.map_err(|e| pg_outbox::error::report(&e))?;
     let row = client
         .query_one("SELECT ssl FROM pg_stat_ssl WHERE pid = pg_backend_pid()", &[])
         .await
@@ -159,7 +159,7 @@ async fn relay_end_to_end_over_verify_full() {
     assert_eq!(record["id"], serde_json::json!(id), "{line}");
     assert_eq!(record["aggregate_id"], serde_json::json!(agg), "{line}");
 
-    let admin = pg_outbox::parse_url(&url).expect("url").connect_client("tls test admin").await.expect("connect");
+    let admin = pg_outbox::ConnectOptions::parse(&url).expect("url").connect().await.expect("connect");
     let rows = admin
         .query(
             "SELECT a.application_name, s.ssl FROM pg_stat_activity a JOIN pg_stat_ssl s USING (pid) \
@@ -210,4 +210,130 @@ async fn a_unix_socket_ignores_the_tls_settings() {
     let Out { code, stdout: out, stderr: err, .. } = cli(&["status"]).url(&url).run().await;
     assert_eq!(code, Some(0), "status over the socket: {err}");
     assert!(out.contains("unpublished"), "{out}");
+}
+
+/// Every public way to connect with a `ConnectOptions`, each as one result:
+/// whether the session is encrypted, or the error as one line.
+async fn every_public_path(url: &str) -> Vec<(&'static str, Result<bool, String>)> {
+    let report = |e: &tokio_postgres::Error| pg_outbox::error::report(e);
+    let opts = match pg_outbox::ConnectOptions::parse(url) {
+        Ok(o) => o,
+        Err(e) => return vec![("parse", Err(pg_outbox::error::report(&e)))],
+    };
+    async fn encrypted(c: &tokio_postgres::Client) -> Result<bool, String> {
+        c.query_one("SELECT ssl FROM pg_stat_ssl WHERE pid = pg_backend_pid()", &[])
+            .await
+            .map(|r| r.get(0))
+            .map_err(|e| e.to_string())
+    }
+    let mut out = Vec::new();
+    // ConnectOptions::connect.
+    out.push((
+        "connect()",
+        match opts.connect().await {
+            Ok(c) => encrypted(&c).await,
+            Err(e) => Err(pg_outbox::error::report(&e)),
+        },
+    ));
+    // A pool's way: tokio_postgres_config() with our connector ...
+    let pool = match opts.tls_connector() {
+        Ok(tls) => match opts.tokio_postgres_config().connect(tls).await {
+            Ok((c, conn)) => {
+                tokio::spawn(conn);
+                encrypted(&c).await
+            }
+            Err(e) => Err(report(&e)),
+        },
+        Err(e) => Err(pg_outbox::error::report(&e)),
+    };
+    out.push(("tokio_postgres_config() + tls_connector()", pool));
+    // ... and with NoTls, which must never connect without TLS.
+    let plain = match opts.tokio_postgres_config().connect(tokio_postgres::NoTls).await {
+        Ok((c, conn)) => {
+            tokio::spawn(conn);
+            encrypted(&c).await
+        }
+        Err(e) => Err(report(&e)),
+    };
+    out.push(("tokio_postgres_config() + NoTls", plain));
+    // The consumer (its start checks the schema after connecting: an
+    // unmigrated database still proves the connection was made).
+    let consumer = match pg_outbox::Consumer::builder(opts.clone()).start().await {
+        Ok(_) => Ok(true),
+        Err(pg_outbox::Error::NotMigrated(_)) => Ok(true),
+        Err(e) => Err(pg_outbox::error::report(&e)),
+    };
+    out.push(("Consumer::start", consumer));
+    // The binary's migrate.
+    let Out { code, stderr, .. } = cli(&["migrate"]).url(url).run().await;
+    out.push(("pg-outbox migrate", if code == Some(0) { Ok(true) } else { Err(stderr.trim().to_string()) }));
+    out
+}
+
+/// No public path turns a `verify-full` URL into an unverified or plaintext
+/// connection: `connect()`, the pool path with our connector or with
+/// `NoTls`, the consumer and the binary all refuse an untrusted certificate,
+/// a certificate for another host name, and a server without TLS; with the
+/// right CA and name, every path but `NoTls` connects encrypted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_public_path_weakens_verify_full() {
+    let pki = pki();
+    let server = tls_server(&pki).await;
+    let plain = plain_server().await;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let ca = write_file(&dir, "ca.pem", &pki.ca_pem);
+    let (_, _, other_ca_pem) = new_ca("some other CA");
+    let other_ca = write_file(&dir, "other-ca.pem", &other_ca_pem);
+    let url = |host: &str, port: u16, ca: &str| {
+        format!("postgres://postgres@{host}:{port}/postgres?sslmode=verify-full&sslrootcert={ca}")
+    };
+
+    let good = every_public_path(&url("localhost", server.port(), &ca)).await;
+    for (path, result) in &good {
+        let want: Result<bool, String> = Ok(true);
+        if *path == "tokio_postgres_config() + NoTls" {
+            let e = result.as_ref().expect_err("NoTls with verify-full must refuse");
+            assert!(e.contains("TLS") || e.contains("tls"), "{path}: {e}");
+        } else {
+            assert_eq!(result, &want, "{path}: verify-full with the right CA and name connects encrypted");
+        }
+    }
+
+    let cases = [
+        ("an untrusted certificate", url("localhost", server.port(), &other_ca), "invalid peer certificate"),
+        ("a certificate for another name", url("127.0.0.1", server.port(), &ca), "not valid for name"),
+        ("a server without TLS", url("localhost", plain.port(), &ca), "server does not support TLS"),
+    ];
+    for (what, url, reason) in cases {
+        for (path, result) in every_public_path(&url).await {
+            let e = result.expect_err(&format!("{path} must refuse {what}"));
+            if path == "tokio_postgres_config() + NoTls" {
+                assert!(e.contains("TLS") || e.contains("tls"), "{path}, {what}: {e}");
+            } else {
+                assert!(e.contains(reason), "{path}, {what}: the error names the reason ({reason}): {e}");
+                if path != "tokio_postgres_config() + tls_connector()" {
+                    assert!(e.contains("sslmode=verify-full"), "{path}, {what}: names the mode: {e}");
+                }
+            }
+        }
+    }
+}
+
+/// `TlsConnector` meets what deadpool-postgres's `Manager::from_config`
+/// asks of a connector (checked at compile time).
+#[test]
+fn the_tls_connector_fits_a_pool() {
+    use tokio_postgres::Socket;
+    use tokio_postgres::tls::{MakeTlsConnect, TlsConnect};
+    fn pool_ready<T>()
+    where
+        T: MakeTlsConnect<Socket> + Clone + Sync + Send + 'static,
+        T::Stream: Sync + Send,
+        T::TlsConnect: Sync + Send,
+        <T::TlsConnect as TlsConnect<Socket>>::Future: Send,
+    {
+    }
+    pool_ready::<pg_outbox::TlsConnector>();
+    let opts = pg_outbox::ConnectOptions::parse("postgres://u@db.example.com/d?sslmode=require").expect("url");
+    assert!(opts.tls_connector().is_ok(), "require without roots needs none");
 }

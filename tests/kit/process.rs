@@ -25,10 +25,26 @@ pub const LIVENESS: Duration = Duration::from_secs(30);
 pub const STARTED: &str = "relay started";
 
 /// Clear what the caller's environment could slip into a run of the
-/// binary: `DATABASE_URL`, `RUST_LOG`, every `OUTBOX_*` setting and the
+/// binary: `DATABASE_URL`, `RUST_LOG`, libpq's `PG*` variables, every `OUTBOX_*` setting and the
 /// HTTP proxy variables (a webhook on 127.0.0.1 must not go through a proxy).
 pub fn clean_env(cmd: &mut Command) {
     cmd.env_remove("DATABASE_URL").env_remove("RUST_LOG");
+    // libpq's variables fill what a connection string leaves out.
+    for var in [
+        "PGHOST",
+        "PGHOSTADDR",
+        "PGPORT",
+        "PGUSER",
+        "PGPASSWORD",
+        "PGPASSFILE",
+        "PGDATABASE",
+        "PGSSLMODE",
+        "PGSSLROOTCERT",
+        "PGAPPNAME",
+        "PGCONNECT_TIMEOUT",
+    ] {
+        cmd.env_remove(var);
+    }
     for (k, _) in std::env::vars_os() {
         if k.to_str().is_some_and(|k| k.starts_with("OUTBOX_")) {
             cmd.env_remove(k);

@@ -5,7 +5,8 @@
 //! the TOML file named by `--config FILE` or `OUTBOX_CONFIG`. Precedence:
 //! command line > environment > config file > built-in default. The
 //! database URL comes from `--database-url`, else `DATABASE_URL`, else
-//! `OUTBOX_DATABASE_URL`, else the file's `database_url`.
+//! `OUTBOX_DATABASE_URL`, else the file's `database_url`, else none: then
+//! libpq's `PG*` variables and defaults name the database.
 //!
 //! The mechanism is generic over the relay's arguments: environment names
 //! are added to every argument with `Command::mut_args`, and the file's
@@ -274,6 +275,7 @@ fn source(m: &ArgMatches, arg: &Arg, file: &FileLayer) -> String {
             None => "config file".to_string(),
         },
         Some(_) => "default".to_string(),
+        None if id == DATABASE_URL => "not set: libpq's PG* variables and defaults apply".to_string(),
         None => "not set".to_string(),
     }
 }

@@ -81,9 +81,8 @@ pub(crate) async fn run(args: DemoArgs) -> Result<(), Error> {
             let name = format!("pg_outbox_demo_{}", std::process::id());
             let admin = crate::connect(&server).await?;
             admin.batch_execute(&format!("CREATE DATABASE {name}")).await?;
-            let mut cfg = pg_outbox::parse_url(&server)?;
-            cfg.dbname(&name);
-            eprintln!("demo: created scratch database {name} on {}", pg_outbox::describe_target(&cfg));
+            let cfg = pg_outbox::ConnectOptions::parse(&server)?.with_dbname(&name);
+            eprintln!("demo: created scratch database {name} on {}", cfg.describe());
             let url = config_url(&cfg);
             let result = run_on(&url, &args).await;
             if let Err(e) = admin.batch_execute(&format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)")).await {
@@ -105,16 +104,24 @@ pub(crate) async fn run(args: DemoArgs) -> Result<(), Error> {
 }
 
 /// A key=value connection string for `cfg` (keeps the password, if any).
-fn config_url(cfg: &pg_outbox::ConnectOptions) -> String {
+fn config_url(opts: &pg_outbox::ConnectOptions) -> String {
     use tokio_postgres::config::Host;
+    let cfg = opts.tokio_postgres_config();
     let mut parts = Vec::new();
-    match cfg.get_hosts().first() {
-        Some(Host::Tcp(h)) => parts.push(format!("host='{h}'")),
-        Some(Host::Unix(p)) => parts.push(format!("host='{}'", p.display())),
-        None => {}
+    let hosts: Vec<String> = cfg
+        .get_hosts()
+        .iter()
+        .map(|h| match h {
+            Host::Tcp(h) => h.clone(),
+            Host::Unix(p) => p.display().to_string(),
+        })
+        .collect();
+    if !hosts.is_empty() {
+        parts.push(format!("host='{}'", hosts.join(",")));
     }
-    if let Some(p) = cfg.get_ports().first() {
-        parts.push(format!("port={p}"));
+    if !cfg.get_ports().is_empty() {
+        let ports: Vec<String> = cfg.get_ports().iter().map(u16::to_string).collect();
+        parts.push(format!("port={}", ports.join(",")));
     }
     if let Some(u) = cfg.get_user() {
         parts.push(format!("user='{u}'"));
@@ -125,8 +132,8 @@ fn config_url(cfg: &pg_outbox::ConnectOptions) -> String {
     if let Some(d) = cfg.get_dbname() {
         parts.push(format!("dbname='{d}'"));
     }
-    parts.push(format!("sslmode={}", cfg.ssl_mode()));
-    if let Some(root) = cfg.root_cert() {
+    parts.push(format!("sslmode={}", opts.ssl_mode()));
+    if let Some(root) = opts.root_cert() {
         parts.push(format!("sslrootcert='{}'", root.to_string().replace('\\', "\\\\").replace('\'', "\\'")));
     }
     parts.join(" ")
@@ -185,7 +192,7 @@ async fn start_relay(
     url: &str,
     seen: Arc<Mutex<Seen>>,
 ) -> Result<(tokio::sync::oneshot::Sender<()>, RelayTask), Error> {
-    let stream = Consumer::builder(pg_outbox::parse_url(url)?).start().await?;
+    let stream = Consumer::builder(pg_outbox::ConnectOptions::parse(url)?).start().await?;
     let sink = DemoSink { inner: StdoutSink::new(), seen };
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
     let relay = tokio::spawn(async move {

@@ -26,13 +26,12 @@ mod temp_server;
     version,
     about = "Stream a PostgreSQL transactional outbox (events.outbox) with low latency."
 )]
-#[command(
-    after_help = "Logs go to stderr (set RUST_LOG, e.g. RUST_LOG=debug; --log-format json for one JSON object per line); data goes to stdout."
-)]
+#[command(after_help = DATABASE_HELP)]
 struct Cli {
     /// PostgreSQL URL, e.g. postgres://user@localhost:5432/app (libpq
     /// key=value strings work too). Falls back to OUTBOX_DATABASE_URL when
-    /// DATABASE_URL is unset.
+    /// DATABASE_URL is unset; with neither, connects as psql does (see
+    /// pg-outbox --help).
     #[arg(long, env = "DATABASE_URL", global = true, hide_env_values = true)]
     database_url: Option<String>,
 
@@ -72,12 +71,22 @@ enum Command {
     Demo(demo::DemoArgs),
 }
 
+const DATABASE_HELP: &str = "\
+The database: --database-url, else DATABASE_URL, else OUTBOX_DATABASE_URL; with none of them, the
+libpq variables alone, as psql uses them. Settings a URL leaves out come from PGHOST, PGPORT, PGUSER,
+PGPASSWORD, PGDATABASE, PGSSLMODE, PGSSLROOTCERT, PGAPPNAME and PGCONNECT_TIMEOUT, then libpq's
+defaults: the Unix socket in /var/run/postgresql or /tmp, port 5432, the OS user, a database named
+after the user. Without a password, ~/.pgpass (or PGPASSFILE) supplies one.
+Logs go to stderr (set RUST_LOG, e.g. RUST_LOG=debug; --log-format json for one JSON object per
+line); data goes to stdout.";
+
 const RELAY_HELP: &str = "\
 Every setting can also come from the environment (OUTBOX_<FLAG>, e.g. OUTBOX_BATCH_SIZE=500,
 OUTBOX_SINK=stdout) or from a TOML file given by --config FILE or OUTBOX_CONFIG, whose keys are
 the flag names (batch_size = 500, or batch-size; database_url = \"postgres://...\").
 Precedence: command line > environment > config file > built-in default. The database URL comes
-from --database-url, else DATABASE_URL, else OUTBOX_DATABASE_URL, else the file's database_url.
+from --database-url, else DATABASE_URL, else OUTBOX_DATABASE_URL, else the file's database_url,
+else the libpq variables (PGHOST, PGUSER, PGDATABASE, ...).
 --print-config shows the effective settings and where each comes from (secrets masked).";
 
 #[derive(clap::Args, Debug)]
@@ -245,15 +254,34 @@ fn parse_uuid(s: &str) -> Result<uuid::Uuid, String> {
     uuid::Uuid::parse_str(s.trim()).map_err(|e| format!("'{s}' is not a valid UUID: {e}"))
 }
 
-fn database_url(cli: &Option<String>) -> Result<String, Error> {
-    cli.clone().filter(|s| !s.trim().is_empty()).ok_or_else(|| {
-        Error::Config("no database given: pass --database-url or set DATABASE_URL (or OUTBOX_DATABASE_URL)".into())
+/// The connection string: `--database-url`, `DATABASE_URL` or
+/// `OUTBOX_DATABASE_URL` (clap, then `config::command`); empty when none is
+/// given, which [`pg_outbox::ConnectOptions::parse`] fills from the libpq
+/// variables and defaults, as psql does.
+fn database_url(cli: &Option<String>) -> String {
+    cli.clone().filter(|s| !s.trim().is_empty()).unwrap_or_default()
+}
+
+/// Resolve `url` (libpq's variables fill what it leaves out) and connect.
+async fn connect(url: &str) -> Result<tokio_postgres::Client, Error> {
+    Ok(options(url)?.connect().await?)
+}
+
+/// `url` parsed, with libpq's variables and defaults for what it leaves
+/// out; the sessions are named `pg-outbox cli` unless it names them.
+fn options(url: &str) -> Result<pg_outbox::ConnectOptions, Error> {
+    let opts = pg_outbox::ConnectOptions::parse(url)?;
+    Ok(match opts.application_name() {
+        Some(_) => opts,
+        None => opts.with_application_name("pg-outbox cli"),
     })
 }
 
-async fn connect(url: &str) -> Result<tokio_postgres::Client, Error> {
-    Ok(pg_outbox::parse_url(url)?.connect_client("pg-outbox cli").await?)
-}
+/// How to name the database, for a failed connection with no URL given.
+const NO_URL_HINT: &str = "hint: no database URL was given (--database-url, DATABASE_URL or \
+OUTBOX_DATABASE_URL), so the libpq variables and defaults were used as psql uses them: set PGHOST, \
+PGPORT, PGUSER, PGDATABASE (and PGPASSWORD or ~/.pgpass), or give a URL such as \
+postgres://user@host:5432/dbname";
 
 /// Resolves on the first SIGINT/SIGTERM (graceful shutdown: the event in
 /// hand gets `--shutdown-grace`, acknowledgements are written); a second
@@ -327,7 +355,7 @@ pub(crate) fn install_metrics(
 
 async fn relay_cmd(url: &str, args: RelayArgs) -> Result<(), Error> {
     let (sink, sink_name) = relay::open_sink(&args.sink.sink, &args.sink.options()).await?;
-    let pg = pg_outbox::parse_url(url)?;
+    let pg = pg_outbox::ConnectOptions::parse(url)?;
     let target = pg.describe();
     if let Some(addr) = args.metrics_addr {
         // Bind check first, so a taken port is a clear error, not a log line.
@@ -616,16 +644,18 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
+    let url = database_url(&cli.database_url);
+    let no_url = url.is_empty() && !matches!(cli.command, Command::Demo(_));
     let result = rt.block_on(async move {
         match cli.command {
             Command::Demo(args) => demo::run(args).await,
-            Command::Migrate => migrate_cmd(&database_url(&cli.database_url)?).await,
-            Command::Relay(args) => relay_cmd(&database_url(&cli.database_url)?, *args).await,
-            Command::Publish(args) => publish_cmd(&database_url(&cli.database_url)?, args).await,
-            Command::Status(args) => status_cmd(&database_url(&cli.database_url)?, args).await,
-            Command::DeadLetters(cmd) => dead_letters::run(&database_url(&cli.database_url)?, cmd).await,
-            Command::Archive(args) => archive_cmd(&database_url(&cli.database_url)?, args).await,
-            Command::Replay(args) => replay::run(&database_url(&cli.database_url)?, *args, log_format).await,
+            Command::Migrate => migrate_cmd(&url).await,
+            Command::Relay(args) => relay_cmd(&url, *args).await,
+            Command::Publish(args) => publish_cmd(&url, args).await,
+            Command::Status(args) => status_cmd(&url, args).await,
+            Command::DeadLetters(cmd) => dead_letters::run(&url, cmd).await,
+            Command::Archive(args) => archive_cmd(&url, args).await,
+            Command::Replay(args) => replay::run(&url, *args, log_format).await,
         }
     });
     rt.shutdown_timeout(Duration::from_secs(1));
@@ -634,6 +664,14 @@ fn main() -> ExitCode {
         Err(Error::Interrupted) => ExitCode::from(replay::INTERRUPTED_EXIT),
         Err(e) => {
             logging::error(log_format, &pg_outbox::error::report(&e));
+            if no_url
+                && matches!(
+                    e,
+                    Error::Outbox(pg_outbox::Error::Connect { .. } | pg_outbox::Error::ConnectTimedOut { .. })
+                )
+            {
+                logging::line(log_format, "INFO", "pg_outbox", NO_URL_HINT, &[]);
+            }
             ExitCode::FAILURE
         }
     }

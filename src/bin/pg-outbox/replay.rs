@@ -207,7 +207,7 @@ pub(crate) async fn run(url: &str, args: ReplayArgs, format: LogFormat) -> Resul
     } else {
         Some(pg_outbox::relay::open_sink(&args.sink.sink, &args.sink.options()).await?)
     };
-    let db = pg_outbox::parse_url(url)?;
+    let db = pg_outbox::ConnectOptions::parse(url)?;
     let mut builder = Replay::builder(filter).page_size(args.batch_size).shutdown_grace(args.shutdown_grace);
     if let Some(r) = args.rate {
         builder = builder.rate(r);
