@@ -5,6 +5,9 @@
 //! published), `Err` fails it (retry with backoff, dead letter at the
 //! threshold). Deliveries are handed over one after another, in id order,
 //! so per-aggregate order holds at the sink.
+//!
+//! [`replay`] delivers events that were already published to a sink again,
+//! without changing the table.
 
 #[cfg(feature = "amqp")]
 mod amqp;
@@ -15,6 +18,7 @@ mod message;
 mod nats;
 #[cfg(feature = "redis")]
 mod redis;
+pub mod replay;
 mod stdout;
 #[cfg(feature = "webhook")]
 mod webhook;

@@ -19,6 +19,7 @@ mod plans;
 mod process;
 mod relay;
 mod relay_proc;
+mod replay;
 mod retention;
 mod schema;
 #[cfg(feature = "amqp")]
