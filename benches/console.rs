@@ -1,0 +1,197 @@
+//! The console's pages on a large outbox: server time of the overview, the
+//! dead-letter pages (first, deep, filtered) and an event page, with
+//! 1 000 000 unpublished events and 100 000 dead letters in the table
+//! (target: under 100 ms each), and the library reads behind each page
+//! measured alone, to tell where the time goes.
+//!
+//! Run it with `cargo bench --features full --bench console`
+//! (`BENCH_CONSOLE_UNPUBLISHED`, `BENCH_CONSOLE_DEAD` change the sizes).
+//! It uses `DATABASE_URL`, else the server on 127.0.0.1:5432, else a
+//! throwaway one; it loads a scratch database `pgo_bench_console`, starts
+//! `pg-outbox console` on a free port, times each page (2 warm-up requests,
+//! then 10; minimum, median, maximum) over loopback HTTP, and drops the
+//! database.
+
+#[path = "common/mod.rs"]
+mod common;
+#[path = "../tests/kit/process.rs"]
+mod process;
+#[path = "../src/bin/pg-outbox/temp_server.rs"]
+mod temp_server;
+
+use std::future::Future;
+use std::process::Stdio;
+use std::time::{Duration, Instant};
+
+use common::BenchResult;
+use pg_outbox::dead_letters::Filter;
+use tokio::io::{AsyncBufReadExt, BufReader};
+
+const DB: &str = "pgo_bench_console";
+const RUNS: usize = 10;
+
+fn size(var: &str, default: i64) -> i64 {
+    std::env::var(var).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
+}
+
+/// Milliseconds of `RUNS` runs of `f` after two warm-up runs: (min, median, max).
+async fn time<F, Fut>(mut f: F) -> BenchResult<(f64, f64, f64)>
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = BenchResult<()>>,
+{
+    for _ in 0..2 {
+        f().await?;
+    }
+    let mut ms = Vec::with_capacity(RUNS);
+    for _ in 0..RUNS {
+        let t = Instant::now();
+        f().await?;
+        ms.push(t.elapsed().as_secs_f64() * 1000.0);
+    }
+    ms.sort_by(f64::total_cmp);
+    Ok((ms[0], ms[RUNS / 2], ms[RUNS - 1]))
+}
+
+fn line(what: &str, (min, med, max): (f64, f64, f64)) {
+    let mark = if med < 100.0 { "" } else { "  (over 100 ms)" };
+    eprintln!("{what:<52} {min:>8.1} {med:>8.1} {max:>8.1}{mark}");
+}
+
+async fn run() -> BenchResult<()> {
+    let unpublished = size("BENCH_CONSOLE_UNPUBLISHED", 1_000_000);
+    let dead = size("BENCH_CONSOLE_DEAD", 100_000);
+    let (admin_cfg, _server) = common::find_server().await?;
+    let admin = common::connect(&admin_cfg).await?;
+    let cfg = common::migrated_database(&admin, &admin_cfg, DB).await?;
+    let c = common::connect(&cfg).await?;
+    let t = Instant::now();
+    // Fresh events over 100 000 aggregates, then dead letters on their own
+    // aggregates, two error texts; row triggers off for the load (the
+    // triggers' locks leave nothing behind once committed).
+    c.batch_execute(&format!(
+        "SET session_replication_role = replica; \
+         INSERT INTO events.outbox (aggregate_type, aggregate_id, event_type, payload) \
+         SELECT (ARRAY['subscription','invoice','account'])[1 + g % 3], md5('a-' || (g % 100000))::uuid, \
+                (ARRAY['PaymentSucceeded','InvoiceIssued','AccountUpdated','PlanChanged'])[1 + g % 4], \
+                jsonb_build_object('version', 1, 'data', jsonb_build_object('n', g)) \
+         FROM generate_series(1, {unpublished}::bigint) g; \
+         INSERT INTO events.outbox (aggregate_type, aggregate_id, event_type, payload, retry_count, next_retry_at, last_error) \
+         SELECT (ARRAY['subscription','invoice','account'])[1 + g % 3], md5('d-' || g)::uuid, \
+                (ARRAY['PaymentSucceeded','InvoiceIssued','AccountUpdated','PlanChanged'])[1 + g % 4], \
+                jsonb_build_object('version', 1, 'data', jsonb_build_object('n', g)), 10, 'infinity', \
+                CASE WHEN g % 10 = 0 THEN 'timeout after 30 s' ELSE 'HTTP 500 from the upstream' END \
+         FROM generate_series(1, {dead}::bigint) g; \
+         RESET session_replication_role;"
+    ))
+    .await?;
+    c.batch_execute("VACUUM ANALYZE events.outbox").await?;
+    eprintln!(
+        "bench: loaded {unpublished} unpublished events and {dead} dead letters in {:.1} s",
+        t.elapsed().as_secs_f64()
+    );
+
+    let mut cmd = tokio::process::Command::new(env!("CARGO_BIN_EXE_pg-outbox"));
+    let port = process::free_port();
+    cmd.args(["console", "--addr", &format!("127.0.0.1:{port}")]);
+    process::clean_env(&mut cmd);
+    let url = format!(
+        "postgres://{}@{}:{}/{DB}?sslmode=disable",
+        cfg.get_user().unwrap_or("postgres"),
+        match cfg.get_hosts().first() {
+            Some(pg_outbox::tokio_postgres::config::Host::Tcp(h)) => h.clone(),
+            _ => "127.0.0.1".into(),
+        },
+        cfg.get_ports().first().copied().unwrap_or(5432)
+    );
+    cmd.env("DATABASE_URL", &url).env("RUST_LOG", "warn,pg_outbox=info");
+    cmd.stdin(Stdio::null()).stdout(Stdio::null()).stderr(Stdio::piped()).kill_on_drop(true);
+    let mut child = cmd.spawn()?;
+    let mut lines = BufReader::new(child.stderr.take().ok_or("stderr")?).lines();
+    loop {
+        match tokio::time::timeout(Duration::from_secs(30), lines.next_line()).await {
+            Ok(Ok(Some(l))) if l.contains("console serving on") => break,
+            Ok(Ok(Some(_))) => {}
+            _ => return Err("the console did not start".into()),
+        }
+    }
+    tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
+    let base = format!("http://127.0.0.1:{port}");
+    let http = reqwest::Client::new();
+    let deep: i64 = c
+        .query_one(
+            "SELECT id FROM events.outbox WHERE published_at IS NULL AND next_retry_at = 'infinity' \
+             ORDER BY id + 0 OFFSET $1 LIMIT 1",
+            &[&(dead * 9 / 10)],
+        )
+        .await?
+        .get(0);
+
+    eprintln!("{:<52} {:>8} {:>8} {:>8}", "ms (loopback HTTP: the page's server time)", "min", "median", "max");
+    for (what, path) in [
+        ("GET /  (overview)", "/".to_string()),
+        ("GET /dead-letters  (first page + count)", "/dead-letters".to_string()),
+        ("GET /dead-letters?after=… (90 % deep)", format!("/dead-letters?after={deep}")),
+        ("GET /dead-letters?event_type=…&error=timeout", "/dead-letters?event_type=InvoiceIssued&error=timeout".into()),
+        ("GET /events/ID  (a dead letter)", format!("/events/{deep}")),
+    ] {
+        let u = format!("{base}{path}");
+        let r = time(|| {
+            let (http, u) = (http.clone(), u.clone());
+            async move {
+                let resp = http.get(&u).send().await?;
+                if !resp.status().is_success() {
+                    return Err(format!("{u}: {}", resp.status()).into());
+                }
+                resp.bytes().await?;
+                Ok(())
+            }
+        })
+        .await?;
+        line(what, r);
+    }
+
+    eprintln!("{:<52} {:>8} {:>8} {:>8}", "ms (the library reads alone)", "min", "median", "max");
+    let opts = pg_outbox::ConnectOptions::parse(&url)?;
+    let lib = opts.connect().await?;
+    let lib = &lib;
+    line("pg_outbox::status", time(|| async { pg_outbox::status(lib).await.map(drop).map_err(Into::into) }).await?);
+    line(
+        "console::relays",
+        time(|| async { pg_outbox::console::relays(lib).await.map(drop).map_err(Into::into) }).await?,
+    );
+    line(
+        "console::delivery_chart (latest 50 000)",
+        time(|| async {
+            pg_outbox::console::delivery_chart(lib, pg_outbox::console::DEFAULT_CHART_ROWS)
+                .await
+                .map(drop)
+                .map_err(Into::into)
+        })
+        .await?,
+    );
+    let all = Filter::all();
+    line(
+        "console::dead_letter_page (first 51)",
+        time(|| async { pg_outbox::console::dead_letter_page(lib, &all, 0, 51).await.map(drop).map_err(Into::into) })
+            .await?,
+    );
+    line(
+        "console::dead_letter_page (90 % deep)",
+        time(|| async {
+            pg_outbox::console::dead_letter_page(lib, &all, deep, 51).await.map(drop).map_err(Into::into)
+        })
+        .await?,
+    );
+    line(
+        "dead_letters::count (all)",
+        time(|| async { pg_outbox::dead_letters::count(lib, &all).await.map(drop).map_err(Into::into) }).await?,
+    );
+    drop(child);
+    common::drop_database(&admin, DB).await;
+    Ok(())
+}
+
+fn main() -> std::process::ExitCode {
+    common::main_with(run)
+}
