@@ -34,7 +34,13 @@ const PAGE_SIZE: i64 = 50;
 /// Events on each side of an event in its aggregate's timeline.
 const TIMELINE_AROUND: i64 = 20;
 /// Statement timeout of the console's session: a page never waits longer.
+/// The overview's backlog figures in the background get longer (see
+/// [`Figures`]).
 const STATEMENT_TIMEOUT: &str = "15s";
+/// Backlog figures that take at most this long are read for every
+/// overview; slower ones are served from the last reading while the next
+/// one runs in the background.
+const FIGURES_INLINE: Duration = Duration::from_millis(200);
 
 #[derive(clap::Args, Debug)]
 pub(crate) struct ConsoleArgs {
@@ -65,6 +71,77 @@ struct App {
     session: String,
     read_only: bool,
     refresh: Duration,
+    figures: Figures,
+}
+
+/// The overview's backlog figures ([`pg_outbox::status`]), whose cost
+/// grows with the unpublished rows (seconds at a million). While a reading
+/// takes at most [`FIGURES_INLINE`], every overview reads them afresh;
+/// beyond that the overview shows the last reading (saying when it was
+/// taken and how long it took) and, when it is older than the refresh
+/// interval, starts the next one in the background: one at a time, and
+/// only while someone looks.
+#[derive(Default)]
+struct Figures {
+    last: std::sync::Mutex<Option<Reading>>,
+    busy: std::sync::atomic::AtomicBool,
+}
+
+/// One reading of the backlog figures.
+#[derive(Clone)]
+pub(crate) struct Reading {
+    pub(crate) status: Arc<pg_outbox::OutboxStatus>,
+    /// When it started.
+    pub(crate) at: std::time::Instant,
+    /// How long it took.
+    pub(crate) took: Duration,
+    /// Served from an earlier reading.
+    pub(crate) cached: bool,
+}
+
+impl Figures {
+    fn last(&self) -> Option<Reading> {
+        self.last.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone()
+    }
+
+    fn store(&self, r: Reading) {
+        *self.last.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = Some(r);
+    }
+}
+
+/// Read the backlog figures on a session of their own (so a slow reading
+/// does not hold up the pages).
+async fn read_figures(opts: &pg_outbox::ConnectOptions) -> Result<Reading, Error> {
+    let t = std::time::Instant::now();
+    let c = opts.connect().await?;
+    let status = pg_outbox::status(&c).await?;
+    Ok(Reading { status: Arc::new(status), at: t, took: t.elapsed(), cached: false })
+}
+
+/// The figures for an overview: see [`Figures`].
+async fn figures(app: &Arc<App>) -> Result<Reading, Error> {
+    match app.figures.last() {
+        Some(r) if r.took > FIGURES_INLINE => {
+            if r.at.elapsed() >= app.refresh && !app.figures.busy.swap(true, std::sync::atomic::Ordering::AcqRel) {
+                let app = app.clone();
+                tokio::spawn(async move {
+                    match read_figures(&app.db.opts).await {
+                        Ok(r) => app.figures.store(r),
+                        Err(e) => {
+                            tracing::warn!(error = %pg_outbox::error::report(&e), "console: reading the backlog figures failed")
+                        }
+                    }
+                    app.figures.busy.store(false, std::sync::atomic::Ordering::Release);
+                });
+            }
+            Ok(Reading { cached: true, ..r })
+        }
+        _ => {
+            let r = read_figures(&app.db.opts).await?;
+            app.figures.store(r.clone());
+            Ok(r)
+        }
+    }
 }
 
 /// One database session, opened again when it is lost.
@@ -120,7 +197,14 @@ pub(crate) async fn run(opts: pg_outbox::ConnectOptions, args: ConsoleArgs) -> R
     let db = Db { opts, client: tokio::sync::Mutex::new(None) };
     // Fail fast on a wrong URL or a missing schema.
     pg_outbox::status(&*db.client().await?).await?;
-    let app = Arc::new(App { db, token, session: guard::fresh(), read_only: args.read_only, refresh: args.refresh });
+    let app = Arc::new(App {
+        db,
+        token,
+        session: guard::fresh(),
+        read_only: args.read_only,
+        refresh: args.refresh,
+        figures: Figures::default(),
+    });
     let listener = tokio::net::TcpListener::bind(args.addr)
         .await
         .map_err(|e| Error::Config(format!("cannot serve the console on {}: {e}", args.addr)))?;
@@ -344,7 +428,7 @@ async fn overview(State(app): State<Arc<App>>, headers: HeaderMap) -> Response {
     };
     let read = async {
         let c = app.db.client().await?;
-        let status = pg_outbox::status(&*c).await?;
+        let status = figures(&app).await?;
         let relays = pg_outbox::console::relays(&*c).await?;
         let chart = pg_outbox::console::delivery_chart(&*c, pg_outbox::console::DEFAULT_CHART_ROWS).await?;
         Ok::<_, Error>((status, relays, chart))

@@ -8,7 +8,7 @@ use maud::{DOCTYPE, Markup, html};
 use pg_outbox::console::{DeliveryChart, EventDetail, EventState, Relays, Timeline};
 use pg_outbox::{Event, OutboxStatus};
 
-use super::{Action, Ctx, FilterForm, Target, chart};
+use super::{Action, Ctx, FilterForm, Reading, Target, chart};
 
 /// A dead-letter page as read: rows, all that match, where it starts,
 /// whether more follow.
@@ -99,15 +99,22 @@ fn stat(id: &str, label: &str, value: String, class: &str) -> Markup {
 
 pub(crate) fn overview(
     ctx: &Ctx,
-    s: &OutboxStatus,
+    reading: &Reading,
     relays: &Relays,
     chart_data: &DeliveryChart,
     refresh: Duration,
 ) -> Markup {
     let now = chart_data.now;
+    let s: &OutboxStatus = &reading.status;
     let body = html! {
         h1 { "Overview" }
         p.note { "As of " (time(&now)) "; reloads every " (humantime::format_duration(refresh)) "." }
+        @if reading.cached {
+            p.note id="figures-age" {
+                "Backlog figures from " (age(Some(reading.at.elapsed().as_secs_f64()))) " ago: counting them takes "
+                (age(Some(reading.took.as_secs_f64()))) ", so they are counted again in the background."
+            }
+        }
         section.stats {
             (stat("unpublished", "unpublished", s.unpublished.to_string(), ""))
             (stat("due_now", "due now", s.due_now.to_string(), ""))
