@@ -256,6 +256,10 @@ pub struct FatalSinkError(pub String);
 /// Deliver every event of `stream` to `sink` until `shutdown` resolves or
 /// the stream ends, then finish the stream (final acknowledgements).
 ///
+/// The stream's [`EventStream::health`] then reports the sink's side too
+/// ([`crate::Health::sink`]): the delivery in progress, failures since the
+/// last success, the last error.
+///
 /// On shutdown it stops fetching; the delivery in progress gets up to the
 /// consumer's shutdown grace to finish (then it is released: not published,
 /// delivered again by the next relay); buffered deliveries are released;
@@ -280,6 +284,9 @@ where
     let mut stats = RelayStats::default();
     let handle = stream.shutdown_handle();
     let grace = stream.shutdown_grace();
+    let monitor = stream.health();
+    let health = monitor.state();
+    health.sink_attached();
     tokio::pin!(shutdown);
     let mut shutdown_seen = false;
     let mut fatal: Option<FatalSinkError> = None;
@@ -295,6 +302,7 @@ where
         };
         let Some(delivery) = next else { break };
         let started = Instant::now();
+        health.delivery_started();
         let result = {
             let deliver = sink.deliver(delivery.event());
             tokio::pin!(deliver);
@@ -311,6 +319,7 @@ where
         metrics::histogram!(m::SINK_DURATION).record(started.elapsed().as_secs_f64());
         match result {
             None => {
+                health.delivery_abandoned();
                 tracing::warn!(
                     id = delivery.id,
                     "shutdown grace ran out; the event in hand is released and will be delivered again"
@@ -319,11 +328,13 @@ where
                 break;
             }
             Some(Ok(())) => {
+                health.delivery_ended(Ok(()));
                 stats.delivered += 1;
                 delivery.ack();
             }
             Some(Err(e)) => match e.downcast::<FatalSinkError>() {
                 Ok(f) => {
+                    health.delivery_ended(Err(f.to_string()));
                     tracing::error!(id = delivery.id, error = %f, "sink is gone; stopping (the event is released, not failed)");
                     delivery.release();
                     handle.shutdown();
@@ -333,6 +344,7 @@ where
                 Err(e) => {
                     stats.failed += 1;
                     let msg = crate::error::report(e.as_ref());
+                    health.delivery_ended(Err(msg.clone()));
                     tracing::warn!(id = delivery.id, attempt = delivery.retry_count + 1, error = %msg.escape_debug(), "sink failed");
                     delivery.fail(msg);
                 }
