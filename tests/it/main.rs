@@ -9,6 +9,7 @@ mod consumer;
 mod contrib;
 mod dead_letters;
 mod faults;
+mod health;
 mod libpq;
 mod modes;
 mod order;

@@ -318,6 +318,20 @@ impl TempServer {
         self.pg_ctl_start()
     }
 
+    /// Start the server again after [`TempServer::stop`], on the same
+    /// port and data directory. Idempotent.
+    ///
+    /// # Errors
+    /// [`Error::TempServer`] if `pg_ctl` fails.
+    pub fn start_again(&mut self) -> Result<()> {
+        if self.running {
+            return Ok(());
+        }
+        self.pg_ctl_start()?;
+        self.running = true;
+        Ok(())
+    }
+
     /// Stop the server now (`pg_ctl stop -m immediate`). Idempotent; also
     /// done on drop.
     ///
