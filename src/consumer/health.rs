@@ -308,7 +308,6 @@ impl State {
             _ => msg,
         }
     }
-
 }
 
 /// The sink's side, written by `relay::run` only.

@@ -89,10 +89,9 @@ impl Ownership {
         match self {
             Ownership::Single { leader: true, .. } => Role::Leader,
             Ownership::Single { .. } => Role::Standby,
-            Ownership::Partitioned(p) => Role::Partitioned {
-                held: p.owned.iter().map(|k| k.unsigned_abs()).collect(),
-                partitions: p.partitions,
-            },
+            Ownership::Partitioned(p) => {
+                Role::Partitioned { held: p.owned.iter().map(|k| k.unsigned_abs()).collect(), partitions: p.partitions }
+            }
             Ownership::Competing { .. } => Role::Competing,
         }
     }

@@ -38,7 +38,8 @@ const DOWN_BOUND: Duration = Duration::from_secs(5);
 const UP_BOUND: Duration = Duration::from_secs(35);
 
 /// Secrets the tests give the relay (URLs, flags); no body may hold one.
-const SECRETS: [&str; 5] = ["pgsecret-7f3a", "hookpw-91c2", "tok-5e8d", "whsec_c2VjcmV0LWtleS1mb3ItdGhlLWhlYWx0aC1wcm9iZSE=", "bearer-44af"];
+const SECRETS: [&str; 5] =
+    ["pgsecret-7f3a", "hookpw-91c2", "tok-5e8d", "whsec_c2VjcmV0LWtleS1mb3ItdGhlLWhlYWx0aC1wcm9iZSE=", "bearer-44af"];
 
 fn http() -> reqwest::Client {
     reqwest::Client::builder().no_proxy().timeout(Duration::from_secs(5)).build().expect("HTTP client")
@@ -353,8 +354,7 @@ async fn a_standby_is_ready_and_says_so_and_each_mode_names_its_role() {
     // The standby serves the probes on --health-addr alone.
     let mut standby =
         start(process::Relay::new(support::bin()).url(&db.url()).args(&["--health-addr", &p2.to_string()])).await;
-    let (status, body) =
-        probe_until(p2, "/readyz", LIVENESS, |_, b| b["checks"]["database"]["status"] == "ok").await;
+    let (status, body) = probe_until(p2, "/readyz", LIVENESS, |_, b| b["checks"]["database"]["status"] == "ok").await;
     assert_eq!(status, 200, "a standby is ready: {body}");
     assert_eq!((&body["role"], &body["status"], &body["mode"]), (&"standby".into(), &"ready".into(), &"single".into()));
     let (status, _) = probe(p2, "/livez").await;
@@ -371,10 +371,9 @@ async fn a_standby_is_ready_and_says_so_and_each_mode_names_its_role() {
 
     let db = TestDb::new("health_partitioned").await;
     let mut partitioned = start(relay(&db.url(), p1).args(&["--mode", "partitioned", "--partitions", "4"])).await;
-    let (status, body) = probe_until(p1, "/readyz", LIVENESS, |_, b| {
-        b["partitions"]["held"].as_array().is_some_and(|h| h.len() == 4)
-    })
-    .await;
+    let (status, body) =
+        probe_until(p1, "/readyz", LIVENESS, |_, b| b["partitions"]["held"].as_array().is_some_and(|h| h.len() == 4))
+            .await;
     assert_eq!(status, 200, "{body}");
     assert_eq!((&body["role"], &body["partitions"]["of"]), (&"partitioned".into(), &4.into()), "{body}");
     partitioned.terminate(LIVENESS).await.unwrap_or_else(|e| panic!("{e}"));
