@@ -196,7 +196,7 @@ fn readiness(h: &Health, sink_name: &str, sink_timeout: Duration) -> (StatusCode
                 "last_error": s.last_failure.as_ref().map(|e| last_error(e, "sink")),
             })
         }
-        None => json!({ "status": note(Check::Ok), "name": sink_name, "detail": "connected at start" }),
+        None => json!({ "status": note(Check::Ok), "name": sink_name, "detail": "opened at start" }),
     };
     // The newest of the drain loop's last database error and the sink's.
     let db_error = h.last_error.as_ref().map(|e| (e, "database"));
