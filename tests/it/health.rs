@@ -323,7 +323,9 @@ async fn a_drain_loop_stuck_in_a_statement_fails_livez_until_it_turns_again() {
     assert_eq!(body["status"], "stalled", "{body}");
     let since = body["drain_loop"]["last_turn_seconds_ago"].as_f64().unwrap_or_default();
     assert!(since > 4.2, "503 only past the stall bound: {body}");
-    assert!(took >= Duration::from_millis(4200), "not before the bound ({took:?})");
+    // The loop's last turn came at most one sweep interval (100 ms, +10 %)
+    // before the path froze.
+    assert!(took >= Duration::from_millis(4200 - 110), "not before the bound ({took:?})");
     let (status, ready) = probe(port, "/readyz").await;
     assert_eq!(status, 503, "a stalled relay is not ready either: {ready}");
     assert_eq!(ready["checks"]["drain_loop"]["status"], "fail", "{ready}");
