@@ -3,7 +3,7 @@
 //! The drain loop stores the time of each of its turns in an atomic (one
 //! relaxed store per turn) and takes a short lock only when something an
 //! operator would want to know changes: the sessions opened or were lost,
-//! what this consumer owns, a database error. [`relay::run`](crate::relay::run)
+//! what this consumer owns, a database error. `relay::run`
 //! adds the sink's side: a delivery in progress, the last outcome. A
 //! [`HealthMonitor`] reads all of it into a [`Health`] snapshot.
 
@@ -64,7 +64,7 @@ pub struct LastError {
     pub age: Duration,
 }
 
-/// The sink's side of a relay's health, as [`relay::run`](crate::relay::run)
+/// The sink's side of a relay's health, as `relay::run`
 /// records it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
@@ -122,7 +122,7 @@ pub struct Health {
     /// The drain loop's last database error (a lost session, a failed or
     /// timed-out statement, a failed reconnect); kept after recovery.
     pub last_error: Option<LastError>,
-    /// The sink's side, when the stream is run by [`relay::run`](crate::relay::run).
+    /// The sink's side, when the stream is run by `relay::run`.
     pub sink: Option<SinkHealth>,
 }
 
@@ -345,7 +345,7 @@ impl State {
     }
 }
 
-/// The sink's side, written by [`relay::run`](crate::relay::run).
+/// The sink's side, written by `relay::run`.
 #[derive(Debug, Default)]
 struct SinkState {
     attached: AtomicBool,

@@ -532,7 +532,7 @@ impl EventStream {
     /// A handle that reads this consumer's [`Health`]: whether its drain
     /// loop still turns, whether its database sessions are open, its
     /// [`Role`], the LISTEN connection's state, the last database error,
-    /// and (under [`relay::run`](crate::relay::run)) the sink's side. Cheap
+    /// and (under `relay::run`) the sink's side. Cheap
     /// to clone and to read; meant for liveness and readiness probes (the
     /// relay's `/livez` and `/readyz` are built on it).
     ///
