@@ -10,6 +10,10 @@
 //!   path between relay and server that stops forwarding, as a hung
 //!   middlebox does): `/livez` turns 503 once the stall bound has passed,
 //!   and 200 again when the path forwards again; nothing is lost;
+//! - the delivery loop stuck (the stdout sink, which has no timeout, with a
+//!   reader that stopped reading): degraded past `--sink-timeout`, `/livez`
+//!   503 past the stall bound plus the sink timeout while the drain loop
+//!   still turns, and 200 once the reader reads again;
 //! - roles: a leader and a standby (both 200), partitioned and competing
 //!   relays; `--health-addr` serves the probes without `/metrics`; a taken
 //!   probe port stops the relay at start.
@@ -344,6 +348,74 @@ async fn a_drain_loop_stuck_in_a_statement_fails_livez_until_it_turns_again() {
         .expect("read stdout");
     let v: Value = serde_json::from_str(&line).expect("a JSON record");
     assert_eq!(v["id"], ids[0], "{line}");
+    relay.terminate(LIVENESS).await.unwrap_or_else(|e| panic!("{e}"));
+}
+
+/// Events for the stuck-delivery test: far more than a pipe holds (64 KiB;
+/// a record is about 300 bytes).
+const PIPE_FILLER: i64 = 3000;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_delivery_stuck_past_its_bound_fails_livez_and_a_slow_one_is_degraded() {
+    let db = TestDb::new("health_stuck_delivery").await;
+    let url = db.url();
+    let url = if url.starts_with("postgres://") {
+        format!("{url}?connect_timeout=1")
+    } else {
+        format!("{url} connect_timeout=1")
+    };
+    let port = process::free_port();
+    // The stdout sink has no timeout: a reader that stops reading holds the
+    // delivery in hand. Stall bound 4.2 s (as above); a delivery counts as
+    // stuck past 4.2 s + 1 s (--sink-timeout) = 5.2 s.
+    let spec = relay(&url, port).stdout(process::Output::Piped).args(&[
+        "--statement-timeout",
+        "1s",
+        "--sweep-interval",
+        "100ms",
+        "--sink-timeout",
+        "1s",
+    ]);
+    let mut relay = start(spec).await;
+    probe_until(port, "/readyz", LIVENESS, |s, _| s == 200).await;
+    let c = db.client().await;
+    support::insert_seed_events(&c, uuid::Uuid::new_v4(), PIPE_FILLER).await;
+
+    // Past --sink-timeout: degraded, still ready and live.
+    let (status, body) =
+        probe_until(port, "/readyz", LIVENESS, |_, b| b["checks"]["sink"]["status"] == "degraded").await;
+    assert_eq!((status, &body["status"]), (200, &"degraded".into()), "{body}");
+    let sink = &body["checks"]["sink"];
+    assert!(sink["in_flight_seconds"].as_f64().is_some_and(|s| s > 1.0), "{body}");
+    assert_eq!(sink["consecutive_failures"], 0, "{body}");
+    // Past the delivery bound: /livez fails, though the drain loop turns.
+    let (_, live) = probe_until(port, "/livez", Duration::from_secs(15), |s, _| s == 503).await;
+    assert_eq!(live["status"], "stalled", "{live}");
+    assert_eq!(live["drain_loop"]["status"], "ok", "{live}");
+    assert_eq!(live["delivery"]["status"], "fail", "{live}");
+    assert_eq!(live["delivery"]["stall_bound_seconds"], 5.2, "{live}");
+    assert!(live["delivery"]["in_flight_seconds"].as_f64().is_some_and(|s| s > 5.2), "{live}");
+    let (status, ready) = probe(port, "/readyz").await;
+    assert_eq!((status, &ready["checks"]["delivery"]["status"]), (503, &"fail".into()), "{ready}");
+
+    // The reader reads again: every event arrives, and the relay is live.
+    let out = relay.stdout.take().expect("stdout piped");
+    let reader = tokio::spawn(async move {
+        let mut lines = tokio::io::AsyncBufReadExt::lines(tokio::io::BufReader::new(out));
+        let mut n = 0;
+        while n < PIPE_FILLER {
+            match lines.next_line().await {
+                Ok(Some(_)) => n += 1,
+                _ => break,
+            }
+        }
+        (n, lines)
+    });
+    probe_until(port, "/livez", LIVENESS, |s, _| s == 200).await;
+    let (n, _lines) = tokio::time::timeout(LIVENESS, reader).await.expect("all delivered").expect("reader");
+    assert_eq!(n, PIPE_FILLER);
+    support::eventually(30, "every event published", || async { support::published_count(&c).await == PIPE_FILLER })
+        .await;
     relay.terminate(LIVENESS).await.unwrap_or_else(|e| panic!("{e}"));
 }
 

@@ -2,8 +2,10 @@
 //! `--metrics-addr`, and the probes `/livez` and `/readyz` on the same
 //! listener and on `--health-addr` when given.
 //!
-//! - `/livez`: 200 while the drain loop turns (its last turn no longer ago
-//!   than [`pg_outbox::Health::stall_bound`]), 503 once it stalls.
+//! - `/livez`: 200 while the relay's two loops turn: the drain loop (its
+//!   last turn no longer ago than [`pg_outbox::Health::stall_bound`]) and
+//!   the delivery loop (no delivery in flight for longer than that bound
+//!   plus `--sink-timeout`); 503 once either stalls.
 //! - `/readyz`: 503 when the relay cannot work (the drain loop stalled, the
 //!   database sessions are down, shutting down, not started yet); 200 with
 //!   `"status": "degraded"` when it works but something outside it is
@@ -107,7 +109,9 @@ fn livez(probes: &Probes) -> Response {
         return json_response(StatusCode::OK, &json!({ "status": "starting" }));
     };
     let h = monitor.get();
-    let status = match (h.live, h.ended) {
+    let delivery = Delivery::of(&h, probes.sink_timeout);
+    let live = h.live && !delivery.stuck;
+    let status = match (live, h.ended) {
         (true, _) => "live",
         (false, true) => "ended",
         (false, false) => "stalled",
@@ -115,8 +119,35 @@ fn livez(probes: &Probes) -> Response {
     let body = json!({
         "status": status,
         "drain_loop": drain_loop(&h),
+        "delivery": delivery.json(),
     });
-    json_response(if h.live { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE }, &body)
+    json_response(if live { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE }, &body)
+}
+
+/// The delivery loop (`relay::run`): stuck when one delivery has been in
+/// flight for longer than the drain loop's stall bound plus the sink
+/// timeout. Every sink but stdout cuts a delivery at its timeout, so only a
+/// sink that ignores it (or a stdout reader that stopped reading) gets there.
+struct Delivery {
+    in_flight: Option<Duration>,
+    bound: Duration,
+    stuck: bool,
+}
+
+impl Delivery {
+    fn of(h: &Health, sink_timeout: Duration) -> Self {
+        let in_flight = h.sink.as_ref().and_then(|s| s.in_flight_for);
+        let bound = h.stall_bound + sink_timeout;
+        Delivery { in_flight, bound, stuck: in_flight.is_some_and(|d| d > bound) }
+    }
+
+    fn json(&self) -> Value {
+        json!({
+            "status": if self.stuck { "fail" } else { "ok" },
+            "in_flight_seconds": self.in_flight.map(secs),
+            "stall_bound_seconds": secs(self.bound),
+        })
+    }
 }
 
 fn drain_loop(h: &Health) -> Value {
@@ -164,6 +195,12 @@ fn readiness(h: &Health, sink_name: &str, sink_timeout: Duration) -> (StatusCode
     let drain = {
         let mut v = drain_loop(h);
         v["status"] = note(if h.live { Check::Ok } else { Check::Fail }).into();
+        v
+    };
+    let delivery = Delivery::of(h, sink_timeout);
+    let delivery = {
+        let mut v = delivery.json();
+        v["status"] = note(if delivery.stuck { Check::Fail } else { Check::Ok }).into();
         v
     };
     let database = json!({
@@ -224,6 +261,7 @@ fn readiness(h: &Health, sink_name: &str, sink_timeout: Duration) -> (StatusCode
         "last_error": newest.map(|(e, source)| last_error(e, source)),
         "checks": {
             "drain_loop": drain,
+            "delivery": delivery,
             "database": database,
             "schema": schema,
             "sink": sink,
