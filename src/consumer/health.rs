@@ -318,14 +318,14 @@ impl State {
         self.sink.attached.store(true, Ordering::Release);
     }
 
-    /// A delivery started.
-    pub(crate) fn delivery_started(&self) {
-        self.sink.started.store(self.nanos(Instant::now()).max(1), Ordering::Relaxed);
+    /// A delivery started `at`.
+    pub(crate) fn delivery_started(&self, at: Instant) {
+        self.sink.started.store(self.nanos(at).max(1), Ordering::Relaxed);
     }
 
-    /// The delivery in progress ended: `Ok`, or failed with this error text.
-    pub(crate) fn delivery_ended(&self, outcome: std::result::Result<(), String>) {
-        let now = self.nanos(Instant::now()).max(1);
+    /// The delivery in progress ended `at`: `Ok`, or failed with this error text.
+    pub(crate) fn delivery_ended(&self, at: Instant, outcome: std::result::Result<(), String>) {
+        let now = self.nanos(at).max(1);
         self.sink.started.store(0, Ordering::Relaxed);
         match outcome {
             Ok(()) => {
@@ -334,7 +334,7 @@ impl State {
             }
             Err(msg) => {
                 self.sink.failures.fetch_add(1, Ordering::Relaxed);
-                *lock(&self.sink.last_failure) = Some((cut(msg), Instant::now()));
+                *lock(&self.sink.last_failure) = Some((cut(msg), at));
             }
         }
     }

@@ -302,7 +302,7 @@ where
         };
         let Some(delivery) = next else { break };
         let started = Instant::now();
-        health.delivery_started();
+        health.delivery_started(started);
         let result = {
             let deliver = sink.deliver(delivery.event());
             tokio::pin!(deliver);
@@ -316,7 +316,8 @@ where
                 }
             }
         };
-        metrics::histogram!(m::SINK_DURATION).record(started.elapsed().as_secs_f64());
+        let ended = Instant::now();
+        metrics::histogram!(m::SINK_DURATION).record((ended - started).as_secs_f64());
         match result {
             None => {
                 health.delivery_abandoned();
@@ -328,13 +329,13 @@ where
                 break;
             }
             Some(Ok(())) => {
-                health.delivery_ended(Ok(()));
+                health.delivery_ended(ended, Ok(()));
                 stats.delivered += 1;
                 delivery.ack();
             }
             Some(Err(e)) => match e.downcast::<FatalSinkError>() {
                 Ok(f) => {
-                    health.delivery_ended(Err(f.to_string()));
+                    health.delivery_ended(ended, Err(f.to_string()));
                     tracing::error!(id = delivery.id, error = %f, "sink is gone; stopping (the event is released, not failed)");
                     delivery.release();
                     handle.shutdown();
@@ -344,7 +345,7 @@ where
                 Err(e) => {
                     stats.failed += 1;
                     let msg = crate::error::report(e.as_ref());
-                    health.delivery_ended(Err(msg.clone()));
+                    health.delivery_ended(ended, Err(msg.clone()));
                     tracing::warn!(id = delivery.id, attempt = delivery.retry_count + 1, error = %msg.escape_debug(), "sink failed");
                     delivery.fail(msg);
                 }
