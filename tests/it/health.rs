@@ -51,7 +51,7 @@ fn http() -> reqwest::Client {
 
 /// GET `path` on 127.0.0.1:`port`: the status and the body as JSON (which
 /// it must be), checked for secrets.
-async fn probe(port: u16, path: &str) -> (u16, Value) {
+pub(crate) async fn probe(port: u16, path: &str) -> (u16, Value) {
     let resp = http()
         .get(format!("http://127.0.0.1:{port}{path}"))
         .send()
@@ -68,7 +68,12 @@ async fn probe(port: u16, path: &str) -> (u16, Value) {
 
 /// Probe `path` until `want` holds (polling every 50 ms) or `limit` passes;
 /// the last answer and when it came.
-async fn probe_until(port: u16, path: &str, limit: Duration, want: impl Fn(u16, &Value) -> bool) -> (u16, Value) {
+pub(crate) async fn probe_until(
+    port: u16,
+    path: &str,
+    limit: Duration,
+    want: impl Fn(u16, &Value) -> bool,
+) -> (u16, Value) {
     let deadline = Instant::now() + limit;
     loop {
         let (status, body) = probe(port, path).await;

@@ -6,6 +6,7 @@ mod cancel_safety;
 mod cli;
 mod config;
 mod consumer;
+mod container;
 mod contrib;
 mod dead_letters;
 mod faults;
