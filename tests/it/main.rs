@@ -15,6 +15,8 @@ mod modes;
 mod order;
 mod plan_states;
 mod plans;
+#[path = "../kit/options.rs"]
+mod options;
 #[path = "../kit/process.rs"]
 mod process;
 mod relay;
