@@ -46,6 +46,22 @@ pub enum Error {
     /// A query failed.
     #[error("database error")]
     Db(#[from] tokio_postgres::Error),
+    /// A statement sent through sqlx failed (feature `sqlx`; see
+    /// [`Publisher::publish_sqlx`](crate::Publisher::publish_sqlx)). Made
+    /// from a [`sqlx::Error`] with `From` (so `?` converts one), which reads
+    /// the SQLSTATE once; [`Error::code`] and [`Error::is_transient`] answer
+    /// as for [`Error::Db`], while [`Error::as_db_error`] is `None` (use
+    /// `source.as_database_error()` for the server's report).
+    #[cfg(feature = "sqlx")]
+    #[error("database error")]
+    #[non_exhaustive]
+    Sqlx {
+        /// What sqlx reported.
+        #[source]
+        source: sqlx::Error,
+        /// The SQLSTATE code the server reported, if it reported one.
+        code: Option<SqlState>,
+    },
     /// The schema is missing or older than this version of pg-outbox expects.
     #[error("schema not migrated: {0}; run `pg-outbox migrate`")]
     NotMigrated(String),
@@ -89,6 +105,8 @@ impl Error {
     pub fn code(&self) -> Option<&SqlState> {
         match self {
             Error::Db(e) | Error::Connect { source: e, .. } => e.code(),
+            #[cfg(feature = "sqlx")]
+            Error::Sqlx { code, .. } => code.as_ref(),
             _ => None,
         }
     }
@@ -96,15 +114,45 @@ impl Error {
     /// True when retrying later may succeed: the connection was closed or
     /// broken, the server is shutting down or starting, or the statement lost
     /// a serialization or deadlock race. Rows are never touched because of
-    /// such an error.
+    /// such an error. False for what retrying cannot fix: a refused login
+    /// (SQLSTATE class 28), a database that does not exist (3D000), a server
+    /// certificate TLS refused, an invalid event, a schema not migrated.
     pub fn is_transient(&self) -> bool {
         match self {
-            Error::Connect { .. } | Error::ConnectTimedOut { .. } => true,
+            // A refused login (28xxx), a database that does not exist
+            // (3D000) and the like stay refused; a network failure or a
+            // server starting up may pass.
+            Error::Connect { source, .. } => match source.code() {
+                Some(code) => is_transient_code(code),
+                // A certificate refused by TLS stays refused.
+                None => !refused_by_tls(source),
+            },
+            Error::ConnectTimedOut { .. } => true,
             Error::Db(e) => is_transient_pg(e),
+            #[cfg(feature = "sqlx")]
+            Error::Sqlx { source, code } => is_transient_sqlx(source, code.as_ref()),
             Error::Io(_) => true,
             _ => false,
         }
     }
+}
+
+/// Whether a connection failed because TLS refused the server's certificate
+/// (or the handshake): a rustls error somewhere in the chain.
+fn refused_by_tls(e: &tokio_postgres::Error) -> bool {
+    let mut cur: Option<&(dyn std::error::Error + 'static)> = std::error::Error::source(e);
+    while let Some(err) = cur {
+        if err.is::<rustls::Error>() {
+            return true;
+        }
+        if let Some(io) = err.downcast_ref::<std::io::Error>()
+            && io.get_ref().is_some_and(|inner| inner.is::<rustls::Error>())
+        {
+            return true;
+        }
+        cur = err.source();
+    }
+    false
 }
 
 /// Classify a driver error as transient (see [`Error::is_transient`]).
@@ -114,20 +162,47 @@ pub(crate) fn is_transient_pg(e: &tokio_postgres::Error) -> bool {
     }
     match e.code() {
         None => true, // I/O-level failure: the connection is gone or broken
-        Some(code) => {
-            let s = code.code();
-            // Class 08 (connection exception), 57P (operator intervention:
-            // admin/crash shutdown, cannot connect now), 53 (insufficient
-            // resources), 40001/40P01 (serialization failure, deadlock),
-            // 25006 (read-only transaction: we landed on a standby).
-            s.starts_with("08")
-                || s.starts_with("57P")
-                || s.starts_with("53")
-                || *code == SqlState::T_R_SERIALIZATION_FAILURE
-                || *code == SqlState::T_R_DEADLOCK_DETECTED
-                || *code == SqlState::READ_ONLY_SQL_TRANSACTION
-                || *code == SqlState::QUERY_CANCELED
-        }
+        Some(code) => is_transient_code(code),
+    }
+}
+
+/// Whether a SQLSTATE reported by the server means a retry later may succeed
+/// (PostgreSQL docs, "PostgreSQL Error Codes").
+fn is_transient_code(code: &SqlState) -> bool {
+    let s = code.code();
+    // Class 08 (connection exception), 57P (operator intervention:
+    // admin/crash shutdown, cannot connect now), 53 (insufficient
+    // resources), 40001/40P01 (serialization failure, deadlock),
+    // 25006 (read-only transaction: we landed on a standby), 57014 (query
+    // canceled: a statement timeout).
+    s.starts_with("08")
+        || s.starts_with("57P")
+        || s.starts_with("53")
+        || *code == SqlState::T_R_SERIALIZATION_FAILURE
+        || *code == SqlState::T_R_DEADLOCK_DETECTED
+        || *code == SqlState::READ_ONLY_SQL_TRANSACTION
+        || *code == SqlState::QUERY_CANCELED
+}
+
+/// Classify an sqlx error as transient (see [`Error::is_transient`]): a
+/// server error by its SQLSTATE; a broken connection, a pool that had no
+/// connection free in time, or a crashed connection worker as transient;
+/// everything else (configuration, TLS, protocol, decoding, a closed pool)
+/// as permanent.
+#[cfg(feature = "sqlx")]
+fn is_transient_sqlx(e: &sqlx::Error, code: Option<&SqlState>) -> bool {
+    match e {
+        sqlx::Error::Database(_) => code.is_some_and(is_transient_code),
+        sqlx::Error::Io(_) | sqlx::Error::PoolTimedOut | sqlx::Error::WorkerCrashed => true,
+        _ => false,
+    }
+}
+
+#[cfg(feature = "sqlx")]
+impl From<sqlx::Error> for Error {
+    fn from(source: sqlx::Error) -> Self {
+        let code = source.as_database_error().and_then(|d| d.code()).map(|c| SqlState::from_code(&c));
+        Error::Sqlx { source, code }
     }
 }
 

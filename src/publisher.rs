@@ -1,5 +1,8 @@
 //! Publishing events inside the caller's transaction.
 
+#[cfg(feature = "sqlx")]
+mod sqlx;
+
 use tokio_postgres::GenericClient;
 
 use crate::error::Result;
@@ -30,6 +33,24 @@ pub const DEFAULT_MAX_PAYLOAD_BYTES: usize = 1024 * 1024;
 ///     .publish(&tx, &NewEvent::with_envelope("subscription", sub, "PaymentSucceeded",
 ///         &Envelope::new(1, serde_json::json!({"amount": 990})))?)
 ///     .await?;
+/// tx.commit().await?;
+/// println!("published event {id}");
+/// # Ok(()) }
+/// ```
+///
+/// From a deadpool-postgres pool: its transaction derefs to tokio-postgres'
+/// `Transaction`, so pass `&*tx` (deadpool's own `GenericClient` trait is a
+/// different one). Through sqlx, see `Publisher::publish_sqlx` (feature
+/// `sqlx`).
+/// ```no_run
+/// # async fn run(pool: &deadpool_postgres::Pool) -> Result<(), Box<dyn std::error::Error>> {
+/// use pg_outbox::{NewEvent, Publisher};
+/// let mut client = pool.get().await?;
+/// let tx = client.transaction().await?;
+/// let order = uuid::Uuid::new_v4();
+/// tx.execute("INSERT INTO shop.orders (id, total) VALUES ($1, 4200)", &[&order]).await?;
+/// let event = NewEvent::new("order", order, "OrderPlaced", serde_json::json!({"total": 4200}));
+/// let id = Publisher::new().publish(&*tx, &event).await?;
 /// tx.commit().await?;
 /// println!("published event {id}");
 /// # Ok(()) }
@@ -83,12 +104,15 @@ impl Publisher {
     /// # Cancel safety
     /// Not cancel safe, as [`Publisher::publish`].
     pub async fn publish_many<C: GenericClient + Sync>(&self, client: &C, events: &[NewEvent]) -> Result<Vec<i64>> {
-        for e in events {
-            e.validate(self.max_payload_bytes)?;
-        }
+        self.validate_all(events)?;
         if events.is_empty() {
             return Ok(Vec::new());
         }
         store::insert_events(client, events).await
+    }
+
+    /// Check every event of a batch before any SQL (see [`NewEvent::validate`]).
+    fn validate_all(&self, events: &[NewEvent]) -> Result<()> {
+        events.iter().try_for_each(|e| e.validate(self.max_payload_bytes))
     }
 }

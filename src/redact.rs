@@ -33,6 +33,68 @@
 /// What a masked secret is shown as.
 const MASK: &str = "****";
 
+/// A secret a sink needs (a password, a token, an NKey seed, a NATS
+/// credentials file's contents): its `Debug` shows `Secret(****)`, so a
+/// settings struct that holds one can be logged or printed safely. The
+/// value is read only through [`Secret::expose`].
+///
+/// # Example
+/// ```
+/// use pg_outbox::relay::Secret;
+/// let s = Secret::new("hunter2");
+/// assert_eq!(format!("{s:?}"), "Secret(****)");
+/// assert_eq!(s.expose(), "hunter2");
+/// ```
+#[cfg(feature = "relay")]
+#[derive(Clone, PartialEq, Eq)]
+pub struct Secret(String);
+
+#[cfg(feature = "relay")]
+impl Secret {
+    /// Wrap `value`.
+    pub fn new(value: impl Into<String>) -> Self {
+        Secret(value.into())
+    }
+
+    /// The secret itself, for the client library that sends it.
+    pub fn expose(&self) -> &str {
+        &self.0
+    }
+}
+
+#[cfg(feature = "relay")]
+impl std::fmt::Debug for Secret {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Secret({MASK})")
+    }
+}
+
+#[cfg(feature = "relay")]
+impl From<String> for Secret {
+    fn from(value: String) -> Self {
+        Secret(value)
+    }
+}
+
+#[cfg(feature = "relay")]
+impl From<&str> for Secret {
+    fn from(value: &str) -> Self {
+        Secret(value.to_string())
+    }
+}
+
+/// Whether a librdkafka property (`--kafka-option KEY=VALUE`) may hold a
+/// secret, so its value is masked when printed: `sasl.password`,
+/// `ssl.key.password`, `ssl.key.pem`, `sasl.jaas.config`,
+/// `sasl.oauthbearer.client.secret`, `sasl.oauthbearer.config` and the like.
+#[cfg(feature = "relay")]
+pub fn is_secret_property(key: &str) -> bool {
+    let k = key.to_ascii_lowercase();
+    ["password", "secret", "jaas", "token", "key", "oauthbearer.config", "credential", ".pem"]
+        .iter()
+        .any(|s| k.contains(s))
+}
+
 /// Mask passwords in a URL or connection string, for printed settings:
 /// `scheme://user:****@host/...` (the userinfo password of any URL), and
 /// `password=****` in query strings and libpq key=value strings.

@@ -6,8 +6,8 @@
 #   contrib/container/build.sh target/release/pg-outbox pg-outbox:0.1.0
 #
 # The image holds the binary (stripped), the shared libraries and dynamic
-# loader `ldd` names for it (glibc, libgcc_s, zlib: from this machine, so
-# they are the ones it was linked against), the system CA bundle, and
+# loader `ldd` names for it (glibc, libgcc_s, zlib, OpenSSL: from this
+# machine, so they are the ones it was linked against), the system CA bundle, and
 # /etc/passwd, /etc/group and /etc/nsswitch.conf with a `nonroot` user
 # (65532). Needs podman (`PODMAN` may add options, e.g.
 # `PODMAN="podman --storage-driver vfs"`); no registry: the base is scratch.

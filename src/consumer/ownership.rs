@@ -156,9 +156,9 @@ impl Ownership {
     fn set_leader(&mut self, now: bool) {
         let Ownership::Single { leader, .. } = self else { return };
         if now && !*leader {
-            tracing::info!("active: this consumer holds the outbox lock and delivers");
+            tracing::info!(role = "leader", "active: this consumer holds the outbox lock and delivers");
         } else if !now && *leader {
-            tracing::warn!("no longer active (connection lost); will try to take over again");
+            tracing::warn!(role = "standby", "no longer active (connection lost); will try to take over again");
         }
         metrics::gauge!(m::LEADER).set(if now { 1.0 } else { 0.0 });
         *leader = now;
@@ -241,7 +241,10 @@ impl Ownership {
         if let Ownership::Single { standby_logged, lock_at, .. } = self {
             if !*standby_logged {
                 *standby_logged = true;
-                tracing::info!("standby: another consumer holds the outbox lock; waiting to take over");
+                tracing::info!(
+                    role = "standby",
+                    "standby: another consumer holds the outbox lock; waiting to take over"
+                );
             }
             *lock_at = Some(Instant::now() + LOCK_INTERVAL);
         }
@@ -276,7 +279,7 @@ impl Partitions {
         if self.owned.len() == before {
             return Ok(false);
         }
-        tracing::info!(owned = ?self.owned, members, "partitions rebalanced");
+        tracing::info!(role = "partitioned", owned = ?self.owned, members, "partitions rebalanced");
         metrics::gauge!(m::PARTITIONS_OWNED).set(self.owned.len() as f64);
         Ok(self.owned.len() > before)
     }

@@ -102,7 +102,10 @@ fn report(e: &lapin::Error) -> String {
 impl AmqpSink {
     /// Connect to the broker an `amqp://` or `amqps://` URL names
     /// (`amqp://USER:PASS@HOST:5672/VHOST`; RabbitMQ's URI spec: the default
-    /// vhost `/` is written `%2f`, an empty path means `/`), open a channel in
+    /// vhost `/` is written `%2f`, an empty path means `/`;
+    /// [`SinkOptions::user`] and [`SinkOptions::password`] override the
+    /// URL's; the TLS files of [`SinkOptions`] are refused: not supported
+    /// for RabbitMQ yet), open a channel in
     /// confirm mode and check that `opts.amqp_exchange` exists (a passive
     /// declare). Uses `opts.amqp_exchange`, `opts.amqp_routing_key`,
     /// `opts.format`, `opts.cloudevents_source` and `opts.timeout` (which
@@ -117,11 +120,24 @@ impl AmqpSink {
     /// # Cancel safety
     /// Cancel safe: dropping the future drops the connection being opened.
     pub async fn connect(url: &str, opts: &SinkOptions) -> Result<Self> {
-        let uri: AMQPUri = url.parse().map_err(|e: String| {
+        let mut uri: AMQPUri = url.parse().map_err(|e: String| {
             // Some parser messages quote the URL, password included: cut it out.
             let e = e.replace(url, "…");
             Error::Config(format!("invalid RabbitMQ URL ({e}); write amqp://USER:PASS@HOST:PORT/VHOST"))
         })?;
+        if opts.tls_wanted() {
+            return Err(Error::Config(
+                "RabbitMQ: --sink-tls and the --sink-tls-* files are not supported for amqp(s):// yet; \
+                 amqps:// checks the broker against the platform's root certificates"
+                    .into(),
+            ));
+        }
+        if let Some(user) = &opts.user {
+            uri.authority.userinfo.username = user.clone();
+        }
+        if let Some(password) = &opts.password {
+            uri.authority.userinfo.password = password.expose().to_string();
+        }
         if opts.amqp_exchange.len() > SHORTSTR_MAX {
             return Err(Error::Config(format!(
                 "RabbitMQ exchange name is {} bytes; AMQP allows at most {SHORTSTR_MAX}",
@@ -144,7 +160,7 @@ impl AmqpSink {
             .map_err(|_| {
                 Error::SinkUnavailable(format!("RabbitMQ at {} did not answer within {:?}", sink.shown, sink.timeout))
             })?
-            .map_err(Error::SinkUnavailable)?;
+            .map_err(|e| Error::SinkUnavailable(super::with_reason(e)))?;
         if let Err(e) = sink.check_exchange(&link).await {
             link.discard();
             return Err(e);

@@ -4,6 +4,8 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use rdkafka::ClientConfig;
+use rdkafka::client::ClientContext;
+use rdkafka::error::KafkaError;
 use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::producer::{FutureProducer, FutureRecord, Producer};
 
@@ -21,12 +23,45 @@ const TOPIC_MAX: usize = 249;
 /// report, before the sink gives up on it.
 const REPORT_MARGIN: Duration = Duration::from_secs(5);
 
+/// The producer's client context: remembers librdkafka's error reports
+/// (a failed TLS handshake, a refused SASL login), which say why a broker
+/// cannot be reached where the metadata request only says that it cannot.
+#[derive(Clone, Default)]
+struct Context {
+    errors: Arc<Mutex<Vec<String>>>,
+}
+
+/// Distinct error reports a [`Context`] keeps.
+const KEPT_ERRORS: usize = 3;
+
+impl Context {
+    /// The reports since the last call, distinct, oldest first.
+    fn take(&self) -> Option<String> {
+        let errors = std::mem::take(&mut *self.errors.lock().unwrap_or_else(std::sync::PoisonError::into_inner));
+        (!errors.is_empty()).then(|| errors.join("; "))
+    }
+}
+
+impl ClientContext for Context {
+    fn error(&self, error: KafkaError, reason: &str) {
+        tracing::debug!(%error, reason, "librdkafka error");
+        let mut errors = self.errors.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        if errors.len() < KEPT_ERRORS && !errors.iter().any(|e| e == reason) {
+            errors.push(reason.to_string());
+        }
+    }
+}
+
+/// The producer, with its context.
+type KafkaProducer = FutureProducer<Context>;
+
 /// Produces each event to a Kafka topic and acknowledges it only on the
 /// broker's delivery report.
 ///
 /// The producer runs with `acks=all` and `enable.idempotence=true`
 /// (librdkafka's idempotent producer: no duplicates or reordering from its
-/// own retries), `linger.ms=0` (the relay sends one event at a time), and
+/// own retries), `linger.ms=0` (the relay sends one event at a time),
+/// `compression.type=none` (one small message per request gains little), and
 /// `partitioner=murmur2_random`, the hash Java clients use, so a key lands in
 /// the partition a Java producer would pick. The message key is the
 /// aggregate id (one aggregate stays in one partition, as Debezium's outbox
@@ -44,7 +79,8 @@ pub struct KafkaSink {
     format: Format,
     source: String,
     timeout: Duration,
-    producer: Mutex<Arc<FutureProducer>>,
+    producer: Mutex<Arc<KafkaProducer>>,
+    context: Context,
 }
 
 impl std::fmt::Debug for KafkaSink {
@@ -71,7 +107,8 @@ pub fn parse_kafka_url(url: &str) -> Result<String> {
     let rest = rest.strip_suffix('/').unwrap_or(rest);
     if rest.contains('@') {
         return Err(Error::Config(
-            "Kafka URL with credentials: SASL/TLS are not supported by this sink; use kafka://HOST:PORT[,HOST:PORT]"
+            "Kafka URL with credentials: write kafka://HOST:PORT[,HOST:PORT] and give the user with --sink-user, \
+             the password with --sink-password-file (or OUTBOX_SINK_PASSWORD) and --kafka-sasl-mechanism"
                 .into(),
         ));
     }
@@ -119,6 +156,75 @@ fn check_topic(topic: &str) -> Result<(), String> {
     Ok(())
 }
 
+/// SASL mechanisms [`SinkOptions::kafka_sasl_mechanism`] takes.
+const SASL_MECHANISMS: [&str; 3] = ["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"];
+
+/// The producer's librdkafka properties: the sink's defaults, then TLS
+/// and SASL from `opts`, then [`SinkOptions::kafka_options`].
+fn client_config(brokers: &str, opts: &SinkOptions) -> Result<ClientConfig> {
+    opts.check_tls_files("Kafka")?;
+    let timeout_ms = opts.timeout.as_millis().clamp(1, u128::from(i32::MAX as u32)).to_string();
+    let request_ms = opts.timeout.as_millis().clamp(1, 30_000).to_string();
+    let mut config = ClientConfig::new();
+    config
+        .set("bootstrap.servers", brokers)
+        .set("client.id", "pg-outbox")
+        .set("acks", "all")
+        .set("enable.idempotence", "true")
+        .set("linger.ms", "0")
+        .set("compression.type", "none")
+        .set("partitioner", "murmur2_random")
+        .set("message.timeout.ms", &timeout_ms)
+        .set("request.timeout.ms", &request_ms);
+    let tls = opts.tls_wanted();
+    let sasl = match &opts.kafka_sasl_mechanism {
+        None => {
+            if opts.user.is_some() || opts.password.is_some() {
+                return Err(Error::Config(
+                    "Kafka: a user or password needs a SASL mechanism (--kafka-sasl-mechanism PLAIN, \
+                     SCRAM-SHA-256 or SCRAM-SHA-512)"
+                        .into(),
+                ));
+            }
+            false
+        }
+        Some(m) => {
+            let m = m.to_ascii_uppercase();
+            if !SASL_MECHANISMS.contains(&m.as_str()) {
+                return Err(Error::Config(format!(
+                    "Kafka SASL mechanism '{m}' is not one of {}; set others with --kafka-option sasl.mechanism=...",
+                    SASL_MECHANISMS.join(", ")
+                )));
+            }
+            let (Some(user), Some(password)) = (&opts.user, &opts.password) else {
+                return Err(Error::Config(format!(
+                    "Kafka SASL {m} needs a user (--sink-user) and a password (--sink-password-file)"
+                )));
+            };
+            config.set("sasl.mechanism", &m).set("sasl.username", user).set("sasl.password", password.expose());
+            true
+        }
+    };
+    let protocol = match (tls, sasl) {
+        (false, false) => "plaintext",
+        (true, false) => "ssl",
+        (false, true) => "sasl_plaintext",
+        (true, true) => "sasl_ssl",
+    };
+    config.set("security.protocol", protocol);
+    let path = |p: &std::path::Path| p.display().to_string();
+    if let Some(ca) = &opts.tls_ca_file {
+        config.set("ssl.ca.location", path(ca));
+    }
+    if let (Some(cert), Some(key)) = (&opts.tls_client_cert, &opts.tls_client_key) {
+        config.set("ssl.certificate.location", path(cert)).set("ssl.key.location", path(key));
+    }
+    for (key, value) in &opts.kafka_options {
+        config.set(key, value);
+    }
+    Ok(config)
+}
+
 impl KafkaSink {
     /// Create the producer for `url` (`kafka://host:port[,host:port]`,
     /// port [`DEFAULT_KAFKA_PORT`] when left out) and check that a broker
@@ -127,36 +233,45 @@ impl KafkaSink {
     /// `opts.timeout`, which becomes librdkafka's `message.timeout.ms`: how
     /// long one event may wait for its delivery report, retries included.
     ///
+    /// Security: `security.protocol` is `ssl` with [`SinkOptions::tls`] or
+    /// any TLS file, `sasl_plaintext` with
+    /// [`SinkOptions::kafka_sasl_mechanism`], `sasl_ssl` with both,
+    /// `plaintext` otherwise; [`SinkOptions::tls_ca_file`] becomes
+    /// `ssl.ca.location` (else OpenSSL's default roots), the client
+    /// certificate and key `ssl.certificate.location` and
+    /// `ssl.key.location`; the broker's host name is checked
+    /// (librdkafka's default `ssl.endpoint.identification.algorithm=https`).
+    /// [`SinkOptions::kafka_options`] are set last and override all of it.
+    ///
     /// # Errors
-    /// [`Error::Config`] for a malformed URL, a producer librdkafka refuses to
-    /// create, or no broker answering.
+    /// [`Error::Config`] for a malformed URL, inconsistent SASL settings, an
+    /// unreadable TLS file, or a producer librdkafka refuses to create (an
+    /// unknown property); [`Error::SinkUnavailable`] when no broker answers,
+    /// with librdkafka's last error report (a failed TLS handshake, a
+    /// refused login) and the reason in words.
     ///
     /// # Cancel safety
     /// Cancel safe: dropping the future drops the producer being created.
     pub async fn connect(url: &str, opts: &SinkOptions) -> Result<Self> {
         let brokers = parse_kafka_url(url)?;
-        let timeout_ms = opts.timeout.as_millis().clamp(1, u128::from(i32::MAX as u32)).to_string();
-        let request_ms = opts.timeout.as_millis().clamp(1, 30_000).to_string();
-        let mut config = ClientConfig::new();
-        config
-            .set("bootstrap.servers", &brokers)
-            .set("client.id", "pg-outbox")
-            .set("acks", "all")
-            .set("enable.idempotence", "true")
-            .set("linger.ms", "0")
-            .set("partitioner", "murmur2_random")
-            .set("message.timeout.ms", &timeout_ms)
-            .set("request.timeout.ms", &request_ms);
-        let producer = Arc::new(Self::create(&config, &brokers)?);
+        let config = client_config(&brokers, opts)?;
+        let context = Context::default();
+        let producer = Arc::new(Self::create(&config, &brokers, &context)?);
         let probe = producer.clone();
         let wait = opts.timeout;
         let answered = tokio::task::spawn_blocking(move || probe.client().fetch_metadata(None, wait).map(|_| ()))
             .await
             .map_err(|e| Error::Config(format!("Kafka metadata check did not finish: {e}")))?;
         if let Err(e) = answered {
+            let mut why = crate::error::report(&e);
+            if let Some(reason) = context.take() {
+                why = format!("{reason}; {why}");
+            }
+            // Destroying a librdkafka handle joins its threads: off the runtime.
+            tokio::task::spawn_blocking(move || drop(producer));
             return Err(Error::SinkUnavailable(format!(
-                "cannot reach Kafka at {brokers} within {wait:?}: {}",
-                crate::error::report(&e)
+                "cannot connect to Kafka at {brokers} within {wait:?}: {}",
+                super::with_reason(why)
             )));
         }
         Ok(KafkaSink {
@@ -167,11 +282,12 @@ impl KafkaSink {
             source: opts.cloudevents_source.clone(),
             timeout: opts.timeout,
             producer: Mutex::new(producer),
+            context,
         })
     }
 
-    fn create(config: &ClientConfig, brokers: &str) -> Result<FutureProducer> {
-        config.create().map_err(|e| {
+    fn create(config: &ClientConfig, brokers: &str, context: &Context) -> Result<KafkaProducer> {
+        config.create_with_context(context.clone()).map_err(|e| {
             Error::Config(format!("cannot create a Kafka producer for {brokers}: {}", crate::error::report(&e)))
         })
     }
@@ -184,11 +300,11 @@ impl KafkaSink {
     /// The producer to use now; a new one if the current one hit a fatal
     /// error (librdkafka: an idempotent producer that lost its guarantees
     /// must be recreated).
-    fn producer(&self) -> Result<Arc<FutureProducer>, String> {
+    fn producer(&self) -> Result<Arc<KafkaProducer>, String> {
         let mut current = self.producer.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         if let Some((code, reason)) = current.client().fatal_error() {
             tracing::warn!(brokers = %self.brokers, %code, %reason, "Kafka producer hit a fatal error; creating a new one");
-            let fresh = Self::create(&self.config, &self.brokers).map_err(|e| e.to_string())?;
+            let fresh = Self::create(&self.config, &self.brokers, &self.context).map_err(|e| e.to_string())?;
             let old = std::mem::replace(&mut *current, Arc::new(fresh));
             // Destroying a librdkafka handle joins its threads: off the runtime.
             tokio::task::spawn_blocking(move || drop(old));
@@ -201,12 +317,12 @@ impl KafkaSink {
     /// report), so nothing is lost; the new producer gets a new producer id.
     /// That also recovers from a broker that forgot the old id (it answers
     /// UNKNOWN_PRODUCER_ID forever, e.g. after losing its state).
-    fn renew(&self, used: &Arc<FutureProducer>) {
+    fn renew(&self, used: &Arc<KafkaProducer>) {
         let mut current = self.producer.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         if !Arc::ptr_eq(&current, used) {
             return;
         }
-        match Self::create(&self.config, &self.brokers) {
+        match Self::create(&self.config, &self.brokers, &self.context) {
             Ok(fresh) => {
                 let old = std::mem::replace(&mut *current, Arc::new(fresh));
                 tokio::task::spawn_blocking(move || drop(old));

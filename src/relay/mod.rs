@@ -5,6 +5,9 @@
 //! published), `Err` fails it (retry with backoff, dead letter at the
 //! threshold). Deliveries are handed over one after another, in id order,
 //! so per-aggregate order holds at the sink.
+//!
+//! [`replay`] delivers events that were already published to a sink again,
+//! without changing the table.
 
 #[cfg(feature = "amqp")]
 mod amqp;
@@ -15,11 +18,13 @@ mod message;
 mod nats;
 #[cfg(feature = "redis")]
 mod redis;
+pub mod replay;
 mod stdout;
 #[cfg(feature = "webhook")]
 mod webhook;
 
 use std::future::Future;
+use std::path::PathBuf;
 use std::pin::Pin;
 use std::time::{Duration, Instant};
 
@@ -42,6 +47,7 @@ pub use webhook::{DEFAULT_WEBHOOK_TIMEOUT, WebhookSecret, WebhookSink};
 pub use crate::redact::redact_sink;
 #[cfg(feature = "webhook")]
 pub use crate::redact::redact_url;
+pub use crate::redact::{Secret, is_secret_property};
 
 use crate::error::{BoxError, Result};
 use crate::event::Event;
@@ -102,8 +108,9 @@ impl<'a> SinkRecord<'a> {
 }
 
 /// Settings of the sinks, as the `pg-outbox relay` flags give them. Each
-/// sink reads the fields it needs; the others are ignored.
-#[derive(Debug, Clone)]
+/// sink reads the fields it needs; the others are ignored. `Debug` masks
+/// every secret.
+#[derive(Clone)]
 #[non_exhaustive]
 pub struct SinkOptions {
     /// Message body format (default [`Format::Record`]).
@@ -131,6 +138,210 @@ pub struct SinkOptions {
     pub webhook_secret: Option<String>,
     /// Extra HTTP headers on every webhook request (default none).
     pub webhook_headers: Vec<(String, String)>,
+    /// Use TLS to the broker although the URL does not say so: NATS
+    /// (`nats://`; `tls://` always does) and Kafka. Redis and RabbitMQ take
+    /// TLS from the scheme (`rediss://`, `amqps://`) and refuse this with a
+    /// plain scheme. Any of the three `tls_*` files implies it. Default off.
+    pub tls: bool,
+    /// PEM file of the CA certificate(s) that sign the broker's
+    /// certificate; `None` (the default) trusts the platform's root
+    /// certificates.
+    pub tls_ca_file: Option<PathBuf>,
+    /// PEM file of the client certificate (chain) to present for mutual TLS
+    /// (with [`tls_client_key`](Self::tls_client_key)); default none.
+    pub tls_client_cert: Option<PathBuf>,
+    /// PEM file of the client certificate's private key (PKCS#8, PKCS#1 or
+    /// SEC1); default none.
+    pub tls_client_key: Option<PathBuf>,
+    /// User name for the broker (NATS user, Redis ACL user, RabbitMQ user,
+    /// Kafka SASL user); overrides one in the URL. Default none.
+    pub user: Option<String>,
+    /// Password of [`user`](Self::user) (or of the URL's user); overrides
+    /// one in the URL. Default none.
+    pub password: Option<Secret>,
+    /// NATS token (instead of a user and password); default none.
+    pub nats_token: Option<Secret>,
+    /// NATS NKey seed (`SU...`): the client signs the server's nonce with it;
+    /// default none.
+    pub nats_nkey: Option<Secret>,
+    /// Contents of a NATS `.creds` file (user JWT and NKey seed, as `nsc`
+    /// writes it); default none.
+    pub nats_credentials: Option<Secret>,
+    /// Kafka SASL mechanism: `PLAIN`, `SCRAM-SHA-256` or `SCRAM-SHA-512`
+    /// (with [`user`](Self::user) and [`password`](Self::password)); `None`
+    /// (the default) uses no SASL.
+    pub kafka_sasl_mechanism: Option<String>,
+    /// Extra librdkafka properties, applied last, so they override the
+    /// sink's own (e.g. `security.protocol`, `sasl.oauthbearer.*`,
+    /// `compression.type`); default none.
+    pub kafka_options: Vec<(String, String)>,
+}
+
+impl SinkOptions {
+    /// Whether TLS is asked for: [`tls`](Self::tls) or any TLS file.
+    pub fn tls_wanted(&self) -> bool {
+        self.tls || self.tls_ca_file.is_some() || self.tls_client_cert.is_some() || self.tls_client_key.is_some()
+    }
+
+    /// Check the TLS files before connecting: each one given is readable and
+    /// holds PEM, and a client certificate comes with its key.
+    #[allow(dead_code)] // unused when no broker feature is on
+    fn check_tls_files(&self, broker: &str) -> Result<()> {
+        match (&self.tls_client_cert, &self.tls_client_key) {
+            (Some(_), None) => {
+                return Err(crate::Error::Config(format!(
+                    "{broker}: a client certificate needs its private key (--sink-tls-client-key)"
+                )));
+            }
+            (None, Some(_)) => {
+                return Err(crate::Error::Config(format!(
+                    "{broker}: a client key needs its certificate (--sink-tls-client-cert)"
+                )));
+            }
+            _ => {}
+        }
+        for (what, path) in [
+            ("CA file (--sink-tls-ca-file)", &self.tls_ca_file),
+            ("client certificate (--sink-tls-client-cert)", &self.tls_client_cert),
+            ("client key (--sink-tls-client-key)", &self.tls_client_key),
+        ] {
+            let Some(path) = path else { continue };
+            let text = std::fs::read_to_string(path)
+                .map_err(|e| crate::Error::Config(format!("{broker}: TLS {what} {}: {e}", path.display())))?;
+            if !text.contains("-----BEGIN ") {
+                return Err(crate::Error::Config(format!(
+                    "{broker}: TLS {what} {} holds no PEM block (-----BEGIN ...)",
+                    path.display()
+                )));
+            }
+        }
+        Ok(())
+    }
+}
+
+impl std::fmt::Debug for SinkOptions {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let kafka_options: Vec<(&str, &str)> = self
+            .kafka_options
+            .iter()
+            .map(|(k, v)| (k.as_str(), if is_secret_property(k) { "****" } else { v.as_str() }))
+            .collect();
+        f.debug_struct("SinkOptions")
+            .field("format", &self.format)
+            .field("cloudevents_source", &self.cloudevents_source)
+            .field("timeout", &self.timeout)
+            .field("nats_subject", &self.nats_subject.as_str())
+            .field("kafka_topic", &self.kafka_topic.as_str())
+            .field("redis_stream", &self.redis_stream.as_str())
+            .field("redis_maxlen", &self.redis_maxlen)
+            .field("amqp_exchange", &self.amqp_exchange)
+            .field("amqp_routing_key", &self.amqp_routing_key.as_str())
+            .field("webhook_secret", &self.webhook_secret.as_ref().map(|_| "****"))
+            .field("webhook_headers", &self.webhook_headers.len())
+            .field("tls", &self.tls)
+            .field("tls_ca_file", &self.tls_ca_file)
+            .field("tls_client_cert", &self.tls_client_cert)
+            .field("tls_client_key", &self.tls_client_key)
+            .field("user", &self.user)
+            .field("password", &self.password)
+            .field("nats_token", &self.nats_token)
+            .field("nats_nkey", &self.nats_nkey)
+            .field("nats_credentials", &self.nats_credentials)
+            .field("kafka_sasl_mechanism", &self.kafka_sasl_mechanism)
+            .field("kafka_options", &kafka_options)
+            .finish()
+    }
+}
+
+/// Why a broker refused a connection, in words, when `error` (one line,
+/// with its chain) shows a known cause: an untrusted certificate, a
+/// certificate for another host name, a missing or refused client
+/// certificate, refused credentials. `None` otherwise.
+#[allow(dead_code)] // unused when no broker feature is on
+pub(crate) fn refusal_reason(error: &str) -> Option<&'static str> {
+    let e = error.to_ascii_lowercase();
+    let has = |needles: &[&str]| needles.iter().any(|n| e.contains(n));
+    if has(&["broker certificate could not be verified"]) {
+        // librdkafka (OpenSSL) reports both causes with the same words.
+        Some(
+            "TLS: the broker's certificate could not be verified: it is not signed by a trusted CA \
+             (see --sink-tls-ca-file) or not valid for the host name in the URL (librdkafka does not say which)",
+        )
+    } else if has(&["notvalidforname", "not valid for name", "hostname mismatch", "host name mismatch"]) {
+        Some("TLS: the broker's certificate is not valid for the host name in the URL")
+    } else if has(&[
+        "unknownissuer",
+        "unknown issuer",
+        "unable to get local issuer",
+        "self-signed certificate",
+        "self signed certificate",
+        "invalidcertificate",
+    ]) {
+        Some("TLS: the broker's certificate is not signed by a trusted CA (see --sink-tls-ca-file)")
+    } else if has(&[
+        "certificaterequired",
+        "certificate required",
+        "badcertificate",
+        "bad certificate",
+        "unknownca",
+        "unknown ca",
+        "decrypterror",
+    ]) {
+        Some(
+            "TLS: the broker refused the client certificate or wants one \
+             (--sink-tls-client-cert, --sink-tls-client-key)",
+        )
+    } else if has(&[
+        "authorization violation",
+        "authentication failed",
+        "wrongpass",
+        "noauth",
+        "access_refused",
+        "access-refused",
+        "sasl authentication",
+        "authentication error",
+        "invalid username or password",
+        "failed signing nonce",
+    ]) {
+        Some("the broker refused the credentials (user and password, token, NKey or credentials file)")
+    } else {
+        None
+    }
+}
+
+#[cfg(test)]
+mod reason_tests {
+    use super::refusal_reason;
+
+    #[test]
+    fn refusals_are_told_apart() {
+        let cases = [
+            ("IO error: invalid peer certificate: UnknownIssuer", "not signed by a trusted CA"),
+            ("invalid peer certificate: certificate not valid for name \"127.0.0.1\"", "not valid for the host name"),
+            ("received fatal alert: BadCertificate", "refused the client certificate"),
+            ("received fatal alert: CertificateRequired", "refused the client certificate"),
+            ("WRONGPASS invalid username-password pair", "refused the credentials"),
+            ("failed to connect: authorization violation", "refused the credentials"),
+            (
+                "SSL handshake failed: certificate verify failed: broker certificate could not be verified",
+                "does not say which",
+            ),
+        ];
+        for (error, want) in cases {
+            let got = refusal_reason(error).unwrap_or_default();
+            assert!(got.contains(want), "{error} -> {got}");
+        }
+        assert_eq!(refusal_reason("connection refused"), None);
+    }
+}
+
+/// `error` preceded by its [`refusal_reason`], if it has one.
+#[allow(dead_code)] // unused when no broker feature is on
+pub(crate) fn with_reason(error: String) -> String {
+    match refusal_reason(&error) {
+        Some(reason) => format!("{reason} ({error})"),
+        None => error,
+    }
 }
 
 impl Default for SinkOptions {
@@ -148,12 +359,23 @@ impl Default for SinkOptions {
             amqp_routing_key: t("{aggregate_type}.{event_type}"),
             webhook_secret: None,
             webhook_headers: Vec::new(),
+            tls: false,
+            tls_ca_file: None,
+            tls_client_cert: None,
+            tls_client_key: None,
+            user: None,
+            password: None,
+            nats_token: None,
+            nats_nkey: None,
+            nats_credentials: None,
+            kafka_sasl_mechanism: None,
+            kafka_options: Vec::new(),
         }
     }
 }
 
 /// The sink schemes `--sink` accepts, for messages.
-pub const SINK_SCHEMES: &str = "`stdout`, http(s)://, nats://, kafka://, redis://, amqp://";
+pub const SINK_SCHEMES: &str = "`stdout`, http(s)://, nats:// (or tls://), kafka://, redis(s)://, amqp(s)://";
 
 /// Open the sink a `--sink` value names: `stdout`, `http://` or `https://`
 /// (webhook), `nats://` (NATS JetStream), `kafka://` (Kafka), `redis://` or
@@ -183,7 +405,7 @@ pub async fn open_sink(spec: &str, opts: &SinkOptions) -> Result<(Box<dyn Sink>,
             #[cfg(not(feature = "webhook"))]
             Err(missing_feature("webhook"))
         }
-        "nats" => {
+        "nats" | "tls" => {
             #[cfg(feature = "nats")]
             {
                 let sink = NatsSink::connect(spec, opts).await?;

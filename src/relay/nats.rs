@@ -32,9 +32,21 @@ use crate::redact::{redact_spec, scrub};
 ///   error fails the event (retried with backoff). The client reconnects
 ///   on its own, forever, while the relay runs.
 ///
-/// Credentials in the URL (`nats://user:pass@host:4222`, or a token as
-/// `nats://token@host:4222`) are sent through the client's options and never
-/// shown in logs or errors.
+/// Authentication, one way of: a user and password (in the URL,
+/// `nats://user:pass@host:4222`, or [`SinkOptions::user`] and
+/// [`SinkOptions::password`]), a token (`nats://token@host:4222` or
+/// [`SinkOptions::nats_token`]), an NKey seed ([`SinkOptions::nats_nkey`]) or
+/// a `.creds` file ([`SinkOptions::nats_credentials`]). Secrets never appear
+/// in logs or errors.
+///
+/// TLS: a `tls://` URL, [`SinkOptions::tls`] or any TLS file requires it
+/// (the connection fails if the server does not offer it); the server's
+/// certificate is checked against [`SinkOptions::tls_ca_file`] (else the
+/// platform's roots) and the host name of the URL;
+/// [`SinkOptions::tls_client_cert`] and [`SinkOptions::tls_client_key`]
+/// present a client certificate (`verify: true` on the server). Without any
+/// of these the client still upgrades to TLS when the server requires it,
+/// checking against the platform's roots.
 #[derive(Debug, Clone)]
 pub struct NatsSink {
     js: jetstream::Context,
@@ -64,19 +76,25 @@ impl std::fmt::Debug for Credentials {
     }
 }
 
-/// The servers of a comma-separated list, credentials removed, and the
-/// credentials found (the last URL's that has any).
-fn split_credentials(spec: &str) -> Result<(Vec<String>, Option<Credentials>)> {
+/// The servers of a comma-separated list, credentials removed, the
+/// credentials found (the last URL's that has any), and whether a `tls://`
+/// URL asks for TLS.
+fn split_credentials(spec: &str) -> Result<(Vec<String>, Option<Credentials>, bool)> {
     let mut servers = Vec::new();
     let mut creds = None;
+    let mut tls = false;
     for part in spec.split(',').map(str::trim) {
         let mut url = url::Url::parse(part)
             .map_err(|e| Error::Config(format!("invalid NATS URL '{}': {e}", redact_spec(part))))?;
-        if url.scheme() != "nats" {
-            return Err(Error::Config(format!(
-                "invalid NATS URL '{}': every server of the list must use nats://",
-                redact_spec(part)
-            )));
+        match url.scheme() {
+            "nats" => {}
+            "tls" => tls = true,
+            _ => {
+                return Err(Error::Config(format!(
+                    "invalid NATS URL '{}': every server of the list must use nats:// (or tls://)",
+                    redact_spec(part)
+                )));
+            }
         }
         if url.host_str().is_none_or(str::is_empty) {
             return Err(Error::Config(format!("invalid NATS URL '{}': no host", redact_spec(part))));
@@ -93,7 +111,73 @@ fn split_credentials(spec: &str) -> Result<(Vec<String>, Option<Credentials>)> {
         }
         servers.push(url.to_string());
     }
-    Ok((servers, creds))
+    Ok((servers, creds, tls))
+}
+
+/// How the client proves who it is, from the URL and the options; at most
+/// one way may be given.
+fn authentication(
+    url_creds: Option<Credentials>,
+    opts: &SinkOptions,
+    options: async_nats::ConnectOptions,
+) -> Result<async_nats::ConnectOptions> {
+    let (mut user, mut password, mut token) = match url_creds {
+        Some(Credentials::UserPassword(u, p)) => (Some(u), Some(p), None),
+        Some(Credentials::Token(t)) => (None, None, Some(t)),
+        None => (None, None, None),
+    };
+    if let Some(u) = &opts.user {
+        user = Some(u.clone());
+        // A URL's lone user part was a token; with --sink-user it is not.
+        token = token.filter(|_| password.is_some());
+    }
+    if let Some(p) = &opts.password {
+        password = Some(p.expose().to_string());
+    }
+    if let Some(t) = &opts.nats_token {
+        token = Some(t.expose().to_string());
+    }
+    let user_password = match (user, password) {
+        (Some(u), Some(p)) => Some((u, p)),
+        (None, None) => None,
+        (Some(u), None) => {
+            return Err(Error::Config(format!(
+                "NATS user '{u}' has no password (give --sink-password-file or put it in the URL)"
+            )));
+        }
+        (None, Some(_)) => {
+            return Err(Error::Config("NATS password given without a user (--sink-user)".into()));
+        }
+    };
+    let ways = [user_password.is_some(), token.is_some(), opts.nats_nkey.is_some(), opts.nats_credentials.is_some()];
+    if ways.iter().filter(|w| **w).count() > 1 {
+        return Err(Error::Config(
+            "NATS: give one way to authenticate: a user and password, a token, an NKey seed or a credentials file"
+                .into(),
+        ));
+    }
+    if let Some((u, p)) = user_password {
+        return Ok(options.user_and_password(u, p));
+    }
+    if let Some(t) = token {
+        return Ok(options.token(t));
+    }
+    if let Some(seed) = &opts.nats_nkey {
+        let seed = seed.expose().trim();
+        // Checked here so a bad seed is a clear error, not a failed handshake.
+        nkeys::KeyPair::from_seed(seed).map_err(|e| {
+            Error::Config(format!("NATS NKey seed is not valid ({e}); a user seed is one line starting with SU"))
+        })?;
+        return Ok(options.nkey(seed.to_string()));
+    }
+    if let Some(creds) = &opts.nats_credentials {
+        return options.credentials(creds.expose()).map_err(|e| {
+            Error::Config(format!(
+                "NATS credentials file is not usable ({e}); it must hold a user JWT and an NKey seed, as `nsc` writes them"
+            ))
+        });
+    }
+    Ok(options)
 }
 
 impl NatsSink {
@@ -110,7 +194,8 @@ impl NatsSink {
     /// Cancel safe: dropping the future drops the connection being opened.
     pub async fn connect(url: &str, opts: &SinkOptions) -> Result<Self> {
         let shown = redact_spec(url);
-        let (servers, creds) = split_credentials(url)?;
+        let (servers, creds, tls_scheme) = split_credentials(url)?;
+        opts.check_tls_files("NATS")?;
         let mut options = async_nats::ConnectOptions::new()
             .name(concat!("pg-outbox/", env!("CARGO_PKG_VERSION")))
             .connection_timeout(opts.timeout)
@@ -130,13 +215,22 @@ impl NatsSink {
                     }
                 }
             });
-        options = match creds {
-            Some(Credentials::UserPassword(user, pass)) => options.user_and_password(user, pass),
-            Some(Credentials::Token(token)) => options.token(token),
-            None => options,
-        };
+        options = authentication(creds, opts, options)?;
+        if tls_scheme || opts.tls_wanted() {
+            // rustls needs a process-wide crypto provider when more than one
+            // is compiled in; ours is ring. Already installed is fine.
+            let _ = rustls::crypto::ring::default_provider().install_default();
+            options = options.require_tls(true);
+        }
+        if let Some(ca) = &opts.tls_ca_file {
+            options = options.add_root_certificates(ca.clone());
+        }
+        if let (Some(cert), Some(key)) = (&opts.tls_client_cert, &opts.tls_client_key) {
+            options = options.add_client_certificate(cert.clone(), key.clone());
+        }
         let client = options.connect(servers).await.map_err(|e| {
-            Error::SinkUnavailable(format!("cannot connect to NATS at {shown}: {}", scrub(&e.to_string(), url)))
+            let why = scrub(&crate::error::report(&e), url);
+            Error::SinkUnavailable(format!("cannot connect to NATS at {shown}: {}", super::with_reason(why)))
         })?;
         let mut js = jetstream::new(client);
         js.set_timeout(opts.timeout);
@@ -217,10 +311,13 @@ mod tests {
 
     #[test]
     fn credentials_leave_the_url_and_are_decoded() {
-        let (servers, creds) = split_credentials("nats://al%40ice:p%3Ass@h1:4222,nats://h2:4223").expect("parses");
+        let (servers, creds, tls) = split_credentials("nats://al%40ice:p%3Ass@h1:4222,nats://h2:4223").expect("parses");
         assert_eq!(servers, ["nats://h1:4222", "nats://h2:4223"]);
+        assert!(!tls);
         assert!(creds == Some(Credentials::UserPassword("al@ice".into(), "p:ss".into())), "user and password");
-        let (_, creds) = split_credentials("nats://s3cr3t@h1:4222").expect("parses");
+        let (_, creds, _) = split_credentials("nats://s3cr3t@h1:4222").expect("parses");
+        let (_, _, tls) = split_credentials("tls://h1:4222").expect("parses");
+        assert!(tls, "tls:// asks for TLS");
         assert!(creds == Some(Credentials::Token("s3cr3t".into())), "a lone user part is a token");
         let err = split_credentials("nats://u:pw@h1:4222,http://h2").expect_err("http is refused").to_string();
         assert!(err.contains("nats://") && !err.contains("pw"), "{err}");

@@ -3,6 +3,7 @@
 
 use std::time::Duration;
 
+use redis::IntoConnectionInfo;
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 
 use super::{Format, Message, Sink, SinkFuture, SinkOptions, Template, header};
@@ -31,8 +32,14 @@ use crate::redact::{redact_spec, scrub};
 ///   record is appended again; consumers deduplicate on the `id` field.
 ///
 /// URLs: `redis://[user:password@]host[:port][/db]`, and
-/// `rediss://...` for TLS (rustls, the platform's root certificates). The
-/// password never appears in logs or errors.
+/// `rediss://...` for TLS (rustls). [`SinkOptions::user`] and
+/// [`SinkOptions::password`] (an ACL user, or the `requirepass` password
+/// alone) override the URL's. With `rediss://` the server's certificate is
+/// checked against [`SinkOptions::tls_ca_file`] (else the platform's root
+/// certificates) and the URL's host name; [`SinkOptions::tls_client_cert`]
+/// and [`SinkOptions::tls_client_key`] present a client certificate
+/// (`tls-auth-clients yes`). TLS settings with a `redis://` URL are an
+/// error. The password never appears in logs or errors.
 #[derive(Clone)]
 pub struct RedisSink {
     conn: ConnectionManager,
@@ -92,19 +99,54 @@ impl RedisSink {
     /// Cancel safe: dropping the future drops the connection being opened.
     pub async fn connect(url: &str, opts: &SinkOptions) -> Result<Self> {
         let shown = redact_spec(url);
-        if url.starts_with("rediss://") {
+        let tls = url.get(..9).is_some_and(|p| p.eq_ignore_ascii_case("rediss://"));
+        if opts.tls_wanted() && !tls {
+            return Err(Error::Config(format!(
+                "Redis at {shown}: TLS settings need a rediss:// URL (redis:// is plain TCP)"
+            )));
+        }
+        opts.check_tls_files("Redis")?;
+        if tls {
             // rustls needs a process-wide crypto provider when more than one
             // is compiled in; ours is ring. Already installed is fine.
             let _ = rustls::crypto::ring::default_provider().install_default();
         }
-        let client = redis::Client::open(url)
-            .map_err(|e| Error::Config(format!("invalid Redis URL '{shown}': {}", scrub(&e.to_string(), url))))?;
+        let invalid = |e: redis::RedisError| {
+            Error::Config(format!("invalid Redis URL '{shown}': {}", scrub(&e.to_string(), url)))
+        };
+        let mut info = url.into_connection_info().map_err(invalid)?;
+        let mut settings = info.redis_settings().clone();
+        if let Some(user) = &opts.user {
+            settings = settings.set_username(user);
+        }
+        if let Some(password) = &opts.password {
+            settings = settings.set_password(password.expose());
+        }
+        info = info.set_redis_settings(settings);
+        let client = if opts.tls_ca_file.is_some() || opts.tls_client_cert.is_some() {
+            let read = |p: &std::path::Path| {
+                std::fs::read(p).map_err(|e| Error::Config(format!("Redis: cannot read {}: {e}", p.display())))
+            };
+            let client_tls = match (&opts.tls_client_cert, &opts.tls_client_key) {
+                (Some(cert), Some(key)) => {
+                    Some(redis::ClientTlsConfig { client_cert: read(cert)?, client_key: read(key)? })
+                }
+                _ => None,
+            };
+            let root_cert = opts.tls_ca_file.as_deref().map(read).transpose()?;
+            redis::Client::build_with_tls(info, redis::TlsCertificates { client_tls, root_cert })
+        } else {
+            redis::Client::open(info)
+        }
+        .map_err(invalid)?;
         let config = ConnectionManagerConfig::new()
             .set_connection_timeout(Some(opts.timeout))
             .set_response_timeout(Some(opts.timeout))
             .set_number_of_retries(3)
             .set_max_delay(Duration::from_secs(2));
-        let unreachable = |what: String| Error::SinkUnavailable(format!("cannot connect to Redis at {shown}: {what}"));
+        let unreachable = |what: String| {
+            Error::SinkUnavailable(format!("cannot connect to Redis at {shown}: {}", super::with_reason(what)))
+        };
         let mut conn =
             match tokio::time::timeout(opts.timeout, ConnectionManager::new_with_config(client, config)).await {
                 Err(_) => return Err(unreachable(format!("no connection within {:?}", opts.timeout))),

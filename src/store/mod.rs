@@ -12,6 +12,7 @@
 //! - [`wakeup`]: LISTEN/NOTIFY and the relays' registrations;
 //! - [`locks`]: every advisory lock key, and the statements that take them;
 //! - [`dead_letters`], [`retention`]: the operators' statements;
+//! - `replay`: replay's reads (feature `relay`);
 //! - [`schema`]: what `migrate` runs besides the files.
 
 use std::time::Duration;
@@ -43,6 +44,8 @@ pub(crate) mod dead_letters;
 mod fetch;
 pub(crate) mod locks;
 mod publish;
+#[cfg(feature = "relay")]
+pub(crate) mod replay;
 pub(crate) mod retention;
 mod rows;
 pub(crate) mod schema;
@@ -53,6 +56,8 @@ mod wakeup;
 pub use fetch::fetch_query;
 pub(crate) use fetch::{BEGIN, COMMIT, COMPETING_FETCH, NEXT_RETRY_IN, fetch_sql};
 pub(crate) use locks::{COUNT_MEMBERS, MEMBER_LOCK, PARTITION_UNLOCK, TRY_LEADER_LOCK, TRY_PARTITION_LOCK};
+#[cfg(feature = "sqlx")]
+pub(crate) use publish::via_sqlx;
 pub(crate) use publish::{insert_event, insert_events};
 pub(crate) use rows::{event_from_row, row_id, row_identity, row_partition};
 pub(crate) use settle::{ACK, FAIL, fail_details};
@@ -80,7 +85,12 @@ pub(crate) use wakeup::{
 /// text` error text, `$5 timestamptz` since (each NULL for any), and but for
 /// `dead_letters_count`, `$6 bigint` limit; `retention_delete` `$1 float8`
 /// age in seconds, `$2 bigint` batch, `$3 bigint` after id;
-/// `retention_count` `$1 float8`.
+/// `retention_count` `$1 float8`; `replay_page` (feature `relay`) `$1
+/// bigint` after id, `$2 bigint` up to id, `$3 boolean` include
+/// unpublished, `$4`, `$5 timestamptz` occurred since, until, `$6 text`
+/// aggregate type, `$7 uuid` aggregate id, `$8 text` event type (each NULL
+/// for any), `$9 bigint` limit; `replay_count` the same but `$9`;
+/// `replay_bounds` `$1 bigint` after id.
 ///
 /// Not listed: the producers' INSERTs (their cost is the triggers',
 /// measured by the benches), the operators' lookup of ids by primary key
@@ -89,7 +99,8 @@ pub(crate) use wakeup::{
 #[doc(hidden)]
 pub fn run_time_statements() -> Vec<(&'static str, String)> {
     use dead_letters as d;
-    vec![
+    #[allow(unused_mut)] // without the `relay` feature
+    let mut all = vec![
         ("fetch", fetch_sql(false)),
         ("fetch_partitioned", fetch_sql(true)),
         ("competing_fetch", COMPETING_FETCH.to_string()),
@@ -109,7 +120,14 @@ pub fn run_time_statements() -> Vec<(&'static str, String)> {
         ("dead_letters_existing", d::EXISTING_IDS.to_string()),
         ("retention_delete", retention::DELETE_BATCH.to_string()),
         ("retention_count", retention::COUNT_DUE.to_string()),
-    ]
+    ];
+    #[cfg(feature = "relay")]
+    all.extend([
+        ("replay_page", replay::page_sql()),
+        ("replay_count", replay::count_sql()),
+        ("replay_bounds", replay::BOUNDS.to_string()),
+    ]);
+    all
 }
 
 /// Run `sql` with `params` and read every row it returns with `read`; a
@@ -126,12 +144,17 @@ pub(crate) async fn query_map<C: GenericClient + Sync, T>(
 /// Turn "relation events.outbox does not exist" into [`Error::NotMigrated`].
 pub(crate) fn map_missing_schema(e: tokio_postgres::Error) -> Error {
     if let Some(db) = e.as_db_error()
-        && (*db.code() == tokio_postgres::error::SqlState::UNDEFINED_TABLE
-            || *db.code() == tokio_postgres::error::SqlState::INVALID_SCHEMA_NAME)
+        && is_missing_schema(db.code())
     {
         return Error::NotMigrated(db.message().to_string());
     }
     Error::Db(e)
+}
+
+/// A SQLSTATE saying the table or schema does not exist (42P01, 3F000).
+fn is_missing_schema(code: &tokio_postgres::error::SqlState) -> bool {
+    *code == tokio_postgres::error::SqlState::UNDEFINED_TABLE
+        || *code == tokio_postgres::error::SqlState::INVALID_SCHEMA_NAME
 }
 
 /// Seconds as a [`Duration`], clamped to zero and to a day (a timer never

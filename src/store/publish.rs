@@ -41,3 +41,60 @@ pub(crate) async fn insert_events<C: GenericClient + Sync>(client: &C, events: &
     out.sort_unstable();
     Ok(out)
 }
+
+/// The INSERTs above through sqlx (feature `sqlx`): the same statements,
+/// parameters and error mapping.
+#[cfg(feature = "sqlx")]
+pub(crate) mod via_sqlx {
+    use super::{INSERT_MANY, INSERT_ONE};
+    use crate::error::{Error, Result};
+    use crate::event::NewEvent;
+
+    /// Insert one event and return its id.
+    pub(crate) async fn insert_event<'c, E: sqlx::PgExecutor<'c>>(executor: E, e: &NewEvent) -> Result<i64> {
+        sqlx::query_scalar(INSERT_ONE)
+            .bind(e.aggregate_type.as_str())
+            .bind(e.aggregate_id)
+            .bind(e.event_type.as_str())
+            .bind(&e.payload)
+            .fetch_one(executor)
+            .await
+            .map_err(map_missing_schema)
+    }
+
+    /// Insert several events in one statement; their ids in input order.
+    pub(crate) async fn insert_events<'c, E: sqlx::PgExecutor<'c>>(
+        executor: E,
+        events: &[NewEvent],
+    ) -> Result<Vec<i64>> {
+        let types: Vec<&str> = events.iter().map(|e| e.aggregate_type.as_str()).collect();
+        let ids: Vec<uuid::Uuid> = events.iter().map(|e| e.aggregate_id).collect();
+        let names: Vec<&str> = events.iter().map(|e| e.event_type.as_str()).collect();
+        let payloads: Vec<&serde_json::Value> = events.iter().map(|e| &e.payload).collect();
+        let mut out: Vec<i64> = sqlx::query_scalar(INSERT_MANY)
+            .bind(types)
+            .bind(ids)
+            .bind(names)
+            .bind(payloads)
+            .fetch_all(executor)
+            .await
+            .map_err(map_missing_schema)?;
+        // As in `insert_events`: ascending ids are the input order.
+        out.sort_unstable();
+        Ok(out)
+    }
+
+    /// As [`super::map_missing_schema`]: a missing table or schema
+    /// (SQLSTATE 42P01, 3F000) is [`Error::NotMigrated`]; anything else is
+    /// [`Error::Sqlx`].
+    fn map_missing_schema(e: sqlx::Error) -> Error {
+        let err = Error::from(e);
+        if let Error::Sqlx { source, code: Some(code) } = &err
+            && crate::store::is_missing_schema(code)
+            && let Some(db) = source.as_database_error()
+        {
+            return Error::NotMigrated(db.message().to_string());
+        }
+        err
+    }
+}

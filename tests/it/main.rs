@@ -1,6 +1,7 @@
 //! Integration tests against a real PostgreSQL (see `support`).
 
 mod auto_traits;
+mod broker_tls;
 mod brokers;
 mod cancel_safety;
 mod cli;
@@ -13,6 +14,8 @@ mod faults;
 mod health;
 mod libpq;
 mod modes;
+#[path = "../kit/options.rs"]
+mod options;
 mod order;
 mod plan_states;
 mod plans;
@@ -20,6 +23,7 @@ mod plans;
 mod process;
 mod relay;
 mod relay_proc;
+mod replay;
 mod retention;
 mod schema;
 #[cfg(feature = "amqp")]
@@ -30,6 +34,8 @@ mod sink_kafka;
 mod sink_nats;
 #[cfg(feature = "redis")]
 mod sink_redis;
+#[cfg(feature = "sqlx")]
+mod sqlx_publish;
 mod status_detail;
 mod support;
 #[path = "../../src/bin/pg-outbox/temp_server.rs"]

@@ -142,6 +142,11 @@ async fn check_all(c: &mut Client, stats: Stats, backlog: i64) {
     let zero = 0i64;
     let five = 5i64;
     let types = pg_outbox::STATUS_MAX_TYPES + 1;
+    // Replay reads a window of ids in the middle of the published rows.
+    let window = pg_outbox::relay::replay::WINDOW;
+    let (mid, mid_end) = (STEADY / 2, STEADY / 2 + window);
+    let (no, no_agg): (bool, Option<uuid::Uuid>) = (false, None);
+    let rare = Some("NoSuchType".to_string());
     let mut failures = Vec::new();
     for (name, sql) in pg_outbox::run_time_statements() {
         // (parameters, bound on buffers)
@@ -175,6 +180,24 @@ async fn check_all(c: &mut Client, stats: Stats, backlog: i64) {
             // proportion to the table, never more.
             "retention_delete" => vec![(vec![&ten_days, &BATCH, &zero], 3 * (STEADY + unpublished) + 100, "")],
             "retention_count" => vec![(vec![&ten_days], 3 * (STEADY + unpublished) + 100, "")],
+            // A page from the middle of the published rows: in proportion
+            // to the page; with a filter that keeps nothing, to the window.
+            "replay_page" => vec![
+                (
+                    vec![&mid, &mid_end, &no, &no_time, &no_time, &no_text, &no_agg, &no_text, &BATCH],
+                    8 * BATCH + 50,
+                    "a full page",
+                ),
+                (
+                    vec![&mid, &mid_end, &no, &no_time, &no_time, &no_text, &no_agg, &rare, &BATCH],
+                    3 * window + 100,
+                    "a filter that keeps nothing",
+                ),
+            ],
+            "replay_count" => {
+                vec![(vec![&mid, &mid_end, &no, &no_time, &no_time, &no_text, &no_agg, &no_text], 3 * window + 100, "")]
+            }
+            "replay_bounds" => vec![(vec![&mid], 50, "")],
             other => panic!("no plan check for statement {other}: add one"),
         };
         // Custom plans (a statement's first runs), and the generic plan a

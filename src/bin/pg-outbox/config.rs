@@ -320,8 +320,14 @@ pub(crate) fn render(loaded: &Loaded) -> String {
 /// strings, the webhook secret, values of credential-like webhook headers.
 pub(crate) fn redact(id: &str, value: &str) -> String {
     const MASK: &str = "****";
-    if id.contains("secret") {
+    if id.contains("secret") || id == "sink_password" {
         return MASK.to_string();
+    }
+    if id == "kafka_options" {
+        return match value.split_once('=') {
+            Some((k, _)) if pg_outbox::relay::is_secret_property(k) => format!("{k}={MASK}"),
+            _ => value.to_string(),
+        };
     }
     if id == "webhook_headers" {
         if let Some((name, _)) = value.split_once(':') {
@@ -354,6 +360,12 @@ mod tests {
         assert_eq!(redact("database_url", "postgres://app@db/app?password=x"), "postgres://app@db/app?password=****");
         assert_eq!(redact("database_url", "host=db password=x user=u"), "host=db password=**** user=u");
         assert_eq!(redact("sink", "nats://NATSTOKEN@127.0.0.1:4222"), "nats://****@127.0.0.1:4222");
+        assert_eq!(redact("sink_password", "hunter2"), "****");
+        assert_eq!(redact("sink_password_file", "/run/secrets/pw"), "/run/secrets/pw");
+        assert_eq!(redact("kafka_options", "sasl.password=pw"), "sasl.password=****");
+        assert_eq!(redact("kafka_options", "sasl.jaas.config=x y"), "sasl.jaas.config=****");
+        assert_eq!(redact("kafka_options", "ssl.key.pem=-----BEGIN"), "ssl.key.pem=****");
+        assert_eq!(redact("kafka_options", "compression.type=zstd"), "compression.type=zstd");
     }
 
     #[test]

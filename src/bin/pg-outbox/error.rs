@@ -19,6 +19,14 @@ pub(crate) enum Error {
     /// says what to do.
     #[error("{0}")]
     Usage(String),
+    /// A long-running command stopped on an error before its end; the
+    /// message says where to resume.
+    #[error("{0}")]
+    Stopped(String),
+    /// SIGINT/SIGTERM stopped a command before its end (it printed where
+    /// to resume); exits with status 130.
+    #[error("interrupted")]
+    Interrupted,
     /// A self-check found a problem (the demo's delivery checks).
     #[error("check failed: {0}")]
     Check(String),

@@ -16,6 +16,8 @@ mod dead_letters;
 mod demo;
 mod error;
 mod health;
+mod logging;
+mod replay;
 mod sink_args;
 mod temp_server;
 
@@ -34,6 +36,12 @@ struct Cli {
     #[arg(long, env = "DATABASE_URL", global = true, hide_env_values = true)]
     database_url: Option<String>,
 
+    /// Log lines on stderr: `text` (human-readable) or `json` (one object
+    /// per line with timestamp, level, message, target and the event's
+    /// fields, e.g. id).
+    #[arg(long, env = "PG_OUTBOX_LOG_FORMAT", global = true, hide_env_values = true, value_enum, default_value_t = logging::LogFormat::Text)]
+    log_format: logging::LogFormat,
+
     #[command(subcommand)]
     command: Command,
 }
@@ -45,6 +53,10 @@ enum Command {
     /// Deliver outbox events to a sink until SIGINT/SIGTERM.
     #[command(after_help = RELAY_HELP)]
     Relay(Box<RelayArgs>),
+    /// Deliver already published events again to a sink (by id range, time,
+    /// aggregate or event type), read-only, rate-limited and resumable.
+    #[command(after_help = replay::REPLAY_HELP)]
+    Replay(Box<replay::ReplayArgs>),
     /// Insert one event and print its id.
     Publish(PublishArgs),
     /// Show backlog, retries and dead letters.
@@ -66,7 +78,8 @@ libpq variables alone, as psql uses them. Settings a URL leaves out come from PG
 PGPASSWORD, PGDATABASE, PGSSLMODE, PGSSLROOTCERT, PGAPPNAME and PGCONNECT_TIMEOUT, then libpq's
 defaults: the Unix socket in /var/run/postgresql or /tmp, port 5432, the OS user, a database named
 after the user. Without a password, ~/.pgpass (or PGPASSFILE) supplies one.
-Logs go to stderr (set RUST_LOG, e.g. RUST_LOG=debug); data goes to stdout.";
+Logs go to stderr (set RUST_LOG, e.g. RUST_LOG=debug; --log-format json for one JSON object per
+line); data goes to stdout.";
 
 const RELAY_HELP: &str = "\
 Every setting can also come from the environment (OUTBOX_<FLAG>, e.g. OUTBOX_BATCH_SIZE=500,
@@ -340,7 +353,7 @@ pub(crate) fn install_metrics() -> Result<metrics_exporter_prometheus::Prometheu
 }
 
 async fn relay_cmd(url: &str, args: RelayArgs) -> Result<(), Error> {
-    let (sink, sink_name) = relay::open_sink(&args.sink.sink, &args.sink.options()).await?;
+    let (sink, sink_name) = relay::open_sink(&args.sink.sink, &args.sink.options()?).await?;
     let pg = pg_outbox::ConnectOptions::parse(url)?;
     let target = pg.describe();
     let metrics_listener = args.metrics_addr.map(|a| health::bind(a, "metrics")).transpose()?;
@@ -599,14 +612,6 @@ async fn migrate_cmd(url: &str) -> Result<(), Error> {
     Ok(())
 }
 
-/// Log filter when `RUST_LOG` is unset: our own info lines; the broker
-/// clients' own logs are off (lapin logs a returned message with its payload
-/// bytes; librdkafka logs every reconnect attempt twice), since every sink
-/// reports its failures itself, one line per event. `RUST_LOG` overrides it
-/// (e.g. `RUST_LOG=info,lapin=debug`).
-const DEFAULT_LOG_FILTER: &str =
-    "info,tokio_postgres=warn,lapin=off,rdkafka=off,librdkafka=off,async_nats=warn,redis=warn";
-
 /// Let a closed standard output (`pg-outbox status | head -1`) end the
 /// process quietly, as it does other command-line tools, instead of a
 /// "Broken pipe" panic: the Rust runtime ignores SIGPIPE, this restores its
@@ -636,18 +641,11 @@ fn main() -> ExitCode {
         return ExitCode::SUCCESS;
     }
     let cli = loaded.cli;
-    if !matches!(cli.command, Command::Relay(_) | Command::Demo(_)) {
+    if !matches!(cli.command, Command::Relay(_) | Command::Demo(_) | Command::Replay(_)) {
         restore_sigpipe();
     }
-    use std::io::IsTerminal;
-    tracing_subscriber::fmt()
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::stderr().is_terminal())
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(DEFAULT_LOG_FILTER)),
-        )
-        .init();
+    let log_format = cli.log_format;
+    logging::init(log_format);
     let rt = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
         Ok(rt) => rt,
         Err(e) => {
@@ -666,20 +664,22 @@ fn main() -> ExitCode {
             Command::Status(args) => status_cmd(&url, args).await,
             Command::DeadLetters(cmd) => dead_letters::run(&url, cmd).await,
             Command::Archive(args) => archive_cmd(&url, args).await,
+            Command::Replay(args) => replay::run(&url, *args, log_format).await,
         }
     });
     rt.shutdown_timeout(Duration::from_secs(1));
     match result {
         Ok(()) => ExitCode::SUCCESS,
+        Err(Error::Interrupted) => ExitCode::from(replay::INTERRUPTED_EXIT),
         Err(e) => {
-            eprintln!("error: {}", pg_outbox::error::report(&e));
+            logging::error(log_format, &pg_outbox::error::report(&e));
             if no_url
                 && matches!(
                     e,
                     Error::Outbox(pg_outbox::Error::Connect { .. } | pg_outbox::Error::ConnectTimedOut { .. })
                 )
             {
-                eprintln!("{NO_URL_HINT}");
+                logging::line(log_format, "INFO", "pg_outbox", NO_URL_HINT, &[]);
             }
             ExitCode::FAILURE
         }

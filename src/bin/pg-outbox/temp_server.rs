@@ -353,7 +353,14 @@ impl TempServer {
 impl Drop for TempServer {
     fn drop(&mut self) {
         if let Err(e) = self.stop() {
-            eprintln!("pg-outbox: could not stop the throwaway PostgreSQL server: {}", pg_outbox::error::report(&e));
+            // Not eprintln!: a closed stderr must not turn this into a panic
+            // while unwinding (an abort that would leave the server running).
+            use std::io::Write;
+            let _ = writeln!(
+                std::io::stderr(),
+                "pg-outbox: could not stop the throwaway PostgreSQL server: {}",
+                pg_outbox::error::report(&e)
+            );
         }
     }
 }
