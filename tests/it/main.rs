@@ -12,11 +12,11 @@ mod dead_letters;
 mod faults;
 mod libpq;
 mod modes;
+#[path = "../kit/options.rs"]
+mod options;
 mod order;
 mod plan_states;
 mod plans;
-#[path = "../kit/options.rs"]
-mod options;
 #[path = "../kit/process.rs"]
 mod process;
 mod relay;

@@ -40,4 +40,3 @@ pub fn options_of(cfg: &tokio_postgres::Config) -> pg_outbox::ConnectOptions {
     parts.push("sslmode=disable".into());
     pg_outbox::ConnectOptions::parse(&parts.join(" ")).expect("test server options")
 }
-
