@@ -468,9 +468,6 @@ impl ConnectOptions {
     /// client.simple_query("SELECT 1").await?;
     /// # Ok(()) }
     /// ```
-    ///
-    /// # Cancel safety
-    /// Cancel safe: dropping the future drops the connection being opened.
     pub async fn connect(&self) -> Result<Client> {
         let name = self.pg.get_application_name().unwrap_or("pg-outbox").to_string();
         let (client, _link) = connect(self, &name, &SessionSettings::default()).await?;

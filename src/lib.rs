@@ -33,6 +33,8 @@ pub use consumer::{
 pub use error::{Error, Result};
 pub use event::{Envelope, Event, Metadata, NewEvent};
 pub use publisher::{DEFAULT_MAX_PAYLOAD_BYTES, Publisher};
+/// For the command line (`--print-config`); not part of the API.
+#[doc(hidden)]
 pub use redact::{redact_database_url, redact_password};
 pub use retry::{AfterLastStep, DEFAULT_RETRY_CAP, DEFAULT_RETRY_JITTER, DEFAULT_RETRY_STEPS, RetryPolicy};
 pub use store::{OutboxStatus, PendingRetry, RetryLadder, STATUS_MAX_TYPES, STATUS_NEXT_RETRIES, TypeBacklog, status};

@@ -33,8 +33,12 @@ use serde::Serialize;
 
 #[cfg(feature = "amqp")]
 pub use amqp::{AMQP_APP_ID, AmqpSink};
+/// For the command line (`--print-config`); not part of the API.
 #[cfg(feature = "kafka")]
-pub use kafka::{DEFAULT_KAFKA_PORT, KafkaSink, parse_kafka_url};
+#[doc(hidden)]
+pub use kafka::parse_kafka_url;
+#[cfg(feature = "kafka")]
+pub use kafka::{DEFAULT_KAFKA_PORT, KafkaSink};
 pub use message::{DEFAULT_CLOUDEVENTS_SOURCE, Format, Message, Template, header};
 #[cfg(feature = "nats")]
 pub use nats::NatsSink;
@@ -44,10 +48,16 @@ pub use stdout::StdoutSink;
 #[cfg(feature = "webhook")]
 pub use webhook::{DEFAULT_WEBHOOK_TIMEOUT, WebhookSecret, WebhookSink};
 
+pub use crate::redact::Secret;
+/// For the command line (`--print-config`); not part of the API.
+#[doc(hidden)]
+pub use crate::redact::is_secret_property;
+/// For the command line (`--print-config`); not part of the API.
+#[doc(hidden)]
 pub use crate::redact::redact_sink;
 #[cfg(feature = "webhook")]
+#[doc(hidden)]
 pub use crate::redact::redact_url;
-pub use crate::redact::{Secret, is_secret_property};
 
 use crate::error::{BoxError, Result};
 use crate::event::Event;

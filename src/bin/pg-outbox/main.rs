@@ -31,15 +31,15 @@ mod temp_server;
 struct Cli {
     /// PostgreSQL URL, e.g. postgres://user@localhost:5432/app (libpq
     /// key=value strings work too). Falls back to OUTBOX_DATABASE_URL when
-    /// DATABASE_URL is unset; with neither, connects as psql does (see
-    /// pg-outbox --help).
-    #[arg(long, env = "DATABASE_URL", global = true, hide_env_values = true)]
+    /// DATABASE_URL is unset; with neither, connects as psql does (the PG*
+    /// variables, then the local socket; the notes of `pg-outbox --help`).
+    #[arg(long, env = "DATABASE_URL", global = true, hide_env_values = true, display_order = 900)]
     database_url: Option<String>,
 
     /// Log lines on stderr: `text` (human-readable) or `json` (one object
     /// per line with timestamp, level, message, target and the event's
     /// fields, e.g. id).
-    #[arg(long, env = "PG_OUTBOX_LOG_FORMAT", global = true, hide_env_values = true, value_enum, default_value_t = logging::LogFormat::Text)]
+    #[arg(long, env = "PG_OUTBOX_LOG_FORMAT", global = true, hide_env_values = true, value_enum, default_value_t = logging::LogFormat::Text, display_order = 901)]
     log_format: logging::LogFormat,
 
     #[command(subcommand)]
@@ -655,6 +655,7 @@ fn main() -> ExitCode {
     };
     let url = database_url(&cli.database_url);
     let no_url = url.is_empty() && !matches!(cli.command, Command::Demo(_));
+    let target_url = url.clone();
     let result = rt.block_on(async move {
         match cli.command {
             Command::Demo(args) => demo::run(args).await,
@@ -672,7 +673,15 @@ fn main() -> ExitCode {
         Ok(()) => ExitCode::SUCCESS,
         Err(Error::Interrupted) => ExitCode::from(replay::INTERRUPTED_EXIT),
         Err(e) => {
-            logging::error(log_format, &pg_outbox::error::report(&e));
+            let mut message = pg_outbox::error::report(&e);
+            // Name the database that lacks the schema: with libpq's
+            // defaults it may not be the one the user had in mind.
+            if let Error::Outbox(pg_outbox::Error::NotMigrated(_)) = &e
+                && let Ok(target) = pg_outbox::ConnectOptions::parse(&target_url)
+            {
+                message.push_str(&format!(" against {}", target.describe()));
+            }
+            logging::error(log_format, &message);
             if no_url
                 && matches!(
                     e,
