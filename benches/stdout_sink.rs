@@ -11,6 +11,10 @@
 //! prints microseconds per event and the ratio on stderr.
 
 mod common;
+#[path = "../tests/kit/options.rs"]
+mod options;
+#[path = "../src/bin/pg-outbox/temp_server.rs"]
+mod temp_server;
 
 use std::process::Stdio;
 use std::time::Instant;

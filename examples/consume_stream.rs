@@ -18,7 +18,7 @@
 //!
 //! ```text
 //! export DATABASE_URL=postgres://postgres@127.0.0.1:5432/app
-//! cargo run -- migrate
+//! cargo run --features cli -- migrate
 //! cargo run --example consume_stream
 //! # in another terminal:
 //! cargo run --example publish_in_tx

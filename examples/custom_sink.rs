@@ -16,8 +16,8 @@
 //!
 //! ```text
 //! export DATABASE_URL=postgres://postgres@127.0.0.1:5432/app
-//! cargo run -- migrate
-//! cargo run --example custom_sink -- /tmp/outbox-events.jsonl
+//! cargo run --features cli -- migrate
+//! cargo run --features relay --example custom_sink -- /tmp/outbox-events.jsonl
 //! # in another terminal:
 //! cargo run --example publish_in_tx
 //! ```

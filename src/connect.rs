@@ -189,10 +189,11 @@ impl fmt::Display for RootCert {
 ///
 /// Made by [`ConnectOptions::parse`] (a URL or key=value string, then the
 /// `PG*` environment variables for what it leaves unset, then libpq's
-/// defaults), [`ConnectOptions::from_env`] (the variables alone), or from a
-/// [`tokio_postgres::Config`] (`From`; its `sslmode` disable/prefer/require
-/// carries over, and a missing host, user or database gets libpq's default;
-/// the environment is not read).
+/// defaults) or [`ConnectOptions::from_env`] (the variables alone). There
+/// is deliberately no conversion from a [`tokio_postgres::Config`]: it
+/// cannot hold `verify-ca` or `verify-full`, so a `Config` taken out with
+/// [`ConnectOptions::tokio_postgres_config`] and turned back would lose the
+/// certificate check without a word.
 ///
 /// Connect with [`ConnectOptions::connect`], or build a pool from
 /// [`ConnectOptions::tokio_postgres_config`] and
@@ -237,6 +238,14 @@ impl fmt::Display for RootCert {
 /// assert_eq!(opts.user(), Some("app"));
 /// # Ok::<(), pg_outbox::Error>(())
 /// ```
+///
+/// A `tokio_postgres::Config` does not turn back into options (it would
+/// drop `verify-full`):
+/// ```compile_fail
+/// let opts = pg_outbox::ConnectOptions::parse("host=db user=app sslmode=verify-full sslrootcert=/ca.pem")?;
+/// let weakened = pg_outbox::ConnectOptions::from(opts.tokio_postgres_config());
+/// # Ok::<(), pg_outbox::Error>(())
+/// ```
 #[derive(Debug, Clone)]
 pub struct ConnectOptions {
     pg: Config,
@@ -244,26 +253,6 @@ pub struct ConnectOptions {
     root_cert: Option<RootCert>,
     /// Where a missing password is looked up when connecting.
     password_file: Option<PathBuf>,
-}
-
-impl From<Config> for ConnectOptions {
-    /// Keep the `Config`'s settings; its `sslmode` disable/prefer/require
-    /// carries over; a missing host, user or database gets libpq's default
-    /// (the environment is not read, nor the password file).
-    fn from(pg: Config) -> Self {
-        use tokio_postgres::config::SslMode as T;
-        let ssl_mode = match pg.get_ssl_mode() {
-            T::Disable => SslMode::Disable,
-            T::Prefer => SslMode::Prefer,
-            _ => SslMode::Require,
-        };
-        let no_env = |_: &str| None;
-        let mut pg = pg;
-        // Without env there is nothing to fail on but the OS user name,
-        // which then stays unset (tokio-postgres reports the missing user).
-        let _ = fill_from_env(&mut pg, &no_env);
-        ConnectOptions { pg, ssl_mode, root_cert: None, password_file: None }.synced()
-    }
 }
 
 impl ConnectOptions {
@@ -479,9 +468,6 @@ impl ConnectOptions {
     /// client.simple_query("SELECT 1").await?;
     /// # Ok(()) }
     /// ```
-    ///
-    /// # Cancel safety
-    /// Cancel safe: dropping the future drops the connection being opened.
     pub async fn connect(&self) -> Result<Client> {
         let name = self.pg.get_application_name().unwrap_or("pg-outbox").to_string();
         let (client, _link) = connect(self, &name, &SessionSettings::default()).await?;
@@ -1332,7 +1318,7 @@ mod tests {
         let o = parse_url("host=h options='-c a=b' sslmode=disable").expect("kv");
         assert_eq!(o.ssl_mode(), SslMode::Disable);
         assert_eq!(o.pg.get_options(), Some("-c a=b"));
-        let o: ConnectOptions = parse_url("host=h sslmode=require").expect("kv").tokio_postgres_config().into();
+        let o = parse_url("host=h sslmode=require").expect("kv");
         assert_eq!(o.ssl_mode(), SslMode::Require);
     }
 
@@ -1538,16 +1524,6 @@ mod env_tests {
         let home = dir.path().display().to_string();
         let o = parse_in("postgres://postgres@/app", &[("HOME", home.as_str())]).expect("url");
         assert_eq!(password(&o).as_deref(), Some("sockpw"));
-    }
-
-    #[test]
-    fn from_config_gets_libpqs_defaults_but_not_the_environment() {
-        let mut cfg = Config::new();
-        cfg.user("u");
-        let o = ConnectOptions::from(cfg);
-        assert_eq!(o.hosts(), &default_sockets()[..]);
-        assert_eq!((o.user(), o.dbname()), (Some("u"), Some("u")));
-        assert_eq!(password(&o), None);
     }
 
     #[test]

@@ -114,10 +114,20 @@ impl Error {
     /// True when retrying later may succeed: the connection was closed or
     /// broken, the server is shutting down or starting, or the statement lost
     /// a serialization or deadlock race. Rows are never touched because of
-    /// such an error.
+    /// such an error. False for what retrying cannot fix: a refused login
+    /// (SQLSTATE class 28), a database that does not exist (3D000), a server
+    /// certificate TLS refused, an invalid event, a schema not migrated.
     pub fn is_transient(&self) -> bool {
         match self {
-            Error::Connect { .. } | Error::ConnectTimedOut { .. } => true,
+            // A refused login (28xxx), a database that does not exist
+            // (3D000) and the like stay refused; a network failure or a
+            // server starting up may pass.
+            Error::Connect { source, .. } => match source.code() {
+                Some(code) => is_transient_code(code),
+                // A certificate refused by TLS stays refused.
+                None => !refused_by_tls(source),
+            },
+            Error::ConnectTimedOut { .. } => true,
             Error::Db(e) => is_transient_pg(e),
             #[cfg(feature = "sqlx")]
             Error::Sqlx { source, code } => is_transient_sqlx(source, code.as_ref()),
@@ -125,6 +135,24 @@ impl Error {
             _ => false,
         }
     }
+}
+
+/// Whether a connection failed because TLS refused the server's certificate
+/// (or the handshake): a rustls error somewhere in the chain.
+fn refused_by_tls(e: &tokio_postgres::Error) -> bool {
+    let mut cur: Option<&(dyn std::error::Error + 'static)> = std::error::Error::source(e);
+    while let Some(err) = cur {
+        if err.is::<rustls::Error>() {
+            return true;
+        }
+        if let Some(io) = err.downcast_ref::<std::io::Error>()
+            && io.get_ref().is_some_and(|inner| inner.is::<rustls::Error>())
+        {
+            return true;
+        }
+        cur = err.source();
+    }
+    false
 }
 
 /// Classify a driver error as transient (see [`Error::is_transient`]).

@@ -30,12 +30,14 @@ pub use connect::{ConnectOptions, DEFAULT_CONNECT_TIMEOUT, RootCert, SslMode, Tl
 pub use consumer::{
     Consumer, ConsumerBuilder, DEFAULT_ACK_BATCH_SIZE, DEFAULT_ACK_INTERVAL, DEFAULT_BATCH_SIZE, DEFAULT_MAX_RETRIES,
     DEFAULT_PING_INTERVAL, DEFAULT_RECONNECT_MAX_DELAY, DEFAULT_SHUTDOWN_GRACE, DEFAULT_STATEMENT_TIMEOUT,
-    DEFAULT_SWEEP_INTERVAL, Delivery, EventStream, ListenerStatus, MAX_ERROR_BYTES, Mode, NOTIFY_CHANNEL,
-    ShutdownHandle,
+    DEFAULT_SWEEP_INTERVAL, Delivery, EventStream, HEALTH_ERROR_BYTES, Health, HealthMonitor, LastError,
+    ListenerStatus, MAX_ERROR_BYTES, Mode, NOTIFY_CHANNEL, Role, ShutdownHandle, SinkHealth,
 };
 pub use error::{Error, Result};
 pub use event::{Envelope, Event, Metadata, NewEvent};
 pub use publisher::{DEFAULT_MAX_PAYLOAD_BYTES, Publisher};
+/// For the command line (`--print-config`); not part of the API.
+#[doc(hidden)]
 pub use redact::{redact_database_url, redact_password};
 pub use retry::{AfterLastStep, DEFAULT_RETRY_CAP, DEFAULT_RETRY_JITTER, DEFAULT_RETRY_STEPS, RetryPolicy};
 pub use store::{OutboxStatus, PendingRetry, RetryLadder, STATUS_MAX_TYPES, STATUS_NEXT_RETRIES, TypeBacklog, status};

@@ -83,7 +83,7 @@ pub async fn migrated_database(admin: &Client, admin_cfg: &Config, name: &str) -
     admin.batch_execute(&format!("CREATE DATABASE {name}")).await?;
     let mut cfg = admin_cfg.clone();
     cfg.dbname(name);
-    pg_outbox::migrate::apply(&pg_outbox::ConnectOptions::from(cfg.clone())).await?;
+    pg_outbox::migrate::apply(&crate::options::options_of(&cfg)).await?;
     Ok(cfg)
 }
 

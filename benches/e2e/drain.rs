@@ -173,7 +173,7 @@ async fn drain_here(cfg: &Config, job: &Job) -> BenchResult<DrainOutcome> {
         }
         Drainer::Consumer(batch) => {
             let probe = connect(cfg).await?;
-            let mut stream = Consumer::builder(cfg.clone()).batch_size(batch).start().await?;
+            let mut stream = Consumer::builder(crate::options::options_of(cfg)).batch_size(batch).start().await?;
             loop {
                 let next = tokio::time::timeout_at(deadline.into(), stream.next()).await;
                 match next {

@@ -157,7 +157,7 @@ impl Receiver {
                 Ok(Receiver::Floor { _client: client, task })
             }
             Subject::Stream => {
-                let mut stream = pg_outbox::Consumer::builder(cfg.clone()).start().await?;
+                let mut stream = pg_outbox::Consumer::builder(crate::options::options_of(cfg)).start().await?;
                 let handle = stream.shutdown_handle();
                 let task = tokio::spawn(async move {
                     while let Some(d) = stream.next().await {

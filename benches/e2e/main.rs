@@ -52,6 +52,8 @@ mod drain;
 mod heads;
 mod keepup;
 mod latency;
+#[path = "../../tests/kit/options.rs"]
+mod options;
 #[path = "../../tests/kit/process.rs"]
 mod process;
 mod producers;

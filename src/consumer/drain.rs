@@ -40,6 +40,7 @@ use tokio_util::sync::CancellationToken;
 use super::completer::{Completer, FlushDone};
 use super::delivery::Settlement;
 use super::fetcher::Fetcher;
+use super::health;
 use super::maintenance::Maintenance;
 use super::ownership::Ownership;
 use super::retry_timer::RetryTimer;
@@ -89,7 +90,17 @@ pub(crate) async fn run(
     io: Io,
     shared: Arc<Shared>,
     token: CancellationToken,
+    health: Arc<health::State>,
 ) {
+    /// Marks the loop ended however it ends (a panic included).
+    struct Ended(Arc<health::State>);
+    impl Drop for Ended {
+        fn drop(&mut self) {
+            self.0.ended();
+        }
+    }
+    let _ended = Ended(health.clone());
+    health.turned();
     let (done_tx, done_rx) = mpsc::unbounded_channel();
     let engine = Engine {
         sessions: Sessions::new(first, cfg.reconnect_max_delay),
@@ -102,6 +113,7 @@ pub(crate) async fn run(
         cfg,
         token,
         stop_deadline: None,
+        health,
     };
     engine.run(io, done_rx).await
 }
@@ -118,6 +130,8 @@ struct Engine {
     policy: WakePolicy,
     retry: RetryTimer,
     maintenance: Maintenance,
+    /// Where each turn, the sessions' state, the role and errors are told.
+    health: Arc<health::State>,
 }
 
 impl Engine {
@@ -133,6 +147,7 @@ impl Engine {
         let far = Instant::now() + Duration::from_secs(86_400 * 365);
         let until = |t: Option<Instant>| t.unwrap_or(far);
         while !self.stop_reached() {
+            self.health.turned();
             if self.sessions.is_open() && self.completer.batch_ready() {
                 self.start_write();
             }
@@ -182,6 +197,7 @@ impl Engine {
     fn stop_reached(&mut self) -> bool {
         if self.token.is_cancelled() && self.stop_deadline.is_none() {
             self.stop_deadline = Some(Instant::now() + self.cfg.shutdown_grace);
+            self.health.stopping();
             self.policy.stop();
             tracing::debug!(outstanding = self.fetcher.outstanding(), "drain loop stopping");
         }
@@ -320,6 +336,7 @@ impl Engine {
             Ok(false) => {}
             Err(e) => self.db_error(e),
         }
+        self.health.role(self.ownership.role());
     }
 
     async fn maintain(&mut self) {
@@ -392,6 +409,8 @@ impl Engine {
         match self.sessions.open(&self.cfg, member_key, stop).await {
             Ok(()) => {
                 self.ownership.session_opened();
+                self.health.connected(true);
+                self.health.role(self.ownership.role());
                 self.policy.session_opened();
                 if self.completer.pending() > 0 {
                     self.completer.flush_now();
@@ -409,13 +428,16 @@ impl Engine {
         metrics::counter!(m::DATABASE_ERRORS).increment(1);
         let delay = self.sessions.next_delay();
         tracing::warn!(retry_in = ?delay, "{which} connection closed; reconnecting");
+        self.health.error(format!("{which} connection closed"));
         self.lost_connection(delay);
     }
 
     fn connection_failed(&mut self, e: &Error) {
         metrics::counter!(m::DATABASE_ERRORS).increment(1);
         let delay = self.sessions.next_delay();
-        tracing::warn!(error = %crate::error::report(e), retry_in = ?delay, "drain connection failed; retrying");
+        let error = crate::error::report(e);
+        tracing::warn!(error = %error, retry_in = ?delay, "drain connection failed; retrying");
+        self.health.error(error);
         self.lost_connection(delay);
     }
 
@@ -428,6 +450,8 @@ impl Engine {
         self.policy.session_lost();
         self.retry.session_lost();
         self.ownership.session_lost();
+        self.health.connected(false);
+        self.health.role(self.ownership.role());
     }
 
     /// A statement failed: reconnect with backoff (a statement the timeout
@@ -444,14 +468,21 @@ impl Engine {
                 metrics::counter!(m::DATABASE_ERRORS).increment(1);
                 let delay = self.sessions.next_delay();
                 statement::record_timeout(kind, self.cfg.statement_timeout, &e, Some(delay));
+                self.health.error(format!(
+                    "statement timeout: the server cancelled a statement ({}) after {:?}",
+                    kind.describe(),
+                    self.cfg.statement_timeout
+                ));
                 return self.lost_connection(delay);
             }
             Failure::Db(e) => e,
         };
         metrics::counter!(m::DATABASE_ERRORS).increment(1);
         let delay = self.sessions.next_delay();
-        tracing::warn!(error = %crate::error::report(&e), during = kind.describe(), retry_in = ?delay,
+        let error = crate::error::report(&e);
+        tracing::warn!(error = %error, during = kind.describe(), retry_in = ?delay,
             "database error in the drain loop; reconnecting");
+        self.health.error(format!("{}: {error}", kind.describe()));
         self.lost_connection(delay);
     }
 

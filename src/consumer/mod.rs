@@ -4,6 +4,7 @@ mod completer;
 mod delivery;
 mod drain;
 mod fetcher;
+mod health;
 mod holdback;
 mod maintenance;
 mod notifier;
@@ -28,6 +29,7 @@ use tokio_util::sync::{CancellationToken, WaitForCancellationFutureOwned};
 use uuid::Uuid;
 
 pub use delivery::Delivery;
+pub use health::{HEALTH_ERROR_BYTES, Health, HealthMonitor, LastError, Role, SinkHealth};
 
 use crate::connect;
 use crate::error::{Error, Result};
@@ -376,7 +378,15 @@ impl ConsumerBuilder {
         let (settle_tx, settle_rx) = mpsc::unbounded_channel();
         let shared = Arc::new(Shared { holdback: holdback::HoldBack::default(), settle_tx });
         let io = drain::Io { tx, settle_rx, wake, reconnect_wake };
-        let drain = tokio::spawn(drain::run(cfg.clone(), (work, work_link), io, shared.clone(), token.clone()));
+        let health = HealthMonitor::new(Arc::new(health::State::new(&cfg)), status_rx.clone());
+        let drain = tokio::spawn(drain::run(
+            cfg.clone(),
+            (work, work_link),
+            io,
+            shared.clone(),
+            token.clone(),
+            health.state().clone(),
+        ));
         Ok(EventStream {
             rx,
             shared,
@@ -384,6 +394,7 @@ impl ConsumerBuilder {
             cancelled: Box::pin(token.clone().cancelled_owned()),
             tasks: Some((drain, notifier)),
             status: status_rx,
+            health,
             grace: cfg.shutdown_grace,
             done: false,
         })
@@ -490,6 +501,7 @@ pub struct EventStream {
     token: CancellationToken,
     tasks: Option<Tasks>,
     status: watch::Receiver<ListenerStatus>,
+    health: HealthMonitor,
     cancelled: Pin<Box<WaitForCancellationFutureOwned>>,
     grace: Duration,
     done: bool,
@@ -515,6 +527,33 @@ impl EventStream {
     /// Watch the LISTEN connection's state.
     pub fn listener_status(&self) -> watch::Receiver<ListenerStatus> {
         self.status.clone()
+    }
+
+    /// A handle that reads this consumer's [`Health`]: whether its drain
+    /// loop still turns, whether its database sessions are open, its
+    /// [`Role`], the LISTEN connection's state, the last database error,
+    /// and (under `relay::run`) the sink's side. Cheap
+    /// to clone and to read; meant for liveness and readiness probes (the
+    /// relay's `/livez` and `/readyz` are built on it).
+    ///
+    /// # Example
+    /// ```no_run
+    /// # async fn run(pg: pg_outbox::ConnectOptions) -> Result<(), pg_outbox::Error> {
+    /// let events = pg_outbox::Consumer::builder(pg).start().await?;
+    /// let health = events.health();
+    /// tokio::spawn(async move {
+    ///     loop {
+    ///         let h = health.get();
+    ///         if !h.live {
+    ///             eprintln!("drain loop stalled for {:?}", h.since_last_turn);
+    ///         }
+    ///         tokio::time::sleep(std::time::Duration::from_secs(10)).await;
+    ///     }
+    /// });
+    /// # Ok(()) }
+    /// ```
+    pub fn health(&self) -> HealthMonitor {
+        self.health.clone()
     }
 
     /// Stop (if not stopped yet), release buffered deliveries, wait until

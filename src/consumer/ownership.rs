@@ -83,6 +83,19 @@ impl Ownership {
         }
     }
 
+    /// What this consumer does now, for [`super::health`].
+    pub(super) fn role(&self) -> super::health::Role {
+        use super::health::Role;
+        match self {
+            Ownership::Single { leader: true, .. } => Role::Leader,
+            Ownership::Single { .. } => Role::Standby,
+            Ownership::Partitioned(p) => {
+                Role::Partitioned { held: p.owned.iter().map(|k| k.unsigned_abs()).collect(), partitions: p.partitions }
+            }
+            Ownership::Competing { .. } => Role::Competing,
+        }
+    }
+
     /// Partitioned mode: fetched rows carry their partition.
     pub(super) fn is_partitioned(&self) -> bool {
         matches!(self, Ownership::Partitioned(_))

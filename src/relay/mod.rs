@@ -33,8 +33,12 @@ use serde::Serialize;
 
 #[cfg(feature = "amqp")]
 pub use amqp::{AMQP_APP_ID, AmqpSink};
+/// For the command line (`--print-config`); not part of the API.
 #[cfg(feature = "kafka")]
-pub use kafka::{DEFAULT_KAFKA_PORT, KafkaSink, parse_kafka_url};
+#[doc(hidden)]
+pub use kafka::parse_kafka_url;
+#[cfg(feature = "kafka")]
+pub use kafka::{DEFAULT_KAFKA_PORT, KafkaSink};
 pub use message::{DEFAULT_CLOUDEVENTS_SOURCE, Format, Message, Template, header};
 #[cfg(feature = "nats")]
 pub use nats::NatsSink;
@@ -44,10 +48,16 @@ pub use stdout::StdoutSink;
 #[cfg(feature = "webhook")]
 pub use webhook::{DEFAULT_WEBHOOK_TIMEOUT, WebhookSecret, WebhookSink};
 
+pub use crate::redact::Secret;
+/// For the command line (`--print-config`); not part of the API.
+#[doc(hidden)]
+pub use crate::redact::is_secret_property;
+/// For the command line (`--print-config`); not part of the API.
+#[doc(hidden)]
 pub use crate::redact::redact_sink;
 #[cfg(feature = "webhook")]
+#[doc(hidden)]
 pub use crate::redact::redact_url;
-pub use crate::redact::{Secret, is_secret_property};
 
 use crate::error::{BoxError, Result};
 use crate::event::Event;
@@ -478,6 +488,10 @@ pub struct FatalSinkError(pub String);
 /// Deliver every event of `stream` to `sink` until `shutdown` resolves or
 /// the stream ends, then finish the stream (final acknowledgements).
 ///
+/// The stream's [`EventStream::health`] then reports the sink's side too
+/// ([`crate::Health::sink`]): the delivery in progress, failures since the
+/// last success, the last error.
+///
 /// On shutdown it stops fetching; the delivery in progress gets up to the
 /// consumer's shutdown grace to finish (then it is released: not published,
 /// delivered again by the next relay); buffered deliveries are released;
@@ -502,6 +516,9 @@ where
     let mut stats = RelayStats::default();
     let handle = stream.shutdown_handle();
     let grace = stream.shutdown_grace();
+    let monitor = stream.health();
+    let health = monitor.state();
+    health.sink_attached();
     tokio::pin!(shutdown);
     let mut shutdown_seen = false;
     let mut fatal: Option<FatalSinkError> = None;
@@ -517,6 +534,7 @@ where
         };
         let Some(delivery) = next else { break };
         let started = Instant::now();
+        health.delivery_started(started);
         let result = {
             let deliver = sink.deliver(delivery.event());
             tokio::pin!(deliver);
@@ -530,9 +548,11 @@ where
                 }
             }
         };
-        metrics::histogram!(m::SINK_DURATION).record(started.elapsed().as_secs_f64());
+        let ended = Instant::now();
+        metrics::histogram!(m::SINK_DURATION).record((ended - started).as_secs_f64());
         match result {
             None => {
+                health.delivery_abandoned();
                 tracing::warn!(
                     id = delivery.id,
                     "shutdown grace ran out; the event in hand is released and will be delivered again"
@@ -541,11 +561,13 @@ where
                 break;
             }
             Some(Ok(())) => {
+                health.delivery_ended(ended, Ok(()));
                 stats.delivered += 1;
                 delivery.ack();
             }
             Some(Err(e)) => match e.downcast::<FatalSinkError>() {
                 Ok(f) => {
+                    health.delivery_ended(ended, Err(f.to_string()));
                     tracing::error!(id = delivery.id, error = %f, "sink is gone; stopping (the event is released, not failed)");
                     delivery.release();
                     handle.shutdown();
@@ -555,6 +577,7 @@ where
                 Err(e) => {
                     stats.failed += 1;
                     let msg = crate::error::report(e.as_ref());
+                    health.delivery_ended(ended, Err(msg.clone()));
                     tracing::warn!(id = delivery.id, attempt = delivery.retry_count + 1, error = %msg.escape_debug(), "sink failed");
                     delivery.fail(msg);
                 }

@@ -16,6 +16,11 @@ fn public_types_are_send_and_sync() {
     assert_send_sync::<pg_outbox::ConnectOptions>();
     assert_send_sync::<pg_outbox::SslMode>();
     assert_send_sync::<pg_outbox::RootCert>();
+    assert_send_sync::<pg_outbox::HealthMonitor>();
+    assert_send_sync::<pg_outbox::Health>();
+    assert_send_sync::<pg_outbox::Role>();
+    assert_send_sync::<pg_outbox::LastError>();
+    assert_send_sync::<pg_outbox::SinkHealth>();
     assert_send_sync::<pg_outbox::relay::StdoutSink>();
     assert_send_sync::<pg_outbox::relay::WebhookSink>();
     assert_send_unpin::<pg_outbox::EventStream>();

@@ -28,7 +28,7 @@ async fn held_by(c: &Client, db: &TestDb, app: &str) -> (i64, i64) {
 fn options(db: &TestDb, app: &str) -> pg_outbox::ConnectOptions {
     let mut cfg = db.pg.clone();
     cfg.application_name(app);
-    pg_outbox::ConnectOptions::from(cfg)
+    crate::support::options_of(&cfg)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -13,7 +13,7 @@ use uuid::Uuid;
 use crate::support::{TestDb, eventually, insert_seed_events};
 
 pub(crate) async fn start(db: &TestDb, f: impl FnOnce(ConsumerBuilder) -> ConsumerBuilder) -> EventStream {
-    f(Consumer::builder(db.pg.clone())).start().await.expect("start consumer")
+    f(Consumer::builder(db.options())).start().await.expect("start consumer")
 }
 
 /// The next delivery, failing the test after `secs` (liveness bound).
@@ -696,13 +696,18 @@ async fn start_fails_clearly_on_an_unmigrated_database_and_bad_settings() {
     let db = TestDb::new("unmigrated").await;
     let c = db.client().await;
     c.batch_execute("DROP SCHEMA events CASCADE").await.expect("drop");
-    let err = Consumer::builder(db.pg.clone()).start().await.expect_err("unmigrated");
+    let err = Consumer::builder(db.options()).start().await.expect_err("unmigrated");
     assert!(matches!(err, pg_outbox::Error::NotMigrated(_)), "{err:?}");
     assert!(err.to_string().contains("pg-outbox migrate"));
-    let err = Consumer::builder(db.pg.clone()).batch_size(0).start().await.expect_err("bad batch");
+    let err = Consumer::builder(db.options()).batch_size(0).start().await.expect_err("bad batch");
     assert!(matches!(err, pg_outbox::Error::Config(_)));
     let bad = pg_outbox::ConnectOptions::parse("postgres://postgres:s3cret@127.0.0.1:1/nowhere").expect("url");
     let err = Consumer::builder(bad).start().await.expect_err("unreachable");
+    assert!(err.is_transient(), "a server that cannot be reached may come back: {err:?}");
+    let missing = db.options().with_dbname("pgo_no_such_database");
+    let gone = Consumer::builder(missing).start().await.expect_err("no such database");
+    assert_eq!(gone.code(), Some(&tokio_postgres::error::SqlState::INVALID_CATALOG_NAME), "{gone:?}");
+    assert!(!gone.is_transient(), "a database that does not exist stays missing: {gone:?}");
     let full = pg_outbox::error::report(&err);
     assert!(full.contains("127.0.0.1:1 (database nowhere, user postgres"), "names the target: {full}");
     assert!(!full.contains("s3cret"), "never shows the password: {full}");

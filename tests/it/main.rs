@@ -8,11 +8,15 @@ mod cli;
 mod config;
 mod console;
 mod consumer;
+mod container;
 mod contrib;
 mod dead_letters;
 mod faults;
+mod health;
 mod libpq;
 mod modes;
+#[path = "../kit/options.rs"]
+mod options;
 mod order;
 mod plan_states;
 mod plans;

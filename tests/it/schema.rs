@@ -82,8 +82,7 @@ async fn migrate_twice_is_a_no_op_and_seed_only_producer_works() {
     let db = TestDb::new("migrate_twice").await;
     let c = db.client().await;
     // The template was migrated already: applying again changes nothing.
-    let report =
-        pg_outbox::migrate::apply(&pg_outbox::ConnectOptions::from(db.pg.clone())).await.expect("migrate again");
+    let report = pg_outbox::migrate::apply(&db.options()).await.expect("migrate again");
     assert!(report.applied.is_empty(), "second migrate applied {:?}", report.applied);
     pg_outbox::migrate::check(&c).await.expect("check");
     // A producer that knows only the seed's four columns.

@@ -47,7 +47,7 @@ async fn count(conn: &mut PgConnection, sql: &str) -> i64 {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sqlx_committed_events_are_delivered_and_rolled_back_ones_never() {
     let db = TestDb::new("sqlx_delivery").await;
-    let mut stream = Consumer::builder(db.pg.clone())
+    let mut stream = Consumer::builder(db.options())
         .sweep_interval(Duration::from_secs(3600))
         .start()
         .await

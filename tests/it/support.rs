@@ -106,7 +106,7 @@ async fn setup() -> &'static Setup {
             let mut tcfg = admin.clone();
             tcfg.dbname(&template);
             {
-                let pg = pg_outbox::ConnectOptions::from(tcfg.clone());
+                let pg = options_of(&tcfg);
                 pg_outbox::migrate::apply(&pg).await.expect("migrate template");
             }
             // SAFETY: registering a plain extern "C" fn with atexit(3).
@@ -416,5 +416,14 @@ impl TestDb {
     /// `pg-outbox args...` on this database.
     pub fn cli<S: AsRef<str>>(&self, args: &[S]) -> Cli {
         cli(args).url(&self.url())
+    }
+}
+
+pub use crate::options::options_of;
+
+impl TestDb {
+    /// This database's connection options (see [`options_of`]).
+    pub fn options(&self) -> pg_outbox::ConnectOptions {
+        options_of(&self.pg)
     }
 }

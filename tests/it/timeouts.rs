@@ -203,7 +203,7 @@ async fn a_fetch_cut_by_the_statement_timeout_is_logged_counted_and_the_relay_de
 async fn a_consumer_whose_fetch_times_out_reconnects_and_delivers_every_event() {
     let db = TestDb::new("timeout_consumer").await;
     let c = db.client().await;
-    let mut stream = pg_outbox::Consumer::builder(db.pg.clone())
+    let mut stream = pg_outbox::Consumer::builder(db.options())
         .statement_timeout(Duration::from_millis(200))
         .sweep_interval(Duration::from_millis(100))
         .start()
@@ -253,7 +253,7 @@ async fn sigterm_cancels_the_relays_blocked_statement_at_the_server() {
 async fn shutting_the_consumer_down_cancels_its_blocked_statement() {
     let db = TestDb::new("timeout_shutdown").await;
     let c = db.client().await;
-    let stream = pg_outbox::Consumer::builder(db.pg.clone())
+    let stream = pg_outbox::Consumer::builder(db.options())
         .sweep_interval(Duration::from_millis(100))
         .start()
         .await
@@ -299,7 +299,7 @@ async fn a_statement_timeout_in_the_urls_options_wins_over_the_consumers() {
     let c = db.client().await;
     let mut pg = db.pg.clone();
     pg.options("-c statement_timeout=0");
-    let stream = pg_outbox::Consumer::builder(pg)
+    let stream = pg_outbox::Consumer::builder(crate::support::options_of(&pg))
         .statement_timeout(Duration::from_millis(200))
         .sweep_interval(Duration::from_millis(100))
         .start()
@@ -391,7 +391,7 @@ async fn migrate_runs_with_the_timeout_off_even_when_the_url_sets_one() {
 
     let mut cfg = db.pg.clone();
     cfg.options("-c statement_timeout=100ms").application_name("timeouts migrate");
-    let pg = pg_outbox::ConnectOptions::from(cfg);
+    let pg = crate::support::options_of(&cfg);
     let apply = tokio::spawn(async move { pg_outbox::migrate::apply(&pg).await });
     eventually(30, "the index build waiting for the open snapshot", || async {
         waiting_on_lock(&c, &db, "timeouts migrate").await > 0

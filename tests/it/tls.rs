@@ -305,6 +305,12 @@ async fn no_public_path_weakens_verify_full() {
         ("a server without TLS", url("localhost", plain.port(), &ca), "server does not support TLS"),
     ];
     for (what, url, reason) in cases {
+        // A refused certificate is not worth retrying; a server without TLS
+        // is a setting to fix too, but looks like any closed connection.
+        if reason != "server does not support TLS" {
+            let err = pg_outbox::ConnectOptions::parse(&url).expect("url").connect().await.expect_err("refused");
+            assert!(!err.is_transient(), "{what}: a refused certificate is not transient: {err:?}");
+        }
         for (path, result) in every_public_path(&url).await {
             let e = result.expect_err(&format!("{path} must refuse {what}"));
             if path == "tokio_postgres_config() + NoTls" {

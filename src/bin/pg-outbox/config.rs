@@ -69,16 +69,32 @@ fn command() -> Command {
     } else {
         cmd
     };
-    cmd.mut_subcommand("relay", |relay| {
+    let with_env = |arg: Arg| match arg.get_long().map(env_name) {
+        Some(name) => arg.env(name).hide_env_values(true),
+        None => arg,
+    };
+    let cmd = cmd.mut_subcommand("relay", |relay| {
         relay.mut_args(|arg| {
             let id = arg.get_id().as_str();
             if NOT_SETTINGS.contains(&id) || arg.get_env().is_some() {
                 return arg;
             }
-            match arg.get_long().map(env_name) {
-                Some(name) => arg.env(name).hide_env_values(true),
-                None => arg,
+            with_env(arg)
+        })
+    });
+    // `replay` shares the relay's sink settings (`--sink`, credentials,
+    // TLS files, ...), and reads them from the same variables; its own
+    // flags (`--batch-size` is a page there) read none.
+    let sink_ids: Vec<String> = <crate::sink_args::SinkArgs as clap::Args>::augment_args(Command::new("sink"))
+        .get_arguments()
+        .map(|a| a.get_id().to_string())
+        .collect();
+    cmd.mut_subcommand("replay", |replay| {
+        replay.mut_args(|arg| {
+            if !sink_ids.iter().any(|id| id == arg.get_id().as_str()) || arg.get_env().is_some() {
+                return arg;
             }
+            with_env(arg)
         })
     })
 }
@@ -349,6 +365,24 @@ pub(crate) fn redact(id: &str, value: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn replay_reads_the_sink_settings_from_the_relays_variables_and_nothing_else() {
+        let cmd = command();
+        let env_of = |sub: &str, id: &str| {
+            cmd.get_subcommands()
+                .find(|s| s.get_name() == sub)
+                .and_then(|s| s.get_arguments().find(|a| a.get_id() == id))
+                .and_then(|a| a.get_env().map(|e| e.to_string_lossy().into_owned()))
+        };
+        for id in ["sink", "sink_password", "sink_user", "sink_tls_ca_file"] {
+            let want = Some(env_name(&id.replace('_', "-")));
+            assert_eq!(env_of("relay", id), want, "relay --{id}");
+            assert_eq!(env_of("replay", id), want, "replay --{id}");
+        }
+        assert_eq!(env_of("relay", "batch_size").as_deref(), Some("OUTBOX_BATCH_SIZE"));
+        assert_eq!(env_of("replay", "batch_size"), None, "a replay page is not the relay's batch");
+    }
 
     #[test]
     fn settings_are_masked() {

@@ -147,7 +147,7 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 type Committed = HashMap<i64, Instant>;
 
 async fn run_on(url: &str, args: &DemoArgs) -> Result<(), Error> {
-    let metrics = crate::install_metrics(None)?;
+    let metrics = crate::install_metrics()?;
     let admin = crate::connect(url).await?;
     let (subs, start_id) = prepare(url, &admin, args).await?;
     let seen = Arc::new(Mutex::new(Seen::default()));

@@ -16,6 +16,7 @@ mod console;
 mod dead_letters;
 mod demo;
 mod error;
+mod health;
 mod logging;
 mod replay;
 mod sink_args;
@@ -31,15 +32,15 @@ mod temp_server;
 struct Cli {
     /// PostgreSQL URL, e.g. postgres://user@localhost:5432/app (libpq
     /// key=value strings work too). Falls back to OUTBOX_DATABASE_URL when
-    /// DATABASE_URL is unset; with neither, connects as psql does (see
-    /// pg-outbox --help).
-    #[arg(long, env = "DATABASE_URL", global = true, hide_env_values = true)]
+    /// DATABASE_URL is unset; with neither, connects as psql does (the PG*
+    /// variables, then the local socket; the notes of `pg-outbox --help`).
+    #[arg(long, env = "DATABASE_URL", global = true, hide_env_values = true, display_order = 900)]
     database_url: Option<String>,
 
     /// Log lines on stderr: `text` (human-readable) or `json` (one object
     /// per line with timestamp, level, message, target and the event's
     /// fields, e.g. id).
-    #[arg(long, env = "PG_OUTBOX_LOG_FORMAT", global = true, hide_env_values = true, value_enum, default_value_t = logging::LogFormat::Text)]
+    #[arg(long, env = "PG_OUTBOX_LOG_FORMAT", global = true, hide_env_values = true, value_enum, default_value_t = logging::LogFormat::Text, display_order = 901)]
     log_format: logging::LogFormat,
 
     #[command(subcommand)]
@@ -105,11 +106,17 @@ struct RelayArgs {
     print_config: bool,
     #[command(flatten)]
     sink: sink_args::SinkArgs,
-    /// Serve Prometheus metrics at http://HOST:PORT/metrics. A bare PORT
-    /// binds 127.0.0.1 (this machine only); give a host to listen elsewhere
-    /// (e.g. 0.0.0.0:9464).
+    /// Serve Prometheus metrics at http://HOST:PORT/metrics, and the health
+    /// probes /livez and /readyz beside them. A bare PORT binds 127.0.0.1
+    /// (this machine only); give a host to listen elsewhere (e.g.
+    /// 0.0.0.0:9464).
     #[arg(long, value_name = "[HOST:]PORT", value_parser = parse_metrics_addr)]
     metrics_addr: Option<SocketAddr>,
+    /// Serve the health probes /livez and /readyz (JSON; 200 or 503) on this
+    /// address too, e.g. for a probe port apart from metrics. A bare PORT
+    /// binds 127.0.0.1.
+    #[arg(long, value_name = "[HOST:]PORT", value_parser = parse_metrics_addr)]
+    health_addr: Option<SocketAddr>,
     /// Rows fetched per query (at least 1).
     #[arg(long, default_value_t = pg_outbox::DEFAULT_BATCH_SIZE,
           value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
@@ -324,10 +331,9 @@ async fn shutdown_signal() {
     }
 }
 
-/// Install the Prometheus recorder; serve it on `addr` when given.
-pub(crate) fn install_metrics(
-    addr: Option<SocketAddr>,
-) -> Result<metrics_exporter_prometheus::PrometheusHandle, Error> {
+/// Install the Prometheus recorder (served by [`health::serve`]) and keep
+/// its histograms trimmed.
+pub(crate) fn install_metrics() -> Result<metrics_exporter_prometheus::PrometheusHandle, Error> {
     use metrics_exporter_prometheus::{Matcher, PrometheusBuilder};
     let buckets =
         [0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0, 3600.0];
@@ -335,23 +341,16 @@ pub(crate) fn install_metrics(
         .set_buckets_for_metric(Matcher::Full(pg_outbox::metrics::DELIVERY_LAG.into()), &buckets)
         .and_then(|b| b.set_buckets_for_metric(Matcher::Full(pg_outbox::metrics::SINK_DURATION.into()), &buckets))
         .map_err(|e| Error::Config(format!("metrics: {e}")))?;
-    let handle = match addr {
-        Some(addr) => {
-            let (recorder, exporter) = builder
-                .with_http_listener(addr)
-                .build()
-                .map_err(|e| Error::Config(format!("cannot serve metrics on {addr}: {e}")))?;
-            let handle = recorder.handle();
-            metrics::set_global_recorder(recorder).map_err(|e| Error::Config(format!("metrics: {e}")))?;
-            tokio::spawn(async move {
-                if let Err(e) = exporter.await {
-                    tracing::error!(error = ?e, "metrics endpoint stopped");
-                }
-            });
-            handle
+    let handle = builder.install_recorder().map_err(|e| Error::Config(format!("metrics: {e}")))?;
+    // What the exporter's own listener would do: upkeep every 5 s.
+    let upkeep = handle.clone();
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval(Duration::from_secs(5));
+        loop {
+            tick.tick().await;
+            upkeep.run_upkeep();
         }
-        None => builder.install_recorder().map_err(|e| Error::Config(format!("metrics: {e}")))?,
-    };
+    });
     pg_outbox::metrics::describe();
     pg_outbox::metrics::record_initial_values();
     Ok(handle)
@@ -361,11 +360,17 @@ async fn relay_cmd(url: &str, args: RelayArgs) -> Result<(), Error> {
     let (sink, sink_name) = relay::open_sink(&args.sink.sink, &args.sink.options()?).await?;
     let pg = pg_outbox::ConnectOptions::parse(url)?;
     let target = pg.describe();
-    if let Some(addr) = args.metrics_addr {
-        // Bind check first, so a taken port is a clear error, not a log line.
-        std::net::TcpListener::bind(addr).map_err(|e| Error::Config(format!("cannot serve metrics on {addr}: {e}")))?;
+    let metrics_listener = args.metrics_addr.map(|a| health::bind(a, "metrics")).transpose()?;
+    let health_addr = args.health_addr.filter(|a| Some(*a) != args.metrics_addr);
+    let health_listener = health_addr.map(|a| health::bind(a, "health probes")).transpose()?;
+    let metrics = install_metrics()?;
+    let probes = health::Probes::new(sink_name.clone(), args.sink.sink_timeout);
+    if let Some(l) = metrics_listener {
+        health::serve(l, probes.clone(), Some(metrics))?;
     }
-    install_metrics(args.metrics_addr)?;
+    if let Some(l) = health_listener {
+        health::serve(l, probes.clone(), None)?;
+    }
     let mut builder = Consumer::builder(pg)
         .batch_size(args.batch_size)
         .sweep_interval(args.sweep_interval)
@@ -382,6 +387,10 @@ async fn relay_cmd(url: &str, args: RelayArgs) -> Result<(), Error> {
         builder = builder.retry_policy(policy);
     }
     let stream = builder.start().await?;
+    probes.started(stream.health());
+    if let Some(a) = args.health_addr {
+        tracing::info!(livez = %format!("http://{a}/livez"), readyz = %format!("http://{a}/readyz"), "health probes");
+    }
     match args.metrics_addr {
         Some(a) => {
             tracing::info!(database = %target, sink = %sink_name, metrics = %format!("http://{a}/metrics"), "relay started; listening on channel {}", pg_outbox::NOTIFY_CHANNEL)
@@ -650,6 +659,7 @@ fn main() -> ExitCode {
     };
     let url = database_url(&cli.database_url);
     let no_url = url.is_empty() && !matches!(cli.command, Command::Demo(_));
+    let target_url = url.clone();
     let result = rt.block_on(async move {
         match cli.command {
             Command::Demo(args) => demo::run(args).await,
@@ -668,7 +678,15 @@ fn main() -> ExitCode {
         Ok(()) => ExitCode::SUCCESS,
         Err(Error::Interrupted) => ExitCode::from(replay::INTERRUPTED_EXIT),
         Err(e) => {
-            logging::error(log_format, &pg_outbox::error::report(&e));
+            let mut message = pg_outbox::error::report(&e);
+            // Name the database that lacks the schema: with libpq's
+            // defaults it may not be the one the user had in mind.
+            if let Error::Outbox(pg_outbox::Error::NotMigrated(_)) = &e
+                && let Ok(target) = pg_outbox::ConnectOptions::parse(&target_url)
+            {
+                message.push_str(&format!(" against {}", target.describe()));
+            }
+            logging::error(log_format, &message);
             if no_url
                 && matches!(
                     e,

@@ -318,6 +318,20 @@ impl TempServer {
         self.pg_ctl_start()
     }
 
+    /// Start the server again after [`TempServer::stop`], on the same
+    /// port and data directory. Idempotent.
+    ///
+    /// # Errors
+    /// [`Error::TempServer`] if `pg_ctl` fails.
+    pub fn start_again(&mut self) -> Result<()> {
+        if self.running {
+            return Ok(());
+        }
+        self.pg_ctl_start()?;
+        self.running = true;
+        Ok(())
+    }
+
     /// Stop the server now (`pg_ctl stop -m immediate`). Idempotent; also
     /// done on drop.
     ///
@@ -339,7 +353,14 @@ impl TempServer {
 impl Drop for TempServer {
     fn drop(&mut self) {
         if let Err(e) = self.stop() {
-            eprintln!("pg-outbox: could not stop the throwaway PostgreSQL server: {}", pg_outbox::error::report(&e));
+            // Not eprintln!: a closed stderr must not turn this into a panic
+            // while unwinding (an abort that would leave the server running).
+            use std::io::Write;
+            let _ = writeln!(
+                std::io::stderr(),
+                "pg-outbox: could not stop the throwaway PostgreSQL server: {}",
+                pg_outbox::error::report(&e)
+            );
         }
     }
 }
