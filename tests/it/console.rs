@@ -62,7 +62,7 @@ impl Console {
 }
 
 /// Headless Chromium under chromedriver, in a fresh profile; both end
-/// when this is dropped.
+/// when this is dropped (the whole process group is killed).
 struct Chromium {
     browser: Option<Browser>,
     _driver: Child,
@@ -78,7 +78,10 @@ impl Chromium {
                 panic!("chromedriver is missing: install Debian's chromium and chromium-driver (apt-get install chromium chromium-driver)")
             });
         let port = free_port();
+        // Its own process group, which the browser it starts joins: dropping
+        // this ends both, even when a test panics before `close`.
         let driver = Command::new(driver_bin)
+            .process_group(0)
             .arg(format!("--port={port}"))
             .stdin(Stdio::null())
             .stdout(Stdio::null())
@@ -151,6 +154,17 @@ impl Chromium {
     async fn close(mut self) {
         if let Some(b) = self.browser.take() {
             let _ = b.close().await;
+        }
+    }
+}
+
+impl Drop for Chromium {
+    fn drop(&mut self) {
+        if let Some(pid) = self._driver.id().and_then(|p| i32::try_from(p).ok()) {
+            // SAFETY: signals the process group this struct started.
+            unsafe {
+                libc::kill(-pid, libc::SIGKILL);
+            }
         }
     }
 }
