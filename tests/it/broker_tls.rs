@@ -8,6 +8,7 @@
 //! password, an untrusted certificate and a wrong host name each stop the
 //! relay at start with a non-zero exit and an error naming the broker and
 //! the reason, and nothing is marked published; no secret is printed.
+//! RabbitMQ and Kafka are reached through stunnel, which does their TLS.
 
 use std::path::PathBuf;
 use std::time::Duration;
@@ -279,6 +280,104 @@ async fn nats_tls_token() {
     brokers::wait_published(&c, sent.len() as i64).await;
     relay.stop().await;
     assert_eq!(nats_message_count(&pki, port, tok(), "TOK").await, sent.len() as u64);
+}
+
+/// A NATS JWT (v2): `base64url(header).base64url(claims).base64url(sig)`,
+/// the claims `jti`, `iat`, `iss` (the signer's public key), `sub`, `name`
+/// and `nats` (`type`, `version` 2 and the rest of `nats`), signed with
+/// the issuer's ed25519 NKey.
+fn nats_jwt(issuer: &nkeys::KeyPair, subject: &str, name: &str, mut nats: serde_json::Value) -> String {
+    use base64::Engine;
+    let b64 = |bytes: &[u8]| base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(bytes);
+    nats["version"] = serde_json::json!(2);
+    let claims = serde_json::json!({
+        "jti": uuid::Uuid::new_v4().simple().to_string().to_uppercase(),
+        "iat": chrono::Utc::now().timestamp(),
+        "iss": issuer.public_key(),
+        "sub": subject,
+        "name": name,
+        "nats": nats,
+    });
+    let header = b64(br#"{"typ":"JWT","alg":"ed25519-nkey"}"#);
+    let signed = format!("{header}.{}", b64(claims.to_string().as_bytes()));
+    let sig = issuer.sign(signed.as_bytes()).expect("sign the JWT");
+    format!("{signed}.{}", b64(&sig))
+}
+
+/// The server settings of operator (JWT) mode, with an account that may
+/// use JetStream and a system account, both preloaded; and the `.creds`
+/// text of a user of that account, as `nsc` writes it.
+fn nats_operator_mode() -> (String, String) {
+    let operator = nkeys::KeyPair::new_operator();
+    let (account, system, user) =
+        (nkeys::KeyPair::new_account(), nkeys::KeyPair::new_account(), nkeys::KeyPair::new_user());
+    let unlimited = serde_json::json!({
+        "subs": -1, "data": -1, "payload": -1, "imports": -1, "exports": -1, "wildcards": true,
+        "conn": -1, "leaf": -1, "mem_storage": -1, "disk_storage": -1, "streams": -1, "consumer": -1,
+    });
+    let op_jwt = nats_jwt(&operator, &operator.public_key(), "test-operator", serde_json::json!({"type": "operator"}));
+    let acct_jwt =
+        nats_jwt(&operator, &account.public_key(), "APP", serde_json::json!({"type": "account", "limits": unlimited}));
+    let sys_jwt = nats_jwt(
+        &operator,
+        &system.public_key(),
+        "SYS",
+        serde_json::json!({"type": "account", "limits": {"subs": -1, "data": -1, "payload": -1, "conn": -1}}),
+    );
+    let user_jwt = nats_jwt(
+        &account,
+        &user.public_key(),
+        "relay",
+        serde_json::json!({"type": "user", "pub": {}, "sub": {}, "subs": -1, "data": -1, "payload": -1}),
+    );
+    let conf = format!(
+        "operator: \"{op_jwt}\"\nsystem_account: {}\nresolver: MEMORY\nresolver_preload: {{\n  {}: \"{acct_jwt}\"\n  {}: \"{sys_jwt}\"\n}}",
+        system.public_key(),
+        account.public_key(),
+        system.public_key(),
+    );
+    let seed = user.seed().expect("the user's seed");
+    let creds = format!(
+        "-----BEGIN NATS USER JWT-----\n{user_jwt}\n------END NATS USER JWT------\n\n\
+         ************************* IMPORTANT *************************\n\
+         NKEY Seed printed below can be used to sign and prove identity.\n\
+         NKEYs are sensitive and should be treated as secrets.\n\n\
+         -----BEGIN USER NKEY SEED-----\n{seed}\n------END USER NKEY SEED------\n\n\
+         *************************************************************\n"
+    );
+    (conf, creds)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nats_tls_creds_file() {
+    let pki = Pki::new();
+    let (auth, creds) = nats_operator_mode();
+    let Some(server) = nats_server(&pki, &auth).await else { return };
+    let port = server.port;
+    let user = || async_nats::ConnectOptions::with_credentials(&creds).expect("the test's .creds parse");
+    nats_stream(&pki, port, user(), "CREDS").await;
+    let creds_file = pki.write("relay.creds", &creds);
+    let seed = creds.lines().find(|l| l.starts_with("SU")).expect("a seed line").to_string();
+    let (ca, cert, key) = (pki.path("ca.pem"), pki.path("client.pem"), pki.path("client.key"));
+    let url = format!("nats://localhost:{port}");
+    let args = ["--sink", url.as_str(), "--sink-tls-ca-file", &ca, "--sink-tls-client-cert", &cert];
+    let args = [&args[..], &["--sink-tls-client-key", &key, "--sink-timeout", "3s"]].concat();
+    let args = [&args[..], &["--nats-subject", "CREDS.{aggregate_type}.{event_type}"]].concat();
+
+    let db = TestDb::new("nats_tls_creds").await;
+    let c = db.client().await;
+    let sent = brokers::publish_events(&c, &brokers::three_aggregates(), 4, "creds").await;
+    // A user the operator does not know (its own account): refused.
+    let (_, stranger) = nats_operator_mode();
+    let stranger_file = pki.write("stranger.creds", &stranger);
+    expect_refused(&db, &[&args[..], &["--nats-creds", &stranger_file]].concat(), "NATS", BAD_CREDENTIALS, &[&seed])
+        .await;
+    let relay = RelayProc::start(&db, &[&args[..], &["--nats-creds", &creds_file]].concat()).await;
+    brokers::wait_published(&c, sent.len() as i64).await;
+    let log = relay.log();
+    relay.stop().await;
+    assert!(!log.contains(&seed), "the seed is not in the log:\n{log}");
+    assert_eq!(nats_message_count(&pki, port, user(), "CREDS").await, sent.len() as u64);
 }
 
 // ---------------------------------------------------------------------------
