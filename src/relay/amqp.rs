@@ -4,9 +4,10 @@ use std::time::Duration;
 
 use lapin::Confirmation;
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions, ExchangeDeclareOptions};
+use lapin::tcp::{OwnedIdentity, OwnedTLSConfig};
 use lapin::types::{AMQPValue, FieldTable, ShortString};
-use lapin::uri::AMQPUri;
-use lapin::{BasicProperties, Channel, Connection, ConnectionProperties, ExchangeKind};
+use lapin::uri::{AMQPScheme, AMQPUri};
+use lapin::{BasicProperties, Channel, Connection, ConnectionProperties, DefaultConnectionBuilder, ExchangeKind};
 
 use super::{Format, Message, Sink, SinkFuture, SinkOptions, Template};
 use crate::error::{Error, Result};
@@ -47,6 +48,9 @@ pub struct AmqpSink {
     format: Format,
     source: String,
     timeout: Duration,
+    /// The CA file's certificates and the client identity (PEM); empty
+    /// without `--sink-tls-*` files.
+    tls: OwnedTLSConfig,
     link: tokio::sync::Mutex<Option<Link>>,
 }
 
@@ -88,10 +92,31 @@ impl Link {
 /// `host:port vhost '/x'`: where the URI points, without credentials.
 fn describe(uri: &AMQPUri) -> String {
     let scheme = match uri.scheme {
-        lapin::uri::AMQPScheme::AMQP => "amqp",
-        lapin::uri::AMQPScheme::AMQPS => "amqps",
+        AMQPScheme::AMQP => "amqp",
+        AMQPScheme::AMQPS => "amqps",
     };
     format!("{scheme}://{}:{} vhost '{}'", uri.authority.host, uri.authority.port, uri.vhost)
+}
+
+/// The TLS settings of `opts` for lapin: the CA file's PEM (added to the
+/// platform's roots) and the client certificate and key (PEM; PKCS#8,
+/// PKCS#1 or SEC1 keys). Empty without TLS files.
+fn tls_config(opts: &SinkOptions) -> Result<OwnedTLSConfig> {
+    opts.check_tls_files("RabbitMQ")?;
+    let read = |p: &std::path::Path| {
+        std::fs::read(p).map_err(|e| Error::Config(format!("RabbitMQ: cannot read {}: {e}", p.display())))
+    };
+    let cert_chain = match &opts.tls_ca_file {
+        Some(path) => Some(String::from_utf8(read(path)?).map_err(|_| {
+            Error::Config(format!("RabbitMQ: TLS CA file (--sink-tls-ca-file) {} is not UTF-8 PEM", path.display()))
+        })?),
+        None => None,
+    };
+    let identity = match (&opts.tls_client_cert, &opts.tls_client_key) {
+        (Some(cert), Some(key)) => Some(OwnedIdentity::PKCS8 { pem: read(cert)?, key: read(key)? }),
+        _ => None,
+    };
+    Ok(OwnedTLSConfig { identity, cert_chain })
 }
 
 /// The error of a failed step, one line, with its source chain.
@@ -104,18 +129,24 @@ impl AmqpSink {
     /// (`amqp://USER:PASS@HOST:5672/VHOST`; RabbitMQ's URI spec: the default
     /// vhost `/` is written `%2f`, an empty path means `/`;
     /// [`SinkOptions::user`] and [`SinkOptions::password`] override the
-    /// URL's; the TLS files of [`SinkOptions`] are refused: not supported
-    /// for RabbitMQ yet), open a channel in
+    /// URL's; `amqps://` checks the broker's certificate and host name
+    /// against the platform's root certificates plus those of
+    /// [`SinkOptions::tls_ca_file`], and presents
+    /// [`SinkOptions::tls_client_cert`] and
+    /// [`SinkOptions::tls_client_key`] when given), open a channel in
     /// confirm mode and check that `opts.amqp_exchange` exists (a passive
     /// declare). Uses `opts.amqp_exchange`, `opts.amqp_routing_key`,
     /// `opts.format`, `opts.cloudevents_source` and `opts.timeout` (which
     /// also bounds the connection attempt).
     ///
     /// # Errors
-    /// [`Error::Config`] naming the broker (scheme, host, port, vhost; never
-    /// the password) when the URL does not parse, the broker cannot be
-    /// reached, refuses the login or the vhost, or the exchange does not
-    /// exist.
+    /// [`Error::Config`] when the URL does not parse, TLS settings come
+    /// with `amqp://`, a TLS file cannot be read or holds no PEM, or the
+    /// exchange does not exist; [`Error::SinkUnavailable`] when the broker
+    /// cannot be reached, fails the TLS handshake (the reason in words: an
+    /// untrusted CA, a wrong host name, a refused or missing client
+    /// certificate) or refuses the login or the vhost. Both name the
+    /// broker (scheme, host, port, vhost; never the password).
     ///
     /// # Cancel safety
     /// Cancel safe: dropping the future drops the connection being opened.
@@ -125,13 +156,13 @@ impl AmqpSink {
             let e = e.replace(url, "…");
             Error::Config(format!("invalid RabbitMQ URL ({e}); write amqp://USER:PASS@HOST:PORT/VHOST"))
         })?;
-        if opts.tls_wanted() {
-            return Err(Error::Config(
-                "RabbitMQ: --sink-tls and the --sink-tls-* files are not supported for amqp(s):// yet; \
-                 amqps:// checks the broker against the platform's root certificates"
-                    .into(),
-            ));
+        if opts.tls_wanted() && uri.scheme != AMQPScheme::AMQPS {
+            return Err(Error::Config(format!(
+                "RabbitMQ at {}: TLS settings need an amqps:// URL (amqp:// is plain TCP)",
+                describe(&uri)
+            )));
         }
+        let tls = tls_config(opts)?;
         if let Some(user) = &opts.user {
             uri.authority.userinfo.username = user.clone();
         }
@@ -153,6 +184,7 @@ impl AmqpSink {
             format: opts.format,
             source: opts.cloudevents_source.clone(),
             timeout: opts.timeout,
+            tls,
             link: tokio::sync::Mutex::new(None),
         };
         let link = tokio::time::timeout(sink.timeout, sink.open())
@@ -205,9 +237,18 @@ impl AmqpSink {
     /// Open a connection and a channel with publisher confirms on.
     async fn open(&self) -> Result<Link, String> {
         let props = ConnectionProperties::default().with_connection_name("pg-outbox relay".into());
-        let conn = Connection::connect_uri(self.uri.clone(), props)
-            .await
-            .map_err(|e| format!("cannot connect to RabbitMQ at {}: {}", self.shown, report(&e)))?;
+        let connected = match DefaultConnectionBuilder::new() {
+            Ok(builder) => {
+                builder
+                    .with_uri(self.uri.clone())
+                    .with_properties(props)
+                    .with_tls_config(self.tls.clone())
+                    .connect()
+                    .await
+            }
+            Err(e) => Err(e),
+        };
+        let conn = connected.map_err(|e| format!("cannot connect to RabbitMQ at {}: {}", self.shown, report(&e)))?;
         let channel = match conn.create_channel().await {
             Ok(c) => c,
             Err(e) => {

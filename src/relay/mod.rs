@@ -155,7 +155,8 @@ pub struct SinkOptions {
     pub tls: bool,
     /// PEM file of the CA certificate(s) that sign the broker's
     /// certificate; `None` (the default) trusts the platform's root
-    /// certificates.
+    /// certificates. RabbitMQ adds the file's certificates to the
+    /// platform's roots.
     pub tls_ca_file: Option<PathBuf>,
     /// PEM file of the client certificate (chain) to present for mutual TLS
     /// (with [`tls_client_key`](Self::tls_client_key)); default none.

@@ -8,6 +8,7 @@
 //! password, an untrusted certificate and a wrong host name each stop the
 //! relay at start with a non-zero exit and an error naming the broker and
 //! the reason, and nothing is marked published; no secret is printed.
+//! RabbitMQ and Kafka are reached through stunnel, which does their TLS.
 
 use std::path::PathBuf;
 use std::time::Duration;
@@ -281,6 +282,104 @@ async fn nats_tls_token() {
     assert_eq!(nats_message_count(&pki, port, tok(), "TOK").await, sent.len() as u64);
 }
 
+/// A NATS JWT (v2): `base64url(header).base64url(claims).base64url(sig)`,
+/// the claims `jti`, `iat`, `iss` (the signer's public key), `sub`, `name`
+/// and `nats` (`type`, `version` 2 and the rest of `nats`), signed with
+/// the issuer's ed25519 NKey.
+fn nats_jwt(issuer: &nkeys::KeyPair, subject: &str, name: &str, mut nats: serde_json::Value) -> String {
+    use base64::Engine;
+    let b64 = |bytes: &[u8]| base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(bytes);
+    nats["version"] = serde_json::json!(2);
+    let claims = serde_json::json!({
+        "jti": uuid::Uuid::new_v4().simple().to_string().to_uppercase(),
+        "iat": chrono::Utc::now().timestamp(),
+        "iss": issuer.public_key(),
+        "sub": subject,
+        "name": name,
+        "nats": nats,
+    });
+    let header = b64(br#"{"typ":"JWT","alg":"ed25519-nkey"}"#);
+    let signed = format!("{header}.{}", b64(claims.to_string().as_bytes()));
+    let sig = issuer.sign(signed.as_bytes()).expect("sign the JWT");
+    format!("{signed}.{}", b64(&sig))
+}
+
+/// The server settings of operator (JWT) mode, with an account that may
+/// use JetStream and a system account, both preloaded; and the `.creds`
+/// text of a user of that account, as `nsc` writes it.
+fn nats_operator_mode() -> (String, String) {
+    let operator = nkeys::KeyPair::new_operator();
+    let (account, system, user) =
+        (nkeys::KeyPair::new_account(), nkeys::KeyPair::new_account(), nkeys::KeyPair::new_user());
+    let unlimited = serde_json::json!({
+        "subs": -1, "data": -1, "payload": -1, "imports": -1, "exports": -1, "wildcards": true,
+        "conn": -1, "leaf": -1, "mem_storage": -1, "disk_storage": -1, "streams": -1, "consumer": -1,
+    });
+    let op_jwt = nats_jwt(&operator, &operator.public_key(), "test-operator", serde_json::json!({"type": "operator"}));
+    let acct_jwt =
+        nats_jwt(&operator, &account.public_key(), "APP", serde_json::json!({"type": "account", "limits": unlimited}));
+    let sys_jwt = nats_jwt(
+        &operator,
+        &system.public_key(),
+        "SYS",
+        serde_json::json!({"type": "account", "limits": {"subs": -1, "data": -1, "payload": -1, "conn": -1}}),
+    );
+    let user_jwt = nats_jwt(
+        &account,
+        &user.public_key(),
+        "relay",
+        serde_json::json!({"type": "user", "pub": {}, "sub": {}, "subs": -1, "data": -1, "payload": -1}),
+    );
+    let conf = format!(
+        "operator: \"{op_jwt}\"\nsystem_account: {}\nresolver: MEMORY\nresolver_preload: {{\n  {}: \"{acct_jwt}\"\n  {}: \"{sys_jwt}\"\n}}",
+        system.public_key(),
+        account.public_key(),
+        system.public_key(),
+    );
+    let seed = user.seed().expect("the user's seed");
+    let creds = format!(
+        "-----BEGIN NATS USER JWT-----\n{user_jwt}\n------END NATS USER JWT------\n\n\
+         ************************* IMPORTANT *************************\n\
+         NKEY Seed printed below can be used to sign and prove identity.\n\
+         NKEYs are sensitive and should be treated as secrets.\n\n\
+         -----BEGIN USER NKEY SEED-----\n{seed}\n------END USER NKEY SEED------\n\n\
+         *************************************************************\n"
+    );
+    (conf, creds)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nats_tls_creds_file() {
+    let pki = Pki::new();
+    let (auth, creds) = nats_operator_mode();
+    let Some(server) = nats_server(&pki, &auth).await else { return };
+    let port = server.port;
+    let user = || async_nats::ConnectOptions::with_credentials(&creds).expect("the test's .creds parse");
+    nats_stream(&pki, port, user(), "CREDS").await;
+    let creds_file = pki.write("relay.creds", &creds);
+    let seed = creds.lines().find(|l| l.starts_with("SU")).expect("a seed line").to_string();
+    let (ca, cert, key) = (pki.path("ca.pem"), pki.path("client.pem"), pki.path("client.key"));
+    let url = format!("nats://localhost:{port}");
+    let args = ["--sink", url.as_str(), "--sink-tls-ca-file", &ca, "--sink-tls-client-cert", &cert];
+    let args = [&args[..], &["--sink-tls-client-key", &key, "--sink-timeout", "3s"]].concat();
+    let args = [&args[..], &["--nats-subject", "CREDS.{aggregate_type}.{event_type}"]].concat();
+
+    let db = TestDb::new("nats_tls_creds").await;
+    let c = db.client().await;
+    let sent = brokers::publish_events(&c, &brokers::three_aggregates(), 4, "creds").await;
+    // A user the operator does not know (its own account): refused.
+    let (_, stranger) = nats_operator_mode();
+    let stranger_file = pki.write("stranger.creds", &stranger);
+    expect_refused(&db, &[&args[..], &["--nats-creds", &stranger_file]].concat(), "NATS", BAD_CREDENTIALS, &[&seed])
+        .await;
+    let relay = RelayProc::start(&db, &[&args[..], &["--nats-creds", &creds_file]].concat()).await;
+    brokers::wait_published(&c, sent.len() as i64).await;
+    let log = relay.log();
+    relay.stop().await;
+    assert!(!log.contains(&seed), "the seed is not in the log:\n{log}");
+    assert_eq!(nats_message_count(&pki, port, user(), "CREDS").await, sent.len() as u64);
+}
+
 // ---------------------------------------------------------------------------
 // Redis
 
@@ -383,6 +482,35 @@ async fn redis_tls_and_acl_user() {
 // ---------------------------------------------------------------------------
 // Kafka
 
+/// The stunnel program, if installed (`.ci/run` installs it).
+fn stunnel_program() -> Option<PathBuf> {
+    brokers::program_available("stunnel4").or_else(|| brokers::program_available("stunnel"))
+}
+
+/// Start `program` (stunnel) terminating TLS on `127.0.0.1:tls` with the
+/// server certificate for `localhost`, requiring a client certificate that
+/// the test CA signs, and forwarding to `127.0.0.1:plain`. Killed on drop.
+fn stunnel(pki: &Pki, program: &std::path::Path, service: &str, tls: u16, plain: u16) -> tokio::process::Child {
+    let conf = pki.write(
+        &format!("stunnel-{service}.conf"),
+        &format!(
+            "foreground = yes\npid =\n[{service}]\naccept = 127.0.0.1:{tls}\nconnect = 127.0.0.1:{plain}\n\
+             cert = {}\nkey = {}\nCAfile = {}\nverifyChain = yes\nrequireCert = yes\n",
+            pki.path("server.pem"),
+            pki.path("server.key"),
+            pki.path("ca.pem")
+        ),
+    );
+    tokio::process::Command::new(program)
+        .arg(&conf)
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("start stunnel")
+}
+
 /// A tansu broker behind stunnel: tansu 0.6 has no working TLS listener
 /// (its `--cert` serves plain TCP), so stunnel terminates TLS with the
 /// server certificate for `localhost`, requires a client certificate
@@ -392,7 +520,7 @@ async fn redis_tls_and_acl_user() {
 /// on drop) and the TLS port.
 async fn tansu_tls(pki: &Pki) -> Option<(Vec<tokio::process::Child>, u16)> {
     let bin = crate::sink_kafka::tansu_bin()?;
-    let stunnel = brokers::program_available("stunnel4").or_else(|| brokers::program_available("stunnel"))?;
+    let program = stunnel_program()?;
     let (plain, tls) = (brokers::free_port(), brokers::free_port());
     let spawn = |cmd: &mut tokio::process::Command| {
         cmd.stdin(std::process::Stdio::null())
@@ -408,17 +536,7 @@ async fn tansu_tls(pki: &Pki) -> Option<(Vec<tokio::process::Child>, u16)> {
             .args(["--advertised-listener-url", &format!("tcp://localhost:{tls}")])
             .args(["--storage-engine", "memory://tansu/", "--silent"]),
     );
-    let conf = pki.write(
-        "stunnel.conf",
-        &format!(
-            "foreground = yes\npid =\n[kafka]\naccept = 127.0.0.1:{tls}\nconnect = 127.0.0.1:{plain}\n\
-             cert = {}\nkey = {}\nCAfile = {}\nverifyChain = yes\nrequireCert = yes\n",
-            pki.path("server.pem"),
-            pki.path("server.key"),
-            pki.path("ca.pem")
-        ),
-    );
-    let proxy = spawn(tokio::process::Command::new(&stunnel).arg(&conf));
+    let proxy = stunnel(pki, &program, "kafka", tls, plain);
     for port in [plain, tls] {
         let addr = format!("127.0.0.1:{port}");
         support::eventually(30, "tansu and stunnel to accept connections", || async {
@@ -492,7 +610,7 @@ async fn kafka_tls() {
 }
 
 // ---------------------------------------------------------------------------
-// RabbitMQ (the machine's broker on 5672, user guest, no TLS listener)
+// RabbitMQ (the machine's broker on 5672, user guest, no TLS listener of its own)
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn amqp_password_from_a_file_or_the_environment() {
@@ -509,7 +627,7 @@ async fn amqp_password_from_a_file_or_the_environment() {
     let bad = ["--sink", url, "--sink-user", "guest", "--sink-password-file", wrong.as_str(), "--sink-timeout", "5s"];
     expect_refused(&db, &bad, "RabbitMQ", BAD_CREDENTIALS, &["not-the-guest-password"]).await;
     let tls = ["--sink", url, "--sink-tls-ca-file", right.as_str(), "--sink-timeout", "5s"];
-    expect_refused(&db, &tls, "RabbitMQ", "not supported", &[]).await;
+    expect_refused(&db, &tls, "RabbitMQ", "need an amqps:// URL", &[]).await;
     // The right password from the file: the relay logs in and starts (the
     // delivery itself is covered by sink_amqp); then from the environment.
     let good = ["--sink", url, "--sink-user", "guest", "--sink-password-file", right.as_str(), "--sink-timeout", "5s"];
@@ -517,6 +635,77 @@ async fn amqp_password_from_a_file_or_the_environment() {
     let spec = crate::relay_proc::relay(&db, &["--sink", url, "--sink-user", "guest", "--sink-timeout", "5s"])
         .env("OUTBOX_SINK_PASSWORD", "guest");
     RelayProc::start_spec(spec).await.stop().await;
+}
+
+/// The machine's RabbitMQ behind stunnel: `amqps://localhost:<port>` with
+/// the test CA's server certificate, client certificates required
+/// (mutual TLS is checked by stunnel, RabbitMQ sees plain AMQP).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn amqp_tls_private_ca_and_client_certificate() {
+    if !support::broker_available("RabbitMQ", "127.0.0.1:5672").await {
+        return;
+    }
+    let Some(program) = stunnel_program() else { return };
+    let pki = Pki::new();
+    let port = brokers::free_port();
+    let _proxy = stunnel(&pki, &program, "amqp", port, 5672);
+    let addr = format!("127.0.0.1:{port}");
+    support::eventually(30, "stunnel to accept connections", || async {
+        tokio::net::TcpStream::connect(&addr).await.is_ok()
+    })
+    .await;
+    let (ca, other_ca, cert, key) =
+        (pki.path("ca.pem"), pki.path("other-ca.pem"), pki.path("client.pem"), pki.path("client.key"));
+    let password = pki.write("password", "guest\n");
+    let prefix = format!("pgotls{}", uuid::Uuid::new_v4().simple());
+    let (conn, ch, queue) = crate::sink_amqp::bound_queue(&prefix).await;
+    let routing_key = format!("{prefix}.{{aggregate_type}}.{{event_type}}");
+    let url = format!("amqps://localhost:{port}/%2f");
+    let by_ip = format!("amqps://127.0.0.1:{port}/%2f");
+    let plain = "amqp://127.0.0.1:5672/%2f".to_string();
+    let common = ["--sink-user", "guest", "--sink-password-file", &password, "--sink-timeout", "3s"];
+    let common = [&common[..], &["--amqp-routing-key", &routing_key]].concat();
+    let client = ["--sink-tls-client-cert", cert.as_str(), "--sink-tls-client-key", &key];
+
+    let db = TestDb::new("amqp_tls").await;
+    let c = db.client().await;
+    let sent = brokers::publish_events(&c, &brokers::three_aggregates(), 6, "tls").await;
+    let run = |url: &str, ca: &str, with_client: bool| {
+        let mut args = vec!["--sink".to_string(), url.to_string(), "--sink-tls-ca-file".into(), ca.to_string()];
+        if with_client {
+            args.extend(client.iter().map(|s| s.to_string()));
+        }
+        args.extend(common.iter().map(|s| s.to_string()));
+        args
+    };
+    for (args, reason) in [
+        (run(&url, &other_ca, true), UNTRUSTED),
+        (run(&by_ip, &ca, true), WRONG_HOST),
+        (run(&url, &ca, false), CLIENT_CERT),
+        (run(&plain, &ca, true), "need an amqps:// URL"),
+    ] {
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        expect_refused(&db, &args, "RabbitMQ", reason, &[]).await;
+    }
+
+    let args = run(&url, &ca, true);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let relay = RelayProc::start(&db, &args).await;
+    brokers::wait_published(&c, sent.len() as i64).await;
+    relay.stop().await;
+    let declared = ch
+        .queue_declare(
+            queue.as_str().into(),
+            lapin::options::QueueDeclareOptions { passive: true, ..Default::default() },
+            lapin::types::FieldTable::default(),
+        )
+        .await
+        .expect("the test queue");
+    assert_eq!(declared.message_count() as usize, sent.len(), "every event reached the queue over TLS");
+    ch.queue_delete(queue.as_str().into(), lapin::options::QueueDeleteOptions::default())
+        .await
+        .expect("delete the test queue");
+    let _ = conn.close(200, "done".into()).await;
 }
 
 // ---------------------------------------------------------------------------

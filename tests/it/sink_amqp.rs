@@ -18,7 +18,7 @@ const BROKER: &str = "127.0.0.1:5672";
 const URL: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
 
 /// A test's own queue bound to `amq.topic` for `prefix.#`.
-async fn bound_queue(prefix: &str) -> (Connection, Channel, String) {
+pub async fn bound_queue(prefix: &str) -> (Connection, Channel, String) {
     let conn = Connection::connect(URL, ConnectionProperties::default()).await.expect("connect to RabbitMQ");
     let ch = conn.create_channel().await.expect("open a channel");
     let name = format!("{prefix}.q");

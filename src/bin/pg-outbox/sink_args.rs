@@ -62,7 +62,8 @@ pub(crate) struct SinkArgs {
     #[arg(long, help_heading = "Sink TLS and credentials")]
     pub(crate) sink_tls: bool,
     /// PEM file of the CA certificate(s) that sign the broker's certificate
-    /// (all sinks but the webhook); default: the system's root certificates.
+    /// (all sinks but the webhook); default: the system's root certificates
+    /// (RabbitMQ adds the file's certificates to them).
     #[arg(long, value_name = "FILE", help_heading = "Sink TLS and credentials")]
     pub(crate) sink_tls_ca_file: Option<PathBuf>,
     /// PEM file of a client certificate to present (mutual TLS), with
