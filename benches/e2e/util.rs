@@ -4,7 +4,6 @@
 
 use std::time::{Duration, Instant};
 
-use pg_outbox::tokio_postgres::config::Host;
 use pg_outbox::tokio_postgres::{Client, Config};
 
 use crate::common::{BenchResult, drop_database, migrated_database};
@@ -16,35 +15,7 @@ const RELAY_STOP_TIMEOUT: Duration = Duration::from_secs(30);
 /// about 1.5 KB.
 pub const NOTE_CHARS: usize = 1408;
 
-/// A libpq key=value connection string for `cfg` (host, port, user,
-/// password, dbname; `sslmode=disable`), for the `DATABASE_URL` of a child process. It holds
-/// the password if `cfg` has one: pass it through the environment, never
-/// print it.
-pub fn conninfo(cfg: &Config) -> String {
-    fn quote(v: &str) -> String {
-        format!("'{}'", v.replace('\\', "\\\\").replace('\'', "\\'"))
-    }
-    let mut parts = Vec::new();
-    match cfg.get_hosts().first() {
-        Some(Host::Tcp(h)) => parts.push(format!("host={}", quote(h))),
-        Some(Host::Unix(p)) => parts.push(format!("host={}", quote(&p.display().to_string()))),
-        None => parts.push("host=127.0.0.1".into()),
-    }
-    parts.push(format!("port={}", cfg.get_ports().first().copied().unwrap_or(5432)));
-    if let Some(u) = cfg.get_user() {
-        parts.push(format!("user={}", quote(u)));
-    }
-    if let Some(p) = cfg.get_password() {
-        parts.push(format!("password={}", quote(&String::from_utf8_lossy(p))));
-    }
-    if let Some(d) = cfg.get_dbname() {
-        parts.push(format!("dbname={}", quote(d)));
-    }
-    // Every side of every comparison connects without TLS (the baselines
-    // use NoTls), so encryption cost does not skew the ratios.
-    parts.push("sslmode=disable".into());
-    parts.join(" ")
-}
+pub use crate::options::conninfo;
 
 /// A migrated scratch database, dropped by [`Scratch::drop_now`].
 pub struct Scratch {

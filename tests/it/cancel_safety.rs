@@ -35,17 +35,8 @@ fn options(db: &TestDb, app: &str) -> pg_outbox::ConnectOptions {
 async fn a_dropped_migrate_leaves_no_lock_behind() {
     let db = TestDb::new("cancel_migrate").await;
     let c = db.client().await;
-    // Make 0006 (a concurrent index build) run again, and hold a snapshot
-    // open so that the build waits (PostgreSQL docs, "Building Indexes
-    // Concurrently") with the migrate lock held.
-    c.batch_execute(
-        "DROP INDEX events.outbox_fresh_order_idx; \
-         DELETE FROM events.outbox_schema_migrations WHERE name = '0006_outbox_fresh_order_idx'",
-    )
-    .await
-    .expect("undo 0006");
-    let holder = db.client().await;
-    holder.batch_execute("BEGIN ISOLATION LEVEL REPEATABLE READ; SELECT 1").await.expect("take a snapshot");
+    // The next migrate waits in its concurrent index build, with its lock held.
+    let holder = crate::support::stall_the_next_migrate(&db, &c).await;
 
     let app = "cancel safety migrate";
     let pg = options(&db, app);

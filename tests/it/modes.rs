@@ -170,6 +170,16 @@ async fn a_consumer_that_loses_its_session_hands_out_nothing_it_had_buffered() {
         c.query_one("SELECT pg_try_advisory_lock($1)", &[&key]).await.expect("lock").get::<_, bool>(0)
     })
     .await;
+    // The server ended the session; the consumer learns it when its
+    // connection task reads the closed socket, which a loaded machine may
+    // run a moment later. Once it knows (it is no longer the leader),
+    // nothing it had buffered may come out.
+    let health = a.health();
+    crate::support::eventually(10, "the consumer to notice it lost the outbox lock", || {
+        let role = health.get().role;
+        async move { role != pg_outbox::Role::Leader }
+    })
+    .await;
     if let Ok(Some(d)) = tokio::time::timeout(Duration::from_millis(700), a.next()).await {
         panic!("the consumer that lost its session handed out buffered event {}", d.id);
     }

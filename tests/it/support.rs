@@ -256,6 +256,22 @@ pub async fn insert_dead_letters(c: &Client, n: i64) {
     .expect("insert dead letters");
 }
 
+/// Make migration 0006 (a concurrent index build) run again at the next
+/// migrate, and hold a snapshot open in the database so that the build
+/// waits for it (PostgreSQL docs, "Building Indexes Concurrently"). Returns
+/// the session holding the snapshot: `COMMIT` on it lets the build finish.
+pub async fn stall_the_next_migrate(db: &TestDb, c: &Client) -> Client {
+    c.batch_execute(
+        "DROP INDEX events.outbox_fresh_order_idx; \
+         DELETE FROM events.outbox_schema_migrations WHERE name = '0006_outbox_fresh_order_idx'",
+    )
+    .await
+    .expect("undo 0006");
+    let holder = db.client().await;
+    holder.batch_execute("BEGIN ISOLATION LEVEL REPEATABLE READ; SELECT 1").await.expect("take a snapshot");
+    holder
+}
+
 /// Wait for a condition, polling every 20 ms, failing after `secs` seconds
 /// (a liveness bound, not a speed assertion).
 pub async fn eventually<F, Fut>(secs: u64, what: &str, mut f: F)

@@ -377,17 +377,8 @@ async fn the_statement_timeout_flag_takes_durations_and_zero_and_refuses_anythin
 async fn migrate_runs_with_the_timeout_off_even_when_the_url_sets_one() {
     let db = TestDb::new("timeout_migrate").await;
     let c = db.client().await;
-    // Make 0006 (a concurrent index build) run again.
-    c.batch_execute(
-        "DROP INDEX events.outbox_fresh_order_idx; \
-         DELETE FROM events.outbox_schema_migrations WHERE name = '0006_outbox_fresh_order_idx'",
-    )
-    .await
-    .expect("undo 0006");
-    // An open snapshot in the database: the concurrent build waits for it
-    // to end (PostgreSQL docs, "Building Indexes Concurrently").
-    let holder = db.client().await;
-    holder.batch_execute("BEGIN ISOLATION LEVEL REPEATABLE READ; SELECT 1").await.expect("take a snapshot");
+    // The next migrate waits in its concurrent index build (0006).
+    let holder = crate::support::stall_the_next_migrate(&db, &c).await;
 
     let mut cfg = db.pg.clone();
     cfg.options("-c statement_timeout=100ms").application_name("timeouts migrate");

@@ -5,6 +5,16 @@
 /// `tokio_postgres::Config` (it cannot hold `verify-full`). The local servers
 /// need no TLS.
 pub fn options_of(cfg: &tokio_postgres::Config) -> pg_outbox::ConnectOptions {
+    pg_outbox::ConnectOptions::parse(&conninfo(cfg)).expect("test server options")
+}
+
+/// A libpq key=value connection string for `cfg` (every host and port,
+/// user, password, dbname, options, application name; `sslmode=disable`:
+/// every side of a benchmark's comparison connects without TLS, so
+/// encryption does not skew its ratios), e.g. for the `DATABASE_URL` of a
+/// child process. It holds the password if `cfg` has one: pass it through
+/// the environment, never print it.
+pub fn conninfo(cfg: &tokio_postgres::Config) -> String {
     let quote = |v: &str| format!("'{}'", v.replace('\\', "\\\\").replace('\'', "\\'"));
     let mut parts = Vec::new();
     let hosts: Vec<String> = cfg
@@ -38,5 +48,5 @@ pub fn options_of(cfg: &tokio_postgres::Config) -> pg_outbox::ConnectOptions {
         parts.push(format!("application_name={}", quote(a)));
     }
     parts.push("sslmode=disable".into());
-    pg_outbox::ConnectOptions::parse(&parts.join(" ")).expect("test server options")
+    parts.join(" ")
 }
