@@ -11,8 +11,9 @@ adopter="$root/ci/adopter"
 # The library's own lock file, so the adopter builds the versions the
 # library is tested with (cargo adds the adopter and drops what it does not use).
 cp "$root/Cargo.lock" "$adopter/Cargo.lock"
-# A target directory of its own, apart from the library's build.
-export CARGO_TARGET_DIR="$root/target/adopter"
+# The library's target directory: with the same lock file, the
+# dependencies the adopter shares with the tests are built once.
+export CARGO_TARGET_DIR="${ADOPTER_TARGET_DIR:-$root/target}"
 cd "$adopter"
 
 echo "adopter: cargo tree -e normal | wc -l: $(cargo tree -e normal | wc -l)"
