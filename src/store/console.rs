@@ -41,8 +41,16 @@ pub(crate) const LATER: &str = concat!(
 /// How many unpublished events of aggregate ($1 type, $2 id) come after id
 /// $3 (those an unpublished event holds back): a range of
 /// `outbox_aggregate_idx`, as long as the aggregate's history after it.
-pub(crate) const LATER_UNPUBLISHED: &str = "SELECT count(*) AS n FROM events.outbox \
-     WHERE aggregate_type = $1 AND aggregate_id = $2 AND id > $3 AND published_at IS NULL";
+/// The inner query orders by that index's key (its `OFFSET 0` keeps the
+/// planner from merging it into the outer query and dropping the order),
+/// so with sorts discouraged ([`crate::PLANNER_SETTINGS`]) that walk is the
+/// plan whatever the statistics say; a bare count let statistics taken before a backlog pick
+/// `outbox_unpublished_idx` and walk every unpublished row.
+pub(crate) const LATER_UNPUBLISHED: &str = "SELECT count(*) AS n FROM ( \
+       SELECT published_at FROM events.outbox \
+       WHERE aggregate_type = $1 AND aggregate_id = $2 AND id > $3 \
+       ORDER BY aggregate_type, aggregate_id, id OFFSET 0) later \
+     WHERE published_at IS NULL";
 
 /// A page of dead letters: the filter of [`MATCHES`] (`$1`..`$5`), ids
 /// above $6 (keyset paging), at most $7 rows, in id order: a walk of

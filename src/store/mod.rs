@@ -130,6 +130,16 @@ pub fn run_time_statements() -> Vec<(&'static str, String)> {
         ("replay_count", replay::count_sql()),
         ("replay_bounds", replay::BOUNDS.to_string()),
     ]);
+    #[cfg(feature = "console")]
+    all.extend([
+        ("console_event", console::EVENT.to_string()),
+        ("console_earlier", console::EARLIER.to_string()),
+        ("console_later", console::LATER.to_string()),
+        ("console_later_unpublished", console::LATER_UNPUBLISHED.to_string()),
+        ("console_dead_letter_page", console::dead_letter_page_sql()),
+        ("console_delivery_per_minute", console::DELIVERY_PER_MINUTE.to_string()),
+        ("console_relay_sessions", console::RELAY_SESSIONS.to_string()),
+    ]);
     all
 }
 

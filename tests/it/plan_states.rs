@@ -147,6 +147,20 @@ async fn check_all(c: &mut Client, stats: Stats, backlog: i64) {
     let (mid, mid_end) = (STEADY / 2, STEADY / 2 + window);
     let (no, no_agg): (bool, Option<uuid::Uuid>) = (false, None);
     let rare = Some("NoSuchType".to_string());
+    // The console looks at a dead letter, its aggregate and the pages of
+    // dead letters after it.
+    let dead_row = c
+        .query_one(
+            "SELECT id, aggregate_type, aggregate_id FROM events.outbox WHERE aggregate_type = 'dead' LIMIT 1",
+            &[],
+        )
+        .await
+        .expect("a dead letter");
+    let (dead_id, dead_agg_type, dead_agg_id): (i64, String, uuid::Uuid) =
+        (dead_row.get(0), dead_row.get(1), dead_row.get(2));
+    let timeline = 50i64;
+    let chart_rows = 1000i64;
+    let (leader_key, partition_class, member_class) = (0x7067_6f75_7400_0001i64, 0x706f_0001i32, 0x706f_0002i32);
     let mut failures = Vec::new();
     for (name, sql) in pg_outbox::run_time_statements() {
         // (parameters, bound on buffers)
@@ -198,6 +212,20 @@ async fn check_all(c: &mut Client, stats: Stats, backlog: i64) {
                 vec![(vec![&mid, &mid_end, &no, &no_time, &no_time, &no_text, &no_agg, &no_text], 3 * window + 100, "")]
             }
             "replay_bounds" => vec![(vec![&mid], 50, "")],
+            // The console: lookups and walks of one index, each bounded by
+            // the rows it shows; the chart by the rows it reads.
+            "console_event" => vec![(vec![&dead_id], 50, "")],
+            "console_earlier" | "console_later" => {
+                vec![(vec![&dead_agg_type, &dead_agg_id, &dead_id, &timeline], 8 * timeline + 50, "")]
+            }
+            "console_later_unpublished" => vec![(vec![&dead_agg_type, &dead_agg_id, &dead_id], 50, "")],
+            "console_dead_letter_page" => vec![(
+                vec![&no_ids, &dead_type, &no_text, &no_text, &no_time, &dead_id, &limit_list],
+                5 * limit_list + 50,
+                "",
+            )],
+            "console_delivery_per_minute" => vec![(vec![&chart_rows], 3 * chart_rows + 100, "")],
+            "console_relay_sessions" => vec![(vec![&leader_key, &partition_class, &member_class], 200, "")],
             other => panic!("no plan check for statement {other}: add one"),
         };
         // Custom plans (a statement's first runs), and the generic plan a
