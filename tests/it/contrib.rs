@@ -170,11 +170,7 @@ async fn every_metric_in_contrib_is_exported_by_a_running_relay() {
             }
         }),
     );
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind the webhook");
-    let hook = format!("http://{}/hook", listener.local_addr().expect("addr"));
-    tokio::spawn(async move {
-        let _ = axum::serve(listener, app).await;
-    });
+    let hook = crate::support::serve_hook(app).await;
 
     let addr = format!("127.0.0.1:{}", free_port());
     let relay = RelayProc::start(

@@ -202,14 +202,7 @@ async fn hook_handler(State(hook): State<Hook>, body: Bytes) -> StatusCode {
 async fn start_hook() -> (Hook, String) {
     let hook = Hook::default();
     let app = axum::Router::new().route("/hook", axum::routing::post(hook_handler)).with_state(hook.clone());
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind the test webhook");
-    let addr = listener.local_addr().expect("webhook address");
-    tokio::spawn(async move {
-        if let Err(e) = axum::serve(listener, app).await {
-            eprintln!("test webhook stopped: {e}");
-        }
-    });
-    (hook, format!("http://{addr}/hook"))
+    (hook, crate::support::serve_hook(app).await)
 }
 
 fn hook_ids(seen: &[Value], rows: &[Row]) -> Vec<i64> {

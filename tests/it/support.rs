@@ -256,6 +256,19 @@ pub async fn insert_dead_letters(c: &Client, n: i64) {
     .expect("insert dead letters");
 }
 
+/// Serve `app` on 127.0.0.1 on a free port, on a task of its own; returns
+/// the URL of its `/hook` route (the test webhooks' path).
+pub async fn serve_hook(app: axum::Router) -> String {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind the test webhook");
+    let addr = listener.local_addr().expect("test webhook address");
+    tokio::spawn(async move {
+        if let Err(e) = axum::serve(listener, app).await {
+            eprintln!("test webhook stopped: {e}");
+        }
+    });
+    format!("http://{addr}/hook")
+}
+
 /// Make migration 0006 (a concurrent index build) run again at the next
 /// migrate, and hold a snapshot open in the database so that the build
 /// waits for it (PostgreSQL docs, "Building Indexes Concurrently"). Returns

@@ -53,14 +53,7 @@ async fn receive(State(r): State<Receiver>, headers: HeaderMap, body: Bytes) -> 
 async fn start_receiver() -> (Receiver, String) {
     let r = Receiver::default();
     let app = axum::Router::new().route("/hook", axum::routing::post(receive)).with_state(r.clone());
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind the receiver");
-    let addr = listener.local_addr().expect("receiver address");
-    tokio::spawn(async move {
-        if let Err(e) = axum::serve(listener, app).await {
-            eprintln!("test receiver stopped: {e}");
-        }
-    });
-    (r, format!("http://{addr}/hook"))
+    (r, crate::support::serve_hook(app).await)
 }
 
 async fn published(c: &tokio_postgres::Client) -> i64 {
