@@ -138,7 +138,6 @@ pub fn run_time_statements() -> Vec<(&'static str, String)> {
         ("console_later_unpublished", console::LATER_UNPUBLISHED.to_string()),
         ("console_dead_letter_page", console::dead_letter_page_sql()),
         ("console_delivery_per_minute", console::DELIVERY_PER_MINUTE.to_string()),
-        ("console_relay_sessions", console::RELAY_SESSIONS.to_string()),
     ]);
     all
 }
