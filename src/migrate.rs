@@ -182,6 +182,150 @@ async fn apply_locked(client: &Client) -> Result<MigrationReport> {
     Ok(report)
 }
 
+/// How per-aggregate order is kept on insert: the ordering mode installed
+/// on `events.outbox` (which insert trigger is enabled; see
+/// `triggers/outbox_insert_order_and_notify.sql`, "Ordering modes", and
+/// docs/architecture.md). A new database gets [`OrderingMode::OutboxLocked`];
+/// [`apply`] keeps whatever mode is installed, and [`set_ordering`]
+/// switches.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize)]
+#[serde(rename_all = "kebab-case")]
+#[non_exhaustive]
+pub enum OrderingMode {
+    /// The default. The insert trigger `outbox_order` locks each event's
+    /// aggregate before it draws the event's id, so an aggregate's ids
+    /// commit in id order whatever the producers do (docs/architecture.md,
+    /// "Why order holds when producers race"). Costs each insert a PL/pgSQL
+    /// row trigger.
+    OutboxLocked,
+    /// Opt-in, for producers that already serialise each aggregate: every
+    /// transaction that writes an aggregate's events first locks a row of
+    /// its own for that aggregate (`SELECT ... FOR UPDATE` or an `UPDATE`
+    /// of the aggregate's row) and holds it to the commit. The insert path
+    /// then only decides the wake-up (the statement trigger `outbox_wake`,
+    /// called only while a relay waits for one). Producers that write an
+    /// aggregate without such a lock can commit its events out of id order,
+    /// and relays then deliver them out of order.
+    ProducerLocked,
+}
+
+impl OrderingMode {
+    /// The mode's name as `pg-outbox migrate --ordering` and
+    /// `events.outbox_set_ordering()` spell it: `outbox-locked` or
+    /// `producer-locked`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            OrderingMode::OutboxLocked => "outbox-locked",
+            OrderingMode::ProducerLocked => "producer-locked",
+        }
+    }
+
+    fn from_sql(s: &str) -> Option<OrderingMode> {
+        match s {
+            "outbox-locked" => Some(OrderingMode::OutboxLocked),
+            "producer-locked" => Some(OrderingMode::ProducerLocked),
+            _ => None,
+        }
+    }
+}
+
+impl std::fmt::Display for OrderingMode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl std::str::FromStr for OrderingMode {
+    type Err = Error;
+
+    /// Parse `outbox-locked` or `producer-locked`.
+    ///
+    /// # Errors
+    /// [`Error::Config`] naming the value and the two names it accepts.
+    fn from_str(s: &str) -> Result<OrderingMode> {
+        OrderingMode::from_sql(s).ok_or_else(|| {
+            Error::Config(format!("unknown ordering mode {s:?}; expected outbox-locked or producer-locked"))
+        })
+    }
+}
+
+/// The ordering mode installed on `events.outbox`, or `None` when neither
+/// insert trigger is enabled (someone ran `ALTER TABLE events.outbox
+/// DISABLE TRIGGER ...`: relays then find new events by their sweep only,
+/// and racing producers can commit an aggregate's events out of order).
+///
+/// # Errors
+/// [`Error::Db`] if the catalog read fails, e.g. [`Error::NotMigrated`]
+/// when `events.outbox` does not exist.
+///
+/// # Cancel safety
+/// Cancel safe: it only reads.
+///
+/// # Example
+/// ```no_run
+/// # async fn run(client: &pg_outbox::tokio_postgres::Client) -> Result<(), pg_outbox::Error> {
+/// match pg_outbox::migrate::ordering(client).await? {
+///     Some(mode) => println!("ordering mode: {mode}"),
+///     None => println!("no insert trigger enabled"),
+/// }
+/// # Ok(()) }
+/// ```
+pub async fn ordering<C: tokio_postgres::GenericClient + Sync>(client: &C) -> Result<Option<OrderingMode>> {
+    let row = client.query_one(sql::INSTALLED_ORDERING, &[]).await.map_err(crate::store::map_missing_schema)?;
+    let mode: String = row.try_get("mode")?;
+    Ok(OrderingMode::from_sql(&mode))
+}
+
+/// Install ordering mode `mode` on a database that [`apply`] migrated,
+/// on a session of its own, and return the mode installed before (`None`
+/// when neither insert trigger was enabled). Idempotent: installing the
+/// installed mode changes nothing.
+///
+/// Safe while producers run: the switch takes `SHARE ROW EXCLUSIVE` on
+/// `events.outbox`, so it waits for every running transaction that has
+/// written events and every later one waits for it; no transaction writes
+/// events under both modes. It waits at most 5 s for that lock (its
+/// `lock_timeout`), so producers are never kept waiting longer than that.
+/// Read [`OrderingMode::ProducerLocked`] before choosing it.
+///
+/// # Errors
+/// [`Error::Connect`] (or another connection error) if the session cannot
+/// be opened; [`Error::NotMigrated`] if `events.outbox_set_ordering()` is
+/// missing (run [`apply`] first); [`Error::Db`] with SQLSTATE 55P03
+/// (`lock_not_available`) when running producer transactions held the
+/// table for 5 s (nothing changed; run it again), or another database
+/// error (e.g. the role does not own `events.outbox`).
+///
+/// # Cancel safety
+/// Dropping the future closes its session: the switch either committed or
+/// rolled back, never half done.
+///
+/// # Example
+/// ```no_run
+/// # async fn run() -> Result<(), pg_outbox::Error> {
+/// use pg_outbox::migrate::{self, OrderingMode};
+/// let pg = pg_outbox::ConnectOptions::parse("postgres://app@db.internal/app")?;
+/// migrate::apply(&pg).await?;
+/// let before = migrate::set_ordering(&pg, OrderingMode::ProducerLocked).await?;
+/// println!("ordering: producer-locked (was {before:?})");
+/// # Ok(()) }
+/// ```
+pub async fn set_ordering(pg: &ConnectOptions, mode: OrderingMode) -> Result<Option<OrderingMode>> {
+    let (client, _link) = connect::connect(pg, "pg-outbox migrate", &SessionSettings::default()).await?;
+    let row = client.query_one(sql::SET_ORDERING, &[&mode.as_str()]).await.map_err(|e| {
+        if e.code() == Some(&tokio_postgres::error::SqlState::UNDEFINED_FUNCTION) {
+            return Error::NotMigrated(
+                "events.outbox_set_ordering() does not exist (created by triggers/outbox_insert_order_and_notify.sql); \
+                 run `pg-outbox migrate` first"
+                    .into(),
+            );
+        }
+        crate::store::map_missing_schema(e)
+    })?;
+    let before: String = row.try_get("before")?;
+    Ok(OrderingMode::from_sql(&before))
+}
+
 /// Objects the relay needs, each with the file that creates it.
 const REQUIRED: &[(&str, &str)] = &[
     ("events.outbox", "0001_events_outbox"),
@@ -197,6 +341,7 @@ const REQUIRED: &[(&str, &str)] = &[
 const REQUIRED_TRIGGERS: &[(&str, &str)] = &[
     ("outbox_guard", "triggers/outbox_update_check_invariants.sql"),
     ("outbox_order", "triggers/outbox_insert_order_and_notify.sql"),
+    ("outbox_wake", "triggers/outbox_insert_order_and_notify.sql"),
 ];
 
 /// Check that the schema has what this version needs: the tables, indexes

@@ -1,10 +1,34 @@
--- pg-outbox trigger file: the insert trigger `outbox_order` on events.outbox.
+-- pg-outbox trigger file: the insert triggers `outbox_order` and
+-- `outbox_wake` on events.outbox, one of them enabled (the ordering mode),
+-- and events.outbox_set_ordering(), which switches between them.
 --
--- What it does: before each event row is inserted, it takes a lock on the
--- event's aggregate (so each aggregate's ids become visible in id order),
--- only then draws the event's id, and sends the relays' wake-up (NOTIFY)
--- when one is wanted.
--- Fires: BEFORE INSERT ON events.outbox, FOR EACH ROW, every insert.
+-- Ordering modes (docs/architecture.md, "Ordering modes"):
+--   * outbox-locked (the default): `outbox_order` is enabled. Everything
+--     below the mode list describes it: the trigger itself keeps each
+--     aggregate's ids in commit order, whatever the producers do.
+--   * producer-locked: `outbox_wake` is enabled instead, a statement
+--     trigger that only sends the wake-up, and only while a relay waits for
+--     one: its WHEN condition reads bit 1 of the hint, so while every relay
+--     is busy no function is called at all (docs, "CREATE TRIGGER": WHEN).
+--     Ids come from the column's default. Order per aggregate then holds
+--     only if every transaction that writes an aggregate's events first
+--     locks a row of its own for that aggregate and keeps it to the commit
+--     (the schema's flow: UPDATE the aggregate's row, then INSERT the
+--     event): a second writer waits at that row and draws its id after the
+--     first commits. Producers that do not can commit an aggregate's ids
+--     out of order, and a relay then delivers them out of order.
+--   Switch with `pg-outbox migrate --ordering MODE` or
+--   `SELECT events.outbox_set_ordering('producer-locked')`; the mode is
+--   which trigger is enabled (pg_trigger.tgenabled), and running this file
+--   again keeps it.
+--
+-- What it does: in the outbox-locked mode, before each event row is
+-- inserted, it takes a lock on the event's aggregate (so each aggregate's
+-- ids become visible in id order), only then draws the event's id, and
+-- sends the relays' wake-up (NOTIFY) when one is wanted.
+-- Fires: outbox_order BEFORE INSERT ON events.outbox, FOR EACH ROW, every
+-- insert; outbox_wake BEFORE INSERT, FOR EACH STATEMENT, when bit 1 of
+-- the hint is set.
 -- Reads: events.outbox_hint (migration 0008), a sequence whose value is the
 -- hint: bit 1 (value & 1) "some relay waits for a wake-up", bit 2 (value & 2)
 -- "a bulk transaction may be writing events". It is kept by
@@ -255,6 +279,60 @@ BEGIN
 END
 $$;
 
+-- The producer-locked mode's wake-up (see "Ordering modes" above): the
+-- trigger outbox_wake calls it only while its WHEN condition finds bit 1
+-- of the hint set, so while every relay is busy no function runs at all.
+CREATE OR REPLACE FUNCTION events.outbox_wake() RETURNS trigger
+LANGUAGE plpgsql AS $$
+BEGIN
+    PERFORM pg_notify('events.outbox', '');
+    RETURN NULL;
+END
+$$;
+
+-- Switch the ordering mode (see "Ordering modes" above) and return the mode
+-- that was installed before ('outbox-locked', 'producer-locked', or
+-- 'none' when neither trigger was enabled). `mode` is 'outbox-locked' or
+-- 'producer-locked'; anything else raises an error naming it. It takes
+-- SHARE ROW EXCLUSIVE on events.outbox, waiting at most 5 s (lock_timeout)
+-- for running producer transactions, so no transaction writes events under
+-- both modes; on a timeout, run it again. Only the table's owner can run it
+-- (it alters the table's triggers). Running it twice is a no-op.
+CREATE OR REPLACE FUNCTION events.outbox_set_ordering(mode text) RETURNS text
+LANGUAGE plpgsql AS $$
+DECLARE
+    saved_lock_timeout text := current_setting('lock_timeout');
+    before text;
+BEGIN
+    IF mode IS NULL OR mode NOT IN ('outbox-locked', 'producer-locked') THEN
+        RAISE EXCEPTION 'unknown ordering mode %; expected outbox-locked or producer-locked', coalesce(quote_literal(mode), 'NULL')
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    PERFORM set_config('lock_timeout', '5s', true);
+    LOCK TABLE events.outbox IN SHARE ROW EXCLUSIVE MODE;
+    PERFORM set_config('lock_timeout', saved_lock_timeout, true);
+    SELECT CASE
+               WHEN bool_or(tgname = 'outbox_order' AND tgenabled <> 'D') THEN 'outbox-locked'
+               WHEN bool_or(tgname = 'outbox_wake' AND tgenabled <> 'D') THEN 'producer-locked'
+               ELSE 'none'
+           END
+      INTO before
+      FROM pg_trigger
+     WHERE tgrelid = 'events.outbox'::regclass AND tgname IN ('outbox_order', 'outbox_wake');
+    IF mode = 'outbox-locked' THEN
+        ALTER TABLE events.outbox ENABLE TRIGGER outbox_order;
+        ALTER TABLE events.outbox DISABLE TRIGGER outbox_wake;
+    ELSE
+        ALTER TABLE events.outbox ENABLE TRIGGER outbox_wake;
+        ALTER TABLE events.outbox DISABLE TRIGGER outbox_order;
+    END IF;
+    RETURN before;
+END
+$$;
+
+-- Create the two insert triggers when missing. A new outbox_wake starts
+-- disabled: a database keeps the mode it has (outbox-locked when new or
+-- upgraded from a version without modes), whatever this file's runs.
 DO $$
 BEGIN
     IF NOT EXISTS (
@@ -264,6 +342,18 @@ BEGIN
         CREATE TRIGGER outbox_order
             BEFORE INSERT ON events.outbox
             FOR EACH ROW EXECUTE FUNCTION events.outbox_order();
+    END IF;
+    IF NOT EXISTS (
+        SELECT 1 FROM pg_trigger
+        WHERE tgname = 'outbox_wake' AND tgrelid = 'events.outbox'::regclass
+    ) THEN
+        -- WHEN: a NULL hint counts as 3 (notify), as in outbox_order().
+        CREATE TRIGGER outbox_wake
+            BEFORE INSERT ON events.outbox
+            FOR EACH STATEMENT
+            WHEN (coalesce(pg_sequence_last_value('events.outbox_hint'::regclass), 3) % 2 = 1)
+            EXECUTE FUNCTION events.outbox_wake();
+        ALTER TABLE events.outbox DISABLE TRIGGER outbox_wake;
     END IF;
 END
 $$;

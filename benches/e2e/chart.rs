@@ -22,6 +22,7 @@ fn colour(subject: Subject) -> RGBColor {
         Subject::Floor => RGBColor(90, 90, 90),
         Subject::NotifyOnly => RGBColor(160, 160, 160),
         Subject::Stream => RGBColor(31, 119, 180),
+        Subject::StreamProducerLocked => RGBColor(44, 160, 44),
         Subject::Relay => RGBColor(214, 39, 40),
     }
 }
@@ -70,7 +71,9 @@ pub fn latency_png(runs: &[LatencyRun], path: &Path) -> BenchResult<()> {
             .y_label_formatter(&|y| if *y >= 1.0 { format!("{y:.0}") } else { format!("{y:.2}") })
             .label_style(("sans-serif", 13))
             .draw()?;
-        for subject in [Subject::NotifyOnly, Subject::Floor, Subject::Stream, Subject::Relay] {
+        for subject in
+            [Subject::NotifyOnly, Subject::Floor, Subject::Stream, Subject::StreamProducerLocked, Subject::Relay]
+        {
             let Some(run) = runs.iter().find(|r| r.rate == *rate && r.subject == subject) else { continue };
             let c = colour(subject);
             let points: Vec<(f64, f64)> =

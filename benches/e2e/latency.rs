@@ -43,6 +43,9 @@ pub enum Subject {
     NotifyOnly,
     /// `pg_outbox::Consumer`'s `EventStream` in this process.
     Stream,
+    /// The same `EventStream`, with the database switched to the
+    /// `producer-locked` ordering mode (`events.outbox_set_ordering`).
+    StreamProducerLocked,
     /// A `pg-outbox relay --sink stdout` child process; latency is taken
     /// when this process reads the line from the relay's stdout.
     Relay,
@@ -55,6 +58,7 @@ impl Subject {
             Subject::Floor => "floor (LISTEN client)",
             Subject::NotifyOnly => "NOTIFY only, no write",
             Subject::Stream => "EventStream",
+            Subject::StreamProducerLocked => "EventStream, producer-locked",
             Subject::Relay => "relay --sink stdout",
         }
     }
@@ -156,7 +160,10 @@ impl Receiver {
                 client.batch_execute(&format!("LISTEN {FLOOR_CHANNEL}")).await?;
                 Ok(Receiver::Floor { _client: client, task })
             }
-            Subject::Stream => {
+            Subject::Stream | Subject::StreamProducerLocked => {
+                if subject == Subject::StreamProducerLocked {
+                    connect(cfg).await?.execute("SELECT events.outbox_set_ordering('producer-locked')", &[]).await?;
+                }
                 let mut stream = pg_outbox::Consumer::builder(crate::options::options_of(cfg)).start().await?;
                 let handle = stream.shutdown_handle();
                 let task = tokio::spawn(async move {
@@ -231,7 +238,7 @@ async fn produce(
             )
         }
         Subject::NotifyOnly => format!("SELECT pg_notify('{FLOOR_CHANNEL}', $1)"),
-        Subject::Stream | Subject::Relay => {
+        Subject::Stream | Subject::StreamProducerLocked | Subject::Relay => {
             "INSERT INTO events.outbox (aggregate_type, aggregate_id, event_type, payload) \
               VALUES ('bench', gen_random_uuid(), 'LatencyProbe', $1)"
                 .to_string()
@@ -254,7 +261,9 @@ async fn produce(
                 match subject {
                     Subject::Floor => client.execute(&stmt, &[&payload, &t.to_string()]).await?,
                     Subject::NotifyOnly => client.execute(&stmt, &[&t.to_string()]).await?,
-                    Subject::Stream | Subject::Relay => client.execute(&stmt, &[&payload]).await?,
+                    Subject::Stream | Subject::StreamProducerLocked | Subject::Relay => {
+                        client.execute(&stmt, &[&payload]).await?
+                    }
                 };
             }
             Ok::<_, crate::common::BoxError>(())
@@ -366,7 +375,9 @@ pub async fn run(ctx: &Ctx) -> BenchResult<(Section, Vec<LatencyRun>)> {
     let s: &Settings = &ctx.settings;
     let mut runs = Vec::new();
     for &rate in &s.latency_rates {
-        for subject in [Subject::Floor, Subject::NotifyOnly, Subject::Stream, Subject::Relay] {
+        for subject in
+            [Subject::Floor, Subject::NotifyOnly, Subject::Stream, Subject::StreamProducerLocked, Subject::Relay]
+        {
             let db = scratch(&ctx.admin, &ctx.admin_cfg, "latency").await?;
             let run = measure(&db.cfg, subject, rate, s.latency_secs).await;
             db.drop_now(&ctx.admin).await;
@@ -421,7 +432,7 @@ pub async fn run(ctx: &Ctx) -> BenchResult<(Section, Vec<LatencyRun>)> {
         row.push(fmt_ratio(r50));
         row.push(fmt_ratio(r99));
         sec.rows.push(row);
-        let targeted = matches!(run.subject, Subject::Stream | Subject::Relay);
+        let targeted = matches!(run.subject, Subject::Stream | Subject::StreamProducerLocked | Subject::Relay);
         if targeted && (run.rate == 100 || run.rate == 1000) {
             sec.target(format!("{} p50 <= 2x floor at {}/s", run.subject.name(), run.rate), r50, 2.0, true);
             sec.target(format!("{} p99 <= 5x floor at {}/s", run.subject.name(), run.rate), r99, 5.0, true);

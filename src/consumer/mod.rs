@@ -368,6 +368,14 @@ impl ConsumerBuilder {
         let cfg = Arc::new(self.cfg);
         let (work, work_link) = connect::connect(&cfg.pg, "pg-outbox drain", &cfg.session()).await?;
         crate::migrate::check(&work).await?;
+        match crate::migrate::ordering(&work).await? {
+            Some(mode) => tracing::info!(ordering = %mode, "ordering mode installed on events.outbox: {mode}"),
+            None => tracing::warn!(
+                "no insert trigger is enabled on events.outbox: new events are found by the sweep only, and \
+                 racing producers can commit an aggregate's events out of order; enable one with \
+                 `pg-outbox migrate --ordering outbox-locked`"
+            ),
+        }
         let wake = Arc::new(Notify::new());
         let reconnect_wake = Arc::new(Notify::new());
         let (status_tx, status_rx) = watch::channel(ListenerStatus::default());

@@ -32,3 +32,16 @@ pub(crate) const RELATION_EXISTS: &str = "SELECT to_regclass($1) IS NOT NULL AS 
 /// The names of the user triggers on `events.outbox` (`name`).
 pub(crate) const OUTBOX_TRIGGERS: &str = "SELECT tgname::text AS name FROM pg_trigger \
      WHERE tgrelid = 'events.outbox'::regclass AND NOT tgisinternal";
+
+/// The ordering mode installed on `events.outbox` (`mode`: `outbox-locked`
+/// when the trigger `outbox_order` is enabled, else `producer-locked` when
+/// `outbox_wake` is, else `none`), from `pg_trigger.tgenabled`
+/// (triggers/outbox_insert_order_and_notify.sql, "Ordering modes").
+pub(crate) const INSTALLED_ORDERING: &str = "SELECT CASE \
+       WHEN bool_or(tgname = 'outbox_order' AND tgenabled <> 'D') THEN 'outbox-locked' \
+       WHEN bool_or(tgname = 'outbox_wake' AND tgenabled <> 'D') THEN 'producer-locked' \
+       ELSE 'none' END AS mode \
+     FROM pg_trigger WHERE tgrelid = 'events.outbox'::regclass AND tgname IN ('outbox_order', 'outbox_wake')";
+/// Switch the ordering mode to $1 (`outbox-locked` or `producer-locked`);
+/// returns the mode installed before (`before`).
+pub(crate) const SET_ORDERING: &str = "SELECT events.outbox_set_ordering($1) AS before";

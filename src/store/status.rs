@@ -76,6 +76,10 @@ pub struct OutboxStatus {
     pub by_type_truncated: bool,
     /// When the events waiting for a retry come due.
     pub retries: RetryLadder,
+    /// The ordering mode installed on `events.outbox`
+    /// ([`crate::migrate::ordering`]); `None` when neither insert trigger is
+    /// enabled. In JSON: `"outbox-locked"`, `"producer-locked"` or `null`.
+    pub ordering: Option<crate::migrate::OrderingMode>,
 }
 
 /// Most `(event_type, aggregate_type)` rows [`status`] returns: 50.
@@ -238,5 +242,6 @@ pub async fn status<C: GenericClient + Sync>(client: &C) -> Result<OutboxStatus>
             due_later: b.try_get("later")?,
             next,
         },
+        ordering: crate::migrate::ordering(client).await?,
     })
 }

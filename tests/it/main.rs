@@ -18,6 +18,7 @@ mod modes;
 #[path = "../kit/options.rs"]
 mod options;
 mod order;
+mod ordering_modes;
 mod plan_states;
 mod plans;
 #[path = "../kit/process.rs"]

@@ -139,15 +139,21 @@ async fn sql_files_run_with_psql_twice() {
             );
         }
     }
-    let n: i64 = c
-        .query_one(
-            "SELECT count(*) FROM pg_trigger WHERE tgrelid = 'events.outbox'::regclass AND NOT tgisinternal",
+    let triggers: Vec<(String, bool)> = c
+        .query(
+            "SELECT tgname::text, tgenabled <> 'D' FROM pg_trigger \
+             WHERE tgrelid = 'events.outbox'::regclass AND NOT tgisinternal ORDER BY tgname",
             &[],
         )
         .await
         .expect("triggers")
-        .get(0);
-    assert_eq!(n, 2, "exactly the guard and order triggers, once each");
+        .iter()
+        .map(|r| (r.get(0), r.get(1)))
+        .collect();
+    let expected = [("outbox_guard", true), ("outbox_order", true), ("outbox_wake", false)]
+        .map(|(n, e)| (n.to_string(), e))
+        .to_vec();
+    assert_eq!(triggers, expected, "the guard and both insert triggers, once each, the outbox-locked mode enabled");
     let n: i64 = c
         .query_one(
             "SELECT count(*) FROM pg_trigger WHERE tgrelid = 'events.outbox_relays'::regclass AND NOT tgisinternal",

@@ -50,7 +50,7 @@ struct Cli {
 #[derive(Subcommand, Debug)]
 enum Command {
     /// Create or update the outbox schema (idempotent; safe to run twice).
-    Migrate,
+    Migrate(MigrateArgs),
     /// Deliver outbox events to a sink until SIGINT/SIGTERM.
     #[command(after_help = RELAY_HELP)]
     Relay(Box<RelayArgs>),
@@ -164,6 +164,29 @@ struct RelayArgs {
     /// Hidden: meant for tests and for checking a deployment.
     #[arg(long, hide = true, requires = "retention")]
     retention_at_start: bool,
+}
+
+#[derive(clap::Args, Debug)]
+struct MigrateArgs {
+    /// How per-aggregate order is kept on insert. `outbox-locked` (the
+    /// default for a new database): the insert trigger locks each event's
+    /// aggregate, so order holds whatever producers do. `producer-locked`
+    /// (opt-in, cheaper inserts): safe ONLY if every transaction that
+    /// writes an aggregate's events first locks a row of its own for that
+    /// aggregate and holds it to the commit (e.g. `UPDATE
+    /// billing.subscriptions ... WHERE id = $1` before the INSERT);
+    /// producers that do not can have events delivered out of order.
+    /// Without this flag the installed mode is kept. Switching waits at
+    /// most 5 s for running producer transactions (then fails: run it
+    /// again).
+    #[arg(long, value_enum, value_name = "MODE")]
+    ordering: Option<OrderingArg>,
+}
+
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+enum OrderingArg {
+    OutboxLocked,
+    ProducerLocked,
 }
 
 #[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
@@ -503,6 +526,10 @@ async fn status_cmd(url: &str, args: StatusArgs) -> Result<(), Error> {
         println!("waiting for retry   {}", s.waiting_for_retry);
         println!("dead letters        {}", s.dead_letters);
         println!("oldest pending age  {age}");
+        println!(
+            "ordering mode       {}",
+            s.ordering.map_or("none (no insert trigger enabled)", pg_outbox::migrate::OrderingMode::as_str)
+        );
         print_by_type(&s);
         print_retries(&s.retries);
     }
@@ -604,14 +631,43 @@ fn print_retries(r: &pg_outbox::RetryLadder) {
     }
 }
 
-async fn migrate_cmd(url: &str) -> Result<(), Error> {
-    let report = pg_outbox::migrate::apply(&pg_outbox::ConnectOptions::parse(url)?).await?;
+async fn migrate_cmd(url: &str, args: MigrateArgs) -> Result<(), Error> {
+    use pg_outbox::migrate::{self, OrderingMode};
+    let pg = pg_outbox::ConnectOptions::parse(url)?;
+    let report = migrate::apply(&pg).await?;
     if report.applied.is_empty() {
         eprintln!("schema is up to date");
     } else {
         for name in &report.applied {
             eprintln!("applied {name}");
         }
+    }
+    let installed = match args.ordering {
+        Some(arg) => {
+            let mode = match arg {
+                OrderingArg::OutboxLocked => OrderingMode::OutboxLocked,
+                OrderingArg::ProducerLocked => OrderingMode::ProducerLocked,
+            };
+            let before = migrate::set_ordering(&pg, mode).await?;
+            if before == Some(mode) {
+                eprintln!("ordering mode: {mode} (unchanged)");
+            } else {
+                eprintln!("ordering mode: {mode} (was {})", before.map_or("none", OrderingMode::as_str));
+            }
+            Some(mode)
+        }
+        None => {
+            let client = pg.connect().await?;
+            let mode = migrate::ordering(&client).await?;
+            eprintln!("ordering mode: {}", mode.map_or("none (no insert trigger enabled)", OrderingMode::as_str));
+            mode
+        }
+    };
+    if installed == Some(OrderingMode::ProducerLocked) {
+        eprintln!(
+            "note: in the producer-locked mode, order per aggregate holds only if every transaction that writes \
+             an aggregate's events first locks a row of its own for that aggregate (README, \"Ordering modes\")"
+        );
     }
     Ok(())
 }
@@ -663,7 +719,7 @@ fn main() -> ExitCode {
     let result = rt.block_on(async move {
         match cli.command {
             Command::Demo(args) => demo::run(args).await,
-            Command::Migrate => migrate_cmd(&url).await,
+            Command::Migrate(args) => migrate_cmd(&url, args).await,
             Command::Relay(args) => relay_cmd(&url, *args).await,
             Command::Publish(args) => publish_cmd(&url, args).await,
             Command::Status(args) => status_cmd(&url, args).await,
