@@ -140,7 +140,8 @@ fn installed_version(dir: &Path) -> Option<String> {
 /// Install the pinned graphile-worker and the worker script under
 /// `out/peers/` (with `npm ci`, into a staging folder renamed into place
 /// once complete, so an interrupted install is never reused), or reuse the
-/// install a run before made from the same three files.
+/// install a run before made from the same three files. A new install
+/// removes the installs of other files beside it.
 async fn install(out: &Path, node: String) -> BenchResult<Install> {
     let pinned = pinned_version()?;
     let digest = Sha256::digest([PACKAGE_JSON, PACKAGE_LOCK, WORKER_JS].concat().as_bytes());
@@ -184,6 +185,14 @@ async fn install(out: &Path, node: String) -> BenchResult<Install> {
             }
         }
         eprintln!("e2e: peers: installed in {:.1} s", started.elapsed().as_secs_f64());
+        // Installs of other files (an older worker script or version) are
+        // not used again.
+        for entry in std::fs::read_dir(&root)?.flatten() {
+            let path = entry.path();
+            if path != dir && entry.file_name().to_string_lossy().starts_with(&format!("{PACKAGE}-")) {
+                let _ = std::fs::remove_dir_all(&path);
+            }
+        }
     }
     let version = installed_version(&dir).ok_or_else(|| format!("{} holds no {PACKAGE}", dir.display()))?;
     if version != pinned {
@@ -631,7 +640,9 @@ pub async fn run(ctx: &Ctx) -> BenchResult<Section> {
                 missing.join("` and `")
             );
             eprintln!("e2e: peers: {msg}");
-            let mut sec = Section::new("peers", "Peers: graphile-worker beside pg-outbox (skipped)", &["scenario"]);
+            let mut sec =
+                Section::new("peers", "Peers: graphile-worker beside pg-outbox (skipped)", &["scenario", "status"]);
+            sec.rows.push(vec!["peers".into(), format!("skipped: `{}` not found", missing.join("` and `"))]);
             sec.notes.push(msg);
             return Ok(sec);
         }
