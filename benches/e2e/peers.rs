@@ -11,6 +11,10 @@
 //!   scenario's producers), beside commit sent -> event received for the
 //!   `EventStream` and the relay.
 //!
+//! The pinned version is 0.17.3: the latest release whose declared engines
+//! (`node >= 14`) include the Node.js 20 this suite runs on; 0.18.0 declares
+//! `node >= 22.18.0`.
+//!
 //! It needs `node` and `npm` on the `PATH`; without either it is skipped
 //! with a note. The first run installs the pinned graphile-worker
 //! (`peers/package.json` and `peers/package-lock.json`, with `npm ci`) and
