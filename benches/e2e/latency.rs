@@ -4,7 +4,7 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime};
 
 use futures::StreamExt;
 use hdrhistogram::Histogram;
@@ -25,7 +25,7 @@ pub const PRODUCERS: usize = 16;
 /// the queue is full the schedule waits, counted as "behind".
 const QUEUE: usize = 64;
 /// How long to wait for the last events after the producers stop.
-const GRACE: Duration = Duration::from_secs(10);
+pub const GRACE: Duration = Duration::from_secs(10);
 /// Channel of the floor's notifications.
 const FLOOR_CHANNEL: &str = "pgo_bench_floor";
 /// Characters of filler in each latency event's payload (~0.3 KB JSON).
@@ -51,7 +51,33 @@ pub enum Subject {
     Relay,
 }
 
+/// What each producer statement does (see [`produce`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Produce {
+    /// Insert the payload into the floor's plain table and `pg_notify` the
+    /// send time, in one statement ([`Subject::Floor`]).
+    Floor,
+    /// `SELECT pg_notify(...)` of the send time alone ([`Subject::NotifyOnly`]).
+    NotifyOnly,
+    /// Insert the payload as an event into `events.outbox`.
+    Outbox,
+    /// `SELECT graphile_worker.add_job('probe', $1::json)` with the payload,
+    /// whose `data.w` also holds the wall-clock send time (microseconds since
+    /// the Unix epoch), for a receiver in another process to compare with
+    /// its own clock (the `peers` scenario).
+    AddJob,
+}
+
 impl Subject {
+    /// What its producers send.
+    fn produce(self) -> Produce {
+        match self {
+            Subject::Floor => Produce::Floor,
+            Subject::NotifyOnly => Produce::NotifyOnly,
+            Subject::Stream | Subject::StreamProducerLocked | Subject::Relay => Produce::Outbox,
+        }
+    }
+
     /// Name used in tables and the chart.
     pub fn name(self) -> &'static str {
         match self {
@@ -65,14 +91,15 @@ impl Subject {
 }
 
 /// Shared by producers and the receiver: the clock and the histogram.
-struct Probe {
+pub struct Probe {
     base: Instant,
     hist: Mutex<Histogram<u64>>,
     received: AtomicU64,
 }
 
 impl Probe {
-    fn new() -> BenchResult<Self> {
+    /// A probe whose clock starts now, with an empty histogram.
+    pub fn new() -> BenchResult<Self> {
         Ok(Probe {
             base: Instant::now(),
             hist: Mutex::new(Histogram::new_with_bounds(1, 600_000_000, 3)?),
@@ -81,15 +108,33 @@ impl Probe {
     }
 
     /// Microseconds since the probe was made.
-    fn now_us(&self) -> u64 {
+    pub fn now_us(&self) -> u64 {
         u64::try_from(self.base.elapsed().as_micros()).unwrap_or(u64::MAX)
     }
 
     /// An event sent at `sent_us` arrived now.
-    fn record(&self, sent_us: u64) {
-        let latency = self.now_us().saturating_sub(sent_us).max(1);
-        self.hist.lock().unwrap_or_else(PoisonError::into_inner).saturating_record(latency);
+    pub fn record(&self, sent_us: u64) {
+        self.record_latency(self.now_us().saturating_sub(sent_us));
+    }
+
+    /// An event arrived `latency_us` microseconds after it was sent
+    /// (measured by another clock than the probe's).
+    pub fn record_latency(&self, latency_us: u64) {
+        self.hist.lock().unwrap_or_else(PoisonError::into_inner).saturating_record(latency_us.max(1));
         self.received.fetch_add(1, Ordering::SeqCst);
+    }
+
+    /// Events recorded so far.
+    pub fn received(&self) -> u64 {
+        self.received.load(Ordering::SeqCst)
+    }
+
+    /// p50, p90, p99, p99.9 and max of the latencies recorded, milliseconds
+    /// (as [`LatencyRun::percentiles_ms`]).
+    pub fn percentiles_ms(&self) -> [f64; 5] {
+        let hist = self.hist.lock().unwrap_or_else(PoisonError::into_inner);
+        let ms = |q: f64| hist.value_at_quantile(q) as f64 / 1000.0;
+        [ms(0.5), ms(0.9), ms(0.99), ms(0.999), hist.max() as f64 / 1000.0]
     }
 }
 
@@ -224,25 +269,24 @@ impl Receiver {
 /// connection is busy and the queue is full the schedule waits: that is
 /// counted as "behind", and the achieved rate falls below the target.
 /// Returns (sent, behind, seconds).
-async fn produce(
+pub async fn produce(
     cfg: &Config,
-    subject: Subject,
+    what: Produce,
     rate: u64,
     secs: f64,
     probe: &Arc<Probe>,
 ) -> BenchResult<(u64, u64, f64)> {
-    let sql = match subject {
-        Subject::Floor => {
+    let sql = match what {
+        Produce::Floor => {
             format!(
                 "WITH i AS (INSERT INTO pgo_bench_floor (payload) VALUES ($1)) SELECT pg_notify('{FLOOR_CHANNEL}', $2)"
             )
         }
-        Subject::NotifyOnly => format!("SELECT pg_notify('{FLOOR_CHANNEL}', $1)"),
-        Subject::Stream | Subject::StreamProducerLocked | Subject::Relay => {
-            "INSERT INTO events.outbox (aggregate_type, aggregate_id, event_type, payload) \
+        Produce::NotifyOnly => format!("SELECT pg_notify('{FLOOR_CHANNEL}', $1)"),
+        Produce::Outbox => "INSERT INTO events.outbox (aggregate_type, aggregate_id, event_type, payload) \
               VALUES ('bench', gen_random_uuid(), 'LatencyProbe', $1)"
-                .to_string()
-        }
+            .to_string(),
+        Produce::AddJob => "SELECT graphile_worker.add_job('probe', $1::json)".to_string(),
     };
     let (tx, rx) = tokio::sync::mpsc::channel::<u64>(QUEUE);
     let rx = Arc::new(tokio::sync::Mutex::new(rx));
@@ -256,14 +300,16 @@ async fn produce(
             loop {
                 let Some(k) = rx.lock().await.recv().await else { break };
                 let t = probe.now_us();
-                let payload = json!({"version": 1, "data": {"t": t, "k": k, "producer": p, "note": filler},
-                                     "metadata": {"correlation_id": format!("bench-{k}")}});
-                match subject {
-                    Subject::Floor => client.execute(&stmt, &[&payload, &t.to_string()]).await?,
-                    Subject::NotifyOnly => client.execute(&stmt, &[&t.to_string()]).await?,
-                    Subject::Stream | Subject::StreamProducerLocked | Subject::Relay => {
-                        client.execute(&stmt, &[&payload]).await?
-                    }
+                let mut payload = json!({"version": 1, "data": {"t": t, "k": k, "producer": p, "note": filler},
+                                         "metadata": {"correlation_id": format!("bench-{k}")}});
+                if what == Produce::AddJob {
+                    let wall = SystemTime::now().duration_since(SystemTime::UNIX_EPOCH)?;
+                    payload["data"]["w"] = json!(u64::try_from(wall.as_micros())?);
+                }
+                match what {
+                    Produce::Floor => client.execute(&stmt, &[&payload, &t.to_string()]).await?,
+                    Produce::NotifyOnly => client.execute(&stmt, &[&t.to_string()]).await?,
+                    Produce::Outbox | Produce::AddJob => client.execute(&stmt, &[&payload]).await?,
                 };
             }
             Ok::<_, crate::common::BoxError>(())
@@ -314,7 +360,7 @@ pub async fn measure(cfg: &Config, subject: Subject, rate: u64, secs: f64) -> Be
     let probe = Arc::new(Probe::new()?);
     let receiver = Receiver::start(cfg, subject, probe.clone()).await?;
     let cpu_before = relay_cpu_us(cfg, &receiver).await;
-    let produced = produce(cfg, subject, rate, secs, &probe).await;
+    let produced = produce(cfg, subject.produce(), rate, secs, &probe).await;
     let (sent, behind, seconds) = match produced {
         Ok(p) => p,
         Err(e) => {
@@ -333,16 +379,14 @@ pub async fn measure(cfg: &Config, subject: Subject, rate: u64, secs: f64) -> Be
         _ => None,
     };
     receiver.stop().await?;
-    let hist = probe.hist.lock().unwrap_or_else(PoisonError::into_inner);
-    let ms = |q: f64| hist.value_at_quantile(q) as f64 / 1000.0;
     Ok(LatencyRun {
         subject,
         rate,
         seconds,
         sent,
-        received: probe.received.load(Ordering::SeqCst),
+        received: probe.received(),
         behind,
-        percentiles_ms: [ms(0.5), ms(0.9), ms(0.99), ms(0.999), hist.max() as f64 / 1000.0],
+        percentiles_ms: probe.percentiles_ms(),
         relay_cpu_us_per_event,
     })
 }

@@ -15,7 +15,16 @@
 //!   retry-waiting rows at the head of the id range, against an empty head;
 //! - `trigger-split` (only when named): the producers' server CPU per insert
 //!   for each step of the trigger's fast path, at 16 connections; and
-//!   pg-outbox's triggers with no relay running and with 8 hot aggregates.
+//!   pg-outbox's triggers with no relay running and with 8 hot aggregates;
+//! - `peers` (only when named): graphile-worker (npm, a LISTEN/NOTIFY job
+//!   queue) on the same server: a 100 000-job backlog drained by a no-op
+//!   task in its default and its documented high-throughput configuration,
+//!   beside the relay and the Consumer (batch 500) on as many settled
+//!   events; and `add_job` sent -> task started at 100 and 1 000 jobs/s,
+//!   beside the EventStream's and the relay's commit-to-delivery. Needs
+//!   `node` and `npm` (skipped with a note without them); installs the
+//!   pinned graphile-worker with `npm ci` under
+//!   `target/pg-outbox-bench/peers/` on its first run.
 //!
 //! Every figure is a ratio against a baseline measured in the same run (the
 //! machine may be shared and noisy); timings never fail the run, but each
@@ -27,7 +36,8 @@
 //! after a failure).
 //!
 //! Environment:
-//! - `PG_OUTBOX_BENCH_QUICK=1`: small sizes and short runs (about 2 minutes);
+//! - `PG_OUTBOX_BENCH_QUICK=1`: small sizes and short runs (about 2 minutes;
+//!   `peers`: 30 000 jobs, 3 s per latency run);
 //! - `PG_OUTBOX_BENCH_CONNECTIONS=1,4,16`: producer connection counts for
 //!   `producers` (default 1,4,16,64; quick 1,4,16) and `trigger-split`
 //!   (default 16), for servers with a low `max_connections`;
@@ -41,9 +51,11 @@
 //! `target/pg-outbox-bench/e2e.md`, `e2e.json` and `latency.png` (with
 //! `CARGO_TARGET_DIR`, under it). Under `cargo test --bench e2e` or
 //! `cargo test --all-targets` (no `--bench` argument) it runs a tiny smoke
-//! pass of every scenario, `trigger-split` included, and writes no files;
-//! `.ci/run` runs it, so a scenario that no longer runs fails CI (timings
-//! never do).
+//! pass of every scenario, `trigger-split` and `peers` included (`peers`
+//! only where `node` and `npm` are, then with 1 000 jobs and 1 s per
+//! latency run), and writes no report files (`peers` still installs
+//! graphile-worker under `target/pg-outbox-bench/peers/`); `.ci/run` runs
+//! it, so a scenario that no longer runs fails CI (timings never do).
 
 mod chart;
 #[path = "../common/mod.rs"]
@@ -54,6 +66,7 @@ mod keepup;
 mod latency;
 #[path = "../../tests/kit/options.rs"]
 mod options;
+mod peers;
 #[path = "../../tests/kit/process.rs"]
 mod process;
 mod producers;
@@ -76,7 +89,7 @@ use report::Section;
 /// Scenario names, in the order they run.
 pub const SCENARIOS: [&str; 5] = ["latency", "drain", "keepup", "producers", "heads"];
 /// Scenarios that run only when named, after the others.
-pub const EXTRA_SCENARIOS: [&str; 1] = ["trigger-split"];
+pub const EXTRA_SCENARIOS: [&str; 2] = ["trigger-split", "peers"];
 
 /// Sizes and durations of a run.
 #[derive(Debug, Clone, Serialize)]
@@ -121,6 +134,13 @@ pub struct Settings {
     pub heads_fresh: i64,
     /// Heads: seconds of the latency probe.
     pub heads_probe_secs: f64,
+    /// Peers: backlog size, jobs for graphile-worker and events for
+    /// pg-outbox (each drainer is capped at `drain_max_secs`).
+    pub peers_jobs: i64,
+    /// Peers: latency rates, jobs or events/s.
+    pub peers_rates: Vec<u64>,
+    /// Peers: seconds of sending per latency run.
+    pub peers_latency_secs: f64,
 }
 
 impl Settings {
@@ -174,6 +194,9 @@ impl Settings {
                 heads_rows: 1_000,
                 heads_fresh: 1_000,
                 heads_probe_secs: 0.5,
+                peers_jobs: 1_000,
+                peers_rates: vec![100],
+                peers_latency_secs: 1.0,
             }
         } else if quick {
             Settings {
@@ -195,6 +218,9 @@ impl Settings {
                 heads_rows: 20_000,
                 heads_fresh: 20_000,
                 heads_probe_secs: 2.0,
+                peers_jobs: 30_000,
+                peers_rates: vec![100, 1_000],
+                peers_latency_secs: 3.0,
             }
         } else {
             Settings {
@@ -216,6 +242,9 @@ impl Settings {
                 heads_rows: 100_000,
                 heads_fresh: 100_000,
                 heads_probe_secs: 5.0,
+                peers_jobs: 100_000,
+                peers_rates: vec![100, 1_000],
+                peers_latency_secs: 10.0,
             }
         };
         if let Some(v) = env_list::<usize>("PG_OUTBOX_BENCH_CONNECTIONS", "1,4,16")? {
@@ -257,8 +286,9 @@ pub struct Ctx {
     pub settings: Settings,
 }
 
-/// Where the reports go: `target/pg-outbox-bench/`.
-fn out_dir() -> PathBuf {
+/// Where the reports go: `target/pg-outbox-bench/` (under
+/// `CARGO_TARGET_DIR` when set).
+pub fn out_dir() -> PathBuf {
     let target = std::env::var_os("CARGO_TARGET_DIR")
         .map(PathBuf::from)
         .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("target"));
@@ -351,6 +381,7 @@ async fn bench() -> BenchResult<()> {
             "producers" => producers::run(&ctx).await,
             "heads" => heads::run(&ctx).await,
             "trigger-split" => producers::split(&ctx).await,
+            "peers" => peers::run(&ctx).await,
             other => Err(format!("unknown scenario {other}").into()),
         };
         drop_leftovers(&ctx.admin).await;
@@ -391,7 +422,7 @@ async fn bench() -> BenchResult<()> {
 
     if s.smoke {
         eprintln!(
-            "e2e: smoke pass (run `cargo bench --features full --bench e2e` for the real thing); no files written"
+            "e2e: smoke pass (run `cargo bench --features full --bench e2e` for the real thing); no report files written"
         );
     } else {
         let dir = out_dir();

@@ -41,7 +41,7 @@ impl Scratch {
 
 /// SQL expression of a ~1.5 KB seeded envelope for row `g` of a
 /// `generate_series`.
-fn envelope_sql() -> String {
+pub fn envelope_sql() -> String {
     format!(
         "jsonb_build_object('version', 1, \
            'data', jsonb_build_object('seq', g, 'amount', g % 100000, 'currency', 'KRW', \
