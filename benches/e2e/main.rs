@@ -13,6 +13,16 @@
 //! - `producers`: insert rate with pg-outbox's triggers against without;
 //! - `heads`: drain and latency with 100 000 dead letters and 100 000
 //!   retry-waiting rows at the head of the id range, against an empty head;
+//! - `history`: how cost grows with the table: the consumer's fetch
+//!   (buffers), producers (inserts/s) and the relay (drain rate) with 0,
+//!   1 000 000 and 10 000 000 published rows (30 days of history, settled),
+//!   against the empty table; then `pg-outbox archive` deleting the oldest
+//!   third while paced producers run: their p99 insert latency against just
+//!   before it, and the archive's rows/s;
+//! - `hot`: a 1 000 000-event backlog over 1 000 aggregates, with and
+//!   without 5 failing aggregates holding back their events, drained by the
+//!   Consumer, against every event its own aggregate (checks that exactly
+//!   the failing aggregates' events are left);
 //! - `trigger-split` (only when named): the producers' server CPU per insert
 //!   for each step of the trigger's fast path, at 16 connections; and
 //!   pg-outbox's triggers with no relay running and with 8 hot aggregates.
@@ -50,6 +60,8 @@ mod chart;
 mod common;
 mod drain;
 mod heads;
+mod history;
+mod hot;
 mod keepup;
 mod latency;
 #[path = "../../tests/kit/options.rs"]
@@ -74,7 +86,7 @@ use common::{BenchResult, connect, drop_database, find_server};
 use report::Section;
 
 /// Scenario names, in the order they run.
-pub const SCENARIOS: [&str; 5] = ["latency", "drain", "keepup", "producers", "heads"];
+pub const SCENARIOS: [&str; 7] = ["latency", "drain", "keepup", "producers", "heads", "history", "hot"];
 /// Scenarios that run only when named, after the others.
 pub const EXTRA_SCENARIOS: [&str; 1] = ["trigger-split"];
 
@@ -121,6 +133,26 @@ pub struct Settings {
     pub heads_fresh: i64,
     /// Heads: seconds of the latency probe.
     pub heads_probe_secs: f64,
+    /// History: published rows in the table at each step (the largest is
+    /// 30 days of history; the archive runs on it).
+    pub history_sizes: Vec<i64>,
+    /// History: events of the backlog the relay drains at each size.
+    pub history_backlog: i64,
+    /// History: seconds the producers' insert rate is counted (after
+    /// `producer_warmup_secs`), per size.
+    pub history_producer_secs: f64,
+    /// History: events/s of the paced producers around the archive.
+    pub history_paced_rate: u64,
+    /// History: seconds of the paced producers' baseline, just before the archive.
+    pub history_baseline_secs: f64,
+    /// History: the archive's `--batch-size` (rows per DELETE).
+    pub history_archive_batch: i64,
+    /// Hot: events in each backlog (a multiple of `hot_aggregates`).
+    pub hot_events: i64,
+    /// Hot: aggregates of the hot backlogs.
+    pub hot_aggregates: i64,
+    /// Hot: aggregates whose events the consumer fails.
+    pub hot_failing: i64,
 }
 
 impl Settings {
@@ -174,6 +206,15 @@ impl Settings {
                 heads_rows: 1_000,
                 heads_fresh: 1_000,
                 heads_probe_secs: 0.5,
+                history_sizes: vec![0, 1_000, 5_000],
+                history_backlog: 1_000,
+                history_producer_secs: 0.5,
+                history_paced_rate: 200,
+                history_baseline_secs: 1.0,
+                history_archive_batch: 500,
+                hot_events: 5_000,
+                hot_aggregates: 50,
+                hot_failing: 2,
             }
         } else if quick {
             Settings {
@@ -195,6 +236,15 @@ impl Settings {
                 heads_rows: 20_000,
                 heads_fresh: 20_000,
                 heads_probe_secs: 2.0,
+                history_sizes: vec![0, 100_000, 1_000_000],
+                history_backlog: 20_000,
+                history_producer_secs: 2.5,
+                history_paced_rate: 1_000,
+                history_baseline_secs: 5.0,
+                history_archive_batch: 10_000,
+                hot_events: 100_000,
+                hot_aggregates: 1_000,
+                hot_failing: 5,
             }
         } else {
             Settings {
@@ -216,6 +266,15 @@ impl Settings {
                 heads_rows: 100_000,
                 heads_fresh: 100_000,
                 heads_probe_secs: 5.0,
+                history_sizes: vec![0, 1_000_000, 10_000_000],
+                history_backlog: 100_000,
+                history_producer_secs: 4.0,
+                history_paced_rate: 1_000,
+                history_baseline_secs: 10.0,
+                history_archive_batch: 10_000,
+                hot_events: 1_000_000,
+                hot_aggregates: 1_000,
+                hot_failing: 5,
             }
         };
         if let Some(v) = env_list::<usize>("PG_OUTBOX_BENCH_CONNECTIONS", "1,4,16")? {
@@ -350,6 +409,8 @@ async fn bench() -> BenchResult<()> {
             "keepup" => keepup::run(&ctx).await,
             "producers" => producers::run(&ctx).await,
             "heads" => heads::run(&ctx).await,
+            "history" => history::run(&ctx).await,
+            "hot" => hot::run(&ctx).await,
             "trigger-split" => producers::split(&ctx).await,
             other => Err(format!("unknown scenario {other}").into()),
         };
