@@ -64,8 +64,9 @@ struct SizeRun {
     fetch_custom: i64,
     /// The same, generic plan (a long-lived prepared statement's).
     fetch_generic: i64,
-    /// Producer inserts/s (after the warm-up).
-    insert_rate: f64,
+    /// Producer inserts/s (after the warm-up): the run right after the
+    /// settle's CHECKPOINT, and the run after it.
+    insert_rates: [f64; 2],
     /// The relay's drain of the backlog.
     drain: DrainOutcome,
 }
@@ -109,7 +110,7 @@ async fn full_indexes(client: &Client) -> BenchResult<Vec<(String, String)>> {
             &[],
         )
         .await?;
-    Ok(rows.iter().map(|r| Ok((r.try_get(0)?, r.try_get(1)?))).collect::<BenchResult<_>>()?)
+    rows.iter().map(|r| Ok((r.try_get(0)?, r.try_get(1)?))).collect()
 }
 
 /// Insert the history rows with ids `lo..=hi` (of `n_max`, the largest
@@ -230,8 +231,11 @@ async fn measure(cfg: &Config, s: &Settings, rows: i64, load_secs: f64) -> Bench
     util::load_rows(&client, RowKind::Fresh, FETCH_TAIL, 1_000, "tail").await?;
     let batch = i64::try_from(pg_outbox::DEFAULT_BATCH_SIZE)?;
     let (fetch_custom, fetch_generic) = fetch_buffers(cfg, batch.min(FETCH_TAIL)).await?;
-    // The producers' relay drains the tail too.
-    let insert_rate = insert_rate(cfg, s).await?;
+    // The producers' relay drains the tail too. Two runs: the first right
+    // after the settle's CHECKPOINT, when the first change to each index
+    // page writes the whole page to the WAL (full_page_writes), the second
+    // when many pages have been.
+    let insert_rates = [insert_rate(cfg, s).await?, insert_rate(cfg, s).await?];
     util::load_rows(&client, RowKind::Fresh, s.history_backlog, 10_000, "backlog").await?;
     // Events the producers committed after their relay stopped are drained too.
     let due = util::fresh_unpublished(&client).await?;
@@ -245,13 +249,14 @@ async fn measure(cfg: &Config, s: &Settings, rows: i64, load_secs: f64) -> Bench
         .into());
     }
     eprintln!(
-        "e2e: history: {} rows: fetch {fetch_custom} / {fetch_generic} buffers, producers {} inserts/s, relay {} \
-         events/s",
+        "e2e: history: {} rows: fetch {fetch_custom} / {fetch_generic} buffers, producers {} then {} inserts/s, \
+         relay {} events/s",
         fmt_count(rows as f64),
-        fmt_count(insert_rate),
+        fmt_count(insert_rates[0]),
+        fmt_count(insert_rates[1]),
         fmt_count(drain.rate())
     );
-    Ok(SizeRun { rows, load_secs, total_mib, fetch_custom, fetch_generic, insert_rate, drain })
+    Ok(SizeRun { rows, load_secs, total_mib, fetch_custom, fetch_generic, insert_rates, drain })
 }
 
 /// One paced insert: when it was due (microseconds after the run's base
@@ -510,7 +515,7 @@ fn report(s: &Settings, runs: &[SizeRun], archive: Option<&ArchiveRun>) -> Secti
             "table + indexes MiB",
             "fetch buffers (custom / generic plan)",
             "fetch vs empty",
-            "producer inserts/s",
+            "producer inserts/s (after checkpoint / next run)",
             "producers vs empty",
             "relay events/s",
             "relay vs empty",
@@ -523,22 +528,22 @@ fn report(s: &Settings, runs: &[SizeRun], archive: Option<&ArchiveRun>) -> Secti
         let fetch_ratio = base.and_then(|b| {
             ratio(r.fetch_custom.max(r.fetch_generic) as f64, b.fetch_custom.max(b.fetch_generic) as f64)
         });
-        let prod_ratio = base.and_then(|b| ratio(r.insert_rate, b.insert_rate));
+        let prod_ratio = [0, 1].map(|k| base.and_then(|b| ratio(r.insert_rates[k], b.insert_rates[k])));
         let relay_ratio = base.and_then(|b| ratio(r.drain.rate(), b.drain.rate()));
         sec.rows.push(vec![
             fmt_count(r.rows as f64),
             format!("{:.0}", r.total_mib),
             format!("{} / {}", r.fetch_custom, r.fetch_generic),
             fmt_ratio(fetch_ratio),
-            fmt_count(r.insert_rate),
-            fmt_ratio(prod_ratio),
+            format!("{} / {}", fmt_count(r.insert_rates[0]), fmt_count(r.insert_rates[1])),
+            format!("{} / {}", fmt_ratio(prod_ratio[0]), fmt_ratio(prod_ratio[1])),
             fmt_count(r.drain.rate()),
             fmt_ratio(relay_ratio),
             format!("{:.0}", r.load_secs),
         ]);
         data.push(serde_json::json!({"published_rows": r.rows, "total_mib": r.total_mib,
             "fetch_buffers_custom": r.fetch_custom, "fetch_buffers_generic": r.fetch_generic,
-            "fetch_ratio": fetch_ratio, "producer_inserts_per_second": r.insert_rate, "producer_ratio": prod_ratio,
+            "fetch_ratio": fetch_ratio, "producer_inserts_per_second": r.insert_rates, "producer_ratios": prod_ratio,
             "relay": r.drain, "relay_events_per_second": r.drain.rate(), "relay_ratio": relay_ratio,
             "load_and_settle_seconds": r.load_secs}));
     }
@@ -602,7 +607,11 @@ fn report(s: &Settings, runs: &[SizeRun], archive: Option<&ArchiveRun>) -> Secti
          session with pg-outbox's planner settings, with {FETCH_TAIL} unpublished events (~1.5 KB) at the tail; \
          shared buffers hit + read of the plan, custom and generic plan; the ratio is of the larger. Producers: \
          {PRODUCERS} connections, single-row autocommit INSERTs of new aggregates as fast as they go with a relay \
-         draining, {} s of warm-up then {} s counted (one run per size). Relay: `pg-outbox relay --sink stdout` \
+         draining, {} s of warm-up then {} s counted; two runs per size, back to back: the first right after the \
+         settle's CHECKPOINT, when the first change to each index page after it writes the whole page to the WAL \
+         (`full_page_writes`), which with the aggregate index's random keys costs more the larger the index; the \
+         second when many of its pages have been written once (a live table pays the first after each \
+         checkpoint). Relay: `pg-outbox relay --sink stdout` \
          draining a backlog of {} events (~1.5 KB) inserted on top of the history (statistics from before it, as \
          an outage leaves them). Every ratio is against the empty table (0 rows) of the same run, measured first.",
         pg_outbox::DEFAULT_BATCH_SIZE,
