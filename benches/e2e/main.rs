@@ -37,7 +37,8 @@
 //! after a failure).
 //!
 //! Environment:
-//! - `PG_OUTBOX_BENCH_QUICK=1`: small sizes and short runs (about 2 minutes);
+//! - `PG_OUTBOX_BENCH_QUICK=1`: small sizes and short runs (about 5 minutes;
+//!   `history` grows its table to 1 000 000 rows instead of 10 000 000);
 //! - `PG_OUTBOX_BENCH_CONNECTIONS=1,4,16`: producer connection counts for
 //!   `producers` (default 1,4,16,64; quick 1,4,16) and `trigger-split`
 //!   (default 16), for servers with a low `max_connections`;
