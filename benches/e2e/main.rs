@@ -13,6 +13,16 @@
 //! - `producers`: insert rate with pg-outbox's triggers against without;
 //! - `heads`: drain and latency with 100 000 dead letters and 100 000
 //!   retry-waiting rows at the head of the id range, against an empty head;
+//! - `history`: how cost grows with the table: the consumer's fetch
+//!   (buffers), producers (inserts/s) and the relay (drain rate) with 0,
+//!   1 000 000 and 10 000 000 published rows (30 days of history, settled),
+//!   against the empty table; then `pg-outbox archive` deleting the oldest
+//!   third while paced producers run: their p99 insert latency against just
+//!   before it, and the archive's rows/s;
+//! - `hot`: a 1 000 000-event backlog over 1 000 aggregates, with and
+//!   without 5 failing aggregates holding back their events, drained by the
+//!   Consumer, against every event its own aggregate (checks that exactly
+//!   the failing aggregates' events are left);
 //! - `trigger-split` (only when named): the producers' server CPU per insert
 //!   for each step of the trigger's fast path, at 16 connections; and
 //!   pg-outbox's triggers with no relay running and with 8 hot aggregates;
@@ -36,7 +46,8 @@
 //! after a failure).
 //!
 //! Environment:
-//! - `PG_OUTBOX_BENCH_QUICK=1`: small sizes and short runs (about 2 minutes;
+//! - `PG_OUTBOX_BENCH_QUICK=1`: small sizes and short runs (about 5 minutes;
+//!   `history` grows its table to 1 000 000 rows instead of 10 000 000;
 //!   `peers`: 30 000 jobs, 3 s per latency run);
 //! - `PG_OUTBOX_BENCH_CONNECTIONS=1,4,16`: producer connection counts for
 //!   `producers` (default 1,4,16,64; quick 1,4,16) and `trigger-split`
@@ -62,6 +73,8 @@ mod chart;
 mod common;
 mod drain;
 mod heads;
+mod history;
+mod hot;
 mod keepup;
 mod latency;
 #[path = "../../tests/kit/options.rs"]
@@ -87,7 +100,7 @@ use common::{BenchResult, connect, drop_database, find_server};
 use report::Section;
 
 /// Scenario names, in the order they run.
-pub const SCENARIOS: [&str; 5] = ["latency", "drain", "keepup", "producers", "heads"];
+pub const SCENARIOS: [&str; 7] = ["latency", "drain", "keepup", "producers", "heads", "history", "hot"];
 /// Scenarios that run only when named, after the others.
 pub const EXTRA_SCENARIOS: [&str; 2] = ["trigger-split", "peers"];
 
@@ -141,6 +154,28 @@ pub struct Settings {
     pub peers_rates: Vec<u64>,
     /// Peers: seconds of sending per latency run.
     pub peers_latency_secs: f64,
+    /// History: published rows in the table at each step (the largest is
+    /// 30 days of history; the archive runs on it).
+    pub history_sizes: Vec<i64>,
+    /// History: events of the backlog the relay drains at each size.
+    pub history_backlog: i64,
+    /// History: seconds the producers' insert rate is counted (after
+    /// `producer_warmup_secs`), per size.
+    pub history_producer_secs: f64,
+    /// History: events/s of the paced producers around the archive (well
+    /// under what 16 producer connections insert at full speed on the
+    /// largest table, so the latency is not the schedule's backlog).
+    pub history_paced_rate: u64,
+    /// History: seconds of the paced producers' baseline, just before the archive.
+    pub history_baseline_secs: f64,
+    /// History: the archive's `--batch-size` (rows per DELETE).
+    pub history_archive_batch: i64,
+    /// Hot: events in each backlog (a multiple of `hot_aggregates`).
+    pub hot_events: i64,
+    /// Hot: aggregates of the hot backlogs.
+    pub hot_aggregates: i64,
+    /// Hot: aggregates whose events the consumer fails.
+    pub hot_failing: i64,
 }
 
 impl Settings {
@@ -197,6 +232,15 @@ impl Settings {
                 peers_jobs: 1_000,
                 peers_rates: vec![100],
                 peers_latency_secs: 1.0,
+                history_sizes: vec![0, 1_000, 5_000],
+                history_backlog: 1_000,
+                history_producer_secs: 0.5,
+                history_paced_rate: 200,
+                history_baseline_secs: 1.0,
+                history_archive_batch: 500,
+                hot_events: 5_000,
+                hot_aggregates: 50,
+                hot_failing: 2,
             }
         } else if quick {
             Settings {
@@ -221,6 +265,15 @@ impl Settings {
                 peers_jobs: 30_000,
                 peers_rates: vec![100, 1_000],
                 peers_latency_secs: 3.0,
+                history_sizes: vec![0, 100_000, 1_000_000],
+                history_backlog: 20_000,
+                history_producer_secs: 2.5,
+                history_paced_rate: 500,
+                history_baseline_secs: 5.0,
+                history_archive_batch: 10_000,
+                hot_events: 100_000,
+                hot_aggregates: 1_000,
+                hot_failing: 5,
             }
         } else {
             Settings {
@@ -245,6 +298,15 @@ impl Settings {
                 peers_jobs: 100_000,
                 peers_rates: vec![100, 1_000],
                 peers_latency_secs: 10.0,
+                history_sizes: vec![0, 1_000_000, 10_000_000],
+                history_backlog: 100_000,
+                history_producer_secs: 4.0,
+                history_paced_rate: 500,
+                history_baseline_secs: 10.0,
+                history_archive_batch: 10_000,
+                hot_events: 1_000_000,
+                hot_aggregates: 1_000,
+                hot_failing: 5,
             }
         };
         if let Some(v) = env_list::<usize>("PG_OUTBOX_BENCH_CONNECTIONS", "1,4,16")? {
@@ -380,6 +442,8 @@ async fn bench() -> BenchResult<()> {
             "keepup" => keepup::run(&ctx).await,
             "producers" => producers::run(&ctx).await,
             "heads" => heads::run(&ctx).await,
+            "history" => history::run(&ctx).await,
+            "hot" => hot::run(&ctx).await,
             "trigger-split" => producers::split(&ctx).await,
             "peers" => peers::run(&ctx).await,
             other => Err(format!("unknown scenario {other}").into()),

@@ -18,7 +18,7 @@ use crate::{Ctx, Settings};
 
 /// The producers' statement: one single-row autocommit INSERT per business
 /// transaction, a small payload; the aggregate is a parameter.
-const INSERT: &str = "INSERT INTO events.outbox (aggregate_type, aggregate_id, event_type, payload) \
+pub const INSERT: &str = "INSERT INTO events.outbox (aggregate_type, aggregate_id, event_type, payload) \
      VALUES ('bench', $1, 'Inserted', '{\"version\":1,\"data\":{\"amount\":990}}')";
 
 /// Inserts are counted per slice of this length.

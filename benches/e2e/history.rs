@@ -1,0 +1,618 @@
+//! Scenario `history`: how cost grows with the table. The same measurements
+//! with 0, 1 000 000 and 10 000 000 published rows already in
+//! `events.outbox` (30 days of history at about 330 000 events a day):
+//! - the consumer's fetch: buffers its statement touches
+//!   (`EXPLAIN (ANALYZE, BUFFERS)`) with a small unpublished backlog at the
+//!   tail, against the empty table;
+//! - producers: insert rate at 16 connections with a relay draining,
+//!   against the empty table;
+//! - the relay: drain rate of a backlog on top of the history, against the
+//!   empty table;
+//! - then, on the largest table, `pg-outbox archive --older-than 20d`
+//!   deleting the oldest third while producers insert at a paced rate:
+//!   their p99 insert latency during the archive against the same producers
+//!   just before it, and the archive's rows/s.
+//!
+//! One scratch database grows from the smallest size to the largest: each
+//! size adds the older part of the same 30-day history below the ids
+//! already there (ids ascend with time, as in a live table), then
+//! `VACUUM ANALYZE` and `CHECKPOINT` settle it, the state a live table with
+//! autovacuum has.
+
+use std::process::Stdio;
+use std::time::{Duration, Instant};
+
+use hdrhistogram::Histogram;
+use pg_outbox::tokio_postgres::{Client, Config};
+use tokio_util::sync::CancellationToken;
+
+use crate::common::{BenchResult, BoxError, connect};
+use crate::drain::{DrainOutcome, Drainer, Job, drain_in_child};
+use crate::producers::{INSERT, run_load};
+use crate::report::{Section, fmt_count, fmt_ms, fmt_ratio, ratio};
+use crate::util::{self, RowKind, conninfo, scratch, start_relay, stop_relay};
+use crate::{Ctx, Settings};
+
+/// Days of history the largest table holds; each size is the newest part.
+const DAYS: i64 = 30;
+/// The archive's cutoff: the oldest third of [`DAYS`].
+const ARCHIVE_OLDER_THAN: &str = "20d";
+/// Seconds in [`ARCHIVE_OLDER_THAN`], for the checks.
+const ARCHIVE_OLDER_THAN_SECS: f64 = 20.0 * 86_400.0;
+/// History rows loaded per statement (progress is printed after each).
+const LOAD_CHUNK: i64 = 1_000_000;
+/// Events per aggregate in the history, on average.
+const EVENTS_PER_AGGREGATE: i64 = 10;
+/// Unpublished events at the tail when the fetch is explained.
+const FETCH_TAIL: i64 = 1_000;
+/// Producer connections (insert rate, and the paced producers).
+const PRODUCERS: usize = 16;
+/// Warm-up of the paced producers before their baseline window.
+const PACED_WARMUP: Duration = Duration::from_millis(500);
+/// Longest the archive may run before the scenario gives up on it.
+const ARCHIVE_LIMIT: Duration = Duration::from_secs(900);
+
+/// One table size's figures.
+struct SizeRun {
+    /// Published history rows in the table.
+    rows: i64,
+    /// Seconds to load (and index) this size's new rows and settle the table.
+    load_secs: f64,
+    /// Table size with its indexes, MiB (after settling).
+    total_mib: f64,
+    /// Buffers (shared hit + read) of the fetch, custom plan.
+    fetch_custom: i64,
+    /// The same, generic plan (a long-lived prepared statement's).
+    fetch_generic: i64,
+    /// Producer inserts/s (after the warm-up): the run right after the
+    /// settle's CHECKPOINT, and the run after it.
+    insert_rates: [f64; 2],
+    /// The relay's drain of the backlog.
+    drain: DrainOutcome,
+}
+
+/// What the archive phase measured.
+struct ArchiveRun {
+    /// Rows deleted (as `pg-outbox archive` printed, checked against the table).
+    deleted: i64,
+    /// Statements the archive ran (printed by it).
+    batches: i64,
+    /// Wall time of the `pg-outbox archive` process, seconds.
+    seconds: f64,
+    /// History rows before the archive.
+    history_before: i64,
+    /// Paced producers before the archive: p50, p99, max in ms, and inserts.
+    before: Latencies,
+    /// The same during the archive.
+    during: Latencies,
+}
+
+/// Insert latencies of one window.
+#[derive(Debug, Clone, Copy, serde::Serialize)]
+struct Latencies {
+    inserts: u64,
+    p50_ms: f64,
+    p99_ms: f64,
+    max_ms: f64,
+}
+
+/// Indexes of `events.outbox` that are neither the primary key nor
+/// partial: name and definition (`pg_get_indexdef`). A history load drops
+/// and rebuilds them (the partial ones hold no published row, so they cost
+/// the load nothing).
+async fn full_indexes(client: &Client) -> BenchResult<Vec<(String, String)>> {
+    let rows = client
+        .query(
+            "SELECT c.relname::text, pg_get_indexdef(i.indexrelid) FROM pg_index i \
+             JOIN pg_class c ON c.oid = i.indexrelid \
+             WHERE i.indrelid = 'events.outbox'::regclass AND NOT i.indisprimary AND i.indpred IS NULL \
+             ORDER BY 1",
+            &[],
+        )
+        .await?;
+    rows.iter().map(|r| Ok((r.try_get(0)?, r.try_get(1)?))).collect()
+}
+
+/// Insert the history rows with ids `lo..=hi` (of `n_max`, the largest
+/// size): published, spread evenly over the [`DAYS`] before `anchor`
+/// (server time, epoch seconds), id `n_max` the newest; payloads of about
+/// 150 bytes; [`EVENTS_PER_AGGREGATE`] events per aggregate on average.
+/// Triggers do not fire (`session_replication_role = replica`; the rows are
+/// published, so the order trigger would have nothing to order). The
+/// indexes that are neither primary nor partial are dropped first and built
+/// again after (with `maintenance_work_mem` raised for this session): one
+/// sort instead of millions of random inserts into the aggregate index,
+/// several times faster; their definitions are checked to be back as they
+/// were.
+async fn load_history(client: &Client, lo: i64, hi: i64, n_max: i64, anchor: f64) -> BenchResult<()> {
+    if hi < lo {
+        return Ok(());
+    }
+    let indexes = full_indexes(client).await?;
+    client.batch_execute("SET maintenance_work_mem = '256MB'").await?;
+    for (name, _) in &indexes {
+        client.batch_execute(&format!("DROP INDEX events.{name}")).await?;
+    }
+    let aggregates = (n_max / EVENTS_PER_AGGREGATE).max(1);
+    let span = (DAYS * 86_400) as f64;
+    let started = Instant::now();
+    let mut from = lo;
+    while from <= hi {
+        let to = (from + LOAD_CHUNK - 1).min(hi);
+        let at = format!("to_timestamp({anchor}) - make_interval(secs => {span} * ({n_max} - g) / {n_max}::float8)");
+        let sql = format!(
+            "SET session_replication_role = replica; \
+             INSERT INTO events.outbox (id, aggregate_type, aggregate_id, event_type, payload, occurred_at, published_at) \
+             SELECT g, (ARRAY['subscription', 'invoice', 'account'])[1 + (g % {aggregates}) % 3], \
+                    md5('hist-' || (g % {aggregates}))::uuid, \
+                    (ARRAY['PaymentSucceeded', 'InvoiceIssued', 'AccountUpdated', 'PlanChanged'])[1 + g % 4], \
+                    jsonb_build_object('version', 1, \
+                      'data', jsonb_build_object('seq', g, 'amount', g % 100000, 'currency', 'KRW', 'note', md5(g::text)), \
+                      'metadata', jsonb_build_object('correlation_id', 'req-' || g)), \
+                    {at}, {at} + interval '40 milliseconds' \
+             FROM generate_series({from}::bigint, {to}::bigint) AS g; \
+             RESET session_replication_role;"
+        );
+        client.batch_execute(&sql).await.map_err(|e| {
+            format!(
+                "loading history rows {from}..={to} failed ({}); the bench loads with session_replication_role = \
+                 replica, which needs a superuser (or the role's SET privilege on it)",
+                pg_outbox::error::report(&e)
+            )
+        })?;
+        eprintln!(
+            "e2e: history: loaded {} of {} rows ({:.0} s)",
+            fmt_count((to - lo + 1) as f64),
+            fmt_count((hi - lo + 1) as f64),
+            started.elapsed().as_secs_f64()
+        );
+        from = to + 1;
+    }
+    for (name, def) in &indexes {
+        let t = Instant::now();
+        client.batch_execute(def).await?;
+        eprintln!("e2e: history: rebuilt {name} in {:.1} s", t.elapsed().as_secs_f64());
+    }
+    client.batch_execute("RESET maintenance_work_mem").await?;
+    let back = full_indexes(client).await?;
+    if back != indexes {
+        return Err(format!("the indexes rebuilt after the load differ: {back:?}, expected {indexes:?}").into());
+    }
+    Ok(())
+}
+
+/// Buffers of the consumer's fetch (custom plan, generic plan), run as the
+/// consumer runs it (`pg_outbox::fetch_query`: nothing in flight, a batch
+/// of [`pg_outbox::DEFAULT_BATCH_SIZE`]) under `EXPLAIN (ANALYZE, BUFFERS)`
+/// on a session opened as pg-outbox opens its own (its planner settings),
+/// in a transaction rolled back. Fails unless it returns `expect_rows`.
+async fn fetch_buffers(cfg: &Config, expect_rows: i64) -> BenchResult<(i64, i64)> {
+    let mut c = crate::options::options_of(cfg).with_application_name("pg-outbox bench fetch plan").connect().await?;
+    let sql = format!("EXPLAIN (ANALYZE, BUFFERS, TIMING OFF, FORMAT JSON) {}", pg_outbox::fetch_query());
+    let none: Vec<i64> = Vec::new();
+    let batch = i64::try_from(pg_outbox::DEFAULT_BATCH_SIZE)?;
+    let mut out = [0i64; 2];
+    for (k, generic) in [false, true].into_iter().enumerate() {
+        let tx = c.transaction().await?;
+        if generic {
+            tx.batch_execute("SET LOCAL plan_cache_mode = force_generic_plan").await?;
+        }
+        let plan: serde_json::Value = tx.query_one(&sql, &[&none, &batch]).await?.try_get(0)?;
+        tx.rollback().await?;
+        let top = &plan[0]["Plan"];
+        let rows = top["Actual Rows"].as_i64().unwrap_or(-1);
+        if rows != expect_rows {
+            return Err(format!("the fetch returned {rows} rows, expected {expect_rows}: {plan}").into());
+        }
+        out[k] = top["Shared Hit Blocks"].as_i64().unwrap_or(0) + top["Shared Read Blocks"].as_i64().unwrap_or(0);
+    }
+    Ok((out[0], out[1]))
+}
+
+/// Producers at full speed ([`PRODUCERS`] connections, new aggregates)
+/// with a relay draining: inserts/s after the warm-up, as in `producers`.
+async fn insert_rate(cfg: &Config, s: &Settings) -> BenchResult<f64> {
+    let relay = start_relay(&conninfo(cfg), &[], false).await?;
+    // Let the relay reach its idle state (asking for wake-ups).
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let (warmup, secs) = (s.producer_warmup_secs, s.history_producer_secs);
+    let load = run_load(cfg, PRODUCERS, warmup + secs, warmup, 0).await;
+    stop_relay(relay).await?;
+    let load = load?;
+    let counted: u64 = load.slices[load.warm_slices..].iter().sum();
+    Ok(if secs > 0.0 { counted as f64 / secs } else { 0.0 })
+}
+
+/// Measure one size: the fetch, the producers, the relay's drain.
+async fn measure(cfg: &Config, s: &Settings, rows: i64, load_secs: f64) -> BenchResult<SizeRun> {
+    let client = connect(cfg).await?;
+    let total_mib: f64 =
+        client.query_one("SELECT pg_total_relation_size('events.outbox')::float8 / 1048576", &[]).await?.try_get(0)?;
+    util::load_rows(&client, RowKind::Fresh, FETCH_TAIL, 1_000, "tail").await?;
+    let batch = i64::try_from(pg_outbox::DEFAULT_BATCH_SIZE)?;
+    let (fetch_custom, fetch_generic) = fetch_buffers(cfg, batch.min(FETCH_TAIL)).await?;
+    // The producers' relay drains the tail too. Two runs: the first right
+    // after the settle's CHECKPOINT, when the first change to each index
+    // page writes the whole page to the WAL (full_page_writes), the second
+    // when many pages have been.
+    let insert_rates = [insert_rate(cfg, s).await?, insert_rate(cfg, s).await?];
+    util::load_rows(&client, RowKind::Fresh, s.history_backlog, 10_000, "backlog").await?;
+    // Events the producers committed after their relay stopped are drained too.
+    let due = util::fresh_unpublished(&client).await?;
+    let job = Job { drainer: Drainer::Relay, limit: u64::try_from(due)?, max_secs: s.drain_max_secs };
+    let drain = drain_in_child(cfg, &job).await?;
+    if drain.capped {
+        return Err(format!(
+            "the relay drained {} of {due} events in the {:.0} s cap with {} history rows",
+            drain.events, s.drain_max_secs, rows
+        )
+        .into());
+    }
+    eprintln!(
+        "e2e: history: {} rows: fetch {fetch_custom} / {fetch_generic} buffers, producers {} then {} inserts/s, \
+         relay {} events/s",
+        fmt_count(rows as f64),
+        fmt_count(insert_rates[0]),
+        fmt_count(insert_rates[1]),
+        fmt_count(drain.rate())
+    );
+    Ok(SizeRun { rows, load_secs, total_mib, fetch_custom, fetch_generic, insert_rates, drain })
+}
+
+/// One paced insert: when it was due (microseconds after the run's base
+/// instant) and how long after that it returned (microseconds).
+type Sample = (u64, u64);
+
+/// Producers at `rate` inserts/s in all from [`PRODUCERS`] connections,
+/// each on its own evenly offset schedule, until `stop`. Each insert's
+/// latency runs from when it was due, so a stall that delays the inserts
+/// queued behind it counts for each of them. Returns the samples, their
+/// due times relative to `base`.
+async fn paced(cfg: &Config, rate: u64, base: Instant, stop: CancellationToken) -> BenchResult<Vec<Sample>> {
+    let period = Duration::from_secs_f64(PRODUCERS as f64 / rate.max(1) as f64);
+    let start = Instant::now();
+    let mut tasks = Vec::new();
+    for p in 0..PRODUCERS {
+        let client = connect(cfg).await?;
+        let stmt = client.prepare(INSERT).await?;
+        let stop = stop.clone();
+        let first = start + period.mul_f64(p as f64 / PRODUCERS as f64) + Duration::from_millis(50);
+        tasks.push(tokio::spawn(async move {
+            let mut samples = Vec::new();
+            for k in 0u32.. {
+                let due = first + period * k;
+                tokio::select! {
+                    _ = stop.cancelled() => break,
+                    _ = tokio::time::sleep_until(due.into()) => {}
+                }
+                client.execute(&stmt, &[&uuid::Uuid::new_v4()]).await?;
+                let us = |d: Duration| u64::try_from(d.as_micros()).unwrap_or(u64::MAX);
+                samples.push((us(due.duration_since(base)), us(due.elapsed()).max(1)));
+            }
+            Ok::<_, BoxError>(samples)
+        }));
+    }
+    let mut all = Vec::new();
+    for t in tasks {
+        all.extend(t.await??);
+    }
+    Ok(all)
+}
+
+/// Latencies of the samples due in `from_us..to_us`.
+fn window(samples: &[Sample], from_us: u64, to_us: u64) -> BenchResult<Latencies> {
+    let mut h = Histogram::<u64>::new_with_bounds(1, 600_000_000, 3)?;
+    for &(_, lat) in samples.iter().filter(|(at, _)| (from_us..to_us).contains(at)) {
+        h.saturating_record(lat);
+    }
+    let ms = |q: f64| h.value_at_quantile(q) as f64 / 1000.0;
+    Ok(Latencies { inserts: h.len(), p50_ms: ms(0.5), p99_ms: ms(0.99), max_ms: h.max() as f64 / 1000.0 })
+}
+
+/// History rows (ids up to `n_max`): how many, how many of them were
+/// published before the archive's cutoff at server time `at` (epoch
+/// seconds), and the lowest id left (`None` when none is).
+async fn history_counts(client: &Client, n_max: i64, at: f64) -> BenchResult<(i64, i64, Option<i64>)> {
+    let row = client
+        .query_one(
+            "SELECT count(*), count(*) FILTER (WHERE published_at < to_timestamp($2) - make_interval(secs => $3)), \
+                    min(id) \
+             FROM events.outbox WHERE id <= $1",
+            &[&n_max, &at, &ARCHIVE_OLDER_THAN_SECS],
+        )
+        .await?;
+    Ok((row.try_get(0)?, row.try_get(1)?, row.try_get(2)?))
+}
+
+/// When history row `id` was published (epoch seconds), as
+/// [`load_history`] wrote it.
+fn published_at(id: i64, n_max: i64, anchor: f64) -> f64 {
+    anchor - (DAYS * 86_400) as f64 * (n_max - id) as f64 / n_max as f64 + 0.04
+}
+
+async fn server_now(client: &Client) -> BenchResult<f64> {
+    Ok(client.query_one("SELECT extract(epoch FROM clock_timestamp())::float8", &[]).await?.try_get(0)?)
+}
+
+/// `pg-outbox archive --older-than 20d --batch-size <batch>` on `cfg`:
+/// (deleted, batches) as it printed them, and its wall time.
+async fn archive(cfg: &Config, batch: i64) -> BenchResult<(i64, i64, f64)> {
+    let mut cmd = tokio::process::Command::new(util::relay_bin());
+    crate::process::clean_env(&mut cmd);
+    let batch = batch.to_string();
+    cmd.env("DATABASE_URL", conninfo(cfg))
+        .args(["archive", "--older-than", ARCHIVE_OLDER_THAN, "--batch-size", &batch])
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true);
+    let started = Instant::now();
+    let out = tokio::time::timeout(ARCHIVE_LIMIT, cmd.output())
+        .await
+        .map_err(|_| format!("pg-outbox archive did not finish within {} s", ARCHIVE_LIMIT.as_secs()))??;
+    let seconds = started.elapsed().as_secs_f64();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    if !out.status.success() {
+        return Err(format!(
+            "pg-outbox archive failed ({}): {}{}",
+            out.status,
+            stdout.trim(),
+            String::from_utf8_lossy(&out.stderr).trim()
+        )
+        .into());
+    }
+    // "deleted N published events older than 20days in B batches"
+    let words: Vec<&str> = stdout.split_whitespace().collect();
+    let after = |w: &str| words.iter().position(|x| *x == w).and_then(|i| words.get(i + 1)?.parse::<i64>().ok());
+    let batches = words.iter().position(|x| *x == "batches").and_then(|i| words.get(i.checked_sub(1)?)?.parse().ok());
+    match (after("deleted"), batches) {
+        (Some(d), Some(b)) => Ok((d, b, seconds)),
+        _ => Err(format!("pg-outbox archive printed {stdout:?}, expected \"deleted N ... in B batches\"").into()),
+    }
+}
+
+/// The archive phase on the largest table: paced producers with a relay
+/// draining, a baseline window, then `pg-outbox archive` while they go on.
+/// Checks that the archive deleted exactly the history rows older than its
+/// cutoff and nothing else (`anchor`: the history's newest time, as given
+/// to [`load_history`]).
+async fn archive_phase(cfg: &Config, s: &Settings, n_max: i64, anchor: f64) -> BenchResult<ArchiveRun> {
+    let client = connect(cfg).await?;
+    // Counted before the producers start, so the count's scan of the table
+    // is in neither window. Rows older than the cutoff now are older than
+    // it when the archive starts.
+    let counted_at = server_now(&client).await?;
+    let (history_before, due_before, _) = history_counts(&client, n_max, counted_at).await?;
+    eprintln!(
+        "e2e: history: archive --older-than {ARCHIVE_OLDER_THAN}: {} of {} history rows are older",
+        fmt_count(due_before as f64),
+        fmt_count(history_before as f64)
+    );
+    let relay = start_relay(&conninfo(cfg), &[], false).await?;
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let base = Instant::now();
+    let stop = CancellationToken::new();
+    let producers = {
+        let (cfg, stop) = (cfg.clone(), stop.clone());
+        let rate = s.history_paced_rate;
+        tokio::spawn(async move { paced(&cfg, rate, base, stop).await })
+    };
+    let result = async {
+        tokio::time::sleep(PACED_WARMUP).await;
+        let before_from = base.elapsed();
+        tokio::time::sleep(Duration::from_secs_f64(s.history_baseline_secs)).await;
+        let archive_from = base.elapsed();
+        let started_at = server_now(&client).await?;
+        let (deleted, batches, seconds) = archive(cfg, s.history_archive_batch).await?;
+        let archive_to = base.elapsed();
+        Ok::<_, BoxError>((before_from, archive_from, archive_to, started_at, deleted, batches, seconds))
+    }
+    .await;
+    stop.cancel();
+    let samples = producers.await?;
+    stop_relay(relay).await?;
+    let (before_from, archive_from, archive_to, started_at, deleted, batches, seconds) = result?;
+    let samples = samples?;
+    let us = |d: Duration| u64::try_from(d.as_micros()).unwrap_or(u64::MAX);
+    let before = window(&samples, us(before_from), us(archive_from))?;
+    let during = window(&samples, us(archive_from), us(archive_to))?;
+    // The archive deleted exactly the history rows older than its cutoff:
+    // every one that was older when it started, none younger than the
+    // cutoff when it ended, and no other row.
+    let ended_at = server_now(&client).await?;
+    let (history_after, older_left, lowest) = history_counts(&client, n_max, started_at).await?;
+    let produced = before.inserts + during.inserts;
+    // The archive deleted the oldest `deleted` history rows and no other
+    // (the rest of ids 1..=n_max are all there), every row older than its
+    // cutoff when it started, and none that was younger than its cutoff
+    // when it ended.
+    let exact = history_before == n_max
+        && history_after == n_max - deleted
+        && lowest == (deleted < n_max).then_some(deleted + 1)
+        && older_left == 0
+        && deleted >= due_before
+        && (deleted == 0 || published_at(deleted, n_max, anchor) < ended_at - ARCHIVE_OLDER_THAN_SECS);
+    if !exact {
+        return Err(format!(
+            "the archive did not delete exactly the oldest history rows: it printed {deleted} deleted; history rows \
+             went from {history_before} (of {n_max}) to {history_after}, the lowest id left is {lowest:?}; \
+             {due_before} were older than the cutoff before it started, {older_left} older than the cutoff when it \
+             started are left"
+        )
+        .into());
+    }
+    eprintln!(
+        "e2e: history: archive deleted {} rows in {batches} batches, {seconds:.1} s ({} rows/s); producer p99 {:.2} \
+         ms before, {:.2} ms during ({produced} paced inserts)",
+        fmt_count(deleted as f64),
+        fmt_count(deleted as f64 / seconds.max(1e-9)),
+        before.p99_ms,
+        during.p99_ms
+    );
+    Ok(ArchiveRun { deleted, batches, seconds, history_before, before, during })
+}
+
+/// Run the scenario in one scratch database, grown size by size.
+pub async fn run(ctx: &Ctx) -> BenchResult<Section> {
+    let s: &Settings = &ctx.settings;
+    let mut sizes = s.history_sizes.clone();
+    sizes.sort_unstable();
+    sizes.dedup();
+    let n_max = sizes.last().copied().unwrap_or(0);
+    let db = scratch(&ctx.admin, &ctx.admin_cfg, "history").await?;
+    let result = async {
+        let client = connect(&db.cfg).await?;
+        client
+            .batch_execute(
+                "ALTER TABLE events.outbox SET (autovacuum_enabled = false, toast.autovacuum_enabled = false)",
+            )
+            .await?;
+        // History takes ids 1..=n_max; everything else comes after.
+        client.execute("SELECT setval('events.outbox_id_seq', $1)", &[&n_max.max(1)]).await?;
+        let anchor = server_now(&client).await?;
+        let mut runs = Vec::new();
+        let mut loaded = 0;
+        for (i, &size) in sizes.iter().enumerate() {
+            let t = Instant::now();
+            // The older part of the history, below the rows already there.
+            load_history(&client, n_max - size + 1, n_max - loaded, n_max, anchor).await?;
+            loaded = size;
+            util::settle(&client).await?;
+            let load_secs = t.elapsed().as_secs_f64();
+            eprintln!("e2e: history: {} history rows, loaded and settled in {load_secs:.1} s", fmt_count(size as f64));
+            runs.push(measure(&db.cfg, s, size, load_secs).await?);
+            if i + 1 < sizes.len() {
+                // Back to history only; the next settle vacuums these.
+                client.execute("DELETE FROM events.outbox WHERE id > $1", &[&n_max]).await?;
+            }
+        }
+        let archive = if n_max > 0 { Some(archive_phase(&db.cfg, s, n_max, anchor).await?) } else { None };
+        Ok::<_, BoxError>((runs, archive))
+    }
+    .await;
+    db.drop_now(&ctx.admin).await;
+    let (runs, archive) = result?;
+    Ok(report(s, &runs, archive.as_ref()))
+}
+
+/// The section: one row per size, ratios against the empty table; the
+/// archive's figures in the notes and targets.
+fn report(s: &Settings, runs: &[SizeRun], archive: Option<&ArchiveRun>) -> Section {
+    let mut sec = Section::new(
+        "history",
+        &format!(
+            "Cost with the table's history: 0 to {} published rows",
+            fmt_count(runs.last().map_or(0, |r| r.rows) as f64)
+        ),
+        &[
+            "published rows",
+            "table + indexes MiB",
+            "fetch buffers (custom / generic plan)",
+            "fetch vs empty",
+            "producer inserts/s (after checkpoint / next run)",
+            "producers vs empty",
+            "relay events/s",
+            "relay vs empty",
+            "load + settle s",
+        ],
+    );
+    let base = runs.first();
+    let mut data = Vec::new();
+    for r in runs {
+        let fetch_ratio = base.and_then(|b| {
+            ratio(r.fetch_custom.max(r.fetch_generic) as f64, b.fetch_custom.max(b.fetch_generic) as f64)
+        });
+        let prod_ratio = [0, 1].map(|k| base.and_then(|b| ratio(r.insert_rates[k], b.insert_rates[k])));
+        let relay_ratio = base.and_then(|b| ratio(r.drain.rate(), b.drain.rate()));
+        sec.rows.push(vec![
+            fmt_count(r.rows as f64),
+            format!("{:.0}", r.total_mib),
+            format!("{} / {}", r.fetch_custom, r.fetch_generic),
+            fmt_ratio(fetch_ratio),
+            format!("{} / {}", fmt_count(r.insert_rates[0]), fmt_count(r.insert_rates[1])),
+            format!("{} / {}", fmt_ratio(prod_ratio[0]), fmt_ratio(prod_ratio[1])),
+            fmt_count(r.drain.rate()),
+            fmt_ratio(relay_ratio),
+            format!("{:.0}", r.load_secs),
+        ]);
+        data.push(serde_json::json!({"published_rows": r.rows, "total_mib": r.total_mib,
+            "fetch_buffers_custom": r.fetch_custom, "fetch_buffers_generic": r.fetch_generic,
+            "fetch_ratio": fetch_ratio, "producer_inserts_per_second": r.insert_rates, "producer_ratios": prod_ratio,
+            "relay": r.drain, "relay_events_per_second": r.drain.rate(), "relay_ratio": relay_ratio,
+            "load_and_settle_seconds": r.load_secs}));
+    }
+    if let (Some(b), Some(l)) = (base, runs.last()) {
+        let rows = fmt_count(l.rows as f64);
+        sec.target(
+            format!("fetch buffers with {rows} published rows flat (<= 1.1x the empty table)"),
+            ratio(l.fetch_custom.max(l.fetch_generic) as f64, b.fetch_custom.max(b.fetch_generic) as f64),
+            1.1,
+            true,
+        );
+    }
+    let mut archive_json = serde_json::Value::Null;
+    if let Some(a) = archive {
+        let p99 = ratio(a.during.p99_ms, a.before.p99_ms);
+        let rate = a.deleted as f64 / a.seconds.max(1e-9);
+        sec.notes.push(format!(
+            "Archive: `pg-outbox archive --older-than {ARCHIVE_OLDER_THAN} --batch-size {}` (pause between \
+             batches: the default, 100 ms) on the largest table deleted {} of its {} history rows (the oldest \
+             third) in {} batches, {:.1} s: **{} rows/s**. Meanwhile {PRODUCERS} producer connections inserted at \
+             {} events/s in all (single-row autocommit INSERTs, each latency from when the insert was due), with a \
+             relay draining: p50 {} ms, p99 {} ms, max {} ms during the archive ({} inserts) against p50 {} ms, \
+             p99 {} ms, max {} ms in the {} s just before it ({} inserts): p99 {}. Checked: the rows gone are \
+             exactly the history rows older than the cutoff.",
+            s.history_archive_batch,
+            fmt_count(a.deleted as f64),
+            fmt_count(a.history_before as f64),
+            a.batches,
+            a.seconds,
+            fmt_count(rate),
+            fmt_count(s.history_paced_rate as f64),
+            fmt_ms(a.during.p50_ms),
+            fmt_ms(a.during.p99_ms),
+            fmt_ms(a.during.max_ms),
+            a.during.inserts,
+            fmt_ms(a.before.p50_ms),
+            fmt_ms(a.before.p99_ms),
+            fmt_ms(a.before.max_ms),
+            s.history_baseline_secs,
+            a.before.inserts,
+            fmt_ratio(p99),
+        ));
+        sec.target("producer p99 insert latency during the archive <= 1.5x without it".into(), p99, 1.5, true);
+        archive_json = serde_json::json!({"deleted": a.deleted, "batches": a.batches, "seconds": a.seconds,
+            "rows_per_second": rate, "history_rows_before": a.history_before, "batch_size": s.history_archive_batch,
+            "paced_rate": s.history_paced_rate, "producers_before": a.before, "producers_during": a.during,
+            "p99_ratio": p99});
+    }
+    sec.notes.push(format!(
+        "History: published rows spread evenly over {DAYS} days (the largest size at {} events a day), payloads of \
+         about 150 bytes, {EVENTS_PER_AGGREGATE} events per aggregate; each size is the newest part of the same \
+         history, its ids ascending with time. One database grows size by size: the older rows are inserted below \
+         the ids already there (INSERT ... SELECT generate_series, triggers off, the aggregate and event-type \
+         indexes dropped and rebuilt, so those two are packed tighter than on a live table), then VACUUM ANALYZE \
+         and CHECKPOINT: the settled state, what a live table with autovacuum has. Between sizes the rows the \
+         measurements added are deleted.",
+        fmt_count(runs.last().map_or(0, |r| r.rows) as f64 / DAYS as f64)
+    ));
+    sec.notes.push(format!(
+        "Fetch: `pg_outbox::fetch_query()` (nothing in flight, batch {}) under EXPLAIN (ANALYZE, BUFFERS) on a \
+         session with pg-outbox's planner settings, with {FETCH_TAIL} unpublished events (~1.5 KB) at the tail; \
+         shared buffers hit + read of the plan, custom and generic plan; the ratio is of the larger. Producers: \
+         {PRODUCERS} connections, single-row autocommit INSERTs of new aggregates as fast as they go with a relay \
+         draining, {} s of warm-up then {} s counted; two runs per size, back to back: the first right after the \
+         settle's CHECKPOINT, when the first change to each index page after it writes the whole page to the WAL \
+         (`full_page_writes`), which with the aggregate index's random keys costs more the larger the index; the \
+         second when many of its pages have been written once (a live table pays the first after each \
+         checkpoint). Relay: `pg-outbox relay --sink stdout` \
+         draining a backlog of {} events (~1.5 KB) inserted on top of the history (statistics from before it, as \
+         an outage leaves them). Every ratio is against the empty table (0 rows) of the same run, measured first.",
+        pg_outbox::DEFAULT_BATCH_SIZE,
+        s.producer_warmup_secs,
+        s.history_producer_secs,
+        fmt_count(s.history_backlog as f64)
+    ));
+    sec.data = serde_json::json!({"sizes": data, "archive": archive_json});
+    sec
+}
