@@ -462,11 +462,7 @@ pub async fn run(ctx: &Ctx) -> BenchResult<Section> {
     let db = scratch(&ctx.admin, &ctx.admin_cfg, "history").await?;
     let result = async {
         let client = connect(&db.cfg).await?;
-        client
-            .batch_execute(
-                "ALTER TABLE events.outbox SET (autovacuum_enabled = false, toast.autovacuum_enabled = false)",
-            )
-            .await?;
+        util::autovacuum_off(&client).await?;
         // History takes ids 1..=n_max; everything else comes after.
         client.execute("SELECT setval('events.outbox_id_seq', $1)", &[&n_max.max(1)]).await?;
         let anchor = server_now(&client).await?;

@@ -194,11 +194,7 @@ async fn one(ctx: &Ctx, layout: Layout, tag: &str) -> BenchResult<HotRun> {
     let db = scratch(&ctx.admin, &ctx.admin_cfg, tag).await?;
     let result = async {
         let client = connect(&db.cfg).await?;
-        client
-            .batch_execute(
-                "ALTER TABLE events.outbox SET (autovacuum_enabled = false, toast.autovacuum_enabled = false)",
-            )
-            .await?;
+        util::autovacuum_off(&client).await?;
         let started = Instant::now();
         util::load_rows(&client, RowKind::Fresh, layout.events, layout.aggregates, PREFIX).await?;
         util::settle(&client).await?;

@@ -219,3 +219,12 @@ where
         tokio::time::sleep(every).await;
     }
 }
+
+/// Turn autovacuum off on `events.outbox` and its TOAST table, so only the
+/// scenario decides when the table is vacuumed or analysed.
+pub async fn autovacuum_off(client: &Client) -> BenchResult<()> {
+    client
+        .batch_execute("ALTER TABLE events.outbox SET (autovacuum_enabled = false, toast.autovacuum_enabled = false)")
+        .await?;
+    Ok(())
+}

@@ -182,6 +182,16 @@ async fn producer_locked_insert_path_calls_no_function_while_every_relay_is_busy
     assert_eq!(wake_calls_of_two_statements(&db, 1).await, 0, "outbox-locked: the wake trigger is disabled");
 }
 
+/// Insert one event of a new aggregate in `tx`.
+async fn insert_one(tx: &tokio_postgres::Transaction<'_>) {
+    tx.execute(
+        "INSERT INTO events.outbox (aggregate_type, aggregate_id, event_type, payload) VALUES ('a', $1, 'E', '{}')",
+        &[&Uuid::new_v4()],
+    )
+    .await
+    .expect("insert");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn switching_modes_is_idempotent_kept_by_migrate_and_waits_for_running_producers() {
     let db = TestDb::new("ordering_switch").await;
@@ -201,12 +211,7 @@ async fn switching_modes_is_idempotent_kept_by_migrate_and_waits_for_running_pro
     // back until it ends; its event and the next ones are all there.
     let mut p = db.client().await;
     let tx = p.transaction().await.expect("producer tx");
-    tx.execute(
-        "INSERT INTO events.outbox (aggregate_type, aggregate_id, event_type, payload) VALUES ('a', $1, 'E', '{}')",
-        &[&Uuid::new_v4()],
-    )
-    .await
-    .expect("insert");
+    insert_one(&tx).await;
     let options = db.options();
     let switch = tokio::spawn(async move { migrate::set_ordering(&options, OrderingMode::OutboxLocked).await });
     tokio::time::sleep(Duration::from_millis(300)).await;
@@ -223,12 +228,7 @@ async fn switching_modes_is_idempotent_kept_by_migrate_and_waits_for_running_pro
     // A producer that keeps its transaction open longer than 5 s makes the
     // switch fail with lock_not_available, changing nothing.
     let tx = p.transaction().await.expect("producer tx");
-    tx.execute(
-        "INSERT INTO events.outbox (aggregate_type, aggregate_id, event_type, payload) VALUES ('a', $1, 'E', '{}')",
-        &[&Uuid::new_v4()],
-    )
-    .await
-    .expect("insert");
+    insert_one(&tx).await;
     let err = migrate::set_ordering(&db.options(), OrderingMode::ProducerLocked).await.expect_err("lock timeout");
     assert_eq!(err.code(), Some(&tokio_postgres::error::SqlState::LOCK_NOT_AVAILABLE), "{err:?}");
     tx.commit().await.expect("commit");
