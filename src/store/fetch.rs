@@ -247,7 +247,7 @@ mod tests {
         assert_eq!(EVENT_COLUMNS.split(", ").count(), 8, "{EVENT_COLUMNS}");
         let sql = fetch_sql(true, PayloadSizes::StoredWhenSmall);
         assert!(sql.starts_with(&format!("SELECT {EVENT_COLUMNS}, ")), "{sql}");
-        assert!(sql.contains(&format!("AS {PARTITION} FROM")), "{sql}");
+        assert!(sql.contains(&format!("AS {PARTITION}, o.bytes_before AS {BYTES_BEFORE} FROM")), "{sql}");
         assert!(!fetch_sql(false, PayloadSizes::StoredWhenSmall).contains(PARTITION_EXPR));
     }
 
