@@ -201,4 +201,20 @@ async fn a_wrong_max_buffered_bytes_is_an_error_naming_the_flag() {
     assert!(line.contains("\"64MiB\"") && line.contains("# default"), "{line}");
     let out = cli(&["relay", "--sink", "stdout", "--max-buffered-bytes", "256MiB", "--print-config"]).run().await;
     assert!(out.stdout.contains("max_buffered_bytes = \"256MiB\""), "{}", out.stdout);
+
+    // A config file may give a size or a number of bytes; a wrong one names
+    // the key and the file.
+    let dir = tempfile::tempdir().expect("temp dir");
+    for (text, ok) in [("max_buffered_bytes = 8388608\n", true), ("max_buffered_bytes = \"1KiB\"\n", false)] {
+        let file = dir.path().join("relay.toml");
+        std::fs::write(&file, text).expect("write config");
+        let path = file.to_string_lossy().into_owned();
+        let out = cli(&["relay", "--config", &path, "--print-config"]).run().await;
+        if ok {
+            assert!(out.ok() && out.stdout.contains("max_buffered_bytes = 8388608"), "{text}: {out:?}");
+        } else {
+            assert!(!out.ok(), "{text}: refused");
+            assert!(out.stderr.contains("max_buffered_bytes") && out.stderr.contains(&path), "{text}: {}", out.stderr);
+        }
+    }
 }

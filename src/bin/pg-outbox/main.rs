@@ -129,7 +129,7 @@ struct RelayArgs {
     /// The relay hands one event at a time to the sink and queues none of
     /// its own.
     #[arg(long, value_parser = parse_byte_size, default_value = "64MiB", value_name = "SIZE")]
-    max_buffered_bytes: usize,
+    max_buffered_bytes: bytesize::ByteSize,
     /// Fallback sweep interval (e.g. 200ms, 1s, 5m; at least 10ms).
     #[arg(long, value_parser = parse_sweep_interval, default_value = "1s")]
     sweep_interval: Duration,
@@ -234,8 +234,10 @@ pub(crate) fn parse_duration(s: &str) -> Result<Duration, String> {
 /// A size in bytes for `--max-buffered-bytes`: a number of bytes, or a
 /// number with a unit (`KiB`, `MiB`, `GiB` in powers of 1024; `KB`, `MB`,
 /// `GB` in powers of 1000; parsed by the `bytesize` crate), at least
-/// [`pg_outbox::MIN_MAX_BUFFERED_BYTES`].
-fn parse_byte_size(s: &str) -> Result<usize, String> {
+/// [`pg_outbox::MIN_MAX_BUFFERED_BYTES`] and at most `i64::MAX`. A
+/// `ByteSize`, not a number, so a config file may write it either way
+/// (`"64MiB"` or `67108864`).
+fn parse_byte_size(s: &str) -> Result<bytesize::ByteSize, String> {
     let size: bytesize::ByteSize =
         s.trim().parse().map_err(|e| format!("invalid size '{s}': {e} (write e.g. 64MiB, 512MB or 1048576)"))?;
     let bytes = usize::try_from(size.as_u64())
@@ -248,7 +250,7 @@ fn parse_byte_size(s: &str) -> Result<usize, String> {
             pg_outbox::MIN_MAX_BUFFERED_BYTES
         ));
     }
-    Ok(bytes)
+    Ok(size)
 }
 
 /// A timeout: a duration as [`parse_duration`], or `0` for none (as in
@@ -402,7 +404,7 @@ async fn relay_cmd(url: &str, args: RelayArgs) -> Result<(), Error> {
     }
     let mut builder = Consumer::builder(pg)
         .batch_size(args.batch_size)
-        .max_buffered_bytes(args.max_buffered_bytes)
+        .max_buffered_bytes(usize::try_from(args.max_buffered_bytes.as_u64()).unwrap_or(usize::MAX))
         .sweep_interval(args.sweep_interval)
         .max_retries(args.max_retries)
         .shutdown_grace(args.shutdown_grace)
@@ -748,16 +750,17 @@ mod tests {
 
     #[test]
     fn max_buffered_bytes_takes_sizes_and_defaults_to_the_librarys() {
-        assert_eq!(parse_byte_size("64MiB"), Ok(64 << 20));
-        assert_eq!(parse_byte_size(" 2 MB "), Ok(2_000_000));
-        assert_eq!(parse_byte_size("1048576"), Ok(1 << 20));
-        assert_eq!(parse_byte_size("1GiB"), Ok(1 << 30));
+        let bytes = |s: &str| parse_byte_size(s).map(|b| b.as_u64());
+        assert_eq!(bytes("64MiB"), Ok(64 << 20));
+        assert_eq!(bytes(" 2 MB "), Ok(2_000_000));
+        assert_eq!(bytes("1048576"), Ok(1 << 20));
+        assert_eq!(bytes("1GiB"), Ok(1 << 30));
         let e = parse_byte_size("lots").expect_err("not a size");
         assert!(e.contains("invalid size 'lots'") && e.contains("64MiB"), "{e}");
         let e = parse_byte_size("64").expect_err("under 1 MiB");
         assert!(e.contains("at least 1MiB"), "{e}");
         let cli = Cli::try_parse_from(["pg-outbox", "relay"]).expect("relay parses without flags");
         let Command::Relay(args) = cli.command else { panic!("relay") };
-        assert_eq!(args.max_buffered_bytes, pg_outbox::DEFAULT_MAX_BUFFERED_BYTES);
+        assert_eq!(args.max_buffered_bytes.as_u64(), pg_outbox::DEFAULT_MAX_BUFFERED_BYTES as u64);
     }
 }
