@@ -577,10 +577,12 @@ async fn run_large(ctx: &Ctx, s: &Settings) -> BenchResult<Vec<LargeRun>> {
                 .batch_execute(
                     "SET session_replication_role = replica; \
                      UPDATE events.outbox SET published_at = NULL WHERE published_at IS NOT NULL; \
-                     RESET session_replication_role; \
-                     VACUUM events.outbox",
+                     RESET session_replication_role;",
                 )
                 .await?;
+            // On its own: VACUUM cannot run in the implicit transaction of
+            // a multi-statement query.
+            client.batch_execute("VACUUM events.outbox").await?;
             let job = Job { drainer, limit: u64::try_from(n)?, max_secs: s.drain_max_secs };
             let outcome = drain_in_child_bounded(&db.cfg, &job, bound).await?;
             let run = LargeRun { drainer, bound, outcome };
