@@ -262,20 +262,17 @@ impl Engine {
         let Some(conn) = self.sessions.conn() else { return };
         let scope = self.ownership.scope();
         let budget = self.fetcher.budget();
-        let rows = match self.fetcher.query(conn, scope, (&self.completer, budget), self.token.cancelled()).await {
-            Ok(rows) => rows,
+        let fetched = match self.fetcher.query(conn, scope, (&self.completer, budget), self.token.cancelled()).await {
+            Ok(fetched) => fetched,
             Err(e) => {
                 drop(permit);
                 return self.db_error(e);
             }
         };
-        let handed = self.fetcher.hand_out(&rows, permit, &self.token, &mut self.ownership, &mut self.completer);
         // A fetch the byte budget cut counts as full: more may be due (the
         // wake-up policy ends a drain at a fetch of less than a batch).
-        let full = rows.len() >= self.fetcher.batch() || store::fetch_was_cut(&rows, budget);
-        // The rows' buffers go now, not after the awaits below: the payloads
-        // live on in the deliveries alone.
-        drop(rows);
+        let full = fetched.len() >= self.fetcher.batch() || fetched.cut;
+        let handed = self.fetcher.hand_out(fetched, permit, &self.token, &mut self.ownership, &mut self.completer);
         self.fetcher.record_held();
         metrics::counter!(m::EVENTS_FETCHED, "wake" => self.policy.reason().label()).increment(handed);
         self.after_fetch(handed, full).await;

@@ -13,8 +13,10 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
+use futures::TryStreamExt;
 use tokio::sync::mpsc;
-use tokio_postgres::Row;
+use tokio_postgres::RowStream;
+use tokio_postgres::types::ToSql;
 use tokio_util::sync::CancellationToken;
 
 use super::completer::Completer;
@@ -26,6 +28,33 @@ use super::{Delivery, Shared};
 use crate::error::Error;
 use crate::metrics as m;
 use crate::store;
+
+/// What of an undecodable row could be read: id, aggregate type, aggregate
+/// id, retry count (`None`: not even those).
+type Identity = Option<(i64, String, uuid::Uuid, i32)>;
+
+/// One row of a fetch, decoded as it arrived: its bytes as received are
+/// dropped at once, so a fetch never holds its rows and their parsed
+/// payloads together (which doubled the peak).
+pub(super) struct FetchedRow {
+    /// The event, or why the row could not be decoded and what of it could
+    /// be read (id, aggregate type, aggregate id, retry count).
+    decoded: Result<store::DecodedEvent, (Error, Identity)>,
+}
+
+/// What a fetch returned.
+pub(super) struct Fetched {
+    rows: Vec<FetchedRow>,
+    /// The byte budget cut it ([`store::fetch_was_cut`]).
+    pub(super) cut: bool,
+}
+
+impl Fetched {
+    /// Rows returned.
+    pub(super) fn len(&self) -> usize {
+        self.rows.len()
+    }
+}
 
 /// An event handed out and not settled.
 struct Out {
@@ -109,26 +138,32 @@ impl Fetcher {
         scope: Scope,
         (completer, budget): (&Completer, i64),
         stop: impl std::future::Future<Output = ()>,
-    ) -> Result<Vec<Row>, StatementError> {
+    ) -> Result<Fetched, StatementError> {
         let mut exclude: Vec<i64> = self.outstanding.keys().copied().collect();
         exclude.extend(completer.unwritten_ids());
         let batch = i64::try_from(self.batch).unwrap_or(i64::MAX);
+        let partitioned = matches!(scope, Scope::Partitions { .. });
         match scope {
             Scope::All => {
-                let params: [&(dyn tokio_postgres::types::ToSql + Sync); 3] = [&exclude, &batch, &budget];
-                conn.run(Kind::Fetch, stop, conn.client.query(&conn.fetch, &params)).await
+                let params: [&(dyn ToSql + Sync); 3] = [&exclude, &batch, &budget];
+                let fetch =
+                    async { decode_stream(conn.client.query_raw(&conn.fetch, params).await?, budget, false).await };
+                conn.run(Kind::Fetch, stop, fetch).await
             }
             Scope::Partitions { partitions, owned } => {
-                let params: [&(dyn tokio_postgres::types::ToSql + Sync); 5] =
-                    [&exclude, &batch, &budget, &partitions, &owned];
-                conn.run(Kind::Fetch, stop, conn.client.query(&conn.fetch, &params)).await
+                let params: [&(dyn ToSql + Sync); 5] = [&exclude, &batch, &budget, &partitions, &owned];
+                let fetch = async {
+                    decode_stream(conn.client.query_raw(&conn.fetch, params).await?, budget, partitioned).await
+                };
+                conn.run(Kind::Fetch, stop, fetch).await
             }
             Scope::Claim => {
                 // Claim rows with row locks held by an open transaction until
                 // the whole batch is settled; other consumers skip them.
+                let params: [&(dyn ToSql + Sync); 2] = [&batch, &budget];
                 let claim = async {
                     conn.client.batch_execute(store::BEGIN).await?;
-                    conn.client.query(&conn.fetch, &[&batch, &budget]).await
+                    decode_stream(conn.client.query_raw(&conn.fetch, params).await?, budget, false).await
                 };
                 conn.run(Kind::Fetch, stop, claim).await
             }
@@ -141,7 +176,7 @@ impl Fetcher {
     /// how many were handed out.
     pub(super) fn hand_out(
         &mut self,
-        rows: &[Row],
+        fetched: Fetched,
         permit: mpsc::PermitIterator<'_, Delivery>,
         token: &CancellationToken,
         ownership: &mut Ownership,
@@ -150,13 +185,12 @@ impl Fetcher {
         self.seq += 1;
         let partitioned = ownership.is_partitioned();
         let mut handed = 0u64;
-        for (row, slot) in rows.iter().zip(permit) {
+        for (row, slot) in fetched.rows.into_iter().zip(permit) {
             if token.is_cancelled() {
                 break;
             }
-            match store::event_from_row(row) {
-                Ok(event) => {
-                    let bytes = store::payload_bytes(row).unwrap_or(0);
+            match row.decoded {
+                Ok(store::DecodedEvent { event, payload_bytes: bytes, partition }) => {
                     self.held_bytes += bytes;
                     if let Some(old) = self.outstanding.insert(event.id, Out { seq: self.seq, bytes }) {
                         // Not expected (a fetch excludes the ids handed out);
@@ -164,12 +198,12 @@ impl Fetcher {
                         self.held_bytes -= old.bytes;
                     }
                     if partitioned {
-                        ownership.fetched(event.id, store::row_partition(row));
+                        ownership.fetched(event.id, partition);
                     }
                     slot.send(Delivery::new(event, self.seq, self.shared.clone()));
                     handed += 1;
                 }
-                Err(e) => self.undecodable(row, &e, completer),
+                Err((e, identity)) => self.undecodable(identity, &e, completer),
             }
         }
         handed
@@ -179,9 +213,9 @@ impl Fetcher {
     /// recorded as a failed attempt, like a sink failure: it holds back the
     /// later events of its aggregate, is retried on the ladder, and becomes
     /// a dead letter an operator can see, rather than being skipped.
-    fn undecodable(&self, row: &Row, e: &Error, completer: &mut Completer) {
+    fn undecodable(&self, identity: Identity, e: &Error, completer: &mut Completer) {
         let msg = super::delivery::sanitize_error(&format!("cannot decode the row: {}", crate::error::report(e)));
-        let Some((id, aggregate_type, aggregate_id, retry_count)) = store::row_identity(row) else {
+        let Some((id, aggregate_type, aggregate_id, retry_count)) = identity else {
             tracing::error!(error = %msg, "could not read an outbox row's id or aggregate; it stays unpublished");
             return;
         };
@@ -228,4 +262,23 @@ impl Fetcher {
     pub(super) fn session_lost(&self) {
         self.shared.holdback.stale_through(self.seq);
     }
+}
+
+/// Read a fetch's rows as they arrive, decoding each and dropping its bytes
+/// as received before the next is read (tokio-postgres hands rows over one
+/// batch of messages at a time, and reads no further until asked).
+/// `partitioned`: read each row's partition too.
+async fn decode_stream(stream: RowStream, budget: i64, partitioned: bool) -> Result<Fetched, tokio_postgres::Error> {
+    futures::pin_mut!(stream);
+    let mut rows = Vec::new();
+    let mut cut = false;
+    while let Some(row) = stream.try_next().await? {
+        cut = store::fetch_was_cut(&row, budget);
+        let decoded = match store::decode_event(&row, partitioned) {
+            Ok(d) => Ok(d),
+            Err(e) => Err((e, store::row_identity(&row))),
+        };
+        rows.push(FetchedRow { decoded });
+    }
+    Ok(Fetched { rows, cut })
 }

@@ -62,7 +62,7 @@ pub(crate) use locks::{COUNT_MEMBERS, MEMBER_LOCK, PARTITION_UNLOCK, TRY_LEADER_
 #[cfg(feature = "sqlx")]
 pub(crate) use publish::via_sqlx;
 pub(crate) use publish::{insert_event, insert_events};
-pub(crate) use rows::{event_from_row, fetch_was_cut, payload_bytes, row_id, row_identity, row_partition};
+pub(crate) use rows::{DecodedEvent, decode_event, event_from_row, fetch_was_cut, row_id, row_identity};
 pub(crate) use settle::{ACK, FAIL, fail_details};
 pub(crate) use status::GAUGES;
 pub use status::{OutboxStatus, PendingRetry, RetryLadder, STATUS_MAX_TYPES, STATUS_NEXT_RETRIES, TypeBacklog, status};

@@ -32,16 +32,15 @@ pub(crate) fn event_from_row(row: &Row) -> Result<Event> {
 /// measured them (`store::fetch`'s `within_budget`).
 pub(crate) const BYTES_BEFORE: &str = "bytes_before";
 
-/// Did the byte budget cut this fetch (more candidates were there)? Yes
-/// when the payloads of its rows reach `budget` as the fetch measured them:
-/// [`BYTES_BEFORE`] of the last row plus its own payload, which the fetch
-/// measured as received (then it is exact), or by its stored size, under
-/// [`super::fetch::SMALL_STORED_BYTES`]: so the last row counts for at
-/// least that. A fetch that took every candidate and came within that of
-/// the budget is taken for cut too: the next fetch finds nothing, as after
-/// a full batch that happened to be the last.
-pub(crate) fn fetch_was_cut(rows: &[Row], budget: i64) -> bool {
-    let Some(last) = rows.last() else { return false };
+/// Did the byte budget cut a fetch whose last row is `last` (more
+/// candidates were there)? Yes when the payloads of its rows reach `budget`
+/// as the fetch measured them: [`BYTES_BEFORE`] of the last row plus its
+/// own payload, which the fetch measured as received (then it is exact), or
+/// by its stored size, under [`super::fetch::SMALL_STORED_BYTES`]: so the
+/// last row counts for at least that. A fetch that took every candidate and
+/// came within that of the budget is taken for cut too: the next fetch
+/// finds nothing, as after a full batch that happened to be the last.
+pub(crate) fn fetch_was_cut(last: &Row, budget: i64) -> bool {
     let before: i64 = last.try_get::<_, Option<i64>>(BYTES_BEFORE).ok().flatten().unwrap_or(0);
     let own = payload_bytes(last).unwrap_or(0).max(super::fetch::SMALL_STORED_BYTES);
     before.saturating_add(i64::try_from(own).unwrap_or(i64::MAX)) >= budget
@@ -67,6 +66,25 @@ impl<'a> FromSql<'a> for Received {
     fn accepts(ty: &Type) -> bool {
         *ty == Type::JSONB || *ty == Type::JSON
     }
+}
+
+/// An event decoded from a fetched row, with what the consumer keeps of
+/// the row besides: its payload's bytes as received ([`payload_bytes`]) and,
+/// in a partitioned fetch, its partition.
+pub(crate) struct DecodedEvent {
+    pub(crate) event: Event,
+    pub(crate) payload_bytes: usize,
+    pub(crate) partition: Option<i32>,
+}
+
+/// [`event_from_row`] and the rest of [`DecodedEvent`]; the partition when
+/// `partitioned`.
+pub(crate) fn decode_event(row: &Row, partitioned: bool) -> Result<DecodedEvent> {
+    Ok(DecodedEvent {
+        event: event_from_row(row)?,
+        payload_bytes: payload_bytes(row).unwrap_or(0),
+        partition: if partitioned { row_partition(row) } else { None },
+    })
 }
 
 /// The `id` column of a row.
