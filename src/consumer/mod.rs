@@ -238,13 +238,12 @@ impl ConsumerBuilder {
     /// version byte and the JSON text. Memory held for it is about that
     /// once parsed into [`serde_json::Value`] for payloads made of long
     /// strings; for payloads of many small fields the parsed value takes
-    /// more (a few times the text), which this bound does not count. Nor
-    /// does it count the rows of the fetch being decoded: while a fetch is
-    /// handed out its rows as received and their parsed payloads exist
-    /// together, so the process's peak is about twice the bound (measured,
-    /// `drain` scenario of the e2e bench, 1 MiB payloads: a Consumer peaked
-    /// at 211 MiB of RSS with the default bound, against 499 MiB without,
-    /// 300 events).
+    /// more (a few times the text), which this bound does not count. A
+    /// fetch's rows are decoded as they arrive, each row's bytes dropped
+    /// before the next is read, so they add one row at a time. Measured
+    /// (`drain` scenario of the e2e bench, 300 payloads of 1 MiB, a quick
+    /// run on a shared machine): a Consumer peaked at 139 MiB of RSS with
+    /// the default bound, 312 MiB with none; the relay at 84 and 318 MiB.
     ///
     /// Each fetch asks for at most the bound minus what is held, and the
     /// server stops sending at it (the rows before each must add up to
