@@ -28,10 +28,11 @@ pub(crate) use connect::PLANNER_SETTINGS;
 pub use connect::describe_target;
 pub use connect::{ConnectOptions, DEFAULT_CONNECT_TIMEOUT, RootCert, SslMode, TlsConnector};
 pub use consumer::{
-    Consumer, ConsumerBuilder, DEFAULT_ACK_BATCH_SIZE, DEFAULT_ACK_INTERVAL, DEFAULT_BATCH_SIZE, DEFAULT_MAX_RETRIES,
-    DEFAULT_PING_INTERVAL, DEFAULT_RECONNECT_MAX_DELAY, DEFAULT_SHUTDOWN_GRACE, DEFAULT_STATEMENT_TIMEOUT,
-    DEFAULT_SWEEP_INTERVAL, Delivery, EventStream, HEALTH_ERROR_BYTES, Health, HealthMonitor, LastError,
-    ListenerStatus, MAX_ERROR_BYTES, Mode, NOTIFY_CHANNEL, Role, ShutdownHandle, SinkHealth,
+    Consumer, ConsumerBuilder, DEFAULT_ACK_BATCH_SIZE, DEFAULT_ACK_INTERVAL, DEFAULT_BATCH_SIZE,
+    DEFAULT_MAX_BUFFERED_BYTES, DEFAULT_MAX_RETRIES, DEFAULT_PING_INTERVAL, DEFAULT_RECONNECT_MAX_DELAY,
+    DEFAULT_SHUTDOWN_GRACE, DEFAULT_STATEMENT_TIMEOUT, DEFAULT_SWEEP_INTERVAL, Delivery, EventStream,
+    HEALTH_ERROR_BYTES, Health, HealthMonitor, LastError, ListenerStatus, MAX_ERROR_BYTES, MIN_MAX_BUFFERED_BYTES,
+    Mode, NOTIFY_CHANNEL, Role, ShutdownHandle, SinkHealth,
 };
 pub use error::{Error, Result};
 pub use event::{Envelope, Event, Metadata, NewEvent};

@@ -29,6 +29,12 @@ pub const BACKLOG: &str = "outbox_backlog_events";
 pub const DEAD_LETTERS: &str = "outbox_dead_letters";
 /// Gauge, seconds: age of the oldest unpublished event that is not a dead letter.
 pub const OLDEST_UNPUBLISHED_AGE: &str = "outbox_oldest_unpublished_age_seconds";
+/// Gauge, bytes: payload bytes this consumer holds, as received: events
+/// fetched and not yet settled, in the stream's buffer or in the reader's
+/// hands. Stays under `max_buffered_bytes` (default 64 MiB; the relay's
+/// `--max-buffered-bytes`) plus one event; at the bound the consumer
+/// fetches nothing until deliveries are settled.
+pub const BUFFERED_PAYLOAD_BYTES: &str = "outbox_buffered_payload_bytes";
 /// Counter: notifications received on the LISTEN connection.
 pub const NOTIFICATIONS: &str = "outbox_notifications_total";
 /// Counter: fallback sweeps run by the timer.
@@ -88,6 +94,7 @@ pub fn describe() {
     describe_gauge!(BACKLOG, "Unpublished events that are not dead letters.");
     describe_gauge!(DEAD_LETTERS, "Dead letters waiting for an operator.");
     describe_gauge!(OLDEST_UNPUBLISHED_AGE, Unit::Seconds, "Age of the oldest pending event.");
+    describe_gauge!(BUFFERED_PAYLOAD_BYTES, Unit::Bytes, "Payload bytes fetched and not yet settled.");
     describe_counter!(NOTIFICATIONS, "Notifications received on the LISTEN connection.");
     describe_counter!(SWEEPS, "Fallback sweeps run by the timer.");
     describe_counter!(LISTENER_RECONNECTS, "LISTEN connection reconnects.");
@@ -167,6 +174,7 @@ pub fn record_initial_values() {
         BACKLOG,
         DEAD_LETTERS,
         OLDEST_UNPUBLISHED_AGE,
+        BUFFERED_PAYLOAD_BYTES,
         LISTENER_UP,
         LEADER,
         PARTITIONS_OWNED,

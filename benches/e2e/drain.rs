@@ -1,9 +1,13 @@
 //! Scenario `drain`: drain a pre-loaded backlog to a no-op sink and
 //! report events/s and the drainer's peak RSS, in three states of the table
 //! (see [`TableState`]): stale statistics (the headline: the table as an
-//! outage leaves it), never analysed, and settled. Each drainer runs as a
-//! child process (this bench binary in `--child-drain` mode, or the relay),
-//! so the bench's own memory does not count.
+//! outage leaves it), never analysed, and settled. Then a backlog of 1 MiB
+//! payloads ([`run_large`]), drained by the Consumer and the relay with the
+//! default byte bound (`max_buffered_bytes`, 64 MiB) and with none to speak
+//! of (the bound before there was one: rows alone), for their peak RSS.
+//! Each drainer runs as a child process (this bench binary in
+//! `--child-drain` mode, or the relay), so the bench's own memory does not
+//! count.
 
 use std::hint::black_box;
 use std::process::Stdio;
@@ -39,6 +43,9 @@ const ANY_DUE: &str =
 /// Environment variables passing a drain job to the child.
 const ENV_URL: &str = "PG_OUTBOX_BENCH_CHILD_URL";
 const ENV_JOB: &str = "PG_OUTBOX_BENCH_CHILD_JOB";
+/// The Consumer's byte bound (`max_buffered_bytes`) in the child; unset or
+/// empty: the default.
+const ENV_MAX_BYTES: &str = "PG_OUTBOX_BENCH_CHILD_MAX_BUFFERED_BYTES";
 /// The argument selecting child mode.
 pub const CHILD_ARG: &str = "--child-drain";
 
@@ -122,14 +129,19 @@ pub async fn child_main() -> BenchResult<()> {
     let url = std::env::var(ENV_URL).map_err(|_| format!("{CHILD_ARG} needs {ENV_URL}"))?;
     let job: Job = serde_json::from_str(&std::env::var(ENV_JOB).map_err(|_| format!("{CHILD_ARG} needs {ENV_JOB}"))?)?;
     let cfg = pg_outbox::ConnectOptions::parse(&url)?.tokio_postgres_config();
-    let mut outcome = drain_here(&cfg, &job).await?;
+    let bound = match std::env::var(ENV_MAX_BYTES) {
+        Ok(v) if !v.is_empty() => Some(v.parse::<usize>().map_err(|e| format!("{ENV_MAX_BYTES}={v:?}: {e}"))?),
+        _ => None,
+    };
+    let mut outcome = drain_here(&cfg, &job, bound).await?;
     outcome.vm_hwm_kib = vm_hwm_kib(std::process::id());
     println!("{}", serde_json::to_string(&outcome)?);
     Ok(())
 }
 
-/// Drain in this process.
-async fn drain_here(cfg: &Config, job: &Job) -> BenchResult<DrainOutcome> {
+/// Drain in this process; `bound`: the Consumer's byte bound (`None`: the
+/// default).
+async fn drain_here(cfg: &Config, job: &Job, bound: Option<usize>) -> BenchResult<DrainOutcome> {
     let started = Instant::now();
     let deadline = started + Duration::from_secs_f64(job.max_secs);
     let mut done = 0u64;
@@ -173,7 +185,11 @@ async fn drain_here(cfg: &Config, job: &Job) -> BenchResult<DrainOutcome> {
         }
         Drainer::Consumer(batch) => {
             let probe = connect(cfg).await?;
-            let mut stream = Consumer::builder(crate::options::options_of(cfg)).batch_size(batch).start().await?;
+            let mut builder = Consumer::builder(crate::options::options_of(cfg)).batch_size(batch);
+            if let Some(bytes) = bound {
+                builder = builder.max_buffered_bytes(bytes);
+            }
+            let mut stream = builder.start().await?;
             loop {
                 let next = tokio::time::timeout_at(deadline.into(), stream.next()).await;
                 match next {
@@ -218,14 +234,21 @@ async fn drain_here(cfg: &Config, job: &Job) -> BenchResult<DrainOutcome> {
 
 /// Run `job` in a child process on the database `cfg`.
 pub async fn drain_in_child(cfg: &Config, job: &Job) -> BenchResult<DrainOutcome> {
+    drain_in_child_bounded(cfg, job, None).await
+}
+
+/// [`drain_in_child`] with the Consumer's or the relay's byte bound
+/// (`max_buffered_bytes`, `--max-buffered-bytes`; `None`: the default).
+async fn drain_in_child_bounded(cfg: &Config, job: &Job, bound: Option<usize>) -> BenchResult<DrainOutcome> {
     if job.drainer == Drainer::Relay {
-        return drain_with_relay(cfg, job).await;
+        return drain_with_relay(cfg, job, bound).await;
     }
     let exe = std::env::current_exe()?;
     let out = tokio::process::Command::new(exe)
         .arg(CHILD_ARG)
         .env(ENV_URL, conninfo(cfg))
         .env(ENV_JOB, serde_json::to_string(job)?)
+        .env(ENV_MAX_BYTES, bound.map(|b| b.to_string()).unwrap_or_default())
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit())
@@ -243,9 +266,14 @@ pub async fn drain_in_child(cfg: &Config, job: &Job) -> BenchResult<DrainOutcome
 /// The relay process drains; done when no due row is left (polled every
 /// 100 ms); its peak RSS is read just before it is stopped (killed, when
 /// the time cap stopped the measurement).
-async fn drain_with_relay(cfg: &Config, job: &Job) -> BenchResult<DrainOutcome> {
+async fn drain_with_relay(cfg: &Config, job: &Job, bound: Option<usize>) -> BenchResult<DrainOutcome> {
     let probe = connect(cfg).await?;
-    let mut relay = start_relay(&conninfo(cfg), &[], false).await?;
+    let bound = bound.map(|b| b.to_string());
+    let args: Vec<&str> = match &bound {
+        Some(b) => vec!["--max-buffered-bytes", b],
+        None => Vec::new(),
+    };
+    let mut relay = start_relay(&conninfo(cfg), &args, false).await?;
     let started = relay.spawned;
     let deadline = started + Duration::from_secs_f64(job.max_secs);
     let mut capped = false;
@@ -467,7 +495,114 @@ pub async fn run(ctx: &Ctx) -> BenchResult<Section> {
         template.drop_now(&ctx.admin).await;
         runs.extend(result?);
     }
-    Ok(report(s, &runs))
+    let large = run_large(ctx, s).await?;
+    Ok(report(s, &runs, &large))
+}
+
+/// Events of the 1 MiB-payload backlog: 2 000 (2 GiB of payloads), 300 in
+/// a quick run, 8 in the smoke pass (which only checks that it runs).
+fn large_events(s: &Settings) -> i64 {
+    if s.smoke {
+        8
+    } else if s.quick {
+        300
+    } else {
+        2_000
+    }
+}
+
+/// Characters of each large payload's string: 1 MiB. With the keys around
+/// it the payload is just over 1 MiB, as a producer's payload at the
+/// publisher's limit ([`pg_outbox::DEFAULT_MAX_PAYLOAD_BYTES`]) is just under.
+const LARGE_PAYLOAD_CHARS: usize = 1 << 20;
+
+/// A byte bound high enough never to bind: the behaviour before the bound
+/// existed (rows alone: a batch of 500, the stream buffering twice that).
+const NO_BYTE_BOUND: usize = 1 << 40;
+
+/// One drain of the 1 MiB-payload backlog.
+struct LargeRun {
+    drainer: Drainer,
+    /// `None`: the default bound.
+    bound: Option<usize>,
+    outcome: DrainOutcome,
+}
+
+impl LargeRun {
+    fn bound_name(&self) -> String {
+        match self.bound {
+            None => format!("default bound ({} MiB)", pg_outbox::DEFAULT_MAX_BUFFERED_BYTES >> 20),
+            Some(_) => "no byte bound".into(),
+        }
+    }
+}
+
+/// Load [`large_events`] events of 1 MiB payloads once (not timed), then
+/// drain them with the Consumer (batch 500) and the relay, each with the
+/// default byte bound and with [`NO_BYTE_BOUND`]; between drains every
+/// event is made unpublished again (payloads untouched, so the TOAST data
+/// is not rewritten: cheaper than a copy of a 2 GiB database).
+async fn run_large(ctx: &Ctx, s: &Settings) -> BenchResult<Vec<LargeRun>> {
+    let db = scratch(&ctx.admin, &ctx.admin_cfg, "drain_large").await?;
+    let result = async {
+        let n = large_events(s);
+        let client = connect(&db.cfg).await?;
+        let started = Instant::now();
+        // The body: md5 hex of a counter, 32 characters at a time, which
+        // PostgreSQL's pglz does not compress, so each payload is stored
+        // out of line at its full size (built once, shared by every row).
+        client
+            .batch_execute(&format!(
+                "ALTER TABLE events.outbox SET (autovacuum_enabled = false, toast.autovacuum_enabled = false); \
+                 SET session_replication_role = replica; \
+                 INSERT INTO events.outbox (aggregate_type, aggregate_id, event_type, payload) \
+                 SELECT 'document', md5('doc-' || g)::uuid, 'DocumentStored', \
+                        jsonb_build_object('version', 1, 'data', jsonb_build_object('seq', g, 'body', b.body)) \
+                 FROM generate_series(1, {n}::bigint) AS g, \
+                      (SELECT string_agg(md5(k::text), '') AS body FROM generate_series(1, {chunks}) k) b; \
+                 RESET session_replication_role;",
+                chunks = LARGE_PAYLOAD_CHARS / 32
+            ))
+            .await?;
+        client.batch_execute("VACUUM ANALYZE events.outbox").await?;
+        eprintln!("e2e: drain: loaded {n} events of 1 MiB payloads in {:.1} s", started.elapsed().as_secs_f64());
+        let mut runs = Vec::new();
+        for (drainer, bound) in [
+            (Drainer::Consumer(500), None),
+            (Drainer::Consumer(500), Some(NO_BYTE_BOUND)),
+            (Drainer::Relay, None),
+            (Drainer::Relay, Some(NO_BYTE_BOUND)),
+        ] {
+            client
+                .batch_execute(
+                    "SET session_replication_role = replica; \
+                     UPDATE events.outbox SET published_at = NULL WHERE published_at IS NOT NULL; \
+                     RESET session_replication_role;",
+                )
+                .await?;
+            // On its own: VACUUM cannot run in the implicit transaction of
+            // a multi-statement query.
+            client.batch_execute("VACUUM events.outbox").await?;
+            let job = Job { drainer, limit: u64::try_from(n)?, max_secs: s.drain_max_secs };
+            let outcome = drain_in_child_bounded(&db.cfg, &job, bound).await?;
+            let run = LargeRun { drainer, bound, outcome };
+            eprintln!(
+                "e2e: drain: 1 MiB payloads {:<28} {:<28} {} events in {:.1} s = {} events/s, peak RSS {} KiB{}",
+                drainer.name(),
+                run.bound_name(),
+                run.outcome.events,
+                run.outcome.seconds,
+                fmt_count(run.outcome.rate()),
+                run.outcome.vm_hwm_kib.map(|k| k.to_string()).unwrap_or_else(|| "?".into()),
+                if run.outcome.capped { " (capped)" } else { "" }
+            );
+            runs.push(run);
+        }
+        Ok::<_, BoxError>(runs)
+    }
+    .await;
+    db.drop_now(&ctx.admin).await;
+    result
 }
 
 /// Build `state` in `template`, then run every drainer on a copy of it.
@@ -532,8 +667,10 @@ async fn run_state(
 }
 
 /// The section: one table, grouped by state (the headline first), each
-/// ratio against the baseline measured in the same state.
-fn report(s: &Settings, runs: &[Run]) -> Section {
+/// ratio against the baseline measured in the same state; then the 1 MiB
+/// payloads, each drainer's peak RSS against the same drainer without a
+/// byte bound.
+fn report(s: &Settings, runs: &[Run], large: &[LargeRun]) -> Section {
     let n = s.drain_events;
     let prefix = s.drain_baseline_prefix.min(n);
     let rate_of = |state: TableState, d: Drainer| {
@@ -542,8 +679,10 @@ fn report(s: &Settings, runs: &[Run]) -> Section {
     let mut sec = Section::new(
         "drain",
         &format!(
-            "Drain throughput: backlog of {} events (~1.5 KB JSON each), by table state (stale statistics first)",
-            fmt_count(n as f64)
+            "Drain throughput: backlog of {} events (~1.5 KB JSON each), by table state (stale statistics first); \
+             peak RSS with {} events of 1 MiB payloads",
+            fmt_count(n as f64),
+            fmt_count(large_events(s) as f64)
         ),
         &[
             "table state",
@@ -554,6 +693,7 @@ fn report(s: &Settings, runs: &[Run]) -> Section {
             "vs plain-SQL loop (same state)",
             "vs seed poller",
             "peak RSS MiB",
+            "peak RSS vs no byte bound",
         ],
     );
     let mut data = Vec::new();
@@ -574,6 +714,7 @@ fn report(s: &Settings, runs: &[Run]) -> Section {
                 fmt_ratio(ratio(o.rate(), plain)),
                 fmt_ratio(ratio(o.rate(), seed)),
                 o.vm_hwm_kib.map(|k| format!("{:.1}", k as f64 / 1024.0)).unwrap_or_else(|| "?".into()),
+                "n/a".into(),
             ]);
             if let Drainer::Consumer(b) = r.drainer {
                 sec.target(
@@ -591,6 +732,44 @@ fn report(s: &Settings, runs: &[Run]) -> Section {
             }));
         }
     }
+    let mut large_data = Vec::new();
+    for r in large {
+        let o = &r.outcome;
+        let unbounded = large
+            .iter()
+            .find(|u| u.drainer == r.drainer && u.bound == Some(NO_BYTE_BOUND))
+            .and_then(|u| u.outcome.vm_hwm_kib);
+        let rss_ratio = o.vm_hwm_kib.zip(unbounded).and_then(|(k, u)| ratio(k as f64, u as f64));
+        let mut name = format!("{}, {}", r.drainer.name(), r.bound_name());
+        if o.capped {
+            name.push_str(" (capped)");
+        }
+        sec.rows.push(vec![
+            "1 MiB payloads".into(),
+            name,
+            fmt_count(o.events as f64),
+            format!("{:.1}", o.seconds),
+            fmt_count(o.rate()),
+            "n/a".into(),
+            "n/a".into(),
+            o.vm_hwm_kib.map(|k| format!("{:.1}", k as f64 / 1024.0)).unwrap_or_else(|| "?".into()),
+            fmt_ratio(rss_ratio),
+        ]);
+        large_data.push(serde_json::json!({
+            "drainer": r.drainer.name(), "max_buffered_bytes": r.bound, "events": o.events, "seconds": o.seconds,
+            "events_per_second": o.rate(), "capped": o.capped, "vm_hwm_kib": o.vm_hwm_kib,
+            "vm_hwm_ratio_vs_no_byte_bound": rss_ratio,
+        }));
+    }
+    sec.notes.push(format!(
+        "1 MiB payloads: {} events whose payloads are 1 MiB of text each (stored out of line, uncompressed), \
+         settled, drained by the Consumer (batch 500) and the relay, each once with the default byte bound \
+         (`max_buffered_bytes`, `--max-buffered-bytes`: {} MiB) and once with a bound of 1 TiB, which never \
+         binds: the behaviour before the bound, rows alone (a fetch of 500, the stream buffering 1 000). The \
+         ratio is the peak RSS against the same drainer's without the bound, in the same run.",
+        fmt_count(large_events(s) as f64),
+        pg_outbox::DEFAULT_MAX_BUFFERED_BYTES >> 20
+    ));
     sec.notes.push(format!(
         "Table states, each built for real with autovacuum off on the table: *stale statistics* (the headline: \
          {n} published rows, VACUUM ANALYZE, then the {n}-event backlog inserted, no ANALYZE since: the table as \
@@ -634,6 +813,6 @@ fn report(s: &Settings, runs: &[Run]) -> Section {
          the cap)."
             .into(),
     );
-    sec.data = serde_json::Value::Array(data);
+    sec.data = serde_json::json!({ "states": data, "large_payloads": large_data });
     sec
 }

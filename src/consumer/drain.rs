@@ -25,7 +25,10 @@
 //! updates one batch while the next is fetched, decoded and delivered (on
 //! two cores this is what lets a consumer drain faster than a
 //! fetch-then-update loop); at most one is in flight, and while two batches
-//! are unwritten the loop fetches nothing ([`Completer::behind`]).
+//! are unwritten the loop fetches nothing ([`Completer::behind`]). Nor does
+//! it while the payloads handed out and not settled reach the byte bound
+//! ([`Fetcher::bytes_allow_fetch`]); each fetch asks for what the bound
+//! leaves.
 
 use std::pin::Pin;
 use std::sync::Arc;
@@ -102,9 +105,10 @@ pub(crate) async fn run(
     let _ended = Ended(health.clone());
     health.turned();
     let (done_tx, done_rx) = mpsc::unbounded_channel();
+    let waiting = shared.clone();
     let engine = Engine {
         sessions: Sessions::new(first, cfg.reconnect_max_delay),
-        fetcher: Fetcher::new(shared, cfg.batch_size),
+        fetcher: Fetcher::new(shared, cfg.batch_size, cfg.max_buffered_bytes),
         completer: Completer::new(&cfg, done_tx),
         ownership: Ownership::new(cfg.mode),
         policy: WakePolicy::new(cfg.listen, matches!(cfg.mode, Mode::Competing), Instant::now()),
@@ -115,7 +119,7 @@ pub(crate) async fn run(
         stop_deadline: None,
         health,
     };
-    engine.run(io, done_rx).await
+    engine.run(io, done_rx, &waiting.reader_waiting).await
 }
 
 struct Engine {
@@ -135,7 +139,8 @@ struct Engine {
 }
 
 impl Engine {
-    async fn run(mut self, io: Io, mut done_rx: mpsc::UnboundedReceiver<FlushDone>) {
+    /// `reader_waiting`: the stream's reader found the buffer empty.
+    async fn run(mut self, io: Io, mut done_rx: mpsc::UnboundedReceiver<FlushDone>, reader_waiting: &Notify) {
         let Io { tx, mut settle_rx, wake, reconnect_wake } = io;
         let token = self.token.clone();
         let sweep = sleep(jittered(self.cfg.sweep_interval));
@@ -153,11 +158,17 @@ impl Engine {
             }
             let stopping = self.stop_deadline.is_some();
             let open = self.sessions.is_open();
+            let buffer_empty = tx.capacity() == tx.max_capacity();
             let can_fetch = !stopping
                 && open
                 && self.policy.wants_fetch()
                 && self.ownership.may_fetch()
-                && !self.completer.behind();
+                && !self.completer.behind()
+                && self.fetcher.bytes_allow_fetch(buffer_empty);
+            // Held payloads between half the bound and the bound: a fetch
+            // waits for half of it to be freed, or for the reader to empty
+            // the buffer (then it waits with deliveries unsettled).
+            let bytes_wait = !stopping && !buffer_empty && self.fetcher.waits_for_empty_buffer();
             let writing = self.completer.is_writing();
             let (flush_at, retry_read_due) = (self.completer.flush_at(), self.retry.read_due());
             let (recheck_at, lock_at) = (self.policy.recheck_at(), self.ownership.lock_at());
@@ -176,6 +187,7 @@ impl Engine {
                 _ = sleep_until(until(self.sessions.reconnect_at())), if !open => self.reconnect(token.cancelled()).await,
                 permit = tx.reserve_many(self.fetcher.batch()), if can_fetch => self.fetch(permit).await,
                 _ = wake.notified(), if !stopping => self.policy.wake(Wake::Notification),
+                _ = reader_waiting.notified(), if bytes_wait => {}
                 _ = reconnect_wake.notified(), if !stopping => self.policy.wake(Wake::Reconnect),
                 _ = &mut sweep => self.sweep(sweep.as_mut()),
                 _ = sleep_until(until(self.retry.at())), if self.retry.at().is_some() => self.retry_due(),
@@ -199,7 +211,11 @@ impl Engine {
             self.stop_deadline = Some(Instant::now() + self.cfg.shutdown_grace);
             self.health.stopping();
             self.policy.stop();
-            tracing::debug!(outstanding = self.fetcher.outstanding(), "drain loop stopping");
+            tracing::debug!(
+                outstanding = self.fetcher.outstanding(),
+                held_bytes = self.fetcher.held_bytes(),
+                "drain loop stopping"
+            );
         }
         self.stop_deadline.is_some_and(|d| self.fetcher.outstanding() == 0 || Instant::now() >= d)
     }
@@ -214,6 +230,7 @@ impl Engine {
                 Err(_) => break,
             }
         }
+        self.fetcher.record_held();
     }
 
     fn settle(&mut self, s: Settlement) {
@@ -244,16 +261,21 @@ impl Engine {
         let Ok(permit) = permit else { return self.token.cancel() };
         let Some(conn) = self.sessions.conn() else { return };
         let scope = self.ownership.scope();
-        let rows = match self.fetcher.query(conn, scope, &self.completer, self.token.cancelled()).await {
-            Ok(rows) => rows,
+        let budget = self.fetcher.budget();
+        let fetched = match self.fetcher.query(conn, scope, (&self.completer, budget), self.token.cancelled()).await {
+            Ok(fetched) => fetched,
             Err(e) => {
                 drop(permit);
                 return self.db_error(e);
             }
         };
-        let handed = self.fetcher.hand_out(&rows, permit, &self.token, &mut self.ownership, &mut self.completer);
+        // A fetch the byte budget cut counts as full: more may be due (the
+        // wake-up policy ends a drain at a fetch of less than a batch).
+        let full = fetched.len() >= self.fetcher.batch() || fetched.cut;
+        let handed = self.fetcher.hand_out(fetched, permit, &self.token, &mut self.ownership, &mut self.completer);
+        self.fetcher.record_held();
         metrics::counter!(m::EVENTS_FETCHED, "wake" => self.policy.reason().label()).increment(handed);
-        self.after_fetch(handed, rows.len() >= self.fetcher.batch()).await;
+        self.after_fetch(handed, full).await;
     }
 
     /// Carry out what the wake-up policy says after a fetch.

@@ -1,19 +1,22 @@
 //! The fetcher: due events into the stream's buffer, in id order.
 //!
 //! A fetch takes only as many rows as there is room for in the stream's
-//! buffer (the caller reserves the slots first), and never an event that is
-//! handed out, settled but not yet written, or being written: those ids are
-//! excluded. Every fetch has a number; the fetcher keeps, for every event
-//! handed out and not yet settled, the number of the fetch that returned it,
-//! which is what per-aggregate hold-back ([`super::holdback`]) is decided
-//! by. Every fetch starts from the lowest id (no cursor: a cursor would skip
+//! buffer (the caller reserves the slots first), and only as many payload
+//! bytes as the byte bound leaves (the server stops at it, see
+//! `store::fetch_sql`), and never an event that is handed out, settled but
+//! not yet written, or being written: those ids are excluded. Every fetch
+//! has a number; the fetcher keeps, for every event handed out and not yet
+//! settled, the number of the fetch that returned it, which is what
+//! per-aggregate hold-back ([`super::holdback`]) is decided by. Every fetch starts from the lowest id (no cursor: a cursor would skip
 //! rows that were held back when it passed them).
 
 use std::collections::HashMap;
 use std::sync::Arc;
 
+use futures::TryStreamExt;
 use tokio::sync::mpsc;
-use tokio_postgres::Row;
+use tokio_postgres::RowStream;
+use tokio_postgres::types::ToSql;
 use tokio_util::sync::CancellationToken;
 
 use super::completer::Completer;
@@ -23,12 +26,52 @@ use super::session::Conn;
 use super::statement::{Kind, StatementError};
 use super::{Delivery, Shared};
 use crate::error::Error;
+use crate::metrics as m;
 use crate::store;
 
-/// Events handed out and the fetch count.
+/// What of an undecodable row could be read: id, aggregate type, aggregate
+/// id, retry count (`None`: not even those).
+type Identity = Option<(i64, String, uuid::Uuid, i32)>;
+
+/// One row of a fetch, decoded as it arrived: its bytes as received are
+/// dropped at once, so a fetch never holds its rows and their parsed
+/// payloads together (which doubled the peak).
+pub(super) struct FetchedRow {
+    /// The event, or why the row could not be decoded and what of it could
+    /// be read (id, aggregate type, aggregate id, retry count).
+    decoded: Result<store::DecodedEvent, (Error, Identity)>,
+}
+
+/// What a fetch returned.
+pub(super) struct Fetched {
+    rows: Vec<FetchedRow>,
+    /// The byte budget cut it ([`store::fetch_was_cut`]).
+    pub(super) cut: bool,
+}
+
+impl Fetched {
+    /// Rows returned.
+    pub(super) fn len(&self) -> usize {
+        self.rows.len()
+    }
+}
+
+/// An event handed out and not settled.
+struct Out {
+    /// The number of the fetch that returned it.
+    seq: u64,
+    /// Its payload's bytes as received ([`store::payload_bytes`]).
+    bytes: usize,
+}
+
+/// Events handed out, the payload bytes they hold, and the fetch count.
 pub(super) struct Fetcher {
-    /// Handed out (in the buffer or with user code), not settled: id -> fetch number.
-    outstanding: HashMap<i64, u64>,
+    /// Handed out (in the buffer or with user code), not settled.
+    outstanding: HashMap<i64, Out>,
+    /// Sum of the payload bytes of `outstanding`.
+    held_bytes: usize,
+    /// Bound on `held_bytes` (`ConsumerBuilder::max_buffered_bytes`).
+    max_bytes: usize,
     /// Number of the last fetch.
     seq: u64,
     shared: Arc<Shared>,
@@ -37,9 +80,43 @@ pub(super) struct Fetcher {
 }
 
 impl Fetcher {
-    /// A fetcher taking `batch` rows per fetch.
-    pub(super) fn new(shared: Arc<Shared>, batch: usize) -> Self {
-        Fetcher { outstanding: HashMap::new(), seq: 0, shared, batch }
+    /// A fetcher taking `batch` rows per fetch, holding payloads within
+    /// `max_bytes` (plus one event).
+    pub(super) fn new(shared: Arc<Shared>, batch: usize, max_bytes: usize) -> Self {
+        Fetcher { outstanding: HashMap::new(), held_bytes: 0, max_bytes, seq: 0, shared, batch }
+    }
+
+    /// Payload bytes of the events handed out and not settled.
+    pub(super) fn held_bytes(&self) -> usize {
+        self.held_bytes
+    }
+
+    /// May a fetch start, as far as the byte bound goes? Not while the held
+    /// payloads reach the bound; below it, once half of it is free, or when
+    /// the stream's buffer is empty (`buffer_empty`: the reader waits, with
+    /// what it holds unsettled). Waiting for half the bound keeps fetches
+    /// large: a reader that settles one delivery at a time would otherwise
+    /// start a fetch of one event per settlement, each walking a batch of
+    /// candidate rows.
+    pub(super) fn bytes_allow_fetch(&self, buffer_empty: bool) -> bool {
+        self.held_bytes < self.max_bytes && (self.held_bytes <= self.max_bytes / 2 || buffer_empty)
+    }
+
+    /// Would the reader emptying the buffer let a fetch start that the
+    /// held bytes hold up now?
+    pub(super) fn waits_for_empty_buffer(&self) -> bool {
+        self.held_bytes < self.max_bytes && self.held_bytes > self.max_bytes / 2
+    }
+
+    /// The payload bytes the next fetch may bring: what the bound leaves
+    /// (at least 1, so it always brings one event).
+    pub(super) fn budget(&self) -> i64 {
+        i64::try_from(self.max_bytes.saturating_sub(self.held_bytes).max(1)).unwrap_or(i64::MAX)
+    }
+
+    /// Set the gauge of held payload bytes.
+    pub(super) fn record_held(&self) {
+        metrics::gauge!(m::BUFFERED_PAYLOAD_BYTES).set(self.held_bytes as f64);
     }
 
     /// Rows per fetch.
@@ -52,30 +129,41 @@ impl Fetcher {
         self.outstanding.len()
     }
 
-    /// Run one fetch of `scope` on `conn`, excluding `completer`'s unwritten
-    /// ids and the events handed out, until `stop` resolves.
+    /// Run one fetch of `scope` on `conn` with the byte budget `budget`
+    /// ([`Self::budget`]), excluding `completer`'s unwritten ids and the
+    /// events handed out, until `stop` resolves.
     pub(super) async fn query(
         &self,
         conn: &Conn,
         scope: Scope,
-        completer: &Completer,
+        (completer, budget): (&Completer, i64),
         stop: impl std::future::Future<Output = ()>,
-    ) -> Result<Vec<Row>, StatementError> {
+    ) -> Result<Fetched, StatementError> {
         let mut exclude: Vec<i64> = self.outstanding.keys().copied().collect();
         exclude.extend(completer.unwritten_ids());
         let batch = i64::try_from(self.batch).unwrap_or(i64::MAX);
+        let partitioned = matches!(scope, Scope::Partitions { .. });
         match scope {
-            Scope::All => conn.run(Kind::Fetch, stop, conn.client.query(&conn.fetch, &[&exclude, &batch])).await,
+            Scope::All => {
+                let params: [&(dyn ToSql + Sync); 3] = [&exclude, &batch, &budget];
+                let fetch =
+                    async { decode_stream(conn.client.query_raw(&conn.fetch, params).await?, budget, false).await };
+                conn.run(Kind::Fetch, stop, fetch).await
+            }
             Scope::Partitions { partitions, owned } => {
-                let params: [&(dyn tokio_postgres::types::ToSql + Sync); 4] = [&exclude, &batch, &partitions, &owned];
-                conn.run(Kind::Fetch, stop, conn.client.query(&conn.fetch, &params)).await
+                let params: [&(dyn ToSql + Sync); 5] = [&exclude, &batch, &budget, &partitions, &owned];
+                let fetch = async {
+                    decode_stream(conn.client.query_raw(&conn.fetch, params).await?, budget, partitioned).await
+                };
+                conn.run(Kind::Fetch, stop, fetch).await
             }
             Scope::Claim => {
                 // Claim rows with row locks held by an open transaction until
                 // the whole batch is settled; other consumers skip them.
+                let params: [&(dyn ToSql + Sync); 2] = [&batch, &budget];
                 let claim = async {
                     conn.client.batch_execute(store::BEGIN).await?;
-                    conn.client.query(&conn.fetch, &[&batch]).await
+                    decode_stream(conn.client.query_raw(&conn.fetch, params).await?, budget, false).await
                 };
                 conn.run(Kind::Fetch, stop, claim).await
             }
@@ -88,7 +176,7 @@ impl Fetcher {
     /// how many were handed out.
     pub(super) fn hand_out(
         &mut self,
-        rows: &[Row],
+        fetched: Fetched,
         permit: mpsc::PermitIterator<'_, Delivery>,
         token: &CancellationToken,
         ownership: &mut Ownership,
@@ -97,20 +185,25 @@ impl Fetcher {
         self.seq += 1;
         let partitioned = ownership.is_partitioned();
         let mut handed = 0u64;
-        for (row, slot) in rows.iter().zip(permit) {
+        for (row, slot) in fetched.rows.into_iter().zip(permit) {
             if token.is_cancelled() {
                 break;
             }
-            match store::event_from_row(row) {
-                Ok(event) => {
-                    self.outstanding.insert(event.id, self.seq);
+            match row.decoded {
+                Ok(store::DecodedEvent { event, payload_bytes: bytes, partition }) => {
+                    self.held_bytes += bytes;
+                    if let Some(old) = self.outstanding.insert(event.id, Out { seq: self.seq, bytes }) {
+                        // Not expected (a fetch excludes the ids handed out);
+                        // keeps the count exact if it happens.
+                        self.held_bytes -= old.bytes;
+                    }
                     if partitioned {
-                        ownership.fetched(event.id, store::row_partition(row));
+                        ownership.fetched(event.id, partition);
                     }
                     slot.send(Delivery::new(event, self.seq, self.shared.clone()));
                     handed += 1;
                 }
-                Err(e) => self.undecodable(row, &e, completer),
+                Err((e, identity)) => self.undecodable(identity, &e, completer),
             }
         }
         handed
@@ -120,9 +213,9 @@ impl Fetcher {
     /// recorded as a failed attempt, like a sink failure: it holds back the
     /// later events of its aggregate, is retried on the ladder, and becomes
     /// a dead letter an operator can see, rather than being skipped.
-    fn undecodable(&self, row: &Row, e: &Error, completer: &mut Completer) {
+    fn undecodable(&self, identity: Identity, e: &Error, completer: &mut Completer) {
         let msg = super::delivery::sanitize_error(&format!("cannot decode the row: {}", crate::error::report(e)));
-        let Some((id, aggregate_type, aggregate_id, retry_count)) = store::row_identity(row) else {
+        let Some((id, aggregate_type, aggregate_id, retry_count)) = identity else {
             tracing::error!(error = %msg, "could not read an outbox row's id or aggregate; it stays unpublished");
             return;
         };
@@ -133,15 +226,22 @@ impl Fetcher {
         completer.fail(id, key, retry_count, msg);
     }
 
-    /// Event `id` was acknowledged or failed by user code.
+    /// Event `id` was acknowledged or failed by user code: its payload is
+    /// no longer held (the delivery is gone; the settlement holds its id).
     pub(super) fn settled(&mut self, id: i64) {
-        self.outstanding.remove(&id);
+        self.forget(id);
+    }
+
+    fn forget(&mut self, id: i64) {
+        if let Some(out) = self.outstanding.remove(&id) {
+            self.held_bytes -= out.bytes;
+        }
     }
 
     /// Event `id` of aggregate `key` was released: fetched again later, and
     /// the aggregate's deliveries from fetches so far are held.
     pub(super) fn released(&mut self, id: i64, key: &AggregateKey) {
-        self.outstanding.remove(&id);
+        self.forget(id);
         self.shared.holdback.written([key], self.seq);
     }
 
@@ -153,7 +253,7 @@ impl Fetcher {
 
     /// Forget hold-back entries that can no longer match a buffered delivery.
     pub(super) fn forget_holdback(&self) {
-        let oldest = self.outstanding.values().copied().min().unwrap_or(u64::MAX);
+        let oldest = self.outstanding.values().map(|o| o.seq).min().unwrap_or(u64::MAX);
         self.shared.holdback.forget_before(oldest);
     }
 
@@ -162,4 +262,23 @@ impl Fetcher {
     pub(super) fn session_lost(&self) {
         self.shared.holdback.stale_through(self.seq);
     }
+}
+
+/// Read a fetch's rows as they arrive, decoding each and dropping its bytes
+/// as received before the next is read (tokio-postgres hands rows over one
+/// batch of messages at a time, and reads no further until asked).
+/// `partitioned`: read each row's partition too.
+async fn decode_stream(stream: RowStream, budget: i64, partitioned: bool) -> Result<Fetched, tokio_postgres::Error> {
+    futures::pin_mut!(stream);
+    let mut rows = Vec::new();
+    let mut cut = false;
+    while let Some(row) = stream.try_next().await? {
+        cut = store::fetch_was_cut(&row, budget);
+        let decoded = match store::decode_event(&row, partitioned) {
+            Ok(d) => Ok(d),
+            Err(e) => Err((e, store::row_identity(&row))),
+        };
+        rows.push(FetchedRow { decoded });
+    }
+    Ok(Fetched { rows, cut })
 }

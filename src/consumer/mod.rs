@@ -41,8 +41,25 @@ pub const NOTIFY_CHANNEL: &str = "events.outbox";
 /// Default rows fetched per query: 500 (the schema's original poller query,
 /// FetchUnpublishedBatch in docs/schema.md, takes 50; docs/performance.md, "Batch sizes", says why 500). A fetch
 /// returns at once with what is there, so a small backlog is not delayed.
-/// The stream buffers up to twice the batch.
+/// The stream buffers up to twice the batch, and payloads within
+/// [`DEFAULT_MAX_BUFFERED_BYTES`].
 pub const DEFAULT_BATCH_SIZE: usize = 500;
+/// Default bound on the payload bytes a consumer holds: 64 MiB
+/// ([`ConsumerBuilder::max_buffered_bytes`]). Before it, only rows bounded
+/// what a consumer holds: twice the batch of 500, so with payloads near the
+/// publisher's 1 MiB limit ([`crate::DEFAULT_MAX_PAYLOAD_BYTES`]) about
+/// 1 GB. The default buffer of 1 000 rows reaches 64 MiB only with payloads
+/// of about 64 KiB or more, so for smaller ones (the bench's envelope is
+/// 1.5 KB) the rows bind first and nothing changes; the bound binds where
+/// payloads are large.
+pub const DEFAULT_MAX_BUFFERED_BYTES: usize = 64 * 1024 * 1024;
+/// The smallest byte bound [`ConsumerBuilder::max_buffered_bytes`] takes:
+/// 1 MiB, the publisher's default payload limit
+/// ([`crate::DEFAULT_MAX_PAYLOAD_BYTES`]). A smaller bound would still
+/// work (a fetch always returns at least one event), but every fetch would
+/// bring a single event: a figure that low is far more likely a unit
+/// mistake (`64` meant as MiB) than a wish.
+pub const MIN_MAX_BUFFERED_BYTES: usize = 1024 * 1024;
 /// Default fallback sweep interval: 1 second. Bounds how long a lost
 /// notification can delay an event.
 pub const DEFAULT_SWEEP_INTERVAL: Duration = Duration::from_secs(1);
@@ -118,6 +135,7 @@ pub(crate) struct ConsumerConfig {
     pub(crate) listener_pg: Option<connect::ConnectOptions>,
     pub(crate) batch_size: usize,
     pub(crate) buffer: usize,
+    pub(crate) max_buffered_bytes: usize,
     pub(crate) sweep_interval: Duration,
     pub(crate) retry: RetryPolicy,
     pub(crate) max_retries: i32,
@@ -169,6 +187,7 @@ impl Consumer {
                 listener_pg: None,
                 batch_size: DEFAULT_BATCH_SIZE,
                 buffer: 0,
+                max_buffered_bytes: DEFAULT_MAX_BUFFERED_BYTES,
                 sweep_interval: DEFAULT_SWEEP_INTERVAL,
                 retry: RetryPolicy::default(),
                 max_retries: DEFAULT_MAX_RETRIES,
@@ -202,9 +221,63 @@ impl ConsumerBuilder {
 
     /// Deliveries buffered ahead of the stream's reader, in rows (default:
     /// twice the batch size). The next batch is fetched while the reader
-    /// works through the buffer.
+    /// works through the buffer. The payloads they hold are bounded apart,
+    /// in bytes ([`Self::max_buffered_bytes`]).
     pub fn buffer(mut self, rows: usize) -> Self {
         self.cfg.buffer = rows;
+        self
+    }
+
+    /// Bound on the payload bytes this consumer holds (default
+    /// [`DEFAULT_MAX_BUFFERED_BYTES`], 64 MiB; at least
+    /// [`MIN_MAX_BUFFERED_BYTES`], 1 MiB): the payloads of every event
+    /// fetched and not yet settled, whether it waits in the stream's buffer
+    /// or is in the reader's hands, unacknowledged.
+    ///
+    /// A payload counts as received: the `jsonb` value's binary form, a
+    /// version byte and the JSON text. Memory held for it is about that
+    /// once parsed into [`serde_json::Value`] for payloads made of long
+    /// strings; for payloads of many small fields the parsed value takes
+    /// more (a few times the text), which this bound does not count. A
+    /// fetch's rows are decoded as they arrive, each row's bytes dropped
+    /// before the next is read, so they add one row at a time. Measured
+    /// (`drain` scenario of the e2e bench, 300 payloads of 1 MiB, a quick
+    /// run on a shared machine): a Consumer peaked at 139 MiB of RSS with
+    /// the default bound, 312 MiB with none; the relay at 84 and 318 MiB.
+    ///
+    /// Each fetch asks for at most the bound minus what is held, and the
+    /// server stops sending at it (the rows before each must add up to
+    /// less), so what is held stays under the bound plus one event: one
+    /// payload larger than the bound still moves, alone. No fetch starts
+    /// while the held payloads reach the bound; one starts again once at
+    /// least half of it is free, or, below the bound, when the reader has
+    /// emptied the buffer and waits (so fetches stay large, as in rows: the
+    /// next batch is fetched once a batch of room is free).
+    ///
+    /// Both bounds hold at once: a fetch takes at most [`Self::batch_size`]
+    /// rows and the stream buffers at most [`Self::buffer`] of them, so with
+    /// payloads under about 64 KiB the rows bind first and this bound
+    /// changes nothing.
+    ///
+    /// **Deliveries kept unacknowledged count**: a reader that holds
+    /// deliveries until it has received more (to settle them in groups, say)
+    /// must hold fewer than the bound's worth, or the stream stalls: it
+    /// hands out nothing more until some of them are acknowledged, failed
+    /// or dropped. (Settled ones stop counting as soon as the consumer takes
+    /// the settlement in, before it is written: the payload is gone with the
+    /// delivery.)
+    ///
+    /// The relay's flag `--max-buffered-bytes` sets it; the relay hands one
+    /// delivery at a time to its sink, so the bound covers the relay too.
+    ///
+    /// # Example
+    /// ```
+    /// # fn f(pg: pg_outbox::ConnectOptions) -> pg_outbox::ConsumerBuilder {
+    /// pg_outbox::Consumer::builder(pg).max_buffered_bytes(16 * 1024 * 1024)
+    /// # }
+    /// ```
+    pub fn max_buffered_bytes(mut self, bytes: usize) -> Self {
+        self.cfg.max_buffered_bytes = bytes;
         self
     }
 
@@ -320,6 +393,12 @@ impl ConsumerBuilder {
             c.buffer = c.batch_size * 2;
         }
         c.buffer = c.buffer.max(c.batch_size);
+        if c.max_buffered_bytes < MIN_MAX_BUFFERED_BYTES || i64::try_from(c.max_buffered_bytes).is_err() {
+            return Err(Error::Config(format!(
+                "max buffered bytes must be at least {MIN_MAX_BUFFERED_BYTES} (1 MiB), got {}",
+                c.max_buffered_bytes
+            )));
+        }
         if c.sweep_interval.is_zero() {
             return Err(Error::Config("sweep interval must be longer than zero".into()));
         }
@@ -384,7 +463,8 @@ impl ConsumerBuilder {
         let notifier = start_notifier(&cfg, &work, wakes, token.child_token(), status_tx).await?;
         let (tx, rx) = mpsc::channel(cfg.buffer);
         let (settle_tx, settle_rx) = mpsc::unbounded_channel();
-        let shared = Arc::new(Shared { holdback: holdback::HoldBack::default(), settle_tx });
+        let shared =
+            Arc::new(Shared { holdback: holdback::HoldBack::default(), settle_tx, reader_waiting: Notify::new() });
         let io = drain::Io { tx, settle_rx, wake, reconnect_wake };
         let health = HealthMonitor::new(Arc::new(health::State::new(&cfg)), status_rx.clone());
         let drain = tokio::spawn(drain::run(
@@ -475,6 +555,10 @@ pub(crate) struct Shared {
     pub(crate) holdback: holdback::HoldBack,
     /// Settlements, to the drain loop.
     pub(crate) settle_tx: mpsc::UnboundedSender<delivery::Settlement>,
+    /// The stream's reader found the buffer empty and waits: the drain
+    /// loop may fetch below the byte bound although less than half of it
+    /// is free ([`ConsumerBuilder::max_buffered_bytes`]).
+    pub(crate) reader_waiting: Notify,
 }
 
 impl Shared {
@@ -639,6 +723,7 @@ impl Stream for EventStream {
                     return Poll::Ready(None);
                 }
                 Poll::Pending => {
+                    self.shared.reader_waiting.notify_one();
                     // Also wake up when shutdown is requested.
                     if self.cancelled.as_mut().poll(cx).is_ready() {
                         self.done = true;

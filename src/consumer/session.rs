@@ -250,10 +250,15 @@ impl Prepared {
         let timeout = cfg.statement_timeout;
         tokio::pin!(stop);
         let work = async {
+            // How the fetch measures payloads depends on the server's
+            // functions (store::PayloadSizes); read per session, so a
+            // reconnect to another server prepares what that one has.
+            let version: i32 = client.query_one(store::schema::SERVER_VERSION, &[]).await?.try_get("num")?;
+            let sizes = store::PayloadSizes::for_server(version);
             let fetch_sql = match cfg.mode {
-                Mode::Single => store::fetch_sql(false),
-                Mode::Partitioned { .. } => store::fetch_sql(true),
-                Mode::Competing => store::COMPETING_FETCH.to_string(),
+                Mode::Single => store::fetch_sql(false, sizes),
+                Mode::Partitioned { .. } => store::fetch_sql(true, sizes),
+                Mode::Competing => store::competing_fetch_sql(sizes),
             };
             let fetch = client.prepare(&fetch_sql).await?;
             let next_retry = client.prepare(store::NEXT_RETRY_IN).await?;

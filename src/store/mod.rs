@@ -44,7 +44,7 @@ macro_rules! new_event_columns {
 #[cfg(feature = "console")]
 pub(crate) mod console;
 pub(crate) mod dead_letters;
-mod fetch;
+pub(crate) mod fetch;
 pub(crate) mod locks;
 mod publish;
 #[cfg(feature = "relay")]
@@ -57,12 +57,12 @@ mod status;
 mod wakeup;
 
 pub use fetch::fetch_query;
-pub(crate) use fetch::{BEGIN, COMMIT, COMPETING_FETCH, NEXT_RETRY_IN, fetch_sql};
+pub(crate) use fetch::{BEGIN, COMMIT, NEXT_RETRY_IN, PayloadSizes, competing_fetch_sql, fetch_sql};
 pub(crate) use locks::{COUNT_MEMBERS, MEMBER_LOCK, PARTITION_UNLOCK, TRY_LEADER_LOCK, TRY_PARTITION_LOCK};
 #[cfg(feature = "sqlx")]
 pub(crate) use publish::via_sqlx;
 pub(crate) use publish::{insert_event, insert_events};
-pub(crate) use rows::{event_from_row, row_id, row_identity, row_partition};
+pub(crate) use rows::{DecodedEvent, decode_event, event_from_row, fetch_was_cut, row_id, row_identity};
 pub(crate) use settle::{ACK, FAIL, fail_details};
 pub(crate) use status::GAUGES;
 pub use status::{OutboxStatus, PendingRetry, RetryLadder, STATUS_MAX_TYPES, STATUS_NEXT_RETRIES, TypeBacklog, status};
@@ -76,9 +76,11 @@ pub(crate) use wakeup::{
 /// against real tables (the integration tests do, in every statistics
 /// state). Not a stable interface: names and texts change with the code.
 ///
-/// The parameters, by name: `fetch` `$1 bigint[]` ids in flight, `$2 bigint`
-/// batch; `fetch_partitioned` those and `$3 bigint` partitions, `$4 int4[]`
-/// partitions held; `competing_fetch`, `$1 bigint` batch; `ack` `$1 bigint[]`;
+/// The parameters, by name: `fetch` (and `fetch_text_sizes`, its form for
+/// PostgreSQL 13) `$1 bigint[]` ids in flight, `$2 bigint` batch, `$3
+/// bigint` byte budget; `fetch_partitioned` those and `$4 bigint`
+/// partitions, `$5 int4[]` partitions held; `competing_fetch`, `$1 bigint`
+/// batch, `$2 bigint` byte budget; `ack` `$1 bigint[]`;
 /// `fail` `$1 bigint[]` ids, `$2 jsonb` details per id (`{"<id>": {"e":
 /// error, "d": delay in seconds, "s": retry count seen}}`), `$3 int4`
 /// dead-letter threshold;
@@ -104,9 +106,10 @@ pub fn run_time_statements() -> Vec<(&'static str, String)> {
     use dead_letters as d;
     #[allow(unused_mut)] // without the `relay` feature
     let mut all = vec![
-        ("fetch", fetch_sql(false)),
-        ("fetch_partitioned", fetch_sql(true)),
-        ("competing_fetch", COMPETING_FETCH.to_string()),
+        ("fetch", fetch_sql(false, PayloadSizes::StoredWhenSmall)),
+        ("fetch_text_sizes", fetch_sql(false, PayloadSizes::Text)),
+        ("fetch_partitioned", fetch_sql(true, PayloadSizes::StoredWhenSmall)),
+        ("competing_fetch", competing_fetch_sql(PayloadSizes::StoredWhenSmall)),
         ("ack", ACK.to_string()),
         ("fail", FAIL.to_string()),
         ("next_retry_in", NEXT_RETRY_IN.to_string()),

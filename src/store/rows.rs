@@ -1,6 +1,7 @@
 //! Event rows: the column list, and reading a row by column name.
 
 use tokio_postgres::Row;
+use tokio_postgres::types::{FromSql, Type};
 
 use crate::error::Result;
 use crate::event::Event;
@@ -26,6 +27,66 @@ pub(crate) fn event_from_row(row: &Row) -> Result<Event> {
     })
 }
 
+/// Name of the column a fetch adds after the event columns (and the
+/// partition): the payload bytes of the rows before it, as the fetch
+/// measured them (`store::fetch`'s `within_budget`).
+pub(crate) const BYTES_BEFORE: &str = "bytes_before";
+
+/// Did the byte budget cut a fetch whose last row is `last` (more
+/// candidates were there)? Yes when the payloads of its rows reach `budget`
+/// as the fetch measured them: [`BYTES_BEFORE`] of the last row plus its
+/// own payload, which the fetch measured as received (then it is exact), or
+/// by its stored size, under [`super::fetch::SMALL_STORED_BYTES`]: so the
+/// last row counts for at least that. A fetch that took every candidate and
+/// came within that of the budget is taken for cut too: the next fetch
+/// finds nothing, as after a full batch that happened to be the last.
+pub(crate) fn fetch_was_cut(last: &Row, budget: i64) -> bool {
+    let before: i64 = last.try_get::<_, Option<i64>>(BYTES_BEFORE).ok().flatten().unwrap_or(0);
+    let own = payload_bytes(last).unwrap_or(0).max(super::fetch::SMALL_STORED_BYTES);
+    before.saturating_add(i64::try_from(own).unwrap_or(i64::MAX)) >= budget
+}
+
+/// The payload of a row holding [`EVENT_COLUMNS`] as received, in bytes:
+/// the binary form of `jsonb` (a version byte and the JSON text), before
+/// it is parsed. What the consumer counts against its byte bound; the
+/// fetch measures payloads the same way ([`super::PayloadSizes`]). `None`
+/// if the row has no such column.
+pub(crate) fn payload_bytes(row: &Row) -> Option<usize> {
+    row.try_get::<_, Received>("payload").ok().map(|r| r.0)
+}
+
+/// The length of a value as it came off the wire, not decoded.
+struct Received(usize);
+
+impl<'a> FromSql<'a> for Received {
+    fn from_sql(_: &Type, raw: &'a [u8]) -> Result<Self, Box<dyn std::error::Error + Sync + Send>> {
+        Ok(Received(raw.len()))
+    }
+
+    fn accepts(ty: &Type) -> bool {
+        *ty == Type::JSONB || *ty == Type::JSON
+    }
+}
+
+/// An event decoded from a fetched row, with what the consumer keeps of
+/// the row besides: its payload's bytes as received ([`payload_bytes`]) and,
+/// in a partitioned fetch, its partition.
+pub(crate) struct DecodedEvent {
+    pub(crate) event: Event,
+    pub(crate) payload_bytes: usize,
+    pub(crate) partition: Option<i32>,
+}
+
+/// [`event_from_row`] and the rest of [`DecodedEvent`]; the partition when
+/// `partitioned`.
+pub(crate) fn decode_event(row: &Row, partitioned: bool) -> Result<DecodedEvent> {
+    Ok(DecodedEvent {
+        event: event_from_row(row)?,
+        payload_bytes: payload_bytes(row).unwrap_or(0),
+        partition: if partitioned { row_partition(row) } else { None },
+    })
+}
+
 /// The `id` column of a row.
 pub(crate) fn row_id(row: &Row) -> Result<i64> {
     Ok(row.try_get("id")?)
@@ -43,7 +104,7 @@ pub(crate) fn row_identity(row: &Row) -> Option<(i64, String, uuid::Uuid, i32)> 
     ))
 }
 
-/// The partition of a row of a partitioned fetch ([`super::fetch_sql`]`(true)`),
+/// The partition of a row of a partitioned fetch ([`super::fetch_sql`]`(true, _)`),
 /// read by name; `None` for a row of another fetch.
 pub(crate) fn row_partition(row: &Row) -> Option<i32> {
     row.try_get(PARTITION).ok()

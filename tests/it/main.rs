@@ -3,6 +3,7 @@
 mod auto_traits;
 mod broker_tls;
 mod brokers;
+mod byte_bound;
 mod cancel_safety;
 mod cli;
 mod config;

@@ -45,7 +45,7 @@ async fn fetch_skips_a_head_of_dead_letters_and_waiting_retries_through_its_inde
     c.batch_execute("VACUUM ANALYZE events.outbox").await.expect("vacuum");
     let sql = format!("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) {}", pg_outbox::fetch_query());
     let none: Vec<i64> = Vec::new();
-    let row = c.query_one(&sql, &[&none, &500i64]).await.expect("explain the fetch");
+    let row = c.query_one(&sql, &[&none, &500i64, &(64i64 << 20)]).await.expect("explain the fetch");
     let plan: serde_json::Value = row.get(0);
     let root = &plan[0]["Plan"];
     let rows = root["Actual Rows"].as_i64().expect("actual rows");
@@ -73,7 +73,7 @@ async fn fetch_skips_a_head_of_dead_letters_and_waiting_retries_through_its_inde
     // outbox_holdback_idx, a few buffers), never a walk.
     c.batch_execute("DELETE FROM events.outbox WHERE aggregate_type <> 'fresh'").await.expect("remove the head");
     c.batch_execute("VACUUM ANALYZE events.outbox").await.expect("vacuum");
-    let row = c.query_one(&sql, &[&none, &500i64]).await.expect("explain the fetch again");
+    let row = c.query_one(&sql, &[&none, &500i64, &(64i64 << 20)]).await.expect("explain the fetch again");
     let plan: serde_json::Value = row.get(0);
     let empty_head = buffers(&plan[0]["Plan"]);
     assert!(
@@ -117,7 +117,7 @@ async fn fetch_uses_the_fresh_index_when_statistics_say_everything_is_unpublishe
     let mut touched = 0;
     let mut nodes = Vec::new();
     for _ in 0..2 {
-        let row = c.query_one(&sql, &[&none, &500i64]).await.expect("explain the fetch");
+        let row = c.query_one(&sql, &[&none, &500i64, &(64i64 << 20)]).await.expect("explain the fetch");
         let plan: serde_json::Value = row.get(0);
         touched = buffers(&plan[0]["Plan"]);
         nodes.clear();

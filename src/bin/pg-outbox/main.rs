@@ -121,6 +121,15 @@ struct RelayArgs {
     #[arg(long, default_value_t = pg_outbox::DEFAULT_BATCH_SIZE,
           value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
     batch_size: usize,
+    /// Bound on the payload bytes the relay holds, as received: events
+    /// fetched and not yet delivered and acknowledged (e.g. 64MiB, 512MB, or
+    /// a number of bytes; at least 1MiB). A fetch stops at it, so the relay
+    /// holds at most this plus one event (one larger event still moves,
+    /// alone); at the bound it fetches nothing until the sink takes some.
+    /// The relay hands one event at a time to the sink and queues none of
+    /// its own.
+    #[arg(long, value_parser = parse_byte_size, default_value = "64MiB", value_name = "SIZE")]
+    max_buffered_bytes: bytesize::ByteSize,
     /// Fallback sweep interval (e.g. 200ms, 1s, 5m; at least 10ms).
     #[arg(long, value_parser = parse_sweep_interval, default_value = "1s")]
     sweep_interval: Duration,
@@ -243,6 +252,28 @@ pub(crate) fn parse_duration(s: &str) -> Result<Duration, String> {
         return Err(format!("invalid duration '{s}': must be longer than zero"));
     }
     Ok(d)
+}
+
+/// A size in bytes for `--max-buffered-bytes`: a number of bytes, or a
+/// number with a unit (`KiB`, `MiB`, `GiB` in powers of 1024; `KB`, `MB`,
+/// `GB` in powers of 1000; parsed by the `bytesize` crate), at least
+/// [`pg_outbox::MIN_MAX_BUFFERED_BYTES`] and at most `i64::MAX`. A
+/// `ByteSize`, not a number, so a config file may write it either way
+/// (`"64MiB"` or `67108864`).
+fn parse_byte_size(s: &str) -> Result<bytesize::ByteSize, String> {
+    let size: bytesize::ByteSize =
+        s.trim().parse().map_err(|e| format!("invalid size '{s}': {e} (write e.g. 64MiB, 512MB or 1048576)"))?;
+    let bytes = usize::try_from(size.as_u64())
+        .ok()
+        .filter(|b| i64::try_from(*b).is_ok())
+        .ok_or_else(|| format!("invalid size '{s}': too large"))?;
+    if bytes < pg_outbox::MIN_MAX_BUFFERED_BYTES {
+        return Err(format!(
+            "invalid size '{s}' ({bytes} bytes): must be at least 1MiB ({} bytes)",
+            pg_outbox::MIN_MAX_BUFFERED_BYTES
+        ));
+    }
+    Ok(size)
 }
 
 /// A timeout: a duration as [`parse_duration`], or `0` for none (as in
@@ -396,6 +427,7 @@ async fn relay_cmd(url: &str, args: RelayArgs) -> Result<(), Error> {
     }
     let mut builder = Consumer::builder(pg)
         .batch_size(args.batch_size)
+        .max_buffered_bytes(usize::try_from(args.max_buffered_bytes.as_u64()).unwrap_or(usize::MAX))
         .sweep_interval(args.sweep_interval)
         .max_retries(args.max_retries)
         .shutdown_grace(args.shutdown_grace)
@@ -770,5 +802,21 @@ mod tests {
         let cli = Cli::try_parse_from(["pg-outbox", "relay"]).expect("relay parses without flags");
         let Command::Relay(args) = cli.command else { panic!("relay") };
         assert_eq!(args.statement_timeout, pg_outbox::DEFAULT_STATEMENT_TIMEOUT);
+    }
+
+    #[test]
+    fn max_buffered_bytes_takes_sizes_and_defaults_to_the_librarys() {
+        let bytes = |s: &str| parse_byte_size(s).map(|b| b.as_u64());
+        assert_eq!(bytes("64MiB"), Ok(64 << 20));
+        assert_eq!(bytes(" 2 MB "), Ok(2_000_000));
+        assert_eq!(bytes("1048576"), Ok(1 << 20));
+        assert_eq!(bytes("1GiB"), Ok(1 << 30));
+        let e = parse_byte_size("lots").expect_err("not a size");
+        assert!(e.contains("invalid size 'lots'") && e.contains("64MiB"), "{e}");
+        let e = parse_byte_size("64").expect_err("under 1 MiB");
+        assert!(e.contains("at least 1MiB"), "{e}");
+        let cli = Cli::try_parse_from(["pg-outbox", "relay"]).expect("relay parses without flags");
+        let Command::Relay(args) = cli.command else { panic!("relay") };
+        assert_eq!(args.max_buffered_bytes.as_u64(), pg_outbox::DEFAULT_MAX_BUFFERED_BYTES as u64);
     }
 }
