@@ -292,12 +292,14 @@ $$;
 
 -- Switch the ordering mode (see "Ordering modes" above) and return the mode
 -- that was installed before ('outbox-locked', 'producer-locked', or
--- 'none' when neither trigger was enabled). `mode` is 'outbox-locked' or
--- 'producer-locked'; anything else raises an error naming it. It takes
--- SHARE ROW EXCLUSIVE on events.outbox, waiting at most 5 s (lock_timeout)
--- for running producer transactions, so no transaction writes events under
--- both modes; on a timeout, run it again. Only the table's owner can run it
--- (it alters the table's triggers). Running it twice is a no-op.
+-- 'none' when neither trigger was enabled): the result is the old mode,
+-- not the new one. `mode` is 'outbox-locked' or 'producer-locked';
+-- anything else raises an error naming it. When `mode` is already
+-- installed it returns at once, taking no lock. Otherwise it takes SHARE
+-- ROW EXCLUSIVE on events.outbox, waiting at most 5 s (lock_timeout) for
+-- running producer transactions, so no transaction writes events under
+-- both modes; on a timeout (SQLSTATE 55P03) nothing changed: run it again.
+-- Only the table's owner can switch (it alters the table's triggers).
 CREATE OR REPLACE FUNCTION events.outbox_set_ordering(mode text) RETURNS text
 LANGUAGE plpgsql AS $$
 DECLARE
@@ -308,17 +310,25 @@ BEGIN
         RAISE EXCEPTION 'unknown ordering mode %; expected outbox-locked or producer-locked', coalesce(quote_literal(mode), 'NULL')
             USING ERRCODE = 'invalid_parameter_value';
     END IF;
-    PERFORM set_config('lock_timeout', '5s', true);
-    LOCK TABLE events.outbox IN SHARE ROW EXCLUSIVE MODE;
-    PERFORM set_config('lock_timeout', saved_lock_timeout, true);
-    SELECT CASE
-               WHEN bool_or(tgname = 'outbox_order' AND tgenabled <> 'D') THEN 'outbox-locked'
-               WHEN bool_or(tgname = 'outbox_wake' AND tgenabled <> 'D') THEN 'producer-locked'
-               ELSE 'none'
-           END
-      INTO before
-      FROM pg_trigger
-     WHERE tgrelid = 'events.outbox'::regclass AND tgname IN ('outbox_order', 'outbox_wake');
+    -- Read twice: without a lock first (a switch to the installed mode
+    -- must not wait for producers), then under the lock.
+    FOR attempt IN 1..2 LOOP
+        SELECT CASE
+                   WHEN bool_or(tgname = 'outbox_order' AND tgenabled <> 'D') THEN 'outbox-locked'
+                   WHEN bool_or(tgname = 'outbox_wake' AND tgenabled <> 'D') THEN 'producer-locked'
+                   ELSE 'none'
+               END
+          INTO before
+          FROM pg_trigger
+         WHERE tgrelid = 'events.outbox'::regclass AND tgname IN ('outbox_order', 'outbox_wake');
+        IF before = mode THEN
+            RETURN before;
+        END IF;
+        EXIT WHEN attempt = 2;
+        PERFORM set_config('lock_timeout', '5s', true);
+        LOCK TABLE events.outbox IN SHARE ROW EXCLUSIVE MODE;
+        PERFORM set_config('lock_timeout', saved_lock_timeout, true);
+    END LOOP;
     IF mode = 'outbox-locked' THEN
         ALTER TABLE events.outbox ENABLE TRIGGER outbox_order;
         ALTER TABLE events.outbox DISABLE TRIGGER outbox_wake;

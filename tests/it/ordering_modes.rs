@@ -229,6 +229,11 @@ async fn switching_modes_is_idempotent_kept_by_migrate_and_waits_for_running_pro
     // switch fail with lock_not_available, changing nothing.
     let tx = p.transaction().await.expect("producer tx");
     insert_one(&tx).await;
+    // Installing the installed mode takes no lock: it returns at once.
+    let unchanged = tokio::time::timeout(Duration::from_secs(2), set(&db, OrderingMode::OutboxLocked))
+        .await
+        .expect("a switch to the installed mode does not wait for producers");
+    assert_eq!(unchanged, Some(OrderingMode::OutboxLocked));
     let err = migrate::set_ordering(&db.options(), OrderingMode::ProducerLocked).await.expect_err("lock timeout");
     assert_eq!(err.code(), Some(&tokio_postgres::error::SqlState::LOCK_NOT_AVAILABLE), "{err:?}");
     tx.commit().await.expect("commit");
@@ -250,7 +255,10 @@ async fn the_command_line_switches_reports_and_refuses_unknown_modes() {
     assert!(out.stderr.contains("ordering mode: producer-locked (was outbox-locked)"), "{}", out.stderr);
     assert!(out.stderr.contains("locks a row of its own"), "the caveat is printed: {}", out.stderr);
     let out = db.cli(&["migrate"]).run().await;
-    assert!(out.ok() && out.stderr.contains("ordering mode: producer-locked"), "{out:?}");
+    assert!(
+        out.ok() && out.stderr.contains("ordering mode: producer-locked (kept; change it with --ordering)"),
+        "{out:?}"
+    );
     let out = db.cli(&["status"]).run().await;
     assert!(out.ok() && out.stdout.contains("ordering mode       producer-locked"), "{out:?}");
     let mut relay = RelayProc::start(&db, &["--sink", "stdout"]).await;
@@ -261,6 +269,22 @@ async fn the_command_line_switches_reports_and_refuses_unknown_modes() {
     assert_eq!(json["ordering"], "producer-locked");
     let out = db.cli(&["migrate", "--ordering", "outbox-locked"]).run().await;
     assert!(out.ok() && out.stderr.contains("ordering mode: outbox-locked (was producer-locked)"), "{out:?}");
+    // A switch that producers hold back for 5 s fails, saying what happened
+    // and what to do.
+    let mut p = db.client().await;
+    let tx = p.transaction().await.expect("producer tx");
+    insert_one(&tx).await;
+    let out = db.cli(&["migrate", "--ordering", "producer-locked"]).run().await;
+    assert_eq!(out.code, Some(1), "{out:?}");
+    assert!(out.stderr.contains("could not switch the ordering mode to producer-locked"), "{}", out.stderr);
+    assert!(
+        out.stderr.contains("nothing changed: run `pg-outbox migrate --ordering producer-locked` again"),
+        "{}",
+        out.stderr
+    );
+    let out = db.cli(&["migrate", "--ordering", "outbox-locked"]).run().await;
+    assert!(out.ok() && out.stderr.contains("ordering mode: outbox-locked (unchanged)"), "{out:?}");
+    tx.commit().await.expect("commit");
     let out = db.cli(&["migrate", "--ordering", "none"]).run().await;
     assert_eq!(out.code, Some(2), "{out:?}");
     assert!(out.stderr.contains("invalid value 'none' for '--ordering <MODE>'"), "{}", out.stderr);

@@ -217,7 +217,8 @@ struct PublishArgs {
     #[arg(long)]
     event_type: String,
     /// JSON payload, e.g. '{"version":1,"data":{"amount":990}}'; `-` reads
-    /// it from standard input, `@FILE` from a file.
+    /// it from standard input, `@FILE` from a file. At most 1 MiB (1048576
+    /// bytes, the publisher's limit).
     #[arg(long)]
     payload: String,
 }
@@ -261,8 +262,9 @@ pub(crate) fn parse_duration(s: &str) -> Result<Duration, String> {
 /// `ByteSize`, not a number, so a config file may write it either way
 /// (`"64MiB"` or `67108864`).
 fn parse_byte_size(s: &str) -> Result<bytesize::ByteSize, String> {
-    let size: bytesize::ByteSize =
-        s.trim().parse().map_err(|e| format!("invalid size '{s}': {e} (write e.g. 64MiB, 512MB or 1048576)"))?;
+    let size: bytesize::ByteSize = s.trim().parse().map_err(|_: String| {
+        format!("invalid size '{s}': write a number of bytes or a number with a unit, e.g. 64MiB, 512MB or 1048576")
+    })?;
     let bytes = usize::try_from(size.as_u64())
         .ok()
         .filter(|b| i64::try_from(*b).is_ok())
@@ -441,6 +443,7 @@ async fn relay_cmd(url: &str, args: RelayArgs) -> Result<(), Error> {
     if let Some(policy) = args.retry_schedule {
         builder = builder.retry_policy(policy);
     }
+    let bound = args.max_buffered_bytes;
     let stream = builder.start().await?;
     probes.started(stream.health());
     if let Some(a) = args.health_addr {
@@ -448,10 +451,10 @@ async fn relay_cmd(url: &str, args: RelayArgs) -> Result<(), Error> {
     }
     match args.metrics_addr {
         Some(a) => {
-            tracing::info!(database = %target, sink = %sink_name, metrics = %format!("http://{a}/metrics"), "relay started; listening on channel {}", pg_outbox::NOTIFY_CHANNEL)
+            tracing::info!(database = %target, sink = %sink_name, max_buffered_bytes = %bound, metrics = %format!("http://{a}/metrics"), "relay started; listening on channel {}", pg_outbox::NOTIFY_CHANNEL)
         }
         None => {
-            tracing::info!(database = %target, sink = %sink_name, "relay started; listening on channel {}", pg_outbox::NOTIFY_CHANNEL)
+            tracing::info!(database = %target, sink = %sink_name, max_buffered_bytes = %bound, "relay started; listening on channel {}", pg_outbox::NOTIFY_CHANNEL)
         }
     }
     let retention = args.retention.map(|older| {
@@ -680,7 +683,17 @@ async fn migrate_cmd(url: &str, args: MigrateArgs) -> Result<(), Error> {
                 OrderingArg::OutboxLocked => OrderingMode::OutboxLocked,
                 OrderingArg::ProducerLocked => OrderingMode::ProducerLocked,
             };
-            let before = migrate::set_ordering(&pg, mode).await?;
+            let before = migrate::set_ordering(&pg, mode).await.map_err(|e| {
+                if e.code() == Some(&tokio_postgres::error::SqlState::LOCK_NOT_AVAILABLE) {
+                    return Error::Usage(format!(
+                        "could not switch the ordering mode to {mode}: producer transactions that have written \
+                         events kept events.outbox locked for 5 s (the switch waits for them, and producers wait \
+                         for the switch, so it gives up then); nothing changed: run `pg-outbox migrate --ordering \
+                         {mode}` again, when fewer producer transactions are open"
+                    ));
+                }
+                Error::Outbox(e)
+            })?;
             if before == Some(mode) {
                 eprintln!("ordering mode: {mode} (unchanged)");
             } else {
@@ -691,7 +704,12 @@ async fn migrate_cmd(url: &str, args: MigrateArgs) -> Result<(), Error> {
         None => {
             let client = pg.connect().await?;
             let mode = migrate::ordering(&client).await?;
-            eprintln!("ordering mode: {}", mode.map_or("none (no insert trigger enabled)", OrderingMode::as_str));
+            match mode {
+                Some(mode) => eprintln!("ordering mode: {mode} (kept; change it with --ordering)"),
+                None => eprintln!(
+                    "ordering mode: none (no insert trigger is enabled on events.outbox; enable one with --ordering)"
+                ),
+            }
             mode
         }
     };
