@@ -123,13 +123,20 @@ async fn a_reader_that_acknowledges_nothing_stalls_at_the_byte_bound_and_resumes
         order.push(d.id);
         d.ack();
     }
+    ack_the_rest_in_order(stream, &c, order, &ids).await;
+}
+
+/// Acknowledge deliveries as they come until `order` (the ids delivered so
+/// far) holds as many as `ids`; then every event must have come once, in id
+/// order, and be published.
+async fn ack_the_rest_in_order(mut stream: EventStream, c: &Client, mut order: Vec<i64>, ids: &[i64]) {
     while order.len() < ids.len() {
         let d = next(&mut stream, 10).await;
         order.push(d.id);
         d.ack();
     }
     assert_eq!(order, ids, "every event once, in id order");
-    eventually(10, "every event is published", || async { published_ids(&c).await.len() == ids.len() }).await;
+    eventually(10, "every event is published", || async { published_ids(c).await.len() == ids.len() }).await;
     stream.finish().await.expect("finish");
 }
 
@@ -147,18 +154,10 @@ async fn a_payload_larger_than_the_byte_bound_is_delivered_alone() {
     let got: Vec<i64> = held.iter().map(|d| d.id).collect();
     assert_eq!(got, ids[..2], "the small event and the 3 MiB one, then a stall");
     assert_eq!(held[1].payload["data"].as_str().map(str::len), Some(98_304 * 32), "the 3 MiB payload, whole");
-    let mut order = got;
     for d in held {
         d.ack();
     }
-    while order.len() < ids.len() {
-        let d = next(&mut stream, 10).await;
-        order.push(d.id);
-        d.ack();
-    }
-    assert_eq!(order, ids, "every event once, in id order");
-    eventually(10, "every event is published", || async { published_ids(&c).await.len() == ids.len() }).await;
-    stream.finish().await.expect("finish");
+    ack_the_rest_in_order(stream, &c, got, &ids).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
