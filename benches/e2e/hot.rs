@@ -117,11 +117,12 @@ async fn drain(
     }
     // Acknowledgements are written in batches: the drain is over when the
     // table shows only the held-back events unpublished.
-    while !capped && unpublished(&probe).await? > expect_held {
-        if Instant::now() >= deadline {
-            capped = true;
-        }
-        tokio::time::sleep(Duration::from_millis(2)).await;
+    if !capped {
+        let left = deadline.saturating_duration_since(Instant::now());
+        capped = !util::wait_until(left, Duration::from_millis(2), || async {
+            Ok(unpublished(&probe).await? <= expect_held)
+        })
+        .await?;
     }
     let seconds = started.elapsed().as_secs_f64();
     if capped {
