@@ -19,11 +19,10 @@ use tokio::time::Instant;
 
 use super::ConsumerConfig;
 use super::holdback::AggregateKey;
-use super::session::Conn;
-use super::statement::{self, Kind, StatementError};
 use crate::metrics as m;
 use crate::retry::RetryPolicy;
-use crate::store;
+use crate::store::statement::StatementError;
+use crate::store::{Acknowledged, FailParams, FailWritten, WriterSession};
 
 /// A failed attempt waiting to be written.
 pub(super) struct PendingFail {
@@ -44,8 +43,8 @@ pub(super) struct FlushDone {
     pub(super) generation: u64,
     acks: Vec<i64>,
     fails: Vec<PendingFail>,
-    ack_res: Result<Vec<tokio_postgres::Row>, StatementError>,
-    fail_res: Result<Vec<tokio_postgres::Row>, StatementError>,
+    ack_res: Result<Acknowledged, StatementError>,
+    fail_res: Result<Vec<FailWritten>, StatementError>,
 }
 
 /// What a write's outcome means for the rest of the loop.
@@ -177,9 +176,9 @@ impl Completer {
     }
 
     /// Start writing up to one batch of acknowledgements and one of failures
-    /// on `conn`'s writer session (of session generation `generation`),
+    /// on `writer` (of session generation `generation`),
     /// without waiting: the outcome comes back as a [`FlushDone`].
-    pub(super) fn start(&mut self, conn: &Conn, generation: u64) {
+    pub(super) fn start(&mut self, writer: &WriterSession, generation: u64) {
         self.flush_at = None;
         if self.flushing.is_some() || self.pending() == 0 {
             return;
@@ -190,17 +189,10 @@ impl Completer {
         let acks: Vec<i64> = self.acks.drain(..self.acks.len().min(self.cap)).collect();
         let fails: Vec<PendingFail> = self.fails.drain(..self.fails.len().min(self.cap)).collect();
         self.flushing = Some(acks.iter().copied().chain(fails.iter().map(|f| f.id)).collect());
-        let write = Write {
-            writer: conn.writer.clone(),
-            session: conn.writer_session.clone(),
-            timeout: conn.timeout,
-            ack: conn.ack.clone(),
-            fail: conn.fail.clone(),
-            max_retries: self.max_retries,
-        };
+        let (writer, max_retries) = (writer.clone(), self.max_retries);
         let done_tx = self.done_tx.clone();
         tokio::spawn(async move {
-            let (ack_res, fail_res) = write.run(&acks, &fails).await;
+            let (ack_res, fail_res) = write(&writer, &acks, &fails, max_retries).await;
             let _ = done_tx.send(FlushDone { generation, acks, fails, ack_res, fail_res });
         });
     }
@@ -212,8 +204,8 @@ impl Completer {
         let FlushDone { acks, fails, ack_res, fail_res, .. } = done;
         let mut written = Written { acked: Vec::new(), failed: Vec::new(), earliest_retry: None, error: None };
         match ack_res {
-            Ok(rows) => {
-                record_published(&rows);
+            Ok(acknowledged) => {
+                record_published(&acknowledged);
                 written.acked = acks;
             }
             Err(e) => {
@@ -235,31 +227,27 @@ impl Completer {
     }
 }
 
-/// Acknowledged rows (`RETURNING` delivery lag, seconds): the lag histogram
-/// and the published counter.
-fn record_published(rows: &[tokio_postgres::Row]) {
+/// Acknowledged rows: the delivery-lag histogram and the published counter.
+fn record_published(acknowledged: &Acknowledged) {
     let hist = metrics::histogram!(m::DELIVERY_LAG);
-    for r in rows {
-        if let Ok(Some(lag)) = r.try_get::<_, Option<f64>>("lag") {
-            hist.record(lag);
-        }
+    for lag in &acknowledged.lags_secs {
+        hist.record(*lag);
     }
-    metrics::counter!(m::EVENTS_PUBLISHED).increment(rows.len() as u64);
+    metrics::counter!(m::EVENTS_PUBLISHED).increment(acknowledged.published);
 }
 
-/// Failed rows (`RETURNING id, dead, seconds to the retry`): counters, a
-/// warning per new dead letter; the earliest retry, in seconds from now.
-fn record_failed(rows: &[tokio_postgres::Row], fails: &[PendingFail]) -> Option<f64> {
+/// Failed rows: counters, a warning per new dead letter; the earliest
+/// retry, in seconds from now.
+fn record_failed(rows: &[FailWritten], fails: &[PendingFail]) -> Option<f64> {
     let mut earliest: Option<f64> = None;
     let mut dead = 0u64;
     for r in rows {
-        let id: i64 = r.try_get("id").unwrap_or_default();
-        if r.try_get::<_, bool>("dead").unwrap_or(false) {
+        if r.dead {
             dead += 1;
-            let err = fails.iter().find(|f| f.id == id).map(|f| f.error.as_str()).unwrap_or("");
-            tracing::warn!(id, error = err, "event became a dead letter");
+            let err = fails.iter().find(|f| f.id == r.id).map(|f| f.error.as_str()).unwrap_or("");
+            tracing::warn!(id = r.id, error = err, "event became a dead letter");
         }
-        if let Ok(Some(s)) = r.try_get::<_, Option<f64>>("retry_in") {
+        if let Some(s) = r.retry_in_secs {
             earliest = Some(earliest.map_or(s, |e: f64| e.min(s)));
         }
     }
@@ -268,42 +256,17 @@ fn record_failed(rows: &[tokio_postgres::Row], fails: &[PendingFail]) -> Option<
     earliest
 }
 
-/// One write's statements and session, moved into its task.
-struct Write {
-    writer: std::sync::Arc<tokio_postgres::Client>,
-    session: statement::Session,
-    timeout: Duration,
-    ack: tokio_postgres::Statement,
-    fail: tokio_postgres::Statement,
+/// One write: the acknowledgement and failure `UPDATE`s, pipelined on
+/// `writer`; each runs to its end or its statement timeout.
+async fn write(
+    writer: &WriterSession,
+    acks: &[i64],
+    fails: &[PendingFail],
     max_retries: i32,
-}
-
-type WriteResult = Result<Vec<tokio_postgres::Row>, StatementError>;
-
-impl Write {
-    /// The acknowledgement and failure `UPDATE`s, pipelined; each runs to
-    /// its end or its statement timeout.
-    async fn run(&self, acks: &[i64], fails: &[PendingFail]) -> (WriteResult, WriteResult) {
-        let ack = async {
-            if acks.is_empty() {
-                return Ok(Vec::new());
-            }
-            let params: [&(dyn tokio_postgres::types::ToSql + Sync); 1] = [&acks];
-            let acked = self.writer.query(&self.ack, &params);
-            statement::run_to_end(Kind::AckWrite, &self.session, self.timeout, acked).await
-        };
-        let fail = async {
-            if fails.is_empty() {
-                return Ok(Vec::new());
-            }
-            let ids: Vec<i64> = fails.iter().map(|f| f.id).collect();
-            let details = store::fail_details(
-                fails.iter().map(|f| (f.id, f.error.as_str(), f.delay.as_secs_f64(), f.retry_count)),
-            );
-            let params: [&(dyn tokio_postgres::types::ToSql + Sync); 3] = [&ids, &details, &self.max_retries];
-            statement::run_to_end(Kind::FailWrite, &self.session, self.timeout, self.writer.query(&self.fail, &params))
-                .await
-        };
-        tokio::join!(ack, fail)
-    }
+) -> (Result<Acknowledged, StatementError>, Result<Vec<FailWritten>, StatementError>) {
+    let fails: Vec<FailParams<'_>> = fails
+        .iter()
+        .map(|f| FailParams { id: f.id, error: &f.error, delay: f.delay, retry_count: f.retry_count })
+        .collect();
+    tokio::join!(writer.ack(acks), writer.fail(&fails, max_retries))
 }

@@ -1,97 +1,99 @@
-//! The drain loop: one task that waits for what can happen next and hands
-//! each to the service that owns it.
+//! The drain loop: one task, the engine every source shares. It waits for
+//! what can happen next and hands each to the service that owns it.
 //!
 //! ```text
-//! wake-ups (notification, sweep, retry timer, reconnect, release, recheck,
-//! locks taken)
-//!     -> WakePolicy says fetch -> Ownership says which rows -> Fetcher
-//!     -> the stream's buffer -> user code settles -> Completer writes
-//!     -> the write's outcome: HoldBack released, RetryTimer armed
+//! the source says fetch (wake-ups, timers, ownership)
+//!     -> the source fetches -> InFlight hands out into the stream's buffer
+//!     -> user code settles -> Completer writes
+//!     -> the write's outcome: HoldBack released, the source told
 //! ```
 //!
-//! The services, each a file of this module with its own state:
-//! [`Sessions`] (the work and writer sessions, reconnecting), [`Fetcher`]
-//! (fetches and the events handed out), [`super::holdback`] (per-aggregate
-//! hold-back), [`Completer`] (acknowledgements and failures, written in
-//! batches), [`Ownership`] (what this consumer may fetch, by mode),
-//! [`WakePolicy`] (when to fetch; busy or idle), [`RetryTimer`] (the
-//! earliest retry), [`Maintenance`] (registration, gauges).
+//! The engine's services, each a file of this module with its own state:
+//! [`Sessions`] (the work and writer sessions, reconnecting), [`InFlight`]
+//! (the events handed out, the byte bound, the fetch count),
+//! [`super::holdback`] (per-aggregate hold-back), [`Completer`]
+//! (acknowledgements and failures, written in batches), [`Maintenance`]
+//! (gauges). Where events come from is the [`Source`] (`super::source`).
 //!
 //! Why one task: a write's outcome is taken in by the loop between two
 //! fetches, and fetches are awaited by the loop, so a fetch issued after a
 //! write completed sees it. That keeps per-aggregate hold-back exact
 //! without locks between services. Writes run on the writer session in a
 //! task of their own while the loop goes on fetching, so the database
-//! updates one batch while the next is fetched, decoded and delivered (on
-//! two cores this is what lets a consumer drain faster than a
-//! fetch-then-update loop); at most one is in flight, and while two batches
-//! are unwritten the loop fetches nothing ([`Completer::behind`]). Nor does
-//! it while the payloads handed out and not settled reach the byte bound
-//! ([`Fetcher::bytes_allow_fetch`]); each fetch asks for what the bound
+//! updates one batch while the next is fetched, decoded and delivered; at
+//! most one is in flight, and while two batches are unwritten the loop
+//! fetches nothing ([`Completer::behind`]). Nor does it while the payloads
+//! handed out and not settled reach the byte bound
+//! ([`InFlight::bytes_allow_fetch`]); each fetch asks for what the bound
 //! leaves.
 
-use std::pin::Pin;
+use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
+use tokio::sync::mpsc;
 use tokio::sync::mpsc::error::SendError;
-use tokio::sync::{Notify, mpsc};
-use tokio::time::{Instant, Sleep, sleep, sleep_until};
+use tokio::time::{Instant, sleep_until};
 use tokio_postgres::Client;
 use tokio_util::sync::CancellationToken;
 
 use super::completer::{Completer, FlushDone};
 use super::delivery::Settlement;
-use super::fetcher::Fetcher;
 use super::health;
+use super::inflight::InFlight;
 use super::maintenance::Maintenance;
-use super::ownership::Ownership;
-use super::retry_timer::RetryTimer;
 use super::session::{OpenError, Sessions};
-use super::statement::{self, Failure, Kind, StatementError};
-use super::wake::{Fetched, Wake, WakePolicy};
-use super::{ConsumerConfig, Delivery, Mode, STATUS_INTERVAL, Shared};
+use super::source::{Cx, Room, Source};
+use super::{ConsumerConfig, Delivery, STATUS_INTERVAL, Shared};
 use crate::connect::Link;
 use crate::error::Error;
 use crate::metrics as m;
-use crate::store;
+use crate::store::statement::{self, Failure, StatementError};
 
-/// What the loop waits on, apart from its services' timers.
+/// What the loop exchanges with the stream.
 pub(crate) struct Io {
     /// The stream's buffer.
     pub(crate) tx: mpsc::Sender<Delivery>,
     /// Settlements from deliveries.
     pub(crate) settle_rx: mpsc::UnboundedReceiver<Settlement>,
-    /// A notification arrived.
-    pub(crate) wake: Arc<Notify>,
-    /// The LISTEN session was opened again (notifications may be lost).
-    pub(crate) reconnect_wake: Arc<Notify>,
+    /// What the loop and the deliveries share.
+    pub(crate) shared: Arc<Shared>,
 }
 
 /// At most this many settlements are taken in per turn of the loop.
 const SETTLEMENTS_PER_TURN: usize = 10_000;
 
-/// `d` plus up to 10 %, so consumers started together spread out.
-pub(super) fn jittered(d: Duration) -> Duration {
-    d.mul_f64(1.0 + rand::random::<f64>() * 0.1)
+/// Resolves at `at`; never without it.
+async fn maybe_sleep(at: Option<Instant>) {
+    maybe(at.map(sleep_until)).await
 }
 
-/// Resolves when `token` is cancelled; never without one.
-async fn cancelled(token: Option<&CancellationToken>) {
-    match token {
-        Some(t) => t.cancelled().await,
+/// `f`'s output; never without it.
+async fn maybe<F: Future>(f: Option<F>) -> F::Output {
+    match f {
+        Some(f) => f.await,
         None => std::future::pending().await,
     }
 }
 
-/// Run the drain loop until `token` is cancelled and the handed-out
-/// deliveries are settled (or the shutdown grace ran out), then write the
-/// last settlements. `first` is the connection `start` opened.
-pub(crate) async fn run(
+/// Why the sessions are given up.
+enum Loss {
+    /// A session's connection ended (`"drain"` or `"writer"`).
+    Closed(&'static str),
+    /// Opening the sessions failed.
+    ConnectFailed(Error),
+    /// A statement failed.
+    Statement(StatementError),
+}
+
+/// Run the drain loop over `source` until `token` is cancelled and the
+/// handed-out deliveries are settled (or the shutdown grace ran out), then
+/// write the last settlements. `first` is the connection `start` opened.
+pub(crate) async fn run<S: Source>(
     cfg: Arc<ConsumerConfig>,
+    source: S,
     first: (Client, Link),
     io: Io,
-    shared: Arc<Shared>,
     token: CancellationToken,
     health: Arc<health::State>,
 ) {
@@ -105,52 +107,47 @@ pub(crate) async fn run(
     let _ended = Ended(health.clone());
     health.turned();
     let (done_tx, done_rx) = mpsc::unbounded_channel();
-    let waiting = shared.clone();
+    let Io { tx, settle_rx, shared } = io;
     let engine = Engine {
         sessions: Sessions::new(first, cfg.reconnect_max_delay),
-        fetcher: Fetcher::new(shared, cfg.batch_size, cfg.max_buffered_bytes),
+        inflight: InFlight::new(shared.clone(), cfg.batch_size, cfg.max_buffered_bytes),
         completer: Completer::new(&cfg, done_tx),
-        ownership: Ownership::new(cfg.mode),
-        policy: WakePolicy::new(cfg.listen, matches!(cfg.mode, Mode::Competing), Instant::now()),
-        retry: RetryTimer::default(),
         maintenance: Maintenance::default(),
+        source,
+        status_due: Instant::now(),
         cfg,
         token,
         stop_deadline: None,
         health,
     };
-    engine.run(io, done_rx, &waiting.reader_waiting).await
+    engine.run(tx, settle_rx, done_rx, &shared).await
 }
 
-struct Engine {
+struct Engine<S: Source> {
     cfg: Arc<ConsumerConfig>,
     token: CancellationToken,
     /// Set once stopping: the loop ends then, or when nothing is handed out.
     stop_deadline: Option<Instant>,
     sessions: Sessions,
-    fetcher: Fetcher,
+    inflight: InFlight,
     completer: Completer,
-    ownership: Ownership,
-    policy: WakePolicy,
-    retry: RetryTimer,
     maintenance: Maintenance,
+    /// When the gauges are refreshed next.
+    status_due: Instant,
+    source: S,
     /// Where each turn, the sessions' state, the role and errors are told.
     health: Arc<health::State>,
 }
 
-impl Engine {
-    /// `reader_waiting`: the stream's reader found the buffer empty.
-    async fn run(mut self, io: Io, mut done_rx: mpsc::UnboundedReceiver<FlushDone>, reader_waiting: &Notify) {
-        let Io { tx, mut settle_rx, wake, reconnect_wake } = io;
+impl<S: Source> Engine<S> {
+    async fn run(
+        mut self,
+        tx: mpsc::Sender<Delivery>,
+        mut settle_rx: mpsc::UnboundedReceiver<Settlement>,
+        mut done_rx: mpsc::UnboundedReceiver<FlushDone>,
+        shared: &Shared,
+    ) {
         let token = self.token.clone();
-        let sweep = sleep(jittered(self.cfg.sweep_interval));
-        tokio::pin!(sweep);
-        let mut status_tick = tokio::time::interval(STATUS_INTERVAL);
-        status_tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        // Timers not armed wait for a time so far away it never comes (every
-        // branch's future is built, armed or not).
-        let far = Instant::now() + Duration::from_secs(86_400 * 365);
-        let until = |t: Option<Instant>| t.unwrap_or(far);
         while !self.stop_reached() {
             self.health.turned();
             if self.sessions.is_open() && self.completer.batch_ready() {
@@ -161,47 +158,58 @@ impl Engine {
             let buffer_empty = tx.capacity() == tx.max_capacity();
             let can_fetch = !stopping
                 && open
-                && self.policy.wants_fetch()
-                && self.ownership.may_fetch()
+                && self.source.wants_fetch()
                 && !self.completer.behind()
-                && self.fetcher.bytes_allow_fetch(buffer_empty);
+                && self.inflight.bytes_allow_fetch(buffer_empty);
             // Held payloads between half the bound and the bound: a fetch
             // waits for half of it to be freed, or for the reader to empty
             // the buffer (then it waits with deliveries unsettled).
-            let bytes_wait = !stopping && !buffer_empty && self.fetcher.waits_for_empty_buffer();
-            let writing = self.completer.is_writing();
-            let (flush_at, retry_read_due) = (self.completer.flush_at(), self.retry.read_due());
-            let (recheck_at, lock_at) = (self.policy.recheck_at(), self.ownership.lock_at());
+            let bytes_wait = !stopping && !buffer_empty && self.inflight.waits_for_empty_buffer();
+            let engine_at = self.next_timer(open, stopping);
+            let source_at = self.source.next_timer(open, stopping);
             // Notice a lost session at once, not at the next query: its locks
             // are gone, and what it buffered must not be handed out.
-            let (closed, writer_closed) = self.sessions.conn().map(|c| c.closed()).unzip();
-            let (closed, writer_closed) = (closed, writer_closed.flatten());
+            let closed = self.sessions.conn().map(|c| c.closed());
             tokio::select! {
                 biased;
-                _ = cancelled(closed.as_ref()), if closed.is_some() => self.connection_closed("drain"),
-                _ = cancelled(writer_closed.as_ref()), if writer_closed.is_some() => self.connection_closed("writer"),
+                which = maybe(closed), if open => self.lose(Loss::Closed(which)),
                 Some(done) = done_rx.recv() => self.written(done).await,
-                _ = token.cancelled(), if !stopping => {}
+                _ = stop_requested(&token, &tx), if !stopping => token.cancel(),
                 Some(s) = settle_rx.recv() => self.take_settlements(s, &mut settle_rx),
-                _ = sleep_until(until(flush_at)), if flush_at.is_some() && open && !writing => self.flush_timer().await,
-                _ = sleep_until(until(self.sessions.reconnect_at())), if !open => self.reconnect(token.cancelled()).await,
-                permit = tx.reserve_many(self.fetcher.batch()), if can_fetch => self.fetch(permit).await,
-                _ = wake.notified(), if !stopping => self.policy.wake(Wake::Notification),
-                _ = reader_waiting.notified(), if bytes_wait => {}
-                _ = reconnect_wake.notified(), if !stopping => self.policy.wake(Wake::Reconnect),
-                _ = &mut sweep => self.sweep(sweep.as_mut()),
-                _ = sleep_until(until(self.retry.at())), if self.retry.at().is_some() => self.retry_due(),
-                _ = sleep_until(until(retry_read_due)), if retry_read_due.is_some() && open && !self.ownership.claiming() => {
-                    self.retry_read_due().await
-                }
-                _ = sleep_until(until(recheck_at)), if recheck_at.is_some() && !stopping => self.policy.recheck_due(),
-                _ = sleep_until(until(lock_at)), if lock_at.is_some() && open && !stopping => self.take_locks().await,
-                _ = status_tick.tick(), if open && !stopping => self.maintain().await,
-                _ = tx.closed(), if !stopping => token.cancel(),
-                _ = sleep_until(until(self.stop_deadline)), if stopping => {}
+                _ = maybe_sleep(engine_at) => self.timer_due().await,
+                permit = tx.reserve_many(self.inflight.batch()), if can_fetch => self.fetch(permit).await,
+                wake = self.source.signalled(), if !stopping => self.source.woken(wake),
+                _ = shared.reader_waiting.notified(), if bytes_wait => {}
+                _ = maybe_sleep(source_at) => self.source_timers().await,
             }
         }
         self.final_flush(&mut done_rx).await;
+    }
+
+    /// The engine's own next timer: a write due (sessions open, none in
+    /// flight), a reconnect (sessions closed), the gauges (open, not
+    /// stopping), or the end of the shutdown grace.
+    fn next_timer(&self, open: bool, stopping: bool) -> Option<Instant> {
+        let flush = self.completer.flush_at().filter(|_| open && !self.completer.is_writing());
+        let reconnect = self.sessions.reconnect_at().filter(|_| !open);
+        let status = Some(self.status_due).filter(|_| open && !stopping);
+        [flush, reconnect, status, self.stop_deadline].into_iter().flatten().min()
+    }
+
+    /// The engine's timer fired: carry out the first of its timers due.
+    async fn timer_due(&mut self) {
+        let now = Instant::now();
+        let (open, stopping) = (self.sessions.is_open(), self.stop_deadline.is_some());
+        let due = |t: Option<Instant>| t.is_some_and(|t| t <= now);
+        if open && !self.completer.is_writing() && due(self.completer.flush_at()) {
+            self.flush_timer().await;
+        } else if !open && due(self.sessions.reconnect_at()) {
+            let token = self.token.clone();
+            self.reconnect(token.cancelled()).await;
+        } else if open && !stopping && self.status_due <= now {
+            self.maintain().await;
+        }
+        // Otherwise the shutdown grace ran out: the loop's condition ends it.
     }
 
     /// Start stopping once the token is cancelled; the loop ends when
@@ -210,14 +218,14 @@ impl Engine {
         if self.token.is_cancelled() && self.stop_deadline.is_none() {
             self.stop_deadline = Some(Instant::now() + self.cfg.shutdown_grace);
             self.health.stopping();
-            self.policy.stop();
+            self.source.stop();
             tracing::debug!(
-                outstanding = self.fetcher.outstanding(),
-                held_bytes = self.fetcher.held_bytes(),
+                outstanding = self.inflight.outstanding(),
+                held_bytes = self.inflight.held_bytes(),
                 "drain loop stopping"
             );
         }
-        self.stop_deadline.is_some_and(|d| self.fetcher.outstanding() == 0 || Instant::now() >= d)
+        self.stop_deadline.is_some_and(|d| self.inflight.outstanding() == 0 || Instant::now() >= d)
     }
 
     /// Take in settlements: `first`, then whatever else is queued (up to
@@ -230,294 +238,242 @@ impl Engine {
                 Err(_) => break,
             }
         }
-        self.fetcher.record_held();
+        self.inflight.record_held();
     }
 
     fn settle(&mut self, s: Settlement) {
         match s {
             Settlement::Ack { id } => {
-                self.fetcher.settled(id);
+                self.inflight.settled(id);
                 self.completer.ack(id);
             }
             Settlement::Fail { id, key, retry_count, error } => {
-                self.fetcher.settled(id);
+                self.inflight.settled(id);
                 self.completer.fail(id, key, retry_count, error);
             }
             Settlement::Release { id, key } => {
                 metrics::counter!(m::EVENTS_RELEASED).increment(1);
-                self.fetcher.released(id, &key);
-                self.ownership.done(id);
-                self.policy.wake(Wake::Release);
+                self.inflight.released(id, &key);
+                self.source.released(id);
             }
         }
-        if self.ownership.claiming() && self.fetcher.outstanding() == 0 {
-            // Competing mode: the whole claimed batch is settled; write and commit.
+        if self.source.holds_transaction() && self.inflight.outstanding() == 0 {
+            // What the source's transaction handed out is settled: write it.
             self.completer.flush_now();
         }
+    }
+
+    /// The work session and the stop signal, for the source (`None` while
+    /// the sessions are closed).
+    fn source_cx(&mut self) -> (&mut S, Option<Cx<'_>>) {
+        let cx = self.sessions.conn().map(|c| Cx { work: &c.work, token: &self.token });
+        (&mut self.source, cx)
     }
 
     /// Fetch into the reserved buffer slots (`Err`: the stream was dropped).
     async fn fetch(&mut self, permit: std::result::Result<mpsc::PermitIterator<'_, Delivery>, SendError<()>>) {
         let Ok(permit) = permit else { return self.token.cancel() };
-        let Some(conn) = self.sessions.conn() else { return };
-        let scope = self.ownership.scope();
-        let budget = self.fetcher.budget();
-        let fetched = match self.fetcher.query(conn, scope, (&self.completer, budget), self.token.cancelled()).await {
-            Ok(fetched) => fetched,
+        let exclude = self.inflight.exclude(&self.completer);
+        let room = Room { exclude: &exclude, batch: self.inflight.batch(), budget: self.inflight.budget() };
+        let page = match self.source_cx() {
+            (source, Some(cx)) => source.fetch(cx, room).await,
+            (_, None) => return,
+        };
+        let page = match page {
+            Ok(page) => page,
             Err(e) => {
                 drop(permit);
-                return self.db_error(e);
+                return self.lose(Loss::Statement(e));
             }
         };
         // A fetch the byte budget cut counts as full: more may be due (the
         // wake-up policy ends a drain at a fetch of less than a batch).
-        let full = fetched.len() >= self.fetcher.batch() || fetched.cut;
-        let handed = self.fetcher.hand_out(fetched, permit, &self.token, &mut self.ownership, &mut self.completer);
-        self.fetcher.record_held();
-        metrics::counter!(m::EVENTS_FETCHED, "wake" => self.policy.reason().label()).increment(handed);
-        self.after_fetch(handed, full).await;
-    }
-
-    /// Carry out what the wake-up policy says after a fetch.
-    async fn after_fetch(&mut self, handed: u64, full: bool) {
-        if self.ownership.claiming() && handed == 0 {
-            // Nothing claimed: close the claim transaction at once.
+        let full = page.rows.len() >= self.inflight.batch() || page.cut;
+        let source = &mut self.source;
+        let settle = (&self.token, &mut self.completer);
+        let handed = self.inflight.hand_out(page, permit, settle, |id, part| source.handed_out(id, part));
+        self.inflight.record_held();
+        metrics::counter!(m::EVENTS_FETCHED, "wake" => self.source.wake_label()).increment(handed);
+        if handed == 0 && self.source.holds_transaction() {
+            // Nothing handed out: end the source's transaction at once.
             self.completer.flush_now();
         }
-        let now = Instant::now();
-        self.policy.count(now, handed);
-        if self.policy.wants_queue_look(now, handed) {
-            self.look_at_notify_queue(now).await;
-        }
-        let fetched =
-            Fetched { handed, full, claiming: self.ownership.claiming(), stopping: self.token.is_cancelled() };
-        let next = self.policy.after_fetch(now, fetched);
-        if let Some(waiting) = next.set_waiting {
-            self.set_waiting(waiting).await;
-        }
-        if next.read_retry {
-            self.read_retry_time().await;
-        }
+        let after = match self.source_cx() {
+            (source, Some(cx)) => source.fetched(cx, handed, full).await,
+            (_, None) => Ok(()),
+        };
+        self.check(after);
     }
 
-    async fn look_at_notify_queue(&mut self, now: Instant) {
-        let Some(conn) = self.sessions.conn() else { return };
-        match self.maintenance.notify_lock_waiters(conn, &self.token).await {
-            Ok(waiters) => self.policy.queue_looked(now, waiters),
-            Err(e) => self.db_error(e),
-        }
-    }
-
-    /// Say in `events.outbox_relays` whether this relay waits for wake-ups.
-    async fn set_waiting(&mut self, waiting: bool) {
-        let Some(conn) = self.sessions.conn() else { return };
-        match self.maintenance.set_waiting(conn, &self.token, waiting).await {
-            Ok(()) => self.policy.registered(waiting),
-            Err(e) => self.db_error(e),
-        }
-    }
-
-    /// Arm the retry timer for the earliest `next_retry_at`, unless the
-    /// retry timer puts the read off.
-    async fn read_retry_time(&mut self) {
-        let Some(conn) = self.sessions.conn() else { return };
-        if !self.retry.read_now(self.policy.reason(), Instant::now()) {
-            return;
-        }
-        let read = conn.client.query_one(&conn.next_retry, &[]);
-        match conn.run(Kind::NextRetryRead, self.token.cancelled(), read).await {
-            Ok(row) => match row.try_get::<_, Option<f64>>("retry_in") {
-                Ok(Some(secs)) => self.retry.arm(secs, Instant::now()),
-                Ok(None) => {}
-                Err(e) => self.db_error(StatementError::db(Kind::NextRetryRead, e)),
-            },
-            Err(e) => self.db_error(e),
-        }
-    }
-
-    async fn retry_read_due(&mut self) {
-        self.retry.read_due_fired();
-        self.read_retry_time().await;
-    }
-
-    fn retry_due(&mut self) {
-        self.retry.fired();
-        self.policy.wake(Wake::Retry);
-    }
-
-    fn sweep(&mut self, timer: Pin<&mut Sleep>) {
-        metrics::counter!(m::SWEEPS).increment(1);
-        self.policy.sweep_due();
-        timer.reset(Instant::now() + jittered(self.cfg.sweep_interval));
-    }
-
-    async fn take_locks(&mut self) {
-        let Some(conn) = self.sessions.conn() else { return };
-        match self.ownership.take_locks(conn, self.token.cancelled()).await {
-            Ok(true) => self.policy.wake(Wake::Ownership),
-            Ok(false) => {}
-            Err(e) => self.db_error(e),
-        }
-        self.health.role(self.ownership.role());
+    /// The source's timer fired.
+    async fn source_timers(&mut self) {
+        let stopping = self.stop_deadline.is_some();
+        let (source, cx) = self.source_cx();
+        let r = source.timers_due(cx, stopping).await;
+        self.check(r);
+        self.health.role(self.source.role());
     }
 
     async fn maintain(&mut self) {
+        self.status_due = Instant::now() + STATUS_INTERVAL;
         let Some(conn) = self.sessions.conn() else { return };
-        if let Err(e) = self.maintenance.refresh(conn, &self.token).await {
-            self.db_error(e);
-        }
+        let r = self.maintenance.refresh(&conn.work, || self.token.cancelled()).await;
+        self.check(r);
     }
 
-    /// The flush timer fired: write what is pending, or, in competing mode
-    /// with nothing to write, end a claim transaction whose batch is settled.
+    /// The flush timer fired: write what is pending, or, with nothing to
+    /// write, end a source's transaction whose deliveries are settled.
     async fn flush_timer(&mut self) {
         if self.completer.pending() > 0 {
             return self.start_write();
         }
         self.completer.disarm();
-        if self.ownership.claiming() && self.fetcher.outstanding() == 0 {
-            self.commit_claim().await;
+        self.end_transaction().await;
+    }
+
+    /// Everything handed out is settled and written: a source that holds a
+    /// transaction ends it.
+    async fn end_transaction(&mut self) {
+        if !self.source.holds_transaction() || self.inflight.outstanding() > 0 || self.completer.pending() > 0 {
+            return;
         }
+        let r = match self.source_cx() {
+            (source, Some(cx)) => source.settled(cx).await,
+            (_, None) => Ok(()),
+        };
+        self.check(r);
     }
 
     fn start_write(&mut self) {
         match self.sessions.conn() {
-            Some(conn) => self.completer.start(conn, self.sessions.generation()),
+            Some(conn) => self.completer.start(&conn.writer, self.sessions.generation()),
             None => self.completer.disarm(),
         }
     }
 
-    /// Take in a write's outcome: hold-back released, retry timer armed,
-    /// partitions freed; an error on the current sessions gives them up.
+    /// Take in a write's outcome: hold-back released, the source told; an
+    /// error on the current sessions gives them up.
     async fn written(&mut self, done: FlushDone) {
         let current = done.generation == self.sessions.generation() && self.sessions.is_open();
         let w = self.completer.finish(done);
-        for id in w.acked.iter().chain(w.failed.iter().map(|(id, _)| id)) {
-            self.ownership.done(*id);
-        }
-        if let Some(secs) = w.earliest_retry {
-            self.retry.arm(secs, Instant::now());
-        }
+        self.source.written(&w);
         // No fetch is in flight while this runs (fetches are awaited by this
         // same task), so every later fetch sees the failures.
-        self.fetcher.failures_written(w.failed.iter().map(|(_, key)| key));
+        self.inflight.failures_written(w.failed.iter().map(|(_, key)| key));
         if let Some(e) = w.error
             && current
         {
-            self.db_error(e);
+            self.lose(Loss::Statement(e));
         }
-        self.fetcher.forget_holdback();
-        if self.ownership.claiming() && self.fetcher.outstanding() == 0 && self.completer.pending() == 0 {
-            self.commit_claim().await;
-        }
+        self.inflight.forget_holdback();
+        self.end_transaction().await;
         if self.completer.pending() > 0 && self.sessions.is_open() {
             self.completer.arm();
         }
     }
 
-    /// Competing mode: commit the claim transaction (its batch is settled).
-    async fn commit_claim(&mut self) {
-        let Some(conn) = self.sessions.conn() else { return };
-        let commit = conn.client.batch_execute(store::COMMIT);
-        match statement::run_to_end(Kind::ClaimCommit, &conn.session, conn.timeout, commit).await {
-            Ok(()) => self.ownership.claim_ended(),
-            Err(e) => self.db_error(e),
-        }
-    }
-
     /// Open the sessions (when `stop` resolves first, give up).
-    async fn reconnect(&mut self, stop: impl std::future::Future<Output = ()>) {
-        let member_key = self.ownership.new_member_key();
-        match self.sessions.open(&self.cfg, member_key, stop).await {
+    async fn reconnect(&mut self, stop: impl Future<Output = ()>) {
+        match self.sessions.open(&self.cfg, self.source.fetch_kind(), stop).await {
             Ok(()) => {
-                self.ownership.session_opened();
+                let opened = match self.source_cx() {
+                    (source, Some(cx)) => source.session_opened(cx).await,
+                    (_, None) => Ok(()),
+                };
+                if let Err(e) = opened {
+                    return self.lose(Loss::Statement(e));
+                }
                 self.health.connected(true);
-                self.health.role(self.ownership.role());
-                self.policy.session_opened();
+                self.health.role(self.source.role());
                 if self.completer.pending() > 0 {
                     self.completer.flush_now();
                 }
             }
-            Err(OpenError::Connect(e)) => self.connection_failed(&e),
+            Err(OpenError::Connect(e)) => self.lose(Loss::ConnectFailed(e)),
             Err(OpenError::Statement(StatementError { failure: Failure::Db(e), .. })) => {
-                self.connection_failed(&Error::Db(e))
+                self.lose(Loss::ConnectFailed(Error::Db(e)))
             }
-            Err(OpenError::Statement(e)) => self.db_error(e),
+            Err(OpenError::Statement(e)) => self.lose(Loss::Statement(e)),
         }
     }
 
-    fn connection_closed(&mut self, which: &str) {
-        metrics::counter!(m::DATABASE_ERRORS).increment(1);
-        let delay = self.sessions.next_delay();
-        tracing::warn!(retry_in = ?delay, "{which} connection closed; reconnecting");
-        self.health.error(format!("{which} connection closed"));
-        self.lost_connection(delay);
+    /// A statement's outcome: an error gives the sessions up.
+    fn check(&mut self, r: Result<(), StatementError>) {
+        if let Err(e) = r {
+            self.lose(Loss::Statement(e));
+        }
     }
 
-    fn connection_failed(&mut self, e: &Error) {
-        metrics::counter!(m::DATABASE_ERRORS).increment(1);
-        let delay = self.sessions.next_delay();
-        let error = crate::error::report(e);
-        tracing::warn!(error = %error, retry_in = ?delay, "drain connection failed; retrying");
-        self.health.error(error);
-        self.lost_connection(delay);
-    }
-
-    /// Give the sessions up and open them again after `delay`. Locks and
+    /// Give the sessions up and open them again after a backoff delay
+    /// (at once when stopping cancelled a statement), saying why. Locks and
     /// claims went with them: another consumer may deliver what is buffered
     /// here, so none of it is handed out.
-    fn lost_connection(&mut self, delay: Duration) {
-        self.fetcher.session_lost();
-        self.sessions.close(delay);
-        self.policy.session_lost();
-        self.retry.session_lost();
-        self.ownership.session_lost();
-        self.health.connected(false);
-        self.health.role(self.ownership.role());
-    }
-
-    /// A statement failed: reconnect with backoff (a statement the timeout
-    /// cut is logged and counted as such); one cancelled because the
-    /// consumer is stopping just closes its sessions.
-    fn db_error(&mut self, e: StatementError) {
-        let StatementError { kind, failure } = e;
-        let e = match failure {
-            Failure::Stopped => {
-                tracing::debug!(during = kind.describe(), "stopping: closing the sessions of a cancelled statement");
-                return self.lost_connection(Duration::ZERO);
-            }
-            Failure::TimedOut(e) => {
+    fn lose(&mut self, loss: Loss) {
+        let delay = match self.describe_loss(loss) {
+            Some((error, delay)) => {
                 metrics::counter!(m::DATABASE_ERRORS).increment(1);
-                let delay = self.sessions.next_delay();
-                statement::record_timeout(kind, self.cfg.statement_timeout, &e, Some(delay));
-                self.health.error(format!(
-                    "statement timeout: the server cancelled a statement ({}) after {:?}",
-                    kind.describe(),
-                    self.cfg.statement_timeout
-                ));
-                return self.lost_connection(delay);
+                self.health.error(error);
+                delay
             }
-            Failure::Db(e) => e,
+            None => Duration::ZERO,
         };
-        metrics::counter!(m::DATABASE_ERRORS).increment(1);
-        let delay = self.sessions.next_delay();
-        let error = crate::error::report(&e);
-        tracing::warn!(error = %error, during = kind.describe(), retry_in = ?delay,
-            "database error in the drain loop; reconnecting");
-        self.health.error(format!("{}: {error}", kind.describe()));
-        self.lost_connection(delay);
+        self.inflight.session_lost();
+        self.sessions.close(delay);
+        self.source.session_lost();
+        self.health.connected(false);
+        self.health.role(self.source.role());
     }
 
-    /// Unregister and write the final settlements, within one shutdown
-    /// grace: a statement still running then is cancelled. Whatever is still
-    /// handed out is released by its `Drop` later.
+    /// Log a loss and return the error for the consumer's health with the
+    /// reconnect delay drawn; `None` for a statement that stopping
+    /// cancelled.
+    fn describe_loss(&mut self, loss: Loss) -> Option<(String, Duration)> {
+        if let Loss::Statement(StatementError { kind, failure: Failure::Stopped }) = &loss {
+            tracing::debug!(during = kind.describe(), "stopping: closing the sessions of a cancelled statement");
+            return None;
+        }
+        let delay = self.sessions.next_delay();
+        let error = match loss {
+            Loss::Closed(which) => {
+                tracing::warn!(retry_in = ?delay, "{which} connection closed; reconnecting");
+                format!("{which} connection closed")
+            }
+            Loss::ConnectFailed(e) => {
+                let error = crate::error::report(&e);
+                tracing::warn!(error = %error, retry_in = ?delay, "drain connection failed; retrying");
+                error
+            }
+            Loss::Statement(StatementError { kind, failure }) => match failure {
+                Failure::TimedOut(e) => {
+                    statement::record_timeout(kind, self.cfg.statement_timeout, &e, Some(delay));
+                    let timeout = self.cfg.statement_timeout;
+                    format!(
+                        "statement timeout: the server cancelled a statement ({}) after {timeout:?}",
+                        kind.describe()
+                    )
+                }
+                Failure::Db(e) => {
+                    let error = crate::error::report(&e);
+                    tracing::warn!(error = %error, during = kind.describe(), retry_in = ?delay,
+                        "database error in the drain loop; reconnecting");
+                    format!("{}: {error}", kind.describe())
+                }
+                Failure::Stopped => return None,
+            },
+        };
+        Some((error, delay))
+    }
+
+    /// Let the source say its last, and write the final settlements, within
+    /// one shutdown grace: a statement still running then is cancelled.
+    /// Whatever is still handed out is released by its `Drop` later.
     async fn final_flush(&mut self, done_rx: &mut mpsc::UnboundedReceiver<FlushDone>) {
         let deadline = Instant::now() + self.cfg.shutdown_grace;
-        if let Some(conn) = self.sessions.conn()
-            && let Err(e) = Maintenance::unregister(conn, deadline).await
-        {
-            self.db_error(e);
-        }
+        let r = match self.source_cx() {
+            (source, Some(cx)) => source.finish(cx, deadline).await,
+            (_, None) => Ok(()),
+        };
+        self.check(r);
         // A write per batch, and up to three more for writes that fail.
         for _ in 0..3 + self.completer.writes_needed() {
             if self.completer.is_writing() {
@@ -556,7 +512,7 @@ impl Engine {
         tracing::warn!(grace = ?self.cfg.shutdown_grace,
             "the final settlements were not written within the shutdown grace; cancelling the write");
         if let Some(conn) = self.sessions.conn() {
-            conn.writer_session.cancel().await;
+            conn.writer.session().cancel().await;
         }
         tokio::time::timeout(statement::CANCELLED_WAIT, done_rx.recv()).await.ok().flatten()
     }
@@ -572,11 +528,19 @@ impl Engine {
                 "could not write the final settlements; those events will be delivered again"
             );
         }
-        if self.fetcher.outstanding() > 0 {
+        if self.inflight.outstanding() > 0 {
             tracing::warn!(
-                deliveries = self.fetcher.outstanding(),
+                deliveries = self.inflight.outstanding(),
                 "shutdown grace ran out with deliveries still open; they stay unpublished and will be delivered again"
             );
         }
+    }
+}
+
+/// Resolves when the consumer is told to stop, or the stream was dropped.
+async fn stop_requested(token: &CancellationToken, tx: &mpsc::Sender<Delivery>) {
+    tokio::select! {
+        _ = token.cancelled() => {}
+        _ = tx.closed() => {}
     }
 }

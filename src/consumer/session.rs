@@ -15,53 +15,46 @@ use std::time::Duration;
 
 use backon::BackoffBuilder;
 use tokio::time::Instant;
-use tokio_postgres::{Client, Statement};
+use tokio_postgres::Client;
 use tokio_util::sync::CancellationToken;
 
-use super::statement::{self, Kind, Session, StatementError};
-use super::{ConsumerConfig, Mode};
+use super::ConsumerConfig;
 use crate::connect::Link;
 use crate::error::Error;
-use crate::store;
+use crate::store::statement::{Session, StatementError};
+use crate::store::{FetchKind, WorkSession, WriterSession};
 
-/// Open sessions and their prepared statements.
+/// Open sessions: the work session and the writer (the work session itself
+/// in competing mode), with their statements prepared.
 pub(super) struct Conn {
-    pub(super) client: Arc<Client>,
+    pub(super) work: WorkSession,
+    pub(super) writer: WriterSession,
     link: Link,
-    /// The work session's cancel requests and statements in flight.
-    pub(super) session: Session,
-    pub(super) fetch: Statement,
-    pub(super) next_retry: Statement,
-    /// The session acknowledgements and failures are written on: a second
-    /// session, or the work session itself in competing mode.
-    pub(super) writer: Arc<Client>,
     /// The second session's connection task (`None` in competing mode).
     writer_link: Option<Link>,
-    /// The writer session's cancel requests and statements in flight (the
-    /// work session's in competing mode).
-    pub(super) writer_session: Session,
-    pub(super) ack: Statement,
-    pub(super) fail: Statement,
-    /// Statement timeout of both sessions (zero: none).
-    pub(super) timeout: Duration,
 }
 
 impl Conn {
-    /// Run `fut` (statements of `kind` on the work session) until `stop`
-    /// resolves (see [`statement::run`]).
-    pub(super) async fn run<T>(
-        &self,
-        kind: Kind,
-        stop: impl Future<Output = ()>,
-        fut: impl Future<Output = Result<T, tokio_postgres::Error>>,
-    ) -> Result<T, StatementError> {
-        statement::run(kind, &self.session, self.timeout, stop, fut).await
+    /// Resolves when the work session's connection, or the writer's, ends:
+    /// with which.
+    pub(super) fn closed(&self) -> impl Future<Output = &'static str> + use<> {
+        let work = self.link.closed.clone();
+        let writer = self.writer_link.as_ref().map(|l| l.closed.clone());
+        async move {
+            tokio::select! {
+                biased;
+                _ = work.cancelled() => "drain",
+                _ = cancelled(writer.as_ref()) => "writer",
+            }
+        }
     }
+}
 
-    /// Tokens cancelled when the work session's connection, or the writer's,
-    /// ends.
-    pub(super) fn closed(&self) -> (CancellationToken, Option<CancellationToken>) {
-        (self.link.closed.clone(), self.writer_link.as_ref().map(|l| l.closed.clone()))
+/// Resolves when `token` is cancelled; never without one.
+async fn cancelled(token: Option<&CancellationToken>) {
+    match token {
+        Some(t) => t.cancelled().await,
+        None => std::future::pending().await,
     }
 }
 
@@ -70,11 +63,11 @@ impl Drop for Conn {
         // The sessions are given up (an error, a lost connection, the end):
         // a statement of theirs still running is cancelled, so it does not
         // run on at the server after its session is closed here.
-        if self.session.busy() {
-            self.session.cancel_in_background();
+        if self.work.session().busy() {
+            self.work.session().cancel_in_background();
         }
-        if self.writer_link.is_some() && self.writer_session.busy() {
-            self.writer_session.cancel_in_background();
+        if self.writer_link.is_some() && self.writer.session().busy() {
+            self.writer.session().cancel_in_background();
         }
         self.link.handle.abort();
         if let Some(l) = &self.writer_link {
@@ -105,7 +98,9 @@ pub(super) struct Sessions {
     max_delay: Duration,
 }
 
-fn new_backoff(max: Duration) -> backon::ExponentialBackoff {
+/// The reconnect backoff: exponential from 100 ms up to `max`, with
+/// jitter, without end.
+pub(super) fn new_backoff(max: Duration) -> backon::ExponentialBackoff {
     backon::ExponentialBuilder::default()
         .with_min_delay(Duration::from_millis(100))
         .with_max_delay(max)
@@ -158,17 +153,17 @@ impl Sessions {
         self.reconnect_at = Some(Instant::now() + delay);
     }
 
-    /// Open the work and writer sessions and prepare their statements; in
-    /// partitioned mode, take the membership lock `member_key`. When `stop`
-    /// resolves during preparation, the statement running is cancelled and
-    /// the sessions are closed (see [`statement::run`]).
+    /// Open the work and writer sessions and prepare their statements for
+    /// fetches of `kind`. When `stop` resolves during preparation, the
+    /// statement running is cancelled and the sessions are closed (see
+    /// `store::statement::run`).
     pub(super) async fn open(
         &mut self,
         cfg: &ConsumerConfig,
-        member_key: Option<i32>,
+        kind: FetchKind,
         stop: impl Future<Output = ()>,
     ) -> Result<(), OpenError> {
-        let (client, link, writer) = self.connect(cfg).await.map_err(OpenError::Connect)?;
+        let (client, link, writer) = self.connect(cfg, kind).await.map_err(OpenError::Connect)?;
         let (writer, writer_link) = match writer {
             Some((c, l)) => (Arc::new(c), Some(l)),
             None => (client.clone(), None),
@@ -176,8 +171,13 @@ impl Sessions {
         let session = Session::new(link.canceller.clone());
         let writer_session =
             writer_link.as_ref().map_or_else(|| session.clone(), |l| Session::new(l.canceller.clone()));
-        let prepared = Prepared::run(cfg, member_key, (&client, &session), (&writer, &writer_session), stop).await;
-        let Prepared { fetch, next_retry, ack, fail } = match prepared {
+        let timeout = cfg.statement_timeout;
+        tokio::pin!(stop);
+        let prepared = async {
+            let work = WorkSession::prepare(client, session, timeout, kind, &mut stop).await?;
+            Ok((work, WriterSession::prepare(writer, writer_session, timeout, &mut stop).await?))
+        };
+        let (work, writer) = match prepared.await {
             Ok(p) => p,
             Err(e) => {
                 link.handle.abort();
@@ -188,33 +188,26 @@ impl Sessions {
             }
         };
         self.generation += 1;
-        self.conn = Some(Conn {
-            client,
-            link,
-            session,
-            fetch,
-            next_retry,
-            writer,
-            writer_link,
-            writer_session,
-            ack,
-            fail,
-            timeout: cfg.statement_timeout,
-        });
+        self.conn = Some(Conn { work, writer, link, writer_link });
         self.backoff = new_backoff(self.max_delay);
         self.reconnect_at = None;
         Ok(())
     }
 
-    /// Connect the work session (the first connection, once) and, except in
-    /// competing mode, the writer.
-    async fn connect(&mut self, cfg: &ConsumerConfig) -> Result<(Arc<Client>, Link, Option<Connected>), Error> {
+    /// Connect the work session (the first connection, once) and, unless
+    /// writes go on the work session (a claim's, `FetchKind::Claim`), the
+    /// writer.
+    async fn connect(
+        &mut self,
+        cfg: &ConsumerConfig,
+        kind: FetchKind,
+    ) -> Result<(Arc<Client>, Link, Option<Connected>), Error> {
         let settings = cfg.session();
         let (client, link) = match self.first.take() {
             Some(first) => first,
             None => crate::connect::connect(&cfg.pg, "pg-outbox drain", &settings).await?,
         };
-        if matches!(cfg.mode, Mode::Competing) {
+        if kind == FetchKind::Claim {
             return Ok((Arc::new(client), link, None));
         }
         match crate::connect::connect(&cfg.pg, "pg-outbox writer", &settings).await {
@@ -224,52 +217,5 @@ impl Sessions {
                 Err(e)
             }
         }
-    }
-}
-
-/// The sessions' prepared statements.
-struct Prepared {
-    fetch: Statement,
-    next_retry: Statement,
-    ack: Statement,
-    fail: Statement,
-}
-
-impl Prepared {
-    /// Prepare the work session's statements (the mode's fetch, the
-    /// earliest-retry read; in partitioned mode the membership lock
-    /// `member_key` is taken) and the writer's (acknowledge, fail), until
-    /// `stop` resolves.
-    async fn run(
-        cfg: &ConsumerConfig,
-        member_key: Option<i32>,
-        (client, session): (&Client, &Session),
-        (writer, writer_session): (&Client, &Session),
-        stop: impl Future<Output = ()>,
-    ) -> Result<Prepared, StatementError> {
-        let timeout = cfg.statement_timeout;
-        tokio::pin!(stop);
-        let work = async {
-            // How the fetch measures payloads depends on the server's
-            // functions (store::PayloadSizes); read per session, so a
-            // reconnect to another server prepares what that one has.
-            let version: i32 = client.query_one(store::schema::SERVER_VERSION, &[]).await?.try_get("num")?;
-            let sizes = store::PayloadSizes::for_server(version);
-            let fetch_sql = match cfg.mode {
-                Mode::Single => store::fetch_sql(false, sizes),
-                Mode::Partitioned { .. } => store::fetch_sql(true, sizes),
-                Mode::Competing => store::competing_fetch_sql(sizes),
-            };
-            let fetch = client.prepare(&fetch_sql).await?;
-            let next_retry = client.prepare(store::NEXT_RETRY_IN).await?;
-            if let Some(key) = member_key {
-                client.execute(store::MEMBER_LOCK, &[&store::locks::MEMBER_CLASS, &key]).await?;
-            }
-            Ok((fetch, next_retry))
-        };
-        let (fetch, next_retry) = statement::run(Kind::SessionSetup, session, timeout, &mut stop, work).await?;
-        let write = async { Ok((writer.prepare(store::ACK).await?, writer.prepare(store::FAIL).await?)) };
-        let (ack, fail) = statement::run(Kind::SessionSetup, writer_session, timeout, &mut stop, write).await?;
-        Ok(Prepared { fetch, next_retry, ack, fail })
     }
 }

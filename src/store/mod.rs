@@ -14,7 +14,11 @@
 //! - [`dead_letters`], [`retention`]: the operators' statements;
 //! - `replay`: replay's reads (feature `relay`);
 //! - `console`: the operator console's reads (feature `console`);
-//! - [`schema`]: what `migrate` runs besides the files.
+//! - [`schema`]: what `migrate` runs besides the files;
+//! - [`statement`]: the kinds of the drain loop's statements, and running
+//!   one (stop, timeout, cancel);
+//! - `work`, `writer`: the drain loop's two sessions, typed: a method per
+//!   statement, parameters and results as structs.
 
 use std::time::Duration;
 
@@ -53,23 +57,24 @@ pub(crate) mod retention;
 mod rows;
 pub(crate) mod schema;
 mod settle;
+pub(crate) mod statement;
 mod status;
 mod wakeup;
+mod work;
+mod writer;
 
 pub use fetch::fetch_query;
-pub(crate) use fetch::{BEGIN, COMMIT, NEXT_RETRY_IN, PayloadSizes, competing_fetch_sql, fetch_sql};
-pub(crate) use locks::{COUNT_MEMBERS, MEMBER_LOCK, PARTITION_UNLOCK, TRY_LEADER_LOCK, TRY_PARTITION_LOCK};
+pub(crate) use fetch::{NEXT_RETRY_IN, PayloadSizes, competing_fetch_sql, fetch_sql};
 #[cfg(feature = "sqlx")]
 pub(crate) use publish::via_sqlx;
 pub(crate) use publish::{insert_event, insert_events};
-pub(crate) use rows::{DecodedEvent, decode_event, event_from_row, fetch_was_cut, row_id, row_identity};
-pub(crate) use settle::{ACK, FAIL, fail_details};
+pub(crate) use rows::{DecodedEvent, event_from_row, row_id};
+pub(crate) use settle::{ACK, FAIL};
 pub(crate) use status::GAUGES;
 pub use status::{OutboxStatus, PendingRetry, RetryLadder, STATUS_MAX_TYPES, STATUS_NEXT_RETRIES, TypeBacklog, status};
-pub(crate) use wakeup::{
-    FORGET_GONE_RELAYS, NOTIFICATION_QUEUE_USAGE, NOTIFY, NOTIFY_LOCK_WAITERS, PING, SET_WAITING, UNREGISTER,
-    listen_sql,
-};
+pub(crate) use wakeup::{NOTIFICATION_QUEUE_USAGE, NOTIFY, PING, listen_sql, notify};
+pub(crate) use work::{FetchKind, FetchPage, FetchParams, FetchScope, RowIdentity, Undecodable, WorkSession};
+pub(crate) use writer::{Acknowledged, FailParams, FailWritten, WriterSession};
 
 /// Every statement pg-outbox runs on `events.outbox` at run time, by name,
 /// with the SQL text it runs: for checking their plans with `EXPLAIN`

@@ -67,7 +67,7 @@ pub(super) const RECHECKS: [Duration; 5] = [
 /// (`outbox_events_fetched_total{wake=...}`), so a healthy relay shows most
 /// events found by notifications and few by the sweep.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) enum Wake {
+pub(crate) enum Wake {
     Start,
     Notification,
     Sweep,

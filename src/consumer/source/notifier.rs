@@ -16,15 +16,16 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use backon::BackoffBuilder;
 use futures::StreamExt;
 use tokio::sync::{Notify, watch};
 use tokio::task::JoinHandle;
 use tokio_postgres::{AsyncMessage, Client};
 use tokio_util::sync::CancellationToken;
 
-use super::{ConsumerConfig, ListenerStatus, NOTIFY_CHANNEL};
+use super::Signals;
 use crate::connect;
+use crate::consumer::session::new_backoff;
+use crate::consumer::{ConsumerConfig, ListenerStatus, NOTIFY_CHANNEL};
 use crate::error::{Error, Result};
 use crate::metrics as m;
 use crate::store;
@@ -80,30 +81,32 @@ pub(crate) async fn listen(
     }
 }
 
+/// What the notifier task is given.
+pub(crate) struct Notifier {
+    /// Where the LISTEN session connects.
+    pub(crate) pg: connect::ConnectOptions,
+    /// The LISTEN session `start` opened.
+    pub(crate) first: Listening,
+    /// The drain loop's wake-ups.
+    pub(crate) signals: Signals,
+    /// Where the start-up test notification is reported.
+    pub(crate) probe: watch::Sender<String>,
+    /// Stops the notifier.
+    pub(crate) token: CancellationToken,
+    /// The LISTEN session's state, for [`crate::EventStream::listener_status`].
+    pub(crate) status: watch::Sender<ListenerStatus>,
+    pub(crate) cfg: Arc<ConsumerConfig>,
+}
+
 /// Run until cancelled: watch the connection, ping it while idle, reconnect
 /// with backoff when it is lost, and wake the drain loop after every
 /// reconnect.
-#[allow(clippy::too_many_arguments)]
-pub(crate) async fn run(
-    pg: connect::ConnectOptions,
-    first: Listening,
-    wake: Arc<Notify>,
-    reconnect_wake: Arc<Notify>,
-    probe: watch::Sender<String>,
-    token: CancellationToken,
-    status: watch::Sender<ListenerStatus>,
-    cfg: Arc<ConsumerConfig>,
-) {
+pub(crate) async fn run(n: Notifier) {
+    let Notifier { pg, first, signals, probe, token, status, cfg } = n;
+    let Signals { notification: wake, reconnected: reconnect_wake } = signals;
     let mut current = Some(first);
     let mut reconnects: u64 = 0;
-    let new_backoff = || {
-        backon::ExponentialBuilder::default()
-            .with_min_delay(Duration::from_millis(100))
-            .with_max_delay(cfg.reconnect_max_delay)
-            .with_jitter()
-            .without_max_times()
-            .build()
-    };
+    let new_backoff = || new_backoff(cfg.reconnect_max_delay);
     let mut backoff = new_backoff();
     loop {
         if let Some(Listening { client, mut driver }) = current.take() {

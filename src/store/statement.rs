@@ -30,7 +30,7 @@ pub(crate) const CANCELLED_WAIT: Duration = Duration::from_secs(5);
 
 /// What a statement of the drain loop does.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Kind {
+pub(crate) enum StatementKind {
     /// Fetching due events (and, in competing mode, opening the claim transaction).
     Fetch,
     /// Marking acknowledged events published.
@@ -53,51 +53,51 @@ pub(crate) enum Kind {
     SessionSetup,
 }
 
-impl Kind {
+impl StatementKind {
     /// Every kind, in the order of [`m::TIMEOUT_STATEMENTS`].
     #[cfg(test)]
-    pub(crate) const ALL: [Kind; 10] = [
-        Kind::Fetch,
-        Kind::AckWrite,
-        Kind::FailWrite,
-        Kind::NextRetryRead,
-        Kind::Gauges,
-        Kind::Registration,
-        Kind::Lock,
-        Kind::NotifyLockWaiters,
-        Kind::ClaimCommit,
-        Kind::SessionSetup,
+    pub(crate) const ALL: [StatementKind; 10] = [
+        StatementKind::Fetch,
+        StatementKind::AckWrite,
+        StatementKind::FailWrite,
+        StatementKind::NextRetryRead,
+        StatementKind::Gauges,
+        StatementKind::Registration,
+        StatementKind::Lock,
+        StatementKind::NotifyLockWaiters,
+        StatementKind::ClaimCommit,
+        StatementKind::SessionSetup,
     ];
 
     /// The `statement` label of [`m::STATEMENT_TIMEOUTS`].
     pub(crate) fn label(self) -> &'static str {
         match self {
-            Kind::Fetch => "fetch",
-            Kind::AckWrite => "ack_write",
-            Kind::FailWrite => "fail_write",
-            Kind::NextRetryRead => "next_retry_read",
-            Kind::Gauges => "gauges",
-            Kind::Registration => "registration",
-            Kind::Lock => "lock",
-            Kind::NotifyLockWaiters => "notify_lock_waiters",
-            Kind::ClaimCommit => "claim_commit",
-            Kind::SessionSetup => "session_setup",
+            StatementKind::Fetch => "fetch",
+            StatementKind::AckWrite => "ack_write",
+            StatementKind::FailWrite => "fail_write",
+            StatementKind::NextRetryRead => "next_retry_read",
+            StatementKind::Gauges => "gauges",
+            StatementKind::Registration => "registration",
+            StatementKind::Lock => "lock",
+            StatementKind::NotifyLockWaiters => "notify_lock_waiters",
+            StatementKind::ClaimCommit => "claim_commit",
+            StatementKind::SessionSetup => "session_setup",
         }
     }
 
     /// What the statement was doing, for log lines.
     pub(crate) fn describe(self) -> &'static str {
         match self {
-            Kind::Fetch => "fetch",
-            Kind::AckWrite => "writing acknowledgements",
-            Kind::FailWrite => "writing failures",
-            Kind::NextRetryRead => "reading the next retry time",
-            Kind::Gauges => "refreshing backlog gauges",
-            Kind::Registration => "registering for wake-ups",
-            Kind::Lock => "taking the outbox lock or partitions",
-            Kind::NotifyLockWaiters => "counting NOTIFY's lock waiters",
-            Kind::ClaimCommit => "committing the claim transaction",
-            Kind::SessionSetup => "preparing statements",
+            StatementKind::Fetch => "fetch",
+            StatementKind::AckWrite => "writing acknowledgements",
+            StatementKind::FailWrite => "writing failures",
+            StatementKind::NextRetryRead => "reading the next retry time",
+            StatementKind::Gauges => "refreshing backlog gauges",
+            StatementKind::Registration => "registering for wake-ups",
+            StatementKind::Lock => "taking the outbox lock or partitions",
+            StatementKind::NotifyLockWaiters => "counting NOTIFY's lock waiters",
+            StatementKind::ClaimCommit => "committing the claim transaction",
+            StatementKind::SessionSetup => "preparing statements",
         }
     }
 }
@@ -117,20 +117,20 @@ pub(crate) enum Failure {
 /// A failed statement of the drain loop.
 #[derive(Debug)]
 pub(crate) struct StatementError {
-    pub(crate) kind: Kind,
+    pub(crate) kind: StatementKind,
     pub(crate) failure: Failure,
 }
 
 impl StatementError {
     /// Classify the error of a statement of `kind` that ran for `elapsed`
     /// on a session whose statement timeout is `timeout` (zero: none).
-    pub(crate) fn new(kind: Kind, e: tokio_postgres::Error, elapsed: Duration, timeout: Duration) -> Self {
+    pub(crate) fn new(kind: StatementKind, e: tokio_postgres::Error, elapsed: Duration, timeout: Duration) -> Self {
         let failure = if is_timeout(&e, elapsed, timeout) { Failure::TimedOut(e) } else { Failure::Db(e) };
         StatementError { kind, failure }
     }
 
     /// A plain error of a statement of `kind` (not a timeout, not stopping).
-    pub(crate) fn db(kind: Kind, e: tokio_postgres::Error) -> Self {
+    pub(crate) fn db(kind: StatementKind, e: tokio_postgres::Error) -> Self {
         StatementError { kind, failure: Failure::Db(e) }
     }
 }
@@ -142,7 +142,12 @@ pub(crate) fn is_timeout(e: &tokio_postgres::Error, elapsed: Duration, timeout: 
 }
 
 /// Log and count a statement of `kind` cut by the statement timeout.
-pub(crate) fn record_timeout(kind: Kind, timeout: Duration, e: &tokio_postgres::Error, retry_in: Option<Duration>) {
+pub(crate) fn record_timeout(
+    kind: StatementKind,
+    timeout: Duration,
+    e: &tokio_postgres::Error,
+    retry_in: Option<Duration>,
+) {
     metrics::counter!(m::STATEMENT_TIMEOUTS, "statement" => kind.label()).increment(1);
     let error = crate::error::report(e);
     match retry_in {
@@ -226,7 +231,7 @@ impl Drop for InFlight {
 /// later statement). A statement that ends within the grace keeps its
 /// result.
 pub(crate) async fn run<T, F, S>(
-    kind: Kind,
+    kind: StatementKind,
     session: &Session,
     timeout: Duration,
     stop: S,
@@ -261,7 +266,7 @@ where
 /// [`run`] without a stop signal: the statement runs to its end (or its
 /// timeout).
 pub(crate) async fn run_to_end<T, F>(
-    kind: Kind,
+    kind: StatementKind,
     session: &Session,
     timeout: Duration,
     fut: F,
@@ -278,9 +283,9 @@ mod tests {
 
     #[test]
     fn labels_match_the_metric_label_list() {
-        let labels: Vec<&str> = Kind::ALL.iter().map(|k| k.label()).collect();
+        let labels: Vec<&str> = StatementKind::ALL.iter().map(|k| k.label()).collect();
         assert_eq!(labels, m::TIMEOUT_STATEMENTS);
-        for k in Kind::ALL {
+        for k in StatementKind::ALL {
             assert!(!k.describe().is_empty());
         }
     }

@@ -1,71 +1,39 @@
-//! The fetcher: due events into the stream's buffer, in id order.
+//! The events in flight: due events into the stream's buffer, in id order,
+//! and what the engine keeps of each until it is settled.
 //!
 //! A fetch takes only as many rows as there is room for in the stream's
 //! buffer (the caller reserves the slots first), and only as many payload
 //! bytes as the byte bound leaves (the server stops at it, see
 //! `store::fetch_sql`), and never an event that is handed out, settled but
-//! not yet written, or being written: those ids are excluded. Every fetch
-//! has a number; the fetcher keeps, for every event handed out and not yet
-//! settled, the number of the fetch that returned it, which is what
-//! per-aggregate hold-back ([`super::holdback`]) is decided by. Every fetch starts from the lowest id (no cursor: a cursor would skip
-//! rows that were held back when it passed them).
+//! not yet written, or being written: those ids are excluded
+//! ([`InFlight::exclude`]). Every fetch has a number; for every event
+//! handed out and not yet settled, the number of the fetch that returned
+//! it is kept, which is what per-aggregate hold-back ([`super::holdback`])
+//! is decided by. Every fetch starts from the lowest id (no cursor: a
+//! cursor would skip rows that were held back when it passed them).
 
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use futures::TryStreamExt;
 use tokio::sync::mpsc;
-use tokio_postgres::RowStream;
-use tokio_postgres::types::ToSql;
 use tokio_util::sync::CancellationToken;
 
 use super::completer::Completer;
 use super::holdback::AggregateKey;
-use super::ownership::{Ownership, Scope};
-use super::session::Conn;
-use super::statement::{Kind, StatementError};
 use super::{Delivery, Shared};
-use crate::error::Error;
 use crate::metrics as m;
-use crate::store;
-
-/// What of an undecodable row could be read: id, aggregate type, aggregate
-/// id, retry count (`None`: not even those).
-type Identity = Option<(i64, String, uuid::Uuid, i32)>;
-
-/// One row of a fetch, decoded as it arrived: its bytes as received are
-/// dropped at once, so a fetch never holds its rows and their parsed
-/// payloads together (which doubled the peak).
-pub(super) struct FetchedRow {
-    /// The event, or why the row could not be decoded and what of it could
-    /// be read (id, aggregate type, aggregate id, retry count).
-    decoded: Result<store::DecodedEvent, (Error, Identity)>,
-}
-
-/// What a fetch returned.
-pub(super) struct Fetched {
-    rows: Vec<FetchedRow>,
-    /// The byte budget cut it ([`store::fetch_was_cut`]).
-    pub(super) cut: bool,
-}
-
-impl Fetched {
-    /// Rows returned.
-    pub(super) fn len(&self) -> usize {
-        self.rows.len()
-    }
-}
+use crate::store::{DecodedEvent, FetchPage, RowIdentity, Undecodable};
 
 /// An event handed out and not settled.
 struct Out {
     /// The number of the fetch that returned it.
     seq: u64,
-    /// Its payload's bytes as received ([`store::payload_bytes`]).
+    /// Its payload's bytes as received (`store::rows::payload_bytes`).
     bytes: usize,
 }
 
 /// Events handed out, the payload bytes they hold, and the fetch count.
-pub(super) struct Fetcher {
+pub(super) struct InFlight {
     /// Handed out (in the buffer or with user code), not settled.
     outstanding: HashMap<i64, Out>,
     /// Sum of the payload bytes of `outstanding`.
@@ -79,11 +47,11 @@ pub(super) struct Fetcher {
     batch: usize,
 }
 
-impl Fetcher {
+impl InFlight {
     /// A fetcher taking `batch` rows per fetch, holding payloads within
     /// `max_bytes` (plus one event).
     pub(super) fn new(shared: Arc<Shared>, batch: usize, max_bytes: usize) -> Self {
-        Fetcher { outstanding: HashMap::new(), held_bytes: 0, max_bytes, seq: 0, shared, batch }
+        InFlight { outstanding: HashMap::new(), held_bytes: 0, max_bytes, seq: 0, shared, batch }
     }
 
     /// Payload bytes of the events handed out and not settled.
@@ -129,81 +97,45 @@ impl Fetcher {
         self.outstanding.len()
     }
 
-    /// Run one fetch of `scope` on `conn` with the byte budget `budget`
-    /// ([`Self::budget`]), excluding `completer`'s unwritten ids and the
-    /// events handed out, until `stop` resolves.
-    pub(super) async fn query(
-        &self,
-        conn: &Conn,
-        scope: Scope,
-        (completer, budget): (&Completer, i64),
-        stop: impl std::future::Future<Output = ()>,
-    ) -> Result<Fetched, StatementError> {
+    /// Ids a fetch must not return: handed out, or settled and not yet
+    /// written (`completer`'s).
+    pub(super) fn exclude(&self, completer: &Completer) -> Vec<i64> {
         let mut exclude: Vec<i64> = self.outstanding.keys().copied().collect();
         exclude.extend(completer.unwritten_ids());
-        let batch = i64::try_from(self.batch).unwrap_or(i64::MAX);
-        let partitioned = matches!(scope, Scope::Partitions { .. });
-        match scope {
-            Scope::All => {
-                let params: [&(dyn ToSql + Sync); 3] = [&exclude, &batch, &budget];
-                let fetch =
-                    async { decode_stream(conn.client.query_raw(&conn.fetch, params).await?, budget, false).await };
-                conn.run(Kind::Fetch, stop, fetch).await
-            }
-            Scope::Partitions { partitions, owned } => {
-                let params: [&(dyn ToSql + Sync); 5] = [&exclude, &batch, &budget, &partitions, &owned];
-                let fetch = async {
-                    decode_stream(conn.client.query_raw(&conn.fetch, params).await?, budget, partitioned).await
-                };
-                conn.run(Kind::Fetch, stop, fetch).await
-            }
-            Scope::Claim => {
-                // Claim rows with row locks held by an open transaction until
-                // the whole batch is settled; other consumers skip them.
-                let params: [&(dyn ToSql + Sync); 2] = [&batch, &budget];
-                let claim = async {
-                    conn.client.batch_execute(store::BEGIN).await?;
-                    decode_stream(conn.client.query_raw(&conn.fetch, params).await?, budget, false).await
-                };
-                conn.run(Kind::Fetch, stop, claim).await
-            }
-        }
+        exclude
     }
 
-    /// Hand the fetched `rows` out through `permit` as one new fetch; a row
-    /// that cannot be decoded is recorded as a failed attempt. Stops handing
-    /// out when `token` is cancelled (the rest stay unpublished). Returns
-    /// how many were handed out.
+    /// Hand the rows of `page` out through `permit` as one new fetch,
+    /// telling `handed_out` each id and partition; a row that cannot be
+    /// decoded is recorded as a failed attempt. Stops handing out when
+    /// `token` is cancelled (the rest stay unpublished). Returns how many
+    /// were handed out.
     pub(super) fn hand_out(
         &mut self,
-        fetched: Fetched,
+        page: FetchPage,
         permit: mpsc::PermitIterator<'_, Delivery>,
-        token: &CancellationToken,
-        ownership: &mut Ownership,
-        completer: &mut Completer,
+        (token, completer): (&CancellationToken, &mut Completer),
+        mut handed_out: impl FnMut(i64, Option<i32>),
     ) -> u64 {
         self.seq += 1;
-        let partitioned = ownership.is_partitioned();
         let mut handed = 0u64;
-        for (row, slot) in fetched.rows.into_iter().zip(permit) {
+        for (row, slot) in page.rows.into_iter().zip(permit) {
             if token.is_cancelled() {
                 break;
             }
-            match row.decoded {
-                Ok(store::DecodedEvent { event, payload_bytes: bytes, partition }) => {
+            match row {
+                Ok(DecodedEvent { event, payload_bytes: bytes, partition }) => {
                     self.held_bytes += bytes;
                     if let Some(old) = self.outstanding.insert(event.id, Out { seq: self.seq, bytes }) {
                         // Not expected (a fetch excludes the ids handed out);
                         // keeps the count exact if it happens.
                         self.held_bytes -= old.bytes;
                     }
-                    if partitioned {
-                        ownership.fetched(event.id, partition);
-                    }
+                    handed_out(event.id, partition);
                     slot.send(Delivery::new(event, self.seq, self.shared.clone()));
                     handed += 1;
                 }
-                Err((e, identity)) => self.undecodable(identity, &e, completer),
+                Err(undecodable) => self.undecodable(undecodable, completer),
             }
         }
         handed
@@ -213,9 +145,9 @@ impl Fetcher {
     /// recorded as a failed attempt, like a sink failure: it holds back the
     /// later events of its aggregate, is retried on the ladder, and becomes
     /// a dead letter an operator can see, rather than being skipped.
-    fn undecodable(&self, identity: Identity, e: &Error, completer: &mut Completer) {
-        let msg = super::delivery::sanitize_error(&format!("cannot decode the row: {}", crate::error::report(e)));
-        let Some((id, aggregate_type, aggregate_id, retry_count)) = identity else {
+    fn undecodable(&self, Undecodable { error, identity }: Undecodable, completer: &mut Completer) {
+        let msg = super::delivery::sanitize_error(&format!("cannot decode the row: {}", crate::error::report(&error)));
+        let Some(RowIdentity { id, aggregate_type, aggregate_id, retry_count }) = identity else {
             tracing::error!(error = %msg, "could not read an outbox row's id or aggregate; it stays unpublished");
             return;
         };
@@ -262,23 +194,4 @@ impl Fetcher {
     pub(super) fn session_lost(&self) {
         self.shared.holdback.stale_through(self.seq);
     }
-}
-
-/// Read a fetch's rows as they arrive, decoding each and dropping its bytes
-/// as received before the next is read (tokio-postgres hands rows over one
-/// batch of messages at a time, and reads no further until asked).
-/// `partitioned`: read each row's partition too.
-async fn decode_stream(stream: RowStream, budget: i64, partitioned: bool) -> Result<Fetched, tokio_postgres::Error> {
-    futures::pin_mut!(stream);
-    let mut rows = Vec::new();
-    let mut cut = false;
-    while let Some(row) = stream.try_next().await? {
-        cut = store::fetch_was_cut(&row, budget);
-        let decoded = match store::decode_event(&row, partitioned) {
-            Ok(d) => Ok(d),
-            Err(e) => Err((e, store::row_identity(&row))),
-        };
-        rows.push(FetchedRow { decoded });
-    }
-    Ok(Fetched { rows, cut })
 }

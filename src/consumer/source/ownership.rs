@@ -1,4 +1,5 @@
-//! Ownership: what this consumer may fetch, by mode.
+//! Ownership: what a consumer of the listen source may fetch, by mode
+//! (competing mode owns nothing: `super::claim`).
 //!
 //! - Single: one active consumer per outbox, the holder of a session
 //!   advisory lock on its work session; the others are standbys that try to
@@ -8,8 +9,6 @@
 //!   given up every few [`LOCK_INTERVAL`]s to a fair share of the members.
 //!   A partition given up is unlocked only once nothing of it is in flight,
 //!   so per-aggregate order holds across the hand-over.
-//! - Competing: no lock; each fetch claims its rows with `FOR UPDATE SKIP
-//!   LOCKED` in a transaction held open until the batch is settled.
 //!
 //! Every lock belongs to the work session: when it is lost, ownership is
 //! gone with it. The lock keys are listed in docs/architecture.md,
@@ -20,27 +19,16 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
-use super::Mode;
-use super::drain::jittered;
-use super::session::Conn;
-use super::statement::{Kind, StatementError};
+use super::{Cx, jittered};
+use crate::consumer::Mode;
+use crate::consumer::health::Role;
 use crate::metrics as m;
-use crate::store;
-use crate::store::locks::{LEADER_KEY, MEMBER_CLASS, PARTITION_CLASS};
+use crate::store::FetchScope;
+use crate::store::statement::StatementError;
 
 /// How often a standby tries to take over (and, times four, how often
 /// partitions are rebalanced): 250 ms.
 pub(super) const LOCK_INTERVAL: Duration = Duration::from_millis(250);
-
-/// Which rows a fetch may take.
-pub(super) enum Scope {
-    /// Every due row (single mode, as the active consumer).
-    All,
-    /// Rows of these partitions, out of `partitions`.
-    Partitions { partitions: i64, owned: Vec<i32> },
-    /// Rows claimed in a new transaction (competing mode).
-    Claim,
-}
 
 /// Partitioned mode's state.
 #[derive(Debug, Default)]
@@ -61,16 +49,15 @@ pub(super) struct Partitions {
 pub(super) enum Ownership {
     Single { leader: bool, standby_logged: bool, lock_at: Option<Instant> },
     Partitioned(Partitions),
-    Competing { in_tx: bool },
 }
 
 impl Ownership {
-    /// Nothing owned yet, for `mode`.
+    /// Nothing owned yet, for `mode` (competing mode is taken for single:
+    /// it is not the listen source's).
     pub(super) fn new(mode: Mode) -> Self {
         match mode {
-            Mode::Single => Ownership::Single { leader: false, standby_logged: false, lock_at: None },
             Mode::Partitioned { partitions } => Ownership::Partitioned(Partitions { partitions, ..Default::default() }),
-            Mode::Competing => Ownership::Competing { in_tx: false },
+            _ => Ownership::Single { leader: false, standby_logged: false, lock_at: None },
         }
     }
 
@@ -79,20 +66,17 @@ impl Ownership {
         match self {
             Ownership::Single { leader, .. } => *leader,
             Ownership::Partitioned(p) => !p.owned.is_empty(),
-            Ownership::Competing { in_tx } => !*in_tx,
         }
     }
 
-    /// What this consumer does now, for [`super::health`].
-    pub(super) fn role(&self) -> super::health::Role {
-        use super::health::Role;
+    /// What this consumer does now, for its health.
+    pub(super) fn role(&self) -> Role {
         match self {
             Ownership::Single { leader: true, .. } => Role::Leader,
             Ownership::Single { .. } => Role::Standby,
             Ownership::Partitioned(p) => {
                 Role::Partitioned { held: p.owned.iter().map(|k| k.unsigned_abs()).collect(), partitions: p.partitions }
             }
-            Ownership::Competing { .. } => Role::Competing,
         }
     }
 
@@ -101,46 +85,34 @@ impl Ownership {
         matches!(self, Ownership::Partitioned(_))
     }
 
-    /// Competing mode: a claim transaction is open.
-    pub(super) fn claiming(&self) -> bool {
-        matches!(self, Ownership::Competing { in_tx: true })
-    }
-
     /// When to try to take (or rebalance) locks next.
     pub(super) fn lock_at(&self) -> Option<Instant> {
         match self {
             Ownership::Single { lock_at, .. } => *lock_at,
             Ownership::Partitioned(p) => p.lock_at,
-            Ownership::Competing { .. } => None,
         }
     }
 
-    /// Sessions are about to be opened: the membership key the new work
-    /// session takes (partitioned mode), drawn anew.
-    pub(super) fn new_member_key(&mut self) -> Option<i32> {
-        match self {
-            Ownership::Partitioned(p) => {
-                p.member_key = rand::random::<i32>();
-                Some(p.member_key)
-            }
-            _ => None,
-        }
-    }
-
-    /// New sessions are open: nothing is owned, locks are taken at once.
-    pub(super) fn session_opened(&mut self) {
+    /// New sessions are open: nothing is owned, locks are taken at once;
+    /// in partitioned mode the work session first takes a membership lock
+    /// with a key drawn anew.
+    pub(super) async fn session_opened(&mut self, cx: Cx<'_>) -> Result<(), StatementError> {
         self.session_lost();
         match self {
             Ownership::Single { standby_logged, lock_at, .. } => {
                 *standby_logged = false;
                 *lock_at = Some(Instant::now());
             }
-            Ownership::Partitioned(p) => p.lock_at = Some(Instant::now()),
-            Ownership::Competing { .. } => {}
+            Ownership::Partitioned(p) => {
+                p.member_key = rand::random::<i32>();
+                cx.work.take_member_lock(p.member_key, cx.stop()).await?;
+                p.lock_at = Some(Instant::now());
+            }
         }
+        Ok(())
     }
 
-    /// The work session is gone, and its locks and claim with it.
+    /// The work session is gone, and its locks with it.
     pub(super) fn session_lost(&mut self) {
         match self {
             Ownership::Single { .. } => self.set_leader(false),
@@ -148,7 +120,6 @@ impl Ownership {
                 p.owned.clear();
                 p.releasing.clear();
             }
-            Ownership::Competing { in_tx } => *in_tx = false,
         }
         metrics::gauge!(m::PARTITIONS_OWNED).set(0.0);
     }
@@ -164,27 +135,19 @@ impl Ownership {
         *leader = now;
     }
 
-    /// The scope of the next fetch; in competing mode this opens a claim
-    /// (the caller begins its transaction).
-    pub(super) fn scope(&mut self) -> Scope {
+    /// The partitions held, for the scope of a fetch (`None` in single mode).
+    pub(super) fn partitions(&self) -> Option<(u32, Vec<i32>)> {
         match self {
-            Ownership::Single { .. } => Scope::All,
-            Ownership::Partitioned(p) => {
-                Scope::Partitions { partitions: i64::from(p.partitions), owned: p.owned.iter().copied().collect() }
-            }
-            Ownership::Competing { in_tx } => {
-                // A failed claim leaves no transaction behind that matters:
-                // its session is closed.
-                *in_tx = true;
-                Scope::Claim
-            }
+            Ownership::Single { .. } => None,
+            Ownership::Partitioned(p) => Some((p.partitions, p.owned.iter().copied().collect())),
         }
     }
 
-    /// Competing mode: the claim transaction ended.
-    pub(super) fn claim_ended(&mut self) {
-        if let Ownership::Competing { in_tx } = self {
-            *in_tx = false;
+    /// A fetch's scope, given [`Self::partitions`].
+    pub(super) fn scope(partitions: &Option<(u32, Vec<i32>)>) -> FetchScope<'_> {
+        match partitions {
+            None => FetchScope::All,
+            Some((partitions, owned)) => FetchScope::Partitions { partitions: *partitions, owned },
         }
     }
 
@@ -204,37 +167,27 @@ impl Ownership {
 
     /// Take the outbox lock (single mode) or rebalance partitions. `Ok(true)`:
     /// this consumer owns more than before and should fetch.
-    pub(super) async fn take_locks(
-        &mut self,
-        conn: &Conn,
-        stop: impl std::future::Future<Output = ()>,
-    ) -> Result<bool, StatementError> {
+    pub(super) async fn take_locks(&mut self, cx: Cx<'_>) -> Result<bool, StatementError> {
         match self {
             Ownership::Single { leader: true, lock_at, .. } => {
                 *lock_at = None;
                 Ok(false)
             }
-            Ownership::Single { .. } => self.try_lead(conn, stop).await,
+            Ownership::Single { .. } => self.try_lead(cx).await,
             Ownership::Partitioned(p) => {
                 p.lock_at = None;
-                let gained = conn.run(Kind::Lock, stop, p.rebalance(conn)).await?;
+                let gained = p.rebalance(cx).await?;
                 p.lock_at = Some(Instant::now() + jittered(LOCK_INTERVAL * 4));
                 Ok(gained)
             }
-            Ownership::Competing { .. } => Ok(false),
         }
     }
 
-    async fn try_lead(
-        &mut self,
-        conn: &Conn,
-        stop: impl std::future::Future<Output = ()>,
-    ) -> Result<bool, StatementError> {
+    async fn try_lead(&mut self, cx: Cx<'_>) -> Result<bool, StatementError> {
         if let Ownership::Single { lock_at, .. } = self {
             *lock_at = None;
         }
-        let row = conn.run(Kind::Lock, stop, conn.client.query_one(store::TRY_LEADER_LOCK, &[&LEADER_KEY])).await?;
-        if row.try_get::<_, bool>(0).unwrap_or(false) {
+        if cx.work.try_leader_lock(cx.stop()).await? {
             self.set_leader(true);
             return Ok(true);
         }
@@ -257,13 +210,13 @@ impl Partitions {
     /// Take partitions up to a fair share of the members, give up any over
     /// it, and unlock given-up partitions with nothing in flight.
     /// `Ok(true)`: more partitions are owned than before.
-    async fn rebalance(&mut self, conn: &Conn) -> Result<bool, tokio_postgres::Error> {
-        let members: i64 = conn.client.query_one(store::COUNT_MEMBERS, &[&MEMBER_CLASS]).await?.try_get("members")?;
+    async fn rebalance(&mut self, cx: Cx<'_>) -> Result<bool, StatementError> {
+        let members = cx.work.count_members(cx.stop()).await?;
         let members = u32::try_from(members.max(1)).unwrap_or(1);
         let share = self.partitions.div_ceil(members) as usize;
         let before = self.owned.len();
         if self.owned.len() < share {
-            self.take_share(conn, share).await?;
+            self.take_share(cx, share).await?;
         }
         while self.owned.len() > share {
             if let Some(p) = self.owned.pop_last() {
@@ -273,7 +226,7 @@ impl Partitions {
         let busy: BTreeSet<i32> = self.part_of.values().copied().collect();
         let free: Vec<i32> = self.releasing.iter().copied().filter(|p| !busy.contains(p)).collect();
         for p in free {
-            conn.client.execute(store::PARTITION_UNLOCK, &[&PARTITION_CLASS, &p]).await?;
+            cx.work.unlock_partition(p, cx.stop()).await?;
             self.releasing.remove(&p);
         }
         if self.owned.len() == before {
@@ -286,7 +239,7 @@ impl Partitions {
 
     /// Try the partitions in turn, starting at one given by this session's
     /// member key, until `share` are held.
-    async fn take_share(&mut self, conn: &Conn, share: usize) -> Result<(), tokio_postgres::Error> {
+    async fn take_share(&mut self, cx: Cx<'_>, share: usize) -> Result<(), StatementError> {
         let start = (self.member_key.unsigned_abs() % self.partitions.max(1)) as i32;
         let total = i32::try_from(self.partitions).unwrap_or(i32::MAX);
         for k in 0..total {
@@ -297,8 +250,7 @@ impl Partitions {
             if self.owned.contains(&p) || self.releasing.contains(&p) {
                 continue;
             }
-            let row = conn.client.query_one(store::TRY_PARTITION_LOCK, &[&PARTITION_CLASS, &p]).await?;
-            if row.try_get::<_, bool>(0)? {
+            if cx.work.try_partition_lock(p, cx.stop()).await? {
                 self.owned.insert(p);
             }
         }

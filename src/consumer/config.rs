@@ -1,0 +1,399 @@
+//! The consumer's configuration: defaults, the builder, and validation.
+
+use std::time::Duration;
+
+use crate::connect;
+use crate::error::{Error, Result};
+use crate::retry::RetryPolicy;
+
+/// The channel the insert trigger notifies
+/// (`triggers/outbox_insert_order_and_notify.sql`).
+pub const NOTIFY_CHANNEL: &str = "events.outbox";
+/// Default rows fetched per query: 500 (the schema's original poller query,
+/// FetchUnpublishedBatch in docs/schema.md, takes 50; docs/performance.md, "Batch sizes", says why 500). A fetch
+/// returns at once with what is there, so a small backlog is not delayed.
+/// The stream buffers up to twice the batch, and payloads within
+/// [`DEFAULT_MAX_BUFFERED_BYTES`].
+pub const DEFAULT_BATCH_SIZE: usize = 500;
+/// Default bound on the payload bytes a consumer holds: 64 MiB
+/// ([`ConsumerBuilder::max_buffered_bytes`]). Before it, only rows bounded
+/// what a consumer holds: twice the batch of 500, so with payloads near the
+/// publisher's 1 MiB limit ([`crate::DEFAULT_MAX_PAYLOAD_BYTES`]) about
+/// 1 GB. The default buffer of 1 000 rows reaches 64 MiB only with payloads
+/// of about 64 KiB or more, so for smaller ones (the bench's envelope is
+/// 1.5 KB) the rows bind first and nothing changes; the bound binds where
+/// payloads are large.
+pub const DEFAULT_MAX_BUFFERED_BYTES: usize = 64 * 1024 * 1024;
+/// The smallest byte bound [`ConsumerBuilder::max_buffered_bytes`] takes:
+/// 1 MiB, the publisher's default payload limit
+/// ([`crate::DEFAULT_MAX_PAYLOAD_BYTES`]). A smaller bound would still
+/// work (a fetch always returns at least one event), but every fetch would
+/// bring a single event: a figure that low is far more likely a unit
+/// mistake (`64` meant as MiB) than a wish.
+pub const MIN_MAX_BUFFERED_BYTES: usize = 1024 * 1024;
+/// Default fallback sweep interval: 1 second. Bounds how long a lost
+/// notification can delay an event.
+pub const DEFAULT_SWEEP_INTERVAL: Duration = Duration::from_secs(1);
+/// Default dead-letter threshold: an event whose `retry_count` reaches 10 is
+/// a dead letter (the schema's original threshold, `retry_count >= 10`;
+/// docs/schema.md, "Retention and dead letters").
+pub const DEFAULT_MAX_RETRIES: i32 = 10;
+/// Default acknowledgement batch: flush once 500 settlements are pending.
+pub const DEFAULT_ACK_BATCH_SIZE: usize = 500;
+/// Default acknowledgement delay: flush pending settlements after 10 ms.
+pub const DEFAULT_ACK_INTERVAL: Duration = Duration::from_millis(10);
+/// Default longest wait between reconnect attempts: 30 seconds.
+pub const DEFAULT_RECONNECT_MAX_DELAY: Duration = Duration::from_secs(30);
+/// Default liveness ping on the idle LISTEN connection: every 5 seconds.
+pub const DEFAULT_PING_INTERVAL: Duration = Duration::from_secs(5);
+/// Default statement timeout of the consumer's own sessions (drain, writer,
+/// LISTEN): 60 seconds. A healthy statement of theirs takes milliseconds (a
+/// fetch of a 500-row batch, the UPDATE of an acknowledged batch), so a
+/// minute is three orders of magnitude above it: an overloaded server, a
+/// checkpoint or a lock held for a while by a migration does not reach it.
+/// A statement that does (a bad plan, a lock held by a forgotten session)
+/// is cut by the server after a minute instead of running on for as long
+/// as it takes, after the relay gave up on it or was killed.
+pub const DEFAULT_STATEMENT_TIMEOUT: Duration = Duration::from_secs(60);
+/// Default time graceful shutdown waits for handed-out deliveries: 30 s.
+pub const DEFAULT_SHUTDOWN_GRACE: Duration = Duration::from_secs(30);
+/// The largest statement timeout the server takes: `i32::MAX` ms.
+const MAX_STATEMENT_TIMEOUT: Duration = Duration::from_millis(i32::MAX as u64);
+/// Interval at which the backlog gauges are refreshed: 5 seconds.
+pub(crate) const STATUS_INTERVAL: Duration = Duration::from_secs(5);
+/// How long start waits for its test notification to come back: 2 s.
+pub(crate) const PROBE_TIMEOUT: Duration = Duration::from_secs(2);
+/// Longest `last_error` stored, in bytes; longer messages are cut.
+pub const MAX_ERROR_BYTES: usize = 4096;
+
+/// How several consumers of one outbox share it. The same choice is the
+/// relay's `--mode` flag.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum Mode {
+    /// One active consumer per outbox (default). Each consumer takes a
+    /// session advisory lock on its work connection before it fetches; the
+    /// others are hot standbys that try to take the lock every 250 ms, so
+    /// when the active one dies (its session ends, releasing the lock) a
+    /// standby takes over within about a quarter of a second of the server
+    /// noticing. Keeps id order and per-aggregate order.
+    #[default]
+    Single,
+    /// Several active consumers share the work by a hash of the aggregate:
+    /// `partitions` partitions, each held by one consumer at a time through
+    /// an advisory lock, rebalanced (every second or so) to a fair share as
+    /// consumers join and leave. A partition is handed over only once
+    /// nothing of it is in flight, so per-aggregate order holds; there is
+    /// no order between aggregates.
+    Partitioned {
+        /// Number of partitions (default in the relay: 16). Every consumer
+        /// of one outbox must use the same number.
+        partitions: u32,
+    },
+    /// Competing consumers, as the schema's original design planned for
+    /// scaling out (docs/schema.md): each fetch claims due rows with
+    /// `FOR UPDATE SKIP LOCKED` in a transaction kept open until the batch
+    /// is settled, so consumers never deliver the same row at once. **No
+    /// order at all**, not even per aggregate, and no hold-back behind
+    /// failed events: for events whose order does not matter.
+    Competing,
+}
+
+/// Settings of a consumer. Build it with [`Consumer::builder`].
+#[derive(Debug, Clone)]
+pub(crate) struct ConsumerConfig {
+    pub(crate) pg: connect::ConnectOptions,
+    pub(crate) listener_pg: Option<connect::ConnectOptions>,
+    pub(crate) batch_size: usize,
+    pub(crate) buffer: usize,
+    pub(crate) max_buffered_bytes: usize,
+    pub(crate) sweep_interval: Duration,
+    pub(crate) retry: RetryPolicy,
+    pub(crate) max_retries: i32,
+    pub(crate) ack_batch_size: usize,
+    pub(crate) ack_interval: Duration,
+    pub(crate) reconnect_max_delay: Duration,
+    pub(crate) ping_interval: Duration,
+    pub(crate) shutdown_grace: Duration,
+    pub(crate) statement_timeout: Duration,
+    pub(crate) mode: Mode,
+    pub(crate) listen: bool,
+}
+
+impl ConsumerConfig {
+    /// Startup settings of the consumer's own sessions: the statement
+    /// timeout, and the server's check for a vanished client while a
+    /// statement runs.
+    pub(crate) fn session(&self) -> connect::SessionSettings {
+        connect::SessionSettings { statement_timeout: Some(self.statement_timeout), check_client_connection: true }
+    }
+}
+
+/// Entry point of the consuming side. See [`Consumer::builder`].
+#[derive(Debug)]
+pub struct Consumer(());
+
+impl Consumer {
+    /// A builder for a consumer of `events.outbox` on the database `pg`:
+    /// [`ConnectOptions`](crate::ConnectOptions) from [`ConnectOptions::parse`](crate::ConnectOptions::parse)
+    /// (TLS settings included), or a plain `tokio_postgres::Config` (its
+    /// `sslmode` disable/prefer/require carries over).
+    ///
+    /// # Example
+    /// ```no_run
+    /// # async fn run() -> Result<(), pg_outbox::Error> {
+    /// use futures::StreamExt;
+    /// let pg = pg_outbox::ConnectOptions::parse("postgres://postgres@127.0.0.1/app")?;
+    /// let mut events = pg_outbox::Consumer::builder(pg).batch_size(100).start().await?;
+    /// while let Some(delivery) = events.next().await {
+    ///     println!("{} {}", delivery.id, delivery.event_type);
+    ///     delivery.ack();
+    /// }
+    /// # Ok(()) }
+    /// ```
+    pub fn builder(pg: impl Into<connect::ConnectOptions>) -> ConsumerBuilder {
+        ConsumerBuilder {
+            cfg: ConsumerConfig {
+                pg: pg.into(),
+                listener_pg: None,
+                batch_size: DEFAULT_BATCH_SIZE,
+                buffer: 0,
+                max_buffered_bytes: DEFAULT_MAX_BUFFERED_BYTES,
+                sweep_interval: DEFAULT_SWEEP_INTERVAL,
+                retry: RetryPolicy::default(),
+                max_retries: DEFAULT_MAX_RETRIES,
+                ack_batch_size: DEFAULT_ACK_BATCH_SIZE,
+                ack_interval: DEFAULT_ACK_INTERVAL,
+                reconnect_max_delay: DEFAULT_RECONNECT_MAX_DELAY,
+                ping_interval: DEFAULT_PING_INTERVAL,
+                shutdown_grace: DEFAULT_SHUTDOWN_GRACE,
+                statement_timeout: DEFAULT_STATEMENT_TIMEOUT,
+                mode: Mode::Single,
+                listen: true,
+            },
+        }
+    }
+}
+
+/// Builds and starts a consumer. Every setter documents its default.
+#[derive(Debug, Clone)]
+#[must_use = "a builder does nothing until start() is called"]
+pub struct ConsumerBuilder {
+    pub(super) cfg: ConsumerConfig,
+}
+
+impl ConsumerBuilder {
+    /// Rows fetched per query (default [`DEFAULT_BATCH_SIZE`], 500; the schema's original poller fetches 50). A backlog is drained in batches
+    /// of this size and is never read into memory at once.
+    pub fn batch_size(mut self, rows: usize) -> Self {
+        self.cfg.batch_size = rows;
+        self
+    }
+
+    /// Deliveries buffered ahead of the stream's reader, in rows (default:
+    /// twice the batch size). The next batch is fetched while the reader
+    /// works through the buffer. The payloads they hold are bounded apart,
+    /// in bytes ([`Self::max_buffered_bytes`]).
+    pub fn buffer(mut self, rows: usize) -> Self {
+        self.cfg.buffer = rows;
+        self
+    }
+
+    /// Bound on the payload bytes this consumer holds (default
+    /// [`DEFAULT_MAX_BUFFERED_BYTES`], 64 MiB; at least
+    /// [`MIN_MAX_BUFFERED_BYTES`], 1 MiB): the payloads of every event
+    /// fetched and not yet settled, whether it waits in the stream's buffer
+    /// or is in the reader's hands, unacknowledged.
+    ///
+    /// A payload counts as received: the `jsonb` value's binary form, a
+    /// version byte and the JSON text. Memory held for it is about that
+    /// once parsed into [`serde_json::Value`] for payloads made of long
+    /// strings; for payloads of many small fields the parsed value takes
+    /// more (a few times the text), which this bound does not count. A
+    /// fetch's rows are decoded as they arrive, each row's bytes dropped
+    /// before the next is read, so they add one row at a time. Measured
+    /// (`drain` scenario of the e2e bench, 300 payloads of 1 MiB, a quick
+    /// run on a shared machine): a Consumer peaked at 139 MiB of RSS with
+    /// the default bound, 312 MiB with none; the relay at 84 and 318 MiB.
+    ///
+    /// Each fetch asks for at most the bound minus what is held, and the
+    /// server stops sending at it (the rows before each must add up to
+    /// less), so what is held stays under the bound plus one event: one
+    /// payload larger than the bound still moves, alone. No fetch starts
+    /// while the held payloads reach the bound; one starts again once at
+    /// least half of it is free, or, below the bound, when the reader has
+    /// emptied the buffer and waits (so fetches stay large, as in rows: the
+    /// next batch is fetched once a batch of room is free).
+    ///
+    /// Both bounds hold at once: a fetch takes at most [`Self::batch_size`]
+    /// rows and the stream buffers at most [`Self::buffer`] of them, so with
+    /// payloads under about 64 KiB the rows bind first and this bound
+    /// changes nothing.
+    ///
+    /// **Deliveries kept unacknowledged count**: a reader that holds
+    /// deliveries until it has received more (to settle them in groups, say)
+    /// must hold fewer than the bound's worth, or the stream stalls: it
+    /// hands out nothing more until some of them are acknowledged, failed
+    /// or dropped. (Settled ones stop counting as soon as the consumer takes
+    /// the settlement in, before it is written: the payload is gone with the
+    /// delivery.)
+    ///
+    /// The relay's flag `--max-buffered-bytes` sets it; the relay hands one
+    /// delivery at a time to its sink, so the bound covers the relay too.
+    ///
+    /// # Example
+    /// ```
+    /// # fn f(pg: pg_outbox::ConnectOptions) -> pg_outbox::ConsumerBuilder {
+    /// pg_outbox::Consumer::builder(pg).max_buffered_bytes(16 * 1024 * 1024)
+    /// # }
+    /// ```
+    pub fn max_buffered_bytes(mut self, bytes: usize) -> Self {
+        self.cfg.max_buffered_bytes = bytes;
+        self
+    }
+
+    /// Interval of the fallback sweep (default 1 s, plus up to 10 % jitter).
+    /// A lost notification delays an event by at most this long.
+    pub fn sweep_interval(mut self, interval: Duration) -> Self {
+        self.cfg.sweep_interval = interval;
+        self
+    }
+
+    /// The retry ladder (default [`RetryPolicy::default`]: 1 min, 5 min,
+    /// 15 min, 1 h, then doubling, capped at 24 h, with 0–10 % jitter).
+    pub fn retry_policy(mut self, policy: RetryPolicy) -> Self {
+        self.cfg.retry = policy;
+        self
+    }
+
+    /// Dead-letter threshold (default 10): the failure that brings
+    /// `retry_count` to this value makes the event a dead letter.
+    pub fn max_retries(mut self, n: i32) -> Self {
+        self.cfg.max_retries = n;
+        self
+    }
+
+    /// Flush acknowledgements once this many are pending (default 500).
+    pub fn ack_batch_size(mut self, n: usize) -> Self {
+        self.cfg.ack_batch_size = n;
+        self
+    }
+
+    /// Flush pending acknowledgements at the latest this long after the
+    /// first of them (default 10 ms).
+    pub fn ack_interval(mut self, interval: Duration) -> Self {
+        self.cfg.ack_interval = interval;
+        self
+    }
+
+    /// Longest wait between reconnect attempts (default 30 s; attempts
+    /// start at 100 ms and double, with jitter).
+    pub fn reconnect_max_delay(mut self, delay: Duration) -> Self {
+        self.cfg.reconnect_max_delay = delay;
+        self
+    }
+
+    /// Liveness ping interval on the idle LISTEN connection (default 5 s).
+    pub fn ping_interval(mut self, interval: Duration) -> Self {
+        self.cfg.ping_interval = interval;
+        self
+    }
+
+    /// How long a graceful shutdown waits for deliveries already handed out
+    /// to be acknowledged or failed (default 30 s). Those still open then are
+    /// released: not published, delivered again later.
+    pub fn shutdown_grace(mut self, grace: Duration) -> Self {
+        self.cfg.shutdown_grace = grace;
+        self
+    }
+
+    /// The longest a statement of the consumer's own sessions (drain,
+    /// writer, LISTEN) may run before the server cancels it (default
+    /// [`DEFAULT_STATEMENT_TIMEOUT`], 60 s; zero disables it, as in
+    /// PostgreSQL; at most `i32::MAX` milliseconds, about 24.8 days).
+    ///
+    /// Sent as `-c statement_timeout=...` when each session starts; an
+    /// `options` setting of the database URL wins over it. The sessions also
+    /// get `client_connection_check_interval` (5 s, on PostgreSQL 14 and
+    /// later), so a statement whose relay vanished ends within seconds.
+    /// When a statement times out the consumer logs a warning naming it,
+    /// counts it in `outbox_statement_timeouts_total{statement}`, and
+    /// reconnects with backoff as after other database errors: nothing is
+    /// marked published and no attempt is counted as failed because of it.
+    ///
+    /// # Example
+    /// ```
+    /// # fn f(pg: pg_outbox::ConnectOptions) -> pg_outbox::ConsumerBuilder {
+    /// pg_outbox::Consumer::builder(pg).statement_timeout(std::time::Duration::from_secs(10))
+    /// # }
+    /// ```
+    pub fn statement_timeout(mut self, timeout: Duration) -> Self {
+        self.cfg.statement_timeout = timeout;
+        self
+    }
+
+    /// Use a different database address for the LISTEN connection (default:
+    /// the same as the work connection). LISTEN needs a direct or
+    /// session-mode connection; it does not work through a transaction-mode
+    /// pooler.
+    pub fn listener_config(mut self, pg: impl Into<connect::ConnectOptions>) -> Self {
+        self.cfg.listener_pg = Some(pg.into());
+        self
+    }
+
+    /// How consumers of one outbox share it (default [`Mode::Single`]).
+    pub fn mode(mut self, mode: Mode) -> Self {
+        self.cfg.mode = mode;
+        self
+    }
+
+    /// Whether to LISTEN for notifications (default true). With `false`
+    /// only the sweep finds events (every sweep interval): for environments
+    /// without LISTEN, such as a transaction-mode pooler.
+    pub fn listen(mut self, listen: bool) -> Self {
+        self.cfg.listen = listen;
+        self
+    }
+
+    pub(super) fn validate(&mut self) -> Result<()> {
+        let c = &mut self.cfg;
+        if c.batch_size == 0 || c.batch_size > 100_000 {
+            return Err(Error::Config(format!("batch size must be 1..=100000 rows, got {}", c.batch_size)));
+        }
+        if c.buffer == 0 {
+            c.buffer = c.batch_size * 2;
+        }
+        c.buffer = c.buffer.max(c.batch_size);
+        if c.max_buffered_bytes < MIN_MAX_BUFFERED_BYTES || i64::try_from(c.max_buffered_bytes).is_err() {
+            return Err(Error::Config(format!(
+                "max buffered bytes must be at least {MIN_MAX_BUFFERED_BYTES} (1 MiB), got {}",
+                c.max_buffered_bytes
+            )));
+        }
+        if c.sweep_interval.is_zero() {
+            return Err(Error::Config("sweep interval must be longer than zero".into()));
+        }
+        if c.max_retries < 1 {
+            return Err(Error::Config(format!("max retries must be at least 1, got {}", c.max_retries)));
+        }
+        if c.ack_batch_size == 0 {
+            return Err(Error::Config("acknowledgement batch size must be at least 1".into()));
+        }
+        if let Mode::Partitioned { partitions } = c.mode
+            && !(1..=4096).contains(&partitions)
+        {
+            return Err(Error::Config(format!("partitions must be 1..=4096, got {partitions}")));
+        }
+        if c.ping_interval.is_zero() || c.reconnect_max_delay.is_zero() {
+            return Err(Error::Config("ping interval and reconnect delay must be longer than zero".into()));
+        }
+        if c.statement_timeout > MAX_STATEMENT_TIMEOUT {
+            return Err(Error::Config(format!(
+                "statement timeout must be at most {} ms (about 24.8 days; 0 disables it), got {:?}",
+                i32::MAX,
+                c.statement_timeout
+            )));
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,121 @@
+//! Starting a consumer: the wiring of its tasks and channels.
+
+use std::sync::Arc;
+
+use tokio::sync::{Notify, mpsc, watch};
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+use uuid::Uuid;
+
+use super::source::{ClaimSource, ListenSource, Signals, notifier};
+use super::stream::{Shared, StreamParts};
+use super::{
+    ConsumerBuilder, ConsumerConfig, EventStream, HealthMonitor, ListenerStatus, Mode, NOTIFY_CHANNEL, PROBE_TIMEOUT,
+    drain, health, holdback,
+};
+use crate::connect;
+use crate::error::Result;
+
+impl ConsumerBuilder {
+    /// Connect, check the schema, LISTEN, and start the background tasks.
+    ///
+    /// Spawns two tasks on the current Tokio runtime: the notifier (a
+    /// dedicated LISTEN connection that never opens a transaction) and the
+    /// drain loop (fetch, hand out, write acknowledgements in batches). A
+    /// first drain runs at once.
+    ///
+    /// # Errors
+    /// [`Error::Config`] for out-of-range settings; [`Error::Connect`] if the
+    /// database cannot be reached (the first connection fails fast; later
+    /// losses are retried with backoff); [`Error::NotMigrated`] if the
+    /// schema has not been migrated.
+    ///
+    /// # Cancel safety
+    /// Cancel safe: dropping the future before it resolves closes the sessions it
+    /// opened (and with them any lock they took); nothing was fetched yet.
+    pub async fn start(mut self) -> Result<EventStream> {
+        self.validate()?;
+        let cfg = Arc::new(self.cfg);
+        let (work, work_link) = connect::connect(&cfg.pg, "pg-outbox drain", &cfg.session()).await?;
+        crate::migrate::check(&work).await?;
+        match crate::migrate::ordering(&work).await? {
+            Some(mode) => tracing::info!(ordering = %mode, "ordering mode installed on events.outbox: {mode}"),
+            None => tracing::warn!(
+                "no insert trigger is enabled on events.outbox: new events are found by the sweep only, and \
+                 racing producers can commit an aggregate's events out of order; enable one with \
+                 `pg-outbox migrate --ordering outbox-locked`"
+            ),
+        }
+        let signals = Signals::default();
+        let (status_tx, status_rx) = watch::channel(ListenerStatus::default());
+        let token = CancellationToken::new();
+        let notifier = start_notifier(&cfg, &work, signals.clone(), token.child_token(), status_tx).await?;
+        let (tx, rx) = mpsc::channel(cfg.buffer);
+        let (settle_tx, settle_rx) = mpsc::unbounded_channel();
+        let shared =
+            Arc::new(Shared { holdback: holdback::HoldBack::default(), settle_tx, reader_waiting: Notify::new() });
+        let io = drain::Io { tx, settle_rx, shared: shared.clone() };
+        let health = HealthMonitor::new(Arc::new(health::State::new(&cfg)), status_rx.clone());
+        let (first, state) = ((work, work_link), health.state().clone());
+        // One engine per source type: the calls into the source are static.
+        let drain = match cfg.mode {
+            Mode::Competing => {
+                let source = ClaimSource::new(&cfg, signals);
+                tokio::spawn(drain::run(cfg.clone(), source, first, io, token.clone(), state))
+            }
+            _ => {
+                let source = ListenSource::new(&cfg, signals);
+                tokio::spawn(drain::run(cfg.clone(), source, first, io, token.clone(), state))
+            }
+        };
+        Ok(EventStream::new(StreamParts {
+            rx,
+            shared,
+            token,
+            tasks: (drain, notifier),
+            status: status_rx,
+            health,
+            grace: cfg.shutdown_grace,
+        }))
+    }
+}
+
+/// Start the notifier (LISTEN on its own session) unless LISTEN is off,
+/// after checking that a notification sent on `work` comes back: when none
+/// does within [`PROBE_TIMEOUT`] (a transaction-mode pooler, a replica), the
+/// consumer runs on sweeps alone and says so.
+async fn start_notifier(
+    cfg: &Arc<ConsumerConfig>,
+    work: &tokio_postgres::Client,
+    signals: Signals,
+    token: CancellationToken,
+    status_tx: watch::Sender<ListenerStatus>,
+) -> Result<Option<JoinHandle<()>>> {
+    metrics::gauge!(crate::metrics::LISTEN_ENABLED).set(if cfg.listen { 1.0 } else { 0.0 });
+    if !cfg.listen {
+        metrics::gauge!(crate::metrics::NOTIFICATIONS_WORKING).set(0.0);
+        tracing::info!(sweep_interval = ?cfg.sweep_interval, "LISTEN disabled: sweep-only mode");
+        return Ok(None);
+    }
+    let listener_pg = cfg.listener_pg.clone().unwrap_or_else(|| cfg.pg.clone());
+    let (probe_tx, mut probe_rx) = watch::channel(String::new());
+    let wake = signals.notification.clone();
+    let first = notifier::listen(&listener_pg, &cfg.session(), wake, probe_tx.clone()).await?;
+    let probe = format!("{}{}", notifier::PROBE_PREFIX, Uuid::new_v4());
+    crate::store::notify(work, NOTIFY_CHANNEL, &probe).await?;
+    let came_back = tokio::time::timeout(PROBE_TIMEOUT, probe_rx.wait_for(|p| *p == probe)).await.is_ok();
+    metrics::gauge!(crate::metrics::NOTIFICATIONS_WORKING).set(if came_back { 1.0 } else { 0.0 });
+    if came_back {
+        tracing::info!(channel = NOTIFY_CHANNEL, "notifications work: LISTEN connection receives them");
+    } else {
+        tracing::warn!(
+            channel = NOTIFY_CHANNEL,
+            sweep_interval = ?cfg.sweep_interval,
+            "a test notification did not come back within {PROBE_TIMEOUT:?} (transaction-mode pooler? replica?): \
+             running in sweep-only mode; events may wait up to one sweep interval"
+        );
+    }
+    let cfg = cfg.clone();
+    let n = notifier::Notifier { pg: listener_pg, first, signals, probe: probe_tx, token, status: status_tx, cfg };
+    Ok(Some(tokio::spawn(notifier::run(n))))
+}

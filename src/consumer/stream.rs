@@ -1,0 +1,269 @@
+//! The stream handle: what the user holds while the consumer runs.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use futures::Stream;
+use futures::stream::FusedStream;
+use tokio::sync::{Notify, mpsc, watch};
+use tokio::task::JoinHandle;
+use tokio_util::sync::{CancellationToken, WaitForCancellationFutureOwned};
+
+use super::{Delivery, HealthMonitor, delivery, holdback};
+use crate::error::{Error, Result};
+
+/// The drain loop's and the notifier's task handles.
+type Tasks = (JoinHandle<()>, Option<JoinHandle<()>>);
+
+/// State of the LISTEN connection, for monitoring and tests.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct ListenerStatus {
+    /// True while the LISTEN connection is up and listening.
+    pub listening: bool,
+    /// Successful reconnects since start (the first connection is not counted).
+    pub reconnects: u64,
+}
+
+/// What the drain loop and the deliveries share.
+#[derive(Debug)]
+pub(crate) struct Shared {
+    /// Per-aggregate hold-back of deliveries already fetched.
+    pub(crate) holdback: holdback::HoldBack,
+    /// Settlements, to the drain loop.
+    pub(crate) settle_tx: mpsc::UnboundedSender<delivery::Settlement>,
+    /// The stream's reader found the buffer empty and waits: the drain
+    /// loop may fetch below the byte bound although less than half of it
+    /// is free ([`ConsumerBuilder::max_buffered_bytes`]).
+    pub(crate) reader_waiting: Notify,
+}
+
+impl Shared {
+    /// Must `d` be released instead of handed out ([`holdback`])?
+    fn is_held(&self, d: &Delivery) -> bool {
+        self.holdback.is_held(&d.aggregate_type, d.aggregate_id, d.seq())
+    }
+}
+
+/// The consumer's stream of deliveries, in id order.
+///
+/// Each [`Delivery`] must be acknowledged ([`Delivery::ack`]) or failed
+/// ([`Delivery::fail`]); one dropped without either is released: nothing is
+/// written, and the event is delivered again on a later fetch.
+///
+/// Order: events are handed out in ascending id. An event waiting for a
+/// retry, or a dead letter, holds back the later events of its aggregate;
+/// other aggregates go on. For this to hold end to end, settle an
+/// aggregate's deliveries one after another (a reader that handles several
+/// deliveries of one aggregate at once decides their order itself).
+///
+/// The stream ends (`None`) after [`EventStream::shutdown`] or
+/// [`ShutdownHandle::shutdown`]; deliveries still buffered then are released.
+/// Dropping the stream also stops the consumer.
+///
+/// # Cancel safety
+/// `next()` is cancel safe: a delivery is either returned or stays buffered.
+#[derive(Debug)]
+pub struct EventStream {
+    rx: mpsc::Receiver<Delivery>,
+    shared: Arc<Shared>,
+    token: CancellationToken,
+    tasks: Option<Tasks>,
+    status: watch::Receiver<ListenerStatus>,
+    health: HealthMonitor,
+    cancelled: Pin<Box<WaitForCancellationFutureOwned>>,
+    grace: Duration,
+    done: bool,
+}
+
+/// What [`EventStream::new`] takes.
+pub(super) struct StreamParts {
+    pub(super) rx: mpsc::Receiver<Delivery>,
+    pub(super) shared: Arc<Shared>,
+    pub(super) token: CancellationToken,
+    pub(super) tasks: Tasks,
+    pub(super) status: watch::Receiver<ListenerStatus>,
+    pub(super) health: HealthMonitor,
+    pub(super) grace: Duration,
+}
+
+impl EventStream {
+    /// The stream over a started consumer's parts.
+    pub(super) fn new(p: StreamParts) -> Self {
+        let StreamParts { rx, shared, token, tasks, status, health, grace } = p;
+        let cancelled = Box::pin(token.clone().cancelled_owned());
+        EventStream { rx, shared, token, tasks: Some(tasks), status, health, cancelled, grace, done: false }
+    }
+
+    /// A handle that can stop this consumer from another task.
+    pub fn shutdown_handle(&self) -> ShutdownHandle {
+        ShutdownHandle { token: self.token.clone() }
+    }
+
+    /// Stop fetching; the stream then ends. Idempotent. Call
+    /// [`EventStream::finish`] to wait for the final acknowledgements.
+    pub fn shutdown(&self) {
+        self.token.cancel();
+    }
+
+    /// The shutdown grace this consumer was built with (default 30 s).
+    pub fn shutdown_grace(&self) -> Duration {
+        self.grace
+    }
+
+    /// Watch the LISTEN connection's state.
+    pub fn listener_status(&self) -> watch::Receiver<ListenerStatus> {
+        self.status.clone()
+    }
+
+    /// A handle that reads this consumer's [`Health`]: whether its drain
+    /// loop still turns, whether its database sessions are open, its
+    /// [`Role`], the LISTEN connection's state, the last database error,
+    /// and (under `relay::run`) the sink's side. Cheap
+    /// to clone and to read; meant for liveness and readiness probes (the
+    /// relay's `/livez` and `/readyz` are built on it).
+    ///
+    /// # Example
+    /// ```no_run
+    /// # async fn run(pg: pg_outbox::ConnectOptions) -> Result<(), pg_outbox::Error> {
+    /// let events = pg_outbox::Consumer::builder(pg).start().await?;
+    /// let health = events.health();
+    /// tokio::spawn(async move {
+    ///     loop {
+    ///         let h = health.get();
+    ///         if !h.live {
+    ///             eprintln!("drain loop stalled for {:?}", h.since_last_turn);
+    ///         }
+    ///         tokio::time::sleep(std::time::Duration::from_secs(10)).await;
+    ///     }
+    /// });
+    /// # Ok(()) }
+    /// ```
+    pub fn health(&self) -> HealthMonitor {
+        self.health.clone()
+    }
+
+    /// Stop (if not stopped yet), release buffered deliveries, wait until
+    /// every delivery already handed out is settled (up to the shutdown
+    /// grace), write the final acknowledgements, and close the connections.
+    ///
+    /// Database errors while the consumer runs are retried (with backoff),
+    /// never returned; settlements that could not be written by the end are
+    /// logged as an error, and those events are delivered again.
+    ///
+    /// # Errors
+    /// [`Error::Io`] only if the drain task panicked.
+    ///
+    /// # Cancel safety
+    /// Cancel safe: the consumer is told to stop before the first await, and
+    /// its tasks finish stopping on their own (final acknowledgements
+    /// included) if the future is dropped; only the wait for them is given up.
+    pub async fn finish(mut self) -> Result<()> {
+        self.token.cancel();
+        self.release_buffered();
+        match self.tasks.take() {
+            Some((mut drain, notifier)) => {
+                // Keep releasing what a fetch in progress still hands out, so
+                // the drain loop does not wait for deliveries nobody will read.
+                let mut open = true;
+                let r = loop {
+                    tokio::select! {
+                        r = &mut drain => break r,
+                        d = self.rx.recv(), if open => match d {
+                            Some(d) => drop(d),
+                            None => open = false,
+                        },
+                    }
+                };
+                if let Some(n) = notifier {
+                    let _ = n.await;
+                }
+                r.map_err(|e| Error::Io(std::io::Error::other(e)))
+            }
+            None => Ok(()),
+        }
+    }
+
+    fn release_buffered(&mut self) {
+        self.rx.close();
+        while let Ok(d) = self.rx.try_recv() {
+            drop(d); // Drop releases it
+        }
+    }
+}
+
+impl Stream for EventStream {
+    type Item = Delivery;
+
+    fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Delivery>> {
+        if self.done {
+            return Poll::Ready(None);
+        }
+        if self.token.is_cancelled() {
+            self.done = true;
+            self.release_buffered();
+            return Poll::Ready(None);
+        }
+        loop {
+            match self.rx.poll_recv(cx) {
+                Poll::Ready(Some(d)) => {
+                    if self.shared.is_held(&d) {
+                        d.release_held();
+                        continue;
+                    }
+                    return Poll::Ready(Some(d));
+                }
+                Poll::Ready(None) => {
+                    self.done = true;
+                    return Poll::Ready(None);
+                }
+                Poll::Pending => {
+                    self.shared.reader_waiting.notify_one();
+                    // Also wake up when shutdown is requested.
+                    if self.cancelled.as_mut().poll(cx).is_ready() {
+                        self.done = true;
+                        self.release_buffered();
+                        return Poll::Ready(None);
+                    }
+                    return Poll::Pending;
+                }
+            }
+        }
+    }
+}
+
+impl FusedStream for EventStream {
+    fn is_terminated(&self) -> bool {
+        self.done
+    }
+}
+
+impl Drop for EventStream {
+    fn drop(&mut self) {
+        self.token.cancel();
+    }
+}
+
+/// Stops a consumer from another task; cheap to clone.
+#[derive(Debug, Clone)]
+pub struct ShutdownHandle {
+    token: CancellationToken,
+}
+
+impl ShutdownHandle {
+    /// Stop fetching: the stream ends, buffered deliveries are released, and
+    /// the drain loop waits (up to the shutdown grace) for deliveries already
+    /// handed out, then writes the final acknowledgements. Idempotent; does
+    /// not wait (use [`EventStream::finish`]).
+    pub fn shutdown(&self) {
+        self.token.cancel();
+    }
+
+    /// True once shutdown was requested.
+    pub fn is_shutdown(&self) -> bool {
+        self.token.is_cancelled()
+    }
+}

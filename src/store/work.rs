@@ -1,0 +1,316 @@
+//! The drain loop's work session, typed: one method per statement it runs
+//! (fetch, claim, the earliest retry, registration, gauges, locks). Each
+//! takes its parameters as values or a struct, runs as a statement of its
+//! [`StatementKind`] (stop, timeout and cancel handling:
+//! [`statement::run`]) and returns typed results; SQL text, parameter
+//! positions and column names stay in this module.
+
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::TryStreamExt;
+use tokio_postgres::types::ToSql;
+use tokio_postgres::{Client, Row, RowStream, Statement};
+
+use super::fetch::{BEGIN, COMMIT, NEXT_RETRY_IN, PayloadSizes, competing_fetch_sql, fetch_sql};
+use super::locks::{COUNT_MEMBERS, LEADER_KEY, MEMBER_CLASS, MEMBER_LOCK, PARTITION_CLASS, PARTITION_UNLOCK};
+use super::locks::{TRY_LEADER_LOCK, TRY_PARTITION_LOCK};
+use super::rows::{DecodedEvent, decode_event, fetch_was_cut, row_identity};
+use super::statement::{self, Session, StatementError, StatementKind};
+use super::status::GAUGES;
+use super::wakeup::{FORGET_GONE_RELAYS, NOTIFICATION_QUEUE_USAGE, NOTIFY_LOCK_WAITERS, SET_WAITING, UNREGISTER};
+use crate::error::Error;
+
+/// Which fetch a work session prepares: what its source reads.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum FetchKind {
+    /// Every due row in id order, hold-back applied (single mode).
+    Ordered,
+    /// Due rows of some hash partitions of the aggregates (partitioned mode).
+    Partitioned,
+    /// Due rows claimed with `FOR UPDATE SKIP LOCKED` (competing mode).
+    Claim,
+}
+
+/// Which rows a fetch may take.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum FetchScope<'a> {
+    /// Every due row (single mode, as the active consumer).
+    All,
+    /// Rows of the partitions `owned`, out of `partitions`.
+    Partitions { partitions: u32, owned: &'a [i32] },
+    /// Rows claimed in a new transaction, held open until
+    /// [`WorkSession::commit_claim`] (competing mode).
+    Claim,
+}
+
+/// The parameters of a fetch.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct FetchParams<'a> {
+    /// Ids in flight (handed out, or settled and not yet written): never
+    /// returned. A claim ignores them (its row locks exclude them).
+    pub(crate) exclude: &'a [i64],
+    /// Rows at most.
+    pub(crate) batch: usize,
+    /// Payload bytes at most, as received, but always one row.
+    pub(crate) budget: i64,
+    pub(crate) scope: FetchScope<'a>,
+}
+
+/// What of a row that could not be decoded could be read, for recording a
+/// failed attempt.
+#[derive(Debug)]
+pub(crate) struct RowIdentity {
+    pub(crate) id: i64,
+    pub(crate) aggregate_type: String,
+    pub(crate) aggregate_id: uuid::Uuid,
+    pub(crate) retry_count: i32,
+}
+
+/// A row of a fetch that could not be decoded (e.g. `occurred_at =
+/// 'infinity'`): why, and its identity if even that could be read.
+#[derive(Debug)]
+pub(crate) struct Undecodable {
+    pub(crate) error: Error,
+    pub(crate) identity: Option<RowIdentity>,
+}
+
+/// One row of a fetch, decoded as it arrived.
+pub(crate) type FetchedRow = Result<DecodedEvent, Undecodable>;
+
+/// What a fetch returned, in id order.
+pub(crate) struct FetchPage {
+    pub(crate) rows: Vec<FetchedRow>,
+    /// The byte budget cut it: more rows may be due.
+    pub(crate) cut: bool,
+}
+
+/// The backlog gauges ([`GAUGES`]); a column that cannot be read is 0.
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct Gauges {
+    /// Unpublished rows that are not dead letters.
+    pub(crate) pending: i64,
+    /// Dead letters.
+    pub(crate) dead: i64,
+    /// Age of the oldest pending row, in seconds (0 when none).
+    pub(crate) oldest_age_secs: f64,
+}
+
+/// The work session: its client, its cancel requests and statements in
+/// flight, its statement timeout, and its prepared statements.
+pub(crate) struct WorkSession {
+    client: Arc<Client>,
+    session: Session,
+    timeout: Duration,
+    fetch: Statement,
+    next_retry: Statement,
+}
+
+impl WorkSession {
+    /// Prepare `client`'s statements for fetches of `kind`, until `stop`
+    /// resolves. How the fetch measures payloads depends on the server's
+    /// functions ([`PayloadSizes`]): read per session, so a reconnect to
+    /// another server prepares what that one has.
+    pub(crate) async fn prepare(
+        client: Arc<Client>,
+        session: Session,
+        timeout: Duration,
+        kind: FetchKind,
+        stop: impl Future<Output = ()>,
+    ) -> Result<Self, StatementError> {
+        let work = async {
+            let version: i32 = client.query_one(super::schema::SERVER_VERSION, &[]).await?.try_get("num")?;
+            let sizes = PayloadSizes::for_server(version);
+            let sql = match kind {
+                FetchKind::Ordered => fetch_sql(false, sizes),
+                FetchKind::Partitioned => fetch_sql(true, sizes),
+                FetchKind::Claim => competing_fetch_sql(sizes),
+            };
+            Ok((client.prepare(&sql).await?, client.prepare(NEXT_RETRY_IN).await?))
+        };
+        let (fetch, next_retry) = statement::run(StatementKind::SessionSetup, &session, timeout, stop, work).await?;
+        Ok(WorkSession { client, session, timeout, fetch, next_retry })
+    }
+
+    /// The session's cancel requests and statements in flight.
+    pub(crate) fn session(&self) -> &Session {
+        &self.session
+    }
+
+    /// Its statement timeout (zero: none).
+    pub(crate) fn timeout(&self) -> Duration {
+        self.timeout
+    }
+
+    async fn run<T>(
+        &self,
+        kind: StatementKind,
+        stop: impl Future<Output = ()>,
+        fut: impl Future<Output = Result<T, tokio_postgres::Error>>,
+    ) -> Result<T, StatementError> {
+        statement::run(kind, &self.session, self.timeout, stop, fut).await
+    }
+
+    /// Fetch due events (see [`fetch_sql`], [`competing_fetch_sql`]); a
+    /// claim first opens its transaction. Until `stop` resolves.
+    pub(crate) async fn fetch(
+        &self,
+        p: FetchParams<'_>,
+        stop: impl Future<Output = ()>,
+    ) -> Result<FetchPage, StatementError> {
+        let batch = i64::try_from(p.batch).unwrap_or(i64::MAX);
+        let (exclude, budget) = (p.exclude, p.budget);
+        let client = &self.client;
+        let fetch = async {
+            match p.scope {
+                FetchScope::All => {
+                    let params: [&(dyn ToSql + Sync); 3] = [&exclude, &batch, &budget];
+                    decode_stream(client.query_raw(&self.fetch, params).await?, budget, false).await
+                }
+                FetchScope::Partitions { partitions, owned } => {
+                    let partitions = i64::from(partitions);
+                    let params: [&(dyn ToSql + Sync); 5] = [&exclude, &batch, &budget, &partitions, &owned];
+                    decode_stream(client.query_raw(&self.fetch, params).await?, budget, true).await
+                }
+                FetchScope::Claim => {
+                    client.batch_execute(BEGIN).await?;
+                    let params: [&(dyn ToSql + Sync); 2] = [&batch, &budget];
+                    decode_stream(client.query_raw(&self.fetch, params).await?, budget, false).await
+                }
+            }
+        };
+        self.run(StatementKind::Fetch, stop, fetch).await
+    }
+
+    /// Commit the claim transaction, running to its end (or the timeout).
+    pub(crate) async fn commit_claim(&self) -> Result<(), StatementError> {
+        let commit = self.client.batch_execute(COMMIT);
+        statement::run_to_end(StatementKind::ClaimCommit, &self.session, self.timeout, commit).await
+    }
+
+    /// Seconds until the earliest pending retry is due ([`NEXT_RETRY_IN`]),
+    /// by the database's clock; `None` when none waits.
+    pub(crate) async fn next_retry_in(&self, stop: impl Future<Output = ()>) -> Result<Option<f64>, StatementError> {
+        let kind = StatementKind::NextRetryRead;
+        let row = self.run(kind, stop, self.client.query_one(&self.next_retry, &[])).await?;
+        row.try_get::<_, Option<f64>>("retry_in").map_err(|e| StatementError::db(kind, e))
+    }
+
+    /// Write whether this relay waits for notifications ([`SET_WAITING`]).
+    pub(crate) async fn set_waiting(
+        &self,
+        waiting: bool,
+        stop: impl Future<Output = ()>,
+    ) -> Result<(), StatementError> {
+        let params: [&(dyn ToSql + Sync); 1] = [&waiting];
+        self.run(StatementKind::Registration, stop, self.client.execute(SET_WAITING, &params)).await.map(drop)
+    }
+
+    /// Remove this relay's registration ([`UNREGISTER`]).
+    pub(crate) async fn unregister(&self, stop: impl Future<Output = ()>) -> Result<(), StatementError> {
+        self.run(StatementKind::Registration, stop, self.client.execute(UNREGISTER, &[])).await.map(drop)
+    }
+
+    /// Forget relays whose sessions are gone ([`FORGET_GONE_RELAYS`]).
+    pub(crate) async fn forget_gone_relays(&self, stop: impl Future<Output = ()>) -> Result<(), StatementError> {
+        self.run(StatementKind::Registration, stop, self.client.execute(FORGET_GONE_RELAYS, &[])).await.map(drop)
+    }
+
+    /// Producers waiting on NOTIFY's commit lock ([`NOTIFY_LOCK_WAITERS`]).
+    pub(crate) async fn notify_lock_waiters(&self, stop: impl Future<Output = ()>) -> Result<i64, StatementError> {
+        let look = self.client.query_one(NOTIFY_LOCK_WAITERS, &[]);
+        let row = self.run(StatementKind::NotifyLockWaiters, stop, look).await?;
+        Ok(row.try_get::<_, i64>("waiters").unwrap_or(0))
+    }
+
+    /// The notification queue's usage, 0 to 1 (`None` if unreadable).
+    pub(crate) async fn notification_queue_usage(
+        &self,
+        stop: impl Future<Output = ()>,
+    ) -> Result<Option<f64>, StatementError> {
+        let usage = self.client.query_one(NOTIFICATION_QUEUE_USAGE, &[]);
+        let row = self.run(StatementKind::Gauges, stop, usage).await?;
+        Ok(row.try_get::<_, f64>("usage").ok())
+    }
+
+    /// The backlog gauges ([`GAUGES`]).
+    pub(crate) async fn gauges(&self, stop: impl Future<Output = ()>) -> Result<Gauges, StatementError> {
+        let row = self.run(StatementKind::Gauges, stop, self.client.query_one(GAUGES, &[])).await?;
+        Ok(Gauges {
+            pending: row.try_get("pending").unwrap_or(0),
+            dead: row.try_get("dead").unwrap_or(0),
+            oldest_age_secs: row.try_get::<_, Option<f64>>("oldest_age").ok().flatten().unwrap_or(0.0),
+        })
+    }
+
+    /// Try the outbox's leader lock ([`TRY_LEADER_LOCK`]): held by this
+    /// session from now on when `true`.
+    pub(crate) async fn try_leader_lock(&self, stop: impl Future<Output = ()>) -> Result<bool, StatementError> {
+        let row = self.run(StatementKind::Lock, stop, self.client.query_one(TRY_LEADER_LOCK, &[&LEADER_KEY])).await?;
+        Ok(row.try_get::<_, bool>(0).unwrap_or(false))
+    }
+
+    /// Take the membership lock `key` ([`MEMBER_LOCK`]) for this session's
+    /// lifetime (partitioned mode).
+    pub(crate) async fn take_member_lock(
+        &self,
+        key: i32,
+        stop: impl Future<Output = ()>,
+    ) -> Result<(), StatementError> {
+        let params: [&(dyn ToSql + Sync); 2] = [&MEMBER_CLASS, &key];
+        self.run(StatementKind::SessionSetup, stop, self.client.execute(MEMBER_LOCK, &params)).await.map(drop)
+    }
+
+    /// Consumers holding a membership lock ([`COUNT_MEMBERS`]).
+    pub(crate) async fn count_members(&self, stop: impl Future<Output = ()>) -> Result<i64, StatementError> {
+        let kind = StatementKind::Lock;
+        let row = self.run(kind, stop, self.client.query_one(COUNT_MEMBERS, &[&MEMBER_CLASS])).await?;
+        row.try_get("members").map_err(|e| StatementError::db(kind, e))
+    }
+
+    /// Try partition `p`'s lock ([`TRY_PARTITION_LOCK`]).
+    pub(crate) async fn try_partition_lock(
+        &self,
+        p: i32,
+        stop: impl Future<Output = ()>,
+    ) -> Result<bool, StatementError> {
+        let kind = StatementKind::Lock;
+        let row = self.run(kind, stop, self.client.query_one(TRY_PARTITION_LOCK, &[&PARTITION_CLASS, &p])).await?;
+        row.try_get::<_, bool>(0).map_err(|e| StatementError::db(kind, e))
+    }
+
+    /// Give up partition `p`'s lock ([`PARTITION_UNLOCK`]).
+    pub(crate) async fn unlock_partition(&self, p: i32, stop: impl Future<Output = ()>) -> Result<(), StatementError> {
+        let params: [&(dyn ToSql + Sync); 2] = [&PARTITION_CLASS, &p];
+        self.run(StatementKind::Lock, stop, self.client.execute(PARTITION_UNLOCK, &params)).await.map(drop)
+    }
+}
+
+/// Read a fetch's rows as they arrive, decoding each and dropping its bytes
+/// as received before the next is read (tokio-postgres hands rows over one
+/// batch of messages at a time, and reads no further until asked), so a
+/// fetch never holds its rows and their parsed payloads together.
+/// `partitioned`: read each row's partition too.
+async fn decode_stream(stream: RowStream, budget: i64, partitioned: bool) -> Result<FetchPage, tokio_postgres::Error> {
+    futures::pin_mut!(stream);
+    let mut rows = Vec::new();
+    let mut cut = false;
+    while let Some(row) = stream.try_next().await? {
+        cut = fetch_was_cut(&row, budget);
+        rows.push(decode_row(&row, partitioned));
+    }
+    Ok(FetchPage { rows, cut })
+}
+
+fn decode_row(row: &Row, partitioned: bool) -> FetchedRow {
+    decode_event(row, partitioned).map_err(|error| Undecodable {
+        error,
+        identity: row_identity(row).map(|(id, aggregate_type, aggregate_id, retry_count)| RowIdentity {
+            id,
+            aggregate_type,
+            aggregate_id,
+            retry_count,
+        }),
+    })
+}

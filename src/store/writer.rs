@@ -1,0 +1,118 @@
+//! The drain loop's writer session, typed: acknowledgements and failures
+//! ([`ACK`], [`FAIL`]), each a batch in one statement that runs to its end
+//! or its statement timeout. Both are idempotent (an acknowledged row is
+//! skipped, a failure applies only while the row's `retry_count` is still
+//! the one fetched), so a write whose reply was lost is written again.
+
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio_postgres::types::ToSql;
+use tokio_postgres::{Client, Row, Statement};
+
+use super::settle::{ACK, FAIL, fail_details};
+use super::statement::{self, Session, StatementError, StatementKind};
+
+/// A failed attempt to record ([`FAIL`]).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct FailParams<'a> {
+    pub(crate) id: i64,
+    /// The error, as stored in `last_error`.
+    pub(crate) error: &'a str,
+    /// Delay until the retry (unless the event becomes a dead letter).
+    pub(crate) delay: Duration,
+    /// The row's `retry_count` when it was fetched: the failure applies only
+    /// while it is still that.
+    pub(crate) retry_count: i32,
+}
+
+/// What an acknowledgement write published.
+#[derive(Debug, Default)]
+pub(crate) struct Acknowledged {
+    /// Rows marked published now (not before).
+    pub(crate) published: u64,
+    /// For each of them, seconds from `occurred_at` to now.
+    pub(crate) lags_secs: Vec<f64>,
+}
+
+/// A failure written ([`FAIL`]'s `RETURNING`).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct FailWritten {
+    pub(crate) id: i64,
+    /// The failure made the event a dead letter.
+    pub(crate) dead: bool,
+    /// Seconds until its retry is due (none for a dead letter).
+    pub(crate) retry_in_secs: Option<f64>,
+}
+
+/// The writer session: its client, cancel requests, statement timeout and
+/// prepared statements. Cheap to clone (a write runs in a task of its own).
+#[derive(Clone)]
+pub(crate) struct WriterSession {
+    client: Arc<Client>,
+    session: Session,
+    timeout: Duration,
+    ack: Statement,
+    fail: Statement,
+}
+
+impl WriterSession {
+    /// Prepare `client`'s statements until `stop` resolves.
+    pub(crate) async fn prepare(
+        client: Arc<Client>,
+        session: Session,
+        timeout: Duration,
+        stop: impl Future<Output = ()>,
+    ) -> Result<Self, StatementError> {
+        let write = async { Ok((client.prepare(ACK).await?, client.prepare(FAIL).await?)) };
+        let (ack, fail) = statement::run(StatementKind::SessionSetup, &session, timeout, stop, write).await?;
+        Ok(WriterSession { client, session, timeout, ack, fail })
+    }
+
+    /// The session's cancel requests and statements in flight.
+    pub(crate) fn session(&self) -> &Session {
+        &self.session
+    }
+
+    /// Mark `ids` published.
+    pub(crate) async fn ack(&self, ids: &[i64]) -> Result<Acknowledged, StatementError> {
+        if ids.is_empty() {
+            return Ok(Acknowledged::default());
+        }
+        let params: [&(dyn ToSql + Sync); 1] = [&ids];
+        let acked = self.client.query(&self.ack, &params);
+        let rows = statement::run_to_end(StatementKind::AckWrite, &self.session, self.timeout, acked).await?;
+        Ok(Acknowledged { published: rows.len() as u64, lags_secs: rows.iter().filter_map(lag).collect() })
+    }
+
+    /// Record `fails`; the failure that brings `retry_count` to
+    /// `max_retries` makes an event a dead letter. Returns the rows changed.
+    pub(crate) async fn fail(
+        &self,
+        fails: &[FailParams<'_>],
+        max_retries: i32,
+    ) -> Result<Vec<FailWritten>, StatementError> {
+        if fails.is_empty() {
+            return Ok(Vec::new());
+        }
+        let ids: Vec<i64> = fails.iter().map(|f| f.id).collect();
+        let details = fail_details(fails.iter().map(|f| (f.id, f.error, f.delay.as_secs_f64(), f.retry_count)));
+        let params: [&(dyn ToSql + Sync); 3] = [&ids, &details, &max_retries];
+        let failed = self.client.query(&self.fail, &params);
+        let rows = statement::run_to_end(StatementKind::FailWrite, &self.session, self.timeout, failed).await?;
+        Ok(rows.iter().map(fail_written).collect())
+    }
+}
+
+fn lag(row: &Row) -> Option<f64> {
+    row.try_get::<_, Option<f64>>("lag").ok().flatten()
+}
+
+fn fail_written(row: &Row) -> FailWritten {
+    FailWritten {
+        id: row.try_get("id").unwrap_or_default(),
+        dead: row.try_get("dead").unwrap_or(false),
+        retry_in_secs: row.try_get::<_, Option<f64>>("retry_in").ok().flatten(),
+    }
+}
