@@ -1206,7 +1206,7 @@ pub(crate) async fn open(
 /// ends with one).
 ///
 /// Used for the work connection. The LISTEN connection is driven by the
-/// notifier itself (see `consumer::notifier`).
+/// notifier itself (see `consumer::source::notifier`).
 pub(crate) async fn connect(
     opts: &ConnectOptions,
     application_name: &str,

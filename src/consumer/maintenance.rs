@@ -16,10 +16,11 @@ use crate::store::WorkSession;
 use crate::store::statement::{self, Failure, StatementError};
 
 /// The backlog gauges (`store::status::GAUGES`) count every unpublished
-/// row, so their cost grows with the backlog (docs/performance.md). They
-/// are read every [`super::STATUS_INTERVAL`] or, when a read took longer
-/// than this share of that, less often, so that they never take more than
-/// this share (1/20) of the drain loop's time while a large backlog drains.
+/// row, so their cost grows with the backlog (docs/performance.md, "The
+/// backlog gauges"). They are read every [`super::STATUS_INTERVAL`] or,
+/// when a read took longer than this share of that, less often, so that
+/// they never take more than this share (1/20) of the drain loop's time
+/// while a large backlog drains.
 const GAUGES_SHARE: u32 = 20;
 
 /// Maintenance state.

@@ -18,7 +18,17 @@ pub(crate) async fn notify<C: tokio_postgres::GenericClient + Sync>(
 /// Fraction of the notification queue in use (0..1).
 pub(crate) const NOTIFICATION_QUEUE_USAGE: &str = "SELECT pg_notification_queue_usage() AS usage";
 /// The listener's liveness ping: an empty query, one round trip.
-pub(crate) const PING: &str = "";
+const PING: &str = "";
+
+/// LISTEN on `channel` ([`listen_sql`]).
+pub(crate) async fn listen(client: &tokio_postgres::Client, channel: &str) -> Result<(), tokio_postgres::Error> {
+    client.batch_execute(&listen_sql(channel)).await
+}
+
+/// The liveness ping ([`PING`]): one round trip.
+pub(crate) async fn ping(client: &tokio_postgres::Client) -> Result<(), tokio_postgres::Error> {
+    client.simple_query(PING).await.map(drop)
+}
 
 /// `LISTEN` on `channel`, quoted as an identifier.
 pub(crate) fn listen_sql(channel: &str) -> String {

@@ -55,17 +55,7 @@ impl Source for ClaimSource {
         self.wakeups.wants_fetch() && !self.in_tx
     }
 
-    fn wake_label(&self) -> &'static str {
-        self.wakeups.label()
-    }
-
-    fn signalled(&self) -> impl Future<Output = Wake> + Send + '_ {
-        self.wakeups.signalled()
-    }
-
-    fn woken(&mut self, wake: Wake) {
-        self.wakeups.wake(wake);
-    }
+    wakeups_delegate!();
 
     fn next_timer(&self, open: bool, stopping: bool) -> Option<Instant> {
         self.wakeups.next_timer(open, stopping, self.in_tx)

@@ -42,17 +42,7 @@ impl Source for ListenSource {
         self.wakeups.wants_fetch() && self.ownership.may_fetch()
     }
 
-    fn wake_label(&self) -> &'static str {
-        self.wakeups.label()
-    }
-
-    fn signalled(&self) -> impl Future<Output = Wake> + Send + '_ {
-        self.wakeups.signalled()
-    }
-
-    fn woken(&mut self, wake: Wake) {
-        self.wakeups.wake(wake);
-    }
+    wakeups_delegate!();
 
     fn next_timer(&self, open: bool, stopping: bool) -> Option<Instant> {
         let lock_at = self.ownership.lock_at().filter(|_| open && !stopping);

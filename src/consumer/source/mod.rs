@@ -16,6 +16,25 @@
 //! `super::drain`), so a source needs no locks; it is a type parameter of
 //! the engine (`Engine<S: Source>`), so the calls are static.
 
+/// The [`Source`] methods a source built on [`wakeups::Wakeups`] (in a
+/// field `wakeups`) hands to it unchanged: the metric label, the signals,
+/// and the wake-ups they bring.
+macro_rules! wakeups_delegate {
+    () => {
+        fn wake_label(&self) -> &'static str {
+            self.wakeups.label()
+        }
+
+        fn signalled(&self) -> impl Future<Output = Wake> + Send + '_ {
+            self.wakeups.signalled()
+        }
+
+        fn woken(&mut self, wake: Wake) {
+            self.wakeups.wake(wake);
+        }
+    };
+}
+
 mod claim;
 mod listen;
 pub(super) mod notifier;

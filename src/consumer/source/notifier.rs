@@ -68,7 +68,7 @@ pub(crate) async fn listen(
         }
         Ok(())
     });
-    match tokio::time::timeout(OP_TIMEOUT, client.batch_execute(&store::listen_sql(NOTIFY_CHANNEL))).await {
+    match tokio::time::timeout(OP_TIMEOUT, store::listen(&client, NOTIFY_CHANNEL)).await {
         Ok(Ok(())) => Ok(Listening { client, driver }),
         Ok(Err(e)) => {
             driver.abort();
@@ -77,6 +77,40 @@ pub(crate) async fn listen(
         Err(_) => {
             driver.abort();
             Err(Error::Io(std::io::Error::new(std::io::ErrorKind::TimedOut, "LISTEN timed out")))
+        }
+    }
+}
+
+/// Watch the LISTEN connection until it is lost (why) or `token` is
+/// cancelled (`None`), pinging it every `ping_interval`.
+async fn watch_connection(
+    Listening { client, mut driver }: Listening,
+    ping_interval: Duration,
+    token: &CancellationToken,
+) -> Option<String> {
+    let mut ping = tokio::time::interval(ping_interval);
+    ping.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    ping.tick().await;
+    loop {
+        tokio::select! {
+            _ = token.cancelled() => {
+                driver.abort();
+                return None;
+            }
+            r = &mut driver => {
+                return Some(match r {
+                    Ok(Ok(())) => "connection closed by the server".to_string(),
+                    Ok(Err(e)) => crate::error::report(&e),
+                    Err(e) => e.to_string(),
+                });
+            }
+            _ = ping.tick() => {
+                match tokio::time::timeout(OP_TIMEOUT, store::ping(&client)).await {
+                    Ok(Ok(())) => {}
+                    Ok(Err(e)) => { driver.abort(); return Some(crate::error::report(&e)); }
+                    Err(_) => { driver.abort(); return Some("liveness ping timed out".to_string()); }
+                }
+            }
         }
     }
 }
@@ -109,37 +143,14 @@ pub(crate) async fn run(n: Notifier) {
     let new_backoff = || new_backoff(cfg.reconnect_max_delay);
     let mut backoff = new_backoff();
     loop {
-        if let Some(Listening { client, mut driver }) = current.take() {
+        if let Some(listening) = current.take() {
             status.send_replace(ListenerStatus { listening: true, reconnects });
             metrics::gauge!(m::LISTENER_UP).set(1.0);
-            let mut ping = tokio::time::interval(cfg.ping_interval);
-            ping.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-            ping.tick().await;
-            let reason: String = loop {
-                tokio::select! {
-                    _ = token.cancelled() => {
-                        driver.abort();
-                        metrics::gauge!(m::LISTENER_UP).set(0.0);
-                        status.send_replace(ListenerStatus { listening: false, reconnects });
-                        return;
-                    }
-                    r = &mut driver => {
-                        break match r {
-                            Ok(Ok(())) => "connection closed by the server".to_string(),
-                            Ok(Err(e)) => crate::error::report(&e),
-                            Err(e) => e.to_string(),
-                        };
-                    }
-                    _ = ping.tick() => {
-                        match tokio::time::timeout(OP_TIMEOUT, client.simple_query(store::PING)).await {
-                            Ok(Ok(_)) => {}
-                            Ok(Err(e)) => { driver.abort(); break crate::error::report(&e); }
-                            Err(_) => { driver.abort(); break "liveness ping timed out".to_string(); }
-                        }
-                    }
-                }
+            let Some(reason) = watch_connection(listening, cfg.ping_interval, &token).await else {
+                metrics::gauge!(m::LISTENER_UP).set(0.0);
+                status.send_replace(ListenerStatus { listening: false, reconnects });
+                return;
             };
-            drop(client);
             metrics::gauge!(m::LISTENER_UP).set(0.0);
             status.send_replace(ListenerStatus { listening: false, reconnects });
             tracing::warn!(reason = %reason, "LISTEN connection lost; reconnecting (a sweep follows)");
