@@ -309,9 +309,11 @@ impl<S: Source> Engine<S> {
     async fn source_timers(&mut self) {
         let stopping = self.stop_deadline.is_some();
         let (source, cx) = self.source_cx();
-        let r = source.timers_due(cx, stopping).await;
-        self.check(r);
-        self.health.role(self.source.role());
+        match source.timers_due(cx, stopping).await {
+            Ok(false) => {}
+            Ok(true) => self.health.role(self.source.role()),
+            Err(e) => self.lose(Loss::Statement(e)),
+        }
     }
 
     async fn maintain(&mut self) {

@@ -61,8 +61,9 @@ impl Source for ClaimSource {
         self.wakeups.next_timer(open, stopping, self.in_tx)
     }
 
-    async fn timers_due(&mut self, cx: Option<Cx<'_>>, stopping: bool) -> Result<(), StatementError> {
-        self.wakeups.timers_due(cx, stopping, self.in_tx).await
+    async fn timers_due(&mut self, cx: Option<Cx<'_>>, stopping: bool) -> Result<bool, StatementError> {
+        self.wakeups.timers_due(cx, stopping, self.in_tx).await?;
+        Ok(false)
     }
 
     async fn fetch(&mut self, cx: Cx<'_>, room: Room<'_>) -> Result<FetchPage, StatementError> {

@@ -49,17 +49,14 @@ impl Source for ListenSource {
         earliest(self.wakeups.next_timer(open, stopping, false), lock_at)
     }
 
-    async fn timers_due(&mut self, cx: Option<Cx<'_>>, stopping: bool) -> Result<(), StatementError> {
+    async fn timers_due(&mut self, cx: Option<Cx<'_>>, stopping: bool) -> Result<bool, StatementError> {
         let now = Instant::now();
         self.wakeups.timers_due(cx, stopping, false).await?;
-        if let Some(cx) = cx
-            && !stopping
-            && due(self.ownership.lock_at(), now)
-            && self.ownership.take_locks(cx).await?
-        {
+        let Some(cx) = cx.filter(|_| !stopping && due(self.ownership.lock_at(), now)) else { return Ok(false) };
+        if self.ownership.take_locks(cx).await? {
             self.wakeups.wake(Wake::Ownership);
         }
-        Ok(())
+        Ok(true)
     }
 
     async fn fetch(&mut self, cx: Cx<'_>, room: Room<'_>) -> Result<FetchPage, StatementError> {

@@ -131,7 +131,9 @@ pub(super) trait Source: Send {
     fn next_timer(&self, open: bool, stopping: bool) -> Option<Instant>;
 
     /// The timers due now fire (`cx`: `None` while the sessions are closed).
-    async fn timers_due(&mut self, cx: Option<Cx<'_>>, stopping: bool) -> Result<(), StatementError>;
+    /// `Ok(true)`: what the source holds was tried, and its [`Self::role`]
+    /// may have changed.
+    async fn timers_due(&mut self, cx: Option<Cx<'_>>, stopping: bool) -> Result<bool, StatementError>;
 
     /// Fetch due events within `room`.
     async fn fetch(&mut self, cx: Cx<'_>, room: Room<'_>) -> Result<FetchPage, StatementError>;
