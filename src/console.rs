@@ -7,6 +7,8 @@
 //! Every function only reads, through an index or the catalog views, with a
 //! bound on the rows it returns.
 
+use std::time::Duration;
+
 use chrono::{DateTime, Utc};
 use tokio_postgres::GenericClient;
 
@@ -256,4 +258,21 @@ pub struct Relays {
 /// Cancel safe: it only reads.
 pub async fn relays<C: GenericClient + Sync>(client: &C) -> Result<Relays> {
     store::relays(client).await
+}
+
+/// Bound every later statement of `client`'s session to `timeout`: sets
+/// the session's `statement_timeout` (whole milliseconds, rounded up; zero
+/// turns it off), over any the role, the database or the URL's `options`
+/// set. What `pg-outbox console` does to its session, so that no page
+/// waits on the database for long.
+///
+/// # Errors
+/// [`crate::Error::Db`] when the server refuses the setting or the
+/// session is gone.
+///
+/// # Cancel safety
+/// Cancel safe: one statement that changes only this session's setting;
+/// dropped, the setting may or may not have changed.
+pub async fn set_statement_timeout<C: GenericClient + Sync>(client: &C, timeout: Duration) -> Result<()> {
+    store::set_statement_timeout(client, timeout).await
 }

@@ -4,6 +4,8 @@
 //! LIMIT, or the catalog views. One function per read runs it and returns
 //! the console's types.
 
+use std::time::Duration;
+
 use chrono::{DateTime, Utc};
 use tokio_postgres::types::ToSql;
 use tokio_postgres::{GenericClient, Row};
@@ -261,4 +263,16 @@ pub(crate) async fn relays<C: GenericClient + Sync>(client: &C) -> Result<Relays
     let sessions = query_map(client, RELAY_SESSIONS, &[&leader, &partition, &member], relay_session).await?;
     let notification_queue_usage = super::wakeup::notification_queue_usage(client).await?;
     Ok(Relays { sessions, notification_queue_usage })
+}
+
+/// Bound every later statement of `client`'s session to `timeout`
+/// (`statement_timeout`, in whole milliseconds rounded up; zero turns it
+/// off), over any the role, the database or the URL set.
+///
+/// # Errors
+/// [`crate::Error::Db`] when the setting is refused.
+pub(crate) async fn set_statement_timeout<C: GenericClient + Sync>(client: &C, timeout: Duration) -> Result<()> {
+    let sql = format!("SET statement_timeout = {}", crate::connect::setting_millis(timeout));
+    client.batch_execute(&sql).await?;
+    Ok(())
 }
