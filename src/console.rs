@@ -7,14 +7,15 @@
 //! Every function only reads, through an index or the catalog views, with a
 //! bound on the rows it returns.
 
+use std::time::Duration;
+
 use chrono::{DateTime, Utc};
-use tokio_postgres::{GenericClient, Row};
+use tokio_postgres::GenericClient;
 
 use crate::dead_letters::Filter;
 use crate::error::Result;
 use crate::event::Event;
-use crate::store::console as sql;
-use crate::store::{NOTIFICATION_QUEUE_USAGE, event_from_row, map_missing_schema, query_map};
+use crate::store::console as store;
 
 /// Where an event stands.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
@@ -48,11 +49,16 @@ pub struct EventDetail {
 }
 
 impl EventDetail {
-    fn from_row(row: &Row, now: DateTime<Utc>) -> Result<Self> {
-        let event = event_from_row(row)?;
-        let published_at: Option<DateTime<Utc>> = row.try_get("published_at")?;
-        let next_retry_at: Option<DateTime<Utc>> = row.try_get("next_retry_at")?;
-        let dead: bool = row.try_get("dead")?;
+    /// The event with its state at `now`: published when `published_at` is
+    /// set, else a dead letter when `dead`, else waiting while
+    /// `next_retry_at` is after `now`, else due.
+    pub(crate) fn judged(
+        event: Event,
+        published_at: Option<DateTime<Utc>>,
+        next_retry_at: Option<DateTime<Utc>>,
+        dead: bool,
+        now: DateTime<Utc>,
+    ) -> Self {
         let state = if published_at.is_some() {
             EventState::Published
         } else if dead {
@@ -62,14 +68,8 @@ impl EventDetail {
         } else {
             EventState::Due
         };
-        Ok(EventDetail { event, published_at, next_retry_at, state })
+        EventDetail { event, published_at, next_retry_at, state }
     }
-}
-
-/// The database's `now()`, so that states follow its clock.
-async fn db_now<C: GenericClient + Sync>(client: &C) -> Result<DateTime<Utc>> {
-    let row = client.query_one("SELECT now() AS now", &[]).await.map_err(map_missing_schema)?;
-    Ok(row.try_get("now")?)
 }
 
 /// One event by id, or `None` when there is no such row.
@@ -80,9 +80,8 @@ async fn db_now<C: GenericClient + Sync>(client: &C) -> Result<DateTime<Utc>> {
 /// # Cancel safety
 /// Cancel safe: it only reads.
 pub async fn event<C: GenericClient + Sync>(client: &C, id: i64) -> Result<Option<EventDetail>> {
-    let now = db_now(client).await?;
-    let rows = client.query(sql::EVENT, &[&id]).await.map_err(map_missing_schema)?;
-    rows.first().map(|r| EventDetail::from_row(r, now)).transpose()
+    let now = store::db_now(client).await?;
+    store::event(client, id, now).await
 }
 
 /// The events of one aggregate around one of its events.
@@ -108,15 +107,8 @@ pub struct Timeline {
 /// # Cancel safety
 /// Cancel safe: it only reads.
 pub async fn timeline<C: GenericClient + Sync>(client: &C, of: &Event, around: i64) -> Result<Timeline> {
-    let now = db_now(client).await?;
-    let p: [&(dyn tokio_postgres::types::ToSql + Sync); 4] = [&of.aggregate_type, &of.aggregate_id, &of.id, &around];
-    let earlier = query_map(client, sql::EARLIER, &p, |r| EventDetail::from_row(r, now)).await?;
-    let later = query_map(client, sql::LATER, &p, |r| EventDetail::from_row(r, now)).await?;
-    let n = client
-        .query_one(sql::LATER_UNPUBLISHED, &[&of.aggregate_type, &of.aggregate_id, &of.id])
-        .await
-        .map_err(map_missing_schema)?;
-    Ok(Timeline { earlier, later, later_unpublished: n.try_get("n")? })
+    let now = store::db_now(client).await?;
+    store::timeline(client, of, around, now).await
 }
 
 /// Up to `limit` dead letters matching `filter` (its `limit` is ignored)
@@ -135,12 +127,8 @@ pub async fn dead_letter_page<C: GenericClient + Sync>(
     after_id: i64,
     limit: i64,
 ) -> Result<Vec<EventDetail>> {
-    let now = db_now(client).await?;
-    let [a, b, c, d, e] = filter.params();
-    query_map(client, &sql::dead_letter_page_sql(), &[a, b, c, d, e, &after_id, &limit], |r| {
-        EventDetail::from_row(r, now)
-    })
-    .await
+    let now = store::db_now(client).await?;
+    store::dead_letter_page(client, filter, after_id, limit, now).await
 }
 
 /// Delivery in one minute of the last hour.
@@ -186,27 +174,8 @@ pub const DEFAULT_CHART_ROWS: i64 = 50_000;
 /// # Cancel safety
 /// Cancel safe: it only reads.
 pub async fn delivery_chart<C: GenericClient + Sync>(client: &C, max_rows: i64) -> Result<DeliveryChart> {
-    let now = db_now(client).await?;
-    let mut capped = false;
-    let minutes = query_map(client, sql::DELIVERY_PER_MINUTE, &[&max_rows], |r| {
-        Ok((
-            MinuteDelivery {
-                minute: r.try_get("minute")?,
-                published: r.try_get("published")?,
-                mean_lag_seconds: r.try_get::<_, Option<f64>>("mean_lag")?.unwrap_or(0.0),
-                max_lag_seconds: r.try_get::<_, Option<f64>>("max_lag")?.unwrap_or(0.0),
-            },
-            r.try_get::<_, bool>("capped")?,
-        ))
-    })
-    .await?
-    .into_iter()
-    .map(|(m, c)| {
-        capped |= c;
-        m
-    })
-    .collect();
-    Ok(DeliveryChart { minutes, capped, now })
+    let now = store::db_now(client).await?;
+    store::delivery_chart(client, max_rows, now).await
 }
 
 /// What a relay session holds or does.
@@ -288,23 +257,22 @@ pub struct Relays {
 /// # Cancel safety
 /// Cancel safe: it only reads.
 pub async fn relays<C: GenericClient + Sync>(client: &C) -> Result<Relays> {
-    let (leader, partition, member) = sql::RELAY_LOCK_KEYS;
-    let sessions = query_map(client, sql::RELAY_SESSIONS, &[&leader, &partition, &member], |r| {
-        Ok(RelaySession {
-            pid: r.try_get("pid")?,
-            application_name: r.try_get("application_name")?,
-            client_addr: r.try_get("client_addr")?,
-            backend_start: r.try_get("backend_start")?,
-            state: r.try_get("state")?,
-            state_change: r.try_get("state_change")?,
-            waiting: r.try_get("waiting")?,
-            waiting_since: r.try_get("waiting_since")?,
-            leader: r.try_get("leader")?,
-            partitions: r.try_get("partitions")?,
-            member: r.try_get("member")?,
-        })
-    })
-    .await?;
-    let usage = client.query_one(NOTIFICATION_QUEUE_USAGE, &[]).await.map_err(map_missing_schema)?;
-    Ok(Relays { sessions, notification_queue_usage: usage.try_get("usage")? })
+    store::relays(client).await
+}
+
+/// Bound every later statement of `client`'s session to `timeout`: sets
+/// the session's `statement_timeout` (whole milliseconds, rounded up; zero
+/// turns it off), over any the role, the database or the URL's `options`
+/// set. What `pg-outbox console` does to its session, so that no page
+/// waits on the database for long.
+///
+/// # Errors
+/// [`crate::Error::Db`] when the server refuses the setting or the
+/// session is gone.
+///
+/// # Cancel safety
+/// Cancel safe: one statement that changes only this session's setting;
+/// dropped, the setting may or may not have changed.
+pub async fn set_statement_timeout<C: GenericClient + Sync>(client: &C, timeout: Duration) -> Result<()> {
+    store::set_statement_timeout(client, timeout).await
 }

@@ -14,12 +14,10 @@
 
 use chrono::{DateTime, Utc};
 use tokio_postgres::GenericClient;
-use tokio_postgres::types::ToSql;
 
 use crate::error::Result;
 use crate::event::Event;
-use crate::store::dead_letters::{DISCARD, EXISTING_IDS, RETRY, apply_sql, count_sql, ids_sql, list_sql};
-use crate::store::{NOTIFY, event_from_row, map_missing_schema, query_map, row_id};
+use crate::store::dead_letters::{self as store, Action};
 
 /// Default number of rows `list` returns: 100.
 pub const DEFAULT_LIST_LIMIT: i64 = 100;
@@ -83,16 +81,6 @@ impl Filter {
         self.limit = Some(n);
         self
     }
-
-    pub(crate) fn params(&self) -> [&(dyn ToSql + Sync); 5] {
-        [&self.ids, &self.aggregate_type, &self.event_type, &self.error_contains, &self.since]
-    }
-
-    /// [`Filter::params`] and the row limit `$6`.
-    fn params_limited<'a>(&'a self, limit: &'a i64) -> [&'a (dyn ToSql + Sync); 6] {
-        let [a, b, c, d, e] = self.params();
-        [a, b, c, d, e, limit]
-    }
 }
 
 /// A dead letter as listed: the event plus when it died (its last failure is
@@ -108,8 +96,7 @@ pub type DeadLetter = Event;
 /// # Cancel safety
 /// Cancel safe: it only reads.
 pub async fn list<C: GenericClient + Sync>(client: &C, filter: &Filter) -> Result<Vec<DeadLetter>> {
-    let limit = filter.limit.unwrap_or(DEFAULT_LIST_LIMIT);
-    query_map(client, &list_sql(), &filter.params_limited(&limit), event_from_row).await
+    store::list(client, filter, filter.limit.unwrap_or(DEFAULT_LIST_LIMIT)).await
 }
 
 /// How many dead letters match `filter`, ignoring its limit (to tell
@@ -121,8 +108,7 @@ pub async fn list<C: GenericClient + Sync>(client: &C, filter: &Filter) -> Resul
 /// # Cancel safety
 /// Cancel safe: it only reads.
 pub async fn count<C: GenericClient + Sync>(client: &C, filter: &Filter) -> Result<i64> {
-    let row = client.query_one(&count_sql(), &filter.params()).await.map_err(map_missing_schema)?;
-    Ok(row.try_get("count")?)
+    store::count(client, filter).await
 }
 
 /// Ids of the dead letters matching `filter` (what [`retry`] or
@@ -134,20 +120,13 @@ pub async fn count<C: GenericClient + Sync>(client: &C, filter: &Filter) -> Resu
 /// # Cancel safety
 /// Cancel safe: it only reads.
 pub async fn matching_ids<C: GenericClient + Sync>(client: &C, filter: &Filter) -> Result<Vec<i64>> {
-    let limit = filter.limit.unwrap_or(i64::MAX);
-    query_map(client, &ids_sql(), &filter.params_limited(&limit), row_id).await
+    store::matching_ids(client, filter, filter.limit.unwrap_or(i64::MAX)).await
 }
 
-/// Apply `action` (an UPDATE or DELETE of `events.outbox o` joined to the
-/// picked ids, returning `o.id`) to the matching dead letters, locking them
-/// first; wake the relays when any changed. Returns the ids, ascending.
-async fn apply_to_matching<C: GenericClient + Sync>(client: &C, filter: &Filter, action: &str) -> Result<Vec<i64>> {
-    let limit = filter.limit.unwrap_or(i64::MAX);
-    let ids = query_map(client, &apply_sql(action), &filter.params_limited(&limit), row_id).await?;
-    if !ids.is_empty() {
-        client.execute(NOTIFY, &[&crate::NOTIFY_CHANNEL, &""]).await?;
-    }
-    Ok(ids)
+/// Apply `action` (retry or discard) to the matching dead letters, locking
+/// them first; wake the relays when any changed. Returns the ids, ascending.
+async fn apply_to_matching<C: GenericClient + Sync>(client: &C, filter: &Filter, action: Action) -> Result<Vec<i64>> {
+    store::apply(client, action, filter, filter.limit.unwrap_or(i64::MAX)).await
 }
 
 /// Make the matching dead letters due now and wake the relays. Returns the
@@ -164,7 +143,7 @@ async fn apply_to_matching<C: GenericClient + Sync>(client: &C, filter: &Filter,
 /// one sweep interval. Running it again is harmless: it picks only what is
 /// still a dead letter.
 pub async fn retry<C: GenericClient + Sync>(client: &C, filter: &Filter) -> Result<Vec<i64>> {
-    apply_to_matching(client, filter, RETRY).await
+    apply_to_matching(client, filter, Action::Retry).await
 }
 
 /// Delete the matching dead letters. Returns the ids deleted. The later
@@ -179,7 +158,7 @@ pub async fn retry<C: GenericClient + Sync>(client: &C, filter: &Filter) -> Resu
 /// on its own; inside the caller's, roll back to be sure). Running it again
 /// is harmless: it picks only what is still a dead letter.
 pub async fn discard<C: GenericClient + Sync>(client: &C, filter: &Filter) -> Result<Vec<i64>> {
-    apply_to_matching(client, filter, DISCARD).await
+    apply_to_matching(client, filter, Action::Discard).await
 }
 
 /// Which of `ids` are in `events.outbox` at all, dead letters or not (to
@@ -191,7 +170,7 @@ pub async fn discard<C: GenericClient + Sync>(client: &C, filter: &Filter) -> Re
 /// # Cancel safety
 /// Cancel safe: it only reads.
 pub async fn existing<C: GenericClient + Sync>(client: &C, ids: &[i64]) -> Result<Vec<i64>> {
-    let mut found = query_map(client, EXISTING_IDS, &[&ids], row_id).await?;
+    let mut found = store::existing(client, ids).await?;
     found.sort_unstable();
     Ok(found)
 }

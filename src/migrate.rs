@@ -13,8 +13,8 @@ use tokio_postgres::Client;
 
 use crate::connect::{self, ConnectOptions, SessionSettings};
 use crate::error::{Error, Result};
-use crate::store::locks::{MIGRATE_KEY, TRY_LOCK};
-use crate::store::schema as sql;
+use crate::store::locks::{self, RunLock};
+use crate::store::schema as store;
 
 /// Schema migrations, in order: (name, SQL). Numbered `NNNN_name`.
 pub const MIGRATIONS: &[(&str, &str)] = &[
@@ -62,8 +62,8 @@ fn supported(num: i32, version: &str) -> Result<()> {
 
 /// Check the server's version (see [`MIN_SERVER_VERSION`]).
 async fn check_server_version(client: &Client) -> Result<()> {
-    let row = client.query_one(sql::SERVER_VERSION, &[]).await?;
-    supported(row.try_get("num")?, row.try_get("version")?)
+    let v = store::server_version(client).await?;
+    supported(v.num, &v.version)
 }
 
 /// What [`apply`] did.
@@ -128,15 +128,14 @@ fn checksum(sql: &str) -> String {
 pub async fn apply(pg: &ConnectOptions) -> Result<MigrationReport> {
     let (client, _link) = connect::connect(pg, "pg-outbox migrate", &SessionSettings::default()).await?;
     check_server_version(&client).await?;
-    client.batch_execute(sql::NO_STATEMENT_TIMEOUT).await?;
+    store::no_statement_timeout(&client).await?;
     // Poll with pg_try_advisory_lock rather than wait in pg_advisory_lock:
     // a session waiting for the lock sits in a transaction, and
     // CREATE INDEX CONCURRENTLY in the session holding it waits for every
     // such transaction to end (docs, "Building Indexes Concurrently"), so
     // two `migrate` runs at once would deadlock.
     loop {
-        let got: bool = client.query_one(TRY_LOCK, &[&MIGRATE_KEY]).await?.try_get(0)?;
-        if got {
+        if locks::try_lock(&client, RunLock::Migrate).await? {
             break;
         }
         tokio::time::sleep(std::time::Duration::from_millis(100)).await;
@@ -147,12 +146,11 @@ pub async fn apply(pg: &ConnectOptions) -> Result<MigrationReport> {
 }
 
 async fn apply_locked(client: &Client) -> Result<MigrationReport> {
-    client.batch_execute(sql::CREATE_LEDGER).await?;
+    store::create_ledger(client).await?;
     let mut report = MigrationReport::default();
     for (name, sql) in MIGRATIONS.iter().chain(TRIGGERS.iter()) {
         let sum = checksum(sql);
-        let recorded: Option<String> =
-            client.query_opt(sql::RECORDED_CHECKSUM, &[name]).await?.map(|r| r.try_get("checksum")).transpose()?;
+        let recorded = store::recorded_checksum(client, name).await?;
         let is_trigger = name.starts_with("triggers/");
         let needed = match recorded {
             None => true,
@@ -161,19 +159,14 @@ async fn apply_locked(client: &Client) -> Result<MigrationReport> {
         if !needed {
             continue;
         }
-        if let Err(e) = client.batch_execute(sql).await {
-            // A file that opens its own transaction
-            // (triggers/outbox_insert_order_and_notify.sql) leaves it aborted
-            // on error: end it, so the session stays usable.
-            let _ = client.batch_execute(sql::ROLLBACK).await;
-            return Err(e.into());
-        }
-        client.execute(sql::RECORD, &[name, &sum]).await?;
+        // A file that opens its own transaction
+        // (triggers/outbox_insert_order_and_notify.sql) leaves it aborted on
+        // error: `run_file` ends it, so the session stays usable.
+        store::run_file(client, sql).await?;
+        store::record(client, name, &sum).await?;
         report.applied.push((*name).to_string());
     }
-    let invalid = client.query(sql::INVALID_INDEXES, &[]).await?;
-    if let Some(row) = invalid.first() {
-        let name: String = row.try_get("name")?;
+    if let Some(name) = store::invalid_indexes(client).await?.first() {
         return Err(Error::NotMigrated(format!(
             "index {name} is invalid (an earlier concurrent build was interrupted); \
              drop it with `DROP INDEX CONCURRENTLY {name}`"
@@ -220,7 +213,9 @@ impl OrderingMode {
         }
     }
 
-    fn from_sql(s: &str) -> Option<OrderingMode> {
+    /// The mode `events.outbox_set_ordering()` and the catalog read name
+    /// `s`; `None` for any other name (`none`).
+    pub(crate) fn from_sql(s: &str) -> Option<OrderingMode> {
         match s {
             "outbox-locked" => Some(OrderingMode::OutboxLocked),
             "producer-locked" => Some(OrderingMode::ProducerLocked),
@@ -271,9 +266,7 @@ impl std::str::FromStr for OrderingMode {
 /// # Ok(()) }
 /// ```
 pub async fn ordering<C: tokio_postgres::GenericClient + Sync>(client: &C) -> Result<Option<OrderingMode>> {
-    let row = client.query_one(sql::INSTALLED_ORDERING, &[]).await.map_err(crate::store::map_missing_schema)?;
-    let mode: String = row.try_get("mode")?;
-    Ok(OrderingMode::from_sql(&mode))
+    store::installed_ordering(client).await
 }
 
 /// Install ordering mode `mode` on a database that [`apply`] migrated,
@@ -312,18 +305,7 @@ pub async fn ordering<C: tokio_postgres::GenericClient + Sync>(client: &C) -> Re
 /// ```
 pub async fn set_ordering(pg: &ConnectOptions, mode: OrderingMode) -> Result<Option<OrderingMode>> {
     let (client, _link) = connect::connect(pg, "pg-outbox migrate", &SessionSettings::default()).await?;
-    let row = client.query_one(sql::SET_ORDERING, &[&mode.as_str()]).await.map_err(|e| {
-        if e.code() == Some(&tokio_postgres::error::SqlState::UNDEFINED_FUNCTION) {
-            return Error::NotMigrated(
-                "events.outbox_set_ordering() does not exist (created by triggers/outbox_insert_order_and_notify.sql); \
-                 run `pg-outbox migrate` first"
-                    .into(),
-            );
-        }
-        crate::store::map_missing_schema(e)
-    })?;
-    let before: String = row.try_get("before")?;
-    Ok(OrderingMode::from_sql(&before))
+    store::set_ordering(&client, mode).await
 }
 
 /// Objects the relay needs, each with the file that creates it.
@@ -358,13 +340,11 @@ const REQUIRED_TRIGGERS: &[(&str, &str)] = &[
 pub async fn check(client: &Client) -> Result<()> {
     check_server_version(client).await?;
     for (object, file) in REQUIRED {
-        let present: bool = client.query_one(sql::RELATION_EXISTS, &[object]).await?.try_get("present")?;
-        if !present {
+        if !store::relation_exists(client, object).await? {
             return Err(Error::NotMigrated(format!("{object} does not exist (created by {file})")));
         }
     }
-    let names: Vec<String> =
-        client.query(sql::OUTBOX_TRIGGERS, &[]).await?.iter().map(|r| r.try_get("name")).collect::<Result<_, _>>()?;
+    let names = store::outbox_triggers(client).await?;
     for (trigger, file) in REQUIRED_TRIGGERS {
         if !names.iter().any(|n| n == trigger) {
             return Err(Error::NotMigrated(format!("trigger {trigger} on events.outbox is missing ({file})")));

@@ -23,9 +23,8 @@ use tokio_postgres::Client;
 
 use crate::connect::{self, ConnectOptions, SessionSettings};
 use crate::error::Result;
-use crate::store::locks::{RETENTION_KEY, TRY_LOCK, UNLOCK};
-use crate::store::map_missing_schema;
-use crate::store::retention::{COUNT_DUE, DELETE_BATCH};
+use crate::store::locks::{self, RunLock};
+use crate::store::retention::{self as store, Batch};
 
 /// The schema's original retention: published events older than 30 days
 /// (docs/schema.md, "Retention and dead letters").
@@ -73,8 +72,7 @@ pub struct RetentionReport {
 /// # Cancel safety
 /// Cancel safe: it only reads.
 pub async fn dry_run(client: &Client, r: &Retention) -> Result<RetentionReport> {
-    let secs = r.older_than.as_secs_f64();
-    let n: i64 = client.query_one(COUNT_DUE, &[&secs]).await.map_err(map_missing_schema)?.try_get("due")?;
+    let n = store::count_due(client, r.older_than).await?;
     Ok(RetentionReport { deleted: n, batches: 0, skipped: false })
 }
 
@@ -118,12 +116,11 @@ pub async fn run(pg: &ConnectOptions, r: &Retention) -> Result<RetentionReport> 
             return Err(e);
         }
     };
-    let got: bool = client.query_one(TRY_LOCK, &[&RETENTION_KEY]).await?.try_get(0)?;
-    if !got {
+    if !locks::try_lock(&client, RunLock::Retention).await? {
         return Ok(RetentionReport { skipped: true, ..RetentionReport::default() });
     }
     let result = delete_batches(&client, r).await;
-    let unlocked = client.execute(UNLOCK, &[&RETENTION_KEY]).await;
+    let unlocked = locks::unlock(&client, RunLock::Retention).await;
     if result.is_err() || unlocked.is_err() {
         metrics::counter!(crate::metrics::RETENTION_ERRORS).increment(1);
     }
@@ -135,14 +132,13 @@ pub async fn run(pg: &ConnectOptions, r: &Retention) -> Result<RetentionReport> 
 }
 
 async fn delete_batches(client: &Client, r: &Retention) -> Result<RetentionReport> {
-    let secs = r.older_than.as_secs_f64();
     let mut report = RetentionReport::default();
-    let mut after: i64 = 0;
+    let mut batch = Batch { older_than: r.older_than, size: r.batch_size, after_id: 0 };
     loop {
-        let row = client.query_one(DELETE_BATCH, &[&secs, &r.batch_size, &after]).await.map_err(map_missing_schema)?;
-        let n: i64 = row.try_get("deleted")?;
-        if let Some(last) = row.try_get::<_, Option<i64>>("last_id")? {
-            after = last;
+        let deleted = store::delete_batch(client, &batch).await?;
+        let n = deleted.rows;
+        if let Some(last) = deleted.last_id {
+            batch.after_id = last;
         }
         report.deleted += n;
         report.batches += 1;

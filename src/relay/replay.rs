@@ -50,14 +50,12 @@ use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 use tokio_postgres::Client;
-use tokio_postgres::types::ToSql;
 
 use super::Sink;
 use crate::connect::ConnectOptions;
 use crate::error::{Error, Result};
 use crate::event::Event;
-use crate::store::replay::{BOUNDS, IS_READ_ONLY, READ_ONLY, count_sql, page_sql};
-use crate::store::{event_from_row, map_missing_schema, row_id};
+use crate::store::replay::{self as store, Unreadable, Window};
 
 /// Default rows per page: 500.
 pub const DEFAULT_PAGE_SIZE: i64 = 500;
@@ -276,15 +274,13 @@ impl ReplayBuilder {
             None => db.clone().with_application_name("pg-outbox replay"),
         };
         let client = db.connect().await?;
-        client.batch_execute(READ_ONLY).await?;
-        let read_only: bool = client.query_one(IS_READ_ONLY, &[]).await?.try_get("read_only")?;
-        if !read_only {
+        if !store::make_read_only(&client).await? {
             return Err(Error::Config("the replay's session did not become read-only; refusing to replay".into()));
         }
         let lower = self.filter.start_after().unwrap_or(i64::MIN);
-        let (first, last) = bounds(&client, lower).await?;
-        let start = first.map_or(lower, |f| f - 1);
-        let end = last.unwrap_or(lower).min(self.filter.to_id.unwrap_or(i64::MAX)).max(start);
+        let store::Bounds { first_id, last_id } = store::bounds(&client, lower).await?;
+        let start = first_id.map_or(lower, |f| f - 1);
+        let end = last_id.unwrap_or(lower).min(self.filter.to_id.unwrap_or(i64::MAX)).max(start);
         Ok(Replay {
             client,
             filter: self.filter,
@@ -299,12 +295,6 @@ impl ReplayBuilder {
             stopped_at: None,
         })
     }
-}
-
-/// The first and last id above `after`.
-async fn bounds(client: &Client, after: i64) -> Result<(Option<i64>, Option<i64>)> {
-    let row = client.query_one(BOUNDS, &[&after]).await.map_err(map_missing_schema)?;
-    Ok((row.try_get("first_id")?, row.try_get("last_id")?))
 }
 
 /// How a [`Replay::run`] or [`Replay::count`] ended without an error.
@@ -407,16 +397,17 @@ impl Replay {
         }
     }
 
-    /// The filter's parameters `$3`..`$8`, after the window `$1`, `$2`.
-    fn params<'a>(&'a self, after: &'a i64, upto: &'a i64) -> Vec<&'a (dyn ToSql + Sync)> {
-        let f = &self.filter;
-        vec![after, upto, &f.include_unpublished, &f.since, &f.until, &f.aggregate_type, &f.aggregate_id, &f.event_type]
+    /// The next window to read: the filter's rows with ids above
+    /// [`Replay::scanned`] and up to [`WINDOW`] ids on, not past the end.
+    fn window(&self) -> Window<'_> {
+        let upto = self.end.min(self.scanned.saturating_add(WINDOW));
+        Window { after: self.scanned, upto, filter: &self.filter }
     }
 
     /// After a window with nothing in it: skip to just before the next id
     /// (or to the end).
     async fn skip_gap(&mut self, window_end: i64) -> Result<()> {
-        let (next, _) = bounds(&self.client, window_end).await?;
+        let next = store::bounds(&self.client, window_end).await?.first_id;
         self.scanned = next.map_or(self.end, |n| n - 1).clamp(window_end, self.end);
         Ok(())
     }
@@ -457,28 +448,25 @@ impl Replay {
             t.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
             t
         });
-        let sql = page_sql();
         while self.scanned < self.end {
-            let (after, upto) = (self.scanned, self.end.min(self.scanned.saturating_add(WINDOW)));
-            let mut params = self.params(&after, &upto);
-            params.push(&self.page_size);
+            let window = self.window();
+            let upto = window.upto;
             let rows = tokio::select! {
-                r = self.client.query(&sql, &params) => r.map_err(map_missing_schema)?,
+                r = store::page(&self.client, &window, self.page_size) => r?,
                 _ = &mut shutdown => return Ok(Outcome::Interrupted),
             };
-            drop(params);
             let full = rows.len() as i64 >= self.page_size;
             if rows.is_empty() {
                 self.skip_gap(upto).await?;
                 on_progress(&self.progress());
                 continue;
             }
-            for row in &rows {
-                let event = match event_from_row(row) {
+            for row in rows {
+                let event = match row {
                     Ok(e) => e,
-                    Err(e) => {
-                        self.stopped_at = row_id(row).ok();
-                        return Err(e);
+                    Err(Unreadable { id, error }) => {
+                        self.stopped_at = id;
+                        return Err(error);
                     }
                 };
                 if let Some(t) = ticker.as_mut() {
@@ -552,24 +540,21 @@ impl Replay {
         P: FnMut(&Progress),
     {
         tokio::pin!(shutdown);
-        let sql = count_sql();
         let (mut first_id, mut last_id) = (None, None);
         let mut outcome = Outcome::Finished;
         while self.scanned < self.end {
-            let (after, upto) = (self.scanned, self.end.min(self.scanned.saturating_add(WINDOW)));
-            let params = self.params(&after, &upto);
-            let row = tokio::select! {
-                r = self.client.query_one(&sql, &params) => r.map_err(map_missing_schema)?,
+            let window = self.window();
+            let upto = window.upto;
+            let counted = tokio::select! {
+                r = store::count(&self.client, &window) => r?,
                 _ = &mut shutdown => { outcome = Outcome::Interrupted; break; }
             };
-            drop(params);
-            let n: i64 = row.try_get("n")?;
-            if n == 0 {
+            if counted.rows == 0 {
                 self.skip_gap(upto).await?;
             } else {
-                self.events += u64::try_from(n).unwrap_or(0);
-                first_id = first_id.or(row.try_get("first_id")?);
-                last_id = row.try_get("last_id")?;
+                self.events += u64::try_from(counted.rows).unwrap_or(0);
+                first_id = first_id.or(counted.first_id);
+                last_id = counted.last_id;
                 self.scanned = upto;
             }
             on_progress(&self.progress());

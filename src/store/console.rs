@@ -1,10 +1,22 @@
 //! The operator console's reads ([`crate::console`]): relays and their
 //! roles, one event with its aggregate's timeline, a page of dead letters,
 //! and delivery per minute. Each is bounded: an index lookup or walk with a
-//! LIMIT, or the catalog views.
+//! LIMIT, or the catalog views. One function per read runs it and returns
+//! the console's types.
 
-use super::dead_letters::MATCHES;
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use tokio_postgres::types::ToSql;
+use tokio_postgres::{GenericClient, Row};
+
+use super::dead_letters::{MATCHES, filter_params};
 use super::locks::{LEADER_KEY, MEMBER_CLASS, PARTITION_CLASS};
+use super::{event_from_row, map_missing_schema, query_map};
+use crate::console::{DeliveryChart, EventDetail, MinuteDelivery, RelaySession, Relays, Timeline};
+use crate::dead_letters::Filter;
+use crate::error::Result;
+use crate::event::Event;
 
 /// The columns of an event row plus its state: `published_at`, and
 /// `next_retry_at` as NULL for a dead letter (chrono cannot hold
@@ -84,7 +96,7 @@ pub(crate) const DELIVERY_PER_MINUTE: &str = "WITH recent AS ( \
 /// as the relay names its sessions (`pg-outbox drain`, `writer`,
 /// `listener`); with what they hold. $1: the leader key, $2: the partition
 /// class, $3: the member class.
-pub(crate) const RELAY_SESSIONS: &str = "WITH ours AS ( \
+const RELAY_SESSIONS: &str = "WITH ours AS ( \
        SELECT l.pid, \
          bool_or(l.objsubid = 1 AND l.classid = ($1::bigint >> 32)::oid AND l.objid = ($1::bigint & 4294967295)::oid) AS leader, \
          array_agg(l.objid::bigint::int4 ORDER BY l.objid) FILTER (WHERE l.objsubid = 2 AND l.classid = ($2::int4)::bigint::oid) AS partitions, \
@@ -106,4 +118,161 @@ pub(crate) const RELAY_SESSIONS: &str = "WITH ours AS ( \
      ORDER BY a.backend_start, a.pid";
 
 /// The lock keys [`RELAY_SESSIONS`] takes as parameters.
-pub(crate) const RELAY_LOCK_KEYS: (i64, i32, i32) = (LEADER_KEY, PARTITION_CLASS, MEMBER_CLASS);
+const RELAY_LOCK_KEYS: (i64, i32, i32) = (LEADER_KEY, PARTITION_CLASS, MEMBER_CLASS);
+
+/// The database's clock (`now`), so that states follow it.
+const NOW: &str = "SELECT now() AS now";
+
+/// The database's `now()`.
+///
+/// # Errors
+/// [`crate::Error::NotMigrated`] or [`crate::Error::Db`].
+pub(crate) async fn db_now<C: GenericClient + Sync>(client: &C) -> Result<DateTime<Utc>> {
+    let row = client.query_one(NOW, &[]).await.map_err(map_missing_schema)?;
+    Ok(row.try_get("now")?)
+}
+
+/// An [`EventDetail`] from a row holding the columns of `detail_columns!`,
+/// its state judged at `now`.
+///
+/// # Errors
+/// [`crate::Error::Db`] when a column cannot be read.
+fn detail_from_row(row: &Row, now: DateTime<Utc>) -> Result<EventDetail> {
+    Ok(EventDetail::judged(
+        event_from_row(row)?,
+        row.try_get("published_at")?,
+        row.try_get("next_retry_at")?,
+        row.try_get("dead")?,
+        now,
+    ))
+}
+
+/// The event with id `id` ([`EVENT`]) with its state at `now`, or `None`
+/// when there is no such row.
+///
+/// # Errors
+/// [`crate::Error::NotMigrated`] or [`crate::Error::Db`].
+pub(crate) async fn event<C: GenericClient + Sync>(
+    client: &C,
+    id: i64,
+    now: DateTime<Utc>,
+) -> Result<Option<EventDetail>> {
+    let rows = client.query(EVENT, &[&id]).await.map_err(map_missing_schema)?;
+    rows.first().map(|r| detail_from_row(r, now)).transpose()
+}
+
+/// The events of `of`'s aggregate before and after it, at most `around` on
+/// each side ([`EARLIER`], [`LATER`]), with their states at `now`, and how
+/// many later ones are unpublished ([`LATER_UNPUBLISHED`]).
+///
+/// # Errors
+/// [`crate::Error::NotMigrated`] or [`crate::Error::Db`].
+pub(crate) async fn timeline<C: GenericClient + Sync>(
+    client: &C,
+    of: &Event,
+    around: i64,
+    now: DateTime<Utc>,
+) -> Result<Timeline> {
+    let p: [&(dyn ToSql + Sync); 4] = [&of.aggregate_type, &of.aggregate_id, &of.id, &around];
+    let earlier = query_map(client, EARLIER, &p, |r| detail_from_row(r, now)).await?;
+    let later = query_map(client, LATER, &p, |r| detail_from_row(r, now)).await?;
+    let n = client
+        .query_one(LATER_UNPUBLISHED, &[&of.aggregate_type, &of.aggregate_id, &of.id])
+        .await
+        .map_err(map_missing_schema)?;
+    Ok(Timeline { earlier, later, later_unpublished: n.try_get("n")? })
+}
+
+/// Up to `limit` dead letters matching `filter` (its `limit` ignored) with
+/// ids above `after_id`, in id order ([`dead_letter_page_sql`]), with their
+/// states at `now`.
+///
+/// # Errors
+/// [`crate::Error::NotMigrated`] or [`crate::Error::Db`].
+pub(crate) async fn dead_letter_page<C: GenericClient + Sync>(
+    client: &C,
+    filter: &Filter,
+    after_id: i64,
+    limit: i64,
+    now: DateTime<Utc>,
+) -> Result<Vec<EventDetail>> {
+    let [a, b, c, d, e] = filter_params(filter);
+    query_map(client, &dead_letter_page_sql(), &[a, b, c, d, e, &after_id, &limit], |r| detail_from_row(r, now)).await
+}
+
+/// Delivery per minute over the last hour before the database's `now`,
+/// from the latest `max_rows` events by id ([`DELIVERY_PER_MINUTE`]); lags
+/// in seconds, 0 where the database gives none.
+///
+/// # Errors
+/// [`crate::Error::NotMigrated`] or [`crate::Error::Db`].
+pub(crate) async fn delivery_chart<C: GenericClient + Sync>(
+    client: &C,
+    max_rows: i64,
+    now: DateTime<Utc>,
+) -> Result<DeliveryChart> {
+    let mut capped = false;
+    let minutes = query_map(client, DELIVERY_PER_MINUTE, &[&max_rows], |r| {
+        Ok((
+            MinuteDelivery {
+                minute: r.try_get("minute")?,
+                published: r.try_get("published")?,
+                mean_lag_seconds: r.try_get::<_, Option<f64>>("mean_lag")?.unwrap_or(0.0),
+                max_lag_seconds: r.try_get::<_, Option<f64>>("max_lag")?.unwrap_or(0.0),
+            },
+            r.try_get::<_, bool>("capped")?,
+        ))
+    })
+    .await?
+    .into_iter()
+    .map(|(m, c)| {
+        capped |= c;
+        m
+    })
+    .collect();
+    Ok(DeliveryChart { minutes, capped, now })
+}
+
+/// A [`RelaySession`] from a row of [`RELAY_SESSIONS`].
+///
+/// # Errors
+/// [`crate::Error::Db`] when a column cannot be read.
+fn relay_session(r: &Row) -> Result<RelaySession> {
+    Ok(RelaySession {
+        pid: r.try_get("pid")?,
+        application_name: r.try_get("application_name")?,
+        client_addr: r.try_get("client_addr")?,
+        backend_start: r.try_get("backend_start")?,
+        state: r.try_get("state")?,
+        state_change: r.try_get("state_change")?,
+        waiting: r.try_get("waiting")?,
+        waiting_since: r.try_get("waiting_since")?,
+        leader: r.try_get("leader")?,
+        partitions: r.try_get("partitions")?,
+        member: r.try_get("member")?,
+    })
+}
+
+/// The relays' sessions in this database ([`RELAY_SESSIONS`], oldest
+/// first) and the fraction (0 to 1) of the notification queue in use.
+///
+/// # Errors
+/// [`crate::Error::NotMigrated`] or [`crate::Error::Db`].
+pub(crate) async fn relays<C: GenericClient + Sync>(client: &C) -> Result<Relays> {
+    let (leader, partition, member) = RELAY_LOCK_KEYS;
+    let sessions = query_map(client, RELAY_SESSIONS, &[&leader, &partition, &member], relay_session).await?;
+    let notification_queue_usage = super::wakeup::notification_queue_usage(client).await?;
+    Ok(Relays { sessions, notification_queue_usage })
+}
+
+/// Bound every later statement of `client`'s session to `timeout`
+/// (`statement_timeout`, in whole milliseconds rounded up; zero turns it
+/// off), over any the role, the database or the URL set.
+///
+/// # Errors
+/// [`crate::Error::Db`] when the setting is refused.
+pub(crate) async fn set_statement_timeout<C: GenericClient + Sync>(client: &C, timeout: Duration) -> Result<()> {
+    let sql = format!("SET statement_timeout = {}", crate::connect::setting_millis(timeout));
+    client.batch_execute(&sql).await?;
+    Ok(())
+}

@@ -1,4 +1,13 @@
-//! The operators' statements on dead letters ([`crate::dead_letters`]).
+//! The operators' statements on dead letters ([`crate::dead_letters`]),
+//! and one function per operation that runs them.
+
+use tokio_postgres::GenericClient;
+use tokio_postgres::types::ToSql;
+
+use super::{event_from_row, map_missing_schema, query_map, row_id};
+use crate::dead_letters::Filter;
+use crate::error::Result;
+use crate::event::Event;
 
 /// The WHERE clause shared by every operation; `$6` is the row limit.
 /// Every statement orders by `id + 0`, the key of `outbox_dead_letter_idx`
@@ -6,7 +15,7 @@
 /// discouraged on pg-outbox's sessions ([`crate::PLANNER_SETTINGS`]) each
 /// is a walk of that index, touching dead letters only, whatever the
 /// statistics say (the count too: its subquery keeps the order).
-pub(crate) const MATCHES: &str = "published_at IS NULL AND next_retry_at = 'infinity' \
+pub(super) const MATCHES: &str = "published_at IS NULL AND next_retry_at = 'infinity' \
      AND ($1::bigint[] IS NULL OR id = ANY($1)) \
      AND ($2::text IS NULL OR aggregate_type = $2) \
      AND ($3::text IS NULL OR event_type = $3) \
@@ -48,3 +57,88 @@ pub(crate) fn apply_sql(action: &str) -> String {
 /// letters or not: lookups in `outbox_pkey`, to explain ids an operator
 /// named that are not dead letters.
 pub(crate) const EXISTING_IDS: &str = "SELECT id FROM events.outbox WHERE id = ANY($1::bigint[])";
+
+/// `filter`'s fields as the parameters `$1`..`$5` of [`MATCHES`]: ids,
+/// aggregate type, event type, error text, since (each NULL for any). Its
+/// `limit` is not among them.
+pub(super) fn filter_params(filter: &Filter) -> [&(dyn ToSql + Sync); 5] {
+    [&filter.ids, &filter.aggregate_type, &filter.event_type, &filter.error_contains, &filter.since]
+}
+
+/// [`filter_params`] and the row limit `$6`.
+fn limited<'a>(filter: &'a Filter, limit: &'a i64) -> [&'a (dyn ToSql + Sync); 6] {
+    let [a, b, c, d, e] = filter_params(filter);
+    [a, b, c, d, e, limit]
+}
+
+/// The dead letters matching `filter` (its `limit` ignored), lowest id
+/// first, at most `limit` of them ([`list_sql`]).
+///
+/// # Errors
+/// [`crate::Error::NotMigrated`] or [`crate::Error::Db`] (a row that cannot
+/// be read as an event too).
+pub(crate) async fn list<C: GenericClient + Sync>(client: &C, filter: &Filter, limit: i64) -> Result<Vec<Event>> {
+    query_map(client, &list_sql(), &limited(filter, &limit), event_from_row).await
+}
+
+/// How many dead letters match `filter`, ignoring its limit ([`count_sql`]).
+///
+/// # Errors
+/// [`crate::Error::NotMigrated`] or [`crate::Error::Db`].
+pub(crate) async fn count<C: GenericClient + Sync>(client: &C, filter: &Filter) -> Result<i64> {
+    let row = client.query_one(&count_sql(), &filter_params(filter)).await.map_err(map_missing_schema)?;
+    Ok(row.try_get("count")?)
+}
+
+/// The ids of the dead letters matching `filter` (its `limit` ignored),
+/// ascending, at most `limit` of them ([`ids_sql`]).
+///
+/// # Errors
+/// [`crate::Error::NotMigrated`] or [`crate::Error::Db`].
+pub(crate) async fn matching_ids<C: GenericClient + Sync>(client: &C, filter: &Filter, limit: i64) -> Result<Vec<i64>> {
+    query_map(client, &ids_sql(), &limited(filter, &limit), row_id).await
+}
+
+/// What [`apply`] does to the dead letters it picks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Action {
+    /// Make them due now ([`RETRY`]).
+    Retry,
+    /// Delete them ([`DISCARD`]).
+    Discard,
+}
+
+/// Lock the dead letters matching `filter` (its `limit` ignored), at most
+/// `limit` of them in id order, and apply `action` to them in one statement
+/// ([`apply_sql`]); then, when it changed any, wake the relays (a
+/// notification on [`crate::NOTIFY_CHANNEL`]). Returns the ids it changed,
+/// ascending.
+///
+/// # Errors
+/// [`crate::Error::NotMigrated`] or [`crate::Error::Db`]; [`crate::Error::Db`]
+/// too when the wake-up cannot be sent (the change stands).
+pub(crate) async fn apply<C: GenericClient + Sync>(
+    client: &C,
+    action: Action,
+    filter: &Filter,
+    limit: i64,
+) -> Result<Vec<i64>> {
+    let sql = apply_sql(match action {
+        Action::Retry => RETRY,
+        Action::Discard => DISCARD,
+    });
+    let ids = query_map(client, &sql, &limited(filter, &limit), row_id).await?;
+    if !ids.is_empty() {
+        super::wakeup::notify(client, crate::NOTIFY_CHANNEL, "").await?;
+    }
+    Ok(ids)
+}
+
+/// Which of `ids` are in `events.outbox` at all, dead letters or not
+/// ([`EXISTING_IDS`]), in no particular order.
+///
+/// # Errors
+/// [`crate::Error::NotMigrated`] or [`crate::Error::Db`].
+pub(crate) async fn existing<C: GenericClient + Sync>(client: &C, ids: &[i64]) -> Result<Vec<i64>> {
+    query_map(client, EXISTING_IDS, &[&ids], row_id).await
+}

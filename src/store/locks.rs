@@ -8,6 +8,10 @@
 //! our keys spell "pgout" or "po" in their high bytes, to stay clear of
 //! other applications' keys in the same database.
 
+use tokio_postgres::GenericClient;
+
+use crate::error::Result;
+
 /// Single mode: the outbox's leader lock. Session level, bigint key
 /// ("pgout\0\0\x01"). Held by the active consumer's work session for as long
 /// as it is active; standbys try it every 250 ms ([`TRY_LEADER_LOCK`]), and
@@ -17,14 +21,14 @@ pub(crate) const LEADER_KEY: i64 = 0x7067_6f75_7400_0001;
 /// Retention: one runner at a time. Session level, bigint key
 /// ("pgout\0\0\x02"). Held by the session running `retention::run` for the
 /// run; a second runner that cannot take it at once skips its run.
-pub(crate) const RETENTION_KEY: i64 = 0x7067_6f75_7400_0002;
+const RETENTION_KEY: i64 = 0x7067_6f75_7400_0002;
 
 /// `migrate`: serialises concurrent runs. Session level, bigint key
 /// ("pgoutbox"). Held by the session running `migrate::apply` while it
 /// applies the files; another run polls for it every 100 ms (never waits in
 /// the lock: `CREATE INDEX CONCURRENTLY` would wait for the waiter's
 /// transaction, a deadlock).
-pub(crate) const MIGRATE_KEY: i64 = 0x7067_6f75_7462_6f78;
+const MIGRATE_KEY: i64 = 0x7067_6f75_7462_6f78;
 
 /// Partitioned mode: one lock per partition, `(PARTITION_CLASS,
 /// partition)` with partition `0..partitions`. Session level, two int4.
@@ -66,9 +70,9 @@ pub(crate) const HINT_WRITERS: i32 = 2;
 /// Single mode: try to take the leader lock ($1: [`LEADER_KEY`]).
 pub(crate) const TRY_LEADER_LOCK: &str = TRY_LOCK;
 /// Try to take the session lock of bigint key $1 without waiting.
-pub(crate) const TRY_LOCK: &str = "SELECT pg_try_advisory_lock($1)";
+const TRY_LOCK: &str = "SELECT pg_try_advisory_lock($1)";
 /// Release the session lock of bigint key $1.
-pub(crate) const UNLOCK: &str = "SELECT pg_advisory_unlock($1)";
+const UNLOCK: &str = "SELECT pg_advisory_unlock($1)";
 /// Partitioned mode: hold a membership lock for this session ($1
 /// [`MEMBER_CLASS`], $2 key).
 pub(crate) const MEMBER_LOCK: &str = "SELECT pg_advisory_lock($1, $2)";
@@ -84,6 +88,44 @@ pub(crate) const COUNT_MEMBERS: &str = "SELECT count(*) AS members FROM pg_locks
 pub(crate) const TRY_PARTITION_LOCK: &str = "SELECT pg_try_advisory_lock($1, $2)";
 /// Partitioned mode: give partition $2 of class $1 up.
 pub(crate) const PARTITION_UNLOCK: &str = "SELECT pg_advisory_unlock($1, $2)";
+
+/// A session-level lock of a bigint key that one session at a time holds
+/// for a run of an operator's task.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum RunLock {
+    /// [`RETENTION_KEY`]: one retention run at a time.
+    Retention,
+    /// [`MIGRATE_KEY`]: one `migrate` run at a time.
+    Migrate,
+}
+
+impl RunLock {
+    /// The lock's key.
+    fn key(self) -> i64 {
+        match self {
+            RunLock::Retention => RETENTION_KEY,
+            RunLock::Migrate => MIGRATE_KEY,
+        }
+    }
+}
+
+/// Try to take `lock` for `client`'s session without waiting ([`TRY_LOCK`]);
+/// returns whether it did. Held until [`unlock`] or the session's end.
+///
+/// # Errors
+/// [`crate::Error::Db`] when the statement fails.
+pub(crate) async fn try_lock<C: GenericClient + Sync>(client: &C, lock: RunLock) -> Result<bool> {
+    Ok(client.query_one(TRY_LOCK, &[&lock.key()]).await?.try_get(0)?)
+}
+
+/// Release `lock`, which `client`'s session holds ([`UNLOCK`]).
+///
+/// # Errors
+/// [`crate::Error::Db`] when the statement fails.
+pub(crate) async fn unlock<C: GenericClient + Sync>(client: &C, lock: RunLock) -> Result<()> {
+    client.execute(UNLOCK, &[&lock.key()]).await?;
+    Ok(())
+}
 
 #[cfg(test)]
 mod tests {

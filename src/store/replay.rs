@@ -5,15 +5,23 @@
 //! `$9` of them. The window bounds the index range one statement walks
 //! whatever the filter keeps (a filter on a rare event type reads the window
 //! and returns few rows), so no statement reads the whole range at once; the
-//! limit bounds the rows one page holds.
+//! limit bounds the rows one page holds. One function per read runs it.
+
+use tokio_postgres::Client;
+use tokio_postgres::types::ToSql;
+
+use super::{event_from_row, map_missing_schema, row_id};
+use crate::error::{Error, Result};
+use crate::event::Event;
+use crate::relay::replay::Filter;
 
 /// Make the session's transactions read-only (each statement of a replay is
 /// a transaction of its own): a replay cannot change a row, even by mistake.
-pub(crate) const READ_ONLY: &str = "SET SESSION CHARACTERISTICS AS TRANSACTION READ ONLY";
+const READ_ONLY: &str = "SET SESSION CHARACTERISTICS AS TRANSACTION READ ONLY";
 
 /// Whether this session's transactions are read-only (`read_only`), to
 /// check that [`READ_ONLY`] took.
-pub(crate) const IS_READ_ONLY: &str = "SELECT current_setting('transaction_read_only') = 'on' AS read_only";
+const IS_READ_ONLY: &str = "SELECT current_setting('transaction_read_only') = 'on' AS read_only";
 
 /// The lowest and the highest id above `$1 bigint` (`first_id`, `last_id`;
 /// NULL when there is none): where a replay starts and ends, and, after a
@@ -48,4 +56,103 @@ pub(crate) fn page_sql() -> String {
 /// `last_id`).
 pub(crate) fn count_sql() -> String {
     format!("SELECT count(*) AS n, min(id) AS first_id, max(id) AS last_id FROM events.outbox WHERE {MATCHES}")
+}
+
+/// Make the session's transactions read-only ([`READ_ONLY`]) and say
+/// whether they now are ([`IS_READ_ONLY`]).
+///
+/// # Errors
+/// [`crate::Error::Db`] when either statement fails.
+pub(crate) async fn make_read_only(client: &Client) -> Result<bool> {
+    client.batch_execute(READ_ONLY).await?;
+    Ok(client.query_one(IS_READ_ONLY, &[]).await?.try_get("read_only")?)
+}
+
+/// The lowest and the highest id in `events.outbox`, as [`bounds`] reads
+/// them; `None` when there is none.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Bounds {
+    /// The lowest id.
+    pub(crate) first_id: Option<i64>,
+    /// The highest id.
+    pub(crate) last_id: Option<i64>,
+}
+
+/// The lowest and the highest id above `after` ([`BOUNDS`]).
+///
+/// # Errors
+/// [`crate::Error::NotMigrated`] or [`crate::Error::Db`].
+pub(crate) async fn bounds(client: &Client, after: i64) -> Result<Bounds> {
+    let row = client.query_one(BOUNDS, &[&after]).await.map_err(map_missing_schema)?;
+    Ok(Bounds { first_id: row.try_get("first_id")?, last_id: row.try_get("last_id")? })
+}
+
+/// One window of a replay: the rows of `filter` with ids in `(after, upto]`.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Window<'a> {
+    /// The ids at and below this one are out.
+    pub(crate) after: i64,
+    /// The ids above this one are out.
+    pub(crate) upto: i64,
+    /// Which events (its id bounds are not used: the window is).
+    pub(crate) filter: &'a Filter,
+}
+
+impl Window<'_> {
+    /// The parameters `$1`..`$8` of [`MATCHES`].
+    fn params(&self) -> [&(dyn ToSql + Sync); 8] {
+        let f = self.filter;
+        [
+            &self.after,
+            &self.upto,
+            &f.include_unpublished,
+            &f.since,
+            &f.until,
+            &f.aggregate_type,
+            &f.aggregate_id,
+            &f.event_type,
+        ]
+    }
+}
+
+/// A row of a page that cannot be read as an event.
+#[derive(Debug)]
+pub(crate) struct Unreadable {
+    /// Its id, when that much can be read.
+    pub(crate) id: Option<i64>,
+    /// Why it cannot be read.
+    pub(crate) error: Error,
+}
+
+/// The rows of `window`, lowest id first, at most `limit` ([`page_sql`]):
+/// each an event, or what can be told of a row that cannot be read as one
+/// (the rows after it are read all the same).
+///
+/// # Errors
+/// [`crate::Error::NotMigrated`] or [`crate::Error::Db`] when the page
+/// cannot be read.
+pub(crate) async fn page(client: &Client, window: &Window<'_>, limit: i64) -> Result<Vec<Result<Event, Unreadable>>> {
+    let [a, b, c, d, e, f, g, h] = window.params();
+    let rows = client.query(&page_sql(), &[a, b, c, d, e, f, g, h, &limit]).await.map_err(map_missing_schema)?;
+    Ok(rows.iter().map(|r| event_from_row(r).map_err(|error| Unreadable { id: row_id(r).ok(), error })).collect())
+}
+
+/// What [`count`] found in one window.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Counted {
+    /// How many rows match.
+    pub(crate) rows: i64,
+    /// The lowest of their ids (`None` when none match).
+    pub(crate) first_id: Option<i64>,
+    /// The highest of their ids.
+    pub(crate) last_id: Option<i64>,
+}
+
+/// Count the rows of `window` ([`count_sql`]).
+///
+/// # Errors
+/// [`crate::Error::NotMigrated`] or [`crate::Error::Db`].
+pub(crate) async fn count(client: &Client, window: &Window<'_>) -> Result<Counted> {
+    let row = client.query_one(&count_sql(), &window.params()).await.map_err(map_missing_schema)?;
+    Ok(Counted { rows: row.try_get("n")?, first_id: row.try_get("first_id")?, last_id: row.try_get("last_id")? })
 }

@@ -1,4 +1,12 @@
-//! Retention's statements ([`crate::retention`]).
+//! Retention's statements ([`crate::retention`]), and one function per
+//! operation that runs them.
+
+use std::time::Duration;
+
+use tokio_postgres::GenericClient;
+
+use super::map_missing_schema;
+use crate::error::Result;
 
 /// Delete one batch: up to $2 published rows older than $1 seconds with ids
 /// above $3, lowest ids first; returns how many it deleted (`deleted`) and
@@ -18,3 +26,44 @@ pub(crate) const DELETE_BATCH: &str = "WITH doomed AS MATERIALIZED ( \
 /// How many rows a run with age $1 (seconds) would delete (`due`).
 pub(crate) const COUNT_DUE: &str = "SELECT count(*) AS due FROM events.outbox \
      WHERE published_at IS NOT NULL AND published_at < now() - make_interval(secs => $1)";
+
+/// One batch for [`delete_batch`].
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) struct Batch {
+    /// Delete only rows published longer ago than this (by the database's
+    /// clock; sent as seconds).
+    pub(crate) older_than: Duration,
+    /// At most this many rows.
+    pub(crate) size: i64,
+    /// Only ids above this one.
+    pub(crate) after_id: i64,
+}
+
+/// What [`delete_batch`] did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Deleted {
+    /// Rows it deleted.
+    pub(crate) rows: i64,
+    /// The highest id it deleted; `None` when it deleted none.
+    pub(crate) last_id: Option<i64>,
+}
+
+/// Delete one batch ([`DELETE_BATCH`]).
+///
+/// # Errors
+/// [`crate::Error::NotMigrated`] or [`crate::Error::Db`].
+pub(crate) async fn delete_batch<C: GenericClient + Sync>(client: &C, b: &Batch) -> Result<Deleted> {
+    let secs = b.older_than.as_secs_f64();
+    let row = client.query_one(DELETE_BATCH, &[&secs, &b.size, &b.after_id]).await.map_err(map_missing_schema)?;
+    Ok(Deleted { rows: row.try_get("deleted")?, last_id: row.try_get("last_id")? })
+}
+
+/// How many published rows are older than `older_than` (by the database's
+/// clock; sent as seconds): what a run would delete ([`COUNT_DUE`]).
+///
+/// # Errors
+/// [`crate::Error::NotMigrated`] or [`crate::Error::Db`].
+pub(crate) async fn count_due<C: GenericClient + Sync>(client: &C, older_than: Duration) -> Result<i64> {
+    let secs = older_than.as_secs_f64();
+    Ok(client.query_one(COUNT_DUE, &[&secs]).await.map_err(map_missing_schema)?.try_get("due")?)
+}

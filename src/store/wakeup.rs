@@ -2,6 +2,10 @@
 //! `events.outbox_relays` that tell producers whether to notify
 //! (`triggers/outbox_relays_refresh_hint.sql`).
 
+use tokio_postgres::GenericClient;
+
+use crate::error::Result;
+
 /// Send notification payload $2 on channel $1 (the start-up probe, and the
 /// wake-up after an operator made dead letters due or deleted them).
 pub(crate) const NOTIFY: &str = "SELECT pg_notify($1, $2)";
@@ -17,6 +21,28 @@ pub(crate) async fn notify<C: tokio_postgres::GenericClient + Sync>(
 
 /// Fraction of the notification queue in use (0..1).
 pub(crate) const NOTIFICATION_QUEUE_USAGE: &str = "SELECT pg_notification_queue_usage() AS usage";
+/// Send `payload` on `channel` ([`NOTIFY`]): listeners get it when the
+/// transaction `client` is in commits (at once outside one).
+///
+/// # Errors
+/// [`crate::Error::Db`] when the statement fails (e.g. the notification
+/// queue is full).
+pub(crate) async fn notify<C: GenericClient + Sync>(client: &C, channel: &str, payload: &str) -> Result<()> {
+    client.execute(NOTIFY, &[&channel, &payload]).await?;
+    Ok(())
+}
+
+/// The fraction (0 to 1) of the server's notification queue in use
+/// ([`NOTIFICATION_QUEUE_USAGE`]).
+///
+/// # Errors
+/// [`crate::Error::NotMigrated`] or [`crate::Error::Db`].
+#[cfg(feature = "console")]
+pub(crate) async fn notification_queue_usage<C: GenericClient + Sync>(client: &C) -> Result<f64> {
+    let row = client.query_one(NOTIFICATION_QUEUE_USAGE, &[]).await.map_err(super::map_missing_schema)?;
+    Ok(row.try_get("usage")?)
+}
+
 /// The listener's liveness ping: an empty query, one round trip.
 const PING: &str = "";
 

@@ -149,7 +149,7 @@ type Committed = HashMap<i64, Instant>;
 async fn run_on(url: &str, args: &DemoArgs) -> Result<(), Error> {
     let metrics = crate::install_metrics()?;
     let admin = crate::connect(url).await?;
-    let (subs, start_id) = prepare(url, &admin, args).await?;
+    let subs = prepare(url, &admin, args).await?;
     let seen = Arc::new(Mutex::new(Seen::default()));
     let (stop_tx, relay) = start_relay(url, seen.clone()).await?;
     eprintln!(
@@ -162,18 +162,15 @@ async fn run_on(url: &str, args: &DemoArgs) -> Result<(), Error> {
     let elapsed = started.elapsed();
     let _ = stop_tx.send(());
     relay.await.map_err(|e| Error::Config(format!("relay panicked: {e}")))??;
-    let unpublished: i64 = admin
-        .query_one("SELECT count(*) FROM events.outbox WHERE id > $1 AND published_at IS NULL", &[&start_id])
-        .await?
-        .try_get(0)?;
+    // The scratch database holds the demo's events only.
+    let unpublished = pg_outbox::status(&admin).await?.unpublished;
     let summary = Summary::new(&committed, &lock(&seen), rolled_back, unpublished, elapsed)?;
     summary.print(&metrics);
     summary.check()
 }
 
-/// Migrate, create the demo's domain table and subscriptions; returns them
-/// and the highest outbox id before the demo.
-async fn prepare(url: &str, admin: &tokio_postgres::Client, args: &DemoArgs) -> Result<(Vec<uuid::Uuid>, i64), Error> {
+/// Migrate, create the demo's domain table and subscriptions; returns them.
+async fn prepare(url: &str, admin: &tokio_postgres::Client, args: &DemoArgs) -> Result<Vec<uuid::Uuid>, Error> {
     let report = pg_outbox::migrate::apply(&pg_outbox::ConnectOptions::parse(url)?).await?;
     eprintln!("demo: migrated ({} files applied)", report.applied.len());
     admin.batch_execute(SCHEMA).await?;
@@ -181,8 +178,7 @@ async fn prepare(url: &str, admin: &tokio_postgres::Client, args: &DemoArgs) -> 
     admin
         .execute("INSERT INTO billing.subscriptions (id) SELECT unnest($1::uuid[]) ON CONFLICT DO NOTHING", &[&subs])
         .await?;
-    let start_id: i64 = admin.query_one("SELECT coalesce(max(id), 0) FROM events.outbox", &[]).await?.try_get(0)?;
-    Ok((subs, start_id))
+    Ok(subs)
 }
 
 type RelayTask = tokio::task::JoinHandle<Result<pg_outbox::relay::RelayStats, Error>>;

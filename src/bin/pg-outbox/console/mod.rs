@@ -36,7 +36,7 @@ const TIMELINE_AROUND: i64 = 20;
 /// Statement timeout of the console's session: a page never waits longer.
 /// The overview's backlog figures in the background get longer (see
 /// [`Figures`]).
-const STATEMENT_TIMEOUT: &str = "15s";
+const STATEMENT_TIMEOUT: Duration = Duration::from_secs(15);
 /// Backlog figures that take at most this long are read for every
 /// overview; slower ones are served from the last reading while the next
 /// one runs in the background.
@@ -159,7 +159,7 @@ impl Db {
             return Ok(c.clone());
         }
         let c = self.opts.connect().await?;
-        c.batch_execute(&format!("SET statement_timeout = '{STATEMENT_TIMEOUT}'")).await?;
+        pg_outbox::console::set_statement_timeout(&c, STATEMENT_TIMEOUT).await?;
         let c = Arc::new(c);
         *slot = Some(c.clone());
         Ok(c)
