@@ -72,7 +72,7 @@ pub(crate) use rows::{DecodedEvent, event_from_row, row_id};
 pub(crate) use settle::{ACK, FAIL};
 pub(crate) use status::GAUGES;
 pub use status::{OutboxStatus, PendingRetry, RetryLadder, STATUS_MAX_TYPES, STATUS_NEXT_RETRIES, TypeBacklog, status};
-pub(crate) use wakeup::{NOTIFICATION_QUEUE_USAGE, NOTIFY, listen, notify, ping};
+pub(crate) use wakeup::{listen, notify, ping};
 pub(crate) use work::{FetchKind, FetchPage, FetchParams, FetchScope, RowIdentity, Undecodable, WorkSession};
 pub(crate) use writer::{Acknowledged, FailParams, FailWritten, WriterSession};
 

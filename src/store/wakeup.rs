@@ -9,16 +9,6 @@ use crate::error::Result;
 /// Send notification payload $2 on channel $1 (the start-up probe, and the
 /// wake-up after an operator made dead letters due or deleted them).
 pub(crate) const NOTIFY: &str = "SELECT pg_notify($1, $2)";
-/// Send `payload` on `channel` ([`NOTIFY`]): delivered when `client`'s
-/// transaction commits (at once outside one).
-pub(crate) async fn notify<C: tokio_postgres::GenericClient + Sync>(
-    client: &C,
-    channel: &str,
-    payload: &str,
-) -> Result<(), tokio_postgres::Error> {
-    client.execute(NOTIFY, &[&channel, &payload]).await.map(drop)
-}
-
 /// Fraction of the notification queue in use (0..1).
 pub(crate) const NOTIFICATION_QUEUE_USAGE: &str = "SELECT pg_notification_queue_usage() AS usage";
 /// Send `payload` on `channel` ([`NOTIFY`]): listeners get it when the
