@@ -43,7 +43,7 @@ use super::health;
 use super::inflight::InFlight;
 use super::maintenance::Maintenance;
 use super::session::{OpenError, Sessions};
-use super::source::{Cx, Room, Source};
+use super::source::{Cx, Room, Source, Stop};
 use super::{ConsumerConfig, Delivery, STATUS_INTERVAL, Shared};
 use crate::connect::Link;
 use crate::error::Error;
@@ -86,6 +86,17 @@ enum Loss {
     Statement(StatementError),
 }
 
+impl Loss {
+    /// A statement opening the sessions failed: a database error counts as
+    /// a failed connection.
+    fn opening(e: StatementError) -> Self {
+        match e {
+            StatementError { failure: Failure::Db(e), .. } => Loss::ConnectFailed(Error::Db(e)),
+            e => Loss::Statement(e),
+        }
+    }
+}
+
 /// Run the drain loop over `source` until `token` is cancelled and the
 /// handed-out deliveries are settled (or the shutdown grace ran out), then
 /// write the last settlements. `first` is the connection `start` opened.
@@ -118,6 +129,7 @@ pub(crate) async fn run<S: Source>(
         cfg,
         token,
         stop_deadline: None,
+        final_deadline: None,
         health,
     };
     engine.run(tx, settle_rx, done_rx, &shared).await
@@ -128,6 +140,8 @@ struct Engine<S: Source> {
     token: CancellationToken,
     /// Set once stopping: the loop ends then, or when nothing is handed out.
     stop_deadline: Option<Instant>,
+    /// Set for the final flush: statements give up then.
+    final_deadline: Option<Instant>,
     sessions: Sessions,
     inflight: InFlight,
     completer: Completer,
@@ -165,7 +179,7 @@ impl<S: Source> Engine<S> {
             // waits for half of it to be freed, or for the reader to empty
             // the buffer (then it waits with deliveries unsettled).
             let bytes_wait = !stopping && !buffer_empty && self.inflight.waits_for_empty_buffer();
-            let engine_at = self.next_timer(open, stopping);
+            let engine_at = self.next_timer(open);
             let source_at = self.source.next_timer(open, stopping);
             // Notice a lost session at once, not at the next query: its locks
             // are gone, and what it buffered must not be handed out.
@@ -181,33 +195,30 @@ impl<S: Source> Engine<S> {
                 wake = self.source.signalled(), if !stopping => self.source.woken(wake),
                 _ = shared.reader_waiting.notified(), if bytes_wait => {}
                 _ = maybe_sleep(source_at) => self.source_timers().await,
+                _ = sleep_until(self.status_due), if open && !stopping => self.maintain().await,
             }
         }
         self.final_flush(&mut done_rx).await;
     }
 
-    /// The engine's own next timer: a write due (sessions open, none in
-    /// flight), a reconnect (sessions closed), the gauges (open, not
-    /// stopping), or the end of the shutdown grace.
-    fn next_timer(&self, open: bool, stopping: bool) -> Option<Instant> {
+    /// The engine's next timer but the gauges': a write due (sessions
+    /// open, none in flight), a reconnect (sessions closed), or the end of
+    /// the shutdown grace.
+    fn next_timer(&self, open: bool) -> Option<Instant> {
         let flush = self.completer.flush_at().filter(|_| open && !self.completer.is_writing());
         let reconnect = self.sessions.reconnect_at().filter(|_| !open);
-        let status = Some(self.status_due).filter(|_| open && !stopping);
-        [flush, reconnect, status, self.stop_deadline].into_iter().flatten().min()
+        [flush, reconnect, self.stop_deadline].into_iter().flatten().min()
     }
 
     /// The engine's timer fired: carry out the first of its timers due.
     async fn timer_due(&mut self) {
         let now = Instant::now();
-        let (open, stopping) = (self.sessions.is_open(), self.stop_deadline.is_some());
+        let open = self.sessions.is_open();
         let due = |t: Option<Instant>| t.is_some_and(|t| t <= now);
         if open && !self.completer.is_writing() && due(self.completer.flush_at()) {
             self.flush_timer().await;
         } else if !open && due(self.sessions.reconnect_at()) {
-            let token = self.token.clone();
-            self.reconnect(token.cancelled()).await;
-        } else if open && !stopping && self.status_due <= now {
-            self.maintain().await;
+            self.reconnect().await;
         }
         // Otherwise the shutdown grace ran out: the loop's condition ends it.
     }
@@ -266,7 +277,11 @@ impl<S: Source> Engine<S> {
     /// The work session and the stop signal, for the source (`None` while
     /// the sessions are closed).
     fn source_cx(&mut self) -> (&mut S, Option<Cx<'_>>) {
-        let cx = self.sessions.conn().map(|c| Cx { work: &c.work, token: &self.token });
+        let stop = match self.final_deadline {
+            Some(at) => Stop::At(at),
+            None => Stop::Token(&self.token),
+        };
+        let cx = self.sessions.conn().map(|c| Cx { work: &c.work, stop });
         (&mut self.source, cx)
     }
 
@@ -374,28 +389,33 @@ impl<S: Source> Engine<S> {
         }
     }
 
-    /// Open the sessions (when `stop` resolves first, give up).
-    async fn reconnect(&mut self, stop: impl Future<Output = ()>) {
-        match self.sessions.open(&self.cfg, self.source.fetch_kind(), stop).await {
-            Ok(()) => {
-                let opened = match self.source_cx() {
-                    (source, Some(cx)) => source.session_opened(cx).await,
-                    (_, None) => Ok(()),
-                };
-                if let Err(e) = opened {
-                    return self.lose(Loss::Statement(e));
-                }
-                self.health.connected(true);
-                self.health.role(self.source.role());
-                if self.completer.pending() > 0 {
-                    self.completer.flush_now();
-                }
-            }
-            Err(OpenError::Connect(e)) => self.lose(Loss::ConnectFailed(e)),
-            Err(OpenError::Statement(StatementError { failure: Failure::Db(e), .. })) => {
-                self.lose(Loss::ConnectFailed(Error::Db(e)))
-            }
-            Err(OpenError::Statement(e)) => self.lose(Loss::Statement(e)),
+    /// Open the sessions and let the source take what it holds on them
+    /// (giving up when the consumer stops, or at the final flush's
+    /// deadline).
+    async fn reconnect(&mut self) {
+        let token = self.token.clone();
+        let stop = match self.final_deadline {
+            Some(at) => Stop::At(at),
+            None => Stop::Token(&token),
+        };
+        if let Err(e) = self.sessions.open(&self.cfg, self.source.fetch_kind(), stop.wait()).await {
+            return self.lose(match e {
+                OpenError::Connect(e) => Loss::ConnectFailed(e),
+                OpenError::Statement(e) => Loss::opening(e),
+            });
+        }
+        let opened = match self.source_cx() {
+            (source, Some(cx)) => source.session_opened(cx).await,
+            (_, None) => Ok(()),
+        };
+        if let Err(e) = opened {
+            return self.lose(Loss::opening(e));
+        }
+        self.sessions.ready();
+        self.health.connected(true);
+        self.health.role(self.source.role());
+        if self.completer.pending() > 0 {
+            self.completer.flush_now();
         }
     }
 
@@ -471,6 +491,7 @@ impl<S: Source> Engine<S> {
     /// Whatever is still handed out is released by its `Drop` later.
     async fn final_flush(&mut self, done_rx: &mut mpsc::UnboundedReceiver<FlushDone>) {
         let deadline = Instant::now() + self.cfg.shutdown_grace;
+        self.final_deadline = Some(deadline);
         let r = match self.source_cx() {
             (source, Some(cx)) => source.finish(cx, deadline).await,
             (_, None) => Ok(()),
@@ -488,7 +509,7 @@ impl<S: Source> Engine<S> {
                 break;
             }
             if !self.sessions.is_open() {
-                self.reconnect(sleep_until(deadline)).await;
+                self.reconnect().await;
             }
             self.start_write();
             if self.completer.is_writing()

@@ -189,9 +189,14 @@ impl Sessions {
         };
         self.generation += 1;
         self.conn = Some(Conn { work, writer, link, writer_link });
-        self.backoff = new_backoff(self.max_delay);
         self.reconnect_at = None;
         Ok(())
+    }
+
+    /// The sessions opened are ready (what the source takes on them is
+    /// taken): the reconnect backoff starts over.
+    pub(super) fn ready(&mut self) {
+        self.backoff = new_backoff(self.max_delay);
     }
 
     /// Connect the work session (the first connection, once) and, unless

@@ -100,7 +100,8 @@ impl Source for ClaimSource {
     }
 
     async fn session_opened(&mut self, _cx: Cx<'_>) -> Result<(), StatementError> {
-        self.session_lost();
+        self.in_tx = false;
+        metrics::gauge!(m::PARTITIONS_OWNED).set(0.0);
         self.wakeups.session_opened();
         Ok(())
     }

@@ -48,7 +48,7 @@ use std::sync::Arc;
 
 use tokio::sync::Notify;
 use tokio::time::Instant;
-use tokio_util::sync::{CancellationToken, WaitForCancellationFuture};
+use tokio_util::sync::CancellationToken;
 
 pub(super) use claim::ClaimSource;
 pub(super) use listen::ListenSource;
@@ -73,19 +73,46 @@ pub(crate) struct Signals {
     pub(crate) reconnected: Arc<Notify>,
 }
 
-/// What a source's statements run on: the open work session, and the
-/// consumer's stop signal.
+/// When a source's statements must give up.
+#[derive(Clone, Copy)]
+pub(super) enum Stop<'a> {
+    /// When the consumer is told to stop.
+    Token(&'a CancellationToken),
+    /// At this time (the consumer is stopping, within its shutdown grace).
+    At(Instant),
+}
+
+impl<'a> Stop<'a> {
+    /// Resolves when it is time to give up.
+    pub(super) async fn wait(self) {
+        match self {
+            Stop::Token(token) => token.cancelled().await,
+            Stop::At(at) => tokio::time::sleep_until(at).await,
+        }
+    }
+}
+
+/// What a source's statements run on: the open work session, and when to
+/// give up.
 #[derive(Clone, Copy)]
 pub(super) struct Cx<'a> {
     pub(super) work: &'a WorkSession,
-    pub(super) token: &'a CancellationToken,
+    pub(super) stop: Stop<'a>,
 }
 
 impl<'a> Cx<'a> {
-    /// Resolves when the consumer stops (a statement then gets a short
-    /// grace, then is cancelled: `store::statement::run`).
-    pub(super) fn stop(&self) -> WaitForCancellationFuture<'a> {
-        self.token.cancelled()
+    /// Resolves when a statement must give up (it then gets a short grace,
+    /// then is cancelled: `store::statement::run`).
+    pub(super) fn stop(&self) -> impl Future<Output = ()> + Send + 'a {
+        self.stop.wait()
+    }
+
+    /// The consumer is stopping.
+    pub(super) fn stopping(&self) -> bool {
+        match self.stop {
+            Stop::Token(token) => token.is_cancelled(),
+            Stop::At(_) => true,
+        }
     }
 }
 

@@ -137,12 +137,18 @@ impl Wakeups {
     ) -> Result<(), StatementError> {
         let now = Instant::now();
         self.policy.count(now, handed);
+        // A failed look gives the sessions up, but the policy still decides
+        // (its statements then wait for new sessions).
+        let mut looked = Ok(());
         if self.policy.wants_queue_look(now, handed) {
-            let waiters = self.notify_lock_waiters(cx).await?;
-            self.policy.queue_looked(now, waiters);
+            match self.notify_lock_waiters(cx).await {
+                Ok(waiters) => self.policy.queue_looked(now, waiters),
+                Err(e) => looked = Err(e),
+            }
         }
-        let fetched = Fetched { handed, full, claiming: in_tx, stopping: cx.token.is_cancelled() };
+        let fetched = Fetched { handed, full, claiming: in_tx, stopping: cx.stopping() };
         let next = self.policy.after_fetch(now, fetched);
+        looked?;
         if let Some(waiting) = next.set_waiting {
             cx.work.set_waiting(waiting, cx.stop()).await?;
             metrics::gauge!(m::WAITING_FOR_NOTIFICATIONS).set(if waiting { 1.0 } else { 0.0 });
