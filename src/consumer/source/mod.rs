@@ -46,6 +46,7 @@ mod wakeups;
 use std::future::Future;
 use std::sync::Arc;
 
+use futures::future::Either;
 use tokio::sync::Notify;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
@@ -83,11 +84,12 @@ pub(super) enum Stop<'a> {
 }
 
 impl<'a> Stop<'a> {
-    /// Resolves when it is time to give up.
-    pub(super) async fn wait(self) {
+    /// Resolves when it is time to give up, and again each time it is
+    /// polled after that (one stop may serve several statements in turn).
+    pub(super) fn wait(self) -> impl Future<Output = ()> + Send + 'a {
         match self {
-            Stop::Token(token) => token.cancelled().await,
-            Stop::At(at) => tokio::time::sleep_until(at).await,
+            Stop::Token(token) => Either::Left(token.cancelled()),
+            Stop::At(at) => Either::Right(tokio::time::sleep_until(at)),
         }
     }
 }
