@@ -25,9 +25,9 @@ impl ConsumerBuilder {
     /// first drain runs at once.
     ///
     /// # Errors
-    /// [`Error::Config`] for out-of-range settings; [`Error::Connect`] if the
+    /// [`Error::Config`](crate::Error::Config) for out-of-range settings; [`Error::Connect`](crate::Error::Connect) if the
     /// database cannot be reached (the first connection fails fast; later
-    /// losses are retried with backoff); [`Error::NotMigrated`] if the
+    /// losses are retried with backoff); [`Error::NotMigrated`](crate::Error::NotMigrated) if the
     /// schema has not been migrated.
     ///
     /// # Cancel safety
