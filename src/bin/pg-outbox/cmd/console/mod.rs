@@ -46,7 +46,7 @@ const FIGURES_INLINE: Duration = Duration::from_millis(200);
 pub(crate) struct ConsoleArgs {
     /// Address to serve on: HOST:PORT, or a bare PORT on 127.0.0.1. A
     /// non-loopback address needs --console-token-file.
-    #[arg(long, value_name = "[HOST:]PORT", default_value = "127.0.0.1:8080", value_parser = crate::parse_metrics_addr)]
+    #[arg(long, value_name = "[HOST:]PORT", default_value = "127.0.0.1:8080", value_parser = crate::parse::parse_metrics_addr)]
     addr: SocketAddr,
     /// File holding the console token (its first line; at least 16
     /// characters). With it, every page needs the token: the login form,
@@ -59,7 +59,7 @@ pub(crate) struct ConsoleArgs {
     #[arg(long)]
     read_only: bool,
     /// How often the overview reloads itself (e.g. 5s, 1m).
-    #[arg(long, value_parser = crate::parse_duration, default_value = "5s")]
+    #[arg(long, value_parser = crate::parse::parse_duration, default_value = "5s")]
     refresh: Duration,
 }
 
@@ -180,7 +180,12 @@ fn read_token(path: &std::path::Path) -> Result<String, Error> {
     Ok(token)
 }
 
-/// Serve the console until SIGINT/SIGTERM.
+/// The application name of the console's sessions, unless the URL names
+/// them.
+pub(crate) const SESSIONS: &str = "pg-outbox console";
+
+/// Serve the console until SIGINT/SIGTERM, on sessions made by `opts`
+/// (named [`SESSIONS`] by the caller unless the URL names them).
 pub(crate) async fn run(opts: pg_outbox::ConnectOptions, args: ConsoleArgs) -> Result<(), Error> {
     let token = args.console_token_file.as_deref().map(read_token).transpose()?;
     if !args.addr.ip().is_loopback() && token.is_none() {
@@ -190,10 +195,6 @@ pub(crate) async fn run(opts: pg_outbox::ConnectOptions, args: ConsoleArgs) -> R
             args.addr
         )));
     }
-    let opts = match opts.application_name() {
-        Some(n) if n != "pg-outbox cli" => opts,
-        _ => opts.with_application_name("pg-outbox console"),
-    };
     let db = Db { opts, client: tokio::sync::Mutex::new(None) };
     // Fail fast on a wrong URL or a missing schema.
     pg_outbox::status(&*db.client().await?).await?;
@@ -222,7 +223,7 @@ pub(crate) async fn run(opts: pg_outbox::ConnectOptions, args: ConsoleArgs) -> R
         .fallback(not_found)
         .with_state(app);
     axum::serve(listener, router.into_make_service_with_connect_info::<SocketAddr>())
-        .with_graceful_shutdown(crate::shutdown_signal())
+        .with_graceful_shutdown(crate::signals::shutdown_signal())
         .await
         .map_err(|e| Error::Config(format!("console server: {e}")))?;
     tracing::info!("console stopped");
