@@ -29,6 +29,8 @@ mod chart;
 mod guard;
 mod pages;
 
+use guard::{Admitted, Applying, ChangeAllowed, Confirming};
+
 /// Dead letters per page.
 const PAGE_SIZE: i64 = 50;
 /// Events on each side of an event in its aggregate's timeline.
@@ -274,64 +276,11 @@ fn redirect(to: &str, cookie: Option<String>) -> Response {
     r
 }
 
-/// Let the request in, or say why not: the Host check (no token), the
-/// token (token mode). GETs without the token go to the login form.
-fn admit(app: &App, headers: &HeaderMap, is_get: bool) -> Result<Ctx, Box<Response>> {
-    let host = headers.get(header::HOST).and_then(|v| v.to_str().ok()).unwrap_or_default();
-    if app.token.is_none() && !guard::loopback_host(host) {
-        return Err(Box::new(refused(
-            StatusCode::FORBIDDEN,
-            "This console answers only to a loopback host name (127.0.0.1, localhost, [::1]) unless it runs with a token.",
-        )));
-    }
-    if let Some(token) = &app.token {
-        let by_header = guard::header_token(headers).is_some_and(|t| guard::same(&t, token));
-        let by_cookie = guard::cookie(headers, guard::SESSION_COOKIE).is_some_and(|s| guard::same(&s, &app.session));
-        if !by_header && !by_cookie {
-            return Err(Box::new(if is_get {
-                redirect("/login", None)
-            } else {
-                refused(StatusCode::UNAUTHORIZED, "This request needs the console token.")
-            }));
-        }
-    }
-    let (csrf, new_csrf) = match guard::cookie(headers, guard::CSRF_COOKIE).filter(|c| c.len() >= 16) {
-        Some(c) => (c, false),
-        None => (guard::fresh(), true),
-    };
-    Ok(Ctx { csrf, new_csrf, read_only: app.read_only })
-}
-
-/// A change may go on: not read-only, from the console's own origin, and
-/// with the CSRF field matching its cookie (or the token header).
-fn check_change(app: &App, headers: &HeaderMap, form: &Fields) -> Result<(), Box<Response>> {
-    if app.read_only {
-        return Err(Box::new(refused(StatusCode::FORBIDDEN, "This console is read-only (--read-only).")));
-    }
-    if !guard::same_origin(headers) {
-        return Err(Box::new(refused(StatusCode::FORBIDDEN, "This request comes from another origin.")));
-    }
-    if let Some(token) = &app.token
-        && guard::header_token(headers).is_some_and(|t| guard::same(&t, token))
-    {
-        return Ok(());
-    }
-    let cookie = guard::cookie(headers, guard::CSRF_COOKIE).unwrap_or_default();
-    let field = form.get("csrf").unwrap_or_default();
-    if cookie.len() < 16 || !guard::same(&cookie, field) {
-        return Err(Box::new(refused(
-            StatusCode::FORBIDDEN,
-            "This request lacks the form's CSRF token: reload the page and try again.",
-        )));
-    }
-    Ok(())
-}
-
 /// Name/value pairs of a query string or a form body, repeated names kept.
 pub(crate) struct Fields(Vec<(String, String)>);
 
 impl Fields {
-    fn parse(bytes: &[u8]) -> Fields {
+    pub(crate) fn parse(bytes: &[u8]) -> Fields {
         Fields(form_urlencoded::parse(bytes).into_owned().collect())
     }
 
@@ -422,11 +371,7 @@ fn db_error(ctx: &Ctx, e: &Error) -> Response {
     respond(StatusCode::INTERNAL_SERVER_ERROR, Some(ctx), pages::error(ctx, &pg_outbox::error::report(e)))
 }
 
-async fn overview(State(app): State<Arc<App>>, headers: HeaderMap) -> Response {
-    let ctx = match admit(&app, &headers, true) {
-        Ok(c) => c,
-        Err(r) => return *r,
-    };
+async fn overview(State(app): State<Arc<App>>, Admitted(ctx): Admitted) -> Response {
     let read = async {
         let c = app.db.client().await?;
         let status = figures(&app).await?;
@@ -442,11 +387,7 @@ async fn overview(State(app): State<Arc<App>>, headers: HeaderMap) -> Response {
     }
 }
 
-async fn dead_letter_list(State(app): State<Arc<App>>, headers: HeaderMap, uri: Uri) -> Response {
-    let ctx = match admit(&app, &headers, true) {
-        Ok(c) => c,
-        Err(r) => return *r,
-    };
+async fn dead_letter_list(State(app): State<Arc<App>>, Admitted(ctx): Admitted, uri: Uri) -> Response {
     let q = Fields::query(&uri);
     let form = FilterForm::from(&q);
     let filter = match form.filter() {
@@ -473,11 +414,7 @@ async fn dead_letter_list(State(app): State<Arc<App>>, headers: HeaderMap, uri: 
     }
 }
 
-async fn event_page(State(app): State<Arc<App>>, headers: HeaderMap, Path(id): Path<String>) -> Response {
-    let ctx = match admit(&app, &headers, true) {
-        Ok(c) => c,
-        Err(r) => return *r,
-    };
+async fn event_page(State(app): State<Arc<App>>, Path(id): Path<String>, Admitted(ctx): Admitted) -> Response {
     let Ok(id) = id.parse::<i64>() else {
         return respond(StatusCode::NOT_FOUND, Some(&ctx), pages::message("Not found", "An event id is a number."));
     };
@@ -558,15 +495,8 @@ fn target(f: &Fields) -> Result<Target, String> {
     }
 }
 
-async fn confirm(State(app): State<Arc<App>>, headers: HeaderMap, body: Bytes) -> Response {
-    let ctx = match admit(&app, &headers, false) {
-        Ok(c) => c,
-        Err(r) => return *r,
-    };
-    let f = Fields::parse(&body);
-    if let Err(r) = check_change(&app, &headers, &f) {
-        return *r;
-    }
+async fn confirm(State(app): State<Arc<App>>, change: ChangeAllowed<Confirming>) -> Response {
+    let ChangeAllowed { ctx, form: f, .. } = change;
     let t = match target(&f) {
         Ok(t) => t,
         Err(why) => return respond(StatusCode::BAD_REQUEST, Some(&ctx), pages::message("Nothing to do", &why)),
@@ -586,18 +516,9 @@ async fn confirm(State(app): State<Arc<App>>, headers: HeaderMap, body: Bytes) -
 async fn apply(
     State(app): State<Arc<App>>,
     ConnectInfo(from): ConnectInfo<SocketAddr>,
-    headers: HeaderMap,
-    body: Bytes,
+    change: ChangeAllowed<Applying>,
 ) -> Response {
-    let ctx = match admit(&app, &headers, false) {
-        Ok(c) => c,
-        Err(r) => return *r,
-    };
-    let f = Fields::parse(&body);
-    if let Err(r) = check_change(&app, &headers, &f) {
-        tracing::warn!(from = %from, "console: a change was refused");
-        return *r;
-    }
+    let ChangeAllowed { ctx, form: f, .. } = change;
     let mut t = match target(&f) {
         Ok(t) => t,
         Err(why) => return respond(StatusCode::BAD_REQUEST, Some(&ctx), pages::message("Nothing to do", &why)),
