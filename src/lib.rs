@@ -22,8 +22,6 @@ pub mod retention;
 mod retry;
 mod store;
 
-#[allow(unused_imports)] // the target of intra-doc links `crate::PLANNER_SETTINGS`
-pub(crate) use connect::PLANNER_SETTINGS;
 #[doc(hidden)]
 pub use connect::describe_target;
 pub use connect::{ConnectOptions, DEFAULT_CONNECT_TIMEOUT, RootCert, SslMode, TlsConnector};

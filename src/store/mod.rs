@@ -11,6 +11,8 @@
 //! - [`status`]: the backlog figures and the relay's gauges;
 //! - [`wakeup`]: LISTEN/NOTIFY and the relays' registrations;
 //! - [`locks`]: every advisory lock key, and the statements that take them;
+//! - `planner`: the planner settings every pg-outbox session starts with
+//!   ([`PLANNER_SETTINGS`]);
 //! - [`dead_letters`], [`retention`]: the operators' statements;
 //! - `replay`: replay's reads (feature `relay`);
 //! - `console`: the operator console's reads (feature `console`);
@@ -50,6 +52,7 @@ pub(crate) mod console;
 pub(crate) mod dead_letters;
 pub(crate) mod fetch;
 pub(crate) mod locks;
+mod planner;
 mod publish;
 #[cfg(feature = "relay")]
 pub(crate) mod replay;
@@ -65,6 +68,7 @@ mod writer;
 
 pub use fetch::fetch_query;
 pub(crate) use fetch::{NEXT_RETRY_IN, PayloadSizes, competing_fetch_sql, fetch_sql};
+pub(crate) use planner::PLANNER_SETTINGS;
 #[cfg(feature = "sqlx")]
 pub(crate) use publish::via_sqlx;
 pub(crate) use publish::{insert_event, insert_events};

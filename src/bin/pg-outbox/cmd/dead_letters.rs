@@ -144,7 +144,7 @@ fn require_selection(ids: &[i64], filter: &FilterArgs, all: bool, verb: &str) ->
 }
 
 pub(crate) async fn run(url: &str, cmd: DeadLetterCmd) -> Result<(), Error> {
-    let client = crate::connect(url).await?;
+    let client = crate::db::connect(url).await?;
     match cmd {
         DeadLetterCmd::List { filter, json } => list(&client, &filter.to_filter(&[])?, json).await,
         DeadLetterCmd::Show { id } => show(&client, id).await,
@@ -184,13 +184,14 @@ fn print_table(rows: &[pg_outbox::Event]) {
         "id", "aggregate_type", "aggregate_id", "event_type", "retries"
     );
     for e in rows {
-        let err: String = crate::printable(e.last_error.as_deref().unwrap_or_default()).chars().take(80).collect();
+        let err: String =
+            super::status::printable(e.last_error.as_deref().unwrap_or_default()).chars().take(80).collect();
         println!(
             "{:>10}  {:<20}  {:<36}  {:<24}  {:>7}  {}",
             e.id,
-            crate::printable(&e.aggregate_type),
+            super::status::printable(&e.aggregate_type),
             e.aggregate_id,
-            crate::printable(&e.event_type),
+            super::status::printable(&e.event_type),
             e.retry_count,
             err
         );

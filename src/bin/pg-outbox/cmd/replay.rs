@@ -54,7 +54,7 @@ pub(crate) struct ReplayArgs {
     #[arg(long)]
     aggregate_type: Option<String>,
     /// Only this aggregate (a UUID).
-    #[arg(long, value_parser = crate::parse_uuid)]
+    #[arg(long, value_parser = crate::parse::parse_uuid)]
     aggregate_id: Option<uuid::Uuid>,
     /// Only this event type (exact match).
     #[arg(long)]
@@ -77,7 +77,7 @@ pub(crate) struct ReplayArgs {
     #[arg(long)]
     dry_run: bool,
     /// On SIGINT/SIGTERM, how long to wait for the event in hand.
-    #[arg(long, value_parser = crate::parse_duration, default_value = "30s")]
+    #[arg(long, value_parser = crate::parse::parse_duration, default_value = "30s")]
     shutdown_grace: Duration,
     #[command(flatten)]
     sink: SinkArgs,
@@ -184,9 +184,9 @@ fn elapsed(t: Instant) -> String {
 /// Resolves on the first SIGINT/SIGTERM; a second one prints the resume
 /// hint and exits at once with [`INTERRUPTED_EXIT`].
 async fn signals(format: LogFormat, shared: Shared) {
-    crate::shutdown_signal().await;
+    crate::signals::shutdown_signal().await;
     tokio::spawn(async move {
-        crate::shutdown_signal().await;
+        crate::signals::shutdown_signal().await;
         let p = *shared.lock().unwrap_or_else(PoisonError::into_inner);
         let (hint, fields) = resume(&p);
         logging::line(

@@ -79,7 +79,7 @@ pub(crate) async fn run(args: DemoArgs) -> Result<(), Error> {
         Some(server) => {
             // A scratch database on the given server, dropped afterwards.
             let name = format!("pg_outbox_demo_{}", std::process::id());
-            let admin = crate::connect(&server).await?;
+            let admin = crate::db::connect(&server).await?;
             admin.batch_execute(&format!("CREATE DATABASE {name}")).await?;
             let cfg = pg_outbox::ConnectOptions::parse(&server)?.with_dbname(&name);
             eprintln!("demo: created scratch database {name} on {}", cfg.describe());
@@ -147,8 +147,8 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 type Committed = HashMap<i64, Instant>;
 
 async fn run_on(url: &str, args: &DemoArgs) -> Result<(), Error> {
-    let metrics = crate::install_metrics()?;
-    let admin = crate::connect(url).await?;
+    let metrics = crate::prometheus::install_metrics()?;
+    let admin = crate::db::connect(url).await?;
     let subs = prepare(url, &admin, args).await?;
     let seen = Arc::new(Mutex::new(Seen::default()));
     let (stop_tx, relay) = start_relay(url, seen.clone()).await?;
@@ -333,7 +333,7 @@ async fn produce(
     rollback_every: usize,
     committed: &Mutex<Committed>,
 ) -> Result<u64, Error> {
-    let mut client = crate::connect(url).await?;
+    let mut client = crate::db::connect(url).await?;
     let publisher = Publisher::new();
     let mut rolled_back = 0;
     for i in 0..n {

@@ -29,6 +29,8 @@ mod chart;
 mod guard;
 mod pages;
 
+use guard::{Admitted, Applying, ChangeAllowed, Confirming};
+
 /// Dead letters per page.
 const PAGE_SIZE: i64 = 50;
 /// Events on each side of an event in its aggregate's timeline.
@@ -46,7 +48,7 @@ const FIGURES_INLINE: Duration = Duration::from_millis(200);
 pub(crate) struct ConsoleArgs {
     /// Address to serve on: HOST:PORT, or a bare PORT on 127.0.0.1. A
     /// non-loopback address needs --console-token-file.
-    #[arg(long, value_name = "[HOST:]PORT", default_value = "127.0.0.1:8080", value_parser = crate::parse_metrics_addr)]
+    #[arg(long, value_name = "[HOST:]PORT", default_value = "127.0.0.1:8080", value_parser = crate::parse::parse_metrics_addr)]
     addr: SocketAddr,
     /// File holding the console token (its first line; at least 16
     /// characters). With it, every page needs the token: the login form,
@@ -59,7 +61,7 @@ pub(crate) struct ConsoleArgs {
     #[arg(long)]
     read_only: bool,
     /// How often the overview reloads itself (e.g. 5s, 1m).
-    #[arg(long, value_parser = crate::parse_duration, default_value = "5s")]
+    #[arg(long, value_parser = crate::parse::parse_duration, default_value = "5s")]
     refresh: Duration,
 }
 
@@ -180,7 +182,12 @@ fn read_token(path: &std::path::Path) -> Result<String, Error> {
     Ok(token)
 }
 
-/// Serve the console until SIGINT/SIGTERM.
+/// The application name of the console's sessions, unless the URL names
+/// them.
+pub(crate) const SESSIONS: &str = "pg-outbox console";
+
+/// Serve the console until SIGINT/SIGTERM, on sessions made by `opts`
+/// (named [`SESSIONS`] by the caller unless the URL names them).
 pub(crate) async fn run(opts: pg_outbox::ConnectOptions, args: ConsoleArgs) -> Result<(), Error> {
     let token = args.console_token_file.as_deref().map(read_token).transpose()?;
     if !args.addr.ip().is_loopback() && token.is_none() {
@@ -190,10 +197,6 @@ pub(crate) async fn run(opts: pg_outbox::ConnectOptions, args: ConsoleArgs) -> R
             args.addr
         )));
     }
-    let opts = match opts.application_name() {
-        Some(n) if n != "pg-outbox cli" => opts,
-        _ => opts.with_application_name("pg-outbox console"),
-    };
     let db = Db { opts, client: tokio::sync::Mutex::new(None) };
     // Fail fast on a wrong URL or a missing schema.
     pg_outbox::status(&*db.client().await?).await?;
@@ -222,7 +225,7 @@ pub(crate) async fn run(opts: pg_outbox::ConnectOptions, args: ConsoleArgs) -> R
         .fallback(not_found)
         .with_state(app);
     axum::serve(listener, router.into_make_service_with_connect_info::<SocketAddr>())
-        .with_graceful_shutdown(crate::shutdown_signal())
+        .with_graceful_shutdown(crate::signals::shutdown_signal())
         .await
         .map_err(|e| Error::Config(format!("console server: {e}")))?;
     tracing::info!("console stopped");
@@ -273,64 +276,11 @@ fn redirect(to: &str, cookie: Option<String>) -> Response {
     r
 }
 
-/// Let the request in, or say why not: the Host check (no token), the
-/// token (token mode). GETs without the token go to the login form.
-fn admit(app: &App, headers: &HeaderMap, is_get: bool) -> Result<Ctx, Box<Response>> {
-    let host = headers.get(header::HOST).and_then(|v| v.to_str().ok()).unwrap_or_default();
-    if app.token.is_none() && !guard::loopback_host(host) {
-        return Err(Box::new(refused(
-            StatusCode::FORBIDDEN,
-            "This console answers only to a loopback host name (127.0.0.1, localhost, [::1]) unless it runs with a token.",
-        )));
-    }
-    if let Some(token) = &app.token {
-        let by_header = guard::header_token(headers).is_some_and(|t| guard::same(&t, token));
-        let by_cookie = guard::cookie(headers, guard::SESSION_COOKIE).is_some_and(|s| guard::same(&s, &app.session));
-        if !by_header && !by_cookie {
-            return Err(Box::new(if is_get {
-                redirect("/login", None)
-            } else {
-                refused(StatusCode::UNAUTHORIZED, "This request needs the console token.")
-            }));
-        }
-    }
-    let (csrf, new_csrf) = match guard::cookie(headers, guard::CSRF_COOKIE).filter(|c| c.len() >= 16) {
-        Some(c) => (c, false),
-        None => (guard::fresh(), true),
-    };
-    Ok(Ctx { csrf, new_csrf, read_only: app.read_only })
-}
-
-/// A change may go on: not read-only, from the console's own origin, and
-/// with the CSRF field matching its cookie (or the token header).
-fn check_change(app: &App, headers: &HeaderMap, form: &Fields) -> Result<(), Box<Response>> {
-    if app.read_only {
-        return Err(Box::new(refused(StatusCode::FORBIDDEN, "This console is read-only (--read-only).")));
-    }
-    if !guard::same_origin(headers) {
-        return Err(Box::new(refused(StatusCode::FORBIDDEN, "This request comes from another origin.")));
-    }
-    if let Some(token) = &app.token
-        && guard::header_token(headers).is_some_and(|t| guard::same(&t, token))
-    {
-        return Ok(());
-    }
-    let cookie = guard::cookie(headers, guard::CSRF_COOKIE).unwrap_or_default();
-    let field = form.get("csrf").unwrap_or_default();
-    if cookie.len() < 16 || !guard::same(&cookie, field) {
-        return Err(Box::new(refused(
-            StatusCode::FORBIDDEN,
-            "This request lacks the form's CSRF token: reload the page and try again.",
-        )));
-    }
-    Ok(())
-}
-
 /// Name/value pairs of a query string or a form body, repeated names kept.
 pub(crate) struct Fields(Vec<(String, String)>);
 
 impl Fields {
-    fn parse(bytes: &[u8]) -> Fields {
+    pub(crate) fn parse(bytes: &[u8]) -> Fields {
         Fields(form_urlencoded::parse(bytes).into_owned().collect())
     }
 
@@ -421,11 +371,7 @@ fn db_error(ctx: &Ctx, e: &Error) -> Response {
     respond(StatusCode::INTERNAL_SERVER_ERROR, Some(ctx), pages::error(ctx, &pg_outbox::error::report(e)))
 }
 
-async fn overview(State(app): State<Arc<App>>, headers: HeaderMap) -> Response {
-    let ctx = match admit(&app, &headers, true) {
-        Ok(c) => c,
-        Err(r) => return *r,
-    };
+async fn overview(State(app): State<Arc<App>>, Admitted(ctx): Admitted) -> Response {
     let read = async {
         let c = app.db.client().await?;
         let status = figures(&app).await?;
@@ -441,11 +387,7 @@ async fn overview(State(app): State<Arc<App>>, headers: HeaderMap) -> Response {
     }
 }
 
-async fn dead_letter_list(State(app): State<Arc<App>>, headers: HeaderMap, uri: Uri) -> Response {
-    let ctx = match admit(&app, &headers, true) {
-        Ok(c) => c,
-        Err(r) => return *r,
-    };
+async fn dead_letter_list(State(app): State<Arc<App>>, Admitted(ctx): Admitted, uri: Uri) -> Response {
     let q = Fields::query(&uri);
     let form = FilterForm::from(&q);
     let filter = match form.filter() {
@@ -472,11 +414,7 @@ async fn dead_letter_list(State(app): State<Arc<App>>, headers: HeaderMap, uri: 
     }
 }
 
-async fn event_page(State(app): State<Arc<App>>, headers: HeaderMap, Path(id): Path<String>) -> Response {
-    let ctx = match admit(&app, &headers, true) {
-        Ok(c) => c,
-        Err(r) => return *r,
-    };
+async fn event_page(State(app): State<Arc<App>>, Path(id): Path<String>, Admitted(ctx): Admitted) -> Response {
     let Ok(id) = id.parse::<i64>() else {
         return respond(StatusCode::NOT_FOUND, Some(&ctx), pages::message("Not found", "An event id is a number."));
     };
@@ -557,15 +495,8 @@ fn target(f: &Fields) -> Result<Target, String> {
     }
 }
 
-async fn confirm(State(app): State<Arc<App>>, headers: HeaderMap, body: Bytes) -> Response {
-    let ctx = match admit(&app, &headers, false) {
-        Ok(c) => c,
-        Err(r) => return *r,
-    };
-    let f = Fields::parse(&body);
-    if let Err(r) = check_change(&app, &headers, &f) {
-        return *r;
-    }
+async fn confirm(State(app): State<Arc<App>>, change: ChangeAllowed<Confirming>) -> Response {
+    let ChangeAllowed { ctx, form: f, .. } = change;
     let t = match target(&f) {
         Ok(t) => t,
         Err(why) => return respond(StatusCode::BAD_REQUEST, Some(&ctx), pages::message("Nothing to do", &why)),
@@ -585,18 +516,9 @@ async fn confirm(State(app): State<Arc<App>>, headers: HeaderMap, body: Bytes) -
 async fn apply(
     State(app): State<Arc<App>>,
     ConnectInfo(from): ConnectInfo<SocketAddr>,
-    headers: HeaderMap,
-    body: Bytes,
+    change: ChangeAllowed<Applying>,
 ) -> Response {
-    let ctx = match admit(&app, &headers, false) {
-        Ok(c) => c,
-        Err(r) => return *r,
-    };
-    let f = Fields::parse(&body);
-    if let Err(r) = check_change(&app, &headers, &f) {
-        tracing::warn!(from = %from, "console: a change was refused");
-        return *r;
-    }
+    let ChangeAllowed { ctx, form: f, .. } = change;
     let mut t = match target(&f) {
         Ok(t) => t,
         Err(why) => return respond(StatusCode::BAD_REQUEST, Some(&ctx), pages::message("Nothing to do", &why)),

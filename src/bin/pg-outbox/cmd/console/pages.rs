@@ -141,6 +141,16 @@ pub(crate) fn overview(
             p.note id="chart-capped" { "The charts read the latest " (pg_outbox::console::DEFAULT_CHART_ROWS)
                 " events only: earlier minutes of the hour may be missing." }
         }
+        (relay_sessions(relays))
+        (backlog_by_type(s))
+        (next_retries(&s.retries))
+    };
+    layout(Some(ctx), "Overview", Some(refresh), body)
+}
+
+/// The overview's relays: the notification queue and each relay session.
+fn relay_sessions(relays: &Relays) -> Markup {
+    html! {
         h2 { "Relays" }
         p.note { "Notification queue in use: " (format!("{:.2} %", relays.notification_queue_usage * 100.0)) }
         @if relays.sessions.is_empty() {
@@ -167,6 +177,12 @@ pub(crate) fn overview(
                 }
             }
         }
+    }
+}
+
+/// The overview's backlog by event type, if there is any.
+fn backlog_by_type(s: &OutboxStatus) -> Markup {
+    html! {
         @if !s.by_type.is_empty() {
             h2 { "By event type" }
             table id="by-type" {
@@ -187,12 +203,18 @@ pub(crate) fn overview(
             }
             @if s.by_type_truncated { p.note { "Only the " (s.by_type.len()) " types with the most unpublished events are shown." } }
         }
-        @if !s.retries.next.is_empty() {
+    }
+}
+
+/// The overview's next retries, if any are waiting.
+fn next_retries(r: &pg_outbox::RetryLadder) -> Markup {
+    html! {
+        @if !r.next.is_empty() {
             h2 { "Next retries" }
             table id="next-retries" {
                 thead { tr { th { "id" } th { "event type" } th.n { "retries" } th { "due at" } th { "last error" } } }
                 tbody {
-                    @for p in &s.retries.next {
+                    @for p in &r.next {
                         tr {
                             td { a href={"/events/" (p.id)} { (p.id) } }
                             td { (p.event_type) }
@@ -204,8 +226,7 @@ pub(crate) fn overview(
                 }
             }
         }
-    };
-    layout(Some(ctx), "Overview", Some(refresh), body)
+    }
 }
 
 fn filter_fields(form: &FilterForm) -> Markup {

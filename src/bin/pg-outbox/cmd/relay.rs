@@ -1,0 +1,232 @@
+//! `pg-outbox relay`: deliver outbox events to a sink until SIGINT/SIGTERM,
+//! with metrics, health probes and optional daily retention.
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use pg_outbox::{Consumer, RetryPolicy, relay};
+
+use crate::error::Error;
+use crate::health;
+use crate::parse::{
+    parse_byte_size, parse_duration, parse_metrics_addr, parse_schedule, parse_sweep_interval, parse_timeout,
+};
+use crate::prometheus::install_metrics;
+use crate::signals::shutdown_then_force;
+use crate::sink_args::SinkArgs;
+
+pub(crate) const RELAY_HELP: &str = "\
+Every setting can also come from the environment (OUTBOX_<FLAG>, e.g. OUTBOX_BATCH_SIZE=500,
+OUTBOX_SINK=stdout) or from a TOML file given by --config FILE or OUTBOX_CONFIG, whose keys are
+the flag names (batch_size = 500, or batch-size; database_url = \"postgres://...\").
+Precedence: command line > environment > config file > built-in default. The database URL comes
+from --database-url, else DATABASE_URL, else OUTBOX_DATABASE_URL, else the file's database_url,
+else the libpq variables (PGHOST, PGUSER, PGDATABASE, ...).
+--print-config shows the effective settings and where each comes from (secrets masked).";
+
+#[derive(clap::Args, Debug)]
+pub(crate) struct RelayArgs {
+    /// Read settings from this TOML file (keys are the flag names, e.g.
+    /// `batch_size = 500`; unknown keys are an error).
+    #[arg(long, env = "OUTBOX_CONFIG", value_name = "FILE")]
+    config: Option<std::path::PathBuf>,
+    /// Print the effective settings as TOML, each with its source, secrets
+    /// masked, and exit without connecting.
+    #[arg(long)]
+    pub(crate) print_config: bool,
+    #[command(flatten)]
+    sink: SinkArgs,
+    /// Serve Prometheus metrics at http://HOST:PORT/metrics, and the health
+    /// probes /livez and /readyz beside them. A bare PORT binds 127.0.0.1
+    /// (this machine only); give a host to listen elsewhere (e.g.
+    /// 0.0.0.0:9464).
+    #[arg(long, value_name = "[HOST:]PORT", value_parser = parse_metrics_addr)]
+    metrics_addr: Option<SocketAddr>,
+    /// Serve the health probes /livez and /readyz (JSON; 200 or 503) on this
+    /// address too, e.g. for a probe port apart from metrics. A bare PORT
+    /// binds 127.0.0.1.
+    #[arg(long, value_name = "[HOST:]PORT", value_parser = parse_metrics_addr)]
+    health_addr: Option<SocketAddr>,
+    /// Rows fetched per query (at least 1).
+    #[arg(long, default_value_t = pg_outbox::DEFAULT_BATCH_SIZE,
+          value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
+    batch_size: usize,
+    /// Bound on the payload bytes the relay holds, as received: events
+    /// fetched and not yet delivered and acknowledged (e.g. 64MiB, 512MB, or
+    /// a number of bytes; at least 1MiB). A fetch stops at it, so the relay
+    /// holds at most this plus one event (one larger event still moves,
+    /// alone); at the bound it fetches nothing until the sink takes some.
+    /// The relay hands one event at a time to the sink and queues none of
+    /// its own.
+    #[arg(long, value_parser = parse_byte_size, default_value = "64MiB", value_name = "SIZE")]
+    max_buffered_bytes: bytesize::ByteSize,
+    /// Fallback sweep interval (e.g. 200ms, 1s, 5m; at least 10ms).
+    #[arg(long, value_parser = parse_sweep_interval, default_value = "1s")]
+    sweep_interval: Duration,
+    /// Retry delays after each failure, comma separated (e.g. 1m,5m,15m,1h);
+    /// the last step repeats. Default: 1m,5m,15m,1h then doubling, capped at 24h.
+    #[arg(long, value_parser = parse_schedule)]
+    retry_schedule: Option<RetryPolicy>,
+    /// Failures after which an event is a dead letter (at least 1).
+    #[arg(long, default_value_t = pg_outbox::DEFAULT_MAX_RETRIES,
+          value_parser = clap::value_parser!(i32).range(1..))]
+    max_retries: i32,
+    /// On SIGINT/SIGTERM, how long to wait for the event in hand.
+    #[arg(long, value_parser = parse_duration, default_value = "30s")]
+    shutdown_grace: Duration,
+    /// Longest a statement of the relay's own database sessions may run
+    /// before the server cancels it (e.g. 5s, 500ms; 0 disables it). A
+    /// healthy one takes milliseconds; one that times out is logged, counted
+    /// in outbox_statement_timeouts_total, and retried after a reconnect.
+    #[arg(long, value_parser = parse_timeout, default_value = "60s", value_name = "DURATION")]
+    statement_timeout: Duration,
+    /// How several relays share one outbox: `single` (one active, others
+    /// hot standbys; keeps order), `partitioned` (all active, split by a hash
+    /// of the aggregate; keeps per-aggregate order), `competing` (the original design's
+    /// FOR UPDATE SKIP LOCKED; no order at all).
+    #[arg(long, value_enum, default_value_t = ModeArg::Single)]
+    mode: ModeArg,
+    /// Partitions in `--mode partitioned` (the same on every relay; at least 1).
+    #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u32).range(1..))]
+    partitions: u32,
+    /// Do not LISTEN: find events by the sweep only (for a transaction-mode pooler).
+    #[arg(long)]
+    no_listen: bool,
+    /// Run retention daily: delete published events older than this (e.g.
+    /// 30d, docs/schema.md's figure). Off unless given: deleting is your call.
+    #[arg(long, value_parser = parse_duration, value_name = "DURATION")]
+    retention: Option<Duration>,
+    /// Hour of the day (UTC, 0-23) at which retention runs.
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(0..24))]
+    retention_hour: u32,
+    /// Also run retention once right after start (then daily as usual).
+    /// Hidden: meant for tests and for checking a deployment.
+    #[arg(long, hide = true, requires = "retention")]
+    retention_at_start: bool,
+}
+
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+enum ModeArg {
+    Single,
+    Partitioned,
+    Competing,
+}
+
+pub(crate) async fn run(url: &str, args: RelayArgs) -> Result<(), Error> {
+    let (sink, sink_name) = relay::open_sink(&args.sink.sink, &args.sink.options()?).await?;
+    let pg = pg_outbox::ConnectOptions::parse(url)?;
+    let target = pg.describe();
+    let metrics_listener = args.metrics_addr.map(|a| health::bind(a, "metrics")).transpose()?;
+    let health_addr = args.health_addr.filter(|a| Some(*a) != args.metrics_addr);
+    let health_listener = health_addr.map(|a| health::bind(a, "health probes")).transpose()?;
+    let metrics = install_metrics()?;
+    let probes = health::Probes::new(sink_name.clone(), args.sink.sink_timeout);
+    if let Some(l) = metrics_listener {
+        health::serve(l, probes.clone(), Some(metrics))?;
+    }
+    if let Some(l) = health_listener {
+        health::serve(l, probes.clone(), None)?;
+    }
+    let mut builder = Consumer::builder(pg)
+        .batch_size(args.batch_size)
+        .max_buffered_bytes(usize::try_from(args.max_buffered_bytes.as_u64()).unwrap_or(usize::MAX))
+        .sweep_interval(args.sweep_interval)
+        .max_retries(args.max_retries)
+        .shutdown_grace(args.shutdown_grace)
+        .statement_timeout(args.statement_timeout)
+        .listen(!args.no_listen)
+        .mode(match args.mode {
+            ModeArg::Single => pg_outbox::Mode::Single,
+            ModeArg::Partitioned => pg_outbox::Mode::Partitioned { partitions: args.partitions },
+            ModeArg::Competing => pg_outbox::Mode::Competing,
+        });
+    if let Some(policy) = args.retry_schedule {
+        builder = builder.retry_policy(policy);
+    }
+    let bound = args.max_buffered_bytes;
+    let stream = builder.start().await?;
+    probes.started(stream.health());
+    if let Some(a) = args.health_addr {
+        tracing::info!(livez = %format!("http://{a}/livez"), readyz = %format!("http://{a}/readyz"), "health probes");
+    }
+    match args.metrics_addr {
+        Some(a) => {
+            tracing::info!(database = %target, sink = %sink_name, max_buffered_bytes = %bound, metrics = %format!("http://{a}/metrics"), "relay started; listening on channel {}", pg_outbox::NOTIFY_CHANNEL)
+        }
+        None => {
+            tracing::info!(database = %target, sink = %sink_name, max_buffered_bytes = %bound, "relay started; listening on channel {}", pg_outbox::NOTIFY_CHANNEL)
+        }
+    }
+    let retention = args.retention.map(|older| {
+        tokio::spawn(retention_loop(url.to_string(), older, args.retention_hour, args.retention_at_start))
+    });
+    let stats = relay::run(stream, sink.as_ref(), shutdown_then_force()).await;
+    if let Some(task) = retention {
+        task.abort();
+    }
+    let stats = stats?;
+    tracing::info!(delivered = stats.delivered, failed = stats.failed, "relay stopped");
+    Ok(())
+}
+
+/// Run retention every day at `hour`:00 UTC (and once at start when
+/// `at_start`), each run on a connection of its own.
+async fn retention_loop(url: String, older_than: Duration, hour: u32, at_start: bool) {
+    let r = pg_outbox::retention::Retention { older_than, ..Default::default() };
+    if at_start {
+        retention_once(&url, &r).await;
+    }
+    loop {
+        let now = chrono::Utc::now();
+        let next = pg_outbox::retention::next_daily_run(now, hour);
+        let wait = (next - now).to_std().unwrap_or(Duration::from_secs(3600));
+        tracing::info!(next = %next.to_rfc3339(), "retention scheduled");
+        tokio::time::sleep(wait).await;
+        retention_once(&url, &r).await;
+    }
+}
+
+async fn retention_once(url: &str, r: &pg_outbox::retention::Retention) {
+    let run = async { pg_outbox::retention::run(&pg_outbox::ConnectOptions::parse(url)?, r).await };
+    match run.await {
+        Ok(rep) if rep.skipped => tracing::info!("retention skipped: another relay is running it"),
+        Ok(rep) => tracing::info!(deleted = rep.deleted, batches = rep.batches, "retention done"),
+        Err(e) => tracing::error!(error = %pg_outbox::error::report(&e), "retention failed"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
+
+    use super::*;
+    use crate::{Cli, Command};
+
+    #[test]
+    fn statement_timeout_takes_durations_and_zero_and_defaults_to_the_librarys() {
+        assert_eq!(parse_timeout("0"), Ok(Duration::ZERO));
+        assert_eq!(parse_timeout("5s"), Ok(Duration::from_secs(5)));
+        assert_eq!(parse_timeout(" 250ms "), Ok(Duration::from_millis(250)));
+        let e = parse_timeout("abc").expect_err("not a duration");
+        assert!(e.contains("invalid duration 'abc'") && e.contains("0 disables"), "{e}");
+        let cli = Cli::try_parse_from(["pg-outbox", "relay"]).expect("relay parses without flags");
+        let Command::Relay(args) = cli.command else { panic!("relay") };
+        assert_eq!(args.statement_timeout, pg_outbox::DEFAULT_STATEMENT_TIMEOUT);
+    }
+
+    #[test]
+    fn max_buffered_bytes_takes_sizes_and_defaults_to_the_librarys() {
+        let bytes = |s: &str| parse_byte_size(s).map(|b| b.as_u64());
+        assert_eq!(bytes("64MiB"), Ok(64 << 20));
+        assert_eq!(bytes(" 2 MB "), Ok(2_000_000));
+        assert_eq!(bytes("1048576"), Ok(1 << 20));
+        assert_eq!(bytes("1GiB"), Ok(1 << 30));
+        let e = parse_byte_size("lots").expect_err("not a size");
+        assert!(e.contains("invalid size 'lots'") && e.contains("64MiB"), "{e}");
+        let e = parse_byte_size("64").expect_err("under 1 MiB");
+        assert!(e.contains("at least 1MiB"), "{e}");
+        let cli = Cli::try_parse_from(["pg-outbox", "relay"]).expect("relay parses without flags");
+        let Command::Relay(args) = cli.command else { panic!("relay") };
+        assert_eq!(args.max_buffered_bytes.as_u64(), pg_outbox::DEFAULT_MAX_BUFFERED_BYTES as u64);
+    }
+}

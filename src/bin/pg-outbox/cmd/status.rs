@@ -1,0 +1,132 @@
+//! `pg-outbox status`: backlog, retries and dead letters, as a table or
+//! JSON.
+
+use std::time::Duration;
+
+use crate::db::connect;
+use crate::error::Error;
+
+#[derive(clap::Args, Debug)]
+pub(crate) struct StatusArgs {
+    /// Print JSON instead of a table.
+    #[arg(long)]
+    json: bool,
+}
+
+pub(crate) async fn run(url: &str, args: StatusArgs) -> Result<(), Error> {
+    let client = connect(url).await?;
+    let s = pg_outbox::status(&client).await?;
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&s)?);
+    } else {
+        let age = s.oldest_unpublished_age_seconds.map_or("-".to_string(), |a| format!("{a:.3} s"));
+        println!("unpublished         {}", s.unpublished);
+        println!("due now             {}", s.due_now);
+        println!("held back           {}", s.held_back);
+        println!("waiting for retry   {}", s.waiting_for_retry);
+        println!("dead letters        {}", s.dead_letters);
+        println!("oldest pending age  {age}");
+        println!(
+            "ordering mode       {}",
+            s.ordering.map_or("none (no insert trigger enabled)", pg_outbox::migrate::OrderingMode::as_str)
+        );
+        print_by_type(&s);
+        print_retries(&s.retries);
+    }
+    Ok(())
+}
+
+/// `s` safe to print in a table: a line break becomes a space; other
+/// control characters (ESC, C1 controls such as CSI, DEL) and bidirectional
+/// overrides become escapes like `\u{1b}`, so stored text cannot drive the
+/// terminal. (JSON output is escaped by serde.)
+pub(crate) fn printable(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    for c in s.chars() {
+        match c {
+            '\n' | '\r' => out.push(' '),
+            c if c.is_control()
+                || matches!(c, '\u{200e}' | '\u{200f}' | '\u{202a}'..='\u{202e}' | '\u{2066}'..='\u{2069}') =>
+            {
+                out.extend(c.escape_default())
+            }
+            c => out.push(c),
+        }
+    }
+    out
+}
+
+/// Seconds as a short human figure: `850 ms`, `42 s`, `3m 5s`, `2h 10m`.
+fn short_secs(secs: f64) -> String {
+    if !secs.is_finite() {
+        return "-".into();
+    }
+    if secs < 1.0 {
+        return format!("{:.0} ms", secs * 1000.0);
+    }
+    if secs < 60.0 {
+        return format!("{secs:.0} s");
+    }
+    let whole = Duration::from_secs(secs as u64);
+    let (h, m, s) = (whole.as_secs() / 3600, whole.as_secs() / 60 % 60, whole.as_secs() % 60);
+    if h > 0 { format!("{h}h {m}m") } else { format!("{m}m {s}s") }
+}
+
+fn print_by_type(s: &pg_outbox::OutboxStatus) {
+    if s.by_type.is_empty() {
+        return;
+    }
+    let types: Vec<(String, String)> =
+        s.by_type.iter().map(|t| (printable(&t.event_type), printable(&t.aggregate_type))).collect();
+    let w_event = types.iter().map(|(e, _)| e.chars().count()).max().unwrap_or(0).max(10);
+    let w_agg = types.iter().map(|(_, a)| a.chars().count()).max().unwrap_or(0).max(14);
+    println!();
+    println!("by event type");
+    println!(
+        "{:<w_event$}  {:<w_agg$}  {:>11}  {:>7}  {:>9}  {:>17}  {:>12}  oldest pending",
+        "event_type", "aggregate_type", "unpublished", "due now", "held back", "waiting for retry", "dead letters"
+    );
+    for (t, (event_type, aggregate_type)) in s.by_type.iter().zip(&types) {
+        let age = t.oldest_unpublished_age_seconds.map_or("-".to_string(), short_secs);
+        println!(
+            "{:<w_event$}  {:<w_agg$}  {:>11}  {:>7}  {:>9}  {:>17}  {:>12}  {age}",
+            event_type, aggregate_type, t.unpublished, t.due_now, t.held_back, t.waiting_for_retry, t.dead_letters
+        );
+    }
+    if s.by_type_truncated {
+        println!("(only the {} types with the most unpublished events are shown)", s.by_type.len());
+    }
+}
+
+fn print_retries(r: &pg_outbox::RetryLadder) {
+    let Some(next_at) = r.next_due_at else { return };
+    println!();
+    let next_in = r.next_due_in_seconds.map_or("-".to_string(), short_secs);
+    println!(
+        "retries due         next at {} (in {next_in})",
+        next_at.to_rfc3339_opts(chrono::SecondsFormat::Secs, true)
+    );
+    println!("  within 1 m        {}", r.due_within_1m);
+    println!("  within 1 h        {}", r.due_within_1h);
+    println!("  later             {}", r.due_later);
+    if r.next.is_empty() {
+        return;
+    }
+    println!("next retries");
+    println!(
+        "{:>10}  {:<24}  {:<20}  {:>7}  {:<20}  {:>8}  last_error",
+        "id", "event_type", "aggregate_type", "retries", "due at", "due in"
+    );
+    for p in &r.next {
+        let err: String = printable(p.last_error.as_deref().unwrap_or_default()).chars().take(60).collect();
+        println!(
+            "{:>10}  {:<24}  {:<20}  {:>7}  {:<20}  {:>8}  {err}",
+            p.id,
+            printable(&p.event_type),
+            printable(&p.aggregate_type),
+            p.retry_count,
+            p.due_at.to_rfc3339_opts(chrono::SecondsFormat::Secs, true),
+            short_secs(p.due_in_seconds)
+        );
+    }
+}

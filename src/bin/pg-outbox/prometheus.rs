@@ -1,0 +1,30 @@
+//! The Prometheus recorder behind `/metrics`.
+
+use std::time::Duration;
+
+use crate::error::Error;
+
+/// Install the Prometheus recorder (served by [`crate::health::serve`]) and keep
+/// its histograms trimmed.
+pub(crate) fn install_metrics() -> Result<metrics_exporter_prometheus::PrometheusHandle, Error> {
+    use metrics_exporter_prometheus::{Matcher, PrometheusBuilder};
+    let buckets =
+        [0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0, 3600.0];
+    let builder = PrometheusBuilder::new()
+        .set_buckets_for_metric(Matcher::Full(pg_outbox::metrics::DELIVERY_LAG.into()), &buckets)
+        .and_then(|b| b.set_buckets_for_metric(Matcher::Full(pg_outbox::metrics::SINK_DURATION.into()), &buckets))
+        .map_err(|e| Error::Config(format!("metrics: {e}")))?;
+    let handle = builder.install_recorder().map_err(|e| Error::Config(format!("metrics: {e}")))?;
+    // What the exporter's own listener would do: upkeep every 5 s.
+    let upkeep = handle.clone();
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval(Duration::from_secs(5));
+        loop {
+            tick.tick().await;
+            upkeep.run_upkeep();
+        }
+    });
+    pg_outbox::metrics::describe();
+    pg_outbox::metrics::record_initial_values();
+    Ok(handle)
+}

@@ -1,0 +1,301 @@
+//! pg-outbox's own sessions: application names, keepalives, the planner
+//! and per-session settings sent at startup, the spawned connection task
+//! and the canceller of its running statement.
+
+use std::fmt;
+use std::time::Duration;
+
+use tokio::task::JoinHandle;
+use tokio_postgres::{Client, Config, Connection, Socket};
+use tokio_postgres_rustls::MakeRustlsConnect;
+
+use super::target::{failure_notes, with_notes};
+use super::tls::TlsStream;
+use super::{ConnectOptions, DEFAULT_CONNECT_TIMEOUT, SslMode};
+use crate::error::{Error, Result};
+use crate::store::PLANNER_SETTINGS;
+
+/// TCP keepalive idle time set on every connection, so a half-open
+/// connection (a vanished server or a dropped NAT entry) is noticed in about
+/// a minute instead of the kernel's two hours.
+pub(crate) const KEEPALIVE_IDLE: Duration = Duration::from_secs(30);
+
+/// Server-side TCP keepalive settings sent with every connection (unless the
+/// URL's `options` set them): idle 30 s, then 3 probes 10 s apart.
+pub(crate) const SERVER_KEEPALIVES: &str =
+    "-c tcp_keepalives_idle=30 -c tcp_keepalives_interval=10 -c tcp_keepalives_count=3";
+
+/// `client_connection_check_interval` of the consumer's sessions: 5 s.
+/// While a statement runs, the server polls the socket this often and ends
+/// the statement and the session once the client is gone (PostgreSQL 14+,
+/// docs "Connection Settings"), instead of running on until it has a result
+/// to send: a relay killed with `kill -9` during a slow statement leaves it
+/// running for at most about this long. Only running statements are
+/// checked, so an idle session costs nothing.
+pub(crate) const CLIENT_CONNECTION_CHECK_INTERVAL: Duration = Duration::from_secs(5);
+
+/// How long a cancel request may take (it opens a connection of its own).
+pub(crate) const CANCEL_REQUEST_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// A spawned connection task, a token cancelled the moment it ends (the
+/// server closed the session, the network broke, or it was aborted), and
+/// what cancels the session's running statement.
+#[derive(Debug)]
+pub(crate) struct Link {
+    pub(crate) handle: JoinHandle<()>,
+    pub(crate) closed: tokio_util::sync::CancellationToken,
+    pub(crate) canceller: Canceller,
+}
+
+/// Settings of one kind of session beyond those of every session, sent as
+/// startup options before the URL's own `options` (which therefore win).
+/// The default adds nothing.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(crate) struct SessionSettings {
+    /// `statement_timeout` (zero disables it, as in PostgreSQL); `None`
+    /// leaves the server's, role's or URL's setting alone.
+    pub(crate) statement_timeout: Option<Duration>,
+    /// Send `client_connection_check_interval` =
+    /// [`CLIENT_CONNECTION_CHECK_INTERVAL`]. A server older than PostgreSQL
+    /// 14 refuses the unknown setting at startup; the connection is then
+    /// made again without it.
+    pub(crate) check_client_connection: bool,
+}
+
+impl SessionSettings {
+    /// The startup options, `-c name=value` each; with or without the
+    /// connection check.
+    pub(crate) fn options(&self, with_check: bool) -> String {
+        let mut out = Vec::new();
+        if let Some(t) = self.statement_timeout {
+            out.push(format!("-c statement_timeout={}", setting_millis(t)));
+        }
+        if with_check && self.check_client_connection {
+            out.push(format!(
+                "-c client_connection_check_interval={}",
+                setting_millis(CLIENT_CONNECTION_CHECK_INTERVAL)
+            ));
+        }
+        out.join(" ")
+    }
+}
+
+/// A duration as the whole milliseconds of a server setting whose unit is
+/// ms: rounded up (500 us is 1 ms, not 0, which would turn a timeout off),
+/// at most `i32::MAX` (the largest such setting the server takes).
+pub(crate) fn setting_millis(d: Duration) -> u64 {
+    let ms = d.as_nanos().div_ceil(1_000_000);
+    u64::try_from(ms).unwrap_or(u64::MAX).min(i32::MAX as u64)
+}
+
+/// Sends cancel requests for the statement a session is running
+/// (PostgreSQL docs, "Canceling Requests in Progress"), over a connection of
+/// its own with the session's TLS settings.
+#[derive(Clone)]
+pub(crate) struct Canceller {
+    token: tokio_postgres::CancelToken,
+    tls: MakeRustlsConnect,
+}
+
+impl fmt::Debug for Canceller {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Canceller").finish_non_exhaustive()
+    }
+}
+
+impl Canceller {
+    /// Ask the server to cancel the statement the session runs now, waiting
+    /// at most [`CANCEL_REQUEST_TIMEOUT`]. Cancelling is racy by nature: a
+    /// statement that ends first is not affected, but one sent right after
+    /// may be, so a session is not used again after a cancel it may not have
+    /// answered. Returns whether the request was sent; a failure is logged
+    /// at debug level (the server may be gone, which ends the statement too).
+    pub(crate) async fn cancel(&self) -> bool {
+        match tokio::time::timeout(CANCEL_REQUEST_TIMEOUT, self.token.cancel_query(self.tls.clone())).await {
+            Ok(Ok(())) => true,
+            Ok(Err(e)) => {
+                tracing::debug!(error = %crate::error::report(&e), "cancel request failed");
+                false
+            }
+            Err(_) => {
+                tracing::debug!(timeout = ?CANCEL_REQUEST_TIMEOUT, "cancel request timed out");
+                false
+            }
+        }
+    }
+}
+
+/// Open a connection as `opts` says (TLS included), with our application
+/// name, keepalives, a connect timeout and `settings`; do not spawn it.
+/// Returns the client, its connection and its [`Canceller`].
+///
+/// `allow` tries without TLS and then with it; `prefer` asks for TLS and
+/// goes on without if the server declines; a Unix socket never uses TLS
+/// (as libpq).
+pub(crate) async fn open(
+    opts: &ConnectOptions,
+    application_name: &str,
+    settings: &SessionSettings,
+) -> Result<(Client, Connection<Socket, TlsStream>, Canceller)> {
+    use tokio_postgres::config::SslMode as T;
+    let (with_password, password_file) = opts.with_password();
+    let base = prepared(&with_password, application_name);
+    let all_unix = opts.all_unix();
+    let tls = opts.tls_for_hosts()?;
+    let attempts: &[T] = match opts.ssl_mode {
+        _ if all_unix => &[T::Disable],
+        SslMode::Disable => &[T::Disable],
+        SslMode::Allow => &[T::Disable, T::Require],
+        SslMode::Prefer => &[T::Prefer],
+        SslMode::Require | SslMode::VerifyCa | SslMode::VerifyFull => &[T::Require],
+    };
+    let mut last = None;
+    // tokio-postgres bounds only the TCP connect by `connect_timeout`; a
+    // server that accepts and then never answers would hang the startup
+    // exchange forever. The whole attempt gets the same bound (libpq's
+    // `connect_timeout` is "maximum time to wait while connecting").
+    let bound = base.get_connect_timeout().copied().unwrap_or(DEFAULT_CONNECT_TIMEOUT);
+    // With the connection check first; without it if the server does not
+    // know the setting (PostgreSQL 13 or older: "unrecognized configuration
+    // parameter", SQLSTATE 42704, at startup).
+    let variants: &[bool] = if settings.check_client_connection { &[true, false] } else { &[false] };
+    for &with_check in variants {
+        let mut cfg = with_session_options(&base, &settings.options(with_check));
+        let mut unknown_setting = false;
+        for mode in attempts {
+            cfg.ssl_mode(*mode);
+            let Ok(attempt) = tokio::time::timeout(bound, cfg.connect(tls.clone())).await else {
+                return Err(Error::ConnectTimedOut { target: opts.describe(), after: bound });
+            };
+            match attempt {
+                Ok((client, connection)) => {
+                    let canceller = Canceller { token: client.cancel_token(), tls: tls.clone() };
+                    return Ok((client, connection, canceller));
+                }
+                Err(e) => {
+                    tracing::debug!(target_db = %opts.describe(), error = %crate::error::report(&e), "connection attempt failed");
+                    unknown_setting |=
+                        with_check && e.code() == Some(&tokio_postgres::error::SqlState::UNDEFINED_OBJECT);
+                    last = Some(e);
+                }
+            }
+        }
+        if !unknown_setting {
+            break;
+        }
+        tracing::debug!(target_db = %opts.describe(),
+            "the server does not know client_connection_check_interval (PostgreSQL 13 or older); connecting without it");
+    }
+    match last {
+        Some(source) => {
+            let target = with_notes(opts.describe(), &failure_notes(&base, password_file, &source));
+            Err(Error::Connect { target, source })
+        }
+        None => Err(Error::Config("no connection attempt made".into())),
+    }
+}
+
+/// Connect with the given application name (visible in `pg_stat_activity`),
+/// TLS as configured, TCP keepalives and a connect timeout; spawn the
+/// connection task and return its [`Link`] (its error is logged when it
+/// ends with one).
+///
+/// Used for the work connection. The LISTEN connection is driven by the
+/// notifier itself (see `consumer::source::notifier`).
+pub(crate) async fn connect(
+    opts: &ConnectOptions,
+    application_name: &str,
+    settings: &SessionSettings,
+) -> Result<(Client, Link)> {
+    let (client, connection, canceller) = open(opts, application_name, settings).await?;
+    let name = application_name.to_string();
+    let closed = tokio_util::sync::CancellationToken::new();
+    let guard = closed.clone().drop_guard();
+    let handle = tokio::spawn(async move {
+        let _guard = guard;
+        if let Err(e) = connection.await {
+            tracing::debug!(connection = %name, error = %e, "connection ended");
+        }
+    });
+    Ok((client, Link { handle, closed, canceller }))
+}
+
+/// `base`'s options with `extra` in front, so that `base`'s (ours of every
+/// session, then the URL's) come later and win.
+fn with_session_options(base: &Config, extra: &str) -> Config {
+    let mut cfg = base.clone();
+    match base.get_options() {
+        _ if extra.is_empty() => {}
+        Some(o) if !o.is_empty() => {
+            cfg.options(format!("{extra} {o}"));
+        }
+        _ => {
+            cfg.options(extra);
+        }
+    }
+    cfg
+}
+
+/// The config with our application name, keepalives and a connect timeout.
+pub(crate) fn prepared(cfg: &Config, application_name: &str) -> Config {
+    let mut cfg = cfg.clone();
+    if cfg.get_application_name().is_none() {
+        cfg.application_name(application_name);
+    }
+    cfg.keepalives(true).keepalives_idle(KEEPALIVE_IDLE);
+    // The server's side too (PostgreSQL docs, "Connection Settings"): a relay
+    // that vanished behind a half-open connection is dropped in about a
+    // minute, releasing its locks, so a standby can take over.
+    // Ours first: a later `-c` of the URL's own options overrides them.
+    let ours = format!("{SERVER_KEEPALIVES} {PLANNER_SETTINGS}");
+    let options = match cfg.get_options() {
+        Some(o) => format!("{ours} {o}"),
+        None => ours,
+    };
+    cfg.options(&options);
+    if cfg.get_connect_timeout().is_none() {
+        cfg.connect_timeout(DEFAULT_CONNECT_TIMEOUT);
+    }
+    cfg
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::connect::testing::parse_url;
+
+    #[test]
+    fn prepared_sets_keepalives_and_planner_settings_and_keeps_user_options() {
+        let ours = format!("{SERVER_KEEPALIVES} {PLANNER_SETTINGS}");
+        let cfg = prepared(&parse_url("postgres://u@h/db").expect("url").pg, "app");
+        assert_eq!(cfg.get_options(), Some(ours.as_str()));
+        assert_eq!(cfg.get_application_name(), Some("app"));
+        assert!(cfg.get_keepalives());
+        let cfg = prepared(&parse_url("host=h user=u options='-c search_path=x'").expect("url").pg, "app");
+        assert_eq!(cfg.get_options(), Some(format!("{ours} -c search_path=x").as_str()));
+        // The URL's own settings come last, so they win.
+        let mine = "-c tcp_keepalives_idle=5";
+        let cfg = prepared(&parse_url(&format!("host=h user=u options='{mine}'")).expect("url").pg, "app");
+        assert_eq!(cfg.get_options(), Some(format!("{ours} {mine}").as_str()));
+    }
+
+    #[test]
+    fn session_settings_come_before_the_urls_options() {
+        let s = SessionSettings { statement_timeout: Some(Duration::from_millis(200)), check_client_connection: true };
+        assert_eq!(s.options(true), "-c statement_timeout=200 -c client_connection_check_interval=5000");
+        assert_eq!(s.options(false), "-c statement_timeout=200");
+        assert_eq!(SessionSettings::default().options(true), "");
+        let off = SessionSettings { statement_timeout: Some(Duration::ZERO), check_client_connection: false };
+        assert_eq!(off.options(true), "-c statement_timeout=0");
+        let base = prepared(&parse_url("host=h user=u options='-c statement_timeout=0'").expect("url").pg, "app");
+        let cfg = with_session_options(&base, &s.options(true));
+        let o = cfg.get_options().expect("options");
+        assert!(o.starts_with("-c statement_timeout=200 -c client_connection_check_interval=5000 "), "{o}");
+        assert!(o.ends_with("-c statement_timeout=0"), "the URL's own setting comes last, so it wins: {o}");
+        assert_eq!(with_session_options(&base, "").get_options(), base.get_options());
+        assert_eq!(setting_millis(Duration::from_micros(500)), 1, "rounded up, never to 0 (off)");
+        assert_eq!(setting_millis(Duration::ZERO), 0);
+        assert_eq!(setting_millis(Duration::from_secs(60)), 60_000);
+        assert_eq!(setting_millis(Duration::from_secs(u64::MAX)), i32::MAX as u64);
+    }
+}
