@@ -17,6 +17,7 @@ use async_nats::jetstream::{self, stream};
 use rcgen::{BasicConstraints, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa, Issuer, KeyPair};
 
 use crate::brokers::{self, PrivateServer, RelayProc};
+use crate::needs;
 use crate::support::{self, TestDb};
 
 /// Certificates and keys, as PEM files in a directory of their own.
@@ -110,7 +111,7 @@ pub const CLIENT_CERT: &str = "refused the client certificate or wants one";
 /// A nats-server with JetStream, TLS (client certificates required) and
 /// users `alice` (password) and an NKey user, or with a token instead.
 async fn nats_server(pki: &Pki, auth: &str) -> Option<PrivateServer> {
-    let program = brokers::program_available("nats-server")?;
+    let program = needs::program(&needs::NATS_SERVER)?;
     let conf = format!(
         "listen: \"127.0.0.1:{{port}}\"\njetstream {{ store_dir: \"{{dir}}\" }}\n\
          tls {{\n  cert_file: \"{}\"\n  key_file: \"{}\"\n  ca_file: \"{}\"\n  verify: true\n  timeout: 2\n}}\n{auth}\n",
@@ -400,7 +401,7 @@ async fn redis_xlen(pki: &Pki, port: u16, key: &str) -> u64 {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis_tls_and_acl_user() {
-    let Some(program) = brokers::program_available("redis-server") else { return };
+    let Some(program) = needs::program(&needs::REDIS_SERVER) else { return };
     let pki = Pki::new();
     let (ca, other_ca, cert, key) =
         (pki.path("ca.pem"), pki.path("other-ca.pem"), pki.path("client.pem"), pki.path("client.key"));
@@ -482,11 +483,6 @@ async fn redis_tls_and_acl_user() {
 // ---------------------------------------------------------------------------
 // Kafka
 
-/// The stunnel program, if installed (`.ci/run` installs it).
-fn stunnel_program() -> Option<PathBuf> {
-    brokers::program_available("stunnel4").or_else(|| brokers::program_available("stunnel"))
-}
-
 /// Start `program` (stunnel) terminating TLS on `127.0.0.1:tls` with the
 /// server certificate for `localhost`, requiring a client certificate that
 /// the test CA signs, and forwarding to `127.0.0.1:plain`. Killed on drop.
@@ -519,8 +515,7 @@ fn stunnel(pki: &Pki, program: &std::path::Path, service: &str, tls: u16, plain:
 /// after the bootstrap goes through TLS too). Returns the processes (killed
 /// on drop) and the TLS port.
 async fn tansu_tls(pki: &Pki) -> Option<(Vec<tokio::process::Child>, u16)> {
-    let bin = crate::sink_kafka::tansu_bin()?;
-    let program = stunnel_program()?;
+    let [bin, program] = needs::programs([&needs::TANSU, &needs::STUNNEL])?;
     let (plain, tls) = (brokers::free_port(), brokers::free_port());
     let spawn = |cmd: &mut tokio::process::Command| {
         cmd.stdin(std::process::Stdio::null())
@@ -614,7 +609,7 @@ async fn kafka_tls() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn amqp_password_from_a_file_or_the_environment() {
-    if !support::broker_available("RabbitMQ", "127.0.0.1:5672").await {
+    if !needs::server(&needs::RABBITMQ).await {
         return;
     }
     let pki = Pki::new();
@@ -642,10 +637,10 @@ async fn amqp_password_from_a_file_or_the_environment() {
 /// (mutual TLS is checked by stunnel, RabbitMQ sees plain AMQP).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn amqp_tls_private_ca_and_client_certificate() {
-    if !support::broker_available("RabbitMQ", "127.0.0.1:5672").await {
+    if !needs::server(&needs::RABBITMQ).await {
         return;
     }
-    let Some(program) = stunnel_program() else { return };
+    let Some(program) = needs::program(&needs::STUNNEL) else { return };
     let pki = Pki::new();
     let port = brokers::free_port();
     let _proxy = stunnel(&pki, &program, "amqp", port, 5672);

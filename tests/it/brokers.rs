@@ -123,27 +123,6 @@ pub struct PrivateServer {
     _dir: tempfile::TempDir,
 }
 
-/// The path of `program` on PATH or in the usual sbin folders, if any.
-pub fn find_program(program: &str) -> Option<std::path::PathBuf> {
-    let path = std::env::var_os("PATH").unwrap_or_default();
-    std::env::split_paths(&path)
-        .chain(["/usr/sbin", "/usr/local/sbin", "/usr/local/bin"].map(std::path::PathBuf::from))
-        .map(|d| d.join(program))
-        .find(|p| p.is_file())
-}
-
-/// Whether `program` can be run; prints a SKIPPED line when it cannot
-/// (and fails under `PG_OUTBOX_REQUIRE_BROKERS=1`).
-pub fn program_available(program: &str) -> Option<std::path::PathBuf> {
-    let found = find_program(program);
-    if found.is_none() {
-        let required = std::env::var("PG_OUTBOX_REQUIRE_BROKERS").is_ok_and(|v| v == "1");
-        assert!(!required, "{program} is not installed and PG_OUTBOX_REQUIRE_BROKERS=1");
-        eprintln!("SKIPPED: {program} is not installed (Debian package of the same name)");
-    }
-    found
-}
-
 impl PrivateServer {
     /// Start `program` with `args`, where `{port}` and `{dir}` are replaced
     /// by a free port and a fresh data directory; waits until the port

@@ -3,6 +3,9 @@
 //! fantoccini) with a running relay, and at the HTTP level for the
 //! security checks.
 //!
+//! Without Chromium and chromedriver the browser tests skip
+//! ([`needs`](crate::needs)), unless `PG_OUTBOX_REQUIRE_BROWSER=1`.
+//!
 //! `PG_OUTBOX_SCREENSHOTS=1 cargo test --all-features --test it console`
 //! also saves a screenshot of each page to `docs/console-*.png`.
 
@@ -13,6 +16,7 @@ use fantoccini::{Client as Browser, ClientBuilder, Locator};
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::{Child, Command};
 
+use crate::needs;
 use crate::process::{self, Relay, free_port};
 use crate::support::{TestDb, bin, eventually};
 
@@ -62,25 +66,32 @@ impl Console {
 }
 
 /// Headless Chromium under chromedriver, in a fresh profile; both end
-/// when this is dropped (the whole process group is killed).
+/// when this is dropped (the whole process group is killed). Tests find
+/// the two programs with [`Chromium::programs`] before they start.
 struct Chromium {
     browser: Option<Browser>,
     _driver: Child,
     _profile: tempfile::TempDir,
 }
 
+/// The paths of chromium and chromedriver.
+struct BrowserPrograms {
+    chromium: std::path::PathBuf,
+    driver: std::path::PathBuf,
+}
+
 impl Chromium {
-    async fn start() -> Chromium {
-        let driver_bin = ["chromedriver", "/usr/bin/chromedriver"]
-            .into_iter()
-            .find(|b| std::process::Command::new(b).arg("--version").output().is_ok_and(|o| o.status.success()))
-            .unwrap_or_else(|| {
-                panic!("chromedriver is missing: install Debian's chromium and chromium-driver (apt-get install chromium chromium-driver)")
-            });
+    /// chromium and chromedriver, or `None` when the test skips.
+    fn programs() -> Option<BrowserPrograms> {
+        let [chromium, driver] = needs::programs([&needs::CHROMIUM, &needs::CHROMEDRIVER])?;
+        Some(BrowserPrograms { chromium, driver })
+    }
+
+    async fn start(programs: BrowserPrograms) -> Chromium {
         let port = free_port();
         // Its own process group, which the browser it starts joins: dropping
         // this ends both, even when a test panics before `close`.
-        let driver = Command::new(driver_bin)
+        let driver = Command::new(&programs.driver)
             .process_group(0)
             .arg(format!("--port={port}"))
             .stdin(Stdio::null())
@@ -109,10 +120,7 @@ impl Chromium {
             format!("--user-data-dir={}", profile.path().display()),
         ];
         args.push("--hide-scrollbars".into());
-        let mut options = serde_json::json!({ "args": args });
-        if std::path::Path::new("/usr/bin/chromium").exists() {
-            options["binary"] = "/usr/bin/chromium".into();
-        }
+        let options = serde_json::json!({ "args": args, "binary": programs.chromium });
         let mut caps = serde_json::Map::new();
         caps.insert("goog:chromeOptions".into(), options);
         let browser = ClientBuilder::new(hyper_util::client::legacy::connect::HttpConnector::new())
@@ -204,6 +212,7 @@ async fn exists(c: &tokio_postgres::Client, id: i64) -> bool {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn console_in_chromium_matches_status_and_a_retried_dead_letter_is_delivered() {
+    let Some(programs) = Chromium::programs() else { return };
     let db = TestDb::new("console_browser_retry").await;
     let c = db.client().await;
     let a = uuid::Uuid::new_v4();
@@ -218,7 +227,7 @@ async fn console_in_chromium_matches_status_and_a_retried_dead_letter_is_deliver
         insert(&c, uuid::Uuid::new_v4(), "Fresh", "{}", "due").await;
     }
     let console = Console::start(&db, &[]).await;
-    let chromium = Chromium::start().await;
+    let chromium = Chromium::start(programs).await;
 
     // The overview shows what `pg-outbox status --json` shows.
     chromium.goto(&console.url("/")).await;
@@ -273,6 +282,7 @@ async fn console_in_chromium_matches_status_and_a_retried_dead_letter_is_deliver
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn console_in_chromium_shows_payloads_as_text_and_discards_only_what_was_confirmed() {
+    let Some(programs) = Chromium::programs() else { return };
     let db = TestDb::new("console_browser_discard").await;
     let c = db.client().await;
     let script =
@@ -282,7 +292,7 @@ async fn console_in_chromium_shows_payloads_as_text_and_discards_only_what_was_c
     let o1 = insert(&c, uuid::Uuid::new_v4(), "Other", "{}", "dead").await;
     let o2 = insert(&c, uuid::Uuid::new_v4(), "Other", "{}", "dead").await;
     let console = Console::start(&db, &[]).await;
-    let chromium = Chromium::start().await;
+    let chromium = Chromium::start(programs).await;
 
     // The payload and the error are text: no script of theirs runs or exists.
     chromium.goto(&console.url(&format!("/events/{script}"))).await;

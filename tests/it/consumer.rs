@@ -566,7 +566,7 @@ async fn producers_queueing_for_notify_turn_an_idle_relay_busy() {
     let c = db.client().await;
     let fsync: String = c.query_one("SHOW fsync", &[]).await.expect("fsync").get(0);
     if fsync != "on" {
-        eprintln!("producers_queueing_for_notify_turn_an_idle_relay_busy: skipped, the server runs with fsync={fsync}");
+        crate::needs::skip(&format!("commit_delay needs fsync=on, and the server runs with fsync={fsync}"));
         return;
     }
     log_waiting_changes(&c).await;

@@ -3,8 +3,8 @@
 //! migrates, relays, answers its probes, and exits 0 on SIGTERM as PID 1.
 //!
 //! Needs podman and runc (`.ci/run` installs them). Without them the test
-//! prints a SKIPPED line, unless `PG_OUTBOX_REQUIRE_PODMAN=1`, which makes
-//! it fail. Everything podman stores goes to a temporary directory of the
+//! skips ([`needs`](crate::needs)), unless `PG_OUTBOX_REQUIRE_PODMAN=1`,
+//! which makes it fail. Everything podman stores goes to a temporary directory of the
 //! test (vfs storage: no overlay filesystem needed), removed at the end.
 //! About 10 s.
 
@@ -16,11 +16,15 @@ use serde_json::Value;
 use tokio::process::Command;
 
 use crate::health::{probe, probe_until};
+use crate::needs;
 use crate::process::{self, LIVENESS};
 use crate::support::{self, TestDb};
 
 /// Podman's own storage and state, apart from the machine's.
 struct Podman {
+    /// The podman and runc programs.
+    bin: PathBuf,
+    runc: PathBuf,
     dir: tempfile::TempDir,
     container: Option<String>,
 }
@@ -38,12 +42,12 @@ impl Podman {
             "--storage-driver".into(),
             "vfs".into(),
             "--runtime".into(),
-            "runc".into(),
+            self.runc.display().to_string(),
         ]
     }
 
     async fn run(&self, args: &[&str]) -> Output {
-        Command::new("podman")
+        Command::new(&self.bin)
             .args(self.global())
             .args(args)
             .output()
@@ -61,36 +65,27 @@ impl Podman {
 impl Drop for Podman {
     fn drop(&mut self) {
         if let Some(name) = self.container.take() {
-            let _ = std::process::Command::new("podman").args(self.global()).args(["rm", "-f", &name]).output();
+            let _ = std::process::Command::new(&self.bin).args(self.global()).args(["rm", "-f", &name]).output();
         }
     }
 }
 
-async fn found(program: &str) -> bool {
-    Command::new(program).arg("--version").output().await.is_ok_and(|o| o.status.success())
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_image_relays_answers_its_probes_and_stops_cleanly_on_sigterm() {
-    if !(found("podman").await && found("runc").await) {
-        let required = std::env::var("PG_OUTBOX_REQUIRE_PODMAN").is_ok_and(|v| v == "1");
-        assert!(!required, "podman and runc are needed (apt-get install podman runc) and PG_OUTBOX_REQUIRE_PODMAN=1");
-        eprintln!("SKIPPED: podman or runc is missing (apt-get install podman runc)");
-        return;
-    }
+    let Some([bin, runc]) = needs::programs([&needs::PODMAN, &needs::RUNC]) else { return };
     let db = TestDb::new("container_image").await;
     let url = db.url();
     if !url.starts_with("postgres://") {
-        eprintln!("SKIPPED: the test database is reached through a Unix socket, which the container cannot see");
+        needs::skip("the test database is reached through a Unix socket, which the container cannot see");
         return;
     }
-    let mut podman = Podman { dir: tempfile::tempdir().expect("temporary directory"), container: None };
+    let mut podman = Podman { bin, runc, dir: tempfile::tempdir().expect("temporary directory"), container: None };
     let tag = format!("localhost/pg-outbox-it:{}", std::process::id());
     let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("contrib/container/build.sh");
     let build = Command::new("sh")
         .arg(&script)
         .args([support::bin(), &tag])
-        .env("PODMAN", format!("podman {}", podman.global().join(" ")))
+        .env("PODMAN", format!("{} {}", podman.bin.display(), podman.global().join(" ")))
         .output()
         .await
         .expect("run build.sh");

@@ -16,6 +16,7 @@ mod faults;
 mod health;
 mod libpq;
 mod modes;
+mod needs;
 #[path = "../kit/options.rs"]
 mod options;
 mod order;

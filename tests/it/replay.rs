@@ -317,14 +317,11 @@ async fn sigterm_stops_a_rate_limited_replay_and_after_id_resumes_without_gap_or
 /// progress bar, then the summary.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_terminal_gets_a_progress_bar() {
-    if std::process::Command::new("script").arg("--version").output().is_err() {
-        eprintln!("SKIPPED: `script` (util-linux) is not installed");
-        return;
-    }
+    let Some(script) = crate::needs::program(&crate::needs::SCRIPT) else { return };
     let db = TestDb::new("replay_tty").await;
     let rows = load(&db.client().await, 30, 0).await;
     let n = ids(&rows, |r| r.published).len();
-    let mut cmd = tokio::process::Command::new("script");
+    let mut cmd = tokio::process::Command::new(script);
     cmd.args(["-qec", &format!("'{}' replay --rate 50 > /dev/null", support::bin()), "/dev/null"]);
     crate::process::clean_env(&mut cmd);
     let out = cmd.env("DATABASE_URL", db.url()).stdin(Stdio::null()).kill_on_drop(true).output();

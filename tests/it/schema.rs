@@ -107,11 +107,8 @@ async fn migrate_twice_is_a_no_op_and_seed_only_producer_works() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sql_files_run_with_psql_twice() {
-    // The files are plain SQL for `psql -f`; skip quietly when psql is absent.
-    if std::process::Command::new("psql").arg("--version").output().is_err() {
-        eprintln!("psql not installed; skipping");
-        return;
-    }
+    // The files are plain SQL for `psql -f`.
+    let Some(psql) = crate::needs::program(&crate::needs::PSQL) else { return };
     let db = TestDb::new("psql_files").await;
     let c = db.client().await;
     c.batch_execute("DROP SCHEMA events CASCADE").await.expect("drop schema");
@@ -128,7 +125,7 @@ async fn sql_files_run_with_psql_twice() {
     // triggers/ must come after migrations/ (guard, notify, order: any order works).
     for round in 0..2 {
         for f in &files {
-            let out = std::process::Command::new("psql")
+            let out = std::process::Command::new(&psql)
                 .args(["-X", "-q", "-v", "ON_ERROR_STOP=1", "-d", &db.url(), "-f", f])
                 .output()
                 .expect("run psql");

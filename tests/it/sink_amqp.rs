@@ -12,9 +12,10 @@ use serde_json::Value;
 use uuid::Uuid;
 
 use crate::brokers::{self, LIVENESS, RelayProc};
+use crate::needs;
 use crate::support::{self, TestDb};
 
-const BROKER: &str = "127.0.0.1:5672";
+const BROKER: &str = needs::RABBITMQ.addr;
 const URL: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
 
 /// A test's own queue bound to `amq.topic` for `prefix.#`.
@@ -47,7 +48,7 @@ fn text(v: &AMQPValue) -> String {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn amqp_sink_publishes_every_event_persistent_with_id_headers_and_order() {
-    if !support::broker_available("RabbitMQ", BROKER).await {
+    if !needs::server(&needs::RABBITMQ).await {
         return;
     }
     let db = TestDb::new("sink_amqp").await;
@@ -125,7 +126,7 @@ async fn amqp_sink_publishes_every_event_persistent_with_id_headers_and_order() 
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn amqp_unroutable_message_fails_the_event() {
-    if !support::broker_available("RabbitMQ", BROKER).await {
+    if !needs::server(&needs::RABBITMQ).await {
         return;
     }
     let db = TestDb::new("sink_amqp_noroute").await;
@@ -146,7 +147,7 @@ async fn amqp_unroutable_message_fails_the_event() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn amqp_missing_exchange_or_bad_login_is_refused_at_start_without_showing_the_password() {
-    if !support::broker_available("RabbitMQ", BROKER).await {
+    if !needs::server(&needs::RABBITMQ).await {
         return;
     }
     let db = TestDb::new("sink_amqp_refused").await;
@@ -219,7 +220,7 @@ impl CuttableProxy {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn amqp_connection_lost_mid_run_fails_events_then_the_sink_reconnects() {
-    if !support::broker_available("RabbitMQ", BROKER).await {
+    if !needs::server(&needs::RABBITMQ).await {
         return;
     }
     let db = TestDb::new("sink_amqp_lost").await;

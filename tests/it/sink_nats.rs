@@ -12,9 +12,10 @@ use futures::StreamExt;
 use serde_json::Value;
 
 use crate::brokers::{self, LIVENESS, RelayProc, Sent};
+use crate::needs;
 use crate::support::{self, TestDb};
 
-const NATS: &str = "127.0.0.1:4222";
+const NATS: &str = needs::NATS.addr;
 const NATS_URL: &str = "nats://127.0.0.1:4222";
 
 /// A JetStream stream of its own for one test, on subjects `<prefix>.>`;
@@ -131,7 +132,7 @@ fn check_message(m: &async_nats::Message, prefix: &str, sent: &BTreeMap<i64, Sen
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn nats_sink_delivers_once_in_order_and_the_duplicate_window_drops_redeliveries() {
-    if !support::broker_available("NATS", NATS).await {
+    if !needs::server(&needs::NATS).await {
         return;
     }
     let stream = TestStream::create("deliver").await;
@@ -205,7 +206,7 @@ async fn nats_sink_delivers_once_in_order_and_the_duplicate_window_drops_redeliv
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn nats_subject_without_a_stream_fails_events_with_a_clear_message() {
-    if !support::broker_available("NATS", NATS).await {
+    if !needs::server(&needs::NATS).await {
         return;
     }
     let db = TestDb::new("sink_nats_no_stream").await;
@@ -251,7 +252,7 @@ async fn nats_unreachable_at_start_is_a_clear_error() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn nats_server_lost_mid_run_fails_events_until_the_client_reconnects() {
-    let Some(program) = brokers::program_available("nats-server") else { return };
+    let Some(program) = needs::program(&needs::NATS_SERVER) else { return };
     let mut server = brokers::PrivateServer::start(
         program,
         &["-a", "127.0.0.1", "-p", "{port}", "-js", "-sd", "{dir}", "--http_port", "0"],

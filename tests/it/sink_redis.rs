@@ -8,9 +8,9 @@ use std::collections::{BTreeMap, HashMap};
 use serde_json::Value;
 
 use crate::brokers::{self, RelayProc, Sent};
+use crate::needs;
 use crate::support::{self, TestDb};
 
-const REDIS: &str = "127.0.0.1:6379";
 const REDIS_URL: &str = "redis://127.0.0.1:6379";
 
 /// Stream keys under a unique prefix for one test; deleted when dropped.
@@ -87,7 +87,7 @@ fn check_entry(fields: &HashMap<String, String>, sent: &BTreeMap<i64, Sent>) -> 
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis_sink_appends_each_event_once_in_order_with_its_fields() {
-    if !support::broker_available("Redis", REDIS).await {
+    if !needs::server(&needs::REDIS).await {
         return;
     }
     let keys = TestKeys::new("deliver");
@@ -115,7 +115,7 @@ async fn redis_sink_appends_each_event_once_in_order_with_its_fields() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis_maxlen_trims_the_stream_approximately() {
-    if !support::broker_available("Redis", REDIS).await {
+    if !needs::server(&needs::REDIS).await {
         return;
     }
     const EVENTS: i64 = 300;
@@ -157,7 +157,7 @@ async fn redis_unreachable_at_start_is_a_clear_error() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis_server_lost_mid_run_fails_events_until_it_is_back() {
-    let Some(program) = brokers::program_available("redis-server") else { return };
+    let Some(program) = needs::program(&needs::REDIS_SERVER) else { return };
     let mut server = brokers::PrivateServer::start(
         program,
         &["--bind", "127.0.0.1", "--port", "{port}", "--dir", "{dir}", "--save", "", "--appendonly", "yes"],

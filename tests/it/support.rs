@@ -113,6 +113,8 @@ async fn setup() -> &'static Setup {
             unsafe {
                 libc::atexit(cleanup_at_exit);
             }
+            // The skips' summary (or the removal of an earlier run's list).
+            crate::needs::report_at_exit();
             Setup { admin, template }
         })
         .await
@@ -307,24 +309,6 @@ where
 /// Path of the built `pg-outbox` binary.
 pub fn bin() -> &'static str {
     env!("CARGO_BIN_EXE_pg-outbox")
-}
-
-/// Whether a broker answers on `addr` (a TCP connect within 2 s).
-///
-/// Broker tests use the servers this machine runs (NATS 4222, Redis 6379,
-/// RabbitMQ 5672). When one is not reachable, the test prints a SKIPPED line
-/// naming it and returns early, unless `PG_OUTBOX_REQUIRE_BROKERS=1` (set by
-/// `.ci/run`, which makes sure they run), in which case it fails.
-pub async fn broker_available(name: &str, addr: &str) -> bool {
-    let up =
-        matches!(tokio::time::timeout(Duration::from_secs(2), tokio::net::TcpStream::connect(addr)).await, Ok(Ok(_)));
-    if up {
-        return true;
-    }
-    let required = std::env::var("PG_OUTBOX_REQUIRE_BROKERS").is_ok_and(|v| v == "1");
-    assert!(!required, "{name} is not reachable at {addr} and PG_OUTBOX_REQUIRE_BROKERS=1");
-    eprintln!("SKIPPED: {name} is not reachable at {addr}; start it (or set PG_OUTBOX_REQUIRE_BROKERS=1 to fail)");
-    false
 }
 
 /// Rows of `events.outbox` with `published_at` set.

@@ -277,7 +277,9 @@ async fn a_killed_relays_blocked_statement_is_ended_by_the_servers_client_check(
     let version: i32 =
         c.query_one("SELECT current_setting('server_version_num')::int", &[]).await.expect("server version").get(0);
     if version < 140_000 {
-        eprintln!("SKIPPED: client_connection_check_interval needs PostgreSQL 14 or later (server {version})");
+        crate::needs::skip(&format!(
+            "client_connection_check_interval needs PostgreSQL 14 or later (server {version})"
+        ));
         return;
     }
     // No statement timeout: only the server's check for a vanished client
