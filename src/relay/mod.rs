@@ -486,6 +486,41 @@ pub struct RelayStats {
 #[error("{0}")]
 pub struct FatalSinkError(pub String);
 
+/// Deliver `event` to `sink`. When `shutdown` (if given) resolves first,
+/// log it (`what`: how the caller calls stopping), call `on_stop`, and give
+/// the delivery `grace` more. Returns its outcome (`None`: the grace ran
+/// out) and whether `shutdown` resolved.
+pub(crate) async fn deliver_with_grace<S, F>(
+    sink: &S,
+    event: &Event,
+    shutdown: Option<Pin<&mut F>>,
+    grace: Duration,
+    what: &str,
+    on_stop: impl FnOnce(),
+) -> (Option<Result<(), BoxError>>, bool)
+where
+    S: Sink + ?Sized,
+    F: Future<Output = ()>,
+{
+    let deliver = sink.deliver(event);
+    tokio::pin!(deliver);
+    let watching = shutdown.is_some();
+    let shutdown = async {
+        match shutdown {
+            Some(s) => s.await,
+            None => std::future::pending().await,
+        }
+    };
+    tokio::select! {
+        r = &mut deliver => (Some(r), false),
+        _ = shutdown, if watching => {
+            tracing::info!(id = event.id, grace = ?grace, "{what}: waiting for the event in hand");
+            on_stop();
+            (tokio::time::timeout(grace, &mut deliver).await.ok(), true)
+        }
+    }
+}
+
 /// Deliver every event of `stream` to `sink` until `shutdown` resolves or
 /// the stream ends, then finish the stream (final acknowledgements).
 ///
@@ -536,19 +571,11 @@ where
         let Some(delivery) = next else { break };
         let started = Instant::now();
         health.delivery_started(started);
-        let result = {
-            let deliver = sink.deliver(delivery.event());
-            tokio::pin!(deliver);
-            tokio::select! {
-                r = &mut deliver => Some(r),
-                _ = &mut shutdown, if !shutdown_seen => {
-                    shutdown_seen = true;
-                    tracing::info!(id = delivery.id, grace = ?grace, "shutting down: waiting for the event in hand");
-                    handle.shutdown();
-                    tokio::time::timeout(grace, &mut deliver).await.ok()
-                }
-            }
-        };
+        let watch = (!shutdown_seen).then_some(shutdown.as_mut());
+        let on_stop = || handle.shutdown();
+        let (result, stopped) =
+            deliver_with_grace(sink, delivery.event(), watch, grace, "shutting down", on_stop).await;
+        shutdown_seen |= stopped;
         let ended = Instant::now();
         metrics::histogram!(m::SINK_DURATION).record((ended - started).as_secs_f64());
         match result {

@@ -54,7 +54,6 @@ use tokio_postgres::Client;
 use super::Sink;
 use crate::connect::ConnectOptions;
 use crate::error::{Error, Result};
-use crate::event::Event;
 use crate::store::replay::{self as store, Unreadable, Window};
 
 /// Default rows per page: 500.
@@ -475,7 +474,9 @@ impl Replay {
                         _ = &mut shutdown => return Ok(Outcome::Interrupted),
                     }
                 }
-                let (delivered, interrupted) = self.deliver(sink, &event, &mut shutdown).await;
+                let (delivered, interrupted) =
+                    super::deliver_with_grace(sink, &event, Some(shutdown.as_mut()), self.grace, "stopping", || {})
+                        .await;
                 match delivered {
                     None => return Ok(Outcome::Interrupted),
                     Some(Err(e)) => {
@@ -504,27 +505,6 @@ impl Replay {
     /// Hand `event` to `sink`; if `shutdown` resolves meanwhile, give the
     /// delivery the grace. Returns the sink's answer (`None`: none within
     /// the grace) and whether `shutdown` resolved.
-    async fn deliver<S, F>(
-        &self,
-        sink: &S,
-        event: &Event,
-        shutdown: &mut std::pin::Pin<&mut F>,
-    ) -> (Option<std::result::Result<(), crate::error::BoxError>>, bool)
-    where
-        S: Sink + ?Sized,
-        F: Future<Output = ()>,
-    {
-        let deliver = sink.deliver(event);
-        tokio::pin!(deliver);
-        tokio::select! {
-            r = &mut deliver => (Some(r), false),
-            _ = shutdown.as_mut() => {
-                tracing::info!(id = event.id, grace = ?self.grace, "stopping: waiting for the event in hand");
-                (tokio::time::timeout(self.grace, &mut deliver).await.ok(), true)
-            }
-        }
-    }
-
     /// Count the matching events in the range without delivering them (a
     /// dry run), window by window, until the range ends or `shutdown`
     /// resolves; `on_progress` is called after each window.

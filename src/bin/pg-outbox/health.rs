@@ -185,6 +185,38 @@ fn readyz(probes: &Probes) -> Response {
     json_response(status, &body)
 }
 
+/// The sink's check: degraded while it fails or a delivery hangs past
+/// `sink_timeout`; its figures (the `status` key is set by the caller).
+fn sink_check(h: &Health, sink_name: &str, sink_timeout: Duration) -> (Check, Value) {
+    match &h.sink {
+        Some(s) => {
+            let hanging = s.in_flight_for.is_some_and(|d| d > sink_timeout);
+            let c = if s.consecutive_failures > 0 || hanging { Check::Degraded } else { Check::Ok };
+            let v = json!({
+                "name": sink_name,
+                "timeout_seconds": secs(sink_timeout),
+                "in_flight_seconds": s.in_flight_for.map(secs),
+                "consecutive_failures": s.consecutive_failures,
+                "last_success_seconds_ago": s.last_success_age.map(secs),
+                "last_error": s.last_failure.as_ref().map(|e| last_error(e, "sink")),
+            });
+            (c, v)
+        }
+        None => (Check::Ok, json!({ "name": sink_name, "detail": "opened at start" })),
+    }
+}
+
+/// The newest of the drain loop's last database error and the sink's.
+fn newest_error(h: &Health) -> Option<Value> {
+    let db_error = h.last_error.as_ref().map(|e| (e, "database"));
+    let sink_error = h.sink.as_ref().and_then(|s| s.last_failure.as_ref()).map(|e| (e, "sink"));
+    let newest = match (db_error, sink_error) {
+        (Some(a), Some(b)) => Some(if a.0.age <= b.0.age { a } else { b }),
+        (a, b) => a.or(b),
+    };
+    newest.map(|(e, source)| last_error(e, source))
+}
+
 /// The `/readyz` answer for `h`.
 fn readiness(h: &Health, sink_name: &str, sink_timeout: Duration) -> (StatusCode, Value) {
     let mut worst = Check::Ok;
@@ -219,29 +251,8 @@ fn readiness(h: &Health, sink_name: &str, sink_timeout: Duration) -> (StatusCode
         "listening": h.listener.listening,
         "reconnects": h.listener.reconnects,
     });
-    let sink = match &h.sink {
-        Some(s) => {
-            let hanging = s.in_flight_for.is_some_and(|d| d > sink_timeout);
-            let c = if s.consecutive_failures > 0 || hanging { Check::Degraded } else { Check::Ok };
-            json!({
-                "status": note(c),
-                "name": sink_name,
-                "timeout_seconds": secs(sink_timeout),
-                "in_flight_seconds": s.in_flight_for.map(secs),
-                "consecutive_failures": s.consecutive_failures,
-                "last_success_seconds_ago": s.last_success_age.map(secs),
-                "last_error": s.last_failure.as_ref().map(|e| last_error(e, "sink")),
-            })
-        }
-        None => json!({ "status": note(Check::Ok), "name": sink_name, "detail": "opened at start" }),
-    };
-    // The newest of the drain loop's last database error and the sink's.
-    let db_error = h.last_error.as_ref().map(|e| (e, "database"));
-    let sink_error = h.sink.as_ref().and_then(|s| s.last_failure.as_ref()).map(|e| (e, "sink"));
-    let newest = match (db_error, sink_error) {
-        (Some(a), Some(b)) => Some(if a.0.age <= b.0.age { a } else { b }),
-        (a, b) => a.or(b),
-    };
+    let (check, mut sink) = sink_check(h, sink_name, sink_timeout);
+    sink["status"] = note(check).into();
     let (status, code) = match worst {
         Check::Ok => ("ready", StatusCode::OK),
         Check::Degraded => ("degraded", StatusCode::OK),
@@ -258,7 +269,7 @@ fn readiness(h: &Health, sink_name: &str, sink_timeout: Duration) -> (StatusCode
         "role": h.role.as_str(),
         "mode": mode,
         "listener": { "enabled": h.listen, "listening": h.listener.listening, "reconnects": h.listener.reconnects },
-        "last_error": newest.map(|(e, source)| last_error(e, source)),
+        "last_error": newest_error(h),
         "checks": {
             "drain_loop": drain,
             "delivery": delivery,

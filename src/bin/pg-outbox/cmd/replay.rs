@@ -200,6 +200,35 @@ async fn signals(format: LogFormat, shared: Shared) {
     });
 }
 
+/// Report a dry run's count: an error when it was interrupted.
+fn report_count(format: LogFormat, c: replay::Counted) -> Result<(), Error> {
+    let range = match (c.first_id, c.last_id) {
+        (Some(a), Some(b)) => format!(" (ids {a} to {b})"),
+        _ => String::new(),
+    };
+    let fields = vec![
+        ("events", json!(c.events)),
+        ("first_id", json!(c.first_id)),
+        ("last_id", json!(c.last_id)),
+        ("dry_run", json!(true)),
+    ];
+    if c.outcome == Outcome::Interrupted {
+        let msg = format!("dry run interrupted: {} events counted so far{range}", c.events);
+        logging::line(format, "WARN", TARGET, &msg, &fields);
+        return Err(Error::Interrupted);
+    }
+    let msg = if c.events == 0 {
+        "dry run: nothing to replay (no event matches)".to_string()
+    } else {
+        format!("dry run: would replay {} events{range}", c.events)
+    };
+    logging::line(format, "INFO", TARGET, &msg, &fields);
+    Ok(())
+}
+
+/// `pg-outbox replay`: deliver the matching published events to the sink
+/// again (or count them, with `--dry-run`), with a progress bar on a
+/// terminal and a line saying how to resume.
 pub(crate) async fn run(url: &str, args: ReplayArgs, format: LogFormat) -> Result<(), Error> {
     let filter = args.filter()?;
     let sink = if args.dry_run {
@@ -224,33 +253,10 @@ pub(crate) async fn run(url: &str, args: ReplayArgs, format: LogFormat) -> Resul
             *shared.lock().unwrap_or_else(PoisonError::into_inner) = *p;
         }
     };
-    let range = |first: Option<i64>, last: Option<i64>| match (first, last) {
-        (Some(a), Some(b)) => format!(" (ids {a} to {b})"),
-        _ => String::new(),
-    };
     let Some((sink, sink_name)) = sink else {
         let counted = replay.count(signals(format, shared.clone()), track("counted")).await;
         bar.finish_and_clear();
-        let c = counted?;
-        let fields = vec![
-            ("events", json!(c.events)),
-            ("first_id", json!(c.first_id)),
-            ("last_id", json!(c.last_id)),
-            ("dry_run", json!(true)),
-        ];
-        if c.outcome == Outcome::Interrupted {
-            let msg =
-                format!("dry run interrupted: {} events counted so far{}", c.events, range(c.first_id, c.last_id));
-            logging::line(format, "WARN", TARGET, &msg, &fields);
-            return Err(Error::Interrupted);
-        }
-        let msg = if c.events == 0 {
-            "dry run: nothing to replay (no event matches)".to_string()
-        } else {
-            format!("dry run: would replay {} events{}", c.events, range(c.first_id, c.last_id))
-        };
-        logging::line(format, "INFO", TARGET, &msg, &fields);
-        return Ok(());
+        return report_count(format, counted?);
     };
     tracing::info!(
         database = %db.describe(),
