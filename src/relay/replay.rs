@@ -502,9 +502,6 @@ impl Replay {
         Ok(Outcome::Finished)
     }
 
-    /// Hand `event` to `sink`; if `shutdown` resolves meanwhile, give the
-    /// delivery the grace. Returns the sink's answer (`None`: none within
-    /// the grace) and whether `shutdown` resolved.
     /// Count the matching events in the range without delivering them (a
     /// dry run), window by window, until the range ends or `shutdown`
     /// resolves; `on_progress` is called after each window.

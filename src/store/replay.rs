@@ -7,6 +7,8 @@
 //! and returns few rows), so no statement reads the whole range at once; the
 //! limit bounds the rows one page holds. One function per read runs it.
 
+use std::sync::LazyLock;
+
 use tokio_postgres::Client;
 use tokio_postgres::types::ToSql;
 
@@ -57,6 +59,10 @@ pub(crate) fn page_sql() -> String {
 pub(crate) fn count_sql() -> String {
     format!("SELECT count(*) AS n, min(id) AS first_id, max(id) AS last_id FROM events.outbox WHERE {MATCHES}")
 }
+
+/// [`page_sql`] and [`count_sql`], built once.
+static PAGE: LazyLock<String> = LazyLock::new(page_sql);
+static COUNT: LazyLock<String> = LazyLock::new(count_sql);
 
 /// Make the session's transactions read-only ([`READ_ONLY`]) and say
 /// whether they now are ([`IS_READ_ONLY`]).
@@ -133,7 +139,7 @@ pub(crate) struct Unreadable {
 /// cannot be read.
 pub(crate) async fn page(client: &Client, window: &Window<'_>, limit: i64) -> Result<Vec<Result<Event, Unreadable>>> {
     let [a, b, c, d, e, f, g, h] = window.params();
-    let rows = client.query(&page_sql(), &[a, b, c, d, e, f, g, h, &limit]).await.map_err(map_missing_schema)?;
+    let rows = client.query(PAGE.as_str(), &[a, b, c, d, e, f, g, h, &limit]).await.map_err(map_missing_schema)?;
     Ok(rows.iter().map(|r| event_from_row(r).map_err(|error| Unreadable { id: row_id(r).ok(), error })).collect())
 }
 
@@ -153,6 +159,6 @@ pub(crate) struct Counted {
 /// # Errors
 /// [`crate::Error::NotMigrated`] or [`crate::Error::Db`].
 pub(crate) async fn count(client: &Client, window: &Window<'_>) -> Result<Counted> {
-    let row = client.query_one(&count_sql(), &window.params()).await.map_err(map_missing_schema)?;
+    let row = client.query_one(COUNT.as_str(), &window.params()).await.map_err(map_missing_schema)?;
     Ok(Counted { rows: row.try_get("n")?, first_id: row.try_get("first_id")?, last_id: row.try_get("last_id")? })
 }

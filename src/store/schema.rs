@@ -10,7 +10,7 @@ use crate::migrate::OrderingMode;
 
 /// The server's version as a number (`server_version_num`, e.g. 150004) and
 /// as text (`server_version`, e.g. "15.4").
-pub(crate) const SERVER_VERSION: &str = "SELECT current_setting('server_version_num')::int4 AS num, \
+const SERVER_VERSION: &str = "SELECT current_setting('server_version_num')::int4 AS num, \
      current_setting('server_version') AS version";
 
 /// Turn the session's `statement_timeout` off for a run (the run's own
@@ -66,6 +66,12 @@ pub(crate) struct ServerVersion {
 /// # Errors
 /// [`crate::Error::Db`] when the statement fails.
 pub(crate) async fn server_version(client: &Client) -> Result<ServerVersion> {
+    Ok(read_server_version(client).await?)
+}
+
+/// [`server_version`] with the driver's error, for a statement run with
+/// `statement::run` (the drain loop's session setup).
+pub(super) async fn read_server_version(client: &Client) -> Result<ServerVersion, tokio_postgres::Error> {
     let row = client.query_one(SERVER_VERSION, &[]).await?;
     Ok(ServerVersion { num: row.try_get("num")?, version: row.try_get("version")? })
 }

@@ -120,8 +120,7 @@ impl WorkSession {
         stop: impl Future<Output = ()>,
     ) -> Result<Self, StatementError> {
         let work = async {
-            let version: i32 = client.query_one(super::schema::SERVER_VERSION, &[]).await?.try_get("num")?;
-            let sizes = PayloadSizes::for_server(version);
+            let sizes = PayloadSizes::for_server(super::schema::read_server_version(&client).await?.num);
             let sql = match kind {
                 FetchKind::Ordered => fetch_sql(false, sizes),
                 FetchKind::Partitioned => fetch_sql(true, sizes),
