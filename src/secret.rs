@@ -140,8 +140,9 @@ impl SecretUrl {
 
     /// `text` (a client library's error, which may quote the URL) with
     /// every secret of this URL (the password of each URL, or the user part
-    /// when it has no password: a token; as written and percent-decoded)
-    /// replaced by [`MASK`].
+    /// when it has no password: a token; the value of a query parameter
+    /// whose name looks like a credential, such as `api_key` or `token`;
+    /// each as written and percent-decoded) replaced by [`MASK`].
     pub fn scrub(&self, text: &str) -> String {
         scrub(text, &self.0)
     }
@@ -235,7 +236,6 @@ impl std::str::FromStr for DatabaseUrl {
 /// names holding `password`, `secret`, `jaas`, `token`, `key`,
 /// `oauthbearer.config`, `credential`, `.pem`, `auth`, `cookie` or
 /// `signature`.
-#[cfg_attr(not(any(feature = "webhook", feature = "kafka")), allow(dead_code))]
 pub(crate) fn looks_secret(name: &str) -> bool {
     let n = name.to_ascii_lowercase();
     [
@@ -434,26 +434,44 @@ pub(crate) fn strip(spec: &str) -> String {
 /// percent-decoded) replaced by [`MASK`] (see [`SecretUrl::scrub`]).
 fn scrub(text: &str, spec: &str) -> String {
     let mut secrets: Vec<String> = Vec::new();
+    let mut add = |secret: &str| {
+        if !secret.is_empty() {
+            secrets.push(secret.to_string());
+            let decoded = percent_encoding::percent_decode_str(secret).decode_utf8_lossy();
+            if decoded != secret {
+                secrets.push(decoded.into_owned());
+            }
+        }
+    };
     for part in spec.split(',') {
         let rest = part.trim().split_once("://").map_or(part, |(_, r)| r);
         let end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
         if let Some((userinfo, _)) = rest[..end].rsplit_once('@') {
             // `user:password` hides the password; a lone user part is a token.
-            let secret = userinfo.split_once(':').map_or(userinfo, |(_, p)| p);
-            if !secret.is_empty() {
-                secrets.push(secret.to_string());
-                let decoded = percent_encoding::percent_decode_str(secret).decode_utf8_lossy();
-                if decoded != secret {
-                    secrets.push(decoded.into_owned());
-                }
+            add(userinfo.split_once(':').map_or(userinfo, |(_, p)| p));
+        }
+        // A query parameter named like a credential (`api_key=`, `token=`).
+        let query = rest[end..].split_once('?').map_or("", |(_, q)| q);
+        for pair in query.split(['&', '#']) {
+            if let Some((key, value)) = pair.split_once('=')
+                && looks_secret(key)
+            {
+                add(value);
             }
         }
     }
-    // Longest first, so a secret that contains another is replaced whole.
-    secrets.sort_by_key(|s| std::cmp::Reverse(s.len()));
+    let secrets: Vec<&str> = secrets.iter().map(String::as_str).collect();
+    scrub_all(text, &secrets)
+}
+
+/// `text` with each of `secrets` (empty ones ignored) replaced by [`MASK`],
+/// the longest first, so a secret that contains another is replaced whole.
+pub(crate) fn scrub_all(text: &str, secrets: &[&str]) -> String {
+    let mut sorted: Vec<&str> = secrets.iter().copied().filter(|s| !s.is_empty()).collect();
+    sorted.sort_by_key(|s| std::cmp::Reverse(s.len()));
     let mut out = text.to_string();
-    for s in &secrets {
-        out = out.replace(s.as_str(), MASK);
+    for s in sorted {
+        out = out.replace(s, MASK);
     }
     out
 }
@@ -484,6 +502,17 @@ mod tests {
         assert_eq!(scrub(text, "nats://u:p%40ss@h1:4222"), "auth failed for u with **** (****) and secret");
         assert_eq!(scrub(text, "nats://secret@h1:4222"), "auth failed for u with p%40ss (p@ss) and ****");
         assert_eq!(scrub(text, "redis://h:6379"), text);
+        assert_eq!(scrub("key k3y-1 or x=1", "https://h/p?api_key=k3y-1&x=1"), "key **** or x=1");
+    }
+
+    #[test]
+    fn database_urls_are_masked_however_the_password_is_written() {
+        let masked = |u: &str| DatabaseUrl::new(u).to_string();
+        assert_eq!(masked("postgres://u:pa?ss@127.0.0.1/db"), "postgres://u:****@127.0.0.1/db");
+        assert_eq!(masked("postgres://u:p#a/s@s@db:5432/app"), "postgres://u:****@db:5432/app");
+        assert_eq!(masked("postgres://app@db/app?password=x"), "postgres://app@db/app?password=****");
+        assert_eq!(masked("host=db password=x user=u"), "host=db password=**** user=u");
+        assert_eq!(format!("{:?}", DatabaseUrl::new("postgres://u:pw@h/d")), "DatabaseUrl(\"postgres://u:****@h/d\")");
     }
 
     #[test]

@@ -195,6 +195,54 @@ pub(crate) fn with_reason(error: String) -> String {
 mod tests {
     use super::refusal_reason;
 
+    /// Every secret-bearing field of every sink this build has, filled with
+    /// a secret of its own; the secrets.
+    fn filled() -> (super::SinkSettings, Vec<&'static str>) {
+        use crate::Secret;
+        let mut s = super::SinkSettings::default();
+        let mut secrets = vec!["pw-credentials"];
+        s.credentials.user = Some("user".into());
+        s.credentials.password = Some(Secret::new("pw-credentials"));
+        #[cfg(feature = "webhook")]
+        {
+            use crate::relay::HttpHeader;
+            s.webhook.secret = Some(Secret::new("whsec-webhook"));
+            s.webhook.headers =
+                vec![HttpHeader::new("Authorization", "Bearer bearer-1"), HttpHeader::new("X-Api-Key", "ak-2")];
+            secrets.extend(["whsec-webhook", "bearer-1", "ak-2"]);
+        }
+        #[cfg(feature = "nats")]
+        {
+            s.nats.token = Some(Secret::new("nats-token"));
+            s.nats.nkey = Some(Secret::new("nats-nkey"));
+            s.nats.credentials = Some(Secret::new("nats-creds"));
+            secrets.extend(["nats-token", "nats-nkey", "nats-creds"]);
+        }
+        #[cfg(feature = "kafka")]
+        {
+            use crate::relay::KafkaProperty;
+            s.kafka.properties = vec![
+                KafkaProperty::new("sasl.password", "kafka-pw"),
+                KafkaProperty::new("sasl.jaas.config", "kafka-jaas"),
+                KafkaProperty::new("ssl.key.pem", "kafka-pem"),
+                KafkaProperty::new("sasl.oauthbearer.client.secret", "kafka-oauth"),
+            ];
+            secrets.extend(["kafka-pw", "kafka-jaas", "kafka-pem", "kafka-oauth"]);
+        }
+        (s, secrets)
+    }
+
+    #[test]
+    fn debug_of_settings_with_every_secret_filled_prints_none() {
+        let (settings, secrets) = filled();
+        for text in [format!("{settings:?}"), format!("{settings:#?}")] {
+            for secret in &secrets {
+                assert!(!text.contains(secret), "{secret} printed: {text}");
+            }
+            assert!(text.contains(crate::MASK), "{text}");
+        }
+    }
+
     #[test]
     fn refusals_are_told_apart() {
         let cases = [

@@ -30,8 +30,9 @@ pub type SinkFuture<'a> = Pin<Box<dyn Future<Output = Result<(), BoxError>> + Se
 /// is then marked published. An `Err` fails the event (retry with backoff,
 /// dead letter at the threshold); its text is stored in `last_error`. A
 /// [`super::FatalSinkError`] stops the relay instead, the event released.
-/// The relay drops a send that outlives the timeout: a sink must leave
-/// itself usable when its future is dropped.
+/// The relay drops a send that outlives the timeout (unless
+/// [`Sink::bounded`] says not to): a sink must leave itself usable when its
+/// future is dropped.
 ///
 /// A sink that only needs the event can implement [`EventSink`] instead.
 pub trait Sink: Send + Sync {
@@ -40,19 +41,36 @@ pub trait Sink: Send + Sync {
     /// `NATS JetStream nats://127.0.0.1:4222`.
     fn name(&self) -> &str;
 
+    /// Whether the relay may drop a send that outlives
+    /// [`DeliveryOptions::timeout`] and fail the event (default `true`).
+    /// A sink whose send, cut midway, would corrupt the destination (half
+    /// a line in a byte stream, as the stdout sink writes) returns `false`:
+    /// its sends run to their end, and the health probes report one stuck
+    /// past the timeout.
+    fn bounded(&self) -> bool {
+        true
+    }
+
     /// Send `message` (the encoded `event`) to the destination.
     fn send<'a>(&'a self, message: &'a Message, event: &'a Event) -> SinkFuture<'a>;
 }
 
 /// A sink that delivers the event itself, with no use for the relay's
 /// encoded [`Message`]: every `EventSink` is a [`Sink`] (the message is
-/// built but not handed to it). The relay still bounds each delivery by
-/// its timeout and prefixes errors with [`EventSink::name`].
+/// built but not handed to it). The relay prefixes its errors with
+/// [`EventSink::name`]; it does not cut its deliveries at the timeout
+/// (the sink bounds its own I/O), unless [`EventSink::bounded`] says so.
 pub trait EventSink: Send + Sync {
     /// The sink's name in logs and error texts, with no secret in it.
     /// Default: `custom sink`.
     fn name(&self) -> &str {
         "custom sink"
+    }
+
+    /// Whether the relay may drop a delivery that outlives its timeout, as
+    /// [`Sink::bounded`]; default `false`.
+    fn bounded(&self) -> bool {
+        false
     }
 
     /// Deliver one event; the same contract as [`Sink::send`].
@@ -62,6 +80,10 @@ pub trait EventSink: Send + Sync {
 impl<T: EventSink + ?Sized> Sink for T {
     fn name(&self) -> &str {
         EventSink::name(self)
+    }
+
+    fn bounded(&self) -> bool {
+        EventSink::bounded(self)
     }
 
     fn send<'a>(&'a self, _message: &'a Message, event: &'a Event) -> SinkFuture<'a> {
@@ -81,8 +103,8 @@ pub struct DeliveryOptions {
     /// CloudEvents `source` attribute (default [`DEFAULT_CLOUDEVENTS_SOURCE`]).
     pub cloudevents_source: String,
     /// How long one delivery may take before it fails: the webhook request,
-    /// the wait for a broker's acknowledgement, a custom sink's future; the
-    /// broker sinks also bound connecting by it (default
+    /// the wait for a broker's acknowledgement, any [bounded](Sink::bounded)
+    /// sink's send; the broker sinks also bound connecting by it (default
     /// [`DEFAULT_SINK_TIMEOUT`], 10 s).
     pub timeout: Duration,
 }
@@ -98,8 +120,9 @@ impl Default for DeliveryOptions {
 }
 
 /// One delivery as the relay makes it: encode `event`, send it to `sink`
-/// within the timeout, and name the sink in an error (a
-/// [`super::FatalSinkError`] passes through as it is).
+/// within the timeout (when the sink is [bounded](Sink::bounded)), and
+/// name the sink in an error (a [`super::FatalSinkError`] passes through
+/// as it is).
 pub(crate) async fn deliver<S: Sink + ?Sized>(
     sink: &S,
     options: &DeliveryOptions,
@@ -108,7 +131,9 @@ pub(crate) async fn deliver<S: Sink + ?Sized>(
     let name = sink.name();
     let message = Message::new(event, options.format, &options.cloudevents_source)
         .map_err(|e| format!("{name}: cannot encode event {}: {}", event.id, crate::error::report(&e)))?;
-    match tokio::time::timeout(options.timeout, sink.send(&message, event)).await {
+    let send = sink.send(&message, event);
+    let sent = if sink.bounded() { tokio::time::timeout(options.timeout, send).await } else { Ok(send.await) };
+    match sent {
         Ok(Ok(())) => Ok(()),
         Ok(Err(e)) if e.is::<super::FatalSinkError>() => Err(e),
         Ok(Err(e)) => Err(format!("{name}: {}", crate::error::report(e.as_ref())).into()),

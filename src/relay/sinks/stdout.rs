@@ -96,6 +96,11 @@ impl Sink for StdoutSink {
         "stdout"
     }
 
+    /// A line cut midway would leave half a record in the stream.
+    fn bounded(&self) -> bool {
+        false
+    }
+
     fn send<'a>(&'a self, message: &'a Message, _event: &'a Event) -> SinkFuture<'a> {
         Box::pin(async move {
             let mut line = Vec::with_capacity(message.body.len() + 1);

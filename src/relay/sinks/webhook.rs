@@ -105,7 +105,8 @@ const BODY_SNIPPET: usize = 512;
 /// POSTs each event's [`super::SinkRecord`] as JSON to a URL. A 2xx response
 /// acknowledges the event; any other status (redirects are not followed: a
 /// 3xx fails the event too), a connection error or a timeout fails it, with
-/// the status (and the start of the body, on one line) in `last_error`.
+/// the status (and the start of the body, on one line, with any secret the
+/// request carried cut out) in `last_error`.
 /// Credentials and the query string of the URL never appear in logs or
 /// `last_error`. The request carries `Idempotency-Key: <outbox id>` so the
 /// receiver can drop redeliveries.
@@ -120,6 +121,31 @@ pub struct WebhookSink {
     name: String,
     headers: reqwest::header::HeaderMap,
     secret: Option<WebhookSecret>,
+    /// Everything secret this sink sends: cut out of a receiver's error
+    /// page, which may echo the request.
+    sent_secrets: SentSecrets,
+}
+
+/// The secrets a webhook request carries: the URL's, the secret headers'
+/// values and the signing secret.
+#[derive(Clone)]
+struct SentSecrets {
+    url: SecretUrl,
+    others: Vec<Secret>,
+}
+
+impl SentSecrets {
+    /// `text` with every secret replaced by [`MASK`].
+    fn scrub(&self, text: &str) -> String {
+        let others: Vec<&str> = self.others.iter().map(Secret::expose).collect();
+        crate::secret::scrub_all(&self.url.scrub(text), &others)
+    }
+}
+
+impl std::fmt::Debug for SentSecrets {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "SentSecrets({MASK})")
+    }
 }
 
 /// A Standard Webhooks symmetric signing key (Standard Webhooks
@@ -266,7 +292,11 @@ impl WebhookSink {
             .map_err(|e| Error::Config(format!("cannot build the HTTP client: {e}")))?;
         let secret = options.secret.as_ref().map(|s| WebhookSecret::parse(s.expose())).transpose()?;
         let mut headers = reqwest::header::HeaderMap::new();
+        let mut others: Vec<Secret> = options.secret.iter().cloned().collect();
         for h in &options.headers {
+            if h.secret {
+                others.push(h.value.clone());
+            }
             let name = h.name();
             let n = reqwest::header::HeaderName::from_bytes(name.as_bytes())
                 .map_err(|e| Error::Config(format!("invalid webhook header name '{name}': {e}")))?;
@@ -279,7 +309,8 @@ impl WebhookSink {
                 .map_err(|e| Error::Config(format!("invalid value for webhook header '{name}': {e}")))?;
             headers.append(n, v);
         }
-        Ok(WebhookSink { client, url: parsed, name: format!("webhook {shown}"), headers, secret })
+        let sent_secrets = SentSecrets { url: url.clone(), others };
+        Ok(WebhookSink { client, url: parsed, name: format!("webhook {shown}"), headers, secret, sent_secrets })
     }
 }
 
@@ -331,7 +362,7 @@ impl WebhookSink {
                 _ => break,
             }
         }
-        let body = String::from_utf8_lossy(&raw);
+        let body = self.sent_secrets.scrub(&String::from_utf8_lossy(&raw));
         // One line: collapse whitespace (HTML error pages span many lines).
         let flat = body.split_whitespace().collect::<Vec<_>>().join(" ");
         let mut snippet: String = flat.chars().take(BODY_SNIPPET).collect();
