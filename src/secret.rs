@@ -84,7 +84,8 @@ impl std::str::FromStr for Secret {
 
 /// A sink's URL, or a comma-separated list of them
 /// (`nats://a:pw@h1:4222,nats://b:pw@h2:4222`), which may carry
-/// credentials. See the [module docs](self) for its two printed forms.
+/// credentials. It has two printed forms: [`SecretUrl::shown`] for logs and
+/// messages, [`SecretUrl::masked`] for printed settings.
 ///
 /// # Example
 /// ```
