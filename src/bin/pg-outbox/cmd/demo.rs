@@ -5,8 +5,8 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use crate::temp_server::TempServer;
 use pg_outbox::relay::{Sink, SinkFuture, StdoutSink};
+use pg_outbox::temp_server::TempServer;
 use pg_outbox::{Consumer, Envelope, Event, Metadata, NewEvent, Publisher};
 
 use crate::error::Error;
