@@ -6,11 +6,11 @@
 //!
 //! Run it with `cargo bench --features full --bench console`
 //! (`BENCH_CONSOLE_UNPUBLISHED`, `BENCH_CONSOLE_DEAD` change the sizes).
-//! It uses `DATABASE_URL`, else the server on 127.0.0.1:5432, else a
-//! throwaway one; it loads a scratch database `pgo_bench_console`, starts
-//! `pg-outbox console` on a free port, times each page (2 warm-up requests,
-//! then 10; minimum, median, maximum) over loopback HTTP, and drops the
-//! database. The overview serves the backlog figures from the last reading
+//! It uses `DATABASE_URL`, else the server on 127.0.0.1:5432 or the local
+//! socket, else a throwaway one (the test kit's `find_server`); it loads a
+//! scratch database `pgo_bench_console`, starts `pg-outbox console` on a
+//! free port, times each page (2 warm-up requests, then 10; minimum,
+//! median, maximum) over loopback HTTP, and drops the database. The overview serves the backlog figures from the last reading
 //! when counting them takes longer than 200 ms (the warm-up requests wait
 //! for the first one); `pg_outbox::status` below is what one reading costs.
 

@@ -40,10 +40,11 @@
 //! machine may be shared and noisy); timings never fail the run, but each
 //! issue target is printed as MET or NOT MET.
 //!
-//! Server: `DATABASE_URL` if set, else 127.0.0.1:5432 if it answers, else a
-//! throwaway server from the local PostgreSQL binaries. Each scenario works
-//! in its own databases `pgo_e2e_<pid>_<scenario>`, dropped afterwards (also
-//! after a failure).
+//! Server: `DATABASE_URL` if set, else 127.0.0.1:5432 or the local socket if
+//! one answers, else a throwaway server from the local PostgreSQL binaries
+//! (the test kit's `find_server`, as the tests find theirs). Each scenario
+//! works in its own databases `pgo_e2e_<pid>_<scenario>`, dropped afterwards
+//! (also after a failure).
 //!
 //! Environment:
 //! - `PG_OUTBOX_BENCH_QUICK=1`: small sizes and short runs (about 5 minutes;

@@ -9,7 +9,7 @@
 //!   as a connection string for a child process;
 //! - [`process`]: the `pg-outbox relay` child process, the clean
 //!   environment every run of the binary gets, and a free port;
-//! - [`bench`]: the benchmarks' error type and `main`.
+//! - [`bench`](mod@bench): the benchmarks' error type and `main`.
 //!
 //! The throwaway server itself is pg-outbox's own
 //! [`pg_outbox::temp_server`] (feature `temp-server`), re-exported here.
