@@ -134,7 +134,7 @@ pub async fn connect(cfg: &Config) -> Result<Client, pg_outbox::Error> {
         if let Err(e) = connection.await
             && !e.is_closed()
         {
-            eprintln!("connection to the server under test ended: {e}");
+            eprintln!("connection to the server under test ended: {}", pg_outbox::error::report(&e));
         }
     });
     Ok(client)
