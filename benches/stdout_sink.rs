@@ -14,7 +14,7 @@ use std::process::Stdio;
 use std::time::Instant;
 
 use pg_outbox::Event;
-use pg_outbox::relay::{Sink, StdoutSink};
+use pg_outbox::relay::{DEFAULT_CLOUDEVENTS_SOURCE, Format, Message, Sink, StdoutSink};
 use pg_outbox_testkit::bench::{self, BenchResult};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
@@ -51,8 +51,10 @@ async fn child(n: usize) -> BenchResult<()> {
         for sink_turn in [round % 2 == 0, round % 2 == 1] {
             let t = Instant::now();
             if sink_turn {
+                // As the relay delivers: encode the event, then send it.
                 for _ in 0..n {
-                    sink.deliver(&ev).await?;
+                    let message = Message::new(&ev, Format::Record, DEFAULT_CLOUDEVENTS_SOURCE)?;
+                    sink.send(&message, &ev).await?;
                 }
                 sink_us = t.elapsed().as_secs_f64() * 1e6 / n as f64;
             } else {

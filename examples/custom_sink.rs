@@ -1,5 +1,6 @@
-//! A relay with a sink of your own: implement `pg_outbox::relay::Sink` and
-//! hand it to `pg_outbox::relay::run`.
+//! A relay with a sink of your own: implement `pg_outbox::relay::EventSink`
+//! (or `Sink`, to receive the relay's encoded message too) and hand it to
+//! `pg_outbox::relay::run`.
 //!
 //! The sink here appends each event as one JSON line (the relay's
 //! `SinkRecord` format) to a file, and returns `Ok` only after the line is
@@ -27,7 +28,7 @@ mod common;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-use pg_outbox::relay::{Sink, SinkFuture, SinkRecord};
+use pg_outbox::relay::{EventSink, SinkFuture, SinkRecord};
 use pg_outbox::{Consumer, Error, Event};
 use tokio::io::AsyncWriteExt;
 use tokio::sync::Mutex;
@@ -47,7 +48,11 @@ impl JsonLinesFile {
     }
 }
 
-impl Sink for JsonLinesFile {
+impl EventSink for JsonLinesFile {
+    fn name(&self) -> &str {
+        "JSON lines file"
+    }
+
     fn deliver<'a>(&'a self, event: &'a Event) -> SinkFuture<'a> {
         Box::pin(async move {
             if event.payload.get("version").is_none() || event.payload.get("data").is_none() {

@@ -14,12 +14,12 @@ mod event;
 pub mod metrics;
 pub mod migrate;
 mod publisher;
-mod redact;
 #[cfg(feature = "relay")]
 #[cfg_attr(docsrs, doc(cfg(feature = "relay")))]
 pub mod relay;
 pub mod retention;
 mod retry;
+mod secret;
 mod store;
 #[cfg(feature = "temp-server")]
 #[cfg_attr(docsrs, doc(cfg(feature = "temp-server")))]
@@ -36,10 +36,8 @@ pub use consumer::{
 pub use error::{Error, Result};
 pub use event::{Envelope, Event, Metadata, NewEvent};
 pub use publisher::{DEFAULT_MAX_PAYLOAD_BYTES, Publisher};
-/// For the command line (`--print-config`); not part of the API.
-#[doc(hidden)]
-pub use redact::{redact_database_url, redact_password};
 pub use retry::{AfterLastStep, DEFAULT_RETRY_CAP, DEFAULT_RETRY_JITTER, DEFAULT_RETRY_STEPS, RetryPolicy};
+pub use secret::{DatabaseUrl, MASK, Secret, SecretUrl};
 pub use store::{OutboxStatus, PendingRetry, RetryLadder, STATUS_MAX_TYPES, STATUS_NEXT_RETRIES, TypeBacklog, status};
 /// The statements behind the consumer, for the plan tests
 /// (`EXPLAIN (ANALYZE, BUFFERS)` under every statistics state). Not part of

@@ -220,7 +220,7 @@ pub(crate) struct State {
     slow: Mutex<Slow>,
     sink: SinkState,
     /// The database password, kept out of error texts.
-    password: Option<String>,
+    password: Option<crate::Secret>,
 }
 
 /// What changes seldom.
@@ -243,8 +243,8 @@ impl State {
             .pg
             .tokio_postgres_config()
             .get_password()
-            .map(|p| String::from_utf8_lossy(p).into_owned())
-            .filter(|p| !p.is_empty());
+            .filter(|p| !p.is_empty())
+            .map(|p| crate::Secret::new(String::from_utf8_lossy(p)));
         State {
             base: Instant::now(),
             stall_bound: stall_bound(cfg),
@@ -304,7 +304,7 @@ impl State {
 
     fn scrub(&self, msg: String) -> String {
         match &self.password {
-            Some(p) if msg.contains(p.as_str()) => msg.replace(p.as_str(), "***"),
+            Some(p) if msg.contains(p.expose()) => msg.replace(p.expose(), crate::MASK),
             _ => msg,
         }
     }

@@ -206,6 +206,12 @@ enum Part {
 }
 
 impl Template {
+    /// A template written into pg-outbox itself (a default), known to parse.
+    #[cfg_attr(not(any(feature = "nats", feature = "kafka", feature = "redis", feature = "amqp")), allow(dead_code))]
+    pub(crate) fn builtin(text: &str) -> Self {
+        Template::parse(text).unwrap_or_else(|e| unreachable!("built-in template {text} does not parse: {e}"))
+    }
+
     /// Parse a template.
     ///
     /// # Errors

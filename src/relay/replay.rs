@@ -51,7 +51,7 @@ use std::time::Duration;
 use chrono::{DateTime, Utc};
 use tokio_postgres::Client;
 
-use super::Sink;
+use super::{DeliveryOptions, Sink};
 use crate::connect::ConnectOptions;
 use crate::error::{Error, Result};
 use crate::store::replay::{self as store, Unreadable, Window};
@@ -198,6 +198,7 @@ pub struct ReplayBuilder {
     page_size: i64,
     rate: Option<f64>,
     grace: Duration,
+    delivery: DeliveryOptions,
 }
 
 impl ReplayBuilder {
@@ -239,6 +240,13 @@ impl ReplayBuilder {
     /// ```
     pub fn shutdown_grace(mut self, grace: Duration) -> Self {
         self.grace = grace;
+        self
+    }
+
+    /// How each event is encoded and how long its delivery may take
+    /// (default [`DeliveryOptions::default`]), as in the relay.
+    pub fn delivery_options(mut self, options: DeliveryOptions) -> Self {
+        self.delivery = options;
         self
     }
 
@@ -286,6 +294,7 @@ impl ReplayBuilder {
             page_size: self.page_size,
             period,
             grace: self.grace,
+            delivery: self.delivery,
             start,
             end,
             scanned: start,
@@ -362,6 +371,7 @@ pub struct Replay {
     page_size: i64,
     period: Option<Duration>,
     grace: Duration,
+    delivery: DeliveryOptions,
     start: i64,
     end: i64,
     /// Every matching row with an id up to this one has been handled.
@@ -381,7 +391,13 @@ impl Replay {
     /// # let _ = b;
     /// ```
     pub fn builder(filter: Filter) -> ReplayBuilder {
-        ReplayBuilder { filter, page_size: DEFAULT_PAGE_SIZE, rate: None, grace: DEFAULT_REPLAY_GRACE }
+        ReplayBuilder {
+            filter,
+            page_size: DEFAULT_PAGE_SIZE,
+            rate: None,
+            grace: DEFAULT_REPLAY_GRACE,
+            delivery: DeliveryOptions::default(),
+        }
     }
 
     /// Where the replay stands.
@@ -474,9 +490,16 @@ impl Replay {
                         _ = &mut shutdown => return Ok(Outcome::Interrupted),
                     }
                 }
-                let (delivered, interrupted) =
-                    super::deliver_with_grace(sink, &event, Some(shutdown.as_mut()), self.grace, "stopping", || {})
-                        .await;
+                let (delivered, interrupted) = super::deliver_with_grace(
+                    sink,
+                    &self.delivery,
+                    &event,
+                    Some(shutdown.as_mut()),
+                    self.grace,
+                    "stopping",
+                    || {},
+                )
+                .await;
                 match delivered {
                     None => return Ok(Outcome::Interrupted),
                     Some(Err(e)) => {

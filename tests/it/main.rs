@@ -27,6 +27,7 @@ mod relay_proc;
 mod replay;
 mod retention;
 mod schema;
+mod secrets;
 #[cfg(feature = "amqp")]
 mod sink_amqp;
 #[cfg(feature = "kafka")]

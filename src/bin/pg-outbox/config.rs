@@ -309,8 +309,7 @@ pub(crate) fn render(loaded: &Loaded) -> String {
     for arg in args {
         let id = arg.get_id().as_str();
         let key = arg.get_long().map(|l| l.replace('-', "_")).unwrap_or_else(|| id.to_string());
-        let raw: Vec<String> =
-            m.get_raw(id).map(|vals| vals.map(|v| redact(id, &v.to_string_lossy())).collect()).unwrap_or_default();
+        let raw = printed(m, id);
         let src = source(m, arg, &loaded.file);
         let line = if raw.is_empty() {
             format!("# {key} =")
@@ -332,34 +331,26 @@ pub(crate) fn render(loaded: &Loaded) -> String {
     out
 }
 
-/// Mask secrets in a setting's value: passwords in URLs and key=value
-/// strings, the webhook secret, values of credential-like webhook headers.
-pub(crate) fn redact(id: &str, value: &str) -> String {
-    const MASK: &str = "****";
-    if id.contains("secret") || id == "sink_password" {
-        return MASK.to_string();
+/// A setting's values as `--print-config` prints them: a value of a
+/// secret type ([`pg_outbox::Secret`], [`pg_outbox::SecretUrl`],
+/// [`pg_outbox::DatabaseUrl`], a webhook header, a Kafka property) as its
+/// `Display` form, which masks; any other value as given.
+fn printed(m: &ArgMatches, id: &str) -> Vec<String> {
+    /// The values of `id` if they are of type `T`, as `T` displays them.
+    fn typed<T: std::fmt::Display + Clone + Send + Sync + 'static>(m: &ArgMatches, id: &str) -> Option<Vec<String>> {
+        let values = m.try_get_many::<T>(id).ok()?;
+        Some(values.map(|vs| vs.map(ToString::to_string).collect()).unwrap_or_default())
     }
-    if id == "kafka_options" {
-        return match value.split_once('=') {
-            Some((k, _)) if pg_outbox::relay::is_secret_property(k) => format!("{k}={MASK}"),
-            _ => value.to_string(),
-        };
-    }
-    if id == "webhook_headers" {
-        if let Some((name, _)) = value.split_once(':') {
-            let n = name.trim().to_ascii_lowercase();
-            let sensitive = ["auth", "token", "secret", "key", "cookie", "password", "signature"];
-            if sensitive.iter().any(|s| n.contains(s)) {
-                return format!("{}: {MASK}", name.trim());
-            }
-        }
-        return value.to_string();
-    }
-    match id {
-        "sink" => pg_outbox::relay::redact_sink(value),
-        DATABASE_URL => pg_outbox::redact_database_url(value),
-        _ => pg_outbox::redact_password(value),
-    }
+    let secret = typed::<pg_outbox::Secret>(m, id)
+        .or_else(|| typed::<pg_outbox::SecretUrl>(m, id))
+        .or_else(|| typed::<pg_outbox::DatabaseUrl>(m, id));
+    #[cfg(feature = "webhook")]
+    let secret = secret.or_else(|| typed::<pg_outbox::relay::HttpHeader>(m, id));
+    #[cfg(feature = "kafka")]
+    let secret = secret.or_else(|| typed::<pg_outbox::relay::KafkaProperty>(m, id));
+    secret.unwrap_or_else(|| {
+        m.get_raw(id).map(|vals| vals.map(|v| v.to_string_lossy().into_owned()).collect()).unwrap_or_default()
+    })
 }
 
 #[cfg(test)]
@@ -385,21 +376,39 @@ mod tests {
     }
 
     #[test]
-    fn settings_are_masked() {
-        assert_eq!(redact("webhook_secret", "whsec_abc"), "****");
-        assert_eq!(redact("webhook_headers", "Authorization: Bearer x"), "Authorization: ****");
-        assert_eq!(redact("webhook_headers", "X-Team: billing"), "X-Team: billing");
-        assert_eq!(redact("database_url", "postgres://u:pa?ss@127.0.0.1/db"), "postgres://u:****@127.0.0.1/db");
-        assert_eq!(redact("database_url", "postgres://u:p#a/s@s@db:5432/app"), "postgres://u:****@db:5432/app");
-        assert_eq!(redact("database_url", "postgres://app@db/app?password=x"), "postgres://app@db/app?password=****");
-        assert_eq!(redact("database_url", "host=db password=x user=u"), "host=db password=**** user=u");
-        assert_eq!(redact("sink", "nats://NATSTOKEN@127.0.0.1:4222"), "nats://****@127.0.0.1:4222");
-        assert_eq!(redact("sink_password", "hunter2"), "****");
-        assert_eq!(redact("sink_password_file", "/run/secrets/pw"), "/run/secrets/pw");
-        assert_eq!(redact("kafka_options", "sasl.password=pw"), "sasl.password=****");
-        assert_eq!(redact("kafka_options", "sasl.jaas.config=x y"), "sasl.jaas.config=****");
-        assert_eq!(redact("kafka_options", "ssl.key.pem=-----BEGIN"), "ssl.key.pem=****");
-        assert_eq!(redact("kafka_options", "compression.type=zstd"), "compression.type=zstd");
+    fn settings_of_secret_types_are_masked_whatever_their_name() {
+        let cmd = command();
+        let m = cmd.get_matches_from([
+            "pg-outbox",
+            "--database-url",
+            "postgres://u:p#a/s@s@db:5432/app",
+            "relay",
+            "--sink",
+            "nats://NATSTOKEN@127.0.0.1:4222",
+            "--sink-password",
+            "hunter2",
+            "--sink-password-file",
+            "/run/secrets/pw",
+            "--webhook-secret",
+            "whsec_abc",
+            "--webhook-header",
+            "Authorization: Bearer x",
+            "--webhook-header",
+            "X-Team: billing",
+            "--kafka-option",
+            "sasl.jaas.config=x y",
+            "--kafka-option",
+            "compression.type=zstd",
+        ]);
+        let relay = m.subcommand_matches("relay").expect("relay");
+        let p = |id: &str| printed(relay, id);
+        assert_eq!(p("database_url"), ["postgres://u:****@db:5432/app"]);
+        assert_eq!(p("sink"), ["nats://****@127.0.0.1:4222"]);
+        assert_eq!(p("sink_password"), ["****"]);
+        assert_eq!(p("sink_password_file"), ["/run/secrets/pw"]);
+        assert_eq!(p("webhook_secret"), ["****"]);
+        assert_eq!(p("webhook_headers"), ["Authorization: ****", "X-Team: billing"]);
+        assert_eq!(p("kafka_options"), ["sasl.jaas.config=****", "compression.type=zstd"]);
     }
 
     #[test]

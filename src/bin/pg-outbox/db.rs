@@ -11,8 +11,8 @@ const CLI_SESSIONS: &str = "pg-outbox cli";
 /// `OUTBOX_DATABASE_URL` (clap, then `config::command`); empty when none is
 /// given, which [`pg_outbox::ConnectOptions::parse`] fills from the libpq
 /// variables and defaults, as psql does.
-pub(crate) fn database_url(cli: &Option<String>) -> String {
-    cli.clone().filter(|s| !s.trim().is_empty()).unwrap_or_default()
+pub(crate) fn database_url(cli: &Option<pg_outbox::DatabaseUrl>) -> String {
+    cli.as_ref().map(|u| u.expose().to_string()).filter(|s| !s.trim().is_empty()).unwrap_or_default()
 }
 
 /// Resolve `url` (libpq's variables fill what it leaves out) and connect.

@@ -39,7 +39,7 @@ struct Cli {
     /// DATABASE_URL is unset; with neither, connects as psql does (the PG*
     /// variables, then the local socket; the notes of `pg-outbox --help`).
     #[arg(long, env = "DATABASE_URL", global = true, hide_env_values = true, display_order = 900)]
-    database_url: Option<String>,
+    database_url: Option<pg_outbox::DatabaseUrl>,
 
     /// Log lines on stderr: `text` (human-readable) or `json` (one object
     /// per line with timestamp, level, message, target and the event's

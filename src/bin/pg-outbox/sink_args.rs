@@ -1,13 +1,18 @@
-//! The `relay` flags that configure sinks.
+//! The `relay` and `replay` flags that configure sinks: the ones every sink
+//! shares, then one group per sink (present when the sink is built in).
+//! Every secret-bearing flag is parsed into a secret type
+//! ([`Secret`], [`SecretUrl`], the sinks' header and property types), which
+//! decides how `--print-config` shows it.
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use pg_outbox::relay::{Format, Secret, SinkOptions, Template};
+use pg_outbox::relay::{DeliveryOptions, Format, SinkSettings};
+use pg_outbox::{Secret, SecretUrl};
 
 use crate::error::Error;
 
-/// Sink settings; each sink reads the flags of its own scheme.
+/// Sink settings; each sink reads the shared ones and its own group.
 #[derive(clap::Args, Debug)]
 #[command(next_help_heading = "Sink options")]
 pub(crate) struct SinkArgs {
@@ -18,7 +23,7 @@ pub(crate) struct SinkArgs {
     /// redis://HOST:6379 (XADD to a stream), amqp://USER:PASS@HOST:5672/VHOST
     /// (RabbitMQ; acknowledged on the publisher confirm).
     #[arg(long, default_value = "stdout")]
-    pub(crate) sink: String,
+    pub(crate) sink: SecretUrl,
     /// Message body: `record` (our JSON record) or `cloudevents`
     /// (CloudEvents 1.0 structured JSON).
     #[arg(long, default_value = "record", value_parser = parse_format)]
@@ -29,85 +34,138 @@ pub(crate) struct SinkArgs {
     /// How long one delivery may take (webhook request, broker acknowledgement).
     #[arg(long, alias = "webhook-timeout", value_parser = crate::parse_duration, default_value = "10s")]
     pub(crate) sink_timeout: Duration,
-    /// NATS subject template; placeholders {aggregate_type}, {event_type},
-    /// {aggregate_id}.
-    #[arg(long, default_value = "events.{aggregate_type}.{event_type}", value_parser = parse_template)]
-    pub(crate) nats_subject: Template,
-    /// Kafka topic template (the message key is the aggregate id).
-    #[arg(long, default_value = "outbox.event.{aggregate_type}", value_parser = parse_template)]
-    pub(crate) kafka_topic: Template,
-    /// Redis stream key template.
-    #[arg(long, default_value = "outbox:{aggregate_type}", value_parser = parse_template)]
-    pub(crate) redis_stream: Template,
-    /// Trim Redis streams to about this many entries (XADD MAXLEN ~); off by default.
-    #[arg(long, value_name = "ENTRIES", value_parser = clap::value_parser!(u64).range(1..))]
-    pub(crate) redis_maxlen: Option<u64>,
-    /// RabbitMQ exchange to publish to.
-    #[arg(long, default_value = "amq.topic")]
-    pub(crate) amqp_exchange: String,
-    /// RabbitMQ routing key template.
-    #[arg(long, default_value = "{aggregate_type}.{event_type}", value_parser = parse_template)]
-    pub(crate) amqp_routing_key: Template,
-    /// Sign webhook requests (Standard Webhooks: webhook-id,
-    /// webhook-timestamp, webhook-signature) with this secret (`whsec_...`).
-    #[arg(long, hide_env_values = true)]
-    pub(crate) webhook_secret: Option<String>,
-    /// Extra header on every webhook request, `NAME: VALUE` (repeatable).
-    #[arg(long = "webhook-header", value_name = "NAME: VALUE", value_parser = parse_header)]
-    pub(crate) webhook_headers: Vec<(String, String)>,
+    #[cfg(feature = "webhook")]
+    #[command(flatten)]
+    webhook: WebhookArgs,
+    #[cfg(feature = "nats")]
+    #[command(flatten)]
+    nats: NatsArgs,
+    #[cfg(feature = "kafka")]
+    #[command(flatten)]
+    kafka: KafkaArgs,
+    #[cfg(feature = "redis")]
+    #[command(flatten)]
+    redis: RedisArgs,
+    #[cfg(feature = "amqp")]
+    #[command(flatten)]
+    amqp: AmqpArgs,
+    #[command(flatten)]
+    access: AccessArgs,
+}
+
+/// TLS and credentials, shared by the brokers.
+#[derive(clap::Args, Debug)]
+#[command(next_help_heading = "Sink TLS and credentials")]
+struct AccessArgs {
     /// Use TLS to the broker: NATS (same as a tls:// URL) and Kafka
     /// (security.protocol SSL, or SASL_SSL with --kafka-sasl-mechanism).
     /// Redis and RabbitMQ take TLS from the scheme: rediss://, amqps://.
     /// Any --sink-tls-* file implies it.
-    #[arg(long, help_heading = "Sink TLS and credentials")]
-    pub(crate) sink_tls: bool,
+    #[arg(long)]
+    sink_tls: bool,
     /// PEM file of the CA certificate(s) that sign the broker's certificate
     /// (all sinks but the webhook); default: the system's root certificates
     /// (RabbitMQ adds the file's certificates to them).
-    #[arg(long, value_name = "FILE", help_heading = "Sink TLS and credentials")]
-    pub(crate) sink_tls_ca_file: Option<PathBuf>,
+    #[arg(long, value_name = "FILE")]
+    sink_tls_ca_file: Option<PathBuf>,
     /// PEM file of a client certificate to present (mutual TLS), with
     /// --sink-tls-client-key.
-    #[arg(long, value_name = "FILE", requires = "sink_tls_client_key", help_heading = "Sink TLS and credentials")]
-    pub(crate) sink_tls_client_cert: Option<PathBuf>,
+    #[arg(long, value_name = "FILE", requires = "sink_tls_client_key")]
+    sink_tls_client_cert: Option<PathBuf>,
     /// PEM file of the client certificate's private key.
-    #[arg(long, value_name = "FILE", requires = "sink_tls_client_cert", help_heading = "Sink TLS and credentials")]
-    pub(crate) sink_tls_client_key: Option<PathBuf>,
+    #[arg(long, value_name = "FILE", requires = "sink_tls_client_cert")]
+    sink_tls_client_key: Option<PathBuf>,
     /// User name at the broker (NATS user, Redis ACL user, RabbitMQ user,
     /// Kafka SASL user); overrides a user in the URL.
-    #[arg(long, value_name = "USER", help_heading = "Sink TLS and credentials")]
-    pub(crate) sink_user: Option<String>,
+    #[arg(long, value_name = "USER")]
+    sink_user: Option<String>,
     /// File holding the broker password (one line; a trailing newline is
     /// ignored); overrides --sink-password and a password in the URL.
-    #[arg(long, value_name = "FILE", help_heading = "Sink TLS and credentials")]
-    pub(crate) sink_password_file: Option<PathBuf>,
+    #[arg(long, value_name = "FILE")]
+    sink_password_file: Option<PathBuf>,
     /// The broker password itself; prefer OUTBOX_SINK_PASSWORD or
     /// --sink-password-file (a command line is visible to other users).
-    #[arg(long, value_name = "PASSWORD", hide_env_values = true, help_heading = "Sink TLS and credentials")]
-    pub(crate) sink_password: Option<String>,
+    #[arg(long, value_name = "PASSWORD", hide_env_values = true)]
+    sink_password: Option<Secret>,
+}
+
+/// The webhook sink's flags.
+#[cfg(feature = "webhook")]
+#[derive(clap::Args, Debug)]
+struct WebhookArgs {
+    /// Sign webhook requests (Standard Webhooks: webhook-id,
+    /// webhook-timestamp, webhook-signature) with this secret (`whsec_...`).
+    #[arg(long, hide_env_values = true)]
+    webhook_secret: Option<Secret>,
+    /// Extra header on every webhook request, `NAME: VALUE` (repeatable).
+    #[arg(long = "webhook-header", value_name = "NAME: VALUE")]
+    webhook_headers: Vec<pg_outbox::relay::HttpHeader>,
+}
+
+/// The NATS sink's flags.
+#[cfg(feature = "nats")]
+#[derive(clap::Args, Debug)]
+struct NatsArgs {
+    /// NATS subject template; placeholders {aggregate_type}, {event_type},
+    /// {aggregate_id}.
+    #[arg(long, default_value = "events.{aggregate_type}.{event_type}", value_parser = parse_template)]
+    nats_subject: pg_outbox::relay::Template,
     /// NATS: a .creds file (user JWT and NKey seed, as `nsc` writes it).
     #[arg(long, value_name = "FILE", help_heading = "Sink TLS and credentials")]
-    pub(crate) nats_creds: Option<PathBuf>,
+    nats_creds: Option<PathBuf>,
     /// NATS: a file holding a user NKey seed (SU...).
     #[arg(long, value_name = "FILE", help_heading = "Sink TLS and credentials")]
-    pub(crate) nats_nkey_file: Option<PathBuf>,
+    nats_nkey_file: Option<PathBuf>,
     /// NATS: a file holding the authentication token.
     #[arg(long, value_name = "FILE", help_heading = "Sink TLS and credentials")]
-    pub(crate) nats_token_file: Option<PathBuf>,
+    nats_token_file: Option<PathBuf>,
+}
+
+/// The Kafka sink's flags.
+#[cfg(feature = "kafka")]
+#[derive(clap::Args, Debug)]
+struct KafkaArgs {
+    /// Kafka topic template (the message key is the aggregate id).
+    #[arg(long, default_value = "outbox.event.{aggregate_type}", value_parser = parse_template)]
+    kafka_topic: pg_outbox::relay::Template,
     /// Kafka SASL mechanism, with --sink-user and a password: PLAIN,
     /// SCRAM-SHA-256 or SCRAM-SHA-512 (others, e.g. OAUTHBEARER, through
     /// --kafka-option). security.protocol becomes SASL_SSL with --sink-tls
     /// (or a TLS file), else SASL_PLAINTEXT.
     #[arg(long, value_name = "MECHANISM", value_parser = ["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"], help_heading = "Sink TLS and credentials")]
-    pub(crate) kafka_sasl_mechanism: Option<String>,
+    kafka_sasl_mechanism: Option<String>,
     /// Any librdkafka producer property, KEY=VALUE (repeatable), applied
     /// last: it overrides the sink's own. The sink's defaults: acks=all,
     /// enable.idempotence=true, linger.ms=0 (one event in flight at a time),
     /// compression.type=none, partitioner=murmur2_random (Java's),
     /// message.timeout.ms from --sink-timeout. E.g.
     /// --kafka-option sasl.mechanism=OAUTHBEARER.
-    #[arg(long = "kafka-option", value_name = "KEY=VALUE", value_parser = parse_kafka_option, help_heading = "Sink TLS and credentials")]
-    pub(crate) kafka_options: Vec<(String, String)>,
+    #[arg(long = "kafka-option", value_name = "KEY=VALUE", help_heading = "Sink TLS and credentials")]
+    kafka_options: Vec<pg_outbox::relay::KafkaProperty>,
+}
+
+/// The Redis Streams sink's flags.
+#[cfg(feature = "redis")]
+#[derive(clap::Args, Debug)]
+struct RedisArgs {
+    /// Redis stream key template.
+    #[arg(long, default_value = "outbox:{aggregate_type}", value_parser = parse_template)]
+    redis_stream: pg_outbox::relay::Template,
+    /// Trim Redis streams to about this many entries (XADD MAXLEN ~); off by default.
+    #[arg(long, value_name = "ENTRIES", value_parser = clap::value_parser!(u64).range(1..))]
+    redis_maxlen: Option<u64>,
+}
+
+/// The RabbitMQ sink's flags.
+#[cfg(feature = "amqp")]
+#[derive(clap::Args, Debug)]
+struct AmqpArgs {
+    /// RabbitMQ exchange to publish to.
+    #[arg(long, default_value = "amq.topic")]
+    amqp_exchange: String,
+    /// RabbitMQ routing key template.
+    #[arg(long, default_value = "{aggregate_type}.{event_type}", value_parser = parse_template)]
+    amqp_routing_key: pg_outbox::relay::Template,
 }
 
 /// The contents of a secret file named by `flag`, without the trailing
@@ -122,40 +180,77 @@ fn read_secret(flag: &str, path: &Path) -> Result<Secret, Error> {
     Ok(Secret::new(value))
 }
 
+/// The secret of the file `flag` names, if one is named.
+fn secret_file(flag: &str, path: Option<&Path>) -> Result<Option<Secret>, Error> {
+    path.map(|p| read_secret(flag, p)).transpose()
+}
+
 impl SinkArgs {
-    /// The library's sink options, secret files read.
+    /// The library's sink settings, secret files read.
     ///
     /// # Errors
     /// [`Error::Config`] naming the flag for an unreadable or empty secret file.
-    pub(crate) fn options(&self) -> Result<SinkOptions, Error> {
-        let mut o = SinkOptions::default();
-        o.format = self.format;
-        o.cloudevents_source = self.cloudevents_source.clone();
-        o.timeout = self.sink_timeout;
-        o.nats_subject = self.nats_subject.clone();
-        o.kafka_topic = self.kafka_topic.clone();
-        o.redis_stream = self.redis_stream.clone();
-        o.redis_maxlen = self.redis_maxlen.and_then(|n| usize::try_from(n).ok());
-        o.amqp_exchange = self.amqp_exchange.clone();
-        o.amqp_routing_key = self.amqp_routing_key.clone();
-        o.webhook_secret = self.webhook_secret.clone();
-        o.webhook_headers = self.webhook_headers.clone();
-        o.tls = self.sink_tls;
-        o.tls_ca_file = self.sink_tls_ca_file.clone();
-        o.tls_client_cert = self.sink_tls_client_cert.clone();
-        o.tls_client_key = self.sink_tls_client_key.clone();
-        o.user = self.sink_user.clone();
-        o.password = match (&self.sink_password_file, &self.sink_password) {
-            (Some(path), _) => Some(read_secret("sink-password-file", path)?),
-            (None, Some(p)) => Some(Secret::new(p.as_str())),
-            (None, None) => None,
+    pub(crate) fn settings(&self) -> Result<SinkSettings, Error> {
+        let mut s = SinkSettings::default();
+        s.delivery = self.delivery();
+        let a = &self.access;
+        s.tls.enabled = a.sink_tls;
+        s.tls.ca_file = a.sink_tls_ca_file.clone();
+        s.tls.client_cert = a.sink_tls_client_cert.clone();
+        s.tls.client_key = a.sink_tls_client_key.clone();
+        s.credentials.user = a.sink_user.clone();
+        s.credentials.password = match secret_file("sink-password-file", a.sink_password_file.as_deref())? {
+            Some(p) => Some(p),
+            None => a.sink_password.clone(),
         };
-        o.nats_credentials = self.nats_creds.as_deref().map(|p| read_secret("nats-creds", p)).transpose()?;
-        o.nats_nkey = self.nats_nkey_file.as_deref().map(|p| read_secret("nats-nkey-file", p)).transpose()?;
-        o.nats_token = self.nats_token_file.as_deref().map(|p| read_secret("nats-token-file", p)).transpose()?;
-        o.kafka_sasl_mechanism = self.kafka_sasl_mechanism.clone();
-        o.kafka_options = self.kafka_options.clone();
-        Ok(o)
+        #[cfg(feature = "webhook")]
+        {
+            s.webhook.secret = self.webhook.webhook_secret.clone();
+            s.webhook.headers = self.webhook.webhook_headers.clone();
+        }
+        #[cfg(feature = "nats")]
+        {
+            let n = &self.nats;
+            s.nats.subject = n.nats_subject.clone();
+            s.nats.credentials = secret_file("nats-creds", n.nats_creds.as_deref())?;
+            s.nats.nkey = secret_file("nats-nkey-file", n.nats_nkey_file.as_deref())?;
+            s.nats.token = secret_file("nats-token-file", n.nats_token_file.as_deref())?;
+        }
+        #[cfg(feature = "kafka")]
+        {
+            s.kafka.topic = self.kafka.kafka_topic.clone();
+            s.kafka.sasl_mechanism = self.kafka.kafka_sasl_mechanism.clone();
+            s.kafka.properties = self.kafka.kafka_options.clone();
+        }
+        #[cfg(feature = "redis")]
+        {
+            s.redis.stream = self.redis.redis_stream.clone();
+            s.redis.maxlen = self.redis.redis_maxlen.and_then(|n| usize::try_from(n).ok());
+        }
+        #[cfg(feature = "amqp")]
+        {
+            s.amqp.exchange = self.amqp.amqp_exchange.clone();
+            s.amqp.routing_key = self.amqp.amqp_routing_key.clone();
+        }
+        Ok(s)
+    }
+
+    /// Format, CloudEvents source and timeout, as the relay applies them.
+    pub(crate) fn delivery(&self) -> DeliveryOptions {
+        let mut d = DeliveryOptions::default();
+        d.format = self.format;
+        d.cloudevents_source = self.cloudevents_source.clone();
+        d.timeout = self.sink_timeout;
+        d
+    }
+
+    /// Open the sink `--sink` names.
+    ///
+    /// # Errors
+    /// As [`pg_outbox::relay::open_sink`], and [`Error::Config`] for an
+    /// unreadable secret file.
+    pub(crate) async fn open(&self) -> Result<Box<dyn pg_outbox::relay::Sink>, Error> {
+        Ok(pg_outbox::relay::open_sink(&self.sink, &self.settings()?).await?)
     }
 }
 
@@ -171,23 +266,7 @@ fn parse_source(s: &str) -> Result<String, String> {
     Ok(s.to_string())
 }
 
-fn parse_template(s: &str) -> Result<Template, String> {
-    Template::parse(s).map_err(|e| e.to_string())
-}
-
-fn parse_header(s: &str) -> Result<(String, String), String> {
-    let (name, value) =
-        s.split_once(':').ok_or_else(|| format!("invalid header '{s}': write NAME: VALUE, e.g. 'X-Team: billing'"))?;
-    let name = name.trim();
-    if name.is_empty() {
-        return Err(format!("invalid header '{s}': the name is empty"));
-    }
-    Ok((name.to_string(), value.trim().to_string()))
-}
-
-fn parse_kafka_option(s: &str) -> Result<(String, String), String> {
-    match s.split_once('=') {
-        Some((k, v)) if !k.trim().is_empty() => Ok((k.trim().to_string(), v.to_string())),
-        _ => Err("write KEY=VALUE with a librdkafka property, e.g. compression.type=zstd".to_string()),
-    }
+#[cfg_attr(not(any(feature = "nats", feature = "kafka", feature = "redis", feature = "amqp")), allow(dead_code))]
+fn parse_template(s: &str) -> Result<pg_outbox::relay::Template, String> {
+    pg_outbox::relay::Template::parse(s).map_err(|e| e.to_string())
 }

@@ -5,7 +5,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use pg_outbox::relay::{Sink, SinkFuture, StdoutSink};
+use pg_outbox::relay::{Message, Sink, SinkFuture, StdoutSink};
 use pg_outbox::temp_server::TempServer;
 use pg_outbox::{Consumer, Envelope, Event, Metadata, NewEvent, Publisher};
 
@@ -49,9 +49,13 @@ struct DemoSink {
 }
 
 impl Sink for DemoSink {
-    fn deliver<'a>(&'a self, event: &'a Event) -> SinkFuture<'a> {
+    fn name(&self) -> &str {
+        self.inner.name()
+    }
+
+    fn send<'a>(&'a self, message: &'a Message, event: &'a Event) -> SinkFuture<'a> {
         Box::pin(async move {
-            self.inner.deliver(event).await?;
+            self.inner.send(message, event).await?;
             let now = Instant::now();
             let mut s = lock(&self.seen);
             if s.delivered_at.insert(event.id, now).is_some() {

@@ -34,8 +34,6 @@ pub(crate) struct RelayArgs {
     /// masked, and exit without connecting.
     #[arg(long)]
     pub(crate) print_config: bool,
-    #[command(flatten)]
-    sink: SinkArgs,
     /// Serve Prometheus metrics at http://HOST:PORT/metrics, and the health
     /// probes /livez and /readyz beside them. A bare PORT binds 127.0.0.1
     /// (this machine only); give a host to listen elsewhere (e.g.
@@ -103,6 +101,8 @@ pub(crate) struct RelayArgs {
     /// Hidden: meant for tests and for checking a deployment.
     #[arg(long, hide = true, requires = "retention")]
     retention_at_start: bool,
+    #[command(flatten)]
+    sink: SinkArgs,
 }
 
 #[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
@@ -113,7 +113,8 @@ enum ModeArg {
 }
 
 pub(crate) async fn run(url: &str, args: RelayArgs) -> Result<(), Error> {
-    let (sink, sink_name) = relay::open_sink(&args.sink.sink, &args.sink.options()?).await?;
+    let sink = args.sink.open().await?;
+    let sink_name = sink.name().to_string();
     let pg = pg_outbox::ConnectOptions::parse(url)?;
     let target = pg.describe();
     let metrics_listener = args.metrics_addr.map(|a| health::bind(a, "metrics")).transpose()?;
@@ -160,7 +161,7 @@ pub(crate) async fn run(url: &str, args: RelayArgs) -> Result<(), Error> {
     let retention = args.retention.map(|older| {
         tokio::spawn(retention_loop(url.to_string(), older, args.retention_hour, args.retention_at_start))
     });
-    let stats = relay::run(stream, sink.as_ref(), shutdown_then_force()).await;
+    let stats = relay::run_with(stream, sink.as_ref(), &args.sink.delivery(), shutdown_then_force()).await;
     if let Some(task) = retention {
         task.abort();
     }

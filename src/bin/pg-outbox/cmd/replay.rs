@@ -231,13 +231,12 @@ fn report_count(format: LogFormat, c: replay::Counted) -> Result<(), Error> {
 /// terminal and a line saying how to resume.
 pub(crate) async fn run(url: &str, args: ReplayArgs, format: LogFormat) -> Result<(), Error> {
     let filter = args.filter()?;
-    let sink = if args.dry_run {
-        None
-    } else {
-        Some(pg_outbox::relay::open_sink(&args.sink.sink, &args.sink.options()?).await?)
-    };
+    let sink = if args.dry_run { None } else { Some(args.sink.open().await?) };
     let db = pg_outbox::ConnectOptions::parse(url)?;
-    let mut builder = Replay::builder(filter).page_size(args.batch_size).shutdown_grace(args.shutdown_grace);
+    let mut builder = Replay::builder(filter)
+        .page_size(args.batch_size)
+        .shutdown_grace(args.shutdown_grace)
+        .delivery_options(args.sink.delivery());
     if let Some(r) = args.rate {
         builder = builder.rate(r);
     }
@@ -253,11 +252,12 @@ pub(crate) async fn run(url: &str, args: ReplayArgs, format: LogFormat) -> Resul
             *shared.lock().unwrap_or_else(PoisonError::into_inner) = *p;
         }
     };
-    let Some((sink, sink_name)) = sink else {
+    let Some(sink) = sink else {
         let counted = replay.count(signals(format, shared.clone()), track("counted")).await;
         bar.finish_and_clear();
         return report_count(format, counted?);
     };
+    let sink_name = sink.name().to_string();
     tracing::info!(
         database = %db.describe(),
         sink = %sink_name,

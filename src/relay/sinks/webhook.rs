@@ -3,16 +3,101 @@
 use std::time::Duration;
 
 use base64::Engine as _;
+use futures::future::BoxFuture;
 use hmac::{KeyInit as _, Mac as _};
 
-use super::{Format, Message, Sink, SinkFuture, SinkOptions, header};
 use crate::error::{Error, Result};
 use crate::event::Event;
-use crate::redact::redact_url;
+use crate::relay::{Message, Sink, SinkFuture, SinkSettings, header};
+use crate::secret::{MASK, Secret, SecretUrl, looks_secret};
 
 /// Default time a webhook has to answer: 10 seconds
-/// ([`super::DEFAULT_SINK_TIMEOUT`]).
-pub const DEFAULT_WEBHOOK_TIMEOUT: Duration = super::DEFAULT_SINK_TIMEOUT;
+/// ([`crate::relay::DEFAULT_SINK_TIMEOUT`], which the relay applies).
+pub const DEFAULT_WEBHOOK_TIMEOUT: Duration = crate::relay::DEFAULT_SINK_TIMEOUT;
+
+/// The webhook sink's options (flags `--webhook-*`).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct WebhookOptions {
+    /// Signing secret (Standard Webhooks, `whsec_` base64; see
+    /// [`WebhookSecret`]); `None` (the default) sends unsigned requests.
+    pub secret: Option<Secret>,
+    /// Extra HTTP headers on every request (default none).
+    pub headers: Vec<HttpHeader>,
+}
+
+/// An extra HTTP header, `NAME: VALUE` (flag `--webhook-header`). The
+/// value is kept as a [`Secret`] when the name looks like a credential
+/// (`Authorization`, `X-Api-Key`, `Cookie`, a name holding `token`,
+/// `secret`, `password`, `signature` and the like): `Display` and `Debug`
+/// then print it as `****`.
+///
+/// # Example
+/// ```
+/// use pg_outbox::relay::HttpHeader;
+/// let h: HttpHeader = "Authorization: Bearer abc".parse().unwrap();
+/// assert_eq!(h.to_string(), "Authorization: ****");
+/// assert_eq!(h.value(), "Bearer abc");
+/// assert_eq!("X-Team: billing".parse::<HttpHeader>().unwrap().to_string(), "X-Team: billing");
+/// assert!("no colon".parse::<HttpHeader>().is_err());
+/// ```
+#[derive(Clone, PartialEq, Eq)]
+pub struct HttpHeader {
+    name: String,
+    value: Secret,
+    secret: bool,
+}
+
+impl HttpHeader {
+    /// A header `name: value`.
+    pub fn new(name: impl Into<String>, value: impl Into<String>) -> Self {
+        let name = name.into();
+        let secret = looks_secret(&name);
+        HttpHeader { name, value: Secret::new(value), secret }
+    }
+
+    /// The header's name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The header's value, as sent.
+    pub fn value(&self) -> &str {
+        self.value.expose()
+    }
+}
+
+impl std::str::FromStr for HttpHeader {
+    type Err = Error;
+    /// `NAME: VALUE`; spaces around both are trimmed.
+    fn from_str(s: &str) -> Result<Self> {
+        let Some((name, value)) = s.split_once(':') else {
+            return Err(Error::Config(format!(
+                "invalid header '{}': write NAME: VALUE, e.g. 'X-Team: billing'",
+                s.chars().take(40).collect::<String>()
+            )));
+        };
+        let name = name.trim();
+        if name.is_empty() {
+            return Err(Error::Config("invalid header: the name before ':' is empty".into()));
+        }
+        Ok(HttpHeader::new(name, value.trim()))
+    }
+}
+
+impl std::fmt::Display for HttpHeader {
+    /// `NAME: VALUE`, the value masked when it is a secret.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let value = if self.secret { MASK } else { self.value.expose() };
+        write!(f, "{}: {value}", self.name)
+    }
+}
+
+impl std::fmt::Debug for HttpHeader {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_tuple("HttpHeader").field(&self.to_string()).finish()
+    }
+}
 
 /// Most bytes of a failed response's body kept in `last_error`.
 const BODY_SNIPPET: usize = 512;
@@ -20,22 +105,47 @@ const BODY_SNIPPET: usize = 512;
 /// POSTs each event's [`super::SinkRecord`] as JSON to a URL. A 2xx response
 /// acknowledges the event; any other status (redirects are not followed: a
 /// 3xx fails the event too), a connection error or a timeout fails it, with
-/// the status (and the start of the body, on one line) in `last_error`.
+/// the status (and the start of the body, on one line, with any secret the
+/// request carried cut out) in `last_error`.
 /// Credentials and the query string of the URL never appear in logs or
 /// `last_error`. The request carries `Idempotency-Key: <outbox id>` so the
 /// receiver can drop redeliveries.
 ///
 /// With a [`WebhookSecret`] (flag `--webhook-secret`), each request is signed
 /// as the Standard Webhooks specification says (see [`WebhookSecret`]).
+/// The relay bounds each request by its timeout (`--sink-timeout`).
 #[derive(Debug, Clone)]
 pub struct WebhookSink {
     client: reqwest::Client,
     url: reqwest::Url,
-    shown: String,
-    format: Format,
-    source: String,
+    name: String,
     headers: reqwest::header::HeaderMap,
     secret: Option<WebhookSecret>,
+    /// Everything secret this sink sends: cut out of a receiver's error
+    /// page, which may echo the request.
+    sent_secrets: SentSecrets,
+}
+
+/// The secrets a webhook request carries: the URL's, the secret headers'
+/// values and the signing secret.
+#[derive(Clone)]
+struct SentSecrets {
+    url: SecretUrl,
+    others: Vec<Secret>,
+}
+
+impl SentSecrets {
+    /// `text` with every secret replaced by [`MASK`].
+    fn scrub(&self, text: &str) -> String {
+        let others: Vec<&str> = self.others.iter().map(Secret::expose).collect();
+        crate::secret::scrub_all(&self.url.scrub(text), &others)
+    }
+}
+
+impl std::fmt::Debug for SentSecrets {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "SentSecrets({MASK})")
+    }
 }
 
 /// A Standard Webhooks symmetric signing key (Standard Webhooks
@@ -65,7 +175,7 @@ pub struct WebhookSecret {
 
 impl std::fmt::Debug for WebhookSecret {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("WebhookSecret(redacted)")
+        write!(f, "WebhookSecret({MASK})")
     }
 }
 
@@ -155,51 +265,39 @@ const RESERVED_HEADERS: [&str; 8] = [
 const MAX_ERROR_BODY_READ: usize = 16 * 1024;
 
 impl WebhookSink {
-    /// A webhook sink for an `http://` or `https://` URL, with a per-request
-    /// timeout (default [`DEFAULT_WEBHOOK_TIMEOUT`]).
+    /// A webhook sink for an `http://` or `https://` URL with `options`:
+    /// extra headers and the signing secret.
     ///
     /// # Errors
-    /// [`Error::Config`] if the URL does not parse or is not http(s).
-    pub fn new(url: &str, timeout: Duration) -> Result<Self> {
-        let url = reqwest::Url::parse(url).map_err(|e| Error::Config(format!("invalid webhook URL: {e}")))?;
-        if url.scheme() != "http" && url.scheme() != "https" {
-            return Err(Error::Config(format!("webhook URL must be http or https, got {}", url.scheme())));
+    /// [`Error::Config`] if the URL does not parse or is not http(s); for a
+    /// header name or value HTTP does not allow, a header pg-outbox sets
+    /// itself (`Content-Type`, `Idempotency-Key`, the `webhook-*` signature
+    /// headers, `traceparent`, `tracestate`, `User-Agent`, `outbox-*`), or a
+    /// malformed secret (see [`WebhookSecret::parse`]). No message quotes
+    /// the URL's credentials or query string.
+    pub fn new(url: &SecretUrl, options: &WebhookOptions) -> Result<Self> {
+        let shown = url.shown();
+        let parsed = reqwest::Url::parse(url.expose())
+            .map_err(|e| Error::Config(format!("invalid webhook URL '{shown}': {e}")))?;
+        if parsed.scheme() != "http" && parsed.scheme() != "https" {
+            return Err(Error::Config(format!("webhook URL must be http or https, got {}", parsed.scheme())));
         }
-        if url.host_str().is_none_or(str::is_empty) {
-            return Err(Error::Config("webhook URL has no host".into()));
+        if parsed.host_str().is_none_or(str::is_empty) {
+            return Err(Error::Config(format!("webhook URL '{shown}' has no host")));
         }
         let client = reqwest::Client::builder()
-            .timeout(timeout)
             .redirect(reqwest::redirect::Policy::none())
             .user_agent(concat!("pg-outbox/", env!("CARGO_PKG_VERSION")))
             .build()
             .map_err(|e| Error::Config(format!("cannot build the HTTP client: {e}")))?;
-        let shown = redact_url(&url);
-        Ok(WebhookSink {
-            client,
-            url,
-            shown,
-            format: Format::Record,
-            source: super::DEFAULT_CLOUDEVENTS_SOURCE.to_string(),
-            headers: reqwest::header::HeaderMap::new(),
-            secret: None,
-        })
-    }
-
-    /// Apply the webhook fields of `opts`: body format, extra headers and
-    /// the signing secret.
-    ///
-    /// # Errors
-    /// [`Error::Config`] for a header name or value HTTP does not allow, a
-    /// header pg-outbox sets itself (`Content-Type`, `Idempotency-Key`, the
-    /// `webhook-*` signature headers, `traceparent`, `tracestate`,
-    /// `User-Agent`, `outbox-*`), or a malformed secret (see
-    /// [`WebhookSecret::parse`]).
-    pub fn with_options(mut self, opts: &SinkOptions) -> Result<Self> {
-        self.format = opts.format;
-        self.source = opts.cloudevents_source.clone();
-        self.secret = opts.webhook_secret.as_deref().map(WebhookSecret::parse).transpose()?;
-        for (name, value) in &opts.webhook_headers {
+        let secret = options.secret.as_ref().map(|s| WebhookSecret::parse(s.expose())).transpose()?;
+        let mut headers = reqwest::header::HeaderMap::new();
+        let mut others: Vec<Secret> = options.secret.iter().cloned().collect();
+        for h in &options.headers {
+            if h.secret {
+                others.push(h.value.clone());
+            }
+            let name = h.name();
             let n = reqwest::header::HeaderName::from_bytes(name.as_bytes())
                 .map_err(|e| Error::Config(format!("invalid webhook header name '{name}': {e}")))?;
             if RESERVED_HEADERS.contains(&n.as_str()) || n.as_str().starts_with("outbox-") {
@@ -207,23 +305,24 @@ impl WebhookSink {
                     "--webhook-header '{name}' is set by pg-outbox itself and cannot be overridden"
                 )));
             }
-            let v = reqwest::header::HeaderValue::from_str(value)
+            let v = reqwest::header::HeaderValue::from_str(h.value())
                 .map_err(|e| Error::Config(format!("invalid value for webhook header '{name}': {e}")))?;
-            self.headers.append(n, v);
+            headers.append(n, v);
         }
-        Ok(self)
+        let sent_secrets = SentSecrets { url: url.clone(), others };
+        Ok(WebhookSink { client, url: parsed, name: format!("webhook {shown}"), headers, secret, sent_secrets })
     }
+}
 
-    /// The URL as shown in messages (no credentials, no query string).
-    pub fn display_url(&self) -> &str {
-        &self.shown
-    }
+/// Open the webhook sink (`--sink http(s)://...`).
+pub(crate) fn open<'a>(url: &'a SecretUrl, settings: &'a SinkSettings) -> BoxFuture<'a, Result<Box<dyn Sink>>> {
+    Box::pin(async move { Ok(Box::new(WebhookSink::new(url, &settings.webhook)?) as Box<dyn Sink>) })
 }
 
 impl WebhookSink {
     /// The POST request for `msg`: its headers, and the Standard Webhooks
     /// signature when a secret is set.
-    fn request(&self, msg: Message) -> reqwest::RequestBuilder {
+    fn request(&self, msg: &Message) -> reqwest::RequestBuilder {
         let mut req = self
             .client
             .post(self.url.clone())
@@ -249,7 +348,7 @@ impl WebhookSink {
                 .header("webhook-timestamp", now)
                 .header("webhook-signature", secret.sign(&msg.id, now, &msg.body));
         }
-        req.body(msg.body)
+        req.body(msg.body.clone())
     }
 
     /// The error for a response that is not a success: its status and the
@@ -263,7 +362,7 @@ impl WebhookSink {
                 _ => break,
             }
         }
-        let body = String::from_utf8_lossy(&raw);
+        let body = self.sent_secrets.scrub(&String::from_utf8_lossy(&raw));
         // One line: collapse whitespace (HTML error pages span many lines).
         let flat = body.split_whitespace().collect::<Vec<_>>().join(" ");
         let mut snippet: String = flat.chars().take(BODY_SNIPPET).collect();
@@ -272,26 +371,25 @@ impl WebhookSink {
         }
         if status.is_redirection() {
             return format!(
-                "webhook answered HTTP {status} (redirects are not followed; point --sink at the final URL): {snippet}"
+                "answered HTTP {status} (redirects are not followed; point --sink at the final URL): {snippet}"
             );
         }
-        format!("webhook answered HTTP {status}: {snippet}")
+        format!("answered HTTP {status}: {snippet}")
     }
 }
 
 impl Sink for WebhookSink {
-    fn deliver<'a>(&'a self, event: &'a Event) -> SinkFuture<'a> {
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    fn send<'a>(&'a self, message: &'a Message, _event: &'a Event) -> SinkFuture<'a> {
         Box::pin(async move {
-            let msg = Message::new(event, self.format, &self.source)?;
-            let resp = self.request(msg).send().await.map_err(|e| {
-                let timeout = e.is_timeout();
-                let e = e.without_url();
-                if timeout {
-                    format!("webhook {} timed out: {}", self.shown, crate::error::report(&e))
-                } else {
-                    format!("webhook {} request failed: {}", self.shown, crate::error::report(&e))
-                }
-            })?;
+            let resp = self
+                .request(message)
+                .send()
+                .await
+                .map_err(|e| format!("request failed: {}", crate::error::report(&e.without_url())))?;
             if resp.status().is_success() {
                 return Ok(());
             }
@@ -303,23 +401,20 @@ impl Sink for WebhookSink {
 #[cfg(test)]
 mod tests {
 
+    use super::{HttpHeader, WebhookOptions, WebhookSink};
+    use crate::relay::Sink;
+    use crate::secret::SecretUrl;
+
     #[test]
     fn headers_pg_outbox_sets_cannot_be_overridden_and_queries_are_hidden() {
+        let url = SecretUrl::new("http://u:pw@127.0.0.1:1/h?token=abc");
         for name in ["Content-Type", "idempotency-key", "webhook-signature", "traceparent", "outbox-id"] {
-            let opts =
-                super::SinkOptions { webhook_headers: vec![(name.to_string(), "x".to_string())], ..Default::default() };
-            let hook = super::WebhookSink::new("http://127.0.0.1:1/h", std::time::Duration::from_secs(1))
-                .expect("a valid URL");
-            assert!(hook.with_options(&opts).is_err(), "{name} must be refused");
+            let options = WebhookOptions { headers: vec![HttpHeader::new(name, "x")], ..Default::default() };
+            assert!(WebhookSink::new(&url, &options).is_err(), "{name} must be refused");
         }
-        let opts = super::SinkOptions {
-            webhook_headers: vec![("X-Team".to_string(), "billing".to_string())],
-            ..Default::default()
-        };
-        let hook = super::WebhookSink::new("http://u:pw@127.0.0.1:1/h?token=abc", std::time::Duration::from_secs(1))
-            .expect("a valid URL");
-        assert_eq!(hook.display_url(), "http://127.0.0.1:1/h?…");
-        assert!(hook.with_options(&opts).is_ok());
+        let options = WebhookOptions { headers: vec![HttpHeader::new("X-Team", "billing")], ..Default::default() };
+        let hook = WebhookSink::new(&url, &options).expect("a valid URL and header");
+        assert_eq!(hook.name(), "webhook http://127.0.0.1:1/h?****");
     }
 
     use super::WebhookSecret;
@@ -353,7 +448,7 @@ mod tests {
         }
         assert_eq!(
             format!("{:?}", WebhookSecret::parse("C2FVsBQIhrscChlQIMV+b5sSYspob7oD")),
-            "Ok(WebhookSecret(redacted))"
+            "Ok(WebhookSecret(****))"
         );
     }
 }

@@ -1,24 +1,54 @@
 //! NATS JetStream sink (Cargo feature `nats`, client `async-nats`).
 
-use std::time::Duration;
-
 use async_nats::HeaderMap;
 use async_nats::header::{HeaderValue, NATS_MESSAGE_ID};
 use async_nats::jetstream::{self, context::PublishErrorKind};
+use futures::future::BoxFuture;
 
-use super::{Format, Message, Sink, SinkFuture, SinkOptions, Template, header};
 use crate::error::{BoxError, Error, Result};
 use crate::event::Event;
-use crate::redact::{redact_spec, scrub};
+use crate::relay::settings::with_reason;
+use crate::relay::{Message, Sink, SinkFuture, SinkSettings, Template, header};
+use crate::secret::{MASK, Secret, SecretUrl};
+
+/// The NATS sink's options (flags `--nats-*`). Authentication is one way
+/// of: a user and password ([`SinkSettings::credentials`] or the URL), a
+/// token (the URL's lone user part or [`token`](Self::token)), an NKey
+/// seed, or a credentials file.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct NatsOptions {
+    /// Subject template (default `events.{aggregate_type}.{event_type}`).
+    pub subject: Template,
+    /// Token (instead of a user and password); default none.
+    pub token: Option<Secret>,
+    /// NKey seed (`SU...`): the client signs the server's nonce with it;
+    /// default none.
+    pub nkey: Option<Secret>,
+    /// Contents of a `.creds` file (user JWT and NKey seed, as `nsc`
+    /// writes it); default none.
+    pub credentials: Option<Secret>,
+}
+
+impl Default for NatsOptions {
+    fn default() -> Self {
+        NatsOptions {
+            subject: Template::builtin("events.{aggregate_type}.{event_type}"),
+            token: None,
+            nkey: None,
+            credentials: None,
+        }
+    }
+}
 
 /// Publishes each event to NATS JetStream and acknowledges it on the
 /// stream's PubAck.
 ///
-/// - Subject: [`SinkOptions::nats_subject`] rendered for the event (default
+/// - Subject: [`NatsOptions::subject`] rendered for the event (default
 ///   `events.{aggregate_type}.{event_type}`). A stream must capture it; when
 ///   none does, the server has no responder and the event fails with
 ///   "no JetStream stream captures subject X".
-/// - Body: the [`Message`] body ([`SinkOptions::format`]).
+/// - Body: the [`Message`] body, in the relay's format.
 /// - Headers: the [`Message`] headers (`id`, `event_type`, `aggregate_type`,
 ///   `aggregate_id`, `occurred_at`, and `correlation_id`, `causation_id`,
 ///   `traceparent`, `tracestate` when the envelope's metadata has them),
@@ -26,35 +56,30 @@ use crate::redact::{redact_spec, scrub};
 ///   duplicate window (JetStream docs, "Message Deduplication"; default
 ///   2 minutes) drops a redelivery of an event whose acknowledgement the
 ///   relay could not record.
-/// - `deliver` returns `Ok` only after the PubAck (a duplicate's PubAck
-///   counts: the stream has the message), bounded by
-///   [`SinkOptions::timeout`]. A timeout, a lost connection or a stream
+/// - `send` returns `Ok` only after the PubAck (a duplicate's PubAck
+///   counts: the stream has the message), which the relay waits for up to
+///   its timeout. A timeout, a lost connection or a stream
 ///   error fails the event (retried with backoff). The client reconnects
 ///   on its own, forever, while the relay runs.
 ///
 /// Authentication, one way of: a user and password (in the URL,
-/// `nats://user:pass@host:4222`, or [`SinkOptions::user`] and
-/// [`SinkOptions::password`]), a token (`nats://token@host:4222` or
-/// [`SinkOptions::nats_token`]), an NKey seed ([`SinkOptions::nats_nkey`]) or
-/// a `.creds` file ([`SinkOptions::nats_credentials`]). Secrets never appear
-/// in logs or errors.
+/// `nats://user:pass@host:4222`, or [`SinkSettings::credentials`]), a token
+/// (`nats://token@host:4222` or [`NatsOptions::token`]), an NKey seed
+/// ([`NatsOptions::nkey`]) or a `.creds` file
+/// ([`NatsOptions::credentials`]). Secrets never appear in logs or errors.
 ///
-/// TLS: a `tls://` URL, [`SinkOptions::tls`] or any TLS file requires it
-/// (the connection fails if the server does not offer it); the server's
-/// certificate is checked against [`SinkOptions::tls_ca_file`] (else the
-/// platform's roots) and the host name of the URL;
-/// [`SinkOptions::tls_client_cert`] and [`SinkOptions::tls_client_key`]
-/// present a client certificate (`verify: true` on the server). Without any
+/// TLS: a `tls://` URL, [`crate::relay::TlsOptions::enabled`] or any TLS
+/// file requires it (the connection fails if the server does not offer
+/// it); the server's certificate is checked against the CA file (else the
+/// platform's roots) and the host name of the URL; a client certificate
+/// and key are presented (`verify: true` on the server). Without any
 /// of these the client still upgrades to TLS when the server requires it,
 /// checking against the platform's roots.
 #[derive(Debug, Clone)]
 pub struct NatsSink {
     js: jetstream::Context,
     subject: Template,
-    format: Format,
-    source: String,
-    timeout: Duration,
-    shown: String,
+    name: String,
 }
 
 /// Credentials taken out of a NATS URL (percent-decoded). `Debug` hides
@@ -70,8 +95,8 @@ enum Credentials {
 impl std::fmt::Debug for Credentials {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
-            Credentials::UserPassword(user, _) => write!(f, "UserPassword({user:?}, ***)"),
-            Credentials::Token(_) => f.write_str("Token(***)"),
+            Credentials::UserPassword(user, _) => write!(f, "UserPassword({user:?}, {MASK})"),
+            Credentials::Token(_) => write!(f, "Token({MASK})"),
         }
     }
 }
@@ -79,25 +104,24 @@ impl std::fmt::Debug for Credentials {
 /// The servers of a comma-separated list, credentials removed, the
 /// credentials found (the last URL's that has any), and whether a `tls://`
 /// URL asks for TLS.
-fn split_credentials(spec: &str) -> Result<(Vec<String>, Option<Credentials>, bool)> {
+fn split_credentials(spec: &SecretUrl) -> Result<(Vec<String>, Option<Credentials>, bool)> {
     let mut servers = Vec::new();
     let mut creds = None;
     let mut tls = false;
-    for part in spec.split(',').map(str::trim) {
-        let mut url = url::Url::parse(part)
-            .map_err(|e| Error::Config(format!("invalid NATS URL '{}': {e}", redact_spec(part))))?;
+    for part in spec.expose().split(',').map(str::trim) {
+        let shown = SecretUrl::new(part).shown();
+        let mut url = url::Url::parse(part).map_err(|e| Error::Config(format!("invalid NATS URL '{shown}': {e}")))?;
         match url.scheme() {
             "nats" => {}
             "tls" => tls = true,
             _ => {
                 return Err(Error::Config(format!(
-                    "invalid NATS URL '{}': every server of the list must use nats:// (or tls://)",
-                    redact_spec(part)
+                    "invalid NATS URL '{shown}': every server of the list must use nats:// (or tls://)"
                 )));
             }
         }
         if url.host_str().is_none_or(str::is_empty) {
-            return Err(Error::Config(format!("invalid NATS URL '{}': no host", redact_spec(part))));
+            return Err(Error::Config(format!("invalid NATS URL '{shown}': no host")));
         }
         if !url.username().is_empty() {
             let decode = |s: &str| percent_encoding::percent_decode_str(s).decode_utf8_lossy().into_owned();
@@ -118,23 +142,24 @@ fn split_credentials(spec: &str) -> Result<(Vec<String>, Option<Credentials>, bo
 /// one way may be given.
 fn authentication(
     url_creds: Option<Credentials>,
-    opts: &SinkOptions,
+    settings: &SinkSettings,
     options: async_nats::ConnectOptions,
 ) -> Result<async_nats::ConnectOptions> {
+    let nats = &settings.nats;
     let (mut user, mut password, mut token) = match url_creds {
         Some(Credentials::UserPassword(u, p)) => (Some(u), Some(p), None),
         Some(Credentials::Token(t)) => (None, None, Some(t)),
         None => (None, None, None),
     };
-    if let Some(u) = &opts.user {
+    if let Some(u) = &settings.credentials.user {
         user = Some(u.clone());
         // A URL's lone user part was a token; with --sink-user it is not.
         token = token.filter(|_| password.is_some());
     }
-    if let Some(p) = &opts.password {
+    if let Some(p) = &settings.credentials.password {
         password = Some(p.expose().to_string());
     }
-    if let Some(t) = &opts.nats_token {
+    if let Some(t) = &nats.token {
         token = Some(t.expose().to_string());
     }
     let user_password = match (user, password) {
@@ -149,7 +174,7 @@ fn authentication(
             return Err(Error::Config("NATS password given without a user (--sink-user)".into()));
         }
     };
-    let ways = [user_password.is_some(), token.is_some(), opts.nats_nkey.is_some(), opts.nats_credentials.is_some()];
+    let ways = [user_password.is_some(), token.is_some(), nats.nkey.is_some(), nats.credentials.is_some()];
     if ways.iter().filter(|w| **w).count() > 1 {
         return Err(Error::Config(
             "NATS: give one way to authenticate: a user and password, a token, an NKey seed or a credentials file"
@@ -162,7 +187,7 @@ fn authentication(
     if let Some(t) = token {
         return Ok(options.token(t));
     }
-    if let Some(seed) = &opts.nats_nkey {
+    if let Some(seed) = &nats.nkey {
         let seed = seed.expose().trim();
         // Checked here so a bad seed is a clear error, not a failed handshake.
         nkeys::KeyPair::from_seed(seed).map_err(|e| {
@@ -170,7 +195,7 @@ fn authentication(
         })?;
         return Ok(options.nkey(seed.to_string()));
     }
-    if let Some(creds) = &opts.nats_credentials {
+    if let Some(creds) = &nats.credentials {
         return options.credentials(creds.expose()).map_err(|e| {
             Error::Config(format!(
                 "NATS credentials file is not usable ({e}); it must hold a user JWT and an NKey seed, as `nsc` writes them"
@@ -182,23 +207,26 @@ fn authentication(
 
 impl NatsSink {
     /// Connect to the NATS server(s) of `url` (`nats://host:4222`, several
-    /// separated by commas) and prepare publishing with `opts`
-    /// (subject template, format, timeout).
+    /// separated by commas) and prepare publishing with `settings` (subject
+    /// template, authentication, TLS; the delivery timeout also bounds
+    /// connecting).
     ///
     /// # Errors
-    /// [`Error::Config`] if the URL is malformed or the server cannot be
-    /// reached within [`SinkOptions::timeout`]; the message names the
-    /// server without credentials.
+    /// [`Error::Config`] if the URL or a credential is malformed;
+    /// [`Error::SinkUnavailable`] if the server cannot be reached within the
+    /// timeout. Messages name the server without credentials.
     ///
     /// # Cancel safety
     /// Cancel safe: dropping the future drops the connection being opened.
-    pub async fn connect(url: &str, opts: &SinkOptions) -> Result<Self> {
-        let shown = redact_spec(url);
+    pub async fn connect(url: &SecretUrl, settings: &SinkSettings) -> Result<Self> {
+        let shown = url.shown();
+        let timeout = settings.delivery.timeout;
+        let tls = &settings.tls;
         let (servers, creds, tls_scheme) = split_credentials(url)?;
-        opts.check_tls_files("NATS")?;
+        tls.check_files("NATS")?;
         let mut options = async_nats::ConnectOptions::new()
             .name(concat!("pg-outbox/", env!("CARGO_PKG_VERSION")))
-            .connection_timeout(opts.timeout)
+            .connection_timeout(timeout)
             .event_callback({
                 let shown = shown.clone();
                 move |event| {
@@ -215,38 +243,26 @@ impl NatsSink {
                     }
                 }
             });
-        options = authentication(creds, opts, options)?;
-        if tls_scheme || opts.tls_wanted() {
+        options = authentication(creds, settings, options)?;
+        if tls_scheme || tls.wanted() {
             // rustls needs a process-wide crypto provider when more than one
             // is compiled in; ours is ring. Already installed is fine.
             let _ = rustls::crypto::ring::default_provider().install_default();
             options = options.require_tls(true);
         }
-        if let Some(ca) = &opts.tls_ca_file {
+        if let Some(ca) = &tls.ca_file {
             options = options.add_root_certificates(ca.clone());
         }
-        if let (Some(cert), Some(key)) = (&opts.tls_client_cert, &opts.tls_client_key) {
+        if let (Some(cert), Some(key)) = (&tls.client_cert, &tls.client_key) {
             options = options.add_client_certificate(cert.clone(), key.clone());
         }
         let client = options.connect(servers).await.map_err(|e| {
-            let why = scrub(&crate::error::report(&e), url);
-            Error::SinkUnavailable(format!("cannot connect to NATS at {shown}: {}", super::with_reason(why)))
+            let why = url.scrub(&crate::error::report(&e));
+            Error::SinkUnavailable(format!("cannot connect to NATS at {shown}: {}", with_reason(why)))
         })?;
         let mut js = jetstream::new(client);
-        js.set_timeout(opts.timeout);
-        Ok(NatsSink {
-            js,
-            subject: opts.nats_subject.clone(),
-            format: opts.format,
-            source: opts.cloudevents_source.clone(),
-            timeout: opts.timeout,
-            shown,
-        })
-    }
-
-    /// The server(s) as shown in messages (no credentials).
-    pub fn display_url(&self) -> &str {
-        &self.shown
+        js.set_timeout(timeout);
+        Ok(NatsSink { js, subject: settings.nats.subject.clone(), name: format!("NATS JetStream {shown}") })
     }
 
     /// The NATS headers of `msg`.
@@ -269,36 +285,37 @@ impl NatsSink {
     }
 }
 
+/// Open the NATS JetStream sink (`--sink nats://...` or `tls://...`).
+pub(crate) fn open<'a>(url: &'a SecretUrl, settings: &'a SinkSettings) -> BoxFuture<'a, Result<Box<dyn Sink>>> {
+    Box::pin(async move { Ok(Box::new(NatsSink::connect(url, settings).await?) as Box<dyn Sink>) })
+}
+
 impl Sink for NatsSink {
-    fn deliver<'a>(&'a self, event: &'a Event) -> SinkFuture<'a> {
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    fn send<'a>(&'a self, message: &'a Message, event: &'a Event) -> SinkFuture<'a> {
         Box::pin(async move {
-            let msg = Message::new(event, self.format, &self.source)?;
             let subject = self.subject.render(event);
             check_subject(&subject)?;
-            let headers = Self::headers(&msg)?;
-            let publish = async {
-                let ack = self.js.publish_with_headers(subject.clone(), headers, msg.body.into()).await?;
+            let headers = Self::headers(message)?;
+            let published = async {
+                let ack = self.js.publish_with_headers(subject.clone(), headers, message.body.clone().into()).await?;
                 ack.await
             };
-            let ack = match tokio::time::timeout(self.timeout, publish).await {
-                Err(_) => {
-                    return Err(format!(
-                        "NATS {}: no PubAck for subject {subject} within {:?}",
-                        self.shown, self.timeout
-                    )
-                    .into());
-                }
-                Ok(Err(e)) if e.kind() == PublishErrorKind::StreamNotFound => {
+            let ack = match published.await {
+                Err(e) if e.kind() == PublishErrorKind::StreamNotFound => {
                     return Err(format!(
                         "no JetStream stream captures subject {subject}; create one, e.g. `nats stream add --subjects '{subject}'`"
                     )
                     .into());
                 }
-                Ok(Err(e)) => return Err(format!("NATS {}: publish to {subject} failed: {e}", self.shown).into()),
-                Ok(Ok(ack)) => ack,
+                Err(e) => return Err(format!("publish to {subject} failed: {e}").into()),
+                Ok(ack) => ack,
             };
             if ack.duplicate {
-                tracing::debug!(id = %msg.id, stream = %ack.stream, "JetStream dropped a duplicate (already stored)");
+                tracing::debug!(id = %message.id, stream = %ack.stream, "JetStream dropped a duplicate (already stored)");
             }
             Ok(())
         })
@@ -311,15 +328,16 @@ mod tests {
 
     #[test]
     fn credentials_leave_the_url_and_are_decoded() {
-        let (servers, creds, tls) = split_credentials("nats://al%40ice:p%3Ass@h1:4222,nats://h2:4223").expect("parses");
+        let split = |s: &str| split_credentials(&SecretUrl::new(s));
+        let (servers, creds, tls) = split("nats://al%40ice:p%3Ass@h1:4222,nats://h2:4223").expect("parses");
         assert_eq!(servers, ["nats://h1:4222", "nats://h2:4223"]);
         assert!(!tls);
         assert!(creds == Some(Credentials::UserPassword("al@ice".into(), "p:ss".into())), "user and password");
-        let (_, creds, _) = split_credentials("nats://s3cr3t@h1:4222").expect("parses");
-        let (_, _, tls) = split_credentials("tls://h1:4222").expect("parses");
+        let (_, creds, _) = split("nats://s3cr3t@h1:4222").expect("parses");
+        let (_, _, tls) = split("tls://h1:4222").expect("parses");
         assert!(tls, "tls:// asks for TLS");
         assert!(creds == Some(Credentials::Token("s3cr3t".into())), "a lone user part is a token");
-        let err = split_credentials("nats://u:pw@h1:4222,http://h2").expect_err("http is refused").to_string();
+        let err = split("nats://u:pw@h1:4222,http://h2").expect_err("http is refused").to_string();
         assert!(err.contains("nats://") && !err.contains("pw"), "{err}");
     }
 

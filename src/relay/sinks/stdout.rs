@@ -1,16 +1,20 @@
 //! The stdout sink: one JSON line per event.
 
+use futures::future::BoxFuture;
 use tokio::io::AsyncWriteExt;
 
-use super::{Format, Message, Sink, SinkFuture};
+use crate::error::Result;
 use crate::event::Event;
+use crate::relay::{FatalSinkError, Message, Sink, SinkFuture, SinkSettings};
+use crate::secret::SecretUrl;
 
-/// Writes each event as one JSON object per line (a [`super::SinkRecord`],
-/// or a CloudEvent with [`Format::Cloudevents`]) to
-/// standard output, flushed before the event is acknowledged. Nothing else
+/// Writes each event as one JSON line, the message body in the relay's
+/// format (a [`crate::relay::SinkRecord`], or a CloudEvent with
+/// [`crate::relay::Format::Cloudevents`]), to standard output, flushed
+/// before the event is acknowledged. Nothing else
 /// is written to standard output. If standard output fails (the reader
 /// went away: `EPIPE`; the disk is full: `ENOSPC`), it returns a
-/// [`super::FatalSinkError`]: the relay stops without charging the event a
+/// [`FatalSinkError`]: the relay stops without charging the event a
 /// failure.
 ///
 /// When standard output is a pipe (`pg-outbox relay | consumer`), the sink
@@ -22,12 +26,10 @@ use crate::event::Event;
 /// hands each write to a blocking thread. Either way, a reader that stops
 /// reading never blocks the runtime, so the relay's shutdown grace still
 /// runs out.
-#[derive(Debug)]
+#[derive(Debug, Default)]
 pub struct StdoutSink {
     /// `None` until the first delivery opens it (inside the runtime).
     out: tokio::sync::Mutex<Option<Out>>,
-    format: Format,
-    source: String,
 }
 
 /// Where the lines go.
@@ -65,23 +67,16 @@ fn reopen_pipe() -> Option<tokio::net::unix::pipe::Sender> {
     tokio::net::unix::pipe::Sender::from_file(file).ok()
 }
 
-impl Default for StdoutSink {
-    fn default() -> Self {
-        Self::with_format(Format::Record, super::DEFAULT_CLOUDEVENTS_SOURCE)
-    }
-}
-
 impl StdoutSink {
-    /// A sink writing [`super::SinkRecord`] lines to this process's standard output.
+    /// A sink writing to this process's standard output.
     pub fn new() -> Self {
         Self::default()
     }
+}
 
-    /// A sink writing lines in `format`; `source` is the CloudEvents
-    /// `source` attribute.
-    pub fn with_format(format: Format, source: &str) -> Self {
-        StdoutSink { out: tokio::sync::Mutex::new(None), format, source: source.to_string() }
-    }
+/// Open the stdout sink (`--sink stdout`); it takes no settings.
+pub(crate) fn open<'a>(_url: &'a SecretUrl, _settings: &'a SinkSettings) -> BoxFuture<'a, Result<Box<dyn Sink>>> {
+    Box::pin(async { Ok(Box::new(StdoutSink::new()) as Box<dyn Sink>) })
 }
 
 /// Any write error on standard output (closed: `EPIPE`; full: `ENOSPC`; ...)
@@ -93,17 +88,23 @@ fn gone(e: std::io::Error) -> crate::error::BoxError {
     } else {
         "cannot write to standard output"
     };
-    Box::new(super::FatalSinkError(format!("{what}: {e}")))
+    Box::new(FatalSinkError(format!("{what}: {e}")))
 }
 
 impl Sink for StdoutSink {
-    fn deliver<'a>(&'a self, event: &'a Event) -> SinkFuture<'a> {
+    fn name(&self) -> &str {
+        "stdout"
+    }
+
+    /// A line cut midway would leave half a record in the stream.
+    fn bounded(&self) -> bool {
+        false
+    }
+
+    fn send<'a>(&'a self, message: &'a Message, _event: &'a Event) -> SinkFuture<'a> {
         Box::pin(async move {
-            let mut line = match self.format {
-                // The record needs no headers: serialise it directly.
-                Format::Record => serde_json::to_vec(&super::SinkRecord::new(event))?,
-                Format::Cloudevents => Message::new(event, self.format, &self.source)?.body,
-            };
+            let mut line = Vec::with_capacity(message.body.len() + 1);
+            line.extend_from_slice(&message.body);
             line.push(b'\n');
             let mut out = self.out.lock().await;
             let written = match out.get_or_insert_with(Out::open) {

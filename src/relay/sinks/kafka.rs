@@ -3,15 +3,114 @@
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use futures::future::BoxFuture;
 use rdkafka::ClientConfig;
 use rdkafka::client::ClientContext;
 use rdkafka::error::KafkaError;
 use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::producer::{FutureProducer, FutureRecord, Producer};
 
-use super::{Format, Message, Sink, SinkFuture, SinkOptions, Template};
 use crate::error::{Error, Result};
 use crate::event::Event;
+use crate::relay::settings::with_reason;
+use crate::relay::{Message, Sink, SinkFuture, SinkSettings, Template};
+use crate::secret::{MASK, Secret, SecretUrl, looks_secret};
+
+/// The Kafka sink's options (flags `--kafka-*`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct KafkaOptions {
+    /// Topic template (default `outbox.event.{aggregate_type}`, the topic
+    /// Debezium's outbox event router uses). The message key is the
+    /// aggregate id.
+    pub topic: Template,
+    /// SASL mechanism: `PLAIN`, `SCRAM-SHA-256` or `SCRAM-SHA-512`, with
+    /// the user and password of [`SinkSettings::credentials`]; `None` (the
+    /// default) uses no SASL.
+    pub sasl_mechanism: Option<String>,
+    /// Extra librdkafka properties, applied last, so they override the
+    /// sink's own (e.g. `security.protocol`, `sasl.oauthbearer.*`,
+    /// `compression.type`); default none.
+    pub properties: Vec<KafkaProperty>,
+}
+
+impl Default for KafkaOptions {
+    fn default() -> Self {
+        KafkaOptions {
+            topic: Template::builtin("outbox.event.{aggregate_type}"),
+            sasl_mechanism: None,
+            properties: Vec::new(),
+        }
+    }
+}
+
+/// A librdkafka producer property, `KEY=VALUE` (flag `--kafka-option`).
+/// The value is kept as a [`Secret`] when the key may hold one
+/// (`sasl.password`, `ssl.key.password`, `ssl.key.pem`,
+/// `sasl.jaas.config`, `sasl.oauthbearer.client.secret`, ...): `Display`
+/// and `Debug` then print it as `****`.
+///
+/// # Example
+/// ```
+/// use pg_outbox::relay::KafkaProperty;
+/// let p: KafkaProperty = "sasl.password=pw".parse().unwrap();
+/// assert_eq!(p.to_string(), "sasl.password=****");
+/// assert_eq!(p.value(), "pw");
+/// assert_eq!("compression.type=zstd".parse::<KafkaProperty>().unwrap().to_string(), "compression.type=zstd");
+/// assert!("=x".parse::<KafkaProperty>().is_err());
+/// ```
+#[derive(Clone, PartialEq, Eq)]
+pub struct KafkaProperty {
+    key: String,
+    value: Secret,
+    secret: bool,
+}
+
+impl KafkaProperty {
+    /// The property `key` = `value`.
+    pub fn new(key: impl Into<String>, value: impl Into<String>) -> Self {
+        let key = key.into();
+        let secret = looks_secret(&key);
+        KafkaProperty { key, value: Secret::new(value), secret }
+    }
+
+    /// The property's name.
+    pub fn key(&self) -> &str {
+        &self.key
+    }
+
+    /// The property's value, as set.
+    pub fn value(&self) -> &str {
+        self.value.expose()
+    }
+}
+
+impl std::str::FromStr for KafkaProperty {
+    type Err = Error;
+    /// `KEY=VALUE`; the key is trimmed, the value kept as written.
+    fn from_str(s: &str) -> Result<Self> {
+        match s.split_once('=') {
+            Some((k, v)) if !k.trim().is_empty() => Ok(KafkaProperty::new(k.trim(), v)),
+            _ => {
+                Err(Error::Config("write KEY=VALUE with a librdkafka property, e.g. compression.type=zstd".to_string()))
+            }
+        }
+    }
+}
+
+impl std::fmt::Display for KafkaProperty {
+    /// `KEY=VALUE`, the value masked when it may be a secret.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let value = if self.secret { MASK } else { self.value.expose() };
+        write!(f, "{}={value}", self.key)
+    }
+}
+
+impl std::fmt::Debug for KafkaProperty {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_tuple("KafkaProperty").field(&self.to_string()).finish()
+    }
+}
 
 /// Port used for a `kafka://` host given without one: 9092.
 pub const DEFAULT_KAFKA_PORT: u16 = 9092;
@@ -70,14 +169,14 @@ type KafkaProducer = FutureProducer<Context>;
 /// the delivery report says the partition leader wrote the message with all
 /// in-sync replicas (`acks=all`); it fails when the report is an error or
 /// does not arrive within the timeout (`message.timeout.ms`), e.g. while the
-/// broker is down. After a failed delivery, or a fatal idempotence error,
-/// the producer is replaced by a new one (with a new producer id).
+/// broker is down. After a failed delivery (the relay's timeout included),
+/// or a fatal idempotence error, the producer is replaced by a new one
+/// (with a new producer id).
 pub struct KafkaSink {
     config: ClientConfig,
     brokers: String,
+    name: String,
     topic: Template,
-    format: Format,
-    source: String,
     timeout: Duration,
     producer: Mutex<Arc<KafkaProducer>>,
     context: Context,
@@ -99,7 +198,7 @@ impl std::fmt::Debug for KafkaSink {
 /// # Errors
 /// [`Error::Config`] for another scheme, an empty host list, a bad port,
 /// credentials, a path or a query string (not supported by this sink).
-pub fn parse_kafka_url(url: &str) -> Result<String> {
+fn parse_kafka_url(url: &str) -> Result<String> {
     let rest = match url.split_once("://") {
         Some((scheme, rest)) if scheme.eq_ignore_ascii_case("kafka") => rest,
         _ => return Err(Error::Config("a Kafka sink URL starts with kafka://".into())),
@@ -156,15 +255,17 @@ fn check_topic(topic: &str) -> Result<(), String> {
     Ok(())
 }
 
-/// SASL mechanisms [`SinkOptions::kafka_sasl_mechanism`] takes.
+/// SASL mechanisms [`KafkaOptions::sasl_mechanism`] takes.
 const SASL_MECHANISMS: [&str; 3] = ["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"];
 
 /// The producer's librdkafka properties: the sink's defaults, then TLS
-/// and SASL from `opts`, then [`SinkOptions::kafka_options`].
-fn client_config(brokers: &str, opts: &SinkOptions) -> Result<ClientConfig> {
-    opts.check_tls_files("Kafka")?;
-    let timeout_ms = opts.timeout.as_millis().clamp(1, u128::from(i32::MAX as u32)).to_string();
-    let request_ms = opts.timeout.as_millis().clamp(1, 30_000).to_string();
+/// and SASL from `settings`, then [`KafkaOptions::properties`].
+fn client_config(brokers: &str, settings: &SinkSettings) -> Result<ClientConfig> {
+    let (tls, credentials, kafka) = (&settings.tls, &settings.credentials, &settings.kafka);
+    let timeout = settings.delivery.timeout;
+    tls.check_files("Kafka")?;
+    let timeout_ms = timeout.as_millis().clamp(1, u128::from(i32::MAX as u32)).to_string();
+    let request_ms = timeout.as_millis().clamp(1, 30_000).to_string();
     let mut config = ClientConfig::new();
     config
         .set("bootstrap.servers", brokers)
@@ -176,10 +277,9 @@ fn client_config(brokers: &str, opts: &SinkOptions) -> Result<ClientConfig> {
         .set("partitioner", "murmur2_random")
         .set("message.timeout.ms", &timeout_ms)
         .set("request.timeout.ms", &request_ms);
-    let tls = opts.tls_wanted();
-    let sasl = match &opts.kafka_sasl_mechanism {
+    let sasl = match &kafka.sasl_mechanism {
         None => {
-            if opts.user.is_some() || opts.password.is_some() {
+            if credentials.user.is_some() || credentials.password.is_some() {
                 return Err(Error::Config(
                     "Kafka: a user or password needs a SASL mechanism (--kafka-sasl-mechanism PLAIN, \
                      SCRAM-SHA-256 or SCRAM-SHA-512)"
@@ -196,7 +296,7 @@ fn client_config(brokers: &str, opts: &SinkOptions) -> Result<ClientConfig> {
                     SASL_MECHANISMS.join(", ")
                 )));
             }
-            let (Some(user), Some(password)) = (&opts.user, &opts.password) else {
+            let (Some(user), Some(password)) = (&credentials.user, &credentials.password) else {
                 return Err(Error::Config(format!(
                     "Kafka SASL {m} needs a user (--sink-user) and a password (--sink-password-file)"
                 )));
@@ -205,7 +305,7 @@ fn client_config(brokers: &str, opts: &SinkOptions) -> Result<ClientConfig> {
             true
         }
     };
-    let protocol = match (tls, sasl) {
+    let protocol = match (tls.wanted(), sasl) {
         (false, false) => "plaintext",
         (true, false) => "ssl",
         (false, true) => "sasl_plaintext",
@@ -213,14 +313,14 @@ fn client_config(brokers: &str, opts: &SinkOptions) -> Result<ClientConfig> {
     };
     config.set("security.protocol", protocol);
     let path = |p: &std::path::Path| p.display().to_string();
-    if let Some(ca) = &opts.tls_ca_file {
+    if let Some(ca) = &tls.ca_file {
         config.set("ssl.ca.location", path(ca));
     }
-    if let (Some(cert), Some(key)) = (&opts.tls_client_cert, &opts.tls_client_key) {
+    if let (Some(cert), Some(key)) = (&tls.client_cert, &tls.client_key) {
         config.set("ssl.certificate.location", path(cert)).set("ssl.key.location", path(key));
     }
-    for (key, value) in &opts.kafka_options {
-        config.set(key, value);
+    for p in &kafka.properties {
+        config.set(p.key(), p.value());
     }
     Ok(config)
 }
@@ -228,20 +328,19 @@ fn client_config(brokers: &str, opts: &SinkOptions) -> Result<ClientConfig> {
 impl KafkaSink {
     /// Create the producer for `url` (`kafka://host:port[,host:port]`,
     /// port [`DEFAULT_KAFKA_PORT`] when left out) and check that a broker
-    /// answers (a metadata request within `opts.timeout`). Uses
-    /// `opts.kafka_topic`, `opts.format`, `opts.cloudevents_source` and
-    /// `opts.timeout`, which becomes librdkafka's `message.timeout.ms`: how
-    /// long one event may wait for its delivery report, retries included.
+    /// answers (a metadata request within the delivery timeout, which also
+    /// becomes librdkafka's `message.timeout.ms`: how long one event may
+    /// wait for its delivery report, retries included).
     ///
-    /// Security: `security.protocol` is `ssl` with [`SinkOptions::tls`] or
-    /// any TLS file, `sasl_plaintext` with
-    /// [`SinkOptions::kafka_sasl_mechanism`], `sasl_ssl` with both,
-    /// `plaintext` otherwise; [`SinkOptions::tls_ca_file`] becomes
-    /// `ssl.ca.location` (else OpenSSL's default roots), the client
-    /// certificate and key `ssl.certificate.location` and
-    /// `ssl.key.location`; the broker's host name is checked
-    /// (librdkafka's default `ssl.endpoint.identification.algorithm=https`).
-    /// [`SinkOptions::kafka_options`] are set last and override all of it.
+    /// Security: `security.protocol` is `ssl` with TLS asked for
+    /// ([`crate::relay::TlsOptions::wanted`]), `sasl_plaintext` with
+    /// [`KafkaOptions::sasl_mechanism`], `sasl_ssl` with both, `plaintext`
+    /// otherwise; the CA file becomes `ssl.ca.location` (else OpenSSL's
+    /// default roots), the client certificate and key
+    /// `ssl.certificate.location` and `ssl.key.location`; the broker's host
+    /// name is checked (librdkafka's default
+    /// `ssl.endpoint.identification.algorithm=https`).
+    /// [`KafkaOptions::properties`] are set last and override all of it.
     ///
     /// # Errors
     /// [`Error::Config`] for a malformed URL, inconsistent SASL settings, an
@@ -252,13 +351,13 @@ impl KafkaSink {
     ///
     /// # Cancel safety
     /// Cancel safe: dropping the future drops the producer being created.
-    pub async fn connect(url: &str, opts: &SinkOptions) -> Result<Self> {
-        let brokers = parse_kafka_url(url)?;
-        let config = client_config(&brokers, opts)?;
+    pub async fn connect(url: &SecretUrl, settings: &SinkSettings) -> Result<Self> {
+        let brokers = parse_kafka_url(url.expose())?;
+        let config = client_config(&brokers, settings)?;
         let context = Context::default();
         let producer = Arc::new(Self::create(&config, &brokers, &context)?);
         let probe = producer.clone();
-        let wait = opts.timeout;
+        let wait = settings.delivery.timeout;
         let answered = tokio::task::spawn_blocking(move || probe.client().fetch_metadata(None, wait).map(|_| ()))
             .await
             .map_err(|e| Error::Config(format!("Kafka metadata check did not finish: {e}")))?;
@@ -271,16 +370,16 @@ impl KafkaSink {
             tokio::task::spawn_blocking(move || drop(producer));
             return Err(Error::SinkUnavailable(format!(
                 "cannot connect to Kafka at {brokers} within {wait:?}: {}",
-                super::with_reason(why)
+                with_reason(why)
             )));
         }
+        let topic = settings.kafka.topic.clone();
         Ok(KafkaSink {
             config,
+            name: format!("Kafka {brokers} topic '{topic}'"),
             brokers,
-            topic: opts.kafka_topic.clone(),
-            format: opts.format,
-            source: opts.cloudevents_source.clone(),
-            timeout: opts.timeout,
+            topic,
+            timeout: wait,
             producer: Mutex::new(producer),
             context,
         })
@@ -290,11 +389,6 @@ impl KafkaSink {
         config.create_with_context(context.clone()).map_err(|e| {
             Error::Config(format!("cannot create a Kafka producer for {brokers}: {}", crate::error::report(&e)))
         })
-    }
-
-    /// Where the sink produces, for logs: the bootstrap servers.
-    pub fn describe(&self) -> String {
-        format!("Kafka {} topic '{}'", self.brokers, self.topic)
     }
 
     /// The producer to use now; a new one if the current one hit a fatal
@@ -333,8 +427,7 @@ impl KafkaSink {
         }
     }
 
-    async fn produce(&self, event: &Event) -> Result<(), String> {
-        let msg = Message::new(event, self.format, &self.source).map_err(|e| crate::error::report(&e))?;
+    async fn produce(&self, msg: &Message, event: &Event) -> Result<(), String> {
         let topic = self.topic.render(event);
         check_topic(&topic)?;
         let mut headers = OwnedHeaders::new_with_capacity(msg.headers.len());
@@ -345,7 +438,9 @@ impl KafkaSink {
         let record = FutureRecord::to(&topic).key(msg.key.as_bytes()).payload(&msg.body).headers(headers);
         let report = producer
             .send_result(record)
-            .map_err(|(e, _)| format!("Kafka producer refused the message for topic '{topic}': {e}"))?;
+            .map_err(|(e, _)| format!("the producer refused the message for topic '{topic}': {e}"))?;
+        // Dropped before the report (the relay's timeout) or failed: renew.
+        let mut renew = RenewOnDrop { sink: self, used: Some(producer.clone()) };
         let failure = match tokio::time::timeout(self.timeout + REPORT_MARGIN, report).await {
             Ok(Ok(Ok(delivery))) => {
                 tracing::debug!(
@@ -355,30 +450,46 @@ impl KafkaSink {
                     offset = delivery.offset,
                     "Kafka delivery report"
                 );
+                renew.used = None;
                 return Ok(());
             }
-            Ok(Ok(Err((e, _)))) => format!(
-                "Kafka at {} did not take the message for topic '{topic}': {}",
-                self.brokers,
-                crate::error::report(&e)
-            ),
-            Ok(Err(_canceled)) => {
-                format!("Kafka producer for {} dropped the message for topic '{topic}'", self.brokers)
+            Ok(Ok(Err((e, _)))) => {
+                format!("the broker did not take the message for topic '{topic}': {}", crate::error::report(&e))
             }
-            Err(_) => format!(
-                "no delivery report from Kafka at {} for topic '{topic}' within {:?}",
-                self.brokers,
-                self.timeout + REPORT_MARGIN
-            ),
+            Ok(Err(_canceled)) => format!("the producer dropped the message for topic '{topic}'"),
+            Err(_) => format!("no delivery report for topic '{topic}' within {:?}", self.timeout + REPORT_MARGIN),
         };
-        self.renew(&producer);
         Err(failure)
     }
 }
 
+/// Renews the producer `used` when dropped armed: a delivery that did not
+/// end with a report.
+struct RenewOnDrop<'a> {
+    sink: &'a KafkaSink,
+    used: Option<Arc<KafkaProducer>>,
+}
+
+impl Drop for RenewOnDrop<'_> {
+    fn drop(&mut self) {
+        if let Some(used) = self.used.take() {
+            self.sink.renew(&used);
+        }
+    }
+}
+
+/// Open the Kafka sink (`--sink kafka://...`).
+pub(crate) fn open<'a>(url: &'a SecretUrl, settings: &'a SinkSettings) -> BoxFuture<'a, Result<Box<dyn Sink>>> {
+    Box::pin(async move { Ok(Box::new(KafkaSink::connect(url, settings).await?) as Box<dyn Sink>) })
+}
+
 impl Sink for KafkaSink {
-    fn deliver<'a>(&'a self, event: &'a Event) -> SinkFuture<'a> {
-        Box::pin(async move { self.produce(event).await.map_err(Into::into) })
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    fn send<'a>(&'a self, message: &'a Message, event: &'a Event) -> SinkFuture<'a> {
+        Box::pin(async move { self.produce(message, event).await.map_err(Into::into) })
     }
 }
 

@@ -2,6 +2,7 @@
 
 use std::time::Duration;
 
+use futures::future::BoxFuture;
 use lapin::Confirmation;
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions, ExchangeDeclareOptions};
 use lapin::tcp::{OwnedIdentity, OwnedTLSConfig};
@@ -9,9 +10,30 @@ use lapin::types::{AMQPValue, FieldTable, ShortString};
 use lapin::uri::{AMQPScheme, AMQPUri};
 use lapin::{BasicProperties, Channel, Connection, ConnectionProperties, DefaultConnectionBuilder, ExchangeKind};
 
-use super::{Format, Message, Sink, SinkFuture, SinkOptions, Template};
 use crate::error::{Error, Result};
 use crate::event::Event;
+use crate::relay::settings::with_reason;
+use crate::relay::{Message, Sink, SinkFuture, SinkSettings, Template, TlsOptions};
+use crate::secret::SecretUrl;
+
+/// The RabbitMQ sink's options (flags `--amqp-*`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct AmqpOptions {
+    /// Exchange to publish to (default `amq.topic`, which every broker has).
+    pub exchange: String,
+    /// Routing key template (default `{aggregate_type}.{event_type}`).
+    pub routing_key: Template,
+}
+
+impl Default for AmqpOptions {
+    fn default() -> Self {
+        AmqpOptions {
+            exchange: "amq.topic".to_string(),
+            routing_key: Template::builtin("{aggregate_type}.{event_type}"),
+        }
+    }
+}
 
 /// The `app_id` property of every message: `pg-outbox`.
 pub const AMQP_APP_ID: &str = "pg-outbox";
@@ -38,15 +60,15 @@ const SHORTSTR_MAX: usize = 255;
 /// write to disk). It fails when the broker nacks, when it returns the
 /// message as unroutable (`basic.return`: no queue is bound for the routing
 /// key, which RabbitMQ reports before the ack), when no confirm arrives
-/// within the timeout, or when the connection is down. After a lost
-/// connection the next delivery reconnects.
+/// within the relay's timeout, or when the connection is down. After a lost
+/// connection, or a delivery the relay gave up on, the next delivery
+/// reconnects.
 pub struct AmqpSink {
     uri: AMQPUri,
     shown: String,
+    name: String,
     exchange: String,
     routing_key: Template,
-    format: Format,
-    source: String,
     timeout: Duration,
     /// The CA file's certificates and the client identity (PEM); empty
     /// without `--sink-tls-*` files.
@@ -98,21 +120,21 @@ fn describe(uri: &AMQPUri) -> String {
     format!("{scheme}://{}:{} vhost '{}'", uri.authority.host, uri.authority.port, uri.vhost)
 }
 
-/// The TLS settings of `opts` for lapin: the CA file's PEM (added to the
+/// The TLS settings of `tls` for lapin: the CA file's PEM (added to the
 /// platform's roots) and the client certificate and key (PEM; PKCS#8,
 /// PKCS#1 or SEC1 keys). Empty without TLS files.
-fn tls_config(opts: &SinkOptions) -> Result<OwnedTLSConfig> {
-    opts.check_tls_files("RabbitMQ")?;
+fn tls_config(tls: &TlsOptions) -> Result<OwnedTLSConfig> {
+    tls.check_files("RabbitMQ")?;
     let read = |p: &std::path::Path| {
         std::fs::read(p).map_err(|e| Error::Config(format!("RabbitMQ: cannot read {}: {e}", p.display())))
     };
-    let cert_chain = match &opts.tls_ca_file {
+    let cert_chain = match &tls.ca_file {
         Some(path) => Some(String::from_utf8(read(path)?).map_err(|_| {
             Error::Config(format!("RabbitMQ: TLS CA file (--sink-tls-ca-file) {} is not UTF-8 PEM", path.display()))
         })?),
         None => None,
     };
-    let identity = match (&opts.tls_client_cert, &opts.tls_client_key) {
+    let identity = match (&tls.client_cert, &tls.client_key) {
         (Some(cert), Some(key)) => Some(OwnedIdentity::PKCS8 { pem: read(cert)?, key: read(key)? }),
         _ => None,
     };
@@ -128,16 +150,12 @@ impl AmqpSink {
     /// Connect to the broker an `amqp://` or `amqps://` URL names
     /// (`amqp://USER:PASS@HOST:5672/VHOST`; RabbitMQ's URI spec: the default
     /// vhost `/` is written `%2f`, an empty path means `/`;
-    /// [`SinkOptions::user`] and [`SinkOptions::password`] override the
-    /// URL's; `amqps://` checks the broker's certificate and host name
-    /// against the platform's root certificates plus those of
-    /// [`SinkOptions::tls_ca_file`], and presents
-    /// [`SinkOptions::tls_client_cert`] and
-    /// [`SinkOptions::tls_client_key`] when given), open a channel in
-    /// confirm mode and check that `opts.amqp_exchange` exists (a passive
-    /// declare). Uses `opts.amqp_exchange`, `opts.amqp_routing_key`,
-    /// `opts.format`, `opts.cloudevents_source` and `opts.timeout` (which
-    /// also bounds the connection attempt).
+    /// [`SinkSettings::credentials`] override the URL's; `amqps://` checks
+    /// the broker's certificate and host name against the platform's root
+    /// certificates plus those of the CA file, and presents the client
+    /// certificate and key when given), open a channel in confirm mode and
+    /// check that [`AmqpOptions::exchange`] exists (a passive declare). The
+    /// delivery timeout bounds connecting.
     ///
     /// # Errors
     /// [`Error::Config`] when the URL does not parse, TLS settings come
@@ -150,40 +168,39 @@ impl AmqpSink {
     ///
     /// # Cancel safety
     /// Cancel safe: dropping the future drops the connection being opened.
-    pub async fn connect(url: &str, opts: &SinkOptions) -> Result<Self> {
-        let mut uri: AMQPUri = url.parse().map_err(|e: String| {
-            // Some parser messages quote the URL, password included: cut it out.
-            let e = e.replace(url, "…");
+    pub async fn connect(url: &SecretUrl, settings: &SinkSettings) -> Result<Self> {
+        let mut uri: AMQPUri = url.expose().parse().map_err(|e: String| {
+            let e = url.scrub(&e.replace(url.expose(), "…"));
             Error::Config(format!("invalid RabbitMQ URL ({e}); write amqp://USER:PASS@HOST:PORT/VHOST"))
         })?;
-        if opts.tls_wanted() && uri.scheme != AMQPScheme::AMQPS {
+        if settings.tls.wanted() && uri.scheme != AMQPScheme::AMQPS {
             return Err(Error::Config(format!(
                 "RabbitMQ at {}: TLS settings need an amqps:// URL (amqp:// is plain TCP)",
                 describe(&uri)
             )));
         }
-        let tls = tls_config(opts)?;
-        if let Some(user) = &opts.user {
+        let tls = tls_config(&settings.tls)?;
+        if let Some(user) = &settings.credentials.user {
             uri.authority.userinfo.username = user.clone();
         }
-        if let Some(password) = &opts.password {
+        if let Some(password) = &settings.credentials.password {
             uri.authority.userinfo.password = password.expose().to_string();
         }
-        if opts.amqp_exchange.len() > SHORTSTR_MAX {
+        let options = &settings.amqp;
+        if options.exchange.len() > SHORTSTR_MAX {
             return Err(Error::Config(format!(
                 "RabbitMQ exchange name is {} bytes; AMQP allows at most {SHORTSTR_MAX}",
-                opts.amqp_exchange.len()
+                options.exchange.len()
             )));
         }
         let shown = describe(&uri);
         let sink = AmqpSink {
             uri,
+            name: format!("RabbitMQ {shown} exchange '{}'", options.exchange),
             shown,
-            exchange: opts.amqp_exchange.clone(),
-            routing_key: opts.amqp_routing_key.clone(),
-            format: opts.format,
-            source: opts.cloudevents_source.clone(),
-            timeout: opts.timeout,
+            exchange: options.exchange.clone(),
+            routing_key: options.routing_key.clone(),
+            timeout: settings.delivery.timeout,
             tls,
             link: tokio::sync::Mutex::new(None),
         };
@@ -192,7 +209,7 @@ impl AmqpSink {
             .map_err(|_| {
                 Error::SinkUnavailable(format!("RabbitMQ at {} did not answer within {:?}", sink.shown, sink.timeout))
             })?
-            .map_err(|e| Error::SinkUnavailable(super::with_reason(e)))?;
+            .map_err(|e| Error::SinkUnavailable(with_reason(e)))?;
         if let Err(e) = sink.check_exchange(&link).await {
             link.discard();
             return Err(e);
@@ -229,11 +246,6 @@ impl AmqpSink {
         }
     }
 
-    /// Where the sink publishes, for logs: broker (no credentials) and exchange.
-    pub fn describe(&self) -> String {
-        format!("RabbitMQ {} exchange '{}'", self.shown, self.exchange)
-    }
-
     /// Open a connection and a channel with publisher confirms on.
     async fn open(&self) -> Result<Link, String> {
         let props = ConnectionProperties::default().with_connection_name("pg-outbox relay".into());
@@ -265,8 +277,7 @@ impl AmqpSink {
 
     /// Publish one message and wait for its confirm. `link` is dropped
     /// (to be reopened by the next delivery) when the channel may be broken.
-    async fn publish(&self, link: &mut Option<Link>, event: &Event) -> Result<(), String> {
-        let msg = Message::new(event, self.format, &self.source).map_err(|e| crate::error::report(&e))?;
+    async fn publish(&self, link: &mut Option<Link>, msg: &Message, event: &Event) -> Result<(), String> {
         let routing_key = self.routing_key.render(event);
         if routing_key.len() > SHORTSTR_MAX {
             return Err(format!(
@@ -276,12 +287,12 @@ impl AmqpSink {
         }
         let channel = self.channel(link).await?;
         let options = BasicPublishOptions { mandatory: true, ..BasicPublishOptions::default() };
-        let props = properties(event, &msg);
+        let props = properties(event, msg);
         let exchange = self.exchange.as_str().into();
         let outcome =
             match channel.basic_publish(exchange, routing_key.as_str().into(), options, &msg.body, props).await {
                 Ok(confirm) => self.confirmed(confirm.await, &routing_key),
-                Err(e) => Err(Broken(format!("publishing to RabbitMQ at {} failed: {}", self.shown, report(&e)))),
+                Err(e) => Err(Broken(format!("publishing failed: {}", report(&e)))),
             };
         outcome.map_err(|e| match e {
             Broken(msg) => {
@@ -329,7 +340,7 @@ impl AmqpSink {
             Ok(Confirmation::NotRequested) => {
                 Err(Broken("RabbitMQ channel is not in confirm mode; the message is not confirmed".to_string()))
             }
-            Err(e) => Err(Broken(format!("no confirm from RabbitMQ at {}: {}", self.shown, report(&e)))),
+            Err(e) => Err(Broken(format!("no confirm: {}", report(&e)))),
         }
     }
 }
@@ -362,26 +373,40 @@ fn properties(event: &Event, msg: &Message) -> BasicProperties {
     }
 }
 
+/// The link, discarded when dropped armed: a publish the relay gave up on
+/// (the broker may be stuck or the socket half-open) starts afresh on the
+/// next delivery.
+struct InUse<'a> {
+    link: tokio::sync::MutexGuard<'a, Option<Link>>,
+    armed: bool,
+}
+
+impl Drop for InUse<'_> {
+    fn drop(&mut self) {
+        if self.armed
+            && let Some(old) = self.link.take()
+        {
+            old.discard();
+        }
+    }
+}
+
+/// Open the RabbitMQ sink (`--sink amqp://...` or `amqps://...`).
+pub(crate) fn open<'a>(url: &'a SecretUrl, settings: &'a SinkSettings) -> BoxFuture<'a, Result<Box<dyn Sink>>> {
+    Box::pin(async move { Ok(Box::new(AmqpSink::connect(url, settings).await?) as Box<dyn Sink>) })
+}
+
 impl Sink for AmqpSink {
-    fn deliver<'a>(&'a self, event: &'a Event) -> SinkFuture<'a> {
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    fn send<'a>(&'a self, message: &'a Message, event: &'a Event) -> SinkFuture<'a> {
         Box::pin(async move {
-            let mut link = self.link.lock().await;
-            match tokio::time::timeout(self.timeout, self.publish(&mut link, event)).await {
-                Ok(Ok(())) => Ok(()),
-                Ok(Err(msg)) => Err(msg.into()),
-                Err(_) => {
-                    // The broker may be stuck or the socket half-open: start
-                    // afresh on the next delivery.
-                    if let Some(old) = link.take() {
-                        old.discard();
-                    }
-                    Err(format!(
-                        "RabbitMQ at {} did not confirm within {:?} (exchange '{}')",
-                        self.shown, self.timeout, self.exchange
-                    )
-                    .into())
-                }
-            }
+            let mut in_use = InUse { link: self.link.lock().await, armed: true };
+            let outcome = self.publish(&mut in_use.link, message, event).await;
+            in_use.armed = false;
+            outcome.map_err(Into::into)
         })
     }
 }

@@ -3,62 +3,71 @@
 
 use std::time::Duration;
 
+use futures::future::BoxFuture;
 use redis::IntoConnectionInfo;
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 
-use super::{Format, Message, Sink, SinkFuture, SinkOptions, Template, header};
 use crate::error::{Error, Result};
 use crate::event::Event;
-use crate::redact::{redact_spec, scrub};
+use crate::relay::settings::with_reason;
+use crate::relay::{Message, Sink, SinkFuture, SinkSettings, Template, header};
+use crate::secret::SecretUrl;
+
+/// The Redis Streams sink's options (flags `--redis-*`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct RedisOptions {
+    /// Stream key template (default `outbox:{aggregate_type}`).
+    pub stream: Template,
+    /// `XADD ... MAXLEN ~ N` trimming, in entries; `None` (the default)
+    /// never trims.
+    pub maxlen: Option<usize>,
+}
+
+impl Default for RedisOptions {
+    fn default() -> Self {
+        RedisOptions { stream: Template::builtin("outbox:{aggregate_type}"), maxlen: None }
+    }
+}
 
 /// Appends each event to a Redis stream with `XADD` and acknowledges it
 /// when Redis replies with the new entry's id.
 ///
-/// - Stream key: [`SinkOptions::redis_stream`] rendered for the event
+/// - Stream key: [`RedisOptions::stream`] rendered for the event
 ///   (default `outbox:{aggregate_type}`). The entry id is chosen by Redis
 ///   (`*`), so entries of one stream are in the order they were added.
 /// - Fields: `id` (outbox id), `type` (event_type), `aggregate_type`,
 ///   `aggregate` (aggregate_id), `payload` (the [`Message`] body, per
-///   [`SinkOptions::format`]), `content_type`, and `correlation_id`,
+///   in the relay's format), `content_type`, and `correlation_id`,
 ///   `causation_id`, `traceparent`, `tracestate` when the envelope's metadata
 ///   has them.
-/// - Trimming: with [`SinkOptions::redis_maxlen`] = `Some(n)`, `XADD key
+/// - Trimming: with [`RedisOptions::maxlen`] = `Some(n)`, `XADD key
 ///   MAXLEN ~ n * ...` (Redis docs, "XADD": approximate trimming keeps at
 ///   least `n` entries); `None` (the default) never trims.
-/// - An error reply, a lost connection or no reply within
-///   [`SinkOptions::timeout`] fails the event (retried with backoff); the
+/// - An error reply, a lost connection or no reply within the relay's
+///   timeout fails the event (retried with backoff); the
 ///   connection manager reconnects on the next delivery. Redis Streams have
 ///   no deduplication: an event whose acknowledgement the relay could not
 ///   record is appended again; consumers deduplicate on the `id` field.
 ///
 /// URLs: `redis://[user:password@]host[:port][/db]`, and
-/// `rediss://...` for TLS (rustls). [`SinkOptions::user`] and
-/// [`SinkOptions::password`] (an ACL user, or the `requirepass` password
-/// alone) override the URL's. With `rediss://` the server's certificate is
-/// checked against [`SinkOptions::tls_ca_file`] (else the platform's root
-/// certificates) and the URL's host name; [`SinkOptions::tls_client_cert`]
-/// and [`SinkOptions::tls_client_key`] present a client certificate
+/// `rediss://...` for TLS (rustls). [`SinkSettings::credentials`] (an ACL
+/// user, or the `requirepass` password alone) override the URL's. With
+/// `rediss://` the server's certificate is checked against the CA file
+/// (else the platform's root certificates) and the URL's host name; a
+/// client certificate and key are presented when given
 /// (`tls-auth-clients yes`). TLS settings with a `redis://` URL are an
 /// error. The password never appears in logs or errors.
 #[derive(Clone)]
 pub struct RedisSink {
     conn: ConnectionManager,
-    stream: Template,
-    maxlen: Option<usize>,
-    format: Format,
-    source: String,
-    timeout: Duration,
-    shown: String,
+    options: RedisOptions,
+    name: String,
 }
 
 impl std::fmt::Debug for RedisSink {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("RedisSink")
-            .field("server", &self.shown)
-            .field("stream", &self.stream.as_str())
-            .field("maxlen", &self.maxlen)
-            .field("timeout", &self.timeout)
-            .finish_non_exhaustive()
+        f.debug_struct("RedisSink").field("name", &self.name).field("options", &self.options).finish_non_exhaustive()
     }
 }
 
@@ -86,120 +95,106 @@ fn fields(msg: &Message) -> Vec<(&'static str, &[u8])> {
 
 impl RedisSink {
     /// Connect to the Redis server of `url` (`redis://` or `rediss://`) and
-    /// prepare appending with `opts` (stream template, MAXLEN, format,
-    /// timeout).
+    /// prepare appending with `settings` (stream template, MAXLEN,
+    /// credentials, TLS; the delivery timeout also bounds connecting and
+    /// each reply).
     ///
     /// # Errors
-    /// [`Error::Config`] if the URL is malformed or the server cannot be
-    /// reached (or refuses the credentials) within
-    /// [`SinkOptions::timeout`]; the message names the server without
-    /// credentials.
+    /// [`Error::Config`] if the URL or the TLS settings are malformed;
+    /// [`Error::SinkUnavailable`] if the server cannot be reached (or
+    /// refuses the credentials) within the timeout. Messages name the
+    /// server without credentials.
     ///
     /// # Cancel safety
     /// Cancel safe: dropping the future drops the connection being opened.
-    pub async fn connect(url: &str, opts: &SinkOptions) -> Result<Self> {
-        let shown = redact_spec(url);
-        let tls = url.get(..9).is_some_and(|p| p.eq_ignore_ascii_case("rediss://"));
-        if opts.tls_wanted() && !tls {
+    pub async fn connect(url: &SecretUrl, settings: &SinkSettings) -> Result<Self> {
+        let shown = url.shown();
+        let (tls, timeout) = (&settings.tls, settings.delivery.timeout);
+        let rediss = url.scheme().as_deref() == Some("rediss");
+        if tls.wanted() && !rediss {
             return Err(Error::Config(format!(
                 "Redis at {shown}: TLS settings need a rediss:// URL (redis:// is plain TCP)"
             )));
         }
-        opts.check_tls_files("Redis")?;
-        if tls {
+        tls.check_files("Redis")?;
+        if rediss {
             // rustls needs a process-wide crypto provider when more than one
             // is compiled in; ours is ring. Already installed is fine.
             let _ = rustls::crypto::ring::default_provider().install_default();
         }
-        let invalid = |e: redis::RedisError| {
-            Error::Config(format!("invalid Redis URL '{shown}': {}", scrub(&e.to_string(), url)))
-        };
-        let mut info = url.into_connection_info().map_err(invalid)?;
-        let mut settings = info.redis_settings().clone();
-        if let Some(user) = &opts.user {
-            settings = settings.set_username(user);
+        let invalid =
+            |e: redis::RedisError| Error::Config(format!("invalid Redis URL '{shown}': {}", url.scrub(&e.to_string())));
+        let mut info = url.expose().into_connection_info().map_err(invalid)?;
+        let mut redis_settings = info.redis_settings().clone();
+        if let Some(user) = &settings.credentials.user {
+            redis_settings = redis_settings.set_username(user);
         }
-        if let Some(password) = &opts.password {
-            settings = settings.set_password(password.expose());
+        if let Some(password) = &settings.credentials.password {
+            redis_settings = redis_settings.set_password(password.expose());
         }
-        info = info.set_redis_settings(settings);
-        let client = if opts.tls_ca_file.is_some() || opts.tls_client_cert.is_some() {
+        info = info.set_redis_settings(redis_settings);
+        let client = if tls.ca_file.is_some() || tls.client_cert.is_some() {
             let read = |p: &std::path::Path| {
                 std::fs::read(p).map_err(|e| Error::Config(format!("Redis: cannot read {}: {e}", p.display())))
             };
-            let client_tls = match (&opts.tls_client_cert, &opts.tls_client_key) {
+            let client_tls = match (&tls.client_cert, &tls.client_key) {
                 (Some(cert), Some(key)) => {
                     Some(redis::ClientTlsConfig { client_cert: read(cert)?, client_key: read(key)? })
                 }
                 _ => None,
             };
-            let root_cert = opts.tls_ca_file.as_deref().map(read).transpose()?;
+            let root_cert = tls.ca_file.as_deref().map(read).transpose()?;
             redis::Client::build_with_tls(info, redis::TlsCertificates { client_tls, root_cert })
         } else {
             redis::Client::open(info)
         }
         .map_err(invalid)?;
         let config = ConnectionManagerConfig::new()
-            .set_connection_timeout(Some(opts.timeout))
-            .set_response_timeout(Some(opts.timeout))
+            .set_connection_timeout(Some(timeout))
+            .set_response_timeout(Some(timeout))
             .set_number_of_retries(3)
             .set_max_delay(Duration::from_secs(2));
-        let unreachable = |what: String| {
-            Error::SinkUnavailable(format!("cannot connect to Redis at {shown}: {}", super::with_reason(what)))
+        let unreachable =
+            |what: String| Error::SinkUnavailable(format!("cannot connect to Redis at {shown}: {}", with_reason(what)));
+        let mut conn = match tokio::time::timeout(timeout, ConnectionManager::new_with_config(client, config)).await {
+            Err(_) => return Err(unreachable(format!("no connection within {timeout:?}"))),
+            Ok(Err(e)) => return Err(unreachable(url.scrub(&e.to_string()))),
+            Ok(Ok(c)) => c,
         };
-        let mut conn =
-            match tokio::time::timeout(opts.timeout, ConnectionManager::new_with_config(client, config)).await {
-                Err(_) => return Err(unreachable(format!("no connection within {:?}", opts.timeout))),
-                Ok(Err(e)) => return Err(unreachable(scrub(&e.to_string(), url))),
-                Ok(Ok(c)) => c,
-            };
         // The connection may be lazy about authentication: ask once.
         let pong: std::result::Result<String, _> = redis::cmd("PING").query_async(&mut conn).await;
-        pong.map_err(|e| unreachable(scrub(&e.to_string(), url)))?;
-        Ok(RedisSink {
-            conn,
-            stream: opts.redis_stream.clone(),
-            maxlen: opts.redis_maxlen,
-            format: opts.format,
-            source: opts.cloudevents_source.clone(),
-            timeout: opts.timeout,
-            shown,
-        })
-    }
-
-    /// The server as shown in messages (no credentials).
-    pub fn display_url(&self) -> &str {
-        &self.shown
+        pong.map_err(|e| unreachable(url.scrub(&e.to_string())))?;
+        Ok(RedisSink { conn, options: settings.redis.clone(), name: format!("Redis Streams {shown}") })
     }
 }
 
+/// Open the Redis Streams sink (`--sink redis://...` or `rediss://...`).
+pub(crate) fn open<'a>(url: &'a SecretUrl, settings: &'a SinkSettings) -> BoxFuture<'a, Result<Box<dyn Sink>>> {
+    Box::pin(async move { Ok(Box::new(RedisSink::connect(url, settings).await?) as Box<dyn Sink>) })
+}
+
 impl Sink for RedisSink {
-    fn deliver<'a>(&'a self, event: &'a Event) -> SinkFuture<'a> {
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    fn send<'a>(&'a self, message: &'a Message, event: &'a Event) -> SinkFuture<'a> {
         Box::pin(async move {
-            let msg = Message::new(event, self.format, &self.source)?;
-            let key = self.stream.render(event);
+            let key = self.options.stream.render(event);
             let mut cmd = redis::cmd("XADD");
             cmd.arg(&key);
-            if let Some(n) = self.maxlen {
+            if let Some(n) = self.options.maxlen {
                 cmd.arg("MAXLEN").arg("~").arg(n);
             }
             cmd.arg("*");
-            for (field, value) in fields(&msg) {
+            for (field, value) in fields(message) {
                 cmd.arg(field).arg(value);
             }
             let mut conn = self.conn.clone();
-            let reply: std::result::Result<String, redis::RedisError> =
-                match tokio::time::timeout(self.timeout, cmd.query_async(&mut conn)).await {
-                    Ok(r) => r,
-                    Err(_) => {
-                        return Err(
-                            format!("Redis {}: no reply to XADD {key} within {:?}", self.shown, self.timeout).into()
-                        );
-                    }
-                };
+            let reply: std::result::Result<String, redis::RedisError> = cmd.query_async(&mut conn).await;
             match reply {
                 Ok(_entry_id) => Ok(()),
-                Err(e) => Err(format!("Redis {}: XADD {key} failed: {e}", self.shown).into()),
+                Err(e) => Err(format!("XADD {key} failed: {e}").into()),
             }
         })
     }

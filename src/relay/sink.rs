@@ -1,0 +1,178 @@
+//! What a sink is, and what the relay does around every send: encoding,
+//! the timeout, the error's context.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::time::Duration;
+
+use serde::Serialize;
+
+use super::{DEFAULT_CLOUDEVENTS_SOURCE, Format, Message};
+use crate::error::BoxError;
+use crate::event::Event;
+
+/// Default time one delivery may take (`--sink-timeout`): 10 seconds.
+pub const DEFAULT_SINK_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// A boxed future returned by [`Sink::send`] and [`EventSink::deliver`].
+pub type SinkFuture<'a> = Pin<Box<dyn Future<Output = Result<(), BoxError>> + Send + 'a>>;
+
+/// Where the relay delivers events: the built-in sinks, and any sink of
+/// your own.
+///
+/// The relay encodes each event once ([`Message`], in the format of its
+/// [`DeliveryOptions`]), bounds the send by [`DeliveryOptions::timeout`],
+/// prefixes an error with [`Sink::name`], and reports the outcome in the
+/// stream's [`crate::Health`]; a sink only sends.
+///
+/// `send` returns `Ok(())` only once the destination has taken the event
+/// (written and flushed, a 2xx response, a broker's confirmation): the event
+/// is then marked published. An `Err` fails the event (retry with backoff,
+/// dead letter at the threshold); its text is stored in `last_error`. A
+/// [`super::FatalSinkError`] stops the relay instead, the event released.
+/// The relay drops a send that outlives the timeout (unless
+/// [`Sink::bounded`] says not to): a sink must leave itself usable when its
+/// future is dropped.
+///
+/// A sink that only needs the event can implement [`EventSink`] instead.
+pub trait Sink: Send + Sync {
+    /// The sink as logs, `/readyz`, error texts and the console show it,
+    /// with no secret in it (see [`crate::SecretUrl::shown`]), e.g.
+    /// `NATS JetStream nats://127.0.0.1:4222`.
+    fn name(&self) -> &str;
+
+    /// Whether the relay may drop a send that outlives
+    /// [`DeliveryOptions::timeout`] and fail the event (default `true`).
+    /// A sink whose send, cut midway, would corrupt the destination (half
+    /// a line in a byte stream, as the stdout sink writes) returns `false`:
+    /// its sends run to their end, and the health probes report one stuck
+    /// past the timeout.
+    fn bounded(&self) -> bool {
+        true
+    }
+
+    /// Send `message` (the encoded `event`) to the destination.
+    fn send<'a>(&'a self, message: &'a Message, event: &'a Event) -> SinkFuture<'a>;
+}
+
+/// A sink that delivers the event itself, with no use for the relay's
+/// encoded [`Message`]: every `EventSink` is a [`Sink`] (the message is
+/// built but not handed to it). The relay prefixes its errors with
+/// [`EventSink::name`]; it does not cut its deliveries at the timeout
+/// (the sink bounds its own I/O), unless [`EventSink::bounded`] says so.
+pub trait EventSink: Send + Sync {
+    /// The sink's name in logs and error texts, with no secret in it.
+    /// Default: `custom sink`.
+    fn name(&self) -> &str {
+        "custom sink"
+    }
+
+    /// Whether the relay may drop a delivery that outlives its timeout, as
+    /// [`Sink::bounded`]; default `false`.
+    fn bounded(&self) -> bool {
+        false
+    }
+
+    /// Deliver one event; the same contract as [`Sink::send`].
+    fn deliver<'a>(&'a self, event: &'a Event) -> SinkFuture<'a>;
+}
+
+impl<T: EventSink + ?Sized> Sink for T {
+    fn name(&self) -> &str {
+        EventSink::name(self)
+    }
+
+    fn bounded(&self) -> bool {
+        EventSink::bounded(self)
+    }
+
+    fn send<'a>(&'a self, _message: &'a Message, event: &'a Event) -> SinkFuture<'a> {
+        self.deliver(event)
+    }
+}
+
+/// How the relay hands every event to any sink: the message body's format,
+/// the CloudEvents `source`, and how long one delivery may take. The same
+/// for every sink (flags `--format`, `--cloudevents-source`,
+/// `--sink-timeout`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct DeliveryOptions {
+    /// Message body format (default [`Format::Record`]).
+    pub format: Format,
+    /// CloudEvents `source` attribute (default [`DEFAULT_CLOUDEVENTS_SOURCE`]).
+    pub cloudevents_source: String,
+    /// How long one delivery may take before it fails: the webhook request,
+    /// the wait for a broker's acknowledgement, any [bounded](Sink::bounded)
+    /// sink's send; the broker sinks also bound connecting by it (default
+    /// [`DEFAULT_SINK_TIMEOUT`], 10 s).
+    pub timeout: Duration,
+}
+
+impl Default for DeliveryOptions {
+    fn default() -> Self {
+        DeliveryOptions {
+            format: Format::Record,
+            cloudevents_source: DEFAULT_CLOUDEVENTS_SOURCE.to_string(),
+            timeout: DEFAULT_SINK_TIMEOUT,
+        }
+    }
+}
+
+/// One delivery as the relay makes it: encode `event`, send it to `sink`
+/// within the timeout (when the sink is [bounded](Sink::bounded)), and
+/// name the sink in an error (a [`super::FatalSinkError`] passes through
+/// as it is).
+pub(crate) async fn deliver<S: Sink + ?Sized>(
+    sink: &S,
+    options: &DeliveryOptions,
+    event: &Event,
+) -> Result<(), BoxError> {
+    let name = sink.name();
+    let message = Message::new(event, options.format, &options.cloudevents_source)
+        .map_err(|e| format!("{name}: cannot encode event {}: {}", event.id, crate::error::report(&e)))?;
+    let send = sink.send(&message, event);
+    let sent = if sink.bounded() { tokio::time::timeout(options.timeout, send).await } else { Ok(send.await) };
+    match sent {
+        Ok(Ok(())) => Ok(()),
+        Ok(Err(e)) if e.is::<super::FatalSinkError>() => Err(e),
+        Ok(Err(e)) => Err(format!("{name}: {}", crate::error::report(e.as_ref())).into()),
+        Err(_) => Err(format!("{name}: timed out: no answer within {:?} (--sink-timeout)", options.timeout).into()),
+    }
+}
+
+/// The JSON record of an event as sinks write it: keys `id`,
+/// `aggregate_type`, `aggregate_id`, `event_type`, `payload`, `occurred_at`
+/// (RFC 3339) and `retry_count`.
+#[derive(Debug, Serialize)]
+pub struct SinkRecord<'a> {
+    /// Outbox id.
+    pub id: i64,
+    /// Kind of aggregate.
+    pub aggregate_type: &'a str,
+    /// Aggregate id.
+    pub aggregate_id: uuid::Uuid,
+    /// Event name.
+    pub event_type: &'a str,
+    /// The payload as stored.
+    pub payload: &'a serde_json::Value,
+    /// RFC 3339 time the producer inserted the event.
+    pub occurred_at: String,
+    /// Failed attempts before this one.
+    pub retry_count: i32,
+}
+
+impl<'a> SinkRecord<'a> {
+    /// The record of `event`.
+    pub fn new(event: &'a Event) -> Self {
+        SinkRecord {
+            id: event.id,
+            aggregate_type: &event.aggregate_type,
+            aggregate_id: event.aggregate_id,
+            event_type: &event.event_type,
+            payload: &event.payload,
+            occurred_at: event.occurred_at.to_rfc3339_opts(chrono::SecondsFormat::Micros, true),
+            retry_count: event.retry_count,
+        }
+    }
+}
