@@ -6,27 +6,22 @@
 //!
 //! Run it with `cargo bench --features full --bench console`
 //! (`BENCH_CONSOLE_UNPUBLISHED`, `BENCH_CONSOLE_DEAD` change the sizes).
-//! It uses `DATABASE_URL`, else the server on 127.0.0.1:5432, else a
-//! throwaway one; it loads a scratch database `pgo_bench_console`, starts
-//! `pg-outbox console` on a free port, times each page (2 warm-up requests,
-//! then 10; minimum, median, maximum) over loopback HTTP, and drops the
-//! database. The overview serves the backlog figures from the last reading
+//! It uses `DATABASE_URL`, else the server on 127.0.0.1:5432 or the local
+//! socket, else a throwaway one (the test kit's `find_server`); it loads a
+//! scratch database `pgo_bench_console`, starts `pg-outbox console` on a
+//! free port, times each page (2 warm-up requests, then 10; minimum,
+//! median, maximum) over loopback HTTP, and drops the database. The overview serves the backlog figures from the last reading
 //! when counting them takes longer than 200 ms (the warm-up requests wait
 //! for the first one); `pg_outbox::status` below is what one reading costs.
-
-#[path = "common/mod.rs"]
-mod common;
-#[path = "../tests/kit/process.rs"]
-mod process;
-#[path = "../src/bin/pg-outbox/temp_server.rs"]
-mod temp_server;
 
 use std::future::Future;
 use std::process::Stdio;
 use std::time::{Duration, Instant};
 
-use common::BenchResult;
 use pg_outbox::dead_letters::Filter;
+use pg_outbox_testkit::bench::{self, BenchResult};
+use pg_outbox_testkit::db::{drop_database, migrated_database};
+use pg_outbox_testkit::{connect, find_server, process};
 use tokio::io::{AsyncBufReadExt, BufReader};
 
 const DB: &str = "pgo_bench_console";
@@ -63,10 +58,11 @@ fn line(what: &str, (min, med, max): (f64, f64, f64)) {
 async fn run() -> BenchResult<()> {
     let unpublished = size("BENCH_CONSOLE_UNPUBLISHED", 1_000_000);
     let dead = size("BENCH_CONSOLE_DEAD", 100_000);
-    let (admin_cfg, _server) = common::find_server().await?;
-    let admin = common::connect(&admin_cfg).await?;
-    let cfg = common::migrated_database(&admin, &admin_cfg, DB).await?;
-    let c = common::connect(&cfg).await?;
+    let server = find_server().await?;
+    eprintln!("bench: using {}", server.source);
+    let admin = connect(&server.config).await?;
+    let cfg = migrated_database(&admin, &server.config, DB).await?;
+    let c = connect(&cfg).await?;
     let t = Instant::now();
     // Fresh events over 100 000 aggregates, then dead letters on their own
     // aggregates, two error texts; row triggers off for the load (the
@@ -190,10 +186,10 @@ async fn run() -> BenchResult<()> {
         time(|| async { pg_outbox::dead_letters::count(lib, &all).await.map(drop).map_err(Into::into) }).await?,
     );
     drop(child);
-    common::drop_database(&admin, DB).await;
+    drop_database(&admin, DB).await;
     Ok(())
 }
 
 fn main() -> std::process::ExitCode {
-    common::main_with(run)
+    bench::main_with(run)
 }

@@ -10,17 +10,12 @@
 //! 100 000) of about 300 bytes each way, alternating, three rounds, and
 //! prints microseconds per event and the ratio on stderr.
 
-mod common;
-#[path = "../tests/kit/options.rs"]
-mod options;
-#[path = "../src/bin/pg-outbox/temp_server.rs"]
-mod temp_server;
-
 use std::process::Stdio;
 use std::time::Instant;
 
 use pg_outbox::Event;
 use pg_outbox::relay::{DEFAULT_CLOUDEVENTS_SOURCE, Format, Message, Sink, StdoutSink};
+use pg_outbox_testkit::bench::{self, BenchResult};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 /// Set in the child's environment.
@@ -42,7 +37,7 @@ fn event() -> Event {
 
 /// The child: write `n` events each way, three rounds (the baseline first
 /// in odd rounds, the sink first in even ones); report on stderr.
-async fn child(n: usize) -> common::BenchResult<()> {
+async fn child(n: usize) -> BenchResult<()> {
     let ev = event();
     let sink = StdoutSink::new();
     let line = {
@@ -80,11 +75,11 @@ async fn child(n: usize) -> common::BenchResult<()> {
     Ok(())
 }
 
-async fn bench() -> common::BenchResult<()> {
+async fn run() -> BenchResult<()> {
     let n: usize = std::env::var("BENCH_EVENTS")
         .ok()
         .and_then(|s| s.parse().ok())
-        .unwrap_or(if common::is_bench_run() { 100_000 } else { 1_000 });
+        .unwrap_or(if bench::is_bench_run() { 100_000 } else { 1_000 });
     if std::env::var_os(CHILD).is_some() {
         return child(n).await;
     }
@@ -116,5 +111,5 @@ async fn bench() -> common::BenchResult<()> {
 }
 
 fn main() -> std::process::ExitCode {
-    common::main_with(bench)
+    bench::main_with(run)
 }

@@ -21,9 +21,10 @@ pub mod retention;
 mod retry;
 mod secret;
 mod store;
+#[cfg(feature = "temp-server")]
+#[cfg_attr(docsrs, doc(cfg(feature = "temp-server")))]
+pub mod temp_server;
 
-#[doc(hidden)]
-pub use connect::describe_target;
 pub use connect::{ConnectOptions, DEFAULT_CONNECT_TIMEOUT, RootCert, SslMode, TlsConnector};
 pub use consumer::{
     Consumer, ConsumerBuilder, DEFAULT_ACK_BATCH_SIZE, DEFAULT_ACK_INTERVAL, DEFAULT_BATCH_SIZE,

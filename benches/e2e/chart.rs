@@ -10,8 +10,8 @@ use std::path::Path;
 
 use plotters::prelude::*;
 
-use crate::common::BenchResult;
 use crate::latency::{LatencyRun, PERCENTILES, Subject};
+use pg_outbox_testkit::bench::BenchResult;
 
 /// The embedded font.
 static FONT: &[u8] = include_bytes!("DejaVuSans-subset.ttf");

@@ -18,10 +18,12 @@ use pg_outbox::tokio_postgres::{Client, Config, Row};
 use pg_outbox::{Consumer, Event};
 use serde::{Deserialize, Serialize};
 
-use crate::common::{BenchResult, BoxError, connect, drop_database};
 use crate::report::{Section, fmt_count, fmt_ratio, ratio};
 use crate::util::{self, RowKind, conninfo, scratch, start_relay, stop_relay, vm_hwm_kib};
 use crate::{Ctx, Settings};
+use pg_outbox_testkit::bench::{BenchResult, BoxError};
+use pg_outbox_testkit::connect;
+use pg_outbox_testkit::db::drop_database;
 
 /// The seed's FetchUnpublishedBatch, verbatim.
 const SEED_FETCH: &str = "SELECT * FROM events.outbox \
@@ -185,7 +187,7 @@ async fn drain_here(cfg: &Config, job: &Job, bound: Option<usize>) -> BenchResul
         }
         Drainer::Consumer(batch) => {
             let probe = connect(cfg).await?;
-            let mut builder = Consumer::builder(crate::options::options_of(cfg)).batch_size(batch);
+            let mut builder = Consumer::builder(pg_outbox_testkit::options_of(cfg)).batch_size(batch);
             if let Some(bytes) = bound {
                 builder = builder.max_buffered_bytes(bytes);
             }

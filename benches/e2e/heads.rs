@@ -4,12 +4,13 @@
 
 use std::time::Instant;
 
-use crate::common::{BenchResult, BoxError, connect};
 use crate::drain::{DrainOutcome, Drainer, Job, drain_in_child};
 use crate::latency::{LatencyRun, Subject, measure};
 use crate::report::{Section, fmt_count, fmt_ms, fmt_ratio, ratio};
 use crate::util::{self, RowKind, scratch};
 use crate::{Ctx, Settings};
+use pg_outbox_testkit::bench::{BenchResult, BoxError};
+use pg_outbox_testkit::connect;
 
 /// Rate of the latency probe after the drain, events/s.
 const PROBE_RATE: u64 = 50;

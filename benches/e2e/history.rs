@@ -26,12 +26,13 @@ use hdrhistogram::Histogram;
 use pg_outbox::tokio_postgres::{Client, Config};
 use tokio_util::sync::CancellationToken;
 
-use crate::common::{BenchResult, BoxError, connect};
 use crate::drain::{DrainOutcome, Drainer, Job, drain_in_child};
 use crate::producers::{INSERT, run_load};
 use crate::report::{Section, fmt_count, fmt_ms, fmt_ratio, ratio};
 use crate::util::{self, RowKind, conninfo, scratch, start_relay, stop_relay};
 use crate::{Ctx, Settings};
+use pg_outbox_testkit::bench::{BenchResult, BoxError};
+use pg_outbox_testkit::connect;
 
 /// Days of history the largest table holds; each size is the newest part.
 const DAYS: i64 = 30;
@@ -188,7 +189,8 @@ async fn load_history(client: &Client, lo: i64, hi: i64, n_max: i64, anchor: f64
 /// on a session opened as pg-outbox opens its own (its planner settings),
 /// in a transaction rolled back. Fails unless it returns `expect_rows`.
 async fn fetch_buffers(cfg: &Config, expect_rows: i64) -> BenchResult<(i64, i64)> {
-    let mut c = crate::options::options_of(cfg).with_application_name("pg-outbox bench fetch plan").connect().await?;
+    let mut c =
+        pg_outbox_testkit::options_of(cfg).with_application_name("pg-outbox bench fetch plan").connect().await?;
     let sql = format!("EXPLAIN (ANALYZE, BUFFERS, TIMING OFF, FORMAT JSON) {}", pg_outbox::fetch_query());
     let none: Vec<i64> = Vec::new();
     let batch = i64::try_from(pg_outbox::DEFAULT_BATCH_SIZE)?;
@@ -341,7 +343,7 @@ async fn server_now(client: &Client) -> BenchResult<f64> {
 /// (deleted, batches) as it printed them, and its wall time.
 async fn archive(cfg: &Config, batch: i64) -> BenchResult<(i64, i64, f64)> {
     let mut cmd = tokio::process::Command::new(util::relay_bin());
-    crate::process::clean_env(&mut cmd);
+    pg_outbox_testkit::process::clean_env(&mut cmd);
     let batch = batch.to_string();
     cmd.env("DATABASE_URL", conninfo(cfg))
         .args(["archive", "--older-than", ARCHIVE_OLDER_THAN, "--batch-size", &batch])

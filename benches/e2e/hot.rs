@@ -14,10 +14,11 @@ use pg_outbox::tokio_postgres::{Client, Config};
 use pg_outbox::{Consumer, RetryPolicy};
 use serde::Serialize;
 
-use crate::common::{BenchResult, BoxError, connect};
 use crate::report::{Section, fmt_count, fmt_ratio, ratio};
 use crate::util::{self, RowKind, scratch};
 use crate::{Ctx, Settings};
+use pg_outbox_testkit::bench::{BenchResult, BoxError};
+use pg_outbox_testkit::connect;
 
 /// Retry delay of a failed event: longer than any drain here, so a failing
 /// aggregate holds back its events until the end.
@@ -89,7 +90,7 @@ async fn drain(
     let probe = connect(cfg).await?;
     let started = Instant::now();
     let deadline = started + Duration::from_secs_f64(max_secs);
-    let mut stream = Consumer::builder(crate::options::options_of(cfg))
+    let mut stream = Consumer::builder(pg_outbox_testkit::options_of(cfg))
         .batch_size(pg_outbox::DEFAULT_BATCH_SIZE)
         .retry_policy(RetryPolicy::schedule(vec![RETRY_AFTER])?)
         .start()

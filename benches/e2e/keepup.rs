@@ -3,11 +3,12 @@
 
 use std::time::{Duration, Instant};
 
-use crate::common::{BenchResult, BoxError, connect};
 use crate::producers::run_load;
 use crate::report::{Section, fmt_count, fmt_ratio, ratio};
 use crate::util::{self, conninfo, scratch, start_relay, stop_relay};
 use crate::{Ctx, Settings};
+use pg_outbox_testkit::bench::{BenchResult, BoxError};
+use pg_outbox_testkit::connect;
 
 /// Producer connections.
 pub const CONNECTIONS: usize = 8;

@@ -14,10 +14,11 @@ use serde_json::json;
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::task::JoinSet;
 
-use crate::common::{BenchResult, connect};
 use crate::report::{Section, fmt_count, fmt_ms, fmt_ratio, ratio};
 use crate::util::{RelayProc, conninfo, scratch, start_relay, stop_relay};
 use crate::{Ctx, Settings};
+use pg_outbox_testkit::bench::BenchResult;
+use pg_outbox_testkit::connect;
 
 /// Producer connections sharing the rate.
 pub const PRODUCERS: usize = 16;
@@ -209,7 +210,7 @@ impl Receiver {
                 if subject == Subject::StreamProducerLocked {
                     connect(cfg).await?.execute("SELECT events.outbox_set_ordering('producer-locked')", &[]).await?;
                 }
-                let mut stream = pg_outbox::Consumer::builder(crate::options::options_of(cfg)).start().await?;
+                let mut stream = pg_outbox::Consumer::builder(pg_outbox_testkit::options_of(cfg)).start().await?;
                 let handle = stream.shutdown_handle();
                 let task = tokio::spawn(async move {
                     while let Some(d) = stream.next().await {
@@ -312,7 +313,7 @@ pub async fn produce(
                     Produce::Outbox | Produce::AddJob => client.execute(&stmt, &[&payload]).await?,
                 };
             }
-            Ok::<_, crate::common::BoxError>(())
+            Ok::<_, pg_outbox_testkit::bench::BoxError>(())
         });
     }
     let period = Duration::from_secs_f64(1.0 / rate as f64);

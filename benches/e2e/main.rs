@@ -40,10 +40,11 @@
 //! machine may be shared and noisy); timings never fail the run, but each
 //! issue target is printed as MET or NOT MET.
 //!
-//! Server: `DATABASE_URL` if set, else 127.0.0.1:5432 if it answers, else a
-//! throwaway server from the local PostgreSQL binaries. Each scenario works
-//! in its own databases `pgo_e2e_<pid>_<scenario>`, dropped afterwards (also
-//! after a failure).
+//! Server: `DATABASE_URL` if set, else 127.0.0.1:5432 or the local socket if
+//! one answers, else a throwaway server from the local PostgreSQL binaries
+//! (the test kit's `find_server`, as the tests find theirs). Each scenario
+//! works in its own databases `pgo_e2e_<pid>_<scenario>`, dropped afterwards
+//! (also after a failure).
 //!
 //! Environment:
 //! - `PG_OUTBOX_BENCH_QUICK=1`: small sizes and short runs (about 5 minutes;
@@ -69,23 +70,15 @@
 //! it, so a scenario that no longer runs fails CI (timings never do).
 
 mod chart;
-#[path = "../common/mod.rs"]
-mod common;
 mod drain;
 mod heads;
 mod history;
 mod hot;
 mod keepup;
 mod latency;
-#[path = "../../tests/kit/options.rs"]
-mod options;
 mod peers;
-#[path = "../../tests/kit/process.rs"]
-mod process;
 mod producers;
 mod report;
-#[path = "../../src/bin/pg-outbox/temp_server.rs"]
-mod temp_server;
 mod util;
 
 use std::collections::BTreeMap;
@@ -96,7 +89,9 @@ use std::time::Instant;
 use pg_outbox::tokio_postgres::{Client, Config};
 use serde::Serialize;
 
-use common::{BenchResult, connect, drop_database, find_server};
+use pg_outbox_testkit::bench::{self, BenchResult};
+use pg_outbox_testkit::db::drop_database;
+use pg_outbox_testkit::{connect, find_server};
 use report::Section;
 
 /// Scenario names, in the order they run.
@@ -181,7 +176,7 @@ pub struct Settings {
 impl Settings {
     /// From the command line (scenario names) and the environment.
     fn from_env() -> BenchResult<Settings> {
-        let smoke = !common::is_bench_run();
+        let smoke = !bench::is_bench_run();
         let quick = match std::env::var("PG_OUTBOX_BENCH_QUICK") {
             Ok(v) if v == "1" || v.eq_ignore_ascii_case("true") => true,
             Ok(v) if v.is_empty() || v == "0" || v.eq_ignore_ascii_case("false") => false,
@@ -419,9 +414,11 @@ async fn drop_leftovers(admin: &Client) {
 }
 
 /// Run the selected scenarios, print and write the report.
-async fn bench() -> BenchResult<()> {
+async fn run() -> BenchResult<()> {
     let settings = Settings::from_env()?;
-    let (admin_cfg, _server) = find_server().await?;
+    let server = find_server().await?;
+    eprintln!("bench: using {}", server.source);
+    let admin_cfg = server.config.clone();
     let admin = connect(&admin_cfg).await?;
     let info = context(&admin, &settings).await?;
     let ctx = Ctx { admin, admin_cfg, settings };
@@ -515,7 +512,7 @@ async fn bench() -> BenchResult<()> {
 /// Entry point: the suite, or a drain child (`--child-drain`).
 fn main() -> ExitCode {
     if std::env::args().nth(1).as_deref() == Some(drain::CHILD_ARG) {
-        return common::main_with(drain::child_main);
+        return bench::main_with(drain::child_main);
     }
-    common::main_with(bench)
+    bench::main_with(run)
 }

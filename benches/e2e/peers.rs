@@ -37,12 +37,13 @@ use sha2::{Digest, Sha256};
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, BufReader, Lines};
 use tokio::process::{Child, ChildStdin, ChildStdout, Command};
 
-use crate::common::{BenchResult, BoxError, connect};
 use crate::drain::{DrainOutcome, Drainer, Job, drain_in_child};
 use crate::latency::{self, GRACE, PRODUCERS, Probe, Produce, Subject};
 use crate::report::{Section, fmt_count, fmt_ms, fmt_ratio, ratio};
 use crate::util::{self, RowKind, scratch, vm_hwm_kib};
 use crate::{Ctx, Settings};
+use pg_outbox_testkit::bench::{BenchResult, BoxError};
+use pg_outbox_testkit::connect;
 
 /// The scenario's npm project: the pinned graphile-worker.
 const PACKAGE_JSON: &str = include_str!("peers/package.json");
@@ -259,7 +260,7 @@ impl NodeProc {
         let mut cmd = Command::new("node");
         cmd.arg(install.dir.join("worker.js")).args(args).current_dir(&install.dir);
         // No DATABASE_URL (graphile-worker would prefer it) and no stray PG*.
-        crate::process::clean_env(&mut cmd);
+        pg_outbox_testkit::process::clean_env(&mut cmd);
         cmd.env_remove("GRAPHILE_WORKER_SCHEMA");
         pg_env(&mut cmd, cfg)?;
         cmd.stdin(Stdio::piped()).stdout(Stdio::piped()).stderr(Stdio::piped()).kill_on_drop(true);

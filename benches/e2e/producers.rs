@@ -11,10 +11,11 @@ use std::time::{Duration, Instant};
 
 use pg_outbox::tokio_postgres::Config;
 
-use crate::common::{BenchResult, BoxError, connect};
 use crate::report::{Section, fmt_count, fmt_ratio, ratio};
 use crate::util::{conninfo, scratch, server_cpu_us, start_relay, stop_relay};
 use crate::{Ctx, Settings};
+use pg_outbox_testkit::bench::{BenchResult, BoxError};
+use pg_outbox_testkit::connect;
 
 /// The producers' statement: one single-row autocommit INSERT per business
 /// transaction, a small payload; the aggregate is a parameter.

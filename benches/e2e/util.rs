@@ -1,12 +1,13 @@
 //! Plumbing for the end-to-end suite: connection strings for child
 //! processes, scratch databases, backlog loading, the relay process (the
-//! kit's, `tests/kit/process.rs`), and peak memory and CPU time from `/proc`.
+//! kit's, `pg_outbox_testkit::process`), and peak memory and CPU time from `/proc`.
 
 use std::time::{Duration, Instant};
 
 use pg_outbox::tokio_postgres::{Client, Config};
 
-use crate::common::{BenchResult, drop_database, migrated_database};
+use pg_outbox_testkit::bench::BenchResult;
+use pg_outbox_testkit::db::{drop_database, migrated_database};
 
 /// How long a relay process may take to exit after SIGTERM.
 const RELAY_STOP_TIMEOUT: Duration = Duration::from_secs(30);
@@ -15,7 +16,7 @@ const RELAY_STOP_TIMEOUT: Duration = Duration::from_secs(30);
 /// about 1.5 KB.
 pub const NOTE_CHARS: usize = 1408;
 
-pub use crate::options::conninfo;
+pub use pg_outbox_testkit::conninfo;
 
 /// A migrated scratch database, dropped by [`Scratch::drop_now`].
 pub struct Scratch {
@@ -168,8 +169,8 @@ pub fn server_cpu_us(pid: u32) -> Option<f64> {
     cpu_us(pid)
 }
 
-pub use crate::process::RelayProc;
-use crate::process::{Output, Relay};
+pub use pg_outbox_testkit::process::RelayProc;
+use pg_outbox_testkit::process::{Output, Relay};
 
 /// The `pg-outbox` binary the scenarios start: `PG_OUTBOX_BENCH_RELAY_BIN`
 /// if set, else the one cargo built for this bench.

@@ -38,7 +38,6 @@ pub(crate) use parse::parses;
 pub(crate) use session::setting_millis;
 pub(crate) use session::{Canceller, Link, SessionSettings, connect, open};
 pub use ssl_mode::{RootCert, SslMode};
-pub use target::describe_target;
 pub use tls::TlsConnector;
 
 /// Parsing with the environment from a map, for the tests of every part.

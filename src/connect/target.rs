@@ -13,8 +13,7 @@ use super::env::DEFAULT_PORT;
 /// database and user: `db:5432 (database app, user app)`, `socket
 /// /var/run/postgresql/.s.PGSQL.5432 or /tmp/.s.PGSQL.5432 (database app,
 /// user app)`. Never includes the password.
-#[doc(hidden)]
-pub fn describe_target(cfg: &Config) -> String {
+pub(super) fn describe_target(cfg: &Config) -> String {
     let ports = cfg.get_ports();
     let port = |i: usize| ports.get(i).or(ports.first()).copied().unwrap_or(DEFAULT_PORT);
     let addrs = cfg.get_hostaddrs();

@@ -16,8 +16,9 @@ use std::time::Duration;
 use async_nats::jetstream::{self, stream};
 use rcgen::{BasicConstraints, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa, Issuer, KeyPair};
 
-use crate::brokers::{self, PrivateServer, RelayProc};
+use crate::brokers::{self, PrivateServer};
 use crate::needs;
+use crate::relay_proc;
 use crate::support::{self, TestDb};
 
 /// Certificates and keys, as PEM files in a directory of their own.
@@ -84,7 +85,7 @@ impl Pki {
 /// `secrets` printed, and no event of the database published.
 pub async fn expect_refused(db: &TestDb, args: &[&str], broker: &str, reason: &str, secrets: &[&str]) {
     let started = std::time::Instant::now();
-    let (status, stderr) = RelayProc::run_to_exit(db, args).await;
+    let (status, stderr) = relay_proc::run_to_exit(db, args).await;
     assert!(!status.success(), "the relay must fail at start ({args:?}): {status}\n{stderr}");
     let error = stderr.lines().find(|l| l.starts_with("error:")).unwrap_or_default();
     assert!(error.contains(broker), "the error names {broker} ({args:?}):\n{stderr}");
@@ -208,7 +209,7 @@ async fn nats_tls_and_authentication() {
         let mut args = vec!["--sink", url.as_str(), "--sink-timeout", "3s", "--nats-subject", &subject];
         args.extend(&tls);
         args.extend(&auth_args);
-        let relay = RelayProc::start(&db, &args).await;
+        let relay = relay_proc::start(&db, &args).await;
         brokers::wait_published(&c, sent.len() as i64).await;
         let log = relay.log();
         relay.stop().await;
@@ -277,7 +278,7 @@ async fn nats_tls_token() {
     let sent = brokers::publish_events(&c, &brokers::three_aggregates(), 4, "tok").await;
     expect_refused(&db, &[&base[..], &["--nats-token-file", &wrong]].concat(), "NATS", BAD_CREDENTIALS, &["tok-"])
         .await;
-    let relay = RelayProc::start(&db, &[&base[..], &["--nats-token-file", &token]].concat()).await;
+    let relay = relay_proc::start(&db, &[&base[..], &["--nats-token-file", &token]].concat()).await;
     brokers::wait_published(&c, sent.len() as i64).await;
     relay.stop().await;
     assert_eq!(nats_message_count(&pki, port, tok(), "TOK").await, sent.len() as u64);
@@ -373,7 +374,7 @@ async fn nats_tls_creds_file() {
     let stranger_file = pki.write("stranger.creds", &stranger);
     expect_refused(&db, &[&args[..], &["--nats-creds", &stranger_file]].concat(), "NATS", BAD_CREDENTIALS, &[&seed])
         .await;
-    let relay = RelayProc::start(&db, &[&args[..], &["--nats-creds", &creds_file]].concat()).await;
+    let relay = relay_proc::start(&db, &[&args[..], &["--nats-creds", &creds_file]].concat()).await;
     brokers::wait_published(&c, sent.len() as i64).await;
     let log = relay.log();
     relay.stop().await;
@@ -471,7 +472,7 @@ async fn redis_tls_and_acl_user() {
     expect_refused(&db, &[&["--sink", &plain][..], &tls, &user].concat(), "Redis", "need a rediss:// URL", &secrets)
         .await;
 
-    let relay = RelayProc::start(&db, &[&["--sink", &url][..], &tls, &user].concat()).await;
+    let relay = relay_proc::start(&db, &[&["--sink", &url][..], &tls, &user].concat()).await;
     brokers::wait_published(&c, sent.len() as i64).await;
     let log = relay.log();
     relay.stop().await;
@@ -596,7 +597,7 @@ async fn kafka_tls() {
     )
     .await;
 
-    let relay = RelayProc::start(&db, &[&["--sink", &url, "--sink-tls-ca-file", &ca][..], &quick].concat()).await;
+    let relay = relay_proc::start(&db, &[&["--sink", &url, "--sink-tls-ca-file", &ca][..], &quick].concat()).await;
     brokers::wait_published(&c, sent.len() as i64).await;
     relay.stop().await;
     let n =
@@ -626,10 +627,10 @@ async fn amqp_password_from_a_file_or_the_environment() {
     // The right password from the file: the relay logs in and starts (the
     // delivery itself is covered by sink_amqp); then from the environment.
     let good = ["--sink", url, "--sink-user", "guest", "--sink-password-file", right.as_str(), "--sink-timeout", "5s"];
-    RelayProc::start(&db, &good).await.stop().await;
+    relay_proc::start(&db, &good).await.stop().await;
     let spec = crate::relay_proc::relay(&db, &["--sink", url, "--sink-user", "guest", "--sink-timeout", "5s"])
         .env("OUTBOX_SINK_PASSWORD", "guest");
-    RelayProc::start_spec(spec).await.stop().await;
+    relay_proc::start_spec(spec).await.stop().await;
 }
 
 /// The machine's RabbitMQ behind stunnel: `amqps://localhost:<port>` with
@@ -685,7 +686,7 @@ async fn amqp_tls_private_ca_and_client_certificate() {
 
     let args = run(&url, &ca, true);
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
-    let relay = RelayProc::start(&db, &args).await;
+    let relay = relay_proc::start(&db, &args).await;
     brokers::wait_published(&c, sent.len() as i64).await;
     relay.stop().await;
     let declared = ch

@@ -2,8 +2,6 @@
 //! events published with envelope metadata across several aggregates, row
 //! state, and brokers of a test's own.
 
-#![allow(dead_code)]
-
 use std::collections::BTreeMap;
 use std::process::Stdio;
 

@@ -15,7 +15,7 @@ use pg_outbox::{Delivery, EventStream};
 use tokio::io::{AsyncBufReadExt, BufReader};
 
 use crate::consumer::{next, start};
-use crate::relay_proc::{LIVENESS, RelayProc};
+use crate::relay_proc::{self, LIVENESS};
 use crate::support::{TestDb, cli, eventually};
 
 const MIB: usize = 1024 * 1024;
@@ -166,7 +166,7 @@ async fn the_relay_with_a_byte_bound_delivers_every_large_event_in_order() {
     let c = db.client().await;
     let ids = insert_sized(&c, &[32_768; 10]).await;
     let (mut relay, stdout) =
-        RelayProc::start_with_stdout(&db, &["--sink", "stdout", "--max-buffered-bytes", "2MiB"]).await;
+        relay_proc::start_with_stdout(&db, &["--sink", "stdout", "--max-buffered-bytes", "2MiB"]).await;
     let mut lines = BufReader::new(stdout).lines();
     let mut delivered = Vec::new();
     while delivered.len() < ids.len() {

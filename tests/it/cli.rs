@@ -4,7 +4,7 @@
 
 use tokio_postgres::Client;
 
-use crate::support::{self, Out, TestDb, cli};
+use crate::support::{self, DbCli, Out, TestDb, cli};
 
 /// A failed run of our own code: exit code 1 (not a crash, not 0), and stderr
 /// is exactly one line, `error: ...`, holding every one of `needles`.

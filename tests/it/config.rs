@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use tokio::io::{AsyncBufReadExt, BufReader};
 
-use crate::relay_proc::{Output, Relay, RelayProc, free_port};
+use crate::relay_proc::{self, Output, Relay, free_port};
 use crate::support::{self, TestDb, cli};
 
 /// A database nobody listens on: `--print-config` must not connect.
@@ -282,7 +282,7 @@ async fn relay_runs_with_settings_from_file_and_environment() {
         ),
     );
     // No DATABASE_URL: the file names the database.
-    let mut relay = RelayProc::start_spec(
+    let mut relay = relay_proc::start_spec(
         Relay::new(support::bin())
             .args(&["--config", &file])
             .env("OUTBOX_NO_LISTEN", "true")

@@ -17,8 +17,8 @@ use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::{Child, Command};
 
 use crate::needs;
-use crate::process::{self, Relay, free_port};
-use crate::support::{TestDb, bin, eventually};
+use crate::support::{DbCli, TestDb, bin, eventually};
+use pg_outbox_testkit::process::{self, Relay, free_port};
 
 /// A running `pg-outbox console`; killed when dropped.
 struct Console {

@@ -17,8 +17,8 @@ use tokio::process::Command;
 
 use crate::health::{probe, probe_until};
 use crate::needs;
-use crate::process::{self, LIVENESS};
 use crate::support::{self, TestDb};
+use pg_outbox_testkit::process::{self, LIVENESS};
 
 /// Podman's own storage and state, apart from the machine's.
 struct Podman {

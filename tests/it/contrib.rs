@@ -10,7 +10,7 @@ use axum::http::StatusCode;
 use serde_json::Value;
 use uuid::Uuid;
 
-use crate::relay_proc::{LIVENESS, RelayProc, free_port};
+use crate::relay_proc::{self, LIVENESS, free_port};
 use crate::support::{self, TestDb};
 
 const DASHBOARD: &str = include_str!("../../contrib/grafana/pg-outbox.json");
@@ -173,7 +173,7 @@ async fn every_metric_in_contrib_is_exported_by_a_running_relay() {
     let hook = crate::support::serve_hook(app).await;
 
     let addr = format!("127.0.0.1:{}", free_port());
-    let relay = RelayProc::start(
+    let relay = relay_proc::start(
         &db,
         &[
             "--sink",
@@ -260,7 +260,7 @@ async fn every_metric_in_contrib_is_exported_by_a_running_relay() {
 async fn a_fresh_relay_exports_its_counters_and_gauges_before_any_event() {
     let db = TestDb::new("contrib_zero").await;
     let addr = format!("127.0.0.1:{}", free_port());
-    let _relay = RelayProc::start(&db, &["--sink", "stdout", "--metrics-addr", &addr]).await;
+    let _relay = relay_proc::start(&db, &["--sink", "stdout", "--metrics-addr", &addr]).await;
     let http = reqwest::Client::builder().no_proxy().timeout(Duration::from_secs(10)).build().expect("HTTP client");
     let text = http.get(format!("http://{addr}/metrics")).send().await.expect("scrape").text().await.expect("body");
     let (samples, _) = scraped_names(&text);

@@ -12,7 +12,7 @@ use tokio_postgres::Client;
 use uuid::Uuid;
 
 use crate::consumer::{ack_next, next, start};
-use crate::support::{TestDb, insert_dead_letters, insert_seed_events};
+use crate::support::{DbCli, TestDb, insert_dead_letters, insert_seed_events};
 
 /// Make `id` a dead letter through the consumer (10 real failures), and
 /// wait until the last failure is written.

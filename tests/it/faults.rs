@@ -40,11 +40,11 @@ use tokio::task::JoinHandle;
 use tokio_postgres::{Client, NoTls};
 use uuid::Uuid;
 
-use crate::temp_server::TempServer;
+use pg_outbox_testkit::TempServer;
 
 use crate::consumer::{next, start};
-use crate::process::{self, LIVENESS};
 use crate::support::{self, TestDb};
+use pg_outbox_testkit::process::{self, LIVENESS};
 
 /// Committed events per test (producers stop once they reach it).
 const EVENTS: usize = 2000;

@@ -28,9 +28,9 @@ use serde_json::Value;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::sync::watch;
 
-use crate::process::{self, LIVENESS};
 use crate::support::{self, TestDb};
-use crate::temp_server::TempServer;
+use pg_outbox_testkit::TempServer;
+use pg_outbox_testkit::process::{self, LIVENESS};
 
 /// How soon `/readyz` must say 503 after the server went away: the
 /// sessions' sockets close with the server, and the next turn of the drain

@@ -7,7 +7,7 @@
 
 use std::path::PathBuf;
 
-use crate::temp_server::{TempServer, TempServerOptions};
+use pg_outbox_testkit::{TempServer, TempServerOptions};
 use tokio_postgres::config::Host;
 
 use crate::support::{Out, TestDb, cli};

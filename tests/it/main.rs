@@ -1,4 +1,5 @@
-//! Integration tests against a real PostgreSQL (see `support`).
+//! Integration tests against a real PostgreSQL (see `support` and the
+//! `pg-outbox-testkit` crate).
 
 mod auto_traits;
 mod broker_tls;
@@ -17,14 +18,10 @@ mod health;
 mod libpq;
 mod modes;
 mod needs;
-#[path = "../kit/options.rs"]
-mod options;
 mod order;
 mod ordering_modes;
 mod plan_states;
 mod plans;
-#[path = "../kit/process.rs"]
-mod process;
 mod relay;
 mod relay_proc;
 mod replay;
@@ -43,8 +40,6 @@ mod sink_redis;
 mod sqlx_publish;
 mod status_detail;
 mod support;
-#[path = "../../src/bin/pg-outbox/temp_server.rs"]
-mod temp_server;
 mod timeouts;
 mod tls;
 mod webhook_signing;

@@ -17,7 +17,7 @@
 //! When the test process exits, after libtest's own summary, the skips are
 //! counted and listed by reason, and written to
 //! `target/pg-outbox-test-skips.txt` (the file is removed by a run that
-//! skips nothing).
+//! asks for something here and skips nothing: a whole run does).
 
 use std::collections::BTreeMap;
 use std::io::Write;
@@ -105,6 +105,7 @@ pub const RABBITMQ: Server =
 /// The paths of `wanted`, in order; `None` after one skip line naming every
 /// one missing (a failure when a missing one's variable is set).
 pub fn programs<const N: usize>(wanted: [&Program; N]) -> Option<[PathBuf; N]> {
+    report_at_exit();
     let found = wanted.map(|p| (p.find)(p));
     let missing: Vec<&Program> = wanted.iter().zip(&found).filter(|(_, f)| f.is_none()).map(|(p, _)| *p).collect();
     if missing.is_empty() {
@@ -126,6 +127,7 @@ pub fn program(wanted: &Program) -> Option<PathBuf> {
 /// Whether `server` answers (a TCP connect within 2 s); `false` after a
 /// skip line (a failure under `PG_OUTBOX_REQUIRE_BROKERS=1`).
 pub async fn server(server: &Server) -> bool {
+    report_at_exit();
     let connect = tokio::net::TcpStream::connect(server.addr);
     if matches!(tokio::time::timeout(Duration::from_secs(2), connect).await, Ok(Ok(_))) {
         return true;
@@ -170,8 +172,9 @@ fn record(why: String) {
     report_at_exit();
 }
 
-/// Have the process print the skips' summary when it exits (once).
-pub fn report_at_exit() {
+/// Have the process print the skips' summary when it exits (once), or
+/// remove an earlier run's list if nothing was skipped.
+fn report_at_exit() {
     AT_EXIT.call_once(|| {
         // SAFETY: registering a plain extern "C" fn with atexit(3).
         unsafe {

@@ -13,8 +13,8 @@ use pg_outbox::migrate::{self, OrderingMode};
 use uuid::Uuid;
 
 use crate::consumer::{next, start};
-use crate::relay_proc::RelayProc;
-use crate::support::TestDb;
+use crate::relay_proc;
+use crate::support::{DbCli, TestDb};
 
 async fn set(db: &TestDb, mode: OrderingMode) -> Option<OrderingMode> {
     migrate::set_ordering(&db.options(), mode).await.expect("set ordering")
@@ -261,7 +261,7 @@ async fn the_command_line_switches_reports_and_refuses_unknown_modes() {
     );
     let out = db.cli(&["status"]).run().await;
     assert!(out.ok() && out.stdout.contains("ordering mode       producer-locked"), "{out:?}");
-    let mut relay = RelayProc::start(&db, &["--sink", "stdout"]).await;
+    let mut relay = relay_proc::start(&db, &["--sink", "stdout"]).await;
     relay.wait_for_log(&["ordering mode installed on events.outbox: producer-locked"]).await;
     relay.stop().await;
     let out = db.cli(&["status", "--json"]).run().await;

@@ -363,7 +363,7 @@ async fn relay_drains_an_outage_backlog(stats: Stats, tag: &str) {
     ))
     .await
     .expect("load the backlog");
-    let (mut relay, stdout) = crate::relay_proc::RelayProc::start_with_stdout(&db, &["--sink", "stdout"]).await;
+    let (mut relay, stdout) = crate::relay_proc::start_with_stdout(&db, &["--sink", "stdout"]).await;
     let lines = tokio::spawn(async move {
         let mut lines = tokio::io::BufReader::new(stdout).lines();
         let mut n = 0i64;

@@ -19,7 +19,7 @@ use uuid::Uuid;
 
 use pg_outbox::{NewEvent, Publisher};
 
-use crate::relay_proc::{LIVENESS, Output, RelayProc, free_port, relay};
+use crate::relay_proc::{self, LIVENESS, Output, RelayProc, free_port, relay};
 use crate::support::{self, TestDb, published_count};
 
 /// The keys of a sink record, exactly.
@@ -36,7 +36,7 @@ impl Relay {
     /// Start `pg-outbox relay args...` on `db` and wait until it says it
     /// started (it is listening by then).
     async fn start(db: &TestDb, args: &[&str]) -> Relay {
-        let (proc, stdout) = RelayProc::start_with_stdout(db, args).await;
+        let (proc, stdout) = relay_proc::start_with_stdout(db, args).await;
         Relay { proc, stdout: BufReader::new(stdout).lines() }
     }
 
@@ -550,7 +550,7 @@ async fn closed_stdout_stops_the_relay_without_failing_events() {
     let db = TestDb::new("relay_epipe").await;
     let c = db.client().await;
     let mut relay =
-        RelayProc::start_spec(relay(&db, &["--sink", "stdout", "--sweep-interval", "200ms"]).stdout(Output::Piped))
+        relay_proc::start_spec(relay(&db, &["--sink", "stdout", "--sweep-interval", "200ms"]).stdout(Output::Piped))
             .await;
     let mut out = BufReader::new(relay.stdout.take().expect("stdout")).lines();
     support::insert_seed_events(&c, Uuid::new_v4(), 1).await;

@@ -20,8 +20,8 @@ use tokio::io::{AsyncBufReadExt, AsyncReadExt, BufReader};
 use tokio_postgres::Client;
 use uuid::Uuid;
 
-use crate::relay_proc::{LIVENESS, RelayProc};
-use crate::support::{self, TestDb};
+use crate::relay_proc::{self, LIVENESS};
+use crate::support::{self, DbCli, TestDb};
 
 /// One row of the test table, as the test made it.
 #[derive(Debug, Clone)]
@@ -278,7 +278,7 @@ async fn sigterm_stops_a_rate_limited_replay_and_after_id_resumes_without_gap_or
 
     let mut cmd = tokio::process::Command::new(support::bin());
     cmd.args(["replay", "--rate", "20"]);
-    crate::process::clean_env(&mut cmd);
+    pg_outbox_testkit::process::clean_env(&mut cmd);
     cmd.env("DATABASE_URL", db.url()).stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped());
     let mut child = cmd.kill_on_drop(true).spawn().expect("start pg-outbox replay");
     let mut stdout = BufReader::new(child.stdout.take().expect("stdout")).lines();
@@ -323,7 +323,7 @@ async fn a_terminal_gets_a_progress_bar() {
     let n = ids(&rows, |r| r.published).len();
     let mut cmd = tokio::process::Command::new(script);
     cmd.args(["-qec", &format!("'{}' replay --rate 50 > /dev/null", support::bin()), "/dev/null"]);
-    crate::process::clean_env(&mut cmd);
+    pg_outbox_testkit::process::clean_env(&mut cmd);
     let out = cmd.env("DATABASE_URL", db.url()).stdin(Stdio::null()).kill_on_drop(true).output();
     let out = tokio::time::timeout(LIVENESS, out).await.expect("script exits").expect("run script");
     let tty = String::from_utf8_lossy(&out.stdout);
@@ -414,8 +414,8 @@ async fn json_logs_of_a_relay_with_failing_events_and_a_sigterm_parse_line_by_li
     assert!(url.contains(secret) || !db.url().contains('@'), "{url}");
     let spec = crate::relay_proc::relay(&db, &["--log-format", "json", "--sink", "stdout", "--max-retries", "1"])
         .url(&url)
-        .stdout(crate::process::Output::Drained);
-    let mut relay = RelayProc::start_spec(spec).await;
+        .stdout(pg_outbox_testkit::process::Output::Drained);
+    let mut relay = relay_proc::start_spec(spec).await;
     support::eventually(30, "good events published, bad ones dead letters", || async {
         let r = c
             .query_one(

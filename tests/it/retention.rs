@@ -3,7 +3,7 @@
 
 use uuid::Uuid;
 
-use crate::support::{TestDb, insert_seed_events};
+use crate::support::{DbCli, TestDb, insert_seed_events};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn archive_deletes_old_published_events_only_in_batches() {

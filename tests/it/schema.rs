@@ -6,7 +6,7 @@ use std::time::Duration;
 use futures::StreamExt;
 use tokio_postgres::{AsyncMessage, NoTls};
 
-use crate::support::{TestDb, insert_seed_events};
+use crate::support::{DbCli, TestDb, insert_seed_events};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn seeded_columns_defaults_check_and_index_names_are_exact() {

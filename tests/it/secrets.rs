@@ -14,7 +14,7 @@ use axum::routing::post;
 
 use crate::health::{probe, probe_until};
 use crate::needs;
-use crate::relay_proc::{LIVENESS, RelayProc, free_port};
+use crate::relay_proc::{self, LIVENESS, free_port};
 use crate::support::{self, TestDb, cli};
 
 /// A port nothing listens on (connections are refused).
@@ -144,7 +144,7 @@ async fn unreachable_brokers_are_named_without_their_secrets() {
             "--kafka-sasl-mechanism",
             "PLAIN",
         ];
-        let (status, log) = RelayProc::run_to_exit(&db, &args).await;
+        let (status, log) = relay_proc::run_to_exit(&db, &args).await;
         assert!(!status.success(), "{sink}: the relay must not start:\n{log}");
         none_in(&secrets, &format!("the log of a relay to {sink}"), &log);
         if *named {
@@ -165,7 +165,7 @@ async fn brokers_refusing_the_credentials_are_named_without_them() {
         cases.push(format!("redis://nobody:{secret}@{}/0", needs::REDIS.addr));
     }
     for sink in &cases {
-        let (status, log) = RelayProc::run_to_exit(&db, &["--sink", sink, "--sink-timeout", "5s"]).await;
+        let (status, log) = relay_proc::run_to_exit(&db, &["--sink", sink, "--sink-timeout", "5s"]).await;
         assert!(!status.success(), "{sink}: wrong credentials must stop the relay:\n{log}");
         assert!(log.contains("refused the credentials"), "{sink}: the reason in words:\n{log}");
         none_in(&[secret], &format!("the log of a relay to {sink}"), &log);
@@ -202,7 +202,7 @@ async fn a_webhook_echoing_the_request_in_its_error_page_leaves_no_secret_anywhe
         "--metrics-addr",
         &port.to_string(),
     ];
-    let mut relay = RelayProc::start(&db, &args).await;
+    let mut relay = relay_proc::start(&db, &args).await;
     let c = db.client().await;
     support::insert_seed_events(&c, uuid::Uuid::new_v4(), 1).await;
     let (_, body) = probe_until(port, "/readyz", LIVENESS, |_, b| b["checks"]["sink"]["status"] == "degraded").await;

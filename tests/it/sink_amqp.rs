@@ -11,8 +11,9 @@ use lapin::{Channel, Connection, ConnectionProperties};
 use serde_json::Value;
 use uuid::Uuid;
 
-use crate::brokers::{self, LIVENESS, RelayProc};
+use crate::brokers::{self, LIVENESS};
 use crate::needs;
+use crate::relay_proc;
 use crate::support::{self, TestDb};
 
 const BROKER: &str = needs::RABBITMQ.addr;
@@ -57,7 +58,7 @@ async fn amqp_sink_publishes_every_event_persistent_with_id_headers_and_order() 
     let (conn, ch, queue) = bound_queue(&prefix).await;
     let rk = format!("{prefix}.{{aggregate_type}}.{{event_type}}");
     let mut relay =
-        RelayProc::start(&db, &["--sink", URL, "--amqp-routing-key", &rk, "--sweep-interval", "200ms"]).await;
+        relay_proc::start(&db, &["--sink", URL, "--amqp-routing-key", &rk, "--sweep-interval", "200ms"]).await;
     assert!(!relay.log().contains("guest:guest"), "the log shows credentials:\n{}", relay.log());
 
     let sent = brokers::publish_events(&c, &brokers::three_aggregates(), 30, "amqp").await;
@@ -133,7 +134,7 @@ async fn amqp_unroutable_message_fails_the_event() {
     let c = db.client().await;
     // No queue is bound for this prefix.
     let rk = format!("pgo-test-unbound-{}.{{event_type}}", Uuid::new_v4().simple());
-    let relay = RelayProc::start(&db, &["--sink", URL, "--amqp-routing-key", &rk, "--sweep-interval", "200ms"]).await;
+    let relay = relay_proc::start(&db, &["--sink", URL, "--amqp-routing-key", &rk, "--sweep-interval", "200ms"]).await;
     let id = support::insert_seed_events(&c, Uuid::new_v4(), 1).await[0];
     support::eventually(30, "the unroutable event to fail", || async { brokers::row_state(&c, id).await.1 >= 1 }).await;
     let (published, retries, last_error) = brokers::row_state(&c, id).await;
@@ -152,7 +153,7 @@ async fn amqp_missing_exchange_or_bad_login_is_refused_at_start_without_showing_
     }
     let db = TestDb::new("sink_amqp_refused").await;
     let missing = format!("pgo-test-missing-{}", Uuid::new_v4().simple());
-    let mut relay = RelayProc::spawn(&db, &["--sink", URL, "--amqp-exchange", &missing]);
+    let mut relay = relay_proc::spawn(&db, &["--sink", URL, "--amqp-exchange", &missing]);
     let status = relay.wait().await;
     assert!(!status.success(), "a missing exchange must stop the relay; stderr:\n{}", relay.log());
     let log = relay.log();
@@ -161,7 +162,7 @@ async fn amqp_missing_exchange_or_bad_login_is_refused_at_start_without_showing_
 
     let secret = "s3cret-Pa55";
     let bad = format!("amqp://guest:{secret}@127.0.0.1:5672/%2f");
-    let mut relay = RelayProc::spawn(&db, &["--sink", &bad, "--sink-timeout", "5s"]);
+    let mut relay = relay_proc::spawn(&db, &["--sink", &bad, "--sink-timeout", "5s"]);
     let status = relay.wait().await;
     let log = relay.log();
     assert!(!status.success(), "a refused login must stop the relay; stderr:\n{log}");
@@ -230,7 +231,7 @@ async fn amqp_connection_lost_mid_run_fails_events_then_the_sink_reconnects() {
     let proxy = CuttableProxy::start().await;
     let rk = format!("{prefix}.{{event_type}}");
     let url = proxy.url();
-    let mut relay = RelayProc::start(
+    let mut relay = relay_proc::start(
         &db,
         &[
             "--sink",

@@ -24,6 +24,7 @@ use uuid::Uuid;
 
 use crate::brokers::{self, LIVENESS, RelayProc};
 use crate::needs;
+use crate::relay_proc;
 use crate::support::{self, TestDb};
 
 const PARTITIONS: i32 = 3;
@@ -198,7 +199,7 @@ async fn kafka_sink_keys_by_aggregate_with_headers_and_keeps_per_aggregate_order
     let c = db.client().await;
     let url = tansu.url();
     let mut relay =
-        RelayProc::start(&db, &["--sink", &url, "--kafka-topic", &topic, "--sweep-interval", "200ms"]).await;
+        relay_proc::start(&db, &["--sink", &url, "--kafka-topic", &topic, "--sweep-interval", "200ms"]).await;
 
     // 24 random aggregates: all in one of 3 partitions by chance has
     // probability 3 * 3^-24 (with 6 it was 1 in 243, and it happened).
@@ -254,7 +255,7 @@ async fn kafka_broker_down_fails_events_for_retry_and_they_arrive_after_it_retur
     let db = TestDb::new("sink_kafka_down").await;
     let c = db.client().await;
     let url = tansu.url();
-    let mut relay = RelayProc::start(
+    let mut relay = relay_proc::start(
         &db,
         &[
             "--sink",
@@ -324,7 +325,7 @@ async fn kafka_unreachable_or_malformed_url_is_refused_at_start() {
     let db = TestDb::new("sink_kafka_refused").await;
     // Nothing listens on a port that was free a moment ago.
     let url = format!("kafka://127.0.0.1:{}", brokers::free_port());
-    let mut relay = RelayProc::spawn(&db, &["--sink", &url, "--sink-timeout", "2s"]);
+    let mut relay = relay_proc::spawn(&db, &["--sink", &url, "--sink-timeout", "2s"]);
     let status = relay.wait().await;
     let log = relay.log();
     assert!(!status.success(), "an unreachable Kafka must stop the relay; stderr:\n{log}");
@@ -332,7 +333,7 @@ async fn kafka_unreachable_or_malformed_url_is_refused_at_start() {
     assert!(!log.contains("relay started"), "{log}");
 
     for (bad, says) in [("kafka://k1:notaport", "port"), ("kafka://user:s3cret@k1:9092", "--sink-user")] {
-        let mut relay = RelayProc::spawn(&db, &["--sink", bad]);
+        let mut relay = relay_proc::spawn(&db, &["--sink", bad]);
         let status = relay.wait().await;
         let log = relay.log();
         assert!(!status.success(), "{bad} must be refused; stderr:\n{log}");

@@ -11,8 +11,9 @@ use async_nats::jetstream::{self, consumer, stream};
 use futures::StreamExt;
 use serde_json::Value;
 
-use crate::brokers::{self, LIVENESS, RelayProc, Sent};
+use crate::brokers::{self, LIVENESS, Sent};
 use crate::needs;
+use crate::relay_proc;
 use crate::support::{self, TestDb};
 
 const NATS: &str = needs::NATS.addr;
@@ -151,7 +152,7 @@ async fn nats_sink_delivers_once_in_order_and_the_duplicate_window_drops_redeliv
     let locked = tx.query("SELECT id FROM events.outbox FOR UPDATE", &[]).await.expect("lock the rows");
     assert_eq!(locked.len(), n);
     let locker_pid: i32 = tx.query_one("SELECT pg_backend_pid()", &[]).await.expect("pid").get(0);
-    let mut relay = RelayProc::start(&db, &args).await;
+    let mut relay = relay_proc::start(&db, &args).await;
     support::eventually(LIVENESS.as_secs(), "the stream holds every event", || async {
         stream.count().await == n as u64
     })
@@ -189,7 +190,7 @@ async fn nats_sink_delivers_once_in_order_and_the_duplicate_window_drops_redeliv
 
     // The restarted relay delivers all of them again; the stream drops the
     // copies (same Nats-Msg-Id inside the duplicate window).
-    let relay = RelayProc::start(&db, &args).await;
+    let relay = relay_proc::start(&db, &args).await;
     brokers::wait_published(&c, n as i64).await;
     relay.stop().await;
     assert_eq!(stream.count().await, n as u64, "the stream holds each event once after the redelivery");
@@ -214,7 +215,7 @@ async fn nats_subject_without_a_stream_fails_events_with_a_clear_message() {
     let sent = brokers::publish_events(&c, &brokers::three_aggregates(), 3, "t").await;
     let prefix = format!("pgo_it_nostream_{}", uuid::Uuid::new_v4().simple());
     let subject = format!("{prefix}.{{aggregate_type}}");
-    let relay = RelayProc::start(
+    let relay = relay_proc::start(
         &db,
         &["--sink", NATS_URL, "--nats-subject", &subject, "--sweep-interval", "200ms", "--retry-schedule", "1h"],
     )
@@ -244,7 +245,7 @@ async fn nats_subject_without_a_stream_fails_events_with_a_clear_message() {
 async fn nats_unreachable_at_start_is_a_clear_error() {
     let db = TestDb::new("sink_nats_unreachable").await;
     let (status, stderr) =
-        RelayProc::run_to_exit(&db, &["--sink", "nats://user:hunter2@127.0.0.1:1", "--sink-timeout", "2s"]).await;
+        relay_proc::run_to_exit(&db, &["--sink", "nats://user:hunter2@127.0.0.1:1", "--sink-timeout", "2s"]).await;
     assert!(!status.success(), "relay exits non-zero: {status}");
     assert!(stderr.contains("cannot connect to NATS at nats://127.0.0.1:1"), "clear error:\n{stderr}");
     assert!(!stderr.contains("hunter2"), "the password is not shown:\n{stderr}");
@@ -281,7 +282,7 @@ async fn nats_server_lost_mid_run_fails_events_until_the_client_reconnects() {
 
     let db = TestDb::new("sink_nats_reconnect").await;
     let c = db.client().await;
-    let relay = RelayProc::start(
+    let relay = relay_proc::start(
         &db,
         &["--sink", &url, "--sink-timeout", "1s", "--retry-schedule", "300ms", "--sweep-interval", "200ms"],
     )

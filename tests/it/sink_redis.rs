@@ -7,8 +7,9 @@ use std::collections::{BTreeMap, HashMap};
 
 use serde_json::Value;
 
-use crate::brokers::{self, RelayProc, Sent};
+use crate::brokers::{self, Sent};
 use crate::needs;
+use crate::relay_proc;
 use crate::support::{self, TestDb};
 
 const REDIS_URL: &str = "redis://127.0.0.1:6379";
@@ -96,7 +97,7 @@ async fn redis_sink_appends_each_event_once_in_order_with_its_fields() {
     let sent = brokers::publish_events(&c, &brokers::three_aggregates(), 12, "t").await;
     let template = format!("{}:{{aggregate_type}}", keys.prefix);
     let relay =
-        RelayProc::start(&db, &["--sink", REDIS_URL, "--redis-stream", &template, "--sweep-interval", "200ms"]).await;
+        relay_proc::start(&db, &["--sink", REDIS_URL, "--redis-stream", &template, "--sweep-interval", "200ms"]).await;
     brokers::wait_published(&c, sent.len() as i64).await;
     relay.stop().await;
     let mut ids = Vec::new();
@@ -127,7 +128,7 @@ async fn redis_maxlen_trims_the_stream_approximately() {
     let key = format!("{}:subscription", keys.prefix);
     let template = format!("{}:{{aggregate_type}}", keys.prefix);
     let maxlen = MAXLEN.to_string();
-    let relay = RelayProc::start(
+    let relay = relay_proc::start(
         &db,
         &["--sink", REDIS_URL, "--redis-stream", &template, "--redis-maxlen", &maxlen, "--sweep-interval", "200ms"],
     )
@@ -149,7 +150,7 @@ async fn redis_maxlen_trims_the_stream_approximately() {
 async fn redis_unreachable_at_start_is_a_clear_error() {
     let db = TestDb::new("sink_redis_unreachable").await;
     let (status, stderr) =
-        RelayProc::run_to_exit(&db, &["--sink", "redis://:hunter2@127.0.0.1:1", "--sink-timeout", "2s"]).await;
+        relay_proc::run_to_exit(&db, &["--sink", "redis://:hunter2@127.0.0.1:1", "--sink-timeout", "2s"]).await;
     assert!(!status.success(), "relay exits non-zero: {status}");
     assert!(stderr.contains("cannot connect to Redis at redis://127.0.0.1:1"), "clear error:\n{stderr}");
     assert!(!stderr.contains("hunter2"), "the password is not shown:\n{stderr}");
@@ -166,7 +167,7 @@ async fn redis_server_lost_mid_run_fails_events_until_it_is_back() {
     let url = format!("redis://127.0.0.1:{}", server.port);
     let db = TestDb::new("sink_redis_reconnect").await;
     let c = db.client().await;
-    let relay = RelayProc::start(
+    let relay = relay_proc::start(
         &db,
         &["--sink", &url, "--sink-timeout", "1s", "--retry-schedule", "300ms", "--sweep-interval", "200ms"],
     )

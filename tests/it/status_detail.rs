@@ -4,7 +4,7 @@
 use serde_json::Value;
 use tokio_postgres::Client;
 
-use crate::support::TestDb;
+use crate::support::{DbCli, TestDb};
 
 async fn status(db: &TestDb, json: bool) -> String {
     let mut args = vec!["status"];

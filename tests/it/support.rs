@@ -1,234 +1,16 @@
-//! Test harness: a real PostgreSQL, one database per test.
+//! Test harness: what the tests share beyond the kit.
 //!
-//! Server: `DATABASE_URL` when set; otherwise a server on 127.0.0.1:5432 or
-//! the local socket if one answers; otherwise a throwaway server started from
-//! the local binaries (stopped when the test process exits). Each test gets
-//! its own database (NOTIFY is per database) cloned from a template migrated
-//! once per process, so tests run in parallel. A test's database is dropped
-//! when the test passes and kept (its name printed) when it fails.
-
-#![allow(dead_code)]
+//! The server and each test's database come from the kit
+//! ([`pg_outbox_testkit::db`], re-exported here: [`TestDb`]): on
+//! `DATABASE_URL`, a local server, or a throwaway one. Here: the one way
+//! the tests run the command line ([`cli`], [`DbCli::cli`]), seeding
+//! helpers, a test webhook, and polling.
 
 use std::process::Stdio;
-use std::sync::atomic::{AtomicU32, Ordering};
-use std::sync::{Mutex, OnceLock};
 use std::time::Duration;
 
-use crate::temp_server::TempServer;
-use tokio_postgres::{Client, NoTls};
-
-static SERVER: OnceLock<Mutex<Option<TempServer>>> = OnceLock::new();
-static SETUP: tokio::sync::OnceCell<Setup> = tokio::sync::OnceCell::const_new();
-static COUNTER: AtomicU32 = AtomicU32::new(0);
-
-#[derive(Debug, Clone)]
-struct Setup {
-    /// Admin URL without a database name part we rely on: we swap dbname.
-    admin: tokio_postgres::Config,
-    template: String,
-}
-
-extern "C" fn cleanup_at_exit() {
-    if let Some(setup) = SETUP.get() {
-        let admin = setup.admin.clone();
-        let template = setup.template.clone();
-        let _ = std::thread::spawn(move || {
-            let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().ok()?;
-            rt.block_on(async move {
-                let (c, conn) = admin.connect(NoTls).await.ok()?;
-                tokio::spawn(conn);
-                c.batch_execute(&format!("DROP DATABASE IF EXISTS {template} WITH (FORCE)")).await.ok()
-            })
-        })
-        .join();
-    }
-    if let Some(m) = SERVER.get()
-        && let Ok(mut g) = m.lock()
-    {
-        drop(g.take());
-    }
-}
-
-async fn try_connect(cfg: &tokio_postgres::Config) -> bool {
-    let mut cfg = cfg.clone();
-    cfg.connect_timeout(Duration::from_secs(3));
-    match cfg.connect(NoTls).await {
-        Ok((c, conn)) => {
-            tokio::spawn(conn);
-            c.simple_query("SELECT 1").await.is_ok()
-        }
-        Err(_) => false,
-    }
-}
-
-async fn find_server() -> tokio_postgres::Config {
-    // PG_OUTBOX_TEST_SERVER=throwaway skips the lookups (to exercise the
-    // fresh-machine path where no server runs).
-    let forced = std::env::var("PG_OUTBOX_TEST_SERVER").is_ok_and(|v| v == "throwaway");
-    if forced {
-        return start_throwaway().await;
-    }
-    if let Ok(url) = std::env::var("DATABASE_URL")
-        && !url.trim().is_empty()
-    {
-        return pg_outbox::ConnectOptions::parse(&url).expect("DATABASE_URL does not parse").tokio_postgres_config();
-    }
-    for candidate in
-        ["postgres://postgres@127.0.0.1:5432/postgres", "host=/var/run/postgresql user=postgres dbname=postgres"]
-    {
-        let cfg = pg_outbox::ConnectOptions::parse(candidate).expect("candidate URL").tokio_postgres_config();
-        if try_connect(&cfg).await {
-            return cfg;
-        }
-    }
-    start_throwaway().await
-}
-
-async fn start_throwaway() -> tokio_postgres::Config {
-    let server = tokio::task::spawn_blocking(TempServer::start)
-        .await
-        .expect("join")
-        .unwrap_or_else(|e| panic!("no PostgreSQL to test against: {}", pg_outbox::error::report(&e)));
-    let url = server.url();
-    SERVER.get_or_init(|| Mutex::new(None)).lock().expect("lock").replace(server);
-    pg_outbox::ConnectOptions::parse(&url).expect("temp server URL").tokio_postgres_config()
-}
-
-async fn setup() -> &'static Setup {
-    SETUP
-        .get_or_init(|| async {
-            let admin = find_server().await;
-            let template = format!("pgo_it_tmpl_{}", std::process::id());
-            let (c, conn) = admin.connect(NoTls).await.expect("connect admin");
-            tokio::spawn(conn);
-            c.batch_execute(&format!("DROP DATABASE IF EXISTS {template} WITH (FORCE)")).await.expect("drop template");
-            c.batch_execute(&format!("CREATE DATABASE {template}")).await.expect("create template");
-            let mut tcfg = admin.clone();
-            tcfg.dbname(&template);
-            {
-                let pg = options_of(&tcfg);
-                pg_outbox::migrate::apply(&pg).await.expect("migrate template");
-            }
-            // SAFETY: registering a plain extern "C" fn with atexit(3).
-            unsafe {
-                libc::atexit(cleanup_at_exit);
-            }
-            // The skips' summary (or the removal of an earlier run's list).
-            crate::needs::report_at_exit();
-            Setup { admin, template }
-        })
-        .await
-}
-
-/// A database of its own for one test.
-pub struct TestDb {
-    pub name: String,
-    pub pg: tokio_postgres::Config,
-    admin: tokio_postgres::Config,
-}
-
-impl TestDb {
-    /// Create a migrated database for the test `tag`.
-    pub async fn new(tag: &str) -> TestDb {
-        let s = setup().await;
-        let n = COUNTER.fetch_add(1, Ordering::SeqCst);
-        let clean: String =
-            tag.chars().map(|c| if c.is_ascii_alphanumeric() { c.to_ascii_lowercase() } else { '_' }).collect();
-        let mut name = format!("pgo_it_{}_{}_{}", std::process::id(), n, clean);
-        name.truncate(63);
-        let (c, conn) = s.admin.connect(NoTls).await.expect("connect admin");
-        tokio::spawn(conn);
-        // CREATE DATABASE ... TEMPLATE fails if another session is copying
-        // the template at the same instant; retry briefly.
-        let mut tries = 0;
-        loop {
-            match c.batch_execute(&format!("CREATE DATABASE {name} TEMPLATE {}", s.template)).await {
-                Ok(()) => break,
-                Err(e) if tries < 50 => {
-                    tries += 1;
-                    let _ = e;
-                    tokio::time::sleep(Duration::from_millis(100)).await;
-                }
-                Err(e) => panic!("create test database {name}: {e}"),
-            }
-        }
-        let mut pg = s.admin.clone();
-        pg.dbname(&name);
-        TestDb { name, pg, admin: s.admin.clone() }
-    }
-
-    /// A new plain connection to this test's database.
-    pub async fn client(&self) -> Client {
-        let (c, conn) = self.pg.connect(NoTls).await.expect("connect test db");
-        tokio::spawn(conn);
-        c
-    }
-
-    /// This database's URL (for child processes).
-    pub fn url(&self) -> String {
-        let host = match self.pg.get_hosts().first() {
-            Some(tokio_postgres::config::Host::Tcp(h)) => h.clone(),
-            Some(tokio_postgres::config::Host::Unix(p)) => p.display().to_string(),
-            None => "127.0.0.1".into(),
-        };
-        let port = self.pg.get_ports().first().copied().unwrap_or(5432);
-        let user = self.pg.get_user().unwrap_or("postgres");
-        if host.starts_with('/') {
-            format!("host={host} port={port} user={user} dbname={}", self.name)
-        } else {
-            format!("postgres://{user}@{host}:{port}/{}", self.name)
-        }
-    }
-
-    /// Terminate the backends of this database whose application_name is `app`.
-    pub async fn terminate(&self, app: &str) -> i64 {
-        let c = self.client().await;
-        let row = c
-            .query_one(
-                "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity WHERE datname = $1 AND application_name = $2",
-                &[&self.name, &app],
-            )
-            .await
-            .expect("terminate");
-        row.get(0)
-    }
-}
-
-impl TestDb {
-    /// Terminate the backend holding the single-mode outbox lock.
-    pub async fn terminate_pid_of_lock_holder(&self) -> i64 {
-        let c = self.client().await;
-        c.query_one(
-            "SELECT count(pg_terminate_backend(l.pid)) FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid \
-             WHERE l.locktype = 'advisory' AND l.granted AND a.datname = $1 AND a.application_name = 'pg-outbox drain' \
-               AND l.objsubid = 1",
-            &[&self.name],
-        )
-        .await
-        .expect("terminate lock holder")
-        .get(0)
-    }
-}
-
-impl Drop for TestDb {
-    fn drop(&mut self) {
-        if std::thread::panicking() {
-            eprintln!("test failed: keeping database {} for inspection", self.name);
-            return;
-        }
-        let admin = self.admin.clone();
-        let name = self.name.clone();
-        let _ = std::thread::spawn(move || {
-            let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().ok()?;
-            rt.block_on(async move {
-                let (c, conn) = admin.connect(NoTls).await.ok()?;
-                tokio::spawn(conn);
-                c.batch_execute(&format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)")).await.ok()
-            })
-        })
-        .join();
-    }
-}
+pub use pg_outbox_testkit::{TestDb, options_of};
+use tokio_postgres::Client;
 
 /// Insert `n` events for `aggregate` as a producer that knows only the seed
 /// would, in one transaction; returns their ids.
@@ -342,7 +124,7 @@ impl Out {
 }
 
 /// A run of the built `pg-outbox` binary, the one way every test runs the
-/// command line: a [clean environment](crate::process::clean_env) (no
+/// command line: a [clean environment](pg_outbox_testkit::process::clean_env) (no
 /// inherited `DATABASE_URL`, `RUST_LOG` or `OUTBOX_*`), standard input empty
 /// unless given, both outputs captured, and a liveness bound of 30 s.
 pub struct Cli {
@@ -357,7 +139,7 @@ pub fn cli<S: AsRef<str>>(args: &[S]) -> Cli {
     let args: Vec<String> = args.iter().map(|a| a.as_ref().to_string()).collect();
     let mut cmd = tokio::process::Command::new(bin());
     cmd.args(&args);
-    crate::process::clean_env(&mut cmd);
+    pg_outbox_testkit::process::clean_env(&mut cmd);
     Cli { cmd, args, stdin: None, closed_stdout: false }
 }
 
@@ -425,18 +207,14 @@ impl Cli {
     }
 }
 
-impl TestDb {
-    /// `pg-outbox args...` on this database.
-    pub fn cli<S: AsRef<str>>(&self, args: &[S]) -> Cli {
-        cli(args).url(&self.url())
-    }
+/// The command line on a test's database: `db.cli(&["status"])`.
+pub trait DbCli {
+    /// `pg-outbox args...` with `DATABASE_URL` this database's URL.
+    fn cli<S: AsRef<str>>(&self, args: &[S]) -> Cli;
 }
 
-pub use crate::options::options_of;
-
-impl TestDb {
-    /// This database's connection options (see [`options_of`]).
-    pub fn options(&self) -> pg_outbox::ConnectOptions {
-        options_of(&self.pg)
+impl DbCli for TestDb {
+    fn cli<S: AsRef<str>>(&self, args: &[S]) -> Cli {
+        cli(args).url(&self.url())
     }
 }

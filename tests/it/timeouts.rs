@@ -15,7 +15,7 @@ use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio_postgres::Client;
 use uuid::Uuid;
 
-use crate::relay_proc::{LIVENESS, RelayProc, free_port};
+use crate::relay_proc::{self, LIVENESS, free_port};
 use crate::support::cli;
 use crate::support::{TestDb, eventually, insert_seed_events, published_count};
 
@@ -124,7 +124,7 @@ async fn a_fetch_cut_by_the_statement_timeout_is_logged_counted_and_the_relay_de
     let addr = format!("127.0.0.1:{}", free_port());
     let args =
         ["--sink", "stdout", "--statement-timeout", "200ms", "--sweep-interval", "100ms", "--metrics-addr", &addr];
-    let (mut relay, stdout) = RelayProc::start_with_stdout(&db, &args).await;
+    let (mut relay, stdout) = relay_proc::start_with_stdout(&db, &args).await;
     let mut lines = BufReader::new(stdout).lines();
     let mut delivered: HashSet<i64> = HashSet::new();
 
@@ -239,7 +239,7 @@ async fn sigterm_cancels_the_relays_blocked_statement_at_the_server() {
     let db = TestDb::new("timeout_sigterm").await;
     let c = db.client().await;
     // The default timeout (60 s) is far away: only the cancel can end it.
-    let mut relay = RelayProc::start(&db, &["--sink", "stdout", "--sweep-interval", "100ms"]).await;
+    let mut relay = relay_proc::start(&db, &["--sink", "stdout", "--sweep-interval", "100ms"]).await;
     let locker = db.client().await;
     lock_outbox(&locker).await;
     until_one_of_ours_waits(&c, &db).await;
@@ -285,7 +285,7 @@ async fn a_killed_relays_blocked_statement_is_ended_by_the_servers_client_check(
     // No statement timeout: only the server's check for a vanished client
     // can end the statement while the lock is held.
     let mut relay =
-        RelayProc::start(&db, &["--sink", "stdout", "--sweep-interval", "100ms", "--statement-timeout", "0"]).await;
+        relay_proc::start(&db, &["--sink", "stdout", "--sweep-interval", "100ms", "--statement-timeout", "0"]).await;
     let locker = db.client().await;
     lock_outbox(&locker).await;
     until_one_of_ours_waits(&c, &db).await;

@@ -4,11 +4,11 @@
 
 use std::time::Duration;
 
-use crate::temp_server::{TempServer, TempServerOptions};
+use pg_outbox_testkit::{TempServer, TempServerOptions};
 use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, Issuer, KeyPair};
 use tokio::io::{AsyncBufReadExt, BufReader};
 
-use crate::relay_proc::{Output, Relay, RelayProc};
+use crate::relay_proc::{self, Output, Relay};
 use crate::support::{self, Out, cli};
 
 /// A CA, and a server certificate it signed for `localhost` only (not for
@@ -147,7 +147,7 @@ async fn relay_end_to_end_over_verify_full() {
     let id: i64 = out.trim().parse().unwrap_or_else(|e| panic!("publish prints an id ({e}): {out}"));
 
     let mut relay =
-        RelayProc::start_spec(Relay::new(support::bin()).url(&url).args(&["--sink", "stdout"]).stdout(Output::Piped))
+        relay_proc::start_spec(Relay::new(support::bin()).url(&url).args(&["--sink", "stdout"]).stdout(Output::Piped))
             .await;
     let mut lines = BufReader::new(relay.stdout.take().expect("stdout is piped")).lines();
     let line = tokio::time::timeout(Duration::from_secs(30), lines.next_line())

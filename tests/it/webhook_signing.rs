@@ -12,8 +12,8 @@ use axum::http::{HeaderMap, HeaderValue, StatusCode};
 use serde_json::{Value, json};
 use uuid::Uuid;
 
-use crate::relay_proc::RelayProc;
-use crate::support::{self, TestDb};
+use crate::relay_proc;
+use crate::support::{self, DbCli, TestDb};
 
 /// A Standard Webhooks secret (24-byte key), as a receiver would be given it.
 const SECRET: &str = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw";
@@ -95,7 +95,7 @@ async fn signed_webhook_verifies_with_the_reference_library_and_tampering_is_cau
     let db = TestDb::new("hook_signed").await;
     let c = db.client().await;
     let (rx, url) = start_receiver().await;
-    let relay = RelayProc::start(
+    let relay = relay_proc::start(
         &db,
         &[
             "--sink",
@@ -158,7 +158,7 @@ async fn cloudevents_webhook_bodies_are_cloudevents_1_0_and_signed() {
     let db = TestDb::new("hook_cloudevents").await;
     let c = db.client().await;
     let (rx, url) = start_receiver().await;
-    let _relay = RelayProc::start(
+    let _relay = relay_proc::start(
         &db,
         &[
             "--sink",

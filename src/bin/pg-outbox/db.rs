@@ -17,18 +17,28 @@ pub(crate) fn database_url(cli: &Option<pg_outbox::DatabaseUrl>) -> String {
 
 /// Resolve `url` (libpq's variables fill what it leaves out) and connect.
 pub(crate) async fn connect(url: &str) -> Result<tokio_postgres::Client, Error> {
-    Ok(options(url, CLI_SESSIONS)?.connect().await?)
+    connect_with(pg_outbox::ConnectOptions::parse(url)?).await
+}
+
+/// Connect with `opts`, as a short command's session unless `opts` names
+/// its sessions.
+pub(crate) async fn connect_with(opts: pg_outbox::ConnectOptions) -> Result<tokio_postgres::Client, Error> {
+    Ok(named(opts, CLI_SESSIONS).connect().await?)
 }
 
 /// `url` parsed, with libpq's variables and defaults for what it leaves
 /// out; the sessions are named `application_name` unless the URL (or
 /// `PGAPPNAME`) names them.
 pub(crate) fn options(url: &str, application_name: &str) -> Result<pg_outbox::ConnectOptions, Error> {
-    let opts = pg_outbox::ConnectOptions::parse(url)?;
-    Ok(match opts.application_name() {
+    Ok(named(pg_outbox::ConnectOptions::parse(url)?, application_name))
+}
+
+/// `opts` with its sessions named `application_name` unless it names them.
+fn named(opts: pg_outbox::ConnectOptions, application_name: &str) -> pg_outbox::ConnectOptions {
+    match opts.application_name() {
         Some(_) => opts,
         None => opts.with_application_name(application_name),
-    })
+    }
 }
 
 /// How to name the database, for a failed connection with no URL given.

@@ -22,7 +22,6 @@ mod parse;
 mod prometheus;
 mod signals;
 mod sink_args;
-mod temp_server;
 
 /// The duration parser, where the sink arguments name it.
 pub(crate) use parse::parse_duration;

@@ -5,9 +5,9 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use crate::temp_server::TempServer;
 use pg_outbox::relay::{Message, Sink, SinkFuture, StdoutSink};
-use pg_outbox::{Consumer, Envelope, Event, Metadata, NewEvent, Publisher};
+use pg_outbox::temp_server::TempServer;
+use pg_outbox::{ConnectOptions, Consumer, Envelope, Event, Metadata, NewEvent, Publisher};
 
 use crate::error::Error;
 
@@ -85,10 +85,9 @@ pub(crate) async fn run(args: DemoArgs) -> Result<(), Error> {
             let name = format!("pg_outbox_demo_{}", std::process::id());
             let admin = crate::db::connect(&server).await?;
             admin.batch_execute(&format!("CREATE DATABASE {name}")).await?;
-            let cfg = pg_outbox::ConnectOptions::parse(&server)?.with_dbname(&name);
-            eprintln!("demo: created scratch database {name} on {}", cfg.describe());
-            let url = config_url(&cfg);
-            let result = run_on(&url, &args).await;
+            let opts = ConnectOptions::parse(&server)?.with_dbname(&name);
+            eprintln!("demo: created scratch database {name} on {}", opts.describe());
+            let result = run_on(&opts, &args).await;
             if let Err(e) = admin.batch_execute(&format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)")).await {
                 eprintln!("demo: could not drop {name}: {}", pg_outbox::error::report(&e));
             }
@@ -100,47 +99,11 @@ pub(crate) async fn run(args: DemoArgs) -> Result<(), Error> {
                 .await
                 .map_err(|e| Error::Check(format!("throwaway server start panicked: {e}")))??;
             eprintln!("demo: PostgreSQL running at 127.0.0.1:{}", server.port());
-            let result = run_on(&server.url(), &args).await;
+            let result = run_on(&ConnectOptions::parse(&server.url())?, &args).await;
             drop(server); // stops and deletes the throwaway server
             result
         }
     }
-}
-
-/// A key=value connection string for `cfg` (keeps the password, if any).
-fn config_url(opts: &pg_outbox::ConnectOptions) -> String {
-    use tokio_postgres::config::Host;
-    let cfg = opts.tokio_postgres_config();
-    let mut parts = Vec::new();
-    let hosts: Vec<String> = cfg
-        .get_hosts()
-        .iter()
-        .map(|h| match h {
-            Host::Tcp(h) => h.clone(),
-            Host::Unix(p) => p.display().to_string(),
-        })
-        .collect();
-    if !hosts.is_empty() {
-        parts.push(format!("host='{}'", hosts.join(",")));
-    }
-    if !cfg.get_ports().is_empty() {
-        let ports: Vec<String> = cfg.get_ports().iter().map(u16::to_string).collect();
-        parts.push(format!("port={}", ports.join(",")));
-    }
-    if let Some(u) = cfg.get_user() {
-        parts.push(format!("user='{u}'"));
-    }
-    if let Some(pw) = cfg.get_password() {
-        parts.push(format!("password='{}'", String::from_utf8_lossy(pw).replace('\\', "\\\\").replace('\'', "\\'")));
-    }
-    if let Some(d) = cfg.get_dbname() {
-        parts.push(format!("dbname='{d}'"));
-    }
-    parts.push(format!("sslmode={}", opts.ssl_mode()));
-    if let Some(root) = opts.root_cert() {
-        parts.push(format!("sslrootcert='{}'", root.to_string().replace('\\', "\\\\").replace('\'', "\\'")));
-    }
-    parts.join(" ")
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -150,18 +113,18 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 /// Commit times of the events producers committed, by id.
 type Committed = HashMap<i64, Instant>;
 
-async fn run_on(url: &str, args: &DemoArgs) -> Result<(), Error> {
+async fn run_on(opts: &ConnectOptions, args: &DemoArgs) -> Result<(), Error> {
     let metrics = crate::prometheus::install_metrics()?;
-    let admin = crate::db::connect(url).await?;
-    let subs = prepare(url, &admin, args).await?;
+    let admin = crate::db::connect_with(opts.clone()).await?;
+    let subs = prepare(opts, &admin, args).await?;
     let seen = Arc::new(Mutex::new(Seen::default()));
-    let (stop_tx, relay) = start_relay(url, seen.clone()).await?;
+    let (stop_tx, relay) = start_relay(opts, seen.clone()).await?;
     eprintln!(
         "demo: {} producers write {} events for {} subscriptions (1 in {} rolled back) ...",
         args.producers, args.events, args.subscriptions, args.rollback_every
     );
     let started = Instant::now();
-    let (committed, rolled_back) = run_producers(url, args, &subs).await?;
+    let (committed, rolled_back) = run_producers(opts, args, &subs).await?;
     wait_delivered(&seen, committed.len(), Duration::from_secs(60)).await;
     let elapsed = started.elapsed();
     let _ = stop_tx.send(());
@@ -174,8 +137,12 @@ async fn run_on(url: &str, args: &DemoArgs) -> Result<(), Error> {
 }
 
 /// Migrate, create the demo's domain table and subscriptions; returns them.
-async fn prepare(url: &str, admin: &tokio_postgres::Client, args: &DemoArgs) -> Result<Vec<uuid::Uuid>, Error> {
-    let report = pg_outbox::migrate::apply(&pg_outbox::ConnectOptions::parse(url)?).await?;
+async fn prepare(
+    opts: &ConnectOptions,
+    admin: &tokio_postgres::Client,
+    args: &DemoArgs,
+) -> Result<Vec<uuid::Uuid>, Error> {
+    let report = pg_outbox::migrate::apply(opts).await?;
     eprintln!("demo: migrated ({} files applied)", report.applied.len());
     admin.batch_execute(SCHEMA).await?;
     let subs: Vec<uuid::Uuid> = (0..args.subscriptions).map(|_| uuid::Uuid::new_v4()).collect();
@@ -189,10 +156,10 @@ type RelayTask = tokio::task::JoinHandle<Result<pg_outbox::relay::RelayStats, Er
 
 /// Start a relay into the demo sink; it stops when the sender is used.
 async fn start_relay(
-    url: &str,
+    opts: &ConnectOptions,
     seen: Arc<Mutex<Seen>>,
 ) -> Result<(tokio::sync::oneshot::Sender<()>, RelayTask), Error> {
-    let stream = Consumer::builder(pg_outbox::ConnectOptions::parse(url)?).start().await?;
+    let stream = Consumer::builder(opts.clone()).start().await?;
     let sink = DemoSink { inner: StdoutSink::new(), seen };
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
     let relay = tokio::spawn(async move {
@@ -206,14 +173,14 @@ async fn start_relay(
 
 /// Run the producers to their end: what they committed, and how many
 /// transactions they rolled back.
-async fn run_producers(url: &str, args: &DemoArgs, subs: &[uuid::Uuid]) -> Result<(Committed, u64), Error> {
+async fn run_producers(opts: &ConnectOptions, args: &DemoArgs, subs: &[uuid::Uuid]) -> Result<(Committed, u64), Error> {
     let committed: Arc<Mutex<Committed>> = Arc::default();
     let mut producers = Vec::new();
     for p in 0..args.producers {
-        let (url, subs, committed) = (url.to_string(), subs.to_vec(), committed.clone());
+        let (opts, subs, committed) = (opts.clone(), subs.to_vec(), committed.clone());
         let n = args.events / args.producers + usize::from(p < args.events % args.producers);
         let rollback_every = args.rollback_every;
-        producers.push(tokio::spawn(async move { produce(&url, p, n, &subs, rollback_every, &committed).await }));
+        producers.push(tokio::spawn(async move { produce(opts, p, n, &subs, rollback_every, &committed).await }));
     }
     let mut rolled_back = 0u64;
     for p in producers {
@@ -330,14 +297,14 @@ impl Summary {
 /// One producer: the publisher flow of docs/schema.md, in the same
 /// transaction as the domain update. Returns how many transactions it rolled back.
 async fn produce(
-    url: &str,
+    opts: ConnectOptions,
     p: usize,
     n: usize,
     subs: &[uuid::Uuid],
     rollback_every: usize,
     committed: &Mutex<Committed>,
 ) -> Result<u64, Error> {
-    let mut client = crate::db::connect(url).await?;
+    let mut client = crate::db::connect_with(opts).await?;
     let publisher = Publisher::new();
     let mut rolled_back = 0;
     for i in 0..n {

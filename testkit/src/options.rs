@@ -1,10 +1,16 @@
 //! Connection options for the tests' and benchmarks' servers.
 
+use pg_outbox::tokio_postgres::Config;
+use pg_outbox::tokio_postgres::config::Host;
+
 /// `cfg` (a test or benchmark server's settings) as pg-outbox's connection options, by
 /// way of a key=value string: pg-outbox deliberately takes no
 /// `tokio_postgres::Config` (it cannot hold `verify-full`). The local servers
 /// need no TLS.
-pub fn options_of(cfg: &tokio_postgres::Config) -> pg_outbox::ConnectOptions {
+///
+/// # Panics
+/// If the string does not parse (a `Config` always gives one that does).
+pub fn options_of(cfg: &Config) -> pg_outbox::ConnectOptions {
     pg_outbox::ConnectOptions::parse(&conninfo(cfg)).expect("test server options")
 }
 
@@ -14,15 +20,15 @@ pub fn options_of(cfg: &tokio_postgres::Config) -> pg_outbox::ConnectOptions {
 /// encryption does not skew its ratios), e.g. for the `DATABASE_URL` of a
 /// child process. It holds the password if `cfg` has one: pass it through
 /// the environment, never print it.
-pub fn conninfo(cfg: &tokio_postgres::Config) -> String {
+pub fn conninfo(cfg: &Config) -> String {
     let quote = |v: &str| format!("'{}'", v.replace('\\', "\\\\").replace('\'', "\\'"));
     let mut parts = Vec::new();
     let hosts: Vec<String> = cfg
         .get_hosts()
         .iter()
         .map(|h| match h {
-            tokio_postgres::config::Host::Tcp(h) => h.clone(),
-            tokio_postgres::config::Host::Unix(p) => p.display().to_string(),
+            Host::Tcp(h) => h.clone(),
+            Host::Unix(p) => p.display().to_string(),
         })
         .collect();
     if !hosts.is_empty() {

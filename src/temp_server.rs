@@ -1,20 +1,36 @@
-//! A throwaway PostgreSQL server started from the local binaries, for
-//! `pg-outbox demo` and for tests on a machine where no server runs.
+//! A throwaway PostgreSQL server started from the local binaries (feature
+//! `temp-server`): for demos, and for an application's own tests on a
+//! machine where no server runs.
 //!
-//! It lives in a temporary directory (data, socket, log), listens on
-//! 127.0.0.1 on a free port with trust authentication for the `postgres`
-//! role, and is stopped and deleted when dropped. Durability is traded for
-//! speed (`fsync=off`): never keep data in it.
+//! [`TempServer::start`] creates a cluster in a new temporary directory
+//! (data, Unix socket and `server.log`), starts it listening on 127.0.0.1
+//! on a free port with trust authentication for the `postgres` superuser,
+//! and waits until it accepts connections. Dropping the [`TempServer`]
+//! stops the server and deletes the directory. Durability is traded for
+//! speed (`fsync=off`) and `max_connections` is 300: never keep data in it.
 //!
-//! Binaries are looked up in `$PG_BINDIR`, then `pg_config --bindir`, then
-//! the newest `/usr/lib/postgresql/*/bin`, then `$PATH`. PostgreSQL refuses
-//! to run as root; when run as root the server runs as the `postgres` user
-//! (or `nobody`).
+//! The binaries (`initdb`, `pg_ctl`, `postgres`) are looked up in
+//! `$PG_BINDIR`, then `pg_config --bindir`, then the newest
+//! `/usr/lib/postgresql/<version>/bin`, then `$PATH`. PostgreSQL refuses to
+//! run as root; when this process runs as root, the server runs as the
+//! `postgres` user (or `nobody`). Unix only.
 //!
-//! The binary's `demo` uses it; the tests and benchmarks include this file
-//! with `#[path]`. It is not part of the library.
-
-#![allow(dead_code)]
+//! The functions block (for the second or two that `initdb` and `pg_ctl`
+//! take): in async code call them through `tokio::task::spawn_blocking`.
+//!
+//! # Example
+//! ```no_run
+//! # async fn example() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+//! use pg_outbox::temp_server::TempServer;
+//!
+//! let server = tokio::task::spawn_blocking(TempServer::start).await??;
+//! let options = pg_outbox::ConnectOptions::parse(&server.url())?;
+//! pg_outbox::migrate::apply(&options).await?;
+//! // ... publish and consume on `options` ...
+//! drop(server); // stops the server and deletes its files
+//! # Ok(())
+//! # }
+//! ```
 
 use std::ffi::CString;
 use std::path::{Path, PathBuf};
@@ -22,12 +38,15 @@ use std::process::{Command, Stdio};
 
 /// Why a throwaway server could not be found, started or stopped.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum Error {
-    /// The binaries are missing, or `initdb`/`pg_ctl` failed; the message
-    /// says which and how to fix it.
+    /// The binaries are missing, `initdb` or `pg_ctl` failed, or an option
+    /// is invalid; the message says which and how to fix it (with the
+    /// programs' output and the end of the server's log).
     #[error("throwaway PostgreSQL server: {0}")]
-    TempServer(String),
-    /// A file or directory of the server could not be written.
+    Server(String),
+    /// A file or directory of the server could not be created or written,
+    /// or no free port could be found.
     #[error("throwaway PostgreSQL server: i/o error")]
     Io(#[from] std::io::Error),
 }
@@ -36,16 +55,22 @@ pub enum Error {
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
 /// Extra settings and files for [`TempServer::start_with`] (e.g. `ssl = on`
-/// with a certificate and key).
+/// with a certificate and key). The default adds nothing: the server of
+/// [`TempServer::start`].
 ///
 /// # Example
-/// ```ignore
+/// ```no_run
+/// # fn example(cert_pem: &[u8], key_pem: &[u8]) -> pg_outbox::temp_server::Result<()> {
+/// use pg_outbox::temp_server::{TempServer, TempServerOptions};
+///
 /// let _server = TempServer::start_with(
 ///     TempServerOptions::default()
 ///         .file("server.crt", cert_pem)
 ///         .file("server.key", key_pem)
 ///         .setting("ssl", "on"),
 /// )?;
+/// # Ok(())
+/// # }
 /// ```
 #[derive(Debug, Clone, Default)]
 pub struct TempServerOptions {
@@ -55,8 +80,10 @@ pub struct TempServerOptions {
 
 impl TempServerOptions {
     /// Add `name = 'value'` to `postgresql.conf` (PostgreSQL docs, "Setting
-    /// Parameters"). Relative file names in settings are relative to the data
-    /// directory.
+    /// Parameters"; the value is quoted here). Relative file names in
+    /// settings are relative to the data directory. A later setting of the
+    /// same name wins; the command line's (`port`, `listen_addresses`,
+    /// `fsync`, `max_connections`, `unix_socket_directories`) win over all.
     pub fn setting(mut self, name: &str, value: &str) -> Self {
         self.settings.push((name.to_string(), value.to_string()));
         self
@@ -71,7 +98,8 @@ impl TempServerOptions {
     }
 }
 
-/// A running throwaway server; stopped and deleted on drop.
+/// A throwaway server (see the [module documentation](self)); stopped and
+/// its directory deleted on drop.
 #[derive(Debug)]
 pub struct TempServer {
     dir: tempfile::TempDir,
@@ -82,18 +110,17 @@ pub struct TempServer {
 }
 
 fn err(msg: impl Into<String>) -> Error {
-    Error::TempServer(msg.into())
+    Error::Server(msg.into())
 }
 
 fn has_server_binaries(dir: &Path) -> bool {
     ["initdb", "pg_ctl", "postgres"].iter().all(|b| dir.join(b).is_file())
 }
 
-/// Find the directory holding `initdb`, `pg_ctl` and `postgres`.
-///
-/// # Errors
-/// [`Error::TempServer`] saying how to install them when none is found.
-pub fn find_bindir() -> Result<PathBuf> {
+/// The directory holding `initdb`, `pg_ctl` and `postgres` (the order of
+/// the search is in the module documentation); an error saying how to
+/// install them when none is found.
+fn find_bindir() -> Result<PathBuf> {
     if let Some(d) = std::env::var_os("PG_BINDIR").map(PathBuf::from)
         && has_server_binaries(&d)
     {
@@ -148,12 +175,17 @@ fn free_port() -> Result<u16> {
 }
 
 impl TempServer {
-    /// Create a cluster in a new temporary directory and start it. Blocks
-    /// for the second or two that `initdb` and start take.
+    /// Create a cluster in a new temporary directory and start it (see the
+    /// [module documentation](self) for its settings). Blocks for the
+    /// second or two that `initdb` and the start take; a start that fails
+    /// (say, the port was taken meanwhile) is tried again on another port,
+    /// three times in all.
     ///
     /// # Errors
-    /// [`Error::TempServer`] if the binaries are missing or `initdb`/`pg_ctl`
-    /// fail (the message carries their output).
+    /// [`Error::Server`] if the binaries are missing or `initdb`/`pg_ctl`
+    /// fail (the message carries their output), or when running as root
+    /// with neither a `postgres` nor a `nobody` user; [`Error::Io`] if the
+    /// directory cannot be created.
     pub fn start() -> Result<Self> {
         Self::start_with(TempServerOptions::default())
     }
@@ -161,7 +193,7 @@ impl TempServer {
     /// As [`TempServer::start`], with extra settings and files.
     ///
     /// # Errors
-    /// As [`TempServer::start`]; also [`Error::TempServer`] for a file name
+    /// As [`TempServer::start`]; also [`Error::Server`] for a file name
     /// that is not a plain name, and [`Error::Io`] if a file cannot be
     /// written.
     pub fn start_with(options: TempServerOptions) -> Result<Self> {
@@ -284,31 +316,39 @@ impl TempServer {
         )
     }
 
-    /// Directory of the server's Unix socket (`host=` for a socket connection).
+    /// Directory of the server's Unix socket (`host=` of a key=value
+    /// connection string, with `port=` [`TempServer::port`]).
     pub fn socket_dir(&self) -> &std::path::Path {
         self.dir.path()
     }
 
-    /// TCP port on 127.0.0.1.
+    /// The TCP port the server listens on, on 127.0.0.1 (also the number in
+    /// its socket's file name).
     pub fn port(&self) -> u16 {
         self.port
     }
 
-    /// URL of the `postgres` database as the `postgres` superuser.
+    /// URL of the `postgres` database as the `postgres` superuser, e.g.
+    /// `postgres://postgres@127.0.0.1:35271/postgres` (no password: trust
+    /// authentication, unless a `pg_hba.conf` given to
+    /// [`TempServerOptions::file`] asks for one).
     pub fn url(&self) -> String {
         self.url_for("postgres")
     }
 
-    /// URL of database `db` as the `postgres` superuser.
+    /// URL of database `db` as the `postgres` superuser (as
+    /// [`TempServer::url`]; `db` is not created here).
     pub fn url_for(&self, db: &str) -> String {
         format!("postgres://postgres@127.0.0.1:{}/{}", self.port, db)
     }
 
-    /// Restart the server (`pg_ctl restart -m fast`): every connection is
-    /// closed, then the server accepts connections again on the same port.
+    /// Restart the server (`pg_ctl stop -m fast`, then start): every
+    /// connection is closed, then the server accepts connections again on
+    /// the same port, with the same data. Blocks until it does.
     ///
     /// # Errors
-    /// [`Error::TempServer`] if `pg_ctl` fails.
+    /// [`Error::Server`] if `pg_ctl` fails (for instance, after
+    /// [`TempServer::stop`]).
     pub fn restart(&self) -> Result<()> {
         let data = self.data_dir();
         self.run(
@@ -319,10 +359,12 @@ impl TempServer {
     }
 
     /// Start the server again after [`TempServer::stop`], on the same
-    /// port and data directory. Idempotent.
+    /// port and data directory; blocks until it accepts connections. Does
+    /// nothing when it runs.
     ///
     /// # Errors
-    /// [`Error::TempServer`] if `pg_ctl` fails.
+    /// [`Error::Server`] if `pg_ctl` fails (for instance, the port was
+    /// taken meanwhile).
     pub fn start_again(&mut self) -> Result<()> {
         if self.running {
             return Ok(());
@@ -332,11 +374,12 @@ impl TempServer {
         Ok(())
     }
 
-    /// Stop the server now (`pg_ctl stop -m immediate`). Idempotent; also
-    /// done on drop.
+    /// Stop the server now, as a crash would (`pg_ctl stop -m immediate`:
+    /// connections are cut, nothing is checkpointed). Does nothing when it
+    /// is stopped; also done on drop. The files stay until the drop.
     ///
     /// # Errors
-    /// [`Error::TempServer`] if `pg_ctl` fails.
+    /// [`Error::Server`] if `pg_ctl` fails.
     pub fn stop(&mut self) -> Result<()> {
         if !self.running {
             return Ok(());
@@ -359,7 +402,7 @@ impl Drop for TempServer {
             let _ = writeln!(
                 std::io::stderr(),
                 "pg-outbox: could not stop the throwaway PostgreSQL server: {}",
-                pg_outbox::error::report(&e)
+                crate::error::report(&e)
             );
         }
     }

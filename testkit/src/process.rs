@@ -1,14 +1,14 @@
 //! Child processes of the `pg-outbox` binary, shared by the integration
-//! tests (`tests/it`) and the end-to-end benchmarks (`benches/e2e`), which
-//! both include this file with `#[path]`: the clean environment every run
-//! gets, the relay process (stderr collected, "relay started" awaited,
-//! signalled, reaped), and a free port.
+//! tests (`tests/it`) and the benchmarks (`benches/`): the clean environment
+//! every run gets, the relay process (stderr collected, "relay started"
+//! awaited, signalled, reaped), and a free port.
 //!
-//! Nothing here panics: failures come back as `Err(String)` holding the
-//! relay's stderr, so the tests can panic with it and the benchmarks can
-//! report it.
-
-#![allow(dead_code)]
+//! The binary is the caller's to name ([`Relay::new`]): cargo tells its
+//! path to the tests and benchmarks only (`CARGO_BIN_EXE_pg-outbox`).
+//! Failures come back as `Err(String)` holding the relay's stderr, so that
+//! the benchmarks can report them; the tests use the panicking twins
+//! ([`RelayProc::wait_for_log`], [`RelayProc::stop_cleanly`], ...), which
+//! fail the test with the same message.
 
 use std::process::{ExitStatus, Stdio};
 use std::sync::{Arc, Mutex, PoisonError};
@@ -191,6 +191,11 @@ impl Relay {
     }
 }
 
+/// The value of `r`, or a panic with its error (the relay's stderr).
+fn must<T>(r: Result<T, String>) -> T {
+    r.unwrap_or_else(|e| panic!("{e}"))
+}
+
 /// A running `pg-outbox relay`; killed when dropped.
 #[derive(Debug)]
 pub struct RelayProc {
@@ -289,6 +294,56 @@ impl RelayProc {
                 Err(e)
             }
         }
+    }
+
+    /// Wait until its stderr holds one of `needles`, for at most
+    /// [`LIVENESS`].
+    ///
+    /// # Panics
+    /// As [`RelayProc::wait_log`] fails: with the relay's stderr.
+    pub async fn wait_for_log(&mut self, needles: &[&str]) {
+        must(self.wait_log(needles, LIVENESS).await);
+    }
+
+    /// Ask the relay to stop (SIGTERM).
+    ///
+    /// # Panics
+    /// If it is no longer running, or kill(2) fails.
+    pub fn sigterm(&self) {
+        must(self.send(libc::SIGTERM));
+    }
+
+    /// `kill -9` the relay and reap it.
+    ///
+    /// # Panics
+    /// As [`RelayProc::kill`] fails.
+    pub async fn kill9(&mut self) -> ExitStatus {
+        must(self.kill().await)
+    }
+
+    /// Wait for the process to exit (and its stderr to be read), for at
+    /// most [`LIVENESS`].
+    ///
+    /// # Panics
+    /// If it does not exit in time (with its stderr).
+    pub async fn wait(&mut self) -> ExitStatus {
+        must(self.reap(LIVENESS).await)
+    }
+
+    /// SIGTERM, then expect exit code 0 within [`LIVENESS`].
+    ///
+    /// # Panics
+    /// As [`RelayProc::terminate`] fails: with the relay's stderr.
+    pub async fn stop_cleanly(&mut self) {
+        must(self.terminate(LIVENESS).await);
+    }
+
+    /// [`RelayProc::stop_cleanly`], consuming the relay.
+    ///
+    /// # Panics
+    /// As [`RelayProc::stop_cleanly`].
+    pub async fn stop(mut self) {
+        self.stop_cleanly().await;
     }
 
     /// Let the stderr reader reach the end (bounded: a grandchild could
