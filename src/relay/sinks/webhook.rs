@@ -102,7 +102,8 @@ impl std::fmt::Debug for HttpHeader {
 /// Most bytes of a failed response's body kept in `last_error`.
 const BODY_SNIPPET: usize = 512;
 
-/// POSTs each event's message body (a [`crate::relay::SinkRecord`] or a CloudEvent, per the relay's format) to a URL. A 2xx response
+/// POSTs each event's message body (a [`crate::relay::SinkRecord`] or a
+/// CloudEvent, per the relay's format) to a URL. A 2xx response
 /// acknowledges the event; any other status (redirects are not followed: a
 /// 3xx fails the event too), a connection error or a timeout fails it, with
 /// the status (and the start of the body, on one line, with any secret the
