@@ -40,7 +40,7 @@ fn event(agg: Uuid, name: &str) -> NewEvent {
     NewEvent::new("subscription", agg, name, serde_json::json!({"name": name}))
 }
 
-async fn count(conn: &mut PgConnection, sql: &str) -> i64 {
+async fn count(conn: &mut PgConnection, sql: &'static str) -> i64 {
     sqlx::query_scalar(sql).fetch_one(conn).await.expect("count")
 }
 
