@@ -322,29 +322,10 @@ fn mask_database_url(value: &str) -> String {
 
 /// `spec` with every secret masked (see [`SecretUrl::masked`]).
 fn mask_sink(spec: &str) -> String {
-    // Group the comma-separated parts into URLs: a part with a scheme starts
-    // one; a part without continues the previous one (more hosts, or a
-    // comma inside a path or query).
-    let mut urls: Vec<String> = Vec::new();
-    for part in spec.split(',') {
-        match urls.last_mut() {
-            Some(last) if !has_scheme(part) => {
-                last.push(',');
-                last.push_str(part);
-            }
-            _ => urls.push(part.to_string()),
-        }
-    }
-    urls.iter()
+    urls(spec)
+        .iter()
         .map(|url| {
-            let (scheme, rest) = match url.split_once("://") {
-                Some((s, r)) => (format!("{s}://"), r),
-                None => (String::new(), url.as_str()),
-            };
-            // The authority ends at the first `/`, `?` or `#` after the last `@`.
-            let from = rest.rfind('@').map_or(0, |i| i + 1);
-            let end = rest[from..].find(['/', '?', '#']).map_or(rest.len(), |i| from + i);
-            let (authority, tail) = rest.split_at(end);
+            let (scheme, authority, tail) = split_url(url);
             let authority = mask_authority(authority, MASK);
             let (path, query, fragment) = match tail.find(['?', '#']) {
                 Some(i) => {
@@ -366,6 +347,54 @@ fn mask_sink(spec: &str) -> String {
         })
         .collect::<Vec<_>>()
         .join(",")
+}
+
+/// The URLs of a comma-separated list: a part with a scheme starts one; a
+/// part without continues the previous one (more hosts, a comma inside a
+/// password, path or query).
+fn urls(spec: &str) -> Vec<String> {
+    let mut urls: Vec<String> = Vec::new();
+    for part in spec.split(',') {
+        match urls.last_mut() {
+            Some(last) if !has_scheme(part) => {
+                last.push(',');
+                last.push_str(part);
+            }
+            _ => urls.push(part.trim().to_string()),
+        }
+    }
+    urls
+}
+
+/// `url` as `(scheme://, authority, tail)`. The authority ends at the first
+/// `/`, `?` or `#` after the last `@`, so credentials holding any of them
+/// stay in it.
+fn split_url(url: &str) -> (String, &str, &str) {
+    let (scheme, rest) = match url.split_once("://") {
+        Some((s, r)) => (format!("{s}://"), r),
+        None => (String::new(), url),
+    };
+    let from = rest.rfind('@').map_or(0, |i| i + 1);
+    let end = rest[from..].find(['/', '?', '#']).map_or(rest.len(), |i| from + i);
+    let (authority, tail) = rest.split_at(end);
+    (scheme, authority, tail)
+}
+
+/// An authority's hosts and the userinfo parts before them: host by host
+/// when every host before the last credentials has its own
+/// (`u:p@h1,u:q@h2`); otherwise a comma may sit inside a password, so
+/// everything up to the last `@` is one userinfo.
+fn authority_parts(authority: &str) -> (Vec<&str>, Vec<&str>) {
+    let Some(last_at) = authority.rfind('@') else { return (authority.split(',').collect(), Vec::new()) };
+    let hosts: Vec<&str> = authority.split(',').collect();
+    let last_with_creds = hosts.iter().rposition(|h| h.contains('@')).unwrap_or(0);
+    if hosts[..last_with_creds].iter().all(|h| h.contains('@')) {
+        let split: Vec<(Option<&str>, &str)> =
+            hosts.iter().map(|h| h.rsplit_once('@').map_or((None, *h), |(u, host)| (Some(u), host))).collect();
+        (split.iter().map(|(_, h)| *h).collect(), split.iter().filter_map(|(u, _)| *u).collect())
+    } else {
+        (vec![&authority[last_at + 1..]], vec![&authority[..last_at]])
+    }
 }
 
 /// Whether `part` starts with `scheme://`.
@@ -410,21 +439,16 @@ fn mask_authority(authority: &str, mask: &str) -> String {
 /// `spec` without credentials; a query string or fragment becomes `?****`
 /// (see [`SecretUrl::shown`]).
 pub(crate) fn strip(spec: &str) -> String {
-    spec.split(',')
-        .map(|part| {
-            let part = part.trim();
-            let (scheme, rest) = match part.split_once("://") {
-                Some((s, r)) => (format!("{s}://"), r),
-                None => (String::new(), part),
-            };
-            let end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
-            let (authority, tail) = rest.split_at(end);
-            let host = authority.rsplit_once('@').map_or(authority, |(_, h)| h);
+    urls(spec)
+        .iter()
+        .map(|url| {
+            let (scheme, authority, tail) = split_url(url);
+            let (hosts, _) = authority_parts(authority);
             let tail = match tail.find(['?', '#']) {
                 Some(i) => format!("{}?{MASK}", &tail[..i]),
                 None => tail.to_string(),
             };
-            format!("{scheme}{host}{tail}")
+            format!("{scheme}{}{tail}", hosts.join(","))
         })
         .collect::<Vec<_>>()
         .join(",")
@@ -444,15 +468,14 @@ fn scrub(text: &str, spec: &str) -> String {
             }
         }
     };
-    for part in spec.split(',') {
-        let rest = part.trim().split_once("://").map_or(part, |(_, r)| r);
-        let end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
-        if let Some((userinfo, _)) = rest[..end].rsplit_once('@') {
+    for url in urls(spec) {
+        let (_, authority, tail) = split_url(&url);
+        for userinfo in authority_parts(authority).1 {
             // `user:password` hides the password; a lone user part is a token.
             add(userinfo.split_once(':').map_or(userinfo, |(_, p)| p));
         }
         // A query parameter named like a credential (`api_key=`, `token=`).
-        let query = rest[end..].split_once('?').map_or("", |(_, q)| q);
+        let query = tail.split_once('?').map_or("", |(_, q)| q);
         for pair in query.split(['&', '#']) {
             if let Some((key, value)) = pair.split_once('=')
                 && looks_secret(key)
@@ -504,6 +527,19 @@ mod tests {
         assert_eq!(scrub(text, "nats://secret@h1:4222"), "auth failed for u with p%40ss (p@ss) and ****");
         assert_eq!(scrub(text, "redis://h:6379"), text);
         assert_eq!(scrub("key k3y-1 or x=1", "https://h/p?api_key=k3y-1&x=1"), "key **** or x=1");
+        // Passwords holding `,`, `/`, `?` or `#`: gone from the shown form,
+        // cut out of texts.
+        for (spec, shown, password) in [
+            ("http://u:C1,C2@127.0.0.1:18081/", "http://127.0.0.1:18081/", "C1,C2"),
+            ("redis://:C1,C2@127.0.0.1:6379", "redis://127.0.0.1:6379", "C1,C2"),
+            ("redis://:pw/S1@127.0.0.1:6379", "redis://127.0.0.1:6379", "pw/S1"),
+            ("nats://u:pw?Q1@h:4222", "nats://h:4222", "pw?Q1"),
+            ("amqp://u:pa/ss@h/", "amqp://h/", "pa/ss"),
+            ("rediss://u:p#w@h:6380/0", "rediss://h:6380/0", "p#w"),
+        ] {
+            assert_eq!(strip(spec), shown, "{spec}");
+            assert_eq!(scrub(&format!("failed with {password}"), spec), "failed with ****", "{spec}");
+        }
     }
 
     #[test]

@@ -98,7 +98,7 @@ struct WebhookArgs {
     #[arg(long, hide_env_values = true)]
     webhook_secret: Option<Secret>,
     /// Extra header on every webhook request, `NAME: VALUE` (repeatable).
-    #[arg(long = "webhook-header", value_name = "NAME: VALUE")]
+    #[arg(long = "webhook-header", value_name = "NAME: VALUE", value_parser = NoEcho::<pg_outbox::relay::HttpHeader>::new())]
     webhook_headers: Vec<pg_outbox::relay::HttpHeader>,
 }
 
@@ -140,7 +140,7 @@ struct KafkaArgs {
     /// compression.type=none, partitioner=murmur2_random (Java's),
     /// message.timeout.ms from --sink-timeout. E.g.
     /// --kafka-option sasl.mechanism=OAUTHBEARER.
-    #[arg(long = "kafka-option", value_name = "KEY=VALUE", help_heading = "Sink TLS and credentials")]
+    #[arg(long = "kafka-option", value_name = "KEY=VALUE", value_parser = NoEcho::<pg_outbox::relay::KafkaProperty>::new(), help_heading = "Sink TLS and credentials")]
     kafka_options: Vec<pg_outbox::relay::KafkaProperty>,
 }
 
@@ -166,6 +166,42 @@ struct AmqpArgs {
     /// RabbitMQ routing key template.
     #[arg(long, default_value = "{aggregate_type}.{event_type}", value_parser = parse_template)]
     amqp_routing_key: pg_outbox::relay::Template,
+}
+
+/// A value parser for settings that may hold a secret: on a malformed value
+/// the error names the flag and the problem, never the value (clap's own
+/// errors quote it).
+#[derive(Clone)]
+struct NoEcho<T>(std::marker::PhantomData<T>);
+
+impl<T> NoEcho<T> {
+    fn new() -> Self {
+        NoEcho(std::marker::PhantomData)
+    }
+}
+
+impl<T> clap::builder::TypedValueParser for NoEcho<T>
+where
+    T: std::str::FromStr<Err = pg_outbox::Error> + Clone + Send + Sync + 'static,
+{
+    type Value = T;
+
+    fn parse_ref(
+        &self,
+        _cmd: &clap::Command,
+        arg: Option<&clap::Arg>,
+        value: &std::ffi::OsStr,
+    ) -> Result<T, clap::Error> {
+        let flag = arg.and_then(clap::Arg::get_long).map_or_else(|| "a setting".to_string(), |l| format!("--{l}"));
+        let refused = |why: String| {
+            clap::Error::raw(
+                clap::error::ErrorKind::ValueValidation,
+                format!("{flag}: {why} (the value is not shown)\n"),
+            )
+        };
+        let text = value.to_str().ok_or_else(|| refused("the value is not UTF-8".into()))?;
+        text.parse().map_err(|e: pg_outbox::Error| refused(e.to_string()))
+    }
 }
 
 /// The contents of a secret file named by `flag`, without the trailing
@@ -203,6 +239,9 @@ impl SinkArgs {
             Some(p) => Some(p),
             None => a.sink_password.clone(),
         };
+        if s.credentials.password.as_ref().is_some_and(|p| p.expose().is_empty()) {
+            return Err(Error::Config("--sink-password is empty; give the password, or leave the flag out".into()));
+        }
         #[cfg(feature = "webhook")]
         {
             s.webhook.secret = self.webhook.webhook_secret.clone();

@@ -180,6 +180,8 @@ pub struct KafkaSink {
     timeout: Duration,
     producer: Mutex<Arc<KafkaProducer>>,
     context: Context,
+    /// Values cut out of librdkafka's errors.
+    quoted: Vec<Secret>,
 }
 
 impl std::fmt::Debug for KafkaSink {
@@ -199,6 +201,8 @@ impl std::fmt::Debug for KafkaSink {
 /// [`Error::Config`] for another scheme, an empty host list, a bad port,
 /// credentials, a path or a query string (not supported by this sink).
 fn parse_kafka_url(url: &str) -> Result<String> {
+    // Messages quote the URL without credentials, query or fragment.
+    let shown = SecretUrl::new(url).shown();
     let rest = match url.split_once("://") {
         Some((scheme, rest)) if scheme.eq_ignore_ascii_case("kafka") => rest,
         _ => return Err(Error::Config("a Kafka sink URL starts with kafka://".into())),
@@ -213,7 +217,7 @@ fn parse_kafka_url(url: &str) -> Result<String> {
     }
     if rest.contains(['/', '?', '#']) {
         return Err(Error::Config(format!(
-            "Kafka URL '{url}' has a path or query; write kafka://HOST:PORT[,HOST:PORT]"
+            "Kafka URL '{shown}' has a path or query; write kafka://HOST:PORT[,HOST:PORT]"
         )));
     }
     let mut servers = Vec::new();
@@ -221,7 +225,7 @@ fn parse_kafka_url(url: &str) -> Result<String> {
         let part = part.trim();
         if part.is_empty() {
             return Err(Error::Config(format!(
-                "Kafka URL '{url}' has an empty host; write kafka://HOST:PORT[,HOST:PORT]"
+                "Kafka URL '{shown}' has an empty host; write kafka://HOST:PORT[,HOST:PORT]"
             )));
         }
         // A bracketed IPv6 address keeps its colons: [::1]:9092.
@@ -230,12 +234,12 @@ fn parse_kafka_url(url: &str) -> Result<String> {
             _ => (part, None),
         };
         if host.is_empty() {
-            return Err(Error::Config(format!("Kafka URL '{url}' has an empty host in '{part}'")));
+            return Err(Error::Config(format!("Kafka URL '{shown}' has an empty host in '{part}'")));
         }
         let port = match port {
             None => DEFAULT_KAFKA_PORT,
             Some(p) => p.parse::<u16>().ok().filter(|p| *p != 0).ok_or_else(|| {
-                Error::Config(format!("Kafka URL '{url}': port '{p}' of '{part}' is not a number from 1 to 65535"))
+                Error::Config(format!("Kafka URL '{shown}': port '{p}' of '{part}' is not a number from 1 to 65535"))
             })?,
         };
         servers.push(format!("{host}:{port}"));
@@ -355,7 +359,11 @@ impl KafkaSink {
         let brokers = parse_kafka_url(url.expose())?;
         let config = client_config(&brokers, settings)?;
         let context = Context::default();
-        let producer = Arc::new(Self::create(&config, &brokers, &context)?);
+        // Every --kafka-option value (3 characters or more) and the SASL
+        // password: never quoted back in an error.
+        let mut quoted: Vec<Secret> = settings.credentials.password.iter().cloned().collect();
+        quoted.extend(settings.kafka.properties.iter().filter(|p| p.value().len() >= 3).map(|p| p.value.clone()));
+        let producer = Arc::new(Self::create(&config, &brokers, &context, &quoted)?);
         let probe = producer.clone();
         let wait = settings.delivery.timeout;
         let answered = tokio::task::spawn_blocking(move || probe.client().fetch_metadata(None, wait).map(|_| ()))
@@ -382,12 +390,17 @@ impl KafkaSink {
             timeout: wait,
             producer: Mutex::new(producer),
             context,
+            quoted,
         })
     }
 
-    fn create(config: &ClientConfig, brokers: &str, context: &Context) -> Result<KafkaProducer> {
+    /// A producer for `config`. librdkafka's configuration errors quote
+    /// property values: every value in `quoted` is cut out of them.
+    fn create(config: &ClientConfig, brokers: &str, context: &Context, quoted: &[Secret]) -> Result<KafkaProducer> {
         config.create_with_context(context.clone()).map_err(|e| {
-            Error::Config(format!("cannot create a Kafka producer for {brokers}: {}", crate::error::report(&e)))
+            let quoted: Vec<&str> = quoted.iter().map(Secret::expose).collect();
+            let why = crate::secret::scrub_all(&crate::error::report(&e), &quoted);
+            Error::Config(format!("cannot create a Kafka producer for {brokers}: {why}"))
         })
     }
 
@@ -398,7 +411,8 @@ impl KafkaSink {
         let mut current = self.producer.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         if let Some((code, reason)) = current.client().fatal_error() {
             tracing::warn!(brokers = %self.brokers, %code, %reason, "Kafka producer hit a fatal error; creating a new one");
-            let fresh = Self::create(&self.config, &self.brokers, &self.context).map_err(|e| e.to_string())?;
+            let fresh =
+                Self::create(&self.config, &self.brokers, &self.context, &self.quoted).map_err(|e| e.to_string())?;
             let old = std::mem::replace(&mut *current, Arc::new(fresh));
             // Destroying a librdkafka handle joins its threads: off the runtime.
             tokio::task::spawn_blocking(move || drop(old));
@@ -416,7 +430,7 @@ impl KafkaSink {
         if !Arc::ptr_eq(&current, used) {
             return;
         }
-        match Self::create(&self.config, &self.brokers, &self.context) {
+        match Self::create(&self.config, &self.brokers, &self.context, &self.quoted) {
             Ok(fresh) => {
                 let old = std::mem::replace(&mut *current, Arc::new(fresh));
                 tokio::task::spawn_blocking(move || drop(old));

@@ -17,6 +17,11 @@ use crate::secret::SecretUrl;
 /// [`FatalSinkError`]: the relay stops without charging the event a
 /// failure.
 ///
+/// Its writes are never cut at `--sink-timeout` (a cut line would corrupt
+/// the stream). At shutdown, once the grace runs out, a reader that stopped
+/// reading may be left with the start of the last line: that event is
+/// released, not published, and delivered whole again by the next relay.
+///
 /// When standard output is a pipe (`pg-outbox relay | consumer`), the sink
 /// opens the pipe again through `/proc/self/fd/1` (Linux), puts its own
 /// open file description (not the one the process inherited and shares with

@@ -71,11 +71,9 @@ impl std::str::FromStr for HttpHeader {
     type Err = Error;
     /// `NAME: VALUE`; spaces around both are trimmed.
     fn from_str(s: &str) -> Result<Self> {
+        // The text is never quoted back: it may be a credential.
         let Some((name, value)) = s.split_once(':') else {
-            return Err(Error::Config(format!(
-                "invalid header '{}': write NAME: VALUE, e.g. 'X-Team: billing'",
-                s.chars().take(40).collect::<String>()
-            )));
+            return Err(Error::Config("invalid header: no ':'; write NAME: VALUE, e.g. 'X-Team: billing'".into()));
         };
         let name = name.trim();
         if name.is_empty() {
@@ -107,7 +105,9 @@ const BODY_SNIPPET: usize = 512;
 /// acknowledges the event; any other status (redirects are not followed: a
 /// 3xx fails the event too), a connection error or a timeout fails it, with
 /// the status (and the start of the body, on one line, with any secret the
-/// request carried cut out) in `last_error`.
+/// request carried cut out: the URL's credentials, also as the Basic
+/// authorization sent, every query value of 3 characters or more, the
+/// credential headers and the signing secret) in `last_error`.
 /// Credentials and the query string of the URL never appear in logs or
 /// `last_error`. The request carries `Idempotency-Key: <outbox id>` so the
 /// receiver can drop redeliveries.
@@ -310,6 +310,14 @@ impl WebhookSink {
                 .map_err(|e| Error::Config(format!("invalid value for webhook header '{name}': {e}")))?;
             headers.append(n, v);
         }
+        // What a receiver may echo: the URL's credentials as the Basic
+        // authorization reqwest sends, and every query value.
+        if !parsed.username().is_empty() {
+            let decode = |s: &str| percent_encoding::percent_decode_str(s).decode_utf8_lossy().into_owned();
+            let pair = format!("{}:{}", decode(parsed.username()), decode(parsed.password().unwrap_or_default()));
+            others.push(Secret::new(base64::engine::general_purpose::STANDARD.encode(pair)));
+        }
+        others.extend(parsed.query_pairs().filter(|(_, v)| v.len() >= 3).map(|(_, v)| Secret::new(v)));
         let sent_secrets = SentSecrets { url: url.clone(), others };
         Ok(WebhookSink { client, url: parsed, name: format!("webhook {shown}"), headers, secret, sent_secrets })
     }
