@@ -78,10 +78,10 @@ pub enum Error {
     /// session's) and `migrate` (its lock). `target` names the pooler's
     /// address and database, never the password.
     #[error(
-        "{what} cannot run through the transaction-mode pooler at {target} ({evidence}): the locks and settings it \
-         keeps for a session would stay behind on server sessions that other clients get; give it a direct URL to \
-         the server or a session-mode pooler's URL (PgBouncer pool_mode=session, Supavisor's port 5432, Neon's \
-         endpoint without -pooler)"
+        "{what} cannot run through the transaction-mode pooler at {target}, which shares server sessions between \
+         clients ({evidence}): the locks and settings it keeps for its sessions would stay behind there; use a \
+         direct URL to the server or a session-mode pooler's URL (PgBouncer pool_mode=session, Supavisor's port \
+         5432, Neon's endpoint without -pooler)"
     )]
     SharedSessions {
         /// What was refused (`the relay`, `migrate`).

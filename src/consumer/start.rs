@@ -42,7 +42,7 @@ impl ConsumerBuilder {
         let cfg = Arc::new(self.cfg);
         // The leader and partition locks, the prepared statements and the
         // settings of the drain loop are its sessions'.
-        connect::require_own_sessions(&cfg.pg, "the consumer (pg-outbox relay)").await?;
+        connect::require_own_sessions(&cfg.pg, "the relay (pg-outbox's consumer)").await?;
         let (work, work_link) = connect::connect(&cfg.pg, "pg-outbox drain", &cfg.session()).await?;
         crate::migrate::check(&work).await?;
         match crate::migrate::ordering(&work).await? {

@@ -10,8 +10,9 @@
 //!   server session they borrowed (a pool of one session shows any).
 //! - The relay works through session mode: two relays, one leader, every
 //!   event delivered exactly once, also across a takeover.
-//! - The relay (with `--no-listen` too) and `migrate` refuse transaction
-//!   mode at start, in one line naming the pooler and what to use instead.
+//! - The relay (with `--no-listen` too), `migrate` and `console` refuse
+//!   transaction mode at start, in one line naming the pooler and what to
+//!   use instead.
 //! - [`pg_outbox::ConnectOptions::session_mode`] tells the two modes apart.
 
 use std::collections::BTreeMap;
@@ -178,6 +179,9 @@ fn server_address(cfg: &Config) -> (String, u16) {
     };
     (host, cfg.get_ports().first().copied().unwrap_or(5432))
 }
+
+/// Retention's advisory lock key (docs/architecture.md, "Advisory lock keys").
+const RETENTION_KEY: i64 = 0x7067_6f75_7400_0002;
 
 /// A value of a libpq connection string, quoted.
 fn quote(v: &str) -> String {
@@ -402,6 +406,15 @@ async fn short_commands_work_through_a_transaction_pooler_and_leave_no_session_s
     .expect("age the seed events");
     let dry = run(args(&["archive", "--older-than", "1d", "--dry-run"])).await;
     assert!(dry.contains("would delete 5 "), "dry run: {dry}");
+    // A run elsewhere holds the retention lock (a session of its own): the
+    // archive through transaction mode, whose batches take the same lock
+    // for their transaction, finds it and deletes nothing.
+    let holder = db.client().await;
+    holder.execute("SELECT pg_advisory_lock($1)", &[&RETENTION_KEY]).await.expect("hold the retention lock");
+    let out = support::cli(&["archive", "--older-than", "1d"]).url(&url).run().await;
+    assert_eq!(out.code, Some(1), "{out:?}");
+    assert!(out.stderr.contains("another retention run holds the lock"), "{}", out.stderr);
+    holder.execute("SELECT pg_advisory_unlock($1)", &[&RETENTION_KEY]).await.expect("release the retention lock");
     run(args(&["archive", "--older-than", "1d", "--batch-size", "2", "--pause", "10ms"])).await;
     assert_eq!(count(&c, &format!("SELECT count(*) FROM events.outbox WHERE aggregate_id = '{agg2}'")).await, 0);
 
@@ -508,9 +521,9 @@ async fn two_relays_through_a_session_pooler_one_leader_every_event_exactly_once
 /// A relay pointed at transaction mode stops at start with one line that
 /// names the pooler and the kind of URL to use; with `--no-listen` too
 /// (its leader lock is a session's, which transaction mode would strand);
-/// `migrate` likewise.
+/// `migrate` and `console` likewise.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn relay_and_migrate_refuse_a_transaction_pooler_in_one_line() {
+async fn relay_migrate_and_console_refuse_a_transaction_pooler_in_one_line() {
     let db = TestDb::new("pool_refuse").await;
     let Some(bouncer) = Bouncer::start(&db, PoolMode::Transaction, 4).await else { return };
     let url = bouncer.url(&db);
@@ -528,9 +541,12 @@ async fn relay_and_migrate_refuse_a_transaction_pooler_in_one_line() {
         }
         assert!(!log.contains("relay started"), "{log}");
     }
-    let out = support::cli(&["migrate"]).url(&url).run().await;
-    assert_eq!(out.code, Some(1), "{out:?}");
-    assert!(out.stderr.contains("transaction-mode pooler") && out.stderr.contains(&pooler), "{}", out.stderr);
+    for args in [vec!["migrate".to_string()], vec!["console".into(), "--addr".into(), free_port().to_string()]] {
+        let out = support::cli(&args).url(&url).run().await;
+        assert_eq!(out.code, Some(1), "{args:?}: {out:?}");
+        assert!(out.stderr.contains("transaction-mode pooler") && out.stderr.contains(&pooler), "{}", out.stderr);
+        assert_eq!(out.stderr.lines().filter(|l| l.starts_with("error:")).count(), 1, "{}", out.stderr);
+    }
     // The same through session mode works.
     let Some(session) = Bouncer::start(&db, PoolMode::Session, 4).await else { return };
     let out = support::cli(&["migrate"]).url(&session.url(&db)).run().await;
