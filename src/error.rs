@@ -84,12 +84,12 @@ pub enum Error {
          5432, Neon's endpoint without -pooler)"
     )]
     SharedSessions {
-        /// What was refused (`the relay`, `migrate`).
-        what: String,
+        /// What was refused (`the relay ...`, `migrate`, `the console`).
+        what: &'static str,
         /// The pooler's host and port, database and user.
         target: String,
-        /// What showed the sharing.
-        evidence: String,
+        /// What showed the sharing (boxed: every variant stays small).
+        evidence: Box<str>,
     },
     /// An event was refused before any SQL was sent (empty or NUL-bearing
     /// text, a payload PostgreSQL's jsonb cannot store, an oversized payload).

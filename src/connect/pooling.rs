@@ -149,11 +149,11 @@ async fn backend_pid(client: &Client) -> Result<i32> {
 /// # Errors
 /// [`Error::SharedSessions`] naming the pooler and the URL to use
 /// instead; the check's own errors.
-pub(crate) async fn require_own_sessions(pg: &ConnectOptions, what: &str) -> Result<()> {
+pub(crate) async fn require_own_sessions(pg: &ConnectOptions, what: &'static str) -> Result<()> {
     match pg.session_mode().await? {
         SessionMode::Kept => Ok(()),
         SessionMode::Shared { evidence } => {
-            Err(Error::SharedSessions { what: what.to_string(), target: pg.describe(), evidence })
+            Err(Error::SharedSessions { what, target: pg.describe(), evidence: evidence.into() })
         }
         SessionMode::Unknown { reason } => {
             tracing::warn!(target_db = %pg.describe(), "cannot tell whether {what} gets database sessions of its own \
