@@ -262,7 +262,7 @@ async fn open_with(
     // know the setting (PostgreSQL 13 or older: "unrecognized configuration
     // parameter", SQLSTATE 42704, at startup).
     let variants: &[bool] = if settings.check_client_connection && with_options { &[true, false] } else { &[false] };
-    for &with_check in variants {
+    'variants: for &with_check in variants {
         let mut cfg =
             if with_options { with_session_options(&base, &settings.options(with_check)) } else { base.clone() };
         let mut unknown_setting = false;
@@ -280,7 +280,13 @@ async fn open_with(
                     tracing::debug!(target_db = %opts.describe(), error = %crate::error::report(&e), "connection attempt failed");
                     unknown_setting |=
                         with_check && e.code() == Some(&tokio_postgres::error::SqlState::UNDEFINED_OBJECT);
+                    // A pooler that refuses the options answered in this
+                    // mode: [`open`] connects again without them.
+                    let refused = refused_startup_options(&e);
                     last = Some(e);
+                    if refused {
+                        break 'variants;
+                    }
                 }
             }
         }
@@ -433,6 +439,27 @@ mod tests {
         let mine = "-c tcp_keepalives_idle=5";
         let cfg = prepared(&parse_url(&format!("host=h user=u options='{mine}'")).expect("url").pg, "app");
         assert_eq!(cfg.get_options(), Some(format!("{ours} {mine}").as_str()));
+    }
+
+    #[test]
+    fn refused_startup_options_become_sets_and_a_config_without_options() {
+        let s = SessionSettings { statement_timeout: Some(Duration::from_secs(60)), ..SessionSettings::default() };
+        assert_eq!(
+            as_sets(&format!("{PLANNER_SETTINGS} {}", s.options(false))),
+            "SET enable_sort = off; SET jit = off; SET max_parallel_workers_per_gather = 0; SET statement_timeout = 60000;"
+        );
+        assert_eq!(as_sets(""), "");
+        let base = parse_url("postgres://u:pw@h:6432/db?application_name=mine&connect_timeout=3").expect("url").pg;
+        let cfg = unprepared(&prepared(&base, "app"), "app");
+        assert_eq!(cfg.get_options(), None, "no startup options at all");
+        assert_eq!(cfg.get_user(), Some("u"));
+        assert_eq!(cfg.get_password(), Some(&b"pw"[..]));
+        assert_eq!(cfg.get_dbname(), Some("db"));
+        assert_eq!(cfg.get_ports(), &[6432]);
+        assert_eq!(cfg.get_application_name(), Some("mine"));
+        assert_eq!(cfg.get_connect_timeout(), Some(&Duration::from_secs(3)));
+        assert!(cfg.get_keepalives());
+        assert_eq!(unprepared(&parse_url("host=h user=u").expect("url").pg, "app").get_application_name(), Some("app"));
     }
 
     #[test]
