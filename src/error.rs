@@ -70,6 +70,27 @@ pub enum Error {
     /// versions.
     #[error("unsupported server: {0}")]
     UnsupportedServer(String),
+    /// The database URL leads to a pooler that shares server sessions
+    /// between transactions (a transaction-mode pooler, as
+    /// [`ConnectOptions::session_mode`](crate::ConnectOptions::session_mode)
+    /// tells), and `what` needs sessions of its own: the relay (its leader
+    /// and partition locks, prepared statements and settings are a
+    /// session's) and `migrate` (its lock). `target` names the pooler's
+    /// address and database, never the password.
+    #[error(
+        "{what} cannot run through the transaction-mode pooler at {target}, which shares server sessions between \
+         clients ({evidence}): the locks and settings it keeps for its sessions would stay behind there; use a \
+         direct URL to the server or a session-mode pooler's URL (PgBouncer pool_mode=session, Supavisor's port \
+         5432, Neon's endpoint without -pooler)"
+    )]
+    SharedSessions {
+        /// What was refused (`the relay ...`, `migrate`, `the console`).
+        what: &'static str,
+        /// The pooler's host and port, database and user.
+        target: String,
+        /// What showed the sharing (boxed: every variant stays small).
+        evidence: Box<str>,
+    },
     /// An event was refused before any SQL was sent (empty or NUL-bearing
     /// text, a payload PostgreSQL's jsonb cannot store, an oversized payload).
     #[error("invalid event: {0}")]

@@ -25,7 +25,7 @@ mod store;
 #[cfg_attr(docsrs, doc(cfg(feature = "temp-server")))]
 pub mod temp_server;
 
-pub use connect::{ConnectOptions, DEFAULT_CONNECT_TIMEOUT, RootCert, SslMode, TlsConnector};
+pub use connect::{ConnectOptions, DEFAULT_CONNECT_TIMEOUT, RootCert, SessionMode, SslMode, TlsConnector};
 pub use consumer::{
     Consumer, ConsumerBuilder, DEFAULT_ACK_BATCH_SIZE, DEFAULT_ACK_INTERVAL, DEFAULT_BATCH_SIZE,
     DEFAULT_MAX_BUFFERED_BYTES, DEFAULT_MAX_RETRIES, DEFAULT_PING_INTERVAL, DEFAULT_RECONNECT_MAX_DELAY,

@@ -64,7 +64,7 @@ pub const NOTIFICATION_QUEUE_USAGE: &str = "outbox_notification_queue_usage_rati
 /// `listen(false)`): then only the sweep finds events.
 pub const NOTIFICATIONS_WORKING: &str = "outbox_notifications_working";
 /// Gauge: 1 when the consumer listens for notifications, 0 when it was
-/// started without (`--no-listen`, for a transaction-mode pooler): alerts
+/// started without (`--no-listen`): alerts
 /// on [`NOTIFICATIONS_WORKING`] and [`LISTENER_UP`] apply only where this is 1.
 pub const LISTEN_ENABLED: &str = "outbox_listen_enabled";
 /// Gauge: 1 while this relay asks producers to notify it (idle), 0 while

@@ -100,7 +100,9 @@ fn checksum(sql: &str) -> String {
 ///
 /// # Errors
 /// [`Error::Connect`] (or another connection error) if the session cannot
-/// be opened; [`Error::UnsupportedServer`] before anything runs if the
+/// be opened; [`Error::SharedSessions`] if `pg` leads to a
+/// transaction-mode pooler (its lock would stay behind there: use a direct
+/// URL or a session-mode pooler's); [`Error::UnsupportedServer`] before anything runs if the
 /// server is older than [`MIN_SERVER_VERSION`], naming both versions;
 /// [`Error::Db`] if a statement fails (nothing after it runs; the files are
 /// idempotent, so running again after fixing the cause is safe), or
@@ -126,6 +128,8 @@ fn checksum(sql: &str) -> String {
 /// # Ok(()) }
 /// ```
 pub async fn apply(pg: &ConnectOptions) -> Result<MigrationReport> {
+    // Its lock and its `statement_timeout` are its session's.
+    connect::require_own_sessions(pg, "migrate").await?;
     let (client, _link) = connect::connect(pg, "pg-outbox migrate", &SessionSettings::default()).await?;
     check_server_version(&client).await?;
     store::no_statement_timeout(&client).await?;

@@ -16,12 +16,19 @@
 //!   run's own; a second concurrent run returns at once with
 //!   `skipped = true`. Dropping a run's future closes its session, so no
 //!   lock outlives the run on any connection.
+//! - Through a transaction-mode pooler
+//!   ([`ConnectOptions::session_mode`]), where a session lock would stay
+//!   behind on a server session that other clients get, each batch is a
+//!   transaction that takes the same lock at transaction level: one batch
+//!   of one runner at a time, and a run that finds the lock taken (another
+//!   run's batch, or a direct runner's whole run) stops there, `skipped`
+//!   when it had deleted nothing.
 
 use std::time::Duration;
 
 use tokio_postgres::Client;
 
-use crate::connect::{self, ConnectOptions, SessionSettings};
+use crate::connect::{self, ConnectOptions, SessionMode, SessionSettings};
 use crate::error::Result;
 use crate::store::locks::{self, RunLock};
 use crate::store::retention::{self as store, Batch};
@@ -109,23 +116,38 @@ pub async fn run(pg: &ConnectOptions, r: &Retention) -> Result<RetentionReport> 
     if r.batch_size < 1 {
         return Err(crate::Error::Config(format!("retention batch size must be at least 1, got {}", r.batch_size)));
     }
-    let (client, _link) = match connect::connect(pg, "pg-outbox retention", &SessionSettings::default()).await {
+    let opened = async {
+        let shared = matches!(pg.session_mode().await?, SessionMode::Shared { .. });
+        Ok::<_, crate::Error>((shared, connect::connect(pg, "pg-outbox retention", &SessionSettings::default()).await?))
+    };
+    let (shared, (client, _link)) = match opened.await {
         Ok(c) => c,
         Err(e) => {
             metrics::counter!(crate::metrics::RETENTION_ERRORS).increment(1);
             return Err(e);
         }
     };
-    if !locks::try_lock(&client, RunLock::Retention).await? {
-        return Ok(RetentionReport { skipped: true, ..RetentionReport::default() });
+    let report = if shared {
+        let result = delete_locked_batches(&client, r).await;
+        if result.is_err() {
+            metrics::counter!(crate::metrics::RETENTION_ERRORS).increment(1);
+        }
+        result?
+    } else {
+        if !locks::try_lock(&client, RunLock::Retention).await? {
+            return Ok(RetentionReport { skipped: true, ..RetentionReport::default() });
+        }
+        let result = delete_batches(&client, r).await;
+        let unlocked = locks::unlock(&client, RunLock::Retention).await;
+        if result.is_err() || unlocked.is_err() {
+            metrics::counter!(crate::metrics::RETENTION_ERRORS).increment(1);
+        }
+        unlocked?;
+        result?
+    };
+    if report.skipped {
+        return Ok(report);
     }
-    let result = delete_batches(&client, r).await;
-    let unlocked = locks::unlock(&client, RunLock::Retention).await;
-    if result.is_err() || unlocked.is_err() {
-        metrics::counter!(crate::metrics::RETENTION_ERRORS).increment(1);
-    }
-    unlocked?;
-    let report = result?;
     metrics::gauge!(crate::metrics::RETENTION_LAST_RUN)
         .set(std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64()));
     Ok(report)
@@ -136,6 +158,57 @@ async fn delete_batches(client: &Client, r: &Retention) -> Result<RetentionRepor
     let mut batch = Batch { older_than: r.older_than, size: r.batch_size, after_id: 0 };
     loop {
         let deleted = store::delete_batch(client, &batch).await?;
+        let n = deleted.rows;
+        if let Some(last) = deleted.last_id {
+            batch.after_id = last;
+        }
+        report.deleted += n;
+        report.batches += 1;
+        metrics::counter!(crate::metrics::RETENTION_DELETED).increment(u64::try_from(n).unwrap_or(0));
+        if n < r.batch_size {
+            return Ok(report);
+        }
+        tokio::time::sleep(r.pause).await;
+    }
+}
+
+/// [`delete_batches`] through a transaction-mode pooler: each batch a
+/// transaction that first takes the retention lock at transaction level;
+/// the run stops at a batch that cannot take it (`skipped` when none ran).
+async fn delete_locked_batches(client: &Client, r: &Retention) -> Result<RetentionReport> {
+    let mut report = RetentionReport::default();
+    let mut batch = Batch { older_than: r.older_than, size: r.batch_size, after_id: 0 };
+    loop {
+        client.batch_execute("BEGIN").await?;
+        let locked = async {
+            if !locks::try_xact_lock(client, RunLock::Retention).await? {
+                return Ok(None);
+            }
+            store::delete_batch(client, &batch).await.map(Some)
+        };
+        let deleted = match locked.await {
+            Ok(Some(deleted)) => {
+                client.batch_execute("COMMIT").await?;
+                deleted
+            }
+            Ok(None) => {
+                client.batch_execute("ROLLBACK").await?;
+                if report.batches == 0 {
+                    report.skipped = true;
+                } else {
+                    tracing::info!(
+                        batches = report.batches,
+                        deleted = report.deleted,
+                        "retention: another run holds the retention lock; this run stops here"
+                    );
+                }
+                return Ok(report);
+            }
+            Err(e) => {
+                let _ = client.batch_execute("ROLLBACK").await;
+                return Err(e);
+            }
+        };
         let n = deleted.rows;
         if let Some(last) = deleted.last_id {
             batch.after_id = last;

@@ -21,12 +21,15 @@
 //! - `target`: where a connection goes, for messages;
 //! - `tls`: the rustls verifier behind `sslmode`, and [`TlsConnector`];
 //! - `session`: pg-outbox's own sessions (application names, keepalives,
-//!   startup settings, the connection task and its canceller).
+//!   startup settings, the connection task and its canceller);
+//! - `pooling`: whether the sessions behind a URL are a connection's own or
+//!   shared between transactions (a transaction-mode pooler), [`SessionMode`].
 
 mod env;
 mod libpq;
 mod options;
 mod parse;
+mod pooling;
 mod session;
 mod ssl_mode;
 mod target;
@@ -34,6 +37,8 @@ mod tls;
 
 pub use options::{ConnectOptions, DEFAULT_CONNECT_TIMEOUT};
 pub(crate) use parse::parses;
+pub use pooling::SessionMode;
+pub(crate) use pooling::require_own_sessions;
 #[cfg(feature = "console")]
 pub(crate) use session::setting_millis;
 pub(crate) use session::{Canceller, Link, SessionSettings, connect, open};

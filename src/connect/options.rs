@@ -273,7 +273,10 @@ impl ConnectOptions {
     /// one is given, and the planner settings pg-outbox's own statements are
     /// written for (`enable_sort=off`, `jit=off`,
     /// `max_parallel_workers_per_gather=0`, before the string's own
-    /// `options`, which win). The session suits pg-outbox's functions
+    /// `options`, which win; a pooler that refuses startup options, such as
+    /// PgBouncer, gets a session without them, and without these settings:
+    /// a `SET` would outlive the transaction on a transaction-mode pooler's
+    /// server session). The session suits pg-outbox's functions
     /// ([`crate::migrate::apply`], [`crate::status`],
     /// [`crate::dead_letters`], [`crate::retention`], [`crate::Publisher`]);
     /// for a pool serving an application's own queries, see

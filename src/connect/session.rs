@@ -60,6 +60,13 @@ pub(crate) struct SessionSettings {
     /// 14 refuses the unknown setting at startup; the connection is then
     /// made again without it.
     pub(crate) check_client_connection: bool,
+    /// The session keeps its server session for its life (the relay's,
+    /// after [`super::require_own_sessions`]): when a pooler refuses startup
+    /// options, these settings and the planner's are sent as `SET` once
+    /// connected. Other sessions then go without them: through a
+    /// transaction-mode pooler a `SET` would stay behind on a server
+    /// session that other clients get.
+    pub(crate) pinned: bool,
 }
 
 impl SessionSettings {
@@ -125,21 +132,117 @@ impl Canceller {
     }
 }
 
+/// Settings a pooler refused as startup options, to be sent as `SET`
+/// statements once the connection runs ([`Deferred::apply`]); empty unless
+/// the session is [pinned](SessionSettings::pinned).
+#[derive(Debug, Default)]
+pub(crate) struct Deferred {
+    /// `SET name = value; ...` of the planner settings and the statement timeout.
+    sets: Option<String>,
+    /// `SET client_connection_check_interval = ...` (refused by PostgreSQL
+    /// 13 and older, which is not an error here).
+    check: Option<String>,
+}
+
+impl Deferred {
+    /// Send the settings (nothing when there are none).
+    ///
+    /// # Errors
+    /// The driver's error when a `SET` is refused.
+    pub(crate) async fn apply(&self, client: &Client) -> std::result::Result<(), tokio_postgres::Error> {
+        if let Some(sql) = &self.sets {
+            client.batch_execute(sql).await?;
+        }
+        if let Some(sql) = &self.check {
+            match client.batch_execute(sql).await {
+                Err(e) if e.code() == Some(&tokio_postgres::error::SqlState::UNDEFINED_OBJECT) => {}
+                r => r?,
+            }
+        }
+        Ok(())
+    }
+}
+
+/// `-c name=value ...` startup options as `SET name = value;` statements.
+fn as_sets(options: &str) -> String {
+    options
+        .split_whitespace()
+        .filter(|t| *t != "-c")
+        .filter_map(|t| t.split_once('='))
+        .map(|(name, value)| format!("SET {name} = {value};"))
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+/// Whether the server refused the startup parameter `options`, as
+/// PgBouncer does ("unsupported startup parameter: options", SQLSTATE
+/// 08P01) unless its `ignore_startup_parameters` names it, and RDS Proxy
+/// ("doesn't support command-line options", by its documentation).
+fn refused_startup_options(e: &tokio_postgres::Error) -> bool {
+    use tokio_postgres::error::SqlState;
+    e.as_db_error().is_some_and(|db| {
+        (*db.code() == SqlState::PROTOCOL_VIOLATION || *db.code() == SqlState::FEATURE_NOT_SUPPORTED)
+            && db.message().to_ascii_lowercase().contains("options")
+    })
+}
+
 /// Open a connection as `opts` says (TLS included), with our application
 /// name, keepalives, a connect timeout and `settings`; do not spawn it.
-/// Returns the client, its connection and its [`Canceller`].
+/// Returns the client, its connection, its [`Canceller`] and the settings
+/// still to send ([`Deferred`]).
 ///
 /// `allow` tries without TLS and then with it; `prefer` asks for TLS and
 /// goes on without if the server declines; a Unix socket never uses TLS
 /// (as libpq).
+///
+/// A pooler that refuses the startup parameter `options` (PgBouncer) gets
+/// a connection without it, unless the URL sets options of its own; the
+/// settings then come as `SET` statements for a pinned session, and not at
+/// all for others.
 pub(crate) async fn open(
     opts: &ConnectOptions,
     application_name: &str,
     settings: &SessionSettings,
-) -> Result<(Client, Connection<Socket, TlsStream>, Canceller)> {
+) -> Result<(Client, Connection<Socket, TlsStream>, Canceller, Deferred)> {
+    match open_with(opts, application_name, settings, true).await {
+        Err(Error::Connect { source, .. })
+            if refused_startup_options(&source) && opts.pg.get_options().is_none_or(str::is_empty) =>
+        {
+            tracing::debug!(target_db = %opts.describe(),
+                "the server (a pooler) refuses startup options; connecting without them");
+            let (client, connection, canceller, _) = open_with(opts, application_name, settings, false).await?;
+            let deferred = if settings.pinned {
+                let sets = as_sets(&format!("{PLANNER_SETTINGS} {}", settings.options(false)));
+                let check = settings.check_client_connection.then(|| {
+                    format!(
+                        "SET client_connection_check_interval = {};",
+                        setting_millis(CLIENT_CONNECTION_CHECK_INTERVAL)
+                    )
+                });
+                Deferred { sets: Some(sets), check }
+            } else {
+                Deferred::default()
+            };
+            Ok((client, connection, canceller, deferred))
+        }
+        r => r,
+    }
+}
+
+/// [`open`], with startup options (ours and the URL's) or with none.
+async fn open_with(
+    opts: &ConnectOptions,
+    application_name: &str,
+    settings: &SessionSettings,
+    with_options: bool,
+) -> Result<(Client, Connection<Socket, TlsStream>, Canceller, Deferred)> {
     use tokio_postgres::config::SslMode as T;
     let (with_password, password_file) = opts.with_password();
-    let base = prepared(&with_password, application_name);
+    let base = if with_options {
+        prepared(&with_password, application_name)
+    } else {
+        unprepared(&with_password, application_name)
+    };
     let all_unix = opts.all_unix();
     let tls = opts.tls_for_hosts()?;
     let attempts: &[T] = match opts.ssl_mode {
@@ -158,9 +261,10 @@ pub(crate) async fn open(
     // With the connection check first; without it if the server does not
     // know the setting (PostgreSQL 13 or older: "unrecognized configuration
     // parameter", SQLSTATE 42704, at startup).
-    let variants: &[bool] = if settings.check_client_connection { &[true, false] } else { &[false] };
-    for &with_check in variants {
-        let mut cfg = with_session_options(&base, &settings.options(with_check));
+    let variants: &[bool] = if settings.check_client_connection && with_options { &[true, false] } else { &[false] };
+    'variants: for &with_check in variants {
+        let mut cfg =
+            if with_options { with_session_options(&base, &settings.options(with_check)) } else { base.clone() };
         let mut unknown_setting = false;
         for mode in attempts {
             cfg.ssl_mode(*mode);
@@ -170,13 +274,19 @@ pub(crate) async fn open(
             match attempt {
                 Ok((client, connection)) => {
                     let canceller = Canceller { token: client.cancel_token(), tls: tls.clone() };
-                    return Ok((client, connection, canceller));
+                    return Ok((client, connection, canceller, Deferred::default()));
                 }
                 Err(e) => {
                     tracing::debug!(target_db = %opts.describe(), error = %crate::error::report(&e), "connection attempt failed");
                     unknown_setting |=
                         with_check && e.code() == Some(&tokio_postgres::error::SqlState::UNDEFINED_OBJECT);
+                    // A pooler that refuses the options answered in this
+                    // mode: [`open`] connects again without them.
+                    let refused = refused_startup_options(&e);
                     last = Some(e);
+                    if refused {
+                        break 'variants;
+                    }
                 }
             }
         }
@@ -207,7 +317,7 @@ pub(crate) async fn connect(
     application_name: &str,
     settings: &SessionSettings,
 ) -> Result<(Client, Link)> {
-    let (client, connection, canceller) = open(opts, application_name, settings).await?;
+    let (client, connection, canceller, deferred) = open(opts, application_name, settings).await?;
     let name = application_name.to_string();
     let closed = tokio_util::sync::CancellationToken::new();
     let guard = closed.clone().drop_guard();
@@ -217,7 +327,12 @@ pub(crate) async fn connect(
             tracing::debug!(connection = %name, error = %e, "connection ended");
         }
     });
-    Ok((client, Link { handle, closed, canceller }))
+    let link = Link { handle, closed, canceller };
+    if let Err(e) = deferred.apply(&client).await {
+        link.handle.abort();
+        return Err(Error::Db(e));
+    }
+    Ok((client, link))
 }
 
 /// `base`'s options with `extra` in front, so that `base`'s (ours of every
@@ -234,6 +349,53 @@ fn with_session_options(base: &Config, extra: &str) -> Config {
         }
     }
     cfg
+}
+
+/// `cfg` without its startup options (tokio-postgres cannot unset them),
+/// with our application name, client-side keepalives and a connect
+/// timeout: for a pooler that refuses the parameter.
+fn unprepared(cfg: &Config, application_name: &str) -> Config {
+    let mut out = Config::new();
+    if let Some(u) = cfg.get_user() {
+        out.user(u);
+    }
+    if let Some(p) = cfg.get_password() {
+        out.password(p);
+    }
+    if let Some(d) = cfg.get_dbname() {
+        out.dbname(d);
+    }
+    out.application_name(cfg.get_application_name().unwrap_or(application_name));
+    for h in cfg.get_hosts() {
+        match h {
+            tokio_postgres::config::Host::Tcp(h) => out.host(h),
+            tokio_postgres::config::Host::Unix(p) => out.host_path(p),
+        };
+    }
+    for a in cfg.get_hostaddrs() {
+        out.hostaddr(*a);
+    }
+    for p in cfg.get_ports() {
+        out.port(*p);
+    }
+    out.ssl_mode(cfg.get_ssl_mode())
+        .ssl_negotiation(cfg.get_ssl_negotiation())
+        .target_session_attrs(cfg.get_target_session_attrs())
+        .channel_binding(cfg.get_channel_binding())
+        .load_balance_hosts(cfg.get_load_balance_hosts())
+        .keepalives(true)
+        .keepalives_idle(KEEPALIVE_IDLE)
+        .connect_timeout(cfg.get_connect_timeout().copied().unwrap_or(DEFAULT_CONNECT_TIMEOUT));
+    if let Some(t) = cfg.get_tcp_user_timeout() {
+        out.tcp_user_timeout(*t);
+    }
+    if let Some(i) = cfg.get_keepalives_interval() {
+        out.keepalives_interval(i);
+    }
+    if let Some(r) = cfg.get_keepalives_retries() {
+        out.keepalives_retries(r);
+    }
+    out
 }
 
 /// The config with our application name, keepalives and a connect timeout.
@@ -280,12 +442,38 @@ mod tests {
     }
 
     #[test]
+    fn refused_startup_options_become_sets_and_a_config_without_options() {
+        let s = SessionSettings { statement_timeout: Some(Duration::from_secs(60)), ..SessionSettings::default() };
+        assert_eq!(
+            as_sets(&format!("{PLANNER_SETTINGS} {}", s.options(false))),
+            "SET enable_sort = off; SET jit = off; SET max_parallel_workers_per_gather = 0; SET statement_timeout = 60000;"
+        );
+        assert_eq!(as_sets(""), "");
+        let base = parse_url("postgres://u:pw@h:6432/db?application_name=mine&connect_timeout=3").expect("url").pg;
+        let cfg = unprepared(&prepared(&base, "app"), "app");
+        assert_eq!(cfg.get_options(), None, "no startup options at all");
+        assert_eq!(cfg.get_user(), Some("u"));
+        assert_eq!(cfg.get_password(), Some(&b"pw"[..]));
+        assert_eq!(cfg.get_dbname(), Some("db"));
+        assert_eq!(cfg.get_ports(), &[6432]);
+        assert_eq!(cfg.get_application_name(), Some("mine"));
+        assert_eq!(cfg.get_connect_timeout(), Some(&Duration::from_secs(3)));
+        assert!(cfg.get_keepalives());
+        assert_eq!(unprepared(&parse_url("host=h user=u").expect("url").pg, "app").get_application_name(), Some("app"));
+    }
+
+    #[test]
     fn session_settings_come_before_the_urls_options() {
-        let s = SessionSettings { statement_timeout: Some(Duration::from_millis(200)), check_client_connection: true };
+        let s = SessionSettings {
+            statement_timeout: Some(Duration::from_millis(200)),
+            check_client_connection: true,
+            pinned: false,
+        };
         assert_eq!(s.options(true), "-c statement_timeout=200 -c client_connection_check_interval=5000");
         assert_eq!(s.options(false), "-c statement_timeout=200");
         assert_eq!(SessionSettings::default().options(true), "");
-        let off = SessionSettings { statement_timeout: Some(Duration::ZERO), check_client_connection: false };
+        let off =
+            SessionSettings { statement_timeout: Some(Duration::ZERO), check_client_connection: false, pinned: false };
         assert_eq!(off.options(true), "-c statement_timeout=0");
         let base = prepared(&parse_url("host=h user=u options='-c statement_timeout=0'").expect("url").pg, "app");
         let cfg = with_session_options(&base, &s.options(true));

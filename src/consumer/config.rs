@@ -125,7 +125,11 @@ impl ConsumerConfig {
     /// timeout, and the server's check for a vanished client while a
     /// statement runs.
     pub(crate) fn session(&self) -> connect::SessionSettings {
-        connect::SessionSettings { statement_timeout: Some(self.statement_timeout), check_client_connection: true }
+        connect::SessionSettings {
+            statement_timeout: Some(self.statement_timeout),
+            check_client_connection: true,
+            pinned: true,
+        }
     }
 }
 
@@ -348,8 +352,11 @@ impl ConsumerBuilder {
     }
 
     /// Whether to LISTEN for notifications (default true). With `false`
-    /// only the sweep finds events (every sweep interval): for environments
-    /// without LISTEN, such as a transaction-mode pooler.
+    /// only the sweep finds events (every sweep interval): for a server
+    /// whose notifications never arrive, or producers that use two-phase
+    /// commit. Not a way through a transaction-mode pooler: the consumer's
+    /// locks are its sessions', and [`ConsumerBuilder::start`] refuses one
+    /// either way.
     pub fn listen(mut self, listen: bool) -> Self {
         self.cfg.listen = listen;
         self

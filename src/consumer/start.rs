@@ -28,7 +28,11 @@ impl ConsumerBuilder {
     /// [`Error::Config`](crate::Error::Config) for out-of-range settings; [`Error::Connect`](crate::Error::Connect) if the
     /// database cannot be reached (the first connection fails fast; later
     /// losses are retried with backoff); [`Error::NotMigrated`](crate::Error::NotMigrated) if the
-    /// schema has not been migrated.
+    /// schema has not been migrated; [`Error::SharedSessions`](crate::Error::SharedSessions) if
+    /// the URL leads to a transaction-mode pooler
+    /// ([`ConnectOptions::session_mode`](crate::ConnectOptions::session_mode)):
+    /// the consumer's locks, prepared statements and settings belong to its
+    /// sessions, so it needs a direct URL or a session-mode pooler's.
     ///
     /// # Cancel safety
     /// Cancel safe: dropping the future before it resolves closes the sessions it
@@ -36,6 +40,9 @@ impl ConsumerBuilder {
     pub async fn start(mut self) -> Result<EventStream> {
         self.validate()?;
         let cfg = Arc::new(self.cfg);
+        // The leader and partition locks, the prepared statements and the
+        // settings of the drain loop are its sessions'.
+        connect::require_own_sessions(&cfg.pg, "the relay (pg-outbox's consumer)").await?;
         let (work, work_link) = connect::connect(&cfg.pg, "pg-outbox drain", &cfg.session()).await?;
         crate::migrate::check(&work).await?;
         match crate::migrate::ordering(&work).await? {

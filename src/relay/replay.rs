@@ -7,11 +7,12 @@
 //! an aggregate, an event type) and hands them to a sink one after another,
 //! in id order, each once.
 //!
-//! - **Read-only.** A replay runs on a session of its own whose
-//!   transactions are read-only (`SET SESSION CHARACTERISTICS AS
-//!   TRANSACTION READ ONLY`): it cannot change `published_at`,
-//!   `retry_count` or anything else, and the relay that owns the outbox goes
-//!   on undisturbed (replay takes none of its locks).
+//! - **Read-only.** A replay runs on a session of its own, and each of its
+//!   reads is a transaction started read-only (`START TRANSACTION READ
+//!   ONLY`): it cannot change `published_at`, `retry_count` or anything
+//!   else, and the relay that owns the outbox goes on undisturbed (replay
+//!   takes none of its locks). Nothing of it outlives its transactions, so
+//!   it works through a transaction-mode pooler too.
 //! - **Published events only**, unless [`Filter::include_unpublished`]:
 //!   unpublished events are the relay's job (and would then reach the sink
 //!   twice, once from the relay and once from the replay).
@@ -250,8 +251,8 @@ impl ReplayBuilder {
         self
     }
 
-    /// Check the settings, connect to `db` on a read-only session of the
-    /// replay's own (application name `pg-outbox replay` unless the URL
+    /// Check the settings, connect to `db` on a session of the replay's own
+    /// (whose reads are read-only transactions) (application name `pg-outbox replay` unless the URL
     /// sets one), and find where the range starts and ends.
     ///
     /// # Errors
@@ -281,9 +282,6 @@ impl ReplayBuilder {
             None => db.clone().with_application_name("pg-outbox replay"),
         };
         let client = db.connect().await?;
-        if !store::make_read_only(&client).await? {
-            return Err(Error::Config("the replay's session did not become read-only; refusing to replay".into()));
-        }
         let lower = self.filter.start_after().unwrap_or(i64::MIN);
         let store::Bounds { first_id, last_id } = store::bounds(&client, lower).await?;
         let start = first_id.map_or(lower, |f| f - 1);
@@ -362,7 +360,7 @@ pub struct Counted {
     pub outcome: Outcome,
 }
 
-/// A replay, open on its read-only session: [`Replay::run`] delivers,
+/// A replay, open on its session (every read a read-only transaction): [`Replay::run`] delivers,
 /// [`Replay::count`] only counts. See the [module docs](self).
 #[derive(Debug)]
 pub struct Replay {

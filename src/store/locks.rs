@@ -20,7 +20,8 @@ pub(crate) const LEADER_KEY: i64 = 0x7067_6f75_7400_0001;
 
 /// Retention: one runner at a time. Session level, bigint key
 /// ("pgout\0\0\x02"). Held by the session running `retention::run` for the
-/// run; a second runner that cannot take it at once skips its run.
+/// run; a second runner that cannot take it at once skips its run. Through
+/// a transaction-mode pooler, transaction level instead, held by each batch.
 const RETENTION_KEY: i64 = 0x7067_6f75_7400_0002;
 
 /// `migrate`: serialises concurrent runs. Session level, bigint key
@@ -73,6 +74,10 @@ pub(crate) const TRY_LEADER_LOCK: &str = TRY_LOCK;
 const TRY_LOCK: &str = "SELECT pg_try_advisory_lock($1)";
 /// Release the session lock of bigint key $1.
 const UNLOCK: &str = "SELECT pg_advisory_unlock($1)";
+/// Try to take the lock of bigint key $1 for the running transaction
+/// (released at its end) without waiting: a run's lock through a
+/// transaction-mode pooler, where a session lock would stay behind.
+const TRY_XACT_LOCK: &str = "SELECT pg_try_advisory_xact_lock($1)";
 /// Partitioned mode: hold a membership lock for this session ($1
 /// [`MEMBER_CLASS`], $2 key).
 pub(crate) const MEMBER_LOCK: &str = "SELECT pg_advisory_lock($1, $2)";
@@ -116,6 +121,16 @@ impl RunLock {
 /// [`crate::Error::Db`] when the statement fails.
 pub(crate) async fn try_lock<C: GenericClient + Sync>(client: &C, lock: RunLock) -> Result<bool> {
     Ok(client.query_one(TRY_LOCK, &[&lock.key()]).await?.try_get(0)?)
+}
+
+/// Try to take `lock` for `client`'s running transaction without waiting
+/// ([`TRY_XACT_LOCK`]); returns whether it did. Held until the transaction
+/// ends.
+///
+/// # Errors
+/// [`crate::Error::Db`] when the statement fails.
+pub(crate) async fn try_xact_lock<C: GenericClient + Sync>(client: &C, lock: RunLock) -> Result<bool> {
+    Ok(client.query_one(TRY_XACT_LOCK, &[&lock.key()]).await?.try_get(0)?)
 }
 
 /// Release `lock`, which `client`'s session holds ([`UNLOCK`]).

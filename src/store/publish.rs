@@ -1,10 +1,23 @@
 //! The producers' INSERTs ([`crate::Publisher`]). The insert trigger
 //! (`triggers/outbox_insert_order_and_notify.sql`) draws the id, takes the
 //! aggregate's lock and sends the wake-up.
+//!
+//! Each INSERT goes as one message sequence on the unnamed statement, with
+//! its parameter types given (tokio-postgres' `query_typed`, sqlx's
+//! `persistent(false)`), never as a named prepared statement: a
+//! transaction-mode pooler (PgBouncer before 1.21, Supavisor, Neon's
+//! pooled endpoints) hands a client's statements to whichever server
+//! session is free, where a statement named on another does not exist, or
+//! one of the same name from another client already does. Through
+//! tokio-postgres, Parse, Bind and Execute travel in one round trip and
+//! hold no server session between them, inside a transaction or outside;
+//! sqlx parses in a round trip of its own, so through such a pooler
+//! publish inside a transaction.
 
 use tokio_postgres::GenericClient;
+use tokio_postgres::types::{ToSql, Type};
 
-use super::{map_missing_schema, query_map, row_id};
+use super::{map_missing_schema, row_id};
 use crate::error::Result;
 use crate::event::NewEvent;
 
@@ -23,10 +36,13 @@ pub(crate) const INSERT_MANY: &str = concat!(
 );
 
 pub(crate) async fn insert_event<C: GenericClient + Sync>(client: &C, e: &NewEvent) -> Result<i64> {
-    let row = client
-        .query_one(INSERT_ONE, &[&e.aggregate_type, &e.aggregate_id, &e.event_type, &e.payload])
-        .await
-        .map_err(map_missing_schema)?;
+    let params: [(&(dyn ToSql + Sync), Type); 4] = [
+        (&e.aggregate_type, Type::TEXT),
+        (&e.aggregate_id, Type::UUID),
+        (&e.event_type, Type::TEXT),
+        (&e.payload, Type::JSONB),
+    ];
+    let row = client.query_typed_one(INSERT_ONE, &params).await.map_err(map_missing_schema)?;
     row_id(&row)
 }
 
@@ -35,7 +51,14 @@ pub(crate) async fn insert_events<C: GenericClient + Sync>(client: &C, events: &
     let ids: Vec<uuid::Uuid> = events.iter().map(|e| e.aggregate_id).collect();
     let names: Vec<&str> = events.iter().map(|e| e.event_type.as_str()).collect();
     let payloads: Vec<&serde_json::Value> = events.iter().map(|e| &e.payload).collect();
-    let mut out = query_map(client, INSERT_MANY, &[&types, &ids, &names, &payloads], row_id).await?;
+    let params: [(&(dyn ToSql + Sync), Type); 4] = [
+        (&types, Type::TEXT_ARRAY),
+        (&ids, Type::UUID_ARRAY),
+        (&names, Type::TEXT_ARRAY),
+        (&payloads, Type::JSONB_ARRAY),
+    ];
+    let rows = client.query_typed(INSERT_MANY, &params).await.map_err(map_missing_schema)?;
+    let mut out = rows.iter().map(row_id).collect::<Result<Vec<i64>>>()?;
     // Sequence values are drawn in ORDER BY n order within the statement, so
     // ascending ids are the input order.
     out.sort_unstable();
@@ -53,6 +76,7 @@ pub(crate) mod via_sqlx {
     /// Insert one event and return its id.
     pub(crate) async fn insert_event<'c, E: sqlx::PgExecutor<'c>>(executor: E, e: &NewEvent) -> Result<i64> {
         sqlx::query_scalar(INSERT_ONE)
+            .persistent(false)
             .bind(e.aggregate_type.as_str())
             .bind(e.aggregate_id)
             .bind(e.event_type.as_str())
@@ -72,6 +96,7 @@ pub(crate) mod via_sqlx {
         let names: Vec<&str> = events.iter().map(|e| e.event_type.as_str()).collect();
         let payloads: Vec<&serde_json::Value> = events.iter().map(|e| &e.payload).collect();
         let mut out: Vec<i64> = sqlx::query_scalar(INSERT_MANY)
+            .persistent(false)
             .bind(types)
             .bind(ids)
             .bind(names)

@@ -17,13 +17,12 @@ use crate::error::{Error, Result};
 use crate::event::Event;
 use crate::relay::replay::Filter;
 
-/// Make the session's transactions read-only (each statement of a replay is
-/// a transaction of its own): a replay cannot change a row, even by mistake.
-const READ_ONLY: &str = "SET SESSION CHARACTERISTICS AS TRANSACTION READ ONLY";
-
-/// Whether this session's transactions are read-only (`read_only`), to
-/// check that [`READ_ONLY`] took.
-const IS_READ_ONLY: &str = "SELECT current_setting('transaction_read_only') = 'on' AS read_only";
+/// Starts each read of a replay: a transaction of its own, read-only, so a
+/// replay cannot change a row, even by mistake. Per transaction, not per
+/// session (`SET SESSION CHARACTERISTICS`): through a transaction-mode
+/// pooler a session setting would stay behind on a server session that
+/// other clients get, and make their transactions read-only.
+const BEGIN_READ_ONLY: &str = "START TRANSACTION READ ONLY";
 
 /// The lowest and the highest id above `$1 bigint` (`first_id`, `last_id`;
 /// NULL when there is none): where a replay starts and ends, and, after a
@@ -64,14 +63,20 @@ pub(crate) fn count_sql() -> String {
 static PAGE: LazyLock<String> = LazyLock::new(page_sql);
 static COUNT: LazyLock<String> = LazyLock::new(count_sql);
 
-/// Make the session's transactions read-only ([`READ_ONLY`]) and say
-/// whether they now are ([`IS_READ_ONLY`]).
-///
-/// # Errors
-/// [`crate::Error::Db`] when either statement fails.
-pub(crate) async fn make_read_only(client: &Client) -> Result<bool> {
-    client.batch_execute(READ_ONLY).await?;
-    Ok(client.query_one(IS_READ_ONLY, &[]).await?.try_get("read_only")?)
+/// Run `read` (statements on `client`) in a read-only transaction of its
+/// own ([`BEGIN_READ_ONLY`]), committed after it, rolled back after an error.
+async fn read_only<T>(client: &Client, read: impl Future<Output = Result<T>>) -> Result<T> {
+    client.batch_execute(BEGIN_READ_ONLY).await?;
+    match read.await {
+        Ok(v) => {
+            client.batch_execute("COMMIT").await?;
+            Ok(v)
+        }
+        Err(e) => {
+            let _ = client.batch_execute("ROLLBACK").await;
+            Err(e)
+        }
+    }
 }
 
 /// The lowest and the highest id in `events.outbox`, as [`bounds`] reads
@@ -89,8 +94,11 @@ pub(crate) struct Bounds {
 /// # Errors
 /// [`crate::Error::NotMigrated`] or [`crate::Error::Db`].
 pub(crate) async fn bounds(client: &Client, after: i64) -> Result<Bounds> {
-    let row = client.query_one(BOUNDS, &[&after]).await.map_err(map_missing_schema)?;
-    Ok(Bounds { first_id: row.try_get("first_id")?, last_id: row.try_get("last_id")? })
+    read_only(client, async {
+        let row = client.query_one(BOUNDS, &[&after]).await.map_err(map_missing_schema)?;
+        Ok(Bounds { first_id: row.try_get("first_id")?, last_id: row.try_get("last_id")? })
+    })
+    .await
 }
 
 /// One window of a replay: the rows of `filter` with ids in `(after, upto]`.
@@ -139,7 +147,9 @@ pub(crate) struct Unreadable {
 /// cannot be read.
 pub(crate) async fn page(client: &Client, window: &Window<'_>, limit: i64) -> Result<Vec<Result<Event, Unreadable>>> {
     let [a, b, c, d, e, f, g, h] = window.params();
-    let rows = client.query(PAGE.as_str(), &[a, b, c, d, e, f, g, h, &limit]).await.map_err(map_missing_schema)?;
+    let params = [a, b, c, d, e, f, g, h, &limit];
+    let rows =
+        read_only(client, async { client.query(PAGE.as_str(), &params).await.map_err(map_missing_schema) }).await?;
     Ok(rows.iter().map(|r| event_from_row(r).map_err(|error| Unreadable { id: row_id(r).ok(), error })).collect())
 }
 
@@ -159,6 +169,8 @@ pub(crate) struct Counted {
 /// # Errors
 /// [`crate::Error::NotMigrated`] or [`crate::Error::Db`].
 pub(crate) async fn count(client: &Client, window: &Window<'_>) -> Result<Counted> {
-    let row = client.query_one(COUNT.as_str(), &window.params()).await.map_err(map_missing_schema)?;
+    let params = window.params();
+    let row = read_only(client, async { client.query_one(COUNT.as_str(), &params).await.map_err(map_missing_schema) })
+        .await?;
     Ok(Counted { rows: row.try_get("n")?, first_id: row.try_get("first_id")?, last_id: row.try_get("last_id")? })
 }

@@ -1,9 +1,12 @@
 //! Retention's statements ([`crate::retention`]), and one function per
-//! operation that runs them.
+//! operation that runs them. Each goes as one round trip on the unnamed
+//! statement (`query_typed`), so it holds no server session between its
+//! parse and its execution (a transaction-mode pooler).
 
 use std::time::Duration;
 
 use tokio_postgres::GenericClient;
+use tokio_postgres::types::Type;
 
 use super::map_missing_schema;
 use crate::error::Result;
@@ -54,7 +57,10 @@ pub(crate) struct Deleted {
 /// [`crate::Error::NotMigrated`] or [`crate::Error::Db`].
 pub(crate) async fn delete_batch<C: GenericClient + Sync>(client: &C, b: &Batch) -> Result<Deleted> {
     let secs = b.older_than.as_secs_f64();
-    let row = client.query_one(DELETE_BATCH, &[&secs, &b.size, &b.after_id]).await.map_err(map_missing_schema)?;
+    let row = client
+        .query_typed_one(DELETE_BATCH, &[(&secs, Type::FLOAT8), (&b.size, Type::INT8), (&b.after_id, Type::INT8)])
+        .await
+        .map_err(map_missing_schema)?;
     Ok(Deleted { rows: row.try_get("deleted")?, last_id: row.try_get("last_id")? })
 }
 
@@ -65,5 +71,6 @@ pub(crate) async fn delete_batch<C: GenericClient + Sync>(client: &C, b: &Batch)
 /// [`crate::Error::NotMigrated`] or [`crate::Error::Db`].
 pub(crate) async fn count_due<C: GenericClient + Sync>(client: &C, older_than: Duration) -> Result<i64> {
     let secs = older_than.as_secs_f64();
-    Ok(client.query_one(COUNT_DUE, &[&secs]).await.map_err(map_missing_schema)?.try_get("due")?)
+    let row = client.query_typed_one(COUNT_DUE, &[(&secs, Type::FLOAT8)]).await.map_err(map_missing_schema)?;
+    Ok(row.try_get("due")?)
 }

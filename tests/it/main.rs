@@ -22,6 +22,7 @@ mod order;
 mod ordering_modes;
 mod plan_states;
 mod plans;
+mod poolers;
 mod relay;
 mod relay_proc;
 mod replay;

@@ -53,6 +53,7 @@ const PODMAN_VAR: &str = "PG_OUTBOX_REQUIRE_PODMAN";
 const BROKERS: &str = "PG_OUTBOX_REQUIRE_BROKERS";
 const STUNNEL_VAR: &str = "PG_OUTBOX_REQUIRE_STUNNEL";
 const TOOLS: &str = "PG_OUTBOX_REQUIRE_TOOLS";
+const POOLERS: &str = "PG_OUTBOX_REQUIRE_POOLERS";
 
 const fn on_path_program(name: &'static str, install: Install, require: &'static str) -> Program {
     Program { name, names: &[], find: on_path, install, require }
@@ -79,6 +80,8 @@ pub const TANSU: Program =
 pub const PSQL: Program = on_path_program("psql", Install::Debian("postgresql-client"), TOOLS);
 /// `script` (util-linux), for a pseudo-terminal.
 pub const SCRIPT: Program = on_path_program("script", Install::Debian("bsdutils"), TOOLS);
+/// The connection pooler of the pooler tests (Debian installs it in `/usr/sbin`).
+pub const PGBOUNCER: Program = on_path_program("pgbouncer", Install::Debian("pgbouncer"), POOLERS);
 
 /// A broker server the tests expect on this machine's standard port.
 #[derive(Debug)]

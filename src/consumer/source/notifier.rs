@@ -49,7 +49,7 @@ pub(crate) async fn listen(
     wake: Arc<Notify>,
     probe: watch::Sender<String>,
 ) -> Result<Listening> {
-    let (client, mut connection, _canceller) = connect::open(pg, "pg-outbox listener", settings).await?;
+    let (client, mut connection, _canceller, deferred) = connect::open(pg, "pg-outbox listener", settings).await?;
     let driver = tokio::spawn(async move {
         let mut messages = futures::stream::poll_fn(move |cx| connection.poll_message(cx));
         while let Some(msg) = messages.next().await {
@@ -68,7 +68,11 @@ pub(crate) async fn listen(
         }
         Ok(())
     });
-    match tokio::time::timeout(OP_TIMEOUT, store::listen(&client, NOTIFY_CHANNEL)).await {
+    let listen = async {
+        deferred.apply(&client).await?;
+        store::listen(&client, NOTIFY_CHANNEL).await
+    };
+    match tokio::time::timeout(OP_TIMEOUT, listen).await {
         Ok(Ok(())) => Ok(Listening { client, driver }),
         Ok(Err(e)) => {
             driver.abort();

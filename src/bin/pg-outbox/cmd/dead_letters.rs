@@ -117,7 +117,7 @@ fn counted(ids: &[i64]) -> String {
 }
 
 /// Explain ids that were asked for by number but are not dead letters.
-async fn explain_missing(client: &tokio_postgres::Client, asked: &[i64], found: &[i64]) -> Result<(), Error> {
+async fn explain_missing(client: &tokio_postgres::Transaction<'_>, asked: &[i64], found: &[i64]) -> Result<(), Error> {
     let missing: Vec<i64> = asked.iter().copied().filter(|i| !found.contains(i)).collect();
     if missing.is_empty() {
         return Ok(());
@@ -143,19 +143,31 @@ fn require_selection(ids: &[i64], filter: &FilterArgs, all: bool, verb: &str) ->
     Ok(())
 }
 
+/// Run `cmd` in one transaction: its statements hold one server session
+/// from the first to the last (so a transaction-mode pooler cannot split
+/// them across sessions), and a retry or discard commits with the
+/// wake-up it sends. What was done is committed also when the command then
+/// reports ids it did not touch.
 pub(crate) async fn run(url: &str, cmd: DeadLetterCmd) -> Result<(), Error> {
-    let client = crate::db::connect(url).await?;
-    match cmd {
-        DeadLetterCmd::List { filter, json } => list(&client, &filter.to_filter(&[])?, json).await,
-        DeadLetterCmd::Show { id } => show(&client, id).await,
-        DeadLetterCmd::Retry { sel } => retry(&client, sel).await,
-        DeadLetterCmd::Discard { sel, yes } => discard(&client, sel, yes).await,
-    }
+    let mut client = crate::db::connect(url).await?;
+    let tx = client.transaction().await?;
+    let result = match cmd {
+        DeadLetterCmd::List { filter, json } => match filter.to_filter(&[]) {
+            Ok(f) => list(&tx, &f, json).await,
+            Err(e) => Err(e),
+        },
+        DeadLetterCmd::Show { id } => show(&tx, id).await,
+        DeadLetterCmd::Retry { sel } => retry(&tx, sel).await,
+        DeadLetterCmd::Discard { sel, yes } => discard(&tx, sel, yes).await,
+    };
+    let committed = tx.commit().await;
+    result?;
+    Ok(committed?)
 }
 
 /// `dead-letters list`: a table (or JSON) on stdout; a note on stderr when
 /// the page is cut short by the limit.
-async fn list(client: &tokio_postgres::Client, f: &Filter, json: bool) -> Result<(), Error> {
+async fn list(client: &tokio_postgres::Transaction<'_>, f: &Filter, json: bool) -> Result<(), Error> {
     let rows = dead_letters::list(client, f).await?;
     let limit = f.limit.unwrap_or(dead_letters::DEFAULT_LIST_LIMIT);
     let mut note = None;
@@ -199,7 +211,7 @@ fn print_table(rows: &[pg_outbox::Event]) {
 }
 
 /// `dead-letters show ID`: the dead letter as JSON, or why there is none.
-async fn show(client: &tokio_postgres::Client, id: i64) -> Result<(), Error> {
+async fn show(client: &tokio_postgres::Transaction<'_>, id: i64) -> Result<(), Error> {
     let rows = dead_letters::list(client, &Filter::ids(vec![id])).await?;
     if let Some(e) = rows.first() {
         println!("{}", serde_json::to_string_pretty(e)?);
@@ -214,7 +226,7 @@ async fn show(client: &tokio_postgres::Client, id: i64) -> Result<(), Error> {
 }
 
 /// `dead-letters retry`: due again at once (or, with --dry-run, what would be).
-async fn retry(client: &tokio_postgres::Client, sel: Selection) -> Result<(), Error> {
+async fn retry(client: &tokio_postgres::Transaction<'_>, sel: Selection) -> Result<(), Error> {
     let Selection { ids, filter, all, dry_run } = sel;
     require_selection(&ids, &filter, all, "retry")?;
     let f = filter.to_filter(&ids)?;
@@ -232,7 +244,7 @@ async fn retry(client: &tokio_postgres::Client, sel: Selection) -> Result<(), Er
 
 /// `dead-letters discard`: delete for good, only with --yes (or, with
 /// --dry-run, say what would be deleted).
-async fn discard(client: &tokio_postgres::Client, sel: Selection, yes: bool) -> Result<(), Error> {
+async fn discard(client: &tokio_postgres::Transaction<'_>, sel: Selection, yes: bool) -> Result<(), Error> {
     let Selection { ids, filter, all, dry_run } = sel;
     require_selection(&ids, &filter, all, "discard")?;
     let f = filter.to_filter(&ids)?;

@@ -87,7 +87,9 @@ pub(crate) struct RelayArgs {
     /// Partitions in `--mode partitioned` (the same on every relay; at least 1).
     #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u32).range(1..))]
     partitions: u32,
-    /// Do not LISTEN: find events by the sweep only (for a transaction-mode pooler).
+    /// Do not LISTEN: find events by the sweep only (for a server whose
+    /// notifications never arrive, or producers that use two-phase commit).
+    /// Not a way through a transaction-mode pooler: the relay refuses one.
     #[arg(long)]
     no_listen: bool,
     /// Run retention daily: delete published events older than this (e.g.

@@ -14,8 +14,18 @@ pub(crate) struct StatusArgs {
 }
 
 pub(crate) async fn run(url: &str, args: StatusArgs) -> Result<(), Error> {
-    let client = connect(url).await?;
-    let s = pg_outbox::status(&client).await?;
+    let mut client = connect(url).await?;
+    // One read-only snapshot: the figures agree with one another, and the
+    // statements hold one server session (a transaction-mode pooler cannot
+    // split them across sessions).
+    let tx = client
+        .build_transaction()
+        .isolation_level(tokio_postgres::IsolationLevel::RepeatableRead)
+        .read_only(true)
+        .start()
+        .await?;
+    let s = pg_outbox::status(&tx).await?;
+    tx.commit().await?;
     if args.json {
         println!("{}", serde_json::to_string_pretty(&s)?);
     } else {

@@ -197,6 +197,12 @@ pub(crate) async fn run(opts: pg_outbox::ConnectOptions, args: ConsoleArgs) -> R
             args.addr
         )));
     }
+    // Its session keeps a statement timeout (a `SET`), which a
+    // transaction-mode pooler would leave on server sessions other clients get.
+    if let pg_outbox::SessionMode::Shared { evidence } = opts.session_mode().await? {
+        let target = opts.describe();
+        return Err(pg_outbox::Error::SharedSessions { what: "the console", target, evidence: evidence.into() }.into());
+    }
     let db = Db { opts, client: tokio::sync::Mutex::new(None) };
     // Fail fast on a wrong URL or a missing schema.
     pg_outbox::status(&*db.client().await?).await?;
