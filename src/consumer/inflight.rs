@@ -146,7 +146,7 @@ impl InFlight {
     /// later events of its aggregate, is retried on the ladder, and becomes
     /// a dead letter an operator can see, rather than being skipped.
     fn undecodable(&self, Undecodable { error, identity }: Undecodable, completer: &mut Completer) {
-        let msg = super::delivery::sanitize_error(&format!("cannot decode the row: {}", crate::error::report(&error)));
+        let msg = super::delivery::sanitize_error(&format!("cannot decode the row: {}", crate::error::report(&*error)));
         let Some(RowIdentity { id, aggregate_type, aggregate_id, retry_count }) = identity else {
             tracing::error!(error = %msg, "could not read an outbox row's id or aggregate; it stays unpublished");
             return;

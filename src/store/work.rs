@@ -72,7 +72,8 @@ pub(crate) struct RowIdentity {
 /// 'infinity'`): why, and its identity if even that could be read.
 #[derive(Debug)]
 pub(crate) struct Undecodable {
-    pub(crate) error: Error,
+    /// Boxed: a fetch's rows are `Result`s of this, and [`Error`] is large.
+    pub(crate) error: Box<Error>,
     pub(crate) identity: Option<RowIdentity>,
 }
 
@@ -304,7 +305,7 @@ async fn decode_stream(stream: RowStream, budget: i64, partitioned: bool) -> Res
 
 fn decode_row(row: &Row, partitioned: bool) -> FetchedRow {
     decode_event(row, partitioned).map_err(|error| Undecodable {
-        error,
+        error: Box::new(error),
         identity: row_identity(row).map(|(id, aggregate_type, aggregate_id, retry_count)| RowIdentity {
             id,
             aggregate_type,
