@@ -172,9 +172,11 @@ struct AmqpArgs {
 /// the error names the flag and the problem, never the value (clap's own
 /// errors quote it).
 #[derive(Clone)]
+#[cfg_attr(not(any(feature = "webhook", feature = "kafka")), allow(dead_code))]
 struct NoEcho<T>(std::marker::PhantomData<T>);
 
 impl<T> NoEcho<T> {
+    #[cfg_attr(not(any(feature = "webhook", feature = "kafka")), allow(dead_code))]
     fn new() -> Self {
         NoEcho(std::marker::PhantomData)
     }
