@@ -158,18 +158,24 @@ async fn delete_batches(client: &Client, r: &Retention) -> Result<RetentionRepor
     let mut batch = Batch { older_than: r.older_than, size: r.batch_size, after_id: 0 };
     loop {
         let deleted = store::delete_batch(client, &batch).await?;
-        let n = deleted.rows;
-        if let Some(last) = deleted.last_id {
-            batch.after_id = last;
-        }
-        report.deleted += n;
-        report.batches += 1;
-        metrics::counter!(crate::metrics::RETENTION_DELETED).increment(u64::try_from(n).unwrap_or(0));
-        if n < r.batch_size {
+        if !counted(&mut report, &mut batch, &deleted, r) {
             return Ok(report);
         }
         tokio::time::sleep(r.pause).await;
     }
+}
+
+/// Count a deleted batch in `report` and move `batch` past it; whether a
+/// full batch came back, so another may follow.
+fn counted(report: &mut RetentionReport, batch: &mut Batch, deleted: &store::Deleted, r: &Retention) -> bool {
+    let n = deleted.rows;
+    if let Some(last) = deleted.last_id {
+        batch.after_id = last;
+    }
+    report.deleted += n;
+    report.batches += 1;
+    metrics::counter!(crate::metrics::RETENTION_DELETED).increment(u64::try_from(n).unwrap_or(0));
+    n >= r.batch_size
 }
 
 /// [`delete_batches`] through a transaction-mode pooler: each batch a
@@ -209,14 +215,7 @@ async fn delete_locked_batches(client: &Client, r: &Retention) -> Result<Retenti
                 return Err(e);
             }
         };
-        let n = deleted.rows;
-        if let Some(last) = deleted.last_id {
-            batch.after_id = last;
-        }
-        report.deleted += n;
-        report.batches += 1;
-        metrics::counter!(crate::metrics::RETENTION_DELETED).increment(u64::try_from(n).unwrap_or(0));
-        if n < r.batch_size {
+        if !counted(&mut report, &mut batch, &deleted, r) {
             return Ok(report);
         }
         tokio::time::sleep(r.pause).await;
