@@ -29,16 +29,19 @@ pub use connect::{ConnectOptions, DEFAULT_CONNECT_TIMEOUT, RootCert, SessionMode
 pub use consumer::{
     Consumer, ConsumerBuilder, DEFAULT_ACK_BATCH_SIZE, DEFAULT_ACK_INTERVAL, DEFAULT_BATCH_SIZE,
     DEFAULT_MAX_BUFFERED_BYTES, DEFAULT_MAX_RETRIES, DEFAULT_PING_INTERVAL, DEFAULT_RECONNECT_MAX_DELAY,
-    DEFAULT_SHUTDOWN_GRACE, DEFAULT_STATEMENT_TIMEOUT, DEFAULT_SWEEP_INTERVAL, Delivery, EventStream,
-    HEALTH_ERROR_BYTES, Health, HealthMonitor, LastError, ListenerStatus, MAX_ERROR_BYTES, MIN_MAX_BUFFERED_BYTES,
-    Mode, NOTIFY_CHANNEL, Role, ShutdownHandle, SinkHealth,
+    DEFAULT_SHUTDOWN_GRACE, DEFAULT_STATEMENT_TIMEOUT, DEFAULT_STRANDED_AFTER, DEFAULT_SWEEP_INTERVAL, Delivery,
+    EventStream, HEALTH_ERROR_BYTES, Health, HealthMonitor, LastError, ListenerStatus, MAX_ERROR_BYTES,
+    MAX_STRANDED_AFTER, MIN_MAX_BUFFERED_BYTES, MIN_STRANDED_AFTER, Mode, NOTIFY_CHANNEL, Role, ShutdownHandle,
+    SinkHealth,
 };
 pub use error::{Error, Result};
 pub use event::{Envelope, Event, Metadata, NewEvent};
 pub use publisher::{DEFAULT_MAX_PAYLOAD_BYTES, Publisher};
 pub use retry::{AfterLastStep, DEFAULT_RETRY_CAP, DEFAULT_RETRY_JITTER, DEFAULT_RETRY_STEPS, RetryPolicy};
 pub use secret::{DatabaseUrl, MASK, Secret, SecretUrl};
-pub use store::{OutboxStatus, PendingRetry, RetryLadder, STATUS_MAX_TYPES, STATUS_NEXT_RETRIES, TypeBacklog, status};
+pub use store::{
+    LeaderLock, OutboxStatus, PendingRetry, RetryLadder, STATUS_MAX_TYPES, STATUS_NEXT_RETRIES, TypeBacklog, status,
+};
 /// The statements behind the consumer, for the plan tests
 /// (`EXPLAIN (ANALYZE, BUFFERS)` under every statistics state). Not part of
 /// the API: they change with any release.

@@ -53,6 +53,12 @@ pub const DATABASE_ERRORS: &str = "outbox_database_errors_total";
 pub const STATEMENT_TIMEOUTS: &str = "outbox_statement_timeouts_total";
 /// Gauge: 1 while this consumer holds the outbox lock (single mode), else 0.
 pub const LEADER: &str = "outbox_leader";
+/// Gauge: 1 while this standby sees the outbox lock (single mode) held by a
+/// stranded session: one with no live consumer behind it (no heartbeat
+/// within `stranded_after`, default 15 s, and no statement running), so
+/// nothing is delivered; else 0. With `take_over_stranded` (the relay's
+/// `--take-over-stranded`) the standby ends that session and takes over.
+pub const LEADER_STRANDED: &str = "outbox_leader_stranded";
 /// Gauge: partitions this consumer holds (partitioned mode).
 pub const PARTITIONS_OWNED: &str = "outbox_partitions_owned";
 /// Gauge, 0..1: `pg_notification_queue_usage()`, the fraction of the
@@ -107,6 +113,7 @@ pub fn describe() {
     describe_gauge!(RETENTION_LAST_RUN, Unit::Seconds, "When the last successful retention run finished (Unix time).");
     describe_counter!(RETENTION_ERRORS, "Retention runs that failed.");
     describe_gauge!(LEADER, "1 while this consumer holds the outbox lock (single mode).");
+    describe_gauge!(LEADER_STRANDED, "1 while this standby sees the outbox lock held by a stranded session.");
     describe_gauge!(PARTITIONS_OWNED, "Partitions this consumer holds (partitioned mode).");
     describe_gauge!(NOTIFICATION_QUEUE_USAGE, "pg_notification_queue_usage(), 0..1.");
     describe_gauge!(NOTIFICATIONS_WORKING, "1 when notifications round-trip to the LISTEN connection.");
@@ -177,6 +184,7 @@ pub fn record_initial_values() {
         BUFFERED_PAYLOAD_BYTES,
         LISTENER_UP,
         LEADER,
+        LEADER_STRANDED,
         PARTITIONS_OWNED,
         NOTIFICATION_QUEUE_USAGE,
         NOTIFICATIONS_WORKING,

@@ -55,6 +55,18 @@ pub const DEFAULT_PING_INTERVAL: Duration = Duration::from_secs(5);
 /// is cut by the server after a minute instead of running on for as long
 /// as it takes, after the relay gave up on it or was killed.
 pub const DEFAULT_STATEMENT_TIMEOUT: Duration = Duration::from_secs(60);
+/// Default age of the heartbeat after which the holder of single mode's
+/// outbox lock counts as stranded: 15 s ([`ConsumerBuilder::stranded_after`]).
+/// The active consumer refreshes its heartbeat every third of it (5 s), and
+/// a standby looks at the holder every third of it too, and reports it once
+/// it found it stranded twice in a row: a holder that stopped is reported
+/// within 25 s (15 s + two looks), under the 30 s the design asks.
+pub const DEFAULT_STRANDED_AFTER: Duration = Duration::from_secs(15);
+/// The shortest [`ConsumerBuilder::stranded_after`]: 3 s (a heartbeat every
+/// second).
+pub const MIN_STRANDED_AFTER: Duration = Duration::from_secs(3);
+/// The longest [`ConsumerBuilder::stranded_after`]: 1 hour.
+pub const MAX_STRANDED_AFTER: Duration = Duration::from_secs(3600);
 /// Default time graceful shutdown waits for handed-out deliveries: 30 s.
 pub const DEFAULT_SHUTDOWN_GRACE: Duration = Duration::from_secs(30);
 /// The largest statement timeout the server takes: `i32::MAX` ms.
@@ -118,9 +130,17 @@ pub(crate) struct ConsumerConfig {
     pub(crate) statement_timeout: Duration,
     pub(crate) mode: Mode,
     pub(crate) listen: bool,
+    pub(crate) stranded_after: Duration,
+    pub(crate) take_over_stranded: bool,
 }
 
 impl ConsumerConfig {
+    /// How often the heartbeat is refreshed and a standby looks at the
+    /// holder of the outbox lock: a third of the stranded threshold.
+    pub(crate) fn heartbeat_interval(&self) -> Duration {
+        self.stranded_after / 3
+    }
+
     /// Startup settings of the consumer's own sessions: the statement
     /// timeout, and the server's check for a vanished client while a
     /// statement runs.
@@ -174,6 +194,8 @@ impl Consumer {
                 statement_timeout: DEFAULT_STATEMENT_TIMEOUT,
                 mode: Mode::Single,
                 listen: true,
+                stranded_after: DEFAULT_STRANDED_AFTER,
+                take_over_stranded: false,
             },
         }
     }
@@ -362,6 +384,65 @@ impl ConsumerBuilder {
         self
     }
 
+    /// How old the active consumer's heartbeat may get before a standby
+    /// counts the holder of the outbox lock as stranded (single mode;
+    /// default [`DEFAULT_STRANDED_AFTER`], 15 s; from [`MIN_STRANDED_AFTER`],
+    /// 3 s, to [`MAX_STRANDED_AFTER`], 1 hour).
+    ///
+    /// The active consumer refreshes its heartbeat (`updated_at` of its row
+    /// in `events.outbox_relays`) every third of this; a standby looks at
+    /// the lock's holder (`pg_locks`, `pg_stat_activity` and that row) every
+    /// third of it, and counts the holder stranded when it has no heartbeat
+    /// this recent and runs no statement, twice in a row. It then logs a
+    /// warning with the holder's pid, client address, application name and
+    /// idle time and sets `outbox_leader_stranded` to 1; with
+    /// [`Self::take_over_stranded`] it ends that session and takes over. A
+    /// holder that stops is found within this plus two thirds of it (25 s
+    /// by default). Every consumer of one outbox should use the same value:
+    /// a shorter one on a standby than on the active consumer would find a
+    /// live one stranded.
+    ///
+    /// # Example
+    /// ```
+    /// # fn f(pg: pg_outbox::ConnectOptions) -> pg_outbox::ConsumerBuilder {
+    /// pg_outbox::Consumer::builder(pg).stranded_after(std::time::Duration::from_secs(30))
+    /// # }
+    /// ```
+    pub fn stranded_after(mut self, age: Duration) -> Self {
+        self.cfg.stranded_after = age;
+        self
+    }
+
+    /// Let a standby end a stranded holder of the outbox lock and take over
+    /// (single mode; default `false`: it only reports it). A stranded holder
+    /// is a session that holds the lock without a live consumer behind it
+    /// ([`Self::stranded_after`]): a pooler's server session left with the
+    /// lock, an older build's, a frozen process's, or one behind a network
+    /// that drops its traffic. The standby ends it with
+    /// `pg_terminate_backend(pid)`, in a statement that checks again that it
+    /// still holds the lock and is still stranded, then takes the lock.
+    /// Deliveries the ended holder had handed out and not written are
+    /// delivered again (at-least-once).
+    ///
+    /// **Role.** PostgreSQL lets a session end another only when it is a
+    /// superuser, has the privileges of the other session's role, or is a
+    /// member of `pg_signal_backend`; a superuser's session only a superuser
+    /// may end (PostgreSQL docs, "Server Signaling Functions"). So the
+    /// consumer's role needs `GRANT pg_signal_backend TO <role>`, or to be
+    /// the holder's role. When the server refuses, the standby logs one
+    /// warning naming what is missing and keeps standing by.
+    ///
+    /// # Example
+    /// ```
+    /// # fn f(pg: pg_outbox::ConnectOptions) -> pg_outbox::ConsumerBuilder {
+    /// pg_outbox::Consumer::builder(pg).take_over_stranded(true)
+    /// # }
+    /// ```
+    pub fn take_over_stranded(mut self, take_over: bool) -> Self {
+        self.cfg.take_over_stranded = take_over;
+        self
+    }
+
     pub(super) fn validate(&mut self) -> Result<()> {
         let c = &mut self.cfg;
         if c.batch_size == 0 || c.batch_size > 100_000 {
@@ -393,6 +474,9 @@ impl ConsumerBuilder {
         }
         if c.ping_interval.is_zero() || c.reconnect_max_delay.is_zero() {
             return Err(Error::Config("ping interval and reconnect delay must be longer than zero".into()));
+        }
+        if !(MIN_STRANDED_AFTER..=MAX_STRANDED_AFTER).contains(&c.stranded_after) {
+            return Err(Error::Config(format!("stranded-after must be 3 s to 1 hour, got {:?}", c.stranded_after)));
         }
         if c.statement_timeout > MAX_STATEMENT_TIMEOUT {
             return Err(Error::Config(format!(

@@ -123,7 +123,7 @@ pub(crate) async fn run<S: Source>(
         sessions: Sessions::new(first, cfg.reconnect_max_delay),
         inflight: InFlight::new(shared.clone(), cfg.batch_size, cfg.max_buffered_bytes),
         completer: Completer::new(&cfg, done_tx),
-        maintenance: Maintenance::default(),
+        maintenance: Maintenance::new(STATUS_INTERVAL),
         source,
         status_due: Instant::now(),
         cfg,
@@ -146,7 +146,7 @@ struct Engine<S: Source> {
     inflight: InFlight,
     completer: Completer,
     maintenance: Maintenance,
-    /// When the gauges are refreshed next.
+    /// When maintenance (the heartbeat, and the gauges when due) runs next.
     status_due: Instant,
     source: S,
     /// Where each turn, the sessions' state, the role and errors are told.
@@ -332,9 +332,10 @@ impl<S: Source> Engine<S> {
     }
 
     async fn maintain(&mut self) {
-        self.status_due = Instant::now() + STATUS_INTERVAL;
+        let tick = Instant::now();
+        self.status_due = tick + self.cfg.heartbeat_interval().min(STATUS_INTERVAL);
         let Some(conn) = self.sessions.conn() else { return };
-        let r = self.maintenance.refresh(&conn.work, || self.token.cancelled()).await;
+        let r = self.maintenance.refresh(&conn.work, tick, || self.token.cancelled()).await;
         self.check(r);
     }
 

@@ -1,6 +1,13 @@
-//! Maintenance on the work session, every [`super::STATUS_INTERVAL`]: the
-//! backlog gauges, forgetting relays that are gone, and the notification
-//! queue's usage.
+//! Maintenance on the work session: every heartbeat interval (a third of
+//! `stranded_after`, at most [`super::STATUS_INTERVAL`]; 5 s by default)
+//! the heartbeat, which also forgets relays that are gone; every
+//! [`super::STATUS_INTERVAL`] (or less often, see [`GAUGES_SHARE`]) the
+//! backlog gauges and the notification queue's usage.
+//!
+//! The heartbeat comes first and does not wait for the gauges: standbys
+//! read it to tell a live leader from a stranded lock
+//! (`source::stranded`), so it must keep its pace while a large backlog
+//! makes the gauges slow.
 //!
 //! None of these is needed to deliver: a database error in them is logged
 //! and the loop goes on. A statement timeout on the gauges cuts only that
@@ -24,10 +31,12 @@ use crate::store::statement::{self, Failure, StatementError};
 const GAUGES_SHARE: u32 = 20;
 
 /// Maintenance state.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub(super) struct Maintenance {
     /// The backlog gauges are read again no earlier than this.
     gauges_due: Option<Instant>,
+    /// The gauges' own interval ([`super::STATUS_INTERVAL`]).
+    gauges_every: std::time::Duration,
 }
 
 /// A database error of a best-effort statement: logged at debug level and
@@ -43,18 +52,25 @@ fn tolerate(r: Result<(), StatementError>, what: &str) -> Result<(), StatementEr
 }
 
 impl Maintenance {
-    /// When due, refresh the backlog gauges, forget gone relays and read the
-    /// notification queue's usage, until `stop` resolves.
+    /// Maintenance whose gauges are read every `gauges_every` at most.
+    pub(super) fn new(gauges_every: std::time::Duration) -> Self {
+        Maintenance { gauges_due: None, gauges_every }
+    }
+
+    /// Refresh the heartbeat (and forget gone relays); when due (`tick`:
+    /// when this turn of maintenance was due), the backlog gauges and the
+    /// notification queue's usage; until `stop` resolves.
     pub(super) async fn refresh<F: Future<Output = ()>>(
         &mut self,
         work: &WorkSession,
+        tick: Instant,
         stop: impl Fn() -> F,
     ) -> Result<(), StatementError> {
-        if self.gauges_due.is_some_and(|at| Instant::now() < at) {
+        tolerate(work.heartbeat(stop()).await, "refresh the heartbeat")?;
+        if self.gauges_due.is_some_and(|at| tick < at) {
             return Ok(());
         }
-        self.read_gauges(work, stop()).await?;
-        tolerate(work.forget_gone_relays(stop()).await, "forget gone relays")?;
+        self.read_gauges(work, tick, stop()).await?;
         let usage = work.notification_queue_usage(stop()).await.map(|usage| {
             if let Some(usage) = usage {
                 metrics::gauge!(m::NOTIFICATION_QUEUE_USAGE).set(usage);
@@ -66,11 +82,18 @@ impl Maintenance {
         }
     }
 
-    async fn read_gauges(&mut self, work: &WorkSession, stop: impl Future<Output = ()>) -> Result<(), StatementError> {
+    async fn read_gauges(
+        &mut self,
+        work: &WorkSession,
+        tick: Instant,
+        stop: impl Future<Output = ()>,
+    ) -> Result<(), StatementError> {
         let started = Instant::now();
         let read = work.gauges(stop).await;
-        // One read every GAUGES_SHARE times its own duration at most.
-        self.gauges_due = Some(started + started.elapsed() * GAUGES_SHARE);
+        // One read every GAUGES_SHARE times its own duration at most, and
+        // one per interval (counted from the tick, so the next tick finds
+        // them due).
+        self.gauges_due = Some((started + started.elapsed() * GAUGES_SHARE).max(tick + self.gauges_every));
         let read = read.map(|g| {
             metrics::gauge!(m::BACKLOG).set(g.pending as f64);
             metrics::gauge!(m::DEAD_LETTERS).set(g.dead as f64);

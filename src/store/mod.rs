@@ -11,6 +11,8 @@
 //! - [`status`]: the backlog figures and the relay's gauges;
 //! - [`wakeup`]: LISTEN/NOTIFY and the relays' registrations;
 //! - [`locks`]: every advisory lock key, and the statements that take them;
+//! - [`leader`]: who holds single mode's leader lock, and whether it is a
+//!   live relay (its heartbeat);
 //! - `planner`: the planner settings every pg-outbox session starts with
 //!   ([`PLANNER_SETTINGS`]);
 //! - [`dead_letters`], [`retention`]: the operators' statements;
@@ -51,6 +53,7 @@ macro_rules! new_event_columns {
 pub(crate) mod console;
 pub(crate) mod dead_letters;
 pub(crate) mod fetch;
+pub(crate) mod leader;
 pub(crate) mod locks;
 mod planner;
 mod publish;
@@ -75,7 +78,9 @@ pub(crate) use publish::{insert_event, insert_events};
 pub(crate) use rows::{DecodedEvent, event_from_row, row_id};
 pub(crate) use settle::{ACK, FAIL};
 pub(crate) use status::GAUGES;
-pub use status::{OutboxStatus, PendingRetry, RetryLadder, STATUS_MAX_TYPES, STATUS_NEXT_RETRIES, TypeBacklog, status};
+pub use status::{
+    LeaderLock, OutboxStatus, PendingRetry, RetryLadder, STATUS_MAX_TYPES, STATUS_NEXT_RETRIES, TypeBacklog, status,
+};
 pub(crate) use wakeup::{listen, notify, ping};
 pub(crate) use work::{FetchKind, FetchPage, FetchParams, FetchScope, RowIdentity, Undecodable, WorkSession};
 pub(crate) use writer::{Acknowledged, FailParams, FailWritten, WriterSession};
@@ -109,7 +114,7 @@ pub(crate) use writer::{Acknowledged, FailParams, FailWritten, WriterSession};
 /// Not listed: the producers' INSERTs (their cost is the triggers',
 /// measured by the benches), the operators' lookup of ids by primary key
 /// ([`dead_letters::EXISTING_IDS`]), and statements on other tables or
-/// the catalogs ([`locks`], [`wakeup`], [`schema`]).
+/// the catalogs ([`locks`], [`leader`], [`wakeup`], [`schema`]).
 #[doc(hidden)]
 pub fn run_time_statements() -> Vec<(&'static str, String)> {
     use dead_letters as d;

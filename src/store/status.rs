@@ -76,10 +76,47 @@ pub struct OutboxStatus {
     pub by_type_truncated: bool,
     /// When the events waiting for a retry come due.
     pub retries: RetryLadder,
+    /// Who holds single mode's outbox lock, and whether it is a live relay;
+    /// `None` when nobody holds it (no relay runs in single mode, or none
+    /// has taken the lock yet). A holder that is not live is a stranded
+    /// lock: no relay delivers (`status` prints "no live leader").
+    pub leader: Option<LeaderLock>,
     /// The ordering mode installed on `events.outbox`
     /// ([`crate::migrate::ordering`]); `None` when neither insert trigger is
     /// enabled. In JSON: `"outbox-locked"`, `"producer-locked"` or `null`.
     pub ordering: Option<crate::migrate::OrderingMode>,
+}
+
+/// The session holding single mode's outbox lock, as
+/// [`OutboxStatus::leader`] shows it.
+///
+/// A live leader is a relay that refreshed its heartbeat (its row in
+/// `events.outbox_relays`) within [`crate::DEFAULT_STRANDED_AFTER`] (15 s),
+/// or is running a statement it began within that of its last heartbeat.
+/// Any other holder is stranded: a pooler's server session that kept the
+/// lock, a session of an older build (which writes no heartbeat), a frozen
+/// relay, or one behind a network that drops its traffic. Every age is by
+/// the database's clock. Another role's session shows without its state,
+/// address and idle time unless the reader has `pg_read_all_stats`.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+#[non_exhaustive]
+pub struct LeaderLock {
+    /// The holder's backend process id.
+    pub pid: i32,
+    /// Whether the holder is a live relay (`false`: no live leader).
+    pub live: bool,
+    /// Its `application_name` (`pg-outbox drain` for a relay's work
+    /// session), if visible.
+    pub application_name: Option<String>,
+    /// Its client address; `None` over a Unix socket or when hidden.
+    pub client_addr: Option<String>,
+    /// `pg_stat_activity.state` (`idle`, `active`, ...), if visible.
+    pub state: Option<String>,
+    /// Seconds in that state (idle time when `idle`), if visible.
+    pub state_seconds: Option<f64>,
+    /// Age of its heartbeat in seconds; `None` when it has none (not a
+    /// relay of this version, or one that has not fetched yet).
+    pub heartbeat_age_seconds: Option<f64>,
 }
 
 /// Most `(event_type, aggregate_type)` rows [`status`] returns: 50.
@@ -184,7 +221,8 @@ pub(super) const NEXT_RETRIES: &str = "SELECT id, event_type, aggregate_type, re
 
 /// Read [`OutboxStatus`]: four read-only queries (totals, per type, retry
 /// buckets, next retries), each served by a partial index and bounded by a
-/// LIMIT where it returns rows. The totals and per-type figures scan the
+/// LIMIT where it returns rows, and one on `pg_locks` for the holder of the
+/// outbox lock ([`OutboxStatus::leader`]). The totals and per-type figures scan the
 /// unpublished rows (not the published history), so their cost grows with
 /// the backlog, not the table. The queries run one after another (not in one
 /// snapshot), so figures taken while a relay works may differ by a few rows.
@@ -242,6 +280,22 @@ pub async fn status<C: GenericClient + Sync>(client: &C) -> Result<OutboxStatus>
             due_later: b.try_get("later")?,
             next,
         },
+        leader: leader_lock(client).await?,
         ordering: crate::migrate::ordering(client).await?,
     })
+}
+
+/// The holder of the outbox lock, judged against
+/// [`crate::DEFAULT_STRANDED_AFTER`] ([`super::leader::LEADER_HOLDER`]).
+async fn leader_lock<C: GenericClient + Sync>(client: &C) -> Result<Option<LeaderLock>> {
+    let threshold = crate::DEFAULT_STRANDED_AFTER.as_secs_f64();
+    Ok(super::leader::leader_holder(client, threshold).await?.map(|h| LeaderLock {
+        pid: h.id.pid,
+        live: h.live(),
+        application_name: h.application_name,
+        client_addr: h.client_addr,
+        state: h.state,
+        state_seconds: h.state_secs,
+        heartbeat_age_seconds: h.heartbeat_age,
+    }))
 }

@@ -67,12 +67,20 @@ pub(crate) const NOTIFY_LOCK_WAITERS: &str = "SELECT count(*) AS waiters FROM pg
        AND objid = 0 AND objsubid = 0 AND NOT granted";
 
 /// Register this relay (its work connection's backend pid) as waiting for a
-/// wake-up ($1 = true) or as busy draining ($1 = false).
+/// wake-up ($1 = true) or as busy draining ($1 = false). Refreshes its
+/// heartbeat too (`updated_at`, see [`HEARTBEAT`]).
 pub(crate) const SET_WAITING: &str = "INSERT INTO events.outbox_relays (pid, waiting) VALUES (pg_backend_pid(), $1) \
      ON CONFLICT (pid) DO UPDATE SET waiting = EXCLUDED.waiting, updated_at = now()";
-/// Forget relays whose sessions are gone (their `waiting` no longer means anything).
-pub(crate) const FORGET_GONE_RELAYS: &str = "DELETE FROM events.outbox_relays r \
-     WHERE NOT EXISTS (SELECT 1 FROM pg_stat_activity a WHERE a.pid = r.pid)";
+/// Forget relays whose sessions are gone (their `waiting` no longer means
+/// anything), and refresh this session's heartbeat: the `updated_at` of its
+/// own row, if it has one (a relay that fetches; a standby has none). One
+/// statement every few seconds from each relay (`consumer::maintenance`);
+/// standbys read the heartbeat to tell a live leader from a stranded lock
+/// ([`super::leader`]). The two parts touch different rows: a session's
+/// own pid is never gone.
+pub(crate) const HEARTBEAT: &str = "WITH gone AS (DELETE FROM events.outbox_relays r \
+       WHERE NOT EXISTS (SELECT 1 FROM pg_catalog.pg_stat_activity a WHERE a.pid = r.pid)) \
+     UPDATE events.outbox_relays SET updated_at = now() WHERE pid = pg_backend_pid()";
 /// Stop receiving wake-ups: drop this session's row.
 pub(crate) const UNREGISTER: &str = "DELETE FROM events.outbox_relays WHERE pid = pg_backend_pid()";
 

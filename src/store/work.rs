@@ -14,12 +14,13 @@ use tokio_postgres::types::ToSql;
 use tokio_postgres::{Client, Row, RowStream, Statement};
 
 use super::fetch::{BEGIN, COMMIT, NEXT_RETRY_IN, PayloadSizes, competing_fetch_sql, fetch_sql};
+use super::leader::{Holder, LEADER_HOLDER, REGISTER_LEADER, TERMINATE_STRANDED, holder_from_row};
 use super::locks::{COUNT_MEMBERS, LEADER_KEY, MEMBER_CLASS, MEMBER_LOCK, PARTITION_CLASS, PARTITION_UNLOCK};
 use super::locks::{TRY_LEADER_LOCK, TRY_PARTITION_LOCK};
 use super::rows::{DecodedEvent, decode_event, fetch_was_cut, row_identity};
 use super::statement::{self, Session, StatementError, StatementKind};
 use super::status::GAUGES;
-use super::wakeup::{FORGET_GONE_RELAYS, NOTIFICATION_QUEUE_USAGE, NOTIFY_LOCK_WAITERS, SET_WAITING, UNREGISTER};
+use super::wakeup::{HEARTBEAT, NOTIFICATION_QUEUE_USAGE, NOTIFY_LOCK_WAITERS, SET_WAITING, UNREGISTER};
 use crate::error::Error;
 
 /// Which fetch a work session prepares: what its source reads.
@@ -212,9 +213,45 @@ impl WorkSession {
         self.run(StatementKind::Registration, stop, self.client.execute(UNREGISTER, &[])).await.map(drop)
     }
 
-    /// Forget relays whose sessions are gone ([`FORGET_GONE_RELAYS`]).
-    pub(crate) async fn forget_gone_relays(&self, stop: impl Future<Output = ()>) -> Result<(), StatementError> {
-        self.run(StatementKind::Registration, stop, self.client.execute(FORGET_GONE_RELAYS, &[])).await.map(drop)
+    /// Forget relays whose sessions are gone and refresh this session's
+    /// heartbeat ([`HEARTBEAT`]).
+    pub(crate) async fn heartbeat(&self, stop: impl Future<Output = ()>) -> Result<(), StatementError> {
+        self.run(StatementKind::Registration, stop, self.client.execute(HEARTBEAT, &[])).await.map(drop)
+    }
+
+    /// Register this session as the leader's, with its first heartbeat
+    /// ([`REGISTER_LEADER`]).
+    pub(crate) async fn register_leader(&self, stop: impl Future<Output = ()>) -> Result<(), StatementError> {
+        self.run(StatementKind::Registration, stop, self.client.execute(REGISTER_LEADER, &[])).await.map(drop)
+    }
+
+    /// The holder of the leader lock, judged against `threshold_secs`
+    /// ([`LEADER_HOLDER`]); `None` when nobody holds it.
+    pub(crate) async fn leader_holder(
+        &self,
+        threshold_secs: f64,
+        stop: impl Future<Output = ()>,
+    ) -> Result<Option<Holder>, StatementError> {
+        let kind = StatementKind::Lock;
+        let params: [&(dyn ToSql + Sync); 2] = [&LEADER_KEY, &threshold_secs];
+        let row = self.run(kind, stop, self.client.query_opt(LEADER_HOLDER, &params)).await?;
+        row.as_ref().map(holder_from_row).transpose().map_err(|e| StatementError::db(kind, e))
+    }
+
+    /// End `holder`'s backend if it still holds the leader lock and is still
+    /// stranded against `threshold_secs` ([`TERMINATE_STRANDED`]): `true`
+    /// when the server signalled it.
+    pub(crate) async fn terminate_stranded(
+        &self,
+        holder: &Holder,
+        threshold_secs: f64,
+        stop: impl Future<Output = ()>,
+    ) -> Result<bool, StatementError> {
+        let kind = StatementKind::Lock;
+        let (pid, start) = (holder.id.pid, holder.id.backend_start);
+        let params: [&(dyn ToSql + Sync); 4] = [&LEADER_KEY, &threshold_secs, &pid, &start];
+        let row = self.run(kind, stop, self.client.query_opt(TERMINATE_STRANDED, &params)).await?;
+        Ok(row.and_then(|r| r.try_get::<_, bool>("ended").ok()).unwrap_or(false))
     }
 
     /// Producers waiting on NOTIFY's commit lock ([`NOTIFY_LOCK_WAITERS`]).

@@ -59,6 +59,16 @@ pub(crate) fn parse_sweep_interval(s: &str) -> Result<Duration, String> {
     Ok(d)
 }
 
+/// `--stranded-after`: a duration from [`pg_outbox::MIN_STRANDED_AFTER`]
+/// (3 s) to [`pg_outbox::MAX_STRANDED_AFTER`] (1 hour).
+pub(crate) fn parse_stranded_after(s: &str) -> Result<Duration, String> {
+    let d = parse_duration(s)?;
+    if !(pg_outbox::MIN_STRANDED_AFTER..=pg_outbox::MAX_STRANDED_AFTER).contains(&d) {
+        return Err(format!("invalid duration '{s}': must be 3s to 1h"));
+    }
+    Ok(d)
+}
+
 pub(crate) fn parse_schedule(s: &str) -> Result<RetryPolicy, String> {
     let steps = s.split(',').map(parse_duration).collect::<Result<Vec<_>, _>>()?;
     RetryPolicy::schedule(steps).map_err(|e| e.to_string())

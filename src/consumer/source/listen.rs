@@ -25,7 +25,7 @@ impl ListenSource {
     /// The source of a consumer configured by `cfg` (single or partitioned
     /// mode), woken by `signals`.
     pub(crate) fn new(cfg: &ConsumerConfig, signals: Signals) -> Self {
-        ListenSource { wakeups: Wakeups::new(cfg, signals, false), ownership: Ownership::new(cfg.mode) }
+        ListenSource { wakeups: Wakeups::new(cfg, signals, false), ownership: Ownership::new(cfg) }
     }
 }
 

@@ -8,7 +8,8 @@
 //!
 //! - [`ListenSource`] (single and partitioned modes): LISTEN wake-ups, the
 //!   wake-up policy, the retry timer, the relays' registration, and
-//!   ownership by advisory locks ([`ownership`]);
+//!   ownership by advisory locks ([`ownership`]), with the standbys' watch
+//!   for a stranded lock ([`stranded`]);
 //! - [`ClaimSource`] (competing mode): the same wake-ups, and the
 //!   `FOR UPDATE SKIP LOCKED` claim transaction, all in `claim.rs`.
 //!
@@ -40,6 +41,7 @@ mod listen;
 pub(super) mod notifier;
 mod ownership;
 mod retry_timer;
+mod stranded;
 mod wake;
 mod wakeups;
 

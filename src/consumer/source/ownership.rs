@@ -3,7 +3,10 @@
 //!
 //! - Single: one active consumer per outbox, the holder of a session
 //!   advisory lock on its work session; the others are standbys that try to
-//!   take it every [`LOCK_INTERVAL`].
+//!   take it every [`LOCK_INTERVAL`], and look every few seconds whether
+//!   its holder is a live relay ([`super::stranded`]). The active consumer
+//!   registers in `events.outbox_relays` as soon as it takes the lock: its
+//!   first heartbeat.
 //! - Partitioned: each consumer holds a membership lock; partitions (a hash
 //!   of the aggregate) are held through one advisory lock each, taken or
 //!   given up every few [`LOCK_INTERVAL`]s to a fair share of the members.
@@ -19,9 +22,10 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
+use super::stranded::{Found, Watch};
 use super::{Cx, jittered};
-use crate::consumer::Mode;
 use crate::consumer::health::Role;
+use crate::consumer::{ConsumerConfig, Mode};
 use crate::metrics as m;
 use crate::store::FetchScope;
 use crate::store::statement::StatementError;
@@ -47,17 +51,22 @@ pub(super) struct Partitions {
 /// Ownership by mode: each variant holds only its mode's state.
 #[derive(Debug)]
 pub(super) enum Ownership {
-    Single { leader: bool, standby_logged: bool, lock_at: Option<Instant> },
+    Single { leader: bool, standby_logged: bool, lock_at: Option<Instant>, watch: Box<Watch> },
     Partitioned(Partitions),
 }
 
 impl Ownership {
-    /// Nothing owned yet, for `mode` (competing mode is taken for single:
-    /// it is not the listen source's).
-    pub(super) fn new(mode: Mode) -> Self {
-        match mode {
+    /// Nothing owned yet, for `cfg`'s mode (competing mode is taken for
+    /// single: it is not the listen source's).
+    pub(super) fn new(cfg: &ConsumerConfig) -> Self {
+        match cfg.mode {
             Mode::Partitioned { partitions } => Ownership::Partitioned(Partitions { partitions, ..Default::default() }),
-            _ => Ownership::Single { leader: false, standby_logged: false, lock_at: None },
+            _ => Ownership::Single {
+                leader: false,
+                standby_logged: false,
+                lock_at: None,
+                watch: Box::new(Watch::new(cfg)),
+            },
         }
     }
 
@@ -99,9 +108,10 @@ impl Ownership {
     pub(super) async fn session_opened(&mut self, cx: Cx<'_>) -> Result<(), StatementError> {
         self.session_lost();
         match self {
-            Ownership::Single { standby_logged, lock_at, .. } => {
+            Ownership::Single { standby_logged, lock_at, watch, .. } => {
                 *standby_logged = false;
                 *lock_at = Some(Instant::now());
+                watch.reset();
             }
             Ownership::Partitioned(p) => {
                 p.member_key = rand::random::<i32>();
@@ -115,7 +125,10 @@ impl Ownership {
     /// The work session is gone, and its locks with it.
     pub(super) fn session_lost(&mut self) {
         match self {
-            Ownership::Single { .. } => self.set_leader(false),
+            Ownership::Single { watch, .. } => {
+                watch.reset();
+                self.set_leader(false);
+            }
             Ownership::Partitioned(p) => {
                 p.owned.clear();
                 p.releasing.clear();
@@ -188,20 +201,27 @@ impl Ownership {
             *lock_at = None;
         }
         if cx.work.try_leader_lock(cx.stop()).await? {
+            // The first heartbeat, before anything else: standbys and
+            // `status` see a live holder from now on.
+            cx.work.register_leader(cx.stop()).await?;
+            if let Ownership::Single { watch, .. } = self {
+                watch.reset();
+            }
             self.set_leader(true);
             return Ok(true);
         }
-        if let Ownership::Single { standby_logged, lock_at, .. } = self {
-            if !*standby_logged {
-                *standby_logged = true;
-                tracing::info!(
-                    role = "standby",
-                    "standby: another consumer holds the outbox lock; waiting to take over"
-                );
-            }
-            *lock_at = Some(Instant::now() + LOCK_INTERVAL);
-        }
         metrics::gauge!(m::LEADER).set(0.0);
+        let Ownership::Single { standby_logged, lock_at, watch, .. } = self else { return Ok(false) };
+        if !*standby_logged {
+            *standby_logged = true;
+            tracing::info!(role = "standby", "standby: another consumer holds the outbox lock; waiting to take over");
+        }
+        let now = Instant::now();
+        *lock_at = Some(now + LOCK_INTERVAL);
+        if watch.due(now) && watch.look(cx).await? == Found::Ended {
+            // Its backend ends in a moment, and the lock with it.
+            *lock_at = Some(Instant::now());
+        }
         Ok(false)
     }
 }

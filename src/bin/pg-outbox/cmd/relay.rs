@@ -9,7 +9,8 @@ use pg_outbox::{Consumer, RetryPolicy, relay};
 use crate::error::Error;
 use crate::health;
 use crate::parse::{
-    parse_byte_size, parse_duration, parse_metrics_addr, parse_schedule, parse_sweep_interval, parse_timeout,
+    parse_byte_size, parse_duration, parse_metrics_addr, parse_schedule, parse_stranded_after, parse_sweep_interval,
+    parse_timeout,
 };
 use crate::prometheus::install_metrics;
 use crate::signals::shutdown_then_force;
@@ -92,6 +93,26 @@ pub(crate) struct RelayArgs {
     /// Not a way through a transaction-mode pooler: the relay refuses one.
     #[arg(long)]
     no_listen: bool,
+    /// In `--mode single`, let a standby end a stranded holder of the outbox
+    /// lock and take over: a session that holds the lock with no live relay
+    /// behind it (a pooler's server session left with it, an older build's
+    /// relay, a frozen process, a network that drops traffic), so nothing is
+    /// delivered. Without this flag a standby only reports it (a warning,
+    /// outbox_leader_stranded = 1, `status`). Ending another session takes
+    /// pg_terminate_backend, which PostgreSQL allows a superuser, a role with
+    /// the holder's role's privileges, or a member of pg_signal_backend
+    /// (`GRANT pg_signal_backend TO <relay role>`); a superuser's session only
+    /// a superuser. Refused, the standby logs what is missing and keeps
+    /// standing by.
+    #[arg(long)]
+    take_over_stranded: bool,
+    /// In `--mode single`, how old the active relay's heartbeat may get
+    /// before a standby counts the lock's holder as stranded (3s to 1h).
+    /// Heartbeats and a standby's looks come every third of it; a holder
+    /// that stops is found within this plus two thirds of it (25 s by
+    /// default). Use the same value on every relay of one outbox.
+    #[arg(long, value_parser = parse_stranded_after, default_value = "15s", value_name = "DURATION")]
+    stranded_after: Duration,
     /// Run retention daily: delete published events older than this (e.g.
     /// 30d, docs/schema.md's figure). Off unless given: deleting is your call.
     #[arg(long, value_parser = parse_duration, value_name = "DURATION")]
@@ -138,6 +159,8 @@ pub(crate) async fn run(url: &str, args: RelayArgs) -> Result<(), Error> {
         .shutdown_grace(args.shutdown_grace)
         .statement_timeout(args.statement_timeout)
         .listen(!args.no_listen)
+        .stranded_after(args.stranded_after)
+        .take_over_stranded(args.take_over_stranded)
         .mode(match args.mode {
             ModeArg::Single => pg_outbox::Mode::Single,
             ModeArg::Partitioned => pg_outbox::Mode::Partitioned { partitions: args.partitions },

@@ -36,6 +36,7 @@ pub(crate) async fn run(url: &str, args: StatusArgs) -> Result<(), Error> {
         println!("waiting for retry   {}", s.waiting_for_retry);
         println!("dead letters        {}", s.dead_letters);
         println!("oldest pending age  {age}");
+        println!("leader              {}", leader_line(s.leader.as_ref()));
         println!(
             "ordering mode       {}",
             s.ordering.map_or("none (no insert trigger enabled)", pg_outbox::migrate::OrderingMode::as_str)
@@ -80,6 +81,33 @@ fn short_secs(secs: f64) -> String {
     let whole = Duration::from_secs(secs as u64);
     let (h, m, s) = (whole.as_secs() / 3600, whole.as_secs() / 60 % 60, whole.as_secs() % 60);
     if h > 0 { format!("{h}h {m}m") } else { format!("{m}m {s}s") }
+}
+
+/// The `leader` line: the live leader's pid, "no live leader" with the
+/// stranded holder's details, or none.
+fn leader_line(l: Option<&pg_outbox::LeaderLock>) -> String {
+    let Some(l) = l else { return "none (no relay holds the outbox lock)".into() };
+    let heartbeat =
+        l.heartbeat_age_seconds.map_or("no heartbeat".to_string(), |a| format!("heartbeat {} ago", short_secs(a)));
+    if l.live {
+        return format!("pid {} (live, {heartbeat})", l.pid);
+    }
+    let client = l
+        .client_addr
+        .as_deref()
+        .map(printable)
+        .unwrap_or_else(|| if l.state.is_some() { "local socket".into() } else { "hidden".into() });
+    let app = printable(l.application_name.as_deref().unwrap_or(""));
+    let state = match (l.state.as_deref(), l.state_seconds) {
+        (Some(state), Some(secs)) => format!("{} for {}", printable(state), short_secs(secs)),
+        _ => "state hidden".into(),
+    };
+    format!(
+        "no live leader: the outbox lock is held by pid {} (client {client}, application_name {app:?}, {state}, \
+         {heartbeat}); nothing is delivered until it ends (pg_terminate_backend({}), or a relay with \
+         --take-over-stranded)",
+        l.pid, l.pid
+    )
 }
 
 fn print_by_type(s: &pg_outbox::OutboxStatus) {

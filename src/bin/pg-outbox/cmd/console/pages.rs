@@ -123,6 +123,7 @@ pub(crate) fn overview(
             (stat("dead_letters", "dead letters", s.dead_letters.to_string(), if s.dead_letters > 0 { "bad" } else { "" }))
             (stat("oldest_age", "oldest pending", age(s.oldest_unpublished_age_seconds), ""))
         }
+        (leader(s.leader.as_ref()))
         @if s.dead_letters > 0 {
             p { a href="/dead-letters" { "Review the " (s.dead_letters) " dead letters" } }
         }
@@ -146,6 +147,37 @@ pub(crate) fn overview(
         (next_retries(&s.retries))
     };
     layout(Some(ctx), "Overview", Some(refresh), body)
+}
+
+/// The overview's leader line: the live leader's pid, or "no live leader"
+/// with the stranded holder of the outbox lock, or none.
+fn leader(l: Option<&pg_outbox::LeaderLock>) -> Markup {
+    let Some(l) = l else {
+        return html! { p.note id="leader" { "Leader: none (no relay holds the outbox lock)." } };
+    };
+    let heartbeat = match l.heartbeat_age_seconds {
+        Some(a) => format!("heartbeat {} ago", age(Some(a))),
+        None => "no heartbeat".to_string(),
+    };
+    if l.live {
+        return html! { p id="leader" { "Leader: pid " (l.pid) " (live, " (heartbeat) ")." } };
+    }
+    let client = l
+        .client_addr
+        .clone()
+        .unwrap_or_else(|| if l.state.is_some() { "local socket".into() } else { "hidden".into() });
+    let state = match (&l.state, l.state_seconds) {
+        (Some(state), Some(secs)) => format!("{state} for {}", age(Some(secs))),
+        _ => "state hidden".to_string(),
+    };
+    html! {
+        p.warn id="leader" {
+            "No live leader: the outbox lock is held by pid " (l.pid) " (client " (client) ", application_name \""
+            (l.application_name.as_deref().unwrap_or("")) "\", " (state) ", " (heartbeat)
+            "). Nothing is delivered until that session ends: pg_terminate_backend(" (l.pid)
+            "), or a relay with --take-over-stranded."
+        }
+    }
 }
 
 /// The overview's relays: the notification queue and each relay session.

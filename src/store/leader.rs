@@ -1,0 +1,142 @@
+//! Single mode's leader lock ([`LEADER_KEY`]) as the others see it: which
+//! session holds it, and whether that holder is a live relay. For standbys
+//! (`consumer::source::stranded`) and for [`crate::status`].
+//!
+//! The liveness signal is the holder's heartbeat: every relay that fetches
+//! has a row in `events.outbox_relays` keyed by its work session's backend
+//! pid, and refreshes its `updated_at` every few seconds
+//! ([`super::wakeup::HEARTBEAT`]; the leader registers at once when it takes
+//! the lock, [`REGISTER_LEADER`]). A holder is **live** when that row's
+//! `updated_at` is within the threshold, or when it is running a statement
+//! it began within the threshold of its last heartbeat (a relay busy in a
+//! long statement; the statement timeout bounds those). Anything else (no
+//! row: an older build, a pooler's server session, a plain session; a stale
+//! row: a frozen process, a cut network) is **stranded**. Every time is the
+//! database's `now()`.
+
+use chrono::{DateTime, Utc};
+use tokio_postgres::{GenericClient, Row};
+
+use super::locks::LEADER_KEY;
+use crate::error::Result;
+
+/// The holder of the advisory lock of bigint key $1, with its liveness
+/// against a threshold of $2 seconds (`float8`): `pid`, `application_name`,
+/// `client_addr` (NULL over a Unix socket, or when the viewer may not see
+/// it), `state`, `backend_start`, `state_secs` (since `state` last
+/// changed), `heartbeat_age` (NULL without a row), `beating` (a row
+/// refreshed within $2 s) and `busy` (running a statement, not waiting on
+/// its client, begun at most $2 s after its last heartbeat). Zero rows when
+/// nobody holds it. `pg_stat_activity` shows other roles' sessions without
+/// their state and address unless the viewer has `pg_read_all_stats`: such
+/// a holder is never `busy`.
+pub(crate) const LEADER_HOLDER: &str = "SELECT l.pid, a.application_name, host(a.client_addr) AS client_addr, \
+       a.state, a.backend_start, \
+       EXTRACT(EPOCH FROM (now() - a.state_change))::float8 AS state_secs, \
+       EXTRACT(EPOCH FROM (now() - r.updated_at))::float8 AS heartbeat_age, \
+       coalesce(r.updated_at >= now() - make_interval(secs => $2::float8), false) AS beating, \
+       coalesce(a.state = 'active' AND a.wait_event_type IS DISTINCT FROM 'Client' \
+         AND a.query_start <= r.updated_at + make_interval(secs => $2::float8), false) AS busy \
+     FROM pg_catalog.pg_locks l \
+       LEFT JOIN pg_catalog.pg_stat_activity a ON a.pid = l.pid \
+       LEFT JOIN events.outbox_relays r ON r.pid = l.pid \
+     WHERE l.locktype = 'advisory' AND l.granted AND l.pid IS NOT NULL AND l.objsubid = 1 \
+       AND l.database = (SELECT oid FROM pg_catalog.pg_database WHERE datname = current_database()) \
+       AND l.classid = ($1::bigint >> 32)::oid AND l.objid = ($1::bigint & 4294967295)::oid";
+
+/// End the holder of the lock of bigint key $1 with `pg_terminate_backend`
+/// if it is still backend $3 started at $4 and still stranded against $2
+/// seconds ([`LEADER_HOLDER`]): the check and the signal in one statement,
+/// so a holder that came back to life, or a new session that got the pid,
+/// is left alone. One row `ended` (the server's answer) when it was
+/// signalled, none when it no longer qualified. Refused with SQLSTATE 42501
+/// unless the caller is a superuser, has the holder's role's privileges, or
+/// is a member of `pg_signal_backend` (a superuser's session: only a
+/// superuser).
+pub(crate) const TERMINATE_STRANDED: &str = concat!(
+    "SELECT pg_terminate_backend(h.pid) AS ended FROM (",
+    "SELECT l.pid, a.backend_start, \
+       coalesce(r.updated_at >= now() - make_interval(secs => $2::float8), false) AS beating, \
+       coalesce(a.state = 'active' AND a.wait_event_type IS DISTINCT FROM 'Client' \
+         AND a.query_start <= r.updated_at + make_interval(secs => $2::float8), false) AS busy \
+     FROM pg_catalog.pg_locks l \
+       LEFT JOIN pg_catalog.pg_stat_activity a ON a.pid = l.pid \
+       LEFT JOIN events.outbox_relays r ON r.pid = l.pid \
+     WHERE l.locktype = 'advisory' AND l.granted AND l.pid IS NOT NULL AND l.objsubid = 1 \
+       AND l.database = (SELECT oid FROM pg_catalog.pg_database WHERE datname = current_database()) \
+       AND l.classid = ($1::bigint >> 32)::oid AND l.objid = ($1::bigint & 4294967295)::oid",
+    ") h WHERE h.pid = $3 AND h.backend_start IS NOT DISTINCT FROM $4 AND NOT h.beating AND NOT h.busy"
+);
+
+/// Register the session that just took the leader lock in
+/// `events.outbox_relays`: its first heartbeat, so standbys and `status`
+/// see a live holder at once. A new row says it waits for wake-ups (the
+/// safe value: producers notify) until its first fetch writes what the
+/// wake-up policy decides.
+pub(crate) const REGISTER_LEADER: &str = "INSERT INTO events.outbox_relays (pid, waiting) \
+     VALUES (pg_backend_pid(), true) ON CONFLICT (pid) DO UPDATE SET updated_at = now()";
+
+/// Which session holds the leader lock: its pid and start, which together
+/// tell it from a later session that gets the same pid.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct HolderId {
+    pub(crate) pid: i32,
+    pub(crate) backend_start: Option<DateTime<Utc>>,
+}
+
+/// The holder of the leader lock, as [`LEADER_HOLDER`] reads it.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct Holder {
+    pub(crate) id: HolderId,
+    /// `application_name` (`None` when `pg_stat_activity` has no row).
+    pub(crate) application_name: Option<String>,
+    /// The client's address; `None` over a Unix socket or when hidden.
+    pub(crate) client_addr: Option<String>,
+    /// `pg_stat_activity.state` (`None` when hidden).
+    pub(crate) state: Option<String>,
+    /// Seconds since `state` last changed.
+    pub(crate) state_secs: Option<f64>,
+    /// Seconds since its heartbeat; `None` without one.
+    pub(crate) heartbeat_age: Option<f64>,
+    /// Its heartbeat is within the threshold.
+    pub(crate) beating: bool,
+    /// It runs a statement begun within the threshold of its heartbeat.
+    pub(crate) busy: bool,
+}
+
+impl Holder {
+    /// A live relay: heartbeating, or busy in a statement.
+    pub(crate) fn live(&self) -> bool {
+        self.beating || self.busy
+    }
+
+    /// The client address for log lines: `local socket` when there is none.
+    pub(crate) fn client(&self) -> &str {
+        self.client_addr.as_deref().unwrap_or(if self.state.is_some() { "local socket" } else { "hidden" })
+    }
+}
+
+/// A [`Holder`] from a row of [`LEADER_HOLDER`].
+pub(crate) fn holder_from_row(r: &Row) -> std::result::Result<Holder, tokio_postgres::Error> {
+    Ok(Holder {
+        id: HolderId { pid: r.try_get("pid")?, backend_start: r.try_get("backend_start")? },
+        application_name: r.try_get("application_name")?,
+        client_addr: r.try_get("client_addr")?,
+        state: r.try_get("state")?,
+        state_secs: r.try_get("state_secs")?,
+        heartbeat_age: r.try_get("heartbeat_age")?,
+        beating: r.try_get("beating")?,
+        busy: r.try_get("busy")?,
+    })
+}
+
+/// The holder of the leader lock judged against `threshold_secs`
+/// ([`LEADER_HOLDER`]), or `None` when nobody holds it.
+///
+/// # Errors
+/// [`crate::Error::NotMigrated`] or [`crate::Error::Db`].
+pub(crate) async fn leader_holder<C: GenericClient + Sync>(client: &C, threshold_secs: f64) -> Result<Option<Holder>> {
+    let row =
+        client.query_opt(LEADER_HOLDER, &[&LEADER_KEY, &threshold_secs]).await.map_err(super::map_missing_schema)?;
+    Ok(row.as_ref().map(holder_from_row).transpose()?)
+}
