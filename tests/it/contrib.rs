@@ -144,6 +144,7 @@ fn contrib_files_parse_and_every_exported_metric_is_shown() {
         "absent(",
         "outbox_retention_errors_total",
         "outbox_retention_last_run_timestamp_seconds",
+        "outbox_leader_stranded",
     ] {
         assert!(alerts.contains(needle), "no alert uses {needle}");
     }
@@ -282,6 +283,7 @@ async fn a_fresh_relay_exports_its_counters_and_gauges_before_any_event() {
         m::OLDEST_UNPUBLISHED_AGE,
         m::LISTENER_UP,
         m::LEADER,
+        m::LEADER_STRANDED,
         m::PARTITIONS_OWNED,
         m::NOTIFICATION_QUEUE_USAGE,
         m::NOTIFICATIONS_WORKING,

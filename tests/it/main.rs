@@ -40,6 +40,7 @@ mod sink_redis;
 #[cfg(feature = "sqlx")]
 mod sqlx_publish;
 mod status_detail;
+mod stranded;
 mod support;
 mod timeouts;
 mod tls;
