@@ -488,3 +488,25 @@ impl ConsumerBuilder {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stranded_after_is_checked_and_sets_the_heartbeat_pace() {
+        let pg = crate::ConnectOptions::parse("postgres://u@localhost/db").expect("URL");
+        let b = Consumer::builder(pg);
+        assert_eq!(b.cfg.stranded_after, DEFAULT_STRANDED_AFTER);
+        assert!(!b.cfg.take_over_stranded);
+        assert_eq!(b.cfg.heartbeat_interval(), Duration::from_secs(5));
+        for bad in [Duration::from_secs(2), Duration::from_secs(3601)] {
+            let e = b.clone().stranded_after(bad).validate().expect_err("out of range").to_string();
+            assert!(e.contains("stranded-after must be 3 s to 1 hour"), "{e}");
+        }
+        let mut ok = b.stranded_after(Duration::from_secs(3)).take_over_stranded(true);
+        ok.validate().expect("3 s is the shortest");
+        assert_eq!(ok.cfg.heartbeat_interval(), Duration::from_secs(1));
+        assert!(ok.cfg.take_over_stranded);
+    }
+}

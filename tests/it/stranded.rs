@@ -226,7 +226,8 @@ async fn metric(addr: &str, name: &str) -> Option<f64> {
 
 /// Wait until the relay at `addr` exports `name` = `value`.
 async fn metric_is(addr: &str, name: &str, value: f64, secs: u64) {
-    eventually(secs, &format!("{name} = {value} at {addr}"), || async { metric(addr, name).await == Some(value) }).await;
+    eventually(secs, &format!("{name} = {value} at {addr}"), || async { metric(addr, name).await == Some(value) })
+        .await;
 }
 
 /// `pg-outbox status --json` on `db`.
@@ -353,6 +354,9 @@ async fn a_kept_backend_holding_the_lock_is_reported_within_30s_and_ended_only_w
     let status = status_json(&db).await;
     assert_eq!(status["leader"]["live"], true, "a relay leads now: {status}");
     assert_ne!(status["leader"]["pid"], holder_pid, "{status}");
+    let overview = console_overview(&db).await;
+    let live = format!("Leader: pid {} (live, heartbeat", status["leader"]["pid"]);
+    assert!(overview.contains(&live), "the console's overview shows the live leader ({live}): {overview}");
     println!(
         "stranded case=kept_backend detection={:.1}s (default threshold, from the standby's start) \
          ended_with_flag={:.1}s events={} lost={} duplicates={} order_violations={}",
@@ -434,7 +438,11 @@ async fn a_live_leader_is_never_reported_stranded_idle_draining_a_backlog_or_bus
                 drained = Some(backlog_at.elapsed());
             } else if !live_seen_while_draining {
                 let s = status_json(&db).await;
-                assert_eq!((s["leader"]["pid"].as_i64(), s["leader"]["live"].as_bool()), (Some(a_pid.into()), Some(true)), "{s}");
+                assert_eq!(
+                    (s["leader"]["pid"].as_i64(), s["leader"]["live"].as_bool()),
+                    (Some(a_pid.into()), Some(true)),
+                    "{s}"
+                );
                 live_seen_while_draining = true;
             }
         }
@@ -664,9 +672,12 @@ async fn a_leader_behind_a_cut_network_is_taken_over_with_the_flag() {
     let proxy = Proxy::start(&db).await;
     let user = db.pg.get_user().unwrap_or("postgres").to_string();
     let via_proxy = format!("postgres://{user}@127.0.0.1:{}/{}?connect_timeout=2", proxy.port, db.name);
-    let mut a = relay_proc::start_spec(
-        process::Relay::new(support::bin()).url(&via_proxy).args(&["--sink", &hook.url(1), "--statement-timeout", "5s"]),
-    )
+    let mut a = relay_proc::start_spec(process::Relay::new(support::bin()).url(&via_proxy).args(&[
+        "--sink",
+        &hook.url(1),
+        "--statement-timeout",
+        "5s",
+    ]))
     .await;
     a.wait_for_log(&[ACTIVE]).await;
     let mut b = relay_proc::start(&db, &["--sink", &hook.url(2), "--take-over-stranded"]).await;

@@ -36,6 +36,17 @@ pub(super) enum Found {
     Ended,
 }
 
+/// What one look found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Verdict {
+    /// A live holder, or none.
+    Live,
+    /// A holder not live at this look only.
+    Suspect,
+    /// The same holder not live at two looks in a row.
+    Stranded,
+}
+
 /// The watch's state.
 #[derive(Debug)]
 pub(super) struct Watch {
@@ -108,22 +119,28 @@ impl Watch {
             }
             Err(e) => return Err(e),
         };
+        match (self.judge(holder.as_ref()), holder) {
+            (Verdict::Stranded, Some(holder)) if self.take_over => self.end(cx, &holder).await,
+            _ => Ok(Found::Nothing),
+        }
+    }
+
+    /// What a look that found `holder` (`None`: nobody holds the lock)
+    /// means, with the state, the warning and the gauge brought up to date.
+    fn judge(&mut self, holder: Option<&Holder>) -> Verdict {
         let Some(holder) = holder.filter(|h| !h.live()) else {
             self.clear();
-            return Ok(Found::Nothing);
+            return Verdict::Live;
         };
         if self.suspect != Some(holder.id) {
             // First sighting: confirmed (or not) at the next look.
             self.suspect = Some(holder.id);
-            return Ok(Found::Nothing);
+            return Verdict::Suspect;
         }
         if self.reported != Some(holder.id) {
-            self.report(&holder);
+            self.report(holder);
         }
-        if self.take_over {
-            return self.end(cx, &holder).await;
-        }
-        Ok(Found::Nothing)
+        Verdict::Stranded
     }
 
     /// No stranded holder (any more).
@@ -203,5 +220,67 @@ impl Watch {
             }
             Err(e) => Err(e),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cfg() -> ConsumerConfig {
+        let pg = crate::ConnectOptions::parse("postgres://u@localhost/db").expect("URL");
+        crate::Consumer::builder(pg).cfg
+    }
+
+    fn holder(pid: i32, beating: bool, busy: bool) -> Holder {
+        Holder {
+            id: HolderId { pid, backend_start: None },
+            application_name: Some("pg-outbox drain".into()),
+            client_addr: None,
+            state: Some(if busy { "active" } else { "idle" }.into()),
+            state_secs: Some(20.0),
+            heartbeat_age: beating.then_some(1.0),
+            beating,
+            busy,
+        }
+    }
+
+    #[test]
+    fn a_holder_is_stranded_at_the_second_look_in_a_row_and_live_ones_never() {
+        let mut w = Watch::new(&cfg());
+        assert_eq!(w.every, Duration::from_secs(5), "a third of the default 15 s");
+        assert_eq!(w.judge(None), Verdict::Live);
+        assert_eq!(w.judge(Some(&holder(7, true, false))), Verdict::Live, "heartbeating");
+        assert_eq!(w.judge(Some(&holder(7, false, true))), Verdict::Live, "busy in a statement");
+        assert_eq!(w.judge(Some(&holder(7, false, false))), Verdict::Suspect, "one look is not enough");
+        assert_eq!(w.judge(Some(&holder(7, true, false))), Verdict::Live, "it heartbeats: the suspicion goes");
+        assert_eq!(w.judge(Some(&holder(7, false, false))), Verdict::Suspect);
+        assert_eq!(w.judge(Some(&holder(7, false, false))), Verdict::Stranded);
+        assert_eq!(w.reported.map(|h| h.pid), Some(7));
+        assert_eq!(w.judge(Some(&holder(7, false, false))), Verdict::Stranded, "still, reported once");
+        // Another holder starts over: a suspect first.
+        assert_eq!(w.judge(Some(&holder(8, false, false))), Verdict::Suspect);
+        assert_eq!(w.reported.map(|h| h.pid), Some(7), "the report stands until the new one is confirmed");
+        assert_eq!(w.judge(Some(&holder(8, false, false))), Verdict::Stranded);
+        assert_eq!(w.reported.map(|h| h.pid), Some(8));
+        // The same pid in a new session is another holder.
+        let mut later = holder(8, false, false);
+        later.id.backend_start = Some(chrono::Utc::now());
+        assert_eq!(w.judge(Some(&later)), Verdict::Suspect);
+        assert_eq!(w.judge(None), Verdict::Live);
+        assert_eq!((w.reported, w.suspect), (None, None), "cleared");
+    }
+
+    #[test]
+    fn reset_forgets_what_was_seen_and_looks_at_once() {
+        let mut w = Watch::new(&cfg());
+        w.judge(Some(&holder(7, false, false)));
+        w.judge(Some(&holder(7, false, false)));
+        w.look_at = Some(Instant::now() + Duration::from_secs(60));
+        assert!(!w.due(Instant::now()));
+        w.reset();
+        assert!(w.due(Instant::now()));
+        assert_eq!((w.reported, w.suspect), (None, None));
+        assert_eq!(w.judge(Some(&holder(7, false, false))), Verdict::Suspect, "two looks again after a reset");
     }
 }

@@ -241,6 +241,26 @@ mod tests {
     }
 
     #[test]
+    fn stranded_after_takes_3s_to_1h_and_defaults_to_the_librarys_and_the_take_over_is_off() {
+        assert_eq!(parse_stranded_after("3s"), Ok(Duration::from_secs(3)));
+        assert_eq!(parse_stranded_after(" 1h "), Ok(Duration::from_secs(3600)));
+        for bad in ["2s", "61m", "0", "soon"] {
+            let e = parse_stranded_after(bad).expect_err(bad);
+            assert!(e.contains(&format!("invalid duration '{bad}'")), "{e}");
+        }
+        assert!(parse_stranded_after("1s").is_err_and(|e| e.contains("must be 3s to 1h")));
+        let cli = Cli::try_parse_from(["pg-outbox", "relay"]).expect("relay parses without flags");
+        let Command::Relay(args) = cli.command else { panic!("relay") };
+        assert_eq!(args.stranded_after, pg_outbox::DEFAULT_STRANDED_AFTER);
+        assert!(!args.take_over_stranded);
+        let cli = Cli::try_parse_from(["pg-outbox", "relay", "--take-over-stranded", "--stranded-after", "30s"])
+            .expect("the flags parse");
+        let Command::Relay(args) = cli.command else { panic!("relay") };
+        assert!(args.take_over_stranded);
+        assert_eq!(args.stranded_after, Duration::from_secs(30));
+    }
+
+    #[test]
     fn max_buffered_bytes_takes_sizes_and_defaults_to_the_librarys() {
         let bytes = |s: &str| parse_byte_size(s).map(|b| b.as_u64());
         assert_eq!(bytes("64MiB"), Ok(64 << 20));
