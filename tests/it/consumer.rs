@@ -341,12 +341,18 @@ async fn dropped_delivery_is_released_and_delivered_again_first() {
     stream.finish().await.expect("finish");
 }
 
-/// Record every change of a relay's `waiting` in table `waiting_log`.
+/// Record every change of a relay's `waiting` in table `waiting_log` (a new
+/// row, or a row whose `waiting` changed: not the heartbeat's updates).
 async fn log_waiting_changes(c: &tokio_postgres::Client) {
     c.batch_execute(
         "CREATE TABLE waiting_log (waiting boolean NOT NULL); \
          CREATE FUNCTION log_waiting() RETURNS trigger LANGUAGE plpgsql AS \
-         $$ BEGIN INSERT INTO waiting_log VALUES (NEW.waiting); RETURN NULL; END $$; \
+         $$ BEGIN \
+              IF TG_OP = 'INSERT' OR OLD.waiting IS DISTINCT FROM NEW.waiting THEN \
+                INSERT INTO waiting_log VALUES (NEW.waiting); \
+              END IF; \
+              RETURN NULL; \
+            END $$; \
          CREATE TRIGGER log_waiting AFTER INSERT OR UPDATE ON events.outbox_relays \
          FOR EACH ROW EXECUTE FUNCTION log_waiting()",
     )
