@@ -60,7 +60,8 @@ pub const DEFAULT_STATEMENT_TIMEOUT: Duration = Duration::from_secs(60);
 /// The active consumer refreshes its heartbeat every third of it (5 s), and
 /// a standby looks at the holder every third of it too, and reports it once
 /// it found it stranded twice in a row: a holder that stopped is reported
-/// within 25 s (15 s + two looks), under the 30 s the design asks.
+/// within 26 s (15 s, then two looks, each 5 s plus up to 10 % jitter
+/// apart), under the 30 s the design asks.
 pub const DEFAULT_STRANDED_AFTER: Duration = Duration::from_secs(15);
 /// The shortest [`ConsumerBuilder::stranded_after`]: 3 s (a heartbeat every
 /// second).
@@ -397,10 +398,10 @@ impl ConsumerBuilder {
     /// warning with the holder's pid, client address, application name and
     /// idle time and sets `outbox_leader_stranded` to 1; with
     /// [`Self::take_over_stranded`] it ends that session and takes over. A
-    /// holder that stops is found within this plus two thirds of it (25 s
-    /// by default). Every consumer of one outbox should use the same value:
-    /// a shorter one on a standby than on the active consumer would find a
-    /// live one stranded.
+    /// holder that stops is found within this plus two looks (a third of it
+    /// each, plus up to 10 % jitter): 26 s by default. Every consumer of one
+    /// outbox should use the same value: a shorter one on a standby than on
+    /// the active consumer would find a live one stranded.
     ///
     /// # Example
     /// ```

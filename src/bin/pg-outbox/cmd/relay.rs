@@ -109,8 +109,8 @@ pub(crate) struct RelayArgs {
     /// In `--mode single`, how old the active relay's heartbeat may get
     /// before a standby counts the lock's holder as stranded (3s to 1h).
     /// Heartbeats and a standby's looks come every third of it; a holder
-    /// that stops is found within this plus two thirds of it (25 s by
-    /// default). Use the same value on every relay of one outbox.
+    /// that stops is found within this plus two looks (26 s by default).
+    /// Use the same value on every relay of one outbox.
     #[arg(long, value_parser = parse_stranded_after, default_value = "15s", value_name = "DURATION")]
     stranded_after: Duration,
     /// Run retention daily: delete published events older than this (e.g.
