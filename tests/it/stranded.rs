@@ -370,15 +370,15 @@ async fn a_kept_backend_holding_the_lock_is_reported_within_30s_and_ended_only_w
 }
 
 /// A live leader is never taken for a stranded one, by a standby that
-/// would end it (`--take-over-stranded`, short threshold): not while idle,
-/// not while it drains a backlog, and not while its session waits in a
-/// statement for longer than the threshold.
+/// would end it (`--take-over-stranded`, a 6 s threshold: heartbeats and
+/// looks every 2 s): not while idle, not while it drains a backlog, and
+/// not while its session waits in a statement for twice the threshold.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_live_leader_is_never_reported_stranded_idle_draining_a_backlog_or_busy_in_a_statement() {
     let db = TestDb::new("stranded_no_false_positive").await;
     let c = db.client().await;
     let (a_addr, b_addr) = (format!("127.0.0.1:{}", free_port()), format!("127.0.0.1:{}", free_port()));
-    let common = ["--sink", "stdout", "--stranded-after", FAST];
+    let common = ["--sink", "stdout", "--stranded-after", "6s"];
     let a_spec = relay_proc::relay(&db, &common).args(&["--metrics-addr", &a_addr]).stdout(process::Output::Drained);
     let mut a = relay_proc::start_spec(a_spec).await;
     a.wait_for_log(&[ACTIVE]).await;
@@ -410,7 +410,7 @@ async fn a_live_leader_is_never_reported_stranded_idle_draining_a_backlog_or_bus
     };
 
     // Idle, then a backlog of 50 000 events drained, watched for at least
-    // five thresholds.
+    // four thresholds.
     let started = Instant::now();
     tokio::time::sleep(Duration::from_secs(4)).await;
     c.execute(
@@ -424,7 +424,7 @@ async fn a_live_leader_is_never_reported_stranded_idle_draining_a_backlog_or_bus
     let mut max_age = 0.0f64;
     let mut drained = None;
     let mut live_seen_while_draining = false;
-    while drained.is_none() || started.elapsed() < Duration::from_secs(15) {
+    while drained.is_none() || started.elapsed() < Duration::from_secs(24) {
         max_age = max_age.max(heartbeat_age().await);
         assert_eq!(metric(&b_addr, "outbox_leader_stranded").await, Some(0.0), "{}", b.log());
         clean(&a, &b);
@@ -449,10 +449,11 @@ async fn a_live_leader_is_never_reported_stranded_idle_draining_a_backlog_or_bus
         assert!(backlog_at.elapsed() < Duration::from_secs(120), "the backlog never drained\n{}", a.log());
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
-    assert!(max_age < 3.0, "the leader's heartbeat kept within the threshold while draining: {max_age:.2}s");
+    assert!(max_age < 6.0, "the leader's heartbeat kept within the threshold while draining: {max_age:.2}s");
 
     // Busy in a statement: the leader's heartbeat waits for a row lock for
-    // three thresholds (its session shows `active`, waiting on a lock).
+    // over twice the threshold (its session shows `active`, waiting on a
+    // lock), long enough for two looks to find its heartbeat stale.
     let blocker = db.client().await;
     blocker
         .batch_execute(&format!("BEGIN; SELECT * FROM events.outbox_relays WHERE pid = {a_pid} FOR UPDATE"))
@@ -461,7 +462,7 @@ async fn a_live_leader_is_never_reported_stranded_idle_draining_a_backlog_or_bus
     let busy_from = Instant::now();
     let mut seen_waiting = false;
     let mut max_busy_age = 0.0f64;
-    while busy_from.elapsed() < Duration::from_secs(9) {
+    while busy_from.elapsed() < Duration::from_secs(13) {
         let row = c
             .query_one("SELECT state, wait_event_type FROM pg_stat_activity WHERE pid = $1", &[&a_pid])
             .await
@@ -475,8 +476,8 @@ async fn a_live_leader_is_never_reported_stranded_idle_draining_a_backlog_or_bus
     }
     blocker.batch_execute("COMMIT").await.expect("release the row");
     assert!(seen_waiting, "the leader's session waited on the row lock");
-    assert!(max_busy_age > 3.0, "the heartbeat went older than the threshold meanwhile: {max_busy_age:.2}s");
-    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert!(max_busy_age > 10.0, "the heartbeat went stale for two looks meanwhile: {max_busy_age:.2}s");
+    tokio::time::sleep(Duration::from_secs(5)).await;
     clean(&a, &b);
     let ids = support::insert_seed_events(&c, Uuid::new_v4(), 3).await;
     eventually(30, "events after the wait are delivered", || async {
@@ -488,7 +489,7 @@ async fn a_live_leader_is_never_reported_stranded_idle_draining_a_backlog_or_bus
     .await;
     clean(&a, &b);
     println!(
-        "stranded case=no_false_positive watched={:.0}s threshold={FAST} backlog=50000 drained_in={:.1}s \
+        "stranded case=no_false_positive watched={:.0}s threshold=6s backlog=50000 drained_in={:.1}s \
          max_heartbeat_age_draining={max_age:.2}s busy_statement_heartbeat_age={max_busy_age:.1}s reports=0",
         started.elapsed().as_secs_f64(),
         drained.unwrap_or_default().as_secs_f64()
@@ -515,8 +516,9 @@ async fn a_frozen_leader_is_taken_over_with_the_flag_and_is_leader_no_more_when_
 
     a.send(libc::SIGSTOP).expect("SIGSTOP the leader");
     let stopped = Instant::now();
+    // (Its gauge is 1 only between the report and the takeover, a moment:
+    // the test without the flag checks it.)
     let detected = logged_within(&mut b, NO_LIVE_LEADER, stopped, DETECTION_BOUND).await;
-    metric_is(&b_addr, "outbox_leader_stranded", 1.0, 5).await;
     b.wait_log(&[ACTIVE], LIVENESS).await.unwrap_or_else(|e| panic!("{e}"));
     let deadline = Instant::now() + LIVENESS;
     let first = loop {
