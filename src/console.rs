@@ -200,7 +200,9 @@ pub struct RelaySession {
     /// a wake-up (idle), `Some(false)` while it drains, `None` when not
     /// registered.
     pub waiting: Option<bool>,
-    /// When the registration last changed.
+    /// When the registration was last written (`updated_at`): its waiting
+    /// flag set, or the relay's heartbeat, which refreshes it every 5 s
+    /// (a third of `stranded_after`) while the relay runs.
     pub waiting_since: Option<DateTime<Utc>>,
     /// Holds the single mode's leader lock: the active relay.
     pub leader: bool,
