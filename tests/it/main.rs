@@ -13,6 +13,7 @@ mod consumer;
 mod container;
 mod contrib;
 mod dead_letters;
+mod failover;
 mod faults;
 mod health;
 mod libpq;
