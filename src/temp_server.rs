@@ -371,11 +371,12 @@ impl TempServer {
                 "--no-sync".as_ref(),
             ],
         )?;
-        // `-R` wrote a primary_conninfo without an application name; this
-        // later line wins, and names the standby for
-        // synchronous_standby_names.
+        // `-R` wrote a primary_conninfo without an application name into
+        // postgresql.auto.conf (read after postgresql.conf); a later line
+        // there wins, and names the standby for synchronous_standby_names.
         let conninfo = format!("host=127.0.0.1 port={} user=postgres application_name={name}", self.port);
-        standby.configure(&options.server.clone().setting("primary_conninfo", &conninfo))?;
+        standby.append_settings_to("postgresql.auto.conf", &[("primary_conninfo", &conninfo)])?;
+        standby.configure(&options.server)?;
         if options.synchronous {
             self.append_settings(&[("synchronous_standby_names", &name)])?;
             self.reload()?;
@@ -456,8 +457,14 @@ impl TempServer {
     /// Append `name = 'value'` lines to `postgresql.conf` (read at the next
     /// start or reload).
     fn append_settings(&self, settings: &[(&str, &str)]) -> Result<()> {
+        self.append_settings_to("postgresql.conf", settings)
+    }
+
+    /// Append `name = 'value'` lines to the configuration file `file` of
+    /// the data directory.
+    fn append_settings_to(&self, file: &str, settings: &[(&str, &str)]) -> Result<()> {
         use std::io::Write;
-        let mut conf = std::fs::OpenOptions::new().append(true).open(self.data_dir().join("postgresql.conf"))?;
+        let mut conf = std::fs::OpenOptions::new().append(true).open(self.data_dir().join(file))?;
         for (name, value) in settings {
             writeln!(conf, "{name} = '{}'", value.replace('\'', "''"))?;
         }

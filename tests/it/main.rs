@@ -17,6 +17,7 @@ mod failover;
 mod faults;
 mod health;
 mod libpq;
+mod managed;
 mod modes;
 mod needs;
 mod order;
