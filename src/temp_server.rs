@@ -348,8 +348,7 @@ impl TempServer {
         let n = STANDBYS.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
         let name = format!("pgo_standby_{}_{n}", std::process::id());
         let dir = Self::new_dir(self.run_as)?;
-        let mut standby =
-            TempServer { dir, bindir: self.bindir.clone(), port: 0, run_as: self.run_as, running: false };
+        let mut standby = TempServer { dir, bindir: self.bindir.clone(), port: 0, run_as: self.run_as, running: false };
         let data = standby.data_dir();
         let port = self.port.to_string();
         standby.run(
@@ -432,8 +431,8 @@ impl TempServer {
             return Ok(());
         }
         let pid_file = self.data_dir().join("postmaster.pid");
-        let text = std::fs::read_to_string(&pid_file)
-            .map_err(|e| err(format!("cannot read {}: {e}", pid_file.display())))?;
+        let text =
+            std::fs::read_to_string(&pid_file).map_err(|e| err(format!("cannot read {}: {e}", pid_file.display())))?;
         let pid: libc::pid_t = text
             .lines()
             .next()

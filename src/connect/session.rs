@@ -111,7 +111,10 @@ impl SessionSettings {
     fn settings_of_14(&self) -> Vec<(&'static str, String)> {
         let mut out = Vec::new();
         if self.check_client_connection {
-            out.push(("client_connection_check_interval", setting_millis(CLIENT_CONNECTION_CHECK_INTERVAL).to_string()));
+            out.push((
+                "client_connection_check_interval",
+                setting_millis(CLIENT_CONNECTION_CHECK_INTERVAL).to_string(),
+            ));
         }
         if self.keep_when_idle {
             out.push(("idle_session_timeout", "0".to_string()));
@@ -307,8 +310,7 @@ async fn open_with(
     let with_14 = !settings.settings_of_14().is_empty() && with_options;
     let variants: &[bool] = if with_14 { &[true, false] } else { &[false] };
     'variants: for &with_check in variants {
-        let cfg =
-            if with_options { with_session_options(&base, &settings.options(with_check)) } else { base.clone() };
+        let cfg = if with_options { with_session_options(&base, &settings.options(with_check)) } else { base.clone() };
         let mut unknown_setting = false;
         for &i in &order {
             let mut host = hosts::one_host(&cfg, i);
@@ -340,7 +342,10 @@ async fn open_with(
                     }
                     Ok((_, _, state)) => {
                         tracing::debug!(target_db = %name, ?state, "the server accepts no writes; trying the next host");
-                        failures.push(&name, if state == ServerState::Standby { Failure::Standby } else { Failure::ReadOnly });
+                        failures.push(
+                            &name,
+                            if state == ServerState::Standby { Failure::Standby } else { Failure::ReadOnly },
+                        );
                         break;
                     }
                     Err(e) => {
@@ -394,7 +399,14 @@ impl Failures {
     /// The error for an attempt where no host would do: a standby (or a
     /// read-only server) if one answered, else the driver's last error,
     /// else the timeout. With several hosts, what each answered is noted.
-    fn into_error(self, opts: &ConnectOptions, base: &Config, password_file: Option<&Path>, several: bool, bound: Duration) -> Error {
+    fn into_error(
+        self,
+        opts: &ConnectOptions,
+        base: &Config,
+        password_file: Option<&Path>,
+        several: bool,
+        bound: Duration,
+    ) -> Error {
         let notes_but = |skip: Option<usize>| -> Vec<String> {
             if !several {
                 return Vec::new();
@@ -583,23 +595,59 @@ mod tests {
         let s = SessionSettings {
             statement_timeout: Some(Duration::from_millis(200)),
             check_client_connection: true,
+            keep_when_idle: true,
             pinned: false,
+            primary: true,
         };
-        assert_eq!(s.options(true), "-c statement_timeout=200 -c client_connection_check_interval=5000");
+        assert_eq!(
+            s.options(true),
+            "-c statement_timeout=200 -c client_connection_check_interval=5000 -c idle_session_timeout=0"
+        );
         assert_eq!(s.options(false), "-c statement_timeout=200");
         assert_eq!(SessionSettings::default().options(true), "");
-        let off =
-            SessionSettings { statement_timeout: Some(Duration::ZERO), check_client_connection: false, pinned: false };
+        assert_eq!(SessionSettings::primary().options(true), "", "a writable server, no setting");
+        let off = SessionSettings { statement_timeout: Some(Duration::ZERO), ..SessionSettings::default() };
         assert_eq!(off.options(true), "-c statement_timeout=0");
         let base = prepared(&parse_url("host=h user=u options='-c statement_timeout=0'").expect("url").pg, "app");
         let cfg = with_session_options(&base, &s.options(true));
         let o = cfg.get_options().expect("options");
-        assert!(o.starts_with("-c statement_timeout=200 -c client_connection_check_interval=5000 "), "{o}");
+        assert!(
+            o.starts_with(
+                "-c statement_timeout=200 -c client_connection_check_interval=5000 -c idle_session_timeout=0 "
+            ),
+            "{o}"
+        );
         assert!(o.ends_with("-c statement_timeout=0"), "the URL's own setting comes last, so it wins: {o}");
         assert_eq!(with_session_options(&base, "").get_options(), base.get_options());
         assert_eq!(setting_millis(Duration::from_micros(500)), 1, "rounded up, never to 0 (off)");
         assert_eq!(setting_millis(Duration::ZERO), 0);
         assert_eq!(setting_millis(Duration::from_secs(60)), 60_000);
         assert_eq!(setting_millis(Duration::from_secs(u64::MAX)), i32::MAX as u64);
+    }
+
+    #[test]
+    fn a_standby_among_several_hosts_is_named_with_what_the_others_answered() {
+        let bound = Duration::from_secs(2);
+        let opts = parse_url("postgres://u@a:1,b:2/d?target_session_attrs=read-write").expect("url");
+        let mut f = Failures::default();
+        f.push("a:1 (database d, user u)", Failure::TimedOut);
+        f.push("b:2 (database d, user u)", Failure::Standby);
+        let e = f.into_error(&opts, &opts.pg, None, true, bound);
+        let Error::ReadOnlyStandby { target } = &e else { panic!("{e:?}") };
+        assert_eq!(target, "b:2 (database d, user u; a:1: no answer within 2s)");
+        assert!(e.to_string().starts_with("the server at b:2 (database d, user u; a:1: no answer within 2s) is a read-only standby (in recovery); point the URL at the primary"), "{e}");
+        assert!(e.is_transient(), "a promotion may end it");
+        let mut f = Failures::default();
+        f.push("a:1 (database d, user u)", Failure::ReadOnly);
+        let e = f.into_error(&opts, &opts.pg, None, false, bound);
+        let Error::ReadOnlyServer { target } = &e else { panic!("{e:?}") };
+        assert_eq!(target, "a:1 (database d, user u)", "one host: no notes");
+        let mut f = Failures::default();
+        f.push("a:1 (database d, user u)", Failure::TimedOut);
+        f.push("b:2 (database d, user u)", Failure::TimedOut);
+        let e = f.into_error(&opts, &opts.pg, None, true, bound);
+        let Error::ConnectTimedOut { target, after } = &e else { panic!("{e:?}") };
+        assert_eq!(*after, bound);
+        assert!(target.ends_with("; a:1: no answer within 2s; b:2: no answer within 2s)"), "{target}");
     }
 }

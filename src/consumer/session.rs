@@ -237,7 +237,8 @@ mod tests {
 
     #[test]
     fn the_backoff_starts_near_100ms_doubles_and_never_waits_longer_than_the_bound() {
-        for max in [Duration::from_secs(10), Duration::from_secs(1), Duration::from_millis(150), Duration::from_millis(10)]
+        for max in
+            [Duration::from_secs(10), Duration::from_secs(1), Duration::from_millis(150), Duration::from_millis(10)]
         {
             let waits: Vec<Duration> = new_backoff(max).take(40).collect();
             assert!(waits.iter().all(|w| *w <= max), "{max:?}: {waits:?}");

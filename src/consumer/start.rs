@@ -7,13 +7,13 @@ use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
+use super::session::new_backoff;
 use super::source::{ClaimSource, ListenSource, Signals, notifier};
 use super::stream::{Shared, StreamParts};
 use super::{
     ConsumerBuilder, ConsumerConfig, EventStream, HealthMonitor, ListenerStatus, Mode, NOTIFY_CHANNEL, PROBE_TIMEOUT,
     drain, health, holdback,
 };
-use super::session::new_backoff;
 use crate::connect;
 use crate::error::{Error, Result};
 

@@ -86,12 +86,9 @@ async fn pair(synchronous: bool) -> Option<(TempServer, TempServer)> {
     let want = if synchronous { "sync" } else { "async" };
     let admin = faults::connect(&primary.url(), "failover admin", LIVENESS).await;
     support::eventually(30, &format!("the standby to stream ({want})"), || async {
-        admin
-            .query("SELECT state, sync_state FROM pg_stat_replication", &[])
-            .await
-            .is_ok_and(|rows| {
-                rows.len() == 1 && rows[0].get::<_, String>(0) == "streaming" && rows[0].get::<_, String>(1) == want
-            })
+        admin.query("SELECT state, sync_state FROM pg_stat_replication", &[]).await.is_ok_and(|rows| {
+            rows.len() == 1 && rows[0].get::<_, String>(0) == "streaming" && rows[0].get::<_, String>(1) == want
+        })
     })
     .await;
     Some((primary, standby))
@@ -225,7 +222,8 @@ async fn publish(url: &str, n: usize) -> Vec<i64> {
     let publisher = pg_outbox::Publisher::new();
     let mut ids = Vec::new();
     for i in 0..n {
-        let event = pg_outbox::NewEvent::new("subscription", Uuid::new_v4(), "FaultSuiteEvent", serde_json::json!({ "n": i }));
+        let event =
+            pg_outbox::NewEvent::new("subscription", Uuid::new_v4(), "FaultSuiteEvent", serde_json::json!({ "n": i }));
         ids.push(publisher.publish(&client, &event).await.expect("publish"));
     }
     ids
@@ -243,10 +241,7 @@ async fn a_relay_pointed_at_a_standby_exits_in_one_line_or_waits_for_the_promoti
     let ids = publish(&primary.url_for(DB), 3).await;
     let on_standby = faults::connect(&standby_url, "failover check", LIVENESS).await;
     support::eventually(30, "the standby to replay the events", || async {
-        on_standby
-            .query_one("SELECT count(*) FROM events.outbox", &[])
-            .await
-            .is_ok_and(|r| r.get::<_, i64>(0) == 3)
+        on_standby.query_one("SELECT count(*) FROM events.outbox", &[]).await.is_ok_and(|r| r.get::<_, i64>(0) == 3)
     })
     .await;
 
@@ -259,19 +254,26 @@ async fn a_relay_pointed_at_a_standby_exits_in_one_line_or_waits_for_the_promoti
     let line = errors[0];
     println!("relay on a standby: {line}");
     let at = format!("127.0.0.1:{}", standby.port());
-    for needle in [
-        at.as_str(),
-        "is a read-only standby (in recovery)",
-        "target_session_attrs=read-write",
-        "--wait-for-primary",
-    ] {
+    for needle in
+        [at.as_str(), "is a read-only standby (in recovery)", "target_session_attrs=read-write", "--wait-for-primary"]
+    {
         assert!(line.contains(needle), "{needle:?} in: {line}");
     }
     assert!(!out.stderr.contains("cannot execute LISTEN during recovery"), "{}", out.stderr);
     // The commands that write refuse it the same way; reading works.
     for args in [
         vec!["migrate"],
-        vec!["publish", "--aggregate-type", "a", "--aggregate-id", &Uuid::nil().to_string(), "--event-type", "E", "--payload", "{}"],
+        vec![
+            "publish",
+            "--aggregate-type",
+            "a",
+            "--aggregate-id",
+            &Uuid::nil().to_string(),
+            "--event-type",
+            "E",
+            "--payload",
+            "{}",
+        ],
         vec!["dead-letters", "retry", "--all"],
     ] {
         let out = support::cli(&args).url(&standby_url).run().await;
@@ -324,4 +326,60 @@ async fn a_relay_pointed_at_a_standby_exits_in_one_line_or_waits_for_the_promoti
     assert_eq!(log.matches("accepts writes now").count(), 1, "its end is logged once:\n{log}");
     relay.stop_cleanly().await;
     blocking(move || drop((primary, standby))).await;
+}
+
+/// key=value settings for `db`'s server behind a first host that accepts
+/// TCP connections and never answers (a listener nobody serves: the kernel
+/// completes the handshake, the startup message waits forever), each host
+/// within `connect_timeout=1`.
+fn behind_a_silent_host(db: &support::TestDb, silent: u16, attrs: &str) -> String {
+    use tokio_postgres::config::Host;
+    let host = match db.pg.get_hosts().first() {
+        Some(Host::Tcp(h)) => h.clone(),
+        Some(Host::Unix(p)) => p.display().to_string(),
+        None => "127.0.0.1".into(),
+    };
+    let port = db.pg.get_ports().first().copied().unwrap_or(5432);
+    let user = db.pg.get_user().unwrap_or("postgres");
+    format!("host=127.0.0.1,{host} port={silent},{port} user={user} dbname={} connect_timeout=1 {attrs}", db.name)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_first_host_that_never_answers_costs_one_connect_timeout_then_the_next_host_serves() {
+    let db = support::TestDb::new("failover_silent_host").await;
+    let silent = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    let silent_port = silent.local_addr().expect("addr").port();
+    let url = behind_a_silent_host(&db, silent_port, "target_session_attrs=read-write");
+    let opts = pg_outbox::ConnectOptions::parse(&url).expect("parse");
+    let t = Instant::now();
+    let client = opts
+        .connect()
+        .await
+        .unwrap_or_else(|e| panic!("connect past the silent host: {}", pg_outbox::error::report(&e)));
+    let took = t.elapsed();
+    client.simple_query("SELECT 1").await.expect("the session works");
+    println!("silent first host: connected to the second after {took:?} (connect_timeout=1)");
+    assert!(took >= Duration::from_millis(900), "the first host got its whole second: {took:?}");
+    assert!(took < Duration::from_secs(5), "one timeout, not more: {took:?}");
+    let primary = opts.connect_primary().await.expect("connect_primary past the silent host");
+    primary.simple_query("SELECT 1").await.expect("the session works");
+
+    // Every host silent: one error naming each, after one timeout each.
+    let other = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    let other_port = other.local_addr().expect("addr").port();
+    let both =
+        format!("host=127.0.0.1,127.0.0.1 port={silent_port},{other_port} user=postgres dbname=x connect_timeout=1");
+    let t = Instant::now();
+    let e = pg_outbox::ConnectOptions::parse(&both).expect("parse").connect().await.expect_err("no host answers");
+    let took = t.elapsed();
+    let text = pg_outbox::error::report(&e);
+    assert!(matches!(e, pg_outbox::Error::ConnectTimedOut { .. }), "{text}");
+    for needle in [
+        format!("127.0.0.1:{silent_port}: no answer within 1s"),
+        format!("127.0.0.1:{other_port}: no answer within 1s"),
+    ] {
+        assert!(text.contains(&needle), "{needle:?} in: {text}");
+    }
+    assert!(took >= Duration::from_millis(1900) && took < Duration::from_secs(6), "a second per host: {took:?}");
+    drop((silent, other));
 }

@@ -53,7 +53,8 @@ async fn publish(c: &tokio_postgres::Client, n: usize) -> Vec<i64> {
     let publisher = pg_outbox::Publisher::new();
     let mut ids = Vec::new();
     for i in 0..n {
-        let event = pg_outbox::NewEvent::new("subscription", Uuid::new_v4(), "FaultSuiteEvent", serde_json::json!({ "n": i }));
+        let event =
+            pg_outbox::NewEvent::new("subscription", Uuid::new_v4(), "FaultSuiteEvent", serde_json::json!({ "n": i }));
         ids.push(publisher.publish(c, &event).await.expect("publish"));
     }
     ids
@@ -89,7 +90,8 @@ async fn idle_session_timeout_on_the_database_leaves_the_relays_sessions_alone()
     let kept = TestDb::new("managed_idle_kept").await;
     let closed = TestDb::new("managed_idle_closed").await;
     let c = kept.client().await;
-    let num: i32 = c.query_one("SELECT current_setting('server_version_num')::int4", &[]).await.expect("version").get(0);
+    let num: i32 =
+        c.query_one("SELECT current_setting('server_version_num')::int4", &[]).await.expect("version").get(0);
     if num < 140_000 {
         needs::skip("idle_session_timeout is new in PostgreSQL 14; this server is older");
         return;
@@ -144,7 +146,9 @@ async fn idle_session_timeout_on_the_database_leaves_the_relays_sessions_alone()
     relay_closed.check_running().await.unwrap_or_else(|e| panic!("{e}"));
     let after = relay_sessions(&c, &kept.name).await;
     let (log_kept, log_closed) = (relay_kept.log(), relay_closed.log());
-    let lost = |log: &str| log.matches("LISTEN connection lost").count() + log.matches("connection closed; reconnecting").count();
+    let lost = |log: &str| {
+        log.matches("LISTEN connection lost").count() + log.matches("connection closed; reconnecting").count()
+    };
     println!(
         "idle_session_timeout={IDLE_TIMEOUT} on the database, {:?} idle between rounds: relay as it comes: {events} of \
          {events} events, {} sessions lost; relay whose URL sets the timeout: {events} of {events} events, {} sessions \
@@ -156,7 +160,10 @@ async fn idle_session_timeout_on_the_database_leaves_the_relays_sessions_alone()
     );
     assert_eq!(after, before, "the relay's sessions are the same backends throughout:\n{log_kept}");
     assert_eq!(lost(&log_kept), 0, "the relay lost no session:\n{log_kept}");
-    assert!(lost(&log_closed) >= 2, "the server closed the idle sessions of the relay whose URL asks for it:\n{log_closed}");
+    assert!(
+        lost(&log_closed) >= 2,
+        "the server closed the idle sessions of the relay whose URL asks for it:\n{log_closed}"
+    );
     assert!(log_closed.contains("LISTEN connection re-established"), "{log_closed}");
     relay_kept.stop_cleanly().await;
     relay_closed.stop_cleanly().await;
@@ -173,7 +180,8 @@ enum Probe {
 async fn probe(client: &mut tokio_postgres::Client, n: usize) -> Probe {
     let aggregate = Uuid::new_v4();
     let Ok(tx) = client.transaction().await else { return Probe::Failed };
-    let event = pg_outbox::NewEvent::new("subscription", aggregate, "FaultSuiteEvent", serde_json::json!({ "probe": n }));
+    let event =
+        pg_outbox::NewEvent::new("subscription", aggregate, "FaultSuiteEvent", serde_json::json!({ "probe": n }));
     let Ok(id) = pg_outbox::Publisher::new().publish(&tx, &event).await else { return Probe::Failed };
     let at = Instant::now();
     match tx.commit().await {
@@ -383,7 +391,11 @@ async fn across_a_server_restart_sessions_come_back_nothing_is_lost_and_latency_
     let (at, _) = r.back.unwrap_or_else(|| {
         panic!("the latency never came back under {:?} (2x the floor {:?}) after the restart", r.limit, r.floor)
     });
-    assert!(at <= RECOVERY_BOUND, "latency back under {:?} only {at:?} after the restart (bound {RECOVERY_BOUND:?})", r.limit);
+    assert!(
+        at <= RECOVERY_BOUND,
+        "latency back under {:?} only {at:?} after the restart (bound {RECOVERY_BOUND:?})",
+        r.limit
+    );
     drop(h);
     let _ = tokio::task::spawn_blocking(move || drop(server)).await;
 }
