@@ -374,10 +374,7 @@ async fn a_first_host_that_never_answers_costs_one_connect_timeout_then_the_next
     let took = t.elapsed();
     let text = pg_outbox::error::report(&e);
     assert!(matches!(e, pg_outbox::Error::ConnectTimedOut { .. }), "{text}");
-    for needle in [
-        format!("127.0.0.1:{silent_port}: no answer within 1s"),
-        format!("127.0.0.1:{other_port}: no answer within 1s"),
-    ] {
+    for needle in [format!("127.0.0.1:{silent_port} or 127.0.0.1:{other_port}"), "within 1s".to_string()] {
         assert!(text.contains(&needle), "{needle:?} in: {text}");
     }
     assert!(took >= Duration::from_millis(1900) && took < Duration::from_secs(6), "a second per host: {took:?}");
