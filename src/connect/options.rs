@@ -381,6 +381,13 @@ impl ConnectOptions {
     /// Pair it with [`ConnectOptions::tls_connector`], which checks
     /// certificates as the `sslmode` says; any other connector applies its
     /// own rules instead.
+    ///
+    /// A connection made from this `Config` goes through tokio-postgres's
+    /// own loop over the hosts of a multi-host URL, not pg-outbox's:
+    /// `target_session_attrs=read-write` works there too, but
+    /// `connect_timeout` bounds only each TCP connect, so a host that
+    /// accepts and then never answers stalls that connection; bound it in
+    /// the pool (deadpool-postgres's `Timeouts::create`).
     pub fn tokio_postgres_config(&self) -> Config {
         use tokio_postgres::config::SslMode as T;
         let (mut cfg, _) = self.with_password();
