@@ -129,8 +129,9 @@ impl StandbyOptions {
     /// `synchronous_standby_names` is set to the standby's name (replacing
     /// any earlier one) and reloaded, so with `synchronous_commit` at its
     /// default (`on`) a COMMIT on the primary returns only once the standby
-    /// has written its WAL: a transaction whose COMMIT returned survives a
-    /// crash of the primary followed by a promotion of the standby.
+    /// has flushed its WAL (to the operating system only: a throwaway server
+    /// runs with `fsync=off`): a transaction whose COMMIT returned survives
+    /// a crash of the primary followed by a promotion of the standby.
     pub fn synchronous(mut self, synchronous: bool) -> Self {
         self.synchronous = synchronous;
         self

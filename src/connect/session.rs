@@ -410,8 +410,11 @@ impl Failures {
         // What each host answered, when there are several and they
         // answered differently (the same failure everywhere is said once,
         // by the error itself).
+        if self.0.is_empty() {
+            return Error::Config("no connection attempt made".into());
+        }
         let described: Vec<String> = self.0.iter().map(|(_, f)| describe_failure(f, bound)).collect();
-        let differ = described.iter().any(|d| *d != described[0]);
+        let differ = described.iter().any(|d| Some(d) != described.first());
         let notes_but = |skip: Option<usize>| -> Vec<String> {
             if !several || !(differ || skip.is_some()) {
                 return Vec::new();

@@ -468,16 +468,17 @@ impl<S: Source> Engine<S> {
                 tracing::warn!(retry_in = ?delay, "{which} connection closed; reconnecting");
                 format!("{which} connection closed")
             }
-            Loss::ConnectFailed(e @ Error::ReadOnlyStandby { .. }) => {
-                let error = crate::error::report(&e);
+            Loss::ConnectFailed(Error::ReadOnlyStandby { target }) => {
                 if self.on_standby.is_none() {
                     self.on_standby = Some(Instant::now());
-                    tracing::warn!(error = %error, retry_every_at_most = ?self.cfg.reconnect_max_delay,
+                    tracing::warn!(standby = %target, retry_every_at_most = ?self.cfg.reconnect_max_delay,
                         "the database is a read-only standby now (a failover?): reconnecting until a host accepts writes");
                 } else {
                     tracing::debug!(retry_in = ?delay, "still a read-only standby");
                 }
-                error
+                format!(
+                    "the server at {target} is a read-only standby (in recovery): waiting for a host that accepts writes"
+                )
             }
             Loss::ConnectFailed(e) => {
                 let error = crate::error::report(&e);

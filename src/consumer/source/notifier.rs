@@ -180,8 +180,13 @@ pub(crate) async fn run(n: Notifier) {
             Err(Error::ReadOnlyStandby { .. }) if on_standby => {
                 tracing::debug!(retry_in = ?delay, "LISTEN reconnect: still a read-only standby");
             }
+            Err(Error::ReadOnlyStandby { target }) => {
+                on_standby = true;
+                tracing::warn!(standby = %target, retry_in = ?delay,
+                    "LISTEN reconnect found a read-only standby (a failover?): retrying until a host accepts writes");
+            }
             Err(e) => {
-                on_standby = matches!(e, Error::ReadOnlyStandby { .. });
+                on_standby = false;
                 tracing::warn!(error = %crate::error::report(&e), retry_in = ?delay, "LISTEN reconnect failed");
             }
         }
