@@ -115,6 +115,9 @@ impl TempServerOptions {
 /// let primary = TempServer::start()?;
 /// // Commits on the primary wait until this standby has the WAL.
 /// let standby = primary.start_standby(StandbyOptions::default().synchronous(true))?;
+/// // ... publish on primary.url(), then fail over:
+/// drop(primary); // stops it, as a crash would
+/// standby.promote()?;
 /// # Ok(())
 /// # }
 /// ```

@@ -359,6 +359,7 @@ impl ConnectOptions {
     /// # async fn run() -> Result<(), pg_outbox::Error> {
     /// let opts = pg_outbox::ConnectOptions::parse("postgres://app@db-a,db-b/app?connect_timeout=3")?;
     /// let client = opts.connect_primary().await?; // db-a or db-b, whichever is the primary
+    /// client.batch_execute("BEGIN; COMMIT").await?;
     /// # Ok(()) }
     /// ```
     pub async fn connect_primary(&self) -> Result<Client> {
