@@ -43,6 +43,45 @@ pub enum Error {
         /// The connect timeout that ran out.
         after: std::time::Duration,
     },
+    /// Every server the URL names is a hot standby (in recovery: read-only),
+    /// and what was asked needs the primary: the relay (a library
+    /// [`Consumer`](crate::Consumer)), `migrate`, retention, and sessions
+    /// opened with [`ConnectOptions::connect_primary`](crate::ConnectOptions::connect_primary).
+    /// Found at connect time (the server's `in_hot_standby`, or
+    /// `pg_is_in_recovery()` where the server does not report it), before
+    /// any statement. `target` names the standby (host, port, database,
+    /// user) and what the other hosts of a multi-host URL answered.
+    ///
+    /// Transient ([`Error::is_transient`]): a promotion makes the server
+    /// the primary. The relay exits with it at start unless it waits for a
+    /// promotion ([`ConsumerBuilder::wait_for_primary`](crate::ConsumerBuilder::wait_for_primary),
+    /// `pg-outbox relay --wait-for-primary`); once running, a reconnect that
+    /// lands on a standby backs off and tries again.
+    #[error(
+        "the server at {target} is a read-only standby (in recovery); point the URL at the primary, or list every \
+         node in a multi-host URL with target_session_attrs=read-write (postgres://host1,host2/db?target_session_attrs=read-write), \
+         or, for the relay, pass --wait-for-primary to wait for a promotion"
+    )]
+    ReadOnlyStandby {
+        /// The standby's host, port, database and user, and what the other
+        /// hosts answered (never the password).
+        target: String,
+    },
+    /// The URL asks for a writable session (`target_session_attrs=read-write`,
+    /// or a part that needs the primary, as for [`Error::ReadOnlyStandby`]),
+    /// and no server it names is a standby, but every one that answered
+    /// refuses writes: `default_transaction_read_only` is on for the server,
+    /// the database or the role (as some managed services set it when the
+    /// disk is nearly full). `target` names the server.
+    #[error(
+        "the server at {target} accepts no writes: default_transaction_read_only is on (for the server, the \
+         database or the role) though it is not a standby; turn it off, or point the URL at a writable server"
+    )]
+    ReadOnlyServer {
+        /// The server's host, port, database and user, and what the other
+        /// hosts answered (never the password).
+        target: String,
+    },
     /// A query failed.
     #[error("database error")]
     Db(#[from] tokio_postgres::Error),
@@ -134,7 +173,8 @@ impl Error {
 
     /// True when retrying later may succeed: the connection was closed or
     /// broken, the server is shutting down or starting, or the statement lost
-    /// a serialization or deadlock race. Rows are never touched because of
+    /// a serialization or deadlock race, or the server is a read-only
+    /// standby (a promotion may follow). Rows are never touched because of
     /// such an error. False for what retrying cannot fix: a refused login
     /// (SQLSTATE class 28), a database that does not exist (3D000), a server
     /// certificate TLS refused, an invalid event, a schema not migrated.
@@ -149,6 +189,8 @@ impl Error {
                 None => !refused_by_tls(source),
             },
             Error::ConnectTimedOut { .. } => true,
+            // A promotion, or an operator turning read-only off, ends it.
+            Error::ReadOnlyStandby { .. } | Error::ReadOnlyServer { .. } => true,
             Error::Db(e) => is_transient_pg(e),
             #[cfg(feature = "sqlx")]
             Error::Sqlx { source, code } => is_transient_sqlx(source, code.as_ref()),

@@ -102,7 +102,8 @@ fn checksum(sql: &str) -> String {
 /// [`Error::Connect`] (or another connection error) if the session cannot
 /// be opened; [`Error::SharedSessions`] if `pg` leads to a
 /// transaction-mode pooler (its lock would stay behind there: use a direct
-/// URL or a session-mode pooler's); [`Error::UnsupportedServer`] before anything runs if the
+/// URL or a session-mode pooler's); [`Error::ReadOnlyStandby`] if the server is a hot standby
+/// (a migration writes: point the URL at the primary); [`Error::UnsupportedServer`] before anything runs if the
 /// server is older than [`MIN_SERVER_VERSION`], naming both versions;
 /// [`Error::Db`] if a statement fails (nothing after it runs; the files are
 /// idempotent, so running again after fixing the cause is safe), or
@@ -130,7 +131,7 @@ fn checksum(sql: &str) -> String {
 pub async fn apply(pg: &ConnectOptions) -> Result<MigrationReport> {
     // Its lock and its `statement_timeout` are its session's.
     connect::require_own_sessions(pg, "migrate").await?;
-    let (client, _link) = connect::connect(pg, "pg-outbox migrate", &SessionSettings::default()).await?;
+    let (client, _link) = connect::connect(pg, "pg-outbox migrate", &SessionSettings::primary()).await?;
     check_server_version(&client).await?;
     store::no_statement_timeout(&client).await?;
     // Poll with pg_try_advisory_lock rather than wait in pg_advisory_lock:
@@ -287,7 +288,7 @@ pub async fn ordering<C: tokio_postgres::GenericClient + Sync>(client: &C) -> Re
 ///
 /// # Errors
 /// [`Error::Connect`] (or another connection error) if the session cannot
-/// be opened; [`Error::NotMigrated`] if `events.outbox_set_ordering()` is
+/// be opened ([`Error::ReadOnlyStandby`] on a hot standby); [`Error::NotMigrated`] if `events.outbox_set_ordering()` is
 /// missing (run [`apply`] first); [`Error::Db`] with SQLSTATE 55P03
 /// (`lock_not_available`) when running producer transactions held the
 /// table for 5 s (nothing changed; run it again), or another database
@@ -308,7 +309,7 @@ pub async fn ordering<C: tokio_postgres::GenericClient + Sync>(client: &C) -> Re
 /// # Ok(()) }
 /// ```
 pub async fn set_ordering(pg: &ConnectOptions, mode: OrderingMode) -> Result<Option<OrderingMode>> {
-    let (client, _link) = connect::connect(pg, "pg-outbox migrate", &SessionSettings::default()).await?;
+    let (client, _link) = connect::connect(pg, "pg-outbox migrate", &SessionSettings::primary()).await?;
     store::set_ordering(&client, mode).await
 }
 

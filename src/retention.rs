@@ -95,7 +95,8 @@ pub async fn dry_run(client: &Client, r: &Retention) -> Result<RetentionReport> 
 ///
 /// # Errors
 /// [`crate::Error::Config`] for a batch size below 1; a connection error if
-/// the session cannot be opened; [`crate::Error::NotMigrated`] or
+/// the session cannot be opened ([`crate::Error::ReadOnlyStandby`] for a
+/// hot standby: deleting needs the primary); [`crate::Error::NotMigrated`] or
 /// [`crate::Error::Db`]. Batches already deleted stay deleted.
 ///
 /// # Cancel safety
@@ -118,7 +119,7 @@ pub async fn run(pg: &ConnectOptions, r: &Retention) -> Result<RetentionReport> 
     }
     let opened = async {
         let shared = matches!(pg.session_mode().await?, SessionMode::Shared { .. });
-        Ok::<_, crate::Error>((shared, connect::connect(pg, "pg-outbox retention", &SessionSettings::default()).await?))
+        Ok::<_, crate::Error>((shared, connect::connect(pg, "pg-outbox retention", &SessionSettings::primary()).await?))
     };
     let (shared, (client, _link)) = match opened.await {
         Ok(c) => c,

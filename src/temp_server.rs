@@ -15,6 +15,12 @@
 //! run as root; when this process runs as root, the server runs as the
 //! `postgres` user (or `nobody`). Unix only.
 //!
+//! For failover tests, [`TempServer::start_standby`] starts a streaming
+//! standby of a server from a base backup (`pg_basebackup -R`, from the
+//! same directory as the server's binaries), synchronous if asked; then
+//! [`TempServer::stop_fast`] or [`TempServer::kill`] the primary and
+//! [`TempServer::promote`] the standby.
+//!
 //! The functions block (for the second or two that `initdb` and `pg_ctl`
 //! take): in async code call them through `tokio::task::spawn_blocking`.
 //!
@@ -97,6 +103,57 @@ impl TempServerOptions {
         self
     }
 }
+
+/// How [`TempServer::start_standby`] sets a standby up. The default: an
+/// asynchronous streaming standby with the primary's settings.
+///
+/// # Example
+/// ```no_run
+/// # fn example() -> pg_outbox::temp_server::Result<()> {
+/// use pg_outbox::temp_server::{StandbyOptions, TempServer};
+///
+/// let primary = TempServer::start()?;
+/// // Commits on the primary wait until this standby has the WAL.
+/// let standby = primary.start_standby(StandbyOptions::default().synchronous(true))?;
+/// // ... publish on primary.url(), then fail over:
+/// drop(primary); // stops it, as a crash would
+/// standby.promote()?;
+/// # Ok(())
+/// # }
+/// ```
+#[derive(Debug, Clone, Default)]
+pub struct StandbyOptions {
+    synchronous: bool,
+    server: TempServerOptions,
+}
+
+impl StandbyOptions {
+    /// Make the standby synchronous (default `false`): the primary's
+    /// `synchronous_standby_names` is set to the standby's name (replacing
+    /// any earlier one) and reloaded, so with `synchronous_commit` at its
+    /// default (`on`) a COMMIT on the primary returns only once the standby
+    /// has flushed its WAL (to the operating system only: a throwaway server
+    /// runs with `fsync=off`): a transaction whose COMMIT returned survives
+    /// a crash of the primary followed by a promotion of the standby.
+    pub fn synchronous(mut self, synchronous: bool) -> Self {
+        self.synchronous = synchronous;
+        self
+    }
+
+    /// Add `name = 'value'` to the standby's `postgresql.conf`, after the
+    /// primary's settings, which the base backup copied (see
+    /// [`TempServerOptions::setting`]).
+    pub fn setting(mut self, name: &str, value: &str) -> Self {
+        self.server = self.server.setting(name, value);
+        self
+    }
+}
+
+/// Standbys started by this process, for their names.
+static STANDBYS: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+
+/// How long [`TempServer::kill`] waits for the killed postmaster to go.
+const KILL_WAIT: std::time::Duration = std::time::Duration::from_secs(10);
 
 /// A throwaway server (see the [module documentation](self)); stopped and
 /// its directory deleted on drop.
@@ -198,19 +255,8 @@ impl TempServer {
     /// written.
     pub fn start_with(options: TempServerOptions) -> Result<Self> {
         let bindir = find_bindir()?;
-        // SAFETY: geteuid has no preconditions.
-        let is_root = unsafe { libc::geteuid() } == 0;
-        let run_as = if is_root {
-            Some(lookup_user("postgres").or_else(|| lookup_user("nobody")).ok_or_else(|| {
-                err("running as root and neither a `postgres` nor a `nobody` user exists to run the server")
-            })?)
-        } else {
-            None
-        };
-        let dir = tempfile::Builder::new().prefix("pg-outbox-pg.").tempdir()?;
-        if let Some((uid, gid)) = run_as {
-            std::os::unix::fs::chown(dir.path(), Some(uid), Some(gid))?;
-        }
+        let run_as = Self::server_user()?;
+        let dir = Self::new_dir(run_as)?;
         let mut server = TempServer { dir, bindir, port: 0, run_as, running: false };
         let data = server.data_dir();
         server.run(
@@ -228,18 +274,217 @@ impl TempServer {
             ],
         )?;
         server.configure(&options)?;
+        server.start_on_a_free_port()?;
+        Ok(server)
+    }
+
+    /// The user the server runs as: `None` for this process's own, or
+    /// (uid, gid) of `postgres` (or `nobody`) when this process is root.
+    fn server_user() -> Result<Option<(u32, u32)>> {
+        // SAFETY: geteuid has no preconditions.
+        let is_root = unsafe { libc::geteuid() } == 0;
+        if !is_root {
+            return Ok(None);
+        }
+        Ok(Some(lookup_user("postgres").or_else(|| lookup_user("nobody")).ok_or_else(|| {
+            err("running as root and neither a `postgres` nor a `nobody` user exists to run the server")
+        })?))
+    }
+
+    /// A new temporary directory, owned by the server's user.
+    fn new_dir(run_as: Option<(u32, u32)>) -> Result<tempfile::TempDir> {
+        let dir = tempfile::Builder::new().prefix("pg-outbox-pg.").tempdir()?;
+        if let Some((uid, gid)) = run_as {
+            std::os::unix::fs::chown(dir.path(), Some(uid), Some(gid))?;
+        }
+        Ok(dir)
+    }
+
+    /// Start on a free port, three times at most (the port may be taken
+    /// between the choice and the start).
+    fn start_on_a_free_port(&mut self) -> Result<()> {
         let mut last = None;
         for _ in 0..3 {
-            server.port = free_port()?;
-            match server.pg_ctl_start() {
+            self.port = free_port()?;
+            match self.pg_ctl_start() {
                 Ok(()) => {
-                    server.running = true;
-                    return Ok(server);
+                    self.running = true;
+                    return Ok(());
                 }
                 Err(e) => last = Some(e),
             }
         }
         Err(last.unwrap_or_else(|| err("could not start")))
+    }
+
+    /// Start a streaming standby of this server (which must run): a base
+    /// backup taken with `pg_basebackup -R -X stream` from the directory of
+    /// this server's binaries, started on a free port of its own as a hot
+    /// standby (read-only, following this server's WAL). Blocks until the
+    /// standby accepts connections (it has reached a consistent state),
+    /// which takes a few seconds. The standby is a [`TempServer`] like any
+    /// other: stopped and deleted on drop, and [`TempServer::promote`] makes
+    /// it a primary.
+    ///
+    /// The standby connects as `postgres` with `application_name` set to
+    /// its own name (`pgo_standby_<pid>_<n>`), which
+    /// [`StandbyOptions::synchronous`] names in this server's
+    /// `synchronous_standby_names`. The default `pg_hba.conf` of a
+    /// throwaway server lets local replication connections in.
+    ///
+    /// # Errors
+    /// [`Error::Server`] if this server is not running, if `pg_basebackup`
+    /// is not beside `initdb` (some packagings of the server ship without
+    /// it; the message says where it was looked for), if the backup or the
+    /// start fails (with the programs' output), or if this server cannot
+    /// be reloaded; [`Error::Io`] for a file that cannot be written.
+    pub fn start_standby(&self, options: StandbyOptions) -> Result<TempServer> {
+        if !self.running {
+            return Err(err("cannot start a standby of a server that is not running"));
+        }
+        if !self.bindir.join("pg_basebackup").is_file() {
+            return Err(err(format!(
+                "pg_basebackup is not in {} (the directory of the server's binaries); install the server package \
+                 that ships it (Debian: postgresql), or point PG_BINDIR at a directory that holds it",
+                self.bindir.display()
+            )));
+        }
+        let n = STANDBYS.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        let name = format!("pgo_standby_{}_{n}", std::process::id());
+        let dir = Self::new_dir(self.run_as)?;
+        let mut standby = TempServer { dir, bindir: self.bindir.clone(), port: 0, run_as: self.run_as, running: false };
+        let data = standby.data_dir();
+        let port = self.port.to_string();
+        standby.run(
+            "pg_basebackup",
+            &[
+                "-D".as_ref(),
+                data.as_os_str(),
+                "-h".as_ref(),
+                "127.0.0.1".as_ref(),
+                "-p".as_ref(),
+                port.as_ref(),
+                "-U".as_ref(),
+                "postgres".as_ref(),
+                "-R".as_ref(),
+                "-X".as_ref(),
+                "stream".as_ref(),
+                "-c".as_ref(),
+                "fast".as_ref(),
+                "--no-sync".as_ref(),
+            ],
+        )?;
+        // `-R` wrote a primary_conninfo without an application name into
+        // postgresql.auto.conf (read after postgresql.conf); a later line
+        // there wins, and names the standby for synchronous_standby_names.
+        let conninfo = format!("host=127.0.0.1 port={} user=postgres application_name={name}", self.port);
+        standby.append_settings_to("postgresql.auto.conf", &[("primary_conninfo", &conninfo)])?;
+        standby.configure(&options.server)?;
+        if options.synchronous {
+            self.append_settings(&[("synchronous_standby_names", &name)])?;
+            self.reload()?;
+        }
+        standby.start_on_a_free_port()?;
+        Ok(standby)
+    }
+
+    /// Make this standby a primary (`pg_ctl promote -w`): it leaves
+    /// recovery and accepts writes. Blocks until it does.
+    ///
+    /// # Errors
+    /// [`Error::Server`] if `pg_ctl` fails, e.g. when the server is not a
+    /// standby or does not run.
+    pub fn promote(&self) -> Result<()> {
+        let data = self.data_dir();
+        self.run("pg_ctl", &["-D".as_ref(), data.as_os_str(), "-w".as_ref(), "promote".as_ref()])
+    }
+
+    /// Stop the server cleanly (`pg_ctl stop -m fast`): sessions are ended,
+    /// and a primary sends its last WAL to its standbys before it goes (a
+    /// switchover). Does nothing when it is stopped; [`TempServer::start_again`]
+    /// starts it again.
+    ///
+    /// # Errors
+    /// [`Error::Server`] if `pg_ctl` fails.
+    pub fn stop_fast(&mut self) -> Result<()> {
+        if !self.running {
+            return Ok(());
+        }
+        let data = self.data_dir();
+        self.run(
+            "pg_ctl",
+            &["-D".as_ref(), data.as_os_str(), "-m".as_ref(), "fast".as_ref(), "-w".as_ref(), "stop".as_ref()],
+        )?;
+        self.running = false;
+        Ok(())
+    }
+
+    /// Kill the server's postmaster with SIGKILL, as a crash of the machine
+    /// would end it: nothing is flushed or sent to standbys, and the
+    /// server processes it leaves end on their own within moments (they
+    /// watch the postmaster). Blocks until the postmaster is gone (10 s at
+    /// most). The server is not restarted; the files stay until the drop.
+    /// Does nothing when it is stopped.
+    ///
+    /// # Errors
+    /// [`Error::Server`] if the postmaster's process id cannot be read from
+    /// `postmaster.pid`, if it cannot be signalled, or if it is still there
+    /// after 10 s.
+    pub fn kill(&mut self) -> Result<()> {
+        if !self.running {
+            return Ok(());
+        }
+        let pid_file = self.data_dir().join("postmaster.pid");
+        let text =
+            std::fs::read_to_string(&pid_file).map_err(|e| err(format!("cannot read {}: {e}", pid_file.display())))?;
+        let pid: libc::pid_t = text
+            .lines()
+            .next()
+            .and_then(|l| l.trim().parse().ok())
+            .ok_or_else(|| err(format!("no process id on the first line of {}", pid_file.display())))?;
+        // SAFETY: kill(2) with a pid read from the server's own pid file.
+        if unsafe { libc::kill(pid, libc::SIGKILL) } != 0 {
+            return Err(err(format!("cannot kill the postmaster {pid}: {}", std::io::Error::last_os_error())));
+        }
+        self.running = false;
+        let deadline = std::time::Instant::now() + KILL_WAIT;
+        while alive(pid) {
+            if std::time::Instant::now() > deadline {
+                return Err(err(format!("the postmaster {pid} is still there {KILL_WAIT:?} after SIGKILL")));
+            }
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+        Ok(())
+    }
+
+    /// Append `name = 'value'` lines to `postgresql.conf` (read at the next
+    /// start or reload).
+    fn append_settings(&self, settings: &[(&str, &str)]) -> Result<()> {
+        self.append_settings_to("postgresql.conf", settings)
+    }
+
+    /// Append `name = 'value'` lines to the configuration file `file` of
+    /// the data directory.
+    fn append_settings_to(&self, file: &str, settings: &[(&str, &str)]) -> Result<()> {
+        use std::io::Write;
+        let mut conf = std::fs::OpenOptions::new().append(true).open(self.data_dir().join(file))?;
+        for (name, value) in settings {
+            writeln!(conf, "{name} = '{}'", value.replace('\'', "''"))?;
+        }
+        Ok(())
+    }
+
+    /// Have the running server read its configuration files again.
+    fn reload(&self) -> Result<()> {
+        let data = self.data_dir();
+        self.run("pg_ctl", &["-D".as_ref(), data.as_os_str(), "reload".as_ref()])
+    }
+
+    /// The directory of the server's programs (`initdb`, `pg_ctl`,
+    /// `postgres`, and usually `pg_basebackup` and `psql`), found as the
+    /// [module documentation](self) says.
+    pub fn bindir(&self) -> &Path {
+        &self.bindir
     }
 
     fn configure(&self, options: &TempServerOptions) -> Result<()> {
@@ -257,11 +502,9 @@ impl TempServer {
                 std::os::unix::fs::chown(&path, Some(uid), Some(gid))?;
             }
         }
-        if !options.settings.is_empty() {
-            let mut conf = std::fs::OpenOptions::new().append(true).open(data.join("postgresql.conf"))?;
-            for (name, value) in &options.settings {
-                writeln!(conf, "{name} = '{}'", value.replace('\'', "''"))?;
-            }
+        let settings: Vec<(&str, &str)> = options.settings.iter().map(|(n, v)| (n.as_str(), v.as_str())).collect();
+        if !settings.is_empty() {
+            self.append_settings(&settings)?;
         }
         Ok(())
     }
@@ -390,6 +633,19 @@ impl TempServer {
             "pg_ctl",
             &["-D".as_ref(), data.as_os_str(), "-m".as_ref(), "immediate".as_ref(), "-w".as_ref(), "stop".as_ref()],
         )
+    }
+}
+
+/// Whether process `pid` still runs (a zombie, dead but not yet reaped by
+/// its parent, does not count).
+fn alive(pid: libc::pid_t) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        // The state is the first field after the command, which ends in ')'.
+        Ok(stat) => stat.rsplit_once(')').is_some_and(|(_, rest)| !rest.trim_start().starts_with('Z')),
+        Err(_) if Path::new("/proc/self").exists() => false,
+        // No procfs (not Linux): ask the kernel whether the pid exists.
+        // SAFETY: kill(2) with signal 0 only checks the pid.
+        Err(_) => (unsafe { libc::kill(pid, 0) }) == 0,
     }
 }
 

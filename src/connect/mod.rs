@@ -19,6 +19,8 @@
 //! - `env` and `libpq`: what the string leaves unset, from libpq's
 //!   environment variables, defaults and password file;
 //! - `target`: where a connection goes, for messages;
+//! - `hosts`: the hosts of a URL tried one at a time, each within the
+//!   connect timeout, and whether a server accepts writes;
 //! - `tls`: the rustls verifier behind `sslmode`, and [`TlsConnector`];
 //! - `session`: pg-outbox's own sessions (application names, keepalives,
 //!   startup settings, the connection task and its canceller);
@@ -26,6 +28,7 @@
 //!   shared between transactions (a transaction-mode pooler), [`SessionMode`].
 
 mod env;
+mod hosts;
 mod libpq;
 mod options;
 mod parse;

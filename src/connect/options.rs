@@ -17,7 +17,11 @@ use super::{RootCert, SslMode, TlsConnector};
 use crate::error::Error;
 use crate::error::Result;
 
-/// Default connect timeout when the URL sets none: 10 seconds.
+/// Default connect timeout when the URL sets none: 10 seconds, for each
+/// host of a multi-host URL apart (as libpq's `connect_timeout`). A host
+/// that never answers (a dead VM, a dropped route) costs that long before
+/// the next host is tried, at every connect: with a multi-host URL for
+/// failover, set a shorter one (`connect_timeout=2`).
 pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Connection settings, resolved as libpq resolves them, with TLS by libpq's
@@ -199,7 +203,9 @@ impl ConnectOptions {
     }
 
     /// The connect timeout given (`connect_timeout` or `PGCONNECT_TIMEOUT`,
-    /// in seconds). Without one, [`DEFAULT_CONNECT_TIMEOUT`] applies.
+    /// in seconds). Without one, [`DEFAULT_CONNECT_TIMEOUT`] applies. It
+    /// bounds each host of a multi-host URL apart (as in libpq), from the
+    /// TCP connect to the end of the startup exchange.
     pub fn connect_timeout(&self) -> Option<Duration> {
         self.pg.get_connect_timeout().copied()
     }
@@ -288,13 +294,26 @@ impl ConnectOptions {
     /// is logged at debug level, and the client's calls fail from then on
     /// (`Client::is_closed`).
     ///
+    /// The hosts of a multi-host URL (`postgres://a:5432,b:5432/app`,
+    /// `host=a,b`) are tried in turn (shuffled with
+    /// `load_balance_hosts=random`), each within the connect timeout, from
+    /// its TCP connect to the end of its startup exchange: a host that
+    /// never answers costs that long, then the next is tried (libpq's rule;
+    /// tokio-postgres alone bounds only the TCP connect). With
+    /// `target_session_attrs=read-write`, a standby or a read-only server
+    /// is passed over for the next host, as in libpq.
+    ///
     /// # Errors
     /// [`Error::Config`] if the root certificates cannot be loaded or the
-    /// mode and roots do not fit together; [`Error::Connect`] naming the
-    /// target (hosts or sockets tried, database, user, sslmode) with the
+    /// mode and roots do not fit together, or when the numbers of hosts and
+    /// ports do not fit; [`Error::Connect`] naming the
+    /// target (hosts or sockets tried, database, user, sslmode, and with
+    /// several hosts what each answered) with the
     /// driver's reason (e.g. `server does not support TLS`, `certificate
     /// not valid for name ...`); [`Error::ConnectTimedOut`] when the
-    /// connect timeout ran out.
+    /// connect timeout ran out on every host; with
+    /// `target_session_attrs=read-write`, [`Error::ReadOnlyStandby`] or
+    /// [`Error::ReadOnlyServer`] as for [`ConnectOptions::connect_primary`].
     ///
     /// # Cancel safety
     /// Cancel safe: dropping the future closes the half-open connection;
@@ -313,6 +332,42 @@ impl ConnectOptions {
         Ok(client)
     }
 
+    /// Open a session as [`ConnectOptions::connect`] does, on a server that
+    /// accepts writes: a hot standby (in recovery), or a server whose
+    /// sessions are read-only (`default_transaction_read_only`), is refused
+    /// as `target_session_attrs=read-write` refuses it, and the next host of
+    /// a multi-host URL is tried. For a session that publishes or changes
+    /// events, so that a URL pointing at a standby fails at once, in a
+    /// sentence that says what to do, rather than at the first write.
+    ///
+    /// PostgreSQL 14 and later say at startup whether they are a standby
+    /// (`in_hot_standby`), so this costs nothing there; an older server (or
+    /// a pooler that does not pass the setting on) gets one query,
+    /// `SELECT pg_is_in_recovery(), current_setting('transaction_read_only')`.
+    ///
+    /// # Errors
+    /// As [`ConnectOptions::connect`]; [`Error::ReadOnlyStandby`] when the
+    /// server (every host that answered) is a hot standby, naming it and
+    /// what the other hosts answered; [`Error::ReadOnlyServer`] when none
+    /// is a standby but every one refuses writes.
+    ///
+    /// # Cancel safety
+    /// As [`ConnectOptions::connect`].
+    ///
+    /// # Example
+    /// ```no_run
+    /// # async fn run() -> Result<(), pg_outbox::Error> {
+    /// let opts = pg_outbox::ConnectOptions::parse("postgres://app@db-a,db-b/app?connect_timeout=3")?;
+    /// let client = opts.connect_primary().await?; // db-a or db-b, whichever is the primary
+    /// client.batch_execute("BEGIN; COMMIT").await?;
+    /// # Ok(()) }
+    /// ```
+    pub async fn connect_primary(&self) -> Result<Client> {
+        let name = self.pg.get_application_name().unwrap_or("pg-outbox").to_string();
+        let (client, _link) = connect(self, &name, &SessionSettings::primary()).await?;
+        Ok(client)
+    }
+
     /// The `tokio_postgres::Config` to connect with, for a connection pool
     /// (or any `Config::connect`): hosts, ports, user, database, password
     /// (from the password file when needed), application name, TCP
@@ -327,6 +382,13 @@ impl ConnectOptions {
     /// Pair it with [`ConnectOptions::tls_connector`], which checks
     /// certificates as the `sslmode` says; any other connector applies its
     /// own rules instead.
+    ///
+    /// A connection made from this `Config` goes through tokio-postgres's
+    /// own loop over the hosts of a multi-host URL, not pg-outbox's:
+    /// `target_session_attrs=read-write` works there too, but
+    /// `connect_timeout` bounds only each TCP connect, so a host that
+    /// accepts and then never answers stalls that connection; bound it in
+    /// the pool (deadpool-postgres's `Timeouts::create`).
     pub fn tokio_postgres_config(&self) -> Config {
         use tokio_postgres::config::SslMode as T;
         let (mut cfg, _) = self.with_password();

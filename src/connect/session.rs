@@ -3,13 +3,15 @@
 //! and the canceller of its running statement.
 
 use std::fmt;
+use std::path::Path;
 use std::time::Duration;
 
 use tokio::task::JoinHandle;
 use tokio_postgres::{Client, Config, Connection, Socket};
 use tokio_postgres_rustls::MakeRustlsConnect;
 
-use super::target::{failure_notes, with_notes};
+use super::hosts::{self, ServerState};
+use super::target::{describe_target, failure_notes, with_notes};
 use super::tls::TlsStream;
 use super::{ConnectOptions, DEFAULT_CONNECT_TIMEOUT, SslMode};
 use crate::error::{Error, Result};
@@ -60,6 +62,19 @@ pub(crate) struct SessionSettings {
     /// 14 refuses the unknown setting at startup; the connection is then
     /// made again without it.
     pub(crate) check_client_connection: bool,
+    /// Send `idle_session_timeout = 0`: the session may sit idle as long as
+    /// it likes, whatever the server, database or role set (a managed
+    /// server's default that closes idle sessions would otherwise end the
+    /// relay's writer and LISTEN sessions between events). PostgreSQL 14+,
+    /// like the connection check, and sent with it (see
+    /// [`SessionSettings::check_client_connection`] for older servers).
+    pub(crate) keep_when_idle: bool,
+    /// The session needs the primary: a server in recovery (a hot standby),
+    /// or one whose sessions are read-only, is refused as with
+    /// `target_session_attrs=read-write` (the next host of a multi-host URL
+    /// is tried), and when no host is writable the error is
+    /// [`Error::ReadOnlyStandby`] (or [`Error::ReadOnlyServer`]).
+    pub(crate) primary: bool,
     /// The session keeps its server session for its life (the relay's,
     /// after [`super::require_own_sessions`]): when a pooler refuses startup
     /// options, these settings and the planner's are sent as `SET` once
@@ -70,20 +85,41 @@ pub(crate) struct SessionSettings {
 }
 
 impl SessionSettings {
+    /// The settings of a session that writes and keeps nothing else:
+    /// nothing beyond every session's, on a writable server (a standby is
+    /// refused, see [`SessionSettings::primary`]).
+    pub(crate) fn primary() -> Self {
+        SessionSettings { primary: true, ..SessionSettings::default() }
+    }
+
     /// The startup options, `-c name=value` each; with or without the
-    /// connection check.
-    pub(crate) fn options(&self, with_check: bool) -> String {
+    /// settings PostgreSQL 14 introduced (the connection check and
+    /// `idle_session_timeout`).
+    pub(crate) fn options(&self, with_14: bool) -> String {
         let mut out = Vec::new();
         if let Some(t) = self.statement_timeout {
             out.push(format!("-c statement_timeout={}", setting_millis(t)));
         }
-        if with_check && self.check_client_connection {
-            out.push(format!(
-                "-c client_connection_check_interval={}",
-                setting_millis(CLIENT_CONNECTION_CHECK_INTERVAL)
-            ));
+        if with_14 {
+            out.extend(self.settings_of_14().iter().map(|(name, value)| format!("-c {name}={value}")));
         }
         out.join(" ")
+    }
+
+    /// The settings of these sessions that PostgreSQL 13 does not know:
+    /// (name, value).
+    fn settings_of_14(&self) -> Vec<(&'static str, String)> {
+        let mut out = Vec::new();
+        if self.check_client_connection {
+            out.push((
+                "client_connection_check_interval",
+                setting_millis(CLIENT_CONNECTION_CHECK_INTERVAL).to_string(),
+            ));
+        }
+        if self.keep_when_idle {
+            out.push(("idle_session_timeout", "0".to_string()));
+        }
+        out
     }
 }
 
@@ -139,8 +175,9 @@ impl Canceller {
 pub(crate) struct Deferred {
     /// `SET name = value; ...` of the planner settings and the statement timeout.
     sets: Option<String>,
-    /// `SET client_connection_check_interval = ...` (refused by PostgreSQL
-    /// 13 and older, which is not an error here).
+    /// `SET client_connection_check_interval = ...; SET
+    /// idle_session_timeout = 0` (refused by PostgreSQL 13 and older, which
+    /// is not an error here).
     check: Option<String>,
 }
 
@@ -213,11 +250,9 @@ pub(crate) async fn open(
             let (client, connection, canceller, _) = open_with(opts, application_name, settings, false).await?;
             let deferred = if settings.pinned {
                 let sets = as_sets(&format!("{PLANNER_SETTINGS} {}", settings.options(false)));
-                let check = settings.check_client_connection.then(|| {
-                    format!(
-                        "SET client_connection_check_interval = {};",
-                        setting_millis(CLIENT_CONNECTION_CHECK_INTERVAL)
-                    )
+                let of_14 = settings.settings_of_14();
+                let check = (!of_14.is_empty()).then(|| {
+                    of_14.iter().map(|(name, value)| format!("SET {name} = {value};")).collect::<Vec<_>>().join(" ")
                 });
                 Deferred { sets: Some(sets), check }
             } else {
@@ -230,6 +265,14 @@ pub(crate) async fn open(
 }
 
 /// [`open`], with startup options (ours and the URL's) or with none.
+///
+/// Each host is tried alone, in turn (see `hosts`), and bounded by the
+/// connect timeout (libpq's `connect_timeout`, default
+/// [`DEFAULT_CONNECT_TIMEOUT`]) from the TCP connect to the end of the
+/// startup exchange: a host that never answers costs that long, then the
+/// next is tried. A session that must write (`target_session_attrs=read-write`,
+/// or [`SessionSettings::primary`]) refuses a standby or a read-only server
+/// and tries the next host.
 async fn open_with(
     opts: &ConnectOptions,
     application_name: &str,
@@ -252,40 +295,70 @@ async fn open_with(
         SslMode::Prefer => &[T::Prefer],
         SslMode::Require | SslMode::VerifyCa | SslMode::VerifyFull => &[T::Require],
     };
-    let mut last = None;
+    let order = hosts::host_order(&base)?;
+    let several = order.len() > 1;
+    let writes = hosts::needs_writes(&base, settings.primary);
+    let mut failures = Failures::default();
     // tokio-postgres bounds only the TCP connect by `connect_timeout`; a
     // server that accepts and then never answers would hang the startup
-    // exchange forever. The whole attempt gets the same bound (libpq's
-    // `connect_timeout` is "maximum time to wait while connecting").
+    // exchange forever. Each host's whole attempt gets the bound (libpq's
+    // `connect_timeout` is "maximum time to wait while connecting", per host).
     let bound = base.get_connect_timeout().copied().unwrap_or(DEFAULT_CONNECT_TIMEOUT);
-    // With the connection check first; without it if the server does not
-    // know the setting (PostgreSQL 13 or older: "unrecognized configuration
+    // With the settings of PostgreSQL 14 first; without them if the server
+    // does not know them (PostgreSQL 13: "unrecognized configuration
     // parameter", SQLSTATE 42704, at startup).
-    let variants: &[bool] = if settings.check_client_connection && with_options { &[true, false] } else { &[false] };
+    let with_14 = !settings.settings_of_14().is_empty() && with_options;
+    let variants: &[bool] = if with_14 { &[true, false] } else { &[false] };
     'variants: for &with_check in variants {
-        let mut cfg =
-            if with_options { with_session_options(&base, &settings.options(with_check)) } else { base.clone() };
+        let cfg = if with_options { with_session_options(&base, &settings.options(with_check)) } else { base.clone() };
         let mut unknown_setting = false;
-        for mode in attempts {
-            cfg.ssl_mode(*mode);
-            let Ok(attempt) = tokio::time::timeout(bound, cfg.connect(tls.clone())).await else {
-                return Err(Error::ConnectTimedOut { target: opts.describe(), after: bound });
-            };
-            match attempt {
-                Ok((client, connection)) => {
-                    let canceller = Canceller { token: client.cancel_token(), tls: tls.clone() };
-                    return Ok((client, connection, canceller, Deferred::default()));
-                }
-                Err(e) => {
-                    tracing::debug!(target_db = %opts.describe(), error = %crate::error::report(&e), "connection attempt failed");
-                    unknown_setting |=
-                        with_check && e.code() == Some(&tokio_postgres::error::SqlState::UNDEFINED_OBJECT);
-                    // A pooler that refuses the options answered in this
-                    // mode: [`open`] connects again without them.
-                    let refused = refused_startup_options(&e);
-                    last = Some(e);
-                    if refused {
-                        break 'variants;
+        for &i in &order {
+            let mut host = hosts::one_host(&cfg, i);
+            if writes {
+                // Checked here, to tell a standby from a read-only server.
+                host.target_session_attrs(tokio_postgres::config::TargetSessionAttrs::Any);
+            }
+            let name = describe_target(&host);
+            for mode in attempts {
+                host.ssl_mode(*mode);
+                let attempt = async {
+                    let (client, mut connection) = host.connect(tls.clone()).await?;
+                    let state = if writes {
+                        hosts::server_state(&client, &mut connection).await?
+                    } else {
+                        ServerState::Writable
+                    };
+                    Ok::<_, tokio_postgres::Error>((client, connection, state))
+                };
+                let Ok(attempt) = tokio::time::timeout(bound, attempt).await else {
+                    tracing::debug!(target_db = %name, timeout = ?bound, "connection attempt timed out");
+                    failures.push(&name, Failure::TimedOut);
+                    break;
+                };
+                match attempt {
+                    Ok((client, connection, ServerState::Writable)) => {
+                        let canceller = Canceller { token: client.cancel_token(), tls: tls.clone() };
+                        return Ok((client, connection, canceller, Deferred::default()));
+                    }
+                    Ok((_, _, state)) => {
+                        tracing::debug!(target_db = %name, ?state, "the server accepts no writes; trying the next host");
+                        failures.push(
+                            &name,
+                            if state == ServerState::Standby { Failure::Standby } else { Failure::ReadOnly },
+                        );
+                        break;
+                    }
+                    Err(e) => {
+                        tracing::debug!(target_db = %name, error = %crate::error::report(&e), "connection attempt failed");
+                        unknown_setting |=
+                            with_check && e.code() == Some(&tokio_postgres::error::SqlState::UNDEFINED_OBJECT);
+                        // A pooler that refuses the options answered in this
+                        // mode: [`open`] connects again without them.
+                        let refused = refused_startup_options(&e);
+                        failures.push(&name, Failure::Error(e));
+                        if refused {
+                            break 'variants;
+                        }
                     }
                 }
             }
@@ -294,14 +367,101 @@ async fn open_with(
             break;
         }
         tracing::debug!(target_db = %opts.describe(),
-            "the server does not know client_connection_check_interval (PostgreSQL 13 or older); connecting without it");
+            "the server does not know client_connection_check_interval or idle_session_timeout (PostgreSQL 13 or \
+             older); connecting without them");
+        failures = Failures::default();
     }
-    match last {
-        Some(source) => {
-            let target = with_notes(opts.describe(), &failure_notes(&base, password_file, &source));
-            Err(Error::Connect { target, source })
+    Err(failures.into_error(opts, &base, password_file, several, bound))
+}
+
+/// Why a host was not connected to.
+#[derive(Debug)]
+enum Failure {
+    /// The connect timeout ran out.
+    TimedOut,
+    /// A hot standby, for a session that must write.
+    Standby,
+    /// A server whose sessions are read-only, for a session that must write.
+    ReadOnly,
+    /// What the driver reported.
+    Error(tokio_postgres::Error),
+}
+
+/// The failures of one connection attempt, host by host, in order.
+#[derive(Debug, Default)]
+struct Failures(Vec<(String, Failure)>);
+
+impl Failures {
+    fn push(&mut self, host: &str, failure: Failure) {
+        self.0.push((host.to_string(), failure));
+    }
+
+    /// The error for an attempt where no host would do: a standby (or a
+    /// read-only server) if one answered, else the driver's last error,
+    /// else the timeout. With several hosts, what each answered is noted.
+    fn into_error(
+        self,
+        opts: &ConnectOptions,
+        base: &Config,
+        password_file: Option<&Path>,
+        several: bool,
+        bound: Duration,
+    ) -> Error {
+        // What each host answered, when there are several and they
+        // answered differently (the same failure everywhere is said once,
+        // by the error itself).
+        if self.0.is_empty() {
+            return Error::Config("no connection attempt made".into());
         }
-        None => Err(Error::Config("no connection attempt made".into())),
+        let described: Vec<String> = self.0.iter().map(|(_, f)| describe_failure(f, bound)).collect();
+        let differ = described.iter().any(|d| Some(d) != described.first());
+        let notes_but = |skip: Option<usize>| -> Vec<String> {
+            if !several || !(differ || skip.is_some()) {
+                return Vec::new();
+            }
+            self.0
+                .iter()
+                .zip(&described)
+                .enumerate()
+                .filter(|(i, _)| Some(*i) != skip)
+                .map(|(_, ((host, _), d))| format!("{}: {d}", short_host(host)))
+                .collect()
+        };
+        if let Some(i) = self.0.iter().position(|(_, f)| matches!(f, Failure::Standby)) {
+            return Error::ReadOnlyStandby { target: with_notes(self.0[i].0.clone(), &notes_but(Some(i))) };
+        }
+        if let Some(i) = self.0.iter().position(|(_, f)| matches!(f, Failure::ReadOnly)) {
+            return Error::ReadOnlyServer { target: with_notes(self.0[i].0.clone(), &notes_but(Some(i))) };
+        }
+        let notes = notes_but(None);
+        let last = self.0.into_iter().rev().find_map(|(_, f)| match f {
+            Failure::Error(e) => Some(e),
+            _ => None,
+        });
+        match last {
+            Some(source) => {
+                let mut all = failure_notes(base, password_file, &source);
+                all.extend(notes);
+                Error::Connect { target: with_notes(opts.describe(), &all), source }
+            }
+            None => Error::ConnectTimedOut { target: with_notes(opts.describe(), &notes), after: bound },
+        }
+    }
+}
+
+/// A host's description (`db:5432 (database app, user app)`) without the
+/// database and user, for a note on it.
+fn short_host(described: &str) -> &str {
+    described.split_once(" (").map_or(described, |(host, _)| host)
+}
+
+/// A host's failure, for a note.
+fn describe_failure(f: &Failure, bound: Duration) -> String {
+    match f {
+        Failure::TimedOut => format!("no answer within {bound:?}"),
+        Failure::Standby => "a read-only standby (in recovery)".into(),
+        Failure::ReadOnly => "read-only (default_transaction_read_only)".into(),
+        Failure::Error(e) => crate::error::report(e),
     }
 }
 
@@ -355,16 +515,7 @@ fn with_session_options(base: &Config, extra: &str) -> Config {
 /// with our application name, client-side keepalives and a connect
 /// timeout: for a pooler that refuses the parameter.
 fn unprepared(cfg: &Config, application_name: &str) -> Config {
-    let mut out = Config::new();
-    if let Some(u) = cfg.get_user() {
-        out.user(u);
-    }
-    if let Some(p) = cfg.get_password() {
-        out.password(p);
-    }
-    if let Some(d) = cfg.get_dbname() {
-        out.dbname(d);
-    }
+    let mut out = hosts::copy_settings(cfg, false);
     out.application_name(cfg.get_application_name().unwrap_or(application_name));
     for h in cfg.get_hosts() {
         match h {
@@ -378,23 +529,9 @@ fn unprepared(cfg: &Config, application_name: &str) -> Config {
     for p in cfg.get_ports() {
         out.port(*p);
     }
-    out.ssl_mode(cfg.get_ssl_mode())
-        .ssl_negotiation(cfg.get_ssl_negotiation())
-        .target_session_attrs(cfg.get_target_session_attrs())
-        .channel_binding(cfg.get_channel_binding())
-        .load_balance_hosts(cfg.get_load_balance_hosts())
-        .keepalives(true)
+    out.keepalives(true)
         .keepalives_idle(KEEPALIVE_IDLE)
         .connect_timeout(cfg.get_connect_timeout().copied().unwrap_or(DEFAULT_CONNECT_TIMEOUT));
-    if let Some(t) = cfg.get_tcp_user_timeout() {
-        out.tcp_user_timeout(*t);
-    }
-    if let Some(i) = cfg.get_keepalives_interval() {
-        out.keepalives_interval(i);
-    }
-    if let Some(r) = cfg.get_keepalives_retries() {
-        out.keepalives_retries(r);
-    }
     out
 }
 
@@ -467,23 +604,60 @@ mod tests {
         let s = SessionSettings {
             statement_timeout: Some(Duration::from_millis(200)),
             check_client_connection: true,
+            keep_when_idle: true,
             pinned: false,
+            primary: true,
         };
-        assert_eq!(s.options(true), "-c statement_timeout=200 -c client_connection_check_interval=5000");
+        assert_eq!(
+            s.options(true),
+            "-c statement_timeout=200 -c client_connection_check_interval=5000 -c idle_session_timeout=0"
+        );
         assert_eq!(s.options(false), "-c statement_timeout=200");
         assert_eq!(SessionSettings::default().options(true), "");
-        let off =
-            SessionSettings { statement_timeout: Some(Duration::ZERO), check_client_connection: false, pinned: false };
+        assert_eq!(SessionSettings::primary().options(true), "", "a writable server, no setting");
+        let off = SessionSettings { statement_timeout: Some(Duration::ZERO), ..SessionSettings::default() };
         assert_eq!(off.options(true), "-c statement_timeout=0");
         let base = prepared(&parse_url("host=h user=u options='-c statement_timeout=0'").expect("url").pg, "app");
         let cfg = with_session_options(&base, &s.options(true));
         let o = cfg.get_options().expect("options");
-        assert!(o.starts_with("-c statement_timeout=200 -c client_connection_check_interval=5000 "), "{o}");
+        assert!(
+            o.starts_with(
+                "-c statement_timeout=200 -c client_connection_check_interval=5000 -c idle_session_timeout=0 "
+            ),
+            "{o}"
+        );
         assert!(o.ends_with("-c statement_timeout=0"), "the URL's own setting comes last, so it wins: {o}");
         assert_eq!(with_session_options(&base, "").get_options(), base.get_options());
         assert_eq!(setting_millis(Duration::from_micros(500)), 1, "rounded up, never to 0 (off)");
         assert_eq!(setting_millis(Duration::ZERO), 0);
         assert_eq!(setting_millis(Duration::from_secs(60)), 60_000);
         assert_eq!(setting_millis(Duration::from_secs(u64::MAX)), i32::MAX as u64);
+    }
+
+    #[test]
+    fn a_standby_among_several_hosts_is_named_with_what_the_others_answered() {
+        let bound = Duration::from_secs(2);
+        let opts = parse_url("postgres://u@a:1,b:2/d?target_session_attrs=read-write").expect("url");
+        let mut f = Failures::default();
+        f.push("a:1 (database d, user u)", Failure::TimedOut);
+        f.push("b:2 (database d, user u)", Failure::Standby);
+        let e = f.into_error(&opts, &opts.pg, None, true, bound);
+        let Error::ReadOnlyStandby { target } = &e else { panic!("{e:?}") };
+        assert_eq!(target, "b:2 (database d, user u; a:1: no answer within 2s)");
+        assert!(e.to_string().starts_with("the server at b:2 (database d, user u; a:1: no answer within 2s) is a read-only standby (in recovery); point the URL at the primary"), "{e}");
+        assert!(e.is_transient(), "a promotion may end it");
+        let mut f = Failures::default();
+        f.push("a:1 (database d, user u)", Failure::ReadOnly);
+        let e = f.into_error(&opts, &opts.pg, None, false, bound);
+        let Error::ReadOnlyServer { target } = &e else { panic!("{e:?}") };
+        assert_eq!(target, "a:1 (database d, user u)", "one host: no notes");
+        // The same failure on every host is said once, by the error.
+        let mut f = Failures::default();
+        f.push("a:1 (database d, user u)", Failure::TimedOut);
+        f.push("b:2 (database d, user u)", Failure::TimedOut);
+        let e = f.into_error(&opts, &opts.pg, None, true, bound);
+        let Error::ConnectTimedOut { target, after } = &e else { panic!("{e:?}") };
+        assert_eq!(*after, bound);
+        assert_eq!(target, &opts.describe());
     }
 }

@@ -42,8 +42,13 @@ pub const DEFAULT_MAX_RETRIES: i32 = 10;
 pub const DEFAULT_ACK_BATCH_SIZE: usize = 500;
 /// Default acknowledgement delay: flush pending settlements after 10 ms.
 pub const DEFAULT_ACK_INTERVAL: Duration = Duration::from_millis(10);
-/// Default longest wait between reconnect attempts: 30 seconds.
-pub const DEFAULT_RECONNECT_MAX_DELAY: Duration = Duration::from_secs(30);
+/// Default longest wait between reconnect attempts: 10 seconds. Attempts
+/// start after 100–200 ms and the wait doubles (with jitter) up to it, so
+/// after a failover, a restart or a suspended server that resumes, the
+/// consumer is back within about this long of the server (bar the connect
+/// itself); while the server stays away, it costs a connection attempt per
+/// session every 5–10 s.
+pub const DEFAULT_RECONNECT_MAX_DELAY: Duration = Duration::from_secs(10);
 /// Default liveness ping on the idle LISTEN connection: every 5 seconds.
 pub const DEFAULT_PING_INTERVAL: Duration = Duration::from_secs(5);
 /// Default statement timeout of the consumer's own sessions (drain, writer,
@@ -133,6 +138,7 @@ pub(crate) struct ConsumerConfig {
     pub(crate) listen: bool,
     pub(crate) stranded_after: Duration,
     pub(crate) take_over_stranded: bool,
+    pub(crate) wait_for_primary: bool,
 }
 
 impl ConsumerConfig {
@@ -143,13 +149,17 @@ impl ConsumerConfig {
     }
 
     /// Startup settings of the consumer's own sessions: the statement
-    /// timeout, and the server's check for a vanished client while a
-    /// statement runs.
+    /// timeout, the server's check for a vanished client while a statement
+    /// runs, no `idle_session_timeout` (so a server or database that closes
+    /// idle sessions leaves the writer and LISTEN sessions alone), and a
+    /// writable server (a standby is refused).
     pub(crate) fn session(&self) -> connect::SessionSettings {
         connect::SessionSettings {
             statement_timeout: Some(self.statement_timeout),
             check_client_connection: true,
+            keep_when_idle: true,
             pinned: true,
+            primary: true,
         }
     }
 }
@@ -197,6 +207,7 @@ impl Consumer {
                 listen: true,
                 stranded_after: DEFAULT_STRANDED_AFTER,
                 take_over_stranded: false,
+                wait_for_primary: false,
             },
         }
     }
@@ -313,10 +324,52 @@ impl ConsumerBuilder {
         self
     }
 
-    /// Longest wait between reconnect attempts (default 30 s; attempts
-    /// start at 100 ms and double, with jitter).
+    /// Longest wait between reconnect attempts (default
+    /// [`DEFAULT_RECONNECT_MAX_DELAY`], 10 s). The first attempt after a
+    /// loss comes after 100–200 ms, and each wait doubles, with jitter,
+    /// up to this bound (the jitter stays within it: once there, waits are
+    /// between half the bound and the bound). It bounds how long the
+    /// consumer takes to come back once the server does (a failover, a
+    /// restart): at most about this long, plus the connect. The relay's
+    /// flag `--reconnect-max-delay` sets it.
+    ///
+    /// # Example
+    /// ```
+    /// # fn f(pg: pg_outbox::ConnectOptions) -> pg_outbox::ConsumerBuilder {
+    /// pg_outbox::Consumer::builder(pg).reconnect_max_delay(std::time::Duration::from_secs(2))
+    /// # }
+    /// ```
     pub fn reconnect_max_delay(mut self, delay: Duration) -> Self {
         self.cfg.reconnect_max_delay = delay;
+        self
+    }
+
+    /// At start, wait for a standby to be promoted instead of failing
+    /// (default `false`).
+    ///
+    /// Without it, [`ConsumerBuilder::start`] fails with
+    /// [`Error::ReadOnlyStandby`] when the server (every host of a
+    /// multi-host URL that answers) is a hot standby: the consumer writes
+    /// (it marks events published), so it needs the primary. With it,
+    /// `start` tries again with the reconnect backoff (up to
+    /// [`ConsumerBuilder::reconnect_max_delay`]) for as long as the server
+    /// answers as a standby, logging once when it starts waiting and once
+    /// when the server is promoted (not at every try), and goes on once a
+    /// host accepts writes. Other errors end the wait as they end `start`.
+    /// Cancel the wait by dropping the future. The relay's flag
+    /// `--wait-for-primary` sets it.
+    ///
+    /// Once started, a consumer always rides out a failover this way: a
+    /// reconnect that lands on a standby backs off and tries again.
+    ///
+    /// # Example
+    /// ```
+    /// # fn f(pg: pg_outbox::ConnectOptions) -> pg_outbox::ConsumerBuilder {
+    /// pg_outbox::Consumer::builder(pg).wait_for_primary(true)
+    /// # }
+    /// ```
+    pub fn wait_for_primary(mut self, wait: bool) -> Self {
+        self.cfg.wait_for_primary = wait;
         self
     }
 

@@ -131,6 +131,7 @@ pub(crate) async fn run<S: Source>(
         stop_deadline: None,
         final_deadline: None,
         health,
+        on_standby: None,
     };
     engine.run(tx, settle_rx, done_rx, &shared).await
 }
@@ -151,6 +152,10 @@ struct Engine<S: Source> {
     source: S,
     /// Where each turn, the sessions' state, the role and errors are told.
     health: Arc<health::State>,
+    /// Since when reconnects have found only a read-only standby (a
+    /// failover under way): said once when it starts and once when it ends,
+    /// not at every try.
+    on_standby: Option<Instant>,
 }
 
 impl<S: Source> Engine<S> {
@@ -413,6 +418,9 @@ impl<S: Source> Engine<S> {
             return self.lose(Loss::opening(e));
         }
         self.sessions.ready();
+        if let Some(since) = self.on_standby.take() {
+            tracing::info!(after = ?since.elapsed(), "a host accepts writes again (the standby was promoted): delivering");
+        }
         self.health.connected(true);
         self.health.role(self.source.role());
         if self.completer.pending() > 0 {
@@ -460,6 +468,18 @@ impl<S: Source> Engine<S> {
             Loss::Closed(which) => {
                 tracing::warn!(retry_in = ?delay, "{which} connection closed; reconnecting");
                 format!("{which} connection closed")
+            }
+            Loss::ConnectFailed(Error::ReadOnlyStandby { target }) => {
+                if self.on_standby.is_none() {
+                    self.on_standby = Some(Instant::now());
+                    tracing::warn!(standby = %target, retry_every_at_most = ?self.cfg.reconnect_max_delay,
+                        "the database is a read-only standby now (a failover?): reconnecting until a host accepts writes");
+                } else {
+                    tracing::debug!(retry_in = ?delay, "still a read-only standby");
+                }
+                format!(
+                    "the server at {target} is a read-only standby (in recovery): waiting for a host that accepts writes"
+                )
             }
             Loss::ConnectFailed(e) => {
                 let error = crate::error::report(&e);

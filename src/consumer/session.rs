@@ -7,7 +7,8 @@
 //! claim transaction. Each opening is a new generation, so the outcome of a
 //! write is tied to the sessions it ran on. A lost session is given up at
 //! once (its locks are gone) and opened again after an exponential backoff
-//! with jitter (`backon`), from 100 ms up to the reconnect maximum.
+//! with jitter (`backon`), from 100 ms up to the reconnect maximum
+//! ([`new_backoff`]).
 
 use std::future::Future;
 use std::sync::Arc;
@@ -98,12 +99,17 @@ pub(super) struct Sessions {
     max_delay: Duration,
 }
 
-/// The reconnect backoff: exponential from 100 ms up to `max`, with
-/// jitter, without end.
-pub(super) fn new_backoff(max: Duration) -> backon::ExponentialBackoff {
+/// The reconnect backoff, without end: 100–200 ms first, then doubling,
+/// up to `max`. backon's jitter adds up to the delay itself (a delay `d`
+/// becomes one in `[d, 2d)`), so the delay it doubles is capped at half of
+/// `max`: every wait stays within `max`, and once there, waits fall
+/// between `max / 2` and `max` (relays that lost the server together do
+/// not come back in step).
+pub(crate) fn new_backoff(max: Duration) -> backon::ExponentialBackoff {
+    let half = max / 2;
     backon::ExponentialBuilder::default()
-        .with_min_delay(Duration::from_millis(100))
-        .with_max_delay(max)
+        .with_min_delay(Duration::from_millis(100).min(half))
+        .with_max_delay(half)
         .with_jitter()
         .without_max_times()
         .build()
@@ -144,7 +150,7 @@ impl Sessions {
 
     /// The next delay of the reconnect backoff.
     pub(super) fn next_delay(&mut self) -> Duration {
-        self.backoff.next().unwrap_or(self.max_delay)
+        self.backoff.next().unwrap_or(self.max_delay).min(self.max_delay)
     }
 
     /// Give the sessions up (closing them) and open them again after `delay`.
@@ -222,5 +228,25 @@ impl Sessions {
                 Err(e)
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_backoff_starts_near_100ms_doubles_and_never_waits_longer_than_the_bound() {
+        for max in
+            [Duration::from_secs(10), Duration::from_secs(1), Duration::from_millis(150), Duration::from_millis(10)]
+        {
+            let waits: Vec<Duration> = new_backoff(max).take(40).collect();
+            assert!(waits.iter().all(|w| *w <= max), "{max:?}: {waits:?}");
+            assert!(waits[0] <= Duration::from_millis(200), "{max:?}: first {:?}", waits[0]);
+            // Once at the bound, between half of it and all of it.
+            assert!(waits[30..].iter().all(|w| *w >= max / 2), "{max:?}: {waits:?}");
+        }
+        let waits: Vec<Duration> = new_backoff(Duration::from_secs(10)).take(3).collect();
+        assert!(waits[0] >= Duration::from_millis(100) && waits[2] >= Duration::from_millis(400), "{waits:?}");
     }
 }

@@ -7,6 +7,7 @@ use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
+use super::session::new_backoff;
 use super::source::{ClaimSource, ListenSource, Signals, notifier};
 use super::stream::{Shared, StreamParts};
 use super::{
@@ -14,7 +15,7 @@ use super::{
     drain, health, holdback,
 };
 use crate::connect;
-use crate::error::Result;
+use crate::error::{Error, Result};
 
 impl ConsumerBuilder {
     /// Connect, check the schema, LISTEN, and start the background tasks.
@@ -32,7 +33,10 @@ impl ConsumerBuilder {
     /// the URL leads to a transaction-mode pooler
     /// ([`ConnectOptions::session_mode`](crate::ConnectOptions::session_mode)):
     /// the consumer's locks, prepared statements and settings belong to its
-    /// sessions, so it needs a direct URL or a session-mode pooler's.
+    /// sessions, so it needs a direct URL or a session-mode pooler's;
+    /// [`Error::ReadOnlyStandby`](crate::Error::ReadOnlyStandby) if the
+    /// server is a hot standby (it needs the primary), unless it waits for a
+    /// promotion ([`ConsumerBuilder::wait_for_primary`]).
     ///
     /// # Cancel safety
     /// Cancel safe: dropping the future before it resolves closes the sessions it
@@ -40,10 +44,7 @@ impl ConsumerBuilder {
     pub async fn start(mut self) -> Result<EventStream> {
         self.validate()?;
         let cfg = Arc::new(self.cfg);
-        // The leader and partition locks, the prepared statements and the
-        // settings of the drain loop are its sessions'.
-        connect::require_own_sessions(&cfg.pg, "the relay (pg-outbox's consumer)").await?;
-        let (work, work_link) = connect::connect(&cfg.pg, "pg-outbox drain", &cfg.session()).await?;
+        let (work, work_link) = first_session(&cfg).await?;
         crate::migrate::check(&work).await?;
         match crate::migrate::ordering(&work).await? {
             Some(mode) => tracing::info!(ordering = %mode, "ordering mode installed on events.outbox: {mode}"),
@@ -84,6 +85,42 @@ impl ConsumerBuilder {
             health,
             grace: cfg.shutdown_grace,
         }))
+    }
+}
+
+/// Check that the URL leads to sessions of the consumer's own, and open
+/// the work session on a writable server; with `wait_for_primary`, wait
+/// (with the reconnect backoff) while the server is a standby.
+async fn first_session(cfg: &ConsumerConfig) -> Result<(tokio_postgres::Client, connect::Link)> {
+    let attempt = || async {
+        // The leader and partition locks, the prepared statements and the
+        // settings of the drain loop are its sessions'.
+        connect::require_own_sessions(&cfg.pg, "the relay (pg-outbox's consumer)").await?;
+        connect::connect(&cfg.pg, "pg-outbox drain", &cfg.session()).await
+    };
+    let mut backoff = new_backoff(cfg.reconnect_max_delay);
+    let mut waited = None;
+    loop {
+        match attempt().await {
+            Err(Error::ReadOnlyStandby { target }) if cfg.wait_for_primary => {
+                let delay = backoff.next().unwrap_or(cfg.reconnect_max_delay).min(cfg.reconnect_max_delay);
+                if waited.is_none() {
+                    tracing::warn!(standby = %target, retry_every_at_most = ?cfg.reconnect_max_delay,
+                        "the database is a read-only standby (in recovery): waiting for a promotion before starting");
+                    waited = Some(tokio::time::Instant::now());
+                } else {
+                    tracing::debug!(retry_in = ?delay, "still a read-only standby");
+                }
+                tokio::time::sleep(delay).await;
+            }
+            Ok(session) => {
+                if let Some(since) = waited {
+                    tracing::info!(waited = ?since.elapsed(), "the database accepts writes now (promoted): starting");
+                }
+                return Ok(session);
+            }
+            Err(e) => return Err(e),
+        }
     }
 }
 

@@ -26,5 +26,5 @@ pub mod server;
 
 pub use db::TestDb;
 pub use options::{conninfo, options_of};
-pub use pg_outbox::temp_server::{TempServer, TempServerOptions};
+pub use pg_outbox::temp_server::{StandbyOptions, TempServer, TempServerOptions};
 pub use server::{Server, connect, find_server};

@@ -28,6 +28,9 @@ fn public_types_are_send_and_sync() {
     assert_send_sync::<pg_outbox::relay::replay::ReplayBuilder>();
     assert_send_sync::<pg_outbox::relay::replay::Filter>();
     assert_send_sync::<pg_outbox::relay::replay::Progress>();
+    assert_send_sync::<pg_outbox::temp_server::TempServer>();
+    assert_send_sync::<pg_outbox::temp_server::TempServerOptions>();
+    assert_send_sync::<pg_outbox::temp_server::StandbyOptions>();
 }
 
 fn assert_send<T: Send>(_: T) {}
@@ -43,4 +46,11 @@ fn replay_futures_are_send(r: &mut pg_outbox::relay::replay::Replay, sink: &pg_o
 fn replay_count_and_open_are_send(r: &mut pg_outbox::relay::replay::Replay, db: &pg_outbox::ConnectOptions) {
     assert_send(r.count(std::future::pending::<()>(), |_| {}));
     assert_send(pg_outbox::relay::replay::Replay::builder(Default::default()).open(db));
+}
+
+/// Connecting to the primary can run on a spawned task (checked by the
+/// compiler; never called).
+#[allow(dead_code)]
+fn connect_primary_is_send(db: &pg_outbox::ConnectOptions) {
+    assert_send(db.connect_primary());
 }

@@ -47,7 +47,7 @@ use crate::support::{self, TestDb};
 use pg_outbox_testkit::process::{self, LIVENESS};
 
 /// Committed events per test (producers stop once they reach it).
-const EVENTS: usize = 2000;
+pub(crate) const EVENTS: usize = 2000;
 /// Committed events in the hanging-sink test (one request in 50 hangs).
 const HANG_EVENTS: usize = 1500;
 /// Producer tasks per test.
@@ -56,7 +56,7 @@ const PRODUCERS: usize = 4;
 const AGGREGATES: usize = 8;
 /// The relay's `--batch-size` (its default); its in-flight window is about
 /// twice this (the stream's buffer) plus the event in hand.
-const BATCH: usize = 50;
+pub(crate) const BATCH: usize = 50;
 /// Largest pause between a producer's transactions, in ms (spreads the load
 /// over a few seconds so faults land mid-stream).
 const PACE_MS: u64 = 16;
@@ -84,7 +84,7 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 
 /// How the test webhook answers.
 #[derive(Debug, Clone, Copy)]
-enum Behavior {
+pub(crate) enum Behavior {
     /// 200 to everything.
     Ok,
     /// Every `every`-th request (over all requests) is held for `hang`
@@ -99,18 +99,18 @@ const HUNG: u16 = 0;
 
 /// One request the webhook got, in arrival order.
 #[derive(Debug, Clone)]
-struct Attempt {
-    id: i64,
+pub(crate) struct Attempt {
+    pub(crate) id: i64,
     aggregate: Uuid,
     retry_count: i64,
     /// Which relay process sent it (each relay gets its own URL path).
     relay: u32,
     status: u16,
-    at: Instant,
+    pub(crate) at: Instant,
 }
 
 impl Attempt {
-    fn delivered(&self) -> bool {
+    pub(crate) fn delivered(&self) -> bool {
         (200..300).contains(&self.status)
     }
 }
@@ -124,7 +124,7 @@ struct SinkLog {
 }
 
 #[derive(Clone)]
-struct Sink {
+pub(crate) struct Sink {
     behavior: Behavior,
     log: Arc<Mutex<SinkLog>>,
     base: String,
@@ -148,7 +148,7 @@ fn parse_record(body: &[u8]) -> Result<(i64, Uuid, i64), String> {
 }
 
 impl Sink {
-    async fn start(behavior: Behavior) -> Sink {
+    pub(crate) async fn start(behavior: Behavior) -> Sink {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind the test webhook");
         let addr = listener.local_addr().expect("webhook address");
         let sink = Sink { behavior, log: Arc::default(), base: format!("http://{addr}/hook") };
@@ -162,7 +162,7 @@ impl Sink {
         sink
     }
 
-    fn url_for(&self, relay: u32) -> String {
+    pub(crate) fn url_for(&self, relay: u32) -> String {
         format!("{}/{relay}", self.base)
     }
 
@@ -191,7 +191,7 @@ impl Sink {
         (status, hold)
     }
 
-    fn attempts(&self) -> Vec<Attempt> {
+    pub(crate) fn attempts(&self) -> Vec<Attempt> {
         lock(&self.log).attempts.clone()
     }
 
@@ -200,7 +200,7 @@ impl Sink {
     }
 
     /// When relay `relay` first got a 2xx at or after `since`, if it did.
-    fn first_delivery_by(&self, relay: u32, since: Instant) -> Option<Instant> {
+    pub(crate) fn first_delivery_by(&self, relay: u32, since: Instant) -> Option<Instant> {
         lock(&self.log).attempts.iter().find(|a| a.relay == relay && a.delivered() && a.at >= since).map(|a| a.at)
     }
 }
@@ -220,8 +220,8 @@ async fn hook_handler(State(sink): State<Sink>, Path(relay): Path<u32>, body: By
 // ---------------------------------------------------------------- relay processes
 
 /// Relay number `n` of a test (the kit's process), and whether it should be running.
-struct RelayProc {
-    n: u32,
+pub(crate) struct RelayProc {
+    pub(crate) n: u32,
     proc: process::RelayProc,
     alive: bool,
 }
@@ -240,7 +240,7 @@ impl RelayProc {
         RelayProc { n, proc, alive: true }
     }
 
-    fn log(&self) -> String {
+    pub(crate) fn log(&self) -> String {
         self.proc.log()
     }
 
@@ -284,13 +284,13 @@ impl RelayProc {
 
 /// What the producers did, by event id.
 #[derive(Debug, Default)]
-struct Ledger {
+pub(crate) struct Ledger {
     /// COMMIT acknowledged.
-    committed: Vec<(i64, Uuid)>,
+    pub(crate) committed: Vec<(i64, Uuid)>,
     /// Rolled back on purpose, or failed before COMMIT was sent.
-    rolled_back: Vec<(i64, Uuid)>,
+    pub(crate) rolled_back: Vec<(i64, Uuid)>,
     /// COMMIT sent, outcome unknown (the connection broke): committed iff the row exists.
-    uncertain: Vec<(i64, Uuid)>,
+    pub(crate) uncertain: Vec<(i64, Uuid)>,
     transactions: usize,
     /// Transactions retried after an error.
     retries: usize,
@@ -316,7 +316,7 @@ enum Outcome {
 }
 
 /// Connect with `application_name = app`, retrying for up to `patience`.
-async fn connect(url: &str, app: &str, patience: Duration) -> Client {
+pub(crate) async fn connect(url: &str, app: &str, patience: Duration) -> Client {
     let mut cfg: tokio_postgres::Config = url.parse().expect("database URL parses");
     cfg.application_name(app).connect_timeout(Duration::from_secs(5));
     let deadline = Instant::now() + patience;
@@ -336,22 +336,51 @@ async fn connect(url: &str, app: &str, patience: Duration) -> Client {
     }
 }
 
-/// One transaction: BEGIN, the seed's INSERT for each aggregate (some
-/// followed by a small sleep), then COMMIT or ROLLBACK.
+/// Connect through pg-outbox (`ConnectOptions::connect_primary`: every host
+/// of a multi-host URL in turn, a standby refused) with `application_name =
+/// app`, retrying for up to `patience`.
+async fn connect_primary(url: &str, app: &str, patience: Duration) -> Client {
+    let opts = pg_outbox::ConnectOptions::parse(url).expect("database URL parses").with_application_name(app);
+    let deadline = Instant::now() + patience;
+    loop {
+        match opts.connect_primary().await {
+            Ok(client) => return client,
+            Err(e) => {
+                assert!(
+                    Instant::now() < deadline,
+                    "cannot connect as {app} within {patience:?}: {}",
+                    pg_outbox::error::report(&e)
+                );
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+    }
+}
+
+/// One transaction: BEGIN, an INSERT for each aggregate (the seed's, or
+/// `Publisher::publish` with `publisher`; some followed by a small sleep),
+/// then COMMIT or ROLLBACK.
 async fn run_transaction(
     client: &mut Client,
     tag: (usize, usize),
     aggs: &[Uuid],
     sleeps: &[u64],
     rollback: bool,
+    publisher: bool,
 ) -> Outcome {
     let mut ids = Vec::with_capacity(aggs.len());
     let Ok(tx) = client.transaction().await else { return Outcome::Failed(ids) };
     for (k, (agg, pause)) in aggs.iter().zip(sleeps).enumerate() {
         let payload = json!({"version": 1, "data": {"producer": tag.0, "tx": tag.1, "n": k}});
-        match tx.query_one(SEED_INSERT, &[&AGGREGATE_TYPE, agg, &EVENT_TYPE, &payload]).await {
-            Ok(row) => ids.push((row.get::<_, i64>(0), *agg)),
-            Err(_) => return Outcome::Failed(ids), // dropping tx rolls it back
+        let inserted = if publisher {
+            let event = pg_outbox::NewEvent::new(AGGREGATE_TYPE, *agg, EVENT_TYPE, payload);
+            pg_outbox::Publisher::new().publish(&tx, &event).await.ok()
+        } else {
+            tx.query_one(SEED_INSERT, &[&AGGREGATE_TYPE, agg, &EVENT_TYPE, &payload]).await.ok().map(|r| r.get(0))
+        };
+        match inserted {
+            Some(id) => ids.push((id, *agg)),
+            None => return Outcome::Failed(ids), // dropping tx rolls it back
         }
         if *pause > 0 {
             tokio::time::sleep(Duration::from_millis(*pause)).await;
@@ -375,13 +404,17 @@ struct Avoid {
 }
 
 #[derive(Clone)]
-struct LoadSpec {
+pub(crate) struct LoadSpec {
     url: String,
     seed: u64,
-    events: usize,
+    pub(crate) events: usize,
     producers: usize,
-    aggregates: Vec<Uuid>,
+    pub(crate) aggregates: Vec<Uuid>,
     avoid: Option<Avoid>,
+    /// Publish through pg-outbox (`ConnectOptions::connect_primary` and
+    /// `Publisher`) instead of the seed's plain INSERT on a tokio-postgres
+    /// connection.
+    pub(crate) publisher: bool,
 }
 
 /// A producer: transactions of 1–3 events on random aggregates (inserted in
@@ -392,7 +425,14 @@ async fn producer(spec: Arc<LoadSpec>, idx: usize, quota: usize, progress: Arc<A
     let mut rng = StdRng::seed_from_u64(spec.seed.wrapping_add(0x9E37_79B9_7F4A_7C15u64.wrapping_mul(idx as u64 + 1)));
     let mut ledger = Ledger::default();
     let app = format!("fault-suite producer {idx}");
-    let mut client = connect(&spec.url, &app, Duration::from_secs(60)).await;
+    let open = || async {
+        if spec.publisher {
+            connect_primary(&spec.url, &app, Duration::from_secs(60)).await
+        } else {
+            connect(&spec.url, &app, Duration::from_secs(60)).await
+        }
+    };
+    let mut client = open().await;
     let mut done = 0;
     let mut txn = 0;
     while done < quota {
@@ -417,9 +457,9 @@ async fn producer(spec: Arc<LoadSpec>, idx: usize, quota: usize, progress: Arc<A
         ledger.transactions += 1;
         loop {
             if client.is_closed() {
-                client = connect(&spec.url, &app, Duration::from_secs(60)).await;
+                client = open().await;
             }
-            match run_transaction(&mut client, (idx, txn), &aggs, &sleeps, rollback).await {
+            match run_transaction(&mut client, (idx, txn), &aggs, &sleeps, rollback, spec.publisher).await {
                 Outcome::Committed(ids) => {
                     done += ids.len();
                     progress.fetch_add(ids.len(), Ordering::SeqCst);
@@ -442,14 +482,14 @@ async fn producer(spec: Arc<LoadSpec>, idx: usize, quota: usize, progress: Arc<A
 }
 
 /// Producers running in the background.
-struct Load {
+pub(crate) struct Load {
     progress: Arc<AtomicUsize>,
     tasks: Vec<JoinHandle<Ledger>>,
-    events: usize,
+    pub(crate) events: usize,
 }
 
 impl Load {
-    fn spawn(spec: LoadSpec) -> Load {
+    pub(crate) fn spawn(spec: LoadSpec) -> Load {
         let progress = Arc::new(AtomicUsize::new(0));
         let events = spec.events;
         let producers = spec.producers;
@@ -464,7 +504,7 @@ impl Load {
     }
 
     /// Wait until at least `n` events are committed.
-    async fn reached(&self, n: usize) {
+    pub(crate) async fn reached(&self, n: usize) {
         let deadline = Instant::now() + DRAIN_LIVENESS;
         while self.progress.load(Ordering::SeqCst) < n {
             assert!(
@@ -476,7 +516,7 @@ impl Load {
         }
     }
 
-    async fn join(self) -> Ledger {
+    pub(crate) async fn join(self) -> Ledger {
         let mut all = Ledger::default();
         for t in self.tasks {
             all.merge(tokio::time::timeout(DRAIN_LIVENESS, t).await.expect("producers finish").expect("producer"));
@@ -506,33 +546,33 @@ fn aggregates(rng: &mut StdRng) -> Vec<Uuid> {
 /// How many faults a test injected: counted by the test, or the webhook's
 /// answers with a given status (counted once the outbox is drained).
 #[derive(Debug, Clone, Copy)]
-enum Faults {
+pub(crate) enum Faults {
     Injected(usize),
     SinkAnswers(u16),
 }
 
 /// The counts a test reports and asserts on.
 #[derive(Debug, Default)]
-struct Report {
-    kind: &'static str,
-    faults: usize,
-    events: usize,
-    lost: usize,
-    duplicates: usize,
-    published_without_delivery: usize,
-    order_violations: usize,
-    rolled_back: usize,
-    rolled_back_sent: usize,
-    unknown_sent: usize,
-    aggregate_mismatches: usize,
-    rows_not_committed: usize,
-    uncertain: usize,
-    attempts: usize,
-    not_delivered_attempts: usize,
-    retries: usize,
-    examples: Vec<String>,
+pub(crate) struct Report {
+    pub(crate) kind: &'static str,
+    pub(crate) faults: usize,
+    pub(crate) events: usize,
+    pub(crate) lost: usize,
+    pub(crate) duplicates: usize,
+    pub(crate) published_without_delivery: usize,
+    pub(crate) order_violations: usize,
+    pub(crate) rolled_back: usize,
+    pub(crate) rolled_back_sent: usize,
+    pub(crate) unknown_sent: usize,
+    pub(crate) aggregate_mismatches: usize,
+    pub(crate) rows_not_committed: usize,
+    pub(crate) uncertain: usize,
+    pub(crate) attempts: usize,
+    pub(crate) not_delivered_attempts: usize,
+    pub(crate) retries: usize,
+    pub(crate) examples: Vec<String>,
     /// Every attempt of the first aggregate whose order was violated.
-    trace: String,
+    pub(crate) trace: String,
 }
 
 impl Report {
@@ -550,18 +590,18 @@ impl Report {
     }
 }
 
-struct Harness {
+pub(crate) struct Harness {
     kind: &'static str,
     seed: u64,
     url: String,
-    sink: Sink,
+    pub(crate) sink: Sink,
     args: Vec<String>,
-    relays: Vec<RelayProc>,
+    pub(crate) relays: Vec<RelayProc>,
     started: Instant,
 }
 
 impl Harness {
-    async fn new(kind: &'static str, seed: u64, url: String, behavior: Behavior, extra: &[&str]) -> Harness {
+    pub(crate) async fn new(kind: &'static str, seed: u64, url: String, behavior: Behavior, extra: &[&str]) -> Harness {
         let mut args: Vec<String> =
             ["--mode", "single", "--batch-size", &BATCH.to_string(), "--retry-schedule", "100ms"]
                 .iter()
@@ -580,7 +620,7 @@ impl Harness {
     }
 
     /// Start one more relay; returns its index in `relays`.
-    async fn start_relay(&mut self) -> usize {
+    pub(crate) async fn start_relay(&mut self) -> usize {
         let n = u32::try_from(self.relays.len() + 1).expect("few relays");
         let relay = RelayProc::start(&self.url, &self.sink, n, &self.args).await;
         self.relays.push(relay);
@@ -588,7 +628,7 @@ impl Harness {
     }
 
     /// Fail the test if a relay exited that the test did not kill.
-    async fn assert_relays_running(&mut self) {
+    pub(crate) async fn assert_relays_running(&mut self) {
         let mut exits = Vec::new();
         for r in &mut self.relays {
             exits.extend(r.unexpected_exit().await);
@@ -597,7 +637,7 @@ impl Harness {
     }
 
     /// The relays' stderr (the end of it), for failure messages.
-    fn logs(&self) -> String {
+    pub(crate) fn logs(&self) -> String {
         let mut out = String::new();
         for r in &self.relays {
             let log = r.log();
@@ -610,7 +650,7 @@ impl Harness {
 
     /// Wait for the outbox to end published, then check everything against
     /// the producers' ledger and the webhook's log; print the summary line.
-    async fn finish(&mut self, faults: Faults, ledger: Ledger) -> Report {
+    pub(crate) async fn finish(&mut self, faults: Faults, ledger: Ledger) -> Report {
         let c = connect(&self.url, "fault-suite checker", Duration::from_secs(60)).await;
         // A COMMIT whose outcome is unknown counts as committed iff its row exists.
         let uncertain_ids: Vec<i64> = ledger.uncertain.iter().map(|(id, _)| *id).collect();
@@ -786,7 +826,7 @@ impl Harness {
 
     /// The assertions every test makes; `max_duplicates` is 0 for faults
     /// that cannot cause duplicates.
-    fn check(&self, r: &Report, max_duplicates: usize) {
+    pub(crate) fn check(&self, r: &Report, max_duplicates: usize) {
         let ctx = || {
             format!(
                 "{} (seed {:#x})\nexamples: {:#?}\n{}\n{}",
@@ -816,7 +856,7 @@ impl Harness {
     }
 }
 
-fn load_spec(url: &str, seed: u64, rng: &mut StdRng) -> LoadSpec {
+pub(crate) fn load_spec(url: &str, seed: u64, rng: &mut StdRng) -> LoadSpec {
     LoadSpec {
         url: url.to_string(),
         seed,
@@ -824,6 +864,7 @@ fn load_spec(url: &str, seed: u64, rng: &mut StdRng) -> LoadSpec {
         producers: PRODUCERS,
         aggregates: aggregates(rng),
         avoid: None,
+        publisher: false,
     }
 }
 

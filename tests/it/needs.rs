@@ -127,6 +127,24 @@ pub fn program(wanted: &Program) -> Option<PathBuf> {
     programs([wanted]).map(|[p]| p)
 }
 
+/// Whether the server program `name` (e.g. `pg_basebackup`) is in `bindir`,
+/// the directory of the throwaway servers' binaries (it must match their
+/// version); `false` after a skip line (a failure under
+/// `PG_OUTBOX_REQUIRE_TOOLS=1`).
+pub fn server_program(bindir: &Path, name: &str) -> bool {
+    report_at_exit();
+    if is_executable(&bindir.join(name)) {
+        return true;
+    }
+    let why = format!(
+        "{name} is not in {}, beside the server's binaries ({})",
+        bindir.display(),
+        install_text(&[Install::Debian("postgresql")])
+    );
+    skip_or_fail(&why, &[TOOLS]);
+    false
+}
+
 /// Whether `server` answers (a TCP connect within 2 s); `false` after a
 /// skip line (a failure under `PG_OUTBOX_REQUIRE_BROKERS=1`).
 pub async fn server(server: &Server) -> bool {

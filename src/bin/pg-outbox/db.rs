@@ -20,6 +20,13 @@ pub(crate) async fn connect(url: &str) -> Result<tokio_postgres::Client, Error> 
     connect_with(pg_outbox::ConnectOptions::parse(url)?).await
 }
 
+/// [`connect`] on a server that accepts writes: a standby is refused in a
+/// sentence that says what to do (see
+/// [`pg_outbox::ConnectOptions::connect_primary`]).
+pub(crate) async fn connect_primary(url: &str) -> Result<tokio_postgres::Client, Error> {
+    Ok(named(pg_outbox::ConnectOptions::parse(url)?, CLI_SESSIONS).connect_primary().await?)
+}
+
 /// Connect with `opts`, as a short command's session unless `opts` names
 /// its sessions.
 pub(crate) async fn connect_with(opts: pg_outbox::ConnectOptions) -> Result<tokio_postgres::Client, Error> {

@@ -146,6 +146,8 @@ pub(crate) async fn run(n: Notifier) {
     let mut reconnects: u64 = 0;
     let new_backoff = || new_backoff(cfg.reconnect_max_delay);
     let mut backoff = new_backoff();
+    // Reconnects that found only a read-only standby are said once.
+    let mut on_standby = false;
     loop {
         if let Some(listening) = current.take() {
             status.send_replace(ListenerStatus { listening: true, reconnects });
@@ -160,13 +162,14 @@ pub(crate) async fn run(n: Notifier) {
             tracing::warn!(reason = %reason, "LISTEN connection lost; reconnecting (a sweep follows)");
             backoff = new_backoff();
         }
-        let delay = backoff.next().unwrap_or(cfg.reconnect_max_delay);
+        let delay = backoff.next().unwrap_or(cfg.reconnect_max_delay).min(cfg.reconnect_max_delay);
         tokio::select! {
             _ = token.cancelled() => return,
             _ = tokio::time::sleep(delay) => {}
         }
         match listen(&pg, &cfg.session(), wake.clone(), probe.clone()).await {
             Ok(l) => {
+                on_standby = false;
                 reconnects += 1;
                 metrics::counter!(m::LISTENER_RECONNECTS).increment(1);
                 tracing::info!(reconnects, "LISTEN connection re-established; sweeping");
@@ -174,7 +177,16 @@ pub(crate) async fn run(n: Notifier) {
                 // LISTEN is in place: now sweep for what was committed while down.
                 reconnect_wake.notify_one();
             }
+            Err(Error::ReadOnlyStandby { .. }) if on_standby => {
+                tracing::debug!(retry_in = ?delay, "LISTEN reconnect: still a read-only standby");
+            }
+            Err(Error::ReadOnlyStandby { target }) => {
+                on_standby = true;
+                tracing::warn!(standby = %target, retry_in = ?delay,
+                    "LISTEN reconnect found a read-only standby (a failover?): retrying until a host accepts writes");
+            }
             Err(e) => {
+                on_standby = false;
                 tracing::warn!(error = %crate::error::report(&e), retry_in = ?delay, "LISTEN reconnect failed");
             }
         }

@@ -149,7 +149,10 @@ fn require_selection(ids: &[i64], filter: &FilterArgs, all: bool, verb: &str) ->
 /// wake-up it sends. What was done is committed also when the command then
 /// reports ids it did not touch.
 pub(crate) async fn run(url: &str, cmd: DeadLetterCmd) -> Result<(), Error> {
-    let mut client = crate::db::connect(url).await?;
+    // Retrying and discarding write: on the primary (a standby is refused
+    // in a sentence); listing and showing read anywhere.
+    let writes = matches!(cmd, DeadLetterCmd::Retry { .. } | DeadLetterCmd::Discard { .. });
+    let mut client = if writes { crate::db::connect_primary(url).await? } else { crate::db::connect(url).await? };
     let tx = client.transaction().await?;
     let result = match cmd {
         DeadLetterCmd::List { filter, json } => match filter.to_filter(&[]) {

@@ -2,7 +2,7 @@
 
 use pg_outbox::{NewEvent, Publisher};
 
-use crate::db::connect;
+use crate::db::connect_primary;
 use crate::error::Error;
 use crate::parse::parse_uuid;
 
@@ -54,7 +54,7 @@ pub(crate) async fn run(url: &str, args: PublishArgs) -> Result<(), Error> {
     let event = NewEvent::new(args.aggregate_type, args.aggregate_id, args.event_type, payload);
     let publisher = Publisher::new();
     event.validate(pg_outbox::DEFAULT_MAX_PAYLOAD_BYTES)?;
-    let client = connect(url).await?;
+    let client = connect_primary(url).await?;
     let id = publisher.publish(&client, &event).await?;
     println!("{id}");
     Ok(())

@@ -79,6 +79,20 @@ pub(crate) struct RelayArgs {
     /// in outbox_statement_timeouts_total, and retried after a reconnect.
     #[arg(long, value_parser = parse_timeout, default_value = "60s", value_name = "DURATION")]
     statement_timeout: Duration,
+    /// Longest wait between attempts to reconnect once the database is lost
+    /// (e.g. 10s, 2s, 1m). The first attempt comes after 100-200ms and each
+    /// wait doubles, with jitter, up to this: once the database is back (a
+    /// restart, a failover, a suspended server resuming), the relay resumes
+    /// within about this long. Lower it for a quicker failover; each attempt
+    /// is one connection per session (three).
+    #[arg(long, value_parser = parse_duration, default_value = "10s", value_name = "DURATION")]
+    reconnect_max_delay: Duration,
+    /// If the database is a read-only standby at start, wait for it to be
+    /// promoted (retrying with the reconnect backoff, logged once when the
+    /// wait starts and once when it ends) instead of exiting with an error.
+    /// Once running, the relay always waits out a failover this way.
+    #[arg(long)]
+    wait_for_primary: bool,
     /// How several relays share one outbox: `single` (one active, others
     /// hot standbys; keeps order), `partitioned` (all active, split by a hash
     /// of the aggregate; keeps per-aggregate order), `competing` (the original design's
@@ -158,6 +172,8 @@ pub(crate) async fn run(url: &str, args: RelayArgs) -> Result<(), Error> {
         .max_retries(args.max_retries)
         .shutdown_grace(args.shutdown_grace)
         .statement_timeout(args.statement_timeout)
+        .reconnect_max_delay(args.reconnect_max_delay)
+        .wait_for_primary(args.wait_for_primary)
         .listen(!args.no_listen)
         .stranded_after(args.stranded_after)
         .take_over_stranded(args.take_over_stranded)
@@ -258,6 +274,21 @@ mod tests {
         let Command::Relay(args) = cli.command else { panic!("relay") };
         assert!(args.take_over_stranded);
         assert_eq!(args.stranded_after, Duration::from_secs(30));
+    }
+
+    #[test]
+    fn reconnect_max_delay_takes_durations_and_defaults_to_the_librarys() {
+        let cli = Cli::try_parse_from(["pg-outbox", "relay"]).expect("relay parses without flags");
+        let Command::Relay(args) = cli.command else { panic!("relay") };
+        assert_eq!(args.reconnect_max_delay, pg_outbox::DEFAULT_RECONNECT_MAX_DELAY);
+        assert!(!args.wait_for_primary);
+        let cli = Cli::try_parse_from(["pg-outbox", "relay", "--reconnect-max-delay", "2s", "--wait-for-primary"])
+            .expect("relay parses");
+        let Command::Relay(args) = cli.command else { panic!("relay") };
+        assert_eq!(args.reconnect_max_delay, Duration::from_secs(2));
+        assert!(args.wait_for_primary);
+        let e = Cli::try_parse_from(["pg-outbox", "relay", "--reconnect-max-delay", "0"]).expect_err("zero");
+        assert!(e.to_string().contains("must be longer than zero"), "{e}");
     }
 
     #[test]

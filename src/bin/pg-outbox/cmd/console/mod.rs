@@ -150,6 +150,9 @@ async fn figures(app: &Arc<App>) -> Result<Reading, Error> {
 struct Db {
     opts: pg_outbox::ConnectOptions,
     client: tokio::sync::Mutex<Option<Arc<Client>>>,
+    /// The session retries and discards dead letters: on the primary (a
+    /// standby is refused). A `--read-only` console reads a standby too.
+    primary: bool,
 }
 
 impl Db {
@@ -160,7 +163,7 @@ impl Db {
         {
             return Ok(c.clone());
         }
-        let c = self.opts.connect().await?;
+        let c = if self.primary { self.opts.connect_primary().await? } else { self.opts.connect().await? };
         pg_outbox::console::set_statement_timeout(&c, STATEMENT_TIMEOUT).await?;
         let c = Arc::new(c);
         *slot = Some(c.clone());
@@ -203,8 +206,8 @@ pub(crate) async fn run(opts: pg_outbox::ConnectOptions, args: ConsoleArgs) -> R
         let target = opts.describe();
         return Err(pg_outbox::Error::SharedSessions { what: "the console", target, evidence: evidence.into() }.into());
     }
-    let db = Db { opts, client: tokio::sync::Mutex::new(None) };
-    // Fail fast on a wrong URL or a missing schema.
+    let db = Db { opts, client: tokio::sync::Mutex::new(None), primary: !args.read_only };
+    // Fail fast on a wrong URL, a standby (unless read-only) or a missing schema.
     pg_outbox::status(&*db.client().await?).await?;
     let app = Arc::new(App {
         db,
