@@ -1,40 +1,57 @@
 //! Signals: graceful shutdown on SIGINT/SIGTERM, and SIGPIPE's default
 //! action for the short commands.
 
+use std::future::Future;
+
 /// Resolves on the first SIGINT/SIGTERM (graceful shutdown: the event in
 /// hand gets `--shutdown-grace`, acknowledgements are written); a second
 /// signal exits at once with status 130: nothing is lost, but events
 /// delivered since the last written acknowledgement are delivered again.
-pub(crate) async fn shutdown_then_force() {
-    shutdown_signal().await;
-    tokio::spawn(async {
-        shutdown_signal().await;
-        tracing::warn!(
-            "second signal: exiting now; events whose acknowledgements were not written yet will be delivered again"
-        );
-        std::process::exit(130);
-    });
+/// The first signal is listened for from the call on, not from the first
+/// poll: a SIGTERM that comes while the relay starts is a graceful
+/// shutdown too, never the default action that ends the process.
+pub(crate) fn shutdown_then_force() -> impl Future<Output = ()> + Send + 'static {
+    let first = shutdown_signal();
+    async move {
+        first.await;
+        tokio::spawn(async {
+            shutdown_signal().await;
+            tracing::warn!(
+                "second signal: exiting now; events whose acknowledgements were not written yet will be delivered again"
+            );
+            std::process::exit(130);
+        });
+    }
 }
 
-pub(crate) async fn shutdown_signal() {
-    let ctrl_c = tokio::signal::ctrl_c();
+/// Resolves on SIGINT or SIGTERM. Listens from the call on (the handlers
+/// are installed before this returns, and stay installed). Call it within
+/// the Tokio runtime.
+pub(crate) fn shutdown_signal() -> impl Future<Output = ()> + Send + 'static {
     #[cfg(unix)]
     {
-        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(mut term) => {
-                tokio::select! {
-                    _ = ctrl_c => {}
-                    _ = term.recv() => {}
+        use tokio::signal::unix::{SignalKind, signal};
+        let term = signal(SignalKind::terminate()).ok();
+        let int = signal(SignalKind::interrupt()).ok();
+        async move {
+            match (term, int) {
+                (Some(mut term), Some(mut int)) => {
+                    tokio::select! {
+                        _ = term.recv() => {}
+                        _ = int.recv() => {}
+                    }
                 }
-            }
-            Err(_) => {
-                let _ = ctrl_c.await;
+                _ => {
+                    let _ = tokio::signal::ctrl_c().await;
+                }
             }
         }
     }
     #[cfg(not(unix))]
     {
-        let _ = ctrl_c.await;
+        async {
+            let _ = tokio::signal::ctrl_c().await;
+        }
     }
 }
 

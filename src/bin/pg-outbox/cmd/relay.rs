@@ -187,6 +187,9 @@ pub(crate) async fn run(url: &str, args: RelayArgs) -> Result<(), Error> {
     }
     let bound = args.max_buffered_bytes;
     let stream = builder.start().await?;
+    // From here a SIGTERM is a graceful shutdown (until now, nothing was
+    // in flight and the default action ends the process).
+    let shutdown = shutdown_then_force();
     probes.started(stream.health());
     if let Some(a) = args.health_addr {
         tracing::info!(livez = %format!("http://{a}/livez"), readyz = %format!("http://{a}/readyz"), "health probes");
@@ -202,7 +205,7 @@ pub(crate) async fn run(url: &str, args: RelayArgs) -> Result<(), Error> {
     let retention = args.retention.map(|older| {
         tokio::spawn(retention_loop(url.to_string(), older, args.retention_hour, args.retention_at_start))
     });
-    let stats = relay::run_with(stream, sink.as_ref(), &args.sink.delivery(), shutdown_then_force()).await;
+    let stats = relay::run_with(stream, sink.as_ref(), &args.sink.delivery(), shutdown).await;
     if let Some(task) = retention {
         task.abort();
     }
