@@ -9,9 +9,11 @@
 //! stops the server and deletes the directory. Durability is traded for
 //! speed (`fsync=off`) and `max_connections` is 300: never keep data in it.
 //!
-//! The binaries (`initdb`, `pg_ctl`, `postgres`) are looked up in
-//! `$PG_BINDIR`, then `pg_config --bindir`, then the newest
-//! `/usr/lib/postgresql/<version>/bin`, then `$PATH`. PostgreSQL refuses to
+//! The binaries (`initdb`, `pg_ctl`, `postgres`) are taken from
+//! `$PG_BINDIR` when it is set (an error names it when it lacks one of
+//! them: there is no fallback then); else they are looked up with
+//! `pg_config --bindir`, then in the newest
+//! `/usr/lib/postgresql/<version>/bin`, then in `$PATH`. PostgreSQL refuses to
 //! run as root; when this process runs as root, the server runs as the
 //! `postgres` user (or `nobody`). Unix only.
 //!
@@ -113,18 +115,30 @@ fn err(msg: impl Into<String>) -> Error {
     Error::Server(msg.into())
 }
 
+/// The programs a throwaway server needs, in one directory.
+const SERVER_BINARIES: [&str; 3] = ["initdb", "pg_ctl", "postgres"];
+
 fn has_server_binaries(dir: &Path) -> bool {
-    ["initdb", "pg_ctl", "postgres"].iter().all(|b| dir.join(b).is_file())
+    SERVER_BINARIES.iter().all(|b| dir.join(b).is_file())
 }
 
 /// The directory holding `initdb`, `pg_ctl` and `postgres` (the order of
 /// the search is in the module documentation); an error saying how to
 /// install them when none is found.
 fn find_bindir() -> Result<PathBuf> {
-    if let Some(d) = std::env::var_os("PG_BINDIR").map(PathBuf::from)
-        && has_server_binaries(&d)
-    {
-        return Ok(d);
+    if let Some(d) = std::env::var_os("PG_BINDIR").filter(|d| !d.is_empty()).map(PathBuf::from) {
+        // Set on purpose (say, to test another major): never fall back to
+        // other binaries behind the user's back.
+        if has_server_binaries(&d) {
+            return Ok(d);
+        }
+        let missing: Vec<&str> = SERVER_BINARIES.into_iter().filter(|b| !d.join(b).is_file()).collect();
+        return Err(err(format!(
+            "PG_BINDIR is {}, which lacks {}; point PG_BINDIR at the directory holding initdb, pg_ctl and \
+             postgres, or unset it to use the binaries found elsewhere",
+            d.display(),
+            missing.join(", ")
+        )));
     }
     if let Ok(out) = Command::new("pg_config").arg("--bindir").stderr(Stdio::null()).output() {
         let d = PathBuf::from(String::from_utf8_lossy(&out.stdout).trim());

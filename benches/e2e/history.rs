@@ -205,7 +205,8 @@ async fn fetch_buffers(cfg: &Config, expect_rows: i64) -> BenchResult<(i64, i64)
         let plan: serde_json::Value = tx.query_one(&sql, &[&none, &batch, &budget]).await?.try_get(0)?;
         tx.rollback().await?;
         let top = &plan[0]["Plan"];
-        let rows = top["Actual Rows"].as_i64().unwrap_or(-1);
+        // PostgreSQL 18 prints row counts with two decimals (`500.00`).
+        let rows = top["Actual Rows"].as_f64().map_or(-1, |r| r.round() as i64);
         if rows != expect_rows {
             return Err(format!("the fetch returned {rows} rows, expected {expect_rows}: {plan}").into());
         }

@@ -20,7 +20,7 @@
 use pg_outbox::tokio_postgres::types::ToSql;
 use pg_outbox::tokio_postgres::{Client, Transaction};
 
-use crate::support::TestDb;
+use crate::support::{TestDb, plan_count, plan_number};
 
 const DEAD: i64 = 100_000;
 const WAITING: i64 = 100_000;
@@ -39,23 +39,24 @@ enum Stats {
 /// children, subplans and CTEs.
 fn buffers(plan: &serde_json::Value) -> i64 {
     let top = &plan[0]["Plan"];
-    top["Shared Hit Blocks"].as_i64().unwrap_or(0) + top["Shared Read Blocks"].as_i64().unwrap_or(0)
+    plan_count(top, "Shared Hit Blocks") + plan_count(top, "Shared Read Blocks")
 }
 
 /// Rows every node produced or filtered out, times its loops, over the whole
 /// plan: what a plan does that touches no buffers (a rescanned function
-/// scan or sort) shows here.
+/// scan or sort) shows here. The counts are per loop (averages, which
+/// PostgreSQL 18 prints with two decimals), so the product is rounded.
 fn rows_handled(node: &serde_json::Value) -> i64 {
-    let loops = node["Actual Loops"].as_i64().unwrap_or(1);
+    let loops = if node["Actual Loops"].is_null() { 1.0 } else { plan_number(node, "Actual Loops") };
     let own = ["Actual Rows", "Rows Removed by Filter", "Rows Removed by Join Filter", "Rows Removed by Index Recheck"]
         .iter()
-        .map(|k| node[*k].as_i64().unwrap_or(0))
-        .sum::<i64>();
-    own * loops + node["Plans"].as_array().map_or(0, |c| c.iter().map(rows_handled).sum())
+        .map(|k| plan_number(node, k))
+        .sum::<f64>();
+    (own * loops).round() as i64 + node["Plans"].as_array().map_or(0, |c| c.iter().map(rows_handled).sum())
 }
 
 fn top_rows(plan: &serde_json::Value) -> i64 {
-    plan[0]["Plan"]["Actual Rows"].as_i64().unwrap_or(0)
+    plan_count(&plan[0]["Plan"], "Actual Rows")
 }
 
 fn node_names(node: &serde_json::Value, out: &mut Vec<String>) {

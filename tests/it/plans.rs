@@ -4,11 +4,11 @@
 //! (buffers touched stay far below the number of failed rows), never walk
 //! them.
 
-use crate::support::TestDb;
+use crate::support::{TestDb, plan_count};
 
 /// Buffers (hit + read) a plan node and its children touched.
 fn buffers(node: &serde_json::Value) -> i64 {
-    node["Shared Hit Blocks"].as_i64().unwrap_or(0) + node["Shared Read Blocks"].as_i64().unwrap_or(0)
+    plan_count(node, "Shared Hit Blocks") + plan_count(node, "Shared Read Blocks")
 }
 
 fn collect(node: &serde_json::Value, out: &mut Vec<(String, String)>) {
@@ -48,7 +48,8 @@ async fn fetch_skips_a_head_of_dead_letters_and_waiting_retries_through_its_inde
     let row = c.query_one(&sql, &[&none, &500i64, &(64i64 << 20)]).await.expect("explain the fetch");
     let plan: serde_json::Value = row.get(0);
     let root = &plan[0]["Plan"];
-    let rows = root["Actual Rows"].as_i64().expect("actual rows");
+    assert!(!root["Actual Rows"].is_null(), "the plan has no actual rows: {plan}");
+    let rows = plan_count(root, "Actual Rows");
     assert_eq!(rows, 500, "the fetch returns a full batch of fresh events");
     let mut nodes = Vec::new();
     collect(root, &mut nodes);
