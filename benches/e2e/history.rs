@@ -191,7 +191,8 @@ async fn load_history(client: &Client, lo: i64, hi: i64, n_max: i64, anchor: f64
 async fn fetch_buffers(cfg: &Config, expect_rows: i64) -> BenchResult<(i64, i64)> {
     let mut c =
         pg_outbox_testkit::options_of(cfg).with_application_name("pg-outbox bench fetch plan").connect().await?;
-    let sql = format!("EXPLAIN (ANALYZE, BUFFERS, TIMING OFF, FORMAT JSON) {}", pg_outbox::fetch_query());
+    let version: i32 = c.query_one("SELECT current_setting('server_version_num')::int4", &[]).await?.try_get(0)?;
+    let sql = format!("EXPLAIN (ANALYZE, BUFFERS, TIMING OFF, FORMAT JSON) {}", pg_outbox::fetch_query(version));
     let none: Vec<i64> = Vec::new();
     let batch = i64::try_from(pg_outbox::DEFAULT_BATCH_SIZE)?;
     // The byte budget of a consumer that holds nothing: the default bound.

@@ -4,7 +4,7 @@
 //! (buffers touched stay far below the number of failed rows), never walk
 //! them.
 
-use crate::support::{TestDb, plan_count};
+use crate::support::{TestDb, plan_count, server_version_num};
 
 /// Buffers (hit + read) a plan node and its children touched.
 fn buffers(node: &serde_json::Value) -> i64 {
@@ -43,7 +43,8 @@ async fn fetch_skips_a_head_of_dead_letters_and_waiting_retries_through_its_inde
     .await
     .expect("load the pathological head");
     c.batch_execute("VACUUM ANALYZE events.outbox").await.expect("vacuum");
-    let sql = format!("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) {}", pg_outbox::fetch_query());
+    let sql =
+        format!("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) {}", pg_outbox::fetch_query(server_version_num(&c).await));
     let none: Vec<i64> = Vec::new();
     let row = c.query_one(&sql, &[&none, &500i64, &(64i64 << 20)]).await.expect("explain the fetch");
     let plan: serde_json::Value = row.get(0);
@@ -112,7 +113,8 @@ async fn fetch_uses_the_fresh_index_when_statistics_say_everything_is_unpublishe
     )
     .await
     .expect("publish most of the backlog");
-    let sql = format!("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) {}", pg_outbox::fetch_query());
+    let sql =
+        format!("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) {}", pg_outbox::fetch_query(server_version_num(&c).await));
     let none: Vec<i64> = Vec::new();
     // Twice: the second run meets index entries the first one marked dead.
     let mut touched = 0;

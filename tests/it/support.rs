@@ -88,6 +88,14 @@ where
     }
 }
 
+/// The server's `server_version_num` (e.g. 180004).
+pub async fn server_version_num(c: &Client) -> i32 {
+    c.query_one("SELECT current_setting('server_version_num')::int4", &[])
+        .await
+        .expect("read server_version_num")
+        .get(0)
+}
+
 /// A count of an `EXPLAIN (FORMAT JSON)` plan node (`Actual Rows`,
 /// `Rows Removed by Filter`, `Shared Hit Blocks`, ...), 0 when absent.
 /// PostgreSQL 18 prints row counts, which are averages over the node's
