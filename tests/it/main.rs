@@ -43,4 +43,5 @@ mod status_detail;
 mod support;
 mod timeouts;
 mod tls;
+mod versions;
 mod webhook_signing;
