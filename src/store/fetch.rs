@@ -181,8 +181,8 @@ fn within_budget(cols: &str, candidates: &str, budget: &str, sizes: PayloadSizes
 /// `outbox_retry_due_idx` for due retries) that skips dead letters and rows
 /// waiting for a retry instead of walking them. `server_version_num` is
 /// the server's (e.g. 180004): the text is the one the consumer prepares on
-/// that server (PostgreSQL 13 measures payloads otherwise, see
-/// [`PayloadSizes`]).
+/// that server (on PostgreSQL 13, which lacks `pg_column_compression`, it
+/// measures payloads by the length of their text).
 pub fn fetch_query(server_version_num: i32) -> String {
     fetch_sql(false, PayloadSizes::for_server(server_version_num))
 }
