@@ -9,10 +9,14 @@
 //! stops the server and deletes the directory. Durability is traded for
 //! speed (`fsync=off`) and `max_connections` is 300: never keep data in it.
 //!
-//! The binaries (`initdb`, `pg_ctl`, `postgres`) are looked up in
-//! `$PG_BINDIR`, then `pg_config --bindir`, then the newest
-//! `/usr/lib/postgresql/<version>/bin`, then `$PATH`. PostgreSQL refuses to
-//! run as root; when this process runs as root, the server runs as the
+//! The binaries (`initdb`, `pg_ctl`, `postgres`) are taken from the
+//! directory given to [`TempServerOptions::bindir`], else from
+//! `$PG_BINDIR` when it is set (either is an error naming it when it lacks
+//! one of them: there is no fallback then); else they are looked up with
+//! `pg_config --bindir`, then in the newest
+//! `/usr/lib/postgresql/<version>/bin`, then in `$PATH`. The server may be
+//! of any major version pg-outbox supports (13 and later). PostgreSQL
+//! refuses to run as root; when this process runs as root, the server runs as the
 //! `postgres` user (or `nobody`). Unix only.
 //!
 //! For failover tests, [`TempServer::start_standby`] starts a streaming
@@ -82,6 +86,7 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 pub struct TempServerOptions {
     settings: Vec<(String, String)>,
     files: Vec<(String, Vec<u8>)>,
+    bindir: Option<PathBuf>,
 }
 
 impl TempServerOptions {
@@ -100,6 +105,15 @@ impl TempServerOptions {
     /// a plain file name; an existing file (e.g. `pg_hba.conf`) is replaced.
     pub fn file(mut self, name: &str, contents: impl AsRef<[u8]>) -> Self {
         self.files.push((name.to_string(), contents.as_ref().to_vec()));
+        self
+    }
+
+    /// Run the binaries (`initdb`, `pg_ctl`, `postgres`) in `dir` instead of
+    /// those the search in the [module documentation](self) finds, say to
+    /// run another major version. Default: the search. An error names
+    /// `dir` when one of them is missing there.
+    pub fn bindir(mut self, dir: impl Into<PathBuf>) -> Self {
+        self.bindir = Some(dir.into());
         self
     }
 }
@@ -170,18 +184,25 @@ fn err(msg: impl Into<String>) -> Error {
     Error::Server(msg.into())
 }
 
+/// The programs a throwaway server needs, in one directory.
+const SERVER_BINARIES: [&str; 3] = ["initdb", "pg_ctl", "postgres"];
+
 fn has_server_binaries(dir: &Path) -> bool {
-    ["initdb", "pg_ctl", "postgres"].iter().all(|b| dir.join(b).is_file())
+    SERVER_BINARIES.iter().all(|b| dir.join(b).is_file())
 }
 
 /// The directory holding `initdb`, `pg_ctl` and `postgres` (the order of
 /// the search is in the module documentation); an error saying how to
 /// install them when none is found.
 fn find_bindir() -> Result<PathBuf> {
-    if let Some(d) = std::env::var_os("PG_BINDIR").map(PathBuf::from)
-        && has_server_binaries(&d)
-    {
-        return Ok(d);
+    if let Some(d) = std::env::var_os("PG_BINDIR").filter(|d| !d.is_empty()).map(PathBuf::from) {
+        // Set on purpose (say, to test another major): never fall back to
+        // other binaries behind the user's back.
+        return chosen_bindir(
+            d,
+            "PG_BINDIR is",
+            "point PG_BINDIR at it, or unset PG_BINDIR to use the binaries found elsewhere",
+        );
     }
     if let Ok(out) = Command::new("pg_config").arg("--bindir").stderr(Stdio::null()).output() {
         let d = PathBuf::from(String::from_utf8_lossy(&out.stdout).trim());
@@ -213,6 +234,20 @@ fn find_bindir() -> Result<PathBuf> {
     Err(err("PostgreSQL server binaries (initdb, pg_ctl, postgres) not found; install them \
          (Debian/Ubuntu: apt-get install postgresql; macOS: brew install postgresql) \
          or set PG_BINDIR, or point DATABASE_URL at a running server"))
+}
+
+/// `dir` when it holds the server binaries; else an error naming it
+/// (`what` says whose it is, `fix` how to fix it) and those it lacks.
+fn chosen_bindir(dir: PathBuf, what: &str, fix: &str) -> Result<PathBuf> {
+    if has_server_binaries(&dir) {
+        return Ok(dir);
+    }
+    let missing: Vec<&str> = SERVER_BINARIES.into_iter().filter(|b| !dir.join(b).is_file()).collect();
+    Err(err(format!(
+        "{what} {}, which lacks {}: the server binaries (initdb, pg_ctl, postgres) must all be in one directory; {fix}",
+        dir.display(),
+        missing.join(", ")
+    )))
 }
 
 /// uid/gid of a user, via getpwnam(3).
@@ -247,14 +282,18 @@ impl TempServer {
         Self::start_with(TempServerOptions::default())
     }
 
-    /// As [`TempServer::start`], with extra settings and files.
+    /// As [`TempServer::start`], with extra settings and files, or other
+    /// binaries.
     ///
     /// # Errors
     /// As [`TempServer::start`]; also [`Error::Server`] for a file name
-    /// that is not a plain name, and [`Error::Io`] if a file cannot be
-    /// written.
+    /// that is not a plain name or a [`TempServerOptions::bindir`] that
+    /// lacks a binary, and [`Error::Io`] if a file cannot be written.
     pub fn start_with(options: TempServerOptions) -> Result<Self> {
-        let bindir = find_bindir()?;
+        let bindir = match &options.bindir {
+            Some(d) => chosen_bindir(d.clone(), "the binaries' directory is", "pass the one holding them")?,
+            None => find_bindir()?,
+        };
         let run_as = Self::server_user()?;
         let dir = Self::new_dir(run_as)?;
         let mut server = TempServer { dir, bindir, port: 0, run_as, running: false };

@@ -191,7 +191,8 @@ async fn load_history(client: &Client, lo: i64, hi: i64, n_max: i64, anchor: f64
 async fn fetch_buffers(cfg: &Config, expect_rows: i64) -> BenchResult<(i64, i64)> {
     let mut c =
         pg_outbox_testkit::options_of(cfg).with_application_name("pg-outbox bench fetch plan").connect().await?;
-    let sql = format!("EXPLAIN (ANALYZE, BUFFERS, TIMING OFF, FORMAT JSON) {}", pg_outbox::fetch_query());
+    let version: i32 = c.query_one("SELECT current_setting('server_version_num')::int4", &[]).await?.try_get(0)?;
+    let sql = format!("EXPLAIN (ANALYZE, BUFFERS, TIMING OFF, FORMAT JSON) {}", pg_outbox::fetch_query(version));
     let none: Vec<i64> = Vec::new();
     let batch = i64::try_from(pg_outbox::DEFAULT_BATCH_SIZE)?;
     // The byte budget of a consumer that holds nothing: the default bound.
@@ -205,7 +206,8 @@ async fn fetch_buffers(cfg: &Config, expect_rows: i64) -> BenchResult<(i64, i64)
         let plan: serde_json::Value = tx.query_one(&sql, &[&none, &batch, &budget]).await?.try_get(0)?;
         tx.rollback().await?;
         let top = &plan[0]["Plan"];
-        let rows = top["Actual Rows"].as_i64().unwrap_or(-1);
+        // PostgreSQL 18 prints row counts with two decimals (`500.00`).
+        let rows = top["Actual Rows"].as_f64().map_or(-1, |r| r.round() as i64);
         if rows != expect_rows {
             return Err(format!("the fetch returned {rows} rows, expected {expect_rows}: {plan}").into());
         }

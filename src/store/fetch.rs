@@ -179,9 +179,12 @@ fn within_budget(cols: &str, candidates: &str, budget: &str, sizes: PayloadSizes
 /// checked against real data: each of its two branches must be an index
 /// range scan (`outbox_fresh_order_idx` for fresh rows,
 /// `outbox_retry_due_idx` for due retries) that skips dead letters and rows
-/// waiting for a retry instead of walking them.
-pub fn fetch_query() -> String {
-    fetch_sql(false, PayloadSizes::StoredWhenSmall)
+/// waiting for a retry instead of walking them. `server_version_num` is
+/// the server's (e.g. 180004): the text is the one the consumer prepares on
+/// that server (on PostgreSQL 13, which lacks `pg_column_compression`, it
+/// measures payloads by the length of their text).
+pub fn fetch_query(server_version_num: i32) -> String {
+    fetch_sql(false, PayloadSizes::for_server(server_version_num))
 }
 
 /// The hash partition of a row's aggregate, 0..$3 (partitioned mode).

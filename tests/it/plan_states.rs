@@ -20,7 +20,7 @@
 use pg_outbox::tokio_postgres::types::ToSql;
 use pg_outbox::tokio_postgres::{Client, Transaction};
 
-use crate::support::TestDb;
+use crate::support::{TestDb, plan_count, plan_number, server_version_num};
 
 const DEAD: i64 = 100_000;
 const WAITING: i64 = 100_000;
@@ -39,23 +39,24 @@ enum Stats {
 /// children, subplans and CTEs.
 fn buffers(plan: &serde_json::Value) -> i64 {
     let top = &plan[0]["Plan"];
-    top["Shared Hit Blocks"].as_i64().unwrap_or(0) + top["Shared Read Blocks"].as_i64().unwrap_or(0)
+    plan_count(top, "Shared Hit Blocks") + plan_count(top, "Shared Read Blocks")
 }
 
 /// Rows every node produced or filtered out, times its loops, over the whole
 /// plan: what a plan does that touches no buffers (a rescanned function
-/// scan or sort) shows here.
+/// scan or sort) shows here. The counts are per loop (averages, which
+/// PostgreSQL 18 prints with two decimals), so the product is rounded.
 fn rows_handled(node: &serde_json::Value) -> i64 {
-    let loops = node["Actual Loops"].as_i64().unwrap_or(1);
+    let loops = if node["Actual Loops"].is_null() { 1.0 } else { plan_number(node, "Actual Loops") };
     let own = ["Actual Rows", "Rows Removed by Filter", "Rows Removed by Join Filter", "Rows Removed by Index Recheck"]
         .iter()
-        .map(|k| node[*k].as_i64().unwrap_or(0))
-        .sum::<i64>();
-    own * loops + node["Plans"].as_array().map_or(0, |c| c.iter().map(rows_handled).sum())
+        .map(|k| plan_number(node, k))
+        .sum::<f64>();
+    (own * loops).round() as i64 + node["Plans"].as_array().map_or(0, |c| c.iter().map(rows_handled).sum())
 }
 
 fn top_rows(plan: &serde_json::Value) -> i64 {
-    plan[0]["Plan"]["Actual Rows"].as_i64().unwrap_or(0)
+    plan_count(&plan[0]["Plan"], "Actual Rows")
 }
 
 fn node_names(node: &serde_json::Value, out: &mut Vec<String>) {
@@ -162,10 +163,16 @@ async fn check_all(c: &mut Client, stats: Stats, backlog: i64) {
     // Byte budgets: the default bound (no cut with these payloads), and
     // five and a half fresh payloads' worth.
     let budget = i64::try_from(pg_outbox::DEFAULT_MAX_BUFFERED_BYTES).expect("a bigint");
+    // As the fetch measures them: stored sizes (these payloads are small
+    // and uncompressed), or on PostgreSQL 13 the length of their text.
+    let version = server_version_num(c).await;
+    let size = if version >= 140_000 { "pg_column_size(payload)" } else { "octet_length(payload::text) + 1" };
     let fresh_payload_bytes: i64 = c
         .query_one(
-            "SELECT coalesce(max(pg_column_size(payload)), 1)::int8 FROM events.outbox \
-             WHERE published_at IS NULL AND next_retry_at IS NULL",
+            &format!(
+                "SELECT coalesce(max({size}), 1)::int8 FROM events.outbox \
+                 WHERE published_at IS NULL AND next_retry_at IS NULL"
+            ),
             &[],
         )
         .await
@@ -174,7 +181,7 @@ async fn check_all(c: &mut Client, stats: Stats, backlog: i64) {
     let small_budget = fresh_payload_bytes * 11 / 2;
     let chart_rows = 1000i64;
     let mut failures = Vec::new();
-    for (name, sql) in pg_outbox::run_time_statements() {
+    for (name, sql) in pg_outbox::run_time_statements(version) {
         // (parameters, bound on buffers)
         let fetched = BATCH.min(backlog);
         let cases: Vec<(Vec<&(dyn ToSql + Sync)>, i64, &str)> = match name {

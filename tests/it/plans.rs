@@ -4,11 +4,11 @@
 //! (buffers touched stay far below the number of failed rows), never walk
 //! them.
 
-use crate::support::TestDb;
+use crate::support::{TestDb, plan_count, server_version_num};
 
 /// Buffers (hit + read) a plan node and its children touched.
 fn buffers(node: &serde_json::Value) -> i64 {
-    node["Shared Hit Blocks"].as_i64().unwrap_or(0) + node["Shared Read Blocks"].as_i64().unwrap_or(0)
+    plan_count(node, "Shared Hit Blocks") + plan_count(node, "Shared Read Blocks")
 }
 
 fn collect(node: &serde_json::Value, out: &mut Vec<(String, String)>) {
@@ -43,12 +43,14 @@ async fn fetch_skips_a_head_of_dead_letters_and_waiting_retries_through_its_inde
     .await
     .expect("load the pathological head");
     c.batch_execute("VACUUM ANALYZE events.outbox").await.expect("vacuum");
-    let sql = format!("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) {}", pg_outbox::fetch_query());
+    let sql =
+        format!("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) {}", pg_outbox::fetch_query(server_version_num(&c).await));
     let none: Vec<i64> = Vec::new();
     let row = c.query_one(&sql, &[&none, &500i64, &(64i64 << 20)]).await.expect("explain the fetch");
     let plan: serde_json::Value = row.get(0);
     let root = &plan[0]["Plan"];
-    let rows = root["Actual Rows"].as_i64().expect("actual rows");
+    assert!(!root["Actual Rows"].is_null(), "the plan has no actual rows: {plan}");
+    let rows = plan_count(root, "Actual Rows");
     assert_eq!(rows, 500, "the fetch returns a full batch of fresh events");
     let mut nodes = Vec::new();
     collect(root, &mut nodes);
@@ -111,7 +113,8 @@ async fn fetch_uses_the_fresh_index_when_statistics_say_everything_is_unpublishe
     )
     .await
     .expect("publish most of the backlog");
-    let sql = format!("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) {}", pg_outbox::fetch_query());
+    let sql =
+        format!("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) {}", pg_outbox::fetch_query(server_version_num(&c).await));
     let none: Vec<i64> = Vec::new();
     // Twice: the second run meets index entries the first one marked dead.
     let mut touched = 0;

@@ -88,6 +88,33 @@ where
     }
 }
 
+/// The server's `server_version_num` (e.g. 180004).
+pub async fn server_version_num(c: &Client) -> i32 {
+    c.query_one("SELECT current_setting('server_version_num')::int4", &[])
+        .await
+        .expect("read server_version_num")
+        .get(0)
+}
+
+/// A count of an `EXPLAIN (FORMAT JSON)` plan node (`Actual Rows`,
+/// `Rows Removed by Filter`, `Shared Hit Blocks`, ...), 0 when absent.
+/// PostgreSQL 18 prints row counts, which are averages over the node's
+/// loops, with two decimals (`10.00`); earlier versions print integers.
+/// Either is rounded to the nearest integer here.
+pub fn plan_count(node: &serde_json::Value, key: &str) -> i64 {
+    plan_number(node, key).round() as i64
+}
+
+/// A number of an `EXPLAIN (FORMAT JSON)` plan node as it is printed (see
+/// [`plan_count`]), 0 when absent.
+pub fn plan_number(node: &serde_json::Value, key: &str) -> f64 {
+    let value = &node[key];
+    value.as_f64().unwrap_or_else(|| {
+        assert!(value.is_null(), "the plan's {key:?} is not a number: {value}");
+        0.0
+    })
+}
+
 /// Path of the built `pg-outbox` binary.
 pub fn bin() -> &'static str {
     env!("CARGO_BIN_EXE_pg-outbox")

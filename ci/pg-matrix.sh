@@ -1,0 +1,96 @@
+#!/usr/bin/env bash
+# Usage: ci/pg-matrix.sh [MAJOR...]      (default: 18 17 16 14 13)
+#
+# Runs the integration tests (tests/it) against throwaway servers of other
+# PostgreSQL majors, started from the binaries ci/pg-binaries.sh fetches:
+# - 18: the whole suite;
+# - any other major: the part below that depends most on the server
+#   (every plan-state and plan test, the ordering and fault tests that
+#   cover each mechanism, and the publish/consume round trip).
+# The machine's own server (15 in CI) runs the whole suite through README's
+# test command, before this. 13 is supported on a best-effort basis: it runs
+# here and must pass, but support for it may be dropped in a minor release
+# (README, "PostgreSQL versions").
+#
+# Every major runs, even after one fails; then one line per major says its
+# version, what ran, passed, failed and skipped counts (tests/it/needs.rs)
+# and the wall time, and the exit status is 1 if any failed. The tests' environment (PG_OUTBOX_REQUIRE_*)
+# is the caller's.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+majors=("$@")
+[ ${#majors[@]} -gt 0 ] || majors=(18 17 16 14 13)
+
+# The subset, by full name (run with --exact). Picked for what a server
+# version changes (planner, locks, notifications, session and connection
+# handling), at about 2.5 minutes a major on 2 cores; a name that no
+# longer exists fails the run below.
+subset=(
+  # Buffer bounds of every run-time statement in every statistics state,
+  # and the fetch's index choices.
+  plan_states::every_statement_is_bounded_on_a_table_never_analyzed
+  plan_states::every_statement_is_bounded_under_statistics_from_before_the_backlog
+  plan_states::every_statement_is_bounded_under_current_statistics
+  plans::fetch_skips_a_head_of_dead_letters_and_waiting_retries_through_its_indexes
+  plans::fetch_uses_the_fresh_index_when_statistics_say_everything_is_unpublished
+  # Per-aggregate order under racing producers, bulk transactions, retries
+  # and rollbacks, in both ordering modes.
+  order::later_insert_of_the_same_aggregate_waits_and_is_delivered_after_the_earlier_commit
+  order::many_racing_producers_on_few_aggregates_never_reorder_an_aggregate
+  order::racing_producers_and_bulk_transactions_never_reorder_an_aggregate
+  order::retries_under_load_never_reorder_an_aggregate
+  order::rolled_back_insert_does_not_stall_the_aggregate
+  ordering_modes::producer_locked_mode_keeps_order_for_producers_that_lock_their_aggregate_first
+  # Faults: relay killed, server restarted, sessions terminated.
+  faults::kill_9
+  faults::postgres_restart
+  faults::listener_terminated
+  faults::terminating_the_work_connection_loses_nothing
+  faults::terminating_the_writer_connection_loses_nothing_and_keeps_each_aggregate_in_order
+  # The round trip: publish, consume, acknowledge; through the relay.
+  consumer::published_event_is_delivered_acknowledged_and_marked_published
+  relay::stdout_sink_prints_every_event_as_one_json_line_then_exits_cleanly_on_sigterm
+  relay::webhook_receives_every_event_in_id_order_with_an_idempotency_key
+)
+
+target=${CARGO_TARGET_DIR:-target}
+cargo test --all-features --test it --no-run --quiet
+listed=$(cargo test --all-features --test it --quiet -- --list --exact "${subset[@]}" 2>/dev/null | grep -c ': test$' || true)
+if [ "$listed" -ne ${#subset[@]} ]; then
+  echo "ci/pg-matrix.sh: ${#subset[@]} tests are named in the subset but $listed exist; update the list" >&2
+  exit 1
+fi
+
+summary=()
+failed=0
+for major in "${majors[@]}"; do
+  bindir=$(ci/pg-binaries.sh "$major")
+  version=$("$bindir/postgres" --version | awk '{print $NF}')
+  if [ "$major" = 18 ]; then
+    part="whole suite"
+    args=()
+  else
+    part="subset (${#subset[@]} tests)"
+    args=(--exact "${subset[@]}")
+  fi
+  log=$target/pg-matrix-$major.log
+  echo "ci: PostgreSQL $version ($bindir): $part"
+  start=$(date +%s)
+  status=passed
+  PG_OUTBOX_TEST_SERVER=throwaway PG_BINDIR=$bindir \
+    cargo test --all-features --test it -- ${args[@]+"${args[@]}"} 2>&1 | tee "$log" || status=FAILED
+  took=$(($(date +%s) - start))
+  counts=$(grep -E '^test result:' "$log" | tail -1 | grep -oE '[0-9]+ passed; [0-9]+ failed' || echo "no test result")
+  # libtest counts a skipped test as passed; the test kit says how many.
+  skipped=$(grep -oE '^pg-outbox: [0-9]+ of the tests counted as passed above were skipped' "$log" | grep -oE '[0-9]+' || echo 0)
+  counts="$counts; $skipped of the passed skipped"
+  line="PostgreSQL $version, $part: $status ($counts) in ${took} s"
+  echo "ci: $line"
+  summary+=("$line")
+  [ "$status" = passed ] || failed=1
+done
+
+echo "ci: PostgreSQL version matrix:"
+printf 'ci:   %s\n' "${summary[@]}"
+exit $failed
