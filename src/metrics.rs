@@ -59,6 +59,15 @@ pub const LEADER: &str = "outbox_leader";
 /// nothing is delivered; else 0. With `take_over_stranded` (the relay's
 /// `--take-over-stranded`) the standby ends that session and takes over.
 pub const LEADER_STRANDED: &str = "outbox_leader_stranded";
+/// Counter: settlements a write did not record because this consumer's
+/// leadership term was no longer current (another relay took the outbox
+/// over: docs/architecture.md, "Leadership terms"), labelled `write`
+/// (`ack`, `fail`). Those events stay unpublished and the current leader
+/// delivers them again; a fenced write is never retried.
+pub const FENCED_WRITES: &str = "outbox_fenced_writes_total";
+/// Gauge: the leadership term this consumer holds (single mode), 0 when it
+/// holds none (a standby; competing and partitioned modes).
+pub const LEADER_TERM: &str = "outbox_leader_term";
 /// Gauge: partitions this consumer holds (partitioned mode).
 pub const PARTITIONS_OWNED: &str = "outbox_partitions_owned";
 /// Gauge, 0..1: `pg_notification_queue_usage()`, the fraction of the
@@ -114,11 +123,16 @@ pub fn describe() {
     describe_counter!(RETENTION_ERRORS, "Retention runs that failed.");
     describe_gauge!(LEADER, "1 while this consumer holds the outbox lock (single mode).");
     describe_gauge!(LEADER_STRANDED, "1 while this standby sees the outbox lock held by a stranded session.");
+    describe_counter!(FENCED_WRITES, "Settlements not written: this consumer's leadership term was superseded.");
+    describe_gauge!(LEADER_TERM, "The leadership term this consumer holds (0: none).");
     describe_gauge!(PARTITIONS_OWNED, "Partitions this consumer holds (partitioned mode).");
     describe_gauge!(NOTIFICATION_QUEUE_USAGE, "pg_notification_queue_usage(), 0..1.");
     describe_gauge!(NOTIFICATIONS_WORKING, "1 when notifications round-trip to the LISTEN connection.");
     describe_gauge!(LISTEN_ENABLED, "1 when the consumer listens for notifications (0 with --no-listen).");
 }
+
+/// The `write` label values of [`FENCED_WRITES`].
+pub const FENCED_WRITE_KINDS: [&str; 2] = ["ack", "fail"];
 
 /// The `wake` label values of [`EVENTS_FETCHED`].
 pub const FETCH_WAKES: [&str; 8] =
@@ -177,6 +191,9 @@ pub fn record_initial_values() {
     for statement in TIMEOUT_STATEMENTS {
         metrics::counter!(STATEMENT_TIMEOUTS, "statement" => statement).increment(0);
     }
+    for write in FENCED_WRITE_KINDS {
+        metrics::counter!(FENCED_WRITES, "write" => write).increment(0);
+    }
     for name in [
         BACKLOG,
         DEAD_LETTERS,
@@ -185,6 +202,7 @@ pub fn record_initial_values() {
         LISTENER_UP,
         LEADER,
         LEADER_STRANDED,
+        LEADER_TERM,
         PARTITIONS_OWNED,
         NOTIFICATION_QUEUE_USAGE,
         NOTIFICATIONS_WORKING,

@@ -30,6 +30,7 @@ pub const MIGRATIONS: &[(&str, &str)] = &[
     ("0010_outbox_dead_letter_idx", include_str!("../migrations/0010_outbox_dead_letter_idx.sql")),
     ("0011_drop_outbox_aggregate_failed_idx", include_str!("../migrations/0011_drop_outbox_aggregate_failed_idx.sql")),
     ("0012_drop_legacy_notify_trigger", include_str!("../migrations/0012_drop_legacy_notify_trigger.sql")),
+    ("0013_outbox_terms", include_str!("../migrations/0013_outbox_terms.sql")),
 ];
 
 /// Trigger files, applied after the migrations: (name, SQL).
@@ -322,6 +323,7 @@ const REQUIRED: &[(&str, &str)] = &[
     ("events.outbox_aggregate_heads", "0004_outbox_aggregate_heads"),
     ("events.outbox_relays", "0005_outbox_relays"),
     ("events.outbox_hint", "0008_outbox_hint"),
+    ("events.outbox_terms", "0013_outbox_terms"),
 ];
 
 /// Triggers the relay needs on `events.outbox`, with their files.

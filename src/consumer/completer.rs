@@ -22,7 +22,7 @@ use super::holdback::AggregateKey;
 use crate::metrics as m;
 use crate::retry::RetryPolicy;
 use crate::store::statement::StatementError;
-use crate::store::{Acknowledged, FailParams, FailWritten, WriterSession};
+use crate::store::{Acknowledged, FailParams, FailWritten, FailsWritten, WriterSession};
 
 /// A failed attempt waiting to be written.
 pub(super) struct PendingFail {
@@ -43,8 +43,10 @@ pub(super) struct FlushDone {
     pub(super) generation: u64,
     acks: Vec<i64>,
     fails: Vec<PendingFail>,
+    /// The term it was written under.
+    term: Option<i64>,
     ack_res: Result<Acknowledged, StatementError>,
-    fail_res: Result<Vec<FailWritten>, StatementError>,
+    fail_res: Result<FailsWritten, StatementError>,
 }
 
 /// What a write's outcome means for the rest of the loop.
@@ -57,6 +59,9 @@ pub(super) struct Written {
     pub(super) earliest_retry: Option<f64>,
     /// The first statement error (its settlements are queued again).
     pub(super) error: Option<StatementError>,
+    /// The write's term was no longer current: this term (its settlements
+    /// were dropped, and the current leader delivers those events again).
+    pub(super) fenced: Option<i64>,
 }
 
 /// Pending settlements and the write in flight.
@@ -72,6 +77,9 @@ pub(super) struct Completer {
     interval: Duration,
     retry: RetryPolicy,
     max_retries: i32,
+    /// The leadership term every write is conditional on: the last one the
+    /// consumer held (`None`: it holds none, and writes are not fenced).
+    term: Option<i64>,
 }
 
 impl Completer {
@@ -87,7 +95,15 @@ impl Completer {
             interval: cfg.ack_interval,
             retry: cfg.retry.clone(),
             max_retries: cfg.max_retries,
+            term: None,
         }
+    }
+
+    /// Writes from now on are conditional on `term` (kept when the consumer
+    /// loses its term: a write under it still applies if no other relay has
+    /// taken the outbox over since).
+    pub(super) fn set_term(&mut self, term: i64) {
+        self.term = Some(term);
     }
 
     /// Settlements waiting to be written.
@@ -189,21 +205,26 @@ impl Completer {
         let acks: Vec<i64> = self.acks.drain(..self.acks.len().min(self.cap)).collect();
         let fails: Vec<PendingFail> = self.fails.drain(..self.fails.len().min(self.cap)).collect();
         self.flushing = Some(acks.iter().copied().chain(fails.iter().map(|f| f.id)).collect());
-        let (writer, max_retries) = (writer.clone(), self.max_retries);
+        let (writer, max_retries, term) = (writer.clone(), self.max_retries, self.term);
         let done_tx = self.done_tx.clone();
         tokio::spawn(async move {
-            let (ack_res, fail_res) = write(&writer, &acks, &fails, max_retries).await;
-            let _ = done_tx.send(FlushDone { generation, acks, fails, ack_res, fail_res });
+            let (ack_res, fail_res) = write(&writer, &acks, &fails, max_retries, term).await;
+            let _ = done_tx.send(FlushDone { generation, acks, fails, term, ack_res, fail_res });
         });
     }
 
     /// Take in the outcome of a write: metrics and dead-letter logs; on an
     /// error the settlements are queued again (both writes are idempotent).
+    /// A fenced write is never queued again: its settlements are dropped,
+    /// counted and logged.
     pub(super) fn finish(&mut self, done: FlushDone) -> Written {
         self.flushing = None;
-        let FlushDone { acks, fails, ack_res, fail_res, .. } = done;
-        let mut written = Written { acked: Vec::new(), failed: Vec::new(), earliest_retry: None, error: None };
+        let FlushDone { acks, fails, term, ack_res, fail_res, .. } = done;
+        let mut written =
+            Written { acked: Vec::new(), failed: Vec::new(), earliest_retry: None, error: None, fenced: None };
+        let mut fenced = (0usize, 0usize);
         match ack_res {
+            Ok(acknowledged) if acknowledged.fenced => fenced.0 = acks.len(),
             Ok(acknowledged) => {
                 record_published(&acknowledged);
                 written.acked = acks;
@@ -215,13 +236,31 @@ impl Completer {
         }
         match fail_res {
             Ok(rows) => {
-                written.earliest_retry = record_failed(&rows, &fails);
+                if rows.fenced {
+                    fenced.1 = fails.len();
+                } else {
+                    written.earliest_retry = record_failed(&rows.rows, &fails);
+                }
+                // Written or fenced, the failures are taken in: their
+                // aggregates' hold-back ends with them.
                 written.failed = fails.into_iter().map(|f| (f.id, f.key)).collect();
             }
             Err(e) => {
                 self.fails.extend(fails);
                 written.error = written.error.or(Some(e));
             }
+        }
+        if fenced != (0, 0) {
+            written.fenced = term.or(Some(0));
+            metrics::counter!(m::FENCED_WRITES, "write" => "ack").increment(fenced.0 as u64);
+            metrics::counter!(m::FENCED_WRITES, "write" => "fail").increment(fenced.1 as u64);
+            tracing::warn!(
+                term = term.unwrap_or(0),
+                acknowledgements = fenced.0,
+                failures = fenced.1,
+                "settlements not written: this consumer's leadership term was superseded (another relay took \
+                 the outbox over); those events stay unpublished and the current leader delivers them again"
+            );
         }
         written
     }
@@ -263,10 +302,11 @@ async fn write(
     acks: &[i64],
     fails: &[PendingFail],
     max_retries: i32,
-) -> (Result<Acknowledged, StatementError>, Result<Vec<FailWritten>, StatementError>) {
+    term: Option<i64>,
+) -> (Result<Acknowledged, StatementError>, Result<FailsWritten, StatementError>) {
     let fails: Vec<FailParams<'_>> = fails
         .iter()
         .map(|f| FailParams { id: f.id, error: &f.error, delay: f.delay, retry_count: f.retry_count })
         .collect();
-    tokio::join!(writer.ack(acks), writer.fail(&fails, max_retries))
+    tokio::join!(writer.ack(acks, term), writer.fail(&fails, max_retries, term))
 }

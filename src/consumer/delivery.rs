@@ -34,12 +34,25 @@ pub(crate) enum Settlement {
 pub struct Delivery {
     event: Event,
     seq: u64,
+    term: Option<i64>,
     shared: Option<Arc<Shared>>,
 }
 
 impl Delivery {
-    pub(crate) fn new(event: Event, seq: u64, shared: Arc<Shared>) -> Self {
-        Delivery { event, seq, shared: Some(shared) }
+    pub(crate) fn new(event: Event, seq: u64, term: Option<i64>, shared: Arc<Shared>) -> Self {
+        Delivery { event, seq, term, shared: Some(shared) }
+    }
+
+    /// The leadership term under which this event was handed out (single
+    /// mode): a number that grows each time a relay takes the outbox over,
+    /// kept in `events.outbox_terms`. A destination that remembers the
+    /// highest term it has seen per aggregate can refuse a delivery of a
+    /// lower one: it comes from a relay that has been deposed. The relay
+    /// sends it with every message (header `term`, the webhook's
+    /// `outbox-term`, the CloudEvents attribute `outboxterm`). `None` in
+    /// competing and partitioned modes, which take no term.
+    pub fn term(&self) -> Option<u64> {
+        self.term.and_then(|t| u64::try_from(t).ok())
     }
 
     pub(crate) fn seq(&self) -> u64 {
@@ -114,7 +127,11 @@ impl Drop for Delivery {
 
 impl fmt::Debug for Delivery {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Delivery").field("event", &self.event).field("settled", &self.shared.is_none()).finish()
+        f.debug_struct("Delivery")
+            .field("event", &self.event)
+            .field("term", &self.term)
+            .field("settled", &self.shared.is_none())
+            .finish()
     }
 }
 

@@ -84,6 +84,9 @@ enum Loss {
     ConnectFailed(Error),
     /// A statement failed.
     Statement(StatementError),
+    /// The leadership term held (`term`) is no longer the current one
+    /// (`current`, when read): another relay took the outbox over.
+    Fenced { term: i64, current: Option<i64> },
 }
 
 impl Loss {
@@ -132,6 +135,7 @@ pub(crate) async fn run<S: Source>(
         final_deadline: None,
         health,
         on_standby: None,
+        shared: shared.clone(),
     };
     engine.run(tx, settle_rx, done_rx, &shared).await
 }
@@ -156,6 +160,9 @@ struct Engine<S: Source> {
     /// failover under way): said once when it starts and once when it ends,
     /// not at every try.
     on_standby: Option<Instant>,
+    /// What the loop shares with the stream and the deliveries (the
+    /// hand-out lease).
+    shared: Arc<Shared>,
 }
 
 impl<S: Source> Engine<S> {
@@ -199,6 +206,7 @@ impl<S: Source> Engine<S> {
                 permit = tx.reserve_many(self.inflight.batch()), if can_fetch => self.fetch(permit).await,
                 wake = self.source.signalled(), if !stopping => self.source.woken(wake),
                 _ = shared.reader_waiting.notified(), if bytes_wait => {}
+                _ = shared.lease.renewal_requested(), if open && !stopping => self.renew_lease().await,
                 _ = maybe_sleep(source_at) => self.source_timers().await,
                 _ = sleep_until(self.status_due), if open && !stopping => self.maintain().await,
             }
@@ -295,6 +303,8 @@ impl<S: Source> Engine<S> {
         let Ok(permit) = permit else { return self.token.cancel() };
         let exclude = self.inflight.exclude(&self.completer);
         let room = Room { exclude: &exclude, batch: self.inflight.batch(), budget: self.inflight.budget() };
+        let term = self.source.term();
+        let sent = Instant::now();
         let page = match self.source_cx() {
             (source, Some(cx)) => source.fetch(cx, room).await,
             (_, None) => return,
@@ -306,12 +316,26 @@ impl<S: Source> Engine<S> {
                 return self.lose(Loss::Statement(e));
             }
         };
+        // The fetch read the current term with its rows: hand them out only
+        // under ours, within the lease from when the fetch was sent.
+        match (term, page.term) {
+            (None, _) => self.shared.lease.unfenced(),
+            (Some(_), None) if page.rows.is_empty() => {}
+            (Some(held), current) if current == Some(held) => {
+                self.shared.lease.confirm(sent);
+                self.completer.set_term(held);
+            }
+            (Some(held), current) => {
+                drop(permit);
+                return self.lose(Loss::Fenced { term: held, current });
+            }
+        }
         // A fetch the byte budget cut counts as full: more may be due (the
         // wake-up policy ends a drain at a fetch of less than a batch).
         let full = page.rows.len() >= self.inflight.batch() || page.cut;
         let source = &mut self.source;
         let settle = (&self.token, &mut self.completer);
-        let handed = self.inflight.hand_out(page, permit, settle, |id, part| source.handed_out(id, part));
+        let handed = self.inflight.hand_out(page, term, permit, settle, |id, part| source.handed_out(id, part));
         self.inflight.record_held();
         metrics::counter!(m::EVENTS_FETCHED, "wake" => self.source.wake_label()).increment(handed);
         if handed == 0 && self.source.holds_transaction() {
@@ -323,6 +347,27 @@ impl<S: Source> Engine<S> {
             (_, None) => Ok(()),
         };
         self.check(after);
+    }
+
+    /// The stream waits to hand a delivery out and the lease has run out:
+    /// confirm that the term is still current, one statement for all that
+    /// waits ([`super::lease`]).
+    async fn renew_lease(&mut self) {
+        let Some(term) = self.source.term() else {
+            // No term held: a standby's buffer was released when it lost
+            // its term; in the modes without terms nothing is fenced.
+            return;
+        };
+        let sent = Instant::now();
+        let read = match self.sessions.conn() {
+            Some(conn) => conn.work.current_term(self.token.cancelled()).await,
+            None => return,
+        };
+        match read {
+            Ok(current) if current == Some(term) => self.shared.lease.confirm(sent),
+            Ok(current) => self.lose(Loss::Fenced { term, current }),
+            Err(e) => self.lose(Loss::Statement(e)),
+        }
     }
 
     /// The source's timer fired.
@@ -387,6 +432,11 @@ impl<S: Source> Engine<S> {
             && current
         {
             self.lose(Loss::Statement(e));
+        } else if let Some(term) = w.fenced
+            && current
+            && self.source.term().is_some()
+        {
+            self.lose(Loss::Fenced { term, current: None });
         }
         self.inflight.forget_holdback();
         self.end_transaction().await;
@@ -448,9 +498,15 @@ impl<S: Source> Engine<S> {
             }
             None => Duration::ZERO,
         };
+        let had_term = self.source.term().is_some();
         self.inflight.session_lost();
         self.sessions.close(delay);
         self.source.session_lost();
+        if had_term {
+            // After the stale mark: a delivery waiting for the lease is
+            // released when the stream looks again.
+            self.shared.lease.revoke();
+        }
         self.health.connected(false);
         self.health.role(self.source.role());
     }
@@ -480,6 +536,13 @@ impl<S: Source> Engine<S> {
                 format!(
                     "the server at {target} is a read-only standby (in recovery): waiting for a host that accepts writes"
                 )
+            }
+            Loss::Fenced { term, current } => {
+                let current = current.map_or_else(|| "unknown".to_string(), |c| c.to_string());
+                tracing::warn!(term, current = %current, retry_in = ?delay,
+                    "this consumer's leadership term was superseded: another relay took the outbox over; \
+                     handing nothing more out, and reconnecting as a standby");
+                format!("leadership term {term} superseded (current term {current}): another relay leads")
             }
             Loss::ConnectFailed(e) => {
                 let error = crate::error::report(&e);

@@ -105,14 +105,15 @@ impl InFlight {
         exclude
     }
 
-    /// Hand the rows of `page` out through `permit` as one new fetch,
-    /// telling `handed_out` each id and partition; a row that cannot be
+    /// Hand the rows of `page` out through `permit` as one new fetch under
+    /// leadership term `term`, telling `handed_out` each id and partition; a row that cannot be
     /// decoded is recorded as a failed attempt. Stops handing out when
     /// `token` is cancelled (the rest stay unpublished). Returns how many
     /// were handed out.
     pub(super) fn hand_out(
         &mut self,
         page: FetchPage,
+        term: Option<i64>,
         permit: mpsc::PermitIterator<'_, Delivery>,
         (token, completer): (&CancellationToken, &mut Completer),
         mut handed_out: impl FnMut(i64, Option<i32>),
@@ -132,7 +133,7 @@ impl InFlight {
                         self.held_bytes -= old.bytes;
                     }
                     handed_out(event.id, partition);
-                    slot.send(Delivery::new(event, self.seq, self.shared.clone()));
+                    slot.send(Delivery::new(event, self.seq, term, self.shared.clone()));
                     handed += 1;
                 }
                 Err(undecodable) => self.undecodable(undecodable, completer),

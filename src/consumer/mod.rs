@@ -14,6 +14,7 @@ mod drain;
 mod health;
 mod holdback;
 mod inflight;
+mod lease;
 mod maintenance;
 mod session;
 mod source;

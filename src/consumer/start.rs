@@ -60,8 +60,12 @@ impl ConsumerBuilder {
         let notifier = start_notifier(&cfg, &work, signals.clone(), token.child_token(), status_tx).await?;
         let (tx, rx) = mpsc::channel(cfg.buffer);
         let (settle_tx, settle_rx) = mpsc::unbounded_channel();
-        let shared =
-            Arc::new(Shared { holdback: holdback::HoldBack::default(), settle_tx, reader_waiting: Notify::new() });
+        let shared = Arc::new(Shared {
+            holdback: holdback::HoldBack::default(),
+            settle_tx,
+            reader_waiting: Notify::new(),
+            lease: Default::default(),
+        });
         let io = drain::Io { tx, settle_rx, shared: shared.clone() };
         let health = HealthMonitor::new(Arc::new(health::State::new(&cfg)), status_rx.clone());
         let (first, state) = ((work, work_link), health.state().clone());

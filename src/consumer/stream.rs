@@ -12,6 +12,7 @@ use tokio::sync::{Notify, mpsc, watch};
 use tokio::task::JoinHandle;
 use tokio_util::sync::{CancellationToken, WaitForCancellationFutureOwned};
 
+use super::lease;
 use super::{Delivery, HealthMonitor, delivery, holdback};
 use crate::error::{Error, Result};
 
@@ -39,6 +40,8 @@ pub(crate) struct Shared {
     /// loop may fetch below the byte bound although less than half of it
     /// is free ([`ConsumerBuilder::max_buffered_bytes`]).
     pub(crate) reader_waiting: Notify,
+    /// The leader's hand-out lease ([`lease`]).
+    pub(crate) lease: lease::Lease,
 }
 
 impl Shared {
@@ -77,6 +80,20 @@ pub struct EventStream {
     cancelled: Pin<Box<WaitForCancellationFutureOwned>>,
     grace: Duration,
     done: bool,
+    /// A delivery taken from the buffer that waits for the lease to be
+    /// confirmed ([`lease`]).
+    waiting: Option<Delivery>,
+    /// Resolves when the lease changes (set while `waiting` waits).
+    lease_changed: Option<LeaseChanged>,
+}
+
+/// Resolves when the hand-out lease changes.
+struct LeaseChanged(Pin<Box<dyn Future<Output = ()> + Send + Sync>>);
+
+impl std::fmt::Debug for LeaseChanged {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("LeaseChanged")
+    }
 }
 
 /// What [`EventStream::new`] takes.
@@ -95,7 +112,19 @@ impl EventStream {
     pub(super) fn new(p: StreamParts) -> Self {
         let StreamParts { rx, shared, token, tasks, status, health, grace } = p;
         let cancelled = Box::pin(token.clone().cancelled_owned());
-        EventStream { rx, shared, token, tasks: Some(tasks), status, health, cancelled, grace, done: false }
+        EventStream {
+            rx,
+            shared,
+            token,
+            tasks: Some(tasks),
+            status,
+            health,
+            cancelled,
+            grace,
+            done: false,
+            waiting: None,
+            lease_changed: None,
+        }
     }
 
     /// A handle that can stop this consumer from another task.
@@ -188,6 +217,8 @@ impl EventStream {
     }
 
     fn release_buffered(&mut self) {
+        self.waiting = None;
+        self.lease_changed = None;
         self.rx.close();
         while let Ok(d) = self.rx.try_recv() {
             drop(d); // Drop releases it
@@ -208,13 +239,28 @@ impl Stream for EventStream {
             return Poll::Ready(None);
         }
         loop {
-            match self.rx.poll_recv(cx) {
+            let next = match self.waiting.take() {
+                Some(d) => Poll::Ready(Some(d)),
+                None => self.rx.poll_recv(cx),
+            };
+            match next {
                 Poll::Ready(Some(d)) => {
                     if self.shared.is_held(&d) {
                         d.release_held();
                         continue;
                     }
-                    return Poll::Ready(Some(d));
+                    if self.lease_allows(cx) {
+                        return Poll::Ready(Some(d));
+                    }
+                    // Wait for the drain loop to confirm the term (or to
+                    // lose it: then hold-back releases the delivery).
+                    self.waiting = Some(d);
+                    if self.cancelled.as_mut().poll(cx).is_ready() {
+                        self.done = true;
+                        self.release_buffered();
+                        return Poll::Ready(None);
+                    }
+                    return Poll::Pending;
                 }
                 Poll::Ready(None) => {
                     self.done = true;
@@ -230,6 +276,33 @@ impl Stream for EventStream {
                     }
                     return Poll::Pending;
                 }
+            }
+        }
+    }
+}
+
+impl EventStream {
+    /// May a delivery be handed out now ([`lease`])? When not, ask the
+    /// drain loop to confirm the term, and have `cx` woken when the lease
+    /// changes.
+    fn lease_allows(&mut self, cx: &mut Context<'_>) -> bool {
+        loop {
+            if self.lease_changed.is_none() {
+                // Subscribe before reading, so no change is missed.
+                let mut rx = self.shared.lease.subscribe();
+                if lease::allows(*rx.borrow_and_update(), tokio::time::Instant::now()) {
+                    return true;
+                }
+                self.shared.lease.request_renewal();
+                self.lease_changed = Some(LeaseChanged(Box::pin(async move {
+                    // The sender lives in `Shared`, which this stream holds:
+                    // it is never dropped first.
+                    let _ = rx.changed().await;
+                })));
+            }
+            match self.lease_changed.as_mut().map(|f| f.0.as_mut().poll(cx)) {
+                Some(Poll::Ready(())) => self.lease_changed = None,
+                _ => return false,
             }
         }
     }

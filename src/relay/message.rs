@@ -55,6 +55,13 @@ pub const DEFAULT_CLOUDEVENTS_SOURCE: &str = "/pg-outbox";
 pub mod header {
     /// The outbox id (decimal): deduplicate on it.
     pub const ID: &str = "id";
+    /// The leadership term the relay delivered under (decimal;
+    /// [`crate::Delivery::term`]): a destination may refuse a message whose
+    /// term is lower than one it has already seen for the aggregate (it
+    /// comes from a deposed relay). Absent when the relay holds no term
+    /// (competing and partitioned modes, `replay`). The webhook sends it as
+    /// `outbox-term`.
+    pub const TERM: &str = "term";
     /// The event name.
     pub const EVENT_TYPE: &str = "event_type";
     /// The kind of aggregate.
@@ -107,6 +114,8 @@ struct CloudEvent<'a> {
     aggregatetype: &'a str,
     partitionkey: String,
     #[serde(skip_serializing_if = "Option::is_none")]
+    outboxterm: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
     correlationid: Option<&'a str>,
     #[serde(skip_serializing_if = "Option::is_none")]
     causationid: Option<&'a str>,
@@ -124,19 +133,32 @@ fn metadata_field<'a>(event: &'a Event, key: &str) -> Option<&'a str> {
 
 impl Message {
     /// The message for `event` in `format`; `source` is the CloudEvents
-    /// `source` attribute (unused for [`Format::Record`]).
+    /// `source` attribute (unused for [`Format::Record`]). No term: see
+    /// [`Message::with_term`].
     ///
     /// # Errors
     /// [`Error::Json`] if the body cannot be serialised (not expected for a
     /// payload read from jsonb).
     pub fn new(event: &Event, format: Format, source: &str) -> Result<Self> {
+        Self::with_term(event, None, format, source)
+    }
+
+    /// The message for `event` delivered under leadership term `term`
+    /// ([`crate::Delivery::term`]): as [`Message::new`], with header
+    /// [`header::TERM`] after the id, key `term` in the record body, and
+    /// the CloudEvents extension attribute `outboxterm` (a string, as
+    /// CloudEvents 1.0 extension values are), when `term` is given.
+    ///
+    /// # Errors
+    /// As [`Message::new`].
+    pub fn with_term(event: &Event, term: Option<u64>, format: Format, source: &str) -> Result<Self> {
         let occurred_at = event.occurred_at.to_rfc3339_opts(chrono::SecondsFormat::Micros, true);
         let correlation = metadata_field(event, "correlation_id");
         let causation = metadata_field(event, "causation_id");
         let traceparent = metadata_field(event, "traceparent");
         let tracestate = metadata_field(event, "tracestate");
         let (body, content_type) = match format {
-            Format::Record => (serde_json::to_vec(&SinkRecord::new(event))?, "application/json"),
+            Format::Record => (serde_json::to_vec(&SinkRecord { term, ..SinkRecord::new(event) })?, "application/json"),
             Format::Cloudevents => {
                 let ce = CloudEvent {
                     specversion: "1.0",
@@ -149,6 +171,7 @@ impl Message {
                     data: &event.payload,
                     aggregatetype: &event.aggregate_type,
                     partitionkey: event.aggregate_id.to_string(),
+                    outboxterm: term.map(|t| t.to_string()),
                     correlationid: correlation,
                     causationid: causation,
                     traceparent,
@@ -157,14 +180,15 @@ impl Message {
                 (serde_json::to_vec(&ce)?, "application/cloudevents+json")
             }
         };
-        let mut headers = vec![
-            (header::ID, event.id.to_string()),
+        let mut headers = vec![(header::ID, event.id.to_string())];
+        headers.extend(term.map(|t| (header::TERM, t.to_string())));
+        headers.extend([
             (header::EVENT_TYPE, event.event_type.clone()),
             (header::AGGREGATE_TYPE, event.aggregate_type.clone()),
             (header::AGGREGATE_ID, event.aggregate_id.to_string()),
             (header::OCCURRED_AT, occurred_at),
             (header::CONTENT_TYPE, content_type.to_string()),
-        ];
+        ]);
         for (name, value) in [
             (header::CORRELATION_ID, correlation),
             (header::CAUSATION_ID, causation),

@@ -69,14 +69,15 @@ pub struct RelayStats {
 #[error("{0}")]
 pub struct FatalSinkError(pub String);
 
-/// Deliver `event` to `sink` (as [`sink::deliver`] does). When `shutdown` (if given) resolves first,
+/// Deliver `event` (under leadership term `term`, if any) to `sink` (as
+/// [`sink::deliver`] does). When `shutdown` (if given) resolves first,
 /// log it (`what`: how the caller calls stopping), call `on_stop`, and give
 /// the delivery `grace` more. Returns its outcome (`None`: the grace ran
 /// out) and whether `shutdown` resolved.
 pub(crate) async fn deliver_with_grace<S, F>(
     sink: &S,
     options: &DeliveryOptions,
-    event: &Event,
+    (event, term): (&Event, Option<u64>),
     shutdown: Option<Pin<&mut F>>,
     grace: Duration,
     what: &str,
@@ -86,7 +87,7 @@ where
     S: Sink + ?Sized,
     F: Future<Output = ()>,
 {
-    let deliver = sink::deliver(sink, options, event);
+    let deliver = sink::deliver(sink, options, event, term);
     tokio::pin!(deliver);
     let watching = shutdown.is_some();
     let shutdown = async {
@@ -181,8 +182,16 @@ where
         health.delivery_started(started);
         let watch = (!shutdown_seen).then_some(shutdown.as_mut());
         let on_stop = || handle.shutdown();
-        let (result, stopped) =
-            deliver_with_grace(sink, options, delivery.event(), watch, grace, "shutting down", on_stop).await;
+        let (result, stopped) = deliver_with_grace(
+            sink,
+            options,
+            (delivery.event(), delivery.term()),
+            watch,
+            grace,
+            "shutting down",
+            on_stop,
+        )
+        .await;
         shutdown_seen |= stopped;
         let ended = Instant::now();
         metrics::histogram!(m::SINK_DURATION).record((ended - started).as_secs_f64());

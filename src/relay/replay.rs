@@ -491,7 +491,7 @@ impl Replay {
                 let (delivered, interrupted) = super::deliver_with_grace(
                     sink,
                     &self.delivery,
-                    &event,
+                    (&event, None),
                     Some(shutdown.as_mut()),
                     self.grace,
                     "stopping",

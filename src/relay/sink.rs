@@ -119,7 +119,8 @@ impl Default for DeliveryOptions {
     }
 }
 
-/// One delivery as the relay makes it: encode `event`, send it to `sink`
+/// One delivery as the relay makes it: encode `event` (delivered under
+/// leadership term `term`, if any), send it to `sink`
 /// within the timeout (when the sink is [bounded](Sink::bounded)), and
 /// name the sink in an error (a [`super::FatalSinkError`] passes through
 /// as it is).
@@ -127,9 +128,10 @@ pub(crate) async fn deliver<S: Sink + ?Sized>(
     sink: &S,
     options: &DeliveryOptions,
     event: &Event,
+    term: Option<u64>,
 ) -> Result<(), BoxError> {
     let name = sink.name();
-    let message = Message::new(event, options.format, &options.cloudevents_source)
+    let message = Message::with_term(event, term, options.format, &options.cloudevents_source)
         .map_err(|e| format!("{name}: cannot encode event {}: {}", event.id, crate::error::report(&e)))?;
     let send = sink.send(&message, event);
     let sent = if sink.bounded() { tokio::time::timeout(options.timeout, send).await } else { Ok(send.await) };
@@ -143,7 +145,8 @@ pub(crate) async fn deliver<S: Sink + ?Sized>(
 
 /// The JSON record of an event as sinks write it: keys `id`,
 /// `aggregate_type`, `aggregate_id`, `event_type`, `payload`, `occurred_at`
-/// (RFC 3339) and `retry_count`.
+/// (RFC 3339) and `retry_count`, and `term` when the relay delivered it
+/// under a leadership term ([`crate::Delivery::term`]).
 #[derive(Debug, Serialize)]
 pub struct SinkRecord<'a> {
     /// Outbox id.
@@ -160,6 +163,10 @@ pub struct SinkRecord<'a> {
     pub occurred_at: String,
     /// Failed attempts before this one.
     pub retry_count: i32,
+    /// The leadership term it was delivered under; `None` (and no key)
+    /// when the relay holds none.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub term: Option<u64>,
 }
 
 impl<'a> SinkRecord<'a> {
@@ -173,6 +180,7 @@ impl<'a> SinkRecord<'a> {
             payload: &event.payload,
             occurred_at: event.occurred_at.to_rfc3339_opts(chrono::SecondsFormat::Micros, true),
             retry_count: event.retry_count,
+            term: None,
         }
     }
 }

@@ -1,7 +1,13 @@
 //! The consumer's fetches: the ordered fetch (single and partitioned mode),
 //! the competing mode's claim, and when the next retry is due.
 
-use super::rows::{BYTES_BEFORE, EVENT_COLUMNS, PARTITION};
+use super::rows::{BYTES_BEFORE, EVENT_COLUMNS, PARTITION, TERM};
+
+/// The outbox's current leadership term (`events.outbox_terms`, migration
+/// 0013), NULL when no leader ever took one: a scalar subquery PostgreSQL
+/// runs once per statement (an InitPlan), one primary-key lookup in a table
+/// of one row.
+const CURRENT_OUTBOX_TERM: &str = "(SELECT t.term FROM events.outbox_terms t WHERE t.scope = 'outbox')";
 
 /// The hold-back probe of a candidate row `o`: the id of the first earlier
 /// event of its aggregate that has failed and is not published (waiting for
@@ -67,8 +73,10 @@ pub(super) const HELD_BACK: &str = concat!(held_back_by!(), " IS NOT NULL");
 /// $1 are ids already in flight, $2 the batch size, $3 the byte budget.
 /// With `partitioned`, only aggregates whose hash partition (of $4) is in
 /// $5, and the partition is returned as column `part`
-/// ([`super::row_partition`]). `sizes` says how payloads are measured
-/// ([`PayloadSizes`]).
+/// ([`super::row_partition`]); without it, every row carries the outbox's
+/// current leadership term as column `term` ([`CURRENT_OUTBOX_TERM`]), so
+/// the fetch itself tells the leader whether its term is still current.
+/// `sizes` says how payloads are measured ([`PayloadSizes`]).
 ///
 /// Every fetch starts from the lowest id: no cursor. A cursor (`id > last`)
 /// would skip rows that were held back when it passed them and became
@@ -78,7 +86,7 @@ pub(crate) fn fetch_sql(partitioned: bool, sizes: PayloadSizes) -> String {
     let (part_filter, part_col) = if partitioned {
         (format!("AND {PARTITION_EXPR} = ANY($5::int4[])"), format!(", {PARTITION_EXPR} AS {PARTITION}"))
     } else {
-        (String::new(), String::new())
+        (String::new(), format!(", {CURRENT_OUTBOX_TERM} AS {TERM}"))
     };
     let candidates = format!(
         "SELECT o.* FROM ( \

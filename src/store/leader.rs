@@ -6,7 +6,7 @@
 //! has a row in `events.outbox_relays` keyed by its work session's backend
 //! pid, and refreshes its `updated_at` every few seconds
 //! ([`super::wakeup::HEARTBEAT`]; the leader registers at once when it takes
-//! the lock, [`REGISTER_LEADER`]). A holder is **live** when that row's
+//! the lock, [`TAKE_TERM`]). A holder is **live** when that row's
 //! `updated_at` is within the threshold, or when it is running a statement
 //! it began within the threshold of its last heartbeat (a relay busy in a
 //! long statement; the statement timeout bounds those). Anything else (no
@@ -68,13 +68,53 @@ pub(crate) const TERMINATE_STRANDED: &str = concat!(
     ") h WHERE h.pid = $3 AND h.backend_start IS NOT DISTINCT FROM $4 AND NOT h.beating AND NOT h.busy"
 );
 
-/// Register the session that just took the leader lock in
-/// `events.outbox_relays`: its first heartbeat, so standbys and `status`
-/// see a live holder at once. A new row says it waits for wake-ups (the
-/// safe value: producers notify) until its first fetch writes what the
-/// wake-up policy decides.
-pub(crate) const REGISTER_LEADER: &str = "INSERT INTO events.outbox_relays (pid, waiting) \
-     VALUES (pg_backend_pid(), true) ON CONFLICT (pid) DO UPDATE SET updated_at = now()";
+/// The scope of single mode's term in `events.outbox_terms` (migration
+/// 0013): the whole outbox.
+pub(crate) const OUTBOX_SCOPE: &str = "outbox";
+
+/// Record the session that just took the leader lock as the holder of
+/// scope $1's term and bump that term; in the same statement, register it
+/// in `events.outbox_relays`, its first heartbeat, so standbys and `status`
+/// see a live holder at once (a new row says it waits for wake-ups, the
+/// safe value: producers notify, until its first fetch writes what the
+/// wake-up policy decides). The bump waits for acknowledgements and
+/// failures still being written under the old term (each holds a `FOR
+/// SHARE` lock on the row, [`super::settle`]); once it commits, no write
+/// under an older term changes anything. One row: `term` (the new one, 1
+/// the first time) and `previous_released` (the previous holder marked its
+/// term released at a graceful stop, [`RELEASE_TERM`]; true when there was
+/// none).
+pub(crate) const TAKE_TERM: &str = "WITH reg AS ( \
+       INSERT INTO events.outbox_relays (pid, waiting) VALUES (pg_backend_pid(), true) \
+       ON CONFLICT (pid) DO UPDATE SET updated_at = now() RETURNING pid), \
+     prev AS (SELECT released FROM events.outbox_terms WHERE scope = $1), \
+     t AS ( \
+       INSERT INTO events.outbox_terms AS t (scope, term, holder_pid, holder_started, taken_at, released) \
+       SELECT $1, 1, pid, (SELECT backend_start FROM pg_catalog.pg_stat_activity WHERE pid = pg_backend_pid()), \
+              now(), false FROM reg \
+       ON CONFLICT (scope) DO UPDATE SET term = t.term + 1, holder_pid = excluded.holder_pid, \
+         holder_started = excluded.holder_started, taken_at = now(), released = false \
+       RETURNING term) \
+     SELECT (SELECT term FROM t) AS term, coalesce((SELECT released FROM prev), true) AS previous_released";
+
+/// Scope $1's current term (`term`, NULL when none was ever taken): a
+/// leader confirming that its term is still current before it hands out
+/// more of what it fetched.
+pub(crate) const CURRENT_TERM: &str = "SELECT (SELECT term FROM events.outbox_terms WHERE scope = $1) AS term";
+
+/// Mark term $2 of scope $1 released: its holder stops and hands out
+/// nothing more, so the next leader may start at once. Changes nothing
+/// when the term is no longer current.
+pub(crate) const RELEASE_TERM: &str = "UPDATE events.outbox_terms SET released = true WHERE scope = $1 AND term = $2";
+
+/// A term taken ([`TAKE_TERM`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct TermTaken {
+    /// The new term.
+    pub(crate) term: i64,
+    /// The previous holder released its term at a graceful stop.
+    pub(crate) previous_released: bool,
+}
 
 /// Which session holds the leader lock: its pid and start, which together
 /// tell it from a later session that gets the same pid.

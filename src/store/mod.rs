@@ -84,7 +84,7 @@ pub use status::{
 };
 pub(crate) use wakeup::{listen, notify, ping};
 pub(crate) use work::{FetchKind, FetchPage, FetchParams, FetchScope, RowIdentity, Undecodable, WorkSession};
-pub(crate) use writer::{Acknowledged, FailParams, FailWritten, WriterSession};
+pub(crate) use writer::{Acknowledged, FailParams, FailWritten, FailsWritten, WriterSession};
 
 /// Every statement pg-outbox runs on `events.outbox` at run time on a
 /// server of `server_version_num` (e.g. 180004), by name, with the SQL

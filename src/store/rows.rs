@@ -13,6 +13,10 @@ pub(crate) const EVENT_COLUMNS: &str = event_columns!();
 /// columns ([`super::fetch_sql`]).
 pub(crate) const PARTITION: &str = "part";
 
+/// The column of a single-mode fetch that carries the outbox's current
+/// leadership term (`store::fetch::fetch_sql`).
+pub(crate) const TERM: &str = "term";
+
 /// An [`Event`] from a row holding [`EVENT_COLUMNS`], read by column name.
 pub(crate) fn event_from_row(row: &Row) -> Result<Event> {
     Ok(Event {

@@ -14,10 +14,11 @@ use tokio_postgres::types::ToSql;
 use tokio_postgres::{Client, Row, RowStream, Statement};
 
 use super::fetch::{BEGIN, COMMIT, NEXT_RETRY_IN, PayloadSizes, competing_fetch_sql, fetch_sql};
-use super::leader::{Holder, LEADER_HOLDER, REGISTER_LEADER, TERMINATE_STRANDED, holder_from_row};
+use super::leader::{CURRENT_TERM, Holder, LEADER_HOLDER, OUTBOX_SCOPE, RELEASE_TERM, TAKE_TERM, TERMINATE_STRANDED};
+use super::leader::{TermTaken, holder_from_row};
 use super::locks::{COUNT_MEMBERS, LEADER_KEY, MEMBER_CLASS, MEMBER_LOCK, PARTITION_CLASS, PARTITION_UNLOCK};
 use super::locks::{TRY_LEADER_LOCK, TRY_PARTITION_LOCK};
-use super::rows::{DecodedEvent, decode_event, fetch_was_cut, row_identity};
+use super::rows::{DecodedEvent, TERM, decode_event, fetch_was_cut, row_identity};
 use super::statement::{self, Session, StatementError, StatementKind};
 use super::status::GAUGES;
 use super::wakeup::{HEARTBEAT, NOTIFICATION_QUEUE_USAGE, NOTIFY_LOCK_WAITERS, SET_WAITING, UNREGISTER};
@@ -84,6 +85,9 @@ pub(crate) type FetchedRow = Result<DecodedEvent, Undecodable>;
 /// What a fetch returned, in id order.
 pub(crate) struct FetchPage {
     pub(crate) rows: Vec<FetchedRow>,
+    /// The outbox's current leadership term as the fetch read it (single
+    /// mode, with at least one row; `None` otherwise).
+    pub(crate) term: Option<i64>,
     /// The byte budget cut it: more rows may be due.
     pub(crate) cut: bool,
 }
@@ -219,10 +223,30 @@ impl WorkSession {
         self.run(StatementKind::Registration, stop, self.client.execute(HEARTBEAT, &[])).await.map(drop)
     }
 
-    /// Register this session as the leader's, with its first heartbeat
-    /// ([`REGISTER_LEADER`]).
-    pub(crate) async fn register_leader(&self, stop: impl Future<Output = ()>) -> Result<(), StatementError> {
-        self.run(StatementKind::Registration, stop, self.client.execute(REGISTER_LEADER, &[])).await.map(drop)
+    /// Register this session as the leader's, with its first heartbeat,
+    /// and take the outbox's next leadership term ([`TAKE_TERM`]).
+    pub(crate) async fn take_term(&self, stop: impl Future<Output = ()>) -> Result<TermTaken, StatementError> {
+        let kind = StatementKind::Registration;
+        let row = self.run(kind, stop, self.client.query_one(TAKE_TERM, &[&OUTBOX_SCOPE])).await?;
+        let read = || -> Result<TermTaken, tokio_postgres::Error> {
+            Ok(TermTaken { term: row.try_get("term")?, previous_released: row.try_get("previous_released")? })
+        };
+        read().map_err(|e| StatementError::db(kind, e))
+    }
+
+    /// The outbox's current leadership term ([`CURRENT_TERM`]; `None` when
+    /// none was ever taken).
+    pub(crate) async fn current_term(&self, stop: impl Future<Output = ()>) -> Result<Option<i64>, StatementError> {
+        let kind = StatementKind::Registration;
+        let row = self.run(kind, stop, self.client.query_one(CURRENT_TERM, &[&OUTBOX_SCOPE])).await?;
+        row.try_get::<_, Option<i64>>("term").map_err(|e| StatementError::db(kind, e))
+    }
+
+    /// Mark `term` released: this leader hands out nothing more
+    /// ([`RELEASE_TERM`]).
+    pub(crate) async fn release_term(&self, term: i64, stop: impl Future<Output = ()>) -> Result<(), StatementError> {
+        let kind = StatementKind::Registration;
+        self.run(kind, stop, self.client.execute(RELEASE_TERM, &[&OUTBOX_SCOPE, &term])).await.map(drop)
     }
 
     /// The holder of the leader lock, judged against `threshold_secs`
@@ -333,11 +357,15 @@ async fn decode_stream(stream: RowStream, budget: i64, partitioned: bool) -> Res
     futures::pin_mut!(stream);
     let mut rows = Vec::new();
     let mut cut = false;
+    let mut term = None;
     while let Some(row) = stream.try_next().await? {
         cut = fetch_was_cut(&row, budget);
+        if rows.is_empty() {
+            term = row.try_get::<_, Option<i64>>(TERM).ok().flatten();
+        }
         rows.push(decode_row(&row, partitioned));
     }
-    Ok(FetchPage { rows, cut })
+    Ok(FetchPage { rows, cut, term })
 }
 
 fn decode_row(row: &Row, partitioned: bool) -> FetchedRow {

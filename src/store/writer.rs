@@ -1,6 +1,7 @@
 //! The drain loop's writer session, typed: acknowledgements and failures
 //! ([`ACK`], [`FAIL`]), each a batch in one statement that runs to its end
-//! or its statement timeout. Both are idempotent (an acknowledged row is
+//! or its statement timeout, and changes nothing unless the writer's term
+//! is still current (the fence of [`ACK`] and [`FAIL`]). Both are idempotent (an acknowledged row is
 //! skipped, a failure applies only while the row's `retry_count` is still
 //! the one fetched), so a write whose reply was lost is written again.
 
@@ -30,10 +31,21 @@ pub(crate) struct FailParams<'a> {
 /// What an acknowledgement write published.
 #[derive(Debug, Default)]
 pub(crate) struct Acknowledged {
+    /// The write's term was no longer current: nothing was written.
+    pub(crate) fenced: bool,
     /// Rows marked published now (not before).
     pub(crate) published: u64,
     /// For each of them, seconds from `occurred_at` to now.
     pub(crate) lags_secs: Vec<f64>,
+}
+
+/// What a failure write changed.
+#[derive(Debug, Default)]
+pub(crate) struct FailsWritten {
+    /// The write's term was no longer current: nothing was written.
+    pub(crate) fenced: bool,
+    /// The rows changed.
+    pub(crate) rows: Vec<FailWritten>,
 }
 
 /// A failure written ([`FAIL`]'s `RETURNING`).
@@ -75,44 +87,56 @@ impl WriterSession {
         &self.session
     }
 
-    /// Mark `ids` published.
-    pub(crate) async fn ack(&self, ids: &[i64]) -> Result<Acknowledged, StatementError> {
+    /// Mark `ids` published if `term` is still current (`None`: the
+    /// consumer holds no term, and the write is not fenced).
+    pub(crate) async fn ack(&self, ids: &[i64], term: Option<i64>) -> Result<Acknowledged, StatementError> {
         if ids.is_empty() {
             return Ok(Acknowledged::default());
         }
-        let params: [&(dyn ToSql + Sync); 1] = [&ids];
+        let params: [&(dyn ToSql + Sync); 2] = [&ids, &term];
         let acked = self.client.query(&self.ack, &params);
         let rows = statement::run_to_end(StatementKind::AckWrite, &self.session, self.timeout, acked).await?;
-        Ok(Acknowledged { published: rows.len() as u64, lags_secs: rows.iter().filter_map(lag).collect() })
+        let lags_secs: Vec<f64> = rows.iter().filter_map(lag).collect();
+        Ok(Acknowledged { fenced: !rows.iter().all(current), published: lags_secs.len() as u64, lags_secs })
     }
 
-    /// Record `fails`; the failure that brings `retry_count` to
-    /// `max_retries` makes an event a dead letter. Returns the rows changed.
+    /// Record `fails` if `term` is still current (`None`: not fenced); the
+    /// failure that brings `retry_count` to `max_retries` makes an event a
+    /// dead letter. Returns the rows changed.
     pub(crate) async fn fail(
         &self,
         fails: &[FailParams<'_>],
         max_retries: i32,
-    ) -> Result<Vec<FailWritten>, StatementError> {
+        term: Option<i64>,
+    ) -> Result<FailsWritten, StatementError> {
         if fails.is_empty() {
-            return Ok(Vec::new());
+            return Ok(FailsWritten::default());
         }
         let ids: Vec<i64> = fails.iter().map(|f| f.id).collect();
         let details = fail_details(fails.iter().map(|f| (f.id, f.error, f.delay.as_secs_f64(), f.retry_count)));
-        let params: [&(dyn ToSql + Sync); 3] = [&ids, &details, &max_retries];
+        let params: [&(dyn ToSql + Sync); 4] = [&ids, &details, &max_retries, &term];
         let failed = self.client.query(&self.fail, &params);
         let rows = statement::run_to_end(StatementKind::FailWrite, &self.session, self.timeout, failed).await?;
-        Ok(rows.iter().map(fail_written).collect())
+        Ok(FailsWritten { fenced: !rows.iter().all(current), rows: rows.iter().filter_map(fail_written).collect() })
     }
+}
+
+/// The fence's verdict on a row of [`ACK`] or [`FAIL`] (a row without it
+/// is not expected; it counts as current, as the statement wrote it).
+fn current(row: &Row) -> bool {
+    row.try_get::<_, bool>("current").unwrap_or(true)
 }
 
 fn lag(row: &Row) -> Option<f64> {
     row.try_get::<_, Option<f64>>("lag").ok().flatten()
 }
 
-fn fail_written(row: &Row) -> FailWritten {
-    FailWritten {
-        id: row.try_get("id").unwrap_or_default(),
-        dead: row.try_get("dead").unwrap_or(false),
+/// A changed row of [`FAIL`]; `None` for the row of a write that changed
+/// nothing (its `id` is NULL).
+fn fail_written(row: &Row) -> Option<FailWritten> {
+    Some(FailWritten {
+        id: row.try_get::<_, Option<i64>>("id").ok().flatten()?,
+        dead: row.try_get::<_, Option<bool>>("dead").ok().flatten().unwrap_or(false),
         retry_in_secs: row.try_get::<_, Option<f64>>("retry_in").ok().flatten(),
-    }
+    })
 }

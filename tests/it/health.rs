@@ -21,14 +21,11 @@
 //! Every body fetched is parsed as JSON and searched for the secrets the
 //! test put into the URLs and flags. About 25 s in all on two cores.
 
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::sync::watch;
 
-use crate::support::{self, TestDb};
+use crate::support::{self, Proxy, Target, TestDb};
 use pg_outbox_testkit::TempServer;
 use pg_outbox_testkit::process::{self, LIVENESS};
 
@@ -220,94 +217,11 @@ async fn a_hanging_sink_shows_as_degraded_and_the_relay_stays_ready() {
 
 // ------------------------------------------------------------- a stuck path
 
-/// A TCP proxy to the test database that can stop forwarding: while frozen
-/// it keeps every connection open and reads nothing and writes nothing, as
-/// a hung middlebox does. A client waiting for a reply then waits: the
-/// server's statement timeout fires, but its error never arrives.
-struct Proxy {
-    port: u16,
-    frozen: watch::Sender<bool>,
-}
-
-enum Target {
-    Tcp(String),
-    Unix(std::path::PathBuf),
-}
-
-impl Proxy {
-    async fn start(target: Target) -> Proxy {
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind the proxy");
-        let port = listener.local_addr().expect("address").port();
-        let (frozen, _) = watch::channel(false);
-        let frozen_rx = frozen.subscribe();
-        let target = Arc::new(target);
-        tokio::spawn(async move {
-            while let Ok((client, _)) = listener.accept().await {
-                let target = target.clone();
-                let frozen = frozen_rx.clone();
-                tokio::spawn(async move {
-                    let (cr, cw) = client.into_split();
-                    match &*target {
-                        Target::Tcp(addr) => {
-                            let Ok(server) = tokio::net::TcpStream::connect(addr).await else { return };
-                            let (sr, sw) = server.into_split();
-                            tokio::join!(pump(cr, sw, frozen.clone()), pump(sr, cw, frozen));
-                        }
-                        Target::Unix(path) => {
-                            let Ok(server) = tokio::net::UnixStream::connect(path).await else { return };
-                            let (sr, sw) = server.into_split();
-                            tokio::join!(pump(cr, sw, frozen.clone()), pump(sr, cw, frozen));
-                        }
-                    }
-                });
-            }
-        });
-        Proxy { port, frozen }
-    }
-
-    fn freeze(&self, frozen: bool) {
-        self.frozen.send_replace(frozen);
-    }
-}
-
-/// Copy `from` to `to`, holding what was read while frozen.
-async fn pump(
-    mut from: impl tokio::io::AsyncRead + Unpin,
-    mut to: impl tokio::io::AsyncWrite + Unpin,
-    mut frozen: watch::Receiver<bool>,
-) {
-    let mut buf = vec![0u8; 16 * 1024];
-    loop {
-        if frozen.wait_for(|f| !*f).await.is_err() {
-            return;
-        }
-        let n = match from.read(&mut buf).await {
-            Ok(0) | Err(_) => break,
-            Ok(n) => n,
-        };
-        if frozen.wait_for(|f| !*f).await.is_err() {
-            return;
-        }
-        if to.write_all(&buf[..n]).await.is_err() {
-            break;
-        }
-    }
-    let _ = to.shutdown().await;
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_drain_loop_stuck_in_a_statement_fails_livez_until_it_turns_again() {
     let db = TestDb::new("health_stuck").await;
-    let host = db.pg.get_hosts().first().cloned();
-    let db_port = db.pg.get_ports().first().copied().unwrap_or(5432);
-    let target = match host {
-        Some(tokio_postgres::config::Host::Unix(dir)) => Target::Unix(dir.join(format!(".s.PGSQL.{db_port}"))),
-        Some(tokio_postgres::config::Host::Tcp(h)) => Target::Tcp(format!("{h}:{db_port}")),
-        None => Target::Tcp(format!("127.0.0.1:{db_port}")),
-    };
-    let proxy = Proxy::start(target).await;
-    let user = db.pg.get_user().unwrap_or("postgres").to_string();
-    let url = format!("postgres://{user}@127.0.0.1:{}/{}?connect_timeout=1", proxy.port, db.name);
+    let proxy = Proxy::start(Target::of(&db)).await;
+    let url = proxy.url(&db);
     let port = process::free_port();
     // Stall bound: 2 x 1 s (statement timeout) + 2 x 1 s (connect timeout)
     // + 2 x 100 ms (sweep interval) = 4.2 s.

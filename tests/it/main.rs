@@ -44,6 +44,7 @@ mod sqlx_publish;
 mod status_detail;
 mod stranded;
 mod support;
+mod terms;
 mod timeouts;
 mod tls;
 mod versions;

@@ -128,6 +128,19 @@ async fn check_all(c: &mut Client, stats: Stats, backlog: i64) {
     let n_first = first.len() as i64;
     let unpublished = DEAD + WAITING + backlog;
     let none: Vec<i64> = Vec::new();
+    // The writes' leadership term: none (a consumer that holds none writes
+    // unfenced), and the current one (the fence reads events.outbox_terms).
+    let no_term: Option<i64> = None;
+    let term: Option<i64> = Some(
+        c.query_one(
+            "INSERT INTO events.outbox_terms (scope, term) VALUES ('outbox', 7) \
+             ON CONFLICT (scope) DO UPDATE SET term = 7 RETURNING term",
+            &[],
+        )
+        .await
+        .expect("term")
+        .get(0),
+    );
     let details = serde_json::Value::Object(
         first.iter().map(|id| (id.to_string(), serde_json::json!({"e": "sink refused", "d": 60.0, "s": 0}))).collect(),
     );
@@ -197,10 +210,16 @@ async fn check_all(c: &mut Client, stats: Stats, backlog: i64) {
                 (vec![&none, &BATCH, &budget, &parts, &half_parts], 16 * fetched + 50, "half the partitions"),
             ],
             "competing_fetch" => vec![(vec![&BATCH, &budget], 8 * fetched + 50, "")],
-            "ack" => vec![(vec![&first], 30 * n_first + 50, "")],
+            "ack" => vec![
+                (vec![&first, &no_term], 30 * n_first + 50, "no term"),
+                (vec![&first, &term], 30 * n_first + 50, "the current term"),
+            ],
             // One primary-key probe per id: the index levels and the heap page.
             "dead_letters_existing" => vec![(vec![&first], 8 * n_first + 50, "")],
-            "fail" => vec![(vec![&first, &details, &max_retries], 40 * n_first + 50, "")],
+            "fail" => vec![
+                (vec![&first, &details, &max_retries, &no_term], 40 * n_first + 50, "no term"),
+                (vec![&first, &details, &max_retries, &term], 40 * n_first + 50, "the current term"),
+            ],
             "next_retry_in" => vec![(vec![], 50, "")],
             "next_retries" => vec![(vec![&five], 100, "")],
             "gauges" | "status" | "retry_buckets" => vec![(vec![], 6 * unpublished + 100, "")],

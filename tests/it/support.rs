@@ -245,3 +245,121 @@ impl DbCli for TestDb {
         cli(args).url(&self.url())
     }
 }
+
+// ------------------------------------------------------------ a proxy
+
+/// A TCP proxy to the test database that can stop forwarding: while frozen
+/// it keeps every connection open and reads nothing and writes nothing, as
+/// a hung middlebox (or a silent network cut) does. A client waiting for a
+/// reply then waits: the server's statement timeout fires, but its error
+/// never arrives. [`Proxy::cut`] closes every connection it carries.
+pub struct Proxy {
+    pub port: u16,
+    frozen: tokio::sync::watch::Sender<bool>,
+    cuts: tokio::sync::watch::Sender<u64>,
+}
+
+/// Where a [`Proxy`] forwards to.
+pub enum Target {
+    Tcp(String),
+    Unix(std::path::PathBuf),
+}
+
+impl Target {
+    /// The server of `db`.
+    pub fn of(db: &TestDb) -> Target {
+        let host = db.pg.get_hosts().first().cloned();
+        let db_port = db.pg.get_ports().first().copied().unwrap_or(5432);
+        match host {
+            Some(tokio_postgres::config::Host::Unix(dir)) => Target::Unix(dir.join(format!(".s.PGSQL.{db_port}"))),
+            Some(tokio_postgres::config::Host::Tcp(h)) => Target::Tcp(format!("{h}:{db_port}")),
+            None => Target::Tcp(format!("127.0.0.1:{db_port}")),
+        }
+    }
+}
+
+impl Proxy {
+    pub async fn start(target: Target) -> Proxy {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind the proxy");
+        let port = listener.local_addr().expect("address").port();
+        let (frozen, _) = tokio::sync::watch::channel(false);
+        let (cuts, _) = tokio::sync::watch::channel(0u64);
+        let frozen_rx = frozen.subscribe();
+        let cuts_rx = cuts.subscribe();
+        let target = std::sync::Arc::new(target);
+        tokio::spawn(async move {
+            while let Ok((client, _)) = listener.accept().await {
+                let target = target.clone();
+                let frozen = frozen_rx.clone();
+                let mut cut = cuts_rx.clone();
+                cut.mark_unchanged();
+                tokio::spawn(async move {
+                    let (cr, cw) = client.into_split();
+                    let carry = async {
+                        match &*target {
+                            Target::Tcp(addr) => {
+                                let Ok(server) = tokio::net::TcpStream::connect(addr).await else { return };
+                                let (sr, sw) = server.into_split();
+                                tokio::join!(pump(cr, sw, frozen.clone()), pump(sr, cw, frozen));
+                            }
+                            Target::Unix(path) => {
+                                let Ok(server) = tokio::net::UnixStream::connect(path).await else { return };
+                                let (sr, sw) = server.into_split();
+                                tokio::join!(pump(cr, sw, frozen.clone()), pump(sr, cw, frozen));
+                            }
+                        }
+                    };
+                    // A cut drops both sockets: each side sees its
+                    // connection closed.
+                    tokio::select! {
+                        _ = carry => {}
+                        _ = cut.changed() => {}
+                    }
+                });
+            }
+        });
+        Proxy { port, frozen, cuts }
+    }
+
+    /// Stop (or resume) forwarding, keeping every connection open.
+    pub fn freeze(&self, frozen: bool) {
+        self.frozen.send_replace(frozen);
+    }
+
+    /// Close every connection carried now (later ones are carried).
+    pub fn cut(&self) {
+        self.cuts.send_modify(|n| *n += 1);
+    }
+
+    /// A URL of `db` through this proxy.
+    pub fn url(&self, db: &TestDb) -> String {
+        let user = db.pg.get_user().unwrap_or("postgres").to_string();
+        format!("postgres://{user}@127.0.0.1:{}/{}?connect_timeout=1", self.port, db.name)
+    }
+}
+
+/// Copy `from` to `to`, holding what was read while frozen.
+async fn pump(
+    mut from: impl tokio::io::AsyncRead + Unpin,
+    mut to: impl tokio::io::AsyncWrite + Unpin,
+    mut frozen: tokio::sync::watch::Receiver<bool>,
+) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut buf = vec![0u8; 16 * 1024];
+    loop {
+        if frozen.wait_for(|f| !*f).await.is_err() {
+            return;
+        }
+        let n = match from.read(&mut buf).await {
+            Ok(0) | Err(_) => break,
+            Ok(n) => n,
+        };
+        if frozen.wait_for(|f| !*f).await.is_err() {
+            return;
+        }
+        if to.write_all(&buf[..n]).await.is_err() {
+            break;
+        }
+    }
+    let _ = to.shutdown().await;
+}

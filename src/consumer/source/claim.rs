@@ -51,6 +51,10 @@ impl Source for ClaimSource {
         Role::Competing
     }
 
+    fn term(&self) -> Option<i64> {
+        None
+    }
+
     fn wants_fetch(&self) -> bool {
         self.wakeups.wants_fetch() && !self.in_tx
     }

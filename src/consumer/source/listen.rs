@@ -38,6 +38,10 @@ impl Source for ListenSource {
         self.ownership.role()
     }
 
+    fn term(&self) -> Option<i64> {
+        self.ownership.term()
+    }
+
     fn wants_fetch(&self) -> bool {
         self.wakeups.wants_fetch() && self.ownership.may_fetch()
     }
@@ -110,6 +114,11 @@ impl Source for ListenSource {
     }
 
     async fn finish(&mut self, cx: Cx<'_>, deadline: Instant) -> Result<(), StatementError> {
+        // Nothing more is handed out: the next leader need not wait out
+        // this one's hand-out lease.
+        if let Some(term) = self.ownership.term() {
+            cx.work.release_term(term, cx.stop()).await?;
+        }
         Wakeups::unregister(cx, deadline).await
     }
 }

@@ -142,6 +142,12 @@ pub(super) trait Source: Send {
     /// What this consumer does now, for its health.
     fn role(&self) -> Role;
 
+    /// The leadership term held now (`events.outbox_terms`): what a fetch
+    /// must find current for its rows to be handed out, and what writes
+    /// are conditional on. `None`: the source holds none (a standby;
+    /// competing and partitioned modes), and nothing is fenced.
+    fn term(&self) -> Option<i64>;
+
     /// Does the source want a fetch now (a wake-up is pending, and it may
     /// fetch)? The engine adds its own conditions (sessions open, room).
     fn wants_fetch(&self) -> bool;

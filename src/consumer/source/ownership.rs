@@ -25,6 +25,7 @@ use tokio::time::Instant;
 use super::stranded::{Found, Watch};
 use super::{Cx, jittered};
 use crate::consumer::health::Role;
+use crate::consumer::lease::TAKEOVER_WAIT;
 use crate::consumer::{ConsumerConfig, Mode};
 use crate::metrics as m;
 use crate::store::FetchScope;
@@ -51,7 +52,17 @@ pub(super) struct Partitions {
 /// Ownership by mode: each variant holds only its mode's state.
 #[derive(Debug)]
 pub(super) enum Ownership {
-    Single { leader: bool, standby_logged: bool, lock_at: Option<Instant>, watch: Box<Watch> },
+    Single {
+        leader: bool,
+        /// The leadership term taken with the lock (`events.outbox_terms`).
+        term: Option<i64>,
+        /// After taking over from a holder that did not release its term:
+        /// no fetch before this ([`TAKEOVER_WAIT`]).
+        waits_until: Option<Instant>,
+        standby_logged: bool,
+        lock_at: Option<Instant>,
+        watch: Box<Watch>,
+    },
     Partitioned(Partitions),
 }
 
@@ -63,6 +74,8 @@ impl Ownership {
             Mode::Partitioned { partitions } => Ownership::Partitioned(Partitions { partitions, ..Default::default() }),
             _ => Ownership::Single {
                 leader: false,
+                term: None,
+                waits_until: None,
                 standby_logged: false,
                 lock_at: None,
                 watch: Box::new(Watch::new(cfg)),
@@ -73,8 +86,17 @@ impl Ownership {
     /// May this consumer fetch now?
     pub(super) fn may_fetch(&self) -> bool {
         match self {
-            Ownership::Single { leader, .. } => *leader,
+            Ownership::Single { leader, waits_until, .. } => *leader && waits_until.is_none(),
             Ownership::Partitioned(p) => !p.owned.is_empty(),
+        }
+    }
+
+    /// The leadership term held now (single mode's leader; `None` for a
+    /// standby and in partitioned mode).
+    pub(super) fn term(&self) -> Option<i64> {
+        match self {
+            Ownership::Single { leader: true, term, .. } => *term,
+            _ => None,
         }
     }
 
@@ -138,13 +160,28 @@ impl Ownership {
     }
 
     fn set_leader(&mut self, now: bool) {
-        let Ownership::Single { leader, .. } = self else { return };
+        let Ownership::Single { leader, term, waits_until, .. } = self else { return };
         if now && !*leader {
-            tracing::info!(role = "leader", "active: this consumer holds the outbox lock and delivers");
+            match waits_until {
+                None => tracing::info!(
+                    role = "leader",
+                    term = term.unwrap_or(0),
+                    "active: this consumer holds the outbox lock and delivers"
+                ),
+                Some(_) => tracing::info!(role = "leader", term = term.unwrap_or(0), wait = ?TAKEOVER_WAIT,
+                    "active: this consumer holds the outbox lock; the previous leader did not release its term \
+                     (it crashed, froze or lost its connection), so delivery starts once its hand-out lease has \
+                     run out"),
+            }
         } else if !now && *leader {
             tracing::warn!(role = "standby", "no longer active (connection lost); will try to take over again");
         }
+        if !now {
+            *term = None;
+            *waits_until = None;
+        }
         metrics::gauge!(m::LEADER).set(if now { 1.0 } else { 0.0 });
+        metrics::gauge!(m::LEADER_TERM).set(term.filter(|_| now).unwrap_or(0) as f64);
         *leader = now;
     }
 
@@ -182,9 +219,10 @@ impl Ownership {
     /// this consumer owns more than before and should fetch.
     pub(super) async fn take_locks(&mut self, cx: Cx<'_>) -> Result<bool, StatementError> {
         match self {
-            Ownership::Single { leader: true, lock_at, .. } => {
+            Ownership::Single { leader: true, lock_at, waits_until, .. } => {
                 *lock_at = None;
-                Ok(false)
+                // The wait after a takeover ended: fetch now.
+                Ok(waits_until.take().is_some())
             }
             Ownership::Single { .. } => self.try_lead(cx).await,
             Ownership::Partitioned(p) => {
@@ -201,11 +239,15 @@ impl Ownership {
             *lock_at = None;
         }
         if cx.work.try_leader_lock(cx.stop()).await? {
-            // The first heartbeat, before anything else: standbys and
-            // `status` see a live holder from now on.
-            cx.work.register_leader(cx.stop()).await?;
-            if let Ownership::Single { watch, .. } = self {
+            // The first heartbeat and the next term, before anything else:
+            // standbys and `status` see a live holder from now on, and
+            // writes under an older term change nothing.
+            let taken = cx.work.take_term(cx.stop()).await?;
+            if let Ownership::Single { watch, term, waits_until, lock_at, .. } = self {
                 watch.reset();
+                *term = Some(taken.term);
+                *waits_until = (!taken.previous_released).then(|| Instant::now() + TAKEOVER_WAIT);
+                *lock_at = *waits_until;
             }
             self.set_leader(true);
             return Ok(true);

@@ -1,0 +1,224 @@
+//! Leadership terms (fencing tokens, docs/architecture.md "Leadership
+//! terms"): every leader of the outbox takes a term that only grows, every
+//! delivery carries it, a write under a superseded term changes nothing,
+//! and a deposed leader hands nothing out.
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use futures::StreamExt;
+use pg_outbox::{Consumer, EventStream, Role};
+use tokio::sync::watch;
+use tokio_postgres::Client;
+
+use crate::support::{self, Proxy, Target, TestDb, eventually};
+
+async fn current_term(c: &Client) -> Option<i64> {
+    c.query_opt("SELECT term FROM events.outbox_terms WHERE scope = 'outbox'", &[])
+        .await
+        .expect("read the term")
+        .map(|r| r.get(0))
+}
+
+async fn next(stream: &mut EventStream) -> pg_outbox::Delivery {
+    tokio::time::timeout(Duration::from_secs(20), stream.next()).await.expect("a delivery in time").expect("open")
+}
+
+#[tokio::test]
+async fn each_leader_takes_a_greater_term_and_its_deliveries_carry_it() {
+    let db = TestDb::new("terms_grow").await;
+    let c = db.client().await;
+    let agg = uuid::Uuid::new_v4();
+
+    let mut a = Consumer::builder(db.options()).start().await.expect("start a");
+    support::insert_seed_events(&c, agg, 1).await;
+    let d = next(&mut a).await;
+    let first = current_term(&c).await.expect("a term taken");
+    assert_eq!(d.term(), u64::try_from(first).ok(), "the delivery carries the leader's term");
+    d.ack();
+    a.finish().await.expect("finish a");
+    let released: bool = c
+        .query_one("SELECT released FROM events.outbox_terms WHERE scope = 'outbox'", &[])
+        .await
+        .expect("released")
+        .get(0);
+    assert!(released, "a graceful stop releases the term");
+
+    let mut b = Consumer::builder(db.options()).start().await.expect("start b");
+    support::insert_seed_events(&c, agg, 1).await;
+    let d = next(&mut b).await;
+    let second = current_term(&c).await.expect("a term");
+    assert!(second > first, "terms grow: {first} then {second}");
+    assert_eq!(d.term(), u64::try_from(second).ok());
+    d.ack();
+    b.finish().await.expect("finish b");
+    assert_eq!(support::published_count(&c).await, 2);
+}
+
+#[tokio::test]
+async fn writes_under_a_superseded_term_change_nothing_and_the_events_come_again() {
+    let db = TestDb::new("terms_fenced").await;
+    let c = db.client().await;
+    let mut events = Consumer::builder(db.options()).start().await.expect("start");
+    let ids = support::insert_seed_events(&c, uuid::Uuid::new_v4(), 1).await;
+    let other = support::insert_seed_events(&c, uuid::Uuid::new_v4(), 1).await;
+    let (a, b) = (next(&mut events).await, next(&mut events).await);
+    let held = a.term().expect("a term");
+    // Another leader takes the outbox over, as its takeover would.
+    c.execute("UPDATE events.outbox_terms SET term = term + 1, released = false WHERE scope = 'outbox'", &[])
+        .await
+        .expect("bump the term");
+    a.ack();
+    b.fail("sink refused");
+
+    // Both come again, under a greater term, and nothing was written in
+    // between: not published, no failure counted.
+    let mut again = Vec::new();
+    while again.len() < 2 {
+        let d = next(&mut events).await;
+        assert!(d.term().is_some_and(|t| t > held), "delivered again under a greater term: {:?}", d.term());
+        again.push(d);
+    }
+    let mut got: Vec<i64> = again.iter().map(|d| d.id).collect();
+    got.sort_unstable();
+    assert_eq!(got, [ids[0], other[0]]);
+    let row = c
+        .query_one("SELECT count(*) FILTER (WHERE published_at IS NOT NULL), max(retry_count) FROM events.outbox", &[])
+        .await
+        .expect("rows");
+    assert_eq!((row.get::<_, i64>(0), row.get::<_, i32>(1)), (0, 0), "a fenced write changed nothing");
+    for d in again {
+        d.ack();
+    }
+    events.finish().await.expect("finish");
+    assert_eq!(support::published_count(&c).await, 2);
+}
+
+/// One consumer, its reader, and what its reader was handed.
+struct Member {
+    stream_task: tokio::task::JoinHandle<()>,
+    paused: watch::Sender<bool>,
+    /// Ids handed out, in order.
+    handed: Arc<Mutex<Vec<i64>>>,
+    health: pg_outbox::HealthMonitor,
+    shutdown: pg_outbox::ShutdownHandle,
+    proxy: Proxy,
+}
+
+impl Member {
+    async fn start(db: &TestDb) -> Member {
+        let proxy = Proxy::start(Target::of(db)).await;
+        let pg = pg_outbox::ConnectOptions::parse(&proxy.url(db)).expect("proxy url");
+        let mut events = Consumer::builder(pg)
+            .batch_size(20)
+            .sweep_interval(Duration::from_millis(200))
+            .reconnect_max_delay(Duration::from_millis(500))
+            .start()
+            .await
+            .expect("start");
+        let (paused, mut paused_rx) = watch::channel(false);
+        let handed = Arc::new(Mutex::new(Vec::new()));
+        let (health, shutdown) = (events.health(), events.shutdown_handle());
+        let log = handed.clone();
+        let stream_task = tokio::spawn(async move {
+            loop {
+                if paused_rx.wait_for(|p| !*p).await.is_err() {
+                    return;
+                }
+                tokio::select! {
+                    d = events.next() => match d {
+                        Some(d) => {
+                            log.lock().expect("log").push(d.id);
+                            d.ack();
+                        }
+                        None => return,
+                    },
+                    _ = paused_rx.changed() => {}
+                }
+            }
+        });
+        Member { stream_task, paused, handed, health, shutdown, proxy }
+    }
+
+    fn handed(&self) -> usize {
+        self.handed.lock().expect("log").len()
+    }
+
+    fn leads(&self) -> bool {
+        self.health.get().role == Role::Leader
+    }
+}
+
+/// The fault the lease exists for: a leader whose buffer holds fetched
+/// events stops handing out (its reader paused), its network goes silent,
+/// and the server ends its work session (as it does once it notices a dead
+/// peer); the standby takes over and delivers later events; then the old
+/// leader's reader resumes while its sessions still look alive to it. It
+/// must hand out nothing: its lease ran out while it was cut off, and the
+/// term cannot be confirmed again. Twenty times under a steady load,
+/// alternating leaders; then every event was delivered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_deposed_leader_hands_nothing_out_after_the_standby_took_over() {
+    let db = TestDb::new("terms_deposed").await;
+    let c = db.client().await;
+    let members = [Member::start(&db).await, Member::start(&db).await];
+    eventually(20, "a leader", || async { members.iter().any(Member::leads) }).await;
+
+    // A steady load over a few aggregates.
+    let (stop_load, mut stopped) = watch::channel(false);
+    let producer = {
+        let c = db.client().await;
+        let aggregates: Vec<uuid::Uuid> = (0..8).map(|_| uuid::Uuid::new_v4()).collect();
+        tokio::spawn(async move {
+            let mut n = 0usize;
+            while !*stopped.borrow_and_update() {
+                support::insert_seed_events(&c, aggregates[n % aggregates.len()], 1).await;
+                n += 1;
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+        })
+    };
+
+    for rep in 0..20 {
+        let Some(l) = members.iter().position(Member::leads) else {
+            eventually(20, "a leader", || async { members.iter().any(Member::leads) }).await;
+            continue;
+        };
+        let (leader, standby) = (&members[l], &members[1 - l]);
+        leader.paused.send_replace(true);
+        // Let its buffer fill with fetched, unhanded events.
+        tokio::time::sleep(Duration::from_millis(150)).await;
+        let before = leader.handed();
+        leader.proxy.freeze(true);
+        assert!(db.terminate_pid_of_lock_holder().await > 0, "rep {rep}: the leader's work session ended");
+        let mark: i64 = c.query_one("SELECT max(id) FROM events.outbox", &[]).await.expect("max").get(0);
+        eventually(30, "the standby to deliver a later event", || async {
+            standby.handed.lock().expect("log").iter().any(|id| *id > mark)
+        })
+        .await;
+        leader.paused.send_replace(false);
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        assert_eq!(leader.handed(), before, "rep {rep}: the deposed leader handed out after the takeover");
+        // Its network comes back as the server left it: connections gone.
+        leader.proxy.freeze(false);
+        leader.proxy.cut();
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        assert_eq!(leader.handed(), before, "rep {rep}: the deposed leader handed out after it reconnected");
+        assert!(standby.leads(), "rep {rep}: the standby leads");
+    }
+
+    stop_load.send_replace(true);
+    producer.await.expect("producer");
+    let total: i64 = c.query_one("SELECT count(*) FROM events.outbox", &[]).await.expect("count").get(0);
+    eventually(60, "every event published", || async { support::published_count(&c).await == total }).await;
+    let mut delivered: Vec<i64> = members.iter().flat_map(|m| m.handed.lock().expect("log").clone()).collect();
+    delivered.sort_unstable();
+    delivered.dedup();
+    assert_eq!(delivered.len() as i64, total, "every event was handed out");
+    for m in &members {
+        m.shutdown.shutdown();
+    }
+    for m in members {
+        let _ = tokio::time::timeout(Duration::from_secs(10), m.stream_task).await;
+    }
+}
