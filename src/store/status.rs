@@ -79,7 +79,10 @@ pub struct OutboxStatus {
     /// Who holds single mode's outbox lock, and whether it is a live relay;
     /// `None` when nobody holds it (no relay runs in single mode, or none
     /// has taken the lock yet). A holder that is not live is a stranded
-    /// lock: no relay delivers (`status` prints "no live leader").
+    /// lock: no relay delivers (`status` prints "no live leader"). Always
+    /// `None` on a hot standby, whose sessions hold no relay's lock (and
+    /// whose `events.outbox_relays`, an unlogged table, cannot be read
+    /// during recovery).
     pub leader: Option<LeaderLock>,
     /// The ordering mode installed on `events.outbox`
     /// ([`crate::migrate::ordering`]); `None` when neither insert trigger is
@@ -286,8 +289,13 @@ pub async fn status<C: GenericClient + Sync>(client: &C) -> Result<OutboxStatus>
 }
 
 /// The holder of the outbox lock, judged against
-/// [`crate::DEFAULT_STRANDED_AFTER`] ([`super::leader::LEADER_HOLDER`]).
+/// [`crate::DEFAULT_STRANDED_AFTER`] ([`super::leader::LEADER_HOLDER`]);
+/// none on a server in recovery (a standby).
 async fn leader_lock<C: GenericClient + Sync>(client: &C) -> Result<Option<LeaderLock>> {
+    let in_recovery: bool = client.query_one("SELECT pg_is_in_recovery()", &[]).await?.try_get(0)?;
+    if in_recovery {
+        return Ok(None);
+    }
     let threshold = crate::DEFAULT_STRANDED_AFTER.as_secs_f64();
     Ok(super::leader::leader_holder(client, threshold).await?.map(|h| LeaderLock {
         pid: h.id.pid,

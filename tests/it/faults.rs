@@ -103,6 +103,8 @@ pub(crate) struct Attempt {
     pub(crate) id: i64,
     aggregate: Uuid,
     retry_count: i64,
+    /// The leadership term it was sent under.
+    term: i64,
     /// Which relay process sent it (each relay gets its own URL path).
     relay: u32,
     status: u16,
@@ -131,10 +133,14 @@ pub(crate) struct Sink {
 }
 
 /// `(id, aggregate_id, retry_count)` of a sink record, checking its keys.
-fn parse_record(body: &[u8]) -> Result<(i64, Uuid, i64), String> {
+/// A record's id, aggregate, retry count and leadership term (every relay
+/// here runs in single mode, so every record carries one).
+fn parse_record(body: &[u8]) -> Result<(i64, Uuid, i64, i64), String> {
     let v: Value = serde_json::from_slice(body).map_err(|e| format!("not JSON ({e})"))?;
     let obj = v.as_object().ok_or_else(|| format!("not an object: {v}"))?;
-    let keys: Vec<&str> = obj.keys().map(String::as_str).collect::<BTreeSet<_>>().into_iter().collect();
+    let keys: Vec<&str> =
+        obj.keys().map(String::as_str).filter(|k| *k != "term").collect::<BTreeSet<_>>().into_iter().collect();
+    let term = obj.get("term").and_then(Value::as_i64).ok_or_else(|| format!("no term: {v}"))?;
     if keys != RECORD_KEYS {
         return Err(format!("keys {keys:?}: {v}"));
     }
@@ -144,7 +150,7 @@ fn parse_record(body: &[u8]) -> Result<(i64, Uuid, i64), String> {
     if obj["aggregate_type"] != AGGREGATE_TYPE || obj["event_type"] != EVENT_TYPE {
         return Err(format!("aggregate_type/event_type: {v}"));
     }
-    Ok((id, agg, retry_count))
+    Ok((id, agg, retry_count, term))
 }
 
 impl Sink {
@@ -171,7 +177,7 @@ impl Sink {
         let mut log = lock(&self.log);
         log.requests += 1;
         let n = log.requests;
-        let (id, aggregate, retry_count) = match parse_record(body) {
+        let (id, aggregate, retry_count, term) = match parse_record(body) {
             Ok(r) => r,
             Err(e) => {
                 log.malformed.push(e);
@@ -187,7 +193,7 @@ impl Sink {
             Behavior::FailFirstAttemptOfEvery { every } if first && distinct.is_multiple_of(every) => (500, None),
             Behavior::FailFirstAttemptOfEvery { .. } => (200, None),
         };
-        log.attempts.push(Attempt { id, aggregate, retry_count, relay, status, at: Instant::now() });
+        log.attempts.push(Attempt { id, aggregate, retry_count, term, relay, status, at: Instant::now() });
         (status, hold)
     }
 
@@ -561,6 +567,11 @@ pub(crate) struct Report {
     pub(crate) duplicates: usize,
     pub(crate) published_without_delivery: usize,
     pub(crate) order_violations: usize,
+    /// Deliveries of an aggregate under a lower term than one already
+    /// delivered for it: a deposed relay's send that arrived late (only a
+    /// send already in hand when the relay was deposed can; the fencing
+    /// keeps it from handing out more). Reported, for the record.
+    pub(crate) term_regressions: usize,
     pub(crate) rolled_back: usize,
     pub(crate) rolled_back_sent: usize,
     pub(crate) unknown_sent: usize,
@@ -578,14 +589,16 @@ pub(crate) struct Report {
 impl Report {
     fn summary(&self) -> String {
         format!(
-            "fault={} faults={} events={} lost={} duplicates={} published_without_delivery={} order_violations={}",
+            "fault={} faults={} events={} lost={} duplicates={} published_without_delivery={} order_violations={} \
+             term_regressions={}",
             self.kind,
             self.faults,
             self.events,
             self.lost,
             self.duplicates,
             self.published_without_delivery,
-            self.order_violations
+            self.order_violations,
+            self.term_regressions
         )
     }
 }
@@ -749,8 +762,9 @@ impl Harness {
             ..Report::default()
         };
         let mut received: HashSet<i64> = HashSet::new();
-        // Per aggregate: highest id received so far.
+        // Per aggregate: highest id received so far, and highest term.
         let mut high: HashMap<Uuid, i64> = HashMap::new();
+        let mut high_term: HashMap<Uuid, i64> = HashMap::new();
         let mut first_violated: Option<Uuid> = None;
         for a in &attempts {
             if rolled_back.contains(&a.id) {
@@ -767,6 +781,11 @@ impl Harness {
                 report.not_delivered_attempts += 1;
                 continue;
             }
+            let t = high_term.entry(a.aggregate).or_insert(a.term);
+            if a.term < *t {
+                report.term_regressions += 1;
+            }
+            *t = (*t).max(a.term);
             if !received.insert(a.id) {
                 report.duplicates += 1;
                 continue;
@@ -791,11 +810,12 @@ impl Harness {
                 .filter(|a| a.aggregate == agg)
                 .map(|a| {
                     format!(
-                        "{:>8.3}s id={} status={} retry_count={} relay={}",
+                        "{:>8.3}s id={} status={} retry_count={} term={} relay={}",
                         a.at.duration_since(t0).as_secs_f64(),
                         a.id,
                         a.status,
                         a.retry_count,
+                        a.term,
                         a.relay
                     )
                 })
