@@ -379,6 +379,24 @@ mod tests {
         assert_eq!(ce["data"]["data"]["n"], 1);
         assert_eq!(ce["correlationid"], "c-1");
         assert!(ce.get("causationid").is_none());
+        assert!(ce.get("outboxterm").is_none(), "no term, no attribute");
         assert_eq!(m.content_type, "application/cloudevents+json");
+    }
+
+    #[test]
+    fn a_term_travels_next_to_the_id_in_headers_record_and_cloudevents() {
+        let e = event(serde_json::json!({"n": 1}));
+        let m = Message::with_term(&e, Some(7), Format::Record, DEFAULT_CLOUDEVENTS_SOURCE).expect("message");
+        assert_eq!(m.headers[0], (header::ID, "42".to_string()));
+        assert_eq!(m.headers[1], (header::TERM, "7".to_string()));
+        let record: serde_json::Value = serde_json::from_slice(&m.body).expect("json");
+        assert_eq!(record["term"], 7);
+        let m = Message::with_term(&e, Some(7), Format::Cloudevents, "/orders").expect("message");
+        let ce: serde_json::Value = serde_json::from_slice(&m.body).expect("json");
+        assert_eq!(ce["outboxterm"], "7");
+        let plain = Message::new(&e, Format::Record, DEFAULT_CLOUDEVENTS_SOURCE).expect("message");
+        assert!(plain.headers.iter().all(|(k, _)| *k != header::TERM));
+        let record: serde_json::Value = serde_json::from_slice(&plain.body).expect("json");
+        assert!(record.get("term").is_none(), "{record}");
     }
 }

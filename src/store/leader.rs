@@ -1,6 +1,10 @@
 //! Single mode's leader lock ([`LEADER_KEY`]) as the others see it: which
 //! session holds it, and whether that holder is a live relay. For standbys
-//! (`consumer::source::stranded`) and for [`crate::status`].
+//! (`consumer::source::stranded`) and for [`crate::status`]. And the
+//! leader's term (`events.outbox_terms`, migration 0013): taken with the
+//! lock ([`TAKE_TERM`]), confirmed ([`CURRENT_TERM`]), released at a
+//! graceful stop ([`RELEASE_TERM`]); docs/architecture.md, "Leadership
+//! terms".
 //!
 //! The liveness signal is the holder's heartbeat: every relay that fetches
 //! has a row in `events.outbox_relays` keyed by its work session's backend

@@ -12,7 +12,8 @@
 //! - [`wakeup`]: LISTEN/NOTIFY and the relays' registrations;
 //! - [`locks`]: every advisory lock key, and the statements that take them;
 //! - [`leader`]: who holds single mode's leader lock, and whether it is a
-//!   live relay (its heartbeat);
+//!   live relay (its heartbeat); the leadership term it takes, confirms
+//!   and releases (`events.outbox_terms`);
 //! - `planner`: the planner settings every pg-outbox session starts with
 //!   ([`PLANNER_SETTINGS`]);
 //! - [`dead_letters`], [`retention`]: the operators' statements;
@@ -97,10 +98,11 @@ pub(crate) use writer::{Acknowledged, FailParams, FailWritten, FailsWritten, Wri
 /// `fetch_text_sizes`, the form PostgreSQL 13 runs) `$1 bigint[]` ids in
 /// flight, `$2 bigint` batch, `$3 bigint` byte budget; `fetch_partitioned` those and `$4 bigint`
 /// partitions, `$5 int4[]` partitions held; `competing_fetch`, `$1 bigint`
-/// batch, `$2 bigint` byte budget; `ack` `$1 bigint[]`;
+/// batch, `$2 bigint` byte budget; `ack` `$1 bigint[]`, `$2 bigint` the
+/// writer's leadership term (NULL: not fenced);
 /// `fail` `$1 bigint[]` ids, `$2 jsonb` details per id (`{"<id>": {"e":
 /// error, "d": delay in seconds, "s": retry count seen}}`), `$3 int4`
-/// dead-letter threshold;
+/// dead-letter threshold, `$4 bigint` the writer's term (NULL: not fenced);
 /// `next_retry_in`, `gauges`, `status`, `retry_buckets`: none;
 /// `status_by_type`, `next_retries`: `$1 bigint` limit; `dead_letters_*`:
 /// `$1 bigint[]` ids, `$2 text` aggregate type, `$3 text` event type, `$4

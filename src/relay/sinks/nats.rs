@@ -49,8 +49,9 @@ impl Default for NatsOptions {
 ///   none does, the server has no responder and the event fails with
 ///   "no JetStream stream captures subject X".
 /// - Body: the [`Message`] body, in the relay's format.
-/// - Headers: the [`Message`] headers (`id`, `event_type`, `aggregate_type`,
-///   `aggregate_id`, `occurred_at`, and `correlation_id`, `causation_id`,
+/// - Headers: the [`Message`] headers (`id`, `term` when the relay holds a
+///   leadership term, `event_type`, `aggregate_type`, `aggregate_id`,
+///   `occurred_at`, and `correlation_id`, `causation_id`,
 ///   `traceparent`, `tracestate` when the envelope's metadata has them),
 ///   `Content-Type`, and `Nats-Msg-Id` = the outbox id, so a stream's
 ///   duplicate window (JetStream docs, "Message Deduplication"; default
