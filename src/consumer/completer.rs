@@ -215,15 +215,22 @@ impl Completer {
 
     /// Take in the outcome of a write: metrics and dead-letter logs; on an
     /// error the settlements are queued again (both writes are idempotent).
-    /// A fenced write is never queued again: its settlements are dropped,
-    /// counted and logged.
-    pub(super) fn finish(&mut self, done: FlushDone) -> Written {
+    /// A fenced write is dropped, counted and logged, unless this consumer
+    /// holds a newer term by now (`held`: it lost its session and took the
+    /// outbox again): then no other relay leads, the settlements are true
+    /// of deliveries it made, and they are queued again under its term.
+    pub(super) fn finish(&mut self, done: FlushDone, held: Option<i64>) -> Written {
         self.flushing = None;
         let FlushDone { acks, fails, term, ack_res, fail_res, .. } = done;
+        let adopt = held.filter(|h| term.is_some_and(|t| t < *h));
+        if let Some(held) = adopt {
+            self.term = Some(held);
+        }
         let mut written =
             Written { acked: Vec::new(), failed: Vec::new(), earliest_retry: None, error: None, fenced: None };
         let mut fenced = (0usize, 0usize);
         match ack_res {
+            Ok(acknowledged) if acknowledged.fenced && adopt.is_some() => self.acks.extend(acks),
             Ok(acknowledged) if acknowledged.fenced => fenced.0 = acks.len(),
             Ok(acknowledged) => {
                 record_published(&acknowledged);
@@ -235,6 +242,8 @@ impl Completer {
             }
         }
         match fail_res {
+            // Their aggregates stay held back until they are written.
+            Ok(rows) if rows.fenced && adopt.is_some() => self.fails.extend(fails),
             Ok(rows) => {
                 if rows.fenced {
                     fenced.1 = fails.len();

@@ -176,6 +176,11 @@ impl<S: Source> Engine<S> {
         let token = self.token.clone();
         while !self.stop_reached() {
             self.health.turned();
+            if let Some(term) = self.source.term() {
+                // Settlements still unwritten from an earlier term of this
+                // consumer are written under the one it holds now.
+                self.completer.set_term(term);
+            }
             if self.sessions.is_open() && self.completer.batch_ready() {
                 self.start_write();
             }
@@ -423,7 +428,7 @@ impl<S: Source> Engine<S> {
     /// error on the current sessions gives them up.
     async fn written(&mut self, done: FlushDone) {
         let current = done.generation == self.sessions.generation() && self.sessions.is_open();
-        let w = self.completer.finish(done);
+        let w = self.completer.finish(done, self.source.term());
         self.source.written(&w);
         // No fetch is in flight while this runs (fetches are awaited by this
         // same task), so every later fetch sees the failures.

@@ -22,9 +22,10 @@ use pg_outbox::{NewEvent, Publisher};
 use crate::relay_proc::{self, LIVENESS, Output, RelayProc, free_port, relay};
 use crate::support::{self, TestDb, published_count};
 
-/// The keys of a sink record, exactly.
-const RECORD_KEYS: [&str; 7] =
-    ["aggregate_id", "aggregate_type", "event_type", "id", "occurred_at", "payload", "retry_count"];
+/// The keys of a sink record, exactly: single mode's relay always holds a
+/// leadership term.
+const RECORD_KEYS: [&str; 8] =
+    ["aggregate_id", "aggregate_type", "event_type", "id", "occurred_at", "payload", "retry_count", "term"];
 
 /// A running `pg-outbox relay` child process whose stdout the test reads.
 struct Relay {
@@ -86,6 +87,7 @@ fn check_record(v: &Value) -> i64 {
     let occurred = obj["occurred_at"].as_str().unwrap_or_else(|| panic!("occurred_at is a string: {v}"));
     chrono::DateTime::parse_from_rfc3339(occurred).unwrap_or_else(|e| panic!("occurred_at is not RFC 3339 ({e}): {v}"));
     assert!(obj["retry_count"].is_i64(), "retry_count is an integer: {v}");
+    assert!(obj["term"].as_i64().is_some_and(|t| t > 0), "term is a positive integer: {v}");
     assert!(obj["aggregate_type"].is_string() && obj["event_type"].is_string(), "{v}");
     let agg = obj["aggregate_id"].as_str().unwrap_or_else(|| panic!("aggregate_id is a string: {v}"));
     Uuid::parse_str(agg).unwrap_or_else(|e| panic!("aggregate_id is not a UUID ({e}): {v}"));
