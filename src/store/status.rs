@@ -120,6 +120,9 @@ pub struct LeaderLock {
     /// Age of its heartbeat in seconds; `None` when it has none (not a
     /// relay of this version, or one that has not fetched yet).
     pub heartbeat_age_seconds: Option<f64>,
+    /// The outbox's current leadership term (`events.outbox_terms`; the
+    /// live leader's own); `None` when no relay ever took one.
+    pub term: Option<i64>,
 }
 
 /// Most `(event_type, aggregate_type)` rows [`status`] returns: 50.
@@ -297,7 +300,13 @@ async fn leader_lock<C: GenericClient + Sync>(client: &C) -> Result<Option<Leade
         return Ok(None);
     }
     let threshold = crate::DEFAULT_STRANDED_AFTER.as_secs_f64();
-    Ok(super::leader::leader_holder(client, threshold).await?.map(|h| LeaderLock {
+    let Some(h) = super::leader::leader_holder(client, threshold).await? else { return Ok(None) };
+    let term: Option<i64> = client
+        .query_one(super::leader::CURRENT_TERM, &[&super::leader::OUTBOX_SCOPE])
+        .await
+        .map_err(super::map_missing_schema)?
+        .try_get("term")?;
+    Ok(Some(LeaderLock {
         pid: h.id.pid,
         live: h.live(),
         application_name: h.application_name,
@@ -305,5 +314,6 @@ async fn leader_lock<C: GenericClient + Sync>(client: &C) -> Result<Option<Leade
         state: h.state,
         state_seconds: h.state_secs,
         heartbeat_age_seconds: h.heartbeat_age,
+        term,
     }))
 }

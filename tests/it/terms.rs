@@ -50,6 +50,8 @@ async fn each_leader_takes_a_greater_term_and_its_deliveries_carry_it() {
     let second = current_term(&c).await.expect("a term");
     assert!(second > first, "terms grow: {first} then {second}");
     assert_eq!(d.term(), u64::try_from(second).ok());
+    let leader = pg_outbox::status(&c).await.expect("status").leader.expect("a leader");
+    assert_eq!((leader.live, leader.term), (true, Some(second)), "status shows the live leader's term");
     d.ack();
     b.finish().await.expect("finish b");
     assert_eq!(support::published_count(&c).await, 2);

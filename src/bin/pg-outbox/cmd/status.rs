@@ -90,7 +90,8 @@ fn leader_line(l: Option<&pg_outbox::LeaderLock>) -> String {
     let heartbeat =
         l.heartbeat_age_seconds.map_or("no heartbeat".to_string(), |a| format!("heartbeat {} ago", short_secs(a)));
     if l.live {
-        return format!("pid {} (live, {heartbeat})", l.pid);
+        let term = l.term.map_or(String::new(), |t| format!("term {t}, "));
+        return format!("pid {} (live, {term}{heartbeat})", l.pid);
     }
     let client = l
         .client_addr
