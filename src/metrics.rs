@@ -143,9 +143,10 @@ pub const FETCH_WAKES: [&str; 8] =
 /// attempts), `next_retry_read` (the earliest retry time), `gauges` (the
 /// backlog gauges), `registration` (whether this relay waits for wake-ups),
 /// `lock` (the outbox lock or partitions), `notify_lock_waiters` (producers
-/// queued on NOTIFY's lock), `claim_commit` (competing mode), and
-/// `session_setup` (preparing a new session's statements).
-pub const TIMEOUT_STATEMENTS: [&str; 10] = [
+/// queued on NOTIFY's lock), `claim_commit` (competing mode),
+/// `session_setup` (preparing a new session's statements), and `term`
+/// (taking or confirming the leadership term).
+pub const TIMEOUT_STATEMENTS: [&str; 11] = [
     "fetch",
     "ack_write",
     "fail_write",
@@ -156,6 +157,7 @@ pub const TIMEOUT_STATEMENTS: [&str; 10] = [
     "notify_lock_waiters",
     "claim_commit",
     "session_setup",
+    "term",
 ];
 
 /// Record the starting value of every counter (0, and for

@@ -41,6 +41,7 @@ use super::completer::{Completer, FlushDone};
 use super::delivery::Settlement;
 use super::health;
 use super::inflight::InFlight;
+use super::lease::LEASE;
 use super::maintenance::Maintenance;
 use super::session::{OpenError, Sessions};
 use super::source::{Cx, Room, Source, Stop};
@@ -136,6 +137,7 @@ pub(crate) async fn run<S: Source>(
         health,
         on_standby: None,
         shared: shared.clone(),
+        lease_warned: None,
     };
     engine.run(tx, settle_rx, done_rx, &shared).await
 }
@@ -163,6 +165,9 @@ struct Engine<S: Source> {
     /// What the loop shares with the stream and the deliveries (the
     /// hand-out lease).
     shared: Arc<Shared>,
+    /// When a confirmation that came back after its lease was said last
+    /// (said at most once a minute).
+    lease_warned: Option<Instant>,
 }
 
 impl<S: Source> Engine<S> {
@@ -327,7 +332,7 @@ impl<S: Source> Engine<S> {
             (None, _) => self.shared.lease.unfenced(),
             (Some(_), None) if page.rows.is_empty() => {}
             (Some(held), current) if current == Some(held) => {
-                self.shared.lease.confirm(sent);
+                self.confirmed(sent);
                 self.completer.set_term(held);
             }
             (Some(held), current) => {
@@ -369,10 +374,30 @@ impl<S: Source> Engine<S> {
             None => return,
         };
         match read {
-            Ok(current) if current == Some(term) => self.shared.lease.confirm(sent),
+            Ok(current) if current == Some(term) => self.confirmed(sent),
             Ok(current) => self.lose(Loss::Fenced { term, current }),
             Err(e) => self.lose(Loss::Statement(e)),
         }
+    }
+
+    /// A statement sent at `sent` found the term current: the lease runs
+    /// from then. One whose answer came back after the lease had already
+    /// run out lets nothing out; said (log, health) at most once a minute,
+    /// since nothing is handed out while every round trip is that long.
+    fn confirmed(&mut self, sent: Instant) {
+        self.shared.lease.confirm(sent);
+        let round_trip = sent.elapsed();
+        if round_trip < LEASE || self.lease_warned.is_some_and(|t| t.elapsed() < Duration::from_secs(60)) {
+            return;
+        }
+        self.lease_warned = Some(Instant::now());
+        tracing::warn!(round_trip = ?round_trip, lease = ?LEASE,
+            "a statement confirming the leadership term came back after the hand-out lease had run out: nothing \
+             fetched with it is handed out; while round trips to the database take this long, delivery stalls \
+             (a slow network or an overloaded server)");
+        self.health.error(format!(
+            "round trip of {round_trip:?} to the database, longer than the {LEASE:?} hand-out lease: delivery stalls"
+        ));
     }
 
     /// The source's timer fired.

@@ -46,6 +46,9 @@ impl ConsumerBuilder {
         let cfg = Arc::new(self.cfg);
         let (work, work_link) = first_session(&cfg).await?;
         crate::migrate::check(&work).await?;
+        if cfg.mode == Mode::Single {
+            crate::store::leader::check_term_privileges(&work).await?;
+        }
         match crate::migrate::ordering(&work).await? {
             Some(mode) => tracing::info!(ordering = %mode, "ordering mode installed on events.outbox: {mode}"),
             None => tracing::warn!(

@@ -87,11 +87,11 @@ pub(crate) const OUTBOX_SCOPE: &str = "outbox";
 /// under an older term changes anything. One row: `term` (the new one, 1
 /// the first time) and `previous_released` (the previous holder marked its
 /// term released at a graceful stop, [`RELEASE_TERM`]; true when there was
-/// none).
+/// none) and `previous_term` (NULL when there was none).
 pub(crate) const TAKE_TERM: &str = "WITH reg AS ( \
        INSERT INTO events.outbox_relays (pid, waiting) VALUES (pg_backend_pid(), true) \
        ON CONFLICT (pid) DO UPDATE SET updated_at = now() RETURNING pid), \
-     prev AS (SELECT released FROM events.outbox_terms WHERE scope = $1), \
+     prev AS (SELECT released, term FROM events.outbox_terms WHERE scope = $1), \
      t AS ( \
        INSERT INTO events.outbox_terms AS t (scope, term, holder_pid, holder_started, taken_at, released) \
        SELECT $1, 1, pid, (SELECT backend_start FROM pg_catalog.pg_stat_activity WHERE pid = pg_backend_pid()), \
@@ -99,17 +99,49 @@ pub(crate) const TAKE_TERM: &str = "WITH reg AS ( \
        ON CONFLICT (scope) DO UPDATE SET term = t.term + 1, holder_pid = excluded.holder_pid, \
          holder_started = excluded.holder_started, taken_at = now(), released = false \
        RETURNING term) \
-     SELECT (SELECT term FROM t) AS term, coalesce((SELECT released FROM prev), true) AS previous_released";
+     SELECT (SELECT term FROM t) AS term, coalesce((SELECT released FROM prev), true) AS previous_released, \
+       (SELECT term FROM prev) AS previous_term";
 
-/// Scope $1's current term (`term`, NULL when none was ever taken): a
-/// leader confirming that its term is still current before it hands out
-/// more of what it fetched.
-pub(crate) const CURRENT_TERM: &str = "SELECT (SELECT term FROM events.outbox_terms WHERE scope = $1) AS term";
+/// Scope $1's current term (`term`, NULL when none was ever taken) and its
+/// holder's backend pid (`holder_pid`): a leader confirming that its term
+/// is still current before it hands out more of what it fetched, and
+/// `status`.
+pub(crate) const CURRENT_TERM: &str = "SELECT (SELECT term FROM events.outbox_terms WHERE scope = $1) AS term, \
+       (SELECT holder_pid FROM events.outbox_terms WHERE scope = $1) AS holder_pid";
+
+/// Whether the current role may take, confirm and release terms
+/// (`SELECT`, `INSERT` and `UPDATE` on `events.outbox_terms`): one row,
+/// `allowed`, with the role's name, `role`.
+pub(crate) const TERM_PRIVILEGES: &str = "SELECT current_user::text AS role, \
+       has_table_privilege('events.outbox_terms', 'SELECT') \
+       AND has_table_privilege('events.outbox_terms', 'INSERT') \
+       AND has_table_privilege('events.outbox_terms', 'UPDATE') AS allowed";
 
 /// Mark term $2 of scope $1 released: its holder stops and hands out
 /// nothing more, so the next leader may start at once. Changes nothing
 /// when the term is no longer current.
 pub(crate) const RELEASE_TERM: &str = "UPDATE events.outbox_terms SET released = true WHERE scope = $1 AND term = $2";
+
+/// Refuse a role that cannot take a term ([`TERM_PRIVILEGES`]) at start,
+/// rather than once it has taken the lock: `Err` names the role and the
+/// `GRANT` it needs.
+///
+/// # Errors
+/// [`crate::Error::Config`] when a privilege is missing;
+/// [`crate::Error::NotMigrated`] or [`crate::Error::Db`] when the check
+/// cannot run.
+pub(crate) async fn check_term_privileges<C: GenericClient + Sync>(client: &C) -> Result<()> {
+    let row = client.query_one(TERM_PRIVILEGES, &[]).await.map_err(super::map_missing_schema)?;
+    if row.try_get::<_, bool>("allowed")? {
+        return Ok(());
+    }
+    let role: String = row.try_get("role")?;
+    Err(crate::Error::Config(format!(
+        "role {role:?} may not take the leadership term: a relay in single mode needs SELECT, INSERT and UPDATE \
+         on events.outbox_terms (migration 0013); run GRANT SELECT, INSERT, UPDATE ON events.outbox_terms TO \
+         \"{role}\""
+    )))
+}
 
 /// A term taken ([`TAKE_TERM`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -118,6 +150,8 @@ pub(crate) struct TermTaken {
     pub(crate) term: i64,
     /// The previous holder released its term at a graceful stop.
     pub(crate) previous_released: bool,
+    /// The term before this one (`None`: this is the first).
+    pub(crate) previous_term: Option<i64>,
 }
 
 /// Which session holds the leader lock: its pid and start, which together

@@ -51,12 +51,14 @@ pub(crate) enum StatementKind {
     ClaimCommit,
     /// Preparing a new session's statements.
     SessionSetup,
+    /// Taking, confirming or releasing the leadership term.
+    Term,
 }
 
 impl StatementKind {
     /// Every kind, in the order of [`m::TIMEOUT_STATEMENTS`].
     #[cfg(test)]
-    pub(crate) const ALL: [StatementKind; 10] = [
+    pub(crate) const ALL: [StatementKind; 11] = [
         StatementKind::Fetch,
         StatementKind::AckWrite,
         StatementKind::FailWrite,
@@ -67,6 +69,7 @@ impl StatementKind {
         StatementKind::NotifyLockWaiters,
         StatementKind::ClaimCommit,
         StatementKind::SessionSetup,
+        StatementKind::Term,
     ];
 
     /// The `statement` label of [`m::STATEMENT_TIMEOUTS`].
@@ -82,6 +85,7 @@ impl StatementKind {
             StatementKind::NotifyLockWaiters => "notify_lock_waiters",
             StatementKind::ClaimCommit => "claim_commit",
             StatementKind::SessionSetup => "session_setup",
+            StatementKind::Term => "term",
         }
     }
 
@@ -98,6 +102,7 @@ impl StatementKind {
             StatementKind::NotifyLockWaiters => "counting NOTIFY's lock waiters",
             StatementKind::ClaimCommit => "committing the claim transaction",
             StatementKind::SessionSetup => "preparing statements",
+            StatementKind::Term => "taking or confirming the leadership term",
         }
     }
 }

@@ -120,8 +120,9 @@ pub struct LeaderLock {
     /// Age of its heartbeat in seconds; `None` when it has none (not a
     /// relay of this version, or one that has not fetched yet).
     pub heartbeat_age_seconds: Option<f64>,
-    /// The outbox's current leadership term (`events.outbox_terms`; the
-    /// live leader's own); `None` when no relay ever took one.
+    /// The leadership term this holder took (`events.outbox_terms`);
+    /// `None` when it took none (a session of an earlier build, or of
+    /// anything else, holds the lock) or the schema predates terms.
     pub term: Option<i64>,
 }
 
@@ -295,17 +296,27 @@ pub async fn status<C: GenericClient + Sync>(client: &C) -> Result<OutboxStatus>
 /// [`crate::DEFAULT_STRANDED_AFTER`] ([`super::leader::LEADER_HOLDER`]);
 /// none on a server in recovery (a standby).
 async fn leader_lock<C: GenericClient + Sync>(client: &C) -> Result<Option<LeaderLock>> {
-    let in_recovery: bool = client.query_one("SELECT pg_is_in_recovery()", &[]).await?.try_get(0)?;
+    let server =
+        client.query_one("SELECT pg_is_in_recovery(), to_regclass('events.outbox_terms') IS NOT NULL", &[]).await?;
+    let (in_recovery, has_terms): (bool, bool) = (server.try_get(0)?, server.try_get(1)?);
     if in_recovery {
         return Ok(None);
     }
     let threshold = crate::DEFAULT_STRANDED_AFTER.as_secs_f64();
     let Some(h) = super::leader::leader_holder(client, threshold).await? else { return Ok(None) };
-    let term: Option<i64> = client
-        .query_one(super::leader::CURRENT_TERM, &[&super::leader::OUTBOX_SCOPE])
-        .await
-        .map_err(super::map_missing_schema)?
-        .try_get("term")?;
+    // The term is the holder's only when it took it (not a session of an
+    // older build, or of anything else, that holds the lock); a schema from
+    // before migration 0013 has none.
+    let term: Option<i64> = if has_terms {
+        let row = client
+            .query_one(super::leader::CURRENT_TERM, &[&super::leader::OUTBOX_SCOPE])
+            .await
+            .map_err(super::map_missing_schema)?;
+        let holder: Option<i32> = row.try_get("holder_pid")?;
+        row.try_get::<_, Option<i64>>("term")?.filter(|_| holder == Some(h.id.pid))
+    } else {
+        None
+    };
     Ok(Some(LeaderLock {
         pid: h.id.pid,
         live: h.live(),

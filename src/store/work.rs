@@ -226,10 +226,14 @@ impl WorkSession {
     /// Register this session as the leader's, with its first heartbeat,
     /// and take the outbox's next leadership term ([`TAKE_TERM`]).
     pub(crate) async fn take_term(&self, stop: impl Future<Output = ()>) -> Result<TermTaken, StatementError> {
-        let kind = StatementKind::Registration;
+        let kind = StatementKind::Term;
         let row = self.run(kind, stop, self.client.query_one(TAKE_TERM, &[&OUTBOX_SCOPE])).await?;
         let read = || -> Result<TermTaken, tokio_postgres::Error> {
-            Ok(TermTaken { term: row.try_get("term")?, previous_released: row.try_get("previous_released")? })
+            Ok(TermTaken {
+                term: row.try_get("term")?,
+                previous_released: row.try_get("previous_released")?,
+                previous_term: row.try_get("previous_term")?,
+            })
         };
         read().map_err(|e| StatementError::db(kind, e))
     }
@@ -237,7 +241,7 @@ impl WorkSession {
     /// The outbox's current leadership term ([`CURRENT_TERM`]; `None` when
     /// none was ever taken).
     pub(crate) async fn current_term(&self, stop: impl Future<Output = ()>) -> Result<Option<i64>, StatementError> {
-        let kind = StatementKind::Registration;
+        let kind = StatementKind::Term;
         let row = self.run(kind, stop, self.client.query_one(CURRENT_TERM, &[&OUTBOX_SCOPE])).await?;
         row.try_get::<_, Option<i64>>("term").map_err(|e| StatementError::db(kind, e))
     }
@@ -245,7 +249,7 @@ impl WorkSession {
     /// Mark `term` released: this leader hands out nothing more
     /// ([`RELEASE_TERM`]).
     pub(crate) async fn release_term(&self, term: i64, stop: impl Future<Output = ()>) -> Result<(), StatementError> {
-        let kind = StatementKind::Registration;
+        let kind = StatementKind::Term;
         self.run(kind, stop, self.client.execute(RELEASE_TERM, &[&OUTBOX_SCOPE, &term])).await.map(drop)
     }
 

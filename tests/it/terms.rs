@@ -96,6 +96,70 @@ async fn writes_under_a_superseded_term_change_nothing_and_the_events_come_again
     assert_eq!(support::published_count(&c).await, 2);
 }
 
+/// A leader still waiting out a deposed predecessor's lease must not mark
+/// its term released when it stops: the next leader must wait in its place
+/// (else the deposed one and the next could hand out at once).
+#[tokio::test]
+async fn a_leader_that_stops_during_its_takeover_wait_does_not_release_its_term() {
+    let db = TestDb::new("terms_chained").await;
+    let c = db.client().await;
+    let a = Consumer::builder(db.options()).start().await.expect("start a");
+    eventually(20, "a leads", || async { a.health().get().role == Role::Leader }).await;
+    a.finish().await.expect("finish a");
+    // As if it had crashed instead: its term not released.
+    c.execute("UPDATE events.outbox_terms SET released = false WHERE scope = 'outbox'", &[]).await.expect("unrelease");
+    let b = Consumer::builder(db.options()).start().await.expect("start b");
+    eventually(20, "b leads", || async { b.health().get().role == Role::Leader }).await;
+    b.finish().await.expect("finish b within its wait");
+    let (term, released): (i64, bool) = c
+        .query_one("SELECT term, released FROM events.outbox_terms WHERE scope = 'outbox'", &[])
+        .await
+        .map(|r| (r.get(0), r.get(1)))
+        .expect("term row");
+    assert_eq!((term, released), (2, false), "b's term stays unreleased");
+
+    // Once the wait is over, a graceful stop releases the term.
+    let mut d = Consumer::builder(db.options()).start().await.expect("start d");
+    support::insert_seed_events(&c, uuid::Uuid::new_v4(), 1).await;
+    next(&mut d).await.ack();
+    d.finish().await.expect("finish d");
+    let released: bool =
+        c.query_one("SELECT released FROM events.outbox_terms WHERE scope = 'outbox'", &[]).await.expect("row").get(0);
+    assert!(released, "a leader that delivered releases its term");
+}
+
+/// A role without the privileges on `events.outbox_terms` is refused at
+/// start, in one line naming the GRANT, instead of failing each time it
+/// takes the lock.
+#[tokio::test]
+async fn a_role_that_cannot_take_a_term_is_refused_at_start_with_the_grant_it_needs() {
+    let db = TestDb::new("terms_grant").await;
+    let admin = db.client().await;
+    let role = format!("pgo_terms_{}", std::process::id());
+    admin
+        .batch_execute(&format!(
+            "DROP ROLE IF EXISTS {role}; CREATE ROLE {role} LOGIN; GRANT USAGE ON SCHEMA events TO {role}; \
+             GRANT ALL ON ALL TABLES IN SCHEMA events TO {role}; GRANT ALL ON ALL SEQUENCES IN SCHEMA events TO {role}; \
+             REVOKE INSERT, UPDATE ON events.outbox_terms FROM {role}"
+        ))
+        .await
+        .expect("role");
+    let mut cfg = db.pg.clone();
+    cfg.user(&role);
+    let refused = Consumer::builder(support::options_of(&cfg)).start().await;
+    let err = refused.map(drop).expect_err("refused");
+    let text = err.to_string();
+    assert!(text.contains("events.outbox_terms") && text.contains("GRANT SELECT, INSERT, UPDATE"), "{text}");
+    // Competing mode takes no term: the same role starts.
+    let competing = Consumer::builder(support::options_of(&cfg))
+        .mode(pg_outbox::Mode::Competing)
+        .start()
+        .await
+        .expect("competing mode starts");
+    competing.finish().await.expect("finish");
+    admin.batch_execute(&format!("DROP OWNED BY {role}; DROP ROLE {role}")).await.expect("drop role");
+}
+
 /// One consumer, its reader, and what its reader was handed.
 struct Member {
     stream_task: tokio::task::JoinHandle<()>,

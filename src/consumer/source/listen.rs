@@ -116,7 +116,7 @@ impl Source for ListenSource {
     async fn finish(&mut self, cx: Cx<'_>, deadline: Instant) -> Result<(), StatementError> {
         // Nothing more is handed out: the next leader need not wait out
         // this one's hand-out lease.
-        if let Some(term) = self.ownership.term() {
+        if let Some(term) = self.ownership.releasable_term() {
             cx.work.release_term(term, cx.stop()).await?;
         }
         Wakeups::unregister(cx, deadline).await

@@ -56,8 +56,13 @@ pub(super) enum Ownership {
         leader: bool,
         /// The leadership term taken with the lock (`events.outbox_terms`).
         term: Option<i64>,
+        /// The last term this consumer took, kept when it loses its
+        /// session: taking the outbox back from itself needs no wait.
+        last_term: Option<i64>,
         /// After taking over from a holder that did not release its term:
-        /// no fetch before this ([`TAKEOVER_WAIT`]).
+        /// no fetch before this ([`TAKEOVER_WAIT`]). Kept when the session
+        /// is lost, so a wait cut short by a lost session is waited out
+        /// when the outbox is taken back.
         waits_until: Option<Instant>,
         standby_logged: bool,
         lock_at: Option<Instant>,
@@ -75,6 +80,7 @@ impl Ownership {
             _ => Ownership::Single {
                 leader: false,
                 term: None,
+                last_term: None,
                 waits_until: None,
                 standby_logged: false,
                 lock_at: None,
@@ -86,7 +92,7 @@ impl Ownership {
     /// May this consumer fetch now?
     pub(super) fn may_fetch(&self) -> bool {
         match self {
-            Ownership::Single { leader, waits_until, .. } => *leader && waits_until.is_none(),
+            Ownership::Single { leader, waits_until, .. } => *leader && waits_until.is_none_or(|t| Instant::now() >= t),
             Ownership::Partitioned(p) => !p.owned.is_empty(),
         }
     }
@@ -96,6 +102,20 @@ impl Ownership {
     pub(super) fn term(&self) -> Option<i64> {
         match self {
             Ownership::Single { leader: true, term, .. } => *term,
+            _ => None,
+        }
+    }
+
+    /// The term this leader may mark released at a graceful stop: its own,
+    /// once any wait after its takeover is over (a leader still waiting out
+    /// a deposed predecessor's lease must pass that wait on to the next).
+    pub(super) fn releasable_term(&self) -> Option<i64> {
+        match self {
+            Ownership::Single { leader: true, term, waits_until, .. }
+                if waits_until.is_none_or(|t| Instant::now() >= t) =>
+            {
+                *term
+            }
             _ => None,
         }
     }
@@ -162,13 +182,14 @@ impl Ownership {
     fn set_leader(&mut self, now: bool) {
         let Ownership::Single { leader, term, waits_until, .. } = self else { return };
         if now && !*leader {
-            match waits_until {
+            match waits_until.filter(|t| *t > Instant::now()) {
                 None => tracing::info!(
                     role = "leader",
                     term = term.unwrap_or(0),
                     "active: this consumer holds the outbox lock and delivers"
                 ),
-                Some(_) => tracing::info!(role = "leader", term = term.unwrap_or(0), wait = ?TAKEOVER_WAIT,
+                Some(until) => tracing::info!(role = "leader", term = term.unwrap_or(0),
+                    wait = ?until.saturating_duration_since(Instant::now()),
                     "active: this consumer holds the outbox lock; the previous leader did not release its term \
                      (it crashed, froze or lost its connection), so delivery starts once its hand-out lease has \
                      run out"),
@@ -178,7 +199,6 @@ impl Ownership {
         }
         if !now {
             *term = None;
-            *waits_until = None;
         }
         metrics::gauge!(m::LEADER).set(if now { 1.0 } else { 0.0 });
         metrics::gauge!(m::LEADER_TERM).set(term.filter(|_| now).unwrap_or(0) as f64);
@@ -243,11 +263,25 @@ impl Ownership {
             // standbys and `status` see a live holder from now on, and
             // writes under an older term change nothing.
             let taken = cx.work.take_term(cx.stop()).await?;
-            if let Ownership::Single { watch, term, waits_until, lock_at, .. } = self {
+            if let Ownership::Single { watch, term, last_term, waits_until, lock_at, .. } = self {
                 watch.reset();
+                let now = Instant::now();
+                // A wait this consumer had not finished when it lost its
+                // session still runs.
+                let inherited = waits_until.filter(|t| *t > now);
+                // Taken back from itself (no other leader since): its own
+                // buffer was dropped with the session, nothing to wait for.
+                let own = taken.previous_term.is_some() && taken.previous_term == *last_term;
+                *waits_until = if taken.previous_released || own { inherited } else { Some(now + TAKEOVER_WAIT) };
                 *term = Some(taken.term);
-                *waits_until = (!taken.previous_released).then(|| Instant::now() + TAKEOVER_WAIT);
+                *last_term = Some(taken.term);
                 *lock_at = *waits_until;
+                if own {
+                    tracing::info!(
+                        term = taken.term,
+                        "took the outbox back after losing the session (no other leader since)"
+                    );
+                }
             }
             self.set_leader(true);
             return Ok(true);
