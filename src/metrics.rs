@@ -63,7 +63,9 @@ pub const LEADER_STRANDED: &str = "outbox_leader_stranded";
 /// leadership term was no longer current (another relay took the outbox
 /// over: docs/architecture.md, "Leadership terms"), labelled `write`
 /// (`ack`, `fail`). Those events stay unpublished and the current leader
-/// delivers them again; a fenced write is never retried.
+/// delivers them again; a fenced write is not retried (unless this
+/// consumer has taken the outbox back by then: it writes them under its
+/// new term).
 pub const FENCED_WRITES: &str = "outbox_fenced_writes_total";
 /// Gauge: the leadership term this consumer holds (single mode), 0 when it
 /// holds none (a standby; competing and partitioned modes).

@@ -64,7 +64,8 @@ enum Command {
     Replay(Box<replay::ReplayArgs>),
     /// Insert one event and print its id.
     Publish(publish::PublishArgs),
-    /// Show backlog, retries and dead letters.
+    /// Show backlog, retries, dead letters, and who leads (its pid and
+    /// leadership term, or "no live leader").
     Status(status::StatusArgs),
     /// List, show, retry or discard dead letters.
     #[command(subcommand)]

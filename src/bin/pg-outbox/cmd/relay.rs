@@ -94,7 +94,9 @@ pub(crate) struct RelayArgs {
     #[arg(long)]
     wait_for_primary: bool,
     /// How several relays share one outbox: `single` (one active, others
-    /// hot standbys; keeps order), `partitioned` (all active, split by a hash
+    /// hot standbys; keeps order; each leader takes a leadership term that
+    /// every message carries, and after a leader that did not stop cleanly
+    /// the next waits 2.25 s before it delivers), `partitioned` (all active, split by a hash
     /// of the aggregate; keeps per-aggregate order), `competing` (the original design's
     /// FOR UPDATE SKIP LOCKED; no order at all).
     #[arg(long, value_enum, default_value_t = ModeArg::Single)]
