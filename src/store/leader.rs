@@ -24,17 +24,11 @@ use tokio_postgres::{GenericClient, Row};
 use super::locks::LEADER_KEY;
 use crate::error::Result;
 
-/// The holder of the advisory lock of bigint key $1, with its liveness
-/// against a threshold of $2 seconds (`float8`): `pid`, `application_name`,
-/// `client_addr` (NULL over a Unix socket, or when the viewer may not see
-/// it), `state`, `backend_start`, `state_secs` (since `state` last
-/// changed), `heartbeat_age` (NULL without a row), `beating` (a row
-/// refreshed within $2 s) and `busy` (running a statement, not waiting on
-/// its client, begun at most $2 s after its last heartbeat). Zero rows when
-/// nobody holds it. `pg_stat_activity` shows other roles' sessions without
-/// their state and address unless the viewer has `pg_read_all_stats`: such
-/// a holder is never `busy`.
-pub(crate) const LEADER_HOLDER: &str = "SELECT l.pid, a.application_name, host(a.client_addr) AS client_addr, \
+/// [`LEADER_HOLDER`]'s text, for `concat!` ([`TERMINATE_STRANDED`] runs
+/// it as a subquery).
+macro_rules! leader_holder {
+    () => {
+        "SELECT l.pid, a.application_name, host(a.client_addr) AS client_addr, \
        a.state, a.backend_start, \
        EXTRACT(EPOCH FROM (now() - a.state_change))::float8 AS state_secs, \
        EXTRACT(EPOCH FROM (now() - r.updated_at))::float8 AS heartbeat_age, \
@@ -46,7 +40,21 @@ pub(crate) const LEADER_HOLDER: &str = "SELECT l.pid, a.application_name, host(a
        LEFT JOIN events.outbox_relays r ON r.pid = l.pid \
      WHERE l.locktype = 'advisory' AND l.granted AND l.pid IS NOT NULL AND l.objsubid = 1 \
        AND l.database = (SELECT oid FROM pg_catalog.pg_database WHERE datname = current_database()) \
-       AND l.classid = ($1::bigint >> 32)::oid AND l.objid = ($1::bigint & 4294967295)::oid";
+       AND l.classid = ($1::bigint >> 32)::oid AND l.objid = ($1::bigint & 4294967295)::oid"
+    };
+}
+
+/// The holder of the advisory lock of bigint key $1, with its liveness
+/// against a threshold of $2 seconds (`float8`): `pid`, `application_name`,
+/// `client_addr` (NULL over a Unix socket, or when the viewer may not see
+/// it), `state`, `backend_start`, `state_secs` (since `state` last
+/// changed), `heartbeat_age` (NULL without a row), `beating` (a row
+/// refreshed within $2 s) and `busy` (running a statement, not waiting on
+/// its client, begun at most $2 s after its last heartbeat). Zero rows when
+/// nobody holds it. `pg_stat_activity` shows other roles' sessions without
+/// their state and address unless the viewer has `pg_read_all_stats`: such
+/// a holder is never `busy`.
+pub(crate) const LEADER_HOLDER: &str = leader_holder!();
 
 /// End the holder of the lock of bigint key $1 with `pg_terminate_backend`
 /// if it is still backend $3 started at $4 and still stranded against $2
@@ -59,16 +67,7 @@ pub(crate) const LEADER_HOLDER: &str = "SELECT l.pid, a.application_name, host(a
 /// superuser).
 pub(crate) const TERMINATE_STRANDED: &str = concat!(
     "SELECT pg_terminate_backend(h.pid) AS ended FROM (",
-    "SELECT l.pid, a.backend_start, \
-       coalesce(r.updated_at >= now() - make_interval(secs => $2::float8), false) AS beating, \
-       coalesce(a.state = 'active' AND a.wait_event_type IS DISTINCT FROM 'Client' \
-         AND a.query_start <= r.updated_at + make_interval(secs => $2::float8), false) AS busy \
-     FROM pg_catalog.pg_locks l \
-       LEFT JOIN pg_catalog.pg_stat_activity a ON a.pid = l.pid \
-       LEFT JOIN events.outbox_relays r ON r.pid = l.pid \
-     WHERE l.locktype = 'advisory' AND l.granted AND l.pid IS NOT NULL AND l.objsubid = 1 \
-       AND l.database = (SELECT oid FROM pg_catalog.pg_database WHERE datname = current_database()) \
-       AND l.classid = ($1::bigint >> 32)::oid AND l.objid = ($1::bigint & 4294967295)::oid",
+    leader_holder!(),
     ") h WHERE h.pid = $3 AND h.backend_start IS NOT DISTINCT FROM $4 AND NOT h.beating AND NOT h.busy"
 );
 

@@ -52,6 +52,17 @@ const RESUME_BOUND: Duration = Duration::from_secs(15);
 /// manager's detection time, short).
 const DETECTION: Duration = Duration::from_secs(1);
 
+/// Promote `standby` (on a blocking thread), failing the test if it is not.
+async fn promote(standby: TempServer) -> TempServer {
+    let (standby, promoted) = blocking(move || {
+        let r = standby.promote();
+        (standby, r)
+    })
+    .await;
+    must(promoted, "promote the standby");
+    standby
+}
+
 /// Run `f` on a blocking thread (`TempServer`'s functions block).
 async fn blocking<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> T {
     tokio::task::spawn_blocking(f).await.expect("join a blocking task")
@@ -152,12 +163,7 @@ async fn fail_over(fault: Fault, seed: u64) {
     // find no primary, only the standby.
     tokio::time::sleep(DETECTION).await;
     let promote_at = Instant::now();
-    let (standby, promoted) = blocking(move || {
-        let r = standby.promote();
-        (standby, r)
-    })
-    .await;
-    must(promoted, "promote the standby");
+    let standby = promote(standby).await;
     let promoted_at = Instant::now();
 
     // The relay's first delivery after the promotion.
@@ -306,12 +312,7 @@ async fn a_relay_pointed_at_a_standby_exits_in_one_line_or_waits_for_the_promoti
     })
     .await;
     must(stopped, "stop the primary");
-    let (standby, promoted) = blocking(move || {
-        let r = standby.promote();
-        (standby, r)
-    })
-    .await;
-    must(promoted, "promote the standby");
+    let standby = promote(standby).await;
     let promoted_at = Instant::now();
     relay.wait_for_log(&[process::STARTED]).await;
     support::eventually(30, "the relay to deliver the events after the promotion", || async {

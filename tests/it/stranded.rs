@@ -19,14 +19,12 @@ use axum::body::Bytes;
 use axum::extract::{Path, State};
 use axum::http::StatusCode;
 use serde_json::Value;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::sync::watch;
 use tokio::task::JoinHandle;
 use tokio_postgres::{Client, NoTls};
 use uuid::Uuid;
 
 use crate::relay_proc::{self, LIVENESS, RelayProc, free_port};
-use crate::support::{self, DbCli, TestDb, eventually};
+use crate::support::{self, DbCli, Proxy, Target, TestDb, eventually};
 use pg_outbox_testkit::process;
 
 /// Single mode's leader lock (`src/store/locks.rs`, docs/architecture.md,
@@ -585,85 +583,6 @@ async fn a_frozen_leader_is_taken_over_with_the_flag_and_is_leader_no_more_when_
 
 // ------------------------------------------------------------- a cut network
 
-/// A TCP proxy to the test database that can stop forwarding: while cut it
-/// keeps every connection open and passes nothing either way, as a network
-/// that drops traffic does (the server's keepalives are answered by this
-/// machine, so the server never notices).
-struct Proxy {
-    port: u16,
-    cut: watch::Sender<bool>,
-}
-
-enum Target {
-    Tcp(String),
-    Unix(std::path::PathBuf),
-}
-
-impl Proxy {
-    async fn start(db: &TestDb) -> Proxy {
-        let port = db.pg.get_ports().first().copied().unwrap_or(5432);
-        let target = Arc::new(match db.pg.get_hosts().first().cloned() {
-            Some(tokio_postgres::config::Host::Unix(dir)) => Target::Unix(dir.join(format!(".s.PGSQL.{port}"))),
-            Some(tokio_postgres::config::Host::Tcp(h)) => Target::Tcp(format!("{h}:{port}")),
-            None => Target::Tcp(format!("127.0.0.1:{port}")),
-        });
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind the proxy");
-        let port = listener.local_addr().expect("address").port();
-        let (cut, _) = watch::channel(false);
-        let cut_rx = cut.subscribe();
-        tokio::spawn(async move {
-            while let Ok((client, _)) = listener.accept().await {
-                let (target, cut) = (target.clone(), cut_rx.clone());
-                tokio::spawn(async move {
-                    let (cr, cw) = client.into_split();
-                    match &*target {
-                        Target::Tcp(addr) => {
-                            let Ok(server) = tokio::net::TcpStream::connect(addr).await else { return };
-                            let (sr, sw) = server.into_split();
-                            tokio::join!(pump(cr, sw, cut.clone()), pump(sr, cw, cut));
-                        }
-                        Target::Unix(path) => {
-                            let Ok(server) = tokio::net::UnixStream::connect(path).await else { return };
-                            let (sr, sw) = server.into_split();
-                            tokio::join!(pump(cr, sw, cut.clone()), pump(sr, cw, cut));
-                        }
-                    }
-                });
-            }
-        });
-        Proxy { port, cut }
-    }
-
-    fn cut(&self, cut: bool) {
-        self.cut.send_replace(cut);
-    }
-}
-
-/// Copy `from` to `to`, holding what was read while cut.
-async fn pump(
-    mut from: impl tokio::io::AsyncRead + Unpin,
-    mut to: impl tokio::io::AsyncWrite + Unpin,
-    mut cut: watch::Receiver<bool>,
-) {
-    let mut buf = vec![0u8; 16 * 1024];
-    loop {
-        if cut.wait_for(|c| !*c).await.is_err() {
-            return;
-        }
-        let n = match from.read(&mut buf).await {
-            Ok(0) | Err(_) => break,
-            Ok(n) => n,
-        };
-        if cut.wait_for(|c| !*c).await.is_err() {
-            return;
-        }
-        if to.write_all(&buf[..n]).await.is_err() {
-            break;
-        }
-    }
-    let _ = to.shutdown().await;
-}
-
 /// The leader's network drops everything (its process runs on): the
 /// standby with `--take-over-stranded` finds the lock stranded and takes
 /// over, with the default threshold. Nothing is lost.
@@ -671,7 +590,10 @@ async fn pump(
 async fn a_leader_behind_a_cut_network_is_taken_over_with_the_flag() {
     let db = TestDb::new("stranded_network_cut").await;
     let hook = Hook::serve().await;
-    let proxy = Proxy::start(&db).await;
+    // Frozen, the proxy passes nothing either way and keeps every
+    // connection open, as a network that drops traffic does (the server's
+    // keepalives are answered by this machine, so the server never notices).
+    let proxy = Proxy::start(Target::of(&db)).await;
     let user = db.pg.get_user().unwrap_or("postgres").to_string();
     let via_proxy = format!("postgres://{user}@127.0.0.1:{}/{}?connect_timeout=2", proxy.port, db.name);
     let mut a = relay_proc::start_spec(process::Relay::new(support::bin()).url(&via_proxy).args(&[
@@ -687,7 +609,7 @@ async fn a_leader_behind_a_cut_network_is_taken_over_with_the_flag() {
     let producer = Producer::start(db.client().await, aggregates(8), Duration::from_millis(10));
     eventually(30, "the leader delivers", || async { hook.got().len() >= 100 }).await;
 
-    proxy.cut(true);
+    proxy.freeze(true);
     let cut = Instant::now();
     let detected = logged_within(&mut b, NO_LIVE_LEADER, cut, DETECTION_BOUND).await;
     b.wait_log(&[ACTIVE], LIVENESS).await.unwrap_or_else(|e| panic!("{e}"));
@@ -700,7 +622,7 @@ async fn a_leader_behind_a_cut_network_is_taken_over_with_the_flag() {
         tokio::time::sleep(Duration::from_millis(5)).await;
     };
     let takeover = first.duration_since(cut);
-    proxy.cut(false);
+    proxy.freeze(false);
     let committed = producer.stop().await;
     all_delivered(&hook, &committed, || format!("{}\n{}", a.log(), b.log())).await;
     let t = tally(&committed, &hook.got());
