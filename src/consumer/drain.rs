@@ -331,10 +331,7 @@ impl<S: Source> Engine<S> {
         match (term, page.term) {
             (None, _) => self.shared.lease.unfenced(),
             (Some(_), None) if page.rows.is_empty() => {}
-            (Some(held), current) if current == Some(held) => {
-                self.confirmed(sent);
-                self.completer.set_term(held);
-            }
+            (Some(held), current) if current == Some(held) => self.confirmed(sent),
             (Some(held), current) => {
                 drop(permit);
                 return self.lose(Loss::Fenced { term: held, current });
