@@ -252,6 +252,7 @@ pub struct Relays {
 /// locks, and those named as a relay names its sessions. Seeing other
 /// sessions' rows in `pg_stat_activity` needs the same role or
 /// `pg_read_all_stats`; sessions of other roles show with fewer details.
+/// On a hot standby, none: relays run only against a primary.
 ///
 /// # Errors
 /// [`crate::Error::NotMigrated`] or [`crate::Error::Db`].

@@ -22,7 +22,7 @@ use super::holdback::AggregateKey;
 use crate::metrics as m;
 use crate::retry::RetryPolicy;
 use crate::store::statement::StatementError;
-use crate::store::{Acknowledged, FailParams, FailWritten, FailsWritten, WriterSession};
+use crate::store::{Acknowledged, FailParams, FailWritten, FailsWritten, Fence, WriterSession};
 
 /// A failed attempt waiting to be written.
 pub(super) struct PendingFail {
@@ -43,8 +43,8 @@ pub(super) struct FlushDone {
     pub(super) generation: u64,
     acks: Vec<i64>,
     fails: Vec<PendingFail>,
-    /// The term it was written under.
-    term: Option<i64>,
+    /// The terms it was conditional on.
+    fence: Option<Fence>,
     ack_res: Result<Acknowledged, StatementError>,
     fail_res: Result<FailsWritten, StatementError>,
 }
@@ -59,9 +59,12 @@ pub(super) struct Written {
     pub(super) earliest_retry: Option<f64>,
     /// The first statement error (its settlements are queued again).
     pub(super) error: Option<StatementError>,
-    /// The write's term was no longer current: this term (its settlements
-    /// were dropped, and the current leader delivers those events again).
+    /// A term of the write was no longer current: the greatest of its
+    /// terms (its settlements were dropped, and the current holder delivers
+    /// those events again).
     pub(super) fenced: Option<i64>,
+    /// The ids of the settlements dropped as fenced.
+    pub(super) dropped: Vec<i64>,
 }
 
 /// Pending settlements and the write in flight.
@@ -77,9 +80,6 @@ pub(super) struct Completer {
     interval: Duration,
     retry: RetryPolicy,
     max_retries: i32,
-    /// The leadership term every write is conditional on: the last one the
-    /// consumer held (`None`: it holds none, and writes are not fenced).
-    term: Option<i64>,
 }
 
 impl Completer {
@@ -95,15 +95,7 @@ impl Completer {
             interval: cfg.ack_interval,
             retry: cfg.retry.clone(),
             max_retries: cfg.max_retries,
-            term: None,
         }
-    }
-
-    /// Writes from now on are conditional on `term` (kept when the consumer
-    /// loses its term: a write under it still applies if no other relay has
-    /// taken the outbox over since).
-    pub(super) fn set_term(&mut self, term: i64) {
-        self.term = Some(term);
     }
 
     /// Settlements waiting to be written.
@@ -192,9 +184,15 @@ impl Completer {
     }
 
     /// Start writing up to one batch of acknowledgements and one of failures
-    /// on `writer` (of session generation `generation`),
-    /// without waiting: the outcome comes back as a [`FlushDone`].
-    pub(super) fn start(&mut self, writer: &WriterSession, generation: u64) {
+    /// on `writer` (of session generation `generation`), conditional on the
+    /// terms `fence_for` names for their ids, without waiting: the outcome
+    /// comes back as a [`FlushDone`].
+    pub(super) fn start(
+        &mut self,
+        writer: &WriterSession,
+        generation: u64,
+        fence_for: impl FnOnce(&[i64]) -> Option<Fence>,
+    ) {
         self.flush_at = None;
         if self.flushing.is_some() || self.pending() == 0 {
             return;
@@ -204,34 +202,48 @@ impl Completer {
         // meet the statement timeout) than the one that failed.
         let acks: Vec<i64> = self.acks.drain(..self.acks.len().min(self.cap)).collect();
         let fails: Vec<PendingFail> = self.fails.drain(..self.fails.len().min(self.cap)).collect();
-        self.flushing = Some(acks.iter().copied().chain(fails.iter().map(|f| f.id)).collect());
-        let (writer, max_retries, term) = (writer.clone(), self.max_retries, self.term);
+        let ids: Vec<i64> = acks.iter().copied().chain(fails.iter().map(|f| f.id)).collect();
+        let fence = fence_for(&ids);
+        self.flushing = Some(ids);
+        let (writer, max_retries) = (writer.clone(), self.max_retries);
         let done_tx = self.done_tx.clone();
         tokio::spawn(async move {
-            let (ack_res, fail_res) = write(&writer, &acks, &fails, max_retries, term).await;
-            let _ = done_tx.send(FlushDone { generation, acks, fails, term, ack_res, fail_res });
+            let (ack_res, fail_res) = write(&writer, &acks, &fails, max_retries, fence.as_ref()).await;
+            let _ = done_tx.send(FlushDone { generation, acks, fails, fence, ack_res, fail_res });
         });
     }
 
     /// Take in the outcome of a write: metrics and dead-letter logs; on an
     /// error the settlements are queued again (both writes are idempotent).
-    /// A fenced write is dropped, counted and logged, unless this consumer
-    /// holds a newer term by now (`held`: it lost its session and took the
-    /// outbox again): then no other relay leads, the settlements are true
-    /// of deliveries it made, and they are queued again under its term.
-    pub(super) fn finish(&mut self, done: FlushDone, held: Option<i64>) -> Written {
-        self.flushing = None;
-        let FlushDone { acks, fails, term, ack_res, fail_res, .. } = done;
-        let adopt = held.filter(|h| term.is_some_and(|t| t < *h));
-        if let Some(held) = adopt {
-            self.term = Some(held);
-        }
-        let mut written =
-            Written { acked: Vec::new(), failed: Vec::new(), earliest_retry: None, error: None, fenced: None };
+    /// A fenced write is dropped, counted and logged, unless the terms this
+    /// consumer would write them under now (`fence_for`) are newer than the
+    /// write's (it lost its session and took the outbox, or the
+    /// partitions, back): then the settlements, true of deliveries it
+    /// made, are queued again under those.
+    pub(super) fn finish(&mut self, done: FlushDone, fence_for: impl FnOnce(&[i64]) -> Option<Fence>) -> Written {
+        let ids = self.flushing.take().unwrap_or_default();
+        let FlushDone { acks, fails, fence, ack_res, fail_res, .. } = done;
+        let fenced_write = matches!(&ack_res, Ok(a) if a.fenced) || matches!(&fail_res, Ok(f) if f.fenced);
+        let adopt = fenced_write && fence.is_some() && {
+            let now = fence_for(&ids);
+            now.is_some() && now != fence
+        };
+        let term = fence.as_ref().map(Fence::max_term);
+        let mut written = Written {
+            acked: Vec::new(),
+            failed: Vec::new(),
+            earliest_retry: None,
+            error: None,
+            fenced: None,
+            dropped: Vec::new(),
+        };
         let mut fenced = (0usize, 0usize);
         match ack_res {
-            Ok(acknowledged) if acknowledged.fenced && adopt.is_some() => self.acks.extend(acks),
-            Ok(acknowledged) if acknowledged.fenced => fenced.0 = acks.len(),
+            Ok(acknowledged) if acknowledged.fenced && adopt => self.acks.extend(acks),
+            Ok(acknowledged) if acknowledged.fenced => {
+                fenced.0 = acks.len();
+                written.dropped = acks;
+            }
             Ok(acknowledged) => {
                 record_published(&acknowledged);
                 written.acked = acks;
@@ -243,7 +255,7 @@ impl Completer {
         }
         match fail_res {
             // Their aggregates stay held back until they are written.
-            Ok(rows) if rows.fenced && adopt.is_some() => self.fails.extend(fails),
+            Ok(rows) if rows.fenced && adopt => self.fails.extend(fails),
             Ok(rows) => {
                 if rows.fenced {
                     fenced.1 = fails.len();
@@ -267,8 +279,9 @@ impl Completer {
                 term = term.unwrap_or(0),
                 acknowledgements = fenced.0,
                 failures = fenced.1,
-                "settlements not written: this consumer's leadership term was superseded (another relay took \
-                 the outbox over); those events stay unpublished and the current leader delivers them again"
+                "settlements not written: a leadership term of this consumer was superseded (another relay took \
+                 the outbox or the partition over); those events stay unpublished and the current holder delivers \
+                 them again"
             );
         }
         written
@@ -311,11 +324,11 @@ async fn write(
     acks: &[i64],
     fails: &[PendingFail],
     max_retries: i32,
-    term: Option<i64>,
+    fence: Option<&Fence>,
 ) -> (Result<Acknowledged, StatementError>, Result<FailsWritten, StatementError>) {
     let fails: Vec<FailParams<'_>> = fails
         .iter()
         .map(|f| FailParams { id: f.id, error: &f.error, delay: f.delay, retry_count: f.retry_count })
         .collect();
-    tokio::join!(writer.ack(acks, term), writer.fail(&fails, max_retries, term))
+    tokio::join!(writer.ack(acks, fence), writer.fail(&fails, max_retries, fence))
 }

@@ -43,14 +43,16 @@ impl Delivery {
         Delivery { event, seq, term, shared: Some(shared) }
     }
 
-    /// The leadership term under which this event was handed out (single
-    /// mode): a number that grows each time a relay takes the outbox over,
-    /// kept in `events.outbox_terms`. A destination that remembers the
-    /// highest term it has seen per aggregate can refuse a delivery of a
-    /// lower one: it comes from a relay that has been deposed. The relay
-    /// sends it with every message (header `term`, the webhook's
-    /// `outbox-term`, the CloudEvents attribute `outboxterm`). `None` in
-    /// competing and partitioned modes, which take no term.
+    /// The leadership term under which this event was handed out: a number
+    /// that grows each time a relay takes the outbox over (single mode), or
+    /// the event's partition (partitioned mode: one term per partition, and
+    /// an aggregate always hashes to the same partition), kept in
+    /// `events.outbox_terms`. A destination that remembers the highest term
+    /// it has seen per aggregate can refuse a delivery of a lower one: it
+    /// comes from a relay that has been deposed. The relay sends it with
+    /// every message (header `term`, the webhook's `outbox-term`, the
+    /// CloudEvents attribute `outboxterm`). `None` in competing mode, which
+    /// takes no term.
     pub fn term(&self) -> Option<u64> {
         self.term.and_then(|t| u64::try_from(t).ok())
     }

@@ -44,7 +44,7 @@ use super::inflight::InFlight;
 use super::lease::LEASE;
 use super::maintenance::Maintenance;
 use super::session::{OpenError, Sessions};
-use super::source::{Cx, Room, Source, Stop};
+use super::source::{Cx, Room, Source, Stop, TermCheck};
 use super::{ConsumerConfig, Delivery, STATUS_INTERVAL, Shared};
 use crate::connect::Link;
 use crate::error::Error;
@@ -181,11 +181,6 @@ impl<S: Source> Engine<S> {
         let token = self.token.clone();
         while !self.stop_reached() {
             self.health.turned();
-            if let Some(term) = self.source.term() {
-                // Settlements still unwritten from an earlier term of this
-                // consumer are written under the one it holds now.
-                self.completer.set_term(term);
-            }
             if self.sessions.is_open() && self.completer.batch_ready() {
                 self.start_write();
             }
@@ -313,7 +308,6 @@ impl<S: Source> Engine<S> {
         let Ok(permit) = permit else { return self.token.cancel() };
         let exclude = self.inflight.exclude(&self.completer);
         let room = Room { exclude: &exclude, batch: self.inflight.batch(), budget: self.inflight.budget() };
-        let term = self.source.term();
         let sent = Instant::now();
         let page = match self.source_cx() {
             (source, Some(cx)) => source.fetch(cx, room).await,
@@ -326,15 +320,15 @@ impl<S: Source> Engine<S> {
                 return self.lose(Loss::Statement(e));
             }
         };
-        // The fetch read the current term with its rows: hand them out only
-        // under ours, within the lease from when the fetch was sent.
-        match (term, page.term) {
-            (None, _) => self.shared.lease.unfenced(),
-            (Some(_), None) if page.rows.is_empty() => {}
-            (Some(held), current) if current == Some(held) => self.confirmed(sent),
-            (Some(held), current) => {
+        // The fetch read the current terms with its rows: hand them out
+        // only under ours, within the lease from when the fetch was sent.
+        match self.source.check_page(&page) {
+            TermCheck::Unfenced => self.shared.lease.unfenced(),
+            TermCheck::Unconfirmed => {}
+            TermCheck::Confirmed => self.confirmed(sent),
+            TermCheck::Superseded { term, current } => {
                 drop(permit);
-                return self.lose(Loss::Fenced { term: held, current });
+                return self.lose(Loss::Fenced { term, current });
             }
         }
         // A fetch the byte budget cut counts as full: more may be due (the
@@ -342,7 +336,7 @@ impl<S: Source> Engine<S> {
         let full = page.rows.len() >= self.inflight.batch() || page.cut;
         let source = &mut self.source;
         let settle = (&self.token, &mut self.completer);
-        let handed = self.inflight.hand_out(page, term, permit, settle, |id, part| source.handed_out(id, part));
+        let handed = self.inflight.hand_out(page, permit, settle, |id, part| source.handed_out(id, part));
         self.inflight.record_held();
         metrics::counter!(m::EVENTS_FETCHED, "wake" => self.source.wake_label()).increment(handed);
         if handed == 0 && self.source.holds_transaction() {
@@ -360,19 +354,20 @@ impl<S: Source> Engine<S> {
     /// confirm that the term is still current, one statement for all that
     /// waits ([`super::lease`]).
     async fn renew_lease(&mut self) {
-        let Some(term) = self.source.term() else {
+        if !self.source.fenced() {
             // No term held: a standby's buffer was released when it lost
-            // its term; in the modes without terms nothing is fenced.
+            // its term; in competing mode nothing is fenced.
             return;
-        };
+        }
         let sent = Instant::now();
-        let read = match self.sessions.conn() {
-            Some(conn) => conn.work.current_term(self.token.cancelled()).await,
-            None => return,
+        let read = match self.source_cx() {
+            (source, Some(cx)) => source.confirm_terms(cx).await,
+            (_, None) => return,
         };
         match read {
-            Ok(current) if current == Some(term) => self.confirmed(sent),
-            Ok(current) => self.lose(Loss::Fenced { term, current }),
+            Ok(TermCheck::Confirmed) => self.confirmed(sent),
+            Ok(TermCheck::Superseded { term, current }) => self.lose(Loss::Fenced { term, current }),
+            Ok(TermCheck::Unfenced | TermCheck::Unconfirmed) => {}
             Err(e) => self.lose(Loss::Statement(e)),
         }
     }
@@ -441,7 +436,10 @@ impl<S: Source> Engine<S> {
 
     fn start_write(&mut self) {
         match self.sessions.conn() {
-            Some(conn) => self.completer.start(&conn.writer, self.sessions.generation()),
+            Some(conn) => {
+                let source = &self.source;
+                self.completer.start(&conn.writer, self.sessions.generation(), |ids| source.fence_for(ids));
+            }
             None => self.completer.disarm(),
         }
     }
@@ -450,7 +448,8 @@ impl<S: Source> Engine<S> {
     /// error on the current sessions gives them up.
     async fn written(&mut self, done: FlushDone) {
         let current = done.generation == self.sessions.generation() && self.sessions.is_open();
-        let w = self.completer.finish(done, self.source.term());
+        let source = &self.source;
+        let w = self.completer.finish(done, |ids| source.fence_for(ids));
         self.source.written(&w);
         // No fetch is in flight while this runs (fetches are awaited by this
         // same task), so every later fetch sees the failures.
@@ -461,7 +460,7 @@ impl<S: Source> Engine<S> {
             self.lose(Loss::Statement(e));
         } else if let Some(term) = w.fenced
             && current
-            && self.source.term().is_some()
+            && self.source.fenced()
         {
             self.lose(Loss::Fenced { term, current: None });
         }
@@ -525,7 +524,7 @@ impl<S: Source> Engine<S> {
             }
             None => Duration::ZERO,
         };
-        let had_term = self.source.term().is_some();
+        let had_term = self.source.fenced();
         self.inflight.session_lost();
         self.sessions.close(delay);
         self.source.session_lost();

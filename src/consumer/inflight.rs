@@ -105,15 +105,15 @@ impl InFlight {
         exclude
     }
 
-    /// Hand the rows of `page` out through `permit` as one new fetch under
-    /// leadership term `term`, telling `handed_out` each id and partition; a row that cannot be
+    /// Hand the rows of `page` out through `permit` as one new fetch, each
+    /// under the leadership term the fetch read for it, telling
+    /// `handed_out` each id and partition; a row that cannot be
     /// decoded is recorded as a failed attempt. Stops handing out when
     /// `token` is cancelled (the rest stay unpublished). Returns how many
     /// were handed out.
     pub(super) fn hand_out(
         &mut self,
         page: FetchPage,
-        term: Option<i64>,
         permit: mpsc::PermitIterator<'_, Delivery>,
         (token, completer): (&CancellationToken, &mut Completer),
         mut handed_out: impl FnMut(i64, Option<i32>),
@@ -125,7 +125,7 @@ impl InFlight {
                 break;
             }
             match row {
-                Ok(DecodedEvent { event, payload_bytes: bytes, partition }) => {
+                Ok(DecodedEvent { event, payload_bytes: bytes, partition, term }) => {
                     self.held_bytes += bytes;
                     if let Some(old) = self.outstanding.insert(event.id, Out { seq: self.seq, bytes }) {
                         // Not expected (a fetch excludes the ids handed out);

@@ -46,7 +46,7 @@ impl ConsumerBuilder {
         let cfg = Arc::new(self.cfg);
         let (work, work_link) = first_session(&cfg).await?;
         crate::migrate::check(&work).await?;
-        if cfg.mode == Mode::Single {
+        if cfg.mode != Mode::Competing {
             crate::store::leader::check_term_privileges(&work).await?;
         }
         match crate::migrate::ordering(&work).await? {

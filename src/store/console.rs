@@ -259,6 +259,14 @@ fn relay_session(r: &Row) -> Result<RelaySession> {
 /// # Errors
 /// [`crate::Error::NotMigrated`] or [`crate::Error::Db`].
 pub(crate) async fn relays<C: GenericClient + Sync>(client: &C) -> Result<Relays> {
+    // A hot standby runs no relay (they are refused there), and cannot read
+    // `events.outbox_relays`, an unlogged table ("cannot access temporary
+    // or unlogged relations during recovery").
+    let recovery = client.query_one("SELECT pg_is_in_recovery()", &[]).await?;
+    if recovery.try_get::<_, bool>(0)? {
+        let notification_queue_usage = super::wakeup::notification_queue_usage(client).await?;
+        return Ok(Relays { sessions: Vec::new(), notification_queue_usage });
+    }
     let (leader, partition, member) = RELAY_LOCK_KEYS;
     let sessions = query_map(client, RELAY_SESSIONS, &[&leader, &partition, &member], relay_session).await?;
     let notification_queue_usage = super::wakeup::notification_queue_usage(client).await?;

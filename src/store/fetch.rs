@@ -9,6 +9,15 @@ use super::rows::{BYTES_BEFORE, EVENT_COLUMNS, PARTITION, TERM};
 /// of one row.
 const CURRENT_OUTBOX_TERM: &str = "(SELECT t.term FROM events.outbox_terms t WHERE t.scope = 'outbox')";
 
+/// The current leadership terms of the partitions $5 (of $4), in the order
+/// of $5, 0 for a partition without one (`events.outbox_terms`, scope
+/// `partition:P/N`: [`super::leader::partition_scope`]): a subquery that
+/// does not depend on the row, which PostgreSQL runs once per statement (an
+/// InitPlan), one primary-key lookup per partition held.
+const CURRENT_PARTITION_TERMS: &str = "(SELECT array_agg(coalesce(t.term, 0) ORDER BY u.i) \
+     FROM unnest($5::int4[]) WITH ORDINALITY u(p, i) \
+     LEFT JOIN events.outbox_terms t ON t.scope = 'partition:' || u.p || '/' || $4)";
+
 /// The hold-back probe of a candidate row `o`: the id of the first earlier
 /// event of its aggregate that has failed and is not published (waiting for
 /// a retry, due again, or a dead letter), or NULL. An event is handed out
@@ -72,10 +81,12 @@ pub(super) const HELD_BACK: &str = concat!(held_back_by!(), " IS NOT NULL");
 ///
 /// $1 are ids already in flight, $2 the batch size, $3 the byte budget.
 /// With `partitioned`, only aggregates whose hash partition (of $4) is in
-/// $5, and the partition is returned as column `part`
-/// ([`super::row_partition`]); without it, every row carries the outbox's
-/// current leadership term as column `term` ([`CURRENT_OUTBOX_TERM`]), so
-/// the fetch itself tells the leader whether its term is still current.
+/// $5, the partition is returned as column `part`
+/// ([`super::row_partition`]) and the current term of that partition as
+/// column `term` ([`CURRENT_PARTITION_TERMS`]); without it, every row
+/// carries the outbox's current leadership term as column `term`
+/// ([`CURRENT_OUTBOX_TERM`]). So the fetch itself tells the consumer
+/// whether the terms it holds are still current.
 /// `sizes` says how payloads are measured ([`PayloadSizes`]).
 ///
 /// Every fetch starts from the lowest id: no cursor. A cursor (`id > last`)
@@ -84,7 +95,13 @@ pub(super) const HELD_BACK: &str = concat!(held_back_by!(), " IS NOT NULL");
 /// another aggregate that committed after a higher id.
 pub(crate) fn fetch_sql(partitioned: bool, sizes: PayloadSizes) -> String {
     let (part_filter, part_col) = if partitioned {
-        (format!("AND {PARTITION_EXPR} = ANY($5::int4[])"), format!(", {PARTITION_EXPR} AS {PARTITION}"))
+        (
+            format!("AND {PARTITION_EXPR} = ANY($5::int4[])"),
+            format!(
+                ", {PARTITION_EXPR} AS {PARTITION}, \
+                 {CURRENT_PARTITION_TERMS}[array_position($5::int4[], {PARTITION_EXPR})] AS {TERM}"
+            ),
+        )
     } else {
         (String::new(), format!(", {CURRENT_OUTBOX_TERM} AS {TERM}"))
     };
@@ -258,7 +275,13 @@ mod tests {
         assert_eq!(EVENT_COLUMNS.split(", ").count(), 8, "{EVENT_COLUMNS}");
         let sql = fetch_sql(true, PayloadSizes::StoredWhenSmall);
         assert!(sql.starts_with(&format!("SELECT {EVENT_COLUMNS}, ")), "{sql}");
-        assert!(sql.contains(&format!("AS {PARTITION}, o.bytes_before AS {BYTES_BEFORE} FROM")), "{sql}");
+        assert!(sql.contains(&format!("AS {TERM}, o.bytes_before AS {BYTES_BEFORE} FROM")), "{sql}");
+        assert!(sql.contains(&format!("AS {PARTITION}, ")), "{sql}");
+        assert_eq!(
+            crate::store::leader::partition_scope(3, 16),
+            "partition:3/16",
+            "the fetch's terms read the scopes the consumer takes"
+        );
         assert!(!fetch_sql(false, PayloadSizes::StoredWhenSmall).contains(PARTITION_EXPR));
     }
 

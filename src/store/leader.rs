@@ -75,6 +75,13 @@ pub(crate) const TERMINATE_STRANDED: &str = concat!(
 /// 0013): the whole outbox.
 pub(crate) const OUTBOX_SCOPE: &str = "outbox";
 
+/// The scope of partitioned mode's term for partition `p` of `partitions`
+/// in `events.outbox_terms`: `partition:P/N` (a consumer configured with
+/// another number of partitions takes other locks and other terms).
+pub(crate) fn partition_scope(p: i32, partitions: u32) -> String {
+    format!("partition:{p}/{partitions}")
+}
+
 /// Record the session that just took the leader lock as the holder of
 /// scope $1's term and bump that term; in the same statement, register it
 /// in `events.outbox_relays`, its first heartbeat, so standbys and `status`
@@ -108,6 +115,11 @@ pub(crate) const TAKE_TERM: &str = "WITH reg AS ( \
 pub(crate) const CURRENT_TERM: &str = "SELECT (SELECT term FROM events.outbox_terms WHERE scope = $1) AS term, \
        (SELECT holder_pid FROM events.outbox_terms WHERE scope = $1) AS holder_pid";
 
+/// The current terms of the scopes $1 (`text[]`): one row per scope that
+/// has one, `scope` and `term`. A partitioned consumer confirming that the
+/// terms of the partitions it holds are still current.
+pub(crate) const CURRENT_TERMS: &str = "SELECT scope, term FROM events.outbox_terms WHERE scope = ANY($1::text[])";
+
 /// Whether the current role may take, confirm and release terms
 /// (`SELECT`, `INSERT` and `UPDATE` on `events.outbox_terms`): one row,
 /// `allowed`, with the role's name, `role`.
@@ -136,8 +148,8 @@ pub(crate) async fn check_term_privileges<C: GenericClient + Sync>(client: &C) -
     }
     let role: String = row.try_get("role")?;
     Err(crate::Error::Config(format!(
-        "role {role:?} may not take the leadership term: a relay in single mode needs SELECT, INSERT and UPDATE \
-         on events.outbox_terms (migration 0013); run GRANT SELECT, INSERT, UPDATE ON events.outbox_terms TO \
+        "role {role:?} may not take the leadership term: a relay in single or partitioned mode needs SELECT, \
+         INSERT and UPDATE on events.outbox_terms (migration 0013); run GRANT SELECT, INSERT, UPDATE ON events.outbox_terms TO \
          \"{role}\""
     )))
 }

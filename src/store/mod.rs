@@ -78,7 +78,7 @@ pub(crate) use publish::via_sqlx;
 pub(crate) use publish::{insert_event, insert_events};
 pub(crate) use rows::{DecodedEvent, event_from_row, row_id};
 pub(crate) use schema::SERVER_STATE;
-pub(crate) use settle::{ACK, FAIL};
+pub(crate) use settle::{ACK, FAIL, Fence};
 pub(crate) use status::GAUGES;
 pub use status::{
     LeaderLock, OutboxStatus, PendingRetry, RetryLadder, STATUS_MAX_TYPES, STATUS_NEXT_RETRIES, TypeBacklog, status,

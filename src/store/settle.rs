@@ -1,30 +1,72 @@
 //! Settling delivered events: acknowledgements and failures, batched, each
-//! fenced by the writer's term.
+//! fenced by the writer's terms.
 
-/// The fence of a write: `current` is true when the writer's term (`$T`,
-/// NULL for a consumer that holds no term: competing and partitioned
-/// modes) is scope `'outbox'`'s current term in `events.outbox_terms`
-/// (migration 0013). The row is read `FOR SHARE`: a leader taking the next
-/// term ([`super::leader::TAKE_TERM`]) waits for the write to end, and a
-/// write that comes after the bump reads the new term (PostgreSQL docs,
-/// "The Locking Clause": a locked row is re-read in its latest version).
-/// A macro so that `concat!` builds the statements with the term's
-/// parameter number.
+use std::collections::BTreeMap;
+
+/// The fence of a write: `current` is true when every leadership term the
+/// writer names in `$T` (a `jsonb` object, scope to term: [`Fence`]; NULL
+/// for a consumer that holds no term, competing mode) is still its scope's
+/// current term in `events.outbox_terms` (migration 0013). The rows are read
+/// `FOR SHARE`: a consumer taking the next term of a scope
+/// ([`super::leader::TAKE_TERM`]) waits for the write to end, and a write
+/// that comes after the bump reads the new term and finds it no longer
+/// matches (PostgreSQL docs, "The Locking Clause": a locked row is re-read
+/// in its latest version and the condition checked again). A macro so that
+/// `concat!` builds the statements with the term's parameter number.
 macro_rules! fence {
     ($t:literal) => {
         concat!(
             "fence AS MATERIALIZED (SELECT ",
             $t,
-            "::bigint IS NULL OR coalesce((SELECT t.term FROM events.outbox_terms t \
-               WHERE t.scope = 'outbox' FOR SHARE) = ",
+            "::jsonb IS NULL OR (SELECT count(*) FROM (SELECT 1 FROM events.outbox_terms t \
+               WHERE t.scope = ANY (ARRAY(SELECT jsonb_object_keys(",
             $t,
-            ", false) AS current)"
+            "::jsonb))) AND t.term = (",
+            $t,
+            "::jsonb ->> t.scope)::bigint FOR SHARE) f) = (SELECT count(*) FROM jsonb_object_keys(",
+            $t,
+            "::jsonb)) AS current)"
         )
     };
 }
 
+/// The leadership terms a write is conditional on ([`fence!`]): scope
+/// (`'outbox'` in single mode, one per partition in partitioned mode,
+/// [`super::leader::partition_scope`]) to term. Every one must still be
+/// current for the write to change anything.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub(crate) struct Fence(BTreeMap<String, i64>);
+
+impl Fence {
+    /// A fence of the one scope `scope` at `term`.
+    pub(crate) fn of(scope: &str, term: i64) -> Self {
+        Fence(BTreeMap::from([(scope.to_string(), term)]))
+    }
+
+    /// Add scope `scope` at `term` (a scope named twice keeps the greater).
+    pub(crate) fn insert(&mut self, scope: String, term: i64) {
+        let t = self.0.entry(scope).or_insert(term);
+        *t = (*t).max(term);
+    }
+
+    /// No scope at all.
+    pub(crate) fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+
+    /// The greatest term named (for logs).
+    pub(crate) fn max_term(&self) -> i64 {
+        self.0.values().copied().max().unwrap_or(0)
+    }
+
+    /// The statements' `$T`.
+    pub(crate) fn to_json(&self) -> serde_json::Value {
+        serde_json::Value::Object(self.0.iter().map(|(k, v)| (k.clone(), serde_json::Value::from(*v))).collect())
+    }
+}
+
 /// Mark events published (MarkPublished of docs/schema.md, batched), if
-/// term $2 is current ([`fence!`]). Returns `current` and, per row actually
+/// the terms $2 are current ([`fence!`]). Returns `current` and, per row actually
 /// published, seconds from `occurred_at` to now (`lag`, NULL in the one
 /// row returned when none was published).
 pub(crate) const ACK: &str = concat!(
@@ -44,7 +86,7 @@ pub(crate) const ACK: &str = concat!(
 /// rows whose retry_count is still what was fetched change, so replaying a
 /// batch whose reply was lost counts nothing twice. Returns per row changed
 /// `id`, `dead` and `retry_in` (seconds until the retry, NULL for a dead
-/// letter), with `current` (false: term $4 is no longer current
+/// letter), with `current` (false: a term of $4 is no longer current
 /// ([`fence!`]), and nothing changed); when no row changed, one row with
 /// `current` and NULLs.
 ///

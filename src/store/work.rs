@@ -14,7 +14,7 @@ use tokio_postgres::types::ToSql;
 use tokio_postgres::{Client, Row, RowStream, Statement};
 
 use super::fetch::{BEGIN, COMMIT, NEXT_RETRY_IN, PayloadSizes, competing_fetch_sql, fetch_sql};
-use super::leader::{CURRENT_TERM, Holder, LEADER_HOLDER, OUTBOX_SCOPE, RELEASE_TERM, TAKE_TERM, TERMINATE_STRANDED};
+use super::leader::{CURRENT_TERM, CURRENT_TERMS, Holder, LEADER_HOLDER, RELEASE_TERM, TAKE_TERM, TERMINATE_STRANDED};
 use super::leader::{TermTaken, holder_from_row};
 use super::locks::{COUNT_MEMBERS, LEADER_KEY, MEMBER_CLASS, MEMBER_LOCK, PARTITION_CLASS, PARTITION_UNLOCK};
 use super::locks::{TRY_LEADER_LOCK, TRY_PARTITION_LOCK};
@@ -223,11 +223,16 @@ impl WorkSession {
         self.run(StatementKind::Registration, stop, self.client.execute(HEARTBEAT, &[])).await.map(drop)
     }
 
-    /// Register this session as the leader's, with its first heartbeat,
-    /// and take the outbox's next leadership term ([`TAKE_TERM`]).
-    pub(crate) async fn take_term(&self, stop: impl Future<Output = ()>) -> Result<TermTaken, StatementError> {
+    /// Register this session as the holder of `scope` (the outbox, or a
+    /// partition), with its first heartbeat, and take the scope's next
+    /// leadership term ([`TAKE_TERM`]).
+    pub(crate) async fn take_term(
+        &self,
+        scope: &str,
+        stop: impl Future<Output = ()>,
+    ) -> Result<TermTaken, StatementError> {
         let kind = StatementKind::Term;
-        let row = self.run(kind, stop, self.client.query_one(TAKE_TERM, &[&OUTBOX_SCOPE])).await?;
+        let row = self.run(kind, stop, self.client.query_one(TAKE_TERM, &[&scope])).await?;
         let read = || -> Result<TermTaken, tokio_postgres::Error> {
             Ok(TermTaken {
                 term: row.try_get("term")?,
@@ -238,19 +243,43 @@ impl WorkSession {
         read().map_err(|e| StatementError::db(kind, e))
     }
 
-    /// The outbox's current leadership term ([`CURRENT_TERM`]; `None` when
+    /// `scope`'s current leadership term ([`CURRENT_TERM`]; `None` when
     /// none was ever taken).
-    pub(crate) async fn current_term(&self, stop: impl Future<Output = ()>) -> Result<Option<i64>, StatementError> {
+    pub(crate) async fn current_term(
+        &self,
+        scope: &str,
+        stop: impl Future<Output = ()>,
+    ) -> Result<Option<i64>, StatementError> {
         let kind = StatementKind::Term;
-        let row = self.run(kind, stop, self.client.query_one(CURRENT_TERM, &[&OUTBOX_SCOPE])).await?;
+        let row = self.run(kind, stop, self.client.query_one(CURRENT_TERM, &[&scope])).await?;
         row.try_get::<_, Option<i64>>("term").map_err(|e| StatementError::db(kind, e))
     }
 
-    /// Mark `term` released: this leader hands out nothing more
-    /// ([`RELEASE_TERM`]).
-    pub(crate) async fn release_term(&self, term: i64, stop: impl Future<Output = ()>) -> Result<(), StatementError> {
+    /// The current terms of `scopes` ([`CURRENT_TERMS`]), scope to term;
+    /// a scope without one is missing.
+    pub(crate) async fn current_terms(
+        &self,
+        scopes: &[String],
+        stop: impl Future<Output = ()>,
+    ) -> Result<std::collections::BTreeMap<String, i64>, StatementError> {
         let kind = StatementKind::Term;
-        self.run(kind, stop, self.client.execute(RELEASE_TERM, &[&OUTBOX_SCOPE, &term])).await.map(drop)
+        let rows = self.run(kind, stop, self.client.query(CURRENT_TERMS, &[&scopes])).await?;
+        rows.iter()
+            .map(|r| Ok((r.try_get::<_, String>("scope")?, r.try_get::<_, i64>("term")?)))
+            .collect::<Result<_, tokio_postgres::Error>>()
+            .map_err(|e| StatementError::db(kind, e))
+    }
+
+    /// Mark `scope`'s `term` released: its holder hands out nothing more
+    /// of it ([`RELEASE_TERM`]).
+    pub(crate) async fn release_term(
+        &self,
+        scope: &str,
+        term: i64,
+        stop: impl Future<Output = ()>,
+    ) -> Result<(), StatementError> {
+        let kind = StatementKind::Term;
+        self.run(kind, stop, self.client.execute(RELEASE_TERM, &[&scope, &term])).await.map(drop)
     }
 
     /// The holder of the leader lock, judged against `threshold_secs`

@@ -12,7 +12,7 @@ use std::time::Duration;
 use tokio_postgres::types::ToSql;
 use tokio_postgres::{Client, Row, Statement};
 
-use super::settle::{ACK, FAIL, fail_details};
+use super::settle::{ACK, FAIL, Fence, fail_details};
 use super::statement::{self, Session, StatementError, StatementKind};
 
 /// A failed attempt to record ([`FAIL`]).
@@ -87,34 +87,37 @@ impl WriterSession {
         &self.session
     }
 
-    /// Mark `ids` published if `term` is still current (`None`: the
-    /// consumer holds no term, and the write is not fenced).
-    pub(crate) async fn ack(&self, ids: &[i64], term: Option<i64>) -> Result<Acknowledged, StatementError> {
+    /// Mark `ids` published if every term of `fence` is still current
+    /// (`None`: the consumer holds no term, and the write is not fenced).
+    pub(crate) async fn ack(&self, ids: &[i64], fence: Option<&Fence>) -> Result<Acknowledged, StatementError> {
         if ids.is_empty() {
             return Ok(Acknowledged::default());
         }
-        let params: [&(dyn ToSql + Sync); 2] = [&ids, &term];
+        let fence = fence.map(Fence::to_json);
+        let params: [&(dyn ToSql + Sync); 2] = [&ids, &fence];
         let acked = self.client.query(&self.ack, &params);
         let rows = statement::run_to_end(StatementKind::AckWrite, &self.session, self.timeout, acked).await?;
         let lags_secs: Vec<f64> = rows.iter().filter_map(lag).collect();
         Ok(Acknowledged { fenced: !rows.iter().all(current), published: lags_secs.len() as u64, lags_secs })
     }
 
-    /// Record `fails` if `term` is still current (`None`: not fenced); the
+    /// Record `fails` if every term of `fence` is still current (`None`:
+    /// not fenced); the
     /// failure that brings `retry_count` to `max_retries` makes an event a
     /// dead letter. Returns the rows changed.
     pub(crate) async fn fail(
         &self,
         fails: &[FailParams<'_>],
         max_retries: i32,
-        term: Option<i64>,
+        fence: Option<&Fence>,
     ) -> Result<FailsWritten, StatementError> {
         if fails.is_empty() {
             return Ok(FailsWritten::default());
         }
         let ids: Vec<i64> = fails.iter().map(|f| f.id).collect();
         let details = fail_details(fails.iter().map(|f| (f.id, f.error, f.delay.as_secs_f64(), f.retry_count)));
-        let params: [&(dyn ToSql + Sync); 4] = [&ids, &details, &max_retries, &term];
+        let fence = fence.map(Fence::to_json);
+        let params: [&(dyn ToSql + Sync); 4] = [&ids, &details, &max_retries, &fence];
         let failed = self.client.query(&self.fail, &params);
         let rows = statement::run_to_end(StatementKind::FailWrite, &self.session, self.timeout, failed).await?;
         Ok(FailsWritten { fenced: !rows.iter().all(current), rows: rows.iter().filter_map(fail_written).collect() })

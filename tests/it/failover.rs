@@ -292,6 +292,9 @@ async fn a_relay_pointed_at_a_standby_exits_in_one_line_or_waits_for_the_promoti
     }
     let status = support::cli(&["status"]).url(&standby_url).run().await;
     assert!(status.ok(), "status reads a standby: {}", status.stderr);
+    // So does the console's list of relays: none runs on a standby.
+    let relays = pg_outbox::console::relays(&on_standby).await.expect("the console's relays on a standby");
+    assert!(relays.sessions.is_empty(), "no relay session on a standby: {:?}", relays.sessions);
 
     // With --wait-for-primary: it waits, saying so once, then delivers
     // after the promotion.

@@ -128,19 +128,18 @@ async fn check_all(c: &mut Client, stats: Stats, backlog: i64) {
     let n_first = first.len() as i64;
     let unpublished = DEAD + WAITING + backlog;
     let none: Vec<i64> = Vec::new();
-    // The writes' leadership term: none (a consumer that holds none writes
-    // unfenced), and the current one (the fence reads events.outbox_terms).
-    let no_term: Option<i64> = None;
-    let term: Option<i64> = Some(
-        c.query_one(
-            "INSERT INTO events.outbox_terms (scope, term) VALUES ('outbox', 7) \
-             ON CONFLICT (scope) DO UPDATE SET term = 7 RETURNING term",
-            &[],
-        )
-        .await
-        .expect("term")
-        .get(0),
-    );
+    // The writes' leadership terms (a `jsonb` object, scope to term): none
+    // (a consumer that holds none writes unfenced), single mode's current
+    // one, and two partitions' (the fence reads events.outbox_terms).
+    let no_term: Option<serde_json::Value> = None;
+    c.batch_execute(
+        "INSERT INTO events.outbox_terms (scope, term) VALUES ('outbox', 7), ('partition:0/16', 3), \
+           ('partition:1/16', 4) ON CONFLICT (scope) DO UPDATE SET term = excluded.term",
+    )
+    .await
+    .expect("terms");
+    let term = Some(serde_json::json!({"outbox": 7}));
+    let partition_terms = Some(serde_json::json!({"partition:0/16": 3, "partition:1/16": 4}));
     let details = serde_json::Value::Object(
         first.iter().map(|id| (id.to_string(), serde_json::json!({"e": "sink refused", "d": 60.0, "s": 0}))).collect(),
     );
@@ -213,6 +212,7 @@ async fn check_all(c: &mut Client, stats: Stats, backlog: i64) {
             "ack" => vec![
                 (vec![&first, &no_term], 30 * n_first + 50, "no term"),
                 (vec![&first, &term], 30 * n_first + 50, "the current term"),
+                (vec![&first, &partition_terms], 30 * n_first + 50, "two partitions' terms"),
             ],
             // One primary-key probe per id: the index levels and the heap page.
             "dead_letters_existing" => vec![(vec![&first], 8 * n_first + 50, "")],

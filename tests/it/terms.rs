@@ -150,6 +150,14 @@ async fn a_role_that_cannot_take_a_term_is_refused_at_start_with_the_grant_it_ne
     let err = refused.map(drop).expect_err("refused");
     let text = err.to_string();
     assert!(text.contains("events.outbox_terms") && text.contains("GRANT SELECT, INSERT, UPDATE"), "{text}");
+    // Partitioned mode takes a term per partition: refused the same way.
+    let refused = Consumer::builder(support::options_of(&cfg))
+        .mode(pg_outbox::Mode::Partitioned { partitions: 4 })
+        .start()
+        .await
+        .map(drop)
+        .expect_err("partitioned mode refused");
+    assert!(refused.to_string().contains("GRANT SELECT, INSERT, UPDATE"), "{refused}");
     // Competing mode takes no term: the same role starts.
     let competing = Consumer::builder(support::options_of(&cfg))
         .mode(pg_outbox::Mode::Competing)
@@ -173,9 +181,19 @@ struct Member {
 
 impl Member {
     async fn start(db: &TestDb) -> Member {
+        Member::start_as(db, pg_outbox::Mode::Single, None).await
+    }
+
+    /// A member in `mode` whose sessions are all named `app`
+    /// (`application_name`; by default each its own, `pg-outbox drain`...).
+    async fn start_as(db: &TestDb, mode: pg_outbox::Mode, app: Option<&str>) -> Member {
         let proxy = Proxy::start(Target::of(db)).await;
-        let pg = pg_outbox::ConnectOptions::parse(&proxy.url(db)).expect("proxy url");
+        let mut pg = pg_outbox::ConnectOptions::parse(&proxy.url(db)).expect("proxy url");
+        if let Some(app) = app {
+            pg = pg.with_application_name(app);
+        }
         let mut events = Consumer::builder(pg)
+            .mode(mode)
             .batch_size(20)
             .sweep_interval(Duration::from_millis(200))
             .reconnect_max_delay(Duration::from_millis(500))
@@ -277,6 +295,177 @@ async fn a_deposed_leader_hands_nothing_out_after_the_standby_took_over() {
     producer.await.expect("producer");
     let total: i64 = c.query_one("SELECT count(*) FROM events.outbox", &[]).await.expect("count").get(0);
     eventually(60, "every event published", || async { support::published_count(&c).await == total }).await;
+    let mut delivered: Vec<i64> = members.iter().flat_map(|m| m.handed.lock().expect("log").clone()).collect();
+    delivered.sort_unstable();
+    delivered.dedup();
+    assert_eq!(delivered.len() as i64, total, "every event was handed out");
+    for m in &members {
+        m.shutdown.shutdown();
+    }
+    for m in members {
+        let _ = tokio::time::timeout(Duration::from_secs(10), m.stream_task).await;
+    }
+}
+
+/// The current term of partition `p` of `n` (scope `partition:P/N`).
+async fn partition_term(c: &Client, p: i32, n: u32) -> Option<i64> {
+    c.query_opt("SELECT term FROM events.outbox_terms WHERE scope = $1", &[&format!("partition:{p}/{n}")])
+        .await
+        .expect("read a partition's term")
+        .map(|r| r.get(0))
+}
+
+/// The partition of event `id`'s aggregate, as partitioned mode hashes it.
+async fn partition_of(c: &Client, id: i64, n: u32) -> i32 {
+    c.query_one(
+        "SELECT ((hashtextextended(aggregate_type || '/' || aggregate_id::text, 0) & 2147483647) % $2)::int4 \
+         FROM events.outbox WHERE id = $1",
+        &[&id, &i64::from(n)],
+    )
+    .await
+    .expect("partition of an event")
+    .get(0)
+}
+
+#[tokio::test]
+async fn each_partition_holder_takes_a_term_its_deliveries_carry_and_a_graceful_stop_releases() {
+    const N: u32 = 4;
+    let db = TestDb::new("terms_partitions").await;
+    let c = db.client().await;
+    let mode = pg_outbox::Mode::Partitioned { partitions: N };
+    let mut a = Consumer::builder(db.options()).mode(mode).start().await.expect("start a");
+    for _ in 0..16 {
+        support::insert_seed_events(&c, uuid::Uuid::new_v4(), 1).await;
+    }
+    let mut seen = std::collections::BTreeSet::new();
+    for _ in 0..16 {
+        let d = next(&mut a).await;
+        let p = partition_of(&c, d.id, N).await;
+        let term = partition_term(&c, p, N).await.expect("the partition's term was taken");
+        assert_eq!(d.term(), u64::try_from(term).ok(), "event {} carries partition {p}'s term", d.id);
+        seen.insert(p);
+        d.ack();
+    }
+    assert!(seen.len() > 1, "events of several partitions: {seen:?}");
+    a.finish().await.expect("finish a");
+    let unreleased: i64 = c
+        .query_one("SELECT count(*) FROM events.outbox_terms WHERE scope LIKE 'partition:%/4' AND NOT released", &[])
+        .await
+        .expect("released")
+        .get(0);
+    assert_eq!(unreleased, 0, "a graceful stop releases every partition's term");
+    let before = partition_term(&c, 0, N).await.expect("partition 0's term");
+
+    let mut b = Consumer::builder(db.options()).mode(mode).start().await.expect("start b");
+    support::insert_seed_events(&c, uuid::Uuid::new_v4(), 1).await;
+    let d = next(&mut b).await;
+    let p = partition_of(&c, d.id, N).await;
+    let after = partition_term(&c, p, N).await.expect("a term");
+    assert_eq!(d.term(), u64::try_from(after).ok(), "the next holder's delivery carries its new term");
+    assert!(partition_term(&c, 0, N).await.expect("partition 0") > before, "taking a partition again bumps its term");
+    d.ack();
+    b.finish().await.expect("finish b");
+    assert_eq!(support::published_count(&c).await, 17, "every event published under a current term");
+}
+
+/// Partitioned mode's case of the deposed leader: a member whose buffer
+/// holds fetched events stops handing out, its network goes silent, and the
+/// server ends its sessions; the other member takes its partitions over
+/// (after the takeover wait) and delivers later events; then the old
+/// member's reader resumes. It hands out nothing: its lease ran out, and
+/// its partitions' terms cannot be confirmed again. Five times under a
+/// steady load; then every event was delivered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_deposed_partition_holder_hands_nothing_out_after_another_took_its_partitions() {
+    let db = TestDb::new("terms_deposed_partitions").await;
+    let c = db.client().await;
+    let mode = pg_outbox::Mode::Partitioned { partitions: 4 };
+    let names = ["terms-member-a", "terms-member-b"];
+    let members =
+        [Member::start_as(&db, mode, Some(names[0])).await, Member::start_as(&db, mode, Some(names[1])).await];
+    let holds = |m: &Member| match m.health.get().role {
+        Role::Partitioned { held, .. } => held.len(),
+        _ => 0,
+    };
+    eventually(30, "both members hold partitions", || async { members.iter().all(|m| holds(m) > 0) }).await;
+
+    let (stop_load, mut stopped) = watch::channel(false);
+    let producer = {
+        let c = db.client().await;
+        let aggregates: Vec<uuid::Uuid> = (0..16).map(|_| uuid::Uuid::new_v4()).collect();
+        tokio::spawn(async move {
+            let mut n = 0usize;
+            while !*stopped.borrow_and_update() {
+                support::insert_seed_events(&c, aggregates[n % aggregates.len()], 1).await;
+                n += 1;
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+        })
+    };
+
+    for rep in 0..5 {
+        let (old, other) = (&members[rep % 2], &members[1 - rep % 2]);
+        eventually(30, "the member to hold partitions", || async { holds(old) > 0 }).await;
+        old.paused.send_replace(true);
+        tokio::time::sleep(Duration::from_millis(150)).await;
+        let before = old.handed();
+        old.proxy.freeze(true);
+        // The partitions it holds, as the database says once its network is
+        // silent (it can neither take nor release one any more).
+        let old_parts: Vec<i32> = c
+            .query(
+                "SELECT split_part(split_part(scope, ':', 2), '/', 1)::int4 FROM events.outbox_terms \
+                 WHERE scope LIKE 'partition:%/4' AND NOT released \
+                   AND holder_pid IN (SELECT pid FROM pg_stat_activity WHERE application_name = $1)",
+                &[&names[rep % 2]],
+            )
+            .await
+            .expect("the partitions it holds")
+            .iter()
+            .map(|r| r.get(0))
+            .collect();
+        assert!(!old_parts.is_empty(), "rep {rep}: the member holds partitions");
+        let ended: i64 = c
+            .query_one(
+                "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity WHERE application_name LIKE $1",
+                &[&format!("{}%", names[rep % 2])],
+            )
+            .await
+            .expect("terminate the member's sessions")
+            .get(0);
+        assert!(ended > 0, "rep {rep}: the member's sessions ended");
+        eventually(30, "the other member to hold every partition", || async { holds(other) == 4 }).await;
+        let mark: i64 = c.query_one("SELECT max(id) FROM events.outbox", &[]).await.expect("max").get(0);
+        // A later event of one of the partitions taken over (the other's
+        // own partitions go on delivering throughout).
+        eventually(30, "the other member to deliver a later event of a partition it took over", || async {
+            let later: Vec<i64> = other.handed.lock().expect("log").iter().copied().filter(|id| *id > mark).collect();
+            let n: i64 = c
+                .query_one(
+                    "SELECT count(*) FROM events.outbox WHERE id = ANY($1) AND \
+                     ((hashtextextended(aggregate_type || '/' || aggregate_id::text, 0) & 2147483647) % 4)::int4 \
+                       = ANY($2)",
+                    &[&later, &old_parts],
+                )
+                .await
+                .expect("partitions of the later events")
+                .get(0);
+            n > 0
+        })
+        .await;
+        old.paused.send_replace(false);
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        assert_eq!(old.handed(), before, "rep {rep}: the deposed member handed out after the takeover");
+        old.proxy.freeze(false);
+        old.proxy.cut();
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        assert_eq!(old.handed(), before, "rep {rep}: the deposed member handed out after it reconnected");
+    }
+
+    stop_load.send_replace(true);
+    producer.await.expect("producer");
+    let total: i64 = c.query_one("SELECT count(*) FROM events.outbox", &[]).await.expect("count").get(0);
+    eventually(90, "every event published", || async { support::published_count(&c).await == total }).await;
     let mut delivered: Vec<i64> = members.iter().flat_map(|m| m.handed.lock().expect("log").clone()).collect();
     delivered.sort_unstable();
     delivered.dedup();

@@ -18,13 +18,13 @@
 use tokio::time::Instant;
 
 use super::wakeups::Wakeups;
-use super::{Cx, Room, Signals, Source, Wake};
+use super::{Cx, Room, Signals, Source, TermCheck, Wake};
 use crate::consumer::ConsumerConfig;
 use crate::consumer::completer::Written;
 use crate::consumer::health::Role;
 use crate::metrics as m;
 use crate::store::statement::StatementError;
-use crate::store::{FetchKind, FetchPage, FetchParams, FetchScope};
+use crate::store::{Fence, FetchKind, FetchPage, FetchParams, FetchScope};
 
 /// Competing mode's source.
 #[derive(Debug)]
@@ -51,7 +51,19 @@ impl Source for ClaimSource {
         Role::Competing
     }
 
-    fn term(&self) -> Option<i64> {
+    fn fenced(&self) -> bool {
+        false
+    }
+
+    fn check_page(&self, _page: &FetchPage) -> TermCheck {
+        TermCheck::Unfenced
+    }
+
+    async fn confirm_terms(&mut self, _cx: Cx<'_>) -> Result<TermCheck, StatementError> {
+        Ok(TermCheck::Unfenced)
+    }
+
+    fn fence_for(&self, _ids: &[i64]) -> Option<Fence> {
         None
     }
 

@@ -7,12 +7,12 @@ use tokio::time::Instant;
 
 use super::ownership::Ownership;
 use super::wakeups::{Wakeups, due, earliest};
-use super::{Cx, Room, Signals, Source, Wake};
+use super::{Cx, Room, Signals, Source, TermCheck, Wake};
 use crate::consumer::ConsumerConfig;
 use crate::consumer::completer::Written;
 use crate::consumer::health::Role;
 use crate::store::statement::StatementError;
-use crate::store::{FetchKind, FetchPage, FetchParams};
+use crate::store::{Fence, FetchKind, FetchPage, FetchParams};
 
 /// Single or partitioned mode's source.
 #[derive(Debug)]
@@ -38,8 +38,20 @@ impl Source for ListenSource {
         self.ownership.role()
     }
 
-    fn term(&self) -> Option<i64> {
-        self.ownership.term()
+    fn fenced(&self) -> bool {
+        self.ownership.fenced()
+    }
+
+    fn check_page(&self, page: &FetchPage) -> TermCheck {
+        self.ownership.check_page(page)
+    }
+
+    async fn confirm_terms(&mut self, cx: Cx<'_>) -> Result<TermCheck, StatementError> {
+        self.ownership.confirm_terms(cx).await
+    }
+
+    fn fence_for(&self, ids: &[i64]) -> Option<Fence> {
+        self.ownership.fence_for(ids)
     }
 
     fn wants_fetch(&self) -> bool {
@@ -84,7 +96,7 @@ impl Source for ListenSource {
     }
 
     fn written(&mut self, w: &Written) {
-        for id in w.acked.iter().chain(w.failed.iter().map(|(id, _)| id)) {
+        for id in w.acked.iter().chain(&w.dropped).chain(w.failed.iter().map(|(id, _)| id)) {
             self.ownership.done(*id);
         }
         self.wakeups.written(w);
@@ -116,8 +128,8 @@ impl Source for ListenSource {
     async fn finish(&mut self, cx: Cx<'_>, deadline: Instant) -> Result<(), StatementError> {
         // Nothing more is handed out: the next leader need not wait out
         // this one's hand-out lease.
-        if let Some(term) = self.ownership.releasable_term() {
-            cx.work.release_term(term, cx.stop()).await?;
+        for (scope, term) in self.ownership.releasable_terms() {
+            cx.work.release_term(&scope, term, cx.stop()).await?;
         }
         Wakeups::unregister(cx, deadline).await
     }

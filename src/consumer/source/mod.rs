@@ -55,10 +55,12 @@ use tokio_util::sync::CancellationToken;
 
 pub(super) use claim::ClaimSource;
 pub(super) use listen::ListenSource;
+pub(super) use ownership::TermCheck;
 pub(super) use wake::Wake;
 
 use super::completer::Written;
 use super::health::Role;
+use crate::store::Fence;
 use crate::store::statement::StatementError;
 use crate::store::{FetchKind, FetchPage, WorkSession};
 
@@ -142,11 +144,23 @@ pub(super) trait Source: Send {
     /// What this consumer does now, for its health.
     fn role(&self) -> Role;
 
-    /// The leadership term held now (`events.outbox_terms`): what a fetch
-    /// must find current for its rows to be handed out, and what writes
-    /// are conditional on. `None`: the source holds none (a standby;
-    /// competing and partitioned modes), and nothing is fenced.
-    fn term(&self) -> Option<i64>;
+    /// Does the source hold a leadership term now (`events.outbox_terms`:
+    /// single mode's leader, a partitioned consumer holding partitions)?
+    /// Then a fetch must find its terms current for its rows to be handed
+    /// out ([`Self::check_page`]), and hand-outs are bound by the lease.
+    /// `false`: a standby, competing mode; nothing is fenced.
+    fn fenced(&self) -> bool;
+
+    /// What `page`'s rows say of the terms held (each row carries its
+    /// scope's current term as the fetch read it).
+    fn check_page(&self, page: &FetchPage) -> TermCheck;
+
+    /// Confirm with one statement that the terms held are still current.
+    async fn confirm_terms(&mut self, cx: Cx<'_>) -> Result<TermCheck, StatementError>;
+
+    /// The terms a write of the settlements of `ids` is conditional on
+    /// (`None`: not fenced).
+    fn fence_for(&self, ids: &[i64]) -> Option<Fence>;
 
     /// Does the source want a fetch now (a wake-up is pending, and it may
     /// fetch)? The engine adds its own conditions (sessions open, room).

@@ -11,13 +11,17 @@
 //!   of the aggregate) are held through one advisory lock each, taken or
 //!   given up every few [`LOCK_INTERVAL`]s to a fair share of the members.
 //!   A partition given up is unlocked only once nothing of it is in flight,
-//!   so per-aggregate order holds across the hand-over.
+//!   so per-aggregate order holds across the hand-over. Each partition has
+//!   its own leadership term (scope `partition:P/N`), taken with its lock
+//!   and released when it is given up or the consumer stops; a partition
+//!   taken from a holder that did not release it is fetched only after
+//!   [`TAKEOVER_WAIT`], as single mode's outbox is.
 //!
 //! Every lock belongs to the work session: when it is lost, ownership is
 //! gone with it. The lock keys are listed in docs/architecture.md,
 //! "Advisory lock keys" (PostgreSQL docs, "Advisory Locks").
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::time::Duration;
 
 use tokio::time::Instant;
@@ -28,8 +32,9 @@ use crate::consumer::health::Role;
 use crate::consumer::lease::TAKEOVER_WAIT;
 use crate::consumer::{ConsumerConfig, Mode};
 use crate::metrics as m;
-use crate::store::FetchScope;
+use crate::store::leader::{OUTBOX_SCOPE, TermTaken, partition_scope};
 use crate::store::statement::StatementError;
+use crate::store::{Fence, FetchPage, FetchScope};
 
 /// How often a standby tries to take over (and, times four, how often
 /// partitions are rebalanced): 250 ms.
@@ -44,8 +49,19 @@ pub(super) struct Partitions {
     owned: BTreeSet<i32>,
     /// Given up, unlocked once nothing of them is in flight.
     releasing: BTreeSet<i32>,
-    /// Partition of every fetched, not yet written id.
-    part_of: HashMap<i64, i32>,
+    /// The term held of every partition owned or releasing.
+    terms: BTreeMap<i32, i64>,
+    /// The last term this consumer took of each partition, kept when it
+    /// loses its session (taking a partition back from itself needs no
+    /// wait).
+    last_terms: BTreeMap<i32, i64>,
+    /// Partitions taken over from a holder that did not release them: not
+    /// fetched before these instants ([`TAKEOVER_WAIT`]). Kept when the
+    /// session is lost, as single mode's wait is.
+    waits: BTreeMap<i32, Instant>,
+    /// Partition, and the term it was fetched under, of every fetched, not
+    /// yet written id.
+    part_of: HashMap<i64, (i32, i64)>,
     lock_at: Option<Instant>,
 }
 
@@ -93,30 +109,112 @@ impl Ownership {
     pub(super) fn may_fetch(&self) -> bool {
         match self {
             Ownership::Single { leader, waits_until, .. } => *leader && waits_until.is_none_or(|t| Instant::now() >= t),
-            Ownership::Partitioned(p) => !p.owned.is_empty(),
+            Ownership::Partitioned(p) => p.fetchable().next().is_some(),
         }
     }
 
-    /// The leadership term held now (single mode's leader; `None` for a
-    /// standby and in partitioned mode).
-    pub(super) fn term(&self) -> Option<i64> {
+    /// Does this consumer hold a leadership term now (single mode's leader,
+    /// a partitioned consumer holding a partition)? Then its fetches must
+    /// find its terms current, and its hand-outs are bound by the lease.
+    pub(super) fn fenced(&self) -> bool {
         match self {
-            Ownership::Single { leader: true, term, .. } => *term,
-            _ => None,
+            Ownership::Single { leader, term, .. } => *leader && term.is_some(),
+            Ownership::Partitioned(p) => !p.terms.is_empty(),
         }
     }
 
-    /// The term this leader may mark released at a graceful stop: its own,
-    /// once any wait after its takeover is over (a leader still waiting out
-    /// a deposed predecessor's lease must pass that wait on to the next).
-    pub(super) fn releasable_term(&self) -> Option<i64> {
+    /// What a fetch's rows say of the terms held: each row carries the
+    /// current term of its scope as the fetch read it.
+    pub(super) fn check_page(&self, page: &FetchPage) -> TermCheck {
+        if !self.fenced() {
+            return TermCheck::Unfenced;
+        }
         match self {
-            Ownership::Single { leader: true, term, waits_until, .. }
-                if waits_until.is_none_or(|t| Instant::now() >= t) =>
-            {
-                *term
+            Ownership::Single { term: Some(held), .. } => match page.term {
+                None if page.rows.is_empty() => TermCheck::Unconfirmed,
+                current if current == Some(*held) => TermCheck::Confirmed,
+                current => TermCheck::Superseded { term: *held, current },
+            },
+            Ownership::Single { .. } => TermCheck::Unfenced,
+            Ownership::Partitioned(p) => {
+                let mut any = false;
+                for row in page.rows.iter().flatten() {
+                    any = true;
+                    let held = row.partition.and_then(|part| p.terms.get(&part).copied());
+                    if held.is_none() || held != row.term {
+                        return TermCheck::Superseded { term: held.unwrap_or(0), current: row.term };
+                    }
+                }
+                if any { TermCheck::Confirmed } else { TermCheck::Unconfirmed }
             }
-            _ => None,
+        }
+    }
+
+    /// Confirm with one statement that every term held is still current
+    /// (the hand-out lease ran out while deliveries wait).
+    pub(super) async fn confirm_terms(&self, cx: Cx<'_>) -> Result<TermCheck, StatementError> {
+        match self {
+            Ownership::Single { leader: true, term: Some(held), .. } => {
+                let current = cx.work.current_term(OUTBOX_SCOPE, cx.stop()).await?;
+                Ok(if current == Some(*held) {
+                    TermCheck::Confirmed
+                } else {
+                    TermCheck::Superseded { term: *held, current }
+                })
+            }
+            Ownership::Partitioned(p) if !p.terms.is_empty() => {
+                let scopes: Vec<String> = p.terms.keys().map(|part| partition_scope(*part, p.partitions)).collect();
+                let current = cx.work.current_terms(&scopes, cx.stop()).await?;
+                for (part, held) in &p.terms {
+                    let now = current.get(&partition_scope(*part, p.partitions)).copied();
+                    if now != Some(*held) {
+                        return Ok(TermCheck::Superseded { term: *held, current: now });
+                    }
+                }
+                Ok(TermCheck::Confirmed)
+            }
+            _ => Ok(TermCheck::Unfenced),
+        }
+    }
+
+    /// The terms a write of the settlements of `ids` is conditional on:
+    /// single mode's last term; in partitioned mode, per partition of those
+    /// ids, the term held now if this consumer holds the partition (it may
+    /// have taken it back), else the one the event was fetched under.
+    /// `None`: nothing to fence (no term was ever taken).
+    pub(super) fn fence_for(&self, ids: &[i64]) -> Option<Fence> {
+        match self {
+            Ownership::Single { last_term, .. } => last_term.map(|t| Fence::of(OUTBOX_SCOPE, t)),
+            Ownership::Partitioned(p) => {
+                let mut fence = Fence::default();
+                for (part, fetched) in ids.iter().filter_map(|id| p.part_of.get(id)) {
+                    let term = p.terms.get(part).copied().unwrap_or(*fetched);
+                    fence.insert(partition_scope(*part, p.partitions), term);
+                }
+                (!fence.is_empty()).then_some(fence)
+            }
+        }
+    }
+
+    /// The terms this consumer may mark released at a graceful stop, scope
+    /// and term: single mode's leader's, and every partition's held, once
+    /// any wait after its takeover is over (a holder still waiting out a
+    /// deposed predecessor's lease must pass that wait on to the next).
+    pub(super) fn releasable_terms(&self) -> Vec<(String, i64)> {
+        let now = Instant::now();
+        match self {
+            Ownership::Single { leader: true, term: Some(term), waits_until, .. }
+                if waits_until.is_none_or(|t| now >= t) =>
+            {
+                vec![(OUTBOX_SCOPE.to_string(), *term)]
+            }
+            Ownership::Single { .. } => Vec::new(),
+            Ownership::Partitioned(p) => p
+                .terms
+                .iter()
+                .filter(|(part, _)| p.waits.get(part).is_none_or(|t| now >= *t))
+                .map(|(part, term)| (partition_scope(*part, p.partitions), *term))
+                .collect(),
         }
     }
 
@@ -136,11 +234,18 @@ impl Ownership {
         matches!(self, Ownership::Partitioned(_))
     }
 
-    /// When to try to take (or rebalance) locks next.
+    /// When to try to take (or rebalance) locks next, or a wait after a
+    /// partition's takeover ends.
     pub(super) fn lock_at(&self) -> Option<Instant> {
         match self {
             Ownership::Single { lock_at, .. } => *lock_at,
-            Ownership::Partitioned(p) => p.lock_at,
+            Ownership::Partitioned(p) => {
+                let wait = p.waits.iter().filter(|(part, _)| p.owned.contains(part)).map(|(_, t)| *t).min();
+                match (p.lock_at, wait) {
+                    (Some(a), Some(b)) => Some(a.min(b)),
+                    (a, b) => a.or(b),
+                }
+            }
         }
     }
 
@@ -174,6 +279,7 @@ impl Ownership {
             Ownership::Partitioned(p) => {
                 p.owned.clear();
                 p.releasing.clear();
+                p.terms.clear();
             }
         }
         metrics::gauge!(m::PARTITIONS_OWNED).set(0.0);
@@ -205,11 +311,12 @@ impl Ownership {
         *leader = now;
     }
 
-    /// The partitions held, for the scope of a fetch (`None` in single mode).
+    /// The partitions held and not waiting out a takeover, for the scope of
+    /// a fetch (`None` in single mode).
     pub(super) fn partitions(&self) -> Option<(u32, Vec<i32>)> {
         match self {
             Ownership::Single { .. } => None,
-            Ownership::Partitioned(p) => Some((p.partitions, p.owned.iter().copied().collect())),
+            Ownership::Partitioned(p) => Some((p.partitions, p.fetchable().collect())),
         }
     }
 
@@ -221,10 +328,12 @@ impl Ownership {
         }
     }
 
-    /// Event `id` of partition `partition` was fetched.
+    /// Event `id` of partition `partition` was fetched (under the term held
+    /// of that partition).
     pub(super) fn fetched(&mut self, id: i64, partition: Option<i32>) {
         if let (Ownership::Partitioned(p), Some(part)) = (self, partition) {
-            p.part_of.insert(id, part);
+            let term = p.terms.get(&part).copied().unwrap_or(0);
+            p.part_of.insert(id, (part, term));
         }
     }
 
@@ -246,10 +355,17 @@ impl Ownership {
             }
             Ownership::Single { .. } => self.try_lead(cx).await,
             Ownership::Partitioned(p) => {
+                let now = Instant::now();
+                let before = p.waits.len();
+                p.waits.retain(|_, t| *t > now);
+                let waited = p.waits.len() < before;
+                if p.lock_at.is_none_or(|t| t > now) {
+                    return Ok(waited);
+                }
                 p.lock_at = None;
                 let gained = p.rebalance(cx).await?;
                 p.lock_at = Some(Instant::now() + jittered(LOCK_INTERVAL * 4));
-                Ok(gained)
+                Ok(gained || waited)
             }
         }
     }
@@ -262,17 +378,12 @@ impl Ownership {
             // The first heartbeat and the next term, before anything else:
             // standbys and `status` see a live holder from now on, and
             // writes under an older term change nothing.
-            let taken = cx.work.take_term(cx.stop()).await?;
+            let taken = cx.work.take_term(OUTBOX_SCOPE, cx.stop()).await?;
             if let Ownership::Single { watch, term, last_term, waits_until, lock_at, .. } = self {
                 watch.reset();
                 let now = Instant::now();
-                // A wait this consumer had not finished when it lost its
-                // session still runs.
-                let inherited = waits_until.filter(|t| *t > now);
-                // Taken back from itself (no other leader since): its own
-                // buffer was dropped with the session, nothing to wait for.
-                let own = taken.previous_term.is_some() && taken.previous_term == *last_term;
-                *waits_until = if taken.previous_released || own { inherited } else { Some(now + TAKEOVER_WAIT) };
+                let own = taken.taken_back_from(*last_term);
+                *waits_until = taken.wait_until(*last_term, *waits_until, now);
                 *term = Some(taken.term);
                 *last_term = Some(taken.term);
                 *lock_at = *waits_until;
@@ -319,9 +430,15 @@ impl Partitions {
                 self.releasing.insert(p);
             }
         }
-        let busy: BTreeSet<i32> = self.part_of.values().copied().collect();
+        let busy: BTreeSet<i32> = self.part_of.values().map(|(part, _)| *part).collect();
         let free: Vec<i32> = self.releasing.iter().copied().filter(|p| !busy.contains(p)).collect();
         for p in free {
+            // Nothing of it is in flight: the next holder need not wait.
+            if let Some(term) = self.terms.remove(&p)
+                && self.waits.get(&p).is_none_or(|t| *t <= Instant::now())
+            {
+                cx.work.release_term(&partition_scope(p, self.partitions), term, cx.stop()).await?;
+            }
             cx.work.unlock_partition(p, cx.stop()).await?;
             self.releasing.remove(&p);
         }
@@ -347,9 +464,63 @@ impl Partitions {
                 continue;
             }
             if cx.work.try_partition_lock(p, cx.stop()).await? {
+                let taken = cx.work.take_term(&partition_scope(p, self.partitions), cx.stop()).await?;
+                let now = Instant::now();
+                let last = self.last_terms.get(&p).copied();
+                match taken.wait_until(last, self.waits.get(&p).copied(), now) {
+                    Some(until) => {
+                        tracing::info!(partition = p, term = taken.term, wait = ?until.saturating_duration_since(now),
+                            "took a partition whose previous holder did not release it (it crashed, froze or lost \
+                             its connection): its delivery starts once that holder's hand-out lease has run out");
+                        self.waits.insert(p, until);
+                    }
+                    None => {
+                        self.waits.remove(&p);
+                    }
+                }
+                self.terms.insert(p, taken.term);
+                self.last_terms.insert(p, taken.term);
                 self.owned.insert(p);
             }
         }
         Ok(())
+    }
+
+    /// The partitions owned and not waiting out a takeover.
+    fn fetchable(&self) -> impl Iterator<Item = i32> + '_ {
+        let now = Instant::now();
+        self.owned.iter().copied().filter(move |part| self.waits.get(part).is_none_or(|t| *t <= now))
+    }
+}
+
+/// What the terms a fetch or a confirmation read say.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum TermCheck {
+    /// No term is held: nothing is fenced.
+    Unfenced,
+    /// Nothing was read to confirm the terms with (a fetch of no rows).
+    Unconfirmed,
+    /// Every term held is current.
+    Confirmed,
+    /// A term held (`term`) is no longer current (`current`, `None` when
+    /// it could not be read).
+    Superseded { term: i64, current: Option<i64> },
+}
+
+impl TermTaken {
+    /// This term was taken back from this consumer itself (its last term,
+    /// `last`, was the previous one: no other holder since).
+    fn taken_back_from(&self, last: Option<i64>) -> bool {
+        self.previous_term.is_some() && self.previous_term == last
+    }
+
+    /// When the holder that just took this term may fetch: after
+    /// [`TAKEOVER_WAIT`] when the previous holder did not release its term
+    /// (unless the previous holder was this consumer, `last`: its own
+    /// buffer went with its session), and never before a wait it had not
+    /// finished when it lost its session (`pending`). `None`: at once.
+    fn wait_until(&self, last: Option<i64>, pending: Option<Instant>, now: Instant) -> Option<Instant> {
+        let inherited = pending.filter(|t| *t > now);
+        if self.previous_released || self.taken_back_from(last) { inherited } else { Some(now + TAKEOVER_WAIT) }
     }
 }

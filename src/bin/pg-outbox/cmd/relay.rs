@@ -97,8 +97,9 @@ pub(crate) struct RelayArgs {
     /// hot standbys; keeps order; each leader takes a leadership term that
     /// every message carries, and after a leader that did not stop cleanly
     /// the next waits 2.25 s before it delivers), `partitioned` (all active, split by a hash
-    /// of the aggregate; keeps per-aggregate order), `competing` (the original design's
-    /// FOR UPDATE SKIP LOCKED; no order at all).
+    /// of the aggregate; keeps per-aggregate order; a term per partition, the same wait for a
+    /// partition taken from a relay that did not stop cleanly), `competing` (the original
+    /// design's FOR UPDATE SKIP LOCKED; no order at all; no term).
     #[arg(long, value_enum, default_value_t = ModeArg::Single)]
     mode: ModeArg,
     /// Partitions in `--mode partitioned` (the same on every relay; at least 1).
