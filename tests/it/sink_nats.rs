@@ -477,13 +477,16 @@ async fn nats_exactly_once_a_write_behind_the_relays_back_is_not_duplicated() {
 
     // A deposed relay delivered the next event before the outbox commits
     // it: the subject holds it when this relay, whose cached last sequence
-    // is the first event's, sends it.
+    // is the first event's, sends it. No Nats-Msg-Id, as if the duplicate
+    // window had passed (within it, the stream answers with a duplicate
+    // PubAck before it checks the expected sequence): the stream refuses
+    // the send on the wrong last sequence, the relay reads the subject back
+    // and finds the event held.
     let mut producer = db.client().await;
     let tx = producer.transaction().await.expect("begin");
     let second = publish_order(&tx, aggregate).await;
     let mut headers = async_nats::HeaderMap::new();
     headers.insert("id", second.to_string().as_str());
-    headers.insert("Nats-Msg-Id", second.to_string().as_str());
     headers.insert("aggregate_type", "order");
     stream
         .js
@@ -504,15 +507,29 @@ async fn nats_exactly_once_a_write_behind_the_relays_back_is_not_duplicated() {
     stream.js.publish_with_headers(on.clone(), headers, "stale".into()).await.expect("publish").await.expect("stored");
     let third = publish_order(&c, aggregate).await;
     brokers::wait_published(&c, 3).await;
+
+    // A deposed relay's copy within the duplicate window (same
+    // Nats-Msg-Id): the stream answers with a duplicate PubAck.
+    let tx = producer.transaction().await.expect("begin");
+    let fourth = publish_order(&tx, aggregate).await;
+    let mut headers = async_nats::HeaderMap::new();
+    headers.insert("id", fourth.to_string().as_str());
+    headers.insert("Nats-Msg-Id", fourth.to_string().as_str());
+    headers.insert("aggregate_type", "order");
+    stream.js.publish_with_headers(on.clone(), headers, "deposed".into()).await.expect("publish").await.expect("stored");
+    tx.commit().await.expect("commit");
+    brokers::wait_published(&c, 4).await;
     let metrics = brokers::scrape(&addr).await;
     relay.stop().await;
 
     let messages = stream.messages().await;
     let ids: Vec<i64> =
         messages.iter().map(|m| header(m, "id").and_then(|v| v.parse().ok()).expect("an id header")).collect();
-    assert_eq!(ids, [first, second, first, third], "the relay sent the first and third, once each");
+    assert_eq!(ids, [first, second, first, third, fourth], "the relay sent the first and third, once each");
     assert_eq!(messages[1].payload.as_ref(), b"from a deposed relay", "the second is the deposed relay's copy only");
-    assert_eq!(brokers::sample(&metrics, "outbox_sink_repeats_refused_total"), Some(1.0), "{metrics}");
+    assert_eq!(messages[4].payload.as_ref(), b"deposed", "the fourth is the deposed relay's copy only");
+    assert_eq!(brokers::sample(&metrics, "outbox_sink_repeats_refused_total"), Some(2.0), "{metrics}");
+    assert_eq!(brokers::row_state(&c, fourth).await.1, 0, "the duplicate PubAck is no failure");
     let (published, retries, last_error) = brokers::row_state(&c, third).await;
     assert!(published);
     assert_eq!(retries, 1, "the third failed once on the wrong last sequence");
