@@ -689,6 +689,58 @@ mod tests {
     }
 
     #[test]
+    fn streams_that_may_lose_a_subjects_last_message_are_named_by_setting() {
+        use jetstream::stream::Config;
+        let ok = Config { name: "S".into(), max_messages: -1, max_bytes: -1, ..Default::default() };
+        assert_eq!(stream_loses_last(&ok), None);
+        assert_eq!(stream_loses_last(&Config { max_messages_per_subject: 1, ..ok.clone() }), None);
+        let cases = [
+            (Config { retention: RetentionPolicy::WorkQueue, ..ok.clone() }, "retention"),
+            (Config { retention: RetentionPolicy::Interest, ..ok.clone() }, "retention"),
+            (Config { max_age: std::time::Duration::from_secs(60), ..ok.clone() }, "max_age"),
+            (Config { max_messages: 1000, ..ok.clone() }, "max_msgs is 1000"),
+            (Config { max_bytes: 1 << 20, ..ok.clone() }, "max_bytes"),
+            (
+                Config {
+                    discard: DiscardPolicy::New,
+                    discard_new_per_subject: true,
+                    max_messages_per_subject: 1,
+                    ..ok.clone()
+                },
+                "discard new per subject",
+            ),
+        ];
+        for (config, want) in cases {
+            let why = stream_loses_last(&config).unwrap_or_default();
+            assert!(why.contains(want), "{want}: {why}");
+        }
+    }
+
+    #[test]
+    fn a_subject_holds_an_event_at_or_below_its_last_id_of_the_same_aggregate_type() {
+        let event = |id: i64| Event {
+            id,
+            aggregate_type: "order".into(),
+            aggregate_id: uuid::Uuid::nil(),
+            event_type: "Created".into(),
+            payload: serde_json::json!({}),
+            occurred_at: chrono::DateTime::from_timestamp(0, 0).unwrap_or_default(),
+            retry_count: 0,
+            last_error: None,
+        };
+        let last = |id: Option<i64>, t: Option<&str>| Last { id, aggregate_type: t.map(str::to_string), sequence: 3 };
+        let holds = |l: &Last, id: i64| NatsSink::holds(l, &event(id), "s").map_err(|e| e.to_string());
+        assert_eq!(holds(&last(None, None), 1), Ok(false), "an empty subject holds nothing");
+        assert_eq!(holds(&last(Some(5), Some("order")), 6), Ok(false));
+        assert_eq!(holds(&last(Some(5), Some("order")), 5), Ok(true));
+        assert_eq!(holds(&last(Some(5), Some("order")), 4), Ok(true));
+        assert_eq!(holds(&last(Some(5), None), 4), Ok(true), "without the header, the id decides");
+        let unsure = holds(&last(Some(5), Some("invoice")), 4).expect_err("another type cannot tell");
+        assert!(unsure.contains("{aggregate_type}"), "{unsure}");
+        assert_eq!(holds(&last(Some(5), Some("invoice")), 6), Ok(false), "a later event is sent whatever the type");
+    }
+
+    #[test]
     fn headers_carry_msg_id_and_content_type_and_refuse_line_breaks() {
         let msg = Message {
             id: "7".into(),
