@@ -190,11 +190,8 @@ pub fn aggregates(n: usize) -> Vec<(&'static str, Uuid)> {
 
 /// The relay's Prometheus exposition at `addr` (`HOST:PORT`).
 pub async fn scrape(addr: &str) -> String {
-    let http = reqwest::Client::builder()
-        .no_proxy()
-        .timeout(std::time::Duration::from_secs(10))
-        .build()
-        .expect("HTTP client");
+    let http =
+        reqwest::Client::builder().no_proxy().timeout(std::time::Duration::from_secs(10)).build().expect("HTTP client");
     let url = format!("http://{addr}/metrics");
     let resp = http.get(&url).send().await.unwrap_or_else(|e| panic!("GET {url}: {e}"));
     assert!(resp.status().is_success(), "GET {url}: {}", resp.status());

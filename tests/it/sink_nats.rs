@@ -355,7 +355,11 @@ fn ids_on_aggregate_subjects(messages: &[async_nats::Message], prefix: &str, sen
             let id: i64 = header(m, "id").and_then(|v| v.parse().ok()).expect("header id is the outbox id");
             assert_eq!(header(m, "Nats-Msg-Id"), Some(id.to_string().as_str()), "Nats-Msg-Id of {id}");
             let e = sent.get(&id).unwrap_or_else(|| panic!("message for unknown id {id}"));
-            assert_eq!(m.subject.as_str(), format!("{prefix}.{}.{}", e.aggregate_type, e.aggregate_id), "subject of {id}");
+            assert_eq!(
+                m.subject.as_str(),
+                format!("{prefix}.{}.{}", e.aggregate_type, e.aggregate_id),
+                "subject of {id}"
+            );
             id
         })
         .collect()
@@ -516,7 +520,13 @@ async fn nats_exactly_once_a_write_behind_the_relays_back_is_not_duplicated() {
     headers.insert("id", fourth.to_string().as_str());
     headers.insert("Nats-Msg-Id", fourth.to_string().as_str());
     headers.insert("aggregate_type", "order");
-    stream.js.publish_with_headers(on.clone(), headers, "deposed".into()).await.expect("publish").await.expect("stored");
+    stream
+        .js
+        .publish_with_headers(on.clone(), headers, "deposed".into())
+        .await
+        .expect("publish")
+        .await
+        .expect("stored");
     tx.commit().await.expect("commit");
     brokers::wait_published(&c, 4).await;
     let metrics = brokers::scrape(&addr).await;
@@ -581,9 +591,11 @@ async fn nats_exactly_once_is_refused_at_start_without_a_subject_per_aggregate_o
     let line = brokers::line_with(&log, "--exactly-once");
     assert!(line.contains("lacks {aggregate_id}") && line.contains("--nats-subject"), "{line}");
 
-    let (status, log) =
-        relay_proc::run_to_exit(&db, &["--sink", NATS_URL, "--exactly-once", "--nats-subject", &per_aggregate(&stream)])
-            .await;
+    let (status, log) = relay_proc::run_to_exit(
+        &db,
+        &["--sink", NATS_URL, "--exactly-once", "--nats-subject", &per_aggregate(&stream)],
+    )
+    .await;
     assert!(!status.success(), "{status}");
     let line = brokers::line_with(&log, "--exactly-once");
     assert!(line.contains(&stream.name) && line.contains("max_age"), "{line}");

@@ -279,7 +279,13 @@ async fn redis_exactly_once_refuses_the_repeat_even_after_trimming() {
     // The crash window again, and one stream trimmed empty meanwhile: a
     // stream keeps its top id.
     let trimmed = format!("{}:{}:{}", keys.prefix, aggs[0].0, aggs[0].1);
-    let _: i64 = redis::cmd("XTRIM").arg(&trimmed).arg("MAXLEN").arg(0).query_async(&mut keys.conn().await).await.expect("XTRIM");
+    let _: i64 = redis::cmd("XTRIM")
+        .arg(&trimmed)
+        .arg("MAXLEN")
+        .arg(0)
+        .query_async(&mut keys.conn().await)
+        .await
+        .expect("XTRIM");
     let ids: Vec<i64> = sent.keys().copied().collect();
     brokers::unpublish(&db, &ids).await;
     let addr = format!("127.0.0.1:{}", brokers::free_port());
@@ -298,7 +304,8 @@ async fn redis_exactly_once_refuses_the_repeat_even_after_trimming() {
     let line = brokers::line_with(&log, "repeat refused");
     assert!(line.contains(&keys.prefix), "the refusal names the key: {line}");
     assert_eq!(keys.len(&trimmed).await, 0, "nothing was appended to the trimmed stream");
-    let kept: BTreeMap<i64, Sent> = sent.iter().filter(|(_, e)| e.aggregate_id != aggs[0].1).map(|(k, v)| (*k, v.clone())).collect();
+    let kept: BTreeMap<i64, Sent> =
+        sent.iter().filter(|(_, e)| e.aggregate_id != aggs[0].1).map(|(k, v)| (*k, v.clone())).collect();
     let ids = ids_per_aggregate(&keys, &kept).await;
     brokers::check_once_in_aggregate_order(&ids, &kept);
     let failed: i64 =

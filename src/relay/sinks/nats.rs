@@ -561,7 +561,11 @@ impl NatsSink {
                 Ok(())
             }
             Ok(ack) => {
-                let l = Last { id: Some(event.id), aggregate_type: Some(event.aggregate_type.clone()), sequence: ack.sequence };
+                let l = Last {
+                    id: Some(event.id),
+                    aggregate_type: Some(event.aggregate_type.clone()),
+                    sequence: ack.sequence,
+                };
                 remember(&state.last, &subject, l);
                 Ok(())
             }
@@ -571,7 +575,11 @@ impl NatsSink {
                 let now = self.read_last(state, &subject).await?;
                 remember(&state.last, &subject, now.clone());
                 if Self::holds(&now, event, &subject)? {
-                    refused_repeat(event.id, &subject, "another writer stored this event or a later one of its aggregate");
+                    refused_repeat(
+                        event.id,
+                        &subject,
+                        "another writer stored this event or a later one of its aggregate",
+                    );
                     return Ok(());
                 }
                 Err(format!(
@@ -619,8 +627,10 @@ fn refused_repeat(id: i64, subject: &str, why: &str) {
 /// The error of a failed publish to `subject`.
 fn publish_error(subject: &str, e: jetstream::context::PublishError) -> BoxError {
     if e.kind() == PublishErrorKind::StreamNotFound {
-        format!("no JetStream stream captures subject {subject}; create one, e.g. `nats stream add --subjects '{subject}'`")
-            .into()
+        format!(
+            "no JetStream stream captures subject {subject}; create one, e.g. `nats stream add --subjects '{subject}'`"
+        )
+        .into()
     } else {
         format!("publish to {subject} failed: {e}").into()
     }

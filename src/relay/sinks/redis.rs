@@ -251,7 +251,10 @@ impl RedisSink {
         let newest: std::result::Result<redis::streams::StreamRangeReply, _> =
             redis::cmd("XREVRANGE").arg(key).arg("+").arg("-").arg("COUNT").arg(1).query_async(&mut conn).await;
         let newest = newest.map_err(|e| {
-            format!("XADD {key} refused entry {}-0 as not above the top; reading the newest entry failed: {e}", event.id)
+            format!(
+                "XADD {key} refused entry {}-0 as not above the top; reading the newest entry failed: {e}",
+                event.id
+            )
         })?;
         if let Some(entry) = newest.ids.first() {
             let field = |name: &str| entry.get::<String>(name);
