@@ -374,3 +374,47 @@ async fn redis_exactly_once_is_refused_at_start_without_a_key_per_aggregate() {
     let line = brokers::line_with(&log, "--exactly-once");
     assert!(line.contains("--redis-stream 'outbox:{aggregate_type}' lacks {aggregate_id}"), "{line}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_exactly_once_does_not_continue_a_stream_written_at_least_once() {
+    if !needs::server(&needs::REDIS).await {
+        return;
+    }
+    let keys = TestKeys::new("eo_mixed");
+    let db = TestDb::new("sink_redis_eo_mixed").await;
+    let c = db.client().await;
+    let aggregate = uuid::Uuid::new_v4();
+    let key = format!("{}:order:{aggregate}", keys.prefix);
+    // An at-least-once relay appended to the key: Redis chose the entry id
+    // (a millisecond time, far above any outbox id).
+    let _: String = redis::cmd("XADD")
+        .arg(&key)
+        .arg("*")
+        .arg("id")
+        .arg(1)
+        .arg("aggregate_type")
+        .arg("order")
+        .arg("aggregate")
+        .arg(aggregate.to_string())
+        .query_async(&mut keys.conn().await)
+        .await
+        .expect("XADD");
+    let event = pg_outbox::NewEvent::new("order", aggregate, "Created", serde_json::json!({}));
+    let id = pg_outbox::Publisher::new().publish(&c, &event).await.expect("publish");
+    let template = per_aggregate(&keys);
+    let relay = relay_proc::start(
+        &db,
+        &["--sink", REDIS_URL, "--exactly-once", "--redis-stream", &template, "--retry-schedule", "1h"],
+    )
+    .await;
+    support::eventually(brokers::LIVENESS.as_secs(), "the event failed", || async {
+        brokers::row_state(&c, id).await.1 == 1
+    })
+    .await;
+    relay.stop().await;
+    let (published, _, last_error) = brokers::row_state(&c, id).await;
+    assert!(!published, "never acknowledged when unsure");
+    let last_error = last_error.unwrap_or_default();
+    assert!(last_error.contains(&key) && last_error.contains("not written with --exactly-once"), "{last_error}");
+    assert_eq!(keys.len(&key).await, 1, "nothing was appended");
+}
