@@ -44,6 +44,13 @@ pub enum Guarantee {
 impl Guarantee {
     /// `at-least-once` or `exactly-once`: the gauge's label value and the
     /// word in logs.
+    ///
+    /// # Example
+    /// ```
+    /// use pg_outbox::relay::Guarantee;
+    /// assert_eq!(Guarantee::default().as_str(), "at-least-once");
+    /// assert_eq!(Guarantee::ExactlyOnce.to_string(), "exactly-once");
+    /// ```
     pub fn as_str(self) -> &'static str {
         match self {
             Guarantee::AtLeastOnce => "at-least-once",
