@@ -59,6 +59,22 @@ impl Guarantee {
     }
 }
 
+impl Guarantee {
+    /// Set the gauge `outbox_sink_guarantee{guarantee}`
+    /// ([`crate::metrics::SINK_GUARANTEE`]): 1 for `self`, 0 for the other.
+    /// [`super::run_with`] does it when it starts; a program that serves
+    /// metrics before that may do it sooner.
+    pub fn record(self) {
+        for g in [Guarantee::AtLeastOnce, Guarantee::ExactlyOnce] {
+            metrics::gauge!(crate::metrics::SINK_GUARANTEE, "guarantee" => g.as_str()).set(if g == self {
+                1.0
+            } else {
+                0.0
+            });
+        }
+    }
+}
+
 impl std::fmt::Display for Guarantee {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(self.as_str())
