@@ -153,14 +153,24 @@ enum ModeArg {
 }
 
 pub(crate) async fn run(url: &str, args: RelayArgs) -> Result<(), Error> {
+    if args.sink.exactly_once && args.mode == ModeArg::Competing {
+        return Err(Error::Config(
+            "--exactly-once needs one aggregate's events delivered one at a time in id order, which \
+             --mode competing does not keep; use --mode single or partitioned"
+                .into(),
+        ));
+    }
     let sink = args.sink.open().await?;
     let sink_name = sink.name().to_string();
+    let guarantee = sink.guarantee();
     let pg = pg_outbox::ConnectOptions::parse(url)?;
     let target = pg.describe();
     let metrics_listener = args.metrics_addr.map(|a| health::bind(a, "metrics")).transpose()?;
     let health_addr = args.health_addr.filter(|a| Some(*a) != args.metrics_addr);
     let health_listener = health_addr.map(|a| health::bind(a, "health probes")).transpose()?;
     let metrics = install_metrics()?;
+    // Before /metrics is served, so its first scrape shows it.
+    guarantee.record();
     let probes = health::Probes::new(sink_name.clone(), args.sink.sink_timeout);
     if let Some(l) = metrics_listener {
         health::serve(l, probes.clone(), Some(metrics))?;
@@ -205,6 +215,7 @@ pub(crate) async fn run(url: &str, args: RelayArgs) -> Result<(), Error> {
             tracing::info!(database = %target, sink = %sink_name, max_buffered_bytes = %bound, "relay started; listening on channel {}", pg_outbox::NOTIFY_CHANNEL)
         }
     }
+    tracing::info!(sink = %sink_name, guarantee = %guarantee, "sink delivery guarantee: {guarantee}");
     let retention = args.retention.map(|older| {
         tokio::spawn(retention_loop(url.to_string(), older, args.retention_hour, args.retention_at_start))
     });
