@@ -22,19 +22,61 @@ pub(super) const MATCHES: &str = "published_at IS NULL AND next_retry_at = 'infi
      AND ($4::text IS NULL OR strpos(coalesce(last_error, ''), $4) > 0) \
      AND ($5::timestamptz IS NULL OR occurred_at >= $5)";
 
+/// [`MATCHES`] for a filter that names ids: each named id is one lookup in
+/// `outbox_pkey`, and the rest of the filter is checked on those rows only,
+/// so an operator acting on a few ids touches a few rows however many dead
+/// letters there are (walking `outbox_dead_letter_idx` instead, as
+/// [`MATCHES`] does, touched 12 000 buffers with 50 000 dead letters).
+/// Ordered by `id`, the key of that index scan.
+pub(super) const MATCHES_BY_ID: &str = "id = ANY($1::bigint[]) \
+     AND published_at IS NULL AND next_retry_at = 'infinity' \
+     AND ($2::text IS NULL OR aggregate_type = $2) \
+     AND ($3::text IS NULL OR event_type = $3) \
+     AND ($4::text IS NULL OR strpos(coalesce(last_error, ''), $4) > 0) \
+     AND ($5::timestamptz IS NULL OR occurred_at >= $5)";
+
+/// Which rows a statement starts from: every dead letter (a walk of
+/// `outbox_dead_letter_idx`, [`MATCHES`]), or the ids the filter names
+/// (lookups in `outbox_pkey`, [`MATCHES_BY_ID`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Walk {
+    /// Every dead letter, the filter's ids (if any) checked on each.
+    DeadLetters,
+    /// The ids of `$1`, which must not be NULL.
+    Ids,
+}
+
+impl Walk {
+    /// The walk a filter needs.
+    pub(crate) fn of(filter: &Filter) -> Self {
+        if filter.ids.is_some() { Walk::Ids } else { Walk::DeadLetters }
+    }
+
+    /// The `WHERE` condition and the `ORDER BY` key.
+    fn parts(self) -> (&'static str, &'static str) {
+        match self {
+            Walk::DeadLetters => (MATCHES, "id + 0"),
+            Walk::Ids => (MATCHES_BY_ID, "id"),
+        }
+    }
+}
+
 /// `list`'s statement: `$1`..`$5` the filter, `$6` the limit.
-pub(crate) fn list_sql() -> String {
-    format!(concat!("SELECT ", event_columns!(), " FROM events.outbox WHERE {} ORDER BY id + 0 LIMIT $6"), MATCHES)
+pub(crate) fn list_sql(walk: Walk) -> String {
+    let (matches, order) = walk.parts();
+    format!(concat!("SELECT ", event_columns!(), " FROM events.outbox WHERE {} ORDER BY {} LIMIT $6"), matches, order)
 }
 
 /// `count`'s statement: `$1`..`$5` the filter.
-pub(crate) fn count_sql() -> String {
-    format!("SELECT count(*) FROM (SELECT 1 FROM events.outbox WHERE {MATCHES} ORDER BY id + 0) d")
+pub(crate) fn count_sql(walk: Walk) -> String {
+    let (matches, order) = walk.parts();
+    format!("SELECT count(*) FROM (SELECT 1 FROM events.outbox WHERE {matches} ORDER BY {order}) d")
 }
 
 /// `matching_ids`'s statement: `$1`..`$5` the filter, `$6` the limit.
-pub(crate) fn ids_sql() -> String {
-    format!("SELECT id FROM events.outbox WHERE {MATCHES} ORDER BY id + 0 LIMIT $6")
+pub(crate) fn ids_sql(walk: Walk) -> String {
+    let (matches, order) = walk.parts();
+    format!("SELECT id FROM events.outbox WHERE {matches} ORDER BY {order} LIMIT $6")
 }
 
 /// `retry`'s action on the picked dead letters.
@@ -45,9 +87,10 @@ pub(crate) const DISCARD: &str = "DELETE FROM events.outbox o USING picked WHERE
 
 /// `retry`'s and `discard`'s statement around `action`: `$1`..`$5` the
 /// filter, `$6` the limit.
-pub(crate) fn apply_sql(action: &str) -> String {
+pub(crate) fn apply_sql(walk: Walk, action: &str) -> String {
+    let (matches, order) = walk.parts();
     format!(
-        "WITH picked AS (SELECT id FROM events.outbox WHERE {MATCHES} ORDER BY id + 0 LIMIT $6 FOR UPDATE), \
+        "WITH picked AS (SELECT id FROM events.outbox WHERE {matches} ORDER BY {order} LIMIT $6 FOR UPDATE), \
               done AS ({action}) \
          SELECT id FROM done ORDER BY id"
     )
@@ -78,7 +121,7 @@ fn limited<'a>(filter: &'a Filter, limit: &'a i64) -> [&'a (dyn ToSql + Sync); 6
 /// [`crate::Error::NotMigrated`] or [`crate::Error::Db`] (a row that cannot
 /// be read as an event too).
 pub(crate) async fn list<C: GenericClient + Sync>(client: &C, filter: &Filter, limit: i64) -> Result<Vec<Event>> {
-    query_map(client, &list_sql(), &limited(filter, &limit), event_from_row).await
+    query_map(client, &list_sql(Walk::of(filter)), &limited(filter, &limit), event_from_row).await
 }
 
 /// How many dead letters match `filter`, ignoring its limit ([`count_sql`]).
@@ -86,7 +129,8 @@ pub(crate) async fn list<C: GenericClient + Sync>(client: &C, filter: &Filter, l
 /// # Errors
 /// [`crate::Error::NotMigrated`] or [`crate::Error::Db`].
 pub(crate) async fn count<C: GenericClient + Sync>(client: &C, filter: &Filter) -> Result<i64> {
-    let row = client.query_one(&count_sql(), &filter_params(filter)).await.map_err(map_missing_schema)?;
+    let sql = count_sql(Walk::of(filter));
+    let row = client.query_one(&sql, &filter_params(filter)).await.map_err(map_missing_schema)?;
     Ok(row.try_get("count")?)
 }
 
@@ -96,7 +140,7 @@ pub(crate) async fn count<C: GenericClient + Sync>(client: &C, filter: &Filter) 
 /// # Errors
 /// [`crate::Error::NotMigrated`] or [`crate::Error::Db`].
 pub(crate) async fn matching_ids<C: GenericClient + Sync>(client: &C, filter: &Filter, limit: i64) -> Result<Vec<i64>> {
-    query_map(client, &ids_sql(), &limited(filter, &limit), row_id).await
+    query_map(client, &ids_sql(Walk::of(filter)), &limited(filter, &limit), row_id).await
 }
 
 /// What [`apply`] does to the dead letters it picks.
@@ -123,10 +167,13 @@ pub(crate) async fn apply<C: GenericClient + Sync>(
     filter: &Filter,
     limit: i64,
 ) -> Result<Vec<i64>> {
-    let sql = apply_sql(match action {
-        Action::Retry => RETRY,
-        Action::Discard => DISCARD,
-    });
+    let sql = apply_sql(
+        Walk::of(filter),
+        match action {
+            Action::Retry => RETRY,
+            Action::Discard => DISCARD,
+        },
+    );
     let ids = query_map(client, &sql, &limited(filter, &limit), row_id).await?;
     if !ids.is_empty() {
         super::wakeup::notify(client, crate::NOTIFY_CHANNEL, "").await?;

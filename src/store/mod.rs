@@ -98,16 +98,17 @@ pub(crate) use writer::{Acknowledged, FailParams, FailWritten, FailsWritten, Wri
 /// `fetch_text_sizes`, the form PostgreSQL 13 runs) `$1 bigint[]` ids in
 /// flight, `$2 bigint` batch, `$3 bigint` byte budget; `fetch_partitioned` those and `$4 bigint`
 /// partitions, `$5 int4[]` partitions held; `competing_fetch`, `$1 bigint`
-/// batch, `$2 bigint` byte budget; `ack` `$1 bigint[]`, `$2 bigint` the
-/// writer's leadership term (NULL: not fenced);
+/// batch, `$2 bigint` byte budget; `ack` `$1 bigint[]`, `$2 jsonb` the
+/// writer's leadership terms, scope to term (NULL: not fenced);
 /// `fail` `$1 bigint[]` ids, `$2 jsonb` details per id (`{"<id>": {"e":
 /// error, "d": delay in seconds, "s": retry count seen}}`), `$3 int4`
-/// dead-letter threshold, `$4 bigint` the writer's term (NULL: not fenced);
+/// dead-letter threshold, `$4 jsonb` the writer's terms (NULL: not fenced);
 /// `next_retry_in`, `gauges`, `status`, `retry_buckets`: none;
 /// `status_by_type`, `next_retries`: `$1 bigint` limit; `dead_letters_*`:
 /// `$1 bigint[]` ids, `$2 text` aggregate type, `$3 text` event type, `$4
-/// text` error text, `$5 timestamptz` since (each NULL for any), and but for
-/// `dead_letters_count`, `$6 bigint` limit; `retention_delete` `$1 float8`
+/// text` error text, `$5 timestamptz` since (each NULL for any; not NULL
+/// for the `_by_id` forms, which start from those ids), and but for
+/// `dead_letters_count*`, `$6 bigint` limit; `retention_delete` `$1 float8`
 /// age in seconds, `$2 bigint` batch, `$3 bigint` after id;
 /// `retention_count` `$1 float8`; `replay_page` (feature `relay`) `$1
 /// bigint` after id, `$2 bigint` up to id, `$3 boolean` include
@@ -141,11 +142,15 @@ pub fn run_time_statements(server_version_num: i32) -> Vec<(&'static str, String
         ("status_by_type", status::by_type_sql()),
         ("retry_buckets", status::RETRY_BUCKETS.to_string()),
         ("next_retries", status::NEXT_RETRIES.to_string()),
-        ("dead_letters_list", d::list_sql()),
-        ("dead_letters_count", d::count_sql()),
-        ("dead_letters_ids", d::ids_sql()),
-        ("dead_letters_retry", d::apply_sql(d::RETRY)),
-        ("dead_letters_discard", d::apply_sql(d::DISCARD)),
+        ("dead_letters_list", d::list_sql(d::Walk::DeadLetters)),
+        ("dead_letters_count", d::count_sql(d::Walk::DeadLetters)),
+        ("dead_letters_ids", d::ids_sql(d::Walk::DeadLetters)),
+        ("dead_letters_retry", d::apply_sql(d::Walk::DeadLetters, d::RETRY)),
+        ("dead_letters_discard", d::apply_sql(d::Walk::DeadLetters, d::DISCARD)),
+        ("dead_letters_list_by_id", d::list_sql(d::Walk::Ids)),
+        ("dead_letters_count_by_id", d::count_sql(d::Walk::Ids)),
+        ("dead_letters_retry_by_id", d::apply_sql(d::Walk::Ids, d::RETRY)),
+        ("dead_letters_discard_by_id", d::apply_sql(d::Walk::Ids, d::DISCARD)),
         ("dead_letters_existing", d::EXISTING_IDS.to_string()),
         ("retention_delete", retention::DELETE_BATCH.to_string()),
         ("retention_count", retention::COUNT_DUE.to_string()),

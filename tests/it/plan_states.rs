@@ -172,6 +172,17 @@ async fn check_all(c: &mut Client, stats: Stats, backlog: i64) {
     let (dead_id, dead_agg_type, dead_agg_id): (i64, String, uuid::Uuid) =
         (dead_row.get(0), dead_row.get(1), dead_row.get(2));
     let timeline = 50i64;
+    // Dead letters named by id: the last few (the walk of every dead
+    // letter would pass all the others first).
+    let dead_ids: Option<Vec<i64>> = Some(
+        c.query("SELECT id FROM events.outbox WHERE aggregate_type = 'dead' ORDER BY id DESC LIMIT 10", &[])
+            .await
+            .expect("dead letter ids")
+            .iter()
+            .map(|r| r.get(0))
+            .collect(),
+    );
+    let n_dead_ids = dead_ids.as_ref().map_or(0, Vec::len) as i64;
     // Byte budgets: the default bound (no cut with these payloads), and
     // five and a half fresh payloads' worth.
     let budget = i64::try_from(pg_outbox::DEFAULT_MAX_BUFFERED_BYTES).expect("a bigint");
@@ -227,6 +238,18 @@ async fn check_all(c: &mut Client, stats: Stats, backlog: i64) {
                 vec![(vec![&no_ids, &dead_type, &no_text, &no_text, &no_time, &limit_list], 5 * limit_list + 50, "")]
             }
             "dead_letters_count" => vec![(vec![&no_ids, &dead_type, &no_text, &no_text, &no_time], 3 * DEAD + 100, "")],
+            // One primary-key lookup per named id, however many dead
+            // letters there are.
+            "dead_letters_list_by_id" => {
+                vec![(vec![&dead_ids, &no_text, &no_text, &no_text, &no_time, &limit_list], 8 * n_dead_ids + 50, "")]
+            }
+            // And the new row versions' index entries.
+            "dead_letters_retry_by_id" | "dead_letters_discard_by_id" => {
+                vec![(vec![&dead_ids, &no_text, &no_text, &no_text, &no_time, &limit_list], 40 * n_dead_ids + 50, "")]
+            }
+            "dead_letters_count_by_id" => {
+                vec![(vec![&dead_ids, &no_text, &no_text, &no_text, &no_time], 8 * n_dead_ids + 50, "")]
+            }
             "dead_letters_retry" | "dead_letters_discard" => {
                 vec![(vec![&no_ids, &dead_type, &no_text, &no_text, &no_time, &limit_list], 40 * limit_list + 100, "")]
             }
