@@ -17,18 +17,25 @@ use crate::relay_proc;
 use crate::support::{self, TestDb};
 
 const NATS: &str = needs::NATS.addr;
-const NATS_URL: &str = "nats://127.0.0.1:4222";
+pub(crate) const NATS_URL: &str = "nats://127.0.0.1:4222";
 
 /// A JetStream stream of its own for one test, on subjects `<prefix>.>`;
 /// deleted when dropped.
-struct TestStream {
+pub(crate) struct TestStream {
     js: jetstream::Context,
     name: String,
-    prefix: String,
+    pub(crate) prefix: String,
 }
 
 impl TestStream {
     async fn create(tag: &str) -> TestStream {
+        TestStream::create_with(tag, Duration::from_secs(120), Duration::from_secs(3600)).await
+    }
+
+    /// A test stream with this duplicate window (JetStream docs, "Message
+    /// Deduplication": messages with a Nats-Msg-Id already seen within it
+    /// are dropped) and this `max_age` (zero: no limit).
+    pub(crate) async fn create_with(tag: &str, duplicate_window: Duration, max_age: Duration) -> TestStream {
         let client = async_nats::connect(NATS).await.expect("connect to NATS");
         let js = jetstream::new(client);
         let unique = uuid::Uuid::new_v4().simple().to_string();
@@ -38,10 +45,8 @@ impl TestStream {
             name: name.clone(),
             subjects: vec![format!("{prefix}.>")],
             storage: stream::StorageType::Memory,
-            // JetStream docs, "Message Deduplication": messages with a
-            // Nats-Msg-Id already seen within this window are dropped.
-            duplicate_window: Duration::from_secs(120),
-            max_age: Duration::from_secs(3600),
+            duplicate_window,
+            max_age,
             ..Default::default()
         })
         .await
@@ -49,13 +54,13 @@ impl TestStream {
         TestStream { js, name, prefix }
     }
 
-    async fn count(&self) -> u64 {
+    pub(crate) async fn count(&self) -> u64 {
         let mut s = self.js.get_stream(&self.name).await.expect("get the test stream");
         s.info().await.expect("stream info").state.messages
     }
 
     /// Every message of the stream, in stream order.
-    async fn messages(&self) -> Vec<async_nats::Message> {
+    pub(crate) async fn messages(&self) -> Vec<async_nats::Message> {
         let n = usize::try_from(self.count().await).expect("count fits usize");
         let s = self.js.get_stream(&self.name).await.expect("get the test stream");
         let c = s
@@ -97,7 +102,7 @@ impl Drop for TestStream {
     }
 }
 
-fn header<'a>(m: &'a async_nats::Message, name: &str) -> Option<&'a str> {
+pub(crate) fn header<'a>(m: &'a async_nats::Message, name: &str) -> Option<&'a str> {
     m.headers.as_ref()?.get(name).map(|v| v.as_str())
 }
 

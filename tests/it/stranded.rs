@@ -213,9 +213,18 @@ async fn hold_leader_lock(cfg: &tokio_postgres::Config) -> (Client, i32) {
 }
 
 /// The value of `name` in the relay's metrics at `addr` (summed over labels).
-async fn metric(addr: &str, name: &str) -> Option<f64> {
+pub(crate) async fn metric(addr: &str, name: &str) -> Option<f64> {
+    metric_in(&scrape(addr).await?, name)
+}
+
+/// The relay's metrics at `addr` (the text of `/metrics`), if it answers.
+pub(crate) async fn scrape(addr: &str) -> Option<String> {
     let http = reqwest::Client::builder().no_proxy().timeout(Duration::from_secs(5)).build().ok()?;
-    let body = http.get(format!("http://{addr}/metrics")).send().await.ok()?.text().await.ok()?;
+    http.get(format!("http://{addr}/metrics")).send().await.ok()?.text().await.ok()
+}
+
+/// The value of `name` in a scrape (summed over labels), if it is there.
+pub(crate) fn metric_in(body: &str, name: &str) -> Option<f64> {
     body.lines()
         .filter(|l| l.starts_with(&format!("{name} ")) || l.starts_with(&format!("{name}{{")))
         .filter_map(|l| l.split_whitespace().last()?.parse::<f64>().ok())
