@@ -98,6 +98,17 @@ pub const RETENTION_LAST_RUN: &str = "outbox_retention_last_run_timestamp_second
 pub const RETENTION_ERRORS: &str = "outbox_retention_errors_total";
 /// Histogram, seconds: time a sink took to deliver one event (relay only).
 pub const SINK_DURATION: &str = "outbox_sink_duration_seconds";
+/// Gauge: the delivery guarantee the relay's sink runs with, labelled
+/// `guarantee` (`exactly-once` or `at-least-once`, [`SINK_GUARANTEES`]):
+/// 1 for the sink's, 0 for the other (relay only; set when the relay
+/// starts). Exactly-once is the NATS JetStream and Redis Streams sinks
+/// with `--exactly-once`; every other sink is at-least-once.
+pub const SINK_GUARANTEE: &str = "outbox_sink_guarantee";
+/// Counter: sends the destination refused, or that the sink skipped after
+/// reading the destination back, because it already holds the event or a
+/// later one of the event's aggregate (`--exactly-once`, relay only); each
+/// such event is acknowledged without a second copy.
+pub const SINK_REPEATS_REFUSED: &str = "outbox_sink_repeats_refused_total";
 
 /// Register descriptions and units of every metric above with the installed
 /// recorder. Call once after installing an exporter; harmless to call again.
@@ -119,6 +130,11 @@ pub fn describe() {
     describe_counter!(DATABASE_ERRORS, "Errors on the work connection.");
     describe_counter!(STATEMENT_TIMEOUTS, "Statements cut by the statement timeout, by statement.");
     describe_histogram!(SINK_DURATION, Unit::Seconds, "Time a sink took to deliver one event.");
+    describe_gauge!(SINK_GUARANTEE, "1 for the delivery guarantee the sink runs with (exactly-once, at-least-once).");
+    describe_counter!(
+        SINK_REPEATS_REFUSED,
+        "Sends refused or skipped: the destination already holds the event or a later one of its aggregate."
+    );
     describe_gauge!(WAITING_FOR_NOTIFICATIONS, "1 while this relay asks producers to notify it.");
     describe_counter!(RETENTION_DELETED, "Published events deleted by retention.");
     describe_gauge!(RETENTION_LAST_RUN, Unit::Seconds, "When the last successful retention run finished (Unix time).");
@@ -132,6 +148,9 @@ pub fn describe() {
     describe_gauge!(NOTIFICATIONS_WORKING, "1 when notifications round-trip to the LISTEN connection.");
     describe_gauge!(LISTEN_ENABLED, "1 when the consumer listens for notifications (0 with --no-listen).");
 }
+
+/// The `guarantee` label values of [`SINK_GUARANTEE`].
+pub const SINK_GUARANTEES: [&str; 2] = ["at-least-once", "exactly-once"];
 
 /// The `write` label values of [`FENCED_WRITES`].
 pub const FENCED_WRITE_KINDS: [&str; 2] = ["ack", "fail"];
@@ -186,6 +205,7 @@ pub fn record_initial_values() {
         DATABASE_ERRORS,
         RETENTION_DELETED,
         RETENTION_ERRORS,
+        SINK_REPEATS_REFUSED,
     ] {
         metrics::counter!(name).increment(0);
     }

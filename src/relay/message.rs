@@ -294,6 +294,38 @@ impl Template {
         Ok(Template { text: text.to_string(), parts })
     }
 
+    /// Whether the template holds `{aggregate_id}`, so each name it
+    /// renders receives the events of aggregates with one id only (what
+    /// exactly-once delivery needs: [`super::SinkSettings::exactly_once`]).
+    pub fn has_aggregate_id(&self) -> bool {
+        self.parts.contains(&Part::AggregateId)
+    }
+
+    /// Whether the template holds `{aggregate_type}`.
+    pub fn has_aggregate_type(&self) -> bool {
+        self.parts.contains(&Part::AggregateType)
+    }
+
+    /// The template rendered with `wildcard` for each placeholder: a NATS
+    /// subject filter (`*`) that matches every name the template renders
+    /// when each placeholder fills a whole `.`-separated token. A token that
+    /// mixes a placeholder with text becomes the wildcard whole, so the
+    /// filter still matches (it may match more).
+    #[cfg_attr(not(feature = "nats"), allow(dead_code))]
+    pub(crate) fn token_wildcards(&self, wildcard: &str) -> String {
+        let mut out = String::with_capacity(self.text.len());
+        for p in &self.parts {
+            match p {
+                Part::Lit(s) => out.push_str(s),
+                Part::AggregateType | Part::EventType | Part::AggregateId => out.push('\u{0}'),
+            }
+        }
+        out.split('.')
+            .map(|token| if token.contains('\u{0}') { wildcard.to_string() } else { token.to_string() })
+            .collect::<Vec<_>>()
+            .join(".")
+    }
+
     /// The template as written.
     pub fn as_str(&self) -> &str {
         &self.text
@@ -354,6 +386,19 @@ mod tests {
         for bad in ["", "x.{tenant}", "x.{aggregate_type", "x}"] {
             assert!(Template::parse(bad).is_err(), "{bad:?} must be refused");
         }
+    }
+
+    #[test]
+    fn placeholders_are_seen_and_become_whole_token_wildcards() {
+        let t = Template::parse("events.{aggregate_type}.{aggregate_id}").expect("parses");
+        assert!(t.has_aggregate_id() && t.has_aggregate_type());
+        assert_eq!(t.token_wildcards("*"), "events.*.*");
+        let t = Template::parse("ev.agg-{aggregate_id}.x").expect("parses");
+        assert_eq!(t.token_wildcards("*"), "ev.*.x");
+        let t = Template::parse("events.{aggregate_type}.{event_type}").expect("parses");
+        assert!(!t.has_aggregate_id());
+        assert_eq!(t.token_wildcards("*"), "events.*.*");
+        assert_eq!(Template::parse("plain").expect("parses").token_wildcards("*"), "plain");
     }
 
     #[test]

@@ -42,7 +42,7 @@ use futures::StreamExt;
 pub use message::{DEFAULT_CLOUDEVENTS_SOURCE, Format, Message, Template, header};
 pub use registry::{OpenSink, SINKS, SinkKind, open_sink, sink_schemes};
 pub use settings::{Credentials, SinkSettings, TlsOptions};
-pub use sink::{DEFAULT_SINK_TIMEOUT, DeliveryOptions, EventSink, Sink, SinkFuture, SinkRecord};
+pub use sink::{DEFAULT_SINK_TIMEOUT, DeliveryOptions, EventSink, Guarantee, Sink, SinkFuture, SinkRecord};
 pub use sinks::*;
 
 pub use crate::secret::Secret;
@@ -128,6 +128,9 @@ where
 /// event is encoded in `options`' format, and its delivery bounded by
 /// `options`' timeout.
 ///
+/// It sets the gauge `outbox_sink_guarantee{guarantee}` from
+/// [`Sink::guarantee`] (1 for the sink's, 0 for the other).
+///
 /// The stream's [`EventStream::health`] then reports the sink's side too
 /// ([`crate::Health::sink`]): the delivery in progress, failures since the
 /// last success, the last error.
@@ -164,6 +167,11 @@ where
     let monitor = stream.health();
     let health = monitor.state();
     health.sink_attached();
+    let guarantee = sink.guarantee();
+    for g in [Guarantee::AtLeastOnce, Guarantee::ExactlyOnce] {
+        metrics::gauge!(m::SINK_GUARANTEE, "guarantee" => g.as_str()).set(if g == guarantee { 1.0 } else { 0.0 });
+    }
+    metrics::counter!(m::SINK_REPEATS_REFUSED).increment(0);
     tokio::pin!(shutdown);
     let mut shutdown_seen = false;
     let mut fatal: Option<FatalSinkError> = None;

@@ -25,6 +25,11 @@ pub struct SinkKind {
     pub feature: &'static str,
     /// How to open it; `None` when this build lacks [`feature`](Self::feature).
     pub open: Option<OpenSink>,
+    /// Why it cannot deliver exactly once
+    /// ([`SinkSettings::exactly_once`]), one line for the refusal at
+    /// start; `None` for the sinks that can (NATS JetStream, Redis
+    /// Streams).
+    pub no_exactly_once: Option<&'static str>,
 }
 
 impl SinkKind {
@@ -40,23 +45,33 @@ impl SinkKind {
 
 /// A [`SinkKind`] whose `open` is `$module::open` when `$feature` is on.
 macro_rules! kind {
-    ($what:literal, $feature:literal, $module:ident, [$($scheme:literal),+]) => {{
+    ($what:literal, $feature:literal, $module:ident, [$($scheme:literal),+], $no_exactly_once:expr) => {{
         #[cfg(feature = $feature)]
         const OPEN: Option<OpenSink> = Some(super::sinks::$module::open);
         #[cfg(not(feature = $feature))]
         const OPEN: Option<OpenSink> = None;
-        SinkKind { what: $what, schemes: &[$($scheme),+], feature: $feature, open: OPEN }
+        SinkKind { what: $what, schemes: &[$($scheme),+], feature: $feature, open: OPEN, no_exactly_once: $no_exactly_once }
     }};
 }
 
+/// Why a sink whose destination cannot refuse a repeat runs at-least-once.
+const NO_REFUSAL: &str = "the destination has no way to refuse a repeat, so the sink stays at-least-once; \
+    deduplicate on the outbox id (header `id`)";
+
+/// Why the Kafka sink runs at-least-once.
+const KAFKA_AT_LEAST_ONCE: &str = "the Kafka sink stays at-least-once (idempotent producer, the `term` header; \
+    deduplicate on the `id` header): exactly-once needs a transactional producer, which cannot be proven \
+    against the broker the tests run (tansu 0.6 returns no aborted-transactions list on fetch, so \
+    read_committed readers see aborted records, enforces no transaction timeout, and accepts any SASL PLAIN password)";
+
 /// Every sink, in the order `--help` and messages list them.
 pub static SINKS: &[SinkKind] = &[
-    kind!("stdout", "relay", stdout, ["stdout"]),
-    kind!("webhook", "webhook", webhook, ["http://", "https://"]),
-    kind!("NATS JetStream", "nats", nats, ["nats://", "tls://"]),
-    kind!("Kafka", "kafka", kafka, ["kafka://"]),
-    kind!("Redis Streams", "redis", redis, ["redis://", "rediss://"]),
-    kind!("RabbitMQ", "amqp", amqp, ["amqp://", "amqps://"]),
+    kind!("stdout", "relay", stdout, ["stdout"], Some(NO_REFUSAL)),
+    kind!("webhook", "webhook", webhook, ["http://", "https://"], Some(NO_REFUSAL)),
+    kind!("NATS JetStream", "nats", nats, ["nats://", "tls://"], None),
+    kind!("Kafka", "kafka", kafka, ["kafka://"], Some(KAFKA_AT_LEAST_ONCE)),
+    kind!("Redis Streams", "redis", redis, ["redis://", "rediss://"], None),
+    kind!("RabbitMQ", "amqp", amqp, ["amqp://", "amqps://"], Some(NO_REFUSAL)),
 ];
 
 /// The `--sink` values every sink takes, for messages: `stdout`,
@@ -71,9 +86,14 @@ pub fn sink_schemes() -> String {
 /// Streams), `amqp://` or `amqps://` (RabbitMQ). The sink's
 /// [`Sink::name`] names it without credentials.
 ///
+/// With [`SinkSettings::exactly_once`], a sink that cannot deliver exactly
+/// once ([`SinkKind::no_exactly_once`]) is refused before anything is
+/// opened.
+///
 /// # Errors
-/// [`Error::Config`] for an unknown scheme, a malformed URL, or a scheme
-/// whose Cargo feature this build lacks; [`Error::SinkUnavailable`] for a
+/// [`Error::Config`] for an unknown scheme, a malformed URL, a scheme
+/// whose Cargo feature this build lacks, or `exactly_once` with a sink
+/// that cannot (or with settings it cannot keep it under); [`Error::SinkUnavailable`] for a
 /// broker that cannot be reached at start.
 ///
 /// # Cancel safety
@@ -83,6 +103,11 @@ pub async fn open_sink(url: &SecretUrl, settings: &SinkSettings) -> Result<Box<d
     let Some(kind) = SINKS.iter().find(|k| k.selects(spec)) else {
         return Err(Error::Config(format!("unsupported sink '{}': expected one of {}", url.shown(), sink_schemes())));
     };
+    if settings.exactly_once
+        && let Some(why) = kind.no_exactly_once
+    {
+        return Err(Error::Config(format!("--exactly-once is not supported by the {} sink: {why}", kind.what)));
+    }
     match kind.open {
         Some(open) => open(url, settings).await,
         None => Err(Error::Config(format!(
@@ -106,6 +131,8 @@ mod tests {
         assert_eq!(kind("rediss://h"), Some("Redis Streams"));
         assert_eq!(kind("stdoutx"), None);
         assert_eq!(kind("ftp://h"), None);
+        let can: Vec<&str> = SINKS.iter().filter(|k| k.no_exactly_once.is_none()).map(|k| k.what).collect();
+        assert_eq!(can, ["NATS JetStream", "Redis Streams"]);
         assert!(sink_schemes().starts_with("stdout, http://, https://, nats://"), "{}", sink_schemes());
     }
 }

@@ -31,6 +31,20 @@ pub struct SinkSettings {
     pub tls: TlsOptions,
     /// The broker's user and password (NATS, Kafka SASL, Redis, RabbitMQ).
     pub credentials: Credentials,
+    /// Deliver each event exactly once (`--exactly-once`; default `false`,
+    /// at-least-once): the destination refuses a repeat, and the sink
+    /// acknowledges a refused one without a second copy
+    /// ([`super::Guarantee::ExactlyOnce`]). Only the NATS JetStream and
+    /// Redis Streams sinks support it, and only with a subject or stream key
+    /// template that holds `{aggregate_id}`; [`super::open_sink`] refuses
+    /// it for any other sink (the webhook, RabbitMQ and stdout have no way
+    /// for the destination to refuse a repeat; Kafka: see
+    /// [`super::SinkKind::no_exactly_once`]) and the NATS sink refuses
+    /// streams that may lose a subject's last message. It relies on the
+    /// relay handing one aggregate's events to the sink one at a time in
+    /// id order, which the `single` and `partitioned` modes do (not
+    /// `competing`).
+    pub exactly_once: bool,
     /// The webhook sink's options.
     #[cfg(feature = "webhook")]
     pub webhook: WebhookOptions,

@@ -14,6 +14,50 @@ use crate::event::Event;
 /// Default time one delivery may take (`--sink-timeout`): 10 seconds.
 pub const DEFAULT_SINK_TIMEOUT: Duration = Duration::from_secs(10);
 
+/// What a sink promises about copies at the destination: whether an event
+/// the relay delivers again (after a crash between the destination taking
+/// it and the outbox recording it) can end up there twice.
+///
+/// The relay logs it at start and exports it as the gauge
+/// `outbox_sink_guarantee{guarantee="exactly-once"|"at-least-once"}` = 1
+/// ([`crate::metrics::SINK_GUARANTEE`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum Guarantee {
+    /// Every event reaches the destination at least once; one delivered
+    /// again after a crash arrives again. Consumers deduplicate on the
+    /// outbox id (header `id`). The default, and what every sink gives
+    /// without `--exactly-once` ([`super::SinkSettings::exactly_once`]).
+    #[default]
+    AtLeastOnce,
+    /// Every event reaches the destination exactly once: the destination
+    /// refuses a repeat (an event it already holds, or one older than the
+    /// last event it holds of the same aggregate), and the relay
+    /// acknowledges the refused event without a second copy (counted in
+    /// `outbox_sink_repeats_refused_total`). What the NATS JetStream and
+    /// Redis Streams sinks give with `--exactly-once`, under the
+    /// conditions their docs state (a subject or key per aggregate,
+    /// streams that keep each subject's last message).
+    ExactlyOnce,
+}
+
+impl Guarantee {
+    /// `at-least-once` or `exactly-once`: the gauge's label value and the
+    /// word in logs.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Guarantee::AtLeastOnce => "at-least-once",
+            Guarantee::ExactlyOnce => "exactly-once",
+        }
+    }
+}
+
+impl std::fmt::Display for Guarantee {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
 /// A boxed future returned by [`Sink::send`] and [`EventSink::deliver`].
 pub type SinkFuture<'a> = Pin<Box<dyn Future<Output = Result<(), BoxError>> + Send + 'a>>;
 
@@ -51,6 +95,14 @@ pub trait Sink: Send + Sync {
         true
     }
 
+    /// What the sink promises about copies at the destination (default
+    /// [`Guarantee::AtLeastOnce`]). A sink that returns
+    /// [`Guarantee::ExactlyOnce`] must make the destination refuse a repeat
+    /// and return `Ok` for it only when the destination holds the event.
+    fn guarantee(&self) -> Guarantee {
+        Guarantee::AtLeastOnce
+    }
+
     /// Send `message` (the encoded `event`) to the destination.
     fn send<'a>(&'a self, message: &'a Message, event: &'a Event) -> SinkFuture<'a>;
 }
@@ -73,6 +125,12 @@ pub trait EventSink: Send + Sync {
         false
     }
 
+    /// What the sink promises about copies, as [`Sink::guarantee`];
+    /// default [`Guarantee::AtLeastOnce`].
+    fn guarantee(&self) -> Guarantee {
+        Guarantee::AtLeastOnce
+    }
+
     /// Deliver one event; the same contract as [`Sink::send`].
     fn deliver<'a>(&'a self, event: &'a Event) -> SinkFuture<'a>;
 }
@@ -84,6 +142,10 @@ impl<T: EventSink + ?Sized> Sink for T {
 
     fn bounded(&self) -> bool {
         EventSink::bounded(self)
+    }
+
+    fn guarantee(&self) -> Guarantee {
+        EventSink::guarantee(self)
     }
 
     fn send<'a>(&'a self, _message: &'a Message, event: &'a Event) -> SinkFuture<'a> {

@@ -168,3 +168,46 @@ impl PrivateServer {
         tokio::time::timeout(LIVENESS, child.wait()).await.expect("the server stops").expect("reap the server");
     }
 }
+
+/// Mark `ids` unpublished again, as if the relay had crashed after the
+/// broker stored them and before the outbox recorded it (the guard that
+/// keeps `published_at` from going back to NULL is a trigger, which a
+/// `session_replication_role = replica` session skips).
+pub async fn unpublish(db: &support::TestDb, ids: &[i64]) {
+    let c = db.client().await;
+    c.batch_execute("SET session_replication_role = replica").await.expect("replica role");
+    let n = c
+        .execute("UPDATE events.outbox SET published_at = NULL WHERE id = ANY($1)", &[&ids])
+        .await
+        .expect("mark the events unpublished");
+    assert_eq!(n, ids.len() as u64, "every event is unpublished again");
+}
+
+/// Aggregates of type `order` and `invoice`, `n` in all.
+pub fn aggregates(n: usize) -> Vec<(&'static str, Uuid)> {
+    (0..n).map(|i| (if i % 3 == 2 { "invoice" } else { "order" }, Uuid::new_v4())).collect()
+}
+
+/// The relay's Prometheus exposition at `addr` (`HOST:PORT`).
+pub async fn scrape(addr: &str) -> String {
+    let http =
+        reqwest::Client::builder().no_proxy().timeout(std::time::Duration::from_secs(10)).build().expect("HTTP client");
+    let url = format!("http://{addr}/metrics");
+    let resp = http.get(&url).send().await.unwrap_or_else(|e| panic!("GET {url}: {e}"));
+    assert!(resp.status().is_success(), "GET {url}: {}", resp.status());
+    resp.text().await.expect("metrics body")
+}
+
+/// The sample of `series` (a metric name with its labels, as the exposition
+/// writes it, e.g. `outbox_sink_guarantee{guarantee="exactly-once"}`).
+pub fn sample(text: &str, series: &str) -> Option<f64> {
+    text.lines()
+        .filter(|l| !l.starts_with('#'))
+        .find_map(|l| l.strip_prefix(series).and_then(|rest| rest.strip_prefix(' ')))
+        .and_then(|v| v.trim().parse().ok())
+}
+
+/// The first line of `log` that holds `needle`.
+pub fn line_with<'a>(log: &'a str, needle: &str) -> &'a str {
+    log.lines().find(|l| l.contains(needle)).unwrap_or_else(|| panic!("no line holds {needle:?}:\n{log}"))
+}

@@ -46,6 +46,7 @@ use serde_json::Value;
 use tokio_postgres::Client;
 use uuid::Uuid;
 
+use crate::brokers;
 use crate::faults::{self, ACTIVE, Load, RelayProc, STANDBY};
 use crate::needs;
 use crate::relay_proc::{LIVENESS, free_port};
@@ -75,10 +76,9 @@ const LEASE_AND_MARGIN: Duration = Duration::from_secs(4);
 /// or cut-off leader is found within this plus two looks of a second.
 const STRANDED_AFTER: &str = "3s";
 
-const REFUSED: &str = "outbox_sink_repeats_refused_total";
+const REFUSED: &str = pg_outbox::metrics::SINK_REPEATS_REFUSED;
 const FENCED: &str = pg_outbox::metrics::FENCED_WRITES;
 const LEADER: &str = pg_outbox::metrics::LEADER;
-const PUBLISHED: &str = pg_outbox::metrics::EVENTS_PUBLISHED;
 /// What a leader logs when its session is gone.
 const DEPOSED: &str = "no longer active (connection lost)";
 
@@ -173,11 +173,9 @@ impl Broker {
     }
 }
 
-/// Whether this build's relay has `--exactly-once`.
-async fn exactly_once_built() -> bool {
-    let out = support::cli(&["relay", "--help"]).run().await;
-    assert!(out.ok(), "pg-outbox relay --help: {}", out.stderr);
-    out.stdout.contains("--exactly-once")
+/// The `guarantee` label a relay runs with.
+fn guarantee(exactly_once: bool) -> &'static str {
+    pg_outbox::metrics::SINK_GUARANTEES[usize::from(exactly_once)]
 }
 
 // ---------------------------------------------------------------- the relays
@@ -222,6 +220,8 @@ impl Slot {
 /// What one fault cost, for the detail line.
 #[derive(Debug, Default)]
 struct Plan {
+    /// Committed events when each fault began.
+    at_events: Vec<usize>,
     /// `kill -9`s in all (the freeze-and-kill's included).
     kills: usize,
     /// From each kill (or silencing) to the new leader's first acknowledged delivery.
@@ -273,7 +273,7 @@ impl Run {
         if exactly_once {
             args.push("--exactly-once".into());
         }
-        let guarantee = if exactly_once { "exactly-once" } else { "at-least-once" };
+        let guarantee = guarantee(exactly_once);
         let c = faults::connect(&db.url(), "exactly-once suite checker", LIVENESS).await;
         Run {
             kind: format!("sink={} guarantee={guarantee} seed={seed:#x}", broker.name()),
@@ -301,11 +301,15 @@ impl Run {
         (relay, metrics)
     }
 
-    /// The leader and the standby.
+    /// The leader and the standby; each says the guarantee it runs with.
     async fn start(&mut self) {
+        let series =
+            format!("{}{{guarantee=\"{}\"}}", pg_outbox::metrics::SINK_GUARANTEE, guarantee(self.exactly_once));
         for role in [ACTIVE, STANDBY] {
             let proxy = Proxy::start(Target::of(&self.db)).await;
             let (relay, metrics) = self.spawn(&proxy.url(&self.db), &[role]).await;
+            let said = brokers::sample(&brokers::scrape(&metrics).await, &series);
+            assert_eq!(said, Some(1.0), "{}: relay {} exports {series} = 1", self.kind, relay.n);
             self.slots.push(Slot { proxy, relay, metrics, stopped: false, banked: 0.0, seen: 0.0 });
         }
     }
@@ -355,33 +359,31 @@ impl Run {
         }
     }
 
-    async fn unpublished(&self) -> i64 {
-        let r = self.c.query_one("SELECT count(*) FROM events.outbox WHERE published_at IS NULL", &[]).await;
-        r.expect("count unpublished rows").get(0)
-    }
-
-    /// Wait until place `i` leads and has acknowledged a delivery beyond
-    /// `published` (its `outbox_events_published_total` before), or leads
-    /// with nothing left to deliver; record the time from `since`.
-    async fn takeover(&mut self, i: usize, published: f64, since: Instant) {
+    /// Commit an event on each aggregate after the leader at place `l` was
+    /// killed or silenced at `since`, and wait until the other place leads
+    /// and every one of them is published (the old leader cannot write
+    /// any more: that is the new one's delivery); record the time from `since`.
+    async fn takeover(&mut self, l: usize, since: Instant) {
+        let probes = self.commit(1).await;
+        let other = 1 - l;
+        let sql = "SELECT count(*) FROM events.outbox WHERE id = ANY($1) AND published_at IS NOT NULL";
         let deadline = Instant::now() + LIVENESS;
         loop {
             self.assert_running().await;
-            let s = &self.slots[i];
-            if s.metric(LEADER).await == Some(1.0)
-                && (s.metric(PUBLISHED).await.unwrap_or(0.0) > published || self.unpublished().await == 0)
-            {
+            let published: i64 = self.c.query_one(sql, &[&probes]).await.expect("count published probes").get(0);
+            if published == probes.len() as i64 && self.slots[other].metric(LEADER).await == Some(1.0) {
                 self.plan.takeover_ms.push(since.elapsed().as_millis());
                 return;
             }
             assert!(
                 Instant::now() < deadline,
-                "{}: relay {} never took over and delivered within {LIVENESS:?}\n{}",
+                "{}: relay {} never took over from relay {} and delivered within {LIVENESS:?}\n{}",
                 self.kind,
-                s.relay.n,
+                self.slots[other].relay.n,
+                self.slots[l].relay.n,
                 self.logs()
             );
-            tokio::time::sleep(Duration::from_millis(10)).await;
+            tokio::time::sleep(Duration::from_millis(5)).await;
         }
     }
 
@@ -399,10 +401,8 @@ impl Run {
     /// starts again as the standby.
     async fn kill_leader(&mut self) {
         let l = self.leader().await;
-        let other = 1 - l;
-        let published = self.slots[other].metric(PUBLISHED).await.unwrap_or(0.0);
         let at = self.kill(l).await;
-        self.takeover(other, published, at).await;
+        self.takeover(l, at).await;
         self.restart(l).await;
     }
 
@@ -444,7 +444,6 @@ impl Run {
         let burst = BURST_PER_AGGREGATE as u64 * self.aggregates.len() as u64;
         for attempt in 1..=FREEZE_KILL_TRIES {
             let l = self.leader().await;
-            let other = 1 - l;
             let before = self.broker_count().await;
             self.commit(BURST_PER_AGGREGATE).await;
             let sending = self.broker_reaches(before + burst / 4, LIVENESS).await;
@@ -452,7 +451,6 @@ impl Run {
             self.slots[l].proxy.freeze(true);
             let frozen = self.broker_count().await;
             if self.broker_reaches(frozen + 1, LEASE_AND_MARGIN).await {
-                let published = self.slots[other].metric(PUBLISHED).await.unwrap_or(0.0);
                 let at = self.kill(l).await;
                 // Cut first: what the dead relay wrote while frozen never
                 // reaches the server. Then the server sees its sessions end.
@@ -460,7 +458,7 @@ impl Run {
                 self.slots[l].proxy.freeze(false);
                 self.plan.broker_ahead = self.broker_count().await - frozen;
                 self.plan.freeze_kill_tries = attempt;
-                self.takeover(other, published, at).await;
+                self.takeover(l, at).await;
                 self.restart(l).await;
                 return;
             }
@@ -480,9 +478,7 @@ impl Run {
     /// resumes and stands by.
     async fn silent_failover(&mut self, cut: bool) {
         let l = self.leader().await;
-        let other = 1 - l;
         let standbys = self.slots[l].relay.log().matches(STANDBY).count();
-        let published = self.slots[other].metric(PUBLISHED).await.unwrap_or(0.0);
         self.slots[l].scrape().await;
         if cut {
             self.slots[l].proxy.freeze(true);
@@ -491,23 +487,7 @@ impl Run {
             self.slots[l].stopped = true;
         }
         let at = Instant::now();
-        let probes = self.commit(1).await;
-        self.takeover(other, published, at).await;
-        let deadline = Instant::now() + LIVENESS;
-        loop {
-            let sql = "SELECT count(*) FROM events.outbox WHERE id = ANY($1) AND published_at IS NOT NULL";
-            let r = self.c.query_one(sql, &[&probes]).await.expect("count published probes");
-            if r.get::<_, i64>(0) == probes.len() as i64 {
-                break;
-            }
-            assert!(
-                Instant::now() < deadline,
-                "{}: events committed after the silence never delivered\n{}",
-                self.kind,
-                self.logs()
-            );
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
+        self.takeover(l, at).await;
         if cut {
             self.slots[l].proxy.freeze(false);
             self.plan.cuts += 1;
@@ -630,6 +610,7 @@ async fn fault_suite(tag: &str, seed: u64, broker: Broker, exactly_once: bool) {
     for (fault, point) in plan.iter().zip(faults::fault_points(&mut rng, load.events, plan.len())) {
         load.reached(point).await;
         tokio::time::sleep(Duration::from_millis(rng.random_range(0..30))).await;
+        run.plan.at_events.push(load.committed());
         match fault {
             Fault::Kill => run.kill_leader().await,
             Fault::FreezeKill => run.freeze_kill().await,
@@ -649,7 +630,7 @@ async fn fault_suite(tag: &str, seed: u64, broker: Broker, exactly_once: bool) {
     }
     let copies = run.broker.copies(&run.aggregates).await;
     let t = tally(&committed, &rolled_back, &copies);
-    let guarantee = if exactly_once { "exactly-once" } else { "at-least-once" };
+    let guarantee = guarantee(exactly_once);
     let p = &run.plan;
     println!(
         "sink={} guarantee={guarantee} kills={} events={} lost={} duplicates={} order_violations={} fenced_sends={}",
@@ -662,10 +643,11 @@ async fn fault_suite(tag: &str, seed: u64, broker: Broker, exactly_once: bool) {
         fenced
     );
     println!(
-        "sink={} guarantee={guarantee} seed={seed:#x} detail: freeze_kill_tries={} broker_ahead_at_freeze_kill={} \
-         sigstop_failovers={} network_cuts={} takeover_ms={:?} term_regressions={} copies={} rolled_back={} \
+        "sink={} guarantee={guarantee} seed={seed:#x} detail: faults_at_events={:?} freeze_kill_tries={} \
+         broker_ahead_at_freeze_kill={} sigstop_failovers={} network_cuts={} takeover_ms={:?} term_regressions={} copies={} rolled_back={} \
          uncertain_commits={} relays_started={} drained_after_load={drained:?} test_time={:?}",
         run.broker.name(),
+        p.at_events,
         p.freeze_kill_tries,
         p.broker_ahead,
         p.stop_failovers,
@@ -694,10 +676,9 @@ async fn nats_exactly_once_under_kills_freezes_and_cuts() {
     if !needs::server(&needs::NATS).await {
         return;
     }
-    let exactly_once = exactly_once_built().await;
-    // An exactly-once stream has no age, count or size limit.
-    let stream = TestStream::create_with("eo", Duration::from_secs(120), Duration::ZERO).await;
-    fault_suite("nats", 0xE0_0001, Broker::Nats(stream), exactly_once).await;
+    // An exactly-once stream has no age, count or size limit (the default here).
+    let stream = TestStream::create_with("eo", |_| {}).await;
+    fault_suite("nats", 0xE0_0001, Broker::Nats(stream), true).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -705,8 +686,7 @@ async fn redis_exactly_once_under_kills_freezes_and_cuts() {
     if !needs::server(&needs::REDIS).await {
         return;
     }
-    let exactly_once = exactly_once_built().await;
-    fault_suite("redis", 0xE0_0002, Broker::Redis(TestKeys::new("eo")), exactly_once).await;
+    fault_suite("redis", 0xE0_0002, Broker::Redis(TestKeys::new("eo")), true).await;
 }
 
 /// The same plan at least once: NATS without `--exactly-once`, its stream's
@@ -716,6 +696,6 @@ async fn nats_at_least_once_under_the_same_faults_counts_duplicates() {
     if !needs::server(&needs::NATS).await {
         return;
     }
-    let stream = TestStream::create_with("alo", Duration::from_secs(1), Duration::ZERO).await;
+    let stream = TestStream::create_with("alo", |c| c.duplicate_window = Duration::from_secs(1)).await;
     fault_suite("nats_alo", 0xE0_0003, Broker::Nats(stream), false).await;
 }

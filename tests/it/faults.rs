@@ -539,6 +539,11 @@ impl Load {
         Load { progress, tasks, events }
     }
 
+    /// Events committed so far.
+    pub(crate) fn committed(&self) -> usize {
+        self.progress.load(Ordering::SeqCst)
+    }
+
     /// Wait until at least `n` events are committed.
     pub(crate) async fn reached(&self, n: usize) {
         let deadline = Instant::now() + DRAIN_LIVENESS;

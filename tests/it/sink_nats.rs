@@ -29,28 +29,28 @@ pub(crate) struct TestStream {
 
 impl TestStream {
     async fn create(tag: &str) -> TestStream {
-        TestStream::create_with(tag, Duration::from_secs(120), Duration::from_secs(3600)).await
+        Self::create_with(tag, |c| c.max_age = Duration::from_secs(3600)).await
     }
 
-    /// A test stream with this duplicate window (JetStream docs, "Message
-    /// Deduplication": messages with a Nats-Msg-Id already seen within it
-    /// are dropped) and this `max_age` (zero: no limit).
-    pub(crate) async fn create_with(tag: &str, duplicate_window: Duration, max_age: Duration) -> TestStream {
+    /// A test stream whose configuration `tweak` changes (the default:
+    /// memory storage, a 2-minute duplicate window, no limits).
+    pub(crate) async fn create_with(tag: &str, tweak: impl FnOnce(&mut stream::Config)) -> TestStream {
         let client = async_nats::connect(NATS).await.expect("connect to NATS");
         let js = jetstream::new(client);
         let unique = uuid::Uuid::new_v4().simple().to_string();
         let name = format!("PGO_IT_{}_{}", tag.to_uppercase(), &unique[..12]);
         let prefix = format!("pgo_it_{tag}_{}", &unique[..12]);
-        js.create_stream(stream::Config {
+        let mut config = stream::Config {
             name: name.clone(),
             subjects: vec![format!("{prefix}.>")],
             storage: stream::StorageType::Memory,
-            duplicate_window,
-            max_age,
+            // JetStream docs, "Message Deduplication": messages with a
+            // Nats-Msg-Id already seen within this window are dropped.
+            duplicate_window: Duration::from_secs(120),
             ..Default::default()
-        })
-        .await
-        .expect("create the test stream");
+        };
+        tweak(&mut config);
+        js.create_stream(config).await.expect("create the test stream");
         TestStream { js, name, prefix }
     }
 
@@ -102,7 +102,7 @@ impl Drop for TestStream {
     }
 }
 
-pub(crate) fn header<'a>(m: &'a async_nats::Message, name: &str) -> Option<&'a str> {
+fn header<'a>(m: &'a async_nats::Message, name: &str) -> Option<&'a str> {
     m.headers.as_ref()?.get(name).map(|v| v.as_str())
 }
 
@@ -333,4 +333,296 @@ async fn nats_server_lost_mid_run_fails_events_until_the_client_reconnects() {
         ids.push(check_message(&m, "events", &sent));
     }
     brokers::check_once_in_aggregate_order(&ids, &sent);
+}
+
+/// Publish one `order` event of `aggregate` through `c`; its id.
+pub async fn publish_order<C: tokio_postgres::GenericClient + Sync>(c: &C, aggregate: uuid::Uuid) -> i64 {
+    let event = pg_outbox::NewEvent::new("order", aggregate, "Updated", serde_json::json!({"n": 1}));
+    pg_outbox::Publisher::new().publish(c, &event).await.expect("publish")
+}
+
+/// The exactly-once subject template of `stream`: one subject per aggregate.
+fn per_aggregate(stream: &TestStream) -> String {
+    format!("{}.{{aggregate_type}}.{{aggregate_id}}", stream.prefix)
+}
+
+/// The outbox ids of `messages`, in stream order, each checked to sit on
+/// its aggregate's subject.
+fn ids_on_aggregate_subjects(messages: &[async_nats::Message], prefix: &str, sent: &BTreeMap<i64, Sent>) -> Vec<i64> {
+    messages
+        .iter()
+        .map(|m| {
+            let id: i64 = header(m, "id").and_then(|v| v.parse().ok()).expect("header id is the outbox id");
+            assert_eq!(header(m, "Nats-Msg-Id"), Some(id.to_string().as_str()), "Nats-Msg-Id of {id}");
+            let e = sent.get(&id).unwrap_or_else(|| panic!("message for unknown id {id}"));
+            assert_eq!(
+                m.subject.as_str(),
+                format!("{prefix}.{}.{}", e.aggregate_type, e.aggregate_id),
+                "subject of {id}"
+            );
+            id
+        })
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nats_exactly_once_delivers_a_load_once_in_aggregate_order() {
+    if !needs::server(&needs::NATS).await {
+        return;
+    }
+    let stream = TestStream::create_with("eo_load", |_| {}).await;
+    let db = TestDb::new("sink_nats_eo_load").await;
+    let c = db.client().await;
+    let sent = brokers::publish_events(&c, &brokers::aggregates(20), 400, "t").await;
+    let addr = format!("127.0.0.1:{}", brokers::free_port());
+    let subject = per_aggregate(&stream);
+    let started = std::time::Instant::now();
+    let relay = relay_proc::start(
+        &db,
+        &["--sink", NATS_URL, "--exactly-once", "--nats-subject", &subject, "--metrics-addr", &addr],
+    )
+    .await;
+    brokers::wait_published(&c, sent.len() as i64).await;
+    let took = started.elapsed();
+    let metrics = brokers::scrape(&addr).await;
+    let log = relay.log();
+    relay.stop().await;
+    eprintln!("exactly-once NATS: {} events in {took:?}", sent.len());
+    let line = brokers::line_with(&log, "sink delivery guarantee");
+    assert!(line.contains("exactly-once") && line.contains("NATS JetStream"), "{line}");
+    assert_eq!(brokers::sample(&metrics, r#"outbox_sink_guarantee{guarantee="exactly-once"}"#), Some(1.0), "{metrics}");
+    assert_eq!(brokers::sample(&metrics, r#"outbox_sink_guarantee{guarantee="at-least-once"}"#), Some(0.0));
+    assert_eq!(brokers::sample(&metrics, "outbox_sink_repeats_refused_total"), Some(0.0), "nothing was a repeat");
+    let messages = stream.messages().await;
+    assert_eq!(messages.len(), sent.len(), "the stream holds each event once");
+    let ids = ids_on_aggregate_subjects(&messages, &stream.prefix, &sent);
+    brokers::check_once_in_aggregate_order(&ids, &sent);
+    let failed: i64 = c
+        .query_one("SELECT count(*) FROM events.outbox WHERE retry_count > 0", &[])
+        .await
+        .expect("count failures")
+        .get(0);
+    assert_eq!(failed, 0, "no event failed (an empty subject takes expected-last-subject-sequence 0)");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nats_exactly_once_refuses_the_repeat_beyond_the_duplicate_window() {
+    if !needs::server(&needs::NATS).await {
+        return;
+    }
+    let stream = TestStream::create_with("eo_repeat", |c| c.duplicate_window = Duration::from_secs(1)).await;
+    let db = TestDb::new("sink_nats_eo_repeat").await;
+    let c = db.client().await;
+    let sent = brokers::publish_events(&c, &brokers::aggregates(4), 24, "t").await;
+    let subject = per_aggregate(&stream);
+    let args = ["--sink", NATS_URL, "--exactly-once", "--nats-subject", &subject, "--sweep-interval", "200ms"];
+    let relay = relay_proc::start(&db, &args).await;
+    brokers::wait_published(&c, sent.len() as i64).await;
+    relay.stop().await;
+    assert_eq!(stream.count().await, sent.len() as u64);
+
+    // A crash between the broker storing them and the outbox recording
+    // it, found again after the duplicate window (1 s) has passed.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let ids: Vec<i64> = sent.keys().copied().collect();
+    brokers::unpublish(&db, &ids).await;
+    assert_eq!(brokers::published_count(&c).await, 0);
+    let addr = format!("127.0.0.1:{}", brokers::free_port());
+    let mut again = args.to_vec();
+    again.extend(["--metrics-addr", &addr]);
+    let relay = relay_proc::start(&db, &again).await;
+    brokers::wait_published(&c, sent.len() as i64).await;
+    let metrics = brokers::scrape(&addr).await;
+    let log = relay.log();
+    relay.stop().await;
+    assert_eq!(
+        brokers::sample(&metrics, "outbox_sink_repeats_refused_total"),
+        Some(sent.len() as f64),
+        "every repeat was refused:\n{metrics}"
+    );
+    assert!(log.contains("repeat refused"), "refusals are logged:\n{log}");
+    let messages = stream.messages().await;
+    assert_eq!(messages.len(), sent.len(), "the stream holds each event once after the repeat");
+    let ids = ids_on_aggregate_subjects(&messages, &stream.prefix, &sent);
+    brokers::check_once_in_aggregate_order(&ids, &sent);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nats_exactly_once_a_write_behind_the_relays_back_is_not_duplicated() {
+    if !needs::server(&needs::NATS).await {
+        return;
+    }
+    let stream = TestStream::create_with("eo_stale", |_| {}).await;
+    let db = TestDb::new("sink_nats_eo_stale").await;
+    let c = db.client().await;
+    let aggregate = uuid::Uuid::new_v4();
+    let subject = per_aggregate(&stream);
+    let on = format!("{}.order.{aggregate}", stream.prefix);
+    let addr = format!("127.0.0.1:{}", brokers::free_port());
+    let relay = relay_proc::start(
+        &db,
+        &[
+            "--sink",
+            NATS_URL,
+            "--exactly-once",
+            "--nats-subject",
+            &subject,
+            "--sweep-interval",
+            "200ms",
+            "--retry-schedule",
+            "300ms",
+            "--metrics-addr",
+            &addr,
+        ],
+    )
+    .await;
+    let first = publish_order(&c, aggregate).await;
+    brokers::wait_published(&c, 1).await;
+
+    // A deposed relay delivered the next event before the outbox commits
+    // it: the subject holds it when this relay, whose cached last sequence
+    // is the first event's, sends it. No Nats-Msg-Id, as if the duplicate
+    // window had passed (within it, the stream answers with a duplicate
+    // PubAck before it checks the expected sequence): the stream refuses
+    // the send on the wrong last sequence, the relay reads the subject back
+    // and finds the event held.
+    let mut producer = db.client().await;
+    let tx = producer.transaction().await.expect("begin");
+    let second = publish_order(&tx, aggregate).await;
+    let mut headers = async_nats::HeaderMap::new();
+    headers.insert("id", second.to_string().as_str());
+    headers.insert("aggregate_type", "order");
+    stream
+        .js
+        .publish_with_headers(on.clone(), headers, "from a deposed relay".into())
+        .await
+        .expect("publish")
+        .await
+        .expect("stored");
+    tx.commit().await.expect("commit");
+    brokers::wait_published(&c, 2).await;
+
+    // A stale writer repeats the first event (no Nats-Msg-Id, so no
+    // duplicate window): the next event meets a wrong last sequence, finds
+    // an older event on top, fails once, and is published on its retry.
+    let mut headers = async_nats::HeaderMap::new();
+    headers.insert("id", first.to_string().as_str());
+    headers.insert("aggregate_type", "order");
+    stream.js.publish_with_headers(on.clone(), headers, "stale".into()).await.expect("publish").await.expect("stored");
+    let third = publish_order(&c, aggregate).await;
+    brokers::wait_published(&c, 3).await;
+
+    // A deposed relay's copy within the duplicate window (same
+    // Nats-Msg-Id): the stream answers with a duplicate PubAck.
+    let tx = producer.transaction().await.expect("begin");
+    let fourth = publish_order(&tx, aggregate).await;
+    let mut headers = async_nats::HeaderMap::new();
+    headers.insert("id", fourth.to_string().as_str());
+    headers.insert("Nats-Msg-Id", fourth.to_string().as_str());
+    headers.insert("aggregate_type", "order");
+    stream
+        .js
+        .publish_with_headers(on.clone(), headers, "deposed".into())
+        .await
+        .expect("publish")
+        .await
+        .expect("stored");
+    tx.commit().await.expect("commit");
+    brokers::wait_published(&c, 4).await;
+    let metrics = brokers::scrape(&addr).await;
+    relay.stop().await;
+
+    let messages = stream.messages().await;
+    let ids: Vec<i64> =
+        messages.iter().map(|m| header(m, "id").and_then(|v| v.parse().ok()).expect("an id header")).collect();
+    assert_eq!(ids, [first, second, first, third, fourth], "the relay sent the first and third, once each");
+    assert_eq!(messages[1].payload.as_ref(), b"from a deposed relay", "the second is the deposed relay's copy only");
+    assert_eq!(messages[4].payload.as_ref(), b"deposed", "the fourth is the deposed relay's copy only");
+    assert_eq!(brokers::sample(&metrics, "outbox_sink_repeats_refused_total"), Some(2.0), "{metrics}");
+    assert_eq!(brokers::row_state(&c, fourth).await.1, 0, "the duplicate PubAck is no failure");
+    let (published, retries, last_error) = brokers::row_state(&c, third).await;
+    assert!(published);
+    assert_eq!(retries, 1, "the third failed once on the wrong last sequence");
+    let last_error = last_error.unwrap_or_default();
+    assert!(last_error.contains("wrong last sequence") && last_error.contains(&on), "{last_error}");
+    assert_eq!(brokers::row_state(&c, second).await.1, 0, "the second was acknowledged as held, without a failure");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nats_exactly_once_a_last_message_without_an_id_fails_the_event_naming_the_subject() {
+    if !needs::server(&needs::NATS).await {
+        return;
+    }
+    let stream = TestStream::create_with("eo_foreign", |_| {}).await;
+    let db = TestDb::new("sink_nats_eo_foreign").await;
+    let c = db.client().await;
+    let aggregate = uuid::Uuid::new_v4();
+    let on = format!("{}.order.{aggregate}", stream.prefix);
+    stream.js.publish(on.clone(), "not pg-outbox's".into()).await.expect("publish").await.expect("stored");
+    let event = pg_outbox::NewEvent::new("order", aggregate, "Created", serde_json::json!({}));
+    let id = pg_outbox::Publisher::new().publish(&c, &event).await.expect("publish");
+    let subject = per_aggregate(&stream);
+    let relay = relay_proc::start(
+        &db,
+        &["--sink", NATS_URL, "--exactly-once", "--nats-subject", &subject, "--retry-schedule", "1h"],
+    )
+    .await;
+    support::eventually(LIVENESS.as_secs(), "the event failed", || async { brokers::row_state(&c, id).await.1 == 1 })
+        .await;
+    relay.stop().await;
+    let (published, _, last_error) = brokers::row_state(&c, id).await;
+    assert!(!published, "never acknowledged when unsure");
+    let last_error = last_error.unwrap_or_default();
+    assert!(last_error.contains(&on) && last_error.contains("has no outbox id"), "{last_error}");
+    assert_eq!(stream.count().await, 1, "nothing was sent");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nats_exactly_once_is_refused_at_start_without_a_subject_per_aggregate_or_with_max_age() {
+    if !needs::server(&needs::NATS).await {
+        return;
+    }
+    let db = TestDb::new("sink_nats_eo_refused").await;
+    let stream = TestStream::create("eo_maxage").await;
+    let template = format!("{}.{{aggregate_type}}.{{event_type}}", stream.prefix);
+    let (status, log) =
+        relay_proc::run_to_exit(&db, &["--sink", NATS_URL, "--exactly-once", "--nats-subject", &template]).await;
+    assert!(!status.success(), "{status}");
+    let line = brokers::line_with(&log, "--exactly-once");
+    assert!(line.contains("lacks {aggregate_id}") && line.contains("--nats-subject"), "{line}");
+
+    let (status, log) = relay_proc::run_to_exit(
+        &db,
+        &["--sink", NATS_URL, "--exactly-once", "--nats-subject", &per_aggregate(&stream)],
+    )
+    .await;
+    assert!(!status.success(), "{status}");
+    let line = brokers::line_with(&log, "--exactly-once");
+    assert!(line.contains(&stream.name) && line.contains("max_age"), "{line}");
+
+    let nowhere = format!("pgo_it_none_{}.{{aggregate_id}}", uuid::Uuid::new_v4().simple());
+    let (status, log) =
+        relay_proc::run_to_exit(&db, &["--sink", NATS_URL, "--exactly-once", "--nats-subject", &nowhere]).await;
+    assert!(!status.success(), "{status}");
+    assert!(brokers::line_with(&log, "--exactly-once").contains("no JetStream stream captures"), "{log}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn exactly_once_is_refused_at_start_for_sinks_that_cannot_refuse_a_repeat() {
+    let db = TestDb::new("sink_eo_refused_sinks").await;
+    for (sink, what, why) in [
+        ("stdout", "stdout", "no way to refuse a repeat"),
+        ("http://127.0.0.1:1/hook", "webhook", "no way to refuse a repeat"),
+        ("amqp://127.0.0.1:1", "RabbitMQ", "no way to refuse a repeat"),
+        ("kafka://127.0.0.1:1", "Kafka", "tansu"),
+    ] {
+        let (status, log) = relay_proc::run_to_exit(&db, &["--sink", sink, "--exactly-once"]).await;
+        assert!(!status.success(), "{sink}: {status}");
+        let line = brokers::line_with(&log, "--exactly-once is not supported");
+        assert!(line.contains(&format!("the {what} sink")) && line.contains(why), "{sink}: {line}");
+    }
+    let (status, log) =
+        relay_proc::run_to_exit(&db, &["--sink", NATS_URL, "--exactly-once", "--mode", "competing"]).await;
+    assert!(!status.success(), "{status}");
+    assert!(brokers::line_with(&log, "--exactly-once").contains("--mode competing"), "{log}");
 }

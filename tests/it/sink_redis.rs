@@ -203,3 +203,174 @@ async fn redis_server_lost_mid_run_fails_events_until_it_is_back() {
     // here the server was down, so nothing was written twice.
     brokers::check_once_in_aggregate_order(&ids, &sent);
 }
+
+/// The exactly-once key template under `keys`' prefix: one stream per aggregate.
+fn per_aggregate(keys: &TestKeys) -> String {
+    format!("{}:{{aggregate_type}}:{{aggregate_id}}", keys.prefix)
+}
+
+/// The outbox ids in every aggregate's stream, one stream after another,
+/// each entry checked: its entry id is `<outbox id>-0`, its fields the event's.
+async fn ids_per_aggregate(keys: &TestKeys, sent: &BTreeMap<i64, Sent>) -> Vec<i64> {
+    let mut aggregates: Vec<(String, uuid::Uuid)> =
+        sent.values().map(|e| (e.aggregate_type.clone(), e.aggregate_id)).collect();
+    aggregates.sort();
+    aggregates.dedup();
+    let mut ids = Vec::new();
+    for (t, a) in aggregates {
+        let key = format!("{}:{t}:{a}", keys.prefix);
+        for (entry, fields) in keys.entries(&key).await {
+            let id = check_entry(&fields, sent);
+            assert_eq!(entry, format!("{id}-0"), "entry id of event {id} in {key}");
+            assert_eq!(sent[&id].aggregate_id, a, "event {id} went to its aggregate's stream");
+            ids.push(id);
+        }
+    }
+    ids
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_exactly_once_delivers_a_load_once_in_aggregate_order() {
+    if !needs::server(&needs::REDIS).await {
+        return;
+    }
+    let keys = TestKeys::new("eo_load");
+    let db = TestDb::new("sink_redis_eo_load").await;
+    let c = db.client().await;
+    let sent = brokers::publish_events(&c, &brokers::aggregates(20), 400, "t").await;
+    let addr = format!("127.0.0.1:{}", brokers::free_port());
+    let template = per_aggregate(&keys);
+    let started = std::time::Instant::now();
+    let relay = relay_proc::start(
+        &db,
+        &["--sink", REDIS_URL, "--exactly-once", "--redis-stream", &template, "--metrics-addr", &addr],
+    )
+    .await;
+    brokers::wait_published(&c, sent.len() as i64).await;
+    let took = started.elapsed();
+    let metrics = brokers::scrape(&addr).await;
+    let log = relay.log();
+    relay.stop().await;
+    eprintln!("exactly-once Redis: {} events in {took:?}", sent.len());
+    let line = brokers::line_with(&log, "sink delivery guarantee");
+    assert!(line.contains("exactly-once") && line.contains("Redis Streams"), "{line}");
+    assert_eq!(brokers::sample(&metrics, r#"outbox_sink_guarantee{guarantee="exactly-once"}"#), Some(1.0), "{metrics}");
+    assert_eq!(brokers::sample(&metrics, "outbox_sink_repeats_refused_total"), Some(0.0));
+    let ids = ids_per_aggregate(&keys, &sent).await;
+    brokers::check_once_in_aggregate_order(&ids, &sent);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_exactly_once_refuses_the_repeat_even_after_trimming() {
+    if !needs::server(&needs::REDIS).await {
+        return;
+    }
+    let keys = TestKeys::new("eo_repeat");
+    let db = TestDb::new("sink_redis_eo_repeat").await;
+    let c = db.client().await;
+    let aggs = brokers::aggregates(4);
+    let sent = brokers::publish_events(&c, &aggs, 24, "t").await;
+    let template = per_aggregate(&keys);
+    let args = ["--sink", REDIS_URL, "--exactly-once", "--redis-stream", &template, "--sweep-interval", "200ms"];
+    let relay = relay_proc::start(&db, &args).await;
+    brokers::wait_published(&c, sent.len() as i64).await;
+    relay.stop().await;
+
+    // The crash window again, and one stream trimmed empty meanwhile: a
+    // stream keeps its top id.
+    let trimmed = format!("{}:{}:{}", keys.prefix, aggs[0].0, aggs[0].1);
+    let _: i64 = redis::cmd("XTRIM")
+        .arg(&trimmed)
+        .arg("MAXLEN")
+        .arg(0)
+        .query_async(&mut keys.conn().await)
+        .await
+        .expect("XTRIM");
+    let ids: Vec<i64> = sent.keys().copied().collect();
+    brokers::unpublish(&db, &ids).await;
+    let addr = format!("127.0.0.1:{}", brokers::free_port());
+    let mut again = args.to_vec();
+    again.extend(["--metrics-addr", &addr]);
+    let relay = relay_proc::start(&db, &again).await;
+    brokers::wait_published(&c, sent.len() as i64).await;
+    let metrics = brokers::scrape(&addr).await;
+    let log = relay.log();
+    relay.stop().await;
+    assert_eq!(
+        brokers::sample(&metrics, "outbox_sink_repeats_refused_total"),
+        Some(sent.len() as f64),
+        "every repeat was refused:\n{metrics}"
+    );
+    let line = brokers::line_with(&log, "repeat refused");
+    assert!(line.contains(&keys.prefix), "the refusal names the key: {line}");
+    assert_eq!(keys.len(&trimmed).await, 0, "nothing was appended to the trimmed stream");
+    let kept: BTreeMap<i64, Sent> =
+        sent.iter().filter(|(_, e)| e.aggregate_id != aggs[0].1).map(|(k, v)| (*k, v.clone())).collect();
+    let ids = ids_per_aggregate(&keys, &kept).await;
+    brokers::check_once_in_aggregate_order(&ids, &kept);
+    let failed: i64 =
+        c.query_one("SELECT count(*) FROM events.outbox WHERE retry_count > 0", &[]).await.expect("count").get(0);
+    assert_eq!(failed, 0, "a refused repeat is no failure");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_exactly_once_an_event_a_deposed_relay_appended_is_not_appended_again() {
+    if !needs::server(&needs::REDIS).await {
+        return;
+    }
+    let keys = TestKeys::new("eo_stale");
+    let db = TestDb::new("sink_redis_eo_stale").await;
+    let c = db.client().await;
+    let aggregate = uuid::Uuid::new_v4();
+    let key = format!("{}:order:{aggregate}", keys.prefix);
+    let template = per_aggregate(&keys);
+    let relay = relay_proc::start(
+        &db,
+        &["--sink", REDIS_URL, "--exactly-once", "--redis-stream", &template, "--sweep-interval", "200ms"],
+    )
+    .await;
+    let event = |n: i32| pg_outbox::NewEvent::new("order", aggregate, "Updated", serde_json::json!({ "n": n }));
+    let publisher = pg_outbox::Publisher::new();
+    let first = publisher.publish(&c, &event(1)).await.expect("publish");
+    brokers::wait_published(&c, 1).await;
+    // A deposed relay appends the next event before the outbox commits it.
+    let mut producer = db.client().await;
+    let tx = producer.transaction().await.expect("begin");
+    let second = publisher.publish(&tx, &event(2)).await.expect("publish");
+    let _: String = redis::cmd("XADD")
+        .arg(&key)
+        .arg(format!("{second}-0"))
+        .arg("id")
+        .arg(second)
+        .arg("aggregate_type")
+        .arg("order")
+        .arg("aggregate")
+        .arg(aggregate.to_string())
+        .arg("payload")
+        .arg("from a deposed relay")
+        .query_async(&mut keys.conn().await)
+        .await
+        .expect("XADD");
+    tx.commit().await.expect("commit");
+    brokers::wait_published(&c, 2).await;
+    let log = relay.log();
+    relay.stop().await;
+    let entries = keys.entries(&key).await;
+    let got: Vec<(&str, &str)> =
+        entries.iter().map(|(entry, f)| (entry.as_str(), f.get("payload").map_or("", String::as_str))).collect();
+    assert_eq!(got.len(), 2, "each event once: {got:?}");
+    assert_eq!(got[0].0, format!("{first}-0"));
+    assert_eq!(got[1], (format!("{second}-0").as_str(), "from a deposed relay"));
+    let line = brokers::line_with(&log, "repeat refused");
+    assert!(line.contains(&key) && line.contains(&second.to_string()), "{line}");
+    assert_eq!(brokers::row_state(&c, second).await.1, 0, "acknowledged as held, without a failure");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_exactly_once_is_refused_at_start_without_a_key_per_aggregate() {
+    let db = TestDb::new("sink_redis_eo_refused").await;
+    let (status, log) = relay_proc::run_to_exit(&db, &["--sink", REDIS_URL, "--exactly-once"]).await;
+    assert!(!status.success(), "{status}");
+    let line = brokers::line_with(&log, "--exactly-once");
+    assert!(line.contains("--redis-stream 'outbox:{aggregate_type}' lacks {aggregate_id}"), "{line}");
+}

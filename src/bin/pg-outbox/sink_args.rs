@@ -34,6 +34,22 @@ pub(crate) struct SinkArgs {
     /// How long one delivery may take (webhook request, broker acknowledgement).
     #[arg(long, alias = "webhook-timeout", value_parser = crate::parse_duration, default_value = "10s")]
     pub(crate) sink_timeout: Duration,
+    /// Deliver each event exactly once: the broker refuses a repeat (an
+    /// event delivered again after a crash), and the relay acknowledges it
+    /// without a second copy (outbox_sink_repeats_refused_total). NATS
+    /// JetStream: reads each subject's last message back and publishes with
+    /// Nats-Expected-Last-Subject-Sequence; needs --nats-subject with
+    /// {aggregate_id} and streams that keep each subject's last message
+    /// (retention limits; no max_age, max_msgs or max_bytes;
+    /// max_msgs_per_subject is fine). Redis Streams: XADD with the outbox
+    /// id as entry id (Redis refuses one at or below the stream's top);
+    /// needs --redis-stream with {aggregate_id}; deleting a key forgets
+    /// it. Refused at start for stdout, webhook and RabbitMQ (the
+    /// destination cannot refuse a repeat) and Kafka (no transactional
+    /// producer); they stay at-least-once: deduplicate on the `id` header.
+    /// Not with --mode competing (no per-aggregate order).
+    #[arg(long)]
+    pub(crate) exactly_once: bool,
     #[cfg(feature = "webhook")]
     #[command(flatten)]
     webhook: WebhookArgs,
@@ -231,6 +247,7 @@ impl SinkArgs {
     pub(crate) fn settings(&self) -> Result<SinkSettings, Error> {
         let mut s = SinkSettings::default();
         s.delivery = self.delivery();
+        s.exactly_once = self.exactly_once;
         let a = &self.access;
         s.tls.enabled = a.sink_tls;
         s.tls.ca_file = a.sink_tls_ca_file.clone();

@@ -1,14 +1,19 @@
 //! NATS JetStream sink (Cargo feature `nats`, client `async-nats`).
 
+use std::collections::{HashMap, HashSet};
+use std::sync::{Arc, Mutex, PoisonError};
+
 use async_nats::HeaderMap;
-use async_nats::header::{HeaderValue, NATS_MESSAGE_ID};
+use async_nats::header::{HeaderValue, NATS_EXPECTED_LAST_SUBJECT_SEQUENCE, NATS_MESSAGE_ID};
+use async_nats::jetstream::stream::{DiscardPolicy, LastRawMessageErrorKind, RetentionPolicy};
 use async_nats::jetstream::{self, context::PublishErrorKind};
 use futures::future::BoxFuture;
 
 use crate::error::{BoxError, Error, Result};
 use crate::event::Event;
+use crate::metrics as m;
 use crate::relay::settings::with_reason;
-use crate::relay::{Message, Sink, SinkFuture, SinkSettings, Template, header};
+use crate::relay::{Guarantee, Message, Sink, SinkFuture, SinkSettings, Template, header};
 use crate::secret::{MASK, Secret, SecretUrl};
 
 /// The NATS sink's options (flags `--nats-*`). Authentication is one way
@@ -63,6 +68,31 @@ impl Default for NatsOptions {
 ///   error fails the event (retried with backoff). The client reconnects
 ///   on its own, forever, while the relay runs.
 ///
+/// Exactly once ([`SinkSettings::exactly_once`], `--exactly-once`): the
+/// subject template must hold `{aggregate_id}`, so each subject receives
+/// one aggregate's events, one at a time, in increasing id order. Before
+/// its first send to a subject the sink reads the subject's last message
+/// back from its stream and keeps its outbox id (header `id`, else
+/// `Nats-Msg-Id`) and stream sequence. An event whose id is not above the
+/// last one is already held: it is acknowledged without a send (a refused
+/// repeat, counted in `outbox_sink_repeats_refused_total`). Otherwise it is
+/// published with `Nats-Expected-Last-Subject-Sequence` = that sequence (0
+/// for an empty subject), so the stream refuses it if anything else was
+/// written to the subject meanwhile (JetStream error 10071, "wrong last
+/// sequence": another relay, a deposed leader); the sink then reads the
+/// subject back again: when it holds this event or a later one of the
+/// aggregate, the event is a refused repeat; otherwise it fails (retried).
+/// A last message without the relay's id header fails the event, naming
+/// the subject. Unlike the duplicate window this holds for any length of
+/// time, as long as the stream keeps each subject's last message: opening
+/// the sink checks every stream that captures the template's subjects and
+/// refuses one whose retention is not `limits`, or that sets `max_age`,
+/// `max_msgs` or `max_bytes` (a stream with `max_msgs_per_subject` = 1 keeps
+/// exactly what is needed), or `discard_new_per_subject`; and it refuses
+/// the template when no stream captures it. Deleting or purging a
+/// subject's messages breaks it: the next event of that aggregate is
+/// checked against what is left.
+///
 /// Authentication, one way of: a user and password (in the URL,
 /// `nats://user:pass@host:4222`, or [`SinkSettings::credentials`]), a token
 /// (`nats://token@host:4222` or [`NatsOptions::token`]), an NKey seed
@@ -81,6 +111,84 @@ pub struct NatsSink {
     js: jetstream::Context,
     subject: Template,
     name: String,
+    /// The exactly-once state; `None` for at-least-once.
+    exactly_once: Option<Arc<ExactlyOnce>>,
+}
+
+/// Subjects whose last message the exactly-once sink remembers at most;
+/// past it one is forgotten (and read back again before its next send).
+const REMEMBERED_SUBJECTS: usize = 100_000;
+
+/// What a subject last held, as the exactly-once sink knows it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Last {
+    /// Outbox id of the subject's last message; `None`: the subject is empty.
+    id: Option<i64>,
+    /// Its aggregate type (header `aggregate_type`), when it has one.
+    aggregate_type: Option<String>,
+    /// Its stream sequence; 0 for an empty subject.
+    sequence: u64,
+}
+
+/// The exactly-once sink's memory: each subject's last message, and which
+/// stream captures each subject (streams checked once each).
+#[derive(Debug, Default)]
+struct ExactlyOnce {
+    last: Mutex<HashMap<String, Last>>,
+    /// Stream names whose configuration was checked and found to keep each
+    /// subject's last message.
+    checked: Mutex<HashSet<String>>,
+    /// The stream that captures each subject (bounded as `last`).
+    stream_of: Mutex<HashMap<String, String>>,
+}
+
+/// Insert into a map bounded at [`REMEMBERED_SUBJECTS`] entries.
+fn remember<V>(map: &Mutex<HashMap<String, V>>, key: &str, value: V) {
+    let mut map = map.lock().unwrap_or_else(PoisonError::into_inner);
+    if map.len() >= REMEMBERED_SUBJECTS && !map.contains_key(key) {
+        let victim = map.keys().next().cloned();
+        if let Some(v) = victim {
+            map.remove(&v);
+        }
+    }
+    map.insert(key.to_string(), value);
+}
+
+/// Why a stream's configuration cannot keep each subject's last message
+/// (what exactly-once delivery reads back), naming the setting to change;
+/// `None` when it keeps it.
+fn stream_loses_last(config: &jetstream::stream::Config) -> Option<String> {
+    if config.retention != RetentionPolicy::Limits {
+        return Some(format!(
+            "its retention is {:?}, which removes messages once consumed; use retention limits",
+            config.retention
+        ));
+    }
+    if !config.max_age.is_zero() {
+        return Some(format!("max_age is {:?}, which removes a subject's last message; set max_age 0", config.max_age));
+    }
+    if config.max_messages > 0 {
+        return Some(format!(
+            "max_msgs is {}, which can remove a subject's last message; set max_msgs -1 (unlimited) \
+             and bound it with max_msgs_per_subject instead (1 keeps exactly what is needed)",
+            config.max_messages
+        ));
+    }
+    if config.max_bytes > 0 {
+        return Some(format!(
+            "max_bytes is {}, which can remove a subject's last message; set max_bytes -1 (unlimited) \
+             and bound it with max_msgs_per_subject instead (1 keeps exactly what is needed)",
+            config.max_bytes
+        ));
+    }
+    if config.discard == DiscardPolicy::New && config.discard_new_per_subject && config.max_messages_per_subject > 0 {
+        return Some(format!(
+            "discard new per subject with max_msgs_per_subject {} refuses a subject's later events; \
+             use discard old",
+            config.max_messages_per_subject
+        ));
+    }
+    None
 }
 
 /// Credentials taken out of a NATS URL (percent-decoded). `Debug` hides
@@ -263,7 +371,230 @@ impl NatsSink {
         })?;
         let mut js = jetstream::new(client);
         js.set_timeout(timeout);
-        Ok(NatsSink { js, subject: settings.nats.subject.clone(), name: format!("NATS JetStream {shown}") })
+        let mut sink = NatsSink {
+            js,
+            subject: settings.nats.subject.clone(),
+            name: format!("NATS JetStream {shown}"),
+            exactly_once: None,
+        };
+        if settings.exactly_once {
+            sink.exactly_once = Some(Arc::default());
+            sink.check_streams().await?;
+        }
+        Ok(sink)
+    }
+
+    /// Refuse a subject template that exactly-once cannot keep (see
+    /// [`NatsSink`]): one without `{aggregate_id}`.
+    fn check_template(template: &Template) -> Result<()> {
+        if !template.has_aggregate_id() {
+            return Err(Error::Config(format!(
+                "--exactly-once needs a NATS subject per aggregate: --nats-subject '{template}' lacks {{aggregate_id}} \
+                 (a retry of one aggregate's event would reach the subject after later events of other aggregates, \
+                 and be refused as a repeat), e.g. 'events.{{aggregate_type}}.{{aggregate_id}}'"
+            )));
+        }
+        Ok(())
+    }
+
+    /// Check, at start, the streams that capture the subject template's
+    /// subjects: at least one, each keeping every subject's last message.
+    async fn check_streams(&self) -> Result<()> {
+        let filter = self.subject.token_wildcards("*");
+        let names = self.stream_names(&filter).await?;
+        if names.is_empty() {
+            return Err(Error::Config(format!(
+                "--exactly-once: no JetStream stream captures the subjects of --nats-subject '{}' ({filter}); \
+                 create one, e.g. `nats stream add OUTBOX --subjects '{filter}' --retention limits`",
+                self.subject
+            )));
+        }
+        for name in names {
+            self.check_stream(&name).await?;
+        }
+        Ok(())
+    }
+
+    /// Names of the streams whose subjects overlap `filter`.
+    async fn stream_names(&self, filter: &str) -> Result<Vec<String>> {
+        let mut names = Vec::new();
+        loop {
+            let page: serde_json::Value = self
+                .js
+                .request("STREAM.NAMES", &serde_json::json!({ "offset": names.len(), "subject": filter }))
+                .await
+                .map_err(|e| Error::SinkUnavailable(format!("NATS: cannot list the JetStream streams: {e}")))?;
+            if let Some(e) = page.get("error") {
+                return Err(Error::SinkUnavailable(format!("NATS: cannot list the JetStream streams: {e}")));
+            }
+            let got: Vec<String> = page
+                .get("streams")
+                .and_then(serde_json::Value::as_array)
+                .map(|a| a.iter().filter_map(|n| n.as_str().map(str::to_string)).collect())
+                .unwrap_or_default();
+            let total = page.get("total").and_then(serde_json::Value::as_u64).unwrap_or(0);
+            if got.is_empty() {
+                return Ok(names);
+            }
+            names.extend(got);
+            if names.len() as u64 >= total {
+                return Ok(names);
+            }
+        }
+    }
+
+    /// Check one stream's configuration (once per stream).
+    async fn check_stream(&self, name: &str) -> Result<()> {
+        let Some(state) = &self.exactly_once else { return Ok(()) };
+        if state.checked.lock().unwrap_or_else(PoisonError::into_inner).contains(name) {
+            return Ok(());
+        }
+        let stream = self
+            .js
+            .get_stream(name)
+            .await
+            .map_err(|e| Error::SinkUnavailable(format!("NATS: cannot read stream {name}'s configuration: {e}")))?;
+        if let Some(why) = stream_loses_last(&stream.cached_info().config) {
+            return Err(Error::Config(format!(
+                "--exactly-once: JetStream stream {name} may lose a subject's last message, which exactly-once \
+                 reads back: {why}"
+            )));
+        }
+        state.checked.lock().unwrap_or_else(PoisonError::into_inner).insert(name.to_string());
+        Ok(())
+    }
+
+    /// Read back what `subject` last holds, from the stream that captures it.
+    async fn read_last(&self, state: &ExactlyOnce, subject: &str) -> std::result::Result<Last, BoxError> {
+        let known = state.stream_of.lock().unwrap_or_else(PoisonError::into_inner).get(subject).cloned();
+        let stream_name = match known {
+            Some(n) => n,
+            None => {
+                let n = self.js.stream_by_subject(subject).await.map_err(|e| {
+                    format!("cannot find the JetStream stream of subject {subject} to read its last message: {e}")
+                })?;
+                self.check_stream(&n).await.map_err(|e| e.to_string())?;
+                remember(&state.stream_of, subject, n.clone());
+                n
+            }
+        };
+        let stream = self
+            .js
+            .get_stream_no_info(&stream_name)
+            .await
+            .map_err(|e| format!("cannot read stream {stream_name}: {e}"))?;
+        let last = match stream.get_last_raw_message_by_subject(subject).await {
+            Ok(msg) => msg,
+            Err(e) if e.kind() == LastRawMessageErrorKind::NoMessageFound => {
+                return Ok(Last { id: None, aggregate_type: None, sequence: 0 });
+            }
+            Err(e) => return Err(format!("cannot read the last message of subject {subject}: {e}").into()),
+        };
+        let get = |name: &str| last.headers.get(name).map(|v| v.as_str().to_string());
+        let id = get(header::ID).or_else(|| get("Nats-Msg-Id")).and_then(|v| v.trim().parse::<i64>().ok());
+        let Some(id) = id else {
+            return Err(format!(
+                "the last message of subject {subject} (stream {stream_name}, sequence {}) has no outbox id \
+                 (header id or Nats-Msg-Id): it was not written by pg-outbox, so whether the subject already \
+                 holds this event cannot be told; remove it or use a subject of pg-outbox's own",
+                last.sequence
+            )
+            .into());
+        };
+        Ok(Last { id: Some(id), aggregate_type: get(header::AGGREGATE_TYPE), sequence: last.sequence })
+    }
+
+    /// Whether `last` shows that the subject already holds `event`: its last
+    /// message is this event or a later one of the same aggregate. `Err`
+    /// when the last message is a later one of another aggregate (the same
+    /// aggregate id under another type), which cannot tell.
+    fn holds(last: &Last, event: &Event, subject: &str) -> std::result::Result<bool, BoxError> {
+        let Some(id) = last.id else { return Ok(false) };
+        if event.id > id {
+            return Ok(false);
+        }
+        match &last.aggregate_type {
+            Some(t) if *t != event.aggregate_type => Err(format!(
+                "subject {subject} last holds event {id} of aggregate type {t}, after event {} of type {}: \
+                 whether it holds this event cannot be told; put {{aggregate_type}} in --nats-subject",
+                event.id, event.aggregate_type
+            )
+            .into()),
+            _ => Ok(true),
+        }
+    }
+
+    /// The exactly-once send (see [`NatsSink`]).
+    async fn send_once(
+        &self,
+        state: &ExactlyOnce,
+        subject: String,
+        mut headers: HeaderMap,
+        message: &Message,
+        event: &Event,
+    ) -> std::result::Result<(), BoxError> {
+        let cached = state.last.lock().unwrap_or_else(PoisonError::into_inner).get(&subject).cloned();
+        let last = match cached {
+            Some(l) => l,
+            None => {
+                let l = self.read_last(state, &subject).await?;
+                remember(&state.last, &subject, l.clone());
+                l
+            }
+        };
+        if Self::holds(&last, event, &subject)? {
+            refused_repeat(event.id, &subject, "its last message is this event or a later one of its aggregate");
+            return Ok(());
+        }
+        headers.insert(NATS_EXPECTED_LAST_SUBJECT_SEQUENCE, last.sequence.to_string().as_str());
+        let published = async {
+            let ack = self.js.publish_with_headers(subject.clone(), headers, message.body.clone().into()).await?;
+            ack.await
+        };
+        match published.await {
+            Ok(ack) if ack.duplicate => {
+                // Within the duplicate window the stream dropped it: it holds
+                // the event. The acknowledged sequence is the original's, not
+                // necessarily the subject's last: read the subject back next time.
+                state.last.lock().unwrap_or_else(PoisonError::into_inner).remove(&subject);
+                refused_repeat(event.id, &subject, "the stream's duplicate window already holds it (Nats-Msg-Id)");
+                Ok(())
+            }
+            Ok(ack) => {
+                let l = Last {
+                    id: Some(event.id),
+                    aggregate_type: Some(event.aggregate_type.clone()),
+                    sequence: ack.sequence,
+                };
+                remember(&state.last, &subject, l);
+                Ok(())
+            }
+            Err(e) if e.kind() == PublishErrorKind::WrongLastSequence => {
+                // Something else wrote to the subject since it was read.
+                state.last.lock().unwrap_or_else(PoisonError::into_inner).remove(&subject);
+                let now = self.read_last(state, &subject).await?;
+                remember(&state.last, &subject, now.clone());
+                if Self::holds(&now, event, &subject)? {
+                    refused_repeat(
+                        event.id,
+                        &subject,
+                        "another writer stored this event or a later one of its aggregate",
+                    );
+                    return Ok(());
+                }
+                Err(format!(
+                    "publish to {subject} refused: the subject changed since it was read (wrong last sequence: \
+                     another relay wrote to it); its last message is now sequence {}; retried",
+                    now.sequence
+                )
+                .into())
+            }
+            Err(e) => {
+                // The stream may or may not have stored it: read back next time.
+                state.last.lock().unwrap_or_else(PoisonError::into_inner).remove(&subject);
+                Err(publish_error(&subject, e))
+            }
+        }
     }
 
     /// The NATS headers of `msg`.
@@ -286,9 +617,33 @@ impl NatsSink {
     }
 }
 
+/// Count and log a send the destination refused or that was skipped because
+/// `subject` already holds event `id` (`why`).
+fn refused_repeat(id: i64, subject: &str, why: &str) {
+    metrics::counter!(m::SINK_REPEATS_REFUSED).increment(1);
+    tracing::info!(id, subject, "repeat refused, acknowledged without a second copy: {why}");
+}
+
+/// The error of a failed publish to `subject`.
+fn publish_error(subject: &str, e: jetstream::context::PublishError) -> BoxError {
+    if e.kind() == PublishErrorKind::StreamNotFound {
+        format!(
+            "no JetStream stream captures subject {subject}; create one, e.g. `nats stream add --subjects '{subject}'`"
+        )
+        .into()
+    } else {
+        format!("publish to {subject} failed: {e}").into()
+    }
+}
+
 /// Open the NATS JetStream sink (`--sink nats://...` or `tls://...`).
 pub(crate) fn open<'a>(url: &'a SecretUrl, settings: &'a SinkSettings) -> BoxFuture<'a, Result<Box<dyn Sink>>> {
-    Box::pin(async move { Ok(Box::new(NatsSink::connect(url, settings).await?) as Box<dyn Sink>) })
+    Box::pin(async move {
+        if settings.exactly_once {
+            NatsSink::check_template(&settings.nats.subject)?;
+        }
+        Ok(Box::new(NatsSink::connect(url, settings).await?) as Box<dyn Sink>)
+    })
 }
 
 impl Sink for NatsSink {
@@ -296,23 +651,24 @@ impl Sink for NatsSink {
         &self.name
     }
 
+    fn guarantee(&self) -> Guarantee {
+        if self.exactly_once.is_some() { Guarantee::ExactlyOnce } else { Guarantee::AtLeastOnce }
+    }
+
     fn send<'a>(&'a self, message: &'a Message, event: &'a Event) -> SinkFuture<'a> {
         Box::pin(async move {
             let subject = self.subject.render(event);
             check_subject(&subject)?;
             let headers = Self::headers(message)?;
+            if let Some(state) = &self.exactly_once {
+                return self.send_once(state, subject, headers, message, event).await;
+            }
             let published = async {
                 let ack = self.js.publish_with_headers(subject.clone(), headers, message.body.clone().into()).await?;
                 ack.await
             };
             let ack = match published.await {
-                Err(e) if e.kind() == PublishErrorKind::StreamNotFound => {
-                    return Err(format!(
-                        "no JetStream stream captures subject {subject}; create one, e.g. `nats stream add --subjects '{subject}'`"
-                    )
-                    .into());
-                }
-                Err(e) => return Err(format!("publish to {subject} failed: {e}").into()),
+                Err(e) => return Err(publish_error(&subject, e)),
                 Ok(ack) => ack,
             };
             if ack.duplicate {
@@ -340,6 +696,58 @@ mod tests {
         assert!(creds == Some(Credentials::Token("s3cr3t".into())), "a lone user part is a token");
         let err = split("nats://u:pw@h1:4222,http://h2").expect_err("http is refused").to_string();
         assert!(err.contains("nats://") && !err.contains("pw"), "{err}");
+    }
+
+    #[test]
+    fn streams_that_may_lose_a_subjects_last_message_are_named_by_setting() {
+        use jetstream::stream::Config;
+        let ok = Config { name: "S".into(), max_messages: -1, max_bytes: -1, ..Default::default() };
+        assert_eq!(stream_loses_last(&ok), None);
+        assert_eq!(stream_loses_last(&Config { max_messages_per_subject: 1, ..ok.clone() }), None);
+        let cases = [
+            (Config { retention: RetentionPolicy::WorkQueue, ..ok.clone() }, "retention"),
+            (Config { retention: RetentionPolicy::Interest, ..ok.clone() }, "retention"),
+            (Config { max_age: std::time::Duration::from_secs(60), ..ok.clone() }, "max_age"),
+            (Config { max_messages: 1000, ..ok.clone() }, "max_msgs is 1000"),
+            (Config { max_bytes: 1 << 20, ..ok.clone() }, "max_bytes"),
+            (
+                Config {
+                    discard: DiscardPolicy::New,
+                    discard_new_per_subject: true,
+                    max_messages_per_subject: 1,
+                    ..ok.clone()
+                },
+                "discard new per subject",
+            ),
+        ];
+        for (config, want) in cases {
+            let why = stream_loses_last(&config).unwrap_or_default();
+            assert!(why.contains(want), "{want}: {why}");
+        }
+    }
+
+    #[test]
+    fn a_subject_holds_an_event_at_or_below_its_last_id_of_the_same_aggregate_type() {
+        let event = |id: i64| Event {
+            id,
+            aggregate_type: "order".into(),
+            aggregate_id: uuid::Uuid::nil(),
+            event_type: "Created".into(),
+            payload: serde_json::json!({}),
+            occurred_at: chrono::DateTime::from_timestamp(0, 0).unwrap_or_default(),
+            retry_count: 0,
+            last_error: None,
+        };
+        let last = |id: Option<i64>, t: Option<&str>| Last { id, aggregate_type: t.map(str::to_string), sequence: 3 };
+        let holds = |l: &Last, id: i64| NatsSink::holds(l, &event(id), "s").map_err(|e| e.to_string());
+        assert_eq!(holds(&last(None, None), 1), Ok(false), "an empty subject holds nothing");
+        assert_eq!(holds(&last(Some(5), Some("order")), 6), Ok(false));
+        assert_eq!(holds(&last(Some(5), Some("order")), 5), Ok(true));
+        assert_eq!(holds(&last(Some(5), Some("order")), 4), Ok(true));
+        assert_eq!(holds(&last(Some(5), None), 4), Ok(true), "without the header, the id decides");
+        let unsure = holds(&last(Some(5), Some("invoice")), 4).expect_err("another type cannot tell");
+        assert!(unsure.contains("{aggregate_type}"), "{unsure}");
+        assert_eq!(holds(&last(Some(5), Some("invoice")), 6), Ok(false), "a later event is sent whatever the type");
     }
 
     #[test]

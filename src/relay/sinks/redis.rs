@@ -7,10 +7,11 @@ use futures::future::BoxFuture;
 use redis::IntoConnectionInfo;
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 
-use crate::error::{Error, Result};
+use crate::error::{BoxError, Error, Result};
 use crate::event::Event;
+use crate::metrics as m;
 use crate::relay::settings::with_reason;
-use crate::relay::{Message, Sink, SinkFuture, SinkSettings, Template, header};
+use crate::relay::{Guarantee, Message, Sink, SinkFuture, SinkSettings, Template, header};
 use crate::secret::SecretUrl;
 
 /// The Redis Streams sink's options (flags `--redis-*`).
@@ -49,6 +50,23 @@ impl Default for RedisOptions {
 ///   connection manager reconnects on the next delivery. Redis Streams have
 ///   no deduplication: an event whose acknowledgement the relay could not
 ///   record is appended again; consumers deduplicate on the `id` field.
+/// - Exactly once ([`SinkSettings::exactly_once`], `--exactly-once`): the
+///   key template must hold `{aggregate_id}`, so each stream receives one
+///   aggregate's events, one at a time, in increasing id order, and the
+///   entry id is the outbox id: `XADD key <id>-0 ...`. Redis refuses an
+///   entry id equal to or below the stream's top id ("The ID specified in
+///   XADD is equal or smaller than the target stream top item"), and a
+///   stream remembers its top id even after trimming (`MAXLEN`) or `XDEL`;
+///   such a refusal means the stream already holds this event or a later
+///   one of its aggregate, so the event is acknowledged without a second
+///   copy (a refused repeat: logged at info with the id and key, counted in
+///   `outbox_sink_repeats_refused_total`). Before it counts the refusal,
+///   the sink reads the stream's newest entry: one of another aggregate
+///   type (the same aggregate id under two types, with a template lacking
+///   `{aggregate_type}`) fails the event instead, as it cannot tell.
+///   Deleting the key (`DEL`, `UNLINK`, expiry) forgets the top id, and a
+///   repeat is then appended again. Needs Redis 5.0 or later (streams);
+///   checked at start.
 ///
 /// URLs: `redis://[user:password@]host[:port][/db]`, and
 /// `rediss://...` for TLS (rustls). [`SinkSettings::credentials`] (an ACL
@@ -63,11 +81,29 @@ pub struct RedisSink {
     conn: ConnectionManager,
     options: RedisOptions,
     name: String,
+    exactly_once: bool,
+}
+
+/// The text of Redis's refusal of an entry id at or below a stream's top
+/// id (Redis 5.0 and later, `t_stream.c`).
+const ID_TOO_SMALL: &str = "equal or smaller than the target stream top item";
+
+/// The major and minor version in the `redis_version:` line of `INFO server`.
+fn redis_version(info: &str) -> Option<(u32, u32)> {
+    let v = info.lines().find_map(|l| l.trim().strip_prefix("redis_version:"))?;
+    let mut parts = v.trim().split('.');
+    let major = parts.next()?.parse().ok()?;
+    let minor = parts.next().and_then(|p| p.parse().ok()).unwrap_or(0);
+    Some((major, minor))
 }
 
 impl std::fmt::Debug for RedisSink {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("RedisSink").field("name", &self.name).field("options", &self.options).finish_non_exhaustive()
+        f.debug_struct("RedisSink")
+            .field("name", &self.name)
+            .field("options", &self.options)
+            .field("exactly_once", &self.exactly_once)
+            .finish_non_exhaustive()
     }
 }
 
@@ -164,18 +200,103 @@ impl RedisSink {
         // The connection may be lazy about authentication: ask once.
         let pong: std::result::Result<String, _> = redis::cmd("PING").query_async(&mut conn).await;
         pong.map_err(|e| unreachable(url.scrub(&e.to_string())))?;
-        Ok(RedisSink { conn, options: settings.redis.clone(), name: format!("Redis Streams {shown}") })
+        if settings.exactly_once {
+            let info: std::result::Result<String, _> = redis::cmd("INFO").arg("server").query_async(&mut conn).await;
+            let info = info.map_err(|e| {
+                Error::SinkUnavailable(format!(
+                    "--exactly-once: cannot read the version of Redis at {shown} (INFO server): {}",
+                    url.scrub(&e.to_string())
+                ))
+            })?;
+            match redis_version(&info) {
+                Some((major, _)) if major >= 5 => {}
+                Some((major, minor)) => {
+                    return Err(Error::Config(format!(
+                        "--exactly-once: Redis at {shown} is {major}.{minor}; streams need Redis 5.0 or later"
+                    )));
+                }
+                None => {
+                    return Err(Error::Config(format!(
+                        "--exactly-once: INFO server of Redis at {shown} names no redis_version; streams need 5.0 or later"
+                    )));
+                }
+            }
+        }
+        Ok(RedisSink {
+            conn,
+            options: settings.redis.clone(),
+            name: format!("Redis Streams {shown}"),
+            exactly_once: settings.exactly_once,
+        })
+    }
+
+    /// Refuse a key template that exactly-once cannot keep: one without
+    /// `{aggregate_id}`.
+    fn check_template(template: &Template) -> Result<()> {
+        if !template.has_aggregate_id() {
+            return Err(Error::Config(format!(
+                "--exactly-once needs a Redis stream per aggregate: --redis-stream '{template}' lacks {{aggregate_id}} \
+                 (a retry of one aggregate's event would reach the stream after later events of other aggregates, \
+                 and be refused as a repeat), e.g. 'outbox:{{aggregate_type}}:{{aggregate_id}}'"
+            )));
+        }
+        Ok(())
+    }
+
+    /// After Redis refused event's entry id at or below the top of `key`:
+    /// `Ok` (a refused repeat, counted) unless the newest entry belongs to
+    /// another aggregate, which cannot tell.
+    async fn refused(&self, key: &str, event: &Event) -> std::result::Result<(), BoxError> {
+        let mut conn = self.conn.clone();
+        let newest: std::result::Result<redis::streams::StreamRangeReply, _> =
+            redis::cmd("XREVRANGE").arg(key).arg("+").arg("-").arg("COUNT").arg(1).query_async(&mut conn).await;
+        let newest = newest.map_err(|e| {
+            format!(
+                "XADD {key} refused entry {}-0 as not above the top; reading the newest entry failed: {e}",
+                event.id
+            )
+        })?;
+        if let Some(entry) = newest.ids.first() {
+            let field = |name: &str| entry.get::<String>(name);
+            let aggregate = event.aggregate_id.to_string();
+            let other_type = field("aggregate_type").is_some_and(|t| t != event.aggregate_type);
+            let other_id = field("aggregate").is_some_and(|a| a != aggregate);
+            if other_type || other_id {
+                return Err(format!(
+                    "XADD {key} refused entry {}-0 as not above the top, and the newest entry {} belongs to another \
+                     aggregate: whether {key} holds this event cannot be told; put {{aggregate_type}} in --redis-stream",
+                    event.id, entry.id
+                )
+                .into());
+            }
+        }
+        metrics::counter!(m::SINK_REPEATS_REFUSED).increment(1);
+        tracing::info!(
+            id = event.id,
+            key,
+            "repeat refused, acknowledged without a second copy: the stream's top id is this event's or a later one's"
+        );
+        Ok(())
     }
 }
 
 /// Open the Redis Streams sink (`--sink redis://...` or `rediss://...`).
 pub(crate) fn open<'a>(url: &'a SecretUrl, settings: &'a SinkSettings) -> BoxFuture<'a, Result<Box<dyn Sink>>> {
-    Box::pin(async move { Ok(Box::new(RedisSink::connect(url, settings).await?) as Box<dyn Sink>) })
+    Box::pin(async move {
+        if settings.exactly_once {
+            RedisSink::check_template(&settings.redis.stream)?;
+        }
+        Ok(Box::new(RedisSink::connect(url, settings).await?) as Box<dyn Sink>)
+    })
 }
 
 impl Sink for RedisSink {
     fn name(&self) -> &str {
         &self.name
+    }
+
+    fn guarantee(&self) -> Guarantee {
+        if self.exactly_once { Guarantee::ExactlyOnce } else { Guarantee::AtLeastOnce }
     }
 
     fn send<'a>(&'a self, message: &'a Message, event: &'a Event) -> SinkFuture<'a> {
@@ -186,7 +307,12 @@ impl Sink for RedisSink {
             if let Some(n) = self.options.maxlen {
                 cmd.arg("MAXLEN").arg("~").arg(n);
             }
-            cmd.arg("*");
+            match self.exactly_once {
+                // An outbox id is positive; 0-0 is not a valid entry id.
+                true if event.id > 0 => cmd.arg(format!("{}-0", event.id)),
+                true => return Err(format!("outbox id {} cannot be a Redis stream entry id", event.id).into()),
+                false => cmd.arg("*"),
+            };
             for (field, value) in fields(message) {
                 cmd.arg(field).arg(value);
             }
@@ -194,6 +320,7 @@ impl Sink for RedisSink {
             let reply: std::result::Result<String, redis::RedisError> = cmd.query_async(&mut conn).await;
             match reply {
                 Ok(_entry_id) => Ok(()),
+                Err(e) if self.exactly_once && e.to_string().contains(ID_TOO_SMALL) => self.refused(&key, event).await,
                 Err(e) => Err(format!("XADD {key} failed: {e}").into()),
             }
         })
@@ -203,6 +330,13 @@ impl Sink for RedisSink {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_version_comes_from_info_server() {
+        assert_eq!(redis_version("# Server\r\nredis_version:7.0.15\r\nredis_mode:standalone\r\n"), Some((7, 0)));
+        assert_eq!(redis_version("redis_version:4.0.9"), Some((4, 0)));
+        assert_eq!(redis_version("# Server\r\n"), None);
+    }
 
     #[test]
     fn fields_follow_the_documented_names() {

@@ -152,8 +152,16 @@ enum ModeArg {
 }
 
 pub(crate) async fn run(url: &str, args: RelayArgs) -> Result<(), Error> {
+    if args.sink.exactly_once && args.mode == ModeArg::Competing {
+        return Err(Error::Config(
+            "--exactly-once needs one aggregate's events delivered one at a time in id order, which \
+             --mode competing does not keep; use --mode single or partitioned"
+                .into(),
+        ));
+    }
     let sink = args.sink.open().await?;
     let sink_name = sink.name().to_string();
+    let guarantee = sink.guarantee();
     let pg = pg_outbox::ConnectOptions::parse(url)?;
     let target = pg.describe();
     let metrics_listener = args.metrics_addr.map(|a| health::bind(a, "metrics")).transpose()?;
@@ -204,6 +212,7 @@ pub(crate) async fn run(url: &str, args: RelayArgs) -> Result<(), Error> {
             tracing::info!(database = %target, sink = %sink_name, max_buffered_bytes = %bound, "relay started; listening on channel {}", pg_outbox::NOTIFY_CHANNEL)
         }
     }
+    tracing::info!(sink = %sink_name, guarantee = %guarantee, "sink delivery guarantee: {guarantee}");
     let retention = args.retention.map(|older| {
         tokio::spawn(retention_loop(url.to_string(), older, args.retention_hour, args.retention_at_start))
     });
