@@ -232,6 +232,9 @@ struct Plan {
     broker_ahead: u64,
     stop_failovers: usize,
     cuts: usize,
+    /// Fenced sends of the silenced leader from its silence until it stood
+    /// by again (what it still sent or wrote when it resumed), per failover.
+    late_fenced: Vec<f64>,
 }
 
 struct Run {
@@ -480,6 +483,7 @@ impl Run {
         let l = self.leader().await;
         let standbys = self.slots[l].relay.log().matches(STANDBY).count();
         self.slots[l].scrape().await;
+        let fenced = self.slots[l].seen;
         if cut {
             self.slots[l].proxy.freeze(true);
         } else {
@@ -502,7 +506,9 @@ impl Run {
             let s = &self.slots[l];
             let log = s.relay.log();
             if log.matches(STANDBY).count() > standbys && s.metric(LEADER).await == Some(0.0) {
-                break;
+                self.slots[l].scrape().await;
+                self.plan.late_fenced.push(self.slots[l].seen - fenced);
+                return;
             }
             assert!(
                 Instant::now() < deadline,
@@ -644,7 +650,7 @@ async fn fault_suite(tag: &str, seed: u64, broker: Broker, exactly_once: bool) {
     );
     println!(
         "sink={} guarantee={guarantee} seed={seed:#x} detail: faults_at_events={:?} freeze_kill_tries={} \
-         broker_ahead_at_freeze_kill={} sigstop_failovers={} network_cuts={} takeover_ms={:?} term_regressions={} copies={} rolled_back={} \
+         broker_ahead_at_freeze_kill={} sigstop_failovers={} network_cuts={} late_fenced_sends_sigstop_cut={:?} takeover_ms={:?} term_regressions={} copies={} rolled_back={} \
          uncertain_commits={} relays_started={} drained_after_load={drained:?} test_time={:?}",
         run.broker.name(),
         p.at_events,
@@ -652,6 +658,7 @@ async fn fault_suite(tag: &str, seed: u64, broker: Broker, exactly_once: bool) {
         p.broker_ahead,
         p.stop_failovers,
         p.cuts,
+        p.late_fenced,
         p.takeover_ms,
         t.term_regressions,
         copies.len(),
@@ -668,6 +675,15 @@ async fn fault_suite(tag: &str, seed: u64, broker: Broker, exactly_once: bool) {
     assert_eq!(t.order_violations, 0, "per-aggregate order violated: {}", ctx());
     if run.exactly_once {
         assert_eq!(t.duplicates, 0, "duplicates with --exactly-once: {}", ctx());
+        // What the frozen leader sent before its kill was never acknowledged:
+        // the next leader sent it again, and the broker refused it (or the
+        // read-back skipped it), counted.
+        assert!(
+            fenced >= p.broker_ahead as f64,
+            "{fenced} fenced sends counted, fewer than the {} messages the frozen leader sent before its kill: {}",
+            p.broker_ahead,
+            ctx()
+        );
     }
 }
 
