@@ -297,6 +297,13 @@ impl Template {
     /// Whether the template holds `{aggregate_id}`, so each name it
     /// renders receives the events of aggregates with one id only (what
     /// exactly-once delivery needs: [`super::SinkSettings::exactly_once`]).
+    ///
+    /// # Example
+    /// ```
+    /// use pg_outbox::relay::Template;
+    /// assert!(Template::parse("events.{aggregate_type}.{aggregate_id}").unwrap().has_aggregate_id());
+    /// assert!(!Template::parse("events.{aggregate_type}").unwrap().has_aggregate_id());
+    /// ```
     pub fn has_aggregate_id(&self) -> bool {
         self.parts.contains(&Part::AggregateId)
     }

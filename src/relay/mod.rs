@@ -167,10 +167,7 @@ where
     let monitor = stream.health();
     let health = monitor.state();
     health.sink_attached();
-    let guarantee = sink.guarantee();
-    for g in [Guarantee::AtLeastOnce, Guarantee::ExactlyOnce] {
-        metrics::gauge!(m::SINK_GUARANTEE, "guarantee" => g.as_str()).set(if g == guarantee { 1.0 } else { 0.0 });
-    }
+    sink.guarantee().record();
     metrics::counter!(m::SINK_REPEATS_REFUSED).increment(0);
     tokio::pin!(shutdown);
     let mut shutdown_seen = false;

@@ -44,10 +44,33 @@ pub enum Guarantee {
 impl Guarantee {
     /// `at-least-once` or `exactly-once`: the gauge's label value and the
     /// word in logs.
+    ///
+    /// # Example
+    /// ```
+    /// use pg_outbox::relay::Guarantee;
+    /// assert_eq!(Guarantee::default().as_str(), "at-least-once");
+    /// assert_eq!(Guarantee::ExactlyOnce.to_string(), "exactly-once");
+    /// ```
     pub fn as_str(self) -> &'static str {
         match self {
             Guarantee::AtLeastOnce => "at-least-once",
             Guarantee::ExactlyOnce => "exactly-once",
+        }
+    }
+}
+
+impl Guarantee {
+    /// Set the gauge `outbox_sink_guarantee{guarantee}`
+    /// ([`crate::metrics::SINK_GUARANTEE`]): 1 for `self`, 0 for the other.
+    /// [`super::run_with`] does it when it starts; a program that serves
+    /// metrics before that may do it sooner.
+    pub fn record(self) {
+        for g in [Guarantee::AtLeastOnce, Guarantee::ExactlyOnce] {
+            metrics::gauge!(crate::metrics::SINK_GUARANTEE, "guarantee" => g.as_str()).set(if g == self {
+                1.0
+            } else {
+                0.0
+            });
         }
     }
 }

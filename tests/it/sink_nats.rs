@@ -626,3 +626,45 @@ async fn exactly_once_is_refused_at_start_for_sinks_that_cannot_refuse_a_repeat(
     assert!(!status.success(), "{status}");
     assert!(brokers::line_with(&log, "--exactly-once").contains("--mode competing"), "{log}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nats_exactly_once_runs_on_a_stream_that_keeps_only_each_subjects_last_message() {
+    if !needs::server(&needs::NATS).await {
+        return;
+    }
+    let stream = TestStream::create_with("eo_last", |c| {
+        c.max_messages_per_subject = 1;
+        c.duplicate_window = Duration::from_secs(1);
+    })
+    .await;
+    let db = TestDb::new("sink_nats_eo_last").await;
+    let c = db.client().await;
+    let aggs = brokers::aggregates(4);
+    let sent = brokers::publish_events(&c, &aggs, 16, "t").await;
+    let subject = per_aggregate(&stream);
+    let args = ["--sink", NATS_URL, "--exactly-once", "--nats-subject", &subject, "--sweep-interval", "200ms"];
+    let relay = relay_proc::start(&db, &args).await;
+    brokers::wait_published(&c, sent.len() as i64).await;
+    relay.stop().await;
+
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let ids: Vec<i64> = sent.keys().copied().collect();
+    brokers::unpublish(&db, &ids).await;
+    let addr = format!("127.0.0.1:{}", brokers::free_port());
+    let mut again = args.to_vec();
+    again.extend(["--metrics-addr", &addr]);
+    let relay = relay_proc::start(&db, &again).await;
+    brokers::wait_published(&c, sent.len() as i64).await;
+    let metrics = brokers::scrape(&addr).await;
+    relay.stop().await;
+    assert_eq!(brokers::sample(&metrics, "outbox_sink_repeats_refused_total"), Some(sent.len() as f64), "{metrics}");
+    // The stream keeps each aggregate's last event, sent once.
+    let mut last: Vec<i64> = aggs
+        .iter()
+        .filter_map(|(_, a)| sent.iter().filter(|(_, e)| e.aggregate_id == *a).map(|(id, _)| *id).max())
+        .collect();
+    last.sort_unstable();
+    let mut held = ids_on_aggregate_subjects(&stream.messages().await, &stream.prefix, &sent);
+    held.sort_unstable();
+    assert_eq!(held, last, "one message per subject: its aggregate's last event");
+}

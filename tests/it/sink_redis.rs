@@ -374,3 +374,107 @@ async fn redis_exactly_once_is_refused_at_start_without_a_key_per_aggregate() {
     let line = brokers::line_with(&log, "--exactly-once");
     assert!(line.contains("--redis-stream 'outbox:{aggregate_type}' lacks {aggregate_id}"), "{line}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_exactly_once_does_not_continue_a_stream_written_at_least_once() {
+    if !needs::server(&needs::REDIS).await {
+        return;
+    }
+    let keys = TestKeys::new("eo_mixed");
+    let db = TestDb::new("sink_redis_eo_mixed").await;
+    let c = db.client().await;
+    let aggregate = uuid::Uuid::new_v4();
+    let key = format!("{}:order:{aggregate}", keys.prefix);
+    // An at-least-once relay appended to the key: Redis chose the entry id
+    // (a millisecond time, far above any outbox id).
+    let _: String = redis::cmd("XADD")
+        .arg(&key)
+        .arg("*")
+        .arg("id")
+        .arg(1)
+        .arg("aggregate_type")
+        .arg("order")
+        .arg("aggregate")
+        .arg(aggregate.to_string())
+        .query_async(&mut keys.conn().await)
+        .await
+        .expect("XADD");
+    let event = pg_outbox::NewEvent::new("order", aggregate, "Created", serde_json::json!({}));
+    let id = pg_outbox::Publisher::new().publish(&c, &event).await.expect("publish");
+    let template = per_aggregate(&keys);
+    let relay = relay_proc::start(
+        &db,
+        &["--sink", REDIS_URL, "--exactly-once", "--redis-stream", &template, "--retry-schedule", "1h"],
+    )
+    .await;
+    support::eventually(brokers::LIVENESS.as_secs(), "the event failed", || async {
+        brokers::row_state(&c, id).await.1 == 1
+    })
+    .await;
+    relay.stop().await;
+    let (published, _, last_error) = brokers::row_state(&c, id).await;
+    assert!(!published, "never acknowledged when unsure");
+    let last_error = last_error.unwrap_or_default();
+    assert!(last_error.contains(&key) && last_error.contains("not written with --exactly-once"), "{last_error}");
+    assert_eq!(keys.len(&key).await, 1, "nothing was appended");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_exactly_once_a_relay_killed_before_its_acknowledgements_leaves_no_second_copy() {
+    if !needs::server(&needs::REDIS).await {
+        return;
+    }
+    let keys = TestKeys::new("eo_kill");
+    let db = TestDb::new("sink_redis_eo_kill").await;
+    let c = db.client().await;
+    let sent = brokers::publish_events(&c, &brokers::aggregates(3), 12, "t").await;
+    let n = sent.len();
+    let template = per_aggregate(&keys);
+    let args = ["--sink", REDIS_URL, "--exactly-once", "--redis-stream", &template, "--sweep-interval", "200ms"];
+
+    // The crash window: row locks hold the relay's acknowledgement UPDATE
+    // while Redis stores everything; then kill -9.
+    let mut locker = db.client().await;
+    let tx = locker.transaction().await.expect("begin");
+    let locked = tx.query("SELECT id FROM events.outbox FOR UPDATE", &[]).await.expect("lock the rows");
+    assert_eq!(locked.len(), n);
+    let locker_pid: i32 = tx.query_one("SELECT pg_backend_pid()", &[]).await.expect("pid").get(0);
+    let mut relay = relay_proc::start(&db, &args).await;
+    support::eventually(brokers::LIVENESS.as_secs(), "Redis holds every event", || async {
+        ids_per_aggregate(&keys, &sent).await.len() == n
+    })
+    .await;
+    relay.kill9().await;
+    c.execute(
+        "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = current_database() \
+         AND pid <> pg_backend_pid() AND pid <> $1",
+        &[&locker_pid],
+    )
+    .await
+    .expect("terminate the dead relay's backends");
+    support::eventually(10, "the dead relay's backends are gone", || async {
+        let r = c
+            .query_one(
+                "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() \
+                 AND pid <> pg_backend_pid() AND pid <> $1 AND backend_type = 'client backend'",
+                &[&locker_pid],
+            )
+            .await
+            .expect("count backends");
+        r.get::<_, i64>(0) == 0
+    })
+    .await;
+    tx.rollback().await.expect("release the row locks");
+    assert_eq!(brokers::published_count(&c).await, 0, "the crash lost every acknowledgement");
+
+    let addr = format!("127.0.0.1:{}", brokers::free_port());
+    let mut again = args.to_vec();
+    again.extend(["--metrics-addr", &addr]);
+    let relay = relay_proc::start(&db, &again).await;
+    brokers::wait_published(&c, n as i64).await;
+    let metrics = brokers::scrape(&addr).await;
+    relay.stop().await;
+    assert_eq!(brokers::sample(&metrics, "outbox_sink_repeats_refused_total"), Some(n as f64), "{metrics}");
+    let ids = ids_per_aggregate(&keys, &sent).await;
+    brokers::check_once_in_aggregate_order(&ids, &sent);
+}

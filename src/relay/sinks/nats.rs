@@ -488,7 +488,14 @@ impl NatsSink {
             Err(e) if e.kind() == LastRawMessageErrorKind::NoMessageFound => {
                 return Ok(Last { id: None, aggregate_type: None, sequence: 0 });
             }
-            Err(e) => return Err(format!("cannot read the last message of subject {subject}: {e}").into()),
+            Err(e) => {
+                // The stream may be gone (deleted, or another now captures
+                // the subject): find it again next time.
+                state.stream_of.lock().unwrap_or_else(PoisonError::into_inner).remove(subject);
+                return Err(
+                    format!("cannot read the last message of subject {subject} (stream {stream_name}): {e}").into()
+                );
+            }
         };
         let get = |name: &str| last.headers.get(name).map(|v| v.as_str().to_string());
         let id = get(header::ID).or_else(|| get("Nats-Msg-Id")).and_then(|v| v.trim().parse::<i64>().ok());

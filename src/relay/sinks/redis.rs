@@ -63,7 +63,10 @@ impl Default for RedisOptions {
 ///   `outbox_sink_repeats_refused_total`). Before it counts the refusal,
 ///   the sink reads the stream's newest entry: one of another aggregate
 ///   type (the same aggregate id under two types, with a template lacking
-///   `{aggregate_type}`) fails the event instead, as it cannot tell.
+///   `{aggregate_type}`) fails the event instead, as it cannot tell, and
+///   so does one whose entry id is not its outbox id (appended without
+///   exactly-once, with an id Redis chose: a stream written at-least-once
+///   before cannot be continued exactly once).
 ///   Deleting the key (`DEL`, `UNLINK`, expiry) forgets the top id, and a
 ///   repeat is then appended again. Needs Redis 5.0 or later (streams);
 ///   checked at start.
@@ -258,6 +261,18 @@ impl RedisSink {
         })?;
         if let Some(entry) = newest.ids.first() {
             let field = |name: &str| entry.get::<String>(name);
+            let outbox_id = field("id").unwrap_or_default();
+            if entry.id != format!("{outbox_id}-0") {
+                // An entry id Redis chose (`*`, a millisecond time) says
+                // nothing about outbox ids.
+                return Err(format!(
+                    "XADD {key} refused entry {}-0 as not above the top, and the newest entry {} was not written \
+                     with --exactly-once (its entry id is not its outbox id): whether {key} holds this event cannot \
+                     be told; deliver exactly once to keys of their own (a new --redis-stream) or delete this one",
+                    event.id, entry.id
+                )
+                .into());
+            }
             let aggregate = event.aggregate_id.to_string();
             let other_type = field("aggregate_type").is_some_and(|t| t != event.aggregate_type);
             let other_id = field("aggregate").is_some_and(|a| a != aggregate);

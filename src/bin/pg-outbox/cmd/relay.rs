@@ -168,6 +168,8 @@ pub(crate) async fn run(url: &str, args: RelayArgs) -> Result<(), Error> {
     let health_addr = args.health_addr.filter(|a| Some(*a) != args.metrics_addr);
     let health_listener = health_addr.map(|a| health::bind(a, "health probes")).transpose()?;
     let metrics = install_metrics()?;
+    // Before /metrics is served, so its first scrape shows it.
+    guarantee.record();
     let probes = health::Probes::new(sink_name.clone(), args.sink.sink_timeout);
     if let Some(l) = metrics_listener {
         health::serve(l, probes.clone(), Some(metrics))?;
