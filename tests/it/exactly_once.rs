@@ -675,8 +675,11 @@ async fn nats_exactly_once_under_kills_freezes_and_cuts() {
     if !needs::server(&needs::NATS).await {
         return;
     }
-    // An exactly-once stream has no age, count or size limit (the default here).
-    let stream = TestStream::create_with("eo", |_| {}).await;
+    // An exactly-once stream has no age, count or size limit (the default
+    // here). Its duplicate window is as short as the at-least-once test's
+    // (1 s, shorter than a takeover), so that the read-back and the expected
+    // last subject sequence refuse the repeats, not the window.
+    let stream = TestStream::create_with("eo", |c| c.duplicate_window = Duration::from_secs(1)).await;
     fault_suite("nats", 0xE0_0001, Broker::Nats(stream), true).await;
 }
 
