@@ -69,9 +69,9 @@ const EVENT_TYPE: &str = "FaultSuiteEvent";
 const SEED_INSERT: &str = "INSERT INTO events.outbox (aggregate_type, aggregate_id, event_type, payload) \
                            VALUES ($1, $2, $3, $4) RETURNING id";
 /// What the relay logs when it takes the outbox lock (`--mode single`).
-const ACTIVE: &str = "active: this consumer holds the outbox lock";
+pub(crate) const ACTIVE: &str = "active: this consumer holds the outbox lock";
 /// What a hot standby logs.
-const STANDBY: &str = "standby: another consumer holds the outbox lock";
+pub(crate) const STANDBY: &str = "standby: another consumer holds the outbox lock";
 /// The keys of a sink record, exactly.
 const RECORD_KEYS: [&str; 7] =
     ["aggregate_id", "aggregate_type", "event_type", "id", "occurred_at", "payload", "retry_count"];
@@ -229,21 +229,26 @@ async fn hook_handler(State(sink): State<Sink>, Path(relay): Path<u32>, body: By
 pub(crate) struct RelayProc {
     pub(crate) n: u32,
     proc: process::RelayProc,
-    alive: bool,
+    pub(crate) alive: bool,
 }
 
 impl RelayProc {
     /// Start relay number `n` delivering to the sink's URL for `n`; wait until
     /// it says it started.
     async fn start(db_url: &str, sink: &Sink, n: u32, args: &[String]) -> RelayProc {
-        let proc = process::Relay::new(support::bin())
-            .url(db_url)
-            .args(&["--sink".to_string(), sink.url_for(n)])
-            .args(args)
-            .start()
-            .await
-            .unwrap_or_else(|e| panic!("relay {n}: {e}"));
+        let spec = process::Relay::new(support::bin()).url(db_url).args(&["--sink".to_string(), sink.url_for(n)]);
+        RelayProc::start_spec(n, spec.args(args)).await
+    }
+
+    /// Start `spec` as relay number `n`; wait until it says it started.
+    pub(crate) async fn start_spec(n: u32, spec: process::Relay) -> RelayProc {
+        let proc = spec.start().await.unwrap_or_else(|e| panic!("relay {n}: {e}"));
         RelayProc { n, proc, alive: true }
+    }
+
+    /// Send `signal` (SIGSTOP, SIGCONT, ...).
+    pub(crate) fn signal(&self, signal: libc::c_int) {
+        self.proc.send(signal).unwrap_or_else(|e| panic!("relay {}: {e}", self.n));
     }
 
     pub(crate) fn log(&self) -> String {
@@ -255,7 +260,7 @@ impl RelayProc {
     }
 
     /// Wait until the relay's stderr holds one of `needles`.
-    async fn wait_log(&mut self, needles: &[&str]) {
+    pub(crate) async fn wait_log(&mut self, needles: &[&str]) {
         let n = self.n;
         self.proc.wait_log(needles, LIVENESS).await.unwrap_or_else(|e| panic!("relay {n}: {e}"));
     }
@@ -277,7 +282,7 @@ impl RelayProc {
     }
 
     /// `kill -9` the relay and reap it; returns the instant of the kill.
-    async fn kill9(&mut self) -> Instant {
+    pub(crate) async fn kill9(&mut self) -> Instant {
         let at = Instant::now();
         let status = self.proc.kill().await.unwrap_or_else(|e| panic!("relay {}: {e}", self.n));
         assert_eq!(status.signal(), Some(libc::SIGKILL), "relay {} died of SIGKILL ({status})", self.n);
@@ -303,6 +308,29 @@ pub(crate) struct Ledger {
 }
 
 impl Ledger {
+    /// The ids committed (with their aggregates) and rolled back: a COMMIT
+    /// whose outcome is unknown counts as committed iff its row exists.
+    pub(crate) async fn resolve(&self, c: &Client) -> (BTreeMap<i64, Uuid>, BTreeSet<i64>) {
+        let uncertain_ids: Vec<i64> = self.uncertain.iter().map(|(id, _)| *id).collect();
+        let existing: HashSet<i64> = c
+            .query("SELECT id FROM events.outbox WHERE id = ANY($1)", &[&uncertain_ids])
+            .await
+            .expect("look up uncertain ids")
+            .iter()
+            .map(|r| r.get(0))
+            .collect();
+        let mut committed: BTreeMap<i64, Uuid> = self.committed.iter().copied().collect();
+        let mut rolled_back: BTreeSet<i64> = self.rolled_back.iter().map(|(id, _)| *id).collect();
+        for (id, agg) in &self.uncertain {
+            if existing.contains(id) {
+                committed.insert(*id, *agg);
+            } else {
+                rolled_back.insert(*id);
+            }
+        }
+        (committed, rolled_back)
+    }
+
     fn merge(&mut self, other: Ledger) {
         self.committed.extend(other.committed);
         self.rolled_back.extend(other.rolled_back);
@@ -421,6 +449,8 @@ pub(crate) struct LoadSpec {
     /// `Publisher`) instead of the seed's plain INSERT on a tokio-postgres
     /// connection.
     pub(crate) publisher: bool,
+    /// Largest pause between a producer's transactions, in ms.
+    pub(crate) pace_ms: u64,
 }
 
 /// A producer: transactions of 1–3 events on random aggregates (inserted in
@@ -449,7 +479,7 @@ async fn producer(spec: Arc<LoadSpec>, idx: usize, quota: usize, progress: Arc<A
         let sleeps: Vec<u64> =
             (0..n).map(|_| if rng.random_bool(0.15) { rng.random_range(1..=5) } else { 0 }).collect();
         let rollback = rng.random_bool(0.1);
-        let pace = rng.random_range(0..=PACE_MS);
+        let pace = rng.random_range(0..=spec.pace_ms);
         if let Some(avoid) = &spec.avoid
             && avoid.flag.load(Ordering::SeqCst)
         {
@@ -509,6 +539,11 @@ impl Load {
         Load { progress, tasks, events }
     }
 
+    /// Events committed so far.
+    pub(crate) fn committed(&self) -> usize {
+        self.progress.load(Ordering::SeqCst)
+    }
+
     /// Wait until at least `n` events are committed.
     pub(crate) async fn reached(&self, n: usize) {
         let deadline = Instant::now() + DRAIN_LIVENESS;
@@ -533,7 +568,7 @@ impl Load {
 
 /// `k` points of the load (in committed events), one in each of `k` equal
 /// slices of its middle 80 %.
-fn fault_points(rng: &mut StdRng, events: usize, k: usize) -> Vec<usize> {
+pub(crate) fn fault_points(rng: &mut StdRng, events: usize, k: usize) -> Vec<usize> {
     (0..k)
         .map(|i| {
             let lo = events as f64 * (0.1 + 0.8 * i as f64 / k as f64);
@@ -642,98 +677,20 @@ impl Harness {
 
     /// Fail the test if a relay exited that the test did not kill.
     pub(crate) async fn assert_relays_running(&mut self) {
-        let mut exits = Vec::new();
-        for r in &mut self.relays {
-            exits.extend(r.unexpected_exit().await);
-        }
-        assert!(exits.is_empty(), "fault={}: {}\n{}", self.kind, exits.join("; "), self.logs());
+        assert_running(self.kind, &mut self.relays.iter_mut().collect::<Vec<_>>()).await;
     }
 
     /// The relays' stderr (the end of it), for failure messages.
     pub(crate) fn logs(&self) -> String {
-        let mut out = String::new();
-        for r in &self.relays {
-            let log = r.log();
-            let lines: Vec<&str> = log.lines().collect();
-            let tail = lines[lines.len().saturating_sub(40)..].join("\n");
-            out.push_str(&format!("--- relay {} (alive: {}) stderr, last lines:\n{tail}\n", r.n, r.alive));
-        }
-        out
+        logs(self.relays.iter())
     }
 
     /// Wait for the outbox to end published, then check everything against
     /// the producers' ledger and the webhook's log; print the summary line.
     pub(crate) async fn finish(&mut self, faults: Faults, ledger: Ledger) -> Report {
         let c = connect(&self.url, "fault-suite checker", Duration::from_secs(60)).await;
-        // A COMMIT whose outcome is unknown counts as committed iff its row exists.
-        let uncertain_ids: Vec<i64> = ledger.uncertain.iter().map(|(id, _)| *id).collect();
-        let existing: HashSet<i64> = c
-            .query("SELECT id FROM events.outbox WHERE id = ANY($1)", &[&uncertain_ids])
-            .await
-            .expect("look up uncertain ids")
-            .iter()
-            .map(|r| r.get(0))
-            .collect();
-        let mut committed: BTreeMap<i64, Uuid> = ledger.committed.iter().copied().collect();
-        let mut rolled_back: BTreeSet<i64> = ledger.rolled_back.iter().map(|(id, _)| *id).collect();
-        for (id, agg) in &ledger.uncertain {
-            if existing.contains(id) {
-                committed.insert(*id, *agg);
-            } else {
-                rolled_back.insert(*id);
-            }
-        }
-
-        // Liveness: every committed row ends published.
-        let load_done = Instant::now();
-        let deadline = load_done + DRAIN_LIVENESS;
-        loop {
-            let row = c
-                .query_one(
-                    "SELECT count(*) FILTER (WHERE published_at IS NULL), \
-                            count(*) FILTER (WHERE next_retry_at = 'infinity') FROM events.outbox",
-                    &[],
-                )
-                .await
-                .expect("count unpublished rows");
-            let (unpublished, dead): (i64, i64) = (row.get(0), row.get(1));
-            if unpublished == 0 {
-                break;
-            }
-            self.assert_relays_running().await;
-            if dead > 0 || Instant::now() > deadline {
-                let stuck: Vec<String> = c
-                    .query(
-                        "SELECT id, aggregate_id, retry_count, next_retry_at::text, last_error FROM events.outbox \
-                         WHERE published_at IS NULL ORDER BY id LIMIT 20",
-                        &[],
-                    )
-                    .await
-                    .expect("unpublished rows")
-                    .iter()
-                    .map(|r| {
-                        format!(
-                            "{} {} retry_count={} next_retry_at={:?} last_error={:?}",
-                            r.get::<_, i64>(0),
-                            r.get::<_, Uuid>(1),
-                            r.get::<_, i32>(2),
-                            r.get::<_, Option<String>>(3),
-                            r.get::<_, Option<String>>(4)
-                        )
-                    })
-                    .collect();
-                panic!(
-                    "fault={} seed={:#x}: {unpublished} rows never published ({dead} dead letters) within {:?}:\n{}\n{}",
-                    self.kind,
-                    self.seed,
-                    DRAIN_LIVENESS,
-                    stuck.join("\n"),
-                    self.logs()
-                );
-            }
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-        let drained_in = load_done.elapsed();
+        let (committed, rolled_back) = ledger.resolve(&c).await;
+        let drained_in = wait_drained(&c, self.kind, self.seed, &mut self.relays.iter_mut().collect::<Vec<_>>()).await;
 
         // The rows first, then the webhook's log: a published row was
         // acknowledged after its 2xx, so its delivery is in the log by now.
@@ -876,6 +833,79 @@ impl Harness {
     }
 }
 
+/// Fail the test if one of `relays` exited that the test did not kill.
+pub(crate) async fn assert_running(kind: &str, relays: &mut [&mut RelayProc]) {
+    let mut exits = Vec::new();
+    for r in relays.iter_mut() {
+        exits.extend(r.unexpected_exit().await);
+    }
+    assert!(exits.is_empty(), "fault={kind}: {}\n{}", exits.join("; "), logs(relays.iter().map(|r| &**r)));
+}
+
+/// The relays' stderr (the end of it), for failure messages.
+pub(crate) fn logs<'a>(relays: impl IntoIterator<Item = &'a RelayProc>) -> String {
+    let mut out = String::new();
+    for r in relays {
+        let log = r.log();
+        let lines: Vec<&str> = log.lines().collect();
+        let tail = lines[lines.len().saturating_sub(40)..].join("\n");
+        out.push_str(&format!("--- relay {} (alive: {}) stderr, last lines:\n{tail}\n", r.n, r.alive));
+    }
+    out
+}
+
+/// Liveness: wait until every row of the outbox is published (failing, with
+/// the stuck rows and the relays' logs, on a dead letter, an unexpected
+/// exit of a relay, or after [`DRAIN_LIVENESS`]); returns how long it took.
+pub(crate) async fn wait_drained(c: &Client, kind: &str, seed: u64, relays: &mut [&mut RelayProc]) -> Duration {
+    let load_done = Instant::now();
+    let deadline = load_done + DRAIN_LIVENESS;
+    loop {
+        let row = c
+            .query_one(
+                "SELECT count(*) FILTER (WHERE published_at IS NULL), \
+                        count(*) FILTER (WHERE next_retry_at = 'infinity') FROM events.outbox",
+                &[],
+            )
+            .await
+            .expect("count unpublished rows");
+        let (unpublished, dead): (i64, i64) = (row.get(0), row.get(1));
+        if unpublished == 0 {
+            return load_done.elapsed();
+        }
+        assert_running(kind, relays).await;
+        if dead > 0 || Instant::now() > deadline {
+            let stuck: Vec<String> = c
+                .query(
+                    "SELECT id, aggregate_id, retry_count, next_retry_at::text, last_error FROM events.outbox \
+                     WHERE published_at IS NULL ORDER BY id LIMIT 20",
+                    &[],
+                )
+                .await
+                .expect("unpublished rows")
+                .iter()
+                .map(|r| {
+                    format!(
+                        "{} {} retry_count={} next_retry_at={:?} last_error={:?}",
+                        r.get::<_, i64>(0),
+                        r.get::<_, Uuid>(1),
+                        r.get::<_, i32>(2),
+                        r.get::<_, Option<String>>(3),
+                        r.get::<_, Option<String>>(4)
+                    )
+                })
+                .collect();
+            panic!(
+                "fault={kind} seed={seed:#x}: {unpublished} rows never published ({dead} dead letters) within {:?}:\n{}\n{}",
+                DRAIN_LIVENESS,
+                stuck.join("\n"),
+                logs(relays.iter().map(|r| &**r))
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
 pub(crate) fn load_spec(url: &str, seed: u64, rng: &mut StdRng) -> LoadSpec {
     LoadSpec {
         url: url.to_string(),
@@ -885,6 +915,7 @@ pub(crate) fn load_spec(url: &str, seed: u64, rng: &mut StdRng) -> LoadSpec {
         aggregates: aggregates(rng),
         avoid: None,
         publisher: false,
+        pace_ms: PACE_MS,
     }
 }
 

@@ -13,6 +13,8 @@ mod consumer;
 mod container;
 mod contrib;
 mod dead_letters;
+#[cfg(all(feature = "nats", feature = "redis"))]
+mod exactly_once;
 mod failover;
 mod faults;
 mod health;

@@ -17,14 +17,14 @@ use crate::relay_proc;
 use crate::support::{self, TestDb};
 
 const NATS: &str = needs::NATS.addr;
-const NATS_URL: &str = "nats://127.0.0.1:4222";
+pub(crate) const NATS_URL: &str = "nats://127.0.0.1:4222";
 
 /// A JetStream stream of its own for one test, on subjects `<prefix>.>`;
 /// deleted when dropped.
-struct TestStream {
+pub(crate) struct TestStream {
     js: jetstream::Context,
     name: String,
-    prefix: String,
+    pub(crate) prefix: String,
 }
 
 impl TestStream {
@@ -34,7 +34,7 @@ impl TestStream {
 
     /// A test stream whose configuration `tweak` changes (the default:
     /// memory storage, a 2-minute duplicate window, no limits).
-    async fn create_with(tag: &str, tweak: impl FnOnce(&mut stream::Config)) -> TestStream {
+    pub(crate) async fn create_with(tag: &str, tweak: impl FnOnce(&mut stream::Config)) -> TestStream {
         let client = async_nats::connect(NATS).await.expect("connect to NATS");
         let js = jetstream::new(client);
         let unique = uuid::Uuid::new_v4().simple().to_string();
@@ -54,13 +54,13 @@ impl TestStream {
         TestStream { js, name, prefix }
     }
 
-    async fn count(&self) -> u64 {
+    pub(crate) async fn count(&self) -> u64 {
         let mut s = self.js.get_stream(&self.name).await.expect("get the test stream");
         s.info().await.expect("stream info").state.messages
     }
 
     /// Every message of the stream, in stream order.
-    async fn messages(&self) -> Vec<async_nats::Message> {
+    pub(crate) async fn messages(&self) -> Vec<async_nats::Message> {
         let n = usize::try_from(self.count().await).expect("count fits usize");
         let s = self.js.get_stream(&self.name).await.expect("get the test stream");
         let c = s

@@ -12,18 +12,18 @@ use crate::needs;
 use crate::relay_proc;
 use crate::support::{self, TestDb};
 
-const REDIS_URL: &str = "redis://127.0.0.1:6379";
+pub(crate) const REDIS_URL: &str = "redis://127.0.0.1:6379";
 
 /// Stream keys under a unique prefix for one test; deleted when dropped.
-struct TestKeys {
+pub(crate) struct TestKeys {
     client: redis::Client,
-    prefix: String,
+    pub(crate) prefix: String,
 }
 
-type Entries = Vec<(String, HashMap<String, String>)>;
+pub(crate) type Entries = Vec<(String, HashMap<String, String>)>;
 
 impl TestKeys {
-    fn new(tag: &str) -> TestKeys {
+    pub(crate) fn new(tag: &str) -> TestKeys {
         let client = redis::Client::open(REDIS_URL).expect("Redis URL");
         TestKeys { client, prefix: format!("pgo_it_{tag}_{}", uuid::Uuid::new_v4().simple()) }
     }
@@ -33,11 +33,11 @@ impl TestKeys {
     }
 
     /// Every entry of `key`, oldest first (XRANGE key - +).
-    async fn entries(&self, key: &str) -> Entries {
+    pub(crate) async fn entries(&self, key: &str) -> Entries {
         redis::cmd("XRANGE").arg(key).arg("-").arg("+").query_async(&mut self.conn().await).await.expect("XRANGE")
     }
 
-    async fn len(&self, key: &str) -> usize {
+    pub(crate) async fn len(&self, key: &str) -> usize {
         redis::cmd("XLEN").arg(key).query_async(&mut self.conn().await).await.expect("XLEN")
     }
 }

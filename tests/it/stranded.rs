@@ -152,31 +152,47 @@ impl Producer {
     }
 }
 
-/// What the webhook got against what was committed.
+/// What a destination got against what was committed.
 #[derive(Debug, Default)]
-struct Tally {
-    events: usize,
-    lost: usize,
-    duplicates: usize,
-    order_violations: usize,
+pub(crate) struct Tally {
+    pub(crate) events: usize,
+    /// Committed, never received.
+    pub(crate) lost: usize,
+    /// Copies beyond the first.
+    pub(crate) duplicates: usize,
+    /// First copies of an aggregate's events out of id order.
+    pub(crate) order_violations: usize,
+    /// The first duplicates and order violations.
+    pub(crate) examples: Vec<String>,
 }
 
-fn tally(committed: &[(i64, Uuid)], got: &[Got]) -> Tally {
+/// Tally `got` (`(id, aggregate)` in arrival order) against `committed`.
+pub(crate) fn tally(
+    committed: impl IntoIterator<Item = (i64, Uuid)>,
+    got: impl IntoIterator<Item = (i64, Uuid)>,
+) -> Tally {
+    let committed: HashSet<i64> = committed.into_iter().map(|(id, _)| id).collect();
     let mut seen = HashSet::new();
     let mut last: HashMap<Uuid, i64> = HashMap::new();
     let mut t = Tally { events: committed.len(), ..Tally::default() };
-    for g in got {
-        if !seen.insert(g.id) {
+    for (id, aggregate) in got {
+        if !seen.insert(id) {
             t.duplicates += 1;
+            if t.examples.len() < 20 {
+                t.examples.push(format!("id {id} of {aggregate} again"));
+            }
             continue;
         }
-        let prev = last.entry(g.aggregate).or_insert(i64::MIN);
-        if g.id < *prev {
+        let prev = last.entry(aggregate).or_insert(i64::MIN);
+        if id < *prev {
             t.order_violations += 1;
+            if t.examples.len() < 20 {
+                t.examples.push(format!("order: id {id} of {aggregate} first came after id {prev}"));
+            }
         }
-        *prev = (*prev).max(g.id);
+        *prev = (*prev).max(id);
     }
-    t.lost = committed.iter().filter(|(id, _)| !seen.contains(id)).count();
+    t.lost = committed.iter().filter(|id| !seen.contains(id)).count();
     t
 }
 
@@ -213,9 +229,18 @@ async fn hold_leader_lock(cfg: &tokio_postgres::Config) -> (Client, i32) {
 }
 
 /// The value of `name` in the relay's metrics at `addr` (summed over labels).
-async fn metric(addr: &str, name: &str) -> Option<f64> {
+pub(crate) async fn metric(addr: &str, name: &str) -> Option<f64> {
+    metric_in(&scrape(addr).await?, name)
+}
+
+/// The relay's metrics at `addr` (the text of `/metrics`), if it answers.
+pub(crate) async fn scrape(addr: &str) -> Option<String> {
     let http = reqwest::Client::builder().no_proxy().timeout(Duration::from_secs(5)).build().ok()?;
-    let body = http.get(format!("http://{addr}/metrics")).send().await.ok()?.text().await.ok()?;
+    http.get(format!("http://{addr}/metrics")).send().await.ok()?.text().await.ok()
+}
+
+/// The value of `name` in a scrape (summed over labels), if it is there.
+pub(crate) fn metric_in(body: &str, name: &str) -> Option<f64> {
     body.lines()
         .filter(|l| l.starts_with(&format!("{name} ")) || l.starts_with(&format!("{name}{{")))
         .filter_map(|l| l.split_whitespace().last()?.parse::<f64>().ok())
@@ -346,7 +371,7 @@ async fn a_kept_backend_holding_the_lock_is_reported_within_30s_and_ended_only_w
     let ended = logged_within(&mut second, ENDED, started2, DETECTION_BOUND).await;
     eventually(10, "the holder's session is ended", || async { holder.simple_query("SELECT 1").await.is_err() }).await;
     all_delivered(&hook, &committed, || format!("{}\n{}", first.log(), second.log())).await;
-    let t = tally(&committed, &hook.got());
+    let t = tally(committed.iter().copied(), hook.got().iter().map(|g| (g.id, g.aggregate)));
     assert_eq!((t.lost, t.duplicates, t.order_violations), (0, 0, 0), "{t:?}");
     metric_is(&addr, "outbox_leader_stranded", 0.0, 10).await;
     let status = status_json(&db).await;
@@ -563,7 +588,7 @@ async fn a_frozen_leader_is_taken_over_with_the_flag_and_is_leader_no_more_when_
 
     let committed = producer.stop().await;
     all_delivered(&hook, &committed, || format!("{}\n{}\n{}", a.log(), b.log(), c3.log())).await;
-    let t = tally(&committed, &hook.got());
+    let t = tally(committed.iter().copied(), hook.got().iter().map(|g| (g.id, g.aggregate)));
     assert_eq!(t.lost, 0, "{t:?}");
     assert!(detected <= DETECTION_BOUND, "{detected:?}");
     println!(
@@ -625,7 +650,7 @@ async fn a_leader_behind_a_cut_network_is_taken_over_with_the_flag() {
     proxy.freeze(false);
     let committed = producer.stop().await;
     all_delivered(&hook, &committed, || format!("{}\n{}", a.log(), b.log())).await;
-    let t = tally(&committed, &hook.got());
+    let t = tally(committed.iter().copied(), hook.got().iter().map(|g| (g.id, g.aggregate)));
     assert_eq!(t.lost, 0, "{t:?}");
     println!(
         "stranded case=network_cut detection={:.1}s takeover_with_flag={:.1}s (default threshold, from the cut) \
