@@ -75,9 +75,10 @@ const BURST_PER_AGGREGATE: i64 = 20;
 const FREEZE_KILL_TRIES: usize = 5;
 /// How long a frozen leader may still hand out: its 2 s lease, plus a margin.
 const LEASE_AND_MARGIN: Duration = Duration::from_secs(4);
-/// The stranded threshold on every relay (the smallest allowed): a frozen
-/// or cut-off leader is found within this plus two looks of a second.
-const STRANDED_AFTER: &str = "3s";
+/// The stranded threshold on every relay: a frozen or cut-off leader is
+/// found within this plus two looks of a second. Above the smallest allowed
+/// (3 s), so that a live leader on a loaded machine is not taken for one.
+const STRANDED_AFTER: &str = "5s";
 
 const REFUSED: &str = pg_outbox::metrics::SINK_REPEATS_REFUSED;
 const FENCED: &str = pg_outbox::metrics::FENCED_WRITES;
