@@ -56,13 +56,12 @@ macro_rules! kind {
 
 /// Why a sink whose destination cannot refuse a repeat runs at-least-once.
 const NO_REFUSAL: &str = "the destination has no way to refuse a repeat, so the sink stays at-least-once; \
-    deduplicate on the outbox id (header `id`)";
+    deduplicate on the outbox id (the record's `id`, or the `id` header where the sink sends headers)";
 
 /// Why the Kafka sink runs at-least-once.
 const KAFKA_AT_LEAST_ONCE: &str = "the Kafka sink stays at-least-once (idempotent producer, the `term` header; \
-    deduplicate on the `id` header): exactly-once needs a transactional producer, which cannot be proven \
-    against the broker the tests run (tansu 0.6 returns no aborted-transactions list on fetch, so \
-    read_committed readers see aborted records, enforces no transaction timeout, and accepts any SASL PLAIN password)";
+    deduplicate on the `id` header): exactly-once would need a transactional producer, which pg-outbox does not \
+    offer until it can be proven against a broker (README, \"Guarantees\")";
 
 /// Every sink, in the order `--help` and messages list them.
 pub static SINKS: &[SinkKind] = &[

@@ -211,3 +211,16 @@ pub fn sample(text: &str, series: &str) -> Option<f64> {
 pub fn line_with<'a>(log: &'a str, needle: &str) -> &'a str {
     log.lines().find(|l| l.contains(needle)).unwrap_or_else(|| panic!("no line holds {needle:?}:\n{log}"))
 }
+
+/// Event `id`'s `occurred_at` as the relay writes it (RFC 3339, UTC, in
+/// microseconds), read through `c` (a transaction sees its own events).
+pub async fn occurred_at_text(c: &impl tokio_postgres::GenericClient, id: i64) -> String {
+    c.query_one(
+        "SELECT to_char(occurred_at AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.US\"Z\"') \
+         FROM events.outbox WHERE id = $1",
+        &[&id],
+    )
+    .await
+    .expect("occurred_at of an event")
+    .get(0)
+}

@@ -492,6 +492,7 @@ async fn nats_exactly_once_a_write_behind_the_relays_back_is_not_duplicated() {
     let mut headers = async_nats::HeaderMap::new();
     headers.insert("id", second.to_string().as_str());
     headers.insert("aggregate_type", "order");
+    headers.insert("occurred_at", brokers::occurred_at_text(&tx, second).await.as_str());
     stream
         .js
         .publish_with_headers(on.clone(), headers, "from a deposed relay".into())
@@ -520,6 +521,7 @@ async fn nats_exactly_once_a_write_behind_the_relays_back_is_not_duplicated() {
     headers.insert("id", fourth.to_string().as_str());
     headers.insert("Nats-Msg-Id", fourth.to_string().as_str());
     headers.insert("aggregate_type", "order");
+    headers.insert("occurred_at", brokers::occurred_at_text(&tx, fourth).await.as_str());
     stream
         .js
         .publish_with_headers(on.clone(), headers, "deposed".into())
@@ -577,6 +579,75 @@ async fn nats_exactly_once_a_last_message_without_an_id_fails_the_event_naming_t
     assert_eq!(stream.count().await, 1, "nothing was sent");
 }
 
+/// Another outbox on the same stream: a subject that holds a greater id
+/// that occurred earlier, and a `Nats-Msg-Id` the duplicate window already
+/// holds for another event. Neither is taken for a repeat: the events fail,
+/// naming why, and stay unpublished (without `--exactly-once` too, for the
+/// duplicate window).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nats_another_outboxs_messages_are_not_taken_for_repeats() {
+    if !needs::server(&needs::NATS).await {
+        return;
+    }
+    let stream = TestStream::create_with("eo_other", |_| {}).await;
+    let db = TestDb::new("sink_nats_eo_other").await;
+    let c = db.client().await;
+    let (a, b) = (uuid::Uuid::new_v4(), uuid::Uuid::new_v4());
+    let hour_ago =
+        (chrono::Utc::now() - chrono::Duration::hours(1)).to_rfc3339_opts(chrono::SecondsFormat::Micros, true);
+    let other = |id: i64, msg_id: bool| {
+        let mut h = async_nats::HeaderMap::new();
+        h.insert("id", id.to_string().as_str());
+        h.insert("aggregate_type", "order");
+        h.insert("occurred_at", hour_ago.as_str());
+        if msg_id {
+            h.insert("Nats-Msg-Id", id.to_string().as_str());
+        }
+        h
+    };
+    // On a's subject, a far greater id, an hour old.
+    let on_a = format!("{}.order.{a}", stream.prefix);
+    stream
+        .js
+        .publish_with_headers(on_a.clone(), other(900_000_000, false), "other".into())
+        .await
+        .expect("publish")
+        .await
+        .expect("stored");
+    let first = publish_order(&c, a).await;
+    // Within the duplicate window, the id this outbox gives its next event,
+    // on another subject, stored before that event commits.
+    let mut producer = db.client().await;
+    let tx = producer.transaction().await.expect("begin");
+    let second = publish_order(&tx, b).await;
+    let elsewhere = format!("{}.order.{}", stream.prefix, uuid::Uuid::new_v4());
+    stream
+        .js
+        .publish_with_headers(elsewhere, other(second, true), "other".into())
+        .await
+        .expect("publish")
+        .await
+        .expect("stored");
+    tx.commit().await.expect("commit");
+    let relay = relay_proc::start(
+        &db,
+        &["--sink", NATS_URL, "--exactly-once", "--nats-subject", &per_aggregate(&stream), "--retry-schedule", "1h"],
+    )
+    .await;
+    support::eventually(LIVENESS.as_secs(), "both events failed", || async {
+        brokers::row_state(&c, first).await.1 == 1 && brokers::row_state(&c, second).await.1 == 1
+    })
+    .await;
+    relay.stop().await;
+    let (published, _, error) = brokers::row_state(&c, first).await;
+    assert!(!published, "not acknowledged under another outbox's greater id");
+    assert!(error.unwrap_or_default().contains("restored"), "the error says why");
+    let (published, _, error) = brokers::row_state(&c, second).await;
+    assert!(!published, "not acknowledged on another event's duplicate");
+    assert!(error.unwrap_or_default().contains("duplicate"), "the error says why");
+    assert_eq!(stream.count().await, 2, "the stream holds only the other outbox's messages");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn nats_exactly_once_is_refused_at_start_without_a_subject_per_aggregate_or_with_max_age() {
     if !needs::server(&needs::NATS).await {
@@ -614,7 +685,7 @@ async fn exactly_once_is_refused_at_start_for_sinks_that_cannot_refuse_a_repeat(
         ("stdout", "stdout", "no way to refuse a repeat"),
         ("http://127.0.0.1:1/hook", "webhook", "no way to refuse a repeat"),
         ("amqp://127.0.0.1:1", "RabbitMQ", "no way to refuse a repeat"),
-        ("kafka://127.0.0.1:1", "Kafka", "tansu"),
+        ("kafka://127.0.0.1:1", "Kafka", "transactional producer"),
     ] {
         let (status, log) = relay_proc::run_to_exit(&db, &["--sink", sink, "--exactly-once"]).await;
         assert!(!status.success(), "{sink}: {status}");

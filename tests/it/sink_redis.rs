@@ -76,10 +76,14 @@ fn check_entry(fields: &HashMap<String, String>, sent: &BTreeMap<i64, Sent>) -> 
     if let Some(c) = &e.causation_id {
         want.insert("causation_id", c);
     }
-    let got: BTreeMap<&str, &str> =
-        fields.iter().filter(|(k, _)| *k != "payload").map(|(k, v)| (k.as_str(), v.as_str())).collect();
+    let got: BTreeMap<&str, &str> = fields
+        .iter()
+        .filter(|(k, _)| *k != "payload" && *k != "occurred_at")
+        .map(|(k, v)| (k.as_str(), v.as_str()))
+        .collect();
     assert_eq!(got, want, "fields of event {id}");
     let body: Value = serde_json::from_str(&fields["payload"]).expect("payload is JSON");
+    assert_eq!(body["occurred_at"], fields["occurred_at"].as_str(), "field occurred_at of {id}");
     assert_eq!(body["id"], id);
     assert_eq!(body["aggregate_id"], agg_text.as_str());
     assert_eq!(body["payload"], e.payload, "payload of {id}");
@@ -346,6 +350,8 @@ async fn redis_exactly_once_an_event_a_deposed_relay_appended_is_not_appended_ag
         .arg("order")
         .arg("aggregate")
         .arg(aggregate.to_string())
+        .arg("occurred_at")
+        .arg(brokers::occurred_at_text(&tx, second).await)
         .arg("payload")
         .arg("from a deposed relay")
         .query_async(&mut keys.conn().await)
@@ -477,4 +483,53 @@ async fn redis_exactly_once_a_relay_killed_before_its_acknowledgements_leaves_no
     assert_eq!(brokers::sample(&metrics, "outbox_sink_repeats_refused_total"), Some(n as f64), "{metrics}");
     let ids = ids_per_aggregate(&keys, &sent).await;
     brokers::check_once_in_aggregate_order(&ids, &sent);
+}
+
+/// A key that holds a greater id this outbox did not write (another
+/// outbox on the same key, or a database restored to an earlier point
+/// whose ids came round again): the event is not taken for a repeat; it
+/// fails, naming the key, and stays unpublished.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_exactly_once_a_greater_id_of_another_outbox_is_not_taken_for_a_repeat() {
+    if !needs::server(&needs::REDIS).await {
+        return;
+    }
+    let keys = TestKeys::new("eo_foreign");
+    let db = TestDb::new("sink_redis_eo_foreign").await;
+    let c = db.client().await;
+    let aggregate = uuid::Uuid::new_v4();
+    let key = format!("{}:order:{aggregate}", keys.prefix);
+    // Written exactly once by another outbox, an hour ago, with a far
+    // greater id.
+    let _: String = redis::cmd("XADD")
+        .arg(&key)
+        .arg("900000000-0")
+        .arg("id")
+        .arg(900_000_000i64)
+        .arg("aggregate_type")
+        .arg("order")
+        .arg("aggregate")
+        .arg(aggregate.to_string())
+        .arg("occurred_at")
+        .arg((chrono::Utc::now() - chrono::Duration::hours(1)).to_rfc3339_opts(chrono::SecondsFormat::Micros, true))
+        .query_async(&mut keys.conn().await)
+        .await
+        .expect("XADD");
+    let event = pg_outbox::NewEvent::new("order", aggregate, "Created", serde_json::json!({}));
+    let id = pg_outbox::Publisher::new().publish(&c, &event).await.expect("publish");
+    let template = per_aggregate(&keys);
+    let relay = relay_proc::start(
+        &db,
+        &["--sink", REDIS_URL, "--exactly-once", "--redis-stream", &template, "--retry-schedule", "1h"],
+    )
+    .await;
+    support::eventually(brokers::LIVENESS.as_secs(), "the event failed", || async {
+        brokers::row_state(&c, id).await.1 == 1
+    })
+    .await;
+    relay.stop().await;
+    let (published, _, last_error) = brokers::row_state(&c, id).await;
+    assert!(!published, "never acknowledged when the key is another outbox's");
+    let last_error = last_error.unwrap_or_default();
+    assert!(last_error.contains(&key) && last_error.contains("restored"), "{last_error}");
 }

@@ -7,6 +7,7 @@ use async_nats::HeaderMap;
 use async_nats::header::{HeaderValue, NATS_EXPECTED_LAST_SUBJECT_SEQUENCE, NATS_MESSAGE_ID};
 use async_nats::jetstream::stream::{DiscardPolicy, LastRawMessageErrorKind, RetentionPolicy};
 use async_nats::jetstream::{self, context::PublishErrorKind};
+use chrono::{DateTime, Utc};
 use futures::future::BoxFuture;
 
 use crate::error::{BoxError, Error, Result};
@@ -126,6 +127,8 @@ struct Last {
     id: Option<i64>,
     /// Its aggregate type (header `aggregate_type`), when it has one.
     aggregate_type: Option<String>,
+    /// When its event occurred (header `occurred_at`), when it has one.
+    occurred_at: Option<DateTime<Utc>>,
     /// Its stream sequence; 0 for an empty subject.
     sequence: u64,
 }
@@ -486,7 +489,7 @@ impl NatsSink {
         let last = match stream.get_last_raw_message_by_subject(subject).await {
             Ok(msg) => msg,
             Err(e) if e.kind() == LastRawMessageErrorKind::NoMessageFound => {
-                return Ok(Last { id: None, aggregate_type: None, sequence: 0 });
+                return Ok(Last { id: None, aggregate_type: None, occurred_at: None, sequence: 0 });
             }
             Err(e) => {
                 // The stream may be gone (deleted, or another now captures
@@ -508,27 +511,88 @@ impl NatsSink {
             )
             .into());
         };
-        Ok(Last { id: Some(id), aggregate_type: get(header::AGGREGATE_TYPE), sequence: last.sequence })
+        Ok(Last {
+            id: Some(id),
+            aggregate_type: get(header::AGGREGATE_TYPE),
+            occurred_at: get(header::OCCURRED_AT).as_deref().and_then(parse_occurred_at),
+            sequence: last.sequence,
+        })
     }
 
     /// Whether `last` shows that the subject already holds `event`: its last
-    /// message is this event or a later one of the same aggregate. `Err`
-    /// when the last message is a later one of another aggregate (the same
-    /// aggregate id under another type), which cannot tell.
+    /// message is this event (the same id and `occurred_at`) or a later one
+    /// of the same aggregate (a greater id that occurred no earlier). `Err`
+    /// when it cannot tell, and the event is not acknowledged: the last
+    /// message is of another aggregate type (the same aggregate id under
+    /// another type), has no `occurred_at`, has this event's id but another
+    /// time, or a greater id but an earlier time (another outbox wrote the
+    /// subject, or the database was restored to an earlier point and its
+    /// ids came round again).
     fn holds(last: &Last, event: &Event, subject: &str) -> std::result::Result<bool, BoxError> {
         let Some(id) = last.id else { return Ok(false) };
         if event.id > id {
             return Ok(false);
         }
-        match &last.aggregate_type {
-            Some(t) if *t != event.aggregate_type => Err(format!(
+        if let Some(t) = last.aggregate_type.as_ref().filter(|t| **t != event.aggregate_type) {
+            return Err(format!(
                 "subject {subject} last holds event {id} of aggregate type {t}, after event {} of type {}: \
                  whether it holds this event cannot be told; put {{aggregate_type}} in --nats-subject",
                 event.id, event.aggregate_type
             )
-            .into()),
-            _ => Ok(true),
+            .into());
         }
+        match last.occurred_at {
+            Some(at) if id == event.id && at == event.occurred_at => Ok(true),
+            Some(at) if id > event.id && at >= event.occurred_at => Ok(true),
+            _ => Err(format!(
+                "subject {subject} last holds event {id}{}, which this outbox cannot have written after event {} \
+                 (occurred {}): another outbox writes this subject, or the database was restored to an earlier \
+                 point and its ids came round again; whether the subject holds this event cannot be told, so it \
+                 is not acknowledged (use subjects of this outbox's own)",
+                last.occurred_at
+                    .map(|t| format!(" (occurred {})", t.to_rfc3339()))
+                    .unwrap_or_else(|| " (no occurred_at header)".into()),
+                event.id,
+                event.occurred_at.to_rfc3339()
+            )
+            .into()),
+        }
+    }
+
+    /// The stream answered a publish of `event` with a duplicate PubAck
+    /// (`Nats-Msg-Id` seen within its duplicate window): `Ok` when the
+    /// message stored under that id (at `ack`'s sequence) is this event (its
+    /// `id` and `occurred_at`); `Err` when it is another one (another outbox
+    /// on this stream, or ids that came round again after a restore), which
+    /// the stream dropped this event for, or when it cannot be read.
+    async fn verify_duplicate(
+        &self,
+        ack: &jetstream::publish::PublishAck,
+        subject: &str,
+        event: &Event,
+    ) -> std::result::Result<(), BoxError> {
+        let stream = self.js.get_stream_no_info(&ack.stream).await.map_err(|e| {
+            format!("cannot read stream {} to check a duplicate of event {}: {e}", ack.stream, event.id)
+        })?;
+        let stored = stream.get_raw_message(ack.sequence).await.map_err(|e| {
+            format!(
+                "cannot read message {} of stream {} to check a duplicate of event {}: {e}",
+                ack.sequence, ack.stream, event.id
+            )
+        })?;
+        let get = |name: &str| stored.headers.get(name).map(|v| v.as_str().to_string());
+        let id = get(header::ID).and_then(|v| v.trim().parse::<i64>().ok());
+        let at = get(header::OCCURRED_AT).as_deref().and_then(parse_occurred_at);
+        if id == Some(event.id) && at == Some(event.occurred_at) {
+            return Ok(());
+        }
+        Err(format!(
+            "publish to {subject}: stream {} dropped event {} as a duplicate of message {} (Nats-Msg-Id {}), which \
+             is another event (another outbox on this stream, or a database restored to an earlier point whose \
+             ids came round again); not acknowledged, retried after the stream's duplicate window",
+            ack.stream, event.id, ack.sequence, event.id
+        )
+        .into())
     }
 
     /// The exactly-once send (see [`NatsSink`]).
@@ -561,9 +625,11 @@ impl NatsSink {
         match published.await {
             Ok(ack) if ack.duplicate => {
                 // Within the duplicate window the stream dropped it: it holds
-                // the event. The acknowledged sequence is the original's, not
+                // the event, if the message stored under its id is this one.
+                // The acknowledged sequence is the original's, not
                 // necessarily the subject's last: read the subject back next time.
                 state.last.lock().unwrap_or_else(PoisonError::into_inner).remove(&subject);
+                self.verify_duplicate(&ack, &subject, event).await?;
                 refused_repeat(event.id, &subject, "the stream's duplicate window already holds it (Nats-Msg-Id)");
                 Ok(())
             }
@@ -571,6 +637,7 @@ impl NatsSink {
                 let l = Last {
                     id: Some(event.id),
                     aggregate_type: Some(event.aggregate_type.clone()),
+                    occurred_at: Some(event.occurred_at),
                     sequence: ack.sequence,
                 };
                 remember(&state.last, &subject, l);
@@ -622,6 +689,11 @@ impl NatsSink {
         map.insert(NATS_MESSAGE_ID, msg.id.as_str());
         Ok(map)
     }
+}
+
+/// An `occurred_at` header as the relay writes it (RFC 3339), or `None`.
+fn parse_occurred_at(text: &str) -> Option<DateTime<Utc>> {
+    DateTime::parse_from_rfc3339(text.trim()).ok().map(|t| t.with_timezone(&Utc))
 }
 
 /// Count and log a send the destination refused or that was skipped because
@@ -679,6 +751,8 @@ impl Sink for NatsSink {
                 Ok(ack) => ack,
             };
             if ack.duplicate {
+                // Only if what is stored under its id is this event.
+                self.verify_duplicate(&ack, &subject, event).await?;
                 tracing::debug!(id = %message.id, stream = %ack.stream, "JetStream dropped a duplicate (already stored)");
             }
             Ok(())
@@ -745,15 +819,29 @@ mod tests {
             retry_count: 0,
             last_error: None,
         };
-        let last = |id: Option<i64>, t: Option<&str>| Last { id, aggregate_type: t.map(str::to_string), sequence: 3 };
+        let t0 = chrono::DateTime::from_timestamp(0, 0).unwrap_or_default();
+        let last = |id: Option<i64>, t: Option<&str>| Last {
+            id,
+            aggregate_type: t.map(str::to_string),
+            occurred_at: Some(t0),
+            sequence: 3,
+        };
         let holds = |l: &Last, id: i64| NatsSink::holds(l, &event(id), "s").map_err(|e| e.to_string());
         assert_eq!(holds(&last(None, None), 1), Ok(false), "an empty subject holds nothing");
         assert_eq!(holds(&last(Some(5), Some("order")), 6), Ok(false));
         assert_eq!(holds(&last(Some(5), Some("order")), 5), Ok(true));
         assert_eq!(holds(&last(Some(5), Some("order")), 4), Ok(true));
-        assert_eq!(holds(&last(Some(5), None), 4), Ok(true), "without the header, the id decides");
+        assert_eq!(holds(&last(Some(5), None), 4), Ok(true), "without the type header, the id and time decide");
         let unsure = holds(&last(Some(5), Some("invoice")), 4).expect_err("another type cannot tell");
         assert!(unsure.contains("{aggregate_type}"), "{unsure}");
+        // Another outbox's, or ids come round again after a restore: never
+        // taken for this event.
+        let later = |id: i64| Event { occurred_at: t0 + chrono::Duration::seconds(1), ..event(id) };
+        let unsure = NatsSink::holds(&last(Some(5), Some("order")), &later(5), "s").expect_err("same id, other time");
+        assert!(unsure.to_string().contains("restored"), "{unsure}");
+        NatsSink::holds(&last(Some(5), Some("order")), &later(4), "s").expect_err("a greater id that occurred earlier");
+        let untimed = Last { occurred_at: None, ..last(Some(5), Some("order")) };
+        NatsSink::holds(&untimed, &event(4), "s").expect_err("no time, no telling");
         assert_eq!(holds(&last(Some(5), Some("invoice")), 6), Ok(false), "a later event is sent whatever the type");
     }
 

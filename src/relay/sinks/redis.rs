@@ -38,8 +38,8 @@ impl Default for RedisOptions {
 ///   (default `outbox:{aggregate_type}`). The entry id is chosen by Redis
 ///   (`*`), so entries of one stream are in the order they were added.
 /// - Fields: `id` (outbox id), `type` (event_type), `aggregate_type`,
-///   `aggregate` (aggregate_id), `payload` (the [`Message`] body, per
-///   in the relay's format), `content_type`, and `correlation_id`,
+///   `aggregate` (aggregate_id), `occurred_at` (RFC 3339), `payload` (the
+///   [`Message`] body, in the relay's format), `content_type`, and `correlation_id`,
 ///   `causation_id`, `traceparent`, `tracestate` when the envelope's metadata
 ///   has them.
 /// - Trimming: with [`RedisOptions::maxlen`] = `Some(n)`, `XADD key
@@ -66,7 +66,11 @@ impl Default for RedisOptions {
 ///   `{aggregate_type}`) fails the event instead, as it cannot tell, and
 ///   so does one whose entry id is not its outbox id (appended without
 ///   exactly-once, with an id Redis chose: a stream written at-least-once
-///   before cannot be continued exactly once).
+///   before cannot be continued exactly once), and one this outbox cannot
+///   have written after the event: this event's id with another
+///   `occurred_at`, or a greater id that occurred earlier (another outbox
+///   writes the key, or the database was restored to an earlier point and
+///   its ids came round again).
 ///   Deleting the key (`DEL`, `UNLINK`, expiry) forgets the top id, and a
 ///   repeat is then appended again. Needs Redis 5.0 or later (streams);
 ///   checked at start.
@@ -119,6 +123,7 @@ fn fields(msg: &Message) -> Vec<(&'static str, &[u8])> {
         ("type", header::EVENT_TYPE),
         ("aggregate_type", header::AGGREGATE_TYPE),
         ("aggregate", header::AGGREGATE_ID),
+        ("occurred_at", header::OCCURRED_AT),
     ] {
         out.push((field, get(name).unwrap_or_default()));
     }
@@ -273,6 +278,29 @@ impl RedisSink {
                 )
                 .into());
             }
+            let at = field("occurred_at")
+                .and_then(|t| chrono::DateTime::parse_from_rfc3339(t.trim()).ok())
+                .map(|t| t.with_timezone(&chrono::Utc));
+            let top: i64 = outbox_id.trim().parse().unwrap_or(i64::MAX);
+            let ours = match at {
+                Some(at) if top == event.id => at == event.occurred_at,
+                Some(at) => top > event.id && at >= event.occurred_at,
+                None => false,
+            };
+            if !ours {
+                return Err(format!(
+                    "XADD {key} refused entry {}-0 as not above the top, and the newest entry {} ({}) is not one \
+                     this outbox can have written after event {} (occurred {}): another outbox writes this key, or \
+                     the database was restored to an earlier point and its ids came round again; whether {key} \
+                     holds this event cannot be told, so it is not acknowledged (use keys of this outbox's own)",
+                    event.id,
+                    entry.id,
+                    at.map_or_else(|| "no occurred_at field".to_string(), |t| format!("occurred {}", t.to_rfc3339())),
+                    event.id,
+                    event.occurred_at.to_rfc3339()
+                )
+                .into());
+            }
             let aggregate = event.aggregate_id.to_string();
             let other_type = field("aggregate_type").is_some_and(|t| t != event.aggregate_type);
             let other_id = field("aggregate").is_some_and(|a| a != aggregate);
@@ -379,6 +407,7 @@ mod tests {
                 ("type", "Shipped"),
                 ("aggregate_type", "order"),
                 ("aggregate", "a"),
+                ("occurred_at", "2026-01-01T00:00:00Z"),
                 ("payload", "{\"x\":1}"),
                 ("content_type", "application/json"),
                 ("traceparent", "00-x-y-01"),
