@@ -70,7 +70,9 @@ impl Default for RedisOptions {
 ///   have written after the event: this event's id with another
 ///   `occurred_at`, or a greater id that occurred earlier (another outbox
 ///   writes the key, or the database was restored to an earlier point and
-///   its ids came round again).
+///   its ids came round again). The event's own entry (`XRANGE key
+///   <id>-0 <id>-0`), when the stream still holds it, decides first: the
+///   same `occurred_at` is a refused repeat, another one fails the event.
 ///   Deleting the key (`DEL`, `UNLINK`, expiry) forgets the top id, and a
 ///   repeat is then appended again. Needs Redis 5.0 or later (streams);
 ///   checked at start.
@@ -256,6 +258,39 @@ impl RedisSink {
     /// another aggregate, which cannot tell.
     async fn refused(&self, key: &str, event: &Event) -> std::result::Result<(), BoxError> {
         let mut conn = self.conn.clone();
+        // The event's own entry, if the stream still has it: then it decides.
+        let own: std::result::Result<redis::streams::StreamRangeReply, _> = redis::cmd("XRANGE")
+            .arg(key)
+            .arg(format!("{}-0", event.id))
+            .arg(format!("{}-0", event.id))
+            .query_async(&mut conn)
+            .await;
+        let own = own.map_err(|e| {
+            format!("XADD {key} refused entry {}-0 as not above the top; reading that entry failed: {e}", event.id)
+        })?;
+        if let Some(entry) = own.ids.first() {
+            let at = entry
+                .get::<String>("occurred_at")
+                .and_then(|t| chrono::DateTime::parse_from_rfc3339(t.trim()).ok())
+                .map(|t| t.with_timezone(&chrono::Utc));
+            let same_aggregate = entry.get::<String>("aggregate").is_none_or(|a| a == event.aggregate_id.to_string());
+            if at != Some(event.occurred_at) || !same_aggregate {
+                return Err(format!(
+                    "XADD {key} refused entry {}-0, and the entry {} there is another event (another outbox writes \
+                     this key, or the database was restored to an earlier point and its ids came round again); \
+                     not acknowledged (use keys of this outbox's own)",
+                    event.id, entry.id
+                )
+                .into());
+            }
+            metrics::counter!(m::SINK_REPEATS_REFUSED).increment(1);
+            tracing::info!(
+                id = event.id,
+                key,
+                "repeat refused, acknowledged without a second copy: the stream holds it"
+            );
+            return Ok(());
+        }
         let newest: std::result::Result<redis::streams::StreamRangeReply, _> =
             redis::cmd("XREVRANGE").arg(key).arg("+").arg("-").arg("COUNT").arg(1).query_async(&mut conn).await;
         let newest = newest.map_err(|e| {
