@@ -10,9 +10,9 @@ use async_nats::jetstream::{self, context::PublishErrorKind};
 use chrono::{DateTime, Utc};
 use futures::future::BoxFuture;
 
+use super::{parse_occurred_at, refused_repeat};
 use crate::error::{BoxError, Error, Result};
 use crate::event::Event;
-use crate::metrics as m;
 use crate::relay::settings::with_reason;
 use crate::relay::{Guarantee, Message, Sink, SinkFuture, SinkSettings, Template, header};
 use crate::secret::{MASK, Secret, SecretUrl};
@@ -689,18 +689,6 @@ impl NatsSink {
         map.insert(NATS_MESSAGE_ID, msg.id.as_str());
         Ok(map)
     }
-}
-
-/// An `occurred_at` header as the relay writes it (RFC 3339), or `None`.
-fn parse_occurred_at(text: &str) -> Option<DateTime<Utc>> {
-    DateTime::parse_from_rfc3339(text.trim()).ok().map(|t| t.with_timezone(&Utc))
-}
-
-/// Count and log a send the destination refused or that was skipped because
-/// `subject` already holds event `id` (`why`).
-fn refused_repeat(id: i64, subject: &str, why: &str) {
-    metrics::counter!(m::SINK_REPEATS_REFUSED).increment(1);
-    tracing::info!(id, subject, "repeat refused, acknowledged without a second copy: {why}");
 }
 
 /// The error of a failed publish to `subject`.

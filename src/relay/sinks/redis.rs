@@ -7,9 +7,9 @@ use futures::future::BoxFuture;
 use redis::IntoConnectionInfo;
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 
+use super::{parse_occurred_at, refused_repeat};
 use crate::error::{BoxError, Error, Result};
 use crate::event::Event;
-use crate::metrics as m;
 use crate::relay::settings::with_reason;
 use crate::relay::{Guarantee, Message, Sink, SinkFuture, SinkSettings, Template, header};
 use crate::secret::SecretUrl;
@@ -269,10 +269,7 @@ impl RedisSink {
             format!("XADD {key} refused entry {}-0 as not above the top; reading that entry failed: {e}", event.id)
         })?;
         if let Some(entry) = own.ids.first() {
-            let at = entry
-                .get::<String>("occurred_at")
-                .and_then(|t| chrono::DateTime::parse_from_rfc3339(t.trim()).ok())
-                .map(|t| t.with_timezone(&chrono::Utc));
+            let at = entry.get::<String>("occurred_at").as_deref().and_then(parse_occurred_at);
             let same_aggregate = entry.get::<String>("aggregate").is_none_or(|a| a == event.aggregate_id.to_string());
             if at != Some(event.occurred_at) || !same_aggregate {
                 return Err(format!(
@@ -283,12 +280,7 @@ impl RedisSink {
                 )
                 .into());
             }
-            metrics::counter!(m::SINK_REPEATS_REFUSED).increment(1);
-            tracing::info!(
-                id = event.id,
-                key,
-                "repeat refused, acknowledged without a second copy: the stream holds it"
-            );
+            refused_repeat(event.id, key, "the stream holds it");
             return Ok(());
         }
         let newest: std::result::Result<redis::streams::StreamRangeReply, _> =
@@ -313,9 +305,7 @@ impl RedisSink {
                 )
                 .into());
             }
-            let at = field("occurred_at")
-                .and_then(|t| chrono::DateTime::parse_from_rfc3339(t.trim()).ok())
-                .map(|t| t.with_timezone(&chrono::Utc));
+            let at = field("occurred_at").as_deref().and_then(parse_occurred_at);
             let top: i64 = outbox_id.trim().parse().unwrap_or(i64::MAX);
             let ours = match at {
                 Some(at) if top == event.id => at == event.occurred_at,
@@ -348,12 +338,7 @@ impl RedisSink {
                 .into());
             }
         }
-        metrics::counter!(m::SINK_REPEATS_REFUSED).increment(1);
-        tracing::info!(
-            id = event.id,
-            key,
-            "repeat refused, acknowledged without a second copy: the stream's top id is this event's or a later one's"
-        );
+        refused_repeat(event.id, key, "the stream's top id is this event's or a later one's");
         Ok(())
     }
 }
