@@ -1,11 +1,19 @@
 //! The console's pages on a large outbox: server time of the overview, the
 //! dead-letter pages (first, deep, filtered) and an event page, with
-//! 1 000 000 unpublished events and 100 000 dead letters in the table
-//! (target: under 100 ms each), and the library reads behind each page
-//! measured alone, to tell where the time goes.
+//! 1 000 000 published events, then 1 000 000 unpublished events and
+//! 100 000 dead letters in the table (target: under 100 ms each), and the
+//! library reads behind each page measured alone, to tell where the time
+//! goes. `pg_outbox::status` is timed in three statistics states, as users
+//! meet them: stale (analyzed at the steady state, before the backlog and
+//! the dead letters came), current (analyzed), and absent (the table's
+//! statistics deleted, where the role may), each beside the baseline of an
+//! exact `count(*)` of the unpublished rows in the same state, with the
+//! estimate's error against the exact figures.
 //!
 //! Run it with `cargo bench --features full --bench console`
-//! (`BENCH_CONSOLE_UNPUBLISHED`, `BENCH_CONSOLE_DEAD` change the sizes).
+//! (`BENCH_CONSOLE_PUBLISHED`, `BENCH_CONSOLE_UNPUBLISHED`,
+//! `BENCH_CONSOLE_DEAD` change the sizes; the issue's scale is
+//! `BENCH_CONSOLE_UNPUBLISHED=10000000 BENCH_CONSOLE_DEAD=1000000`).
 //! It uses `DATABASE_URL`, else the server on 127.0.0.1:5432 or the local
 //! socket, else a throwaway one (the test kit's `find_server`); it loads a
 //! scratch database `pgo_bench_console`, starts `pg-outbox console` on a
@@ -58,15 +66,27 @@ fn line(what: &str, (min, med, max): (f64, f64, f64)) {
 async fn run() -> BenchResult<()> {
     let unpublished = size("BENCH_CONSOLE_UNPUBLISHED", 1_000_000);
     let dead = size("BENCH_CONSOLE_DEAD", 100_000);
+    let published = size("BENCH_CONSOLE_PUBLISHED", 1_000_000);
     let server = find_server().await?;
     eprintln!("bench: using {}", server.source);
     let admin = connect(&server.config).await?;
     let cfg = migrated_database(&admin, &server.config, DB).await?;
     let c = connect(&cfg).await?;
     let t = Instant::now();
-    // Fresh events over 100 000 aggregates, then dead letters on their own
-    // aggregates, two error texts; row triggers off for the load (the
-    // triggers' locks leave nothing behind once committed).
+    // The steady state: published history, analyzed. Then fresh events
+    // over 100 000 aggregates, then dead letters on their own aggregates,
+    // two error texts, with no ANALYZE after them (stale statistics, as an
+    // outage leaves them). Row triggers off for the load (the triggers'
+    // locks leave nothing behind once committed).
+    c.batch_execute(&format!(
+        "SET session_replication_role = replica; \
+         INSERT INTO events.outbox (aggregate_type, aggregate_id, event_type, payload, published_at) \
+         SELECT 'history', md5('h-' || (g % 100000))::uuid, 'PaymentSucceeded', \
+                jsonb_build_object('version', 1, 'data', jsonb_build_object('n', g)), now() - interval '1 day' \
+         FROM generate_series(1, {published}::bigint) g; \
+         RESET session_replication_role; ANALYZE events.outbox;"
+    ))
+    .await?;
     c.batch_execute(&format!(
         "SET session_replication_role = replica; \
          INSERT INTO events.outbox (aggregate_type, aggregate_id, event_type, payload) \
@@ -83,9 +103,8 @@ async fn run() -> BenchResult<()> {
          RESET session_replication_role;"
     ))
     .await?;
-    c.batch_execute("VACUUM ANALYZE events.outbox").await?;
     eprintln!(
-        "bench: loaded {unpublished} unpublished events and {dead} dead letters in {:.1} s",
+        "bench: loaded {published} published, then {unpublished} unpublished events and {dead} dead letters in {:.1} s",
         t.elapsed().as_secs_f64()
     );
 
@@ -186,7 +205,62 @@ async fn run() -> BenchResult<()> {
         time(|| async { pg_outbox::dead_letters::count(lib, &all).await.map(drop).map_err(Into::into) }).await?,
     );
     drop(child);
+    status_states(lib, &c).await?;
     drop_database(&admin, DB).await;
+    Ok(())
+}
+
+/// `pg_outbox::status` against an exact `count(*)` of the unpublished rows
+/// in each statistics state: stale (as loaded), current, absent.
+async fn status_states(
+    lib: &pg_outbox::tokio_postgres::Client,
+    c: &pg_outbox::tokio_postgres::Client,
+) -> BenchResult<()> {
+    let exact = c
+        .query_one(
+            "SELECT count(*) FILTER (WHERE next_retry_at IS DISTINCT FROM 'infinity'), \
+                    count(*) FILTER (WHERE next_retry_at = 'infinity') \
+             FROM events.outbox WHERE published_at IS NULL",
+            &[],
+        )
+        .await?;
+    let (pending, dead): (i64, i64) = (exact.get(0), exact.get(1));
+    eprintln!("{:<52} {:>8} {:>8} {:>8}  ratio of medians", "ms (status by statistics state)", "min", "median", "max");
+    for state in ["stale", "current", "absent"] {
+        match state {
+            "current" => c.batch_execute("ANALYZE events.outbox").await?,
+            "absent" => {
+                if let Err(e) =
+                    c.batch_execute("DELETE FROM pg_statistic WHERE starelid = 'events.outbox'::regclass").await
+                {
+                    eprintln!("(statistics absent: skipped, {e})");
+                    continue;
+                }
+            }
+            _ => {}
+        }
+        let s = time(|| async { pg_outbox::status(lib).await.map(drop).map_err(Into::into) }).await?;
+        let base = time(|| async {
+            c.query_one("SELECT count(*) FROM events.outbox WHERE published_at IS NULL", &[]).await?;
+            Ok(())
+        })
+        .await?;
+        line(&format!("pg_outbox::status, statistics {state}"), s);
+        line(&format!("baseline count(*) of unpublished, statistics {state}"), base);
+        eprintln!("  status / baseline: {:.3}x", s.1 / base.1);
+        let mut errs = Vec::new();
+        for _ in 0..5 {
+            let st = pg_outbox::status(lib).await?;
+            let backlog = st.unpublished - st.dead_letters;
+            errs.push((backlog as f64 / pending as f64 - 1.0, st.dead_letters as f64 / dead.max(1) as f64 - 1.0));
+        }
+        let fmt = |v: Vec<f64>| v.iter().map(|e| format!("{:+.1} %", e * 100.0)).collect::<Vec<_>>().join(", ");
+        eprintln!(
+            "  estimate error, 5 readings: pending {} (exact {pending}); dead letters {} (exact {dead})",
+            fmt(errs.iter().map(|e| e.0).collect()),
+            fmt(errs.iter().map(|e| e.1).collect())
+        );
+    }
     Ok(())
 }
 

@@ -27,6 +27,10 @@ pub const DELIVERY_LAG: &str = "outbox_delivery_lag_seconds";
 pub const BACKLOG: &str = "outbox_backlog_events";
 /// Gauge, rows: dead letters (unpublished, `next_retry_at = 'infinity'`).
 pub const DEAD_LETTERS: &str = "outbox_dead_letters";
+/// Gauge, 0 or 1: 1 while [`BACKLOG`] or [`DEAD_LETTERS`] is an estimate
+/// (a class of rows over [`crate::STATUS_EXACT_ROWS`]; docs/operations.md,
+/// "How `status` estimates"), 0 while both are exact.
+pub const BACKLOG_ESTIMATED: &str = "outbox_backlog_estimated";
 /// Gauge, seconds: age of the oldest unpublished event that is not a dead letter.
 pub const OLDEST_UNPUBLISHED_AGE: &str = "outbox_oldest_unpublished_age_seconds";
 /// Gauge, bytes: payload bytes this consumer holds, as received: events
@@ -121,6 +125,7 @@ pub fn describe() {
     describe_histogram!(DELIVERY_LAG, Unit::Seconds, "From occurred_at to acknowledgement.");
     describe_gauge!(BACKLOG, "Unpublished events that are not dead letters.");
     describe_gauge!(DEAD_LETTERS, "Dead letters waiting for an operator.");
+    describe_gauge!(BACKLOG_ESTIMATED, "1 while the backlog or dead-letter gauge is estimated, 0 while exact.");
     describe_gauge!(OLDEST_UNPUBLISHED_AGE, Unit::Seconds, "Age of the oldest pending event.");
     describe_gauge!(BUFFERED_PAYLOAD_BYTES, Unit::Bytes, "Payload bytes fetched and not yet settled.");
     describe_counter!(NOTIFICATIONS, "Notifications received on the LISTEN connection.");
@@ -221,6 +226,7 @@ pub fn record_initial_values() {
     for name in [
         BACKLOG,
         DEAD_LETTERS,
+        BACKLOG_ESTIMATED,
         OLDEST_UNPUBLISHED_AGE,
         BUFFERED_PAYLOAD_BYTES,
         LISTENER_UP,

@@ -8,7 +8,8 @@
 //! - [`publish`]: the producers' INSERTs;
 //! - [`fetch`]: the consumer's fetches and the competing mode's claim;
 //! - [`settle`]: acknowledgements and failures;
-//! - [`status`]: the backlog figures and the relay's gauges;
+//! - [`status`], [`backlog`]: the backlog figures (bounded: exact up to a
+//!   cap, estimated from a sample beyond) and the relay's gauges;
 //! - [`wakeup`]: LISTEN/NOTIFY and the relays' registrations;
 //! - [`locks`]: every advisory lock key, and the statements that take them;
 //! - [`leader`]: who holds single mode's leader lock, and whether it is a
@@ -50,6 +51,7 @@ macro_rules! new_event_columns {
     };
 }
 
+pub(crate) mod backlog;
 #[cfg(feature = "console")]
 pub(crate) mod console;
 pub(crate) mod dead_letters;
@@ -70,6 +72,7 @@ mod wakeup;
 mod work;
 mod writer;
 
+pub use backlog::{STATUS_EXACT_ROWS, STATUS_SAMPLE_IDS};
 pub use fetch::fetch_query;
 pub(crate) use fetch::{NEXT_RETRY_IN, PayloadSizes, competing_fetch_sql, fetch_sql};
 pub(crate) use planner::PLANNER_SETTINGS;
@@ -79,7 +82,6 @@ pub(crate) use publish::{insert_event, insert_events};
 pub(crate) use rows::{DecodedEvent, event_from_row, row_id};
 pub(crate) use schema::SERVER_STATE;
 pub(crate) use settle::{ACK, FAIL, Fence};
-pub(crate) use status::GAUGES;
 pub use status::{
     LeaderLock, OutboxStatus, PendingRetry, RetryLadder, STATUS_MAX_TYPES, STATUS_NEXT_RETRIES, TypeBacklog, status,
 };
@@ -103,8 +105,10 @@ pub(crate) use writer::{Acknowledged, FailParams, FailWritten, FailsWritten, Wri
 /// `fail` `$1 bigint[]` ids, `$2 jsonb` details per id (`{"<id>": {"e":
 /// error, "d": delay in seconds, "s": retry count seen}}`), `$3 int4`
 /// dead-letter threshold, `$4 jsonb` the writer's terms (NULL: not fenced);
-/// `next_retry_in`, `gauges`, `status`, `retry_buckets`: none;
-/// `status_by_type`, `next_retries`: `$1 bigint` limit; `dead_letters_*`:
+/// `next_retry_in`: none; `backlog_exact`, `next_retries`: `$1 bigint`
+/// limit; `backlog_sample`: `$1 bigint` lowest id, `$2 bigint` ids drawn,
+/// `$3`, `$4 bigint` the fresh rows' and dead letters' ids counted
+/// exactly; `dead_letters_*`:
 /// `$1 bigint[]` ids, `$2 text` aggregate type, `$3 text` event type, `$4
 /// text` error text, `$5 timestamptz` since (each NULL for any; not NULL
 /// for the `_by_id` forms, which start from those ids), and but for
@@ -137,10 +141,8 @@ pub fn run_time_statements(server_version_num: i32) -> Vec<(&'static str, String
         ("ack", ACK.to_string()),
         ("fail", FAIL.to_string()),
         ("next_retry_in", NEXT_RETRY_IN.to_string()),
-        ("gauges", GAUGES.to_string()),
-        ("status", status::status_sql()),
-        ("status_by_type", status::by_type_sql()),
-        ("retry_buckets", status::RETRY_BUCKETS.to_string()),
+        ("backlog_exact", backlog::exact_sql()),
+        ("backlog_sample", backlog::sample_sql()),
         ("next_retries", status::NEXT_RETRIES.to_string()),
         ("dead_letters_list", d::list_sql(d::Walk::DeadLetters)),
         ("dead_letters_count", d::count_sql(d::Walk::DeadLetters)),

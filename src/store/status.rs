@@ -2,49 +2,9 @@
 
 use tokio_postgres::GenericClient;
 
-use super::fetch::HELD_BACK;
+use super::backlog::{self, Backlog, Class};
 use super::{map_missing_schema, query_map};
 use crate::error::Result;
-
-/// The relay's gauges, cheaper than [`status_sql`]: pending (not dead)
-/// rows (`pending`), dead letters (`dead`), and the age of the oldest
-/// pending row in seconds (`oldest_age`).
-pub(crate) const GAUGES: &str = "SELECT \
-       count(*) FILTER (WHERE next_retry_at IS DISTINCT FROM 'infinity') AS pending, \
-       count(*) FILTER (WHERE next_retry_at = 'infinity') AS dead, \
-       EXTRACT(EPOCH FROM (now() - min(occurred_at) FILTER (WHERE next_retry_at IS DISTINCT FROM 'infinity')))::float8 AS oldest_age \
-     FROM events.outbox WHERE published_at IS NULL";
-
-/// The figures [`status_sql`] and [`by_type_sql`] share, over
-/// [`unpublished_rows`]: all, due and not held back, due and held back,
-/// waiting for a retry, dead letters, and the age of the oldest that is not a
-/// dead letter.
-const BACKLOG_COUNTS: &str = "count(*) AS unpublished, \
-       count(*) FILTER (WHERE (next_retry_at IS NULL OR next_retry_at <= now()) AND NOT held) AS due, \
-       count(*) FILTER (WHERE (next_retry_at IS NULL OR next_retry_at <= now()) AND held) AS held, \
-       count(*) FILTER (WHERE next_retry_at > now() AND next_retry_at < 'infinity') AS waiting, \
-       count(*) FILTER (WHERE next_retry_at = 'infinity') AS dead, \
-       EXTRACT(EPOCH FROM (now() - min(occurred_at) FILTER (WHERE next_retry_at IS DISTINCT FROM 'infinity')))::float8 AS oldest_age";
-
-/// The unpublished rows (one pass of the partial index
-/// `outbox_unpublished_idx`) as `o`, with the columns `extra` names first
-/// (each followed by a comma), then `occurred_at`, `next_retry_at` and
-/// `held`: whether a due row is held back behind an earlier failed event of
-/// its aggregate (one probe of `outbox_holdback_idx` per due row, once:
-/// `OFFSET 0` keeps the subquery, so `held` is not inlined into both FILTERs
-/// that read it; see `held_back_by` in `fetch.rs`).
-fn unpublished_rows(extra: &str) -> String {
-    format!(
-        "(SELECT {extra}o.occurred_at, o.next_retry_at, \
-           CASE WHEN o.next_retry_at IS NULL OR o.next_retry_at <= now() THEN {HELD_BACK} ELSE false END AS held \
-         FROM events.outbox o WHERE o.published_at IS NULL OFFSET 0) o"
-    )
-}
-
-/// Backlog and lag figures; see [`OutboxStatus`] and [`BACKLOG_COUNTS`].
-pub(super) fn status_sql() -> String {
-    format!("SELECT {BACKLOG_COUNTS} FROM {}", unpublished_rows(""))
-}
 
 /// Figures about the outbox, as `pg-outbox status` prints them.
 #[derive(Debug, Clone, PartialEq, serde::Serialize)]
@@ -88,6 +48,18 @@ pub struct OutboxStatus {
     /// ([`crate::migrate::ordering`]); `None` when neither insert trigger is
     /// enabled. In JSON: `"outbox-locked"`, `"producer-locked"` or `null`.
     pub ordering: Option<crate::migrate::OrderingMode>,
+    /// Whether any figure is estimated: the figures named in
+    /// [`OutboxStatus::estimated_figures`] are.
+    pub estimated: bool,
+    /// The figures that are estimated, by field name (`unpublished`,
+    /// `due_now`, `held_back`, `waiting_for_retry`, `dead_letters`,
+    /// `oldest_unpublished_age_seconds`, `by_type`, `retries`); empty when
+    /// every figure is exact. A class of rows (fresh, due retries, waiting
+    /// for a retry, dead letters) with more than [`STATUS_EXACT_ROWS`] rows
+    /// is estimated, and so is every figure it adds to. `retries` covers
+    /// the three `due_within`/`due_later` buckets only: the next retries and
+    /// the earliest due time are always exact.
+    pub estimated_figures: Vec<&'static str>,
 }
 
 /// The session holding single mode's outbox lock, as
@@ -195,27 +167,6 @@ pub struct PendingRetry {
     pub last_error: Option<String>,
 }
 
-/// Backlog per type: [`BACKLOG_COUNTS`] over [`unpublished_rows`], grouped
-/// by event and aggregate type. $1 is the row limit (one more than shown, to
-/// tell whether rows were left out).
-pub(super) fn by_type_sql() -> String {
-    format!(
-        "SELECT o.event_type, o.aggregate_type, {BACKLOG_COUNTS} FROM {} \
-         GROUP BY o.event_type, o.aggregate_type \
-         ORDER BY unpublished DESC, o.event_type, o.aggregate_type LIMIT $1",
-        unpublished_rows("o.event_type, o.aggregate_type, ")
-    )
-}
-
-/// Rows waiting for a retry, bucketed by due time: a range scan of
-/// `outbox_retry_due_idx` (keyed by next_retry_at, unpublished rows only).
-pub(super) const RETRY_BUCKETS: &str = "SELECT min(next_retry_at) AS next_due_at, \
-       EXTRACT(EPOCH FROM (min(next_retry_at) - now()))::float8 AS next_due_in, \
-       count(*) FILTER (WHERE next_retry_at <= now() + interval '1 minute') AS within_1m, \
-       count(*) FILTER (WHERE next_retry_at > now() + interval '1 minute' AND next_retry_at <= now() + interval '1 hour') AS within_1h, \
-       count(*) FILTER (WHERE next_retry_at > now() + interval '1 hour') AS later \
-     FROM events.outbox WHERE published_at IS NULL AND next_retry_at > now() AND next_retry_at < 'infinity'";
-
 /// The next $1 rows to come due for a retry, in due order: the first
 /// entries of `outbox_retry_due_idx` after now(), in the order of its key,
 /// the only plan without a sort (ties, which the failures of one batch can
@@ -226,13 +177,22 @@ pub(super) const NEXT_RETRIES: &str = "SELECT id, event_type, aggregate_type, re
      FROM events.outbox WHERE published_at IS NULL AND next_retry_at > now() AND next_retry_at < 'infinity' \
      ORDER BY next_retry_at LIMIT $1";
 
-/// Read [`OutboxStatus`]: four read-only queries (totals, per type, retry
-/// buckets, next retries), each served by a partial index and bounded by a
-/// LIMIT where it returns rows, and one on `pg_locks` for the holder of the
-/// outbox lock ([`OutboxStatus::leader`]). The totals and per-type figures scan the
-/// unpublished rows (not the published history), so their cost grows with
-/// the backlog, not the table. The queries run one after another (not in one
-/// snapshot), so figures taken while a relay works may differ by a few rows.
+/// Read [`OutboxStatus`] in bounded time, whatever the backlog's size.
+///
+/// Each class of unpublished rows (fresh, due retries, waiting for a retry,
+/// dead letters) is counted exactly up to [`STATUS_EXACT_ROWS`] rows, read
+/// from its partial index in that index's order. A class with more is
+/// estimated from [`STATUS_SAMPLE_IDS`] ids drawn uniformly between the
+/// lowest unpublished id read and the table's highest id, each looked up by
+/// primary key; [`OutboxStatus::estimated_figures`] names what is estimated
+/// (docs/operations.md, "How `status` estimates"). Then the next
+/// [`STATUS_NEXT_RETRIES`] retries (the first entries of
+/// `outbox_retry_due_idx` after now), and the holder of the outbox lock on
+/// `pg_locks` ([`OutboxStatus::leader`]). No statement walks the backlog or
+/// the published history: the buffers each touches are bounded by those
+/// constants. The statements run one after another; run them in one
+/// `REPEATABLE READ` transaction (as `pg-outbox status` does) for figures
+/// from one snapshot.
 ///
 /// # Errors
 /// [`crate::Error::NotMigrated`] if the schema is missing; [`crate::Error::Db`] if the
@@ -241,23 +201,7 @@ pub(super) const NEXT_RETRIES: &str = "SELECT id, event_type, aggregate_type, re
 /// # Cancel safety
 /// Cancel safe: it only reads.
 pub async fn status<C: GenericClient + Sync>(client: &C) -> Result<OutboxStatus> {
-    let row = client.query_one(&status_sql(), &[]).await.map_err(map_missing_schema)?;
-    let mut by_type = query_map(client, &by_type_sql(), &[&(STATUS_MAX_TYPES + 1)], |r| {
-        Ok(TypeBacklog {
-            event_type: r.try_get("event_type")?,
-            aggregate_type: r.try_get("aggregate_type")?,
-            unpublished: r.try_get("unpublished")?,
-            due_now: r.try_get("due")?,
-            held_back: r.try_get("held")?,
-            waiting_for_retry: r.try_get("waiting")?,
-            dead_letters: r.try_get("dead")?,
-            oldest_unpublished_age_seconds: r.try_get("oldest_age")?,
-        })
-    })
-    .await?;
-    let by_type_truncated = by_type.len() > usize::try_from(STATUS_MAX_TYPES).unwrap_or(usize::MAX);
-    by_type.truncate(usize::try_from(STATUS_MAX_TYPES).unwrap_or(usize::MAX));
-    let b = client.query_one(RETRY_BUCKETS, &[]).await.map_err(map_missing_schema)?;
+    let b = backlog::read(client).await.map_err(map_missing_schema)?;
     let next = query_map(client, NEXT_RETRIES, &[&STATUS_NEXT_RETRIES], |r| {
         Ok(PendingRetry {
             id: r.try_get("id")?,
@@ -270,26 +214,105 @@ pub async fn status<C: GenericClient + Sync>(client: &C) -> Result<OutboxStatus>
         })
     })
     .await?;
+    let (by_type, by_type_truncated) = by_type(&b);
+    let (fresh, due, waiting, dead) =
+        (b.total(Class::Fresh), b.total(Class::Due), b.total(Class::Waiting), b.total(Class::Dead));
+    // Held back: due rows behind an earlier failed event of their aggregate.
+    let held = b.sum(Class::Fresh, |c| c.held) + b.sum(Class::Due, |c| c.held);
+    let held = held.min(fresh + due);
     Ok(OutboxStatus {
-        unpublished: row.try_get("unpublished")?,
-        due_now: row.try_get("due")?,
-        held_back: row.try_get("held")?,
-        waiting_for_retry: row.try_get("waiting")?,
-        dead_letters: row.try_get("dead")?,
-        oldest_unpublished_age_seconds: row.try_get("oldest_age")?,
+        unpublished: fresh + due + waiting + dead,
+        due_now: fresh + due - held,
+        held_back: held,
+        waiting_for_retry: waiting,
+        dead_letters: dead,
+        oldest_unpublished_age_seconds: b.oldest_age,
         by_type,
         by_type_truncated,
         retries: RetryLadder {
-            next_due_at: b.try_get("next_due_at")?,
-            next_due_in_seconds: b.try_get("next_due_in")?,
-            due_within_1m: b.try_get("within_1m")?,
-            due_within_1h: b.try_get("within_1h")?,
-            due_later: b.try_get("later")?,
+            next_due_at: next.first().map(|r| r.due_at),
+            next_due_in_seconds: next.first().map(|r| r.due_in_seconds),
+            due_within_1m: b.sum(Class::Waiting, |c| c.within_1m),
+            due_within_1h: b.sum(Class::Waiting, |c| c.within_1h),
+            due_later: b.sum(Class::Waiting, |c| c.later),
             next,
         },
         leader: leader_lock(client).await?,
         ordering: crate::migrate::ordering(client).await?,
+        estimated: !b.estimated.is_empty(),
+        estimated_figures: estimated_figures(&b),
     })
+}
+
+/// The figures the estimated classes of `b` add to, in
+/// [`OutboxStatus`]'s field order.
+fn estimated_figures(b: &Backlog) -> Vec<&'static str> {
+    let (f, d, w, x) = (
+        b.is_estimated(Class::Fresh),
+        b.is_estimated(Class::Due),
+        b.is_estimated(Class::Waiting),
+        b.is_estimated(Class::Dead),
+    );
+    [
+        ("unpublished", f || d || w || x),
+        ("due_now", f || d),
+        ("held_back", f || d),
+        ("waiting_for_retry", w),
+        ("dead_letters", x),
+        ("oldest_unpublished_age_seconds", f || d || w),
+        ("by_type", f || d || w || x),
+        ("retries", w),
+    ]
+    .into_iter()
+    .filter_map(|(name, yes)| yes.then_some(name))
+    .collect()
+}
+
+/// The backlog per `(event_type, aggregate_type)`, most unpublished first
+/// (ties by event type, then aggregate type), at most [`STATUS_MAX_TYPES`],
+/// and whether more types were left out. The oldest age per type is that of
+/// the rows read.
+fn by_type(b: &Backlog) -> (Vec<TypeBacklog>, bool) {
+    let mut types: std::collections::BTreeMap<(String, String), [f64; 5]> = Default::default();
+    for ((class, event_type, aggregate_type), c) in &b.by {
+        let t = types.entry((event_type.clone(), aggregate_type.clone())).or_default();
+        let i = match class {
+            Class::Fresh | Class::Due => 0,
+            Class::Waiting => 2,
+            Class::Dead => 3,
+        };
+        if i == 0 {
+            t[0] += c.n - c.held;
+            t[1] += c.held;
+        } else {
+            t[i] += c.n;
+        }
+        t[4] += c.n;
+    }
+    let mut rows: Vec<TypeBacklog> = types
+        .into_iter()
+        .map(|((event_type, aggregate_type), t)| TypeBacklog {
+            event_type: event_type.clone(),
+            aggregate_type: aggregate_type.clone(),
+            unpublished: t[4].round() as i64,
+            due_now: t[0].round() as i64,
+            held_back: t[1].round() as i64,
+            waiting_for_retry: t[2].round() as i64,
+            dead_letters: t[3].round() as i64,
+            oldest_unpublished_age_seconds: b.oldest_age_of(&event_type, &aggregate_type),
+        })
+        .filter(|t| t.unpublished > 0)
+        .collect();
+    rows.sort_by(|a, b| {
+        b.unpublished
+            .cmp(&a.unpublished)
+            .then_with(|| a.event_type.cmp(&b.event_type))
+            .then_with(|| a.aggregate_type.cmp(&b.aggregate_type))
+    });
+    let max = usize::try_from(STATUS_MAX_TYPES).unwrap_or(usize::MAX);
+    let truncated = rows.len() > max;
+    rows.truncate(max);
+    (rows, truncated)
 }
 
 /// The holder of the outbox lock, judged against

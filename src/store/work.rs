@@ -20,7 +20,6 @@ use super::locks::{COUNT_MEMBERS, LEADER_KEY, MEMBER_CLASS, MEMBER_LOCK, PARTITI
 use super::locks::{TRY_LEADER_LOCK, TRY_PARTITION_LOCK};
 use super::rows::{DecodedEvent, TERM, decode_event, fetch_was_cut, row_identity};
 use super::statement::{self, Session, StatementError, StatementKind};
-use super::status::GAUGES;
 use super::wakeup::{HEARTBEAT, NOTIFICATION_QUEUE_USAGE, NOTIFY_LOCK_WAITERS, SET_WAITING, UNREGISTER};
 use crate::error::Error;
 
@@ -92,7 +91,9 @@ pub(crate) struct FetchPage {
     pub(crate) cut: bool,
 }
 
-/// The backlog gauges ([`GAUGES`]); a column that cannot be read is 0.
+/// The backlog gauges, read as `status` reads its figures
+/// ([`super::backlog::read`]: exact up to a cap per class, estimated from a
+/// sample beyond).
 #[derive(Debug, Clone, Copy, Default)]
 pub(crate) struct Gauges {
     /// Unpublished rows that are not dead letters.
@@ -101,6 +102,8 @@ pub(crate) struct Gauges {
     pub(crate) dead: i64,
     /// Age of the oldest pending row, in seconds (0 when none).
     pub(crate) oldest_age_secs: f64,
+    /// Whether `pending` or `dead` is estimated.
+    pub(crate) estimated: bool,
 }
 
 /// The work session: its client, its cancel requests and statements in
@@ -328,13 +331,15 @@ impl WorkSession {
         Ok(row.try_get::<_, f64>("usage").ok())
     }
 
-    /// The backlog gauges ([`GAUGES`]).
+    /// The backlog gauges ([`Gauges`]).
     pub(crate) async fn gauges(&self, stop: impl Future<Output = ()>) -> Result<Gauges, StatementError> {
-        let row = self.run(StatementKind::Gauges, stop, self.client.query_one(GAUGES, &[])).await?;
+        use super::backlog::Class;
+        let b = self.run(StatementKind::Gauges, stop, super::backlog::read(&*self.client)).await?;
         Ok(Gauges {
-            pending: row.try_get("pending").unwrap_or(0),
-            dead: row.try_get("dead").unwrap_or(0),
-            oldest_age_secs: row.try_get::<_, Option<f64>>("oldest_age").ok().flatten().unwrap_or(0.0),
+            pending: b.total(Class::Fresh) + b.total(Class::Due) + b.total(Class::Waiting),
+            dead: b.total(Class::Dead),
+            oldest_age_secs: b.oldest_age.unwrap_or(0.0),
+            estimated: !b.estimated.is_empty(),
         })
     }
 

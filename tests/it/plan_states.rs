@@ -14,7 +14,7 @@
 //! on a session opened as pg-outbox opens its own (so with its planner
 //! settings), and the buffers it touched must stay within a bound
 //! proportional to the rows it returns (fetches, writes, lists) or counts
-//! (status figures), never to the failed head or the table. Writes run in a
+//! (status figures: a constant), never to the failed head or the table. Writes run in a
 //! transaction that is rolled back.
 
 use pg_outbox::tokio_postgres::types::ToSql;
@@ -27,6 +27,14 @@ const WAITING: i64 = 100_000;
 const STEADY: i64 = 100_000;
 const BACKLOGS: [i64; 3] = [0, 10_000, 1_000_000];
 const BATCH: i64 = 500;
+/// Buffers (and rows handled) the backlog figures' first statement may
+/// touch: four for each of the four classes' first rows (its heap page, its
+/// index page, a share of a hold-back probe for a due row), whatever the
+/// backlog. Measured: 15 475 buffers and 60 017 rows handled.
+const EXACT_BOUND: i64 = 4 * 4 * (pg_outbox::STATUS_EXACT_ROWS + 1) + 100;
+/// And the sample's: per id drawn, a primary-key lookup (the index levels
+/// and the heap page) and a hold-back probe. Measured: 8 010 to 13 054.
+const SAMPLE_BOUND: i64 = 10 * pg_outbox::STATUS_SAMPLE_IDS + 100;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Stats {
@@ -154,7 +162,24 @@ async fn check_all(c: &mut Client, stats: Stats, backlog: i64) {
     let parts = 16i64;
     let zero = 0i64;
     let five = 5i64;
-    let types = pg_outbox::STATUS_MAX_TYPES + 1;
+    // The backlog figures: each class's first rows, then the sample, with
+    // every class read up to its first rows (ids and due times from the
+    // table) or none.
+    let exact_limit = pg_outbox::STATUS_EXACT_ROWS + 1;
+    let sample_ids = pg_outbox::STATUS_SAMPLE_IDS;
+    let (no_id, no_due): (Option<i64>, Option<chrono::DateTime<chrono::Utc>>) = (None, None);
+    let past = c
+        .query_one(
+            "SELECT (SELECT min(id) + $1 FROM events.outbox WHERE published_at IS NULL AND next_retry_at IS NULL), \
+                    (SELECT min(id) + $1 FROM events.outbox WHERE next_retry_at = 'infinity'), \
+                    (SELECT min(next_retry_at) FROM events.outbox WHERE next_retry_at > now() AND next_retry_at < 'infinity')",
+            &[&pg_outbox::STATUS_EXACT_ROWS],
+        )
+        .await
+        .expect("the rows read of each class");
+    let (fresh_past, dead_past, waiting_past): (Option<i64>, Option<i64>, Option<chrono::DateTime<chrono::Utc>>) =
+        (past.get(0), past.get(1), past.get(2));
+    let due_past = waiting_past;
     // Replay reads a window of ids in the middle of the published rows.
     let window = pg_outbox::relay::replay::WINDOW;
     let (mid, mid_end) = (STEADY / 2, STEADY / 2 + window);
@@ -232,8 +257,17 @@ async fn check_all(c: &mut Client, stats: Stats, backlog: i64) {
             "fail" => vec![(vec![&first, &details, &max_retries, &term], 40 * n_first + 50, "the current term")],
             "next_retry_in" => vec![(vec![], 50, "")],
             "next_retries" => vec![(vec![&five], 100, "")],
-            "gauges" | "status" | "retry_buckets" => vec![(vec![], 6 * unpublished + 100, "")],
-            "status_by_type" => vec![(vec![&types], 6 * unpublished + 100, "")],
+            // The backlog figures: a constant bound, whatever the backlog
+            // (exact up to a cap per class, then a sample of fixed size).
+            "backlog_exact" => vec![(vec![&exact_limit], EXACT_BOUND, "")],
+            "backlog_sample" => vec![
+                (
+                    vec![&sample_ids, &fresh_past, &dead_past, &due_past, &waiting_past],
+                    SAMPLE_BOUND,
+                    "every class estimated",
+                ),
+                (vec![&sample_ids, &no_id, &no_id, &no_due, &no_due], SAMPLE_BOUND, "no class estimated"),
+            ],
             "dead_letters_list" | "dead_letters_ids" => {
                 vec![(vec![&no_ids, &dead_type, &no_text, &no_text, &no_time, &limit_list], 5 * limit_list + 50, "")]
             }
@@ -315,6 +349,11 @@ async fn check_all(c: &mut Client, stats: Stats, backlog: i64) {
                     top_rows(&plan),
                     nodes.join(" / ")
                 ));
+            }
+            if name.starts_with("backlog_") {
+                eprintln!(
+                    "plan_states {stats:?} backlog {backlog}: {name} {case}: {touched} buffers, {handled} rows handled"
+                );
             }
             if name == "fetch" && case == "nothing in flight" {
                 assert_eq!(top_rows(&plan), fetched, "{stats:?}, backlog {backlog}: the fetch returns a full batch");

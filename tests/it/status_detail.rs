@@ -165,3 +165,84 @@ async fn status_splits_the_backlog_by_event_type_and_shows_when_retries_come_due
     let table = status(&db, false).await;
     assert!(table.contains("only the 50 types with the most unpublished events are shown"), "{table}");
 }
+
+/// `|got - want| <= tolerance * want`.
+fn near(got: &Value, want: f64, tolerance: f64) -> bool {
+    got.as_f64().is_some_and(|g| (g - want).abs() <= tolerance * want)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn status_estimates_a_class_past_its_exact_rows_and_says_which_figures_are_estimated() {
+    let db = TestDb::new("status_estimate").await;
+    let c = db.client().await;
+    let cap = pg_outbox::STATUS_EXACT_ROWS;
+    // Fresh events of two types (2 to 1), six times the cap; retries
+    // waiting, twice the cap, due one per second from now on; dead letters,
+    // under the cap. Row triggers off for the load.
+    let (fresh, waiting, dead) = (6 * cap, 2 * cap, 120);
+    c.batch_execute(&format!(
+        "SET session_replication_role = replica; \
+         INSERT INTO events.outbox (aggregate_type, aggregate_id, event_type, payload) \
+         SELECT 'order', gen_random_uuid(), CASE WHEN g % 3 = 0 THEN 'OrderShipped' ELSE 'OrderPlaced' END, '{{}}' \
+         FROM generate_series(1, {fresh}) g; \
+         INSERT INTO events.outbox (aggregate_type, aggregate_id, event_type, payload, retry_count, next_retry_at) \
+         SELECT 'invoice', gen_random_uuid(), 'InvoiceIssued', '{{}}', 1, now() + g * interval '1 second' \
+         FROM generate_series(1, {waiting}) g; \
+         INSERT INTO events.outbox (aggregate_type, aggregate_id, event_type, payload, retry_count, next_retry_at) \
+         SELECT 'refund', gen_random_uuid(), 'RefundFailed', '{{}}', 10, 'infinity' FROM generate_series(1, {dead}) g; \
+         RESET session_replication_role;"
+    ))
+    .await
+    .expect("load");
+
+    let v = status_json(&db).await;
+    assert_eq!(v["estimated"], true, "{v}");
+    let figures: Vec<&str> =
+        v["estimated_figures"].as_array().expect("an array").iter().filter_map(Value::as_str).collect();
+    for f in ["unpublished", "due_now", "held_back", "waiting_for_retry", "by_type", "retries"] {
+        assert!(figures.contains(&f), "{f} is estimated: {v}");
+    }
+    // Under the cap: exact, and not marked.
+    assert!(!figures.contains(&"dead_letters"), "{v}");
+    assert_eq!(v["dead_letters"], dead, "{v}");
+    // The sample's standard error is about 1 % of the ids drawn from
+    // (docs/operations.md); 10 % is many times that.
+    let (fresh, waiting) = (fresh as f64, waiting as f64);
+    assert!(near(&v["unpublished"], fresh + waiting + dead as f64, 0.1), "{v}");
+    assert!(near(&v["due_now"], fresh, 0.1), "{v}");
+    assert!(near(&v["waiting_for_retry"], waiting, 0.1), "{v}");
+    assert_eq!(v["held_back"], 0, "nothing is held back: {v}");
+    assert!(near(&entry(&v, "OrderPlaced", "order")["unpublished"], fresh * 2.0 / 3.0, 0.15), "{v}");
+    assert!(near(&entry(&v, "OrderShipped", "order")["unpublished"], fresh / 3.0, 0.15), "{v}");
+    assert_eq!(entry(&v, "RefundFailed", "refund")["dead_letters"], dead, "{v}");
+    // The retries due within a minute are among the first rows read: exact
+    // in fact, though the ladder is marked as a whole.
+    assert_eq!(v["retries"]["due_within_1m"].as_i64().map(|n| (50..=60).contains(&n)), Some(true), "{v}");
+    assert!(v["retries"]["next"].as_array().is_some_and(|n| n.len() == 5), "{v}");
+
+    // The table marks each estimated figure and says how it is estimated.
+    let table = status(&db, false).await;
+    let line = |start: &str| {
+        table.lines().find(|l| l.starts_with(start)).unwrap_or_else(|| panic!("no `{start}` line:\n{table}"))
+    };
+    assert!(line("unpublished").split_whitespace().last().is_some_and(|n| n.starts_with('~')), "{table}");
+    assert_eq!(line("dead letters").split_whitespace().last(), Some(dead.to_string().as_str()), "{table}");
+    assert!(table.contains(&format!("~ estimated: more than {cap} rows of a kind")), "{table}");
+
+    // Back under the cap: exact again, and nothing marked.
+    c.batch_execute(&format!(
+        "UPDATE events.outbox SET published_at = now() WHERE aggregate_type = 'order' AND id > (SELECT min(id) + 99 \
+           FROM events.outbox WHERE aggregate_type = 'order'); \
+         DELETE FROM events.outbox WHERE aggregate_type = 'invoice' AND next_retry_at > now() + interval '{} seconds'",
+        cap
+    ))
+    .await
+    .expect("drain most of it");
+    let v = status_json(&db).await;
+    assert_eq!(v["estimated"], false, "{v}");
+    assert_eq!(v["estimated_figures"], serde_json::json!([]), "{v}");
+    let left: i64 =
+        c.query_one("SELECT count(*) FROM events.outbox WHERE published_at IS NULL", &[]).await.expect("count").get(0);
+    assert_eq!(v["unpublished"], left, "{v}");
+    assert!(!status(&db, false).await.contains('~'), "nothing is estimated");
+}

@@ -29,12 +29,15 @@ pub(crate) async fn run(url: &str, args: StatusArgs) -> Result<(), Error> {
     if args.json {
         println!("{}", serde_json::to_string_pretty(&s)?);
     } else {
-        let age = s.oldest_unpublished_age_seconds.map_or("-".to_string(), |a| format!("{a:.3} s"));
-        println!("unpublished         {}", s.unpublished);
-        println!("due now             {}", s.due_now);
-        println!("held back           {}", s.held_back);
-        println!("waiting for retry   {}", s.waiting_for_retry);
-        println!("dead letters        {}", s.dead_letters);
+        let est = |field: &str| if s.estimated_figures.contains(&field) { "~" } else { "" };
+        let age = s
+            .oldest_unpublished_age_seconds
+            .map_or("-".to_string(), |a| format!("{}{a:.3} s", est("oldest_unpublished_age_seconds")));
+        println!("unpublished         {}{}", est("unpublished"), s.unpublished);
+        println!("due now             {}{}", est("due_now"), s.due_now);
+        println!("held back           {}{}", est("held_back"), s.held_back);
+        println!("waiting for retry   {}{}", est("waiting_for_retry"), s.waiting_for_retry);
+        println!("dead letters        {}{}", est("dead_letters"), s.dead_letters);
         println!("oldest pending age  {age}");
         println!("leader              {}", leader_line(s.leader.as_ref()));
         println!(
@@ -42,7 +45,14 @@ pub(crate) async fn run(url: &str, args: StatusArgs) -> Result<(), Error> {
             s.ordering.map_or("none (no insert trigger enabled)", pg_outbox::migrate::OrderingMode::as_str)
         );
         print_by_type(&s);
-        print_retries(&s.retries);
+        print_retries(&s.retries, s.estimated_figures.contains(&"retries"));
+        if s.estimated {
+            println!();
+            println!(
+                "~ estimated: more than {} rows of a kind, sampled (docs/operations.md, \"How `status` estimates\")",
+                pg_outbox::STATUS_EXACT_ROWS
+            );
+        }
     }
     Ok(())
 }
@@ -125,11 +135,19 @@ fn print_by_type(s: &pg_outbox::OutboxStatus) {
         "{:<w_event$}  {:<w_agg$}  {:>11}  {:>7}  {:>9}  {:>17}  {:>12}  oldest pending",
         "event_type", "aggregate_type", "unpublished", "due now", "held back", "waiting for retry", "dead letters"
     );
+    let est = if s.estimated_figures.contains(&"by_type") { "~" } else { "" };
+    let n = |v: i64| format!("{est}{v}");
     for (t, (event_type, aggregate_type)) in s.by_type.iter().zip(&types) {
-        let age = t.oldest_unpublished_age_seconds.map_or("-".to_string(), short_secs);
+        let age = t.oldest_unpublished_age_seconds.map_or("-".to_string(), |a| format!("{est}{}", short_secs(a)));
         println!(
             "{:<w_event$}  {:<w_agg$}  {:>11}  {:>7}  {:>9}  {:>17}  {:>12}  {age}",
-            event_type, aggregate_type, t.unpublished, t.due_now, t.held_back, t.waiting_for_retry, t.dead_letters
+            event_type,
+            aggregate_type,
+            n(t.unpublished),
+            n(t.due_now),
+            n(t.held_back),
+            n(t.waiting_for_retry),
+            n(t.dead_letters)
         );
     }
     if s.by_type_truncated {
@@ -137,7 +155,7 @@ fn print_by_type(s: &pg_outbox::OutboxStatus) {
     }
 }
 
-fn print_retries(r: &pg_outbox::RetryLadder) {
+fn print_retries(r: &pg_outbox::RetryLadder, estimated: bool) {
     let Some(next_at) = r.next_due_at else { return };
     println!();
     let next_in = r.next_due_in_seconds.map_or("-".to_string(), short_secs);
@@ -145,9 +163,10 @@ fn print_retries(r: &pg_outbox::RetryLadder) {
         "retries due         next at {} (in {next_in})",
         next_at.to_rfc3339_opts(chrono::SecondsFormat::Secs, true)
     );
-    println!("  within 1 m        {}", r.due_within_1m);
-    println!("  within 1 h        {}", r.due_within_1h);
-    println!("  later             {}", r.due_later);
+    let est = if estimated { "~" } else { "" };
+    println!("  within 1 m        {est}{}", r.due_within_1m);
+    println!("  within 1 h        {est}{}", r.due_within_1h);
+    println!("  later             {est}{}", r.due_later);
     if r.next.is_empty() {
         return;
     }

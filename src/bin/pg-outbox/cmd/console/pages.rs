@@ -116,16 +116,22 @@ pub(crate) fn overview(
             }
         }
         section.stats {
-            (stat("unpublished", "unpublished", s.unpublished.to_string(), ""))
-            (stat("due_now", "due now", s.due_now.to_string(), ""))
-            (stat("held_back", "held back", s.held_back.to_string(), if s.held_back > 0 { "warn" } else { "" }))
-            (stat("waiting_for_retry", "waiting for retry", s.waiting_for_retry.to_string(), if s.waiting_for_retry > 0 { "warn" } else { "" }))
-            (stat("dead_letters", "dead letters", s.dead_letters.to_string(), if s.dead_letters > 0 { "bad" } else { "" }))
-            (stat("oldest_age", "oldest pending", age(s.oldest_unpublished_age_seconds), ""))
+            (stat("unpublished", "unpublished", figure(s, "unpublished", s.unpublished), ""))
+            (stat("due_now", "due now", figure(s, "due_now", s.due_now), ""))
+            (stat("held_back", "held back", figure(s, "held_back", s.held_back), if s.held_back > 0 { "warn" } else { "" }))
+            (stat("waiting_for_retry", "waiting for retry", figure(s, "waiting_for_retry", s.waiting_for_retry), if s.waiting_for_retry > 0 { "warn" } else { "" }))
+            (stat("dead_letters", "dead letters", figure(s, "dead_letters", s.dead_letters), if s.dead_letters > 0 { "bad" } else { "" }))
+            (stat("oldest_age", "oldest pending", format!("{}{}", mark(s, "oldest_unpublished_age_seconds"), age(s.oldest_unpublished_age_seconds)), ""))
+        }
+        @if s.estimated {
+            p.note id="estimated" {
+                "~ estimated: more than " (pg_outbox::STATUS_EXACT_ROWS) " rows of a kind, so the figure is scaled from a sample of "
+                (pg_outbox::STATUS_SAMPLE_IDS) " ids (docs/operations.md, \"How status estimates\")."
+            }
         }
         (leader(s.leader.as_ref()))
         @if s.dead_letters > 0 {
-            p { a href="/dead-letters" { "Review the " (s.dead_letters) " dead letters" } }
+            p { a href="/dead-letters" { "Review the " (figure(s, "dead_letters", s.dead_letters)) " dead letters" } }
         }
         section.charts {
             div {
@@ -212,8 +218,19 @@ fn relay_sessions(relays: &Relays) -> Markup {
     }
 }
 
+/// `~` when `field` of `s` is estimated, else nothing.
+fn mark(s: &OutboxStatus, field: &str) -> &'static str {
+    if s.estimated_figures.contains(&field) { "~" } else { "" }
+}
+
+/// `v`, marked `~` when `field` of `s` is estimated.
+fn figure(s: &OutboxStatus, field: &str, v: i64) -> String {
+    format!("{}{v}", mark(s, field))
+}
+
 /// The overview's backlog by event type, if there is any.
 fn backlog_by_type(s: &OutboxStatus) -> Markup {
+    let m = mark(s, "by_type");
     html! {
         @if !s.by_type.is_empty() {
             h2 { "By event type" }
@@ -223,10 +240,10 @@ fn backlog_by_type(s: &OutboxStatus) -> Markup {
                     @for t in &s.by_type {
                         tr {
                             td { (t.event_type) } td { (t.aggregate_type) }
-                            td.n { (t.unpublished) } td.n { (t.due_now) } td.n { (t.held_back) }
-                            td.n { (t.waiting_for_retry) }
+                            td.n { (m) (t.unpublished) } td.n { (m) (t.due_now) } td.n { (m) (t.held_back) }
+                            td.n { (m) (t.waiting_for_retry) }
                             td.n { @if t.dead_letters > 0 {
-                                a href={"/dead-letters?" (FilterForm { event_type: t.event_type.clone(), aggregate_type: t.aggregate_type.clone(), ..Default::default() }.query())} { (t.dead_letters) }
+                                a href={"/dead-letters?" (FilterForm { event_type: t.event_type.clone(), aggregate_type: t.aggregate_type.clone(), ..Default::default() }.query())} { (m) (t.dead_letters) }
                             } @else { "0" } }
                             td { (age(t.oldest_unpublished_age_seconds)) }
                         }
