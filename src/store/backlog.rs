@@ -28,9 +28,10 @@ use super::fetch::HELD_BACK;
 /// 5 000. Reading them costs at most a few thousand buffers per class.
 pub const STATUS_EXACT_ROWS: i64 = 5_000;
 
-/// Ids an estimate looks up by primary key: 2 000 (see the module docs for
-/// the error this gives).
-pub const STATUS_SAMPLE_IDS: i64 = 2_000;
+/// Ids an estimate draws and looks up by primary key in each stratum (fresh
+/// rows, dead letters, retries; only those estimated): 1 000. See the
+/// module docs for the error this gives.
+pub const STATUS_SAMPLE_IDS: i64 = 1_000;
 
 /// The held-back probe of a due row `o`, skipped (false) when no unpublished
 /// row has failed at all: see `NOT_HELD_BACK_IF_ANY_FAILED` in `fetch.rs`.
@@ -78,34 +79,49 @@ pub(crate) fn exact_sql() -> String {
     )
 }
 
-/// The sample: $1 ids drawn uniformly from the lowest unpublished id (the
-/// first entry of `outbox_unpublished_idx`) to the highest id in the table
-/// (the last of `outbox_pkey`), each looked up by primary key (a lateral
-/// subquery per id, kept apart by `OFFSET 0`, so the planner cannot turn it
-/// into a join that scans the table), grouped by class and type
-/// ([`GROUPED`]). A row counts only past what [`exact_sql`] read of its
-/// class: a fresh row above id $2, a dead letter above id $3, a due retry
-/// due after $4, a waiting one due after $5 (NULL: none counts). Column
-/// `span` is the number of ids drawn from (NULL when nothing is
-/// unpublished).
+/// The sample, one stratum per estimated kind of rows, $1 ids drawn
+/// uniformly in each, each looked up by primary key (a lateral subquery per
+/// id, kept apart by `OFFSET 0`, so the planner cannot turn it into a join
+/// that scans the table), grouped by class, type and stratum ([`GROUPED`],
+/// and the stratum's `span`: how many ids it draws from). The strata start
+/// past what [`exact_sql`] read:
+/// - fresh rows, when $2 (the last fresh id read) is not NULL: ids above
+///   it, up to the last entry of `outbox_fresh_order_idx`;
+/// - dead letters, when $3 is not NULL: the same in `outbox_dead_letter_idx`;
+/// - retries, when $4 (the last due retry's due time read) or $5 (the last
+///   waiting one's) is not NULL: every id from the first entry of
+///   `outbox_unpublished_idx` to the last of `outbox_pkey`, counting a due
+///   retry due after $4 and a waiting one due after $5.
+///
+/// A stratum counts only its own kind's rows.
 pub(crate) fn sample_sql() -> String {
     format!(
-        "WITH b AS (SELECT (SELECT id FROM events.outbox WHERE published_at IS NULL ORDER BY id LIMIT 1) AS lo, \
-                           (SELECT id FROM events.outbox ORDER BY id DESC LIMIT 1) AS hi), \
-         s AS (SELECT b.lo + floor(random() * (b.hi - b.lo + 1))::int8 AS id FROM b, generate_series(1, $1::int8) \
-               WHERE b.hi >= b.lo) \
-         SELECT {GROUPED}, (SELECT hi - lo + 1 FROM b) AS span FROM s CROSS JOIN LATERAL ( \
+        "WITH r AS ( \
+           SELECT 'fresh'::text AS kind, $2::int8 + 1 AS lo, \
+                  (SELECT o.id + 0 FROM events.outbox o WHERE o.published_at IS NULL AND o.next_retry_at IS NULL \
+                   ORDER BY o.id + 0 DESC LIMIT 1) AS hi WHERE $2::int8 IS NOT NULL \
+           UNION ALL \
+           SELECT 'dead', $3::int8 + 1, \
+                  (SELECT o.id + 0 FROM events.outbox o WHERE o.published_at IS NULL AND o.next_retry_at = 'infinity' \
+                   ORDER BY o.id + 0 DESC LIMIT 1) WHERE $3::int8 IS NOT NULL \
+           UNION ALL \
+           SELECT 'retry', (SELECT o.id FROM events.outbox o WHERE o.published_at IS NULL ORDER BY o.id LIMIT 1), \
+                  (SELECT o.id FROM events.outbox o ORDER BY o.id DESC LIMIT 1) \
+           WHERE $4::timestamptz IS NOT NULL OR $5::timestamptz IS NOT NULL), \
+         s AS (SELECT r.kind, r.hi - r.lo + 1 AS span, r.lo + floor(random() * (r.hi - r.lo + 1))::int8 AS id \
+               FROM r, generate_series(1, $1::int8) WHERE r.hi >= r.lo) \
+         SELECT {GROUPED}, c.span FROM s CROSS JOIN LATERAL ( \
            SELECT CASE WHEN o.next_retry_at IS NULL THEN 'fresh' WHEN o.next_retry_at = 'infinity' THEN 'dead' \
                        WHEN o.next_retry_at <= now() THEN 'due' ELSE 'waiting' END AS class, \
-                  o.id, o.event_type, o.aggregate_type, o.occurred_at, o.next_retry_at, \
+                  o.id, o.event_type, o.aggregate_type, o.occurred_at, o.next_retry_at, s.span, \
                   CASE WHEN o.next_retry_at IS NULL OR o.next_retry_at <= now() THEN {HELD_BACK} ELSE false END AS held \
            FROM events.outbox o WHERE o.id = s.id AND o.published_at IS NULL \
-             AND CASE WHEN o.next_retry_at IS NULL THEN o.id > $2 \
-                      WHEN o.next_retry_at = 'infinity' THEN o.id > $3 \
-                      WHEN o.next_retry_at <= now() THEN o.next_retry_at > $4 \
-                      ELSE o.next_retry_at > $5 END \
+             AND CASE s.kind WHEN 'fresh' THEN o.next_retry_at IS NULL \
+                             WHEN 'dead' THEN o.next_retry_at = 'infinity' \
+                             ELSE (o.next_retry_at <= now() AND o.next_retry_at > $4) \
+                               OR (o.next_retry_at > now() AND o.next_retry_at < 'infinity' AND o.next_retry_at > $5) END \
            OFFSET 0) c \
-         GROUP BY c.class, c.event_type, c.aggregate_type"
+         GROUP BY c.class, c.event_type, c.aggregate_type, c.span"
     )
 }
 
@@ -273,9 +289,9 @@ pub(crate) async fn read<C: GenericClient + Sync>(client: &C) -> Result<Backlog,
         &due_past(Class::Waiting),
     ];
     for row in client.query(&sample_sql(), &params).await? {
-        let span: Option<i64> = row.try_get("span")?;
+        let span: i64 = row.try_get("span")?;
         let Some(g) = read_group(&row)? else { continue };
-        let scale = span.unwrap_or(0) as f64 / STATUS_SAMPLE_IDS as f64;
+        let scale = span as f64 / STATUS_SAMPLE_IDS as f64;
         b.note_oldest(&g);
         let (event_type, aggregate_type) = g.types;
         b.by.entry((g.class, event_type, aggregate_type)).or_default().add(&g.counts, scale);

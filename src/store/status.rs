@@ -182,9 +182,9 @@ pub(super) const NEXT_RETRIES: &str = "SELECT id, event_type, aggregate_type, re
 /// Each class of unpublished rows (fresh, due retries, waiting for a retry,
 /// dead letters) is counted exactly up to [`STATUS_EXACT_ROWS`] rows, read
 /// from its partial index in that index's order. A class with more is
-/// estimated from [`STATUS_SAMPLE_IDS`] ids drawn uniformly between the
-/// lowest unpublished id read and the table's highest id, each looked up by
-/// primary key; [`OutboxStatus::estimated_figures`] names what is estimated
+/// estimated from [`STATUS_SAMPLE_IDS`] ids per estimated kind, drawn
+/// uniformly from the ids past the rows read and looked up by primary key;
+/// [`OutboxStatus::estimated_figures`] names what is estimated
 /// (docs/operations.md, "How `status` estimates"). Then the next
 /// [`STATUS_NEXT_RETRIES`] retries (the first entries of
 /// `outbox_retry_due_idx` after now), and the holder of the outbox lock on

@@ -126,7 +126,7 @@ pub(crate) fn overview(
         @if s.estimated {
             p.note id="estimated" {
                 "~ estimated: more than " (pg_outbox::STATUS_EXACT_ROWS) " rows of a kind, so the figure is scaled from a sample of "
-                (pg_outbox::STATUS_SAMPLE_IDS) " ids (docs/operations.md, \"How status estimates\")."
+                (pg_outbox::STATUS_SAMPLE_IDS) " ids of that kind (docs/operations.md, \"How status estimates\")."
             }
         }
         (leader(s.leader.as_ref()))
