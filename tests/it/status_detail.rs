@@ -176,10 +176,10 @@ async fn status_estimates_a_class_past_its_exact_rows_and_says_which_figures_are
     let db = TestDb::new("status_estimate").await;
     let c = db.client().await;
     let cap = pg_outbox::STATUS_EXACT_ROWS;
-    // Fresh events of two types (2 to 1), six times the cap; retries
-    // waiting, twice the cap, due one per second from now on; dead letters,
-    // under the cap. Row triggers off for the load.
-    let (fresh, waiting, dead) = (6 * cap, 2 * cap, 120);
+    // Fresh events of two types (2 to 1), three times the cap; retries
+    // waiting, as many, due one per second from now on; dead letters, under
+    // the cap. Row triggers off for the load.
+    let (fresh, waiting, dead) = (3 * cap, 3 * cap, 120);
     c.batch_execute(&format!(
         "SET session_replication_role = replica; \
          INSERT INTO events.outbox (aggregate_type, aggregate_id, event_type, payload) \
@@ -205,15 +205,19 @@ async fn status_estimates_a_class_past_its_exact_rows_and_says_which_figures_are
     // Under the cap: exact, and not marked.
     assert!(!figures.contains(&"dead_letters"), "{v}");
     assert_eq!(v["dead_letters"], dead, "{v}");
-    // The sample's standard error is about 1 % of the ids drawn from
-    // (docs/operations.md); 10 % is many times that.
+    // Standard errors (docs/operations.md, "How `status` estimates"): the
+    // fresh rows fill their stratum (all but exact); the waiting retries
+    // fill a third of theirs, the ids from the first unpublished one, so
+    // one error is about 2 % of 12 000 ids, 4 % of the waiting rows, and
+    // the same for a type's share of the fresh rows. Each bound is more
+    // than five errors.
     let (fresh, waiting) = (fresh as f64, waiting as f64);
     assert!(near(&v["unpublished"], fresh + waiting + dead as f64, 0.1), "{v}");
-    assert!(near(&v["due_now"], fresh, 0.1), "{v}");
-    assert!(near(&v["waiting_for_retry"], waiting, 0.1), "{v}");
+    assert!(near(&v["due_now"], fresh, 0.05), "{v}");
+    assert!(near(&v["waiting_for_retry"], waiting, 0.25), "{v}");
     assert_eq!(v["held_back"], 0, "nothing is held back: {v}");
-    assert!(near(&entry(&v, "OrderPlaced", "order")["unpublished"], fresh * 2.0 / 3.0, 0.15), "{v}");
-    assert!(near(&entry(&v, "OrderShipped", "order")["unpublished"], fresh / 3.0, 0.15), "{v}");
+    assert!(near(&entry(&v, "OrderPlaced", "order")["unpublished"], fresh * 2.0 / 3.0, 0.25), "{v}");
+    assert!(near(&entry(&v, "OrderShipped", "order")["unpublished"], fresh / 3.0, 0.25), "{v}");
     assert_eq!(entry(&v, "RefundFailed", "refund")["dead_letters"], dead, "{v}");
     // The retries due within a minute are among the first rows read: exact
     // in fact, though the ladder is marked as a whole.
