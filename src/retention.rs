@@ -6,12 +6,20 @@
 //!   older_than` are deleted: never an unpublished event, never a dead
 //!   letter (dead letters are unpublished). The cutoff uses the database's
 //!   clock.
-//! - Batches of `batch_size` rows (default 1000), picked in id order through
-//!   the primary key with `FOR UPDATE SKIP LOCKED` inside a materialised CTE
-//!   (so the planner cannot re-run the LIMIT subquery and delete more than
-//!   a batch), with a pause between batches (default 100 ms) so it never
-//!   holds long locks, keeps WAL and vacuum steady, and leaves room for
-//!   producers.
+//! - Batches picked in id order through the primary key with `FOR UPDATE
+//!   SKIP LOCKED` inside a materialised CTE (so the planner cannot re-run
+//!   the LIMIT subquery and delete more than a batch), with a pause between
+//!   batches, so it never holds long locks, keeps WAL and vacuum steady,
+//!   and leaves room for producers.
+//! - Paced by what the server shows: each batch's own time. The batch size
+//!   follows the rows per second the last batch achieved, so a batch takes
+//!   about `batch_time` (default 20 ms; from 1 000 rows up to `batch_size`,
+//!   default 10 000), and the pause after a batch is at least
+//!   `(1 - max_share) / max_share` times the batch's time (default share
+//!   0.2: four times it) and at least `pause` (default 100 ms). A loaded
+//!   server makes batches slower, so the run slows with it and its share of
+//!   the server's time stays under `max_share`. `batch_time` zero turns the
+//!   pacing off: batches of `batch_size`, `pause` apart.
 //! - One runner at a time: a session advisory lock, on a session of the
 //!   run's own; a second concurrent run returns at once with
 //!   `skipped = true`. Dropping a run's future closes its session, so no
@@ -36,30 +44,87 @@ use crate::store::retention::{self as store, Batch};
 /// The schema's original retention: published events older than 30 days
 /// (docs/schema.md, "Retention and dead letters").
 pub const DEFAULT_RETENTION: Duration = Duration::from_secs(30 * 24 * 60 * 60);
-/// Default rows deleted per statement: 1000.
-pub const DEFAULT_RETENTION_BATCH: i64 = 1000;
-/// Default pause between batches: 100 ms.
+/// Default largest batch, in rows: 10 000.
+pub const DEFAULT_RETENTION_BATCH: i64 = 10_000;
+/// The first batch of a paced run, in rows (or `batch_size`, if smaller):
+/// 1 000.
+pub const FIRST_RETENTION_BATCH: i64 = 1_000;
+/// The smallest batch a paced run shrinks to, in rows: 100.
+pub const MIN_RETENTION_BATCH: i64 = 100;
+/// Default shortest pause between batches: 100 ms.
 pub const DEFAULT_RETENTION_PAUSE: Duration = Duration::from_millis(100);
+/// Default time a paced batch aims at: 20 ms. Short batches keep each
+/// burst of WAL and CPU short, which is what producers' slowest inserts
+/// feel.
+pub const DEFAULT_RETENTION_BATCH_TIME: Duration = Duration::from_millis(20);
+/// Default most share of wall time a paced run spends in batches: 0.2.
+pub const DEFAULT_RETENTION_MAX_SHARE: f64 = 0.2;
 
 /// Settings of a retention run.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Retention {
     /// Delete published events older than this (default 30 days).
     pub older_than: Duration,
-    /// Rows per DELETE (default 1000).
+    /// Rows per DELETE: the largest batch of a paced run, every batch's
+    /// size when `batch_time` is zero (default 10 000).
     pub batch_size: i64,
-    /// Pause between batches (default 100 ms).
+    /// The shortest pause between batches (default 100 ms).
     pub pause: Duration,
+    /// The time a batch aims at: the next batch's size is the rows per
+    /// second the last achieved times this, at most doubling or halving
+    /// at a time, from [`MIN_RETENTION_BATCH`] to `batch_size` (default
+    /// 20 ms). Zero: no pacing, every batch `batch_size` rows.
+    pub batch_time: Duration,
+    /// The most share of wall time spent in batches, above 0 and at most 1:
+    /// the pause after a batch is at least `(1 - max_share) / max_share`
+    /// times its time (default 0.2).
+    pub max_share: f64,
 }
 
 impl Default for Retention {
     fn default() -> Self {
-        Retention { older_than: DEFAULT_RETENTION, batch_size: DEFAULT_RETENTION_BATCH, pause: DEFAULT_RETENTION_PAUSE }
+        Retention {
+            older_than: DEFAULT_RETENTION,
+            batch_size: DEFAULT_RETENTION_BATCH,
+            pause: DEFAULT_RETENTION_PAUSE,
+            batch_time: DEFAULT_RETENTION_BATCH_TIME,
+            max_share: DEFAULT_RETENTION_MAX_SHARE,
+        }
+    }
+}
+
+/// A run's pace: the size of its next batch and the pause after each,
+/// from the batches' own times ([`Retention`]).
+#[derive(Debug, Clone, Copy)]
+struct Pace {
+    size: i64,
+}
+
+impl Pace {
+    fn new(r: &Retention) -> Pace {
+        let size = if r.batch_time.is_zero() { r.batch_size } else { FIRST_RETENTION_BATCH.min(r.batch_size) };
+        Pace { size }
+    }
+
+    /// After a batch of `rows` that took `took`: the pause to take, and
+    /// the next batch's size.
+    fn after(&mut self, r: &Retention, rows: i64, took: Duration) -> Duration {
+        if r.batch_time.is_zero() {
+            return r.pause;
+        }
+        let took_s = took.as_secs_f64().max(1e-4);
+        if rows > 0 {
+            let want = rows as f64 * r.batch_time.as_secs_f64() / took_s;
+            let next = want.clamp(self.size as f64 / 2.0, self.size as f64 * 2.0);
+            self.size = (next.round() as i64).clamp(MIN_RETENTION_BATCH.min(r.batch_size), r.batch_size);
+        }
+        let share = r.max_share.clamp(0.01, 1.0);
+        r.pause.max(took.mul_f64((1.0 - share) / share))
     }
 }
 
 /// What a retention run did.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, serde::Serialize)]
 #[non_exhaustive]
 pub struct RetentionReport {
     /// Rows deleted (or, in a dry run, that would be).
@@ -68,6 +133,15 @@ pub struct RetentionReport {
     pub batches: i64,
     /// Another run held the retention lock; nothing was done.
     pub skipped: bool,
+    /// The smallest and the largest batch the run asked for, in rows (0
+    /// when it ran none).
+    pub smallest_batch: i64,
+    /// See [`RetentionReport::smallest_batch`].
+    pub largest_batch: i64,
+    /// Seconds spent in batches.
+    pub busy_seconds: f64,
+    /// Seconds spent pausing between them.
+    pub paused_seconds: f64,
 }
 
 /// Count what a run would delete, without deleting (one `SELECT count(*)`
@@ -80,7 +154,7 @@ pub struct RetentionReport {
 /// Cancel safe: it only reads.
 pub async fn dry_run(client: &Client, r: &Retention) -> Result<RetentionReport> {
     let n = store::count_due(client, r.older_than).await?;
-    Ok(RetentionReport { deleted: n, batches: 0, skipped: false })
+    Ok(RetentionReport { deleted: n, ..Default::default() })
 }
 
 /// Delete published events older than `r.older_than`, batch by batch,
@@ -94,7 +168,8 @@ pub async fn dry_run(client: &Client, r: &Retention) -> Result<RetentionReport> 
 /// with [`RetentionReport::skipped`] set and nothing deleted.
 ///
 /// # Errors
-/// [`crate::Error::Config`] for a batch size below 1; a connection error if
+/// [`crate::Error::Config`] for a batch size below 1 or a max share not in
+/// (0, 1]; a connection error if
 /// the session cannot be opened ([`crate::Error::ReadOnlyStandby`] for a
 /// hot standby: deleting needs the primary); [`crate::Error::NotMigrated`] or
 /// [`crate::Error::Db`]. Batches already deleted stay deleted.
@@ -116,6 +191,12 @@ pub async fn dry_run(client: &Client, r: &Retention) -> Result<RetentionReport> 
 pub async fn run(pg: &ConnectOptions, r: &Retention) -> Result<RetentionReport> {
     if r.batch_size < 1 {
         return Err(crate::Error::Config(format!("retention batch size must be at least 1, got {}", r.batch_size)));
+    }
+    if !(r.max_share > 0.0 && r.max_share <= 1.0) {
+        return Err(crate::Error::Config(format!(
+            "retention max share must be above 0 and at most 1, got {}",
+            r.max_share
+        )));
     }
     let opened = async {
         let shared = matches!(pg.session_mode().await?, SessionMode::Shared { .. });
@@ -156,27 +237,55 @@ pub async fn run(pg: &ConnectOptions, r: &Retention) -> Result<RetentionReport> 
 
 async fn delete_batches(client: &Client, r: &Retention) -> Result<RetentionReport> {
     let mut report = RetentionReport::default();
-    let mut batch = Batch { older_than: r.older_than, size: r.batch_size, after_id: 0 };
+    let mut pace = Pace::new(r);
+    let mut batch = Batch { older_than: r.older_than, size: pace.size, after_id: 0 };
     loop {
+        let started = std::time::Instant::now();
         let deleted = store::delete_batch(client, &batch).await?;
-        if !counted(&mut report, &mut batch, &deleted, r) {
+        if !counted(&mut report, &mut batch, &deleted, started.elapsed()) {
             return Ok(report);
         }
-        tokio::time::sleep(r.pause).await;
+        pause(&mut report, &mut pace, &mut batch, r, deleted.rows, started.elapsed()).await;
     }
 }
 
-/// Count a deleted batch in `report` and move `batch` past it; whether a
-/// full batch came back, so another may follow.
-fn counted(report: &mut RetentionReport, batch: &mut Batch, deleted: &store::Deleted, r: &Retention) -> bool {
+/// Count a deleted batch, which took `took`, in `report` and move `batch`
+/// past it; whether a full batch came back, so another may follow.
+fn counted(report: &mut RetentionReport, batch: &mut Batch, deleted: &store::Deleted, took: Duration) -> bool {
     let n = deleted.rows;
     if let Some(last) = deleted.last_id {
         batch.after_id = last;
     }
     report.deleted += n;
     report.batches += 1;
+    report.busy_seconds += took.as_secs_f64();
+    report.smallest_batch = if report.batches == 1 { batch.size } else { report.smallest_batch.min(batch.size) };
+    report.largest_batch = report.largest_batch.max(batch.size);
     metrics::counter!(crate::metrics::RETENTION_DELETED).increment(u64::try_from(n).unwrap_or(0));
-    n >= r.batch_size
+    n >= batch.size
+}
+
+/// The pause after a batch of `rows` that took `took`, and the next
+/// batch's size ([`Pace`]).
+async fn pause(
+    report: &mut RetentionReport,
+    pace: &mut Pace,
+    batch: &mut Batch,
+    r: &Retention,
+    rows: i64,
+    took: Duration,
+) {
+    let wait = pace.after(r, rows, took);
+    batch.size = pace.size;
+    tracing::debug!(
+        rows,
+        took_ms = took.as_secs_f64() * 1e3,
+        next = pace.size,
+        pause_ms = wait.as_secs_f64() * 1e3,
+        "retention: batch"
+    );
+    report.paused_seconds += wait.as_secs_f64();
+    tokio::time::sleep(wait).await;
 }
 
 /// [`delete_batches`] through a transaction-mode pooler: each batch a
@@ -184,8 +293,10 @@ fn counted(report: &mut RetentionReport, batch: &mut Batch, deleted: &store::Del
 /// the run stops at a batch that cannot take it (`skipped` when none ran).
 async fn delete_locked_batches(client: &Client, r: &Retention) -> Result<RetentionReport> {
     let mut report = RetentionReport::default();
-    let mut batch = Batch { older_than: r.older_than, size: r.batch_size, after_id: 0 };
+    let mut pace = Pace::new(r);
+    let mut batch = Batch { older_than: r.older_than, size: pace.size, after_id: 0 };
     loop {
+        let started = std::time::Instant::now();
         client.batch_execute("BEGIN").await?;
         let locked = async {
             if !locks::try_xact_lock(client, RunLock::Retention).await? {
@@ -216,10 +327,10 @@ async fn delete_locked_batches(client: &Client, r: &Retention) -> Result<Retenti
                 return Err(e);
             }
         };
-        if !counted(&mut report, &mut batch, &deleted, r) {
+        if !counted(&mut report, &mut batch, &deleted, started.elapsed()) {
             return Ok(report);
         }
-        tokio::time::sleep(r.pause).await;
+        pause(&mut report, &mut pace, &mut batch, r, deleted.rows, started.elapsed()).await;
     }
 }
 
@@ -242,9 +353,41 @@ pub fn next_daily_run(now: chrono::DateTime<chrono::Utc>, hour: u32) -> chrono::
 
 #[cfg(test)]
 mod tests {
+    use std::time::Duration;
+
     use chrono::{TimeZone, Utc};
 
-    use super::next_daily_run;
+    use super::{Pace, Retention, next_daily_run};
+
+    #[test]
+    fn a_paced_run_sizes_batches_from_their_time_and_pauses_for_its_share() {
+        let r = Retention::default();
+        let mut pace = Pace::new(&r);
+        assert_eq!(pace.size, super::FIRST_RETENTION_BATCH);
+        // 1 000 rows in 5 ms: 20 ms would take 4 000, but a step at most doubles.
+        let wait = pace.after(&r, 1000, Duration::from_millis(5));
+        assert_eq!(pace.size, 2000);
+        assert_eq!(wait, r.pause, "a quick batch pauses the shortest pause");
+        // 2 000 rows in 80 ms: 20 ms takes 500, but a step at most halves.
+        let wait = pace.after(&r, 2000, Duration::from_millis(80));
+        assert_eq!(pace.size, 1000);
+        assert_eq!(wait, Duration::from_millis(320), "at most a fifth of the time in batches");
+        // Growth stops at the largest batch, shrinking at the smallest.
+        for _ in 0..20 {
+            pace.after(&r, pace.size, Duration::from_millis(1));
+        }
+        assert_eq!(pace.size, r.batch_size);
+        for _ in 0..20 {
+            pace.after(&r, pace.size, Duration::from_secs(1));
+        }
+        assert_eq!(pace.size, super::MIN_RETENTION_BATCH);
+        // No pacing: the fixed size and pause.
+        let fixed = Retention { batch_time: Duration::ZERO, batch_size: 7, ..Retention::default() };
+        let mut pace = Pace::new(&fixed);
+        assert_eq!(pace.size, 7);
+        assert_eq!(pace.after(&fixed, 7, Duration::from_secs(3)), fixed.pause);
+        assert_eq!(pace.size, 7);
+    }
 
     fn t(d: u32, h: u32, m: u32, s: u32) -> chrono::DateTime<Utc> {
         Utc.with_ymd_and_hms(2026, 2, d, h, m, s).single().expect("valid time")

@@ -163,8 +163,6 @@ pub struct Settings {
     pub history_paced_rate: u64,
     /// History: seconds of the paced producers' baseline, just before the archive.
     pub history_baseline_secs: f64,
-    /// History: the archive's `--batch-size` (rows per DELETE).
-    pub history_archive_batch: i64,
     /// Hot: events in each backlog (a multiple of `hot_aggregates`).
     pub hot_events: i64,
     /// Hot: aggregates of the hot backlogs.
@@ -232,7 +230,6 @@ impl Settings {
                 history_producer_secs: 0.5,
                 history_paced_rate: 200,
                 history_baseline_secs: 1.0,
-                history_archive_batch: 500,
                 hot_events: 5_000,
                 hot_aggregates: 50,
                 hot_failing: 2,
@@ -265,7 +262,6 @@ impl Settings {
                 history_producer_secs: 2.5,
                 history_paced_rate: 500,
                 history_baseline_secs: 5.0,
-                history_archive_batch: 10_000,
                 hot_events: 100_000,
                 hot_aggregates: 1_000,
                 hot_failing: 5,
@@ -298,7 +294,6 @@ impl Settings {
                 history_producer_secs: 4.0,
                 history_paced_rate: 500,
                 history_baseline_secs: 10.0,
-                history_archive_batch: 10_000,
                 hot_events: 1_000_000,
                 hot_aggregates: 1_000,
                 hot_failing: 5,

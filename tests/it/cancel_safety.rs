@@ -74,8 +74,12 @@ async fn a_dropped_retention_run_leaves_no_lock_behind() {
     c.execute("UPDATE events.outbox SET published_at = now() - interval '40 days'", &[]).await.expect("publish them");
 
     let app = "cancel safety retention";
-    let slow =
-        Retention { older_than: Duration::from_secs(30 * 86_400), batch_size: 10, pause: Duration::from_millis(200) };
+    let slow = Retention {
+        older_than: Duration::from_secs(30 * 86_400),
+        batch_size: 10,
+        pause: Duration::from_millis(200),
+        ..Default::default()
+    };
     let pg = options(&db, app);
     let run = tokio::spawn(async move { pg_outbox::retention::run(&pg, &slow).await });
     eventually(30, "retention part way, holding its lock", || async {
@@ -90,7 +94,12 @@ async fn a_dropped_retention_run_leaves_no_lock_behind() {
     assert!(left > 0 && left < 400, "the run was cut part way: {left} rows left");
 
     // The next run takes the lock (it is not skipped) and deletes the rest.
-    let fast = Retention { older_than: Duration::from_secs(30 * 86_400), batch_size: 100, pause: Duration::ZERO };
+    let fast = Retention {
+        older_than: Duration::from_secs(30 * 86_400),
+        batch_size: 100,
+        pause: Duration::ZERO,
+        ..Default::default()
+    };
     let report = pg_outbox::retention::run(&options(&db, app), &fast).await.expect("retention");
     assert!(!report.skipped, "a lock was left behind: {report:?}");
     assert_eq!(report.deleted, left);
