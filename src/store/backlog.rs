@@ -9,13 +9,15 @@
 //! class, in its index's order. A class with no more rows than that is
 //! counted exactly. A class with more is estimated by the second statement
 //! ([`sample_sql`]), run only then: [`STATUS_SAMPLE_IDS`] ids drawn
-//! uniformly from the lowest id read to the highest id in the table, each
-//! looked up by primary key. For a class ordered by id, its rows at or below
-//! the last one read are counted exactly and only the sample above them is
-//! scaled; a class ordered by due time is scaled from the sample alone. An
-//! estimate is never below the rows read. The sample's standard error on a
-//! share `p` of the ids is `sqrt(p (1 - p) / 2000)`, at most 1.1 % of the
-//! sampled span (docs/operations.md, "How `status` estimates").
+//! uniformly in each stratum, each looked up by primary key. A stratum is
+//! the ids past the rows read: for fresh rows and dead letters (ordered by
+//! id), from the last id read to the kind's last id; for retries (ordered
+//! by due time), every unpublished id, counting only rows due after the
+//! last due time read. The rows read are counted exactly, and the sampled
+//! rows of the stratum's kind are scaled by its span over the sample's
+//! size. An estimate is never below the rows read. The standard error on a
+//! share `p` of a stratum's ids is `sqrt(p (1 - p) / 500)` of its span, at
+//! most 2.2 % (docs/operations.md, "How `status` estimates").
 
 use std::collections::BTreeMap;
 
