@@ -55,7 +55,7 @@ pub struct OutboxStatus {
     /// `due_now`, `held_back`, `waiting_for_retry`, `dead_letters`,
     /// `oldest_unpublished_age_seconds`, `by_type`, `retries`); empty when
     /// every figure is exact. A class of rows (fresh, due retries, waiting
-    /// for a retry, dead letters) with more than [`STATUS_EXACT_ROWS`] rows
+    /// for a retry, dead letters) with more than [`STATUS_EXACT_ROWS`](crate::STATUS_EXACT_ROWS) rows
     /// is estimated, and so is every figure it adds to. `retries` covers
     /// the three `due_within`/`due_later` buckets only: the next retries and
     /// the earliest due time are always exact.
@@ -180,9 +180,9 @@ pub(super) const NEXT_RETRIES: &str = "SELECT id, event_type, aggregate_type, re
 /// Read [`OutboxStatus`] in bounded time, whatever the backlog's size.
 ///
 /// Each class of unpublished rows (fresh, due retries, waiting for a retry,
-/// dead letters) is counted exactly up to [`STATUS_EXACT_ROWS`] rows, read
+/// dead letters) is counted exactly up to [`STATUS_EXACT_ROWS`](crate::STATUS_EXACT_ROWS) rows, read
 /// from its partial index in that index's order. A class with more is
-/// estimated from [`STATUS_SAMPLE_IDS`] ids per estimated kind, drawn
+/// estimated from [`STATUS_SAMPLE_IDS`](crate::STATUS_SAMPLE_IDS) ids per estimated kind, drawn
 /// uniformly from the ids past the rows read and looked up by primary key;
 /// [`OutboxStatus::estimated_figures`] names what is estimated
 /// (docs/operations.md, "How `status` estimates"). Then the next
