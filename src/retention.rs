@@ -13,10 +13,10 @@
 //!   and leaves room for producers.
 //! - Paced by what the server shows: each batch's own time. The batch size
 //!   follows the rows per second the last batch achieved, so a batch takes
-//!   about `batch_time` (default 20 ms; from 1 000 rows up to `batch_size`,
+//!   about `batch_time` (default 5 ms; from 1 000 rows up to `batch_size`,
 //!   default 10 000), and the pause after a batch is at least
 //!   `(1 - max_share) / max_share` times the batch's time (default share
-//!   0.2: four times it) and at least `pause` (default 100 ms). A loaded
+//!   0.05: nineteen times it) and at least `pause` (default 100 ms). A loaded
 //!   server makes batches slower, so the run slows with it and its share of
 //!   the server's time stays under `max_share`. `batch_time` zero turns the
 //!   pacing off: batches of `batch_size`, `pause` apart.
@@ -53,12 +53,14 @@ pub const FIRST_RETENTION_BATCH: i64 = 1_000;
 pub const MIN_RETENTION_BATCH: i64 = 100;
 /// Default shortest pause between batches: 100 ms.
 pub const DEFAULT_RETENTION_PAUSE: Duration = Duration::from_millis(100);
-/// Default time a paced batch aims at: 20 ms. Short batches keep each
+/// Default time a paced batch aims at: 5 ms. Short batches keep each
 /// burst of WAL and CPU short, which is what producers' slowest inserts
-/// feel.
-pub const DEFAULT_RETENTION_BATCH_TIME: Duration = Duration::from_millis(20);
-/// Default most share of wall time a paced run spends in batches: 0.2.
-pub const DEFAULT_RETENTION_MAX_SHARE: f64 = 0.2;
+/// feel: in the `history` bench, 20 ms batches at a fifth of the time
+/// raised producers' p99 insert latency 2.5x, 5 ms batches at a twentieth
+/// 1.08x (docs/performance.md).
+pub const DEFAULT_RETENTION_BATCH_TIME: Duration = Duration::from_millis(5);
+/// Default most share of wall time a paced run spends in batches: 0.05.
+pub const DEFAULT_RETENTION_MAX_SHARE: f64 = 0.05;
 
 /// Settings of a retention run.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -73,11 +75,11 @@ pub struct Retention {
     /// The time a batch aims at: the next batch's size is the rows per
     /// second the last achieved times this, at most doubling or halving
     /// at a time, from [`MIN_RETENTION_BATCH`] to `batch_size` (default
-    /// 20 ms). Zero: no pacing, every batch `batch_size` rows.
+    /// 5 ms). Zero: no pacing, every batch `batch_size` rows.
     pub batch_time: Duration,
     /// The most share of wall time spent in batches, above 0 and at most 1:
     /// the pause after a batch is at least `(1 - max_share) / max_share`
-    /// times its time (default 0.2).
+    /// times its time (default 0.05).
     pub max_share: f64,
 }
 
@@ -361,7 +363,7 @@ mod tests {
 
     #[test]
     fn a_paced_run_sizes_batches_from_their_time_and_pauses_for_its_share() {
-        let r = Retention::default();
+        let r = Retention { batch_time: Duration::from_millis(20), max_share: 0.2, ..Retention::default() };
         let mut pace = Pace::new(&r);
         assert_eq!(pace.size, super::FIRST_RETENTION_BATCH);
         // 1 000 rows in 5 ms: 20 ms would take 4 000, but a step at most doubles.

@@ -382,7 +382,8 @@ async fn archive(cfg: &Config) -> BenchResult<(Printed, f64)> {
     }
     // "deleted N published events older than 20days in B batches of X to Y
     // rows (A s deleting, P s paused)"
-    let words: Vec<&str> = stdout.split_whitespace().map(|w| w.trim_matches(|c| c == '(' || c == ',')).collect();
+    let words: Vec<&str> =
+        stdout.split_whitespace().map(|w| w.trim_matches(|c| c == '(' || c == ')' || c == ',')).collect();
     let after = |w: &str| words.iter().position(|x| *x == w).and_then(|i| words.get(i + 1)?.parse::<f64>().ok());
     let before =
         |w: &str| words.iter().position(|x| *x == w).and_then(|i| words.get(i.checked_sub(2)?)?.parse::<f64>().ok());
@@ -578,12 +579,13 @@ fn report(s: &Settings, runs: &[SizeRun], archive: Option<&ArchiveRun>) -> Secti
     }
     let mut archive_json = serde_json::Value::Null;
     if let Some(a) = archive {
+        use pg_outbox::retention as R;
         let p99 = ratio(a.during.p99_ms, a.before.p99_ms);
         let rate = a.deleted as f64 / a.seconds.max(1e-9);
         sec.notes.push(format!(
             "Archive: `pg-outbox archive --older-than {ARCHIVE_OLDER_THAN}` at its default settings (paced: each \
-             batch sized from the rows per second of the one before to take about 20 ms, from 100 to 10 000 rows; \
-             a pause after each of at least 100 ms and four times the batch's time) on the largest table deleted \
+             batch sized from the rows per second of the one before to take about {} ms, up to {} rows; a pause \
+             after each of at least {} ms and of at most {:.0} % of the time deleting) on the largest table deleted \
              {} of its {} history rows (the oldest third) in {} batches, {:.1} s: **{} rows/s**. The pace it \
              chose from the batches' times: batches of {} to {} rows, {:.1} s deleting and {:.1} s paused \
              ({:.0} % of the time deleting). Meanwhile {PRODUCERS} producer connections inserted at \
@@ -591,6 +593,10 @@ fn report(s: &Settings, runs: &[SizeRun], archive: Option<&ArchiveRun>) -> Secti
              relay draining: p50 {} ms, p99 {} ms, max {} ms during the archive ({} inserts) against p50 {} ms, \
              p99 {} ms, max {} ms in the {} s just before it ({} inserts): p99 {}. Checked: the rows gone are \
              exactly the history rows older than the cutoff.",
+            R::DEFAULT_RETENTION_BATCH_TIME.as_millis(),
+            R::DEFAULT_RETENTION_BATCH,
+            R::DEFAULT_RETENTION_PAUSE.as_millis(),
+            100.0 * R::DEFAULT_RETENTION_MAX_SHARE,
             fmt_count(a.deleted as f64),
             fmt_count(a.history_before as f64),
             a.batches,

@@ -20,11 +20,11 @@ pub(crate) struct ArchiveArgs {
     pause: Duration,
     /// The time a batch aims at: each batch is sized from the rows per
     /// second the last one achieved (0: no pacing, batches of --batch-size).
-    #[arg(long, value_parser = parse_duration, default_value = "20ms")]
+    #[arg(long, value_parser = parse_duration, default_value = "5ms")]
     batch_time: Duration,
     /// The most share of wall time spent deleting, as a percentage: the
     /// pause after a batch is at least (100 - P) / P times its time.
-    #[arg(long, value_parser = parse_share, default_value = "20")]
+    #[arg(long, value_parser = parse_share, default_value = "5")]
     max_share_percent: f64,
     /// Count what would be deleted; delete nothing.
     #[arg(long)]
