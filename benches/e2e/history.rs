@@ -387,6 +387,9 @@ async fn archive(cfg: &Config) -> BenchResult<(Printed, f64)> {
     let after = |w: &str| words.iter().position(|x| *x == w).and_then(|i| words.get(i + 1)?.parse::<f64>().ok());
     let before =
         |w: &str| words.iter().position(|x| *x == w).and_then(|i| words.get(i.checked_sub(2)?)?.parse::<f64>().ok());
+    if stdout.contains(": none were due") {
+        return Ok((Printed { deleted: 0, batches: 0, smallest: 0, largest: 0, busy: 0.0, paused: 0.0 }, seconds));
+    }
     let batches = words.iter().position(|x| *x == "batches").and_then(|i| words.get(i.checked_sub(1)?)?.parse().ok());
     match (after("deleted"), batches, after("of"), after("to"), before("deleting"), before("paused")) {
         (Some(d), Some(b), Some(smallest), Some(largest), Some(busy), Some(paused)) => Ok((

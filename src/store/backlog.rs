@@ -49,7 +49,10 @@ const HELD_IF_ANY_FAILED: &str = "CASE WHEN (SELECT 1 FROM events.outbox f \
 /// `class`, the type columns, `held`, `occurred_at`, `next_retry_at` and
 /// `id`: per class and type, the rows, the held-back ones, the waiting ones
 /// by due time (within a minute, within the hour, later), the age of the
-/// oldest in seconds, the highest id and the latest `next_retry_at`.
+/// oldest in seconds, the highest id and the latest `next_retry_at` (as
+/// seconds since 1970, so `-infinity` reads as a float), and `tail`: whether
+/// these rows are due at the last due time a class ordered by due time read
+/// (the rows of that time it did not read are counted by the sample).
 const GROUPED: &str = "c.class, c.event_type, c.aggregate_type, count(*) AS n, \
        count(*) FILTER (WHERE c.held) AS held, \
        count(*) FILTER (WHERE c.next_retry_at <= now() + interval '1 minute') AS within_1m, \
@@ -57,15 +60,22 @@ const GROUPED: &str = "c.class, c.event_type, c.aggregate_type, count(*) AS n, \
                           AND c.next_retry_at <= now() + interval '1 hour') AS within_1h, \
        count(*) FILTER (WHERE c.next_retry_at > now() + interval '1 hour') AS later, \
        EXTRACT(EPOCH FROM (now() - min(c.occurred_at)))::float8 AS oldest_age, \
-       max(c.id) AS max_id, max(c.next_retry_at) FILTER (WHERE c.next_retry_at < 'infinity') AS max_due";
+       max(c.id) AS max_id, \
+       EXTRACT(EPOCH FROM max(c.next_retry_at) FILTER (WHERE c.next_retry_at < 'infinity'))::float8 AS max_due, \
+       c.tail";
 
 /// One class's first $1 rows in the order of its index (the only plan
-/// without a sort: see [`crate::store::PLANNER_SETTINGS`]).
+/// without a sort: see [`crate::store::PLANNER_SETTINGS`]), each marked
+/// `tail` when the class is ordered by `next_retry_at` and the row is due at
+/// the last due time read.
 fn class_rows(class: &str, filter: &str, order: &str, held: &str) -> String {
+    let tail =
+        if order == "o.next_retry_at" { "(x.next_retry_at = max(x.next_retry_at) OVER ()) IS TRUE" } else { "false" };
     format!(
-        "(SELECT '{class}'::text AS class, o.id, o.event_type, o.aggregate_type, o.occurred_at, o.next_retry_at, \
-           {held} AS held \
-         FROM events.outbox o WHERE o.published_at IS NULL AND {filter} ORDER BY {order} LIMIT $1)"
+        "(SELECT x.*, {tail} AS tail FROM ( \
+           SELECT '{class}'::text AS class, o.id, o.event_type, o.aggregate_type, o.occurred_at, o.next_retry_at, \
+             {held} AS held \
+           FROM events.outbox o WHERE o.published_at IS NULL AND {filter} ORDER BY {order} LIMIT $1) x)"
     )
 }
 
@@ -76,7 +86,7 @@ pub(crate) fn exact_sql() -> String {
     let held = format!("{HELD_IF_ANY_FAILED}{HELD_BACK} END");
     format!(
         "SELECT {GROUPED} FROM ({} UNION ALL {} UNION ALL {} UNION ALL {}) c \
-         GROUP BY c.class, c.event_type, c.aggregate_type",
+         GROUP BY c.class, c.event_type, c.aggregate_type, c.tail",
         class_rows("fresh", "o.next_retry_at IS NULL", "o.id + 0", &held),
         class_rows("due", "o.next_retry_at IS NOT NULL AND o.next_retry_at <= now()", "o.next_retry_at", HELD_BACK),
         class_rows("waiting", "o.next_retry_at > now() AND o.next_retry_at < 'infinity'", "o.next_retry_at", "false"),
@@ -93,10 +103,11 @@ pub(crate) fn exact_sql() -> String {
 /// - fresh rows, when $2 (the last fresh id read) is not NULL: ids above
 ///   it, up to the last entry of `outbox_fresh_order_idx`;
 /// - dead letters, when $3 is not NULL: the same in `outbox_dead_letter_idx`;
-/// - retries, when $4 (the last due retry's due time read) or $5 (the last
-///   waiting one's) is not NULL: every id from the first entry of
-///   `outbox_unpublished_idx` to the last of `outbox_pkey`, counting a due
-///   retry due after $4 and a waiting one due after $5.
+/// - retries, when $4 (the last due retry's due time read, in seconds since
+///   1970) or $5 (the last waiting one's) is not NULL: every id from the
+///   first entry of `outbox_unpublished_idx` to the last of `outbox_pkey`,
+///   counting a due retry due at or after $4 and a waiting one at or after
+///   $5 (the rows read at those times are left out of the exact part).
 ///
 /// A stratum counts only its own kind's rows.
 pub(crate) fn sample_sql() -> String {
@@ -112,21 +123,22 @@ pub(crate) fn sample_sql() -> String {
            UNION ALL \
            SELECT 'retry', (SELECT o.id FROM events.outbox o WHERE o.published_at IS NULL ORDER BY o.id LIMIT 1), \
                   (SELECT o.id FROM events.outbox o ORDER BY o.id DESC LIMIT 1) \
-           WHERE $4::timestamptz IS NOT NULL OR $5::timestamptz IS NOT NULL), \
+           WHERE $4::float8 IS NOT NULL OR $5::float8 IS NOT NULL), \
          s AS (SELECT r.kind, r.hi - r.lo + 1 AS span, r.lo + floor(random() * (r.hi - r.lo + 1))::int8 AS id \
                FROM r, generate_series(1, $1::int8) WHERE r.hi >= r.lo) \
          SELECT {GROUPED}, c.span FROM s CROSS JOIN LATERAL ( \
            SELECT CASE WHEN o.next_retry_at IS NULL THEN 'fresh' WHEN o.next_retry_at = 'infinity' THEN 'dead' \
                        WHEN o.next_retry_at <= now() THEN 'due' ELSE 'waiting' END AS class, \
-                  o.id, o.event_type, o.aggregate_type, o.occurred_at, o.next_retry_at, s.span, \
+                  o.id, o.event_type, o.aggregate_type, o.occurred_at, o.next_retry_at, s.span, false AS tail, \
                   CASE WHEN o.next_retry_at IS NULL OR o.next_retry_at <= now() THEN {HELD_BACK} ELSE false END AS held \
            FROM events.outbox o WHERE o.id = s.id AND o.published_at IS NULL \
              AND CASE s.kind WHEN 'fresh' THEN o.next_retry_at IS NULL \
                              WHEN 'dead' THEN o.next_retry_at = 'infinity' \
-                             ELSE (o.next_retry_at <= now() AND o.next_retry_at > $4) \
-                               OR (o.next_retry_at > now() AND o.next_retry_at < 'infinity' AND o.next_retry_at > $5) END \
+                             ELSE (o.next_retry_at <= now() AND o.next_retry_at >= to_timestamp($4)) \
+                               OR (o.next_retry_at > now() AND o.next_retry_at < 'infinity' \
+                                   AND o.next_retry_at >= to_timestamp($5)) END \
            OFFSET 0) c \
-         GROUP BY c.class, c.event_type, c.aggregate_type, c.span"
+         GROUP BY c.class, c.event_type, c.aggregate_type, c.span, c.tail"
     )
 }
 
@@ -181,7 +193,8 @@ struct Group {
     counts: Counts,
     oldest_age: Option<f64>,
     max_id: i64,
-    max_due: Option<chrono::DateTime<chrono::Utc>>,
+    max_due: Option<f64>,
+    tail: bool,
 }
 
 fn read_group(r: &tokio_postgres::Row) -> Result<Option<Group>, tokio_postgres::Error> {
@@ -201,6 +214,7 @@ fn read_group(r: &tokio_postgres::Row) -> Result<Option<Group>, tokio_postgres::
         oldest_age: r.try_get("oldest_age")?,
         max_id: r.try_get("max_id")?,
         max_due: r.try_get("max_due")?,
+        tail: r.try_get("tail")?,
     }))
 }
 
@@ -253,6 +267,14 @@ impl Backlog {
     }
 }
 
+/// The larger of two optional floats.
+fn max_f64(a: Option<f64>, b: Option<f64>) -> Option<f64> {
+    match (a, b) {
+        (Some(a), Some(b)) => Some(a.max(b)),
+        (a, b) => a.or(b),
+    }
+}
+
 /// Read the backlog: [`exact_sql`], then [`sample_sql`] if some class has
 /// more than [`STATUS_EXACT_ROWS`] rows. Two statements, each bounded by its
 /// limits, whatever the table holds.
@@ -260,12 +282,14 @@ pub(crate) async fn read<C: GenericClient + Sync>(client: &C) -> Result<Backlog,
     let limit = STATUS_EXACT_ROWS + 1;
     let mut b = Backlog::default();
     // Per class, the highest id and the latest due time read.
-    let mut read_to: BTreeMap<Class, (i64, Option<chrono::DateTime<chrono::Utc>>)> = BTreeMap::new();
+    let mut read_to: BTreeMap<Class, (i64, Option<f64>)> = BTreeMap::new();
+    // Groups of the rows at a class's last due time read.
+    let mut tails: Vec<(Class, String, String, Counts)> = Vec::new();
     for row in client.query(&exact_sql(), &[&limit]).await? {
         let Some(g) = read_group(&row)? else { continue };
         *b.read.entry(g.class).or_default() += g.counts.n;
         let e = read_to.entry(g.class).or_insert((g.max_id, g.max_due));
-        *e = (e.0.max(g.max_id), e.1.max(g.max_due));
+        *e = (e.0.max(g.max_id), max_f64(e.1, g.max_due));
         if g.class != Class::Dead {
             b.oldest_age = match (b.oldest_age, g.oldest_age) {
                 (Some(a), Some(o)) => Some(a.max(o)),
@@ -274,6 +298,9 @@ pub(crate) async fn read<C: GenericClient + Sync>(client: &C) -> Result<Backlog,
         }
         b.note_oldest(&g);
         let (event_type, aggregate_type) = g.types;
+        if g.tail {
+            tails.push((g.class, event_type.clone(), aggregate_type.clone(), g.counts));
+        }
         b.by.entry((g.class, event_type, aggregate_type)).or_default().add(&g.counts, 1.0);
     }
     b.estimated = Class::ALL.into_iter().filter(|c| b.read.get(c).copied().unwrap_or(0.0) >= limit as f64).collect();
@@ -282,7 +309,17 @@ pub(crate) async fn read<C: GenericClient + Sync>(client: &C) -> Result<Backlog,
     }
     // An estimated class keeps the rows read (every row up to the last one
     // read, in its index's order) and adds the sample past them; a class
-    // counted exactly takes nothing from the sample (NULL bounds).
+    // counted exactly takes nothing from the sample (NULL bounds). For a
+    // class ordered by due time, rows at the last due time read may be left
+    // unread (ties), so the sample counts that time too, and the rows read
+    // at it leave the exact part.
+    for (class, event_type, aggregate_type, counts) in &tails {
+        if b.estimated.contains(class)
+            && let Some(c) = b.by.get_mut(&(*class, event_type.clone(), aggregate_type.clone()))
+        {
+            c.add(counts, -1.0);
+        }
+    }
     let past = |c: Class| b.estimated.contains(&c).then(|| read_to.get(&c).copied()).flatten();
     let id_past = |c: Class| past(c).map(|(id, _)| id);
     let due_past = |c: Class| past(c).and_then(|(_, due)| due);

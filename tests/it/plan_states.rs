@@ -167,17 +167,18 @@ async fn check_all(c: &mut Client, stats: Stats, backlog: i64) {
     // table) or none.
     let exact_limit = pg_outbox::STATUS_EXACT_ROWS + 1;
     let sample_ids = pg_outbox::STATUS_SAMPLE_IDS;
-    let (no_id, no_due): (Option<i64>, Option<chrono::DateTime<chrono::Utc>>) = (None, None);
+    let (no_id, no_due): (Option<i64>, Option<f64>) = (None, None);
     let past = c
         .query_one(
             "SELECT (SELECT min(id) + $1 FROM events.outbox WHERE published_at IS NULL AND next_retry_at IS NULL), \
                     (SELECT min(id) + $1 FROM events.outbox WHERE next_retry_at = 'infinity'), \
-                    (SELECT min(next_retry_at) FROM events.outbox WHERE next_retry_at > now() AND next_retry_at < 'infinity')",
+                    (SELECT EXTRACT(EPOCH FROM min(next_retry_at))::float8 FROM events.outbox \
+                      WHERE next_retry_at > now() AND next_retry_at < 'infinity')",
             &[&pg_outbox::STATUS_EXACT_ROWS],
         )
         .await
         .expect("the rows read of each class");
-    let (fresh_past, dead_past, waiting_past): (Option<i64>, Option<i64>, Option<chrono::DateTime<chrono::Utc>>) =
+    let (fresh_past, dead_past, waiting_past): (Option<i64>, Option<i64>, Option<f64>) =
         (past.get(0), past.get(1), past.get(2));
     let due_past = waiting_past;
     // Replay reads a window of ids in the middle of the published rows.

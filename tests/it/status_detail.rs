@@ -250,3 +250,37 @@ async fn status_estimates_a_class_past_its_exact_rows_and_says_which_figures_are
     assert_eq!(v["unpublished"], left, "{v}");
     assert!(!status(&db, false).await.contains('~'), "nothing is estimated");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn status_estimates_retries_that_share_one_due_time() {
+    let db = TestDb::new("status_ties").await;
+    let c = db.client().await;
+    let cap = pg_outbox::STATUS_EXACT_ROWS;
+    // What `dead-letters retry --all` leaves: many retries due at one time
+    // (one statement's now()); here three times the cap due an hour ago and
+    // as many waiting, due tomorrow. And a row due at '-infinity'.
+    let n = 3 * cap;
+    c.batch_execute(&format!(
+        "SET session_replication_role = replica; \
+         INSERT INTO events.outbox (aggregate_type, aggregate_id, event_type, payload, retry_count, next_retry_at) \
+         SELECT 'order', gen_random_uuid(), 'OrderPlaced', '{{}}', 1, \
+                CASE WHEN g % 2 = 0 THEN now() - interval '1 hour' ELSE now() + interval '1 day' END \
+         FROM generate_series(1, {}) g; \
+         INSERT INTO events.outbox (aggregate_type, aggregate_id, event_type, payload, retry_count, next_retry_at) \
+         VALUES ('order', gen_random_uuid(), 'OrderPlaced', '{{}}', 1, '-infinity'); \
+         RESET session_replication_role;",
+        2 * n
+    ))
+    .await
+    .expect("load");
+    let v = status_json(&db).await;
+    let figures: Vec<&str> =
+        v["estimated_figures"].as_array().expect("an array").iter().filter_map(Value::as_str).collect();
+    assert!(figures.contains(&"due_now") && figures.contains(&"waiting_for_retry"), "{v}");
+    // Each kind fills half the retries' stratum: one standard error is
+    // about 2 % of 12 000 ids, 4.5 % of each figure; 25 % is more than five.
+    let n = n as f64;
+    assert!(near(&v["due_now"], n + 1.0, 0.25), "the due retries are counted past the tie: {v}");
+    assert!(near(&v["waiting_for_retry"], n, 0.25), "the waiting retries are counted past the tie: {v}");
+    assert!(near(&v["unpublished"], 2.0 * n + 1.0, 0.1), "{v}");
+}

@@ -6,6 +6,14 @@ use std::time::Duration;
 
 use pg_outbox::RetryPolicy;
 
+/// A duration that may be zero (`0`, `0s`, `0ms`).
+pub(crate) fn parse_duration_or_zero(s: &str) -> Result<Duration, String> {
+    if s.trim().trim_end_matches(|c: char| c.is_ascii_alphabetic()) == "0" {
+        return Ok(Duration::ZERO);
+    }
+    parse_duration(s)
+}
+
 pub(crate) fn parse_duration(s: &str) -> Result<Duration, String> {
     let d = humantime::parse_duration(s.trim())
         .map_err(|e| format!("invalid duration '{s}': {e} (write e.g. 200ms, 1s, 5m, 1h)"))?;

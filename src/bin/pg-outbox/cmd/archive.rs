@@ -4,7 +4,7 @@ use std::time::Duration;
 
 use crate::db::connect;
 use crate::error::Error;
-use crate::parse::parse_duration;
+use crate::parse::{parse_duration, parse_duration_or_zero};
 
 #[derive(clap::Args, Debug)]
 pub(crate) struct ArchiveArgs {
@@ -12,7 +12,8 @@ pub(crate) struct ArchiveArgs {
     #[arg(long, value_parser = parse_duration, default_value = "30d")]
     older_than: Duration,
     /// The largest batch, in rows per DELETE (every batch's size with
-    /// `--batch-time 0`).
+    /// `--batch-time 0`; a paced run shrinks batches down to 100 rows, or
+    /// to this if it is smaller).
     #[arg(long, default_value_t = pg_outbox::retention::DEFAULT_RETENTION_BATCH)]
     batch_size: i64,
     /// The shortest pause between batches.
@@ -20,7 +21,7 @@ pub(crate) struct ArchiveArgs {
     pause: Duration,
     /// The time a batch aims at: each batch is sized from the rows per
     /// second the last one achieved (0: no pacing, batches of --batch-size).
-    #[arg(long, value_parser = parse_duration, default_value = "5ms")]
+    #[arg(long, value_parser = parse_duration_or_zero, default_value = "5ms")]
     batch_time: Duration,
     /// The most share of wall time spent deleting, as a percentage: the
     /// pause after a batch is at least (100 - P) / P times its time.
@@ -48,6 +49,10 @@ pub(crate) async fn run(url: &str, args: ArchiveArgs) -> Result<(), Error> {
     let rep = pg_outbox::retention::run(&pg_outbox::ConnectOptions::parse(url)?, &r).await?;
     if rep.skipped {
         return Err(Error::Usage("another retention run holds the lock; nothing deleted".into()));
+    }
+    if rep.deleted == 0 {
+        println!("deleted 0 published events older than {age}: none were due");
+        return Ok(());
     }
     println!(
         "deleted {} published events older than {age} in {} batches of {} to {} rows ({:.1} s deleting, {:.1} s paused)",
