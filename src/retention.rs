@@ -13,8 +13,9 @@
 //!   and leaves room for producers.
 //! - Paced by what the server shows: each batch's own time. The batch size
 //!   follows the rows per second the last batch achieved, so a batch takes
-//!   about `batch_time` (default 5 ms; from 1 000 rows up to `batch_size`,
-//!   default 10 000), and the pause after a batch is at least
+//!   about `batch_time` (default 5 ms; the first batch 1 000 rows, then
+//!   from 100 rows up to `batch_size`, default 10 000), and the pause after
+//!   a batch is at least
 //!   `(1 - max_share) / max_share` times the batch's time (default share
 //!   0.05: nineteen times it) and at least `pause` (default 100 ms). A loaded
 //!   server makes batches slower, so the run slows with it and its share of
@@ -120,7 +121,9 @@ impl Pace {
             let next = want.clamp(self.size as f64 / 2.0, self.size as f64 * 2.0);
             self.size = (next.round() as i64).clamp(MIN_RETENTION_BATCH.min(r.batch_size), r.batch_size);
         }
-        let share = r.max_share.clamp(0.01, 1.0);
+        // `run` refuses a share outside (0, 1]; the floor only keeps the
+        // division finite.
+        let share = r.max_share.clamp(1e-6, 1.0);
         r.pause.max(took.mul_f64((1.0 - share) / share))
     }
 }
