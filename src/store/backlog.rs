@@ -291,10 +291,7 @@ pub(crate) async fn read<C: GenericClient + Sync>(client: &C) -> Result<Backlog,
         let e = read_to.entry(g.class).or_insert((g.max_id, g.max_due));
         *e = (e.0.max(g.max_id), max_f64(e.1, g.max_due));
         if g.class != Class::Dead {
-            b.oldest_age = match (b.oldest_age, g.oldest_age) {
-                (Some(a), Some(o)) => Some(a.max(o)),
-                (a, o) => a.or(o),
-            };
+            b.oldest_age = max_f64(b.oldest_age, g.oldest_age);
         }
         b.note_oldest(&g);
         let (event_type, aggregate_type) = g.types;
