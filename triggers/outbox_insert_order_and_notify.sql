@@ -24,8 +24,11 @@
 --
 -- What it does: in the outbox-locked mode, before each event row is
 -- inserted, it takes a lock on the event's aggregate (so each aggregate's
--- ids become visible in id order), only then draws the event's id, and
--- sends the relays' wake-up (NOTIFY) when one is wanted.
+-- ids become visible in id order), takes the transaction's id
+-- (pg_current_xact_id, which the insert would take anyway), only then draws
+-- the event's id, and sends the relays' wake-up (NOTIFY) when one is
+-- wanted. Ids drawn after the transaction id let a relay's fetch start
+-- past what it has read (docs/architecture.md, "The fetch floor").
 -- Fires: outbox_order BEFORE INSERT ON events.outbox, FOR EACH ROW, every
 -- insert; outbox_wake BEFORE INSERT, FOR EACH STATEMENT, when bit 1 of
 -- the hint is set.
@@ -216,6 +219,13 @@ DECLARE
     hint bigint;
     seen integer;
 BEGIN
+    -- ids-after-xid: every path below takes the transaction's id
+    -- (pg_current_xact_id) before it draws the event's id, so an id drawn
+    -- before a relay's snapshot belongs to a transaction that snapshot
+    -- counts as running or ended: the relay's fetch floor relies on it
+    -- (src/store/fetch.rs, fetch_floor; docs/architecture.md, "The fetch
+    -- floor"). The insert would take the id anyway; this takes it earlier.
+    --
     -- Fast path, the common case under load, in one expression: PL/pgSQL
     -- prepares every expression it evaluates once per transaction, so with
     -- single-row transactions each expression costs its preparation on
@@ -230,7 +240,9 @@ BEGIN
                   CASE WHEN pg_try_advisory_xact_lock(uuid_hash_extended(NEW.aggregate_id,
                                 hashtextextended(NEW.aggregate_type, 1886322691))) THEN
                       CASE WHEN pg_sequence_last_value('events.outbox_hint'::regclass) = 0 THEN
-                          nextval('events.outbox_id_seq'::regclass)
+                          CASE WHEN pg_current_xact_id() IS NOT NULL THEN
+                              nextval('events.outbox_id_seq'::regclass)
+                          END
                       END
                   END
               END;
@@ -253,13 +265,13 @@ BEGIN
         IF hint >= 2 THEN
             PERFORM events.outbox_order_check_bulk(NEW.aggregate_type, NEW.aggregate_id);
         END IF;
-        NEW.id := nextval('events.outbox_id_seq'::regclass);
+        NEW.id := CASE WHEN pg_current_xact_id() IS NOT NULL THEN nextval('events.outbox_id_seq'::regclass) END;
     ELSE
         -- The per-aggregate key (docs/architecture.md, "Advisory lock keys").
         agg_key := uuid_hash_extended(NEW.aggregate_id, hashtextextended(NEW.aggregate_type, 1886322691));
         PERFORM events.outbox_order_bulk(NEW.aggregate_type, NEW.aggregate_id, agg_key);
         hint := coalesce(pg_sequence_last_value('events.outbox_hint'::regclass), 3);
-        NEW.id := nextval('events.outbox_id_seq'::regclass);
+        NEW.id := CASE WHEN pg_current_xact_id() IS NOT NULL THEN nextval('events.outbox_id_seq'::regclass) END;
         seen := -1;  -- a bulk transaction has nothing left to count
     END IF;
     IF seen IS NULL AND NEW.id % 64 = 0 THEN

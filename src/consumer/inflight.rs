@@ -9,8 +9,9 @@
 //! ([`InFlight::exclude`]). Every fetch has a number; for every event
 //! handed out and not yet settled, the number of the fetch that returned
 //! it is kept, which is what per-aggregate hold-back ([`super::holdback`])
-//! is decided by. Every fetch starts from the lowest id (no cursor: a
-//! cursor would skip rows that were held back when it passed them).
+//! is decided by. A fetch starts from its floor, not from a cursor: a
+//! cursor would skip rows that were held back when it passed them
+//! (`super::source::floor`; docs/architecture.md, "The fetch floor").
 
 use std::collections::HashMap;
 use std::sync::Arc;

@@ -65,7 +65,8 @@ pub(super) const HELD_BACK: &str = concat!(held_back_by!(), " IS NOT NULL");
 /// fresh rows from `outbox_fresh_order_idx`, by its key `id + 0` (a key of
 /// plain id would let the planner walk `outbox_pkey` or
 /// `outbox_unpublished_idx` instead, through every published or failed
-/// row), and failed rows whose retry is due from `outbox_retry_due_idx`, by
+/// row), starting past the fetch floor ([`FETCH_FLOOR`]), and failed rows
+/// whose retry is due from `outbox_retry_due_idx`, by
 /// `next_retry_at` (rows waiting for a retry and dead letters, at
 /// 'infinity', are outside its range). Then the lowest $2 ids of both, cut
 /// at the byte budget $3 ([`within_budget`]).
@@ -86,29 +87,29 @@ pub(super) const HELD_BACK: &str = concat!(held_back_by!(), " IS NOT NULL");
 /// column `term` ([`CURRENT_PARTITION_TERMS`]); without it, every row
 /// carries the outbox's current leadership term as column `term`
 /// ([`CURRENT_OUTBOX_TERM`]). So the fetch itself tells the consumer
-/// whether the terms it holds are still current.
+/// whether the terms it holds are still current. The fetch floor's three
+/// parameters follow ($4..$6, or $6..$8 partitioned: [`FETCH_FLOOR`]), and
+/// every row carries the floor used and the snapshot's figures
+/// ([`FLOOR_COLUMNS`]).
 /// `sizes` says how payloads are measured ([`PayloadSizes`]).
-///
-/// Every fetch starts from the lowest id: no cursor. A cursor (`id > last`)
-/// would skip rows that were held back when it passed them and became
-/// eligible since (their blocker was delivered or discarded), and rows of
-/// another aggregate that committed after a higher id.
 pub(crate) fn fetch_sql(partitioned: bool, sizes: PayloadSizes) -> String {
-    let (part_filter, part_col) = if partitioned {
+    let (part_filter, part_col, first_floor_param) = if partitioned {
         (
             format!("AND {PARTITION_EXPR} = ANY($5::int4[])"),
             format!(
                 ", {PARTITION_EXPR} AS {PARTITION}, \
                  {CURRENT_PARTITION_TERMS}[array_position($5::int4[], {PARTITION_EXPR})] AS {TERM}"
             ),
+            6,
         )
     } else {
-        (String::new(), format!(", {CURRENT_OUTBOX_TERM} AS {TERM}"))
+        (String::new(), format!(", {CURRENT_OUTBOX_TERM} AS {TERM}"), 4)
     };
     let candidates = format!(
         "SELECT o.* FROM ( \
            (SELECT o.* FROM events.outbox o \
              WHERE o.published_at IS NULL AND o.next_retry_at IS NULL \
+               AND o.id + 0 > (SELECT f.floor FROM fetch_floor f) \
                AND o.id <> ALL($1::bigint[]) {part_filter} AND {hb_fresh} \
              ORDER BY o.id + 0 LIMIT $2) \
            UNION ALL \
@@ -120,7 +121,88 @@ pub(crate) fn fetch_sql(partitioned: bool, sizes: PayloadSizes) -> String {
         hb_fresh = NOT_HELD_BACK_IF_ANY_FAILED,
         hb = NOT_HELD_BACK
     );
-    within_budget(&format!("{EVENT_COLUMNS}{part_col}"), &candidates, "$3", sizes)
+    let floor = fetch_floor(first_floor_param, &part_filter);
+    let cols = format!("{EVENT_COLUMNS}{part_col}, {FLOOR_COLUMNS}");
+    format!("WITH fetch_floor AS MATERIALIZED ({floor}) {}", within_budget(&cols, &candidates, "$3", sizes))
+}
+
+/// The oldest transaction id still running when the fetch's snapshot was
+/// taken (`pg_snapshot_xmin`), as `bigint` with its epoch: an `xid8` goes
+/// to a number through its text (PostgreSQL has no cast from `xid8` to a
+/// number: docs, "Transaction ID and Snapshot Information Functions").
+const SNAPSHOT_XMIN: &str = "pg_snapshot_xmin(pg_current_snapshot())::text::int8";
+
+/// The next transaction id to be assigned, as this statement first saw it
+/// (at or after its snapshot was taken), as `bigint` with its epoch: the
+/// snapshot's xmax (every id below it was assigned) plus `age()` of it,
+/// which in a transaction without an id of its own counts from the next id
+/// to be assigned (docs, "Control Data Functions" and the source of
+/// `age(xid)`: `GetStableLatestTransactionId`). No id is assigned to the
+/// fetch. A special xid makes `age` return 2^31 - 1: the floor then waits
+/// (it never moves early).
+const NEXT_XID: &str = "(pg_snapshot_xmax(pg_current_snapshot())::text::int8 \
+     + age(((pg_snapshot_xmax(pg_current_snapshot())::text::int8 % 4294967296)::text)::xid))";
+
+/// Whether ids follow transaction ids on this outbox now: the insert
+/// trigger `outbox_order` fires on ordinary sessions (`tgenabled` O or A: the outbox-locked mode) in a version
+/// that takes the transaction's id before it draws the event's id (its
+/// source has the mark `ids-after-xid`,
+/// triggers/outbox_insert_order_and_notify.sql), and the id sequence hands
+/// out one value at a time (`CACHE 1`, so ids rise in the order they are
+/// drawn across sessions). Catalog lookups: a few buffers per fetch.
+const IDS_AFTER_XIDS: &str = "coalesce((SELECT t.tgenabled IN ('O', 'A') AND strpos(p.prosrc, 'ids-after-xid') > 0 \
+       AND (SELECT s.seqcache FROM pg_sequence s WHERE s.seqrelid = 'events.outbox_id_seq'::regclass) = 1 \
+     FROM pg_trigger t JOIN pg_proc p ON p.oid = t.tgfoid \
+     WHERE t.tgrelid = 'events.outbox'::regclass AND t.tgname = 'outbox_order'), false)";
+
+/// The columns every row of an ordered fetch carries after its event
+/// columns: `fetch_floor` (the floor the fresh branch started past),
+/// `snapshot_xmin` and `next_xid` ([`SNAPSHOT_XMIN`], [`NEXT_XID`]) and
+/// `ids_after_xids` ([`IDS_AFTER_XIDS`]), each computed once per fetch.
+pub(crate) const FLOOR_COLUMNS: &str = "(SELECT f.floor FROM fetch_floor f) AS fetch_floor, \
+     (SELECT f.snapshot_xmin FROM fetch_floor f) AS snapshot_xmin, \
+     (SELECT f.next_xid FROM fetch_floor f) AS next_xid, \
+     (SELECT f.ids_after_xids FROM fetch_floor f) AS ids_after_xids";
+
+/// The fetch floor (docs/architecture.md, "The fetch floor"): the fresh
+/// branch reads only ids above it, so it does not walk the rows drained
+/// before (their index entries stay until VACUUM) nor the events in flight
+/// below it. Parameters from `$n`: the floor the consumer holds (`bigint`,
+/// `i64::MIN` for none), and a checkpoint: the highest id a past fetch
+/// returned (`$n+1`) and the next transaction id that fetch saw (`$n+2`).
+///
+/// The rule, exact: an id at or below the checkpoint's was drawn before
+/// that fetch's snapshot (ids rise as drawn, `CACHE 1`), by a transaction
+/// that had its transaction id already (the trigger takes it first), so
+/// below the checkpoint's next id. Once a snapshot's xmin has reached that
+/// id, every such transaction has ended: what it committed is visible, and
+/// nothing more can appear at or below the checkpoint. Then the floor moves
+/// up to the last id before the first fresh row there that is not in
+/// flight (a row held back, released, or committed late), or to the
+/// checkpoint when there is none. Otherwise it stays. The consumer lowers
+/// it again when it releases an event, and resets it when its sessions or
+/// partitions change and at every sweep.
+///
+/// A row held back behind a failed event of its aggregate stops the floor:
+/// passing it would let a later event of that aggregate, above the floor,
+/// be fetched first once something outside this consumer's view frees it
+/// (an operator discarding the dead letter; the commit of the retry's
+/// acknowledgement, which later fetches can see before the consumer learns
+/// the write is done).
+fn fetch_floor(n: usize, part_filter: &str) -> String {
+    let (floor, upto, next) = (format!("${n}::int8"), format!("${}::int8", n + 1), format!("${}::int8", n + 2));
+    format!(
+        "SELECT CASE WHEN s.snapshot_xmin >= {next} AND {upto} > {floor} THEN \
+                  coalesce((SELECT o.id - 1 FROM events.outbox o \
+                             WHERE o.published_at IS NULL AND o.next_retry_at IS NULL \
+                               AND o.id + 0 > {floor} AND o.id + 0 <= {upto} \
+                               AND o.id <> ALL($1::bigint[]) {part_filter} \
+                             ORDER BY o.id + 0 LIMIT 1), {upto}) \
+                ELSE {floor} END AS floor, \
+                s.snapshot_xmin, s.next_xid, s.ids_after_xids \
+         FROM (SELECT {SNAPSHOT_XMIN} AS snapshot_xmin, {NEXT_XID} AS next_xid, \
+                      {IDS_AFTER_XIDS} AS ids_after_xids) s"
+    )
 }
 
 /// How a fetch measures a payload: in bytes as the client receives it (the
@@ -200,7 +282,11 @@ fn within_budget(cols: &str, candidates: &str, budget: &str, sizes: PayloadSizes
 
 /// The SQL text of the consumer's fetch in single mode, for `EXPLAIN`:
 /// `$1` the ids in flight (`bigint[]`), `$2` the batch size in rows
-/// (`bigint`), `$3` the byte budget (`bigint`). Exposed so its plan can be
+/// (`bigint`), `$3` the byte budget (`bigint`), `$4` the fetch floor
+/// (`bigint`: only ids above it are read as fresh rows; `i64::MIN` for
+/// none), `$5` and `$6` the floor's checkpoint (`bigint`: an id a past
+/// fetch returned and the next transaction id it saw; pass `$4` and
+/// `i64::MAX` to keep the floor where it is). Exposed so its plan can be
 /// checked against real data: each of its two branches must be an index
 /// range scan (`outbox_fresh_order_idx` for fresh rows,
 /// `outbox_retry_due_idx` for due retries) that skips dead letters and rows
@@ -274,8 +360,9 @@ mod tests {
     fn the_partition_column_follows_the_event_columns() {
         assert_eq!(EVENT_COLUMNS.split(", ").count(), 8, "{EVENT_COLUMNS}");
         let sql = fetch_sql(true, PayloadSizes::StoredWhenSmall);
-        assert!(sql.starts_with(&format!("SELECT {EVENT_COLUMNS}, ")), "{sql}");
-        assert!(sql.contains(&format!("AS {TERM}, o.bytes_before AS {BYTES_BEFORE} FROM")), "{sql}");
+        let select = sql.split_once(") SELECT ").map(|(_, s)| s).unwrap_or_default();
+        assert!(select.starts_with(&format!("{EVENT_COLUMNS}, ")), "{sql}");
+        assert!(sql.contains(&format!("AS {TERM}, {FLOOR_COLUMNS}, o.bytes_before AS {BYTES_BEFORE} FROM")), "{sql}");
         assert!(sql.contains(&format!("AS {PARTITION}, ")), "{sql}");
         assert_eq!(
             crate::store::leader::partition_scope(3, 16),

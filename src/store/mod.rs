@@ -86,7 +86,10 @@ pub use status::{
     LeaderLock, OutboxStatus, PendingRetry, RetryLadder, STATUS_MAX_TYPES, STATUS_NEXT_RETRIES, TypeBacklog, status,
 };
 pub(crate) use wakeup::{listen, notify, ping};
-pub(crate) use work::{FetchKind, FetchPage, FetchParams, FetchScope, RowIdentity, Undecodable, WorkSession};
+pub(crate) use work::{
+    FetchKind, FetchPage, FetchParams, FetchScope, FetchedRow, FloorParams, FloorReading, RowIdentity, Undecodable,
+    WorkSession,
+};
 pub(crate) use writer::{Acknowledged, FailParams, FailWritten, FailsWritten, WriterSession};
 
 /// Every statement pg-outbox runs on `events.outbox` at run time on a

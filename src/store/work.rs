@@ -57,6 +57,41 @@ pub(crate) struct FetchParams<'a> {
     /// Payload bytes at most, as received, but always one row.
     pub(crate) budget: i64,
     pub(crate) scope: FetchScope<'a>,
+    /// The fetch floor and its checkpoint (ordered fetches; a claim
+    /// ignores it).
+    pub(crate) floor: FloorParams,
+}
+
+/// The fetch floor's parameters ([`super::fetch::fetch_sql`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct FloorParams {
+    /// Fresh rows are read above this id (`i64::MIN`: from the first).
+    pub(crate) floor: i64,
+    /// The checkpoint: an id a past fetch returned ...
+    pub(crate) upto: i64,
+    /// ... and the next transaction id that fetch saw (`i64::MAX`: none,
+    /// the floor stays).
+    pub(crate) next_xid: i64,
+}
+
+impl FloorParams {
+    /// No floor: read from the first fresh row.
+    pub(crate) const NONE: FloorParams = FloorParams { floor: i64::MIN, upto: i64::MIN, next_xid: i64::MAX };
+}
+
+/// What an ordered fetch says of its floor and snapshot (read from its
+/// first row).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct FloorReading {
+    /// The floor the fresh rows were read above.
+    pub(crate) floor: i64,
+    /// The oldest transaction id running at the fetch's snapshot.
+    pub(crate) snapshot_xmin: i64,
+    /// The next transaction id to be assigned, as the fetch saw it.
+    pub(crate) next_xid: i64,
+    /// Ids follow transaction ids on this outbox now (the rule the floor
+    /// needs: [`super::fetch::fetch_sql`]).
+    pub(crate) ids_after_xids: bool,
 }
 
 /// What of a row that could not be decoded could be read, for recording a
@@ -89,6 +124,9 @@ pub(crate) struct FetchPage {
     pub(crate) term: Option<i64>,
     /// The byte budget cut it: more rows may be due.
     pub(crate) cut: bool,
+    /// The floor and snapshot figures (an ordered fetch with at least one
+    /// row; `None` otherwise).
+    pub(crate) floor: Option<FloorReading>,
 }
 
 /// The backlog gauges, read as `status` reads its figures
@@ -168,17 +206,18 @@ impl WorkSession {
         stop: impl Future<Output = ()>,
     ) -> Result<FetchPage, StatementError> {
         let batch = i64::try_from(p.batch).unwrap_or(i64::MAX);
-        let (exclude, budget) = (p.exclude, p.budget);
+        let (exclude, budget, f) = (p.exclude, p.budget, p.floor);
         let client = &self.client;
         let fetch = async {
             match p.scope {
                 FetchScope::All => {
-                    let params: [&(dyn ToSql + Sync); 3] = [&exclude, &batch, &budget];
+                    let params: [&(dyn ToSql + Sync); 6] = [&exclude, &batch, &budget, &f.floor, &f.upto, &f.next_xid];
                     decode_stream(client.query_raw(&self.fetch, params).await?, budget, false).await
                 }
                 FetchScope::Partitions { partitions, owned } => {
                     let partitions = i64::from(partitions);
-                    let params: [&(dyn ToSql + Sync); 5] = [&exclude, &batch, &budget, &partitions, &owned];
+                    let params: [&(dyn ToSql + Sync); 8] =
+                        [&exclude, &batch, &budget, &partitions, &owned, &f.floor, &f.upto, &f.next_xid];
                     decode_stream(client.query_raw(&self.fetch, params).await?, budget, true).await
                 }
                 FetchScope::Claim => {
@@ -396,14 +435,28 @@ async fn decode_stream(stream: RowStream, budget: i64, partitioned: bool) -> Res
     let mut rows = Vec::new();
     let mut cut = false;
     let mut term = None;
+    let mut floor = None;
     while let Some(row) = stream.try_next().await? {
         cut = fetch_was_cut(&row, budget);
         if rows.is_empty() {
             term = row.try_get::<_, Option<i64>>(TERM).ok().flatten();
+            floor = floor_reading(&row);
         }
         rows.push(decode_row(&row, partitioned));
     }
-    Ok(FetchPage { rows, cut, term })
+    Ok(FetchPage { rows, cut, term, floor })
+}
+
+/// The floor columns of an ordered fetch's row (`None` in a claim, or if
+/// any is NULL).
+fn floor_reading(row: &Row) -> Option<FloorReading> {
+    let int = |name: &str| row.try_get::<_, Option<i64>>(name).ok().flatten();
+    Some(FloorReading {
+        floor: int("fetch_floor")?,
+        snapshot_xmin: int("snapshot_xmin")?,
+        next_xid: int("next_xid")?,
+        ids_after_xids: row.try_get::<_, Option<bool>>("ids_after_xids").ok().flatten()?,
+    })
 }
 
 fn decode_row(row: &Row, partitioned: bool) -> FetchedRow {

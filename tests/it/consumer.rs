@@ -38,7 +38,8 @@ async fn assert_quiet(stream: &mut EventStream, ms: u64) {
     }
 }
 
-fn fast_retries(steps_ms: &[u64]) -> RetryPolicy {
+/// A retry schedule of `steps_ms` milliseconds, without jitter.
+pub(crate) fn fast_retries(steps_ms: &[u64]) -> RetryPolicy {
     RetryPolicy::schedule(steps_ms.iter().map(|m| Duration::from_millis(*m)).collect()).expect("schedule").jitter(0.0)
 }
 

@@ -46,7 +46,10 @@ async fn fetch_skips_a_head_of_dead_letters_and_waiting_retries_through_its_inde
     let sql =
         format!("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) {}", pg_outbox::fetch_query(server_version_num(&c).await));
     let none: Vec<i64> = Vec::new();
-    let row = c.query_one(&sql, &[&none, &500i64, &(64i64 << 20)]).await.expect("explain the fetch");
+    let row = c
+        .query_one(&sql, &[&none, &500i64, &(64i64 << 20), &i64::MIN, &i64::MIN, &i64::MAX])
+        .await
+        .expect("explain the fetch");
     let plan: serde_json::Value = row.get(0);
     let root = &plan[0]["Plan"];
     assert!(!root["Actual Rows"].is_null(), "the plan has no actual rows: {plan}");
@@ -75,7 +78,10 @@ async fn fetch_skips_a_head_of_dead_letters_and_waiting_retries_through_its_inde
     // outbox_holdback_idx, a few buffers), never a walk.
     c.batch_execute("DELETE FROM events.outbox WHERE aggregate_type <> 'fresh'").await.expect("remove the head");
     c.batch_execute("VACUUM ANALYZE events.outbox").await.expect("vacuum");
-    let row = c.query_one(&sql, &[&none, &500i64, &(64i64 << 20)]).await.expect("explain the fetch again");
+    let row = c
+        .query_one(&sql, &[&none, &500i64, &(64i64 << 20), &i64::MIN, &i64::MIN, &i64::MAX])
+        .await
+        .expect("explain the fetch again");
     let plan: serde_json::Value = row.get(0);
     let empty_head = buffers(&plan[0]["Plan"]);
     assert!(
@@ -120,7 +126,10 @@ async fn fetch_uses_the_fresh_index_when_statistics_say_everything_is_unpublishe
     let mut touched = 0;
     let mut nodes = Vec::new();
     for _ in 0..2 {
-        let row = c.query_one(&sql, &[&none, &500i64, &(64i64 << 20)]).await.expect("explain the fetch");
+        let row = c
+            .query_one(&sql, &[&none, &500i64, &(64i64 << 20), &i64::MIN, &i64::MIN, &i64::MAX])
+            .await
+            .expect("explain the fetch");
         let plan: serde_json::Value = row.get(0);
         touched = buffers(&plan[0]["Plan"]);
         nodes.clear();
@@ -135,4 +144,103 @@ async fn fetch_uses_the_fresh_index_when_statistics_say_everything_is_unpublishe
         "the fetch must not walk the table in id order: {nodes:?}"
     );
     assert!(touched < 5_000, "the fetch touched {touched} buffers: it walks the 50 000 published rows ({nodes:?})");
+}
+
+/// A drain leaves the index entries of the rows it published in
+/// `outbox_fresh_order_idx` until VACUUM removes them. A fetch from the
+/// first id walks them all, every time; a fetch from the floor
+/// (`$4`, docs/architecture.md, "The fetch floor") starts past them. In
+/// every statistics state: never analyzed, analyzed before the drain
+/// (stale), analyzed after it (current).
+#[tokio::test]
+async fn a_fetch_from_its_floor_does_not_walk_a_million_drained_rows() {
+    const DRAINED: i64 = 1_000_000;
+    let db = TestDb::new("plans_floor").await;
+    let c = db.client().await;
+    c.batch_execute(&format!(
+        "ALTER TABLE events.outbox SET (autovacuum_enabled = false); \
+         INSERT INTO events.outbox (aggregate_type, aggregate_id, event_type, payload) \
+           SELECT 'drained', md5('d' || g)::uuid, 'E', jsonb_build_object('n', g) FROM generate_series(1, {DRAINED}) g;"
+    ))
+    .await
+    .expect("load the rows to drain");
+    let version = server_version_num(&c).await;
+    let sql = format!("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) {}", pg_outbox::fetch_query(version));
+    let none: Vec<i64> = Vec::new();
+    let budget = 64i64 << 20;
+    let mut analyzed_before = false;
+    for state in ["never analyzed", "stale", "current"] {
+        match state {
+            "stale" => {
+                // Statistics of a table whose rows are all unpublished.
+                c.batch_execute("TRUNCATE events.outbox").await.expect("truncate");
+                c.batch_execute(&format!(
+                    "INSERT INTO events.outbox (aggregate_type, aggregate_id, event_type, payload) \
+                       SELECT 'drained', md5('d' || g)::uuid, 'E', jsonb_build_object('n', g) \
+                       FROM generate_series(1, {DRAINED}) g; ANALYZE events.outbox;"
+                ))
+                .await
+                .expect("load and analyze");
+                analyzed_before = true;
+            }
+            "current" => {
+                c.batch_execute("TRUNCATE events.outbox").await.expect("truncate");
+                c.batch_execute(&format!(
+                    "INSERT INTO events.outbox (aggregate_type, aggregate_id, event_type, payload) \
+                       SELECT 'drained', md5('d' || g)::uuid, 'E', jsonb_build_object('n', g) \
+                       FROM generate_series(1, {DRAINED}) g;"
+                ))
+                .await
+                .expect("load");
+                analyzed_before = false;
+            }
+            _ => {}
+        }
+        // The drain: every row published, nothing vacuumed; then the head.
+        c.batch_execute(
+            "UPDATE events.outbox SET published_at = now() WHERE published_at IS NULL; \
+             INSERT INTO events.outbox (aggregate_type, aggregate_id, event_type, payload) \
+               SELECT 'fresh', md5('f' || g)::uuid, 'E', jsonb_build_object('n', g) FROM generate_series(1, 2000) g;",
+        )
+        .await
+        .expect("drain and add a head");
+        if state == "current" {
+            c.batch_execute("ANALYZE events.outbox").await.expect("analyze");
+        }
+        assert_eq!(analyzed_before, state == "stale");
+        let floor: i64 = c
+            .query_one("SELECT max(id) FROM events.outbox WHERE published_at IS NOT NULL", &[])
+            .await
+            .expect("the last drained id")
+            .get(0);
+        let explain = async |floor: i64| {
+            // Twice: the second run meets index entries the first marked dead.
+            let mut out = (0, 0);
+            for _ in 0..2 {
+                let row = c
+                    .query_one(&sql, &[&none, &500i64, &budget, &floor, &floor, &i64::MAX])
+                    .await
+                    .expect("explain the fetch");
+                let plan: serde_json::Value = row.get(0);
+                out = (buffers(&plan[0]["Plan"]), plan_count(&plan[0]["Plan"], "Actual Rows"));
+            }
+            out
+        };
+        let (from_first, _) = explain(i64::MIN).await;
+        let (from_floor, rows) = explain(floor).await;
+        assert!(rows >= 500, "{state}: the fetch returns a batch ({rows} rows counted over its nodes)");
+        eprintln!(
+            "{state}: a fetch of 500 touched {from_first} buffers from the first id, {from_floor} from the floor"
+        );
+        // A batch of 500: its heap pages and index pages, a few catalog
+        // lookups; the drained index entries alone fill over 2 000 pages.
+        assert!(
+            from_floor <= 8 * 500 + 100,
+            "{state}: from the floor the fetch touched {from_floor} buffers (from the first id: {from_first})"
+        );
+        assert!(
+            from_first > from_floor + 1_000,
+            "{state}: from the first id the fetch should walk the drained entries: {from_first} against {from_floor}"
+        );
+    }
 }

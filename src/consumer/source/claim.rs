@@ -24,7 +24,7 @@ use crate::consumer::completer::Written;
 use crate::consumer::health::Role;
 use crate::metrics as m;
 use crate::store::statement::StatementError;
-use crate::store::{Fence, FetchKind, FetchPage, FetchParams, FetchScope};
+use crate::store::{Fence, FetchKind, FetchPage, FetchParams, FetchScope, FloorParams};
 
 /// Competing mode's source.
 #[derive(Debug)]
@@ -86,8 +86,13 @@ impl Source for ClaimSource {
         // A failed claim leaves no transaction behind that matters: its
         // session is closed.
         self.in_tx = true;
-        let params =
-            FetchParams { exclude: room.exclude, batch: room.batch, budget: room.budget, scope: FetchScope::Claim };
+        let params = FetchParams {
+            exclude: room.exclude,
+            batch: room.batch,
+            budget: room.budget,
+            scope: FetchScope::Claim,
+            floor: FloorParams::NONE,
+        };
         cx.work.fetch(params, cx.stop()).await
     }
 

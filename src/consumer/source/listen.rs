@@ -3,8 +3,11 @@
 //! advisory locks ([`Ownership`]) says whether and which rows; the fetch
 //! reads due rows in id order with hold-back (`store::fetch`).
 
+use std::collections::HashSet;
+
 use tokio::time::Instant;
 
+use super::floor::FetchFloor;
 use super::ownership::Ownership;
 use super::wakeups::{Wakeups, due, earliest};
 use super::{Cx, Room, Signals, Source, TermCheck, Wake};
@@ -12,20 +15,34 @@ use crate::consumer::ConsumerConfig;
 use crate::consumer::completer::Written;
 use crate::consumer::health::Role;
 use crate::store::statement::StatementError;
-use crate::store::{Fence, FetchKind, FetchPage, FetchParams};
+use crate::store::{Fence, FetchKind, FetchPage, FetchParams, FetchedRow};
 
 /// Single or partitioned mode's source.
 #[derive(Debug)]
 pub(crate) struct ListenSource {
     wakeups: Wakeups,
     ownership: Ownership,
+    /// Where the fresh rows are read from ([`FetchFloor`]).
+    floor: FetchFloor,
+    /// The partitions the last fetch read (a change resets the floor).
+    read_partitions: Option<(u32, Vec<i32>)>,
+    /// Retried events in flight (fetched with a retry count above 0; at
+    /// most the consumer's buffer): when one's acknowledgement is written,
+    /// the events of its aggregate held back behind it are due.
+    retries: HashSet<i64>,
 }
 
 impl ListenSource {
     /// The source of a consumer configured by `cfg` (single or partitioned
     /// mode), woken by `signals`.
     pub(crate) fn new(cfg: &ConsumerConfig, signals: Signals) -> Self {
-        ListenSource { wakeups: Wakeups::new(cfg, signals, false), ownership: Ownership::new(cfg) }
+        ListenSource {
+            wakeups: Wakeups::new(cfg, signals, false),
+            ownership: Ownership::new(cfg),
+            floor: FetchFloor::new(cfg.sweep_interval),
+            read_partitions: None,
+            retries: HashSet::new(),
+        }
     }
 }
 
@@ -77,9 +94,18 @@ impl Source for ListenSource {
 
     async fn fetch(&mut self, cx: Cx<'_>, room: Room<'_>) -> Result<FetchPage, StatementError> {
         let partitions = self.ownership.partitions();
+        if partitions != self.read_partitions {
+            // Rows of a partition taken over lie below the floor too.
+            self.floor.reset();
+            self.read_partitions.clone_from(&partitions);
+        }
         let scope = Ownership::scope(&partitions);
-        let params = FetchParams { exclude: room.exclude, batch: room.batch, budget: room.budget, scope };
-        cx.work.fetch(params, cx.stop()).await
+        let floor = self.floor.params(Instant::now());
+        let params = FetchParams { exclude: room.exclude, batch: room.batch, budget: room.budget, scope, floor };
+        let page = cx.work.fetch(params, cx.stop()).await?;
+        self.floor.fetched(page.floor, page.rows.iter().filter_map(row_id).max());
+        self.retries.extend(page.rows.iter().flatten().filter(|r| r.event.retry_count > 0).map(|r| r.event.id));
+        Ok(page)
     }
 
     fn handed_out(&mut self, id: i64, partition: Option<i32>) {
@@ -91,6 +117,8 @@ impl Source for ListenSource {
     }
 
     fn released(&mut self, id: i64) {
+        self.retries.remove(&id);
+        self.floor.released(id);
         self.ownership.done(id);
         self.wakeups.wake(Wake::Release);
     }
@@ -98,6 +126,19 @@ impl Source for ListenSource {
     fn written(&mut self, w: &Written) {
         for id in w.acked.iter().chain(&w.dropped).chain(w.failed.iter().map(|(id, _)| id)) {
             self.ownership.done(*id);
+        }
+        let mut retried_acked = false;
+        for id in &w.acked {
+            retried_acked |= self.retries.remove(id);
+        }
+        for id in w.dropped.iter().chain(w.failed.iter().map(|(id, _)| id)) {
+            self.retries.remove(id);
+        }
+        if retried_acked {
+            // Events of its aggregate held back behind a retried event are
+            // due now that its acknowledgement is written: fetch them
+            // rather than wait for a notification or the sweep.
+            self.wakeups.wake(Wake::Retry);
         }
         self.wakeups.written(w);
     }
@@ -111,12 +152,16 @@ impl Source for ListenSource {
     }
 
     async fn session_opened(&mut self, cx: Cx<'_>) -> Result<(), StatementError> {
+        self.floor.reset();
+        self.retries.clear();
         self.ownership.session_opened(cx).await?;
         self.wakeups.session_opened();
         Ok(())
     }
 
     fn session_lost(&mut self) {
+        self.floor.reset();
+        self.retries.clear();
         self.wakeups.session_lost();
         self.ownership.session_lost();
     }
@@ -132,5 +177,13 @@ impl Source for ListenSource {
             cx.work.release_term(&scope, term, cx.stop()).await?;
         }
         Wakeups::unregister(cx, deadline).await
+    }
+}
+
+/// The id of a fetched row, if it could be read.
+fn row_id(row: &FetchedRow) -> Option<i64> {
+    match row {
+        Ok(decoded) => Some(decoded.event.id),
+        Err(e) => e.identity.as_ref().map(|i| i.id),
     }
 }

@@ -37,6 +37,7 @@ macro_rules! wakeups_delegate {
 }
 
 mod claim;
+mod floor;
 mod listen;
 pub(super) mod notifier;
 mod ownership;

@@ -10,7 +10,8 @@
 //!
 //! On connection loss it reconnects with exponential backoff, LISTENs again
 //! *first*, and only then wakes the drain loop (a drain counted as
-//! `wake="reconnect"`, from the lowest id like every fetch); events
+//! `wake="reconnect"`, from the lowest id: new sessions reset the fetch
+//! floor); events
 //! committed while it was down are found by that drain.
 
 use std::sync::Arc;
