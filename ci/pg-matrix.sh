@@ -43,6 +43,10 @@ subset=(
   order::many_racing_producers_on_few_aggregates_never_reorder_an_aggregate
   order::racing_producers_and_bulk_transactions_never_reorder_an_aggregate
   order::retries_under_load_never_reorder_an_aggregate
+  # The fetch floor's rule (snapshot xmin, next transaction id) and the
+  # wake after a retried event's acknowledgement.
+  order::events_committed_late_below_delivered_ids_are_delivered_without_waiting_for_the_sweep
+  order::events_held_back_behind_a_retry_follow_it_although_later_events_passed_them
   order::rolled_back_insert_does_not_stall_the_aggregate
   ordering_modes::producer_locked_mode_keeps_order_for_producers_that_lock_their_aggregate_first
   # Faults: relay killed, server restarted, sessions terminated.
