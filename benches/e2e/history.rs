@@ -185,8 +185,9 @@ async fn load_history(client: &Client, lo: i64, hi: i64, n_max: i64, anchor: f64
 }
 
 /// Buffers of the consumer's fetch (custom plan, generic plan), run as the
-/// consumer runs it (`pg_outbox::fetch_query`: nothing in flight, a batch
-/// of [`pg_outbox::DEFAULT_BATCH_SIZE`], a budget of
+/// consumer runs it (`pg_outbox::fetch_query`: nothing in flight, no fetch
+/// floor as in a consumer's first fetch, a batch of
+/// [`pg_outbox::DEFAULT_BATCH_SIZE`], a budget of
 /// [`pg_outbox::DEFAULT_MAX_BUFFERED_BYTES`]) under `EXPLAIN (ANALYZE, BUFFERS)`
 /// on a session opened as pg-outbox opens its own (its planner settings),
 /// in a transaction rolled back. Fails unless it returns `expect_rows`.
@@ -199,13 +200,16 @@ async fn fetch_buffers(cfg: &Config, expect_rows: i64) -> BenchResult<(i64, i64)
     let batch = i64::try_from(pg_outbox::DEFAULT_BATCH_SIZE)?;
     // The byte budget of a consumer that holds nothing: the default bound.
     let budget = i64::try_from(pg_outbox::DEFAULT_MAX_BUFFERED_BYTES)?;
+    // No floor yet: read from the first fresh row.
+    let (no_floor, no_xid) = (i64::MIN, i64::MAX);
     let mut out = [0i64; 2];
     for (k, generic) in [false, true].into_iter().enumerate() {
         let tx = c.transaction().await?;
         if generic {
             tx.batch_execute("SET LOCAL plan_cache_mode = force_generic_plan").await?;
         }
-        let plan: serde_json::Value = tx.query_one(&sql, &[&none, &batch, &budget]).await?.try_get(0)?;
+        let plan: serde_json::Value =
+            tx.query_one(&sql, &[&none, &batch, &budget, &no_floor, &no_floor, &no_xid]).await?.try_get(0)?;
         tx.rollback().await?;
         let top = &plan[0]["Plan"];
         // PostgreSQL 18 prints row counts with two decimals (`500.00`).
