@@ -130,6 +130,14 @@ pub enum Error {
         /// What showed the sharing (boxed: every variant stays small).
         evidence: Box<str>,
     },
+    /// The WAL source cannot read the server's logical replication stream:
+    /// the message says what to change, in one line (`wal_level`, the
+    /// REPLICATION privilege or a managed server's equivalent, free
+    /// `max_replication_slots` or `max_wal_senders`, the publication that
+    /// `pg-outbox migrate --source wal` creates). The consumer never falls
+    /// back to another source on its own.
+    #[error("the WAL source cannot start: {0}")]
+    ReplicationSetup(String),
     /// An event was refused before any SQL was sent (empty or NUL-bearing
     /// text, a payload PostgreSQL's jsonb cannot store, an oversized payload).
     #[error("invalid event: {0}")]

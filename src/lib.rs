@@ -32,7 +32,7 @@ pub use consumer::{
     DEFAULT_SHUTDOWN_GRACE, DEFAULT_STATEMENT_TIMEOUT, DEFAULT_STRANDED_AFTER, DEFAULT_SWEEP_INTERVAL, Delivery,
     EventStream, HEALTH_ERROR_BYTES, Health, HealthMonitor, LastError, ListenerStatus, MAX_ERROR_BYTES,
     MAX_STRANDED_AFTER, MIN_MAX_BUFFERED_BYTES, MIN_STRANDED_AFTER, Mode, NOTIFY_CHANNEL, Role, ShutdownHandle,
-    SinkHealth,
+    SinkHealth, SourceKind,
 };
 pub use error::{Error, Result};
 pub use event::{Envelope, Event, Metadata, NewEvent};

@@ -314,6 +314,32 @@ pub async fn set_ordering(pg: &ConnectOptions, mode: OrderingMode) -> Result<Opt
     store::set_ordering(&client, mode).await
 }
 
+/// Prepare a database that [`apply`] migrated for a consumer's source, on a
+/// session of its own, and return whether an insert trigger still fires.
+///
+/// [`SourceKind::Wal`](crate::SourceKind::Wal): create the publication
+/// `pg_outbox` of inserts into `events.outbox` (if missing), and in the
+/// producer-locked mode turn the wake-up trigger `outbox_wake` off for
+/// ordinary sessions (`ENABLE REPLICA TRIGGER`: it fires only under
+/// `session_replication_role = replica`), so that inserts run no trigger
+/// at all. The outbox-locked mode keeps its trigger: it is what keeps each
+/// aggregate's order. [`SourceKind::Listen`](crate::SourceKind::Listen):
+/// turn `outbox_wake` back on in the producer-locked mode (the publication
+/// stays; `DROP PUBLICATION pg_outbox` removes it). Switching the ordering
+/// mode ([`set_ordering`]) turns `outbox_wake` on again: run this after it.
+///
+/// Safe while producers run, as [`set_ordering`]: `SHARE ROW EXCLUSIVE` on
+/// `events.outbox`, waiting at most 5 s.
+///
+/// # Errors
+/// As [`set_ordering`]; creating the publication needs the CREATE
+/// privilege on the database and ownership of `events.outbox`.
+#[cfg(feature = "wal")]
+pub async fn set_source(pg: &ConnectOptions, source: crate::SourceKind) -> Result<bool> {
+    let (client, _link) = connect::connect(pg, "pg-outbox migrate", &SessionSettings::primary()).await?;
+    crate::store::replication::set_source(&client, source != crate::SourceKind::Listen).await
+}
+
 /// Objects the relay needs, each with the file that creates it.
 const REQUIRED: &[(&str, &str)] = &[
     ("events.outbox", "0001_events_outbox"),

@@ -444,6 +444,13 @@ impl ConnectOptions {
         }
     }
 
+    /// The password to log in with: the one given, else the password
+    /// file's for the first host (`None`: neither).
+    #[cfg(feature = "wal")]
+    pub(crate) fn resolved_password(&self) -> Option<String> {
+        self.with_password().0.get_password().map(|p| String::from_utf8_lossy(p).into_owned())
+    }
+
     /// The `Config` with the password file's password when none is given,
     /// and the file it came from.
     pub(super) fn with_password(&self) -> (Config, Option<&Path>) {

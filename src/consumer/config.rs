@@ -117,6 +117,40 @@ pub enum Mode {
     Competing,
 }
 
+/// Where a consumer learns that events committed. The same choice is the
+/// relay's `--source` flag. Either way the events themselves are read from
+/// `events.outbox` in id order, and hold-back, retries, dead letters,
+/// leadership and the sweep are the same.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum SourceKind {
+    /// LISTEN for the insert trigger's NOTIFY (default). Needs an insert
+    /// trigger (either ordering mode installs one).
+    #[default]
+    Listen,
+    /// Read the server's logical replication stream (pgoutput) of inserts
+    /// into `events.outbox`, through a temporary slot that the server drops
+    /// when the connection ends (no WAL is kept while no consumer runs).
+    /// Producers then need no insert trigger and never NOTIFY. Needs
+    /// `wal_level = logical`, the REPLICATION privilege, a free slot and
+    /// WAL sender, and the publication `pg-outbox migrate --source wal`
+    /// creates; [`ConsumerBuilder::start`] checks each and fails with
+    /// [`Error::ReplicationSetup`](crate::Error::ReplicationSetup) naming
+    /// what to change. Feature `wal`.
+    #[cfg(feature = "wal")]
+    Wal,
+}
+
+impl std::fmt::Display for SourceKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            SourceKind::Listen => "listen",
+            #[cfg(feature = "wal")]
+            SourceKind::Wal => "wal",
+        })
+    }
+}
+
 /// Settings of a consumer. Build it with [`Consumer::builder`].
 #[derive(Debug, Clone)]
 pub(crate) struct ConsumerConfig {
@@ -136,6 +170,7 @@ pub(crate) struct ConsumerConfig {
     pub(crate) statement_timeout: Duration,
     pub(crate) mode: Mode,
     pub(crate) listen: bool,
+    pub(crate) source: SourceKind,
     pub(crate) stranded_after: Duration,
     pub(crate) take_over_stranded: bool,
     pub(crate) wait_for_primary: bool,
@@ -205,6 +240,7 @@ impl Consumer {
                 statement_timeout: DEFAULT_STATEMENT_TIMEOUT,
                 mode: Mode::Single,
                 listen: true,
+                source: SourceKind::Listen,
                 stranded_after: DEFAULT_STRANDED_AFTER,
                 take_over_stranded: false,
                 wait_for_primary: false,
@@ -435,6 +471,15 @@ impl ConsumerBuilder {
     /// either way.
     pub fn listen(mut self, listen: bool) -> Self {
         self.cfg.listen = listen;
+        self
+    }
+
+    /// Where the consumer learns that events committed (default
+    /// [`SourceKind::Listen`]). With [`SourceKind::Wal`] the consumer does
+    /// not LISTEN ([`ConsumerBuilder::listen`] is ignored) and registers as
+    /// never waiting for a notification, so producers skip NOTIFY.
+    pub fn source(mut self, source: SourceKind) -> Self {
+        self.cfg.source = source;
         self
     }
 

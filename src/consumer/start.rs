@@ -9,10 +9,12 @@ use uuid::Uuid;
 
 use super::session::new_backoff;
 use super::source::{ClaimSource, ListenSource, Signals, notifier};
+#[cfg(feature = "wal")]
+use super::source::{WalSource, wal};
 use super::stream::{Shared, StreamParts};
 use super::{
     ConsumerBuilder, ConsumerConfig, EventStream, HealthMonitor, ListenerStatus, Mode, NOTIFY_CHANNEL, PROBE_TIMEOUT,
-    drain, health, holdback,
+    SourceKind, drain, health, holdback,
 };
 use crate::connect;
 use crate::error::{Error, Result};
@@ -43,6 +45,11 @@ impl ConsumerBuilder {
     /// opened (and with them any lock they took); nothing was fetched yet.
     pub async fn start(mut self) -> Result<EventStream> {
         self.validate()?;
+        if self.cfg.source != SourceKind::Listen {
+            // The stream wakes the drain loop: register as never waiting,
+            // so producers skip NOTIFY.
+            self.cfg.listen = false;
+        }
         let cfg = Arc::new(self.cfg);
         let (work, work_link) = first_session(&cfg).await?;
         crate::migrate::check(&work).await?;
@@ -51,6 +58,10 @@ impl ConsumerBuilder {
         }
         match crate::migrate::ordering(&work).await? {
             Some(mode) => tracing::info!(ordering = %mode, "ordering mode installed on events.outbox: {mode}"),
+            None if cfg.source != SourceKind::Listen => tracing::info!(
+                "no insert trigger is enabled on events.outbox: per-aggregate order rests on the producers' own \
+                 lock (the producer-locked contract, README \"Ordering modes\")"
+            ),
             None => tracing::warn!(
                 "no insert trigger is enabled on events.outbox: new events are found by the sweep only, and \
                  racing producers can commit an aggregate's events out of order; enable one with \
@@ -60,7 +71,11 @@ impl ConsumerBuilder {
         let signals = Signals::default();
         let (status_tx, status_rx) = watch::channel(ListenerStatus::default());
         let token = CancellationToken::new();
-        let notifier = start_notifier(&cfg, &work, signals.clone(), token.child_token(), status_tx).await?;
+        let notifier = match cfg.source {
+            SourceKind::Listen => start_notifier(&cfg, &work, signals.clone(), token.child_token(), status_tx).await?,
+            #[cfg(feature = "wal")]
+            SourceKind::Wal => Some(start_wal(&cfg, &work, signals.clone(), token.child_token(), status_tx).await?),
+        };
         let (tx, rx) = mpsc::channel(cfg.buffer);
         let (settle_tx, settle_rx) = mpsc::unbounded_channel();
         let shared = Arc::new(Shared {
@@ -73,8 +88,18 @@ impl ConsumerBuilder {
         let health = HealthMonitor::new(Arc::new(health::State::new(&cfg)), status_rx.clone());
         let (first, state) = ((work, work_link), health.state().clone());
         // One engine per source type: the calls into the source are static.
-        let drain = match cfg.mode {
-            Mode::Competing => {
+        let drain = match (cfg.mode, cfg.source) {
+            #[cfg(feature = "wal")]
+            (Mode::Competing, SourceKind::Wal) => {
+                let source = WalSource::new(ClaimSource::new(&cfg, signals));
+                tokio::spawn(drain::run(cfg.clone(), source, first, io, token.clone(), state))
+            }
+            #[cfg(feature = "wal")]
+            (_, SourceKind::Wal) => {
+                let source = WalSource::new(ListenSource::new(&cfg, signals));
+                tokio::spawn(drain::run(cfg.clone(), source, first, io, token.clone(), state))
+            }
+            (Mode::Competing, _) => {
                 let source = ClaimSource::new(&cfg, signals);
                 tokio::spawn(drain::run(cfg.clone(), source, first, io, token.clone(), state))
             }
@@ -129,6 +154,25 @@ async fn first_session(cfg: &ConsumerConfig) -> Result<(tokio_postgres::Client, 
             Err(e) => return Err(e),
         }
     }
+}
+
+/// Check that the server can stream inserts to the WAL source, open the
+/// first replication connection and its slot (before the drain loop's
+/// first fetch, so nothing commits unseen in between), and spawn the
+/// stream reader.
+#[cfg(feature = "wal")]
+async fn start_wal(
+    cfg: &Arc<ConsumerConfig>,
+    work: &tokio_postgres::Client,
+    signals: Signals,
+    token: CancellationToken,
+    status_tx: watch::Sender<ListenerStatus>,
+) -> Result<JoinHandle<()>> {
+    metrics::gauge!(crate::metrics::LISTEN_ENABLED).set(0.0);
+    let pg = cfg.listener_pg.clone().unwrap_or_else(|| cfg.pg.clone());
+    let first = wal::first(&pg, work).await?;
+    metrics::gauge!(crate::metrics::NOTIFICATIONS_WORKING).set(1.0);
+    Ok(wal::spawn(wal::WalReader { pg, first, signals, token, status: status_tx, cfg: cfg.clone() }))
 }
 
 /// Start the notifier (LISTEN on its own session) unless LISTEN is off,

@@ -11,6 +11,8 @@
 //! - [`status`], [`backlog`]: the backlog figures (bounded: exact up to a
 //!   cap, estimated from a sample beyond) and the relay's gauges;
 //! - [`wakeup`]: LISTEN/NOTIFY and the relays' registrations;
+//! - [`replication`]: the WAL source's checks, its publication and its
+//!   slot;
 //! - [`locks`]: every advisory lock key, and the statements that take them;
 //! - [`leader`]: who holds single mode's leader lock, and whether it is a
 //!   live relay (its heartbeat); the leadership term it takes, confirms
@@ -62,6 +64,8 @@ mod planner;
 mod publish;
 #[cfg(feature = "relay")]
 pub(crate) mod replay;
+#[cfg(feature = "wal")]
+pub(crate) mod replication;
 pub(crate) mod retention;
 mod rows;
 pub(crate) mod schema;

@@ -11,7 +11,10 @@
 //!   ownership by advisory locks ([`ownership`]), with the standbys' watch
 //!   for a stranded lock ([`stranded`]);
 //! - [`ClaimSource`] (competing mode): the same wake-ups, and the
-//!   `FOR UPDATE SKIP LOCKED` claim transaction, all in `claim.rs`.
+//!   `FOR UPDATE SKIP LOCKED` claim transaction, all in `claim.rs`;
+//! - `WalSource` (feature `wal`, either mode): one of the two, woken by
+//!   the server's logical replication stream instead of NOTIFY, with its
+//!   own looks after a wake-up that found nothing (`wal.rs`).
 //!
 //! The engine calls the source from its own task only (the one-task rule,
 //! `super::drain`), so a source needs no locks; it is a type parameter of
@@ -45,6 +48,8 @@ mod retry_timer;
 mod stranded;
 mod wake;
 mod wakeups;
+#[cfg(feature = "wal")]
+pub(super) mod wal;
 
 use std::future::Future;
 use std::sync::Arc;
@@ -58,6 +63,8 @@ pub(super) use claim::ClaimSource;
 pub(super) use listen::ListenSource;
 pub(super) use ownership::TermCheck;
 pub(super) use wake::Wake;
+#[cfg(feature = "wal")]
+pub(super) use wal::WalSource;
 
 use super::completer::Written;
 use super::health::Role;

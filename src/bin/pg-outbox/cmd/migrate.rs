@@ -18,6 +18,15 @@ pub(crate) struct MigrateArgs {
     /// again).
     #[arg(long, value_enum, value_name = "MODE")]
     ordering: Option<OrderingArg>,
+    /// Prepare for the relays' source. `wal`: create the publication
+    /// `pg_outbox` (inserts into events.outbox only) that `relay --source
+    /// wal` reads, and in the producer-locked mode stop the insert trigger
+    /// entirely (the relay no longer needs its NOTIFY); the outbox-locked
+    /// mode keeps its trigger, which keeps the order. `listen`: start the
+    /// producer-locked mode's wake-up trigger again. Applied after
+    /// --ordering. Without this flag nothing changes.
+    #[arg(long, value_enum, value_name = "SOURCE")]
+    source: Option<super::relay::SourceArg>,
 }
 
 #[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
@@ -73,6 +82,29 @@ pub(crate) async fn run(url: &str, args: MigrateArgs) -> Result<(), Error> {
             mode
         }
     };
+    if let Some(source) = args.source {
+        let fires = migrate::set_source(&pg, source.kind()).await.map_err(|e| {
+            if e.code() == Some(&tokio_postgres::error::SqlState::LOCK_NOT_AVAILABLE) {
+                return Error::Usage(
+                    "could not change the insert trigger: producer transactions that have written events kept \
+                     events.outbox locked for 5 s; nothing changed: run it again"
+                        .into(),
+                );
+            }
+            Error::Outbox(e)
+        })?;
+        match (source, fires) {
+            (super::relay::SourceArg::Wal, false) => eprintln!(
+                "source: wal (publication pg_outbox; no insert trigger fires: run relays with --source wal, a \
+                 --source listen relay would find events by its sweep only)"
+            ),
+            (super::relay::SourceArg::Wal, true) => eprintln!(
+                "source: wal (publication pg_outbox; the outbox-locked mode's insert trigger stays, it keeps the \
+                 order; producers skip its NOTIFY while only --source wal relays run)"
+            ),
+            (super::relay::SourceArg::Listen, _) => eprintln!("source: listen (the insert trigger notifies relays)"),
+        }
+    }
     if installed == Some(OrderingMode::ProducerLocked) {
         eprintln!(
             "note: in the producer-locked mode, order per aggregate holds only if every transaction that writes \

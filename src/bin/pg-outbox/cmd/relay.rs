@@ -110,6 +110,16 @@ pub(crate) struct RelayArgs {
     /// Not a way through a transaction-mode pooler: the relay refuses one.
     #[arg(long)]
     no_listen: bool,
+    /// Where the relay learns that events committed: `listen` (the insert
+    /// trigger's NOTIFY) or `wal` (the server's logical replication stream,
+    /// through a temporary slot that disappears with the relay, so
+    /// producers need no insert trigger and no WAL is kept while no relay
+    /// runs). `wal` needs wal_level = logical, the REPLICATION privilege, a
+    /// free replication slot and WAL sender, and `pg-outbox migrate
+    /// --source wal`; the relay checks each at start and exits naming what
+    /// to change. Events are read from the table either way.
+    #[arg(long, value_enum, default_value_t = SourceArg::Listen, conflicts_with = "no_listen")]
+    source: SourceArg,
     /// In `--mode single`, let a standby end a stranded holder of the outbox
     /// lock and take over: a session that holds the lock with no live relay
     /// behind it (a pooler's server session left with it, an older build's
@@ -143,6 +153,21 @@ pub(crate) struct RelayArgs {
     retention_at_start: bool,
     #[command(flatten)]
     sink: SinkArgs,
+}
+
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum SourceArg {
+    Listen,
+    Wal,
+}
+
+impl SourceArg {
+    pub(crate) fn kind(self) -> pg_outbox::SourceKind {
+        match self {
+            SourceArg::Listen => pg_outbox::SourceKind::Listen,
+            SourceArg::Wal => pg_outbox::SourceKind::Wal,
+        }
+    }
 }
 
 #[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
@@ -188,6 +213,7 @@ pub(crate) async fn run(url: &str, args: RelayArgs) -> Result<(), Error> {
         .reconnect_max_delay(args.reconnect_max_delay)
         .wait_for_primary(args.wait_for_primary)
         .listen(!args.no_listen)
+        .source(args.source.kind())
         .stranded_after(args.stranded_after)
         .take_over_stranded(args.take_over_stranded)
         .mode(match args.mode {

@@ -1,0 +1,431 @@
+//! The WAL source: wake-ups from the server's logical replication stream
+//! instead of NOTIFY, so producers need no insert trigger.
+//!
+//! The table stays the truth. The stream only says that inserts into
+//! `events.outbox` committed; the engine then fetches due rows in id order
+//! exactly as the listen source does, with hold-back, retries, the byte
+//! bound, leadership and the sweep unchanged. So the replication slot
+//! records nothing the consumer needs back:
+//!
+//! - the slot is **temporary**, created on the replication connection
+//!   itself with a random name (`pg_outbox_` and 16 hex digits): the server
+//!   drops it when the connection ends, so no WAL is kept while no consumer
+//!   runs;
+//! - everything read is confirmed at once: each commit's end, and each
+//!   keepalive's WAL end (else WAL piles up while the stream is quiet);
+//! - on every (re)connect the slot comes first, and only then the drain
+//!   loop is woken to sweep the table (`Wake::Reconnect`): events committed
+//!   before the slot existed are found by that sweep, the rest arrive on
+//!   the stream, and the in-flight set removes the overlap (the listen
+//!   source's "LISTEN first, then sweep");
+//! - a wake-up follows a commit that held an insert, never a bare commit
+//!   (before PostgreSQL 15 every transaction of the database arrives as an
+//!   empty BEGIN/COMMIT pair);
+//! - logical decoding sends a commit once its WAL is flushed, which can be
+//!   a moment before the transaction is visible to other sessions (and as
+//!   long as a synchronous standby takes to confirm it): a wake-up whose
+//!   drain finds nothing is followed by further looks after 2, 10, 50 and
+//!   200 ms ([`WAL_RECHECKS`]); anything later still is found by the sweep;
+//! - creating the slot waits for every write transaction running in the
+//!   cluster (the snapshot builder's wait for a consistent point); the
+//!   replication connection's `lock_timeout` ([`SLOT_LOCK_TIMEOUT`]) bounds
+//!   that wait, and when it expires the consumer logs which wait it was and
+//!   tries again with backoff, meanwhile finding events by the sweep.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use pgwire_replication::{Lsn, ReplicationClient, ReplicationConfig, ReplicationEvent, TlsConfig};
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+use tokio::time::Instant;
+use tokio_postgres::config::Host;
+use tokio_util::sync::CancellationToken;
+
+use super::wakeups::earliest;
+use super::{Cx, Room, Signals, Source, TermCheck, Wake};
+use crate::connect::{self, RootCert, SslMode};
+use crate::consumer::completer::Written;
+use crate::consumer::health::Role;
+use crate::consumer::session::new_backoff;
+use crate::consumer::{ConsumerConfig, ListenerStatus};
+use crate::error::{Error, Result};
+use crate::metrics as m;
+use crate::store::replication::{self, PUBLICATION};
+use crate::store::statement::StatementError;
+use crate::store::{Fence, FetchKind, FetchPage};
+
+/// The replication connection's `lock_timeout`, which bounds how long
+/// creating the slot waits for the write transactions running in the
+/// cluster: 10 s.
+pub(crate) const SLOT_LOCK_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Opening the replication connection and creating the slot give up after
+/// this long (the slot's own wait is bounded by [`SLOT_LOCK_TIMEOUT`]).
+const OPEN_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// How often what was read is confirmed to the server (the crate sends a
+/// raised position within this interval): 1 s.
+const STATUS_INTERVAL: Duration = Duration::from_secs(1);
+
+/// After a wake-up from the stream whose drain found nothing, look again
+/// after each of these delays (the commit may not be visible yet), until a
+/// look finds events.
+pub(crate) const WAL_RECHECKS: [Duration; 4] =
+    [Duration::from_millis(2), Duration::from_millis(10), Duration::from_millis(50), Duration::from_millis(200)];
+
+/// A random slot name: `pg_outbox_` and 16 hex digits.
+fn slot_name() -> String {
+    format!("pg_outbox_{:016x}", rand::random::<u64>())
+}
+
+/// The replication connection's settings for `pg` and slot `slot`: the
+/// first host of the URL, its port, user, password (given, or the
+/// password file's), database, and the TLS mode mapped to the crate's
+/// (`allow` and `prefer` try TLS first; `require` with a root certificate
+/// checks the chain, as libpq does; `verify-ca` and `verify-full` without
+/// `sslrootcert` use `~/.postgresql/root.crt`; `sslrootcert=system` uses
+/// the Mozilla roots the crate carries).
+fn replication_config(pg: &connect::ConnectOptions, slot: &str) -> Result<ReplicationConfig> {
+    let port = pg.ports().first().copied().unwrap_or(5432);
+    let user = pg.user().ok_or_else(|| Error::Config("the WAL source needs a user name".into()))?;
+    let db = pg.dbname().unwrap_or(user);
+    let password = pg.resolved_password().unwrap_or_default();
+    let cfg = match pg.hosts().first() {
+        Some(Host::Unix(dir)) => {
+            ReplicationConfig::unix(dir.display().to_string(), port, user, password, db, slot, PUBLICATION)
+        }
+        Some(Host::Tcp(host)) => {
+            let root = |r: Option<&RootCert>| match r {
+                Some(RootCert::File(p)) => Some(p.clone()),
+                Some(RootCert::System) => None,
+                None => std::env::var_os("HOME").map(|h| std::path::Path::new(&h).join(".postgresql/root.crt")),
+            };
+            let given = pg.root_cert();
+            let tls = match pg.ssl_mode() {
+                SslMode::Disable => TlsConfig::disabled(),
+                SslMode::Allow | SslMode::Prefer => {
+                    TlsConfig { mode: pgwire_replication::SslMode::Prefer, ..TlsConfig::disabled() }
+                }
+                SslMode::Require => match given {
+                    Some(RootCert::File(p)) => TlsConfig::verify_ca(Some(p.clone())),
+                    _ => TlsConfig::require(),
+                },
+                SslMode::VerifyCa => TlsConfig::verify_ca(root(given)),
+                SslMode::VerifyFull => TlsConfig::verify_full(root(given)),
+            };
+            ReplicationConfig::new(host.clone(), user, password, db, slot, PUBLICATION).with_port(port).with_tls(tls)
+        }
+        None => return Err(Error::Config("the WAL source needs a host name or socket directory".into())),
+    };
+    Ok(cfg
+        .with_start_lsn(Lsn::ZERO)
+        .with_status_interval(STATUS_INTERVAL)
+        .with_options(format!("-c lock_timeout={}", SLOT_LOCK_TIMEOUT.as_millis()))
+        .with_application_name(pg.application_name().unwrap_or("pg-outbox wal")))
+}
+
+/// Why the replication connection could not be opened, in the words of
+/// what to change where the server's error says it.
+fn open_error(e: pgwire_replication::PgWireError, slot: &str) -> Error {
+    let text = e.to_string();
+    if text.contains("must be superuser or replication role") || text.contains("permission denied to start WAL sender")
+    {
+        return Error::ReplicationSetup(format!(
+            "the server refused a replication connection ({text}): grant the user the REPLICATION privilege \
+             (ALTER ROLE ... REPLICATION; Amazon RDS: GRANT rds_replication TO ...), and allow it in \
+             pg_hba.conf"
+        ));
+    }
+    if text.contains("lock timeout") || text.contains("canceling statement due to lock timeout") {
+        return Error::ReplicationSetup(format!(
+            "creating the replication slot {slot} waited more than {SLOT_LOCK_TIMEOUT:?} for write \
+             transactions running in the cluster (a slot needs them to end; see pg_stat_activity for long \
+             transactions): retrying"
+        ));
+    }
+    Error::Io(std::io::Error::other(format!("replication connection: {text}")))
+}
+
+/// Open a replication connection for `pg`, create a temporary slot on it,
+/// and start streaming the publication from the slot's consistent point.
+async fn open(pg: &connect::ConnectOptions) -> Result<(ReplicationClient, String)> {
+    let slot = slot_name();
+    let cfg = replication_config(pg, &slot)?;
+    let opening = async {
+        let mut client = ReplicationClient::connect_gated(cfg).await.map_err(|e| open_error(e, &slot))?;
+        client.simple_query(&replication::create_slot_command(&slot)).await.map_err(|e| open_error(e, &slot))?;
+        client.start().await.map_err(|e| open_error(e, &slot))?;
+        client.wait_started().await.map_err(|e| open_error(e, &slot))?;
+        Ok::<_, Error>(client)
+    };
+    match tokio::time::timeout(OPEN_TIMEOUT, opening).await {
+        Ok(Ok(client)) => Ok((client, slot)),
+        Ok(Err(e)) => Err(e),
+        Err(_) => Err(Error::Io(std::io::Error::new(
+            std::io::ErrorKind::TimedOut,
+            format!("opening the replication connection took more than {OPEN_TIMEOUT:?}"),
+        ))),
+    }
+}
+
+/// The first replication connection, opened by `start` before the drain
+/// loop runs.
+pub(crate) struct Streaming {
+    client: ReplicationClient,
+    slot: String,
+}
+
+/// Check on `work` that the server can stream (wal_level, privilege, free
+/// slot and sender, publication), then open the first replication
+/// connection and its slot.
+///
+/// # Errors
+/// [`Error::ReplicationSetup`] naming what to change; the connection's
+/// errors otherwise.
+pub(crate) async fn first(pg: &connect::ConnectOptions, work: &tokio_postgres::Client) -> Result<Streaming> {
+    replication::check(work).await?;
+    let (client, slot) = open(pg).await?;
+    tracing::info!(slot = %slot, publication = PUBLICATION,
+        "reading inserts into events.outbox from logical replication (a temporary slot)");
+    Ok(Streaming { client, slot })
+}
+
+/// What the stream reader task is given.
+pub(crate) struct WalReader {
+    pub(crate) pg: connect::ConnectOptions,
+    pub(crate) first: Streaming,
+    pub(crate) signals: Signals,
+    pub(crate) token: CancellationToken,
+    pub(crate) status: watch::Sender<ListenerStatus>,
+    pub(crate) cfg: Arc<ConsumerConfig>,
+}
+
+/// Spawn the stream reader.
+pub(crate) fn spawn(r: WalReader) -> JoinHandle<()> {
+    tokio::spawn(run(r))
+}
+
+/// Read the stream until cancelled: wake the drain loop after each commit
+/// that held an insert, confirm what was read, and reconnect with backoff
+/// (a new slot, then a sweep) when the connection is lost.
+async fn run(r: WalReader) {
+    let WalReader { pg, first, signals, token, status, cfg } = r;
+    let mut current = Some(first);
+    let mut reconnects: u64 = 0;
+    let mut backoff = new_backoff(cfg.reconnect_max_delay);
+    loop {
+        if let Some(streaming) = current.take() {
+            status.send_replace(ListenerStatus { listening: true, reconnects });
+            metrics::gauge!(m::LISTENER_UP).set(1.0);
+            let reason = read(streaming, &signals, &token).await;
+            metrics::gauge!(m::LISTENER_UP).set(0.0);
+            status.send_replace(ListenerStatus { listening: false, reconnects });
+            let Some(reason) = reason else { return };
+            tracing::warn!(reason = %reason, "replication connection lost; reconnecting (a new slot, then a sweep)");
+            backoff = new_backoff(cfg.reconnect_max_delay);
+        }
+        let delay = backoff.next().unwrap_or(cfg.reconnect_max_delay).min(cfg.reconnect_max_delay);
+        tokio::select! {
+            _ = token.cancelled() => return,
+            _ = tokio::time::sleep(delay) => {}
+        }
+        match open(&pg).await {
+            Ok((client, slot)) => {
+                reconnects += 1;
+                metrics::counter!(m::LISTENER_RECONNECTS).increment(1);
+                tracing::info!(reconnects, slot = %slot, "replication connection re-established; sweeping");
+                current = Some(Streaming { client, slot });
+                // The slot is in place: now sweep for what committed before.
+                signals.reconnected.notify_one();
+            }
+            Err(e) => {
+                tracing::warn!(error = %crate::error::report(&e), retry_in = ?delay, "replication reconnect failed");
+            }
+        }
+    }
+}
+
+/// Read one connection's stream until it ends (why) or `token` is
+/// cancelled (`None`).
+async fn read(
+    Streaming { mut client, slot }: Streaming,
+    signals: &Signals,
+    token: &CancellationToken,
+) -> Option<String> {
+    let mut inserts = false;
+    loop {
+        let event = tokio::select! {
+            _ = token.cancelled() => {
+                client.stop();
+                let _ = tokio::time::timeout(Duration::from_secs(2), client.shutdown()).await;
+                client.abort();
+                return None;
+            }
+            e = client.recv() => e,
+        };
+        match event {
+            Ok(Some(ReplicationEvent::Begin { .. })) => inserts = false,
+            Ok(Some(ReplicationEvent::XLogData { data, .. })) => {
+                // pgoutput's Insert message ('I'); the publication sends
+                // nothing else of events.outbox's rows.
+                if data.first() == Some(&b'I') {
+                    inserts = true;
+                }
+            }
+            Ok(Some(ReplicationEvent::Commit { end_lsn, .. })) => {
+                if std::mem::take(&mut inserts) {
+                    metrics::counter!(m::NOTIFICATIONS).increment(1);
+                    signals.notification.notify_one();
+                }
+                client.update_applied_lsn(end_lsn);
+            }
+            Ok(Some(ReplicationEvent::KeepAlive { wal_end, .. })) => client.update_applied_lsn(wal_end),
+            Ok(Some(ReplicationEvent::Message { .. })) => {}
+            Ok(Some(ReplicationEvent::StoppedAt { .. })) | Ok(None) => {
+                return Some(format!("the server ended the stream of slot {slot}"));
+            }
+            Err(e) => return Some(format!("slot {slot}: {e}")),
+        }
+    }
+}
+
+/// A source woken by the replication stream: `S` (the listen source, or
+/// the claim source in competing mode) with rechecks after a wake-up from
+/// the stream whose drain found nothing ([`WAL_RECHECKS`]).
+#[derive(Debug)]
+pub(crate) struct WalSource<S> {
+    inner: S,
+    /// The drain under way began with a wake-up from the stream, and has
+    /// found nothing yet.
+    awaiting: bool,
+    recheck_at: Option<Instant>,
+    rechecks_done: usize,
+}
+
+impl<S: Source> WalSource<S> {
+    /// `inner`, woken by the stream.
+    pub(crate) fn new(inner: S) -> Self {
+        WalSource { inner, awaiting: false, recheck_at: None, rechecks_done: 0 }
+    }
+}
+
+impl<S: Source> Source for WalSource<S> {
+    fn fetch_kind(&self) -> FetchKind {
+        self.inner.fetch_kind()
+    }
+
+    fn role(&self) -> Role {
+        self.inner.role()
+    }
+
+    fn fenced(&self) -> bool {
+        self.inner.fenced()
+    }
+
+    fn check_page(&self, page: &FetchPage) -> TermCheck {
+        self.inner.check_page(page)
+    }
+
+    async fn confirm_terms(&mut self, cx: Cx<'_>) -> Result<TermCheck, StatementError> {
+        self.inner.confirm_terms(cx).await
+    }
+
+    fn fence_for(&self, ids: &[i64]) -> Option<Fence> {
+        self.inner.fence_for(ids)
+    }
+
+    fn wants_fetch(&self) -> bool {
+        self.inner.wants_fetch()
+    }
+
+    fn wake_label(&self) -> &'static str {
+        self.inner.wake_label()
+    }
+
+    fn signalled(&self) -> impl Future<Output = Wake> + Send + '_ {
+        self.inner.signalled()
+    }
+
+    fn woken(&mut self, wake: Wake) {
+        if wake == Wake::Notification {
+            // A new commit: its own ladder of looks.
+            self.awaiting = true;
+            self.recheck_at = None;
+            self.rechecks_done = 0;
+        }
+        self.inner.woken(wake);
+    }
+
+    fn next_timer(&self, open: bool, stopping: bool) -> Option<Instant> {
+        earliest(self.inner.next_timer(open, stopping), self.recheck_at.filter(|_| open && !stopping))
+    }
+
+    async fn timers_due(&mut self, cx: Option<Cx<'_>>, stopping: bool) -> Result<bool, StatementError> {
+        if cx.is_some() && !stopping && self.recheck_at.is_some_and(|t| t <= Instant::now()) {
+            self.recheck_at = None;
+            self.awaiting = true;
+            self.inner.woken(Wake::Recheck);
+        }
+        self.inner.timers_due(cx, stopping).await
+    }
+
+    async fn fetch(&mut self, cx: Cx<'_>, room: Room<'_>) -> Result<FetchPage, StatementError> {
+        self.inner.fetch(cx, room).await
+    }
+
+    fn handed_out(&mut self, id: i64, partition: Option<i32>) {
+        self.inner.handed_out(id, partition);
+    }
+
+    async fn fetched(&mut self, cx: Cx<'_>, handed: u64, full: bool) -> Result<(), StatementError> {
+        if self.awaiting {
+            if handed > 0 {
+                self.awaiting = false;
+                self.rechecks_done = 0;
+            } else if let Some(delay) = WAL_RECHECKS.get(self.rechecks_done) {
+                self.rechecks_done += 1;
+                self.recheck_at = Some(Instant::now() + *delay);
+                self.awaiting = false;
+            } else {
+                self.awaiting = false;
+            }
+        }
+        self.inner.fetched(cx, handed, full).await
+    }
+
+    fn released(&mut self, id: i64) {
+        self.inner.released(id);
+    }
+
+    fn written(&mut self, written: &Written) {
+        self.inner.written(written);
+    }
+
+    fn holds_transaction(&self) -> bool {
+        self.inner.holds_transaction()
+    }
+
+    async fn settled(&mut self, cx: Cx<'_>) -> Result<(), StatementError> {
+        self.inner.settled(cx).await
+    }
+
+    async fn session_opened(&mut self, cx: Cx<'_>) -> Result<(), StatementError> {
+        self.inner.session_opened(cx).await
+    }
+
+    fn session_lost(&mut self) {
+        self.recheck_at = None;
+        self.awaiting = false;
+        self.inner.session_lost();
+    }
+
+    fn stop(&mut self) {
+        self.recheck_at = None;
+        self.inner.stop();
+    }
+
+    async fn finish(&mut self, cx: Cx<'_>, deadline: Instant) -> Result<(), StatementError> {
+        self.inner.finish(cx, deadline).await
+    }
+}
