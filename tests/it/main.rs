@@ -50,4 +50,6 @@ mod terms;
 mod timeouts;
 mod tls;
 mod versions;
+#[cfg(feature = "wal")]
+mod wal;
 mod webhook_signing;

@@ -1,0 +1,396 @@
+//! The WAL source (`relay --source wal`, `SourceKind::Wal`): wake-ups from
+//! a temporary logical replication slot instead of NOTIFY.
+//!
+//! Every test runs on a throwaway server of its own with `wal_level =
+//! logical` (the machine's server is left as it is):
+//! - with no insert trigger at all (producer-locked mode, `migrate
+//!   --source wal`) events arrive without the sweep, in order for
+//!   producers that lock their aggregate first;
+//! - a relay killed with `kill -9` leaves no slot and no retained WAL while
+//!   100 000 events (one transaction) and 1 MiB payloads are written, and
+//!   delivers all of them when it comes back;
+//! - the fault suite's `kill -9`, terminated replication backend and server
+//!   restart: 0 lost, 0 order violations, no slot left behind;
+//! - what the server lacks (`wal_level`, the REPLICATION privilege, the
+//!   publication) is named in one line, and the relay exits non-zero.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use futures::StreamExt;
+use pg_outbox::{Consumer, SourceKind};
+use pg_outbox_testkit::process::LIVENESS;
+use pg_outbox_testkit::{TempServer, TempServerOptions};
+use rand::rngs::StdRng;
+use rand::{RngExt, SeedableRng};
+use uuid::Uuid;
+
+use crate::faults::{self, BATCH, Behavior, Faults, Harness, Load, fault_points, load_spec};
+use crate::support::{self, TestDb};
+
+/// A throwaway server with `wal_level = logical`.
+async fn logical_server() -> TempServer {
+    tokio::task::spawn_blocking(|| TempServer::start_with(TempServerOptions::default().setting("wal_level", "logical")))
+        .await
+        .expect("join")
+        .unwrap_or_else(|e| panic!("throwaway PostgreSQL with wal_level = logical: {}", pg_outbox::error::report(&e)))
+}
+
+/// Create database `name` on `server` and run `pg-outbox migrate args...`
+/// on it; its URL.
+async fn migrated(server: &TempServer, name: &str, args: &[&str]) -> String {
+    let admin = faults::connect(&server.url(), "wal admin", LIVENESS).await;
+    admin.batch_execute(&format!("CREATE DATABASE {name}")).await.expect("create database");
+    let url = server.url_for(name);
+    let mut argv = vec!["migrate"];
+    argv.extend_from_slice(args);
+    let out = support::cli(&argv).url(&url).run().await;
+    assert!(out.ok(), "pg-outbox {argv:?} failed: {}", out.stderr);
+    url
+}
+
+/// Replication slots on the server, and the WAL they keep (bytes).
+async fn slots(c: &tokio_postgres::Client) -> (i64, i64) {
+    let row = c
+        .query_one(
+            "SELECT count(*), coalesce(sum(pg_wal_lsn_diff(pg_current_wal_lsn(), restart_lsn)), 0)::int8 \
+             FROM pg_replication_slots",
+            &[],
+        )
+        .await
+        .expect("read pg_replication_slots");
+    (row.get(0), row.get(1))
+}
+
+/// `tgenabled` of the insert triggers: (`outbox_order`, `outbox_wake`).
+async fn trigger_states(c: &tokio_postgres::Client) -> (String, String) {
+    let row = c
+        .query_one(
+            "SELECT max(tgenabled::text) FILTER (WHERE tgname = 'outbox_order'), \
+                    max(tgenabled::text) FILTER (WHERE tgname = 'outbox_wake') \
+             FROM pg_trigger WHERE tgrelid = 'events.outbox'::regclass",
+            &[],
+        )
+        .await
+        .expect("read pg_trigger");
+    (row.get(0), row.get(1))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_no_insert_trigger_events_arrive_from_the_wal_in_order_without_the_sweep() {
+    let server = logical_server().await;
+    let url = migrated(&server, "wal_no_trigger", &["--ordering", "producer-locked", "--source", "wal"]).await;
+    let c = faults::connect(&url, "wal test", LIVENESS).await;
+    assert_eq!(
+        trigger_states(&c).await,
+        ("D".to_string(), "R".to_string()),
+        "producer-locked with the WAL source: no insert trigger fires in ordinary sessions"
+    );
+    c.batch_execute(
+        "CREATE SCHEMA billing; CREATE TABLE billing.subscriptions (id uuid PRIMARY KEY, version int NOT NULL DEFAULT 0)",
+    )
+    .await
+    .expect("domain table");
+    let aggregates: Vec<Uuid> = (0..4).map(|_| Uuid::new_v4()).collect();
+    for a in &aggregates {
+        c.execute("INSERT INTO billing.subscriptions (id) VALUES ($1)", &[a]).await.expect("aggregate row");
+    }
+    // A sweep every hour: only the stream can wake the consumer in time.
+    let pg = pg_outbox::ConnectOptions::parse(&url).expect("url");
+    let mut stream = Consumer::builder(pg)
+        .source(SourceKind::Wal)
+        .sweep_interval(Duration::from_secs(3600))
+        .start()
+        .await
+        .expect("start a consumer with the WAL source");
+    let (slot_count, _) = slots(&c).await;
+    assert_eq!(slot_count, 1, "the consumer holds one slot");
+    let temporary: bool =
+        c.query_one("SELECT bool_and(temporary) FROM pg_replication_slots", &[]).await.expect("slots").get(0);
+    assert!(temporary, "the slot is temporary");
+
+    // After the first drain (nothing yet), single events one by one: each
+    // must come from the stream's wake-up.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    for i in 0..5 {
+        let id: i64 = c
+            .query_one(
+                "INSERT INTO events.outbox (aggregate_type, aggregate_id, event_type, payload) \
+                 VALUES ('subscription', $1, 'Single', jsonb_build_object('i', $2::int)) RETURNING id",
+                &[&aggregates[0], &i],
+            )
+            .await
+            .expect("insert")
+            .get(0);
+        let d = tokio::time::timeout(Duration::from_secs(10), stream.next())
+            .await
+            .unwrap_or_else(|_| panic!("event {id} not delivered within 10 s (the sweep is 1 h away)"))
+            .expect("stream ended");
+        assert_eq!(d.id, id);
+        d.ack();
+    }
+
+    // 8 producers that lock their aggregate's row first (the
+    // producer-locked contract) on 4 aggregates: order per aggregate holds.
+    let (producers, per_producer) = (8usize, 30usize);
+    let mut tasks = Vec::new();
+    for p in 0..producers {
+        let mut pc = faults::connect(&url, "wal producer", LIVENESS).await;
+        let aggregates = aggregates.clone();
+        tasks.push(tokio::spawn(async move {
+            for i in 0..per_producer {
+                let agg = aggregates[(p + i) % aggregates.len()];
+                let tx = pc.transaction().await.expect("begin");
+                let version: i32 = tx
+                    .query_one(
+                        "UPDATE billing.subscriptions SET version = version + 1 WHERE id = $1 RETURNING version",
+                        &[&agg],
+                    )
+                    .await
+                    .expect("lock the aggregate's row")
+                    .get(0);
+                tx.execute(
+                    "INSERT INTO events.outbox (aggregate_type, aggregate_id, event_type, payload) \
+                     VALUES ('subscription', $1, 'Changed', jsonb_build_object('version', $2::int))",
+                    &[&agg, &version],
+                )
+                .await
+                .expect("insert event");
+                tx.batch_execute("SELECT pg_sleep(random() * 0.003)").await.expect("linger");
+                tx.commit().await.expect("commit");
+            }
+        }));
+    }
+    for t in tasks {
+        t.await.expect("producer");
+    }
+    let mut seen: HashMap<Uuid, (i64, i64)> = HashMap::new();
+    for _ in 0..producers * per_producer {
+        let d = tokio::time::timeout(Duration::from_secs(10), stream.next())
+            .await
+            .expect("every event within 10 s (the sweep is 1 h away)")
+            .expect("stream ended");
+        let version = d.payload["version"].as_i64().expect("version in payload");
+        let (last_id, last_version) = seen.entry(d.aggregate_id).or_insert((0, 0));
+        assert!(d.id > *last_id, "aggregate {}: id {} delivered after id {}", d.aggregate_id, d.id, last_id);
+        assert_eq!(version, *last_version + 1, "aggregate {}: version {version} after {last_version}", d.aggregate_id);
+        *last_id = d.id;
+        *last_version = version;
+        d.ack();
+    }
+    let notifications: i64 = c
+        .query_one("SELECT count(*) FROM pg_stat_activity WHERE wait_event = 'NotifyQueueTail'", &[])
+        .await
+        .expect("activity")
+        .get(0);
+    assert_eq!(notifications, 0);
+    stream.shutdown();
+    let end = tokio::time::timeout(Duration::from_secs(30), async { while stream.next().await.is_some() {} }).await;
+    assert!(end.is_ok(), "the stream ends after shutdown");
+    support::eventually(10, "the slot to go with the consumer", || async { slots(&c).await.0 == 0 }).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_relay_leaves_no_slot_and_delivers_a_100_000_event_transaction_when_back() {
+    let server = logical_server().await;
+    let url = migrated(&server, "wal_killed", &["--ordering", "producer-locked", "--source", "wal"]).await;
+    let c = faults::connect(&url, "wal test", LIVENESS).await;
+    let args = ["--source", "wal", "--sink", "stdout", "--max-buffered-bytes", "4MiB"];
+    let spec = || pg_outbox_testkit::process::Relay::new(support::bin()).url(&url).args(&args);
+    let mut relay = spec().start().await.unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(slots(&c).await.0, 1, "the running relay holds one slot");
+    relay.kill9().await;
+    support::eventually(10, "the slot to go with the killed relay", || async { slots(&c).await == (0, 0) }).await;
+
+    // While it is down: one transaction of 100 000 events, and 4 events of
+    // 1 MiB each.
+    c.batch_execute(
+        "INSERT INTO events.outbox (aggregate_type, aggregate_id, event_type, payload) \
+         SELECT 'bulk', gen_random_uuid(), 'Bulk', jsonb_build_object('n', n) FROM generate_series(1, 100000) n; \
+         INSERT INTO events.outbox (aggregate_type, aggregate_id, event_type, payload) \
+         SELECT 'large', gen_random_uuid(), 'Large', jsonb_build_object('blob', repeat('x', 1048576)) \
+           FROM generate_series(1, 4)",
+    )
+    .await
+    .expect("write while the relay is down");
+    let (count, retained) = slots(&c).await;
+    assert_eq!((count, retained), (0, 0), "no slot and no WAL kept while no relay runs");
+
+    let _relay = spec().start().await.unwrap_or_else(|e| panic!("{e}"));
+    support::eventually(120, "all 100 004 events published", || async {
+        c.query_one("SELECT count(*) FILTER (WHERE published_at IS NULL) = 0 FROM events.outbox", &[])
+            .await
+            .is_ok_and(|r| r.get(0))
+    })
+    .await;
+    // And a large transaction written while it runs arrives from the
+    // stream (the sweep is 1 s; the transaction's commit wakes it).
+    c.batch_execute(
+        "INSERT INTO events.outbox (aggregate_type, aggregate_id, event_type, payload) \
+         SELECT 'bulk', gen_random_uuid(), 'Bulk', jsonb_build_object('n', n) FROM generate_series(1, 100000) n",
+    )
+    .await
+    .expect("a large transaction while the relay runs");
+    support::eventually(120, "the second 100 000 published", || async {
+        c.query_one("SELECT count(*) FILTER (WHERE published_at IS NULL) = 0 FROM events.outbox", &[])
+            .await
+            .is_ok_and(|r| r.get(0))
+    })
+    .await;
+    let published: i64 = c.query_one("SELECT count(*) FROM events.outbox", &[]).await.expect("count").get(0);
+    assert_eq!(published, 200_004);
+}
+
+/// The fault suite's load with a WAL-source relay: `kill -9` of the relay
+/// (`Fault::Kill`), termination of its replication backend
+/// (`Fault::Walsender`), or restarts of the server (`Fault::Restart`).
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Fault {
+    Kill,
+    Walsender,
+    Restart,
+}
+
+async fn fault_suite(fault: Fault, seed: u64, db: &str) {
+    const FAULTS: usize = 3;
+    let mut rng = StdRng::seed_from_u64(seed);
+    let server = Arc::new(logical_server().await);
+    // The outbox-locked mode (its trigger keeps the order for the suite's
+    // producers, which lock nothing of their own); the relay never asks
+    // for its NOTIFY.
+    let url = migrated(&server, db, &["--source", "wal"]).await;
+    let kind = match fault {
+        Fault::Kill => "wal_kill_9",
+        Fault::Walsender => "wal_walsender_terminated",
+        Fault::Restart => "wal_postgres_restart",
+    };
+    let mut h =
+        Harness::new(kind, seed, url.clone(), Behavior::Ok, &["--source", "wal", "--sweep-interval", "10s"]).await;
+    h.start_relay().await;
+    let load = Load::spawn(load_spec(&url, seed, &mut rng));
+    let mut injected = 0;
+    for p in fault_points(&mut rng, load.events, FAULTS) {
+        load.reached(p).await;
+        match fault {
+            Fault::Kill => {
+                h.assert_relays_running().await;
+                let i = h.relays.iter().position(|r| r.alive).expect("a relay runs");
+                h.relays[i].kill9().await;
+                tokio::time::sleep(Duration::from_millis(rng.random_range(0..200))).await;
+                h.start_relay().await;
+            }
+            Fault::Walsender => {
+                let admin = faults::connect(&url, "wal admin", LIVENESS).await;
+                let deadline = Instant::now() + LIVENESS;
+                loop {
+                    h.assert_relays_running().await;
+                    let n: i64 = admin
+                        .query_one(
+                            "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_replication \
+                             WHERE application_name = 'pg-outbox wal'",
+                            &[],
+                        )
+                        .await
+                        .expect("terminate the WAL sender")
+                        .get(0);
+                    if n > 0 {
+                        break;
+                    }
+                    assert!(Instant::now() < deadline, "no WAL sender to terminate\n{}", h.logs());
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+            }
+            Fault::Restart => {
+                let s = server.clone();
+                tokio::task::spawn_blocking(move || s.restart())
+                    .await
+                    .expect("join")
+                    .unwrap_or_else(|e| panic!("restart: {}", pg_outbox::error::report(&e)));
+            }
+        }
+        injected += 1;
+    }
+    let ledger = load.join().await;
+    let report = h.finish(Faults::Injected(injected), ledger).await;
+    let duplicates = if fault == Fault::Kill { 2 * BATCH * injected } else { 0 };
+    h.check(&report, duplicates);
+    let c = faults::connect(&url, "wal check", LIVENESS).await;
+    let live = h.relays.iter().filter(|r| r.alive).count() as i64;
+    let (count, _) = slots(&c).await;
+    assert_eq!(count, live, "one slot per running relay, none left behind by the faults\n{}", h.logs());
+    if fault != Fault::Kill {
+        let log = h.logs();
+        assert!(log.contains("replication connection re-established"), "the relay logged its reconnect:\n{log}");
+    }
+    drop(h);
+    support::eventually(10, "no slot once the relays are gone", || async { slots(&c).await.0 == 0 }).await;
+    drop(c);
+    let _ = tokio::task::spawn_blocking(move || drop(server)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn wal_source_kill_9() {
+    fault_suite(Fault::Kill, 0x3A1_0001, "wal_fault_kill").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn wal_source_replication_backend_terminated() {
+    fault_suite(Fault::Walsender, 0x3A1_0002, "wal_fault_walsender").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn wal_source_postgres_restart() {
+    fault_suite(Fault::Restart, 0x3A1_0003, "wal_fault_restart").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn what_the_server_lacks_is_named_and_the_relay_exits() {
+    // The shared test server: whatever its wal_level, a database without
+    // the publication is refused; with wal_level below logical, that first.
+    let db = TestDb::new("wal_setup").await;
+    let c = db.client().await;
+    let wal_level: String = c.query_one("SHOW wal_level", &[]).await.expect("wal_level").get(0);
+    let (status, log) = crate::relay_proc::run_to_exit(&db, &["--source", "wal", "--sink", "stdout"]).await;
+    assert!(!status.success(), "the relay exits non-zero: {log}");
+    let needle = if wal_level == "logical" { "pg-outbox migrate --source wal" } else { "wal_level = logical" };
+    assert!(log.contains(needle), "the error names what to change ({needle}): {log}");
+
+    let server = logical_server().await;
+    let url = migrated(&server, "wal_lacks", &[]).await;
+    let spec = |url: &str| {
+        pg_outbox_testkit::process::Relay::new(support::bin()).url(url).args(&["--source", "wal", "--sink", "stdout"])
+    };
+    let mut relay = spec(&url).spawn().unwrap_or_else(|e| panic!("{e}"));
+    let status = relay.wait().await;
+    let log = relay.log();
+    assert!(!status.success(), "no publication: the relay exits non-zero: {log}");
+    assert!(log.contains("pg-outbox migrate --source wal"), "names the migrate step: {log}");
+
+    let out = support::cli(&["migrate", "--source", "wal"]).url(&url).run().await;
+    assert!(out.ok(), "migrate --source wal: {}", out.stderr);
+    assert!(out.stderr.contains("outbox-locked mode's insert trigger stays"), "says the trigger stays: {}", out.stderr);
+    let admin = faults::connect(&url, "wal admin", LIVENESS).await;
+    admin
+        .batch_execute(
+            "CREATE ROLE app_no_replication LOGIN; \
+             GRANT USAGE ON SCHEMA events TO app_no_replication; \
+             GRANT SELECT, UPDATE ON ALL TABLES IN SCHEMA events TO app_no_replication; \
+             GRANT INSERT, DELETE ON events.outbox_relays, events.outbox_terms TO app_no_replication; \
+             GRANT USAGE ON ALL SEQUENCES IN SCHEMA events TO app_no_replication",
+        )
+        .await
+        .expect("a role without REPLICATION");
+    let weak = url.replacen("postgres://postgres@", "postgres://app_no_replication@", 1);
+    assert_ne!(weak, url, "the throwaway server's URL names its user");
+    let mut relay = spec(&weak).spawn().unwrap_or_else(|e| panic!("{e}"));
+    let status = relay.wait().await;
+    let log = relay.log();
+    assert!(!status.success(), "no REPLICATION: the relay exits non-zero: {log}");
+    assert!(
+        log.contains("ALTER ROLE app_no_replication REPLICATION") || log.contains("REPLICATION privilege"),
+        "names the privilege: {log}"
+    );
+    let (count, _) = slots(&admin).await;
+    assert_eq!(count, 0, "a refused relay leaves no slot");
+}
