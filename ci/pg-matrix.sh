@@ -55,6 +55,11 @@ subset=(
   faults::listener_terminated
   faults::terminating_the_work_connection_loses_nothing
   faults::terminating_the_writer_connection_loses_nothing_and_keeps_each_aggregate_in_order
+  # The WAL source: the replication protocol, temporary slots, and
+  # (before 15) every transaction's empty BEGIN/COMMIT on the stream.
+  wal::with_no_insert_trigger_events_arrive_from_the_wal_in_order_without_the_sweep
+  wal::wal_source_kill_9
+  wal::wal_source_replication_backend_terminated
   # The round trip: publish, consume, acknowledge; through the relay.
   consumer::published_event_is_delivered_acknowledged_and_marked_published
   relay::stdout_sink_prints_every_event_as_one_json_line_then_exits_cleanly_on_sigterm

@@ -27,7 +27,9 @@ pub(crate) const CREATE_PUBLICATION: &str = "DO $$ BEGIN \
 /// (`max_replication_slots` minus `pg_replication_slots`, `max_wal_senders`
 /// minus the running WAL senders of `pg_stat_replication`); and whether
 /// [`PUBLICATION`] publishes inserts into `events.outbox`.
-pub(crate) const READINESS: &str = "SELECT current_setting('wal_level') AS wal_level, \
+pub(crate) const READINESS: &str = "SELECT current_setting('server_version_num')::int AS version_num, \
+       current_setting('server_version') AS version, \
+       current_setting('wal_level') AS wal_level, \
        current_user::text AS usr, \
        (SELECT r.rolsuper OR r.rolreplication OR EXISTS ( \
            SELECT 1 FROM pg_catalog.pg_roles g \
@@ -42,9 +44,16 @@ pub(crate) const READINESS: &str = "SELECT current_setting('wal_level') AS wal_l
                 WHERE p.pubname = 'pg_outbox' AND p.pubinsert \
                   AND t.schemaname = 'events' AND t.tablename = 'outbox') AS published";
 
+/// The oldest server the WAL source runs on, as `server_version_num`:
+/// PostgreSQL 14 (the replication client sends pgoutput's `messages`
+/// option, which 14 added).
+pub(crate) const MIN_SERVER_VERSION: i32 = 140_000;
+
 /// What [`READINESS`] read.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct Readiness {
+    pub(crate) version_num: i32,
+    pub(crate) version: String,
     pub(crate) wal_level: String,
     pub(crate) user: String,
     pub(crate) may_replicate: bool,
@@ -59,6 +68,13 @@ impl Readiness {
     /// The first thing missing, as one line that says what to change.
     pub(crate) fn problem(&self) -> Option<String> {
         let user = &self.user;
+        if self.version_num < MIN_SERVER_VERSION {
+            return Some(format!(
+                "the server runs PostgreSQL {}, and the WAL source needs 14 or later (its replication client \
+                 asks pgoutput for logical decoding messages, an option PostgreSQL 14 added): use --source listen",
+                self.version
+            ));
+        }
         if self.wal_level != "logical" {
             return Some(format!(
                 "the server has wal_level = {}, and logical replication needs wal_level = logical: run \
@@ -108,6 +124,8 @@ impl Readiness {
 pub(crate) async fn readiness<C: GenericClient + Sync>(client: &C) -> Result<Readiness> {
     let row = client.query_one(READINESS, &[]).await?;
     Ok(Readiness {
+        version_num: row.try_get("version_num")?,
+        version: row.try_get("version")?,
         wal_level: row.try_get("wal_level")?,
         user: row.try_get("usr")?,
         may_replicate: row.try_get::<_, Option<bool>>("may_replicate")?.unwrap_or(false),
@@ -210,6 +228,8 @@ mod tests {
 
     fn ready() -> Readiness {
         Readiness {
+            version_num: 150_004,
+            version: "15.4".into(),
             wal_level: "logical".into(),
             user: "app".into(),
             may_replicate: true,
@@ -224,7 +244,8 @@ mod tests {
     #[test]
     fn each_missing_piece_is_named_with_what_to_change() {
         assert_eq!(ready().problem(), None);
-        let cases: [(Readiness, &str); 5] = [
+        let cases: [(Readiness, &str); 6] = [
+            (Readiness { version_num: 130_020, version: "13.20".into(), ..ready() }, "needs 14 or later"),
             (Readiness { wal_level: "replica".into(), ..ready() }, "wal_level = replica"),
             (Readiness { may_replicate: false, ..ready() }, "ALTER ROLE app REPLICATION"),
             (Readiness { used_slots: 10, ..ready() }, "max_replication_slots = 10"),

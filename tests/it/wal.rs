@@ -37,6 +37,27 @@ async fn logical_server() -> TempServer {
         .unwrap_or_else(|e| panic!("throwaway PostgreSQL with wal_level = logical: {}", pg_outbox::error::report(&e)))
 }
 
+/// Does `server` run PostgreSQL 14 or later? On an older one, check that
+/// a relay with the WAL source is refused with a line naming the version,
+/// and say so.
+async fn wal_supported(server: &TempServer) -> bool {
+    let admin = faults::connect(&server.url(), "wal admin", LIVENESS).await;
+    if support::server_version_num(&admin).await >= 140_000 {
+        return true;
+    }
+    let url = migrated(server, "wal_too_old", &["--source", "wal"]).await;
+    let mut relay = pg_outbox_testkit::process::Relay::new(support::bin())
+        .url(&url)
+        .args(&["--source", "wal", "--sink", "stdout"])
+        .spawn()
+        .unwrap_or_else(|e| panic!("{e}"));
+    let status = relay.wait().await;
+    let log = relay.log();
+    assert!(!status.success() && log.contains("needs 14 or later"), "refused on an old server: {log}");
+    println!("wal: PostgreSQL older than 14: the WAL source is refused, as documented; the rest of this test is moot");
+    false
+}
+
 /// Create database `name` on `server` and run `pg-outbox migrate args...`
 /// on it; its URL.
 async fn migrated(server: &TempServer, name: &str, args: &[&str]) -> String {
@@ -80,6 +101,9 @@ async fn trigger_states(c: &tokio_postgres::Client) -> (String, String) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn with_no_insert_trigger_events_arrive_from_the_wal_in_order_without_the_sweep() {
     let server = logical_server().await;
+    if !wal_supported(&server).await {
+        return;
+    }
     let url = migrated(&server, "wal_no_trigger", &["--ordering", "producer-locked", "--source", "wal"]).await;
     let c = faults::connect(&url, "wal test", LIVENESS).await;
     assert_eq!(
@@ -194,6 +218,9 @@ async fn with_no_insert_trigger_events_arrive_from_the_wal_in_order_without_the_
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_killed_relay_leaves_no_slot_and_delivers_a_100_000_event_transaction_when_back() {
     let server = logical_server().await;
+    if !wal_supported(&server).await {
+        return;
+    }
     let url = migrated(&server, "wal_killed", &["--ordering", "producer-locked", "--source", "wal"]).await;
     let c = faults::connect(&url, "wal test", LIVENESS).await;
     let args = ["--source", "wal", "--sink", "stdout", "--max-buffered-bytes", "4MiB"];
@@ -256,6 +283,9 @@ async fn fault_suite(fault: Fault, seed: u64, db: &str) {
     const FAULTS: usize = 3;
     let mut rng = StdRng::seed_from_u64(seed);
     let server = Arc::new(logical_server().await);
+    if !wal_supported(&server).await {
+        return;
+    }
     // The outbox-locked mode (its trigger keeps the order for the suite's
     // producers, which lock nothing of their own); the relay never asks
     // for its NOTIFY.
@@ -353,10 +383,19 @@ async fn what_the_server_lacks_is_named_and_the_relay_exits() {
     let wal_level: String = c.query_one("SHOW wal_level", &[]).await.expect("wal_level").get(0);
     let (status, log) = crate::relay_proc::run_to_exit(&db, &["--source", "wal", "--sink", "stdout"]).await;
     assert!(!status.success(), "the relay exits non-zero: {log}");
-    let needle = if wal_level == "logical" { "pg-outbox migrate --source wal" } else { "wal_level = logical" };
+    let needle = if support::server_version_num(&c).await < 140_000 {
+        "needs 14 or later"
+    } else if wal_level == "logical" {
+        "pg-outbox migrate --source wal"
+    } else {
+        "wal_level = logical"
+    };
     assert!(log.contains(needle), "the error names what to change ({needle}): {log}");
 
     let server = logical_server().await;
+    if !wal_supported(&server).await {
+        return;
+    }
     let url = migrated(&server, "wal_lacks", &[]).await;
     let spec = |url: &str| {
         pg_outbox_testkit::process::Relay::new(support::bin()).url(url).args(&["--source", "wal", "--sink", "stdout"])
