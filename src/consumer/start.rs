@@ -20,10 +20,12 @@ use crate::connect;
 use crate::error::{Error, Result};
 
 impl ConsumerBuilder {
-    /// Connect, check the schema, LISTEN, and start the background tasks.
+    /// Connect, check the schema, LISTEN (or open the WAL source's
+    /// replication connection and slot), and start the background tasks.
     ///
     /// Spawns two tasks on the current Tokio runtime: the notifier (a
-    /// dedicated LISTEN connection that never opens a transaction) and the
+    /// dedicated LISTEN connection that never opens a transaction; with
+    /// [`SourceKind::Wal`], the replication stream's reader) and the
     /// drain loop (fetch, hand out, write acknowledgements in batches). A
     /// first drain runs at once.
     ///
@@ -38,7 +40,10 @@ impl ConsumerBuilder {
     /// sessions, so it needs a direct URL or a session-mode pooler's;
     /// [`Error::ReadOnlyStandby`](crate::Error::ReadOnlyStandby) if the
     /// server is a hot standby (it needs the primary), unless it waits for a
-    /// promotion ([`ConsumerBuilder::wait_for_primary`]).
+    /// promotion ([`ConsumerBuilder::wait_for_primary`]);
+    /// [`Error::ReplicationSetup`](crate::Error::ReplicationSetup) with the
+    /// WAL source when the server lacks what it needs (the message names
+    /// what to change).
     ///
     /// # Cancel safety
     /// Cancel safe: dropping the future before it resolves closes the sessions it
@@ -67,6 +72,18 @@ impl ConsumerBuilder {
                  racing producers can commit an aggregate's events out of order; enable one with \
                  `pg-outbox migrate --ordering outbox-locked`"
             ),
+        }
+        if cfg.source == SourceKind::Listen
+            && cfg.listen
+            && crate::migrate::ordering(&work).await?.is_some()
+            && !crate::store::schema::insert_trigger_fires(&work).await?
+        {
+            tracing::warn!(
+                sweep_interval = ?cfg.sweep_interval,
+                "the insert trigger was stopped for the WAL source (`pg-outbox migrate --source wal`): producers \
+                 send no NOTIFY, so this LISTEN consumer finds new events by the sweep only; run it with the WAL \
+                 source (`relay --source wal`), or `pg-outbox migrate --source listen`"
+            );
         }
         let signals = Signals::default();
         let (status_tx, status_rx) = watch::channel(ListenerStatus::default());

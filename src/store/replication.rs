@@ -182,12 +182,6 @@ const WAKE_TRIGGER_ON: &str = "BEGIN; SET LOCAL lock_timeout = '5s'; DO $$ BEGIN
        END IF; \
      END $$; COMMIT";
 
-/// Does an insert trigger fire in ordinary sessions (`O`: origin, `A`:
-/// always)?
-const INSERT_TRIGGER_FIRES: &str = "SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_trigger \
-       WHERE tgrelid = 'events.outbox'::regclass AND tgname IN ('outbox_order', 'outbox_wake') \
-         AND tgenabled IN ('O', 'A')) AS fires";
-
 /// Prepare for the WAL source (`wal`: create [`PUBLICATION`], and in the
 /// producer-locked mode stop the wake-up trigger) or for the listen
 /// source (start it again); returns whether an insert trigger fires.
@@ -202,16 +196,7 @@ pub(crate) async fn set_source(client: &tokio_postgres::Client, wal: bool) -> Re
         .batch_execute(if wal { WAKE_TRIGGER_OFF } else { WAKE_TRIGGER_ON })
         .await
         .map_err(super::map_missing_schema)?;
-    insert_trigger_fires(client).await
-}
-
-/// Does an insert trigger fire on `events.outbox` in ordinary sessions
-/// ([`INSERT_TRIGGER_FIRES`])?
-///
-/// # Errors
-/// [`Error::Db`].
-pub(crate) async fn insert_trigger_fires<C: GenericClient + Sync>(client: &C) -> Result<bool> {
-    Ok(client.query_one(INSERT_TRIGGER_FIRES, &[]).await?.try_get("fires")?)
+    super::schema::insert_trigger_fires(client).await
 }
 
 /// The replication command that creates the WAL source's slot `slot`:

@@ -163,6 +163,23 @@ async fn names(client: &Client, sql: &str) -> Result<Vec<String>> {
     Ok(rows.iter().map(|r| r.try_get("name")).collect::<Result<_, _>>()?)
 }
 
+/// Does an insert trigger fire on `events.outbox` in ordinary sessions
+/// (`tgenabled` `O`, origin, or `A`, always)? Not after `migrate --source
+/// wal` in the producer-locked mode, which sets `outbox_wake` to `R`
+/// (replica only).
+const INSERT_TRIGGER_FIRES: &str = "SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_trigger \
+       WHERE tgrelid = 'events.outbox'::regclass AND tgname IN ('outbox_order', 'outbox_wake') \
+         AND tgenabled IN ('O', 'A')) AS fires";
+
+/// Does an insert trigger fire in ordinary sessions
+/// ([`INSERT_TRIGGER_FIRES`])?
+///
+/// # Errors
+/// [`crate::Error::Db`].
+pub(crate) async fn insert_trigger_fires<C: GenericClient + Sync>(client: &C) -> Result<bool> {
+    Ok(client.query_one(INSERT_TRIGGER_FIRES, &[]).await?.try_get("fires")?)
+}
+
 /// The ordering mode installed ([`INSTALLED_ORDERING`]), `None` when
 /// neither insert trigger is enabled.
 ///

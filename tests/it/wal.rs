@@ -433,3 +433,21 @@ async fn what_the_server_lacks_is_named_and_the_relay_exits() {
     let (count, _) = slots(&admin).await;
     assert_eq!(count, 0, "a refused relay leaves no slot");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_listen_relay_where_no_insert_trigger_fires_says_it_finds_events_by_the_sweep_only() {
+    // The publication can be created whatever the server's wal_level; the
+    // trigger's state is what the LISTEN relay must notice.
+    let db = TestDb::new("wal_listen_warning").await;
+    let out = support::cli(&["migrate", "--ordering", "producer-locked", "--source", "wal"]).url(&db.url()).run().await;
+    assert!(out.ok(), "migrate --source wal: {}", out.stderr);
+    assert!(out.stderr.contains("no insert trigger fires"), "migrate says so: {}", out.stderr);
+    let mut relay = crate::relay_proc::start(&db, &["--sink", "stdout"]).await;
+    relay.wait_for_log(&["finds new events by the sweep only"]).await;
+    relay.sigterm();
+    relay.wait().await;
+    let out = support::cli(&["migrate", "--source", "listen"]).url(&db.url()).run().await;
+    assert!(out.ok(), "migrate --source listen: {}", out.stderr);
+    let c = db.client().await;
+    assert_eq!(trigger_states(&c).await, ("D".to_string(), "O".to_string()), "the wake-up trigger fires again");
+}
