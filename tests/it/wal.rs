@@ -451,3 +451,39 @@ async fn a_listen_relay_where_no_insert_trigger_fires_says_it_finds_events_by_th
     let c = db.client().await;
     assert_eq!(trigger_states(&c).await, ("D".to_string(), "O".to_string()), "the wake-up trigger fires again");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_running_relay_confirms_wal_it_has_no_events_in() {
+    // WAL of other tables (nothing published) must not pile up behind the
+    // running relay's slot: it confirms keepalives' WAL end too.
+    let server = logical_server().await;
+    if !wal_supported(&server).await {
+        return;
+    }
+    let url = migrated(&server, "wal_confirms", &["--source", "wal"]).await;
+    let c = faults::connect(&url, "wal test", LIVENESS).await;
+    let _relay = pg_outbox_testkit::process::Relay::new(support::bin())
+        .url(&url)
+        .args(&["--source", "wal", "--sink", "stdout"])
+        .start()
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    c.batch_execute(
+        "CREATE TABLE other (id int, filler text); \
+         INSERT INTO other SELECT n, repeat('x', 1000) FROM generate_series(1, 20000) n",
+    )
+    .await
+    .expect("about 20 MB of WAL in another table");
+    let written: i64 =
+        c.query_one("SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), '0/0')::int8", &[]).await.expect("lsn").get(0);
+    support::eventually(60, "the slot to confirm past the other table's WAL", || async {
+        c.query_one(
+            "SELECT coalesce(bool_and(pg_wal_lsn_diff(confirmed_flush_lsn, '0/0') >= $1::int8), false) \
+             FROM pg_replication_slots",
+            &[&written],
+        )
+        .await
+        .is_ok_and(|r| r.get(0))
+    })
+    .await;
+}
