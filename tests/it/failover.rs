@@ -16,6 +16,10 @@
 //! only within the relay's in-flight window) and print the time from the
 //! promotion to the relay's first delivery after it.
 //!
+//! The same two with the WAL source (`--source wal`, `wal_level =
+//! logical`): its replication connection skips the standby among the
+//! URL's hosts and streams from the promoted one.
+//!
 //! Last, a relay pointed at a standby: it exits in one line that says what
 //! to do, and with `--wait-for-primary` it waits, then delivers once the
 //! standby is promoted.
@@ -30,7 +34,7 @@ use rand::rngs::StdRng;
 use uuid::Uuid;
 
 use pg_outbox_testkit::process::{self, LIVENESS};
-use pg_outbox_testkit::{StandbyOptions, TempServer};
+use pg_outbox_testkit::{StandbyOptions, TempServer, TempServerOptions};
 
 use crate::faults::{self, BATCH, Behavior, Faults, Harness, Load, Sink};
 use crate::needs;
@@ -75,8 +79,12 @@ fn must<T>(r: pg_outbox::temp_server::Result<T>, what: &str) -> T {
 /// A throwaway primary with the outbox migrated in [`DB`], and a streaming
 /// standby of it (synchronous if asked); `None` after a skip line when
 /// `pg_basebackup` is missing.
-async fn pair(synchronous: bool) -> Option<(TempServer, TempServer)> {
-    let primary = must(blocking(TempServer::start).await, "throwaway primary");
+async fn pair(synchronous: bool, source: Source) -> Option<(TempServer, TempServer)> {
+    let options = match source {
+        Source::Listen => TempServerOptions::default(),
+        Source::Wal => TempServerOptions::default().setting("wal_level", "logical"),
+    };
+    let primary = must(blocking(move || TempServer::start_with(options)).await, "throwaway primary");
     if !needs::server_program(primary.bindir(), "pg_basebackup") {
         blocking(move || drop(primary)).await;
         return None;
@@ -84,7 +92,11 @@ async fn pair(synchronous: bool) -> Option<(TempServer, TempServer)> {
     let admin = faults::connect(&primary.url(), "failover admin", LIVENESS).await;
     admin.batch_execute(&format!("CREATE DATABASE {DB}")).await.expect("create the database");
     drop(admin);
-    let migrate = support::cli(&["migrate"]).url(&primary.url_for(DB)).run().await;
+    let args: &[&str] = match source {
+        Source::Listen => &["migrate"],
+        Source::Wal => &["migrate", "--source", "wal"],
+    };
+    let migrate = support::cli(args).url(&primary.url_for(DB)).run().await;
     assert!(migrate.ok(), "pg-outbox migrate failed: {}", migrate.stderr);
     let (primary, standby) = blocking(move || {
         let standby = primary.start_standby(StandbyOptions::default().synchronous(synchronous));
@@ -125,17 +137,33 @@ enum Fault {
     Crash,
 }
 
+/// Where the relay learns of new events.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Source {
+    /// LISTEN (the default).
+    Listen,
+    /// `--source wal` on a `wal_level = logical` pair: the replication
+    /// connection must find the promoted standby among the URL's hosts.
+    Wal,
+}
+
 /// The load through a relay, the fault mid-load, the promotion, and the
 /// checks; prints the figures.
-async fn fail_over(fault: Fault, seed: u64) {
-    let kind = match fault {
-        Fault::Switchover => "switchover",
-        Fault::Crash => "failover_kill_9",
+async fn fail_over(fault: Fault, seed: u64, source: Source) {
+    let kind = match (fault, source) {
+        (Fault::Switchover, Source::Listen) => "switchover",
+        (Fault::Crash, Source::Listen) => "failover_kill_9",
+        (Fault::Switchover, Source::Wal) => "switchover_wal",
+        (Fault::Crash, Source::Wal) => "failover_kill_9_wal",
     };
     let started = Instant::now();
-    let Some((primary, standby)) = pair(fault == Fault::Crash).await else { return };
+    let Some((primary, standby)) = pair(fault == Fault::Crash, source).await else { return };
     let url = multi_host_url(&primary, &standby);
-    let mut h = Harness::new(kind, seed, url.clone(), Behavior::Ok, &[]).await;
+    let extra: &[&str] = match source {
+        Source::Listen => &[],
+        Source::Wal => &["--source", "wal"],
+    };
+    let mut h = Harness::new(kind, seed, url.clone(), Behavior::Ok, extra).await;
     h.start_relay().await;
     let mut rng = StdRng::seed_from_u64(seed);
     let mut spec = faults::load_spec(&url, seed, &mut rng);
@@ -208,18 +236,41 @@ async fn fail_over(fault: Fault, seed: u64) {
     let log = h.relays[0].log();
     assert_eq!(log.matches("reconnecting until a host accepts writes").count(), 1, "fault={kind}:\n{log}");
     assert_eq!(log.matches("a host accepts writes again").count(), 1, "fault={kind}:\n{log}");
+    if source == Source::Wal {
+        // The stream came back on the promoted standby, with a new slot.
+        assert!(log.contains("replication connection re-established"), "fault={kind}:\n{log}");
+        let promoted = faults::connect(&standby.url(), "failover check", LIVENESS).await;
+        let slots: i64 = promoted
+            .query_one("SELECT count(*) FROM pg_replication_slots WHERE temporary AND active", &[])
+            .await
+            .expect("read pg_replication_slots")
+            .get(0);
+        assert_eq!(slots, 1, "fault={kind}: the relay streams from the promoted standby\n{log}");
+    }
     drop(h);
     blocking(move || drop((primary, standby))).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn switchover_loses_nothing_and_keeps_each_aggregate_in_order() {
-    fail_over(Fault::Switchover, 0xFA11_0001).await;
+    fail_over(Fault::Switchover, 0xFA11_0001, Source::Listen).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kill_9_of_the_primary_with_a_synchronous_standby_loses_nothing_committed() {
-    fail_over(Fault::Crash, 0xFA11_0002).await;
+    fail_over(Fault::Crash, 0xFA11_0002, Source::Listen).await;
+}
+
+#[cfg(feature = "wal")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn switchover_with_the_wal_source_loses_nothing_and_streams_from_the_promoted_standby() {
+    fail_over(Fault::Switchover, 0xFA11_0003, Source::Wal).await;
+}
+
+#[cfg(feature = "wal")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kill_9_of_the_primary_with_a_synchronous_standby_and_the_wal_source_loses_nothing() {
+    fail_over(Fault::Crash, 0xFA11_0004, Source::Wal).await;
 }
 
 /// Publish `n` events on `url` through pg-outbox; their ids.
@@ -242,7 +293,7 @@ fn error_lines(stderr: &str) -> Vec<&str> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_relay_pointed_at_a_standby_exits_in_one_line_or_waits_for_the_promotion() {
-    let Some((primary, standby)) = pair(false).await else { return };
+    let Some((primary, standby)) = pair(false, Source::Listen).await else { return };
     let standby_url = standby.url_for(DB);
     let ids = publish(&primary.url_for(DB), 3).await;
     let on_standby = faults::connect(&standby_url, "failover check", LIVENESS).await;

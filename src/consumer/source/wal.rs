@@ -79,23 +79,22 @@ fn slot_name() -> String {
     format!("pg_outbox_{:016x}", rand::random::<u64>())
 }
 
-/// The replication connection's settings for `pg` and slot `slot`: the
-/// first host of the URL, its port, user, password (given, or the
-/// password file's), database, and the TLS mode mapped to the crate's
-/// (`allow` and `prefer` try TLS first; `require` with a root certificate
-/// checks the chain, as libpq does; `verify-ca` and `verify-full` without
+/// The replication connection's settings for host `host` (with `port`) of
+/// `pg` and slot `slot`: the URL's user, password (given, or the password
+/// file's), database, and its TLS mode mapped to the crate's (`allow` and
+/// `prefer` try TLS first; `require` with a root certificate checks the
+/// chain, as libpq does; `verify-ca` and `verify-full` without
 /// `sslrootcert` use `~/.postgresql/root.crt`; `sslrootcert=system` uses
 /// the Mozilla roots the crate carries).
-fn replication_config(pg: &connect::ConnectOptions, slot: &str) -> Result<ReplicationConfig> {
-    let port = pg.ports().first().copied().unwrap_or(5432);
+fn replication_config(pg: &connect::ConnectOptions, host: &Host, port: u16, slot: &str) -> Result<ReplicationConfig> {
     let user = pg.user().ok_or_else(|| Error::Config("the WAL source needs a user name".into()))?;
     let db = pg.dbname().unwrap_or(user);
     let password = pg.resolved_password().unwrap_or_default();
-    let cfg = match pg.hosts().first() {
-        Some(Host::Unix(dir)) => {
+    let cfg = match host {
+        Host::Unix(dir) => {
             ReplicationConfig::unix(dir.display().to_string(), port, user, password, db, slot, PUBLICATION)
         }
-        Some(Host::Tcp(host)) => {
+        Host::Tcp(host) => {
             let root = |r: Option<&RootCert>| match r {
                 Some(RootCert::File(p)) => Some(p.clone()),
                 Some(RootCert::System) => None,
@@ -116,13 +115,27 @@ fn replication_config(pg: &connect::ConnectOptions, slot: &str) -> Result<Replic
             };
             ReplicationConfig::new(host.clone(), user, password, db, slot, PUBLICATION).with_port(port).with_tls(tls)
         }
-        None => return Err(Error::Config("the WAL source needs a host name or socket directory".into())),
     };
     Ok(cfg
         .with_start_lsn(Lsn::ZERO)
         .with_status_interval(STATUS_INTERVAL)
         .with_options(format!("-c lock_timeout={}", SLOT_LOCK_TIMEOUT.as_millis()))
         .with_application_name(pg.application_name().unwrap_or("pg-outbox wal")))
+}
+
+/// The hosts of `pg` with their ports, in the URL's order (one port for
+/// all, or one each; 5432 when none is given).
+fn hosts(pg: &connect::ConnectOptions) -> Result<Vec<(Host, u16)>> {
+    let ports = pg.ports();
+    let hosts = pg.hosts();
+    if hosts.is_empty() {
+        return Err(Error::Config("the WAL source needs a host name or socket directory (not hostaddr alone)".into()));
+    }
+    Ok(hosts
+        .iter()
+        .enumerate()
+        .map(|(i, h)| (h.clone(), ports.get(i).or(ports.first()).copied().unwrap_or(5432)))
+        .collect())
 }
 
 /// Why the replication connection could not be opened, in the words of
@@ -147,26 +160,44 @@ fn open_error(e: pgwire_replication::PgWireError, slot: &str) -> Error {
     Error::Io(std::io::Error::other(format!("replication connection: {text}")))
 }
 
-/// Open a replication connection for `pg`, create a temporary slot on it,
-/// and start streaming the publication from the slot's consistent point.
+/// Open a replication connection for `pg` on the first of its hosts that
+/// is not a standby (a multi-host URL after a failover), create a temporary
+/// slot on it, and start streaming the publication from the slot's
+/// consistent point.
 async fn open(pg: &connect::ConnectOptions) -> Result<(ReplicationClient, String)> {
     let slot = slot_name();
-    let cfg = replication_config(pg, &slot)?;
-    let opening = async {
-        let mut client = ReplicationClient::connect_gated(cfg).await.map_err(|e| open_error(e, &slot))?;
-        client.simple_query(&replication::create_slot_command(&slot)).await.map_err(|e| open_error(e, &slot))?;
-        client.start().await.map_err(|e| open_error(e, &slot))?;
-        client.wait_started().await.map_err(|e| open_error(e, &slot))?;
-        Ok::<_, Error>(client)
-    };
-    match tokio::time::timeout(OPEN_TIMEOUT, opening).await {
-        Ok(Ok(client)) => Ok((client, slot)),
-        Ok(Err(e)) => Err(e),
-        Err(_) => Err(Error::Io(std::io::Error::new(
-            std::io::ErrorKind::TimedOut,
-            format!("opening the replication connection took more than {OPEN_TIMEOUT:?}"),
-        ))),
+    let mut last = None;
+    for (host, port) in hosts(pg)? {
+        let cfg = replication_config(pg, &host, port, &slot)?;
+        let opening = async {
+            let mut client = ReplicationClient::connect_gated(cfg).await.map_err(|e| open_error(e, &slot))?;
+            let rows = client.simple_query("SELECT pg_is_in_recovery()").await.map_err(|e| open_error(e, &slot))?;
+            if rows.first().and_then(|r| r.first()).and_then(Option::as_ref).is_some_and(|v| v.as_ref() == b"t") {
+                return Ok(None);
+            }
+            client.simple_query(&replication::create_slot_command(&slot)).await.map_err(|e| open_error(e, &slot))?;
+            client.start().await.map_err(|e| open_error(e, &slot))?;
+            client.wait_started().await.map_err(|e| open_error(e, &slot))?;
+            Ok::<_, Error>(Some(client))
+        };
+        let target = match &host {
+            Host::Tcp(h) => format!("{h}:{port}"),
+            Host::Unix(d) => format!("{}:{port}", d.display()),
+        };
+        match tokio::time::timeout(OPEN_TIMEOUT, opening).await {
+            Ok(Ok(Some(client))) => return Ok((client, slot)),
+            Ok(Ok(None)) => last = Some(Error::ReadOnlyStandby { target }),
+            Ok(Err(e @ Error::ReplicationSetup(_))) => return Err(e),
+            Ok(Err(e)) => last = Some(e),
+            Err(_) => {
+                last = Some(Error::Io(std::io::Error::new(
+                    std::io::ErrorKind::TimedOut,
+                    format!("opening the replication connection to {target} took more than {OPEN_TIMEOUT:?}"),
+                )))
+            }
+        }
     }
+    Err(last.unwrap_or_else(|| Error::Config("the WAL source found no host to connect to".into())))
 }
 
 /// The first replication connection, opened by `start` before the drain
