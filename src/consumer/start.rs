@@ -188,7 +188,7 @@ async fn start_wal(
     metrics::gauge!(crate::metrics::LISTEN_ENABLED).set(0.0);
     let pg = cfg.listener_pg.clone().unwrap_or_else(|| cfg.pg.clone());
     let first = wal::first(&pg, work).await?;
-    metrics::gauge!(crate::metrics::NOTIFICATIONS_WORKING).set(1.0);
+    metrics::gauge!(crate::metrics::NOTIFICATIONS_WORKING).set(if first.is_some() { 1.0 } else { 0.0 });
     Ok(wal::spawn(wal::WalReader { pg, first, signals, token, status: status_tx, cfg: cfg.clone() }))
 }
 

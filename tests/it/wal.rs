@@ -487,3 +487,48 @@ async fn a_running_relay_confirms_wal_it_has_no_events_in() {
     })
     .await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_long_write_transaction_delays_the_slot_not_the_relay() {
+    // Creating a slot waits for the write transactions running in the
+    // cluster; its lock_timeout (10 s) ends the wait. The relay starts
+    // anyway, delivers by the sweep, and streams once the transaction ends.
+    let server = logical_server().await;
+    if !wal_supported(&server).await {
+        return;
+    }
+    let url = migrated(&server, "wal_long_tx", &["--source", "wal"]).await;
+    let c = faults::connect(&url, "wal test", LIVENESS).await;
+    c.batch_execute("CREATE TABLE other (id int)").await.expect("a table");
+    let long = faults::connect(&url, "wal long transaction", LIVENESS).await;
+    long.batch_execute("BEGIN; INSERT INTO other VALUES (1)").await.expect("a write transaction left open");
+    let started = Instant::now();
+    let mut relay = pg_outbox_testkit::process::Relay::new(support::bin())
+        .url(&url)
+        .args(&["--source", "wal", "--sink", "stdout", "--sweep-interval", "500ms"])
+        .start()
+        .await
+        .unwrap_or_else(|e| panic!("the relay starts despite the long transaction: {e}"));
+    let waited = started.elapsed();
+    relay.wait_log(&["starting without the replication stream"], LIVENESS).await.unwrap_or_else(|e| panic!("{e}"));
+    c.execute(
+        "INSERT INTO events.outbox (aggregate_type, aggregate_id, event_type, payload) \
+         VALUES ('a', gen_random_uuid(), 'E', '{}')",
+        &[],
+    )
+    .await
+    .expect("insert");
+    support::eventually(30, "the event published by the sweep meanwhile", || async {
+        c.query_one("SELECT count(*) FILTER (WHERE published_at IS NULL) = 0 FROM events.outbox", &[])
+            .await
+            .is_ok_and(|r| r.get(0))
+    })
+    .await;
+    long.batch_execute("COMMIT").await.expect("the long transaction ends");
+    relay
+        .wait_log(&["replication connection re-established"], Duration::from_secs(60))
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(slots(&c).await.0, 1, "the slot exists once the transaction ended");
+    println!("wal: the relay started after {waited:?} with a write transaction open (slot lock_timeout 10 s)");
+}

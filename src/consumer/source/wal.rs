@@ -60,6 +60,16 @@ use crate::store::{Fence, FetchKind, FetchPage};
 /// cluster: 10 s.
 pub(crate) const SLOT_LOCK_TIMEOUT: Duration = Duration::from_secs(10);
 
+/// The start of the error when creating the slot waited out
+/// [`SLOT_LOCK_TIMEOUT`].
+const SLOT_WAIT: &str = "the slot is not ready";
+
+/// Did opening fail because creating the slot waited out its
+/// `lock_timeout` (a long write transaction)?
+fn is_slot_wait(e: &Error) -> bool {
+    matches!(e, Error::Io(io) if io.to_string().starts_with(SLOT_WAIT))
+}
+
 /// Opening the replication connection and creating the slot give up after
 /// this long (the slot's own wait is bounded by [`SLOT_LOCK_TIMEOUT`]).
 const OPEN_TIMEOUT: Duration = Duration::from_secs(30);
@@ -150,11 +160,14 @@ fn open_error(e: pgwire_replication::PgWireError, slot: &str) -> Error {
              pg_hba.conf"
         ));
     }
-    if text.contains("lock timeout") || text.contains("canceling statement due to lock timeout") {
-        return Error::ReplicationSetup(format!(
-            "creating the replication slot {slot} waited more than {SLOT_LOCK_TIMEOUT:?} for write \
-             transactions running in the cluster (a slot needs them to end; see pg_stat_activity for long \
-             transactions): retrying"
+    if text.contains("lock timeout") {
+        return Error::Io(std::io::Error::new(
+            std::io::ErrorKind::TimedOut,
+            format!(
+                "{SLOT_WAIT}: creating the replication slot {slot} waited {SLOT_LOCK_TIMEOUT:?} for write \
+                 transactions running in the cluster to end (a new slot needs them to; see pg_stat_activity for \
+                 long transactions)"
+            ),
         ));
     }
     Error::Io(std::io::Error::other(format!("replication connection: {text}")))
@@ -211,21 +224,37 @@ pub(crate) struct Streaming {
 /// slot and sender, publication), then open the first replication
 /// connection and its slot.
 ///
+/// `None` when creating the slot waited out [`SLOT_LOCK_TIMEOUT`] for a
+/// long write transaction: the consumer then starts without the stream,
+/// finds events by the sweep, and the reader tries again with backoff
+/// (logged as a warning).
+///
 /// # Errors
 /// [`Error::ReplicationSetup`] naming what to change; the connection's
 /// errors otherwise.
-pub(crate) async fn first(pg: &connect::ConnectOptions, work: &tokio_postgres::Client) -> Result<Streaming> {
+pub(crate) async fn first(pg: &connect::ConnectOptions, work: &tokio_postgres::Client) -> Result<Option<Streaming>> {
     replication::check(work).await?;
-    let (client, slot) = open(pg).await?;
-    tracing::info!(slot = %slot, publication = PUBLICATION,
-        "reading inserts into events.outbox from logical replication (a temporary slot)");
-    Ok(Streaming { client, slot })
+    match open(pg).await {
+        Ok((client, slot)) => {
+            tracing::info!(slot = %slot, publication = PUBLICATION,
+                "reading inserts into events.outbox from logical replication (a temporary slot)");
+            Ok(Some(Streaming { client, slot }))
+        }
+        Err(e) if is_slot_wait(&e) => {
+            tracing::warn!(error = %crate::error::report(&e),
+                "starting without the replication stream: events are found by the sweep until the slot is created \
+                 (tried again with backoff)");
+            Ok(None)
+        }
+        Err(e) => Err(e),
+    }
 }
 
 /// What the stream reader task is given.
 pub(crate) struct WalReader {
     pub(crate) pg: connect::ConnectOptions,
-    pub(crate) first: Streaming,
+    /// The stream `start` opened, if it could (see [`first`]).
+    pub(crate) first: Option<Streaming>,
     pub(crate) signals: Signals,
     pub(crate) token: CancellationToken,
     pub(crate) status: watch::Sender<ListenerStatus>,
@@ -242,7 +271,10 @@ pub(crate) fn spawn(r: WalReader) -> JoinHandle<()> {
 /// (a new slot, then a sweep) when the connection is lost.
 async fn run(r: WalReader) {
     let WalReader { pg, first, signals, token, status, cfg } = r;
-    let mut current = Some(first);
+    let mut current = first;
+    if current.is_none() {
+        status.send_replace(ListenerStatus { listening: false, reconnects: 0 });
+    }
     let mut reconnects: u64 = 0;
     let mut backoff = new_backoff(cfg.reconnect_max_delay);
     loop {
@@ -265,6 +297,7 @@ async fn run(r: WalReader) {
             Ok((client, slot)) => {
                 reconnects += 1;
                 metrics::counter!(m::LISTENER_RECONNECTS).increment(1);
+                metrics::gauge!(m::NOTIFICATIONS_WORKING).set(1.0);
                 tracing::info!(reconnects, slot = %slot, "replication connection re-established; sweeping");
                 current = Some(Streaming { client, slot });
                 // The slot is in place: now sweep for what committed before.
