@@ -475,7 +475,7 @@ impl ConsumerBuilder {
     }
 
     /// Where the consumer learns that events committed (default
-    /// [`SourceKind::Listen`]). With [`SourceKind::Wal`] the consumer does
+    /// [`SourceKind::Listen`]). With `SourceKind::Wal` (feature `wal`) the consumer does
     /// not LISTEN ([`ConsumerBuilder::listen`] is ignored) and registers as
     /// never waiting for a notification, so producers skip NOTIFY.
     pub fn source(mut self, source: SourceKind) -> Self {

@@ -25,7 +25,7 @@ impl ConsumerBuilder {
     ///
     /// Spawns two tasks on the current Tokio runtime: the notifier (a
     /// dedicated LISTEN connection that never opens a transaction; with
-    /// [`SourceKind::Wal`], the replication stream's reader) and the
+    /// `SourceKind::Wal`, the replication stream's reader) and the
     /// drain loop (fetch, hand out, write acknowledgements in batches). A
     /// first drain runs at once.
     ///
