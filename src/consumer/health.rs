@@ -115,9 +115,14 @@ pub struct Health {
     pub mode: Mode,
     /// What this consumer does in that mode.
     pub role: Role,
-    /// Whether the consumer LISTENs ([`ConsumerBuilder::listen`](crate::ConsumerBuilder::listen)).
+    /// Whether the consumer has a wake-up connection: it LISTENs
+    /// ([`ConsumerBuilder::listen`](crate::ConsumerBuilder::listen)), or it
+    /// reads the WAL source's replication stream
+    /// ([`ConsumerBuilder::source`](crate::ConsumerBuilder::source)).
     pub listen: bool,
-    /// The LISTEN connection's state (never listening when `listen` is off).
+    /// The wake-up connection's state: the LISTEN connection's, or the
+    /// replication connection's with the WAL source (never listening when
+    /// `listen` is off).
     pub listener: ListenerStatus,
     /// The drain loop's last database error (a lost session, a failed or
     /// timed-out statement, a failed reconnect); kept after recovery.
@@ -250,7 +255,9 @@ impl State {
             stall_bound: stall_bound(cfg),
             shutdown_grace: cfg.shutdown_grace,
             mode: cfg.mode,
-            listen: cfg.listen,
+            // The WAL source's replication connection is its wake-up
+            // connection: reported as the listener.
+            listen: cfg.listen || cfg.source != super::SourceKind::Listen,
             last_turn: AtomicU64::new(0),
             ended: AtomicBool::new(false),
             stopping: AtomicBool::new(false),

@@ -23,7 +23,8 @@ type Tasks = (JoinHandle<()>, Option<JoinHandle<()>>);
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct ListenerStatus {
-    /// True while the LISTEN connection is up and listening.
+    /// True while the LISTEN connection is up and listening (with the WAL
+    /// source: while its replication connection streams).
     pub listening: bool,
     /// Successful reconnects since start (the first connection is not counted).
     pub reconnects: u64,

@@ -503,14 +503,28 @@ async fn a_long_write_transaction_delays_the_slot_not_the_relay() {
     let long = faults::connect(&url, "wal long transaction", LIVENESS).await;
     long.batch_execute("BEGIN; INSERT INTO other VALUES (1)").await.expect("a write transaction left open");
     let started = Instant::now();
+    let port = pg_outbox_testkit::process::free_port();
     let mut relay = pg_outbox_testkit::process::Relay::new(support::bin())
         .url(&url)
-        .args(&["--source", "wal", "--sink", "stdout", "--sweep-interval", "500ms"])
+        .args(&[
+            "--source",
+            "wal",
+            "--sink",
+            "stdout",
+            "--sweep-interval",
+            "500ms",
+            "--metrics-addr",
+            &port.to_string(),
+        ])
         .start()
         .await
         .unwrap_or_else(|e| panic!("the relay starts despite the long transaction: {e}"));
     let waited = started.elapsed();
     relay.wait_log(&["starting without the replication stream"], LIVENESS).await.unwrap_or_else(|e| panic!("{e}"));
+    // Ready (the sweep delivers), and degraded: the stream is not there.
+    let (_, body) = crate::health::probe_until(port, "/readyz", LIVENESS, |code, _| code == 200).await;
+    assert_eq!(body["checks"]["listener"]["status"], "degraded", "{body}");
+    assert_eq!(body["listener"]["enabled"], true, "{body}");
     c.execute(
         "INSERT INTO events.outbox (aggregate_type, aggregate_id, event_type, payload) \
          VALUES ('a', gen_random_uuid(), 'E', '{}')",
@@ -530,5 +544,8 @@ async fn a_long_write_transaction_delays_the_slot_not_the_relay() {
         .await
         .unwrap_or_else(|e| panic!("{e}"));
     assert_eq!(slots(&c).await.0, 1, "the slot exists once the transaction ended");
+    let (_, body) =
+        crate::health::probe_until(port, "/readyz", LIVENESS, |_, b| b["listener"]["listening"] == true).await;
+    assert_eq!(body["checks"]["listener"]["status"], "ok", "{body}");
     println!("wal: the relay started after {waited:?} with a write transaction open (slot lock_timeout 10 s)");
 }
