@@ -549,3 +549,117 @@ async fn a_long_write_transaction_delays_the_slot_not_the_relay() {
     assert_eq!(body["checks"]["listener"]["status"], "ok", "{body}");
     println!("wal: the relay started after {waited:?} with a write transaction open (slot lock_timeout 10 s)");
 }
+
+/// A consumer with the WAL source on `url` in `mode`, its sweep an hour
+/// away (only the stream, a takeover or a retry timer wakes it in time).
+async fn wal_consumer(url: &str, mode: pg_outbox::Mode) -> pg_outbox::EventStream {
+    Consumer::builder(pg_outbox::ConnectOptions::parse(url).expect("url"))
+        .source(SourceKind::Wal)
+        .mode(mode)
+        .batch_size(10)
+        .sweep_interval(Duration::from_secs(3600))
+        .retry_policy(pg_outbox::RetryPolicy::schedule(vec![Duration::from_millis(200)]).expect("a schedule"))
+        .start()
+        .await
+        .expect("start a consumer with the WAL source")
+}
+
+/// Read `stream` into `log` as (consumer, id, aggregate), acknowledging,
+/// but failing each event of `fail_once` the first time it comes.
+fn read_into(
+    mut stream: pg_outbox::EventStream,
+    idx: usize,
+    log: Arc<std::sync::Mutex<Vec<(usize, i64, Uuid)>>>,
+    fail_once: Arc<std::sync::Mutex<std::collections::HashSet<i64>>>,
+) -> tokio::task::JoinHandle<()> {
+    tokio::spawn(async move {
+        while let Some(d) = stream.next().await {
+            if fail_once.lock().expect("set").remove(&d.id) {
+                d.fail("the test fails it once");
+                continue;
+            }
+            log.lock().expect("log").push((idx, d.id, d.aggregate_id));
+            d.ack();
+        }
+    })
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_mode_with_a_retry_works_with_the_wal_source() {
+    let server = logical_server().await;
+    if !wal_supported(&server).await {
+        return;
+    }
+    let modes = [
+        ("single", pg_outbox::Mode::Single),
+        ("partitioned", pg_outbox::Mode::Partitioned { partitions: 4 }),
+        ("competing", pg_outbox::Mode::Competing),
+    ];
+    for (name, mode) in modes {
+        let url = migrated(&server, &format!("wal_mode_{name}"), &["--source", "wal"]).await;
+        let c = faults::connect(&url, "wal test", LIVENESS).await;
+        let log: Arc<std::sync::Mutex<Vec<(usize, i64, Uuid)>>> = Arc::default();
+        let fail_once: Arc<std::sync::Mutex<std::collections::HashSet<i64>>> = Arc::default();
+        let mut readers = Vec::new();
+        for i in 0..2 {
+            let s = wal_consumer(&url, mode).await;
+            readers.push((s.shutdown_handle(), read_into(s, i, log.clone(), fail_once.clone())));
+        }
+        // Let the partitions settle.
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        let aggs: Vec<Uuid> = (0..8).map(|_| Uuid::new_v4()).collect();
+        let mut committed = Vec::new();
+        for round in 0..5 {
+            for a in &aggs {
+                let ids = support::insert_seed_events(&c, *a, 1).await;
+                if round == 1 && *a == aggs[0] {
+                    fail_once.lock().expect("set").extend(ids.iter().copied());
+                }
+                committed.extend(ids);
+            }
+        }
+        support::eventually(30, &format!("{name}: every event delivered (the sweep is 1 h away)"), || async {
+            log.lock().expect("log").len() >= committed.len()
+        })
+        .await;
+        // In single mode the active consumer stops; the standby takes over
+        // and its stream wakes it.
+        if mode == pg_outbox::Mode::Single {
+            let active = log.lock().expect("log")[0].0;
+            let (h, r) = readers.remove(active);
+            h.shutdown();
+            r.await.expect("reader");
+            let more = support::insert_seed_events(&c, aggs[1], 3).await;
+            committed.extend(more);
+            support::eventually(30, "single: the standby took over and delivered", || async {
+                log.lock().expect("log").len() >= committed.len()
+            })
+            .await;
+        }
+        for (h, r) in readers {
+            h.shutdown();
+            r.await.expect("reader");
+        }
+        let log = log.lock().expect("log").clone();
+        let ids: Vec<i64> = log.iter().map(|e| e.1).collect();
+        assert_eq!(
+            ids.iter().copied().collect::<std::collections::HashSet<_>>(),
+            committed.iter().copied().collect::<std::collections::HashSet<_>>(),
+            "{name}: every committed event acknowledged"
+        );
+        if mode != pg_outbox::Mode::Competing {
+            let mut last: HashMap<Uuid, i64> = HashMap::new();
+            for (_, id, agg) in &log {
+                if let Some(prev) = last.insert(*agg, *id) {
+                    assert!(prev < *id, "{name}: aggregate {agg}: {id} after {prev} (the retried event held the rest)");
+                }
+            }
+        }
+        let retried: i64 = c
+            .query_one("SELECT count(*) FROM events.outbox WHERE retry_count = 1 AND published_at IS NOT NULL", &[])
+            .await
+            .expect("count")
+            .get(0);
+        assert_eq!(retried, 1, "{name}: the failed event was retried by the retry timer and published");
+    }
+}
