@@ -663,3 +663,26 @@ async fn every_mode_with_a_retry_works_with_the_wal_source() {
         assert_eq!(retried, 1, "{name}: the failed event was retried by the retry timer and published");
     }
 }
+
+#[tokio::test]
+async fn wrong_source_flags_are_refused_naming_the_flag() {
+    let (code, _, err) =
+        support::cli(&["relay", "--source", "kafka"]).url("postgres://u@127.0.0.1:1/d").run().await.parts();
+    assert_eq!(code, Some(2), "{err}");
+    assert!(err.contains("--source") && err.contains("listen") && err.contains("wal"), "names the values: {err}");
+    let (code, _, err) = support::cli(&["relay", "--source", "wal", "--no-listen"])
+        .url("postgres://u@127.0.0.1:1/d")
+        .run()
+        .await
+        .parts();
+    assert_eq!(code, Some(1), "{err}");
+    assert!(err.contains("--no-listen applies to --source listen"), "{err}");
+    // A config file may set it: `--print-config` prints it and reads back.
+    let (code, out, err) = support::cli(&["relay", "--source", "wal", "--print-config"])
+        .url("postgres://u@127.0.0.1:1/d")
+        .run()
+        .await
+        .parts();
+    assert_eq!(code, Some(0), "{err}");
+    assert!(out.contains("source = \"wal\""), "{out}");
+}

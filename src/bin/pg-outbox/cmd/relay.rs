@@ -118,7 +118,7 @@ pub(crate) struct RelayArgs {
     /// free replication slot and WAL sender, and `pg-outbox migrate
     /// --source wal`; the relay checks each at start and exits naming what
     /// to change. Events are read from the table either way.
-    #[arg(long, value_enum, default_value_t = SourceArg::Listen, conflicts_with = "no_listen")]
+    #[arg(long, value_enum, default_value_t = SourceArg::Listen)]
     source: SourceArg,
     /// In `--mode single`, let a standby end a stranded holder of the outbox
     /// lock and take over: a session that holds the lock with no live relay
@@ -182,6 +182,12 @@ pub(crate) async fn run(url: &str, args: RelayArgs) -> Result<(), Error> {
         return Err(Error::Config(
             "--exactly-once needs one aggregate's events delivered one at a time in id order, which \
              --mode competing does not keep; use --mode single or partitioned"
+                .into(),
+        ));
+    }
+    if args.no_listen && args.source == SourceArg::Wal {
+        return Err(Error::Config(
+            "--no-listen applies to --source listen: the WAL source never LISTENs (its replication stream wakes it)"
                 .into(),
         ));
     }
