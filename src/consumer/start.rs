@@ -186,6 +186,11 @@ async fn start_wal(
     status_tx: watch::Sender<ListenerStatus>,
 ) -> Result<JoinHandle<()>> {
     metrics::gauge!(crate::metrics::LISTEN_ENABLED).set(0.0);
+    // The replication client's rustls has aws-lc-rs beside ring (its
+    // tokio-rustls default features): name the process's provider before
+    // anything builds a config from the default (the client installs ring
+    // too, when it connects with TLS).
+    let _ = rustls::crypto::ring::default_provider().install_default();
     let pg = cfg.listener_pg.clone().unwrap_or_else(|| cfg.pg.clone());
     let first = wal::first(&pg, work).await?;
     metrics::gauge!(crate::metrics::NOTIFICATIONS_WORKING).set(if first.is_some() { 1.0 } else { 0.0 });

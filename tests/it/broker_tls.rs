@@ -30,6 +30,11 @@ impl Pki {
     /// A CA; a server certificate it signs for `localhost`; a client
     /// certificate it signs; and another CA, not used by any server.
     pub fn new() -> Pki {
+        // The test's own broker clients build rustls configs from the
+        // process's default provider; with the `wal` feature rustls has two
+        // (ring, and aws-lc-rs through pgwire-replication's tokio-rustls),
+        // so none is implied: install ring, as the relay does.
+        let _ = rustls::crypto::ring::default_provider().install_default();
         let dir = tempfile::tempdir().expect("a directory for certificates");
         let new_ca = |name: &str| {
             let key = KeyPair::generate().expect("CA key");

@@ -91,6 +91,10 @@ Logs go to stderr (set RUST_LOG, e.g. RUST_LOG=debug; --log-format json for one 
 line); data goes to stdout.";
 
 fn main() -> ExitCode {
+    // One crypto provider for every rustls client of the process (the
+    // sinks' brokers, the WAL source): the `wal` feature brings aws-lc-rs
+    // beside ring into rustls, and then none is implied.
+    let _ = rustls::crypto::ring::default_provider().install_default();
     let loaded = match config::load() {
         Ok(l) => l,
         Err(e) => {
