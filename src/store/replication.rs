@@ -13,10 +13,18 @@ use crate::error::{Error, Result};
 pub(crate) const PUBLICATION: &str = "pg_outbox";
 
 /// Create [`PUBLICATION`] unless it exists (`CREATE PUBLICATION` has no
-/// `IF NOT EXISTS`). Run by `migrate --source wal`.
+/// `IF NOT EXISTS`). Run by `migrate --source wal`. From PostgreSQL 15 it
+/// publishes the `id` column alone (a column list: PostgreSQL docs,
+/// "Logical Replication", "Column Lists"), so an insert's message on the
+/// stream is a few bytes whatever its payload; PostgreSQL 14 publishes the
+/// whole row.
 pub(crate) const CREATE_PUBLICATION: &str = "DO $$ BEGIN \
        IF NOT EXISTS (SELECT 1 FROM pg_catalog.pg_publication WHERE pubname = 'pg_outbox') THEN \
-         CREATE PUBLICATION pg_outbox FOR TABLE events.outbox WITH (publish = 'insert'); \
+         IF current_setting('server_version_num')::int >= 150000 THEN \
+           EXECUTE 'CREATE PUBLICATION pg_outbox FOR TABLE events.outbox (id) WITH (publish = ''insert'')'; \
+         ELSE \
+           CREATE PUBLICATION pg_outbox FOR TABLE events.outbox WITH (publish = 'insert'); \
+         END IF; \
        END IF; \
      END $$";
 

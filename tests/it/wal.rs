@@ -686,3 +686,30 @@ async fn wrong_source_flags_are_refused_naming_the_flag() {
     assert_eq!(code, Some(0), "{err}");
     assert!(out.contains("source = \"wal\""), "{out}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn from_postgresql_15_the_publication_sends_the_id_alone() {
+    let server = logical_server().await;
+    if !wal_supported(&server).await {
+        return;
+    }
+    let url = migrated(&server, "wal_columns", &["--source", "wal"]).await;
+    let c = faults::connect(&url, "wal test", LIVENESS).await;
+    let columns: Vec<String> = c
+        .query("SELECT unnest(attnames)::text FROM pg_publication_tables WHERE pubname = 'pg_outbox'", &[])
+        .await
+        .map(|rows| rows.iter().map(|r| r.get(0)).collect())
+        .unwrap_or_default();
+    if support::server_version_num(&c).await >= 150_000 {
+        assert_eq!(columns, vec!["id".to_string()], "only the id is published");
+    } else {
+        assert!(columns.is_empty(), "PostgreSQL 14 has no column lists (nor attnames)");
+    }
+    // Either way the publication carries inserts only.
+    let (ins, upd, del): (bool, bool, bool) = c
+        .query_one("SELECT pubinsert, pubupdate, pubdelete FROM pg_publication WHERE pubname = 'pg_outbox'", &[])
+        .await
+        .map(|r| (r.get(0), r.get(1), r.get(2)))
+        .expect("the publication");
+    assert_eq!((ins, upd, del), (true, false, false));
+}

@@ -78,6 +78,12 @@ const OPEN_TIMEOUT: Duration = Duration::from_secs(30);
 /// raised position within this interval): 1 s.
 const STATUS_INTERVAL: Duration = Duration::from_secs(1);
 
+/// Messages the replication client may hold for the reader (which only
+/// reads each one's type): 256. Each is at most one row (its `id` alone
+/// from PostgreSQL 15, the whole row on 14), so this bounds the stream's
+/// memory.
+const STREAM_BUFFER: usize = 256;
+
 /// After a wake-up from the stream whose drain found nothing, look again
 /// after each of these delays (the commit may not be visible yet), until a
 /// look finds events.
@@ -129,6 +135,7 @@ fn replication_config(pg: &connect::ConnectOptions, host: &Host, port: u16, slot
     Ok(cfg
         .with_start_lsn(Lsn::ZERO)
         .with_status_interval(STATUS_INTERVAL)
+        .with_buffer_size(STREAM_BUFFER)
         .with_options(format!("-c lock_timeout={}", SLOT_LOCK_TIMEOUT.as_millis()))
         .with_application_name(pg.application_name().unwrap_or("pg-outbox wal")))
 }
