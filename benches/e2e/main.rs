@@ -34,7 +34,18 @@
 //!   beside the EventStream's and the relay's commit-to-delivery. Needs
 //!   `node` and `npm` (skipped with a note without them); installs the
 //!   pinned graphile-worker with `npm ci` under
-//!   `target/pg-outbox-bench/peers/` on its first run.
+//!   `target/pg-outbox-bench/peers/` on its first run;
+//! - `wal` (only when named): the WAL source (`pg-outbox relay --source
+//!   wal`) on throwaway servers the scenario starts from the local
+//!   PostgreSQL binaries (one with `wal_level = logical`, one with
+//!   `replica`; the suite's server is not used): producers' insert rate at
+//!   4, 16 and 64 connections with no insert trigger and the WAL relay
+//!   draining, against no triggers and no relay (references: the same on
+//!   `wal_level = replica`, and with a listen relay draining by its
+//!   sweep); commit-to-delivery at 100 and 1 000 events/s
+//!   against the listen source's relay and the LISTEN floor; a burst
+//!   written while the relay runs, drained by each source (and the WAL
+//!   written per event); the relay's CPU per event with each source.
 //!
 //! Every figure is a ratio against a baseline measured in the same run (the
 //! machine may be shared and noisy); timings never fail the run, but each
@@ -49,10 +60,12 @@
 //! Environment:
 //! - `PG_OUTBOX_BENCH_QUICK=1`: small sizes and short runs (about 5 minutes;
 //!   `history` grows its table to 1 000 000 rows instead of 10 000 000;
-//!   `peers`: 30 000 jobs, 3 s per latency run);
+//!   `peers`: 30 000 jobs, 3 s per latency run; `wal`: a 50 000-event
+//!   burst, 3 s per latency run, three producer rounds);
 //! - `PG_OUTBOX_BENCH_CONNECTIONS=1,4,16`: producer connection counts for
-//!   `producers` (default 1,4,16,64; quick 1,4,16) and `trigger-split`
-//!   (default 16), for servers with a low `max_connections`;
+//!   `producers` (default 1,4,16,64; quick 1,4,16), `trigger-split`
+//!   (default 16) and `wal` (default 4,16,64), for servers with a low
+//!   `max_connections`;
 //! - `PG_OUTBOX_BENCH_RATES=1000`: event rates for `latency`, events/s
 //!   (default 100,1000,5000);
 //! - `PG_OUTBOX_BENCH_RELAY_BIN=/path/to/pg-outbox`: the relay binary the
@@ -63,9 +76,10 @@
 //! `target/pg-outbox-bench/e2e.md`, `e2e.json` and `latency.png` (with
 //! `CARGO_TARGET_DIR`, under it). Under `cargo test --bench e2e` or
 //! `cargo test --all-targets` (no `--bench` argument) it runs a tiny smoke
-//! pass of every scenario, `trigger-split` and `peers` included (`peers`
-//! only where `node` and `npm` are, then with 1 000 jobs and 1 s per
-//! latency run), and writes no report files (`peers` still installs
+//! pass of every scenario, `trigger-split`, `peers` and `wal` included
+//! (`peers` only where `node` and `npm` are, then with 1 000 jobs and 1 s
+//! per latency run; `wal` needs the local PostgreSQL binaries, 14 or
+//! later), and writes no report files (`peers` still installs
 //! graphile-worker under `target/pg-outbox-bench/peers/`); `.ci/run` runs
 //! it, so a scenario that no longer runs fails CI (timings never do).
 
@@ -80,6 +94,7 @@ mod peers;
 mod producers;
 mod report;
 mod util;
+mod wal;
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -97,7 +112,7 @@ use report::Section;
 /// Scenario names, in the order they run.
 pub const SCENARIOS: [&str; 7] = ["latency", "drain", "keepup", "producers", "heads", "history", "hot"];
 /// Scenarios that run only when named, after the others.
-pub const EXTRA_SCENARIOS: [&str; 2] = ["trigger-split", "peers"];
+pub const EXTRA_SCENARIOS: [&str; 3] = ["trigger-split", "peers", "wal"];
 
 /// Sizes and durations of a run.
 #[derive(Debug, Clone, Serialize)]
@@ -169,6 +184,19 @@ pub struct Settings {
     pub hot_aggregates: i64,
     /// Hot: aggregates whose events the consumer fails.
     pub hot_failing: i64,
+    /// WAL source: producer connection counts.
+    pub wal_connections: Vec<usize>,
+    /// WAL source: producer rounds per connection count, each a run of
+    /// every variant back to back (`producer_warmup_secs` and
+    /// `producer_secs` each).
+    pub wal_producer_rounds: usize,
+    /// WAL source: latency rates, events/s.
+    pub wal_rates: Vec<u64>,
+    /// WAL source: seconds of sending per latency run.
+    pub wal_latency_secs: f64,
+    /// WAL source: events of the burst each source drains (capped at
+    /// `drain_max_secs`).
+    pub wal_burst: i64,
 }
 
 impl Settings {
@@ -233,6 +261,11 @@ impl Settings {
                 hot_events: 5_000,
                 hot_aggregates: 50,
                 hot_failing: 2,
+                wal_connections: vec![1],
+                wal_producer_rounds: 1,
+                wal_rates: vec![100],
+                wal_latency_secs: 0.5,
+                wal_burst: 2_000,
             }
         } else if quick {
             Settings {
@@ -265,6 +298,11 @@ impl Settings {
                 hot_events: 100_000,
                 hot_aggregates: 1_000,
                 hot_failing: 5,
+                wal_connections: vec![4, 16, 64],
+                wal_producer_rounds: 3,
+                wal_rates: vec![100, 1_000],
+                wal_latency_secs: 3.0,
+                wal_burst: 50_000,
             }
         } else {
             Settings {
@@ -297,10 +335,16 @@ impl Settings {
                 hot_events: 1_000_000,
                 hot_aggregates: 1_000,
                 hot_failing: 5,
+                wal_connections: vec![4, 16, 64],
+                wal_producer_rounds: 6,
+                wal_rates: vec![100, 1_000],
+                wal_latency_secs: 10.0,
+                wal_burst: 1_000_000,
             }
         };
         if let Some(v) = env_list::<usize>("PG_OUTBOX_BENCH_CONNECTIONS", "1,4,16")? {
             s.split_connections = v.clone();
+            s.wal_connections = v.clone();
             s.producer_connections = v;
         }
         if let Some(v) = env_list::<u64>("PG_OUTBOX_BENCH_RATES", "100,1000")? {
@@ -438,6 +482,7 @@ async fn run() -> BenchResult<()> {
             "hot" => hot::run(&ctx).await,
             "trigger-split" => producers::split(&ctx).await,
             "peers" => peers::run(&ctx).await,
+            "wal" => wal::run(&ctx).await,
             other => Err(format!("unknown scenario {other}").into()),
         };
         drop_leftovers(&ctx.admin).await;

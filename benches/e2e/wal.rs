@@ -1,0 +1,1049 @@
+//! Scenario `wal` (only when named): the WAL source (`pg-outbox relay
+//! --source wal`), which is woken by committed inserts read from a
+//! temporary logical replication slot instead of the insert trigger's
+//! NOTIFY, against the listen source and against no relay at all.
+//!
+//! The WAL source needs `wal_level = logical`, which the suite's server
+//! need not have (and must not be changed for it), so this scenario starts
+//! its own throwaway servers from the local PostgreSQL binaries (the test
+//! kit's `TempServer`, as `tests/it/wal.rs` does): one with `wal_level =
+//! logical`, where everything but the reference runs, and one with
+//! `wal_level = replica` (the default) for the reference insert rate.
+//! Every database is in the `producer-locked` ordering mode unless said
+//! otherwise, the mode in which `pg-outbox migrate --source wal` leaves no
+//! trigger firing on insert; the listen source's databases keep its
+//! wake-up trigger (`migrate --ordering producer-locked`), so the two
+//! sources differ only in how the relay learns of commits.
+//!
+//! Parts:
+//! 1. producers: insert rate at 4, 16 and 64 connections with the WAL
+//!    source (no insert trigger, a `relay --source wal` draining) against
+//!    the same table with every trigger disabled and no relay, on the same
+//!    server; references: that bare table on the `replica` server, and
+//!    with a listen relay draining it by its sweep (the `producers`
+//!    scenario's baseline: what draining costs whatever wakes the relay);
+//! 2. latency: commit-to-delivery at 100 and 1 000 events/s of `relay
+//!    --source wal` against `relay` (the listen source), and against the
+//!    LISTEN floor of the `latency` scenario;
+//! 3. drain: a burst written while the relay runs, events/s from its first
+//!    write until the table has no due row, for both sources; and the WAL
+//!    written per event;
+//! 4. the relay's CPU per event (process and server sessions, the
+//!    replication session included) for both sources, from part 2.
+
+use std::process::Stdio;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use pg_outbox::tokio_postgres::config::SslMode;
+use pg_outbox::tokio_postgres::{Client, Config};
+use serde::Serialize;
+use tokio::io::{AsyncBufReadExt, BufReader};
+
+use crate::latency::{self, GRACE, Probe, Produce, Subject};
+use crate::producers::run_load;
+use crate::report::{Section, fmt_count, fmt_ms, fmt_ratio, ratio};
+use crate::util::{self, Scratch, conninfo, scratch, start_relay, stop_relay};
+use crate::{Ctx, Settings};
+use pg_outbox_testkit::bench::{BenchResult, BoxError};
+use pg_outbox_testkit::{TempServer, TempServerOptions, connect};
+
+/// `pg-outbox migrate` arguments of the WAL source's databases: the
+/// producer-locked mode with no insert trigger, and the publication.
+const MIGRATE_WAL: [&str; 4] = ["--ordering", "producer-locked", "--source", "wal"];
+/// `pg-outbox migrate` arguments of the listen source's databases: the
+/// same ordering mode, its wake-up trigger on.
+const MIGRATE_LISTEN: [&str; 2] = ["--ordering", "producer-locked"];
+/// The relay's arguments (after `--sink stdout`) for the WAL source.
+const RELAY_WAL: [&str; 2] = ["--source", "wal"];
+/// Rows per transaction of the drain's burst.
+const BURST_BATCH: i64 = 1_000;
+/// How long the producers' WAL-source run may take, after its load, for
+/// the relay to publish every event (a check that it delivers; not timed).
+const CATCH_UP: Duration = Duration::from_secs(60);
+
+/// Insert triggers of `events.outbox` that fire for an ordinary session
+/// (enabled `O`rigin or `A`lways, the insert bit of `tgtype` set), by name.
+const FIRING_INSERT_TRIGGERS: &str = "SELECT coalesce(string_agg(tgname, ', ' ORDER BY tgname), '') FROM pg_trigger \
+     WHERE tgrelid = 'events.outbox'::regclass AND NOT tgisinternal AND tgenabled IN ('O', 'A') \
+       AND (tgtype::int & 4) <> 0";
+
+/// How long [`drop_db`] waits for a stopped relay's slot to go.
+const SLOT_GONE: Duration = Duration::from_secs(10);
+
+/// The server's WAL position, bytes from the start.
+const WAL_POSITION: &str = "SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), '0/0')::float8";
+
+/// A throwaway server of this scenario and a connection to its `postgres`
+/// database; stopped by [`Throwaway::stop`].
+struct Throwaway {
+    /// The server (its drop stops it and deletes its files, which blocks).
+    server: TempServer,
+    /// Creates and drops the scenario's databases.
+    admin: Client,
+    /// The admin connection's config; scratch databases are this with another dbname.
+    admin_cfg: Config,
+}
+
+impl Throwaway {
+    /// Start a server with `wal_level` (in the blocking pool: `initdb` and
+    /// `pg_ctl` take a second or two) and check that it runs with it, on a
+    /// version the WAL source supports (14 or later).
+    async fn start(wal_level: &'static str) -> BenchResult<Throwaway> {
+        let started = Instant::now();
+        let server = tokio::task::spawn_blocking(move || {
+            TempServer::start_with(TempServerOptions::default().setting("wal_level", wal_level))
+        })
+        .await?
+        .map_err(|e| format!("throwaway server with wal_level = {wal_level}: {}", pg_outbox::error::report(&e)))?;
+        let mut admin_cfg = pg_outbox::ConnectOptions::parse(&server.url())?.tokio_postgres_config();
+        admin_cfg.ssl_mode(SslMode::Disable);
+        let t = match connect(&admin_cfg).await {
+            Ok(admin) => Throwaway { server, admin, admin_cfg },
+            Err(e) => {
+                let _ = tokio::task::spawn_blocking(move || drop(server)).await;
+                return Err(e.into());
+            }
+        };
+        let checked = async {
+            let row = t
+                .admin
+                .query_one("SELECT current_setting('wal_level'), current_setting('server_version_num')::int", &[])
+                .await?;
+            let (level, version): (String, i32) = (row.try_get(0)?, row.try_get(1)?);
+            if level != wal_level {
+                return Err(format!("the throwaway server runs with wal_level = {level}, not {wal_level}").into());
+            }
+            if version < 140_000 {
+                return Err(
+                    format!("the WAL source needs PostgreSQL 14 or later; the local binaries are {version}").into()
+                );
+            }
+            Ok::<_, BoxError>(version)
+        }
+        .await;
+        match checked {
+            Ok(version) => {
+                eprintln!(
+                    "e2e: wal: throwaway server (wal_level = {wal_level}, {version}) on port {} in {:.1} s",
+                    t.server.port(),
+                    started.elapsed().as_secs_f64()
+                );
+                Ok(t)
+            }
+            Err(e) => {
+                t.stop().await;
+                Err(e)
+            }
+        }
+    }
+
+    /// A fresh migrated database `pgo_e2e_<pid>_<tag>` on this server.
+    async fn scratch(&self, tag: &str) -> BenchResult<Scratch> {
+        scratch(&self.admin, &self.admin_cfg, tag).await
+    }
+
+    /// Lines of the server's log (`server.log` in its directory) that say a
+    /// server process crashed or was killed (`PANIC`, `terminated by
+    /// signal`); empty when none (or the log is unreadable).
+    fn crashes(&self) -> Vec<String> {
+        let log = std::fs::read_to_string(self.server.socket_dir().join("server.log")).unwrap_or_default();
+        log.lines()
+            .filter(|l| l.contains("PANIC") || l.contains("terminated by signal") || l.contains("was terminated by"))
+            .map(str::to_string)
+            .collect()
+    }
+
+    /// Stop the server and delete its files (in the blocking pool).
+    async fn stop(self) {
+        let Throwaway { server, admin, .. } = self;
+        drop(admin);
+        if let Err(e) = tokio::task::spawn_blocking(move || drop(server)).await {
+            eprintln!("e2e: wal: stopping a throwaway server: {e}");
+        }
+    }
+}
+
+/// Drop the scratch database `db` of `server`, once no replication slot
+/// is left in it: a stopped WAL-source relay's temporary slot goes when its
+/// walsender exits, a moment after the relay, and `DROP DATABASE` refuses a
+/// database with a slot, even `WITH (FORCE)`. A slot still there after
+/// [`SLOT_GONE`] is reported (and the database dropped anyway, forcing).
+async fn drop_db(server: &Throwaway, db: Scratch) {
+    let started = Instant::now();
+    loop {
+        let slots = server
+            .admin
+            .query_one("SELECT count(*) FROM pg_replication_slots WHERE database = $1", &[&db.name])
+            .await
+            .and_then(|r| r.try_get::<_, i64>(0));
+        match slots {
+            Ok(0) => break,
+            Ok(n) if started.elapsed() >= SLOT_GONE => {
+                eprintln!(
+                    "e2e: wal: {n} replication slot(s) still in {} {} s after its relay stopped",
+                    db.name,
+                    SLOT_GONE.as_secs()
+                );
+                break;
+            }
+            Ok(_) => tokio::time::sleep(Duration::from_millis(20)).await,
+            Err(e) => {
+                eprintln!("e2e: wal: reading the slots of {}: {}", db.name, pg_outbox::error::report(&e));
+                break;
+            }
+        }
+    }
+    if started.elapsed() >= Duration::from_millis(500) {
+        eprintln!(
+            "e2e: wal: the slot in {} went {:.1} s after its relay stopped",
+            db.name,
+            started.elapsed().as_secs_f64()
+        );
+    }
+    if let Err(e) = server.admin.batch_execute(&format!("DROP DATABASE IF EXISTS {} WITH (FORCE)", db.name)).await {
+        eprintln!("e2e: wal: could not drop database {}: {}", db.name, pg_outbox::error::report(&e));
+    }
+}
+
+/// Run `pg-outbox migrate <args>` ([`util::relay_bin`]) on `cfg`'s database
+/// in a clean environment; its stderr (what it did).
+async fn migrate_cli(cfg: &Config, args: &[&str]) -> BenchResult<String> {
+    let mut cmd = tokio::process::Command::new(util::relay_bin());
+    cmd.arg("migrate").args(args);
+    pg_outbox_testkit::process::clean_env(&mut cmd);
+    let out = cmd
+        .env("DATABASE_URL", conninfo(cfg))
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true)
+        .output()
+        .await?;
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    if !out.status.success() {
+        return Err(format!("pg-outbox migrate {} failed ({}): {stderr}", args.join(" "), out.status).into());
+    }
+    Ok(stderr)
+}
+
+/// Insert triggers that fire for an ordinary session, by name (empty: none).
+async fn firing_insert_triggers(client: &Client) -> BenchResult<String> {
+    Ok(client.query_one(FIRING_INSERT_TRIGGERS, &[]).await?.try_get(0)?)
+}
+
+/// Which relay, and its database's setup.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+enum Source {
+    /// `relay --source wal` on a database after `migrate --ordering
+    /// producer-locked --source wal` (no insert trigger fires).
+    Wal,
+    /// `relay` (the listen source) on a database after `migrate --ordering
+    /// producer-locked` (the wake-up statement trigger fires while a relay
+    /// waits).
+    Listen,
+    /// `relay` on a database as `migrate` leaves it (the outbox-locked
+    /// mode, its row trigger notifying waiting relays): the default setup,
+    /// a reference in the latency part only.
+    ListenDefault,
+}
+
+impl Source {
+    /// Name in the report.
+    fn name(self) -> &'static str {
+        match self {
+            Source::Wal => "relay --source wal",
+            Source::Listen => "relay (listen)",
+            Source::ListenDefault => "relay (listen), outbox-locked",
+        }
+    }
+
+    /// Arguments of the relay (after `--sink stdout`).
+    fn relay_args(self) -> &'static [&'static str] {
+        match self {
+            Source::Wal => &RELAY_WAL,
+            Source::Listen | Source::ListenDefault => &[],
+        }
+    }
+
+    /// Set the database `cfg` up for this source with `pg-outbox migrate`,
+    /// and check what fires on insert: nothing for the WAL source (the
+    /// feature's promise; a failure here is the feature's, not the bench's).
+    async fn prepare(self, cfg: &Config) -> BenchResult<()> {
+        let args: &[&str] = match self {
+            Source::Wal => &MIGRATE_WAL,
+            Source::Listen => &MIGRATE_LISTEN,
+            Source::ListenDefault => return Ok(()),
+        };
+        let said = migrate_cli(cfg, args).await?;
+        let client = connect(cfg).await?;
+        let firing = firing_insert_triggers(&client).await?;
+        if self == Source::Wal {
+            let publications: i64 = client
+                .query_one("SELECT count(*) FROM pg_publication WHERE pubname = 'pg_outbox'", &[])
+                .await?
+                .try_get(0)?;
+            if !firing.is_empty() || publications != 1 {
+                return Err(format!(
+                    "after `pg-outbox migrate {}`: insert triggers still firing: [{firing}], publication \
+                     pg_outbox present: {}; migrate said: {}",
+                    args.join(" "),
+                    publications == 1,
+                    said.trim()
+                )
+                .into());
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The median of `v` (the mean of the middle two for an even count); `None` if empty.
+fn median(mut v: Vec<f64>) -> Option<f64> {
+    v.sort_by(f64::total_cmp);
+    match v.len() {
+        0 => None,
+        n if n % 2 == 1 => Some(v[n / 2]),
+        n => Some((v[n / 2 - 1] + v[n / 2]) / 2.0),
+    }
+}
+
+/// A variant of the producers part (the order of a round's first run is [`TABLES`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+enum Table {
+    /// `wal_level = logical`, `migrate --ordering producer-locked --source
+    /// wal` (no insert trigger), `relay --source wal` draining.
+    Wal,
+    /// `wal_level = logical`, every trigger of the table disabled, no relay
+    /// (the baseline).
+    Bare,
+    /// `wal_level = logical`, every trigger disabled, `relay` (the listen
+    /// source, finding events by its sweep alone) draining: the `producers`
+    /// scenario's baseline, a reference for what draining costs the
+    /// producers whatever wakes the relay.
+    BareRelay,
+    /// `wal_level = replica`, every trigger disabled, no relay (the reference).
+    BareReplica,
+}
+
+/// Every producers variant.
+const TABLES: [Table; 4] = [Table::Wal, Table::Bare, Table::BareReplica, Table::BareRelay];
+
+/// One producers run's figures, after the warm-up.
+#[derive(Debug, Clone, Serialize)]
+struct ProducerRun {
+    /// Inserts/s.
+    rate: f64,
+    /// CPU time of the producers' server processes per insert, µs.
+    backend_us: Option<f64>,
+}
+
+/// One run of `table` at `conns` connections: a fresh database, the
+/// variant's setup, [`run_load`]; for the WAL source, then a check that
+/// its relay publishes every event within [`CATCH_UP`] (not timed).
+async fn producer_run(
+    logical: &Throwaway,
+    replica: &Throwaway,
+    s: &Settings,
+    conns: usize,
+    table: Table,
+) -> BenchResult<ProducerRun> {
+    let server = if table == Table::BareReplica { replica } else { logical };
+    let db = server.scratch("wal_producers").await?;
+    let result = async {
+        // The listen relay of [`Table::BareRelay`].
+        let mut drainer = None;
+        let relay = if table == Table::Wal {
+            Source::Wal.prepare(&db.cfg).await?;
+            let relay = start_relay(&conninfo(&db.cfg), &RELAY_WAL, false).await?;
+            // Let the relay reach its idle state.
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            Some(relay)
+        } else {
+            let c = connect(&db.cfg).await?;
+            c.batch_execute("ALTER TABLE events.outbox DISABLE TRIGGER USER").await?;
+            let firing = firing_insert_triggers(&c).await?;
+            if !firing.is_empty() {
+                return Err(format!("triggers still fire on insert after DISABLE TRIGGER USER: {firing}").into());
+            }
+            if table == Table::BareRelay {
+                drainer = Some(start_relay(&conninfo(&db.cfg), &[], false).await?);
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+            None
+        };
+        let load = run_load(&db.cfg, conns, s.producer_warmup_secs + s.producer_secs, s.producer_warmup_secs, 0).await;
+        if let Some(drainer) = drainer {
+            stop_relay(drainer).await?;
+        }
+        if let Some(mut relay) = relay {
+            let caught_up = match &load {
+                Ok(_) => catch_up(&db.cfg, &mut relay).await,
+                Err(_) => Ok(None),
+            };
+            stop_relay(relay).await?;
+            if let Some(left) = caught_up? {
+                return Err(format!(
+                    "relay --source wal left {left} events unpublished {} s after the producers stopped",
+                    CATCH_UP.as_secs()
+                )
+                .into());
+            }
+        }
+        let load = load?;
+        let after = &load.slices[load.warm_slices..];
+        let counted: u64 = after.iter().sum();
+        let rate = if s.producer_secs > 0.0 { counted as f64 / s.producer_secs } else { 0.0 };
+        let backend_us = load.backend_cpu_us.filter(|_| counted > 0).map(|us| us / counted as f64);
+        Ok::<_, BoxError>(ProducerRun { rate, backend_us })
+    }
+    .await;
+    drop_db(server, db).await;
+    result
+}
+
+/// Wait (at most [`CATCH_UP`]) until `relay` has published every event of
+/// `cfg`'s database; `None` when it has, else how many are left.
+async fn catch_up(cfg: &Config, relay: &mut util::RelayProc) -> BenchResult<Option<i64>> {
+    let probe = connect(cfg).await?;
+    let deadline = Instant::now() + CATCH_UP;
+    loop {
+        relay.check_running().await?;
+        let left = util::fresh_unpublished(&probe).await?;
+        if left == 0 {
+            return Ok(None);
+        }
+        if Instant::now() >= deadline {
+            return Ok(Some(left));
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Part 1's figures at one connection count.
+#[derive(Debug, Clone, Serialize)]
+struct ProducersAt {
+    /// Producer connections.
+    connections: usize,
+    /// Each variant's runs, in round order ([`TABLES`] order).
+    runs: Vec<(Table, Vec<ProducerRun>)>,
+    /// Median of each round's WAL source / bare (logical) rate.
+    wal_ratio: Option<f64>,
+    /// Median of each round's bare (logical) / bare (replica) rate.
+    logical_vs_replica: Option<f64>,
+    /// Median of each round's WAL source / bare (replica) rate.
+    wal_vs_replica: Option<f64>,
+    /// Median of each round's WAL source / bare with a listen relay draining.
+    wal_vs_draining: Option<f64>,
+    /// Median of each round's bare with a listen relay draining / bare (logical).
+    draining_vs_bare: Option<f64>,
+}
+
+impl ProducersAt {
+    /// The runs of `table`.
+    fn of(&self, table: Table) -> &[ProducerRun] {
+        self.runs.iter().find(|(t, _)| *t == table).map_or(&[], |(_, r)| r.as_slice())
+    }
+
+    /// Median inserts/s of `table`.
+    fn rate(&self, table: Table) -> f64 {
+        median(self.of(table).iter().map(|r| r.rate).collect()).unwrap_or(0.0)
+    }
+
+    /// Median server CPU µs per insert of `table`, if every run has it.
+    fn cpu(&self, table: Table) -> Option<f64> {
+        median(self.of(table).iter().map(|r| r.backend_us).collect::<Option<Vec<f64>>>()?)
+    }
+}
+
+/// The median over rounds of `of`'s rate / `base`'s rate.
+fn round_ratio(of: &[ProducerRun], base: &[ProducerRun]) -> Option<f64> {
+    median(of.iter().zip(base).filter_map(|(o, b)| ratio(o.rate, b.rate)).collect())
+}
+
+/// Part 1: every variant at every connection count, `wal_producer_rounds`
+/// rounds of each, starting one further each round.
+async fn producers(logical: &Throwaway, replica: &Throwaway, s: &Settings) -> BenchResult<Vec<ProducersAt>> {
+    let mut out = Vec::new();
+    for &conns in &s.wal_connections {
+        let mut runs: Vec<Vec<ProducerRun>> = TABLES.iter().map(|_| Vec::new()).collect();
+        for round in 0..s.wal_producer_rounds.max(1) {
+            for k in 0..TABLES.len() {
+                let v = (round + k) % TABLES.len();
+                runs[v].push(producer_run(logical, replica, s, conns, TABLES[v]).await?);
+            }
+        }
+        let [wal, bare, rep, draining] = [&runs[0], &runs[1], &runs[2], &runs[3]];
+        let at = ProducersAt {
+            connections: conns,
+            wal_ratio: round_ratio(wal, bare),
+            logical_vs_replica: round_ratio(bare, rep),
+            wal_vs_replica: round_ratio(wal, rep),
+            wal_vs_draining: round_ratio(wal, draining),
+            draining_vs_bare: round_ratio(draining, bare),
+            runs: TABLES.iter().copied().zip(runs).collect(),
+        };
+        let list = |t: Table| at.of(t).iter().map(|r| fmt_count(r.rate)).collect::<Vec<_>>().join(" / ");
+        eprintln!(
+            "e2e: wal: producers x{conns}: WAL source {}/s ({}), no triggers (logical) {}/s, no triggers (replica) \
+             {}/s (logical/replica {}), no triggers with a listen relay draining {}/s (WAL source vs it {}); \
+             runs in order: WAL {}, logical {}, replica {}, listen relay draining {}",
+            fmt_count(at.rate(Table::Wal)),
+            fmt_ratio(at.wal_ratio),
+            fmt_count(at.rate(Table::Bare)),
+            fmt_count(at.rate(Table::BareReplica)),
+            fmt_ratio(at.logical_vs_replica),
+            fmt_count(at.rate(Table::BareRelay)),
+            fmt_ratio(at.wal_vs_draining),
+            list(Table::Wal),
+            list(Table::Bare),
+            list(Table::BareReplica),
+            list(Table::BareRelay),
+        );
+        out.push(at);
+    }
+    Ok(out)
+}
+
+/// One latency run of part 2.
+#[derive(Debug, Clone, Serialize)]
+struct LatencyRun {
+    /// Receiver's name.
+    receiver: &'static str,
+    /// Target rate, events/s.
+    rate: u64,
+    /// Seconds of sending.
+    seconds: f64,
+    /// Events committed.
+    sent: u64,
+    /// Events received within the grace after sending.
+    received: u64,
+    /// Events the schedule could not queue at once.
+    behind: u64,
+    /// p50, p90, p99, p99.9 and max, milliseconds.
+    percentiles_ms: [f64; 5],
+    /// Relays only: CPU of the relay process and its server sessions per
+    /// event received, µs.
+    cpu_us_per_event: Option<f64>,
+    /// Relays only: the relay's server sessions the CPU was read from
+    /// (`backend_type` each).
+    sessions: Vec<String>,
+}
+
+/// The CPU time (µs) used so far by the relay process `pid` and by the
+/// server processes of its sessions in `cfg`'s database (`application_name`
+/// `pg-outbox...`, from `pg_stat_activity`: the WAL source's walsender
+/// included), with their backend types; `None` where any is unreadable.
+async fn relay_cpu_us(cfg: &Config, pid: Option<u32>) -> Option<(f64, Vec<String>)> {
+    let client = connect(cfg).await.ok()?;
+    let rows = client
+        .query(
+            "SELECT pid, backend_type FROM pg_stat_activity WHERE datname = current_database() \
+             AND application_name LIKE 'pg-outbox%' ORDER BY backend_type, pid",
+            &[],
+        )
+        .await
+        .ok()?;
+    let mut total = util::cpu_us(pid?)?;
+    let mut sessions = Vec::new();
+    for row in rows {
+        let pid: i32 = row.try_get(0).ok()?;
+        total += util::server_cpu_us(u32::try_from(pid).ok()?)?;
+        sessions.push(row.try_get::<_, Option<String>>(1).ok()?.unwrap_or_default());
+    }
+    Some((total, sessions))
+}
+
+/// Commit-to-delivery of a `relay --sink stdout` of `source` on the
+/// prepared database `cfg` at `rate` events/s for `secs` seconds, with the
+/// `latency` scenario's producers; latency is taken when the bench reads
+/// the event's line from the relay's stdout.
+async fn relay_latency(cfg: &Config, source: Source, rate: u64, secs: f64) -> BenchResult<LatencyRun> {
+    let probe = Arc::new(Probe::new()?);
+    let mut relay = start_relay(&conninfo(cfg), source.relay_args(), true).await?;
+    let stdout = relay.stdout.take().ok_or("relay stdout is not piped")?;
+    let reader = {
+        let probe = probe.clone();
+        tokio::spawn(async move {
+            let mut lines = BufReader::new(stdout).lines();
+            while let Some(line) = lines.next_line().await? {
+                let v: serde_json::Value = serde_json::from_str(&line)
+                    .map_err(|e| format!("relay wrote a line that is not JSON ({e}): {line}"))?;
+                if let Some(t) = v["payload"]["data"]["t"].as_u64() {
+                    probe.record(t);
+                }
+            }
+            Ok::<_, BoxError>(())
+        })
+    };
+    // Let the relay reach its idle state.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let before = relay_cpu_us(cfg, relay.pid()).await;
+    let produced = latency::produce(cfg, Produce::Outbox, rate, secs, &probe).await;
+    let (sent, behind, seconds) = match produced {
+        Ok(p) => p,
+        Err(e) => {
+            let _ = stop_relay(relay).await;
+            return Err(e);
+        }
+    };
+    let deadline = Instant::now() + GRACE;
+    while probe.received() < sent && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let after = relay_cpu_us(cfg, relay.pid()).await;
+    let received = probe.received();
+    relay.check_running().await?;
+    stop_relay(relay).await?;
+    reader.await??;
+    let (cpu_us_per_event, sessions) = match (before, after) {
+        (Some((b, _)), Some((a, sessions))) if received > 0 => (Some((a - b) / received as f64), sessions),
+        (_, Some((_, sessions))) => (None, sessions),
+        _ => (None, Vec::new()),
+    };
+    Ok(LatencyRun {
+        receiver: source.name(),
+        rate,
+        seconds,
+        sent,
+        received,
+        behind,
+        percentiles_ms: probe.percentiles_ms(),
+        cpu_us_per_event,
+        sessions,
+    })
+}
+
+/// Part 2: at each rate, the LISTEN floor (the `latency` scenario's) and a
+/// relay of each source, each in a fresh database of the logical server.
+async fn latencies(logical: &Throwaway, s: &Settings) -> BenchResult<Vec<LatencyRun>> {
+    let mut runs = Vec::new();
+    for &rate in &s.wal_rates {
+        for receiver in [None, Some(Source::Listen), Some(Source::Wal), Some(Source::ListenDefault)] {
+            let db = logical.scratch("wal_latency").await?;
+            let run = async {
+                match receiver {
+                    None => {
+                        let r = latency::measure(&db.cfg, Subject::Floor, rate, s.wal_latency_secs).await?;
+                        Ok::<_, BoxError>(LatencyRun {
+                            receiver: Subject::Floor.name(),
+                            rate,
+                            seconds: r.seconds,
+                            sent: r.sent,
+                            received: r.received,
+                            behind: r.behind,
+                            percentiles_ms: r.percentiles_ms,
+                            cpu_us_per_event: None,
+                            sessions: Vec::new(),
+                        })
+                    }
+                    Some(source) => {
+                        source.prepare(&db.cfg).await?;
+                        relay_latency(&db.cfg, source, rate, s.wal_latency_secs).await
+                    }
+                }
+            }
+            .await;
+            drop_db(logical, db).await;
+            let run = run?;
+            if receiver == Some(Source::Wal) && run.received < run.sent {
+                return Err(format!(
+                    "relay --source wal delivered {} of {} events within {} s after the producers stopped",
+                    run.received,
+                    run.sent,
+                    GRACE.as_secs()
+                )
+                .into());
+            }
+            eprintln!(
+                "e2e: wal: latency {:<30} {:>5}/s: sent {} received {} p50 {:.2} ms p99 {:.2} ms max {:.1} ms{}",
+                run.receiver,
+                rate,
+                run.sent,
+                run.received,
+                run.percentiles_ms[0],
+                run.percentiles_ms[2],
+                run.percentiles_ms[4],
+                match run.cpu_us_per_event {
+                    Some(us) => format!(", relay CPU {us:.0} µs/event (sessions: {})", run.sessions.join(", ")),
+                    None => String::new(),
+                }
+            );
+            runs.push(run);
+        }
+    }
+    Ok(runs)
+}
+
+/// One drain of part 3.
+#[derive(Debug, Clone, Serialize)]
+struct DrainRun {
+    /// The relay's source.
+    source: Source,
+    /// Events in the burst.
+    events: i64,
+    /// Seconds the burst took to write (its last commit).
+    write_seconds: f64,
+    /// Seconds from the burst's first write until no due row was left.
+    seconds: f64,
+    /// The time cap stopped it first.
+    capped: bool,
+    /// Events published by then.
+    published: i64,
+    /// WAL written from the burst's start until it was drained, bytes per
+    /// event (the whole server's: nothing else runs on it).
+    wal_bytes_per_event: f64,
+}
+
+impl DrainRun {
+    /// Events published per second.
+    fn rate(&self) -> f64 {
+        if self.seconds > 0.0 { self.published as f64 / self.seconds } else { 0.0 }
+    }
+}
+
+/// Part 3 for `source`: a relay running idle on a fresh database of the
+/// logical server; a burst of `wal_burst` events (the `drain` scenario's
+/// ~1.5 KB envelopes, one connection, [`BURST_BATCH`] rows per transaction,
+/// back to back, no session-level trigger tricks: what fires on insert in
+/// the source's setup fires); timed from the first write until the table
+/// shows no due row (polled every 20 ms), capped at `drain_max_secs`.
+async fn drain(logical: &Throwaway, s: &Settings, source: Source) -> BenchResult<DrainRun> {
+    let db = logical.scratch("wal_drain").await?;
+    let result = async {
+        source.prepare(&db.cfg).await?;
+        let client = connect(&db.cfg).await?;
+        util::autovacuum_off(&client).await?;
+        let writer = connect(&db.cfg).await?;
+        let insert = writer
+            .prepare(&format!(
+                "INSERT INTO events.outbox (aggregate_type, aggregate_id, event_type, payload) \
+                 SELECT 'invoice', md5('burst-' || (g % 10000))::uuid, 'InvoiceIssued', {} \
+                 FROM generate_series($1::bigint, $2::bigint) AS g",
+                util::envelope_sql()
+            ))
+            .await?;
+        let mut relay = start_relay(&conninfo(&db.cfg), source.relay_args(), false).await?;
+        let measured = async {
+            // Let the relay reach its idle state.
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            let n = s.wal_burst;
+            let wal_before: f64 = client.query_one(WAL_POSITION, &[]).await?.try_get(0)?;
+            let started = Instant::now();
+            let deadline = started + Duration::from_secs_f64(s.drain_max_secs);
+            let write = async {
+                let mut first = 1i64;
+                while first <= n {
+                    let last = (first + BURST_BATCH - 1).min(n);
+                    writer.execute(&insert, &[&first, &last]).await?;
+                    first = last + 1;
+                }
+                Ok::<_, BoxError>(started.elapsed().as_secs_f64())
+            };
+            let write_seconds = tokio::time::timeout_at(deadline.into(), write)
+                .await
+                .map_err(|_| format!("writing the {n}-event burst took over {} s", s.drain_max_secs))??;
+            let mut capped = false;
+            loop {
+                relay.check_running().await?;
+                if util::fresh_unpublished(&client).await? == 0 {
+                    break;
+                }
+                if Instant::now() >= deadline {
+                    capped = true;
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            let seconds = started.elapsed().as_secs_f64();
+            let wal_after: f64 = client.query_one(WAL_POSITION, &[]).await?.try_get(0)?;
+            let published = n - util::fresh_unpublished(&client).await?;
+            Ok::<_, BoxError>(DrainRun {
+                source,
+                events: n,
+                write_seconds,
+                seconds,
+                capped,
+                published,
+                wal_bytes_per_event: (wal_after - wal_before) / n.max(1) as f64,
+            })
+        }
+        .await;
+        match &measured {
+            Ok(r) if !r.capped => stop_relay(relay).await?,
+            // Capped or failed: it may be in a statement a graceful stop
+            // would wait for.
+            _ => {
+                relay.kill().await?;
+            }
+        }
+        measured
+    }
+    .await;
+    drop_db(logical, db).await;
+    let run = result?;
+    eprintln!(
+        "e2e: wal: drain {:<20} {} events written in {:.1} s, published in {:.1} s = {}/s{}, WAL {:.0} bytes/event",
+        source.name(),
+        fmt_count(run.published as f64),
+        run.write_seconds,
+        run.seconds,
+        fmt_count(run.rate()),
+        if run.capped { " (capped)" } else { "" },
+        run.wal_bytes_per_event
+    );
+    Ok(run)
+}
+
+/// Run the scenario on two throwaway servers (see the module documentation).
+pub async fn run(ctx: &Ctx) -> BenchResult<Section> {
+    let s: &Settings = &ctx.settings;
+    let logical = Throwaway::start("logical").await?;
+    let replica = match Throwaway::start("replica").await {
+        Ok(r) => r,
+        Err(e) => {
+            logical.stop().await;
+            return Err(e);
+        }
+    };
+    let measured = async {
+        let producers = producers(&logical, &replica, s).await?;
+        let latency = latencies(&logical, s).await?;
+        // The listen source first, then the WAL source (one run each).
+        let listen = drain(&logical, s, Source::Listen).await?;
+        let wal = drain(&logical, s, Source::Wal).await?;
+        Ok::<_, BoxError>((producers, latency, listen, wal))
+    }
+    .await;
+    let crashes: Vec<String> = logical.crashes().into_iter().chain(replica.crashes()).collect();
+    for line in &crashes {
+        eprintln!("e2e: wal: server log: {line}");
+    }
+    replica.stop().await;
+    logical.stop().await;
+    let (producers, latency, listen, wal) = measured?;
+    let mut sec = report(s, &producers, &latency, &listen, &wal);
+    if !crashes.is_empty() {
+        sec.notes.push(format!(
+            "The throwaway servers' logs say {} server process(es) crashed or were killed: {}",
+            crashes.len(),
+            crashes.join(" | ")
+        ));
+    }
+    Ok(sec)
+}
+
+/// The section: one table of every part's figures (WAL source, its
+/// baseline, their ratio, a reference and the ratio to it), and the targets.
+fn report(
+    s: &Settings,
+    producers: &[ProducersAt],
+    latency: &[LatencyRun],
+    listen: &DrainRun,
+    wal: &DrainRun,
+) -> Section {
+    let mut sec = Section::new(
+        "wal",
+        "The WAL source (relay --source wal): producers, latency, drain and CPU against the listen source",
+        &["measure", "at", "WAL source", "baseline", "WAL / baseline", "reference", "WAL / reference"],
+    );
+    for p in producers {
+        let conns = p.connections;
+        sec.rows.push(vec![
+            "inserts/s (baseline: no triggers, no relay; reference: the same on wal_level=replica)".into(),
+            format!("{conns} connections"),
+            fmt_count(p.rate(Table::Wal)),
+            fmt_count(p.rate(Table::Bare)),
+            fmt_ratio(p.wal_ratio),
+            fmt_count(p.rate(Table::BareReplica)),
+            fmt_ratio(p.wal_vs_replica),
+        ]);
+        sec.rows.push(vec![
+            "inserts/s (baseline: no triggers, a listen relay draining by its sweep: the producers scenario's)".into(),
+            format!("{conns} connections"),
+            fmt_count(p.rate(Table::Wal)),
+            fmt_count(p.rate(Table::BareRelay)),
+            fmt_ratio(p.wal_vs_draining),
+            "n/a".into(),
+            "n/a".into(),
+        ]);
+        sec.target(
+            format!("WAL source (no insert trigger, relay draining) insert rate >= 0.97x no triggers and no relay at {conns} connections"),
+            p.wal_ratio,
+            0.97,
+            false,
+        );
+    }
+    let mut floor_notes = Vec::new();
+    let find = |name: &str, rate: u64| latency.iter().find(|r| r.receiver == name && r.rate == rate);
+    for &rate in &s.wal_rates {
+        let (Some(w), Some(l), floor, default) = (
+            find(Source::Wal.name(), rate),
+            find(Source::Listen.name(), rate),
+            find(Subject::Floor.name(), rate),
+            find(Source::ListenDefault.name(), rate),
+        ) else {
+            continue;
+        };
+        for (i, label) in [(0, "p50"), (2, "p99")] {
+            let f = floor.map(|f| f.percentiles_ms[i]);
+            sec.rows.push(vec![
+                format!("latency {label} ms (baseline: relay, listen source; reference: the LISTEN floor)"),
+                format!("{}/s", fmt_count(rate as f64)),
+                fmt_ms(w.percentiles_ms[i]),
+                fmt_ms(l.percentiles_ms[i]),
+                fmt_ratio(ratio(w.percentiles_ms[i], l.percentiles_ms[i])),
+                f.map_or_else(|| "n/a".into(), fmt_ms),
+                fmt_ratio(f.and_then(|f| ratio(w.percentiles_ms[i], f))),
+            ]);
+        }
+        let us = |r: &LatencyRun| r.cpu_us_per_event.map_or_else(|| "n/a".into(), |v| format!("{v:.0}"));
+        sec.rows.push(vec![
+            "relay CPU µs/event, process and server sessions (baseline: listen source)".into(),
+            format!("{}/s", fmt_count(rate as f64)),
+            us(w),
+            us(l),
+            fmt_ratio(w.cpu_us_per_event.zip(l.cpu_us_per_event).and_then(|(w, l)| ratio(w, l))),
+            "n/a".into(),
+            "n/a".into(),
+        ]);
+        if let Some(f) = floor {
+            let vs =
+                |r: Option<&LatencyRun>| fmt_ratio(r.and_then(|r| ratio(r.percentiles_ms[0], f.percentiles_ms[0])));
+            floor_notes.push(format!(
+                "{}/s: relay (listen) {}, relay (listen), outbox-locked {}, relay --source wal {}",
+                fmt_count(rate as f64),
+                vs(Some(l)),
+                vs(default),
+                vs(Some(w))
+            ));
+        }
+        sec.target(
+            format!("relay --source wal p50 <= the listen source's at {rate}/s"),
+            ratio(w.percentiles_ms[0], l.percentiles_ms[0]),
+            1.0,
+            true,
+        );
+        sec.target(
+            format!("relay --source wal p50 <= 2x the LISTEN floor at {rate}/s"),
+            floor.and_then(|f| ratio(w.percentiles_ms[0], f.percentiles_ms[0])),
+            2.0,
+            true,
+        );
+    }
+    let drain_ratio = ratio(wal.rate(), listen.rate());
+    sec.rows.push(vec![
+        format!(
+            "drain events/s of a burst written while the relay runs{}",
+            if wal.capped || listen.capped { " (capped)" } else { "" }
+        ),
+        format!("{} events", fmt_count(wal.events as f64)),
+        fmt_count(wal.rate()),
+        fmt_count(listen.rate()),
+        fmt_ratio(drain_ratio),
+        "n/a".into(),
+        "n/a".into(),
+    ]);
+    sec.rows.push(vec![
+        "WAL bytes/event during the drain (baseline: listen source)".into(),
+        format!("{} events", fmt_count(wal.events as f64)),
+        fmt_count(wal.wal_bytes_per_event),
+        fmt_count(listen.wal_bytes_per_event),
+        fmt_ratio(ratio(wal.wal_bytes_per_event, listen.wal_bytes_per_event)),
+        "n/a".into(),
+        "n/a".into(),
+    ]);
+    sec.target("relay --source wal drains a fresh burst >= 1.0x the listen source".into(), drain_ratio, 1.0, false);
+
+    sec.notes.push(
+        "Servers: two throwaway PostgreSQL servers started by the bench from the local binaries (the test kit's \
+         TempServer: fsync=off, max_connections=300), one with wal_level=logical (everything but the reference) \
+         and one with wal_level=replica (the reference insert rate); the suite's own server is not used. \
+         WAL source: a database after `pg-outbox migrate --ordering producer-locked --source wal` (checked: no \
+         trigger fires on insert, publication pg_outbox present), `pg-outbox relay --source wal --sink stdout`. \
+         Listen source: `pg-outbox migrate --ordering producer-locked` (its wake-up statement trigger fires while \
+         a relay waits), `pg-outbox relay --sink stdout`: the same ordering mode, so only the source differs."
+            .into(),
+    );
+    let cpu_cell = |p: &ProducersAt| {
+        let f = |t: Table| p.cpu(t).map_or_else(|| "n/a".into(), |v| format!("{v:.1}"));
+        format!("{} connections {} / {} / {}", p.connections, f(Table::Wal), f(Table::Bare), f(Table::BareReplica))
+    };
+    sec.notes.push(format!(
+        "Producers: the `producers` scenario's load (single-row autocommit INSERTs, a new aggregate each, \
+         {} s of warm-up, then {} s counted), each run in a fresh database; {} round(s) per connection count, \
+         each a run of every variant back to back, starting one further each round; rates are the median runs, \
+         ratios the median of the rounds' ratios. WAL source: its relay draining into a pipe the bench reads and \
+         discards (after each run the relay is checked to publish every event, untimed). Baseline: the same \
+         table on the same server with every trigger disabled (`DISABLE TRIGGER USER`) and no relay. Reference: \
+         that on the wal_level=replica server; logical / replica without triggers: {}. Producers' server CPU \
+         µs/insert, WAL source / baseline / reference: {}.",
+        s.producer_warmup_secs,
+        s.producer_secs,
+        s.wal_producer_rounds.max(1),
+        producers
+            .iter()
+            .map(|p| format!("{} at {} connections", fmt_ratio(p.logical_vs_replica), p.connections))
+            .collect::<Vec<_>>()
+            .join(", "),
+        producers.iter().map(cpu_cell).collect::<Vec<_>>().join("; ")
+    ));
+    let lines: Vec<String> = latency
+        .iter()
+        .map(|r| {
+            format!(
+                "{} at {}/s: p50 {} / p90 {} / p99 {} / p99.9 {} / max {} ms, {} of {} received{}",
+                r.receiver,
+                fmt_count(r.rate as f64),
+                fmt_ms(r.percentiles_ms[0]),
+                fmt_ms(r.percentiles_ms[1]),
+                fmt_ms(r.percentiles_ms[2]),
+                fmt_ms(r.percentiles_ms[3]),
+                fmt_ms(r.percentiles_ms[4]),
+                fmt_count(r.received as f64),
+                fmt_count(r.sent as f64),
+                r.cpu_us_per_event.map_or_else(String::new, |us| format!(", relay CPU {us:.0} µs/event"))
+            )
+        })
+        .collect();
+    sec.notes.push(format!(
+        "Latency: the `latency` scenario's producers ({} connections, open-loop schedule, ~0.3 KB payloads), \
+         {} s per run, each run in a fresh database of the logical server; latency = send of the committing \
+         INSERT -> the event's stdout line read by the bench. Floor: the `latency` scenario's bare LISTEN \
+         client. Also measured, untargeted: the listen relay in the default setup (`migrate` alone: the \
+         outbox-locked mode). The throwaway servers run with fsync=off, so the floor is lower than on a \
+         durable server (a commit flushes nothing to disk) and a relay's own fixed cost per delivery weighs more \
+         against it; p50 against the floor: {}. Every run: {}.",
+        latency::PRODUCERS,
+        s.wal_latency_secs,
+        if floor_notes.is_empty() { "n/a".into() } else { floor_notes.join("; ") },
+        lines.join("; ")
+    ));
+    let sessions: Vec<String> = latency
+        .iter()
+        .filter(|r| r.rate == 1_000 && !r.sessions.is_empty())
+        .map(|r| format!("{}: {}", r.receiver, r.sessions.join(", ")))
+        .collect();
+    sec.notes.push(format!(
+        "Relay CPU: CPU time of the relay process and of its database sessions' server processes \
+         (`pg_stat_activity` rows with application_name `pg-outbox...`, read from `/proc`), from the relay's \
+         idle start until every event arrived, per event received. Sessions counted at 1 000/s: {}.",
+        if sessions.is_empty() { "n/a".into() } else { sessions.join("; ") }
+    ));
+    sec.notes.push(format!(
+        "Drain: a relay idle on a fresh database of the logical server; then {} events (~1.5 KB JSON each, \
+         10 000 aggregates) written from one connection in transactions of {} rows, back to back, while it \
+         runs (written in {:.1} s for the listen source, {:.1} s for the WAL source); events/s from the first \
+         write until no due row is left. One run of each source (the listen source first). WAL bytes/event: \
+         pg_current_wal_lsn() from just before the burst to the end, over the events (the burst's rows, the \
+         relay's acknowledgements, anything else the server wrote meanwhile).",
+        fmt_count(wal.events as f64),
+        fmt_count(BURST_BATCH as f64),
+        listen.write_seconds,
+        wal.write_seconds
+    ));
+    sec.data = serde_json::json!({
+        "producers": producers, "latency": latency, "drain": {"listen": listen, "wal": wal},
+    });
+    sec
+}
