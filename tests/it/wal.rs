@@ -462,12 +462,13 @@ async fn a_running_relay_confirms_wal_it_has_no_events_in() {
     }
     let url = migrated(&server, "wal_confirms", &["--source", "wal"]).await;
     let c = faults::connect(&url, "wal test", LIVENESS).await;
-    let _relay = pg_outbox_testkit::process::Relay::new(support::bin())
+    let relay = pg_outbox_testkit::process::Relay::new(support::bin())
         .url(&url)
         .args(&["--source", "wal", "--sink", "stdout"])
         .start()
         .await
         .unwrap_or_else(|e| panic!("{e}"));
+    assert!(relay.log().contains("relay started; woken by logical replication"), "{}", relay.log());
     c.batch_execute(
         "CREATE TABLE other (id int, filler text); \
          INSERT INTO other SELECT n, repeat('x', 1000) FROM generate_series(1, 20000) n",

@@ -239,12 +239,17 @@ pub(crate) async fn run(url: &str, args: RelayArgs) -> Result<(), Error> {
     if let Some(a) = args.health_addr {
         tracing::info!(livez = %format!("http://{a}/livez"), readyz = %format!("http://{a}/readyz"), "health probes");
     }
+    let woken_by = match (args.source, args.no_listen) {
+        (SourceArg::Wal, _) => "woken by logical replication (publication pg_outbox)".to_string(),
+        (SourceArg::Listen, true) => "no LISTEN: the sweep finds new events".to_string(),
+        (SourceArg::Listen, false) => format!("listening on channel {}", pg_outbox::NOTIFY_CHANNEL),
+    };
     match args.metrics_addr {
         Some(a) => {
-            tracing::info!(database = %target, sink = %sink_name, max_buffered_bytes = %bound, metrics = %format!("http://{a}/metrics"), "relay started; listening on channel {}", pg_outbox::NOTIFY_CHANNEL)
+            tracing::info!(database = %target, sink = %sink_name, max_buffered_bytes = %bound, metrics = %format!("http://{a}/metrics"), "relay started; {woken_by}")
         }
         None => {
-            tracing::info!(database = %target, sink = %sink_name, max_buffered_bytes = %bound, "relay started; listening on channel {}", pg_outbox::NOTIFY_CHANNEL)
+            tracing::info!(database = %target, sink = %sink_name, max_buffered_bytes = %bound, "relay started; {woken_by}")
         }
     }
     tracing::info!(sink = %sink_name, guarantee = %guarantee, "sink delivery guarantee: {guarantee}");
