@@ -246,6 +246,14 @@ enum Source {
     /// mode, its row trigger notifying waiting relays): the default setup,
     /// a reference in the latency part only.
     ListenDefault,
+    /// As [`Source::Wal`], with producers that commit with
+    /// `synchronous_commit = off` (latency part only, first rate): logical
+    /// decoding reads only flushed WAL, so their commits reach the stream
+    /// when the WAL writer flushes (`wal_writer_delay`, 200 ms by default).
+    WalAsyncCommit,
+    /// As [`Source::Listen`], with the same producers (their NOTIFY goes
+    /// out at commit, flushed or not).
+    ListenAsyncCommit,
 }
 
 impl Source {
@@ -254,15 +262,27 @@ impl Source {
         match self {
             Source::Wal => "relay --source wal",
             Source::Listen => "relay (listen)",
+            Source::WalAsyncCommit => "relay --source wal, producers synchronous_commit=off",
+            Source::ListenAsyncCommit => "relay (listen), producers synchronous_commit=off",
             Source::ListenDefault => "relay (listen), outbox-locked",
         }
+    }
+
+    /// Is it the WAL source?
+    fn is_wal(self) -> bool {
+        matches!(self, Source::Wal | Source::WalAsyncCommit)
+    }
+
+    /// Do its producers commit with `synchronous_commit = off`?
+    fn async_commit(self) -> bool {
+        matches!(self, Source::WalAsyncCommit | Source::ListenAsyncCommit)
     }
 
     /// Arguments of the relay (after `--sink stdout`).
     fn relay_args(self) -> &'static [&'static str] {
         match self {
-            Source::Wal => &RELAY_WAL,
-            Source::Listen | Source::ListenDefault => &[],
+            Source::Wal | Source::WalAsyncCommit => &RELAY_WAL,
+            Source::Listen | Source::ListenDefault | Source::ListenAsyncCommit => &[],
         }
     }
 
@@ -271,14 +291,14 @@ impl Source {
     /// feature's promise; a failure here is the feature's, not the bench's).
     async fn prepare(self, cfg: &Config) -> BenchResult<()> {
         let args: &[&str] = match self {
-            Source::Wal => &MIGRATE_WAL,
-            Source::Listen => &MIGRATE_LISTEN,
+            Source::Wal | Source::WalAsyncCommit => &MIGRATE_WAL,
+            Source::Listen | Source::ListenAsyncCommit => &MIGRATE_LISTEN,
             Source::ListenDefault => return Ok(()),
         };
         let said = migrate_cli(cfg, args).await?;
         let client = connect(cfg).await?;
         let firing = firing_insert_triggers(&client).await?;
-        if self == Source::Wal {
+        if self.is_wal() {
             let publications: i64 = client
                 .query_one("SELECT count(*) FROM pg_publication WHERE pubname = 'pg_outbox'", &[])
                 .await?
@@ -579,7 +599,11 @@ async fn relay_latency(cfg: &Config, source: Source, rate: u64, secs: f64) -> Be
     // Let the relay reach its idle state.
     tokio::time::sleep(Duration::from_millis(200)).await;
     let before = relay_cpu_us(cfg, relay.pid()).await;
-    let produced = latency::produce(cfg, Produce::Outbox, rate, secs, &probe).await;
+    let mut producers_cfg = cfg.clone();
+    if source.async_commit() {
+        producers_cfg.options("-c synchronous_commit=off");
+    }
+    let produced = latency::produce(&producers_cfg, Produce::Outbox, rate, secs, &probe).await;
     let (sent, behind, seconds) = match produced {
         Ok(p) => p,
         Err(e) => {
@@ -618,8 +642,12 @@ async fn relay_latency(cfg: &Config, source: Source, rate: u64, secs: f64) -> Be
 /// relay of each source, each in a fresh database of the logical server.
 async fn latencies(logical: &Throwaway, s: &Settings) -> BenchResult<Vec<LatencyRun>> {
     let mut runs = Vec::new();
-    for &rate in &s.wal_rates {
-        for receiver in [None, Some(Source::Listen), Some(Source::Wal), Some(Source::ListenDefault)] {
+    for (i, &rate) in s.wal_rates.iter().enumerate() {
+        let mut receivers = vec![None, Some(Source::Listen), Some(Source::Wal), Some(Source::ListenDefault)];
+        if i == 0 {
+            receivers.extend([Some(Source::ListenAsyncCommit), Some(Source::WalAsyncCommit)]);
+        }
+        for receiver in receivers {
             let db = logical.scratch("wal_latency").await?;
             let run = async {
                 match receiver {
@@ -646,7 +674,7 @@ async fn latencies(logical: &Throwaway, s: &Settings) -> BenchResult<Vec<Latency
             .await;
             drop_db(logical, db).await;
             let run = run?;
-            if receiver == Some(Source::Wal) && run.received < run.sent {
+            if receiver.is_some_and(Source::is_wal) && run.received < run.sent {
                 return Err(format!(
                     "relay --source wal delivered {} of {} events within {} s after the producers stopped",
                     run.received,
@@ -930,6 +958,24 @@ fn report(
             2.0,
             true,
         );
+    }
+    if let Some(&rate) = s.wal_rates.first()
+        && let (Some(w), Some(l)) =
+            (find(Source::WalAsyncCommit.name(), rate), find(Source::ListenAsyncCommit.name(), rate))
+    {
+        for (i, label) in [(0, "p50"), (2, "p99")] {
+            sec.rows.push(vec![
+                format!(
+                    "latency {label} ms, producers synchronous_commit=off (baseline: listen source, same producers)"
+                ),
+                format!("{}/s", fmt_count(rate as f64)),
+                fmt_ms(w.percentiles_ms[i]),
+                fmt_ms(l.percentiles_ms[i]),
+                fmt_ratio(ratio(w.percentiles_ms[i], l.percentiles_ms[i])),
+                "n/a".into(),
+                "n/a".into(),
+            ]);
+        }
     }
     let drain_ratio = ratio(wal.rate(), listen.rate());
     sec.rows.push(vec![
