@@ -180,6 +180,27 @@ enum Receiver {
     Relay { relay: RelayProc, task: tokio::task::JoinHandle<BenchResult<()>> },
 }
 
+/// Read the lines of `relay` (`--sink stdout`, its output piped) into
+/// `probe` (each event's send time is its `payload.data.t`) until it closes
+/// its output; a line that is not JSON ends the task with an error.
+pub fn record_relay_lines(
+    relay: &mut RelayProc,
+    probe: Arc<Probe>,
+) -> BenchResult<tokio::task::JoinHandle<BenchResult<()>>> {
+    let stdout = relay.stdout.take().ok_or("relay stdout is not piped")?;
+    Ok(tokio::spawn(async move {
+        let mut lines = BufReader::new(stdout).lines();
+        while let Some(line) = lines.next_line().await? {
+            let v: serde_json::Value = serde_json::from_str(&line)
+                .map_err(|e| format!("relay wrote a line that is not JSON ({e}): {line}"))?;
+            if let Some(t) = v["payload"]["data"]["t"].as_u64() {
+                probe.record(t);
+            }
+        }
+        Ok(())
+    }))
+}
+
 impl Receiver {
     async fn start(cfg: &Config, subject: Subject, probe: Arc<Probe>) -> BenchResult<Receiver> {
         match subject {
@@ -226,18 +247,7 @@ impl Receiver {
             }
             Subject::Relay => {
                 let mut relay = start_relay(&conninfo(cfg), &[], true).await?;
-                let stdout = relay.stdout.take().ok_or("relay stdout is not piped")?;
-                let task = tokio::spawn(async move {
-                    let mut lines = BufReader::new(stdout).lines();
-                    while let Some(line) = lines.next_line().await? {
-                        let v: serde_json::Value = serde_json::from_str(&line)
-                            .map_err(|e| format!("relay wrote a line that is not JSON ({e}): {line}"))?;
-                        if let Some(t) = v["payload"]["data"]["t"].as_u64() {
-                            probe.record(t);
-                        }
-                    }
-                    Ok(())
-                });
+                let task = record_relay_lines(&mut relay, probe)?;
                 Ok(Receiver::Relay { relay, task })
             }
         }

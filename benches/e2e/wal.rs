@@ -38,7 +38,6 @@ use std::time::{Duration, Instant};
 use pg_outbox::tokio_postgres::config::SslMode;
 use pg_outbox::tokio_postgres::{Client, Config};
 use serde::Serialize;
-use tokio::io::{AsyncBufReadExt, BufReader};
 
 use crate::latency::{self, GRACE, Probe, Produce, Subject};
 use crate::producers::run_load;
@@ -581,21 +580,7 @@ async fn relay_cpu_us(cfg: &Config, pid: Option<u32>) -> Option<(f64, Vec<String
 async fn relay_latency(cfg: &Config, source: Source, rate: u64, secs: f64) -> BenchResult<LatencyRun> {
     let probe = Arc::new(Probe::new()?);
     let mut relay = start_relay(&conninfo(cfg), source.relay_args(), true).await?;
-    let stdout = relay.stdout.take().ok_or("relay stdout is not piped")?;
-    let reader = {
-        let probe = probe.clone();
-        tokio::spawn(async move {
-            let mut lines = BufReader::new(stdout).lines();
-            while let Some(line) = lines.next_line().await? {
-                let v: serde_json::Value = serde_json::from_str(&line)
-                    .map_err(|e| format!("relay wrote a line that is not JSON ({e}): {line}"))?;
-                if let Some(t) = v["payload"]["data"]["t"].as_u64() {
-                    probe.record(t);
-                }
-            }
-            Ok::<_, BoxError>(())
-        })
-    };
+    let reader = latency::record_relay_lines(&mut relay, probe.clone())?;
     // Let the relay reach its idle state.
     tokio::time::sleep(Duration::from_millis(200)).await;
     let before = relay_cpu_us(cfg, relay.pid()).await;

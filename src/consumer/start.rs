@@ -61,7 +61,8 @@ impl ConsumerBuilder {
         if cfg.mode != Mode::Competing {
             crate::store::leader::check_term_privileges(&work).await?;
         }
-        match crate::migrate::ordering(&work).await? {
+        let ordering = crate::migrate::ordering(&work).await?;
+        match ordering {
             Some(mode) => tracing::info!(ordering = %mode, "ordering mode installed on events.outbox: {mode}"),
             None if cfg.source != SourceKind::Listen => tracing::info!(
                 "no insert trigger is enabled on events.outbox: per-aggregate order rests on the producers' own \
@@ -75,7 +76,7 @@ impl ConsumerBuilder {
         }
         if cfg.source == SourceKind::Listen
             && cfg.listen
-            && crate::migrate::ordering(&work).await?.is_some()
+            && ordering.is_some()
             && !crate::store::schema::insert_trigger_fires(&work).await?
         {
             tracing::warn!(

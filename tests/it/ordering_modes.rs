@@ -9,6 +9,7 @@
 use std::collections::HashMap;
 use std::time::Duration;
 
+use pg_outbox::EventStream;
 use pg_outbox::migrate::{self, OrderingMode};
 use uuid::Uuid;
 
@@ -33,33 +34,31 @@ async fn wake_calls(tx: &tokio_postgres::Transaction<'_>) -> i64 {
     .get(0)
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn producer_locked_mode_keeps_order_for_producers_that_lock_their_aggregate_first() {
-    let db = TestDb::new("producer_locked_order").await;
-    assert_eq!(set(&db, OrderingMode::ProducerLocked).await, Some(OrderingMode::OutboxLocked));
-    let setup = db.client().await;
-    setup
-        .batch_execute(
-            "CREATE SCHEMA billing; \
-             CREATE TABLE billing.subscriptions (id uuid PRIMARY KEY, version int NOT NULL DEFAULT 0)",
-        )
-        .await
-        .expect("domain table");
-    let aggregates: Vec<Uuid> = (0..4).map(|_| Uuid::new_v4()).collect();
+/// The schema's domain table, `billing.subscriptions`, with a row for each
+/// of `n` new aggregates; their ids.
+pub(crate) async fn subscriptions(c: &tokio_postgres::Client, n: usize) -> Vec<Uuid> {
+    c.batch_execute(
+        "CREATE SCHEMA billing; \
+         CREATE TABLE billing.subscriptions (id uuid PRIMARY KEY, version int NOT NULL DEFAULT 0)",
+    )
+    .await
+    .expect("domain table");
+    let aggregates: Vec<Uuid> = (0..n).map(|_| Uuid::new_v4()).collect();
     for a in &aggregates {
-        setup.execute("INSERT INTO billing.subscriptions (id) VALUES ($1)", &[a]).await.expect("aggregate row");
+        c.execute("INSERT INTO billing.subscriptions (id) VALUES ($1)", &[a]).await.expect("aggregate row");
     }
-    let mut stream = start(&db, |b| b.sweep_interval(Duration::from_millis(200))).await;
+    aggregates
+}
 
-    // 8 producers, 40 transactions each, on 4 aggregates: each transaction
-    // bumps its aggregate's version under the row lock (the schema's flow),
-    // inserts the event carrying that version, and lingers before COMMIT so
-    // that transactions of one aggregate overlap.
-    let (producers, per_producer) = (8, 40);
+/// One producer per client in `clients`, `per_producer` transactions each
+/// on `aggregates` in turn: each bumps its aggregate's version under the
+/// row lock (the schema's flow, the producer-locked contract), inserts the
+/// event carrying that version, and lingers before COMMIT so that
+/// transactions of one aggregate overlap. Returns when all committed.
+pub(crate) async fn locking_producers(clients: Vec<tokio_postgres::Client>, aggregates: &[Uuid], per_producer: usize) {
     let mut tasks = Vec::new();
-    for p in 0..producers {
-        let mut c = db.client().await;
-        let aggregates = aggregates.clone();
+    for (p, mut c) in clients.into_iter().enumerate() {
+        let aggregates = aggregates.to_vec();
         tasks.push(tokio::spawn(async move {
             for i in 0..per_producer {
                 let agg = aggregates[(p + i) % aggregates.len()];
@@ -87,11 +86,15 @@ async fn producer_locked_mode_keeps_order_for_producers_that_lock_their_aggregat
     for t in tasks {
         t.await.expect("producer");
     }
+}
 
-    let total = producers * per_producer;
+/// Receive `total` events of [`locking_producers`] from `stream` (each
+/// within `secs`), acknowledge them, and check that each aggregate's come
+/// in id order with versions 1, 2, 3, ... and none missing.
+pub(crate) async fn assert_versions_in_order(stream: &mut EventStream, total: usize, secs: u64) {
     let mut seen: HashMap<Uuid, (i64, i64)> = HashMap::new();
     for _ in 0..total {
-        let d = next(&mut stream, 30).await;
+        let d = next(stream, secs).await;
         let version = d.payload["version"].as_i64().expect("version in payload");
         let (last_id, last_version) = seen.entry(d.aggregate_id).or_insert((0, 0));
         assert!(d.id > *last_id, "aggregate {}: id {} delivered after id {}", d.aggregate_id, d.id, last_id);
@@ -102,6 +105,22 @@ async fn producer_locked_mode_keeps_order_for_producers_that_lock_their_aggregat
     }
     let delivered: i64 = seen.values().map(|(_, v)| *v).sum();
     assert_eq!(delivered, i64::try_from(total).expect("total"), "every committed event delivered once, in order");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn producer_locked_mode_keeps_order_for_producers_that_lock_their_aggregate_first() {
+    let db = TestDb::new("producer_locked_order").await;
+    assert_eq!(set(&db, OrderingMode::ProducerLocked).await, Some(OrderingMode::OutboxLocked));
+    let aggregates = subscriptions(&db.client().await, 4).await;
+    let mut stream = start(&db, |b| b.sweep_interval(Duration::from_millis(200))).await;
+    // 8 producers, 40 transactions each, on 4 aggregates.
+    let (producers, per_producer) = (8, 40);
+    let mut clients = Vec::new();
+    for _ in 0..producers {
+        clients.push(db.client().await);
+    }
+    locking_producers(clients, &aggregates, per_producer).await;
+    assert_versions_in_order(&mut stream, producers * per_producer, 30).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

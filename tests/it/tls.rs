@@ -40,7 +40,12 @@ fn pki() -> Pki {
 
 /// A throwaway server that only accepts TLS connections over TCP.
 async fn tls_server(pki: &Pki) -> TempServer {
-    let options = TempServerOptions::default()
+    tls_server_with(pki, TempServerOptions::default()).await
+}
+
+/// [`tls_server`] with `options`' settings too.
+async fn tls_server_with(pki: &Pki, options: TempServerOptions) -> TempServer {
+    let options = options
         .file("server.crt", &pki.server_pem)
         .file("server.key", &pki.server_key_pem)
         .file("pg_hba.conf", "local all all trust\nhostssl all all 127.0.0.1/32 trust\n")
@@ -175,6 +180,60 @@ async fn relay_end_to_end_over_verify_full() {
         vec![("pg-outbox drain".to_string(), true), ("pg-outbox listener".to_string(), true)],
         "the relay's drain and LISTEN sessions are both encrypted"
     );
+    relay.kill9().await;
+}
+
+/// The WAL source's replication connection follows the URL's `sslmode`
+/// too: over `verify-full`, its WAL sender's session is encrypted and the
+/// stream wakes the relay (its sweep is an hour away).
+#[cfg(feature = "wal")]
+#[tokio::test]
+async fn the_wal_source_streams_over_verify_full() {
+    let pki = pki();
+    let server = tls_server_with(&pki, TempServerOptions::default().setting("wal_level", "logical")).await;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let ca = write_file(&dir, "ca.pem", &pki.ca_pem);
+    let url = format!("postgres://postgres@localhost:{}/postgres?sslmode=verify-full&sslrootcert={ca}", server.port());
+    let Out { code, stderr: err, .. } = cli(&["migrate", "--source", "wal"]).url(&url).run().await;
+    assert_eq!(code, Some(0), "migrate --source wal over verify-full failed: {err}");
+    let admin = pg_outbox::ConnectOptions::parse(&url).expect("url").connect().await.expect("connect");
+    if admin
+        .query_one("SELECT current_setting('server_version_num')::int", &[])
+        .await
+        .expect("version")
+        .get::<_, i32>(0)
+        < 140_000
+    {
+        return;
+    }
+    let args = ["--source", "wal", "--sink", "stdout", "--sweep-interval", "1h"];
+    let mut relay =
+        relay_proc::start_spec(Relay::new(support::bin()).url(&url).args(&args).stdout(Output::Piped)).await;
+    let mut lines = BufReader::new(relay.stdout.take().expect("stdout is piped")).lines();
+    let id: i64 = admin
+        .query_one(
+            "INSERT INTO events.outbox (aggregate_type, aggregate_id, event_type, payload) \
+             VALUES ('tls', gen_random_uuid(), 'Sent', '{}') RETURNING id",
+            &[],
+        )
+        .await
+        .expect("insert")
+        .get(0);
+    let line = tokio::time::timeout(Duration::from_secs(30), lines.next_line())
+        .await
+        .expect("a delivery within 30 s (the sweep is an hour away)")
+        .expect("read relay stdout")
+        .expect("relay stdout open");
+    let record: serde_json::Value = serde_json::from_str(&line).expect("a JSON record");
+    assert_eq!(record["id"], serde_json::json!(id), "{line}");
+    let encrypted: Vec<bool> = admin
+        .query("SELECT s.ssl FROM pg_stat_replication r JOIN pg_stat_ssl s USING (pid)", &[])
+        .await
+        .expect("query pg_stat_ssl")
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert_eq!(encrypted, vec![true], "the relay's one WAL sender session is encrypted");
     relay.kill9().await;
 }
 

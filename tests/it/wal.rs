@@ -29,6 +29,11 @@ use uuid::Uuid;
 use crate::faults::{self, BATCH, Behavior, Faults, Harness, Load, fault_points, load_spec};
 use crate::support::{self, TestDb};
 
+/// `pg-outbox relay args...` on the database at `url` (start or spawn it).
+fn relay_on(url: &str, args: &[&str]) -> pg_outbox_testkit::process::Relay {
+    pg_outbox_testkit::process::Relay::new(support::bin()).url(url).args(args)
+}
+
 /// A throwaway server with `wal_level = logical`.
 async fn logical_server() -> TempServer {
     tokio::task::spawn_blocking(|| TempServer::start_with(TempServerOptions::default().setting("wal_level", "logical")))
@@ -46,11 +51,7 @@ async fn wal_supported(server: &TempServer) -> bool {
         return true;
     }
     let url = migrated(server, "wal_too_old", &["--source", "wal"]).await;
-    let mut relay = pg_outbox_testkit::process::Relay::new(support::bin())
-        .url(&url)
-        .args(&["--source", "wal", "--sink", "stdout"])
-        .spawn()
-        .unwrap_or_else(|e| panic!("{e}"));
+    let mut relay = relay_on(&url, &["--source", "wal", "--sink", "stdout"]).spawn().unwrap_or_else(|e| panic!("{e}"));
     let status = relay.wait().await;
     let log = relay.log();
     assert!(!status.success() && log.contains("needs 14 or later"), "refused on an old server: {log}");
@@ -111,15 +112,7 @@ async fn with_no_insert_trigger_events_arrive_from_the_wal_in_order_without_the_
         ("D".to_string(), "R".to_string()),
         "producer-locked with the WAL source: no insert trigger fires in ordinary sessions"
     );
-    c.batch_execute(
-        "CREATE SCHEMA billing; CREATE TABLE billing.subscriptions (id uuid PRIMARY KEY, version int NOT NULL DEFAULT 0)",
-    )
-    .await
-    .expect("domain table");
-    let aggregates: Vec<Uuid> = (0..4).map(|_| Uuid::new_v4()).collect();
-    for a in &aggregates {
-        c.execute("INSERT INTO billing.subscriptions (id) VALUES ($1)", &[a]).await.expect("aggregate row");
-    }
+    let aggregates = crate::ordering_modes::subscriptions(&c, 4).await;
     // A sweep every hour: only the stream can wake the consumer in time.
     let pg = pg_outbox::ConnectOptions::parse(&url).expect("url");
     let mut stream = Consumer::builder(pg)
@@ -156,59 +149,15 @@ async fn with_no_insert_trigger_events_arrive_from_the_wal_in_order_without_the_
     }
 
     // 8 producers that lock their aggregate's row first (the
-    // producer-locked contract) on 4 aggregates: order per aggregate holds.
+    // producer-locked contract) on 4 aggregates: order per aggregate holds,
+    // each event within 10 s (the sweep is 1 h away).
     let (producers, per_producer) = (8usize, 30usize);
-    let mut tasks = Vec::new();
-    for p in 0..producers {
-        let mut pc = faults::connect(&url, "wal producer", LIVENESS).await;
-        let aggregates = aggregates.clone();
-        tasks.push(tokio::spawn(async move {
-            for i in 0..per_producer {
-                let agg = aggregates[(p + i) % aggregates.len()];
-                let tx = pc.transaction().await.expect("begin");
-                let version: i32 = tx
-                    .query_one(
-                        "UPDATE billing.subscriptions SET version = version + 1 WHERE id = $1 RETURNING version",
-                        &[&agg],
-                    )
-                    .await
-                    .expect("lock the aggregate's row")
-                    .get(0);
-                tx.execute(
-                    "INSERT INTO events.outbox (aggregate_type, aggregate_id, event_type, payload) \
-                     VALUES ('subscription', $1, 'Changed', jsonb_build_object('version', $2::int))",
-                    &[&agg, &version],
-                )
-                .await
-                .expect("insert event");
-                tx.batch_execute("SELECT pg_sleep(random() * 0.003)").await.expect("linger");
-                tx.commit().await.expect("commit");
-            }
-        }));
+    let mut clients = Vec::new();
+    for _ in 0..producers {
+        clients.push(faults::connect(&url, "wal producer", LIVENESS).await);
     }
-    for t in tasks {
-        t.await.expect("producer");
-    }
-    let mut seen: HashMap<Uuid, (i64, i64)> = HashMap::new();
-    for _ in 0..producers * per_producer {
-        let d = tokio::time::timeout(Duration::from_secs(10), stream.next())
-            .await
-            .expect("every event within 10 s (the sweep is 1 h away)")
-            .expect("stream ended");
-        let version = d.payload["version"].as_i64().expect("version in payload");
-        let (last_id, last_version) = seen.entry(d.aggregate_id).or_insert((0, 0));
-        assert!(d.id > *last_id, "aggregate {}: id {} delivered after id {}", d.aggregate_id, d.id, last_id);
-        assert_eq!(version, *last_version + 1, "aggregate {}: version {version} after {last_version}", d.aggregate_id);
-        *last_id = d.id;
-        *last_version = version;
-        d.ack();
-    }
-    let notifications: i64 = c
-        .query_one("SELECT count(*) FROM pg_stat_activity WHERE wait_event = 'NotifyQueueTail'", &[])
-        .await
-        .expect("activity")
-        .get(0);
-    assert_eq!(notifications, 0);
+    crate::ordering_modes::locking_producers(clients, &aggregates, per_producer).await;
+    crate::ordering_modes::assert_versions_in_order(&mut stream, producers * per_producer, 10).await;
     stream.shutdown();
     let end = tokio::time::timeout(Duration::from_secs(30), async { while stream.next().await.is_some() {} }).await;
     assert!(end.is_ok(), "the stream ends after shutdown");
@@ -224,7 +173,7 @@ async fn a_killed_relay_leaves_no_slot_and_delivers_a_100_000_event_transaction_
     let url = migrated(&server, "wal_killed", &["--ordering", "producer-locked", "--source", "wal"]).await;
     let c = faults::connect(&url, "wal test", LIVENESS).await;
     let args = ["--source", "wal", "--sink", "stdout", "--max-buffered-bytes", "4MiB"];
-    let spec = || pg_outbox_testkit::process::Relay::new(support::bin()).url(&url).args(&args);
+    let spec = || relay_on(&url, &args);
     let mut relay = spec().start().await.unwrap_or_else(|e| panic!("{e}"));
     assert_eq!(slots(&c).await.0, 1, "the running relay holds one slot");
     relay.kill9().await;
@@ -397,9 +346,7 @@ async fn what_the_server_lacks_is_named_and_the_relay_exits() {
         return;
     }
     let url = migrated(&server, "wal_lacks", &[]).await;
-    let spec = |url: &str| {
-        pg_outbox_testkit::process::Relay::new(support::bin()).url(url).args(&["--source", "wal", "--sink", "stdout"])
-    };
+    let spec = |url: &str| relay_on(url, &["--source", "wal", "--sink", "stdout"]);
     let mut relay = spec(&url).spawn().unwrap_or_else(|e| panic!("{e}"));
     let status = relay.wait().await;
     let log = relay.log();
@@ -462,12 +409,8 @@ async fn a_running_relay_confirms_wal_it_has_no_events_in() {
     }
     let url = migrated(&server, "wal_confirms", &["--source", "wal"]).await;
     let c = faults::connect(&url, "wal test", LIVENESS).await;
-    let relay = pg_outbox_testkit::process::Relay::new(support::bin())
-        .url(&url)
-        .args(&["--source", "wal", "--sink", "stdout"])
-        .start()
-        .await
-        .unwrap_or_else(|e| panic!("{e}"));
+    let relay =
+        relay_on(&url, &["--source", "wal", "--sink", "stdout"]).start().await.unwrap_or_else(|e| panic!("{e}"));
     assert!(relay.log().contains("relay started; woken by logical replication"), "{}", relay.log());
     c.batch_execute(
         "CREATE TABLE other (id int, filler text); \
@@ -505,21 +448,13 @@ async fn a_long_write_transaction_delays_the_slot_not_the_relay() {
     long.batch_execute("BEGIN; INSERT INTO other VALUES (1)").await.expect("a write transaction left open");
     let started = Instant::now();
     let port = pg_outbox_testkit::process::free_port();
-    let mut relay = pg_outbox_testkit::process::Relay::new(support::bin())
-        .url(&url)
-        .args(&[
-            "--source",
-            "wal",
-            "--sink",
-            "stdout",
-            "--sweep-interval",
-            "500ms",
-            "--metrics-addr",
-            &port.to_string(),
-        ])
-        .start()
-        .await
-        .unwrap_or_else(|e| panic!("the relay starts despite the long transaction: {e}"));
+    let mut relay = relay_on(
+        &url,
+        &["--source", "wal", "--sink", "stdout", "--sweep-interval", "500ms", "--metrics-addr", &port.to_string()],
+    )
+    .start()
+    .await
+    .unwrap_or_else(|e| panic!("the relay starts despite the long transaction: {e}"));
     let waited = started.elapsed();
     relay.wait_log(&["starting without the replication stream"], LIVENESS).await.unwrap_or_else(|e| panic!("{e}"));
     // Ready (the sweep delivers), and degraded: the stream is not there.
