@@ -29,6 +29,9 @@ const QUEUE: usize = 64;
 pub const GRACE: Duration = Duration::from_secs(10);
 /// Channel of the floor's notifications.
 const FLOOR_CHANNEL: &str = "pgo_bench_floor";
+/// The floor's plain table, created by [`measure`] for [`Subject::Floor`].
+pub const FLOOR_TABLE: &str =
+    "CREATE TABLE IF NOT EXISTS pgo_bench_floor (id bigserial PRIMARY KEY, payload jsonb NOT NULL)";
 /// Characters of filler in each latency event's payload (~0.3 KB JSON).
 const FILLER: usize = 200;
 
@@ -60,6 +63,10 @@ pub enum Produce {
     Floor,
     /// `SELECT pg_notify(...)` of the send time alone ([`Subject::NotifyOnly`]).
     NotifyOnly,
+    /// Insert the payload into the floor's plain table, nothing else: for a
+    /// receiver that reads the inserts from logical replication (the `wal`
+    /// scenario's floor).
+    FloorInsert,
     /// Insert the payload as an event into `events.outbox`.
     Outbox,
     /// `SELECT graphile_worker.add_job('probe', $1::json)` with the payload,
@@ -294,6 +301,7 @@ pub async fn produce(
             )
         }
         Produce::NotifyOnly => format!("SELECT pg_notify('{FLOOR_CHANNEL}', $1)"),
+        Produce::FloorInsert => "INSERT INTO pgo_bench_floor (payload) VALUES ($1)".to_string(),
         Produce::Outbox => "INSERT INTO events.outbox (aggregate_type, aggregate_id, event_type, payload) \
               VALUES ('bench', gen_random_uuid(), 'LatencyProbe', $1)"
             .to_string(),
@@ -320,7 +328,9 @@ pub async fn produce(
                 match what {
                     Produce::Floor => client.execute(&stmt, &[&payload, &t.to_string()]).await?,
                     Produce::NotifyOnly => client.execute(&stmt, &[&t.to_string()]).await?,
-                    Produce::Outbox | Produce::AddJob => client.execute(&stmt, &[&payload]).await?,
+                    Produce::Outbox | Produce::AddJob | Produce::FloorInsert => {
+                        client.execute(&stmt, &[&payload]).await?
+                    }
                 };
             }
             Ok::<_, pg_outbox_testkit::bench::BoxError>(())
@@ -361,12 +371,7 @@ pub async fn produce(
 /// Measure one subject at one rate on the migrated database `cfg`.
 pub async fn measure(cfg: &Config, subject: Subject, rate: u64, secs: f64) -> BenchResult<LatencyRun> {
     if subject == Subject::Floor {
-        connect(cfg)
-            .await?
-            .batch_execute(
-                "CREATE TABLE IF NOT EXISTS pgo_bench_floor (id bigserial PRIMARY KEY, payload jsonb NOT NULL)",
-            )
-            .await?;
+        connect(cfg).await?.batch_execute(FLOOR_TABLE).await?;
     }
     let probe = Arc::new(Probe::new()?);
     let receiver = Receiver::start(cfg, subject, probe.clone()).await?;

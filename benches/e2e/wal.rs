@@ -30,14 +30,26 @@
 //!    written per event;
 //! 4. the relay's CPU per event (process and server sessions, the
 //!    replication session included) for both sources, from part 2.
+//!
+//! Each part also measures the floor of any WAL source on this server, to
+//! tell the source's own cost from what reading the WAL costs whoever
+//! does it: a bare reader ([`BareStream`]: a temporary slot, confirming at
+//! once, nothing else) decoding the publication beside the producers and
+//! a listen relay draining by its sweep (part 1), beside the listen relay's
+//! drain (part 3), and reading inserts into a plain table for latency
+//! (part 2, against the LISTEN floor).
 
 use std::process::Stdio;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use pg_outbox::tokio_postgres::config::SslMode;
+use pg_outbox::tokio_postgres::config::{Host, SslMode};
 use pg_outbox::tokio_postgres::{Client, Config};
+use pgwire_replication::{Lsn, ReplicationClient, ReplicationConfig, ReplicationEvent, TlsConfig};
 use serde::Serialize;
+use tokio::sync::oneshot;
+use tokio::task::JoinHandle;
 
 use crate::latency::{self, GRACE, Probe, Produce, Subject};
 use crate::producers::run_load;
@@ -160,6 +172,157 @@ impl Throwaway {
         if let Err(e) = tokio::task::spawn_blocking(move || drop(server)).await {
             eprintln!("e2e: wal: stopping a throwaway server: {e}");
         }
+    }
+}
+
+/// The publication the WAL source reads, as `pg-outbox migrate --source
+/// wal` creates it on PostgreSQL 15 and later (inserts only, the id column
+/// alone), for the bare reader on databases set up for the listen source.
+const OUTBOX_PUBLICATION: &str = "DO $$ BEGIN \
+       IF current_setting('server_version_num')::int >= 150000 THEN \
+         EXECUTE 'CREATE PUBLICATION pg_outbox FOR TABLE events.outbox (id) WITH (publish = ''insert'')'; \
+       ELSE \
+         CREATE PUBLICATION pg_outbox FOR TABLE events.outbox WITH (publish = 'insert'); \
+       END IF; END $$";
+/// The latency floor's publication: inserts into the floor's plain table,
+/// payload included (the bare reader takes the send time from it).
+const FLOOR_PUBLICATION: &str =
+    "CREATE PUBLICATION pgo_bench_floor FOR TABLE pgo_bench_floor WITH (publish = 'insert')";
+
+/// A bare logical-replication reader, the floor of any WAL source: a
+/// replication connection (pgwire-replication, as the WAL source's) with a
+/// temporary `pgoutput` slot, streaming `publication`, confirming each
+/// commit's end and each keepalive's WAL end, and doing nothing else; with
+/// a probe, it records each insert's send time (the `payload` column's
+/// `data.t`, see [`insert_sent_us`]) when the insert arrives. Its
+/// application name is not `pg-outbox...`, so a relay's CPU reading never
+/// counts it.
+struct BareStream {
+    stop: oneshot::Sender<()>,
+    /// Inserts read so far.
+    read: Arc<AtomicU64>,
+    /// Inserts read, or why the stream failed.
+    task: JoinHandle<BenchResult<u64>>,
+}
+
+/// The send time (µs on the probe's clock) in the JSON of the second column
+/// (`payload`) of a pgoutput Insert message ('I', relation id, 'N', column
+/// count, then each column: 't' and a 4-byte length and its text, or 'n'
+/// for NULL, 'u' for an unchanged TOAST value); `None` for anything else.
+fn insert_sent_us(data: &[u8]) -> Option<u64> {
+    let (&kind, rest) = data.split_first()?;
+    if kind != b'I' || rest.get(4) != Some(&b'N') {
+        return None;
+    }
+    let columns = u16::from_be_bytes([*rest.get(5)?, *rest.get(6)?]);
+    let mut at = 7;
+    let mut text = None;
+    for _ in 0..columns {
+        match *rest.get(at)? {
+            b't' | b'b' => {
+                let len = u32::from_be_bytes(rest.get(at + 1..at + 5)?.try_into().ok()?) as usize;
+                text = Some(rest.get(at + 5..at + 5 + len)?);
+                at += 5 + len;
+            }
+            _ => {
+                text = None;
+                at += 1;
+            }
+        }
+    }
+    let payload: serde_json::Value = serde_json::from_slice(text?).ok()?;
+    payload["data"]["t"].as_u64()
+}
+
+impl BareStream {
+    /// Open the replication connection for `cfg`'s database, create the
+    /// slot, start streaming `publication`.
+    async fn start(cfg: &Config, publication: &str, probe: Option<Arc<Probe>>) -> BenchResult<BareStream> {
+        let user = cfg.get_user().ok_or("the bare reader needs a user name")?;
+        let db = cfg.get_dbname().unwrap_or(user);
+        let password = cfg.get_password().map(|p| String::from_utf8_lossy(p).into_owned()).unwrap_or_default();
+        let port = cfg.get_ports().first().copied().unwrap_or(5432);
+        let nanos = std::time::SystemTime::now().duration_since(std::time::SystemTime::UNIX_EPOCH)?.as_nanos();
+        let slot = format!("pgo_bench_{:x}", nanos & 0xffff_ffff_ffff);
+        let rc = match cfg.get_hosts().first().ok_or("the bare reader needs a host")? {
+            Host::Unix(dir) => {
+                ReplicationConfig::unix(dir.display().to_string(), port, user, password, db, &slot, publication)
+            }
+            Host::Tcp(host) => ReplicationConfig::new(host.clone(), user, password, db, &slot, publication)
+                .with_port(port)
+                .with_tls(TlsConfig::disabled()),
+        }
+        .with_start_lsn(Lsn::ZERO)
+        .with_status_interval(Duration::from_secs(1))
+        .with_application_name("pgo-bench bare reader");
+        let mut client = ReplicationClient::connect_gated(rc).await?;
+        client
+            .simple_query(&format!("CREATE_REPLICATION_SLOT {slot} TEMPORARY LOGICAL pgoutput NOEXPORT_SNAPSHOT"))
+            .await?;
+        client.start().await?;
+        client.wait_started().await?;
+        let (stop, mut stopped) = oneshot::channel::<()>();
+        let read = Arc::new(AtomicU64::new(0));
+        let counter = read.clone();
+        let task = tokio::spawn(async move {
+            let ended = loop {
+                let event = tokio::select! {
+                    _ = &mut stopped => break None,
+                    e = client.recv() => e,
+                };
+                match event {
+                    Ok(Some(ReplicationEvent::XLogData { data, .. })) => {
+                        if data.first() == Some(&b'I') {
+                            counter.fetch_add(1, Ordering::Relaxed);
+                            if let Some(probe) = &probe
+                                && let Some(t) = insert_sent_us(&data)
+                            {
+                                probe.record(t);
+                            }
+                        }
+                    }
+                    Ok(Some(ReplicationEvent::Commit { end_lsn, .. })) => client.update_applied_lsn(end_lsn),
+                    Ok(Some(ReplicationEvent::KeepAlive { wal_end, .. })) => client.update_applied_lsn(wal_end),
+                    Ok(Some(ReplicationEvent::StoppedAt { .. })) | Ok(None) => {
+                        break Some(format!("the server ended the bare reader's stream (slot {slot})"));
+                    }
+                    Ok(Some(_)) => {}
+                    Err(e) => break Some(format!("the bare reader's stream (slot {slot}): {e}")),
+                }
+            };
+            client.stop();
+            let _ = tokio::time::timeout(Duration::from_secs(2), client.shutdown()).await;
+            client.abort();
+            match ended {
+                None => Ok(counter.load(Ordering::Relaxed)),
+                Some(why) => Err(why.into()),
+            }
+        });
+        Ok(BareStream { stop, read, task })
+    }
+
+    /// Wait (at most [`CATCH_UP`]) until the reader has read `n` inserts;
+    /// an error naming how many it read when it has not.
+    async fn caught_up(&self, n: u64) -> BenchResult<()> {
+        let deadline = Instant::now() + CATCH_UP;
+        while self.read.load(Ordering::Relaxed) < n {
+            if self.task.is_finished() || Instant::now() >= deadline {
+                return Err(format!(
+                    "the bare reader read {} of {n} inserts within {} s",
+                    self.read.load(Ordering::Relaxed),
+                    CATCH_UP.as_secs()
+                )
+                .into());
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        Ok(())
+    }
+
+    /// Stop reading; the inserts read, or why the stream failed before.
+    async fn stop(self) -> BenchResult<u64> {
+        let _ = self.stop.send(());
+        self.task.await?
     }
 }
 
@@ -343,10 +506,20 @@ enum Table {
     BareRelay,
     /// `wal_level = replica`, every trigger disabled, no relay (the reference).
     BareReplica,
+    /// `wal_level = logical`, every trigger disabled, no relay, a
+    /// [`BareStream`] reading the WAL source's publication: what decoding
+    /// alone costs the producers.
+    BareStream,
+    /// `wal_level = logical`, every trigger disabled, a listen relay
+    /// draining by its sweep and a [`BareStream`] reading the publication:
+    /// the floor of any WAL source that marks its events published (it
+    /// must decode and it must drain), with no wake-up of its own.
+    BareRelayStream,
 }
 
 /// Every producers variant.
-const TABLES: [Table; 4] = [Table::Wal, Table::Bare, Table::BareReplica, Table::BareRelay];
+const TABLES: [Table; 6] =
+    [Table::Wal, Table::Bare, Table::BareReplica, Table::BareRelay, Table::BareStream, Table::BareRelayStream];
 
 /// One producers run's figures, after the warm-up.
 #[derive(Debug, Clone, Serialize)]
@@ -370,8 +543,10 @@ async fn producer_run(
     let server = if table == Table::BareReplica { replica } else { logical };
     let db = server.scratch("wal_producers").await?;
     let result = async {
-        // The listen relay of [`Table::BareRelay`].
+        // The listen relay of [`Table::BareRelay`] and [`Table::BareRelayStream`].
         let mut drainer = None;
+        // The bare reader of [`Table::BareStream`] and [`Table::BareRelayStream`].
+        let mut reader = None;
         let relay = if table == Table::Wal {
             Source::Wal.prepare(&db.cfg).await?;
             let relay = start_relay(&conninfo(&db.cfg), &RELAY_WAL, false).await?;
@@ -379,14 +554,24 @@ async fn producer_run(
             tokio::time::sleep(Duration::from_millis(200)).await;
             Some(relay)
         } else {
+            let streamed = matches!(table, Table::BareStream | Table::BareRelayStream);
+            if streamed {
+                // The WAL source's publication, as migrate creates it.
+                Source::Wal.prepare(&db.cfg).await?;
+            }
             let c = connect(&db.cfg).await?;
             c.batch_execute("ALTER TABLE events.outbox DISABLE TRIGGER USER").await?;
             let firing = firing_insert_triggers(&c).await?;
             if !firing.is_empty() {
                 return Err(format!("triggers still fire on insert after DISABLE TRIGGER USER: {firing}").into());
             }
-            if table == Table::BareRelay {
+            if streamed {
+                reader = Some(BareStream::start(&db.cfg, "pg_outbox", None).await?);
+            }
+            if matches!(table, Table::BareRelay | Table::BareRelayStream) {
                 drainer = Some(start_relay(&conninfo(&db.cfg), &[], false).await?);
+            }
+            if reader.is_some() || drainer.is_some() {
                 tokio::time::sleep(Duration::from_millis(200)).await;
             }
             None
@@ -394,6 +579,14 @@ async fn producer_run(
         let load = run_load(&db.cfg, conns, s.producer_warmup_secs + s.producer_secs, s.producer_warmup_secs, 0).await;
         if let Some(drainer) = drainer {
             stop_relay(drainer).await?;
+        }
+        if let Some(reader) = reader {
+            // It read every insert (else it measured nothing), then stops.
+            let written: i64 =
+                connect(&db.cfg).await?.query_one("SELECT count(*) FROM events.outbox", &[]).await?.try_get(0)?;
+            let caught_up = reader.caught_up(u64::try_from(written)?).await;
+            reader.stop().await?;
+            caught_up?;
         }
         if let Some(mut relay) = relay {
             let caught_up = match &load {
@@ -456,6 +649,13 @@ struct ProducersAt {
     wal_vs_draining: Option<f64>,
     /// Median of each round's bare with a listen relay draining / bare (logical).
     draining_vs_bare: Option<f64>,
+    /// Median of each round's bare with a bare reader / bare (logical): decoding alone.
+    stream_vs_bare: Option<f64>,
+    /// Median of each round's bare with a listen relay draining and a bare
+    /// reader / bare (logical): the floor of the WAL source's ratio.
+    floor_vs_bare: Option<f64>,
+    /// Median of each round's WAL source / that floor.
+    wal_vs_floor: Option<f64>,
 }
 
 impl ProducersAt {
@@ -492,7 +692,7 @@ async fn producers(logical: &Throwaway, replica: &Throwaway, s: &Settings) -> Be
                 runs[v].push(producer_run(logical, replica, s, conns, TABLES[v]).await?);
             }
         }
-        let [wal, bare, rep, draining] = [&runs[0], &runs[1], &runs[2], &runs[3]];
+        let [wal, bare, rep, draining, stream, floor] = [&runs[0], &runs[1], &runs[2], &runs[3], &runs[4], &runs[5]];
         let at = ProducersAt {
             connections: conns,
             wal_ratio: round_ratio(wal, bare),
@@ -500,13 +700,17 @@ async fn producers(logical: &Throwaway, replica: &Throwaway, s: &Settings) -> Be
             wal_vs_replica: round_ratio(wal, rep),
             wal_vs_draining: round_ratio(wal, draining),
             draining_vs_bare: round_ratio(draining, bare),
+            stream_vs_bare: round_ratio(stream, bare),
+            floor_vs_bare: round_ratio(floor, bare),
+            wal_vs_floor: round_ratio(wal, floor),
             runs: TABLES.iter().copied().zip(runs).collect(),
         };
         let list = |t: Table| at.of(t).iter().map(|r| fmt_count(r.rate)).collect::<Vec<_>>().join(" / ");
         eprintln!(
             "e2e: wal: producers x{conns}: WAL source {}/s ({}), no triggers (logical) {}/s, no triggers (replica) \
-             {}/s (logical/replica {}), no triggers with a listen relay draining {}/s (WAL source vs it {}); \
-             runs in order: WAL {}, logical {}, replica {}, listen relay draining {}",
+             {}/s (logical/replica {}), no triggers with a listen relay draining {}/s (WAL source vs it {}), \
+             with a bare reader {}/s ({} of logical), with both {}/s ({} of logical; WAL source vs it {}); \
+             runs in order: WAL {}, logical {}, replica {}, listen relay draining {}, bare reader {}, both {}",
             fmt_count(at.rate(Table::Wal)),
             fmt_ratio(at.wal_ratio),
             fmt_count(at.rate(Table::Bare)),
@@ -514,10 +718,17 @@ async fn producers(logical: &Throwaway, replica: &Throwaway, s: &Settings) -> Be
             fmt_ratio(at.logical_vs_replica),
             fmt_count(at.rate(Table::BareRelay)),
             fmt_ratio(at.wal_vs_draining),
+            fmt_count(at.rate(Table::BareStream)),
+            fmt_ratio(at.stream_vs_bare),
+            fmt_count(at.rate(Table::BareRelayStream)),
+            fmt_ratio(at.floor_vs_bare),
+            fmt_ratio(at.wal_vs_floor),
             list(Table::Wal),
             list(Table::Bare),
             list(Table::BareReplica),
             list(Table::BareRelay),
+            list(Table::BareStream),
+            list(Table::BareRelayStream),
         );
         out.push(at);
     }
@@ -623,20 +834,80 @@ async fn relay_latency(cfg: &Config, source: Source, rate: u64, secs: f64) -> Be
     })
 }
 
+/// Who receives the events in part 2.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Receiver {
+    /// The `latency` scenario's bare LISTEN client.
+    ListenFloor,
+    /// A [`BareStream`] on the floor's table ([`wal_floor_latency`]).
+    WalFloor,
+    /// A relay of this source.
+    Relay(Source),
+}
+
+/// Name of the logical-replication floor in the report.
+const WAL_FLOOR: &str = "floor (bare logical-replication reader)";
+
+/// The logical-replication floor at `rate` events/s for `secs` seconds on
+/// the database `cfg`: the `latency` scenario's producers insert into the
+/// floor's plain table (no trigger, no NOTIFY), a [`BareStream`] reads the
+/// inserts from a publication of that table; latency = send of the
+/// committing INSERT -> its Insert message read from the stream. What any
+/// WAL source waits before it can know of an event; a relay then still
+/// fetches the row.
+async fn wal_floor_latency(cfg: &Config, rate: u64, secs: f64) -> BenchResult<LatencyRun> {
+    let client = connect(cfg).await?;
+    client.batch_execute(latency::FLOOR_TABLE).await?;
+    client.batch_execute(FLOOR_PUBLICATION).await?;
+    let probe = Arc::new(Probe::new()?);
+    let reader = BareStream::start(cfg, "pgo_bench_floor", Some(probe.clone())).await?;
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let (sent, behind, seconds) = match latency::produce(cfg, Produce::FloorInsert, rate, secs, &probe).await {
+        Ok(p) => p,
+        Err(e) => {
+            let _ = reader.stop().await;
+            return Err(e);
+        }
+    };
+    let deadline = Instant::now() + GRACE;
+    while probe.received() < sent && Instant::now() < deadline && !reader.task.is_finished() {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    reader.stop().await?;
+    Ok(LatencyRun {
+        receiver: WAL_FLOOR,
+        rate,
+        seconds,
+        sent,
+        received: probe.received(),
+        behind,
+        percentiles_ms: probe.percentiles_ms(),
+        cpu_us_per_event: None,
+        sessions: Vec::new(),
+    })
+}
+
 /// Part 2: at each rate, the LISTEN floor (the `latency` scenario's) and a
 /// relay of each source, each in a fresh database of the logical server.
 async fn latencies(logical: &Throwaway, s: &Settings) -> BenchResult<Vec<LatencyRun>> {
     let mut runs = Vec::new();
     for (i, &rate) in s.wal_rates.iter().enumerate() {
-        let mut receivers = vec![None, Some(Source::Listen), Some(Source::Wal), Some(Source::ListenDefault)];
+        let mut receivers = vec![
+            Receiver::ListenFloor,
+            Receiver::WalFloor,
+            Receiver::Relay(Source::Listen),
+            Receiver::Relay(Source::Wal),
+            Receiver::Relay(Source::ListenDefault),
+        ];
         if i == 0 {
-            receivers.extend([Some(Source::ListenAsyncCommit), Some(Source::WalAsyncCommit)]);
+            receivers.extend([Receiver::Relay(Source::ListenAsyncCommit), Receiver::Relay(Source::WalAsyncCommit)]);
         }
         for receiver in receivers {
             let db = logical.scratch("wal_latency").await?;
             let run = async {
                 match receiver {
-                    None => {
+                    Receiver::WalFloor => wal_floor_latency(&db.cfg, rate, s.wal_latency_secs).await,
+                    Receiver::ListenFloor => {
                         let r = latency::measure(&db.cfg, Subject::Floor, rate, s.wal_latency_secs).await?;
                         Ok::<_, BoxError>(LatencyRun {
                             receiver: Subject::Floor.name(),
@@ -650,7 +921,7 @@ async fn latencies(logical: &Throwaway, s: &Settings) -> BenchResult<Vec<Latency
                             sessions: Vec::new(),
                         })
                     }
-                    Some(source) => {
+                    Receiver::Relay(source) => {
                         source.prepare(&db.cfg).await?;
                         relay_latency(&db.cfg, source, rate, s.wal_latency_secs).await
                     }
@@ -659,9 +930,15 @@ async fn latencies(logical: &Throwaway, s: &Settings) -> BenchResult<Vec<Latency
             .await;
             drop_db(logical, db).await;
             let run = run?;
-            if receiver.is_some_and(Source::is_wal) && run.received < run.sent {
+            let streamed = match receiver {
+                Receiver::Relay(source) => source.is_wal(),
+                Receiver::WalFloor => true,
+                Receiver::ListenFloor => false,
+            };
+            if streamed && run.received < run.sent {
                 return Err(format!(
-                    "relay --source wal delivered {} of {} events within {} s after the producers stopped",
+                    "{} received {} of {} events within {} s after the producers stopped",
+                    run.receiver,
                     run.received,
                     run.sent,
                     GRACE.as_secs()
@@ -693,6 +970,9 @@ async fn latencies(logical: &Throwaway, s: &Settings) -> BenchResult<Vec<Latency
 struct DrainRun {
     /// The relay's source.
     source: Source,
+    /// A [`BareStream`] read the WAL source's publication alongside the
+    /// relay (the floor of the WAL source's drain, with the listen source).
+    reader_alongside: bool,
     /// Events in the burst.
     events: i64,
     /// Seconds the burst took to write (its last commit).
@@ -709,6 +989,15 @@ struct DrainRun {
 }
 
 impl DrainRun {
+    /// Name in the report.
+    fn name(&self) -> String {
+        if self.reader_alongside {
+            format!("{} + bare reader", self.source.name())
+        } else {
+            self.source.name().to_string()
+        }
+    }
+
     /// Events published per second.
     fn rate(&self) -> f64 {
         if self.seconds > 0.0 { self.published as f64 / self.seconds } else { 0.0 }
@@ -721,11 +1010,21 @@ impl DrainRun {
 /// back to back, no session-level trigger tricks: what fires on insert in
 /// the source's setup fires); timed from the first write until the table
 /// shows no due row (polled every 20 ms), capped at `drain_max_secs`.
-async fn drain(logical: &Throwaway, s: &Settings, source: Source) -> BenchResult<DrainRun> {
+/// With `alongside`, a [`BareStream`] reads the publication of the WAL
+/// source (created for it) from before the burst until it read every event.
+async fn drain(logical: &Throwaway, s: &Settings, source: Source, alongside: bool) -> BenchResult<DrainRun> {
     let db = logical.scratch("wal_drain").await?;
     let result = async {
         source.prepare(&db.cfg).await?;
         let client = connect(&db.cfg).await?;
+        let reader = if alongside {
+            if !source.is_wal() {
+                client.batch_execute(OUTBOX_PUBLICATION).await?;
+            }
+            Some(BareStream::start(&db.cfg, "pg_outbox", None).await?)
+        } else {
+            None
+        };
         util::autovacuum_off(&client).await?;
         let writer = connect(&db.cfg).await?;
         let insert = writer
@@ -773,6 +1072,7 @@ async fn drain(logical: &Throwaway, s: &Settings, source: Source) -> BenchResult
             let published = n - util::fresh_unpublished(&client).await?;
             Ok::<_, BoxError>(DrainRun {
                 source,
+                reader_alongside: alongside,
                 events: n,
                 write_seconds,
                 seconds,
@@ -790,14 +1090,22 @@ async fn drain(logical: &Throwaway, s: &Settings, source: Source) -> BenchResult
                 relay.kill().await?;
             }
         }
+        if let Some(reader) = reader {
+            let caught_up = match &measured {
+                Ok(_) => reader.caught_up(u64::try_from(s.wal_burst)?).await,
+                Err(_) => Ok(()),
+            };
+            reader.stop().await?;
+            caught_up?;
+        }
         measured
     }
     .await;
     drop_db(logical, db).await;
     let run = result?;
     eprintln!(
-        "e2e: wal: drain {:<20} {} events written in {:.1} s, published in {:.1} s = {}/s{}, WAL {:.0} bytes/event",
-        source.name(),
+        "e2e: wal: drain {:<36} {} events written in {:.1} s, published in {:.1} s = {}/s{}, WAL {:.0} bytes/event",
+        run.name(),
         fmt_count(run.published as f64),
         run.write_seconds,
         run.seconds,
@@ -822,10 +1130,12 @@ pub async fn run(ctx: &Ctx) -> BenchResult<Section> {
     let measured = async {
         let producers = producers(&logical, &replica, s).await?;
         let latency = latencies(&logical, s).await?;
-        // The listen source first, then the WAL source (one run each).
-        let listen = drain(&logical, s, Source::Listen).await?;
-        let wal = drain(&logical, s, Source::Wal).await?;
-        Ok::<_, BoxError>((producers, latency, listen, wal))
+        // The listen source first, then the WAL source, then the floor
+        // (one run each).
+        let listen = drain(&logical, s, Source::Listen, false).await?;
+        let wal = drain(&logical, s, Source::Wal, false).await?;
+        let floor = drain(&logical, s, Source::Listen, true).await?;
+        Ok::<_, BoxError>((producers, latency, [listen, wal, floor]))
     }
     .await;
     let crashes: Vec<String> = logical.crashes().into_iter().chain(replica.crashes()).collect();
@@ -834,8 +1144,8 @@ pub async fn run(ctx: &Ctx) -> BenchResult<Section> {
     }
     replica.stop().await;
     logical.stop().await;
-    let (producers, latency, listen, wal) = measured?;
-    let mut sec = report(s, &producers, &latency, &listen, &wal);
+    let (producers, latency, drains) = measured?;
+    let mut sec = report(s, &producers, &latency, &drains);
     if !crashes.is_empty() {
         sec.notes.push(format!(
             "The throwaway servers' logs say {} server process(es) crashed or were killed: {}",
@@ -852,8 +1162,7 @@ fn report(
     s: &Settings,
     producers: &[ProducersAt],
     latency: &[LatencyRun],
-    listen: &DrainRun,
-    wal: &DrainRun,
+    [listen, wal, floor_drain]: &[DrainRun; 3],
 ) -> Section {
     let mut sec = Section::new(
         "wal",
@@ -880,8 +1189,33 @@ fn report(
             "n/a".into(),
             "n/a".into(),
         ]);
+        sec.rows.push(vec![
+            "inserts/s of the floor in the WAL source's column: no triggers, a listen relay draining by its sweep \
+             and a bare reader decoding the publication (baseline: no triggers, no relay; reference: a bare reader \
+             alone)"
+                .into(),
+            format!("{conns} connections"),
+            fmt_count(p.rate(Table::BareRelayStream)),
+            fmt_count(p.rate(Table::Bare)),
+            fmt_ratio(p.floor_vs_bare),
+            fmt_count(p.rate(Table::BareStream)),
+            fmt_ratio(p.floor_vs_bare.zip(p.stream_vs_bare).and_then(|(f, b)| ratio(f, b))),
+        ]);
+        sec.rows.push(vec![
+            "inserts/s (baseline: the floor above)".into(),
+            format!("{conns} connections"),
+            fmt_count(p.rate(Table::Wal)),
+            fmt_count(p.rate(Table::BareRelayStream)),
+            fmt_ratio(p.wal_vs_floor),
+            "n/a".into(),
+            "n/a".into(),
+        ]);
         sec.target(
-            format!("WAL source (no insert trigger, relay draining) insert rate >= 0.97x no triggers and no relay at {conns} connections"),
+            format!(
+                "WAL source (no insert trigger, relay draining) insert rate >= 0.97x no triggers and no relay at \
+                 {conns} connections (the floor of any WAL source here: {})",
+                fmt_ratio(p.floor_vs_bare)
+            ),
             p.wal_ratio,
             0.97,
             false,
@@ -890,14 +1224,43 @@ fn report(
     let mut floor_notes = Vec::new();
     let find = |name: &str, rate: u64| latency.iter().find(|r| r.receiver == name && r.rate == rate);
     for &rate in &s.wal_rates {
-        let (Some(w), Some(l), floor, default) = (
+        let (Some(w), Some(l), floor, default, wal_floor) = (
             find(Source::Wal.name(), rate),
             find(Source::Listen.name(), rate),
             find(Subject::Floor.name(), rate),
             find(Source::ListenDefault.name(), rate),
+            find(WAL_FLOOR, rate),
         ) else {
             continue;
         };
+        if let (Some(f), Some(wf)) = (floor, wal_floor) {
+            for (i, label) in [(0, "p50"), (2, "p99")] {
+                sec.rows.push(vec![
+                    format!(
+                        "latency {label} ms of the floors: a bare logical-replication reader in the WAL source's \
+                         column (baseline: the bare LISTEN client)"
+                    ),
+                    format!("{}/s", fmt_count(rate as f64)),
+                    fmt_ms(wf.percentiles_ms[i]),
+                    fmt_ms(f.percentiles_ms[i]),
+                    fmt_ratio(ratio(wf.percentiles_ms[i], f.percentiles_ms[i])),
+                    "n/a".into(),
+                    "n/a".into(),
+                ]);
+            }
+            let over = |r: &LatencyRun, base: &LatencyRun| r.percentiles_ms[0] - base.percentiles_ms[0];
+            sec.rows.push(vec![
+                "latency p50 ms a relay adds to its floor (WAL: relay --source wal - the logical-replication \
+                 reader; baseline: the listen relay - the LISTEN client)"
+                    .into(),
+                format!("{}/s", fmt_count(rate as f64)),
+                fmt_ms(over(w, wf)),
+                fmt_ms(over(l, f)),
+                fmt_ratio(ratio(over(w, wf), over(l, f))),
+                "n/a".into(),
+                "n/a".into(),
+            ]);
+        }
         for (i, label) in [(0, "p50"), (2, "p99")] {
             let f = floor.map(|f| f.percentiles_ms[i]);
             sec.rows.push(vec![
@@ -931,14 +1294,22 @@ fn report(
                 vs(Some(w))
             ));
         }
+        let floors = floor.zip(wal_floor).and_then(|(f, wf)| ratio(wf.percentiles_ms[0], f.percentiles_ms[0]));
         sec.target(
-            format!("relay --source wal p50 <= the listen source's at {rate}/s"),
+            format!(
+                "relay --source wal p50 <= the listen source's at {rate}/s (the floors' p50, logical-replication \
+                 reader / LISTEN client: {})",
+                fmt_ratio(floors)
+            ),
             ratio(w.percentiles_ms[0], l.percentiles_ms[0]),
             1.0,
             true,
         );
         sec.target(
-            format!("relay --source wal p50 <= 2x the LISTEN floor at {rate}/s"),
+            format!(
+                "relay --source wal p50 <= 2x the LISTEN floor at {rate}/s (the listen relay's: {})",
+                fmt_ratio(floor.and_then(|f| ratio(l.percentiles_ms[0], f.percentiles_ms[0])))
+            ),
             floor.and_then(|f| ratio(w.percentiles_ms[0], f.percentiles_ms[0])),
             2.0,
             true,
@@ -984,7 +1355,27 @@ fn report(
         "n/a".into(),
         "n/a".into(),
     ]);
-    sec.target("relay --source wal drains a fresh burst >= 1.0x the listen source".into(), drain_ratio, 1.0, false);
+    sec.rows.push(vec![
+        "drain events/s of the burst (baseline: the listen relay with a bare reader decoding the publication \
+         alongside, the floor of any WAL source here)"
+            .into(),
+        format!("{} events", fmt_count(wal.events as f64)),
+        fmt_count(wal.rate()),
+        fmt_count(floor_drain.rate()),
+        fmt_ratio(ratio(wal.rate(), floor_drain.rate())),
+        "n/a".into(),
+        "n/a".into(),
+    ]);
+    sec.target(
+        format!(
+            "relay --source wal drains a fresh burst >= 1.0x the listen source (the floor here, listen relay with \
+             a bare reader / listen relay: {})",
+            fmt_ratio(ratio(floor_drain.rate(), listen.rate()))
+        ),
+        drain_ratio,
+        1.0,
+        false,
+    );
 
     sec.notes.push(
         "Servers: two throwaway PostgreSQL servers started by the bench from the local binaries (the test kit's \
@@ -1007,7 +1398,11 @@ fn report(
          ratios the median of the rounds' ratios. WAL source: its relay draining into a pipe the bench reads and \
          discards (after each run the relay is checked to publish every event, untimed). Baseline: the same \
          table on the same server with every trigger disabled (`DISABLE TRIGGER USER`) and no relay. Reference: \
-         that on the wal_level=replica server; logical / replica without triggers: {}. Producers' server CPU \
+         that on the wal_level=replica server; logical / replica without triggers: {}. The floor: the \
+         baseline's table with a listen relay draining it by its sweep and a bare logical-replication reader \
+         (a temporary pgoutput slot on the WAL source's publication, confirming at once, doing nothing else; \
+         checked to have read every insert) streaming it, so the server decodes and the rows are marked \
+         published, as any WAL source needs, with no wake-up at all; and the bare reader alone. Producers' server CPU \
          µs/insert, WAL source / baseline / reference: {}.",
         s.producer_warmup_secs,
         s.producer_secs,
@@ -1041,7 +1436,10 @@ fn report(
         "Latency: the `latency` scenario's producers ({} connections, open-loop schedule, ~0.3 KB payloads), \
          {} s per run, each run in a fresh database of the logical server; latency = send of the committing \
          INSERT -> the event's stdout line read by the bench. Floor: the `latency` scenario's bare LISTEN \
-         client. Also measured, untargeted: the listen relay in the default setup (`migrate` alone: the \
+         client. The logical-replication floor: the same producers inserting into the LISTEN floor's plain \
+         table with no NOTIFY, read by a bare reader (a temporary pgoutput slot on a publication of that table, \
+         the crate the WAL source uses, doing nothing but confirming), latency taken when the Insert message \
+         arrives: what any WAL source waits before it knows of an event. Also measured, untargeted: the listen relay in the default setup (`migrate` alone: the \
          outbox-locked mode). The throwaway servers run with fsync=off, so the floor is lower than on a \
          durable server (a commit flushes nothing to disk) and a relay's own fixed cost per delivery weighs more \
          against it; p50 against the floor: {}. Every run: {}.",
@@ -1064,17 +1462,23 @@ fn report(
     sec.notes.push(format!(
         "Drain: a relay idle on a fresh database of the logical server; then {} events (~1.5 KB JSON each, \
          10 000 aggregates) written from one connection in transactions of {} rows, back to back, while it \
-         runs (written in {:.1} s for the listen source, {:.1} s for the WAL source); events/s from the first \
-         write until no due row is left. One run of each source (the listen source first). WAL bytes/event: \
+         runs (written in {:.1} s for the listen source, {:.1} s for the WAL source, {:.1} s for the listen \
+         source with a bare reader alongside); events/s from the first write until no due row is left. One run \
+         of each (the listen source first, the floor last). The floor: the listen relay with a bare \
+         logical-replication reader (a temporary slot on the WAL source's publication, confirming at once, \
+         doing nothing else) reading the burst while it drains, which is all a WAL source must add on the \
+         server. WAL bytes/event: \
          pg_current_wal_lsn() from just before the burst to the end, over the events (the burst's rows, the \
          relay's acknowledgements, anything else the server wrote meanwhile).",
         fmt_count(wal.events as f64),
         fmt_count(BURST_BATCH as f64),
         listen.write_seconds,
-        wal.write_seconds
+        wal.write_seconds,
+        floor_drain.write_seconds
     ));
     sec.data = serde_json::json!({
-        "producers": producers, "latency": latency, "drain": {"listen": listen, "wal": wal},
+        "producers": producers, "latency": latency,
+        "drain": {"listen": listen, "wal": wal, "floor": floor_drain},
     });
     sec
 }
