@@ -156,6 +156,22 @@ pub fn cpu_us(pid: u32) -> Option<f64> {
     (per_second > 0).then(|| ticks * 1e6 / per_second as f64)
 }
 
+/// The whole machine's CPU time so far, seconds: (busy, total) summed over
+/// every CPU, from the first line of `/proc/stat` (busy: all but `idle` and
+/// `iowait`); `None` where unreadable (not Linux). Everything running on
+/// the machine counts, the bench's own polling included.
+pub fn machine_cpu_s() -> Option<(f64, f64)> {
+    let stat = std::fs::read_to_string("/proc/stat").ok()?;
+    let line = stat.lines().next()?.strip_prefix("cpu ")?;
+    let ticks: Vec<f64> = line.split_whitespace().map(|v| v.parse::<f64>()).collect::<Result<_, _>>().ok()?;
+    // user nice system idle iowait irq softirq steal (guest time is inside user).
+    let total: f64 = ticks.iter().take(8).sum();
+    let idle = ticks.get(3)? + ticks.get(4).copied().unwrap_or(0.0);
+    // SAFETY: sysconf only reads a system constant.
+    let per_second = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
+    (per_second > 0).then(|| ((total - idle) / per_second as f64, total / per_second as f64))
+}
+
 /// [`cpu_us`] of a PostgreSQL server process whose pid the server reported
 /// (`pg_backend_pid()`, `pg_stat_activity`): `None` unless a local process of
 /// that pid is named `postgres`, so a server on another machine or in a
