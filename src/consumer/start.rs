@@ -89,10 +89,16 @@ impl ConsumerBuilder {
         let signals = Signals::default();
         let (status_tx, status_rx) = watch::channel(ListenerStatus::default());
         let token = CancellationToken::new();
+        // The WAL source tells its stream reader when to stream (not while
+        // it stands by).
+        #[cfg(feature = "wal")]
+        let (wanted_tx, wanted_rx) = watch::channel(true);
         let notifier = match cfg.source {
             SourceKind::Listen => start_notifier(&cfg, &work, signals.clone(), token.child_token(), status_tx).await?,
             #[cfg(feature = "wal")]
-            SourceKind::Wal => Some(start_wal(&cfg, &work, signals.clone(), token.child_token(), status_tx).await?),
+            SourceKind::Wal => {
+                Some(start_wal(&cfg, &work, signals.clone(), token.child_token(), status_tx, wanted_rx).await?)
+            }
         };
         let (tx, rx) = mpsc::channel(cfg.buffer);
         let (settle_tx, settle_rx) = mpsc::unbounded_channel();
@@ -109,12 +115,12 @@ impl ConsumerBuilder {
         let drain = match (cfg.mode, cfg.source) {
             #[cfg(feature = "wal")]
             (Mode::Competing, SourceKind::Wal) => {
-                let source = WalSource::new(ClaimSource::new(&cfg, signals));
+                let source = WalSource::new(ClaimSource::new(&cfg, signals), wanted_tx);
                 tokio::spawn(drain::run(cfg.clone(), source, first, io, token.clone(), state))
             }
             #[cfg(feature = "wal")]
             (_, SourceKind::Wal) => {
-                let source = WalSource::new(ListenSource::new(&cfg, signals));
+                let source = WalSource::new(ListenSource::new(&cfg, signals), wanted_tx);
                 tokio::spawn(drain::run(cfg.clone(), source, first, io, token.clone(), state))
             }
             (Mode::Competing, _) => {
@@ -185,6 +191,7 @@ async fn start_wal(
     signals: Signals,
     token: CancellationToken,
     status_tx: watch::Sender<ListenerStatus>,
+    wanted: watch::Receiver<bool>,
 ) -> Result<JoinHandle<()>> {
     metrics::gauge!(crate::metrics::LISTEN_ENABLED).set(0.0);
     // The replication client's rustls has aws-lc-rs beside ring (its
@@ -195,7 +202,7 @@ async fn start_wal(
     let pg = cfg.listener_pg.clone().unwrap_or_else(|| cfg.pg.clone());
     let first = wal::first(&pg, work).await?;
     metrics::gauge!(crate::metrics::NOTIFICATIONS_WORKING).set(if first.is_some() { 1.0 } else { 0.0 });
-    Ok(wal::spawn(wal::WalReader { pg, first, signals, token, status: status_tx, cfg: cfg.clone() }))
+    Ok(wal::spawn(wal::WalReader { pg, first, signals, token, status: status_tx, cfg: cfg.clone(), wanted }))
 }
 
 /// Start the notifier (LISTEN on its own session) unless LISTEN is off,

@@ -28,6 +28,11 @@ pub struct ListenerStatus {
     pub listening: bool,
     /// Successful reconnects since start (the first connection is not counted).
     pub reconnects: u64,
+    /// The WAL source only: the replication stream is closed on purpose
+    /// because this consumer stands by in single mode (another holds the
+    /// outbox); it opens again when this one leads. Always false with
+    /// LISTEN, whose connection stays open on standbys.
+    pub standing_by: bool,
 }
 
 /// What the drain loop and the deliveries share.

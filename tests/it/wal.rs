@@ -73,6 +73,14 @@ async fn migrated(server: &TempServer, name: &str, args: &[&str]) -> String {
 }
 
 /// Replication slots on the server, and the WAL they keep (bytes).
+/// Replication slots of `c`'s database.
+async fn database_slots(c: &tokio_postgres::Client) -> i64 {
+    c.query_one("SELECT count(*) FROM pg_replication_slots WHERE database = current_database()", &[])
+        .await
+        .expect("read pg_replication_slots")
+        .get(0)
+}
+
 async fn slots(c: &tokio_postgres::Client) -> (i64, i64) {
     let row = c
         .query_one(
@@ -558,9 +566,16 @@ async fn every_mode_with_a_retry_works_with_the_wal_source() {
             log.lock().expect("log").len() >= committed.len()
         })
         .await;
-        // In single mode the active consumer stops; the standby takes over
-        // and its stream wakes it.
+        // In single mode the standby holds no stream (its WAL sender would
+        // decode all the WAL for nothing); the active consumer stops, the
+        // standby takes over, opens its stream and is woken by it.
         if mode == pg_outbox::Mode::Single {
+            support::eventually(
+                30,
+                "single: one slot, the leader's (the standby closed the one it opened at start)",
+                || async { database_slots(&c).await == 1 },
+            )
+            .await;
             let active = log.lock().expect("log")[0].0;
             let (h, r) = readers.remove(active);
             h.shutdown();
@@ -568,6 +583,16 @@ async fn every_mode_with_a_retry_works_with_the_wal_source() {
             let more = support::insert_seed_events(&c, aggs[1], 3).await;
             committed.extend(more);
             support::eventually(30, "single: the standby took over and delivered", || async {
+                log.lock().expect("log").len() >= committed.len()
+            })
+            .await;
+            support::eventually(30, "single: the new leader streams from its own slot", || async {
+                database_slots(&c).await == 1
+            })
+            .await;
+            // Its stream wakes it (the sweep is an hour away).
+            committed.extend(support::insert_seed_events(&c, aggs[2], 3).await);
+            support::eventually(30, "single: the new leader's stream woke it", || async {
                 log.lock().expect("log").len() >= committed.len()
             })
             .await;

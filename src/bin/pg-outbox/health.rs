@@ -246,9 +246,14 @@ fn readiness(h: &Health, sink_name: &str, sink_timeout: Duration) -> (StatusCode
         "stopping": h.stopping,
     });
     let listener = json!({
-        "status": note(if h.listen && !h.listener.listening { Check::Degraded } else { Check::Ok }),
+        "status": note(if h.listen && !h.listener.listening && !h.listener.standing_by {
+            Check::Degraded
+        } else {
+            Check::Ok
+        }),
         "enabled": h.listen,
         "listening": h.listener.listening,
+        "standing_by": h.listener.standing_by,
         "reconnects": h.listener.reconnects,
     });
     let (check, mut sink) = sink_check(h, sink_name, sink_timeout);

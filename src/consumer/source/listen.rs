@@ -55,6 +55,10 @@ impl Source for ListenSource {
         self.ownership.role()
     }
 
+    fn stands_by(&self) -> bool {
+        self.ownership.stands_by()
+    }
+
     fn fenced(&self) -> bool {
         self.ownership.fenced()
     }

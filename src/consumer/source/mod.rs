@@ -152,6 +152,13 @@ pub(super) trait Source: Send {
     /// What this consumer does now, for its health.
     fn role(&self) -> Role;
 
+    /// Single mode: since its sessions opened, this consumer tried the
+    /// outbox lock and another holds it (a standby, as opposed to one that
+    /// has not tried yet). `false` in the other modes.
+    fn stands_by(&self) -> bool {
+        false
+    }
+
     /// Does the source hold a leadership term now (`events.outbox_terms`:
     /// single mode's leader, a partitioned consumer holding partitions)?
     /// Then a fetch must find its terms current for its rows to be handed

@@ -151,15 +151,15 @@ pub(crate) async fn run(n: Notifier) {
     let mut on_standby = false;
     loop {
         if let Some(listening) = current.take() {
-            status.send_replace(ListenerStatus { listening: true, reconnects });
+            status.send_replace(ListenerStatus { listening: true, reconnects, standing_by: false });
             metrics::gauge!(m::LISTENER_UP).set(1.0);
             let Some(reason) = watch_connection(listening, cfg.ping_interval, &token).await else {
                 metrics::gauge!(m::LISTENER_UP).set(0.0);
-                status.send_replace(ListenerStatus { listening: false, reconnects });
+                status.send_replace(ListenerStatus { listening: false, reconnects, standing_by: false });
                 return;
             };
             metrics::gauge!(m::LISTENER_UP).set(0.0);
-            status.send_replace(ListenerStatus { listening: false, reconnects });
+            status.send_replace(ListenerStatus { listening: false, reconnects, standing_by: false });
             tracing::warn!(reason = %reason, "LISTEN connection lost; reconnecting (a sweep follows)");
             backoff = new_backoff();
         }

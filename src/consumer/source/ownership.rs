@@ -229,6 +229,12 @@ impl Ownership {
         }
     }
 
+    /// Single mode: not the leader, and a try for the outbox lock since the
+    /// sessions opened found another holding it.
+    pub(super) fn stands_by(&self) -> bool {
+        matches!(self, Ownership::Single { leader: false, standby_logged: true, .. })
+    }
+
     /// Partitioned mode: fetched rows carry their partition.
     pub(super) fn is_partitioned(&self) -> bool {
         matches!(self, Ownership::Partitioned(_))

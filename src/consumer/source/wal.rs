@@ -30,7 +30,14 @@
 //!   cluster (the snapshot builder's wait for a consistent point); the
 //!   replication connection's `lock_timeout` ([`SLOT_LOCK_TIMEOUT`]) bounds
 //!   that wait, and when it expires the consumer logs which wait it was and
-//!   tries again with backoff, meanwhile finding events by the sweep.
+//!   tries again with backoff, meanwhile finding events by the sweep;
+//! - a standby of single mode holds no stream: every WAL sender decodes all
+//!   of the database's WAL, on the server the producers use, so a standby's
+//!   would cost them as much as the leader's for nothing. The stream opened
+//!   at start (which checks that this consumer can stream at all) is closed,
+//!   with its slot, once the consumer finds another holds the outbox, and
+//!   opened again the moment it leads: slot first, then a sweep, as on a
+//!   reconnect.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -266,6 +273,19 @@ pub(crate) struct WalReader {
     pub(crate) token: CancellationToken,
     pub(crate) status: watch::Sender<ListenerStatus>,
     pub(crate) cfg: Arc<ConsumerConfig>,
+    /// Whether the consumer wants the stream: false while it stands by
+    /// ([`WalSource`] sets it).
+    pub(crate) wanted: watch::Receiver<bool>,
+}
+
+/// Why a connection's stream ended.
+enum Ended {
+    /// The consumer is stopping.
+    Cancelled,
+    /// The consumer stands by: the stream was closed on purpose.
+    StandingBy,
+    /// The connection was lost, or the server ended the stream (why).
+    Lost(String),
 }
 
 /// Spawn the stream reader.
@@ -277,35 +297,72 @@ pub(crate) fn spawn(r: WalReader) -> JoinHandle<()> {
 /// that held an insert, confirm what was read, and reconnect with backoff
 /// (a new slot, then a sweep) when the connection is lost.
 async fn run(r: WalReader) {
-    let WalReader { pg, first, signals, token, status, cfg } = r;
+    let WalReader { pg, first, signals, token, status, cfg, mut wanted } = r;
     let mut current = first;
     if current.is_none() {
-        status.send_replace(ListenerStatus { listening: false, reconnects: 0 });
+        status.send_replace(ListenerStatus { listening: false, reconnects: 0, standing_by: false });
     }
     let mut reconnects: u64 = 0;
     let mut backoff = new_backoff(cfg.reconnect_max_delay);
+    // Open at once, without the backoff's delay (on taking the lead).
+    let mut at_once = false;
+    // The stream to open is the first since this consumer took the lead
+    // (not a reconnect).
+    let mut took_lead = false;
     loop {
         if let Some(streaming) = current.take() {
-            status.send_replace(ListenerStatus { listening: true, reconnects });
+            status.send_replace(ListenerStatus { listening: true, reconnects, standing_by: false });
             metrics::gauge!(m::LISTENER_UP).set(1.0);
-            let reason = read(streaming, &signals, &token).await;
+            let ended = read(streaming, &signals, &token, &mut wanted).await;
             metrics::gauge!(m::LISTENER_UP).set(0.0);
-            status.send_replace(ListenerStatus { listening: false, reconnects });
-            let Some(reason) = reason else { return };
-            tracing::warn!(reason = %reason, "replication connection lost; reconnecting (a new slot, then a sweep)");
+            let standing_by = matches!(ended, Ended::StandingBy);
+            status.send_replace(ListenerStatus { listening: false, reconnects, standing_by });
+            match ended {
+                Ended::Cancelled => return,
+                Ended::StandingBy => {
+                    tracing::info!(
+                        "standing by: the replication stream and its slot are closed until this consumer leads"
+                    );
+                }
+                Ended::Lost(reason) => {
+                    tracing::warn!(reason = %reason, "replication connection lost; reconnecting (a new slot, then a sweep)");
+                }
+            }
             backoff = new_backoff(cfg.reconnect_max_delay);
         }
+        if !*wanted.borrow_and_update() {
+            status.send_modify(|s| {
+                s.listening = false;
+                s.standing_by = true;
+            });
+            tokio::select! {
+                _ = token.cancelled() => return,
+                led = async { wanted.wait_for(|w| *w).await.is_ok() } => if !led { return },
+            }
+            status.send_modify(|s| s.standing_by = false);
+            at_once = true;
+            took_lead = true;
+        }
         let delay = backoff.next().unwrap_or(cfg.reconnect_max_delay).min(cfg.reconnect_max_delay);
-        tokio::select! {
-            _ = token.cancelled() => return,
-            _ = tokio::time::sleep(delay) => {}
+        if !std::mem::take(&mut at_once) {
+            tokio::select! {
+                _ = token.cancelled() => return,
+                _ = tokio::time::sleep(delay) => {}
+            }
+            if !*wanted.borrow() {
+                continue;
+            }
         }
         match open(&pg).await {
             Ok((client, slot)) => {
-                reconnects += 1;
-                metrics::counter!(m::LISTENER_RECONNECTS).increment(1);
+                if std::mem::take(&mut took_lead) {
+                    tracing::info!(slot = %slot, "replication stream opened on taking the lead; sweeping");
+                } else {
+                    reconnects += 1;
+                    metrics::counter!(m::LISTENER_RECONNECTS).increment(1);
+                    tracing::info!(reconnects, slot = %slot, "replication connection re-established; sweeping");
+                }
                 metrics::gauge!(m::NOTIFICATIONS_WORKING).set(1.0);
-                tracing::info!(reconnects, slot = %slot, "replication connection re-established; sweeping");
                 current = Some(Streaming { client, slot });
                 // The slot is in place: now sweep for what committed before.
                 signals.reconnected.notify_one();
@@ -317,21 +374,26 @@ async fn run(r: WalReader) {
     }
 }
 
-/// Read one connection's stream until it ends (why) or `token` is
-/// cancelled (`None`).
+/// Read one connection's stream until it ends, `token` is cancelled, or
+/// the consumer no longer wants it (`wanted` turns false); then close it
+/// (the server drops the temporary slot with the connection).
 async fn read(
     Streaming { mut client, slot }: Streaming,
     signals: &Signals,
     token: &CancellationToken,
-) -> Option<String> {
+    wanted: &mut watch::Receiver<bool>,
+) -> Ended {
     let mut inserts = false;
     loop {
         let event = tokio::select! {
             _ = token.cancelled() => {
-                client.stop();
-                let _ = tokio::time::timeout(Duration::from_secs(2), client.shutdown()).await;
-                client.abort();
-                return None;
+                close(client).await;
+                return Ended::Cancelled;
+            }
+            // Not wanted, or the source is gone (the consumer has stopped).
+            standing_by = async { wanted.wait_for(|w| !*w).await.is_ok() } => {
+                close(client).await;
+                return if standing_by { Ended::StandingBy } else { Ended::Cancelled };
             }
             e = client.recv() => e,
         };
@@ -354,11 +416,19 @@ async fn read(
             Ok(Some(ReplicationEvent::KeepAlive { wal_end, .. })) => client.update_applied_lsn(wal_end),
             Ok(Some(ReplicationEvent::Message { .. })) => {}
             Ok(Some(ReplicationEvent::StoppedAt { .. })) | Ok(None) => {
-                return Some(format!("the server ended the stream of slot {slot}"));
+                return Ended::Lost(format!("the server ended the stream of slot {slot}"));
             }
-            Err(e) => return Some(format!("slot {slot}: {e}")),
+            Err(e) => return Ended::Lost(format!("slot {slot}: {e}")),
         }
     }
+}
+
+/// End the replication connection: ask the server to stop streaming, wait
+/// at most 2 s for it, then drop the connection.
+async fn close(mut client: ReplicationClient) {
+    client.stop();
+    let _ = tokio::time::timeout(Duration::from_secs(2), client.shutdown()).await;
+    client.abort();
 }
 
 /// A source woken by the replication stream: `S` (the listen source, or
@@ -367,6 +437,12 @@ async fn read(
 #[derive(Debug)]
 pub(crate) struct WalSource<S> {
     inner: S,
+    /// Tells the stream reader whether to stream: not while this consumer
+    /// stands by in single mode with a session open (another holds the
+    /// outbox); unchanged while it has no session.
+    wanted: watch::Sender<bool>,
+    /// The drain loop's sessions are open.
+    open: bool,
     /// The drain under way began with a wake-up from the stream, and has
     /// found nothing yet.
     awaiting: bool,
@@ -375,9 +451,29 @@ pub(crate) struct WalSource<S> {
 }
 
 impl<S: Source> WalSource<S> {
-    /// `inner`, woken by the stream.
-    pub(crate) fn new(inner: S) -> Self {
-        WalSource { inner, awaiting: false, recheck_at: None, rechecks_done: 0 }
+    /// `inner`, woken by the stream, telling its reader through `wanted`
+    /// when to stream.
+    pub(crate) fn new(inner: S, wanted: watch::Sender<bool>) -> Self {
+        WalSource { inner, wanted, open: false, awaiting: false, recheck_at: None, rechecks_done: 0 }
+    }
+
+    /// Tell the reader whether to stream: not once `inner` found another
+    /// holding the outbox ([`Source::stands_by`]), with its session open
+    /// (without one, or before its first try for the lock, nothing is
+    /// known, and the reader keeps what it has).
+    fn publish_role(&self) {
+        if !self.open {
+            return;
+        }
+        let want = if self.inner.stands_by() {
+            false
+        } else if self.inner.role() == Role::Standby {
+            // Not tried yet: as it was.
+            return;
+        } else {
+            true
+        };
+        self.wanted.send_if_modified(|w| std::mem::replace(w, want) != want);
     }
 }
 
@@ -390,6 +486,10 @@ impl<S: Source> Source for WalSource<S> {
         self.inner.role()
     }
 
+    fn stands_by(&self) -> bool {
+        self.inner.stands_by()
+    }
+
     fn fenced(&self) -> bool {
         self.inner.fenced()
     }
@@ -399,7 +499,9 @@ impl<S: Source> Source for WalSource<S> {
     }
 
     async fn confirm_terms(&mut self, cx: Cx<'_>) -> Result<TermCheck, StatementError> {
-        self.inner.confirm_terms(cx).await
+        let checked = self.inner.confirm_terms(cx).await;
+        self.publish_role();
+        checked
     }
 
     fn fence_for(&self, ids: &[i64]) -> Option<Fence> {
@@ -438,11 +540,15 @@ impl<S: Source> Source for WalSource<S> {
             self.awaiting = true;
             self.inner.woken(Wake::Recheck);
         }
-        self.inner.timers_due(cx, stopping).await
+        let due = self.inner.timers_due(cx, stopping).await;
+        self.publish_role();
+        due
     }
 
     async fn fetch(&mut self, cx: Cx<'_>, room: Room<'_>) -> Result<FetchPage, StatementError> {
-        self.inner.fetch(cx, room).await
+        let page = self.inner.fetch(cx, room).await;
+        self.publish_role();
+        page
     }
 
     fn handed_out(&mut self, id: i64, partition: Option<i32>) {
@@ -462,7 +568,9 @@ impl<S: Source> Source for WalSource<S> {
                 self.awaiting = false;
             }
         }
-        self.inner.fetched(cx, handed, full).await
+        let done = self.inner.fetched(cx, handed, full).await;
+        self.publish_role();
+        done
     }
 
     fn released(&mut self, id: i64) {
@@ -478,16 +586,22 @@ impl<S: Source> Source for WalSource<S> {
     }
 
     async fn settled(&mut self, cx: Cx<'_>) -> Result<(), StatementError> {
-        self.inner.settled(cx).await
+        let done = self.inner.settled(cx).await;
+        self.publish_role();
+        done
     }
 
     async fn session_opened(&mut self, cx: Cx<'_>) -> Result<(), StatementError> {
-        self.inner.session_opened(cx).await
+        let opened = self.inner.session_opened(cx).await;
+        self.open = opened.is_ok();
+        self.publish_role();
+        opened
     }
 
     fn session_lost(&mut self) {
         self.recheck_at = None;
         self.awaiting = false;
+        self.open = false;
         self.inner.session_lost();
     }
 
