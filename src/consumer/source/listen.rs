@@ -55,6 +55,7 @@ impl Source for ListenSource {
         self.ownership.role()
     }
 
+    #[cfg(feature = "wal")]
     fn stands_by(&self) -> bool {
         self.ownership.stands_by()
     }

@@ -155,6 +155,7 @@ pub(super) trait Source: Send {
     /// Single mode: since its sessions opened, this consumer tried the
     /// outbox lock and another holds it (a standby, as opposed to one that
     /// has not tried yet). `false` in the other modes.
+    #[cfg(feature = "wal")]
     fn stands_by(&self) -> bool {
         false
     }

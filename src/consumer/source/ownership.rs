@@ -231,6 +231,7 @@ impl Ownership {
 
     /// Single mode: not the leader, and a try for the outbox lock since the
     /// sessions opened found another holding it.
+    #[cfg(feature = "wal")]
     pub(super) fn stands_by(&self) -> bool {
         matches!(self, Ownership::Single { leader: false, standby_logged: true, .. })
     }

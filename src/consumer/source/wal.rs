@@ -295,7 +295,8 @@ pub(crate) fn spawn(r: WalReader) -> JoinHandle<()> {
 
 /// Read the stream until cancelled: wake the drain loop after each commit
 /// that held an insert, confirm what was read, and reconnect with backoff
-/// (a new slot, then a sweep) when the connection is lost.
+/// (a new slot, then a sweep) when the connection is lost; close the stream
+/// while the consumer stands by, and open it at once when it leads.
 async fn run(r: WalReader) {
     let WalReader { pg, first, signals, token, status, cfg, mut wanted } = r;
     let mut current = first;
