@@ -56,7 +56,7 @@ impl Source for ListenSource {
     }
 
     #[cfg(feature = "wal")]
-    fn stands_by(&self) -> bool {
+    fn stands_by(&self) -> Option<bool> {
         self.ownership.stands_by()
     }
 

@@ -152,12 +152,14 @@ pub(super) trait Source: Send {
     /// What this consumer does now, for its health.
     fn role(&self) -> Role;
 
-    /// Single mode: since its sessions opened, this consumer tried the
-    /// outbox lock and another holds it (a standby, as opposed to one that
-    /// has not tried yet). `false` in the other modes.
+    /// Single mode: `Some(true)` once a try for the outbox lock since the
+    /// sessions opened found another holding it (a standby), `Some(false)`
+    /// while this consumer leads, `None` before its first try (nothing is
+    /// known yet). `Some(false)` in the other modes. Changes only when the
+    /// sessions open or close and in [`Self::timers_due`].
     #[cfg(feature = "wal")]
-    fn stands_by(&self) -> bool {
-        false
+    fn stands_by(&self) -> Option<bool> {
+        Some(false)
     }
 
     /// Does the source hold a leadership term now (`events.outbox_terms`:

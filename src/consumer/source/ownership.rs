@@ -229,11 +229,17 @@ impl Ownership {
         }
     }
 
-    /// Single mode: not the leader, and a try for the outbox lock since the
-    /// sessions opened found another holding it.
+    /// Single mode: `Some(true)` when a try for the outbox lock since the
+    /// sessions opened found another holding it, `Some(false)` when this
+    /// consumer leads, `None` before its first try; partitioned mode:
+    /// `Some(false)`.
     #[cfg(feature = "wal")]
-    pub(super) fn stands_by(&self) -> bool {
-        matches!(self, Ownership::Single { leader: false, standby_logged: true, .. })
+    pub(super) fn stands_by(&self) -> Option<bool> {
+        match self {
+            Ownership::Single { leader: true, .. } | Ownership::Partitioned(_) => Some(false),
+            Ownership::Single { standby_logged: true, .. } => Some(true),
+            Ownership::Single { .. } => None,
+        }
     }
 
     /// Partitioned mode: fetched rows carry their partition.

@@ -461,20 +461,13 @@ impl<S: Source> WalSource<S> {
     /// Tell the reader whether to stream: not once `inner` found another
     /// holding the outbox ([`Source::stands_by`]), with its session open
     /// (without one, or before its first try for the lock, nothing is
-    /// known, and the reader keeps what it has).
+    /// known, and the reader keeps what it has). Called where leadership
+    /// can be taken: after the timers ran.
     fn publish_role(&self) {
-        if !self.open {
-            return;
+        if let (true, Some(standing_by)) = (self.open, self.inner.stands_by()) {
+            let want = !standing_by;
+            self.wanted.send_if_modified(|w| std::mem::replace(w, want) != want);
         }
-        let want = if self.inner.stands_by() {
-            false
-        } else if self.inner.role() == Role::Standby {
-            // Not tried yet: as it was.
-            return;
-        } else {
-            true
-        };
-        self.wanted.send_if_modified(|w| std::mem::replace(w, want) != want);
     }
 }
 
@@ -487,7 +480,7 @@ impl<S: Source> Source for WalSource<S> {
         self.inner.role()
     }
 
-    fn stands_by(&self) -> bool {
+    fn stands_by(&self) -> Option<bool> {
         self.inner.stands_by()
     }
 
@@ -500,9 +493,7 @@ impl<S: Source> Source for WalSource<S> {
     }
 
     async fn confirm_terms(&mut self, cx: Cx<'_>) -> Result<TermCheck, StatementError> {
-        let checked = self.inner.confirm_terms(cx).await;
-        self.publish_role();
-        checked
+        self.inner.confirm_terms(cx).await
     }
 
     fn fence_for(&self, ids: &[i64]) -> Option<Fence> {
@@ -547,9 +538,7 @@ impl<S: Source> Source for WalSource<S> {
     }
 
     async fn fetch(&mut self, cx: Cx<'_>, room: Room<'_>) -> Result<FetchPage, StatementError> {
-        let page = self.inner.fetch(cx, room).await;
-        self.publish_role();
-        page
+        self.inner.fetch(cx, room).await
     }
 
     fn handed_out(&mut self, id: i64, partition: Option<i32>) {
@@ -569,9 +558,7 @@ impl<S: Source> Source for WalSource<S> {
                 self.awaiting = false;
             }
         }
-        let done = self.inner.fetched(cx, handed, full).await;
-        self.publish_role();
-        done
+        self.inner.fetched(cx, handed, full).await
     }
 
     fn released(&mut self, id: i64) {
@@ -587,15 +574,12 @@ impl<S: Source> Source for WalSource<S> {
     }
 
     async fn settled(&mut self, cx: Cx<'_>) -> Result<(), StatementError> {
-        let done = self.inner.settled(cx).await;
-        self.publish_role();
-        done
+        self.inner.settled(cx).await
     }
 
     async fn session_opened(&mut self, cx: Cx<'_>) -> Result<(), StatementError> {
         let opened = self.inner.session_opened(cx).await;
         self.open = opened.is_ok();
-        self.publish_role();
         opened
     }
 
