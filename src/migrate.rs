@@ -38,6 +38,7 @@ pub const TRIGGERS: &[(&str, &str)] = &[
     ("triggers/outbox_update_check_invariants", include_str!("../triggers/outbox_update_check_invariants.sql")),
     ("triggers/outbox_relays_refresh_hint", include_str!("../triggers/outbox_relays_refresh_hint.sql")),
     ("triggers/outbox_insert_order_and_notify", include_str!("../triggers/outbox_insert_order_and_notify.sql")),
+    ("triggers/outbox_unblock", include_str!("../triggers/outbox_unblock.sql")),
 ];
 
 /// The oldest PostgreSQL pg-outbox supports: 13 (`server_version_num`
@@ -357,6 +358,8 @@ const REQUIRED_TRIGGERS: &[(&str, &str)] = &[
     ("outbox_guard", "triggers/outbox_update_check_invariants.sql"),
     ("outbox_order", "triggers/outbox_insert_order_and_notify.sql"),
     ("outbox_wake", "triggers/outbox_insert_order_and_notify.sql"),
+    ("outbox_unblock", "triggers/outbox_unblock.sql"),
+    ("outbox_unblock_delete", "triggers/outbox_unblock.sql"),
 ];
 
 /// Check that the schema has what this version needs: the tables, indexes

@@ -208,8 +208,10 @@ async fn fetch_buffers(cfg: &Config, expect_rows: i64) -> BenchResult<(i64, i64)
         if generic {
             tx.batch_execute("SET LOCAL plan_cache_mode = force_generic_plan").await?;
         }
-        let plan: serde_json::Value =
-            tx.query_one(&sql, &[&none, &batch, &budget, &no_floor, &no_floor, &no_xid]).await?.try_get(0)?;
+        let plan: serde_json::Value = tx
+            .query_one(&sql, &[&none, &batch, &budget, &no_floor, &no_floor, &no_xid, &None::<i64>])
+            .await?
+            .try_get(0)?;
         tx.rollback().await?;
         let top = &plan[0]["Plan"];
         // PostgreSQL 18 prints row counts with two decimals (`500.00`).

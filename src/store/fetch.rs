@@ -107,8 +107,8 @@ const NOT_IN_FLIGHT: &str = "o.id NOT IN (SELECT unnest($1::bigint[]))";
 /// column `term` ([`CURRENT_PARTITION_TERMS`]); without it, every row
 /// carries the outbox's current leadership term as column `term`
 /// ([`CURRENT_OUTBOX_TERM`]). So the fetch itself tells the consumer
-/// whether the terms it holds are still current. The fetch floor's three
-/// parameters follow ($4..$6, or $6..$8 partitioned: [`FETCH_FLOOR`]), and
+/// whether the terms it holds are still current. The fetch floor's four
+/// parameters follow ($4..$7, or $6..$9 partitioned: [`fetch_floor`]), and
 /// every row carries the floor used and the snapshot's figures
 /// ([`FLOOR_COLUMNS`]).
 /// `sizes` says how payloads are measured ([`PayloadSizes`]).
@@ -177,19 +177,23 @@ const IDS_AFTER_XIDS: &str = "coalesce((SELECT t.tgenabled IN ('O', 'A') AND str
 
 /// The columns every row of an ordered fetch carries after its event
 /// columns: `fetch_floor` (the floor the fresh branch started past),
-/// `snapshot_xmin` and `next_xid` ([`SNAPSHOT_XMIN`], [`NEXT_XID`]) and
-/// `ids_after_xids` ([`IDS_AFTER_XIDS`]), each computed once per fetch.
+/// `snapshot_xmin` and `next_xid` ([`SNAPSHOT_XMIN`], [`NEXT_XID`]),
+/// `ids_after_xids` ([`IDS_AFTER_XIDS`]) and `unblocks` ([`UNBLOCKS`]),
+/// each computed once per fetch.
 pub(crate) const FLOOR_COLUMNS: &str = "(SELECT f.floor FROM fetch_floor f) AS fetch_floor, \
      (SELECT f.snapshot_xmin FROM fetch_floor f) AS snapshot_xmin, \
      (SELECT f.next_xid FROM fetch_floor f) AS next_xid, \
-     (SELECT f.ids_after_xids FROM fetch_floor f) AS ids_after_xids";
+     (SELECT f.ids_after_xids FROM fetch_floor f) AS ids_after_xids, \
+     (SELECT f.unblocks FROM fetch_floor f) AS unblocks";
 
 /// The fetch floor (docs/architecture.md, "The fetch floor"): the fresh
 /// branch reads only ids above it, so it does not walk the rows drained
 /// before (their index entries stay until VACUUM) nor the events in flight
 /// below it. Parameters from `$n`: the floor the consumer holds (`bigint`,
-/// `i64::MIN` for none), and a checkpoint: the highest id a past fetch
-/// returned (`$n+1`) and the next transaction id that fetch saw (`$n+2`).
+/// `i64::MIN` for none), a checkpoint: the highest id a past fetch
+/// returned (`$n+1`) and the next transaction id that fetch saw (`$n+2`),
+/// and the count of unblocks the consumer last saw (`$n+3`, `bigint`, NULL
+/// for none: [`UNBLOCKS`]).
 ///
 /// The rule, exact: an id at or below the checkpoint's was drawn before
 /// that fetch's snapshot (ids rise as drawn, `CACHE 1`), by a transaction
@@ -197,33 +201,49 @@ pub(crate) const FLOOR_COLUMNS: &str = "(SELECT f.floor FROM fetch_floor f) AS f
 /// below the checkpoint's next id. Once a snapshot's xmin has reached that
 /// id, every such transaction has ended: what it committed is visible, and
 /// nothing more can appear at or below the checkpoint. Then the floor moves
-/// up to the last id before the first fresh row there that is not in
-/// flight (a row held back, released, or committed late), or to the
+/// up to the last id before the first fresh row there that is neither in
+/// flight nor held back (a row released, or committed late), or to the
 /// checkpoint when there is none. Otherwise it stays. The consumer lowers
 /// it again when it releases an event, and resets it when its sessions or
 /// partitions change and at every sweep.
 ///
-/// A row held back behind a failed event of its aggregate stops the floor:
-/// passing it would let a later event of that aggregate, above the floor,
-/// be fetched first once something outside this consumer's view frees it
-/// (an operator discarding the dead letter; the commit of the retry's
-/// acknowledgement, which later fetches can see before the consumer learns
-/// the write is done).
+/// The floor passes rows held back behind a failed event of their
+/// aggregate, so a hot aggregate behind a dead letter is not walked by
+/// every fetch. What frees them (the retry's acknowledgement, an operator
+/// discarding the dead letter) bumps the unblock count in its own
+/// transaction ([`UNBLOCKS`]), so a fetch that can see a held row freed
+/// also sees a count other than the consumer's, and then reads from the
+/// first fresh row ([`NO_FLOOR`]), in the same snapshot: the freed row comes
+/// before any later event of its aggregate.
 fn fetch_floor(n: usize, part_filter: &str) -> String {
-    let (floor, upto, next) = (format!("${n}::int8"), format!("${}::int8", n + 1), format!("${}::int8", n + 2));
+    let (floor, upto, next, seen) =
+        (format!("${n}::int8"), format!("${}::int8", n + 1), format!("${}::int8", n + 2), format!("${}::int8", n + 3));
     format!(
-        "SELECT CASE WHEN s.snapshot_xmin >= {next} AND {upto} > {floor} THEN \
+        "SELECT CASE WHEN s.unblocks IS DISTINCT FROM {seen} THEN {NO_FLOOR} \
+                WHEN s.snapshot_xmin >= {next} AND {upto} > {floor} THEN \
                   coalesce((SELECT o.id - 1 FROM events.outbox o \
                              WHERE o.published_at IS NULL AND o.next_retry_at IS NULL \
                                AND o.id + 0 > {floor} AND o.id + 0 <= {upto} \
-                               AND {NOT_IN_FLIGHT} {part_filter} \
+                               AND {NOT_IN_FLIGHT} {part_filter} AND {hb} \
                              ORDER BY o.id + 0 LIMIT 1), {upto}) \
                 ELSE {floor} END AS floor, \
-                s.snapshot_xmin, s.next_xid, s.ids_after_xids \
+                s.snapshot_xmin, s.next_xid, s.ids_after_xids, s.unblocks \
          FROM (SELECT {SNAPSHOT_XMIN} AS snapshot_xmin, {NEXT_XID} AS next_xid, \
-                      {IDS_AFTER_XIDS} AS ids_after_xids) s"
+                      {IDS_AFTER_XIDS} AS ids_after_xids, {UNBLOCKS} AS unblocks) s",
+        hb = NOT_HELD_BACK_IF_ANY_FAILED,
     )
 }
+
+/// No floor: read from the first fresh row (`i64::MIN`).
+const NO_FLOOR: &str = "(-9223372036854775808)::int8";
+
+/// How many times a failed event has stopped holding back the events of
+/// its aggregate after it, as the fetch's snapshot sees it: the `term` of
+/// scope 'unblock' in `events.outbox_terms`, which the triggers of
+/// triggers/outbox_unblock.sql bump in the transaction that publishes,
+/// deletes or otherwise clears a failed event (NULL while none ever did).
+/// One primary-key lookup per fetch.
+const UNBLOCKS: &str = "(SELECT t.term FROM events.outbox_terms t WHERE t.scope = 'unblock')";
 
 /// How a fetch measures a payload: in bytes as the client receives it (the
 /// binary form of `jsonb`: a version byte and the JSON text), the measure
@@ -306,7 +326,10 @@ fn within_budget(cols: &str, candidates: &str, budget: &str, sizes: PayloadSizes
 /// (`bigint`: only ids above it are read as fresh rows; `i64::MIN` for
 /// none), `$5` and `$6` the floor's checkpoint (`bigint`: an id a past
 /// fetch returned and the next transaction id it saw; pass `$4` and
-/// `i64::MAX` to keep the floor where it is). Exposed so its plan can be
+/// `i64::MAX` to keep the floor where it is), `$7` the count of unblocks
+/// last seen (`bigint`: the `term` of scope 'unblock' in
+/// `events.outbox_terms`, NULL for none; when it is not the current one,
+/// the fetch reads from the first fresh row). Exposed so its plan can be
 /// checked against real data: each of its two branches must be an index
 /// range scan (`outbox_fresh_order_idx` for fresh rows,
 /// `outbox_retry_due_idx` for due retries) that skips dead letters and rows

@@ -72,11 +72,16 @@ pub(crate) struct FloorParams {
     /// ... and the next transaction id that fetch saw (`i64::MAX`: none,
     /// the floor stays).
     pub(crate) next_xid: i64,
+    /// The count of unblocks a past fetch read (`None`: none read, or none
+    /// bumped yet): when the fetch reads another, it reads from the first
+    /// fresh row ([`super::fetch::fetch_sql`]).
+    pub(crate) unblocks: Option<i64>,
 }
 
 impl FloorParams {
     /// No floor: read from the first fresh row.
-    pub(crate) const NONE: FloorParams = FloorParams { floor: i64::MIN, upto: i64::MIN, next_xid: i64::MAX };
+    pub(crate) const NONE: FloorParams =
+        FloorParams { floor: i64::MIN, upto: i64::MIN, next_xid: i64::MAX, unblocks: None };
 }
 
 /// What an ordered fetch says of its floor and snapshot (read from its
@@ -92,6 +97,8 @@ pub(crate) struct FloorReading {
     /// Ids follow transaction ids on this outbox now (the rule the floor
     /// needs: [`super::fetch::fetch_sql`]).
     pub(crate) ids_after_xids: bool,
+    /// The count of unblocks the fetch's snapshot saw (`None`: none yet).
+    pub(crate) unblocks: Option<i64>,
 }
 
 /// What of a row that could not be decoded could be read, for recording a
@@ -211,13 +218,14 @@ impl WorkSession {
         let fetch = async {
             match p.scope {
                 FetchScope::All => {
-                    let params: [&(dyn ToSql + Sync); 6] = [&exclude, &batch, &budget, &f.floor, &f.upto, &f.next_xid];
+                    let params: [&(dyn ToSql + Sync); 7] =
+                        [&exclude, &batch, &budget, &f.floor, &f.upto, &f.next_xid, &f.unblocks];
                     decode_stream(client.query_raw(&self.fetch, params).await?, budget, false).await
                 }
                 FetchScope::Partitions { partitions, owned } => {
                     let partitions = i64::from(partitions);
-                    let params: [&(dyn ToSql + Sync); 8] =
-                        [&exclude, &batch, &budget, &partitions, &owned, &f.floor, &f.upto, &f.next_xid];
+                    let params: [&(dyn ToSql + Sync); 9] =
+                        [&exclude, &batch, &budget, &partitions, &owned, &f.floor, &f.upto, &f.next_xid, &f.unblocks];
                     decode_stream(client.query_raw(&self.fetch, params).await?, budget, true).await
                 }
                 FetchScope::Claim => {
@@ -456,6 +464,7 @@ fn floor_reading(row: &Row) -> Option<FloorReading> {
         snapshot_xmin: int("snapshot_xmin")?,
         next_xid: int("next_xid")?,
         ids_after_xids: row.try_get::<_, Option<bool>>("ids_after_xids").ok().flatten()?,
+        unblocks: int("unblocks"),
     })
 }
 

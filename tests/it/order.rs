@@ -533,3 +533,61 @@ async fn events_held_back_behind_a_retry_follow_it_although_later_events_passed_
     assert_eq!(order, [x1, x2, x3], "the aggregate's events in order, each once");
     stream.finish().await.expect("finish");
 }
+
+/// Events held back behind a dead letter, passed by the fetch floor while
+/// later events of other aggregates are delivered, follow the dead letter's
+/// discard in order: the discard bumps the unblock count in its own
+/// transaction (triggers/outbox_unblock.sql), and the next fetch, seeing a
+/// count it did not see before, reads from the first fresh row. The sweep is
+/// an hour away, so nothing else could free them; the fetch after the
+/// discard is woken by a new event, which comes after them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn events_held_back_behind_a_discarded_dead_letter_follow_it_although_the_floor_passed_them() {
+    let db = TestDb::new("held_discard").await;
+    let mut stream = start(&db, |b| b.sweep_interval(Duration::from_secs(3_600))).await;
+    let c = db.client().await;
+    let unblocks = async || -> Option<i64> {
+        c.query_opt("SELECT term FROM events.outbox_terms WHERE scope = 'unblock'", &[])
+            .await
+            .expect("the unblock count")
+            .map(|r| r.get(0))
+    };
+    let x = Uuid::new_v4();
+    let dead: i64 = c
+        .query_one(
+            "INSERT INTO events.outbox (aggregate_type, aggregate_id, event_type, payload, retry_count, last_error, \
+               next_retry_at) VALUES ('acct', $1, 'x0', '{}', 10, 'sink refused', 'infinity') RETURNING id",
+            &[&x],
+        )
+        .await
+        .expect("a dead letter")
+        .get(0);
+    let x1 = insert(&c, x, "x1").await;
+    let x2 = insert(&c, x, "x2").await;
+    // Other aggregates' events, each delivered and acknowledged on its own,
+    // so the floor moves on past x1 and x2 (held back all along).
+    for i in 0..60 {
+        let id = insert(&c, Uuid::new_v4(), &format!("other {i}")).await;
+        let d = next(&mut stream, 10).await;
+        assert_eq!(d.id, id, "x1 and x2 stay held back behind the dead letter {dead}");
+        d.ack();
+    }
+    assert_eq!(unblocks().await, None, "acknowledging fresh events frees nothing");
+    let discarded = pg_outbox::dead_letters::discard(&c, &pg_outbox::dead_letters::Filter::ids(vec![dead]))
+        .await
+        .expect("discard the dead letter");
+    assert_eq!(discarded, [dead]);
+    assert!(unblocks().await.is_some(), "the discard freed x1 and x2, and says so");
+    let wake = insert(&c, Uuid::new_v4(), "wake").await;
+    let mut got = Vec::new();
+    while !got.contains(&wake) || !got.contains(&x2) {
+        let d = tokio::time::timeout(Duration::from_secs(10), stream.next())
+            .await
+            .unwrap_or_else(|_| panic!("after {got:?}, nothing within 10 s (x1 {x1}, x2 {x2}, wake {wake})"))
+            .expect("stream");
+        got.push(d.id);
+        d.ack();
+    }
+    assert_eq!(got, [x1, x2, wake], "the freed events first, in order, then the event that woke the fetch");
+    stream.finish().await.expect("finish");
+}

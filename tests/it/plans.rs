@@ -47,7 +47,7 @@ async fn fetch_skips_a_head_of_dead_letters_and_waiting_retries_through_its_inde
         format!("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) {}", pg_outbox::fetch_query(server_version_num(&c).await));
     let none: Vec<i64> = Vec::new();
     let row = c
-        .query_one(&sql, &[&none, &500i64, &(64i64 << 20), &i64::MIN, &i64::MIN, &i64::MAX])
+        .query_one(&sql, &[&none, &500i64, &(64i64 << 20), &i64::MIN, &i64::MIN, &i64::MAX, &None::<i64>])
         .await
         .expect("explain the fetch");
     let plan: serde_json::Value = row.get(0);
@@ -79,7 +79,7 @@ async fn fetch_skips_a_head_of_dead_letters_and_waiting_retries_through_its_inde
     c.batch_execute("DELETE FROM events.outbox WHERE aggregate_type <> 'fresh'").await.expect("remove the head");
     c.batch_execute("VACUUM ANALYZE events.outbox").await.expect("vacuum");
     let row = c
-        .query_one(&sql, &[&none, &500i64, &(64i64 << 20), &i64::MIN, &i64::MIN, &i64::MAX])
+        .query_one(&sql, &[&none, &500i64, &(64i64 << 20), &i64::MIN, &i64::MIN, &i64::MAX, &None::<i64>])
         .await
         .expect("explain the fetch again");
     let plan: serde_json::Value = row.get(0);
@@ -127,7 +127,7 @@ async fn fetch_uses_the_fresh_index_when_statistics_say_everything_is_unpublishe
     let mut nodes = Vec::new();
     for _ in 0..2 {
         let row = c
-            .query_one(&sql, &[&none, &500i64, &(64i64 << 20), &i64::MIN, &i64::MIN, &i64::MAX])
+            .query_one(&sql, &[&none, &500i64, &(64i64 << 20), &i64::MIN, &i64::MIN, &i64::MAX, &None::<i64>])
             .await
             .expect("explain the fetch");
         let plan: serde_json::Value = row.get(0);
@@ -197,7 +197,7 @@ async fn a_fetch_from_its_floor_does_not_walk_a_million_drained_rows() {
             let mut out = (0, 0);
             for _ in 0..2 {
                 let row = c
-                    .query_one(&sql, &[&none, &500i64, &budget, &floor, &floor, &i64::MAX])
+                    .query_one(&sql, &[&none, &500i64, &budget, &floor, &floor, &i64::MAX, &None::<i64>])
                     .await
                     .expect("explain the fetch");
                 let plan: serde_json::Value = row.get(0);
@@ -221,5 +221,94 @@ async fn a_fetch_from_its_floor_does_not_walk_a_million_drained_rows() {
             from_first > from_floor + 1_000,
             "{state}: from the first id the fetch should walk the drained entries: {from_first} against {from_floor}"
         );
+    }
+}
+
+/// A hot aggregate behind a dead letter: 10 000 of its events held back
+/// behind it, then fresh events of other aggregates. The floor passes the
+/// held events once (the step that moves it probes each), and every fetch
+/// after that starts past them; before, the floor stopped below the first
+/// held event and every fetch walked all of them. In every statistics
+/// state.
+#[tokio::test]
+async fn the_floor_passes_a_hot_aggregate_held_back_behind_a_dead_letter() {
+    const HELD: i64 = 10_000;
+    let db = TestDb::new("plans_hot_held").await;
+    let c = db.client().await;
+    c.batch_execute("ALTER TABLE events.outbox SET (autovacuum_enabled = false)").await.expect("autovacuum off");
+    // The fetches run on a session as pg-outbox opens its own, with its
+    // planner settings (without them, statistics from the steady state
+    // make every hold-back probe a walk of the backlog).
+    let relay = pg_outbox::ConnectOptions::parse(&db.url())
+        .expect("url")
+        .with_application_name("pg-outbox plan check")
+        .connect()
+        .await
+        .expect("connect");
+    let version = server_version_num(&c).await;
+    let fetch = pg_outbox::fetch_query(version);
+    let explain = format!("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) {fetch}");
+    let floor_of = format!("SELECT min(q.fetch_floor) FROM ({fetch}) q");
+    let none: Vec<i64> = Vec::new();
+    let no_count: Option<i64> = None;
+    let budget = 64i64 << 20;
+    for (state, analyze_before, analyze_after) in
+        [("never analyzed", false, false), ("stale", true, false), ("current", false, true)]
+    {
+        c.batch_execute(
+            "TRUNCATE events.outbox; DELETE FROM events.outbox_terms WHERE scope = 'unblock'; \
+             INSERT INTO events.outbox (aggregate_type, aggregate_id, event_type, payload) \
+               SELECT 'steady', md5('s' || g)::uuid, 'E', jsonb_build_object('n', g) FROM generate_series(1, 10000) g; \
+             UPDATE events.outbox SET published_at = now()",
+        )
+        .await
+        .expect("the steady state");
+        if analyze_before {
+            c.batch_execute("ANALYZE events.outbox").await.expect("analyze the steady state");
+        }
+        let load = format!(
+            "INSERT INTO events.outbox (aggregate_type, aggregate_id, event_type, payload, retry_count, last_error, next_retry_at) \
+               VALUES ('hot', md5('hot')::uuid, 'E', '{{}}', 10, 'sink refused', 'infinity'); \
+             INSERT INTO events.outbox (aggregate_type, aggregate_id, event_type, payload) \
+               SELECT 'hot', md5('hot')::uuid, 'E', jsonb_build_object('n', g) FROM generate_series(1, {HELD}) g; \
+             INSERT INTO events.outbox (aggregate_type, aggregate_id, event_type, payload) \
+               SELECT 'fresh', md5('f' || g)::uuid, 'E', jsonb_build_object('n', g) FROM generate_series(1, 2000) g;"
+        );
+        c.batch_execute(&load).await.expect("the dead letter, its held events, the fresh ones");
+        if analyze_after {
+            c.batch_execute("ANALYZE events.outbox").await.expect("analyze");
+        }
+        let last_held: i64 = c
+            .query_one("SELECT max(id) FROM events.outbox WHERE aggregate_type = 'hot'", &[])
+            .await
+            .expect("the last held id")
+            .get(0);
+        // A checkpoint past the held events, passed (next xid 0): the step
+        // moves the floor past them, not below the first.
+        let moved: i64 = relay
+            .query_one(&floor_of, &[&none, &500i64, &budget, &i64::MIN, &last_held, &0i64, &no_count])
+            .await
+            .expect("the floor the fetch moved to")
+            .get(0);
+        assert_eq!(moved, last_held, "{state}: the floor passes the held events");
+        let buffers_from = async |floor: i64| {
+            // Twice: the second run meets index entries the first marked dead.
+            let mut touched = 0;
+            for _ in 0..2 {
+                let row = relay
+                    .query_one(&explain, &[&none, &500i64, &budget, &floor, &floor, &i64::MAX, &no_count])
+                    .await
+                    .expect("explain the fetch");
+                let plan: serde_json::Value = row.get(0);
+                assert!(plan_count(&plan[0]["Plan"], "Actual Rows") > 0, "{state}: rows fetched");
+                touched = buffers(&plan[0]["Plan"]);
+            }
+            touched
+        };
+        let below = buffers_from(last_held - HELD - 1).await;
+        let past = buffers_from(moved).await;
+        eprintln!("{state}: a fetch of 500 touched {below} buffers from below the held events, {past} past them");
+        assert!(past <= 8 * 500 + 100, "{state}: past the held events the fetch touched {past} buffers");
+        assert!(below > past + 5_000, "{state}: from below, the fetch walks the held events: {below} against {past}");
     }
 }

@@ -122,7 +122,7 @@ async fn sql_files_run_with_psql_twice() {
         fs.sort();
         files.extend(fs);
     }
-    // triggers/ must come after migrations/ (guard, notify, order: any order works).
+    // triggers/ must come after migrations/ (guard, notify, order, unblock: any order works).
     for round in 0..2 {
         for f in &files {
             let out = std::process::Command::new(&psql)
@@ -147,10 +147,19 @@ async fn sql_files_run_with_psql_twice() {
         .iter()
         .map(|r| (r.get(0), r.get(1)))
         .collect();
-    let expected = [("outbox_guard", true), ("outbox_order", true), ("outbox_wake", false)]
-        .map(|(n, e)| (n.to_string(), e))
-        .to_vec();
-    assert_eq!(triggers, expected, "the guard and both insert triggers, once each, the outbox-locked mode enabled");
+    let expected = [
+        ("outbox_guard", true),
+        ("outbox_order", true),
+        ("outbox_unblock", true),
+        ("outbox_unblock_delete", true),
+        ("outbox_wake", false),
+    ]
+    .map(|(n, e)| (n.to_string(), e))
+    .to_vec();
+    assert_eq!(
+        triggers, expected,
+        "the guard, both insert triggers and the unblock triggers, once each, the outbox-locked mode enabled"
+    );
     let n: i64 = c
         .query_one(
             "SELECT count(*) FROM pg_trigger WHERE tgrelid = 'events.outbox_relays'::regclass AND NOT tgisinternal",

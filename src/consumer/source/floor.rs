@@ -7,10 +7,13 @@
 //! checkpoint this keeps: the highest id a past fetch returned and the next
 //! transaction id that fetch saw. Once a snapshot's xmin reaches that
 //! transaction id, no row at or below the checkpoint can still appear, and
-//! the floor moves to just below the first fresh row there that is not in
-//! flight. So it never passes a row that may still be fetched, with one
-//! exception this side handles: an event in flight below the floor that is
-//! released (handed back unsettled) lowers the floor below it. Everything
+//! the floor moves to just below the first fresh row there that is neither
+//! in flight nor held back. So it never passes a row that may still be
+//! fetched, with two exceptions: an event in flight below the floor that is
+//! released (handed back unsettled) lowers the floor below it, and a held
+//! back row freed since (its failed event published or discarded) bumps
+//! the unblock count, which a fetch reads: when it changed, the fetch read
+//! from the first fresh row and the floor starts again from there. Everything
 //! else that could let a row below the floor be fetched again resets it:
 //! new sessions, a change of the partitions held, and, as a safety net
 //! against what the rule cannot see (an operator setting `published_at`
@@ -44,6 +47,10 @@ pub(super) struct FetchFloor {
     last_xmin: Option<i64>,
     /// The checkpoint the fetch in flight was given.
     offered: Option<Checkpoint>,
+    /// The count of unblocks the last fetch read (`store::fetch`,
+    /// `UNBLOCKS`): a fetch that reads another reads from the first fresh
+    /// row, and the floor starts again from there.
+    unblocks: Option<i64>,
     reset_every: Duration,
     reset_at: Instant,
 }
@@ -56,6 +63,7 @@ impl FetchFloor {
             checkpoints: VecDeque::new(),
             last_xmin: None,
             offered: None,
+            unblocks: None,
             reset_every,
             reset_at: Instant::now() + reset_every,
         }
@@ -96,8 +104,8 @@ impl FetchFloor {
         }
         self.offered = self.checkpoints.front().copied();
         match self.offered {
-            Some(c) => FloorParams { floor: self.floor, upto: c.upto, next_xid: c.next_xid },
-            None => FloorParams { floor: self.floor, upto: self.floor, next_xid: i64::MAX },
+            Some(c) => FloorParams { floor: self.floor, upto: c.upto, next_xid: c.next_xid, unblocks: self.unblocks },
+            None => FloorParams { floor: self.floor, upto: self.floor, next_xid: i64::MAX, unblocks: self.unblocks },
         }
     }
 
@@ -107,15 +115,24 @@ impl FetchFloor {
     pub(super) fn fetched(&mut self, reading: Option<FloorReading>, highest: Option<i64>) {
         let offered = self.offered.take();
         let Some(r) = reading else { return };
-        // The floor the fetch used: the one given, or higher if the
-        // checkpoint was passed (released events lowered the one given
-        // before the fetch was sent, never while it ran: one task).
-        self.floor = self.floor.max(r.floor);
         self.last_xmin = Some(r.snapshot_xmin);
-        if let Some(c) = offered
-            && r.floor >= c.upto
-        {
-            self.checkpoints.retain(|k| k.upto > r.floor);
+        if r.unblocks != self.unblocks {
+            // A failed event stopped holding back its aggregate since the
+            // last count: the fetch read from the first fresh row, and so
+            // does the floor, which may have passed the rows it freed.
+            self.unblocks = r.unblocks;
+            self.floor = r.floor;
+            self.checkpoints.clear();
+        } else {
+            // The floor the fetch used: the one given, or higher if the
+            // checkpoint was passed (released events lowered the one given
+            // before the fetch was sent, never while it ran: one task).
+            self.floor = self.floor.max(r.floor);
+            if let Some(c) = offered
+                && r.floor >= c.upto
+            {
+                self.checkpoints.retain(|k| k.upto > r.floor);
+            }
         }
         if !r.ids_after_xids {
             // The rule does not hold now (producer-locked mode, an older
@@ -136,7 +153,7 @@ mod tests {
     use super::*;
 
     fn reading(floor: i64, snapshot_xmin: i64, next_xid: i64) -> Option<FloorReading> {
-        Some(FloorReading { floor, snapshot_xmin, next_xid, ids_after_xids: true })
+        Some(FloorReading { floor, snapshot_xmin, next_xid, ids_after_xids: true, unblocks: None })
     }
 
     #[test]
@@ -180,13 +197,42 @@ mod tests {
         let mut f = FetchFloor::new(Duration::from_secs(1));
         f.params(now);
         f.fetched(
-            Some(FloorReading { floor: i64::MIN, snapshot_xmin: 5, next_xid: 6, ids_after_xids: false }),
+            Some(FloorReading {
+                floor: i64::MIN,
+                snapshot_xmin: 5,
+                next_xid: 6,
+                ids_after_xids: false,
+                unblocks: None,
+            }),
             Some(9),
         );
         assert_eq!(f.params(now), FloorParams::NONE);
         f.fetched(reading(40, 5, 6), Some(50));
         assert_eq!(f.floor(), 40);
         assert_eq!(f.params(now + Duration::from_secs(2)), FloorParams::NONE, "reset at the interval");
+    }
+
+    #[test]
+    fn a_new_unblock_count_starts_the_floor_again_from_the_first_row() {
+        let now = Instant::now();
+        let mut f = FetchFloor::new(Duration::from_secs(3600));
+        f.params(now);
+        f.fetched(reading(i64::MIN, 10, 20), Some(500));
+        f.params(now);
+        f.fetched(reading(500, 30, 40), Some(900));
+        assert_eq!(f.floor(), 500);
+        assert_eq!(f.params(now).unblocks, None);
+        // A retry's acknowledgement freed held rows: the server read from
+        // the first fresh row and says so.
+        let unblocked =
+            FloorReading { floor: i64::MIN, snapshot_xmin: 50, next_xid: 60, ids_after_xids: true, unblocks: Some(1) };
+        f.fetched(Some(unblocked), Some(300));
+        assert_eq!(f.floor(), i64::MIN, "the floor starts again");
+        let p = f.params(now);
+        assert_eq!((p.floor, p.upto, p.next_xid, p.unblocks), (i64::MIN, 300, 60, Some(1)), "only the new checkpoint");
+        // The same count again: the floor moves as before.
+        f.fetched(Some(FloorReading { floor: 300, unblocks: Some(1), ..unblocked }), Some(800));
+        assert_eq!(f.floor(), 300);
     }
 
     #[test]
