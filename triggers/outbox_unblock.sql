@@ -16,7 +16,14 @@
 -- Fires: AFTER UPDATE and AFTER DELETE ON events.outbox, FOR EACH ROW, and
 -- only for a row its WHEN clause names, so producers' inserts, the relay's
 -- acknowledgements of fresh events, its failures and the archive's deletes
--- of published rows pay nothing but the clause.
+-- of published rows pay nothing but the clause. Enabled ALWAYS, so it fires
+-- under `session_replication_role = replica` too. A fetch counts unblocks
+-- only while both triggers are enabled ALWAYS; otherwise (one disabled, say)
+-- the fetch floor stops at held-back rows instead of passing them.
+-- Disabling them inside a transaction that frees held rows and enabling
+-- them again before it commits hides the freeing from the relay: the
+-- events it frees may then be delivered after later events of their
+-- aggregate.
 -- Runs as the owner of the function (SECURITY DEFINER), so roles that
 -- publish, acknowledge or discard need no privilege on events.outbox_terms
 -- for it.
@@ -66,6 +73,7 @@ BEGIN
                        OR NEW.aggregate_type <> OLD.aggregate_type
                        OR NEW.aggregate_id <> OLD.aggregate_id))
             EXECUTE FUNCTION events.outbox_unblock();
+        ALTER TABLE events.outbox ENABLE ALWAYS TRIGGER outbox_unblock;
     END IF;
     IF NOT EXISTS (
         SELECT 1 FROM pg_trigger
@@ -76,6 +84,7 @@ BEGIN
             FOR EACH ROW
             WHEN (OLD.published_at IS NULL AND OLD.next_retry_at IS NOT NULL)
             EXECUTE FUNCTION events.outbox_unblock();
+        ALTER TABLE events.outbox ENABLE ALWAYS TRIGGER outbox_unblock_delete;
     END IF;
 END
 $$;

@@ -209,7 +209,7 @@ async fn fetch_buffers(cfg: &Config, expect_rows: i64) -> BenchResult<(i64, i64)
             tx.batch_execute("SET LOCAL plan_cache_mode = force_generic_plan").await?;
         }
         let plan: serde_json::Value = tx
-            .query_one(&sql, &[&none, &batch, &budget, &no_floor, &no_floor, &no_xid, &None::<i64>])
+            .query_one(&sql, &[&none, &batch, &budget, &no_floor, &no_floor, &no_xid, &None::<i64>, &i64::MAX])
             .await?
             .try_get(0)?;
         tx.rollback().await?;

@@ -56,6 +56,10 @@ const NOT_HELD_BACK_IF_ANY_FAILED: &str = concat!(
     held_back_by!(),
     " IS NULL)"
 );
+/// Some unpublished row has failed: the first test of
+/// [`NOT_HELD_BACK_IF_ANY_FAILED`] negated.
+const ANY_FAILED: &str = "((SELECT 1 FROM events.outbox f WHERE f.published_at IS NULL AND f.next_retry_at IS NOT NULL \
+       ORDER BY f.next_retry_at LIMIT 1) IS NOT NULL)";
 /// See [`held_back_by`]: the row is held back.
 pub(super) const HELD_BACK: &str = concat!(held_back_by!(), " IS NOT NULL");
 
@@ -107,8 +111,8 @@ const NOT_IN_FLIGHT: &str = "o.id NOT IN (SELECT unnest($1::bigint[]))";
 /// column `term` ([`CURRENT_PARTITION_TERMS`]); without it, every row
 /// carries the outbox's current leadership term as column `term`
 /// ([`CURRENT_OUTBOX_TERM`]). So the fetch itself tells the consumer
-/// whether the terms it holds are still current. The fetch floor's four
-/// parameters follow ($4..$7, or $6..$9 partitioned: [`fetch_floor`]), and
+/// whether the terms it holds are still current. The fetch floor's five
+/// parameters follow ($4..$8, or $6..$10 partitioned: [`fetch_floor`]), and
 /// every row carries the floor used and the snapshot's figures
 /// ([`FLOOR_COLUMNS`]).
 /// `sizes` says how payloads are measured ([`PayloadSizes`]).
@@ -178,13 +182,15 @@ const IDS_AFTER_XIDS: &str = "coalesce((SELECT t.tgenabled IN ('O', 'A') AND str
 /// The columns every row of an ordered fetch carries after its event
 /// columns: `fetch_floor` (the floor the fresh branch started past),
 /// `snapshot_xmin` and `next_xid` ([`SNAPSHOT_XMIN`], [`NEXT_XID`]),
-/// `ids_after_xids` ([`IDS_AFTER_XIDS`]) and `unblocks` ([`UNBLOCKS`]),
-/// each computed once per fetch.
+/// `ids_after_xids` ([`IDS_AFTER_XIDS`]), `unblocks` ([`UNBLOCKS`]) and
+/// `held_passed` (the first held-back row the floor passed in this fetch,
+/// or NULL: [`fetch_floor`]), each computed once per fetch.
 pub(crate) const FLOOR_COLUMNS: &str = "(SELECT f.floor FROM fetch_floor f) AS fetch_floor, \
      (SELECT f.snapshot_xmin FROM fetch_floor f) AS snapshot_xmin, \
      (SELECT f.next_xid FROM fetch_floor f) AS next_xid, \
      (SELECT f.ids_after_xids FROM fetch_floor f) AS ids_after_xids, \
-     (SELECT f.unblocks FROM fetch_floor f) AS unblocks";
+     (SELECT f.unblocks FROM fetch_floor f) AS unblocks, \
+     (SELECT f.held_passed FROM fetch_floor f) AS held_passed";
 
 /// The fetch floor (docs/architecture.md, "The fetch floor"): the fresh
 /// branch reads only ids above it, so it does not walk the rows drained
@@ -192,8 +198,9 @@ pub(crate) const FLOOR_COLUMNS: &str = "(SELECT f.floor FROM fetch_floor f) AS f
 /// below it. Parameters from `$n`: the floor the consumer holds (`bigint`,
 /// `i64::MIN` for none), a checkpoint: the highest id a past fetch
 /// returned (`$n+1`) and the next transaction id that fetch saw (`$n+2`),
-/// and the count of unblocks the consumer last saw (`$n+3`, `bigint`, NULL
-/// for none: [`UNBLOCKS`]).
+/// the count of unblocks the consumer last saw (`$n+3`, `bigint`, NULL for
+/// none: [`UNBLOCKS`]), and the id just below the first held-back row a
+/// past fetch's floor passed (`$n+4`, `bigint`, `i64::MAX` for none).
 ///
 /// The rule, exact: an id at or below the checkpoint's was drawn before
 /// that fetch's snapshot (ids rise as drawn, `CACHE 1`), by a transaction
@@ -209,41 +216,63 @@ pub(crate) const FLOOR_COLUMNS: &str = "(SELECT f.floor FROM fetch_floor f) AS f
 ///
 /// The floor passes rows held back behind a failed event of their
 /// aggregate, so a hot aggregate behind a dead letter is not walked by
-/// every fetch. What frees them (the retry's acknowledgement, an operator
-/// discarding the dead letter) bumps the unblock count in its own
-/// transaction ([`UNBLOCKS`]), so a fetch that can see a held row freed
-/// also sees a count other than the consumer's, and then reads from the
-/// first fresh row ([`NO_FLOOR`]), in the same snapshot: the freed row comes
-/// before any later event of its aggregate.
+/// every fetch; the fetch returns the first held row it passed
+/// (`held_passed`), and the consumer keeps the lowest. What frees held rows
+/// (the retry's acknowledgement, an operator discarding the dead letter)
+/// bumps the unblock count in its own transaction ([`UNBLOCKS`]), so a
+/// fetch that can see a held row freed also sees a count other than the
+/// consumer's, and then reads from just below the first held row any floor
+/// passed (or from the floor, if lower; the floor stays put when none was
+/// passed), in the same snapshot: a freed row comes before any later event
+/// of its aggregate. Where the count is not kept ([`NOT_COUNTED`]), the
+/// floor stops at held rows.
 fn fetch_floor(n: usize, part_filter: &str) -> String {
-    let (floor, upto, next, seen) =
-        (format!("${n}::int8"), format!("${}::int8", n + 1), format!("${}::int8", n + 2), format!("${}::int8", n + 3));
+    let p = |k: usize| format!("${}::int8", n + k);
+    let (floor, upto, next, seen, held_below) = (p(0), p(1), p(2), p(3), p(4));
     format!(
-        "SELECT CASE WHEN s.unblocks IS DISTINCT FROM {seen} THEN {NO_FLOOR} \
-                WHEN s.snapshot_xmin >= {next} AND {upto} > {floor} THEN \
-                  coalesce((SELECT o.id - 1 FROM events.outbox o \
-                             WHERE o.published_at IS NULL AND o.next_retry_at IS NULL \
-                               AND o.id + 0 > {floor} AND o.id + 0 <= {upto} \
-                               AND {NOT_IN_FLIGHT} {part_filter} AND {hb} \
-                             ORDER BY o.id + 0 LIMIT 1), {upto}) \
-                ELSE {floor} END AS floor, \
-                s.snapshot_xmin, s.next_xid, s.ids_after_xids, s.unblocks \
-         FROM (SELECT {SNAPSHOT_XMIN} AS snapshot_xmin, {NEXT_XID} AS next_xid, \
-                      {IDS_AFTER_XIDS} AS ids_after_xids, {UNBLOCKS} AS unblocks) s",
+        "SELECT x.floor, x.snapshot_xmin, x.next_xid, x.ids_after_xids, x.unblocks, \
+                CASE WHEN x.stepped AND {ANY_FAILED} THEN \
+                  (SELECT o.id FROM events.outbox o \
+                    WHERE o.published_at IS NULL AND o.next_retry_at IS NULL \
+                      AND o.id + 0 > {floor} AND o.id + 0 <= x.floor \
+                      AND {NOT_IN_FLIGHT} {part_filter} AND {HELD_BACK} \
+                    ORDER BY o.id + 0 LIMIT 1) END AS held_passed \
+         FROM (SELECT CASE WHEN s.unblocks IS DISTINCT FROM {seen} THEN least({floor}, {held_below}) \
+                      WHEN s.stepped THEN \
+                        coalesce((SELECT o.id - 1 FROM events.outbox o \
+                                   WHERE o.published_at IS NULL AND o.next_retry_at IS NULL \
+                                     AND o.id + 0 > {floor} AND o.id + 0 <= {upto} \
+                                     AND {NOT_IN_FLIGHT} {part_filter} \
+                                     AND (s.unblocks IS NOT DISTINCT FROM {NOT_COUNTED} OR {hb}) \
+                                   ORDER BY o.id + 0 LIMIT 1), {upto}) \
+                      ELSE {floor} END AS floor, \
+                      s.stepped, s.snapshot_xmin, s.next_xid, s.ids_after_xids, s.unblocks \
+               FROM (SELECT s.*, (s.unblocks IS NOT DISTINCT FROM {seen} \
+                                  AND s.snapshot_xmin >= {next} AND {upto} > {floor}) AS stepped \
+                     FROM (SELECT {SNAPSHOT_XMIN} AS snapshot_xmin, {NEXT_XID} AS next_xid, \
+                                  {IDS_AFTER_XIDS} AS ids_after_xids, {UNBLOCKS} AS unblocks OFFSET 0) s \
+                     OFFSET 0) s) x",
         hb = NOT_HELD_BACK_IF_ANY_FAILED,
     )
 }
 
-/// No floor: read from the first fresh row (`i64::MIN`).
-const NO_FLOOR: &str = "(-9223372036854775808)::int8";
+/// The count of unblocks of an outbox where they are not counted
+/// ([`UNBLOCKS`]).
+const NOT_COUNTED: &str = "(-1)::int8";
 
 /// How many times a failed event has stopped holding back the events of
 /// its aggregate after it, as the fetch's snapshot sees it: the `term` of
 /// scope 'unblock' in `events.outbox_terms`, which the triggers of
 /// triggers/outbox_unblock.sql bump in the transaction that publishes,
 /// deletes or otherwise clears a failed event (NULL while none ever did).
-/// One primary-key lookup per fetch.
-const UNBLOCKS: &str = "(SELECT t.term FROM events.outbox_terms t WHERE t.scope = 'unblock')";
+/// -1 ([`NOT_COUNTED`]) unless both triggers fire on every session
+/// (`tgenabled` 'A': enabled ALWAYS, so also under
+/// `session_replication_role = replica`): then the floor does not pass
+/// held-back rows. A primary-key lookup and a catalog lookup per fetch.
+const UNBLOCKS: &str = "CASE WHEN (SELECT count(*) FROM pg_trigger t \
+       WHERE t.tgrelid = 'events.outbox'::regclass AND t.tgname IN ('outbox_unblock', 'outbox_unblock_delete') \
+         AND t.tgenabled = 'A') = 2 \
+     THEN (SELECT t.term FROM events.outbox_terms t WHERE t.scope = 'unblock') ELSE -1 END";
 
 /// How a fetch measures a payload: in bytes as the client receives it (the
 /// binary form of `jsonb`: a version byte and the JSON text), the measure
@@ -328,8 +357,10 @@ fn within_budget(cols: &str, candidates: &str, budget: &str, sizes: PayloadSizes
 /// fetch returned and the next transaction id it saw; pass `$4` and
 /// `i64::MAX` to keep the floor where it is), `$7` the count of unblocks
 /// last seen (`bigint`: the `term` of scope 'unblock' in
-/// `events.outbox_terms`, NULL for none; when it is not the current one,
-/// the fetch reads from the first fresh row). Exposed so its plan can be
+/// `events.outbox_terms`, NULL for none, -1 where it is not kept) and `$8`
+/// the id below the first held-back row a floor passed (`bigint`,
+/// `i64::MAX` for none): when the count is not the current one, the fetch
+/// reads from the lower of `$4` and `$8`. Exposed so its plan can be
 /// checked against real data: each of its two branches must be an index
 /// range scan (`outbox_fresh_order_idx` for fresh rows,
 /// `outbox_retry_due_idx` for due retries) that skips dead letters and rows

@@ -73,15 +73,18 @@ pub(crate) struct FloorParams {
     /// the floor stays).
     pub(crate) next_xid: i64,
     /// The count of unblocks a past fetch read (`None`: none read, or none
-    /// bumped yet): when the fetch reads another, it reads from the first
-    /// fresh row ([`super::fetch::fetch_sql`]).
+    /// bumped yet): when the fetch reads another, it reads from the lower
+    /// of `floor` and `held_below` ([`super::fetch::fetch_sql`]).
     pub(crate) unblocks: Option<i64>,
+    /// The id just below the first held-back row a past fetch's floor
+    /// passed (`i64::MAX`: none passed).
+    pub(crate) held_below: i64,
 }
 
 impl FloorParams {
     /// No floor: read from the first fresh row.
     pub(crate) const NONE: FloorParams =
-        FloorParams { floor: i64::MIN, upto: i64::MIN, next_xid: i64::MAX, unblocks: None };
+        FloorParams { floor: i64::MIN, upto: i64::MIN, next_xid: i64::MAX, unblocks: None, held_below: i64::MAX };
 }
 
 /// What an ordered fetch says of its floor and snapshot (read from its
@@ -97,8 +100,11 @@ pub(crate) struct FloorReading {
     /// Ids follow transaction ids on this outbox now (the rule the floor
     /// needs: [`super::fetch::fetch_sql`]).
     pub(crate) ids_after_xids: bool,
-    /// The count of unblocks the fetch's snapshot saw (`None`: none yet).
+    /// The count of unblocks the fetch's snapshot saw (`None`: none yet;
+    /// -1: not kept).
     pub(crate) unblocks: Option<i64>,
+    /// The first held-back row the floor passed in this fetch.
+    pub(crate) held_passed: Option<i64>,
 }
 
 /// What of a row that could not be decoded could be read, for recording a
@@ -218,14 +224,24 @@ impl WorkSession {
         let fetch = async {
             match p.scope {
                 FetchScope::All => {
-                    let params: [&(dyn ToSql + Sync); 7] =
-                        [&exclude, &batch, &budget, &f.floor, &f.upto, &f.next_xid, &f.unblocks];
+                    let params: [&(dyn ToSql + Sync); 8] =
+                        [&exclude, &batch, &budget, &f.floor, &f.upto, &f.next_xid, &f.unblocks, &f.held_below];
                     decode_stream(client.query_raw(&self.fetch, params).await?, budget, false).await
                 }
                 FetchScope::Partitions { partitions, owned } => {
                     let partitions = i64::from(partitions);
-                    let params: [&(dyn ToSql + Sync); 9] =
-                        [&exclude, &batch, &budget, &partitions, &owned, &f.floor, &f.upto, &f.next_xid, &f.unblocks];
+                    let params: [&(dyn ToSql + Sync); 10] = [
+                        &exclude,
+                        &batch,
+                        &budget,
+                        &partitions,
+                        &owned,
+                        &f.floor,
+                        &f.upto,
+                        &f.next_xid,
+                        &f.unblocks,
+                        &f.held_below,
+                    ];
                     decode_stream(client.query_raw(&self.fetch, params).await?, budget, true).await
                 }
                 FetchScope::Claim => {
@@ -465,6 +481,7 @@ fn floor_reading(row: &Row) -> Option<FloorReading> {
         next_xid: int("next_xid")?,
         ids_after_xids: row.try_get::<_, Option<bool>>("ids_after_xids").ok().flatten()?,
         unblocks: int("unblocks"),
+        held_passed: int("held_passed"),
     })
 }
 

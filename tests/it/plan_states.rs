@@ -241,44 +241,66 @@ async fn check_all(c: &mut Client, stats: Stats, backlog: i64) {
         let cases: Vec<(Vec<&(dyn ToSql + Sync)>, i64, &str)> = match name {
             "fetch" | "fetch_text_sizes" => vec![
                 (
-                    vec![&none, &BATCH, &budget, &no_floor, &no_floor, &no_xid, &no_count],
+                    vec![&none, &BATCH, &budget, &no_floor, &no_floor, &no_xid, &no_count, &i64::MAX],
                     8 * fetched + 50,
                     "nothing in flight",
                 ),
                 (
-                    vec![&first, &BATCH, &budget, &no_floor, &no_floor, &no_xid, &no_count],
+                    vec![&first, &BATCH, &budget, &no_floor, &no_floor, &no_xid, &no_count, &i64::MAX],
                     8 * (fetched + n_first) + 50,
                     "the first batch in flight",
                 ),
                 // The floor past the first batch, in flight: it is not walked.
                 (
-                    vec![&first, &BATCH, &budget, &first_last, &first_last, &no_xid, &no_count],
+                    vec![&first, &BATCH, &budget, &first_last, &first_last, &no_xid, &no_count, &i64::MAX],
                     8 * fetched + 50,
                     "a floor",
                 ),
                 // The checkpoint passed: the floor moves past the batch in
                 // flight (one probe per row in flight), then the fetch reads.
                 (
-                    vec![&first, &BATCH, &budget, &no_floor, &first_last, &zero, &no_count],
+                    vec![&first, &BATCH, &budget, &no_floor, &first_last, &zero, &no_count, &i64::MAX],
                     8 * (fetched + n_first) + 50,
                     "a checkpoint passed",
                 ),
                 // The candidates are the same; the server stops sending at
                 // the budget.
                 (
-                    vec![&none, &BATCH, &small_budget, &no_floor, &no_floor, &no_xid, &no_count],
+                    vec![&none, &BATCH, &small_budget, &no_floor, &no_floor, &no_xid, &no_count, &i64::MAX],
                     8 * fetched + 50,
                     "a byte budget of a few events",
                 ),
             ],
             "fetch_partitioned" => vec![
                 (
-                    vec![&none, &BATCH, &budget, &parts, &all_parts, &no_floor, &no_floor, &no_xid, &no_count],
+                    vec![
+                        &none,
+                        &BATCH,
+                        &budget,
+                        &parts,
+                        &all_parts,
+                        &no_floor,
+                        &no_floor,
+                        &no_xid,
+                        &no_count,
+                        &i64::MAX,
+                    ],
                     8 * fetched + 50,
                     "all partitions",
                 ),
                 (
-                    vec![&none, &BATCH, &budget, &parts, &half_parts, &no_floor, &no_floor, &no_xid, &no_count],
+                    vec![
+                        &none,
+                        &BATCH,
+                        &budget,
+                        &parts,
+                        &half_parts,
+                        &no_floor,
+                        &no_floor,
+                        &no_xid,
+                        &no_count,
+                        &i64::MAX,
+                    ],
                     16 * fetched + 50,
                     "half the partitions",
                 ),

@@ -47,7 +47,7 @@ async fn fetch_skips_a_head_of_dead_letters_and_waiting_retries_through_its_inde
         format!("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) {}", pg_outbox::fetch_query(server_version_num(&c).await));
     let none: Vec<i64> = Vec::new();
     let row = c
-        .query_one(&sql, &[&none, &500i64, &(64i64 << 20), &i64::MIN, &i64::MIN, &i64::MAX, &None::<i64>])
+        .query_one(&sql, &[&none, &500i64, &(64i64 << 20), &i64::MIN, &i64::MIN, &i64::MAX, &None::<i64>, &i64::MAX])
         .await
         .expect("explain the fetch");
     let plan: serde_json::Value = row.get(0);
@@ -79,7 +79,7 @@ async fn fetch_skips_a_head_of_dead_letters_and_waiting_retries_through_its_inde
     c.batch_execute("DELETE FROM events.outbox WHERE aggregate_type <> 'fresh'").await.expect("remove the head");
     c.batch_execute("VACUUM ANALYZE events.outbox").await.expect("vacuum");
     let row = c
-        .query_one(&sql, &[&none, &500i64, &(64i64 << 20), &i64::MIN, &i64::MIN, &i64::MAX, &None::<i64>])
+        .query_one(&sql, &[&none, &500i64, &(64i64 << 20), &i64::MIN, &i64::MIN, &i64::MAX, &None::<i64>, &i64::MAX])
         .await
         .expect("explain the fetch again");
     let plan: serde_json::Value = row.get(0);
@@ -127,7 +127,10 @@ async fn fetch_uses_the_fresh_index_when_statistics_say_everything_is_unpublishe
     let mut nodes = Vec::new();
     for _ in 0..2 {
         let row = c
-            .query_one(&sql, &[&none, &500i64, &(64i64 << 20), &i64::MIN, &i64::MIN, &i64::MAX, &None::<i64>])
+            .query_one(
+                &sql,
+                &[&none, &500i64, &(64i64 << 20), &i64::MIN, &i64::MIN, &i64::MAX, &None::<i64>, &i64::MAX],
+            )
             .await
             .expect("explain the fetch");
         let plan: serde_json::Value = row.get(0);
@@ -197,7 +200,7 @@ async fn a_fetch_from_its_floor_does_not_walk_a_million_drained_rows() {
             let mut out = (0, 0);
             for _ in 0..2 {
                 let row = c
-                    .query_one(&sql, &[&none, &500i64, &budget, &floor, &floor, &i64::MAX, &None::<i64>])
+                    .query_one(&sql, &[&none, &500i64, &budget, &floor, &floor, &i64::MAX, &None::<i64>, &i64::MAX])
                     .await
                     .expect("explain the fetch");
                 let plan: serde_json::Value = row.get(0);
@@ -256,7 +259,7 @@ async fn the_floor_passes_a_hot_aggregate_held_back_behind_a_dead_letter() {
         [("never analyzed", false, false), ("stale", true, false), ("current", false, true)]
     {
         c.batch_execute(
-            "TRUNCATE events.outbox; DELETE FROM events.outbox_terms WHERE scope = 'unblock'; \
+            "TRUNCATE events.outbox; \
              INSERT INTO events.outbox (aggregate_type, aggregate_id, event_type, payload) \
                SELECT 'steady', md5('s' || g)::uuid, 'E', jsonb_build_object('n', g) FROM generate_series(1, 10000) g; \
              UPDATE events.outbox SET published_at = now()",
@@ -278,25 +281,54 @@ async fn the_floor_passes_a_hot_aggregate_held_back_behind_a_dead_letter() {
         if analyze_after {
             c.batch_execute("ANALYZE events.outbox").await.expect("analyze");
         }
-        let last_held: i64 = c
-            .query_one("SELECT max(id) FROM events.outbox WHERE aggregate_type = 'hot'", &[])
-            .await
-            .expect("the last held id")
-            .get(0);
+        let (dead, last_held): (i64, i64) = {
+            let r = c
+                .query_one("SELECT min(id), max(id) FROM events.outbox WHERE aggregate_type = 'hot'", &[])
+                .await
+                .expect("the dead letter and the last held id");
+            (r.get(0), r.get(1))
+        };
         // A checkpoint past the held events, passed (next xid 0): the step
         // moves the floor past them, not below the first.
         let moved: i64 = relay
-            .query_one(&floor_of, &[&none, &500i64, &budget, &i64::MIN, &last_held, &0i64, &no_count])
+            .query_one(&floor_of, &[&none, &500i64, &budget, &i64::MIN, &last_held, &0i64, &no_count, &i64::MAX])
             .await
             .expect("the floor the fetch moved to")
             .get(0);
         assert_eq!(moved, last_held, "{state}: the floor passes the held events");
+        // A count other than the one the consumer saw: the fetch reads from
+        // below the first held event passed (here the dead letter's id),
+        // not from its floor.
+        let seen = Some(41i64);
+        let restarted: i64 = relay
+            .query_one(&floor_of, &[&none, &500i64, &budget, &last_held, &last_held, &i64::MAX, &seen, &dead])
+            .await
+            .expect("the floor after an unblock")
+            .get(0);
+        assert_eq!(restarted, dead, "{state}: after an unblock the fetch reads from below the first held event");
+        // With the unblock count not kept (a trigger disabled), the step
+        // stops below the first held event, as it does below any row it
+        // may still have to hand out.
+        relay.batch_execute("ALTER TABLE events.outbox DISABLE TRIGGER outbox_unblock").await.expect("disable");
+        let not_kept = Some(-1i64);
+        let stopped: i64 = relay
+            .query_one(&floor_of, &[&none, &500i64, &budget, &i64::MIN, &last_held, &0i64, &not_kept, &i64::MAX])
+            .await
+            .expect("the floor without the count")
+            .get(0);
+        relay.batch_execute("ALTER TABLE events.outbox ENABLE ALWAYS TRIGGER outbox_unblock").await.expect("enable");
+        let first_held: i64 = c
+            .query_one("SELECT min(id) FROM events.outbox WHERE aggregate_type = 'hot' AND next_retry_at IS NULL", &[])
+            .await
+            .expect("the first held id")
+            .get(0);
+        assert_eq!(stopped, first_held - 1, "{state}: without the count the floor stops at the first held event");
         let buffers_from = async |floor: i64| {
             // Twice: the second run meets index entries the first marked dead.
             let mut touched = 0;
             for _ in 0..2 {
                 let row = relay
-                    .query_one(&explain, &[&none, &500i64, &budget, &floor, &floor, &i64::MAX, &no_count])
+                    .query_one(&explain, &[&none, &500i64, &budget, &floor, &floor, &i64::MAX, &no_count, &i64::MAX])
                     .await
                     .expect("explain the fetch");
                 let plan: serde_json::Value = row.get(0);
@@ -305,7 +337,7 @@ async fn the_floor_passes_a_hot_aggregate_held_back_behind_a_dead_letter() {
             }
             touched
         };
-        let below = buffers_from(last_held - HELD - 1).await;
+        let below = buffers_from(dead).await;
         let past = buffers_from(moved).await;
         eprintln!("{state}: a fetch of 500 touched {below} buffers from below the held events, {past} past them");
         assert!(past <= 8 * 500 + 100, "{state}: past the held events the fetch touched {past} buffers");

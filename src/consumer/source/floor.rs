@@ -13,7 +13,8 @@
 //! released (handed back unsettled) lowers the floor below it, and a held
 //! back row freed since (its failed event published or discarded) bumps
 //! the unblock count, which a fetch reads: when it changed, the fetch read
-//! from the first fresh row and the floor starts again from there. Everything
+//! from just below the first held row a floor passed (kept here from the
+//! fetches' `held_passed`), and the floor starts again from there. Everything
 //! else that could let a row below the floor be fetched again resets it:
 //! new sessions, a change of the partitions held, and, as a safety net
 //! against what the rule cannot see (an operator setting `published_at`
@@ -48,9 +49,12 @@ pub(super) struct FetchFloor {
     /// The checkpoint the fetch in flight was given.
     offered: Option<Checkpoint>,
     /// The count of unblocks the last fetch read (`store::fetch`,
-    /// `UNBLOCKS`): a fetch that reads another reads from the first fresh
-    /// row, and the floor starts again from there.
+    /// `UNBLOCKS`): a fetch that reads another reads from the lower of the
+    /// floor and `held_below`, and the floor starts again from there.
     unblocks: Option<i64>,
+    /// Just below the first held-back row the floor passed (`i64::MAX`:
+    /// none since the floor last started again).
+    held_below: i64,
     reset_every: Duration,
     reset_at: Instant,
 }
@@ -64,6 +68,7 @@ impl FetchFloor {
             last_xmin: None,
             offered: None,
             unblocks: None,
+            held_below: i64::MAX,
             reset_every,
             reset_at: Instant::now() + reset_every,
         }
@@ -79,6 +84,7 @@ impl FetchFloor {
     /// first fresh row.
     pub(super) fn reset(&mut self) {
         self.floor = i64::MIN;
+        self.held_below = i64::MAX;
         self.checkpoints.clear();
         self.offered = None;
     }
@@ -104,8 +110,20 @@ impl FetchFloor {
         }
         self.offered = self.checkpoints.front().copied();
         match self.offered {
-            Some(c) => FloorParams { floor: self.floor, upto: c.upto, next_xid: c.next_xid, unblocks: self.unblocks },
-            None => FloorParams { floor: self.floor, upto: self.floor, next_xid: i64::MAX, unblocks: self.unblocks },
+            Some(c) => FloorParams {
+                floor: self.floor,
+                upto: c.upto,
+                next_xid: c.next_xid,
+                unblocks: self.unblocks,
+                held_below: self.held_below,
+            },
+            None => FloorParams {
+                floor: self.floor,
+                upto: self.floor,
+                next_xid: i64::MAX,
+                unblocks: self.unblocks,
+                held_below: self.held_below,
+            },
         }
     }
 
@@ -118,12 +136,16 @@ impl FetchFloor {
         self.last_xmin = Some(r.snapshot_xmin);
         if r.unblocks != self.unblocks {
             // A failed event stopped holding back its aggregate since the
-            // last count: the fetch read from the first fresh row, and so
-            // does the floor, which may have passed the rows it freed.
+            // last count: the fetch read from below the first held row the
+            // floor had passed (or from the floor), and so does the floor.
             self.unblocks = r.unblocks;
             self.floor = r.floor;
+            self.held_below = i64::MAX;
             self.checkpoints.clear();
         } else {
+            if let Some(h) = r.held_passed {
+                self.held_below = self.held_below.min(h.saturating_sub(1));
+            }
             // The floor the fetch used: the one given, or higher if the
             // checkpoint was passed (released events lowered the one given
             // before the fetch was sent, never while it ran: one task).
@@ -153,7 +175,7 @@ mod tests {
     use super::*;
 
     fn reading(floor: i64, snapshot_xmin: i64, next_xid: i64) -> Option<FloorReading> {
-        Some(FloorReading { floor, snapshot_xmin, next_xid, ids_after_xids: true, unblocks: None })
+        Some(FloorReading { floor, snapshot_xmin, next_xid, ids_after_xids: true, unblocks: None, held_passed: None })
     }
 
     #[test]
@@ -203,6 +225,7 @@ mod tests {
                 next_xid: 6,
                 ids_after_xids: false,
                 unblocks: None,
+                held_passed: None,
             }),
             Some(9),
         );
@@ -213,26 +236,31 @@ mod tests {
     }
 
     #[test]
-    fn a_new_unblock_count_starts_the_floor_again_from_the_first_row() {
+    fn a_new_unblock_count_starts_the_floor_again_below_the_first_held_row_it_passed() {
         let now = Instant::now();
         let mut f = FetchFloor::new(Duration::from_secs(3600));
         f.params(now);
         f.fetched(reading(i64::MIN, 10, 20), Some(500));
         f.params(now);
-        f.fetched(reading(500, 30, 40), Some(900));
+        // The step passed held rows, the first at 300.
+        f.fetched(Some(FloorReading { held_passed: Some(300), ..reading(500, 30, 40).unwrap() }), Some(900));
         assert_eq!(f.floor(), 500);
-        assert_eq!(f.params(now).unblocks, None);
-        // A retry's acknowledgement freed held rows: the server read from
-        // the first fresh row and says so.
-        let unblocked =
-            FloorReading { floor: i64::MIN, snapshot_xmin: 50, next_xid: 60, ids_after_xids: true, unblocks: Some(1) };
-        f.fetched(Some(unblocked), Some(300));
-        assert_eq!(f.floor(), i64::MIN, "the floor starts again");
         let p = f.params(now);
-        assert_eq!((p.floor, p.upto, p.next_xid, p.unblocks), (i64::MIN, 300, 60, Some(1)), "only the new checkpoint");
+        assert_eq!((p.unblocks, p.held_below), (None, 299));
+        f.fetched(Some(FloorReading { held_passed: Some(450), ..reading(900, 50, 60).unwrap() }), Some(1200));
+        assert_eq!(f.params(now).held_below, 299, "the lowest is kept");
+        // A retry's acknowledgement freed held rows: the server read from
+        // 299 and says so.
+        let unblocked = FloorReading { unblocks: Some(1), ..reading(299, 70, 80).unwrap() };
+        f.fetched(Some(unblocked), Some(1300));
+        assert_eq!(f.floor(), 299, "the floor starts again below the first held row passed");
+        let p = f.params(now);
+        assert_eq!((p.floor, p.upto, p.next_xid, p.unblocks, p.held_below), (299, 1300, 80, Some(1), i64::MAX));
         // The same count again: the floor moves as before.
-        f.fetched(Some(FloorReading { floor: 300, unblocks: Some(1), ..unblocked }), Some(800));
-        assert_eq!(f.floor(), 300);
+        f.fetched(Some(FloorReading { floor: 1300, ..unblocked }), Some(1400));
+        assert_eq!(f.floor(), 1300);
+        f.reset();
+        assert_eq!(f.params(now).unblocks, Some(1), "a reset keeps the count (the floor is gone anyway)");
     }
 
     #[test]
