@@ -44,22 +44,23 @@ macro_rules! held_back_by {
 
 /// See [`held_back_by`]: the row is not held back.
 const NOT_HELD_BACK: &str = concat!(held_back_by!(), " IS NULL");
+/// The first failed unpublished row, if any (`1` or NULL): one read of the
+/// first entry of `outbox_retry_due_idx`, by its key (the only plan without
+/// a sort), which PostgreSQL runs once per statement (an InitPlan).
+macro_rules! first_failed {
+    () => {
+        "(SELECT 1 FROM events.outbox f WHERE f.published_at IS NULL AND f.next_retry_at IS NOT NULL \
+           ORDER BY f.next_retry_at LIMIT 1)"
+    };
+}
+
 /// [`NOT_HELD_BACK`], skipped when no unpublished row has failed at all
-/// (the usual case while a sink is healthy): the first test is one read of
-/// the first entry of `outbox_retry_due_idx`, by its key (the only plan
-/// without a sort), which PostgreSQL runs once per statement (an InitPlan),
-/// and `OR` evaluates its arguments in order, so then no row pays for the
-/// probe.
-const NOT_HELD_BACK_IF_ANY_FAILED: &str = concat!(
-    "((SELECT 1 FROM events.outbox f WHERE f.published_at IS NULL AND f.next_retry_at IS NOT NULL \
-       ORDER BY f.next_retry_at LIMIT 1) IS NULL OR ",
-    held_back_by!(),
-    " IS NULL)"
-);
-/// Some unpublished row has failed: the first test of
-/// [`NOT_HELD_BACK_IF_ANY_FAILED`] negated.
-const ANY_FAILED: &str = "((SELECT 1 FROM events.outbox f WHERE f.published_at IS NULL AND f.next_retry_at IS NOT NULL \
-       ORDER BY f.next_retry_at LIMIT 1) IS NOT NULL)";
+/// (the usual case while a sink is healthy): the first test is
+/// [`first_failed`], and `OR` evaluates its arguments in order, so then no
+/// row pays for the probe.
+const NOT_HELD_BACK_IF_ANY_FAILED: &str = concat!("(", first_failed!(), " IS NULL OR ", held_back_by!(), " IS NULL)");
+/// Some unpublished row has failed ([`first_failed`]).
+const ANY_FAILED: &str = concat!("(", first_failed!(), " IS NOT NULL)");
 /// See [`held_back_by`]: the row is held back.
 pub(super) const HELD_BACK: &str = concat!(held_back_by!(), " IS NOT NULL");
 

@@ -20,7 +20,7 @@
 use pg_outbox::tokio_postgres::types::ToSql;
 use pg_outbox::tokio_postgres::{Client, Transaction};
 
-use crate::support::{TestDb, plan_count, plan_number, server_version_num};
+use crate::support::{TestDb, plan_check_session, plan_count, plan_number, server_version_num};
 
 const DEAD: i64 = 100_000;
 const WAITING: i64 = 100_000;
@@ -436,12 +436,7 @@ async fn run_state(stats: Stats, tag: &str) {
     let setup = db.client().await;
     build(&setup, stats).await;
     // A session as pg-outbox opens its own: its planner settings included.
-    let mut c = pg_outbox::ConnectOptions::parse(&db.url())
-        .expect("url")
-        .with_application_name("pg-outbox plan check")
-        .connect()
-        .await
-        .expect("connect");
+    let mut c = plan_check_session(&db).await;
     let mut loaded = 0;
     for backlog in BACKLOGS {
         insert(&setup, "fresh", backlog - loaded, "", "").await;

@@ -4,7 +4,7 @@
 //! (buffers touched stay far below the number of failed rows), never walk
 //! them.
 
-use crate::support::{TestDb, plan_count, server_version_num};
+use crate::support::{TestDb, plan_check_session, plan_count, server_version_num};
 
 /// Buffers (hit + read) a plan node and its children touched.
 fn buffers(node: &serde_json::Value) -> i64 {
@@ -242,12 +242,7 @@ async fn the_floor_passes_a_hot_aggregate_held_back_behind_a_dead_letter() {
     // The fetches run on a session as pg-outbox opens its own, with its
     // planner settings (without them, statistics from the steady state
     // make every hold-back probe a walk of the backlog).
-    let relay = pg_outbox::ConnectOptions::parse(&db.url())
-        .expect("url")
-        .with_application_name("pg-outbox plan check")
-        .connect()
-        .await
-        .expect("connect");
+    let relay = plan_check_session(&db).await;
     let version = server_version_num(&c).await;
     let fetch = pg_outbox::fetch_query(version);
     let explain = format!("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) {fetch}");

@@ -96,6 +96,17 @@ pub async fn server_version_num(c: &Client) -> i32 {
         .get(0)
 }
 
+/// A session to `db` opened as pg-outbox opens its own (its planner
+/// settings included), for checking the plans its statements get.
+pub async fn plan_check_session(db: &TestDb) -> Client {
+    pg_outbox::ConnectOptions::parse(&db.url())
+        .expect("url")
+        .with_application_name("pg-outbox plan check")
+        .connect()
+        .await
+        .expect("connect as pg-outbox does")
+}
+
 /// A count of an `EXPLAIN (FORMAT JSON)` plan node (`Actual Rows`,
 /// `Rows Removed by Filter`, `Shared Hit Blocks`, ...), 0 when absent.
 /// PostgreSQL 18 prints row counts, which are averages over the node's
