@@ -6,13 +6,18 @@
 //!   older_than` are deleted: never an unpublished event, never a dead
 //!   letter (dead letters are unpublished). The cutoff uses the database's
 //!   clock.
-//! - Batches picked in id order through the primary key with `FOR UPDATE
-//!   SKIP LOCKED` inside a materialised CTE (so the planner cannot re-run
-//!   the LIMIT subquery and delete more than a batch), with a pause between
-//!   batches, so it never holds long locks, keeps WAL and vacuum steady,
-//!   and leaves room for producers.
+//! - One walk of `outbox_pkey` in id order, from the lowest id to the
+//!   highest one when the run started, in batches: each batch walks the
+//!   next rows by id (at most its size) and deletes those of them that are
+//!   due, with `FOR UPDATE SKIP LOCKED` inside a materialised CTE (so the
+//!   planner cannot re-run the subquery and delete more than a batch).
+//!   No statement walks more than its batch: not the young rows after the
+//!   last due one (a run that stopped at the first short batch would walk
+//!   them all in one statement to find nothing), nor a stretch of rows
+//!   published late. A pause between batches keeps locks short, WAL and
+//!   vacuum steady, and leaves room for producers.
 //! - Paced by what the server shows: each batch's own time. The batch size
-//!   follows the rows per second the last batch achieved, so a batch takes
+//!   follows the rows per second the last batch walked, so a batch takes
 //!   about `batch_time` (default 5 ms; the first batch 1 000 rows, then
 //!   from 100 rows up to `batch_size`, default 10 000), and the pause after
 //!   a batch is at least
@@ -68,13 +73,13 @@ pub const DEFAULT_RETENTION_MAX_SHARE: f64 = 0.05;
 pub struct Retention {
     /// Delete published events older than this (default 30 days).
     pub older_than: Duration,
-    /// Rows per DELETE: the largest batch of a paced run, every batch's
+    /// Rows walked per DELETE: the largest batch of a paced run, every batch's
     /// size when `batch_time` is zero (default 10 000).
     pub batch_size: i64,
     /// The shortest pause between batches (default 100 ms).
     pub pause: Duration,
     /// The time a batch aims at: the next batch's size is the rows per
-    /// second the last achieved times this, at most doubling or halving
+    /// second the last walked times this, at most doubling or halving
     /// at a time, from [`MIN_RETENTION_BATCH`] to `batch_size` (default
     /// 5 ms). Zero: no pacing, every batch `batch_size` rows.
     pub batch_time: Duration,
@@ -134,12 +139,15 @@ impl Pace {
 pub struct RetentionReport {
     /// Rows deleted (or, in a dry run, that would be).
     pub deleted: i64,
-    /// DELETE statements run.
+    /// Rows walked: every row a batch looked at, deleted or not (0 in a
+    /// dry run).
+    pub walked: i64,
+    /// Batches (DELETE statements) run.
     pub batches: i64,
     /// Another run held the retention lock; nothing was done.
     pub skipped: bool,
-    /// The smallest and the largest batch the run asked for, in rows (0
-    /// when it ran none).
+    /// The smallest and the largest batch the run asked for, in rows
+    /// walked (0 when it ran none).
     pub smallest_batch: i64,
     /// See [`RetentionReport::smallest_batch`].
     pub largest_batch: i64,
@@ -163,7 +171,7 @@ pub async fn dry_run(client: &Client, r: &Retention) -> Result<RetentionReport> 
 }
 
 /// Delete published events older than `r.older_than`, batch by batch,
-/// until a batch finds fewer rows than its size, on a database session of
+/// walking every row that was in the table when the run started, on a database session of
 /// its own (application name `pg-outbox retention`), which it closes before
 /// returning. Records `outbox_retention_deleted_total` (per batch),
 /// `outbox_retention_last_run_timestamp_seconds` (after a successful run)
@@ -242,32 +250,37 @@ pub async fn run(pg: &ConnectOptions, r: &Retention) -> Result<RetentionReport> 
 
 async fn delete_batches(client: &Client, r: &Retention) -> Result<RetentionReport> {
     let mut report = RetentionReport::default();
+    let Some(end_id) = store::last_id(client).await? else {
+        return Ok(report);
+    };
     let mut pace = Pace::new(r);
-    let mut batch = Batch { older_than: r.older_than, size: pace.size, after_id: 0 };
+    let mut batch = Batch { older_than: r.older_than, size: pace.size, after_id: 0, end_id };
     loop {
         let started = std::time::Instant::now();
         let deleted = store::delete_batch(client, &batch).await?;
         if !counted(&mut report, &mut batch, &deleted, started.elapsed()) {
             return Ok(report);
         }
-        pause(&mut report, &mut pace, &mut batch, r, deleted.rows, started.elapsed()).await;
+        pause(&mut report, &mut pace, &mut batch, r, deleted.walked, started.elapsed()).await;
     }
 }
 
-/// Count a deleted batch, which took `took`, in `report` and move `batch`
-/// past it; whether a full batch came back, so another may follow.
+/// Count a batch, which took `took`, in `report` and move `batch` past
+/// the rows it walked; whether it walked a whole batch short of the run's
+/// end, so another may follow.
 fn counted(report: &mut RetentionReport, batch: &mut Batch, deleted: &store::Deleted, took: Duration) -> bool {
     let n = deleted.rows;
     if let Some(last) = deleted.last_id {
         batch.after_id = last;
     }
     report.deleted += n;
+    report.walked += deleted.walked;
     report.batches += 1;
     report.busy_seconds += took.as_secs_f64();
     report.smallest_batch = if report.batches == 1 { batch.size } else { report.smallest_batch.min(batch.size) };
     report.largest_batch = report.largest_batch.max(batch.size);
     metrics::counter!(crate::metrics::RETENTION_DELETED).increment(u64::try_from(n).unwrap_or(0));
-    n >= batch.size
+    deleted.walked >= batch.size && batch.after_id < batch.end_id
 }
 
 /// The pause after a batch of `rows` that took `took`, and the next
@@ -298,8 +311,11 @@ async fn pause(
 /// the run stops at a batch that cannot take it (`skipped` when none ran).
 async fn delete_locked_batches(client: &Client, r: &Retention) -> Result<RetentionReport> {
     let mut report = RetentionReport::default();
+    let Some(end_id) = store::last_id(client).await? else {
+        return Ok(report);
+    };
     let mut pace = Pace::new(r);
-    let mut batch = Batch { older_than: r.older_than, size: pace.size, after_id: 0 };
+    let mut batch = Batch { older_than: r.older_than, size: pace.size, after_id: 0, end_id };
     loop {
         let started = std::time::Instant::now();
         client.batch_execute("BEGIN").await?;
@@ -335,7 +351,7 @@ async fn delete_locked_batches(client: &Client, r: &Retention) -> Result<Retenti
         if !counted(&mut report, &mut batch, &deleted, started.elapsed()) {
             return Ok(report);
         }
-        pause(&mut report, &mut pace, &mut batch, r, deleted.rows, started.elapsed()).await;
+        pause(&mut report, &mut pace, &mut batch, r, deleted.walked, started.elapsed()).await;
     }
 }
 

@@ -17,8 +17,9 @@
 //!   (buffers), producers (inserts/s) and the relay (drain rate) with 0,
 //!   1 000 000 and 10 000 000 published rows (30 days of history, settled),
 //!   against the empty table; then `pg-outbox archive` deleting the oldest
-//!   third while paced producers run: their p99 insert latency against just
-//!   before it, and the archive's rows/s;
+//!   tenth while producers insert at full load: their p99 insert latency
+//!   against the same producers just before and just after it, and the
+//!   archive's rows/s;
 //! - `hot`: a 1 000 000-event backlog over 1 000 aggregates, with and
 //!   without 5 failing aggregates holding back their events, drained by the
 //!   Consumer, against every event its own aggregate (checks that exactly
@@ -172,11 +173,8 @@ pub struct Settings {
     /// History: seconds the producers' insert rate is counted (after
     /// `producer_warmup_secs`), per size.
     pub history_producer_secs: f64,
-    /// History: events/s of the paced producers around the archive (well
-    /// under what 16 producer connections insert at full speed on the
-    /// largest table, so the latency is not the schedule's backlog).
-    pub history_paced_rate: u64,
-    /// History: seconds of the paced producers' baseline, just before the archive.
+    /// History: seconds of each of the producers' two baseline windows
+    /// around the archive, one just before it and one just after.
     pub history_baseline_secs: f64,
     /// Hot: events in each backlog (a multiple of `hot_aggregates`).
     pub hot_events: i64,
@@ -256,7 +254,6 @@ impl Settings {
                 history_sizes: vec![0, 1_000, 5_000],
                 history_backlog: 1_000,
                 history_producer_secs: 0.5,
-                history_paced_rate: 200,
                 history_baseline_secs: 1.0,
                 hot_events: 5_000,
                 hot_aggregates: 50,
@@ -293,8 +290,7 @@ impl Settings {
                 history_sizes: vec![0, 100_000, 1_000_000],
                 history_backlog: 20_000,
                 history_producer_secs: 2.5,
-                history_paced_rate: 500,
-                history_baseline_secs: 5.0,
+                history_baseline_secs: 15.0,
                 hot_events: 100_000,
                 hot_aggregates: 1_000,
                 hot_failing: 5,
@@ -330,8 +326,7 @@ impl Settings {
                 history_sizes: vec![0, 1_000_000, 10_000_000],
                 history_backlog: 100_000,
                 history_producer_secs: 4.0,
-                history_paced_rate: 500,
-                history_baseline_secs: 10.0,
+                history_baseline_secs: 30.0,
                 hot_events: 1_000_000,
                 hot_aggregates: 1_000,
                 hot_failing: 5,

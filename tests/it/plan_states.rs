@@ -348,9 +348,13 @@ async fn check_all(c: &mut Client, stats: Stats, backlog: i64) {
             "dead_letters_retry" | "dead_letters_discard" => {
                 vec![(vec![&no_ids, &dead_type, &no_text, &no_text, &no_time, &limit_list], 40 * limit_list + 100, "")]
             }
-            // Retention walks the ids once per run (see retention.rs): in
-            // proportion to the table, never more.
-            "retention_delete" => vec![(vec![&ten_days, &BATCH, &zero], 3 * (STEADY + unpublished) + 100, "")],
+            // A retention batch walks at most its batch of rows (see
+            // retention.rs), from the lowest id and from the middle.
+            "retention_delete" => vec![
+                (vec![&ten_days, &BATCH, &zero, &i64::MAX], 8 * BATCH + 100, ""),
+                (vec![&ten_days, &BATCH, &mid, &i64::MAX], 8 * BATCH + 100, ""),
+            ],
+            "retention_last_id" => vec![(vec![], 20, "")],
             "retention_count" => vec![(vec![&ten_days], 3 * (STEADY + unpublished) + 100, "")],
             // A page from the middle of the published rows: in proportion
             // to the page; with a filter that keeps nothing, to the window.

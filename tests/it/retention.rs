@@ -13,6 +13,10 @@ async fn archive_deletes_old_published_events_only_in_batches() {
     let recent_published = insert_seed_events(&c, Uuid::new_v4(), 2).await;
     let old_unpublished = insert_seed_events(&c, Uuid::new_v4(), 2).await;
     let dead = insert_seed_events(&c, Uuid::new_v4(), 1).await;
+    // Due rows after a stretch of rows that are not: a batch that finds
+    // none due does not end the run.
+    let old_after = insert_seed_events(&c, Uuid::new_v4(), 2).await;
+    let old_published = [old_published, old_after].concat();
     c.execute(
         "UPDATE events.outbox SET occurred_at = now() - interval '60 days', published_at = now() - interval '40 days' WHERE id = ANY($1)",
         &[&old_published],
@@ -40,10 +44,13 @@ async fn archive_deletes_old_published_events_only_in_batches() {
 
     let (code, out, err) = db.cli(&["archive", "--dry-run"]).run().await.parts();
     assert_eq!(code, Some(0), "{err}");
-    assert!(out.contains("would delete 5 "), "{out}");
+    assert!(out.contains("would delete 7 "), "{out}");
     let (code, out, err) = db.cli(&["archive", "--batch-size", "2", "--pause", "10ms"]).run().await.parts();
     assert_eq!(code, Some(0), "{err}");
-    assert!(out.contains("deleted 5 published events older than 30days in 3 batches"), "{out}");
+    // 12 rows, 2 at a time; the batches of the recent, unpublished and
+    // dead rows delete nothing.
+    assert!(out.contains("deleted 7 published events older than 30days in 6 batches of 2 to 2 rows"), "{out}");
+    assert!(out.contains("12 rows walked"), "{out}");
     let left: Vec<i64> =
         c.query("SELECT id FROM events.outbox ORDER BY id", &[]).await.expect("q").iter().map(|r| r.get(0)).collect();
     let mut kept = [recent_published, old_unpublished, dead].concat();

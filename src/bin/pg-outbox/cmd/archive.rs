@@ -11,7 +11,7 @@ pub(crate) struct ArchiveArgs {
     /// Delete published events older than this (default 30 days, docs/schema.md).
     #[arg(long, value_parser = parse_duration, default_value = "30d")]
     older_than: Duration,
-    /// The largest batch, in rows per DELETE (every batch's size with
+    /// The largest batch, in rows walked per DELETE (every batch's size with
     /// `--batch-time 0`; a paced run shrinks batches down to 100 rows, or
     /// to this if it is smaller).
     #[arg(long, default_value_t = pg_outbox::retention::DEFAULT_RETENTION_BATCH)]
@@ -55,8 +55,15 @@ pub(crate) async fn run(url: &str, args: ArchiveArgs) -> Result<(), Error> {
         return Ok(());
     }
     println!(
-        "deleted {} published events older than {age} in {} batches of {} to {} rows ({:.1} s deleting, {:.1} s paused)",
-        rep.deleted, rep.batches, rep.smallest_batch, rep.largest_batch, rep.busy_seconds, rep.paused_seconds
+        "deleted {} published events older than {age} in {} batches of {} to {} rows ({:.1} s deleting, {:.1} s paused; \
+         {} rows walked)",
+        rep.deleted,
+        rep.batches,
+        rep.smallest_batch,
+        rep.largest_batch,
+        rep.busy_seconds,
+        rep.paused_seconds,
+        rep.walked
     );
     Ok(())
 }
