@@ -7,7 +7,13 @@
 //!   letter (dead letters are unpublished). The cutoff uses the database's
 //!   clock.
 //! - One walk of `outbox_pkey` in id order, from the lowest id to the
-//!   highest one when the run started, in batches: each batch walks the
+//!   highest one when the run started, or to an earlier run's mark: each
+//!   run records the highest id and the time when it starts, and a row
+//!   with a higher id was published after that time, so a run with cutoff
+//!   C walks only up to the mark of the oldest run that started at least
+//!   an hour after C (migrations/0014_outbox_retention_marks.sql). Daily
+//!   runs of a 30-day retention walk about two days of rows, not thirty.
+//!   In batches: each batch walks the
 //!   next rows by id (at most its size) and deletes those of them that are
 //!   due, with `FOR UPDATE SKIP LOCKED` inside a materialised CTE (so the
 //!   planner cannot re-run the subquery and delete more than a batch).
@@ -142,6 +148,13 @@ pub struct RetentionReport {
     /// Rows walked: every row a batch looked at, deleted or not (0 in a
     /// dry run).
     pub walked: i64,
+    /// The last id the run walks to (0 when the table was empty): the
+    /// highest id when it started, or an earlier run's mark.
+    pub walk_end_id: i64,
+    /// [`RetentionReport::walk_end_id`] is the highest id at an earlier
+    /// run's start, taken at least an hour after the cutoff: no row above
+    /// it can be due (migrations/0014_outbox_retention_marks.sql).
+    pub walk_end_marked: bool,
     /// Batches (DELETE statements) run.
     pub batches: i64,
     /// Another run held the retention lock; nothing was done.
@@ -250,11 +263,13 @@ pub async fn run(pg: &ConnectOptions, r: &Retention) -> Result<RetentionReport> 
 
 async fn delete_batches(client: &Client, r: &Retention) -> Result<RetentionReport> {
     let mut report = RetentionReport::default();
-    let Some(end_id) = store::last_id(client).await? else {
+    let Some(end) = store::walk_end(client, r.older_than).await? else {
         return Ok(report);
     };
+    report.walk_end_id = end.id;
+    report.walk_end_marked = end.marked;
     let mut pace = Pace::new(r);
-    let mut batch = Batch { older_than: r.older_than, size: pace.size, after_id: 0, end_id };
+    let mut batch = Batch { older_than: r.older_than, size: pace.size, after_id: 0, end_id: end.id };
     loop {
         let started = std::time::Instant::now();
         let deleted = store::delete_batch(client, &batch).await?;
@@ -311,11 +326,13 @@ async fn pause(
 /// the run stops at a batch that cannot take it (`skipped` when none ran).
 async fn delete_locked_batches(client: &Client, r: &Retention) -> Result<RetentionReport> {
     let mut report = RetentionReport::default();
-    let Some(end_id) = store::last_id(client).await? else {
+    let Some(end) = store::walk_end(client, r.older_than).await? else {
         return Ok(report);
     };
+    report.walk_end_id = end.id;
+    report.walk_end_marked = end.marked;
     let mut pace = Pace::new(r);
-    let mut batch = Batch { older_than: r.older_than, size: pace.size, after_id: 0, end_id };
+    let mut batch = Batch { older_than: r.older_than, size: pace.size, after_id: 0, end_id: end.id };
     loop {
         let started = std::time::Instant::now();
         client.batch_execute("BEGIN").await?;

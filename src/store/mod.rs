@@ -162,7 +162,7 @@ pub fn run_time_statements(server_version_num: i32) -> Vec<(&'static str, String
         ("dead_letters_discard_by_id", d::apply_sql(d::Walk::Ids, d::DISCARD)),
         ("dead_letters_existing", d::EXISTING_IDS.to_string()),
         ("retention_delete", retention::DELETE_BATCH.to_string()),
-        ("retention_last_id", retention::LAST_ID.to_string()),
+        ("retention_walk_end", retention::WALK_END.to_string()),
         ("retention_count", retention::COUNT_DUE.to_string()),
     ]);
     #[cfg(feature = "relay")]

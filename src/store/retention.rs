@@ -12,7 +12,7 @@ use super::map_missing_schema;
 use crate::error::Result;
 
 /// Delete one batch: walk the next $2 rows by id above $3, up to id $4
-/// (the highest id when the run started), and delete those of them that
+/// (the run's end, [`WALK_END`]), and delete those of them that
 /// were published longer ago than $1 seconds; returns how many it walked
 /// (`walked`), the highest id walked (`last_id`) and how many it deleted
 /// (`deleted`). The next batch starts after `last_id`, so a run walks
@@ -33,10 +33,25 @@ pub(crate) const DELETE_BATCH: &str = "WITH walked AS MATERIALIZED ( \
      gone AS (DELETE FROM events.outbox o USING doomed WHERE o.id = doomed.id RETURNING o.id) \
      SELECT count(*) AS walked, max(id) AS last_id, (SELECT count(*) FROM gone) AS deleted FROM walked";
 
-/// The highest id in the table (`last_id`, NULL when it is empty): where a
-/// run's walk ends. Rows with higher ids were given their ids after the run
-/// started, so they were published after it too.
-pub(crate) const LAST_ID: &str = "SELECT max(id) AS last_id FROM events.outbox";
+/// Where a run with age $1 (seconds) walks to, read when it starts:
+/// `last_id`, the highest id in the table (NULL when it is empty), and
+/// `marked`, the `last_id` of the oldest earlier run's mark taken at least
+/// an hour after the cutoff (NULL when there is none): rows with higher
+/// ids were published after that mark, so none of them is due
+/// (migrations/0014_outbox_retention_marks.sql). Records this run's mark
+/// (the highest id and the time) and keeps the newest 10 000 marks.
+pub(crate) const WALK_END: &str = "WITH top AS (SELECT max(id) AS last_id FROM events.outbox), \
+     mark AS (INSERT INTO events.outbox_retention_marks (taken_at, last_id) \
+       SELECT now(), top.last_id FROM top WHERE top.last_id IS NOT NULL \
+       ON CONFLICT (taken_at) DO NOTHING RETURNING 1), \
+     pruned AS (DELETE FROM events.outbox_retention_marks \
+       WHERE taken_at < (SELECT m.taken_at FROM events.outbox_retention_marks m \
+                         ORDER BY m.taken_at DESC OFFSET 9999 LIMIT 1) RETURNING 1) \
+     SELECT top.last_id, \
+       (SELECT m.last_id FROM events.outbox_retention_marks m \
+        WHERE m.taken_at >= now() - make_interval(secs => $1) + interval '1 hour' \
+        ORDER BY m.taken_at LIMIT 1) AS marked \
+     FROM top";
 
 /// How many rows a run with age $1 (seconds) would delete (`due`).
 pub(crate) const COUNT_DUE: &str = "SELECT count(*) AS due FROM events.outbox \
@@ -52,7 +67,7 @@ pub(crate) struct Batch {
     pub(crate) size: i64,
     /// Only ids above this one.
     pub(crate) after_id: i64,
-    /// Only ids up to this one: the run's end ([`last_id`]).
+    /// Only ids up to this one: the run's end ([`walk_end`]).
     pub(crate) end_id: i64,
 }
 
@@ -83,13 +98,31 @@ pub(crate) async fn delete_batch<C: GenericClient + Sync>(client: &C, b: &Batch)
     Ok(Deleted { walked: row.try_get("walked")?, last_id: row.try_get("last_id")?, rows: row.try_get("deleted")? })
 }
 
-/// The highest id in the table, `None` when it is empty ([`LAST_ID`]).
+/// Where a run walks to ([`WALK_END`]): the highest id in the table, or
+/// the highest id at an earlier run's start when that is lower and no row
+/// above it can be due; `None` when the table is empty. Records this run's
+/// mark.
 ///
 /// # Errors
 /// [`crate::Error::NotMigrated`] or [`crate::Error::Db`].
-pub(crate) async fn last_id<C: GenericClient + Sync>(client: &C) -> Result<Option<i64>> {
-    let row = client.query_typed_one(LAST_ID, &[]).await.map_err(map_missing_schema)?;
-    Ok(row.try_get("last_id")?)
+pub(crate) async fn walk_end<C: GenericClient + Sync>(client: &C, older_than: Duration) -> Result<Option<WalkEnd>> {
+    let secs = older_than.as_secs_f64();
+    let row = client.query_typed_one(WALK_END, &[(&secs, Type::FLOAT8)]).await.map_err(map_missing_schema)?;
+    let last: Option<i64> = row.try_get("last_id")?;
+    let marked: Option<i64> = row.try_get("marked")?;
+    Ok(last.map(|last| match marked {
+        Some(m) if m < last => WalkEnd { id: m, marked: true },
+        _ => WalkEnd { id: last, marked: false },
+    }))
+}
+
+/// The last id a run walks, from [`walk_end`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct WalkEnd {
+    /// The id.
+    pub(crate) id: i64,
+    /// It is an earlier run's mark, below the highest id in the table.
+    pub(crate) marked: bool,
 }
 
 /// How many published rows are older than `older_than` (by the database's

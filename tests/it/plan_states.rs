@@ -354,7 +354,7 @@ async fn check_all(c: &mut Client, stats: Stats, backlog: i64) {
                 (vec![&ten_days, &BATCH, &zero, &i64::MAX], 8 * BATCH + 100, ""),
                 (vec![&ten_days, &BATCH, &mid, &i64::MAX], 8 * BATCH + 100, ""),
             ],
-            "retention_last_id" => vec![(vec![], 20, "")],
+            "retention_walk_end" => vec![(vec![&ten_days], 50, "")],
             "retention_count" => vec![(vec![&ten_days], 3 * (STEADY + unpublished) + 100, "")],
             // A page from the middle of the published rows: in proportion
             // to the page; with a filter that keeps nothing, to the window.

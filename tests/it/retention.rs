@@ -63,3 +63,58 @@ async fn archive_deletes_old_published_events_only_in_batches() {
     assert_ne!(code, Some(0));
     assert!(err.contains("batch size"), "{err}");
 }
+
+/// A run walks only up to the mark of the oldest earlier run that started
+/// at least an hour after its cutoff (no row above it can be due), and
+/// leaves its own mark.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn archive_walks_up_to_an_earlier_runs_mark_and_leaves_its_own() {
+    let db = TestDb::new("archive_marks").await;
+    let c = db.client().await;
+    let old = insert_seed_events(&c, Uuid::new_v4(), 4).await;
+    let young = insert_seed_events(&c, Uuid::new_v4(), 2).await;
+    c.execute("UPDATE events.outbox SET published_at = now() - interval '40 days' WHERE id = ANY($1)", &[&old])
+        .await
+        .expect("old published");
+    c.execute("UPDATE events.outbox SET published_at = now() - interval '1 day' WHERE id = ANY($1)", &[&young])
+        .await
+        .expect("young published");
+    // As runs 20 days ago and just under 30 days ago left them: the first
+    // is the oldest at least an hour after a 30-day cutoff; the second is
+    // too close to the cutoff to bound anything.
+    c.execute(
+        "INSERT INTO events.outbox_retention_marks (taken_at, last_id) VALUES \
+         (now() - interval '20 days', $1), (now() - interval '30 days' + interval '30 minutes', $2)",
+        &[&old[3], &old[0]],
+    )
+    .await
+    .expect("earlier marks");
+    // A row above the mark published before it: only a hand-made row can
+    // be, so the walk does not reach it.
+    let above = insert_seed_events(&c, Uuid::new_v4(), 1).await;
+    c.execute("UPDATE events.outbox SET published_at = now() - interval '40 days' WHERE id = ANY($1)", &[&above])
+        .await
+        .expect("hand-made row");
+
+    let (code, out, err) = db.cli(&["archive", "--batch-size", "2", "--pause", "10ms"]).run().await.parts();
+    assert_eq!(code, Some(0), "{err}");
+    assert!(out.contains("deleted 4 published events older than 30days in 2 batches of 2 to 2 rows"), "{out}");
+    assert!(out.contains(&format!("4 rows walked, up to id {}, an earlier run's mark", old[3])), "{out}");
+    let left: Vec<i64> =
+        c.query("SELECT id FROM events.outbox ORDER BY id", &[]).await.expect("q").iter().map(|r| r.get(0)).collect();
+    assert_eq!(left, [young.clone(), above.clone()].concat(), "the old rows up to the mark went");
+    // The run left its mark: the highest id when it started.
+    let newest: i64 = c
+        .query_one("SELECT last_id FROM events.outbox_retention_marks ORDER BY taken_at DESC LIMIT 1", &[])
+        .await
+        .expect("mark")
+        .get(0);
+    assert_eq!(newest, above[0]);
+
+    // Without a usable mark the walk goes to the highest id.
+    c.execute("DELETE FROM events.outbox_retention_marks", &[]).await.expect("forget the marks");
+    let (code, out, err) = db.cli(&["archive", "--batch-size", "2", "--pause", "10ms"]).run().await.parts();
+    assert_eq!(code, Some(0), "{err}");
+    assert!(out.contains(&format!("3 rows walked, up to id {}, the highest", above[0])), "{out}");
+    assert!(out.contains("deleted 1 published events"), "{out}");
+}

@@ -56,14 +56,16 @@ pub(crate) async fn run(url: &str, args: ArchiveArgs) -> Result<(), Error> {
     }
     println!(
         "deleted {} published events older than {age} in {} batches of {} to {} rows ({:.1} s deleting, {:.1} s paused; \
-         {} rows walked)",
+         {} rows walked, up to id {}{})",
         rep.deleted,
         rep.batches,
         rep.smallest_batch,
         rep.largest_batch,
         rep.busy_seconds,
         rep.paused_seconds,
-        rep.walked
+        rep.walked,
+        rep.walk_end_id,
+        if rep.walk_end_marked { ", an earlier run's mark: no row above it is due" } else { ", the highest" }
     );
     Ok(())
 }
