@@ -455,8 +455,8 @@ async fn archive_phase(cfg: &Config, s: &Settings, n_max: i64, anchor: f64) -> B
     client
         .execute(
             "INSERT INTO events.outbox_retention_marks (taken_at, last_id) \
-             SELECT to_timestamp($1) - make_interval(days => k::int), $2 - k * $2 / $3 \
-             FROM generate_series(1, $3) AS k",
+             SELECT to_timestamp($1::float8) - make_interval(days => k::int), $2::bigint - k * $2::bigint / $3::bigint \
+             FROM generate_series(1, $3::bigint) AS k",
             &[&anchor, &n_max, &DAYS],
         )
         .await?;
