@@ -2,14 +2,15 @@
 --
 -- Each retention run records, when it starts, the highest id in
 -- events.outbox and the time it read it (`taken_at`, the database's
--- clock). A row with a higher id was given its id, or committed, after
--- that time, and a row is published only after it commits, so it was
--- published after `taken_at`. A later run with cutoff C therefore walks
--- only up to the `last_id` of the oldest mark taken at least an hour after
--- C (the hour covers a publisher whose `now()` is its transaction's start):
--- no row above it can be due. With daily runs, a 30-day retention walks
--- the due day and about one more, not the whole table. Without such a
--- mark a run walks to the highest id (docs/operations.md, "Retention").
+-- clock). Every row with a higher id committed after that time (it was
+-- not visible to max(id)), and a row is published only after it commits.
+-- A later run with cutoff C therefore walks only up to the `last_id` of
+-- the oldest mark taken at least an hour after C and not after now (the
+-- hour covers a publisher whose `now()` is its transaction's start). With
+-- daily runs, a 30-day retention walks the due day and about one more,
+-- not the whole table. Without such a mark a run walks to the highest id.
+-- A row whose `published_at` was written earlier than its commit by more
+-- than the hour is deleted late (docs/operations.md, "Retention").
 -- A handful of rows (one per run; runs keep the newest 10 000).
 -- Idempotent: running this file twice is a no-op.
 CREATE TABLE IF NOT EXISTS events.outbox_retention_marks (

@@ -8,11 +8,14 @@
 //!   clock.
 //! - One walk of `outbox_pkey` in id order, from the lowest id to the
 //!   highest one when the run started, or to an earlier run's mark: each
-//!   run records the highest id and the time when it starts, and a row
-//!   with a higher id was published after that time, so a run with cutoff
-//!   C walks only up to the mark of the oldest run that started at least
-//!   an hour after C (migrations/0014_outbox_retention_marks.sql). Daily
-//!   runs of a 30-day retention walk about two days of rows, not thirty.
+//!   run records the highest id and the time when it starts; every row
+//!   with a higher id committed after that time, and a row is published
+//!   after it commits, so a run with cutoff C walks only up to the mark of
+//!   the oldest run that started at least an hour after C (and not after
+//!   now). Daily runs of a 30-day retention walk about two days of rows,
+//!   not thirty. The exceptions (a `published_at` written earlier than
+//!   its row's commit by over an hour) are deleted late, not never: in
+//!   docs/operations.md, "Retention".
 //!   In batches: each batch walks the
 //!   next rows by id (at most its size) and deletes those of them that are
 //!   due, with `FOR UPDATE SKIP LOCKED` inside a materialised CTE (so the
@@ -152,8 +155,9 @@ pub struct RetentionReport {
     /// highest id when it started, or an earlier run's mark.
     pub walk_end_id: i64,
     /// [`RetentionReport::walk_end_id`] is the highest id at an earlier
-    /// run's start, taken at least an hour after the cutoff: no row above
-    /// it can be due (migrations/0014_outbox_retention_marks.sql).
+    /// run's start, taken at least an hour after the cutoff: every row
+    /// above it committed after that run started
+    /// (migrations/0014_outbox_retention_marks.sql).
     pub walk_end_marked: bool,
     /// Batches (DELETE statements) run.
     pub batches: i64,
@@ -184,7 +188,7 @@ pub async fn dry_run(client: &Client, r: &Retention) -> Result<RetentionReport> 
 }
 
 /// Delete published events older than `r.older_than`, batch by batch,
-/// walking every row that was in the table when the run started, on a database session of
+/// walking the table up to its end (the module docs), on a database session of
 /// its own (application name `pg-outbox retention`), which it closes before
 /// returning. Records `outbox_retention_deleted_total` (per batch),
 /// `outbox_retention_last_run_timestamp_seconds` (after a successful run)
@@ -266,10 +270,12 @@ async fn delete_batches(client: &Client, r: &Retention) -> Result<RetentionRepor
     let Some(end) = store::walk_end(client, r.older_than).await? else {
         return Ok(report);
     };
+    unmarked(&end);
     report.walk_end_id = end.id;
     report.walk_end_marked = end.marked;
     let mut pace = Pace::new(r);
-    let mut batch = Batch { older_than: r.older_than, size: pace.size, after_id: 0, end_id: end.id };
+    // Every id, including any a producer gave at or below zero.
+    let mut batch = Batch { older_than: r.older_than, size: pace.size, after_id: i64::MIN, end_id: end.id };
     loop {
         let started = std::time::Instant::now();
         let deleted = store::delete_batch(client, &batch).await?;
@@ -277,6 +283,18 @@ async fn delete_batches(client: &Client, r: &Retention) -> Result<RetentionRepor
             return Ok(report);
         }
         pause(&mut report, &mut pace, &mut batch, r, deleted.walked, started.elapsed()).await;
+    }
+}
+
+/// Warn when the run walks to the highest id because the marks could not
+/// be read or written.
+fn unmarked(end: &store::WalkEnd) {
+    if let Some(why) = &end.unmarked {
+        tracing::warn!(
+            error = %why,
+            "retention: events.outbox_retention_marks cannot be used ({why}); this run walks to the highest id. \
+             Run `pg-outbox migrate` (migration 0014) and grant the retention role SELECT, INSERT, DELETE on it"
+        );
     }
 }
 
@@ -329,10 +347,12 @@ async fn delete_locked_batches(client: &Client, r: &Retention) -> Result<Retenti
     let Some(end) = store::walk_end(client, r.older_than).await? else {
         return Ok(report);
     };
+    unmarked(&end);
     report.walk_end_id = end.id;
     report.walk_end_marked = end.marked;
     let mut pace = Pace::new(r);
-    let mut batch = Batch { older_than: r.older_than, size: pace.size, after_id: 0, end_id: end.id };
+    // Every id, including any a producer gave at or below zero.
+    let mut batch = Batch { older_than: r.older_than, size: pace.size, after_id: i64::MIN, end_id: end.id };
     loop {
         let started = std::time::Instant::now();
         client.batch_execute("BEGIN").await?;

@@ -6,6 +6,7 @@
 use std::time::Duration;
 
 use tokio_postgres::GenericClient;
+use tokio_postgres::error::SqlState;
 use tokio_postgres::types::Type;
 
 use super::map_missing_schema;
@@ -36,22 +37,28 @@ pub(crate) const DELETE_BATCH: &str = "WITH walked AS MATERIALIZED ( \
 /// Where a run with age $1 (seconds) walks to, read when it starts:
 /// `last_id`, the highest id in the table (NULL when it is empty), and
 /// `marked`, the `last_id` of the oldest earlier run's mark taken at least
-/// an hour after the cutoff (NULL when there is none): rows with higher
-/// ids were published after that mark, so none of them is due
+/// an hour after the cutoff and not after now (NULL when there is none):
+/// every row with a higher id committed after that mark was taken
 /// (migrations/0014_outbox_retention_marks.sql). Records this run's mark
-/// (the highest id and the time) and keeps the newest 10 000 marks.
+/// (the highest id and the time), drops marks dated after now (a clock
+/// that was ahead), and keeps the newest 10 000.
 pub(crate) const WALK_END: &str = "WITH top AS (SELECT max(id) AS last_id FROM events.outbox), \
      mark AS (INSERT INTO events.outbox_retention_marks (taken_at, last_id) \
        SELECT now(), top.last_id FROM top WHERE top.last_id IS NOT NULL \
        ON CONFLICT (taken_at) DO NOTHING RETURNING 1), \
      pruned AS (DELETE FROM events.outbox_retention_marks \
-       WHERE taken_at < (SELECT m.taken_at FROM events.outbox_retention_marks m \
+       WHERE taken_at > now() \
+          OR taken_at < (SELECT m.taken_at FROM events.outbox_retention_marks m \
                          ORDER BY m.taken_at DESC OFFSET 9999 LIMIT 1) RETURNING 1) \
      SELECT top.last_id, \
        (SELECT m.last_id FROM events.outbox_retention_marks m \
-        WHERE m.taken_at >= now() - make_interval(secs => $1) + interval '1 hour' \
+        WHERE m.taken_at >= now() - make_interval(secs => $1) + interval '1 hour' AND m.taken_at <= now() \
         ORDER BY m.taken_at LIMIT 1) AS marked \
      FROM top";
+
+/// The highest id in the table (`last_id`, NULL when it is empty): a
+/// run's end when the marks cannot be read or written.
+pub(crate) const LAST_ID: &str = "SELECT max(id) AS last_id FROM events.outbox";
 
 /// How many rows a run with age $1 (seconds) would delete (`due`).
 pub(crate) const COUNT_DUE: &str = "SELECT count(*) AS due FROM events.outbox \
@@ -99,30 +106,45 @@ pub(crate) async fn delete_batch<C: GenericClient + Sync>(client: &C, b: &Batch)
 }
 
 /// Where a run walks to ([`WALK_END`]): the highest id in the table, or
-/// the highest id at an earlier run's start when that is lower and no row
-/// above it can be due; `None` when the table is empty. Records this run's
-/// mark.
+/// an earlier run's mark when that is lower; `None` when the table is
+/// empty. Records this run's mark. Without the marks table (a schema
+/// before migration 0014) or the privileges on it, walks to the highest id
+/// ([`LAST_ID`]) and says why in `unmarked`.
 ///
 /// # Errors
 /// [`crate::Error::NotMigrated`] or [`crate::Error::Db`].
 pub(crate) async fn walk_end<C: GenericClient + Sync>(client: &C, older_than: Duration) -> Result<Option<WalkEnd>> {
     let secs = older_than.as_secs_f64();
-    let row = client.query_typed_one(WALK_END, &[(&secs, Type::FLOAT8)]).await.map_err(map_missing_schema)?;
+    let row = match client.query_typed_one(WALK_END, &[(&secs, Type::FLOAT8)]).await {
+        Ok(row) => row,
+        Err(e) => {
+            let code = e.as_db_error().map(|d| d.code().clone());
+            if code != Some(SqlState::UNDEFINED_TABLE) && code != Some(SqlState::INSUFFICIENT_PRIVILEGE) {
+                return Err(map_missing_schema(e));
+            }
+            let why = crate::error::report(&e);
+            let row = client.query_typed_one(LAST_ID, &[]).await.map_err(map_missing_schema)?;
+            let last: Option<i64> = row.try_get("last_id")?;
+            return Ok(last.map(|id| WalkEnd { id, marked: false, unmarked: Some(why) }));
+        }
+    };
     let last: Option<i64> = row.try_get("last_id")?;
     let marked: Option<i64> = row.try_get("marked")?;
     Ok(last.map(|last| match marked {
-        Some(m) if m < last => WalkEnd { id: m, marked: true },
-        _ => WalkEnd { id: last, marked: false },
+        Some(m) if m < last => WalkEnd { id: m, marked: true, unmarked: None },
+        _ => WalkEnd { id: last, marked: false, unmarked: None },
     }))
 }
 
 /// The last id a run walks, from [`walk_end`].
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct WalkEnd {
     /// The id.
     pub(crate) id: i64,
     /// It is an earlier run's mark, below the highest id in the table.
     pub(crate) marked: bool,
+    /// Why the marks could not be read or written (the error), if so.
+    pub(crate) unmarked: Option<String>,
 }
 
 /// How many published rows are older than `older_than` (by the database's

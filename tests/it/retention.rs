@@ -79,13 +79,14 @@ async fn archive_walks_up_to_an_earlier_runs_mark_and_leaves_its_own() {
     c.execute("UPDATE events.outbox SET published_at = now() - interval '1 day' WHERE id = ANY($1)", &[&young])
         .await
         .expect("young published");
-    // As runs 20 days ago and just under 30 days ago left them: the first
-    // is the oldest at least an hour after a 30-day cutoff; the second is
-    // too close to the cutoff to bound anything.
+    // As runs 20 and 10 days ago and just under 30 days ago left them: the
+    // first is the oldest at least an hour after a 30-day cutoff, the one
+    // the run takes; the last is too close to the cutoff to bound anything.
     c.execute(
         "INSERT INTO events.outbox_retention_marks (taken_at, last_id) VALUES \
-         (now() - interval '20 days', $1), (now() - interval '30 days' + interval '30 minutes', $2)",
-        &[&old[3], &old[0]],
+         (now() - interval '20 days', $1), (now() - interval '10 days', $3), \
+         (now() - interval '30 days' + interval '30 minutes', $2)",
+        &[&old[3], &old[0], &young[1]],
     )
     .await
     .expect("earlier marks");
@@ -111,10 +112,32 @@ async fn archive_walks_up_to_an_earlier_runs_mark_and_leaves_its_own() {
         .get(0);
     assert_eq!(newest, above[0]);
 
-    // Without a usable mark the walk goes to the highest id.
+    // Without a usable mark the walk goes to the highest id. A mark dated
+    // after now (taken while the clock was ahead) bounds nothing, and the
+    // run drops it.
     c.execute("DELETE FROM events.outbox_retention_marks", &[]).await.expect("forget the marks");
+    c.execute(
+        "INSERT INTO events.outbox_retention_marks (taken_at, last_id) VALUES (now() + interval '1 day', $1)",
+        &[&young[0]],
+    )
+    .await
+    .expect("a mark from the future");
     let (code, out, err) = db.cli(&["archive", "--batch-size", "2", "--pause", "10ms"]).run().await.parts();
     assert_eq!(code, Some(0), "{err}");
     assert!(out.contains(&format!("3 rows walked, up to id {}, the highest", above[0])), "{out}");
     assert!(out.contains("deleted 1 published events"), "{out}");
+    let future: i64 = c
+        .query_one("SELECT count(*) FROM events.outbox_retention_marks WHERE taken_at > now()", &[])
+        .await
+        .expect("future marks")
+        .get(0);
+    assert_eq!(future, 0, "the mark from the future was dropped");
+
+    // Without the marks table (a schema before migration 0014) a run warns
+    // and walks to the highest id.
+    c.batch_execute("DROP TABLE events.outbox_retention_marks").await.expect("drop the marks");
+    let (code, out, err) = db.cli(&["archive", "--older-than", "1h", "--batch-size", "2"]).run().await.parts();
+    assert_eq!(code, Some(0), "{err}");
+    assert!(out.contains("deleted 2 published events"), "{out}");
+    assert!(err.contains("events.outbox_retention_marks cannot be used") && err.contains("pg-outbox migrate"), "{err}");
 }

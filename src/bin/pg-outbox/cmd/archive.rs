@@ -65,7 +65,7 @@ pub(crate) async fn run(url: &str, args: ArchiveArgs) -> Result<(), Error> {
         rep.paused_seconds,
         rep.walked,
         rep.walk_end_id,
-        if rep.walk_end_marked { ", an earlier run's mark: no row above it is due" } else { ", the highest" }
+        if rep.walk_end_marked { ", an earlier run's mark" } else { ", the highest" }
     );
     Ok(())
 }
