@@ -15,8 +15,7 @@
 //!   now). Daily runs of a 30-day retention walk about two days of rows,
 //!   not thirty. The exceptions (a `published_at` written earlier than
 //!   its row's commit by over an hour) are deleted late, not never: in
-//!   docs/operations.md, "Retention".
-//!   In batches: each batch walks the
+//!   docs/operations.md, "Retention". In batches: each batch walks the
 //!   next rows by id (at most its size) and deletes those of them that are
 //!   due, with `FOR UPDATE SKIP LOCKED` inside a materialised CTE (so the
 //!   planner cannot re-run the subquery and delete more than a batch).
