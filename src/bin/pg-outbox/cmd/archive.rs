@@ -20,7 +20,7 @@ pub(crate) struct ArchiveArgs {
     #[arg(long, value_parser = parse_duration, default_value = "100ms")]
     pause: Duration,
     /// The time a batch aims at: each batch is sized from the rows per
-    /// second the last one achieved (0: no pacing, batches of --batch-size).
+    /// second the last one walked (0: no pacing, batches of --batch-size).
     #[arg(long, value_parser = parse_duration_or_zero, default_value = "5ms")]
     batch_time: Duration,
     /// The most share of wall time spent deleting, as a percentage: the
