@@ -265,16 +265,9 @@ pub async fn run(pg: &ConnectOptions, r: &Retention) -> Result<RetentionReport> 
 }
 
 async fn delete_batches(client: &Client, r: &Retention) -> Result<RetentionReport> {
-    let mut report = RetentionReport::default();
-    let Some(end) = store::walk_end(client, r.older_than).await? else {
-        return Ok(report);
+    let Some((mut report, mut pace, mut batch)) = start_walk(client, r).await? else {
+        return Ok(RetentionReport::default());
     };
-    unmarked(&end);
-    report.walk_end_id = end.id;
-    report.walk_end_marked = end.marked;
-    let mut pace = Pace::new(r);
-    // Every id, including any a producer gave at or below zero.
-    let mut batch = Batch { older_than: r.older_than, size: pace.size, after_id: i64::MIN, end_id: end.id };
     loop {
         let started = std::time::Instant::now();
         let deleted = store::delete_batch(client, &batch).await?;
@@ -285,9 +278,13 @@ async fn delete_batches(client: &Client, r: &Retention) -> Result<RetentionRepor
     }
 }
 
-/// Warn when the run walks to the highest id because the marks could not
-/// be read or written.
-fn unmarked(end: &store::WalkEnd) {
+/// A run's start: where its walk ends ([`store::walk_end`], which records
+/// the run's mark), its report so far, its pace and its first batch;
+/// `None` when the table is empty. Warns when the marks cannot be used.
+async fn start_walk(client: &Client, r: &Retention) -> Result<Option<(RetentionReport, Pace, Batch)>> {
+    let Some(end) = store::walk_end(client, r.older_than).await? else {
+        return Ok(None);
+    };
     if let Some(why) = &end.unmarked {
         tracing::warn!(
             error = %why,
@@ -295,6 +292,11 @@ fn unmarked(end: &store::WalkEnd) {
              Run `pg-outbox migrate` (migration 0014) and grant the retention role SELECT, INSERT, DELETE on it"
         );
     }
+    let report = RetentionReport { walk_end_id: end.id, walk_end_marked: end.marked, ..RetentionReport::default() };
+    let pace = Pace::new(r);
+    // Every id, including any a producer gave at or below zero.
+    let batch = Batch { older_than: r.older_than, size: pace.size, after_id: i64::MIN, end_id: end.id };
+    Ok(Some((report, pace, batch)))
 }
 
 /// Count a batch, which took `took`, in `report` and move `batch` past
@@ -342,16 +344,9 @@ async fn pause(
 /// transaction that first takes the retention lock at transaction level;
 /// the run stops at a batch that cannot take it (`skipped` when none ran).
 async fn delete_locked_batches(client: &Client, r: &Retention) -> Result<RetentionReport> {
-    let mut report = RetentionReport::default();
-    let Some(end) = store::walk_end(client, r.older_than).await? else {
-        return Ok(report);
+    let Some((mut report, mut pace, mut batch)) = start_walk(client, r).await? else {
+        return Ok(RetentionReport::default());
     };
-    unmarked(&end);
-    report.walk_end_id = end.id;
-    report.walk_end_marked = end.marked;
-    let mut pace = Pace::new(r);
-    // Every id, including any a producer gave at or below zero.
-    let mut batch = Batch { older_than: r.older_than, size: pace.size, after_id: i64::MIN, end_id: end.id };
     loop {
         let started = std::time::Instant::now();
         client.batch_execute("BEGIN").await?;

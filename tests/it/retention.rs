@@ -90,6 +90,15 @@ async fn archive_walks_up_to_an_earlier_runs_mark_and_leaves_its_own() {
     )
     .await
     .expect("earlier marks");
+    // And 10 005 from long before the cutoff, which bound nothing: a run
+    // keeps the newest 10 000 marks it finds, and adds its own.
+    c.execute(
+        "INSERT INTO events.outbox_retention_marks (taken_at, last_id) \
+         SELECT now() - interval '100 days' - make_interval(secs => g), -g FROM generate_series(1, 10005) AS g",
+        &[],
+    )
+    .await
+    .expect("old marks");
     // A row above the mark published before it: only a hand-made row can
     // be, so the walk does not reach it.
     let above = insert_seed_events(&c, Uuid::new_v4(), 1).await;
@@ -111,6 +120,12 @@ async fn archive_walks_up_to_an_earlier_runs_mark_and_leaves_its_own() {
         .expect("mark")
         .get(0);
     assert_eq!(newest, above[0]);
+    let (marks, oldest_left): (i64, i64) = c
+        .query_one("SELECT count(*), count(*) FILTER (WHERE last_id <= -9998) FROM events.outbox_retention_marks", &[])
+        .await
+        .map(|r| (r.get(0), r.get(1)))
+        .expect("marks kept");
+    assert_eq!((marks, oldest_left), (10_001, 0), "the 8 oldest of 10 008 marks went, the run's own came");
 
     // Without a usable mark the walk goes to the highest id. A mark dated
     // after now (taken while the clock was ahead) bounds nothing, and the
