@@ -13,11 +13,15 @@
 //!   p99 insert latency during the archive against the same producers just
 //!   before and just after it, and the archive's rows/s.
 //!
-//! One scratch database grows from the smallest size to the largest: each
-//! size adds the older part of the same 30-day history below the ids
-//! already there (ids ascend with time, as in a live table), then
-//! `VACUUM ANALYZE` and `CHECKPOINT` settle it, the state a live table with
-//! autovacuum has.
+//! One scratch database grows from the smallest size to the largest the
+//! way a live table does: each size adds the next part of the same 30-day
+//! history above the ids already there, committed by producers in
+//! transactions of 10 000 rows through pg-outbox's insert trigger and
+//! published by a relay as they come. The table is analysed once, at its
+//! first size, so the larger ones are measured with statistics from then;
+//! it is never vacuumed by the bench, so it holds whatever the server's
+//! autovacuum leaves of the publishing's old row versions. A `CHECKPOINT`
+//! before each size's measurements starts them with every page clean.
 
 use std::process::Stdio;
 use std::time::{Duration, Instant};
@@ -44,8 +48,11 @@ const DAYS: i64 = 30;
 const ARCHIVE_OLDER_THAN: &str = "27d";
 /// Seconds in [`ARCHIVE_OLDER_THAN`], for the checks.
 const ARCHIVE_OLDER_THAN_SECS: f64 = 27.0 * 86_400.0;
-/// History rows loaded per statement (progress is printed after each).
-const LOAD_CHUNK: i64 = 1_000_000;
+/// History rows a producer commits per transaction.
+const LOAD_CHUNK: i64 = 10_000;
+/// Producer transactions the relay may have left unpublished before the
+/// next one is committed.
+const LOAD_AHEAD: i64 = 20;
 /// Events per aggregate in the history, on average.
 const EVENTS_PER_AGGREGATE: i64 = 10;
 /// Unpublished events at the tail when the fetch is explained.
@@ -61,16 +68,22 @@ const ARCHIVE_LIMIT: Duration = Duration::from_secs(1800);
 struct SizeRun {
     /// Published history rows in the table.
     rows: i64,
-    /// Seconds to load (and index) this size's new rows and settle the table.
+    /// Seconds to commit and publish this size's new rows.
     load_secs: f64,
-    /// Table size with its indexes, MiB (after settling).
+    /// Table size with its indexes, MiB.
     total_mib: f64,
-    /// Buffers (shared hit + read) of the fetch, custom plan.
+    /// Dead row versions in the table (`n_dead_tup` of
+    /// `pg_stat_user_tables`, an estimate the server keeps).
+    dead_rows: i64,
+    /// Buffers (shared hit + read) of the fetch from the floor (just below
+    /// the tail), custom plan and generic plan.
+    fetch_floor: (i64, i64),
+    /// Buffers (shared hit + read) of the fetch with no floor, custom plan.
     fetch_custom: i64,
     /// The same, generic plan (a long-lived prepared statement's).
     fetch_generic: i64,
     /// Producer inserts/s (after the warm-up): the run right after the
-    /// settle's CHECKPOINT, and the run after it.
+    /// size's CHECKPOINT, and the run after it.
     insert_rates: [f64; 2],
     /// The relay's drain of the backlog.
     drain: DrainOutcome,
@@ -109,99 +122,186 @@ struct Latencies {
     max_ms: f64,
 }
 
-/// Indexes of `events.outbox` that are neither the primary key nor
-/// partial: name and definition (`pg_get_indexdef`). A history load drops
-/// and rebuilds them (the partial ones hold no published row, so they cost
-/// the load nothing).
-async fn full_indexes(client: &Client) -> BenchResult<Vec<(String, String)>> {
-    let rows = client
-        .query(
-            "SELECT c.relname::text, pg_get_indexdef(i.indexrelid) FROM pg_index i \
-             JOIN pg_class c ON c.oid = i.indexrelid \
-             WHERE i.indrelid = 'events.outbox'::regclass AND NOT i.indisprimary AND i.indpred IS NULL \
-             ORDER BY 1",
-            &[],
-        )
-        .await?;
-    rows.iter().map(|r| Ok((r.try_get(0)?, r.try_get(1)?))).collect()
+/// The bench's own trigger that dates a history row's publication
+/// [`PUBLISHED_AFTER`] after its `occurred_at` instead of at the relay's
+/// `now()`, so that the history a relay publishes in minutes spans
+/// [`DAYS`]; it touches only the history's rows (aggregate type
+/// `history`) and changes no index access. Dropped after each load.
+const BACKDATE_SQL: &str = "CREATE FUNCTION public.pgo_bench_backdate() RETURNS trigger LANGUAGE plpgsql AS $$ \
+     BEGIN NEW.published_at := NEW.occurred_at + interval '40 milliseconds'; RETURN NEW; END $$; \
+     CREATE TRIGGER pgo_bench_backdate BEFORE UPDATE OF published_at ON events.outbox FOR EACH ROW \
+     WHEN (OLD.published_at IS NULL AND NEW.published_at IS NOT NULL AND OLD.aggregate_type = 'history') \
+     EXECUTE FUNCTION public.pgo_bench_backdate();";
+/// Drops [`BACKDATE_SQL`]'s trigger and function.
+const BACKDATE_DROP_SQL: &str = "DROP TRIGGER IF EXISTS pgo_bench_backdate ON events.outbox; \
+     DROP FUNCTION IF EXISTS public.pgo_bench_backdate();";
+/// Seconds from a history row's `occurred_at` to its `published_at`.
+const PUBLISHED_AFTER: f64 = 0.04;
+/// Longest the load waits for the relay to publish the rows it awaits
+/// before it gives up (the relay stalled or died).
+const LOAD_STALL_LIMIT: Duration = Duration::from_secs(120);
+
+/// Where the history's rows are: pg-outbox's insert trigger gives each
+/// row its id from `events.outbox_id_seq` when it is inserted, so the
+/// history's positions (1 the oldest, `n_max` the newest) map to ids
+/// ascending with them, the measurements' rows between the sizes' parts.
+#[derive(Debug, Default)]
+struct HistoryIds {
+    /// The id of each position, from position 1.
+    ids: Vec<i64>,
 }
 
-/// Insert the history rows with ids `lo..=hi` (of `n_max`, the largest
-/// size): published, spread evenly over the [`DAYS`] before `anchor`
-/// (server time, epoch seconds), id `n_max` the newest; payloads of about
-/// 150 bytes; [`EVENTS_PER_AGGREGATE`] events per aggregate on average.
-/// Triggers do not fire (`session_replication_role = replica`; the rows are
-/// published, so the order trigger would have nothing to order). The
-/// indexes that are neither primary nor partial are dropped first and built
-/// again after (with `maintenance_work_mem` raised for this session): one
-/// sort instead of millions of random inserts into the aggregate index,
-/// several times faster; their definitions are checked to be back as they
-/// were.
-async fn load_history(client: &Client, lo: i64, hi: i64, n_max: i64, anchor: f64) -> BenchResult<()> {
+impl HistoryIds {
+    /// The id of history position `pos`.
+    fn id_of(&self, pos: i64) -> Option<i64> {
+        self.ids.get(usize::try_from(pos.checked_sub(1)?).ok()?).copied()
+    }
+}
+
+/// Insert the history rows at positions `lo..=hi` (of `n_max`, the largest
+/// size) the way a live table gets them: producers commit them in
+/// transactions of [`LOAD_CHUNK`] rows through pg-outbox's insert trigger
+/// (ordering and wake-up), and a `pg-outbox relay --sink stdout` publishes
+/// them as they come, with at most [`LOAD_AHEAD`] transactions waiting.
+/// The rows are spread evenly over the [`DAYS`] before `anchor` (server
+/// time, epoch seconds), position `n_max` the newest; payloads of about 150
+/// bytes; [`EVENTS_PER_AGGREGATE`] events per aggregate on average. Each is
+/// published [`PUBLISHED_AFTER`] after it occurred ([`BACKDATE_SQL`]). No
+/// VACUUM and no ANALYZE: the table keeps whatever the server's autovacuum
+/// leaves (on a server with it off, every row version the publishing
+/// replaced). Records the rows' ids in `ids`. Fails if the relay stalls or
+/// leaves a row unpublished, or if ids do not ascend with positions.
+async fn load_history(
+    cfg: &Config,
+    client: &Client,
+    ids: &mut HistoryIds,
+    (lo, hi): (i64, i64),
+    n_max: i64,
+    anchor: f64,
+) -> BenchResult<()> {
     if hi < lo {
         return Ok(());
     }
-    let indexes = full_indexes(client).await?;
-    client.batch_execute("SET maintenance_work_mem = '256MB'").await?;
-    for (name, _) in &indexes {
-        client.batch_execute(&format!("DROP INDEX events.{name}")).await?;
-    }
-    let aggregates = (n_max / EVENTS_PER_AGGREGATE).max(1);
-    let span = (DAYS * 86_400) as f64;
-    let started = Instant::now();
-    let mut from = lo;
-    while from <= hi {
-        let to = (from + LOAD_CHUNK - 1).min(hi);
-        let at = format!("to_timestamp({anchor}) - make_interval(secs => {span} * ({n_max} - g) / {n_max}::float8)");
-        let sql = format!(
-            "SET session_replication_role = replica; \
-             INSERT INTO events.outbox (id, aggregate_type, aggregate_id, event_type, payload, occurred_at, published_at) \
-             SELECT g, (ARRAY['subscription', 'invoice', 'account'])[1 + (g % {aggregates}) % 3], \
-                    md5('hist-' || (g % {aggregates}))::uuid, \
-                    (ARRAY['PaymentSucceeded', 'InvoiceIssued', 'AccountUpdated', 'PlanChanged'])[1 + g % 4], \
-                    jsonb_build_object('version', 1, \
-                      'data', jsonb_build_object('seq', g, 'amount', g % 100000, 'currency', 'KRW', 'note', md5(g::text)), \
-                      'metadata', jsonb_build_object('correlation_id', 'req-' || g)), \
-                    {at}, {at} + interval '40 milliseconds' \
-             FROM generate_series({from}::bigint, {to}::bigint) AS g; \
-             RESET session_replication_role;"
-        );
-        client.batch_execute(&sql).await.map_err(|e| {
-            format!(
-                "loading history rows {from}..={to} failed ({}); the bench loads with session_replication_role = \
-                 replica, which needs a superuser (or the role's SET privilege on it)",
-                pg_outbox::error::report(&e)
+    client.batch_execute(BACKDATE_SQL).await?;
+    let relay = start_relay(&conninfo(cfg), &[], false).await?;
+    let result = async {
+        let aggregates = (n_max / EVENTS_PER_AGGREGATE).max(1);
+        let span = (DAYS * 86_400) as f64;
+        let started = Instant::now();
+        let mut reported = lo;
+        let mut committed = std::collections::VecDeque::new();
+        let mut from = lo;
+        while from <= hi {
+            let to = (from + LOAD_CHUNK - 1).min(hi);
+            let at =
+                format!("to_timestamp({anchor}) - make_interval(secs => {span} * ({n_max} - g) / {n_max}::float8)");
+            let sql = format!(
+                "WITH ins AS (\
+                 INSERT INTO events.outbox (aggregate_type, aggregate_id, event_type, payload, occurred_at) \
+                 SELECT 'history', md5('hist-' || (g % {aggregates}))::uuid, \
+                        (ARRAY['PaymentSucceeded', 'InvoiceIssued', 'AccountUpdated', 'PlanChanged'])[1 + g % 4], \
+                        jsonb_build_object('version', 1, \
+                          'data', jsonb_build_object('seq', g, 'amount', g % 100000, 'currency', 'KRW', \
+                                                     'note', md5(g::text)), \
+                          'metadata', jsonb_build_object('correlation_id', 'req-' || g)), \
+                        {at} \
+                 FROM generate_series({from}::bigint, {to}::bigint) AS g ORDER BY g \
+                 RETURNING id, (payload->'data'->>'seq')::bigint AS pos) \
+                 SELECT array_agg(id ORDER BY pos), min(pos), max(pos) FROM ins"
+            );
+            let row = client.query_one(sql.as_str(), &[]).await.map_err(|e| {
+                format!("inserting history rows {from}..={to} failed: {}", pg_outbox::error::report(&e))
+            })?;
+            let (got, first, last): (Vec<i64>, i64, i64) = (row.try_get(0)?, row.try_get(1)?, row.try_get(2)?);
+            let ascending = got.windows(2).all(|w| w[0] < w[1])
+                && got.first().is_some_and(|&f| ids.ids.last().is_none_or(|&l| f > l));
+            if (first, last) != (from, to) || i64::try_from(got.len())? != to - from + 1 || !ascending {
+                return Err(format!(
+                    "history rows {from}..={to} came back as positions {first}..={last}, {} rows, ids {}ascending",
+                    got.len(),
+                    if ascending { "" } else { "not " }
+                )
+                .into());
+            }
+            committed.extend(got.last().copied());
+            ids.ids.extend(got);
+            // The relay keeps up: wait for the transaction LOAD_AHEAD before this one.
+            if committed.len() > usize::try_from(LOAD_AHEAD)?
+                && let Some(awaited) = committed.pop_front()
+            {
+                await_published(client, &relay, awaited).await?;
+            }
+            if to - reported >= 1_000_000 || to == hi {
+                eprintln!(
+                    "e2e: history: committed {} of {} rows ({:.0} s)",
+                    fmt_count((to - lo + 1) as f64),
+                    fmt_count((hi - lo + 1) as f64),
+                    started.elapsed().as_secs_f64()
+                );
+                reported = to;
+            }
+            from = to + 1;
+        }
+        if let Some(&last) = committed.back() {
+            await_published(client, &relay, last).await?;
+        }
+        util::wait_until(LOAD_STALL_LIMIT, Duration::from_millis(20), || async {
+            Ok(util::fresh_unpublished(client).await? == 0)
+        })
+        .await?;
+        let left: i64 = client
+            .query_one(
+                "SELECT count(*) FROM events.outbox WHERE aggregate_type = 'history' AND published_at IS NULL",
+                &[],
             )
-        })?;
+            .await?
+            .try_get(0)?;
+        if left > 0 {
+            return Err(format!("the relay left {left} history rows unpublished").into());
+        }
         eprintln!(
-            "e2e: history: loaded {} of {} rows ({:.0} s)",
-            fmt_count((to - lo + 1) as f64),
+            "e2e: history: the relay published {} rows ({:.0} s)",
             fmt_count((hi - lo + 1) as f64),
             started.elapsed().as_secs_f64()
         );
-        from = to + 1;
+        Ok::<_, BoxError>(())
     }
-    for (name, def) in &indexes {
-        let t = Instant::now();
-        client.batch_execute(def).await?;
-        eprintln!("e2e: history: rebuilt {name} in {:.1} s", t.elapsed().as_secs_f64());
-    }
-    client.batch_execute("RESET maintenance_work_mem").await?;
-    let back = full_indexes(client).await?;
-    if back != indexes {
-        return Err(format!("the indexes rebuilt after the load differ: {back:?}, expected {indexes:?}").into());
+    .await;
+    let stopped = stop_relay(relay).await;
+    client.batch_execute(BACKDATE_DROP_SQL).await?;
+    result?;
+    stopped
+}
+
+/// Wait until the row with id `id` is published (the relay publishes in id
+/// order); fails after [`LOAD_STALL_LIMIT`] with the relay's log.
+async fn await_published(client: &Client, relay: &util::RelayProc, id: i64) -> BenchResult<()> {
+    let stmt = client.prepare("SELECT published_at IS NOT NULL FROM events.outbox WHERE id = $1").await?;
+    let done = util::wait_until(LOAD_STALL_LIMIT, Duration::from_millis(5), || async {
+        Ok(client.query_opt(&stmt, &[&id]).await?.map(|r| r.try_get::<_, bool>(0)).transpose()?.unwrap_or(false))
+    })
+    .await?;
+    if !done {
+        let log: Vec<char> = relay.log().chars().collect();
+        let tail: String = log[log.len().saturating_sub(2_000)..].iter().collect();
+        return Err(format!(
+            "history row {id} was not published within {} s; the relay's log ends: {tail}",
+            LOAD_STALL_LIMIT.as_secs()
+        )
+        .into());
     }
     Ok(())
 }
 
 /// Buffers of the consumer's fetch (custom plan, generic plan), run as the
-/// consumer runs it (`pg_outbox::fetch_query`: nothing in flight, no fetch
-/// floor as in a consumer's first fetch, a batch of
+/// consumer runs it (`pg_outbox::fetch_query`: nothing in flight, the fetch
+/// floor `floor` (`i64::MIN`: none, as in a consumer's first fetch and in
+/// the one after each reset of the floor, every sweep interval), a batch of
 /// [`pg_outbox::DEFAULT_BATCH_SIZE`], a budget of
 /// [`pg_outbox::DEFAULT_MAX_BUFFERED_BYTES`]) under `EXPLAIN (ANALYZE, BUFFERS)`
 /// on a session opened as pg-outbox opens its own (its planner settings),
 /// in a transaction rolled back. Fails unless it returns `expect_rows`.
-async fn fetch_buffers(cfg: &Config, expect_rows: i64) -> BenchResult<(i64, i64)> {
+async fn fetch_buffers(cfg: &Config, expect_rows: i64, floor: i64) -> BenchResult<(i64, i64)> {
     let mut c =
         pg_outbox_testkit::options_of(cfg).with_application_name("pg-outbox bench fetch plan").connect().await?;
     let version: i32 = c.query_one("SELECT current_setting('server_version_num')::int4", &[]).await?.try_get(0)?;
@@ -210,8 +310,8 @@ async fn fetch_buffers(cfg: &Config, expect_rows: i64) -> BenchResult<(i64, i64)
     let batch = i64::try_from(pg_outbox::DEFAULT_BATCH_SIZE)?;
     // The byte budget of a consumer that holds nothing: the default bound.
     let budget = i64::try_from(pg_outbox::DEFAULT_MAX_BUFFERED_BYTES)?;
-    // No floor yet: read from the first fresh row.
-    let (no_floor, no_xid) = (i64::MIN, i64::MAX);
+    // The floor kept where it is (no checkpoint moves it).
+    let no_xid = i64::MAX;
     let mut out = [0i64; 2];
     for (k, generic) in [false, true].into_iter().enumerate() {
         let tx = c.transaction().await?;
@@ -219,7 +319,7 @@ async fn fetch_buffers(cfg: &Config, expect_rows: i64) -> BenchResult<(i64, i64)
             tx.batch_execute("SET LOCAL plan_cache_mode = force_generic_plan").await?;
         }
         let plan: serde_json::Value = tx
-            .query_one(&sql, &[&none, &batch, &budget, &no_floor, &no_floor, &no_xid, &None::<i64>, &i64::MAX])
+            .query_one(&sql, &[&none, &batch, &budget, &floor, &floor, &no_xid, &None::<i64>, &i64::MAX])
             .await?
             .try_get(0)?;
         tx.rollback().await?;
@@ -249,15 +349,26 @@ async fn insert_rate(cfg: &Config, s: &Settings) -> BenchResult<f64> {
 }
 
 /// Measure one size: the fetch, the producers, the relay's drain.
-async fn measure(cfg: &Config, s: &Settings, rows: i64, load_secs: f64) -> BenchResult<SizeRun> {
+/// `floor`: the history's highest id (the tail comes after it).
+async fn measure(cfg: &Config, s: &Settings, rows: i64, load_secs: f64, floor: i64) -> BenchResult<SizeRun> {
     let client = connect(cfg).await?;
-    let total_mib: f64 =
-        client.query_one("SELECT pg_total_relation_size('events.outbox')::float8 / 1048576", &[]).await?.try_get(0)?;
+    let row = client
+        .query_one(
+            "SELECT pg_total_relation_size('events.outbox')::float8 / 1048576, \
+                    (SELECT n_dead_tup FROM pg_stat_user_tables WHERE relid = 'events.outbox'::regclass)",
+            &[],
+        )
+        .await?;
+    let (total_mib, dead_rows): (f64, i64) = (row.try_get(0)?, row.try_get::<_, Option<i64>>(1)?.unwrap_or(0));
     util::load_rows(&client, RowKind::Fresh, FETCH_TAIL, 1_000, "tail").await?;
     let batch = i64::try_from(pg_outbox::DEFAULT_BATCH_SIZE)?;
-    let (fetch_custom, fetch_generic) = fetch_buffers(cfg, batch.min(FETCH_TAIL)).await?;
+    // From the floor first: the fetch with none marks the index entries of
+    // the rows it passes dead (as every such fetch does), which the one
+    // from the floor never reads.
+    let fetch_floor = fetch_buffers(cfg, batch.min(FETCH_TAIL), floor).await?;
+    let (fetch_custom, fetch_generic) = fetch_buffers(cfg, batch.min(FETCH_TAIL), i64::MIN).await?;
     // The producers' relay drains the tail too. Two runs: the first right
-    // after the settle's CHECKPOINT, when the first change to each index
+    // after the size's CHECKPOINT, when the first change to each index
     // page writes the whole page to the WAL (full_page_writes), the second
     // when many pages have been.
     let insert_rates = [insert_rate(cfg, s).await?, insert_rate(cfg, s).await?];
@@ -274,14 +385,16 @@ async fn measure(cfg: &Config, s: &Settings, rows: i64, load_secs: f64) -> Bench
         .into());
     }
     eprintln!(
-        "e2e: history: {} rows: fetch {fetch_custom} / {fetch_generic} buffers, producers {} then {} inserts/s, \
+        "e2e: history: {} rows: fetch {} / {} buffers from the floor, {fetch_custom} / {fetch_generic} with none, producers {} then {} inserts/s, \
          relay {} events/s",
         fmt_count(rows as f64),
+        fetch_floor.0,
+        fetch_floor.1,
         fmt_count(insert_rates[0]),
         fmt_count(insert_rates[1]),
         fmt_count(drain.rate())
     );
-    Ok(SizeRun { rows, load_secs, total_mib, fetch_custom, fetch_generic, insert_rates, drain })
+    Ok(SizeRun { rows, load_secs, total_mib, dead_rows, fetch_floor, fetch_custom, fetch_generic, insert_rates, drain })
 }
 
 /// One insert: when it started (microseconds after the run's base
@@ -334,25 +447,25 @@ fn window(samples: &[Sample], windows: &[(u64, u64)]) -> BenchResult<Latencies> 
     })
 }
 
-/// History rows (ids up to `n_max`): how many, how many of them were
-/// published before the archive's cutoff at server time `at` (epoch
+/// History rows (aggregate type `history`): how many, how many of them
+/// were published before the archive's cutoff at server time `at` (epoch
 /// seconds), and the lowest id left (`None` when none is).
-async fn history_counts(client: &Client, n_max: i64, at: f64) -> BenchResult<(i64, i64, Option<i64>)> {
+async fn history_counts(client: &Client, at: f64) -> BenchResult<(i64, i64, Option<i64>)> {
     let row = client
         .query_one(
-            "SELECT count(*), count(*) FILTER (WHERE published_at < to_timestamp($2) - make_interval(secs => $3)), \
+            "SELECT count(*), count(*) FILTER (WHERE published_at < to_timestamp($1) - make_interval(secs => $2)), \
                     min(id) \
-             FROM events.outbox WHERE id <= $1",
-            &[&n_max, &at, &ARCHIVE_OLDER_THAN_SECS],
+             FROM events.outbox WHERE aggregate_type = 'history'",
+            &[&at, &ARCHIVE_OLDER_THAN_SECS],
         )
         .await?;
     Ok((row.try_get(0)?, row.try_get(1)?, row.try_get(2)?))
 }
 
-/// When history row `id` was published (epoch seconds), as
-/// [`load_history`] wrote it.
-fn published_at(id: i64, n_max: i64, anchor: f64) -> f64 {
-    anchor - (DAYS * 86_400) as f64 * (n_max - id) as f64 / n_max as f64 + 0.04
+/// When the history row at position `pos` was published (epoch seconds),
+/// as [`load_history`] wrote it.
+fn published_at(pos: i64, n_max: i64, anchor: f64) -> f64 {
+    anchor - (DAYS * 86_400) as f64 * (n_max - pos) as f64 / n_max as f64 + PUBLISHED_AFTER
 }
 
 async fn server_now(client: &Client) -> BenchResult<f64> {
@@ -438,13 +551,19 @@ async fn archive(cfg: &Config) -> BenchResult<(Printed, f64)> {
 /// on, and a second baseline window after it. Checks that the archive
 /// deleted exactly the history rows older than its cutoff and nothing else
 /// (`anchor`: the history's newest time, as given to [`load_history`]).
-async fn archive_phase(cfg: &Config, s: &Settings, n_max: i64, anchor: f64) -> BenchResult<ArchiveRun> {
+async fn archive_phase(
+    cfg: &Config,
+    s: &Settings,
+    ids: &HistoryIds,
+    n_max: i64,
+    anchor: f64,
+) -> BenchResult<ArchiveRun> {
     let client = connect(cfg).await?;
     // Counted before the producers start, so the count's scan of the table
     // is in no window. Rows older than the cutoff now are older than it
     // when the archive starts.
     let counted_at = server_now(&client).await?;
-    let (history_before, due_before, _) = history_counts(&client, n_max, counted_at).await?;
+    let (history_before, due_before, _) = history_counts(&client, counted_at).await?;
     eprintln!(
         "e2e: history: archive --older-than {ARCHIVE_OLDER_THAN}: {} of {} history rows are older",
         fmt_count(due_before as f64),
@@ -452,12 +571,19 @@ async fn archive_phase(cfg: &Config, s: &Settings, n_max: i64, anchor: f64) -> B
     );
     // The marks daily retention runs leave (migrations/0014): at the end
     // of each day of the history, the highest id published by then.
+    let marks = (1..=DAYS)
+        .map(|k| match n_max - k * n_max / DAYS {
+            // Nothing was published by the end of the history's first day.
+            pos if pos < 1 => Ok(0),
+            pos => ids.id_of(pos).ok_or_else(|| format!("no history row at position {pos}")),
+        })
+        .collect::<Result<Vec<i64>, _>>()?;
     client
         .execute(
             "INSERT INTO events.outbox_retention_marks (taken_at, last_id) \
-             SELECT to_timestamp($1::float8) - make_interval(days => k::int), $2::bigint - k * $2::bigint / $3::bigint \
-             FROM generate_series(1, $3::bigint) AS k",
-            &[&anchor, &n_max, &DAYS],
+             SELECT to_timestamp($1::float8) - make_interval(days => k::int), ($2::bigint[])[k] \
+             FROM generate_series(1, $3::int) AS k",
+            &[&anchor, &marks, &i32::try_from(DAYS)?],
         )
         .await?;
     let relay = start_relay(&conninfo(cfg), &[], false).await?;
@@ -498,14 +624,14 @@ async fn archive_phase(cfg: &Config, s: &Settings, n_max: i64, anchor: f64) -> B
     // every one that was older when it started, none younger than the
     // cutoff when it ended, and no other row.
     let ended_at = server_now(&client).await?;
-    let (history_after, older_left, lowest) = history_counts(&client, n_max, started_at).await?;
+    let (history_after, older_left, lowest) = history_counts(&client, started_at).await?;
     // The archive deleted the oldest `deleted` history rows and no other
-    // (the rest of ids 1..=n_max are all there), every row older than its
+    // (the rest of the history is all there), every row older than its
     // cutoff when it started, and none that was younger than its cutoff
     // when it ended.
     let exact = history_before == n_max
         && history_after == n_max - deleted
-        && lowest == (deleted < n_max).then_some(deleted + 1)
+        && lowest == (deleted < n_max).then(|| ids.id_of(deleted + 1)).flatten()
         && older_left == 0
         && deleted >= due_before
         && (deleted == 0 || published_at(deleted, n_max, anchor) < ended_at - ARCHIVE_OLDER_THAN_SECS);
@@ -543,38 +669,44 @@ pub async fn run(ctx: &Ctx) -> BenchResult<Section> {
     let db = scratch(&ctx.admin, &ctx.admin_cfg, "history").await?;
     let result = async {
         let client = connect(&db.cfg).await?;
-        util::autovacuum_off(&client).await?;
-        // History takes ids 1..=n_max; everything else comes after.
-        client.execute("SELECT setval('events.outbox_id_seq', $1)", &[&n_max.max(1)]).await?;
         let anchor = server_now(&client).await?;
+        let autovacuum: String = client.query_one("SHOW autovacuum", &[]).await?.try_get(0)?;
         let mut runs = Vec::new();
         let mut loaded = 0;
+        let mut ids = HistoryIds::default();
         for (i, &size) in sizes.iter().enumerate() {
             let t = Instant::now();
-            // The older part of the history, below the rows already there.
-            load_history(&client, n_max - size + 1, n_max - loaded, n_max, anchor).await?;
+            // The next part of the history, above the ids already there.
+            load_history(&db.cfg, &client, &mut ids, (loaded + 1, size), n_max, anchor).await?;
+            if loaded == 0 && size > 0 {
+                // The statistics an ANALYZE left when the table held its
+                // first size; the larger sizes grow past them.
+                client.batch_execute("ANALYZE events.outbox").await?;
+            }
             loaded = size;
-            util::settle(&client).await?;
+            util::checkpoint(&client).await?;
             let load_secs = t.elapsed().as_secs_f64();
-            eprintln!("e2e: history: {} history rows, loaded and settled in {load_secs:.1} s", fmt_count(size as f64));
-            runs.push(measure(&db.cfg, s, size, load_secs).await?);
+            eprintln!("e2e: history: {} history rows, loaded in {load_secs:.1} s", fmt_count(size as f64));
+            let floor = ids.id_of(size).unwrap_or(0);
+            runs.push(measure(&db.cfg, s, size, load_secs, floor).await?);
             if i + 1 < sizes.len() {
-                // Back to history only; the next settle vacuums these.
-                client.execute("DELETE FROM events.outbox WHERE id > $1", &[&n_max]).await?;
+                // Back to history only (the deleted rows stay as dead tuples
+                // until the server's autovacuum, if it runs, removes them).
+                client.execute("DELETE FROM events.outbox WHERE aggregate_type <> 'history'", &[]).await?;
             }
         }
-        let archive = if n_max > 0 { Some(archive_phase(&db.cfg, s, n_max, anchor).await?) } else { None };
-        Ok::<_, BoxError>((runs, archive))
+        let archive = if n_max > 0 { Some(archive_phase(&db.cfg, s, &ids, n_max, anchor).await?) } else { None };
+        Ok::<_, BoxError>((runs, archive, autovacuum))
     }
     .await;
     db.drop_now(&ctx.admin).await;
-    let (runs, archive) = result?;
-    Ok(report(s, &runs, archive.as_ref()))
+    let (runs, archive, autovacuum) = result?;
+    Ok(report(s, &runs, archive.as_ref(), &autovacuum))
 }
 
 /// The section: one row per size, ratios against the empty table; the
 /// archive's figures in the notes and targets.
-fn report(s: &Settings, runs: &[SizeRun], archive: Option<&ArchiveRun>) -> Section {
+fn report(s: &Settings, runs: &[SizeRun], archive: Option<&ArchiveRun>, autovacuum: &str) -> Section {
     let mut sec = Section::new(
         "history",
         &format!(
@@ -584,13 +716,16 @@ fn report(s: &Settings, runs: &[SizeRun], archive: Option<&ArchiveRun>) -> Secti
         &[
             "published rows",
             "table + indexes MiB",
-            "fetch buffers (custom / generic plan)",
-            "fetch vs empty",
+            "fetch buffers from the floor (custom / generic plan)",
+            "vs empty",
+            "fetch buffers with no floor (custom / generic plan)",
+            "vs empty",
             "producer inserts/s (after checkpoint / next run)",
             "producers vs empty",
             "relay events/s",
             "relay vs empty",
-            "load + settle s",
+            "dead row versions",
+            "load s",
         ],
     );
     let base = runs.first();
@@ -599,29 +734,45 @@ fn report(s: &Settings, runs: &[SizeRun], archive: Option<&ArchiveRun>) -> Secti
         let fetch_ratio = base.and_then(|b| {
             ratio(r.fetch_custom.max(r.fetch_generic) as f64, b.fetch_custom.max(b.fetch_generic) as f64)
         });
+        let floor_ratio = base.and_then(|b| {
+            ratio(r.fetch_floor.0.max(r.fetch_floor.1) as f64, b.fetch_floor.0.max(b.fetch_floor.1) as f64)
+        });
         let prod_ratio = [0, 1].map(|k| base.and_then(|b| ratio(r.insert_rates[k], b.insert_rates[k])));
         let relay_ratio = base.and_then(|b| ratio(r.drain.rate(), b.drain.rate()));
         sec.rows.push(vec![
             fmt_count(r.rows as f64),
             format!("{:.0}", r.total_mib),
+            format!("{} / {}", r.fetch_floor.0, r.fetch_floor.1),
+            fmt_ratio(floor_ratio),
             format!("{} / {}", r.fetch_custom, r.fetch_generic),
             fmt_ratio(fetch_ratio),
             format!("{} / {}", fmt_count(r.insert_rates[0]), fmt_count(r.insert_rates[1])),
             format!("{} / {}", fmt_ratio(prod_ratio[0]), fmt_ratio(prod_ratio[1])),
             fmt_count(r.drain.rate()),
             fmt_ratio(relay_ratio),
+            fmt_count(r.dead_rows as f64),
             format!("{:.0}", r.load_secs),
         ]);
         data.push(serde_json::json!({"published_rows": r.rows, "total_mib": r.total_mib,
             "fetch_buffers_custom": r.fetch_custom, "fetch_buffers_generic": r.fetch_generic,
-            "fetch_ratio": fetch_ratio, "producer_inserts_per_second": r.insert_rates, "producer_ratios": prod_ratio,
+            "fetch_ratio": fetch_ratio, "fetch_buffers_from_floor": [r.fetch_floor.0, r.fetch_floor.1],
+            "fetch_from_floor_ratio": floor_ratio, "producer_inserts_per_second": r.insert_rates, "producer_ratios": prod_ratio,
             "relay": r.drain, "relay_events_per_second": r.drain.rate(), "relay_ratio": relay_ratio,
-            "load_and_settle_seconds": r.load_secs}));
+            "dead_row_versions": r.dead_rows, "load_seconds": r.load_secs}));
     }
     if let (Some(b), Some(l)) = (base, runs.last()) {
         let rows = fmt_count(l.rows as f64);
         sec.target(
-            format!("fetch buffers with {rows} published rows flat (<= 1.1x the empty table)"),
+            format!("fetch buffers from the floor with {rows} published rows flat (<= 1.1x the empty table)"),
+            ratio(l.fetch_floor.0.max(l.fetch_floor.1) as f64, b.fetch_floor.0.max(b.fetch_floor.1) as f64),
+            1.1,
+            true,
+        );
+        sec.target(
+            format!(
+                "fetch buffers with no floor (a consumer's first; then one per sweep interval) with {rows} published \
+                 rows, never vacuumed, flat (<= 1.1x the empty table)"
+            ),
             ratio(l.fetch_custom.max(l.fetch_generic) as f64, b.fetch_custom.max(b.fetch_generic) as f64),
             1.1,
             true,
@@ -695,21 +846,28 @@ fn report(s: &Settings, runs: &[SizeRun], archive: Option<&ArchiveRun>) -> Secti
     }
     sec.notes.push(format!(
         "History: published rows spread evenly over {DAYS} days (the largest size at {} events a day), payloads of \
-         about 150 bytes, {EVENTS_PER_AGGREGATE} events per aggregate; each size is the newest part of the same \
-         history, its ids ascending with time. One database grows size by size: the older rows are inserted below \
-         the ids already there (INSERT ... SELECT generate_series, triggers off, the aggregate and event-type \
-         indexes dropped and rebuilt, so those two are packed tighter than on a live table), then VACUUM ANALYZE \
-         and CHECKPOINT: the settled state, what a live table with autovacuum has. Between sizes the rows the \
-         measurements added are deleted.",
+         about 150 bytes, {EVENTS_PER_AGGREGATE} events per aggregate, ids ascending with time. One database grows \
+         size by size as a live table does: producers commit the next part of the history above the ids already \
+         there in transactions of {LOAD_CHUNK} rows through pg-outbox's insert trigger, and a `pg-outbox relay \
+         --sink stdout` publishes them as they come (at most {LOAD_AHEAD} transactions behind; a trigger of the \
+         bench's dates each publication {PUBLISHED_AFTER} s after the event, so that minutes of load span \
+         {DAYS} days). ANALYZE ran once, at the first size: the larger ones are measured with statistics from \
+         then. The bench never vacuums; the server's autovacuum was {autovacuum}, so the table holds the row \
+         versions the publishing and the measurements left (the dead row versions column). A CHECKPOINT precedes \
+         each size's measurements. Between sizes the rows the measurements added are deleted.",
         fmt_count(runs.last().map_or(0, |r| r.rows) as f64 / DAYS as f64)
     ));
     sec.notes.push(format!(
         "Fetch: `pg_outbox::fetch_query()` (nothing in flight, batch {}) under EXPLAIN (ANALYZE, BUFFERS) on a \
          session with pg-outbox's planner settings, with {FETCH_TAIL} unpublished events (~1.5 KB) at the tail; \
-         shared buffers hit + read of the plan, custom and generic plan; the ratio is of the larger. Producers: \
+         shared buffers hit + read of the plan, custom and generic plan; the ratio is of the larger. From the floor: \
+         the floor just below the tail, where a running consumer's floor is once the history is published. With no \
+         floor: a consumer's first fetch, and the one after each reset of the floor (every sweep interval, a \
+         safety net), which reads `outbox_fresh_order_idx` from its start, so every entry the publishing left there \
+         until a VACUUM removes it. Producers: \
          {PRODUCERS} connections, single-row autocommit INSERTs of new aggregates as fast as they go with a relay \
          draining, {} s of warm-up then {} s counted; two runs per size, back to back: the first right after the \
-         settle's CHECKPOINT, when the first change to each index page after it writes the whole page to the WAL \
+         CHECKPOINT before the size's measurements, when the first change to each index page after it writes the whole page to the WAL \
          (`full_page_writes`), which with the aggregate index's random keys costs more the larger the index; the \
          second when many of its pages have been written once (a live table pays the first after each \
          checkpoint). Relay: `pg-outbox relay --sink stdout` \

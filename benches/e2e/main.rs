@@ -15,7 +15,9 @@
 //!   retry-waiting rows at the head of the id range, against an empty head;
 //! - `history`: how cost grows with the table: the consumer's fetch
 //!   (buffers), producers (inserts/s) and the relay (drain rate) with 0,
-//!   1 000 000 and 10 000 000 published rows (30 days of history, settled),
+//!   1 000 000 and 10 000 000 published rows (30 days of history committed
+//!   by producers and published by a relay, statistics from the first size,
+//!   never vacuumed by the bench),
 //!   against the empty table; then `pg-outbox archive` deleting the oldest
 //!   tenth while producers insert at full load: their p99 insert latency
 //!   against the same producers just before and just after it, and the

@@ -395,10 +395,7 @@ async fn any_job_left(client: &Client) -> BenchResult<bool> {
 /// `events.outbox`.
 async fn settle_peer(client: &Client) -> BenchResult<()> {
     client.batch_execute("VACUUM ANALYZE").await?;
-    if let Err(e) = client.batch_execute("CHECKPOINT").await {
-        eprintln!("e2e: CHECKPOINT refused ({e}); results may be noisier");
-    }
-    Ok(())
+    util::checkpoint(client).await
 }
 
 /// Drain a settled backlog of `n` jobs with graphile-worker in `config`, in

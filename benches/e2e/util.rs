@@ -110,6 +110,12 @@ pub async fn settle(client: &Client) -> BenchResult<()> {
     // One statement per call: VACUUM cannot run inside the implicit
     // transaction of a multi-statement query.
     client.batch_execute("VACUUM ANALYZE events.outbox").await?;
+    checkpoint(client).await
+}
+
+/// `CHECKPOINT`, so that what follows starts with every page clean (only
+/// noted when refused: it needs a superuser or `pg_checkpoint`).
+pub async fn checkpoint(client: &Client) -> BenchResult<()> {
     if let Err(e) = client.batch_execute("CHECKPOINT").await {
         eprintln!("e2e: CHECKPOINT refused ({e}); results may be noisier");
     }
