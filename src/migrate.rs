@@ -40,6 +40,7 @@ pub const TRIGGERS: &[(&str, &str)] = &[
     ("triggers/outbox_relays_refresh_hint", include_str!("../triggers/outbox_relays_refresh_hint.sql")),
     ("triggers/outbox_insert_order_and_notify", include_str!("../triggers/outbox_insert_order_and_notify.sql")),
     ("triggers/outbox_unblock", include_str!("../triggers/outbox_unblock.sql")),
+    ("triggers/outbox_rewind", include_str!("../triggers/outbox_rewind.sql")),
 ];
 
 /// The oldest PostgreSQL pg-outbox supports: 13 (`server_version_num`

@@ -112,8 +112,8 @@ const NOT_IN_FLIGHT: &str = "o.id NOT IN (SELECT unnest($1::bigint[]))";
 /// column `term` ([`CURRENT_PARTITION_TERMS`]); without it, every row
 /// carries the outbox's current leadership term as column `term`
 /// ([`CURRENT_OUTBOX_TERM`]). So the fetch itself tells the consumer
-/// whether the terms it holds are still current. The fetch floor's five
-/// parameters follow ($4..$8, or $6..$10 partitioned: [`fetch_floor`]), and
+/// whether the terms it holds are still current. The fetch floor's six
+/// parameters follow ($4..$9, or $6..$11 partitioned: [`fetch_floor`]), and
 /// every row carries the floor used and the snapshot's figures
 /// ([`FLOOR_COLUMNS`]).
 /// `sizes` says how payloads are measured ([`PayloadSizes`]).
@@ -183,14 +183,16 @@ const IDS_AFTER_XIDS: &str = "coalesce((SELECT t.tgenabled IN ('O', 'A') AND str
 /// The columns every row of an ordered fetch carries after its event
 /// columns: `fetch_floor` (the floor the fresh branch started past),
 /// `snapshot_xmin` and `next_xid` ([`SNAPSHOT_XMIN`], [`NEXT_XID`]),
-/// `ids_after_xids` ([`IDS_AFTER_XIDS`]), `unblocks` ([`UNBLOCKS`]) and
-/// `held_passed` (the first held-back row the floor passed in this fetch,
-/// or NULL: [`fetch_floor`]), each computed once per fetch.
+/// `ids_after_xids` ([`IDS_AFTER_XIDS`]), `unblocks` ([`UNBLOCKS`]),
+/// `rewinds` ([`REWINDS`]) and `held_passed` (the first held-back row the
+/// floor passed in this fetch, or NULL: [`fetch_floor`]), each computed
+/// once per fetch.
 pub(crate) const FLOOR_COLUMNS: &str = "(SELECT f.floor FROM fetch_floor f) AS fetch_floor, \
      (SELECT f.snapshot_xmin FROM fetch_floor f) AS snapshot_xmin, \
      (SELECT f.next_xid FROM fetch_floor f) AS next_xid, \
      (SELECT f.ids_after_xids FROM fetch_floor f) AS ids_after_xids, \
      (SELECT f.unblocks FROM fetch_floor f) AS unblocks, \
+     (SELECT f.rewinds FROM fetch_floor f) AS rewinds, \
      (SELECT f.held_passed FROM fetch_floor f) AS held_passed";
 
 /// The fetch floor (docs/architecture.md, "The fetch floor"): the fresh
@@ -200,8 +202,10 @@ pub(crate) const FLOOR_COLUMNS: &str = "(SELECT f.floor FROM fetch_floor f) AS f
 /// `i64::MIN` for none), a checkpoint: the highest id a past fetch
 /// returned (`$n+1`) and the next transaction id that fetch saw (`$n+2`),
 /// the count of unblocks the consumer last saw (`$n+3`, `bigint`, NULL for
-/// none: [`UNBLOCKS`]), and the id just below the first held-back row a
-/// past fetch's floor passed (`$n+4`, `bigint`, `i64::MAX` for none).
+/// none: [`UNBLOCKS`]), the id just below the first held-back row a
+/// past fetch's floor passed (`$n+4`, `bigint`, `i64::MAX` for none), and
+/// the count of rewinds the consumer last saw (`$n+5`, `bigint`, NULL for
+/// none: [`REWINDS`]).
 ///
 /// The rule, exact: an id at or below the checkpoint's was drawn before
 /// that fetch's snapshot (ids rise as drawn, `CACHE 1`), by a transaction
@@ -213,7 +217,15 @@ pub(crate) const FLOOR_COLUMNS: &str = "(SELECT f.floor FROM fetch_floor f) AS f
 /// flight nor held back (a row released, or committed late), or to the
 /// checkpoint when there is none. Otherwise it stays. The consumer lowers
 /// it again when it releases an event, and resets it when its sessions or
-/// partitions change and at every sweep.
+/// partitions change, and as a safety net every minute (every sweep where
+/// rewinds are not counted).
+///
+/// What makes a row fresh again outside the rule (an operator setting
+/// `published_at` back to NULL, rows inserted where the insert trigger does
+/// not fire) bumps the rewind count in its own transaction ([`REWINDS`]),
+/// so a fetch that can see such a row also sees a count other than the
+/// consumer's, and then reads from the first fresh row, in the same
+/// snapshot.
 ///
 /// The floor passes rows held back behind a failed event of their
 /// aggregate, so a hot aggregate behind a dead letter is not walked by
@@ -229,16 +241,17 @@ pub(crate) const FLOOR_COLUMNS: &str = "(SELECT f.floor FROM fetch_floor f) AS f
 /// floor stops at held rows.
 fn fetch_floor(n: usize, part_filter: &str) -> String {
     let p = |k: usize| format!("${}::int8", n + k);
-    let (floor, upto, next, seen, held_below) = (p(0), p(1), p(2), p(3), p(4));
+    let (floor, upto, next, seen, held_below, seen_rewinds) = (p(0), p(1), p(2), p(3), p(4), p(5));
     format!(
-        "SELECT x.floor, x.snapshot_xmin, x.next_xid, x.ids_after_xids, x.unblocks, \
+        "SELECT x.floor, x.snapshot_xmin, x.next_xid, x.ids_after_xids, x.unblocks, x.rewinds, \
                 CASE WHEN x.stepped AND {ANY_FAILED} THEN \
                   (SELECT o.id FROM events.outbox o \
                     WHERE o.published_at IS NULL AND o.next_retry_at IS NULL \
                       AND o.id + 0 > {floor} AND o.id + 0 <= x.floor \
                       AND {NOT_IN_FLIGHT} {part_filter} AND {HELD_BACK} \
                     ORDER BY o.id + 0 LIMIT 1) END AS held_passed \
-         FROM (SELECT CASE WHEN s.unblocks IS DISTINCT FROM {seen} THEN least({floor}, {held_below}) \
+         FROM (SELECT CASE WHEN s.rewinds IS DISTINCT FROM {seen_rewinds} THEN {NO_FLOOR} \
+                      WHEN s.unblocks IS DISTINCT FROM {seen} THEN least({floor}, {held_below}) \
                       WHEN s.stepped THEN \
                         coalesce((SELECT o.id - 1 FROM events.outbox o \
                                    WHERE o.published_at IS NULL AND o.next_retry_at IS NULL \
@@ -247,19 +260,41 @@ fn fetch_floor(n: usize, part_filter: &str) -> String {
                                      AND (s.unblocks IS NOT DISTINCT FROM {NOT_COUNTED} OR {hb}) \
                                    ORDER BY o.id + 0 LIMIT 1), {upto}) \
                       ELSE {floor} END AS floor, \
-                      s.stepped, s.snapshot_xmin, s.next_xid, s.ids_after_xids, s.unblocks \
+                      s.stepped, s.snapshot_xmin, s.next_xid, s.ids_after_xids, s.unblocks, s.rewinds \
                FROM (SELECT s.*, (s.unblocks IS NOT DISTINCT FROM {seen} \
+                                  AND s.rewinds IS NOT DISTINCT FROM {seen_rewinds} \
                                   AND s.snapshot_xmin >= {next} AND {upto} > {floor}) AS stepped \
                      FROM (SELECT {SNAPSHOT_XMIN} AS snapshot_xmin, {NEXT_XID} AS next_xid, \
-                                  {IDS_AFTER_XIDS} AS ids_after_xids, {UNBLOCKS} AS unblocks OFFSET 0) s \
+                                  {IDS_AFTER_XIDS} AS ids_after_xids, {UNBLOCKS} AS unblocks, \
+                                  {REWINDS} AS rewinds OFFSET 0) s \
                      OFFSET 0) s) x",
         hb = NOT_HELD_BACK_IF_ANY_FAILED,
     )
 }
 
 /// The count of unblocks of an outbox where they are not counted
-/// ([`UNBLOCKS`]).
+/// ([`UNBLOCKS`]), and of rewinds ([`REWINDS`]).
 const NOT_COUNTED: &str = "(-1)::int8";
+
+/// The floor parameter for none: `i64::MIN`, the fetch reads from the
+/// first fresh row.
+const NO_FLOOR: &str = "(-9223372036854775808)::int8";
+
+/// How many times a row has been made fresh (unpublished, not failed)
+/// outside the fetch floor's rule, as the fetch's snapshot sees it: the
+/// `term` of scope 'rewind' in `events.outbox_terms`, which the triggers of
+/// triggers/outbox_rewind.sql bump in the transaction that makes a
+/// published or failed row fresh, gives a fresh row another id, or inserts
+/// under `session_replication_role = replica` (NULL while none ever did).
+/// -1 ([`NOT_COUNTED`]) unless `outbox_rewind` fires on every session
+/// (`tgenabled` 'A') and `outbox_rewind_insert` on replica sessions
+/// (`tgenabled` 'R' or 'A'): then the consumer drops its floor every sweep
+/// interval. A primary-key lookup and a catalog lookup per fetch.
+const REWINDS: &str = "CASE WHEN (SELECT count(*) FROM pg_trigger t \
+       WHERE t.tgrelid = 'events.outbox'::regclass \
+         AND ((t.tgname = 'outbox_rewind' AND t.tgenabled = 'A') \
+              OR (t.tgname = 'outbox_rewind_insert' AND t.tgenabled IN ('R', 'A')))) = 2 \
+     THEN (SELECT t.term FROM events.outbox_terms t WHERE t.scope = 'rewind') ELSE -1 END";
 
 /// How many times a failed event has stopped holding back the events of
 /// its aggregate after it, as the fetch's snapshot sees it: the `term` of
@@ -358,10 +393,13 @@ fn within_budget(cols: &str, candidates: &str, budget: &str, sizes: PayloadSizes
 /// fetch returned and the next transaction id it saw; pass `$4` and
 /// `i64::MAX` to keep the floor where it is), `$7` the count of unblocks
 /// last seen (`bigint`: the `term` of scope 'unblock' in
-/// `events.outbox_terms`, NULL for none, -1 where it is not kept) and `$8`
+/// `events.outbox_terms`, NULL for none, -1 where it is not kept), `$8`
 /// the id below the first held-back row a floor passed (`bigint`,
 /// `i64::MAX` for none): when the count is not the current one, the fetch
-/// reads from the lower of `$4` and `$8`. Exposed so its plan can be
+/// reads from the lower of `$4` and `$8`; and `$9` the count of rewinds
+/// last seen (`bigint`: the `term` of scope 'rewind', NULL for none, -1
+/// where it is not kept): when it is not the current one, the fetch reads
+/// from the first fresh row, whatever `$4`. Exposed so its plan can be
 /// checked against real data: each of its two branches must be an index
 /// range scan (`outbox_fresh_order_idx` for fresh rows,
 /// `outbox_retry_due_idx` for due retries) that skips dead letters and rows

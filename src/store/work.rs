@@ -79,12 +79,23 @@ pub(crate) struct FloorParams {
     /// The id just below the first held-back row a past fetch's floor
     /// passed (`i64::MAX`: none passed).
     pub(crate) held_below: i64,
+    /// The count of rewinds a past fetch read (`None`: none read, or none
+    /// bumped yet): when the fetch reads another, it reads from the first
+    /// fresh row ([`super::fetch::fetch_sql`]).
+    pub(crate) rewinds: Option<i64>,
 }
 
 impl FloorParams {
     /// No floor: read from the first fresh row.
     pub(crate) const NONE: FloorParams =
-        FloorParams { floor: i64::MIN, upto: i64::MIN, next_xid: i64::MAX, unblocks: None, held_below: i64::MAX };
+        FloorParams {
+            floor: i64::MIN,
+            upto: i64::MIN,
+            next_xid: i64::MAX,
+            unblocks: None,
+            held_below: i64::MAX,
+            rewinds: None,
+        };
 }
 
 /// What an ordered fetch says of its floor and snapshot (read from its
@@ -103,6 +114,9 @@ pub(crate) struct FloorReading {
     /// The count of unblocks the fetch's snapshot saw (`None`: none yet;
     /// -1: not kept).
     pub(crate) unblocks: Option<i64>,
+    /// The count of rewinds the fetch's snapshot saw (`None`: none yet;
+    /// -1: not kept).
+    pub(crate) rewinds: Option<i64>,
     /// The first held-back row the floor passed in this fetch.
     pub(crate) held_passed: Option<i64>,
 }
@@ -224,13 +238,22 @@ impl WorkSession {
         let fetch = async {
             match p.scope {
                 FetchScope::All => {
-                    let params: [&(dyn ToSql + Sync); 8] =
-                        [&exclude, &batch, &budget, &f.floor, &f.upto, &f.next_xid, &f.unblocks, &f.held_below];
+                    let params: [&(dyn ToSql + Sync); 9] = [
+                        &exclude,
+                        &batch,
+                        &budget,
+                        &f.floor,
+                        &f.upto,
+                        &f.next_xid,
+                        &f.unblocks,
+                        &f.held_below,
+                        &f.rewinds,
+                    ];
                     decode_stream(client.query_raw(&self.fetch, params).await?, budget, false).await
                 }
                 FetchScope::Partitions { partitions, owned } => {
                     let partitions = i64::from(partitions);
-                    let params: [&(dyn ToSql + Sync); 10] = [
+                    let params: [&(dyn ToSql + Sync); 11] = [
                         &exclude,
                         &batch,
                         &budget,
@@ -241,6 +264,7 @@ impl WorkSession {
                         &f.next_xid,
                         &f.unblocks,
                         &f.held_below,
+                        &f.rewinds,
                     ];
                     decode_stream(client.query_raw(&self.fetch, params).await?, budget, true).await
                 }
@@ -481,6 +505,7 @@ fn floor_reading(row: &Row) -> Option<FloorReading> {
         next_xid: int("next_xid")?,
         ids_after_xids: row.try_get::<_, Option<bool>>("ids_after_xids").ok().flatten()?,
         unblocks: int("unblocks"),
+        rewinds: int("rewinds"),
         held_passed: int("held_passed"),
     })
 }

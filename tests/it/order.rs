@@ -611,3 +611,131 @@ async fn events_held_back_behind_a_discarded_dead_letter_follow_it_although_the_
 async fn held_events_follow_a_dead_letter_discarded_with_the_unblock_trigger_disabled() {
     held_events_follow_a_discarded_dead_letter("held_discard_off", true).await;
 }
+
+/// How a test makes an acknowledged event fresh again below the floor.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Rewind {
+    /// `published_at` back to NULL under `session_replication_role =
+    /// replica` (the guard lets it through there).
+    Unpublish,
+    /// The row deleted and inserted again with its id under
+    /// `session_replication_role = replica`, as a restore does.
+    Restore,
+    /// As `Unpublish`, with `outbox_rewind` disabled before: the fetch reads
+    /// the count as not kept, which differs from the count it last saw.
+    UnpublishWithTriggerDisabled,
+    /// As `Unpublish`, with `outbox_rewind` disabled before and enabled
+    /// again after, with no fetch in between: nothing counts the change, so
+    /// the floor (past the event) hides it until it is next dropped.
+    Hidden,
+}
+
+/// An acknowledged event made fresh again below the fetch floor
+/// (docs/architecture.md, "The fetch floor") is fetched again by the next
+/// fetch, which a new event wakes, before that event: the change bumps the
+/// rewind count in its own transaction (triggers/outbox_rewind.sql), and a
+/// fetch that reads another count reads from the first fresh row. The
+/// sweep is an hour away, so the floor is dropped by nothing else. `Hidden`
+/// shows that the floor had passed the event: there it is not fetched.
+async fn rewound_event_below_the_floor(tag: &str, how: Rewind) {
+    let db = TestDb::new(tag).await;
+    let mut stream = start(&db, |b| b.sweep_interval(Duration::from_secs(3_600))).await;
+    let c = db.client().await;
+    let replica = db.client().await;
+    replica.batch_execute("SET session_replication_role = replica").await.expect("replica role");
+    let rewinds = async || -> Option<i64> {
+        c.query_opt("SELECT term FROM events.outbox_terms WHERE scope = 'rewind'", &[])
+            .await
+            .expect("the rewind count")
+            .map(|r| r.get(0))
+    };
+    let mut ids = Vec::new();
+    for i in 0..60 {
+        let id = insert(&c, Uuid::new_v4(), &format!("e{i}")).await;
+        ack_next(&mut stream, id, 10).await;
+        ids.push(id);
+    }
+    // Wait until the acknowledgements are written: the event to rewind must
+    // be published first.
+    let target = ids[5];
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let published: bool = c
+            .query_one("SELECT published_at IS NOT NULL FROM events.outbox WHERE id = $1", &[&target])
+            .await
+            .expect("published?")
+            .get(0);
+        if published {
+            break;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "event {target} not acknowledged within 10 s");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(rewinds().await, None, "producers' inserts and acknowledgements count no rewind");
+    if matches!(how, Rewind::UnpublishWithTriggerDisabled | Rewind::Hidden) {
+        c.batch_execute("ALTER TABLE events.outbox DISABLE TRIGGER outbox_rewind").await.expect("disable");
+    }
+    match how {
+        Rewind::Restore => {
+            // The copy a dump taken before the acknowledgement holds:
+            // unpublished.
+            replica
+                .batch_execute(&format!(
+                    "BEGIN; \
+                     CREATE TEMP TABLE saved ON COMMIT DROP AS SELECT * FROM events.outbox WHERE id = {target}; \
+                     UPDATE saved SET published_at = NULL; \
+                     DELETE FROM events.outbox WHERE id = {target}; \
+                     INSERT INTO events.outbox SELECT * FROM saved; \
+                     COMMIT"
+                ))
+                .await
+                .expect("restore an unpublished copy with its id");
+        }
+        _ => {
+            let n = replica
+                .execute("UPDATE events.outbox SET published_at = NULL WHERE id = $1", &[&target])
+                .await
+                .expect("unpublish");
+            assert_eq!(n, 1);
+        }
+    }
+    match how {
+        Rewind::Unpublish | Rewind::Restore => assert!(rewinds().await.is_some(), "the change is counted"),
+        Rewind::UnpublishWithTriggerDisabled | Rewind::Hidden => {
+            assert_eq!(rewinds().await, None, "nothing counted with the trigger disabled")
+        }
+    }
+    if how == Rewind::Hidden {
+        c.batch_execute("ALTER TABLE events.outbox ENABLE ALWAYS TRIGGER outbox_rewind").await.expect("enable");
+    }
+    let wake = insert(&c, Uuid::new_v4(), "wake").await;
+    if how == Rewind::Hidden {
+        ack_next(&mut stream, wake, 10).await;
+        let more = tokio::time::timeout(Duration::from_secs(2), stream.next()).await;
+        assert!(more.is_err(), "the floor passed event {target}: nothing else is fetched ({:?})", more.ok().flatten().map(|d| d.id));
+    } else {
+        ack_next(&mut stream, target, 10).await;
+        ack_next(&mut stream, wake, 10).await;
+    }
+    stream.finish().await.expect("finish");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_event_unpublished_below_the_floor_is_fetched_again_by_the_next_fetch() {
+    rewound_event_below_the_floor("rewind_unpublish", Rewind::Unpublish).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_event_restored_with_its_id_below_the_floor_is_fetched_again_by_the_next_fetch() {
+    rewound_event_below_the_floor("rewind_restore", Rewind::Restore).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_event_unpublished_with_the_rewind_trigger_disabled_is_fetched_again_by_the_next_fetch() {
+    rewound_event_below_the_floor("rewind_disabled", Rewind::UnpublishWithTriggerDisabled).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_event_unpublished_while_nothing_counts_it_waits_for_the_floor_to_be_dropped() {
+    rewound_event_below_the_floor("rewind_hidden", Rewind::Hidden).await;
+}

@@ -166,6 +166,14 @@ async fn check_all(c: &mut Client, stats: Stats, backlog: i64) {
     let (no_floor, no_xid) = (i64::MIN, i64::MAX);
     // The count of unblocks the fetch is told it saw: none (none bumped).
     let no_count: Option<i64> = None;
+    // The rewind count as the fetches would read it (the loads run under
+    // `session_replication_role = replica` bump it): a fetch told another
+    // reads from the first fresh row whatever its floor.
+    let rewinds: Option<i64> = c
+        .query_opt("SELECT term FROM events.outbox_terms WHERE scope = 'rewind'", &[])
+        .await
+        .expect("the rewind count")
+        .map(|r| r.get(0));
     let first_last = first.iter().copied().max().unwrap_or(i64::MIN);
     // The backlog figures: each class's first rows, then the sample, with
     // every class read up to its first rows (ids and due times from the
@@ -241,32 +249,32 @@ async fn check_all(c: &mut Client, stats: Stats, backlog: i64) {
         let cases: Vec<(Vec<&(dyn ToSql + Sync)>, i64, &str)> = match name {
             "fetch" | "fetch_text_sizes" => vec![
                 (
-                    vec![&none, &BATCH, &budget, &no_floor, &no_floor, &no_xid, &no_count, &i64::MAX],
+                    vec![&none, &BATCH, &budget, &no_floor, &no_floor, &no_xid, &no_count, &i64::MAX, &rewinds],
                     8 * fetched + 50,
                     "nothing in flight",
                 ),
                 (
-                    vec![&first, &BATCH, &budget, &no_floor, &no_floor, &no_xid, &no_count, &i64::MAX],
+                    vec![&first, &BATCH, &budget, &no_floor, &no_floor, &no_xid, &no_count, &i64::MAX, &rewinds],
                     8 * (fetched + n_first) + 50,
                     "the first batch in flight",
                 ),
                 // The floor past the first batch, in flight: it is not walked.
                 (
-                    vec![&first, &BATCH, &budget, &first_last, &first_last, &no_xid, &no_count, &i64::MAX],
+                    vec![&first, &BATCH, &budget, &first_last, &first_last, &no_xid, &no_count, &i64::MAX, &rewinds],
                     8 * fetched + 50,
                     "a floor",
                 ),
                 // The checkpoint passed: the floor moves past the batch in
                 // flight (one probe per row in flight), then the fetch reads.
                 (
-                    vec![&first, &BATCH, &budget, &no_floor, &first_last, &zero, &no_count, &i64::MAX],
+                    vec![&first, &BATCH, &budget, &no_floor, &first_last, &zero, &no_count, &i64::MAX, &rewinds],
                     8 * (fetched + n_first) + 50,
                     "a checkpoint passed",
                 ),
                 // The candidates are the same; the server stops sending at
                 // the budget.
                 (
-                    vec![&none, &BATCH, &small_budget, &no_floor, &no_floor, &no_xid, &no_count, &i64::MAX],
+                    vec![&none, &BATCH, &small_budget, &no_floor, &no_floor, &no_xid, &no_count, &i64::MAX, &rewinds],
                     8 * fetched + 50,
                     "a byte budget of a few events",
                 ),
@@ -284,6 +292,7 @@ async fn check_all(c: &mut Client, stats: Stats, backlog: i64) {
                         &no_xid,
                         &no_count,
                         &i64::MAX,
+                        &rewinds,
                     ],
                     8 * fetched + 50,
                     "all partitions",
@@ -300,6 +309,7 @@ async fn check_all(c: &mut Client, stats: Stats, backlog: i64) {
                         &no_xid,
                         &no_count,
                         &i64::MAX,
+                        &rewinds,
                     ],
                     16 * fetched + 50,
                     "half the partitions",

@@ -150,6 +150,8 @@ async fn sql_files_run_with_psql_twice() {
     let expected = [
         ("outbox_guard", true),
         ("outbox_order", true),
+        ("outbox_rewind", true),
+        ("outbox_rewind_insert", true),
         ("outbox_unblock", true),
         ("outbox_unblock_delete", true),
         ("outbox_wake", false),
@@ -158,7 +160,7 @@ async fn sql_files_run_with_psql_twice() {
     .to_vec();
     assert_eq!(
         triggers, expected,
-        "the guard, both insert triggers and the unblock triggers, once each, the outbox-locked mode enabled"
+        "the guard, both insert triggers, the rewind and the unblock triggers, once each, the outbox-locked mode enabled"
     );
     let n: i64 = c
         .query_one(

@@ -16,9 +16,15 @@
 //! from just below the first held row a floor passed (kept here from the
 //! fetches' `held_passed`), and the floor starts again from there. Everything
 //! else that could let a row below the floor be fetched again resets it:
-//! new sessions, a change of the partitions held, and, as a safety net
-//! against what the rule cannot see (an operator setting `published_at`
-//! back to NULL, say), every sweep interval.
+//! new sessions, a change of the partitions held, and a change of the
+//! rewind count, which a fetch reads too: it is bumped by what makes a row
+//! fresh outside the rule (an operator setting `published_at` back to NULL,
+//! an insert where the insert trigger does not fire), and a fetch that
+//! reads another count reads from the first fresh row. As a safety net
+//! against what neither sees (triggers disabled while rows change), the
+//! floor is also dropped every [`SAFETY_NET`], or every sweep interval if
+//! longer; where rewinds are not counted (their triggers disabled or not
+//! created), every sweep interval.
 
 use std::collections::VecDeque;
 use std::time::Duration;
@@ -30,6 +36,20 @@ use crate::store::{FloorParams, FloorReading};
 /// Checkpoints kept at most (the oldest are dropped: the newest moves the
 /// floor furthest once its transaction id is passed).
 const CHECKPOINTS: usize = 64;
+
+/// How often the floor is dropped anyway where rewinds are counted (or
+/// every sweep interval, if longer): the next fetch then reads from the
+/// first fresh row, past every entry the table's index keeps of rows
+/// published since the last VACUUM (about one index page per 350 rows,
+/// docs/operations.md, "Vacuum"). Once a minute, that walk costs a relay
+/// draining a 10 000 000-row table never vacuumed well under 1 % of its
+/// time (docs/performance.md); an event made fresh where no count sees it
+/// waits at most this long.
+pub(crate) const SAFETY_NET: Duration = Duration::from_secs(60);
+
+/// The count of rewinds or unblocks of an outbox where it is not kept
+/// (`store::fetch`, `NOT_COUNTED`).
+const NOT_COUNTED: i64 = -1;
 
 /// A past fetch: the highest id it returned and the next transaction id it
 /// saw.
@@ -55,13 +75,20 @@ pub(super) struct FetchFloor {
     /// Just below the first held-back row the floor passed (`i64::MAX`:
     /// none since the floor last started again).
     held_below: i64,
-    reset_every: Duration,
-    reset_at: Instant,
+    /// The count of rewinds the last fetch read (`store::fetch`,
+    /// `REWINDS`): a fetch that reads another reads from the first fresh
+    /// row, and the floor starts again from there.
+    rewinds: Option<i64>,
+    /// The sweep interval: how often the floor is dropped where rewinds
+    /// are not counted.
+    sweep: Duration,
+    /// When the floor was last dropped on the clock ([`Self::params`]).
+    dropped_at: Instant,
 }
 
 impl FetchFloor {
-    /// No floor yet; reset every `reset_every` (the sweep interval).
-    pub(super) fn new(reset_every: Duration) -> Self {
+    /// No floor yet; `sweep` is the consumer's sweep interval.
+    pub(super) fn new(sweep: Duration) -> Self {
         FetchFloor {
             floor: i64::MIN,
             checkpoints: VecDeque::new(),
@@ -69,8 +96,22 @@ impl FetchFloor {
             offered: None,
             unblocks: None,
             held_below: i64::MAX,
-            reset_every,
-            reset_at: Instant::now() + reset_every,
+            rewinds: None,
+            sweep,
+            dropped_at: Instant::now(),
+        }
+    }
+
+    /// How often the floor is dropped on the clock: every [`SAFETY_NET`]
+    /// (or sweep interval, if longer) once a fetch has read that rewinds
+    /// are counted, else every sweep interval.
+    fn drop_every(&self) -> Duration {
+        match self.rewinds {
+            Some(NOT_COUNTED) => self.sweep,
+            // Counted: a term, or none bumped yet.
+            _ if self.last_xmin.is_some() => self.sweep.max(SAFETY_NET),
+            // Nothing read yet.
+            _ => self.sweep,
         }
     }
 
@@ -99,9 +140,9 @@ impl FetchFloor {
     /// newest checkpoint whose transaction id the last fetch's snapshot had
     /// passed (else the oldest, which this fetch's snapshot may pass).
     pub(super) fn params(&mut self, now: Instant) -> FloorParams {
-        if now >= self.reset_at {
+        if now >= self.dropped_at + self.drop_every() {
             self.reset();
-            self.reset_at = now + self.reset_every;
+            self.dropped_at = now;
         }
         let passed = self.last_xmin.and_then(|xmin| self.checkpoints.iter().rposition(|c| c.next_xid <= xmin));
         if let Some(i) = passed {
@@ -116,6 +157,7 @@ impl FetchFloor {
                 next_xid: c.next_xid,
                 unblocks: self.unblocks,
                 held_below: self.held_below,
+                rewinds: self.rewinds,
             },
             None => FloorParams {
                 floor: self.floor,
@@ -123,6 +165,7 @@ impl FetchFloor {
                 next_xid: i64::MAX,
                 unblocks: self.unblocks,
                 held_below: self.held_below,
+                rewinds: self.rewinds,
             },
         }
     }
@@ -134,10 +177,13 @@ impl FetchFloor {
         let offered = self.offered.take();
         let Some(r) = reading else { return };
         self.last_xmin = Some(r.snapshot_xmin);
-        if r.unblocks != self.unblocks {
-            // A failed event stopped holding back its aggregate since the
-            // last count: the fetch read from below the first held row the
-            // floor had passed (or from the floor), and so does the floor.
+        if r.rewinds != self.rewinds || r.unblocks != self.unblocks {
+            // A row was made fresh outside the rule since the last count:
+            // the fetch read from the first fresh row. Or a failed event
+            // stopped holding back its aggregate: the fetch read from below
+            // the first held row the floor had passed (or from the floor).
+            // The floor starts again from where it read.
+            self.rewinds = r.rewinds;
             self.unblocks = r.unblocks;
             self.floor = r.floor;
             self.held_below = i64::MAX;
@@ -175,7 +221,15 @@ mod tests {
     use super::*;
 
     fn reading(floor: i64, snapshot_xmin: i64, next_xid: i64) -> Option<FloorReading> {
-        Some(FloorReading { floor, snapshot_xmin, next_xid, ids_after_xids: true, unblocks: None, held_passed: None })
+        Some(FloorReading {
+            floor,
+            snapshot_xmin,
+            next_xid,
+            ids_after_xids: true,
+            unblocks: None,
+            rewinds: None,
+            held_passed: None,
+        })
     }
 
     #[test]
@@ -214,7 +268,7 @@ mod tests {
     }
 
     #[test]
-    fn without_the_rule_no_checkpoint_is_kept_and_the_interval_resets() {
+    fn without_the_rule_no_checkpoint_is_kept() {
         let now = Instant::now();
         let mut f = FetchFloor::new(Duration::from_secs(1));
         f.params(now);
@@ -225,14 +279,64 @@ mod tests {
                 next_xid: 6,
                 ids_after_xids: false,
                 unblocks: None,
+                rewinds: None,
                 held_passed: None,
             }),
             Some(9),
         );
         assert_eq!(f.params(now), FloorParams::NONE);
+    }
+
+    #[test]
+    fn the_floor_is_dropped_every_sweep_only_where_rewinds_are_not_counted() {
+        let now = Instant::now();
+        let sweep = Duration::from_secs(1);
+        // Counted (no rewind yet): the floor outlives the sweep, not the
+        // safety net.
+        let mut f = FetchFloor::new(sweep);
+        f.params(now);
         f.fetched(reading(40, 5, 6), Some(50));
         assert_eq!(f.floor(), 40);
-        assert_eq!(f.params(now + Duration::from_secs(2)), FloorParams::NONE, "reset at the interval");
+        assert_eq!(f.params(now + 2 * sweep).floor, 40, "kept past the sweep interval");
+        assert_eq!(f.params(now + SAFETY_NET + sweep), FloorParams::NONE, "dropped by the safety net");
+        // Not counted: dropped at the sweep interval.
+        let mut f = FetchFloor::new(sweep);
+        f.params(now);
+        f.fetched(Some(FloorReading { rewinds: Some(NOT_COUNTED), ..reading(40, 5, 6).unwrap() }), Some(50));
+        assert_eq!(f.floor(), 40);
+        let p = f.params(now + 2 * sweep);
+        assert_eq!((p.floor, p.upto, p.rewinds), (i64::MIN, i64::MIN, Some(NOT_COUNTED)), "dropped at the sweep");
+        // A sweep interval longer than the safety net is kept.
+        let long = SAFETY_NET * 2;
+        let mut f = FetchFloor::new(long);
+        f.params(now);
+        f.fetched(reading(40, 5, 6), Some(50));
+        assert_eq!(f.params(now + SAFETY_NET + sweep).floor, 40);
+        assert_eq!(f.params(now + long + sweep).floor, i64::MIN);
+    }
+
+    #[test]
+    fn a_new_rewind_count_starts_the_floor_again_from_the_first_fresh_row() {
+        let now = Instant::now();
+        let mut f = FetchFloor::new(Duration::from_secs(1));
+        f.params(now);
+        f.fetched(Some(FloorReading { rewinds: Some(3), ..reading(i64::MIN, 10, 20).unwrap() }), Some(500));
+        f.params(now);
+        f.fetched(
+            Some(FloorReading { rewinds: Some(3), held_passed: Some(300), ..reading(500, 30, 40).unwrap() }),
+            Some(900),
+        );
+        assert_eq!(f.floor(), 500);
+        let p = f.params(now);
+        assert_eq!((p.floor, p.upto, p.rewinds, p.held_below), (500, 900, Some(3), 299));
+        // A row was made fresh again: the server read from the first fresh
+        // row and says so.
+        f.fetched(Some(FloorReading { rewinds: Some(4), ..reading(i64::MIN, 50, 60).unwrap() }), Some(120));
+        assert_eq!(f.floor(), i64::MIN);
+        let p = f.params(now);
+        assert_eq!((p.floor, p.upto, p.next_xid, p.rewinds, p.held_below), (i64::MIN, 120, 60, Some(4), i64::MAX));
+        f.reset();
+        assert_eq!(f.params(now).rewinds, Some(4), "a reset keeps the count");
     }
 
     #[test]
