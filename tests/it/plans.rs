@@ -296,11 +296,23 @@ async fn the_floor_passes_a_hot_aggregate_held_back_behind_a_dead_letter() {
         // not from its floor.
         let seen = Some(41i64);
         let restarted: i64 = relay
-            .query_one(&floor_of, &[&none, &500i64, &budget, &last_held, &last_held, &i64::MAX, &seen, &dead])
+            .query_one(&floor_of, &[&none, &500i64, &budget, &last_held, &last_held, &i64::MAX, &seen, &dead, &no_count])
             .await
             .expect("the floor after an unblock")
             .get(0);
         assert_eq!(restarted, dead, "{state}: after an unblock the fetch reads from below the first held event");
+        // A rewind count other than the one the consumer saw: the fetch
+        // reads from the first fresh row, whatever its floor.
+        let rewinds_seen = Some(7i64);
+        let rewound: i64 = relay
+            .query_one(
+                &floor_of,
+                &[&none, &500i64, &budget, &last_held, &last_held, &i64::MAX, &no_count, &i64::MAX, &rewinds_seen],
+            )
+            .await
+            .expect("the floor after a rewind")
+            .get(0);
+        assert_eq!(rewound, i64::MIN, "{state}: after a rewind the fetch reads from the first fresh row");
         // With the unblock count not kept (a trigger disabled), the step
         // stops below the first held event, as it does below any row it
         // may still have to hand out.
