@@ -1,6 +1,5 @@
 -- pg-outbox trigger file: the triggers `outbox_rewind` and
--- `outbox_rewind_insert` on events.outbox, and the functions
--- events.outbox_rewind() and events.outbox_rewind_count().
+-- `outbox_rewind_insert` on events.outbox, and events.outbox_rewind().
 --
 -- What it does: counts, transactionally, the changes that can make an
 -- event fresh (unpublished, `next_retry_at` NULL: what the ordered fetch
@@ -39,11 +38,11 @@
 -- fetches hides the change until the consumer next drops its floor anyway
 -- (at most a minute, or the sweep interval if longer). So does setting
 -- `pg_outbox.rewound` to `on` by hand before the change.
--- events.outbox_rewind() runs as the caller and sets the mark (a function
--- with a SET clause, as a SECURITY DEFINER one needs, would undo it when it
--- returns); it calls events.outbox_rewind_count(), which runs as its owner
--- (SECURITY DEFINER), so roles that change events.outbox need no privilege
--- on events.outbox_terms for it.
+-- Runs as the owner of the function (SECURITY DEFINER), so roles that
+-- change events.outbox need no privilege on events.outbox_terms for it.
+-- Its SET clause restores only `search_path` when it returns: the mark it
+-- sets stays for the rest of the transaction (docs, "CREATE FUNCTION").
+-- A savepoint rolled back undoes the mark with the bump.
 -- Locks: the row of scope 'rewind' in events.outbox_terms, until the
 -- transaction ends (two transactions that rewind at once take turns).
 -- Needs: PostgreSQL 13 or later (pg_current_xact_id).
@@ -63,22 +62,16 @@
 --
 -- Idempotent: running this file twice is a no-op.
 
-CREATE OR REPLACE FUNCTION events.outbox_rewind_count() RETURNS void
+CREATE OR REPLACE FUNCTION events.outbox_rewind() RETURNS trigger
 LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
 BEGIN
-    -- Once per transaction: a row this transaction already bumped has its
-    -- id as xmin.
+    PERFORM set_config('pg_outbox.rewound', 'on', true);
+    -- Once per transaction also without the mark (set by hand to another
+    -- value in the transaction, say): a row this transaction already
+    -- bumped has its id as xmin.
     INSERT INTO events.outbox_terms AS t (scope, term) VALUES ('rewind', 1)
     ON CONFLICT (scope) DO UPDATE SET term = t.term + 1, taken_at = now()
         WHERE t.xmin <> pg_current_xact_id()::xid;
-END
-$$;
-
-CREATE OR REPLACE FUNCTION events.outbox_rewind() RETURNS trigger
-LANGUAGE plpgsql AS $$
-BEGIN
-    PERFORM pg_catalog.set_config('pg_outbox.rewound', 'on', true);
-    PERFORM events.outbox_rewind_count();
     RETURN NEW;
 END
 $$;

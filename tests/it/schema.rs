@@ -215,6 +215,59 @@ async fn invariants_reject_unpublishing_and_lowering_retry_count() {
     assert_eq!((row.get::<_, i32>(0), row.get::<_, bool>(1)), (3, true));
 }
 
+/// The rewind triggers (triggers/outbox_rewind.sql) count a transaction
+/// once, whatever its rows: a replica-role load of 10 000 rows runs the
+/// function for its first row only (`EXPLAIN ANALYZE` counts the trigger's
+/// calls), so do 10 000 rows made fresh again in one statement, and a
+/// savepoint rolled back takes its bump and its mark with it. Producers'
+/// inserts and acknowledgements count nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rewinds_are_counted_once_per_transaction_and_producers_count_none() {
+    let db = TestDb::new("rewind_count").await;
+    let c = db.client().await;
+    let count = async || -> i64 {
+        c.query_one("SELECT coalesce((SELECT term FROM events.outbox_terms WHERE scope = 'rewind'), 0)", &[])
+            .await
+            .expect("the rewind count")
+            .get(0)
+    };
+    // The trigger's calls in an EXPLAIN (ANALYZE, FORMAT JSON) of `sql`.
+    let calls = async |sql: &str, trigger: &str| -> i64 {
+        let plan: serde_json::Value =
+            c.query_one(&format!("EXPLAIN (ANALYZE, FORMAT JSON) {sql}"), &[]).await.expect("explain").get(0);
+        // A trigger never called is not listed.
+        plan[0]["Triggers"].as_array().into_iter().flatten().find(|t| t["Trigger Name"] == trigger).map_or(0, |t| {
+            t["Calls"].as_i64().unwrap_or_else(|| panic!("the calls of {trigger} in {}", plan[0]["Triggers"]))
+        })
+    };
+    let load = "INSERT INTO events.outbox (aggregate_type, aggregate_id, event_type, payload) \
+                SELECT 'load', gen_random_uuid(), 'Loaded', '{}' FROM generate_series(1, 10000)";
+    assert_eq!(calls(load, "outbox_rewind_insert").await, 0, "a producer's insert does not run it");
+    c.batch_execute("UPDATE events.outbox SET published_at = now()").await.expect("publish");
+    assert_eq!(count().await, 0, "producers' inserts and acknowledgements count nothing");
+    c.batch_execute("SET session_replication_role = replica").await.expect("replica role");
+    assert_eq!(calls(load, "outbox_rewind_insert").await, 1, "a replica-role load runs it for its first row");
+    assert_eq!(count().await, 1);
+    let unpublish = "UPDATE events.outbox SET published_at = NULL WHERE published_at IS NOT NULL";
+    assert_eq!(calls(unpublish, "outbox_rewind").await, 1, "10 000 rows made fresh: one call");
+    assert_eq!(count().await, 2);
+    c.batch_execute(
+        "BEGIN; SAVEPOINT s; \
+         UPDATE events.outbox SET published_at = now() WHERE published_at IS NULL; \
+         UPDATE events.outbox SET published_at = NULL; \
+         ROLLBACK TO SAVEPOINT s; \
+         UPDATE events.outbox SET published_at = now() WHERE id IN (SELECT id FROM events.outbox LIMIT 3); \
+         UPDATE events.outbox SET published_at = NULL WHERE published_at IS NOT NULL; \
+         COMMIT",
+    )
+    .await
+    .expect("a rewind rolled back to a savepoint, then one kept");
+    assert_eq!(count().await, 3, "the rolled-back rewind took its mark with it, the next one counted");
+    c.batch_execute("RESET session_replication_role").await.expect("origin role");
+    c.batch_execute("UPDATE events.outbox SET published_at = now()").await.expect("publish");
+    assert_eq!(count().await, 3, "acknowledgements count nothing");
+}
+
 /// Count notifications on "events.outbox" received by a plain listener
 /// while `work` runs.
 async fn count_notifications<F: std::future::Future<Output = ()>>(db: &TestDb, work: F) -> (usize, Vec<String>) {
