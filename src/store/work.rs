@@ -87,15 +87,14 @@ pub(crate) struct FloorParams {
 
 impl FloorParams {
     /// No floor: read from the first fresh row.
-    pub(crate) const NONE: FloorParams =
-        FloorParams {
-            floor: i64::MIN,
-            upto: i64::MIN,
-            next_xid: i64::MAX,
-            unblocks: None,
-            held_below: i64::MAX,
-            rewinds: None,
-        };
+    pub(crate) const NONE: FloorParams = FloorParams {
+        floor: i64::MIN,
+        upto: i64::MIN,
+        next_xid: i64::MAX,
+        unblocks: None,
+        held_below: i64::MAX,
+        rewinds: None,
+    };
 }
 
 /// What an ordered fetch says of its floor and snapshot (read from its

@@ -712,7 +712,11 @@ async fn rewound_event_below_the_floor(tag: &str, how: Rewind) {
     if how == Rewind::Hidden {
         ack_next(&mut stream, wake, 10).await;
         let more = tokio::time::timeout(Duration::from_secs(2), stream.next()).await;
-        assert!(more.is_err(), "the floor passed event {target}: nothing else is fetched ({:?})", more.ok().flatten().map(|d| d.id));
+        assert!(
+            more.is_err(),
+            "the floor passed event {target}: nothing else is fetched ({:?})",
+            more.ok().flatten().map(|d| d.id)
+        );
     } else {
         ack_next(&mut stream, target, 10).await;
         ack_next(&mut stream, wake, 10).await;

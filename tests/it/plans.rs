@@ -47,7 +47,10 @@ async fn fetch_skips_a_head_of_dead_letters_and_waiting_retries_through_its_inde
         format!("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) {}", pg_outbox::fetch_query(server_version_num(&c).await));
     let none: Vec<i64> = Vec::new();
     let row = c
-        .query_one(&sql, &[&none, &500i64, &(64i64 << 20), &i64::MIN, &i64::MIN, &i64::MAX, &None::<i64>, &i64::MAX, &None::<i64>])
+        .query_one(
+            &sql,
+            &[&none, &500i64, &(64i64 << 20), &i64::MIN, &i64::MIN, &i64::MAX, &None::<i64>, &i64::MAX, &None::<i64>],
+        )
         .await
         .expect("explain the fetch");
     let plan: serde_json::Value = row.get(0);
@@ -79,7 +82,10 @@ async fn fetch_skips_a_head_of_dead_letters_and_waiting_retries_through_its_inde
     c.batch_execute("DELETE FROM events.outbox WHERE aggregate_type <> 'fresh'").await.expect("remove the head");
     c.batch_execute("VACUUM ANALYZE events.outbox").await.expect("vacuum");
     let row = c
-        .query_one(&sql, &[&none, &500i64, &(64i64 << 20), &i64::MIN, &i64::MIN, &i64::MAX, &None::<i64>, &i64::MAX, &None::<i64>])
+        .query_one(
+            &sql,
+            &[&none, &500i64, &(64i64 << 20), &i64::MIN, &i64::MIN, &i64::MAX, &None::<i64>, &i64::MAX, &None::<i64>],
+        )
         .await
         .expect("explain the fetch again");
     let plan: serde_json::Value = row.get(0);
@@ -129,7 +135,17 @@ async fn fetch_uses_the_fresh_index_when_statistics_say_everything_is_unpublishe
         let row = c
             .query_one(
                 &sql,
-                &[&none, &500i64, &(64i64 << 20), &i64::MIN, &i64::MIN, &i64::MAX, &None::<i64>, &i64::MAX, &None::<i64>],
+                &[
+                    &none,
+                    &500i64,
+                    &(64i64 << 20),
+                    &i64::MIN,
+                    &i64::MIN,
+                    &i64::MAX,
+                    &None::<i64>,
+                    &i64::MAX,
+                    &None::<i64>,
+                ],
             )
             .await
             .expect("explain the fetch");
@@ -200,7 +216,10 @@ async fn a_fetch_from_its_floor_does_not_walk_a_million_drained_rows() {
             let mut out = (0, 0);
             for _ in 0..2 {
                 let row = c
-                    .query_one(&sql, &[&none, &500i64, &budget, &floor, &floor, &i64::MAX, &None::<i64>, &i64::MAX, &None::<i64>])
+                    .query_one(
+                        &sql,
+                        &[&none, &500i64, &budget, &floor, &floor, &i64::MAX, &None::<i64>, &i64::MAX, &None::<i64>],
+                    )
                     .await
                     .expect("explain the fetch");
                 let plan: serde_json::Value = row.get(0);
@@ -286,7 +305,10 @@ async fn the_floor_passes_a_hot_aggregate_held_back_behind_a_dead_letter() {
         // A checkpoint past the held events, passed (next xid 0): the step
         // moves the floor past them, not below the first.
         let moved: i64 = relay
-            .query_one(&floor_of, &[&none, &500i64, &budget, &i64::MIN, &last_held, &0i64, &no_count, &i64::MAX, &no_count])
+            .query_one(
+                &floor_of,
+                &[&none, &500i64, &budget, &i64::MIN, &last_held, &0i64, &no_count, &i64::MAX, &no_count],
+            )
             .await
             .expect("the floor the fetch moved to")
             .get(0);
@@ -296,7 +318,10 @@ async fn the_floor_passes_a_hot_aggregate_held_back_behind_a_dead_letter() {
         // not from its floor.
         let seen = Some(41i64);
         let restarted: i64 = relay
-            .query_one(&floor_of, &[&none, &500i64, &budget, &last_held, &last_held, &i64::MAX, &seen, &dead, &no_count])
+            .query_one(
+                &floor_of,
+                &[&none, &500i64, &budget, &last_held, &last_held, &i64::MAX, &seen, &dead, &no_count],
+            )
             .await
             .expect("the floor after an unblock")
             .get(0);
@@ -319,7 +344,10 @@ async fn the_floor_passes_a_hot_aggregate_held_back_behind_a_dead_letter() {
         relay.batch_execute("ALTER TABLE events.outbox DISABLE TRIGGER outbox_unblock").await.expect("disable");
         let not_kept = Some(-1i64);
         let stopped: i64 = relay
-            .query_one(&floor_of, &[&none, &500i64, &budget, &i64::MIN, &last_held, &0i64, &not_kept, &i64::MAX, &no_count])
+            .query_one(
+                &floor_of,
+                &[&none, &500i64, &budget, &i64::MIN, &last_held, &0i64, &not_kept, &i64::MAX, &no_count],
+            )
             .await
             .expect("the floor without the count")
             .get(0);
@@ -335,7 +363,10 @@ async fn the_floor_passes_a_hot_aggregate_held_back_behind_a_dead_letter() {
             let mut touched = 0;
             for _ in 0..2 {
                 let row = relay
-                    .query_one(&explain, &[&none, &500i64, &budget, &floor, &floor, &i64::MAX, &no_count, &i64::MAX, &no_count])
+                    .query_one(
+                        &explain,
+                        &[&none, &500i64, &budget, &floor, &floor, &i64::MAX, &no_count, &i64::MAX, &no_count],
+                    )
                     .await
                     .expect("explain the fetch");
                 let plan: serde_json::Value = row.get(0);
