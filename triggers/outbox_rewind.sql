@@ -24,7 +24,10 @@
 -- `outbox_rewind_insert` BEFORE INSERT ON events.outbox, FOR EACH ROW,
 -- enabled REPLICA: it fires only in sessions with
 -- `session_replication_role = replica`, so producers' inserts never run
--- it. Row triggers, because the logical replication apply process fires no
+-- it (its WHEN clause checks the role too, so a plain `ENABLE TRIGGER`,
+-- as `pg_restore --disable-triggers` ends with, cannot make every
+-- producer's transaction bump the count and take turns on its row; the
+-- fetch then reads the count as not kept). Row triggers, because the logical replication apply process fires no
 -- statement triggers (docs, "Logical Replication Architecture"); BEFORE
 -- triggers, so that the first row of a transaction sets the transaction's
 -- mark (the setting `pg_outbox.rewound`, local to the transaction) before
@@ -100,7 +103,8 @@ BEGIN
         CREATE TRIGGER outbox_rewind_insert
             BEFORE INSERT ON events.outbox
             FOR EACH ROW
-            WHEN (current_setting('pg_outbox.rewound', true) IS DISTINCT FROM 'on')
+            WHEN (current_setting('session_replication_role') = 'replica'
+                  AND current_setting('pg_outbox.rewound', true) IS DISTINCT FROM 'on')
             EXECUTE FUNCTION events.outbox_rewind();
         ALTER TABLE events.outbox ENABLE REPLICA TRIGGER outbox_rewind_insert;
     END IF;

@@ -298,7 +298,8 @@ async fn await_published(client: &Client, published: &Statement, relay: &util::R
 /// Buffers of the consumer's fetch (custom plan, generic plan), run as the
 /// consumer runs it (`pg_outbox::fetch_query`: nothing in flight, the fetch
 /// floor `floor` (`i64::MIN`: none, as in a consumer's first fetch and in
-/// the one after each reset of the floor, every sweep interval), a batch of
+/// the one after each drop of the floor: a rewind, a new session, the
+/// safety net once a minute), the rewind count as the table has it, a batch of
 /// [`pg_outbox::DEFAULT_BATCH_SIZE`], a budget of
 /// [`pg_outbox::DEFAULT_MAX_BUFFERED_BYTES`]) under `EXPLAIN (ANALYZE, BUFFERS)`
 /// on a session opened as pg-outbox opens its own (its planner settings),
@@ -314,6 +315,13 @@ async fn fetch_buffers(cfg: &Config, expect_rows: i64, floor: i64) -> BenchResul
     let budget = i64::try_from(pg_outbox::DEFAULT_MAX_BUFFERED_BYTES)?;
     // The floor kept where it is (no checkpoint moves it).
     let no_xid = i64::MAX;
+    // The rewind count the table has, as a running consumer would have
+    // read it: another would make the fetch read from the first fresh row.
+    let rewinds: Option<i64> = c
+        .query_opt("SELECT term FROM events.outbox_terms WHERE scope = 'rewind'", &[])
+        .await?
+        .map(|r| r.try_get(0))
+        .transpose()?;
     let mut out = [0i64; 2];
     for (k, generic) in [false, true].into_iter().enumerate() {
         let tx = c.transaction().await?;
@@ -321,7 +329,7 @@ async fn fetch_buffers(cfg: &Config, expect_rows: i64, floor: i64) -> BenchResul
             tx.batch_execute("SET LOCAL plan_cache_mode = force_generic_plan").await?;
         }
         let plan: serde_json::Value = tx
-            .query_one(&sql, &[&none, &batch, &budget, &floor, &floor, &no_xid, &None::<i64>, &i64::MAX])
+            .query_one(&sql, &[&none, &batch, &budget, &floor, &floor, &no_xid, &None::<i64>, &i64::MAX, &rewinds])
             .await?
             .try_get(0)?;
         tx.rollback().await?;
@@ -772,7 +780,7 @@ fn report(s: &Settings, runs: &[SizeRun], archive: Option<&ArchiveRun>, autovacu
         );
         sec.target(
             format!(
-                "fetch buffers with no floor (a consumer's first; then one per sweep interval) with {rows} published \
+                "fetch buffers with no floor (a consumer's first; then one per drop of the floor) with {rows} published \
                  rows, never vacuumed, flat (<= 1.1x the empty table)"
             ),
             ratio(l.fetch_custom.max(l.fetch_generic) as f64, b.fetch_custom.max(b.fetch_generic) as f64),
@@ -864,8 +872,8 @@ fn report(s: &Settings, runs: &[SizeRun], archive: Option<&ArchiveRun>, autovacu
          session with pg-outbox's planner settings, with {FETCH_TAIL} unpublished events (~1.5 KB) at the tail; \
          shared buffers hit + read of the plan, custom and generic plan; the ratio is of the larger. From the floor: \
          the floor just below the tail, where a running consumer's floor is once the history is published. With no \
-         floor: a consumer's first fetch, and the one after each reset of the floor (every sweep interval, a \
-         safety net), which reads `outbox_fresh_order_idx` from its start, so every entry the publishing left there \
+         floor: a consumer's first fetch, and the one after each drop of the floor (a rewind, a new session, \
+         once a minute as a safety net), which reads `outbox_fresh_order_idx` from its start, so every entry the publishing left there \
          until a VACUUM removes it. Producers: \
          {PRODUCERS} connections, single-row autocommit INSERTs of new aggregates as fast as they go with a relay \
          draining, {} s of warm-up then {} s counted; two runs per size, back to back: the first right after the \

@@ -266,6 +266,12 @@ async fn rewinds_are_counted_once_per_transaction_and_producers_count_none() {
     c.batch_execute("RESET session_replication_role").await.expect("origin role");
     c.batch_execute("UPDATE events.outbox SET published_at = now()").await.expect("publish");
     assert_eq!(count().await, 3, "acknowledgements count nothing");
+    // A plain ENABLE (as `pg_restore --disable-triggers` ends with) makes the
+    // insert trigger fire on ordinary sessions: its WHEN clause still keeps
+    // producers from counting (and from taking turns on the count's row).
+    c.batch_execute("ALTER TABLE events.outbox ENABLE TRIGGER outbox_rewind_insert").await.expect("plain enable");
+    c.batch_execute(load).await.expect("a producer's load");
+    assert_eq!(count().await, 3, "producers count nothing whatever the trigger's enable state");
 }
 
 /// Count notifications on "events.outbox" received by a plain listener

@@ -45,7 +45,8 @@ const CHECKPOINTS: usize = 64;
 /// vacuumed, each such walk cost a draining relay about 0.35 s
 /// (docs/performance.md, "The floor's safety net with the rewind count"):
 /// once a minute, under 1 % of its time. An event made fresh where no count
-/// sees it waits at most this long.
+/// sees it waits this long at most (or the sweep interval, if longer),
+/// plus the wait for the next fetch.
 pub(crate) const SAFETY_NET: Duration = Duration::from_secs(60);
 
 /// The count of rewinds or unblocks of an outbox where it is not kept
