@@ -27,8 +27,9 @@
 -- it (its WHEN clause checks the role too, so a plain `ENABLE TRIGGER`,
 -- as `pg_restore --disable-triggers` ends with, cannot make every
 -- producer's transaction bump the count and take turns on its row; the
--- fetch then reads the count as not kept). Row triggers, because the logical replication apply process fires no
--- statement triggers (docs, "Logical Replication Architecture"); BEFORE
+-- fetch then reads the count as not kept). Row triggers, because the
+-- logical replication apply process fires no statement triggers (docs,
+-- "Logical Replication Architecture"); BEFORE
 -- triggers, so that the first row of a transaction sets the transaction's
 -- mark (the setting `pg_outbox.rewound`, local to the transaction) before
 -- the next row's WHEN clause reads it: after the first, the rows of a
