@@ -86,6 +86,12 @@ pub(crate) struct FloorParams {
 }
 
 impl FloorParams {
+    /// The fetch floor's parameters in the order of the fetch's SQL
+    /// (`super::fetch::fetch_sql`, `fetch_floor`: `$n`..`$n+5`).
+    fn sql_params(&self) -> [&(dyn ToSql + Sync); 6] {
+        [&self.floor, &self.upto, &self.next_xid, &self.unblocks, &self.held_below, &self.rewinds]
+    }
+
     /// No floor: read from the first fresh row.
     pub(crate) const NONE: FloorParams = FloorParams {
         floor: i64::MIN,
@@ -237,34 +243,17 @@ impl WorkSession {
         let fetch = async {
             match p.scope {
                 FetchScope::All => {
-                    let params: [&(dyn ToSql + Sync); 9] = [
-                        &exclude,
-                        &batch,
-                        &budget,
-                        &f.floor,
-                        &f.upto,
-                        &f.next_xid,
-                        &f.unblocks,
-                        &f.held_below,
-                        &f.rewinds,
-                    ];
+                    let params: Vec<&(dyn ToSql + Sync)> =
+                        [&exclude as &(dyn ToSql + Sync), &batch, &budget].into_iter().chain(f.sql_params()).collect();
                     decode_stream(client.query_raw(&self.fetch, params).await?, budget, false).await
                 }
                 FetchScope::Partitions { partitions, owned } => {
                     let partitions = i64::from(partitions);
-                    let params: [&(dyn ToSql + Sync); 11] = [
-                        &exclude,
-                        &batch,
-                        &budget,
-                        &partitions,
-                        &owned,
-                        &f.floor,
-                        &f.upto,
-                        &f.next_xid,
-                        &f.unblocks,
-                        &f.held_below,
-                        &f.rewinds,
-                    ];
+                    let params: Vec<&(dyn ToSql + Sync)> =
+                        [&exclude as &(dyn ToSql + Sync), &batch, &budget, &partitions, &owned]
+                            .into_iter()
+                            .chain(f.sql_params())
+                            .collect();
                     decode_stream(client.query_raw(&self.fetch, params).await?, budget, true).await
                 }
                 FetchScope::Claim => {
