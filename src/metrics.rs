@@ -108,11 +108,21 @@ pub const SINK_DURATION: &str = "outbox_sink_duration_seconds";
 /// starts). Exactly-once is the NATS JetStream and Redis Streams sinks
 /// with `--exactly-once`; every other sink is at-least-once.
 pub const SINK_GUARANTEE: &str = "outbox_sink_guarantee";
-/// Counter: sends the destination refused, or that the sink skipped after
-/// reading the destination back, because it already holds the event or a
-/// later one of the event's aggregate (`--exactly-once`, relay only); each
-/// such event is acknowledged without a second copy.
+/// Counter: sends the destination refused, or that the sink skipped,
+/// because it already holds this very event, read back from it
+/// (`--exactly-once`); each such event is acknowledged without a second
+/// copy. The sum over the `proof` labels of [`SINK_ACKNOWLEDGED_UNSENT`].
 pub const SINK_REPEATS_REFUSED: &str = "outbox_sink_repeats_refused_total";
+/// Counter: events acknowledged without a send (`--exactly-once`), labelled
+/// `proof` ([`SINK_PROOFS`]: how the sink read the event back from the
+/// broker, [`crate::relay::Proof`]). Never by inference from a later event:
+/// an event the broker cannot be shown to hold fails instead.
+pub const SINK_ACKNOWLEDGED_UNSENT: &str = "outbox_sink_acknowledged_unsent_total";
+/// Counter: broker checks that found a setting breaking exactly-once
+/// delivery while the relay ran (checked every minute), labelled `sink`
+/// kind (`nats`, `redis`); the relay stops on the first, naming the
+/// setting.
+pub const SINK_BROKER_CHECKS_FAILED: &str = "outbox_sink_broker_checks_failed_total";
 
 /// Register descriptions and units of every metric above with the installed
 /// recorder. Call once after installing an exporter; harmless to call again.
@@ -136,10 +146,12 @@ pub fn describe() {
     describe_counter!(STATEMENT_TIMEOUTS, "Statements cut by the statement timeout, by statement.");
     describe_histogram!(SINK_DURATION, Unit::Seconds, "Time a sink took to deliver one event.");
     describe_gauge!(SINK_GUARANTEE, "1 for the delivery guarantee the sink runs with (exactly-once, at-least-once).");
+    describe_counter!(SINK_REPEATS_REFUSED, "Sends refused or skipped: the destination holds this very event.");
     describe_counter!(
-        SINK_REPEATS_REFUSED,
-        "Sends refused or skipped: the destination already holds the event or a later one of its aggregate."
+        SINK_ACKNOWLEDGED_UNSENT,
+        "Events acknowledged without a send, by how the broker was shown to hold them (proof)."
     );
+    describe_counter!(SINK_BROKER_CHECKS_FAILED, "Broker settings found to break exactly-once while running.");
     describe_gauge!(WAITING_FOR_NOTIFICATIONS, "1 while this relay asks producers to notify it.");
     describe_counter!(RETENTION_DELETED, "Published events deleted by retention.");
     describe_gauge!(RETENTION_LAST_RUN, Unit::Seconds, "When the last successful retention run finished (Unix time).");
@@ -153,6 +165,9 @@ pub fn describe() {
     describe_gauge!(NOTIFICATIONS_WORKING, "1 when notifications round-trip to the LISTEN connection.");
     describe_gauge!(LISTEN_ENABLED, "1 when the consumer listens for notifications (0 with --no-listen).");
 }
+
+/// The `proof` label values of [`SINK_ACKNOWLEDGED_UNSENT`].
+pub const SINK_PROOFS: [&str; 4] = ["entry", "last-message", "chain", "duplicate-window"];
 
 /// The `guarantee` label values of [`SINK_GUARANTEE`].
 pub const SINK_GUARANTEES: [&str; 2] = ["at-least-once", "exactly-once"];

@@ -174,6 +174,7 @@ pub(crate) struct ConsumerConfig {
     pub(crate) stranded_after: Duration,
     pub(crate) take_over_stranded: bool,
     pub(crate) wait_for_primary: bool,
+    pub(crate) producers_lock_aggregates: bool,
 }
 
 impl ConsumerConfig {
@@ -244,6 +245,7 @@ impl Consumer {
                 stranded_after: DEFAULT_STRANDED_AFTER,
                 take_over_stranded: false,
                 wait_for_primary: false,
+                producers_lock_aggregates: false,
             },
         }
     }
@@ -539,6 +541,32 @@ impl ConsumerBuilder {
     /// ```
     pub fn take_over_stranded(mut self, take_over: bool) -> Self {
         self.cfg.take_over_stranded = take_over;
+        self
+    }
+
+    /// Declare that every producer locks its aggregate's row before it
+    /// inserts the aggregate's events (the producer-locked contract,
+    /// README "Ordering modes"; default `false`).
+    ///
+    /// Where the outbox runs ordering mode `producer-locked` (or has no
+    /// insert trigger), per-aggregate order rests on that contract: a
+    /// producer that breaks it can commit an aggregate's later event first,
+    /// and the relay then delivers the earlier one after it. At least once,
+    /// that costs order. Exactly once it would cost the event, if a later
+    /// event counted as proof; it does not, and such an event fails instead
+    /// (an error that says order broke upstream). So
+    /// [`crate::relay::run_with`] with an exactly-once sink refuses an
+    /// outbox whose order rests on the producers unless this is `true`
+    /// (flag `--producers-lock-aggregates`). It changes nothing else.
+    ///
+    /// # Example
+    /// ```
+    /// # fn f(pg: pg_outbox::ConnectOptions) -> pg_outbox::ConsumerBuilder {
+    /// pg_outbox::Consumer::builder(pg).producers_lock_aggregates(true)
+    /// # }
+    /// ```
+    pub fn producers_lock_aggregates(mut self, declared: bool) -> Self {
+        self.cfg.producers_lock_aggregates = declared;
         self
     }
 

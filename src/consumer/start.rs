@@ -140,6 +140,11 @@ impl ConsumerBuilder {
             status: status_rx,
             health,
             grace: cfg.shutdown_grace,
+            order: super::stream::OrderFacts {
+                mode: cfg.mode,
+                ordering,
+                producers_lock: cfg.producers_lock_aggregates,
+            },
         }))
     }
 }

@@ -91,6 +91,21 @@ pub struct EventStream {
     waiting: Option<Delivery>,
     /// Resolves when the lease changes (set while `waiting` waits).
     lease_changed: Option<LeaseChanged>,
+    /// What exactly-once delivery needs to know of the consumer.
+    order: OrderFacts,
+}
+
+/// How the consumer keeps per-aggregate order: what
+/// [`EventStream::check_exactly_once`] reads.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct OrderFacts {
+    /// The consumer's mode.
+    pub(super) mode: super::Mode,
+    /// The ordering mode installed on `events.outbox` at start; `None`:
+    /// no insert trigger.
+    pub(super) ordering: Option<crate::migrate::OrderingMode>,
+    /// [`super::ConsumerBuilder::producers_lock_aggregates`].
+    pub(super) producers_lock: bool,
 }
 
 /// Resolves when the hand-out lease changes.
@@ -111,12 +126,13 @@ pub(super) struct StreamParts {
     pub(super) status: watch::Receiver<ListenerStatus>,
     pub(super) health: HealthMonitor,
     pub(super) grace: Duration,
+    pub(super) order: OrderFacts,
 }
 
 impl EventStream {
     /// The stream over a started consumer's parts.
     pub(super) fn new(p: StreamParts) -> Self {
-        let StreamParts { rx, shared, token, tasks, status, health, grace } = p;
+        let StreamParts { rx, shared, token, tasks, status, health, grace, order } = p;
         let cancelled = Box::pin(token.clone().cancelled_owned());
         EventStream {
             rx,
@@ -130,7 +146,44 @@ impl EventStream {
             done: false,
             waiting: None,
             lease_changed: None,
+            order,
         }
+    }
+
+    /// Whether this stream keeps what exactly-once delivery rests on: each
+    /// aggregate's events handed out one at a time, in the order their
+    /// transactions wrote them.
+    ///
+    /// # Errors
+    /// [`Error::Config`](crate::Error::Config) naming the cause: competing
+    /// mode (it hands an aggregate's events to several readers at once), or
+    /// an outbox whose order rests on the producers' own lock (ordering
+    /// mode `producer-locked`, or no insert trigger) without
+    /// [`super::ConsumerBuilder::producers_lock_aggregates`].
+    pub(crate) fn check_exactly_once(&self) -> Result<()> {
+        use crate::migrate::OrderingMode;
+        if self.order.mode == super::Mode::Competing {
+            return Err(crate::Error::Config(
+                "exactly-once delivery (--exactly-once) needs one aggregate's events delivered one at a time in id \
+                 order, which competing mode (--mode competing) does not keep; use single or partitioned mode"
+                    .into(),
+            ));
+        }
+        if self.order.producers_lock {
+            return Ok(());
+        }
+        let rests_on = match self.order.ordering {
+            Some(OrderingMode::OutboxLocked) => return Ok(()),
+            Some(OrderingMode::ProducerLocked) => "ordering mode producer-locked is installed",
+            None => "no insert trigger is enabled on events.outbox",
+        };
+        Err(crate::Error::Config(format!(
+            "exactly-once delivery (--exactly-once): {rests_on}, so per-aggregate order rests on every producer \
+             locking its aggregate's row before it inserts; declare that contract with --producers-lock-aggregates \
+             (ConsumerBuilder::producers_lock_aggregates), or install `pg-outbox migrate --ordering outbox-locked`. \
+             A producer that breaks it makes an event arrive after a later one of its aggregate: that event then \
+             fails (the broker cannot be shown to hold it), it is never acknowledged unsent"
+        )))
     }
 
     /// A handle that can stop this consumer from another task.

@@ -41,8 +41,10 @@ use futures::StreamExt;
 
 pub use message::{DEFAULT_CLOUDEVENTS_SOURCE, Format, Message, Template, header};
 pub use registry::{OpenSink, SINKS, SinkKind, open_sink, sink_schemes};
-pub use settings::{Credentials, SinkSettings, TlsOptions};
-pub use sink::{DEFAULT_SINK_TIMEOUT, DeliveryOptions, EventSink, Guarantee, Sink, SinkFuture, SinkRecord};
+pub use settings::{Credentials, DEFAULT_BROKER_CHECK_INTERVAL, SinkSettings, TlsOptions};
+pub use sink::{
+    DEFAULT_SINK_TIMEOUT, DeliveryOptions, EventSink, Guarantee, Proof, SendFuture, Sent, Sink, SinkFuture, SinkRecord,
+};
 pub use sinks::*;
 
 pub use crate::secret::Secret;
@@ -55,8 +57,12 @@ use crate::{EventStream, metrics as m};
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct RelayStats {
-    /// Events the sink accepted (acknowledged).
+    /// Events the sink accepted (acknowledged), those it found the
+    /// destination already holding included.
     pub delivered: u64,
+    /// Of [`RelayStats::delivered`], the events acknowledged without a send:
+    /// an exactly-once sink read each back from the broker ([`Sent::Held`]).
+    pub held: u64,
     /// Attempts the sink refused (failed, to be retried or dead-lettered).
     pub failed: u64,
 }
@@ -82,7 +88,7 @@ pub(crate) async fn deliver_with_grace<S, F>(
     grace: Duration,
     what: &str,
     on_stop: impl FnOnce(),
-) -> (Option<Result<(), BoxError>>, bool)
+) -> (Option<Result<Sent, BoxError>>, bool)
 where
     S: Sink + ?Sized,
     F: Future<Output = ()>,
@@ -131,6 +137,14 @@ where
 /// It sets the gauge `outbox_sink_guarantee{guarantee}` from
 /// [`Sink::guarantee`] (1 for the sink's, 0 for the other).
 ///
+/// An exactly-once sink ([`Guarantee::ExactlyOnce`]) needs each
+/// aggregate's events handed out one at a time in id order, which the
+/// stream checks first ([`crate::ConsumerBuilder::producers_lock_aggregates`]):
+/// competing mode is refused, and so is an outbox whose per-aggregate order
+/// rests on the producers' own lock (ordering mode `producer-locked`, or no
+/// insert trigger) unless the producers are declared to keep that
+/// contract.
+///
 /// The stream's [`EventStream::health`] then reports the sink's side too
 /// ([`crate::Health::sink`]): the delivery in progress, failures since the
 /// last success, the last error.
@@ -141,7 +155,9 @@ where
 /// the final acknowledgements are written before it returns.
 ///
 /// # Errors
-/// [`Error::Sink`](crate::Error::Sink) when the sink reported a
+/// [`Error::Config`](crate::Error::Config) when an exactly-once sink meets
+/// a stream that cannot keep its precondition (above; nothing is handed
+/// out); [`Error::Sink`](crate::Error::Sink) when the sink reported a
 /// [`FatalSinkError`]; otherwise the error that stopped the consumer, if any.
 ///
 /// # Cancel safety
@@ -162,6 +178,12 @@ where
     F: Future<Output = ()>,
 {
     let mut stats = RelayStats::default();
+    if sink.guarantee() == Guarantee::ExactlyOnce
+        && let Err(e) = stream.check_exactly_once()
+    {
+        stream.finish().await?;
+        return Err(e);
+    }
     let handle = stream.shutdown_handle();
     let grace = stream.shutdown_grace();
     let monitor = stream.health();
@@ -169,6 +191,9 @@ where
     health.sink_attached();
     sink.guarantee().record();
     metrics::counter!(m::SINK_REPEATS_REFUSED).increment(0);
+    for proof in m::SINK_PROOFS {
+        metrics::counter!(m::SINK_ACKNOWLEDGED_UNSENT, "proof" => proof).increment(0);
+    }
     tokio::pin!(shutdown);
     let mut shutdown_seen = false;
     let mut fatal: Option<FatalSinkError> = None;
@@ -210,9 +235,12 @@ where
                 delivery.release();
                 break;
             }
-            Some(Ok(())) => {
+            Some(Ok(sent)) => {
                 health.delivery_ended(ended, Ok(()));
                 stats.delivered += 1;
+                if let Sent::Held(_) = sent {
+                    stats.held += 1;
+                }
                 delivery.ack();
             }
             Some(Err(e)) => match e.downcast::<FatalSinkError>() {

@@ -297,6 +297,7 @@ impl ReplayBuilder {
             end,
             scanned: start,
             events: 0,
+            held: 0,
             last_delivered: None,
             stopped_at: None,
         })
@@ -319,8 +320,13 @@ pub enum Outcome {
 #[non_exhaustive]
 pub struct Progress {
     /// Events delivered (confirmed by the sink) or, in [`Replay::count`],
-    /// counted.
+    /// counted. Those the broker already held are included, and counted
+    /// apart in [`Progress::held`].
     pub events: u64,
+    /// Of [`Progress::events`], those an exactly-once sink did not send: it
+    /// read each back from the broker, which already held it
+    /// ([`super::Sent::Held`]).
+    pub held: u64,
     /// The id of the last event the sink confirmed, `None` before the
     /// first: resume after it ([`Filter::after_id`]).
     pub last_delivered: Option<i64>,
@@ -375,6 +381,7 @@ pub struct Replay {
     /// Every matching row with an id up to this one has been handled.
     scanned: i64,
     events: u64,
+    held: u64,
     last_delivered: Option<i64>,
     stopped_at: Option<i64>,
 }
@@ -402,6 +409,7 @@ impl Replay {
     pub fn progress(&self) -> Progress {
         Progress {
             events: self.events,
+            held: self.held,
             last_delivered: self.last_delivered,
             stopped_at: self.stopped_at,
             start: self.start,
@@ -504,8 +512,11 @@ impl Replay {
                         self.stopped_at = Some(event.id);
                         return Err(Error::Sink(e));
                     }
-                    Some(Ok(())) => {
+                    Some(Ok(sent)) => {
                         self.events += 1;
+                        if let super::Sent::Held(_) = sent {
+                            self.held += 1;
+                        }
                         self.last_delivered = Some(event.id);
                         self.scanned = event.id;
                     }

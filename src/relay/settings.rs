@@ -18,6 +18,9 @@ use super::sinks::webhook::WebhookOptions;
 use crate::error::{Error, Result};
 use crate::secret::Secret;
 
+/// Default of [`SinkSettings::broker_check_interval`]: 60 seconds.
+pub const DEFAULT_BROKER_CHECK_INTERVAL: std::time::Duration = std::time::Duration::from_secs(60);
+
 /// Settings of the sinks, as the `pg-outbox relay` flags give them: the
 /// shared groups, and one field per sink (present when its Cargo feature
 /// is on). Each sink reads its own field and the shared groups. Every
@@ -40,11 +43,21 @@ pub struct SinkSettings {
     /// it for any other sink (the webhook, RabbitMQ and stdout have no way
     /// for the destination to refuse a repeat; Kafka: see
     /// [`super::SinkKind::no_exactly_once`]) and the NATS sink refuses
-    /// streams that may lose a subject's last message. It relies on the
-    /// relay handing one aggregate's events to the sink one at a time in
-    /// id order, which the `single` and `partitioned` modes do (not
-    /// `competing`).
+    /// streams that may lose a subject's last message. An event is
+    /// acknowledged without a send only when the sink reads this very event
+    /// back from the broker ([`super::Sent::Held`]); one the broker cannot
+    /// be shown to hold fails. It relies on the relay handing one
+    /// aggregate's events to the sink one at a time in id order, which the
+    /// `single` and `partitioned` modes do (not `competing`), and
+    /// [`super::run_with`] checks.
     pub exactly_once: bool,
+    /// How often an exactly-once sink checks again, while it delivers, the
+    /// broker settings it checked at start (NATS stream limits and server
+    /// version, Redis eviction policy); `None` (the default):
+    /// [`DEFAULT_BROKER_CHECK_INTERVAL`], a minute. A setting found to
+    /// break exactly-once stops the relay with a
+    /// [`super::FatalSinkError`] naming it (the event in hand released).
+    pub broker_check_interval: Option<std::time::Duration>,
     /// The webhook sink's options.
     #[cfg(feature = "webhook")]
     pub webhook: WebhookOptions,

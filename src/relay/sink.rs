@@ -81,8 +81,86 @@ impl std::fmt::Display for Guarantee {
     }
 }
 
-/// A boxed future returned by [`Sink::send`] and [`EventSink::deliver`].
+/// A boxed future returned by [`EventSink::deliver`]: `Ok(())` once the
+/// destination has taken the event.
 pub type SinkFuture<'a> = Pin<Box<dyn Future<Output = Result<(), BoxError>> + Send + 'a>>;
+
+/// A boxed future returned by [`Sink::send`]: how the destination came to
+/// hold the event ([`Sent`]), or why it does not.
+pub type SendFuture<'a> = Pin<Box<dyn Future<Output = Result<Sent, BoxError>> + Send + 'a>>;
+
+/// How a destination came to hold an event that [`Sink::send`] settled
+/// with `Ok`: the relay acknowledges it either way (it becomes published).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum Sent {
+    /// The sink sent it and the destination confirmed it (a flushed write,
+    /// a 2xx response, a broker's acknowledgement).
+    Delivered,
+    /// The sink did not send it (or the destination dropped the send as a
+    /// repeat): the destination already held this very event, which the
+    /// sink read back ([`Proof`] says how). Only exactly-once sinks
+    /// ([`Guarantee::ExactlyOnce`]) answer this; the relay counts it in
+    /// `outbox_sink_acknowledged_unsent_total{proof}` and logs it at warn.
+    Held(Proof),
+}
+
+/// How an exactly-once sink proved that the destination holds an event it
+/// did not send ([`Sent::Held`]). Every proof is the event itself read back
+/// from the broker: its own outbox id and `occurred_at` (and aggregate
+/// type, where the broker keeps it). A greater id of the same aggregate is
+/// never taken for proof: order can break upstream of the relay (a producer
+/// that breaks the producer-locked contract, a trigger disabled while rows
+/// change, another outbox writing the same keys), and a later event then
+/// says nothing about an earlier one (docs/architecture.md, "Exactly once:
+/// proof, never inference").
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum Proof {
+    /// Redis Streams: the stream holds the event's own entry, `<id>-0`.
+    Entry,
+    /// NATS JetStream: the subject's last message is this event.
+    LastMessage,
+    /// NATS JetStream: a message on the subject names this event as the one
+    /// stored just before it (headers `previous_id` and
+    /// `previous_occurred_at`, written with an expected last subject
+    /// sequence the stream checked), or the walk back along the subject's
+    /// messages reached the event's own message.
+    Chain,
+    /// NATS JetStream: the stream dropped the send as a duplicate
+    /// (`Nats-Msg-Id` within its duplicate window) and the message it
+    /// stores under that id is this event.
+    DuplicateWindow,
+}
+
+impl Proof {
+    /// `entry`, `last-message`, `chain` or `duplicate-window`: the label
+    /// value of `outbox_sink_acknowledged_unsent_total{proof}` and the word
+    /// in logs.
+    ///
+    /// # Example
+    /// ```
+    /// use pg_outbox::relay::Proof;
+    /// assert_eq!(Proof::Entry.as_str(), "entry");
+    /// ```
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Proof::Entry => "entry",
+            Proof::LastMessage => "last-message",
+            Proof::Chain => "chain",
+            Proof::DuplicateWindow => "duplicate-window",
+        }
+    }
+
+    /// Every proof kind, in the order of [`Proof::as_str`]'s list.
+    pub const ALL: [Proof; 4] = [Proof::Entry, Proof::LastMessage, Proof::Chain, Proof::DuplicateWindow];
+}
+
+impl std::fmt::Display for Proof {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
 
 /// Where the relay delivers events: the built-in sinks, and any sink of
 /// your own.
@@ -92,8 +170,10 @@ pub type SinkFuture<'a> = Pin<Box<dyn Future<Output = Result<(), BoxError>> + Se
 /// prefixes an error with [`Sink::name`], and reports the outcome in the
 /// stream's [`crate::Health`]; a sink only sends.
 ///
-/// `send` returns `Ok(())` only once the destination has taken the event
-/// (written and flushed, a 2xx response, a broker's confirmation): the event
+/// `send` returns `Ok` only once the destination has taken the event
+/// (written and flushed, a 2xx response, a broker's confirmation:
+/// [`Sent::Delivered`]) or, for an exactly-once sink, once it has read back
+/// that the destination holds this very event ([`Sent::Held`]): the event
 /// is then marked published. An `Err` fails the event (retry with backoff,
 /// dead letter at the threshold); its text is stored in `last_error`. A
 /// [`super::FatalSinkError`] stops the relay instead, the event released.
@@ -121,13 +201,15 @@ pub trait Sink: Send + Sync {
     /// What the sink promises about copies at the destination (default
     /// [`Guarantee::AtLeastOnce`]). A sink that returns
     /// [`Guarantee::ExactlyOnce`] must make the destination refuse a repeat
-    /// and return `Ok` for it only when the destination holds the event.
+    /// and return [`Sent::Held`] for it only when it has read this very
+    /// event back from the destination, never because the destination
+    /// holds a later one.
     fn guarantee(&self) -> Guarantee {
         Guarantee::AtLeastOnce
     }
 
     /// Send `message` (the encoded `event`) to the destination.
-    fn send<'a>(&'a self, message: &'a Message, event: &'a Event) -> SinkFuture<'a>;
+    fn send<'a>(&'a self, message: &'a Message, event: &'a Event) -> SendFuture<'a>;
 }
 
 /// A sink that delivers the event itself, with no use for the relay's
@@ -149,13 +231,20 @@ pub trait EventSink: Send + Sync {
     }
 
     /// What the sink promises about copies, as [`Sink::guarantee`];
-    /// default [`Guarantee::AtLeastOnce`].
+    /// default [`Guarantee::AtLeastOnce`]. An `EventSink` cannot answer
+    /// [`Sent::Held`]: an exactly-once sink implements [`Sink`].
     fn guarantee(&self) -> Guarantee {
         Guarantee::AtLeastOnce
     }
 
     /// Deliver one event; the same contract as [`Sink::send`].
     fn deliver<'a>(&'a self, event: &'a Event) -> SinkFuture<'a>;
+}
+
+/// `future`'s outcome as a [`Sink::send`]'s: `Ok(())` is
+/// [`Sent::Delivered`]. For the sinks that always send.
+pub(crate) fn delivered(future: SinkFuture<'_>) -> SendFuture<'_> {
+    Box::pin(async move { future.await.map(|()| Sent::Delivered) })
 }
 
 impl<T: EventSink + ?Sized> Sink for T {
@@ -171,8 +260,8 @@ impl<T: EventSink + ?Sized> Sink for T {
         EventSink::guarantee(self)
     }
 
-    fn send<'a>(&'a self, _message: &'a Message, event: &'a Event) -> SinkFuture<'a> {
-        self.deliver(event)
+    fn send<'a>(&'a self, _message: &'a Message, event: &'a Event) -> SendFuture<'a> {
+        delivered(self.deliver(event))
     }
 }
 
@@ -214,14 +303,19 @@ pub(crate) async fn deliver<S: Sink + ?Sized>(
     options: &DeliveryOptions,
     event: &Event,
     term: Option<u64>,
-) -> Result<(), BoxError> {
+) -> Result<Sent, BoxError> {
     let name = sink.name();
     let message = Message::with_term(event, term, options.format, &options.cloudevents_source)
         .map_err(|e| format!("{name}: cannot encode event {}: {}", event.id, crate::error::report(&e)))?;
     let send = sink.send(&message, event);
     let sent = if sink.bounded() { tokio::time::timeout(options.timeout, send).await } else { Ok(send.await) };
     match sent {
-        Ok(Ok(())) => Ok(()),
+        Ok(Ok(Sent::Held(proof))) => {
+            metrics::counter!(crate::metrics::SINK_ACKNOWLEDGED_UNSENT, "proof" => proof.as_str()).increment(1);
+            metrics::counter!(crate::metrics::SINK_REPEATS_REFUSED).increment(1);
+            Ok(Sent::Held(proof))
+        }
+        Ok(Ok(sent)) => Ok(sent),
         Ok(Err(e)) if e.is::<super::FatalSinkError>() => Err(e),
         Ok(Err(e)) => Err(format!("{name}: {}", crate::error::report(e.as_ref())).into()),
         Err(_) => Err(format!("{name}: timed out: no answer within {:?} (--sink-timeout)", options.timeout).into()),

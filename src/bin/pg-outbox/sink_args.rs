@@ -36,20 +36,28 @@ pub(crate) struct SinkArgs {
     pub(crate) sink_timeout: Duration,
     /// Deliver each event exactly once: the broker refuses a repeat (an
     /// event delivered again after a crash), and the relay acknowledges it
-    /// without a second copy (outbox_sink_repeats_refused_total). NATS
-    /// JetStream: reads each subject's last message back and publishes with
+    /// without a second copy only when it reads that very event back from
+    /// the broker (outbox_sink_acknowledged_unsent_total{proof}); an event
+    /// the broker cannot be shown to hold fails instead. NATS JetStream:
+    /// reads each subject's last message back and publishes with
     /// Nats-Expected-Last-Subject-Sequence; needs --nats-subject with
     /// {aggregate_id} and streams that keep each subject's last message
     /// (retention limits; no max_age, max_msgs or max_bytes;
     /// max_msgs_per_subject is fine). Redis Streams: XADD with the outbox
     /// id as entry id (Redis refuses one at or below the stream's top);
-    /// needs --redis-stream with {aggregate_id}; deleting a key forgets
-    /// it. Refused at start for stdout, webhook and RabbitMQ (the
+    /// needs --redis-stream with {aggregate_id} and a maxmemory-policy that
+    /// does not evict keys. Broker settings are checked at start and every
+    /// minute. Refused at start for stdout, webhook and RabbitMQ (the
     /// destination cannot refuse a repeat) and Kafka (no transactional
     /// producer); they stay at-least-once: deduplicate on the `id` header.
-    /// Not with --mode competing (no per-aggregate order).
+    /// Not with --mode competing (no per-aggregate order), nor on an outbox
+    /// in ordering mode producer-locked unless --producers-lock-aggregates.
     #[arg(long)]
     pub(crate) exactly_once: bool,
+    /// How often --exactly-once checks the broker's settings again while
+    /// delivering (default 60s). Hidden: for tests.
+    #[arg(long, hide = true, value_parser = crate::parse::parse_duration, value_name = "DURATION")]
+    broker_check_interval: Option<Duration>,
     #[cfg(feature = "webhook")]
     #[command(flatten)]
     webhook: WebhookArgs,
@@ -170,6 +178,12 @@ struct RedisArgs {
     /// Trim Redis streams to about this many entries (XADD MAXLEN ~); off by default.
     #[arg(long, value_name = "ENTRIES", value_parser = clap::value_parser!(u64).range(1..))]
     redis_maxlen: Option<u64>,
+    /// Acknowledge an event only once this many Redis replicas have its
+    /// entry (WAIT after each XADD, within half of --sink-timeout); fewer
+    /// fails the event, which is retried. 0 (the default): the primary's
+    /// reply is enough.
+    #[arg(long, value_name = "REPLICAS", default_value_t = 0)]
+    redis_wait_replicas: u32,
 }
 
 /// The RabbitMQ sink's flags.
@@ -248,6 +262,7 @@ impl SinkArgs {
         let mut s = SinkSettings::default();
         s.delivery = self.delivery();
         s.exactly_once = self.exactly_once;
+        s.broker_check_interval = self.broker_check_interval;
         let a = &self.access;
         s.tls.enabled = a.sink_tls;
         s.tls.ca_file = a.sink_tls_ca_file.clone();
@@ -284,6 +299,7 @@ impl SinkArgs {
         {
             s.redis.stream = self.redis.redis_stream.clone();
             s.redis.maxlen = self.redis.redis_maxlen.and_then(|n| usize::try_from(n).ok());
+            s.redis.wait_replicas = self.redis.redis_wait_replicas;
         }
         #[cfg(feature = "amqp")]
         {

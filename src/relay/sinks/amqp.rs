@@ -13,7 +13,8 @@ use lapin::{BasicProperties, Channel, Connection, ConnectionProperties, DefaultC
 use crate::error::{Error, Result};
 use crate::event::Event;
 use crate::relay::settings::with_reason;
-use crate::relay::{Message, Sink, SinkFuture, SinkSettings, Template, TlsOptions};
+use crate::relay::sink::delivered;
+use crate::relay::{Message, SendFuture, Sink, SinkSettings, Template, TlsOptions};
 use crate::secret::SecretUrl;
 
 /// The RabbitMQ sink's options (flags `--amqp-*`).
@@ -401,12 +402,12 @@ impl Sink for AmqpSink {
         &self.name
     }
 
-    fn send<'a>(&'a self, message: &'a Message, event: &'a Event) -> SinkFuture<'a> {
-        Box::pin(async move {
+    fn send<'a>(&'a self, message: &'a Message, event: &'a Event) -> SendFuture<'a> {
+        delivered(Box::pin(async move {
             let mut in_use = InUse { link: self.link.lock().await, armed: true };
             let outcome = self.publish(&mut in_use.link, message, event).await;
             in_use.armed = false;
             outcome.map_err(Into::into)
-        })
+        }))
     }
 }

@@ -13,7 +13,7 @@ use rdkafka::producer::{FutureProducer, FutureRecord, Producer};
 use crate::error::{Error, Result};
 use crate::event::Event;
 use crate::relay::settings::with_reason;
-use crate::relay::{Message, Sink, SinkFuture, SinkSettings, Template};
+use crate::relay::{Message, SendFuture, Sent, Sink, SinkSettings, Template};
 use crate::secret::{MASK, Secret, SecretUrl, looks_secret};
 
 /// The Kafka sink's options (flags `--kafka-*`).
@@ -502,8 +502,8 @@ impl Sink for KafkaSink {
         &self.name
     }
 
-    fn send<'a>(&'a self, message: &'a Message, event: &'a Event) -> SinkFuture<'a> {
-        Box::pin(async move { self.produce(message, event).await.map_err(Into::into) })
+    fn send<'a>(&'a self, message: &'a Message, event: &'a Event) -> SendFuture<'a> {
+        Box::pin(async move { self.produce(message, event).await.map(|()| Sent::Delivered).map_err(Into::into) })
     }
 }
 

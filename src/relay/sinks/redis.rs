@@ -1,17 +1,18 @@
 //! Redis Streams sink (Cargo feature `redis`, client `redis` with its
 //! connection manager).
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use futures::future::BoxFuture;
 use redis::IntoConnectionInfo;
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 
-use super::{parse_occurred_at, refused_repeat};
+use super::{Recheck, held, parse_occurred_at};
 use crate::error::{BoxError, Error, Result};
 use crate::event::Event;
 use crate::relay::settings::with_reason;
-use crate::relay::{Guarantee, Message, Sink, SinkFuture, SinkSettings, Template, header};
+use crate::relay::{Guarantee, Message, Proof, SendFuture, Sent, Sink, SinkSettings, Template, header};
 use crate::secret::SecretUrl;
 
 /// The Redis Streams sink's options (flags `--redis-*`).
@@ -23,11 +24,18 @@ pub struct RedisOptions {
     /// `XADD ... MAXLEN ~ N` trimming, in entries; `None` (the default)
     /// never trims.
     pub maxlen: Option<usize>,
+    /// Replicas that must have each entry before the event is
+    /// acknowledged (`--redis-wait-replicas`): after `XADD` the sink runs
+    /// `WAIT n timeout` (Redis docs, "WAIT") with half the delivery
+    /// timeout, and fails the event when fewer replicas confirm. Default
+    /// 0: the primary's reply is enough, and an entry lives in the
+    /// primary's memory (and its AOF, per `appendfsync`) when acknowledged.
+    pub wait_replicas: u32,
 }
 
 impl Default for RedisOptions {
     fn default() -> Self {
-        RedisOptions { stream: Template::builtin("outbox:{aggregate_type}"), maxlen: None }
+        RedisOptions { stream: Template::builtin("outbox:{aggregate_type}"), maxlen: None, wait_replicas: 0 }
     }
 }
 
@@ -56,26 +64,36 @@ impl Default for RedisOptions {
 ///   entry id is the outbox id: `XADD key <id>-0 ...`. Redis refuses an
 ///   entry id equal to or below the stream's top id ("The ID specified in
 ///   XADD is equal or smaller than the target stream top item"), and a
-///   stream remembers its top id even after trimming (`MAXLEN`) or `XDEL`;
-///   such a refusal means the stream already holds this event or a later
-///   one of its aggregate, so the event is acknowledged without a second
-///   copy (a refused repeat: logged at info with the id and key, counted in
-///   `outbox_sink_repeats_refused_total`). Before it counts the refusal,
-///   the sink reads the stream's newest entry: one of another aggregate
-///   type (the same aggregate id under two types, with a template lacking
-///   `{aggregate_type}`) fails the event instead, as it cannot tell, and
-///   so does one whose entry id is not its outbox id (appended without
-///   exactly-once, with an id Redis chose: a stream written at-least-once
-///   before cannot be continued exactly once), and one this outbox cannot
-///   have written after the event: this event's id with another
-///   `occurred_at`, or a greater id that occurred earlier (another outbox
-///   writes the key, or the database was restored to an earlier point and
-///   its ids came round again). The event's own entry (`XRANGE key
-///   <id>-0 <id>-0`), when the stream still holds it, decides first: the
-///   same `occurred_at` is a refused repeat, another one fails the event.
-///   Deleting the key (`DEL`, `UNLINK`, expiry) forgets the top id, and a
-///   repeat is then appended again. Needs Redis 5.0 or later (streams);
-///   checked at start.
+///   stream remembers its top id even after trimming (`MAXLEN`) or `XDEL`.
+///   After such a refusal the sink reads the event's own entry back
+///   (`XRANGE key <id>-0 <id>-0`): when the stream holds it, with this
+///   event's `occurred_at` and aggregate, the event is acknowledged without
+///   a second copy ([`Sent::Held`] with [`Proof::Entry`]: logged at warn
+///   with the id and key, counted in
+///   `outbox_sink_acknowledged_unsent_total{proof="entry"}`). Otherwise the
+///   event fails, and is never acknowledged unsent: an entry of this id
+///   holding another event (another outbox writes the key, or the database
+///   was restored to an earlier point and its ids came round again); no
+///   such entry, while the stream never deleted one at or above it
+///   (`XINFO STREAM`'s `max-deleted-entry-id`, Redis 7.0 and later): the
+///   event was never stored, and a later event of its aggregate was, so
+///   order broke upstream of the relay; no such entry, and entries at or
+///   above it were deleted or trimmed (or Redis is older than 7.0): it
+///   cannot be proven. A stream whose newest entry id is not its outbox id
+///   (appended without exactly-once) is named as such. Deleting the key
+///   (`DEL`, `UNLINK`, expiry, eviction) forgets the top id, and a repeat
+///   is then appended again: a second copy, never a loss. So the sink
+///   refuses, at start and every
+///   [`SinkSettings::broker_check_interval`] while it runs, a server whose
+///   `maxmemory-policy` evicts keys without an expiry (`allkeys-*`);
+///   `--redis-maxlen` must keep at least one entry. Needs Redis 5.0 or
+///   later (streams); checked at start.
+/// - Durability: an acknowledged entry is in the primary's memory, and on
+///   its disk only as its persistence says (AOF with `appendfsync always`
+///   writes each before replying; `everysec`, the default, loses up to a
+///   second on a crash; RDB alone loses everything since the last save).
+///   [`RedisOptions::wait_replicas`] waits for replicas as well. The sink
+///   logs what is in force at start.
 ///
 /// URLs: `redis://[user:password@]host[:port][/db]`, and
 /// `rediss://...` for TLS (rustls). [`SinkSettings::credentials`] (an ACL
@@ -91,6 +109,54 @@ pub struct RedisSink {
     options: RedisOptions,
     name: String,
     exactly_once: bool,
+    /// Half the delivery timeout: how long `WAIT` waits for replicas.
+    wait_timeout: Duration,
+    /// When the eviction policy is checked again (exactly once).
+    recheck: Arc<Recheck>,
+}
+
+/// Why `maxmemory_policy` (from `INFO memory`) breaks exactly-once: it
+/// evicts keys that have no expiry, and a stream key evicted forgets its
+/// top id, so a repeat would be appended again. `None` when it keeps them
+/// (`noeviction`, `volatile-*`: those evict only keys with an expiry,
+/// which the sink never sets).
+fn eviction_breaks(policy: &str) -> Option<String> {
+    policy.starts_with("allkeys-").then(|| {
+        format!(
+            "maxmemory-policy is {policy}, which evicts stream keys under memory pressure, and an evicted key \
+             forgets which entries it held; set `maxmemory-policy noeviction` (or a volatile-* policy)"
+        )
+    })
+}
+
+/// The value of `name:` in an `INFO` reply, if any.
+fn info_field<'a>(info: &'a str, name: &str) -> Option<&'a str> {
+    info.lines().find_map(|l| l.trim().strip_prefix(name).and_then(|r| r.strip_prefix(':'))).map(str::trim)
+}
+
+/// A stream entry id `<ms>-<seq>` as a pair, for comparing.
+fn entry_id(text: &str) -> Option<(u64, u64)> {
+    let (ms, seq) = text.trim().split_once('-')?;
+    Some((ms.parse().ok()?, seq.parse().ok()?))
+}
+
+/// The fields of an `XINFO STREAM` reply (a flat list of names and values
+/// in RESP2, a map in RESP3) that are strings or integers, by name.
+fn xinfo_fields(reply: &redis::Value) -> std::collections::HashMap<String, String> {
+    fn text(v: &redis::Value) -> Option<String> {
+        match v {
+            redis::Value::BulkString(b) => Some(String::from_utf8_lossy(b).into_owned()),
+            redis::Value::SimpleString(s) => Some(s.clone()),
+            redis::Value::Int(i) => Some(i.to_string()),
+            _ => None,
+        }
+    }
+    let pairs: Vec<(&redis::Value, &redis::Value)> = match reply {
+        redis::Value::Array(items) => items.chunks(2).filter_map(|c| Some((c.first()?, c.get(1)?))).collect(),
+        redis::Value::Map(items) => items.iter().map(|(k, v)| (k, v)).collect(),
+        _ => Vec::new(),
+    };
+    pairs.into_iter().filter_map(|(k, v)| Some((text(k)?, text(v)?))).collect()
 }
 
 /// The text of Redis's refusal of an entry id at or below a stream's top
@@ -232,12 +298,91 @@ impl RedisSink {
                 }
             }
         }
-        Ok(RedisSink {
+        let sink = RedisSink {
             conn,
             options: settings.redis.clone(),
             name: format!("Redis Streams {shown}"),
             exactly_once: settings.exactly_once,
-        })
+            wait_timeout: timeout / 2,
+            recheck: Arc::new(Recheck::new(settings.broker_check_interval)),
+        };
+        if settings.exactly_once
+            && let Some(why) =
+                sink.check_broker().await.map_err(|e| Error::SinkUnavailable(format!("Redis at {shown}: {e}")))?
+        {
+            return Err(Error::Config(format!("--exactly-once: Redis at {shown}: {why}")));
+        }
+        sink.log_durability(&shown).await;
+        Ok(sink)
+    }
+
+    /// Why the server's settings break exactly-once (one line that says
+    /// what to change), `None` when they keep it; `Err` when they cannot be
+    /// read.
+    async fn check_broker(&self) -> std::result::Result<Option<String>, String> {
+        let mut conn = self.conn.clone();
+        let info: std::result::Result<String, _> = redis::cmd("INFO").arg("memory").query_async(&mut conn).await;
+        let info = info.map_err(|e| format!("cannot read the eviction policy (INFO memory): {e}"))?;
+        Ok(info_field(&info, "maxmemory_policy").and_then(eviction_breaks))
+    }
+
+    /// Log what an acknowledged entry means on the server: its persistence
+    /// (AOF and `appendfsync`, when the server lets `CONFIG GET` read it)
+    /// and the replicas waited for.
+    async fn log_durability(&self, shown: &str) {
+        let mut conn = self.conn.clone();
+        let info: std::result::Result<String, _> = redis::cmd("INFO").arg("persistence").query_async(&mut conn).await;
+        let aof = info.ok().and_then(|i| info_field(&i, "aof_enabled").map(|v| v == "1"));
+        let fsync: std::result::Result<Vec<String>, _> =
+            redis::cmd("CONFIG").arg("GET").arg("appendfsync").query_async(&mut conn).await;
+        let fsync = fsync.ok().and_then(|v| v.get(1).cloned());
+        let on_disk = match (aof, fsync.as_deref()) {
+            (Some(true), Some("always")) => "AOF with appendfsync always: each entry is on disk before Redis replies",
+            (Some(true), Some("everysec")) => {
+                "AOF with appendfsync everysec: a crash of Redis can lose the last second"
+            }
+            (Some(true), _) => {
+                "AOF on (appendfsync not readable here or not always): a crash of Redis can lose recent entries"
+            }
+            (Some(false), _) => "no AOF: entries live in memory until the next RDB save; a crash of Redis loses them",
+            (None, _) => "persistence not readable (INFO persistence)",
+        };
+        let replicas = self.options.wait_replicas;
+        tracing::info!(
+            sink = %shown,
+            wait_replicas = replicas,
+            "Redis durability of an acknowledged entry: {on_disk}; {}",
+            if replicas == 0 {
+                "no replica waited for (--redis-wait-replicas 0)".to_string()
+            } else {
+                format!("WAIT {replicas} replica(s) after each XADD")
+            }
+        );
+    }
+
+    /// With [`RedisOptions::wait_replicas`], wait until that many replicas
+    /// have `entry` of `key` (and everything written before it).
+    async fn replicated(&self, key: &str, entry: &str) -> std::result::Result<(), BoxError> {
+        let n = self.options.wait_replicas;
+        if n == 0 {
+            return Ok(());
+        }
+        let mut conn = self.conn.clone();
+        let millis = u64::try_from(self.wait_timeout.as_millis()).unwrap_or(u64::MAX).max(1);
+        let got: i64 = redis::cmd("WAIT")
+            .arg(n)
+            .arg(millis)
+            .query_async(&mut conn)
+            .await
+            .map_err(|e| format!("WAIT {n} after XADD {key} {entry} failed: {e}"))?;
+        if got < i64::from(n) {
+            return Err(format!(
+                "entry {entry} of {key} is on the primary, but only {got} of {n} replicas confirmed it within \
+                 {millis} ms (--redis-wait-replicas): not acknowledged; retried"
+            )
+            .into());
+        }
+        Ok(())
     }
 
     /// Refuse a key template that exactly-once cannot keep: one without
@@ -254,92 +399,90 @@ impl RedisSink {
     }
 
     /// After Redis refused event's entry id at or below the top of `key`:
-    /// `Ok` (a refused repeat, counted) unless the newest entry belongs to
-    /// another aggregate, which cannot tell.
-    async fn refused(&self, key: &str, event: &Event) -> std::result::Result<(), BoxError> {
+    /// [`Sent::Held`] when the stream holds this event's own entry, else an
+    /// error that says why it is not acknowledged (see [`RedisSink`]).
+    async fn refused(&self, key: &str, event: &Event) -> std::result::Result<Sent, BoxError> {
         let mut conn = self.conn.clone();
-        // The event's own entry, if the stream still has it: then it decides.
-        let own: std::result::Result<redis::streams::StreamRangeReply, _> = redis::cmd("XRANGE")
-            .arg(key)
-            .arg(format!("{}-0", event.id))
-            .arg(format!("{}-0", event.id))
-            .query_async(&mut conn)
-            .await;
+        let own_id = format!("{}-0", event.id);
+        let own: std::result::Result<redis::streams::StreamRangeReply, _> =
+            redis::cmd("XRANGE").arg(key).arg(&own_id).arg(&own_id).query_async(&mut conn).await;
         let own = own.map_err(|e| {
-            format!("XADD {key} refused entry {}-0 as not above the top; reading that entry failed: {e}", event.id)
+            format!("XADD {key} refused entry {own_id} as not above the top; reading that entry failed: {e}")
         })?;
         if let Some(entry) = own.ids.first() {
             let at = entry.get::<String>("occurred_at").as_deref().and_then(parse_occurred_at);
-            let same_aggregate = entry.get::<String>("aggregate").is_none_or(|a| a == event.aggregate_id.to_string());
+            let same_aggregate = entry.get::<String>("aggregate").is_none_or(|a| a == event.aggregate_id.to_string())
+                && entry.get::<String>("aggregate_type").is_none_or(|t| t == event.aggregate_type);
             if at != Some(event.occurred_at) || !same_aggregate {
                 return Err(format!(
-                    "XADD {key} refused entry {}-0, and the entry {} there is another event (another outbox writes \
+                    "XADD {key} refused entry {own_id}, and the entry {} there is another event (another outbox writes \
                      this key, or the database was restored to an earlier point and its ids came round again); \
                      not acknowledged (use keys of this outbox's own)",
-                    event.id, entry.id
+                    entry.id
                 )
                 .into());
             }
-            refused_repeat(event.id, key, "the stream holds it");
-            return Ok(());
+            self.replicated(key, &own_id).await?;
+            return Ok(held(event.id, key, Proof::Entry, "the stream holds its own entry"));
         }
+        Err(self.not_held(key, event).await.into())
+    }
+
+    /// Why `key`, which refused `event`'s entry id as not above its top and
+    /// has no entry of that id, is not shown to hold it.
+    async fn not_held(&self, key: &str, event: &Event) -> String {
+        let mut conn = self.conn.clone();
+        let own_id = format!("{}-0", event.id);
         let newest: std::result::Result<redis::streams::StreamRangeReply, _> =
             redis::cmd("XREVRANGE").arg(key).arg("+").arg("-").arg("COUNT").arg(1).query_async(&mut conn).await;
-        let newest = newest.map_err(|e| {
-            format!(
-                "XADD {key} refused entry {}-0 as not above the top; reading the newest entry failed: {e}",
-                event.id
-            )
-        })?;
-        if let Some(entry) = newest.ids.first() {
-            let field = |name: &str| entry.get::<String>(name);
-            let outbox_id = field("id").unwrap_or_default();
-            if entry.id != format!("{outbox_id}-0") {
-                // An entry id Redis chose (`*`, a millisecond time) says
-                // nothing about outbox ids.
-                return Err(format!(
-                    "XADD {key} refused entry {}-0 as not above the top, and the newest entry {} was not written \
-                     with --exactly-once (its entry id is not its outbox id): whether {key} holds this event cannot \
-                     be told; deliver exactly once to keys of their own (a new --redis-stream) or delete this one",
-                    event.id, entry.id
-                )
-                .into());
-            }
-            let at = field("occurred_at").as_deref().and_then(parse_occurred_at);
-            let top: i64 = outbox_id.trim().parse().unwrap_or(i64::MAX);
-            let ours = match at {
-                Some(at) if top == event.id => at == event.occurred_at,
-                Some(at) => top > event.id && at >= event.occurred_at,
-                None => false,
-            };
-            if !ours {
-                return Err(format!(
-                    "XADD {key} refused entry {}-0 as not above the top, and the newest entry {} ({}) is not one \
-                     this outbox can have written after event {} (occurred {}): another outbox writes this key, or \
-                     the database was restored to an earlier point and its ids came round again; whether {key} \
-                     holds this event cannot be told, so it is not acknowledged (use keys of this outbox's own)",
-                    event.id,
-                    entry.id,
-                    at.map_or_else(|| "no occurred_at field".to_string(), |t| format!("occurred {}", t.to_rfc3339())),
-                    event.id,
-                    event.occurred_at.to_rfc3339()
-                )
-                .into());
-            }
-            let aggregate = event.aggregate_id.to_string();
-            let other_type = field("aggregate_type").is_some_and(|t| t != event.aggregate_type);
-            let other_id = field("aggregate").is_some_and(|a| a != aggregate);
-            if other_type || other_id {
-                return Err(format!(
-                    "XADD {key} refused entry {}-0 as not above the top, and the newest entry {} belongs to another \
-                     aggregate: whether {key} holds this event cannot be told; put {{aggregate_type}} in --redis-stream",
-                    event.id, entry.id
-                )
-                .into());
-            }
+        if let Ok(newest) = newest
+            && let Some(entry) = newest.ids.first()
+            && entry.get::<String>("id").is_none_or(|id| entry.id != format!("{}-0", id.trim()))
+        {
+            // An entry id Redis chose (`*`, a millisecond time) says nothing
+            // about outbox ids.
+            return format!(
+                "XADD {key} refused entry {own_id} as not above the top, and the newest entry {} was not written \
+                 with --exactly-once (its entry id is not its outbox id): whether {key} holds this event cannot be \
+                 told; deliver exactly once to keys of their own (a new --redis-stream) or delete this one",
+                entry.id
+            );
         }
-        refused_repeat(event.id, key, "the stream's top id is this event's or a later one's");
-        Ok(())
+        let info: std::result::Result<redis::Value, _> =
+            redis::cmd("XINFO").arg("STREAM").arg(key).query_async(&mut conn).await;
+        let fields = match info {
+            Ok(v) => xinfo_fields(&v),
+            Err(e) => {
+                return format!(
+                    "XADD {key} refused entry {own_id} as not above the top, the stream has no such entry, and \
+                     XINFO STREAM failed ({e}): whether it was ever stored cannot be proven; not acknowledged"
+                );
+            }
+        };
+        let top = fields.get("last-generated-id").cloned().unwrap_or_else(|| "?".into());
+        let deleted = fields.get("max-deleted-entry-id").and_then(|d| entry_id(d));
+        match deleted {
+            Some(d) if d < (event.id.unsigned_abs(), 0) => format!(
+                "order broke upstream: {key} (aggregate {} {}) already holds entry {top} above this event's \
+                 {own_id}, and never held {own_id} (no entry at or above it was ever deleted: max-deleted-entry-id \
+                 {}-{}), so this event was never stored and a later one of its aggregate was; not acknowledged \
+                 unsent. Causes: a producer that broke the producer-locked contract, a trigger disabled while rows \
+                 changed, another outbox (or a restored database) writing this key; see docs/operations.md, \
+                 \"When exactly-once finds order broken\"",
+                event.aggregate_type, event.aggregate_id, d.0, d.1
+            ),
+            Some(d) => format!(
+                "XADD {key} refused entry {own_id} as not above the top {top}, the stream has no such entry, and \
+                 entries up to {}-{} were deleted or trimmed: whether this event was stored cannot be proven; not \
+                 acknowledged unsent (see docs/operations.md, \"When exactly-once finds order broken\")",
+                d.0, d.1
+            ),
+            None => format!(
+                "XADD {key} refused entry {own_id} as not above the top {top}, and the stream has no such entry: \
+                 whether this event was stored cannot be proven (Redis before 7.0 does not say what a stream \
+                 deleted); not acknowledged unsent (see docs/operations.md, \"When exactly-once finds order broken\")"
+            ),
+        }
     }
 }
 
@@ -348,6 +491,13 @@ pub(crate) fn open<'a>(url: &'a SecretUrl, settings: &'a SinkSettings) -> BoxFut
     Box::pin(async move {
         if settings.exactly_once {
             RedisSink::check_template(&settings.redis.stream)?;
+            if settings.redis.maxlen == Some(0) {
+                return Err(Error::Config(
+                    "--exactly-once needs each stream to keep its newest entry, which a repeat is proven by: \
+                     --redis-maxlen must be at least 1"
+                        .into(),
+                ));
+            }
         }
         Ok(Box::new(RedisSink::connect(url, settings).await?) as Box<dyn Sink>)
     })
@@ -362,8 +512,16 @@ impl Sink for RedisSink {
         if self.exactly_once { Guarantee::ExactlyOnce } else { Guarantee::AtLeastOnce }
     }
 
-    fn send<'a>(&'a self, message: &'a Message, event: &'a Event) -> SinkFuture<'a> {
+    fn send<'a>(&'a self, message: &'a Message, event: &'a Event) -> SendFuture<'a> {
         Box::pin(async move {
+            if self.exactly_once && self.recheck.due() {
+                match self.check_broker().await {
+                    Ok(Some(why)) => return Err(Recheck::failed("redis", why)),
+                    Ok(None) => {}
+                    // Unreadable now: the send below meets the same trouble.
+                    Err(e) => tracing::warn!(sink = %self.name, "{e}"),
+                }
+            }
             let key = self.options.stream.render(event);
             let mut cmd = redis::cmd("XADD");
             cmd.arg(&key);
@@ -382,7 +540,10 @@ impl Sink for RedisSink {
             let mut conn = self.conn.clone();
             let reply: std::result::Result<String, redis::RedisError> = cmd.query_async(&mut conn).await;
             match reply {
-                Ok(_entry_id) => Ok(()),
+                Ok(entry_id) => {
+                    self.replicated(&key, &entry_id).await?;
+                    Ok(Sent::Delivered)
+                }
                 Err(e) if self.exactly_once && e.to_string().contains(ID_TOO_SMALL) => self.refused(&key, event).await,
                 Err(e) => Err(format!("XADD {key} failed: {e}").into()),
             }
@@ -393,6 +554,36 @@ impl Sink for RedisSink {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn only_policies_that_evict_keys_without_an_expiry_break_exactly_once() {
+        let info = "# Memory\r\nused_memory:1\r\nmaxmemory_policy:allkeys-lru\r\n";
+        let why = info_field(info, "maxmemory_policy").and_then(eviction_breaks).unwrap_or_default();
+        assert!(why.contains("allkeys-lru") && why.contains("noeviction"), "{why}");
+        for keeps in ["noeviction", "volatile-lru", "volatile-ttl"] {
+            assert_eq!(eviction_breaks(keeps), None, "{keeps}");
+        }
+        assert_eq!(info_field("maxmemory_policy:noeviction", "maxmemory"), None, "whole field names only");
+    }
+
+    #[test]
+    fn entry_ids_compare_as_pairs_and_xinfo_fields_are_read_by_name() {
+        assert!(entry_id("9-0") < entry_id("10-0"), "numeric, not textual");
+        assert_eq!(entry_id("12-3"), Some((12, 3)));
+        assert_eq!(entry_id("x"), None);
+        let reply = redis::Value::Array(vec![
+            redis::Value::BulkString(b"length".to_vec()),
+            redis::Value::Int(2),
+            redis::Value::BulkString(b"max-deleted-entry-id".to_vec()),
+            redis::Value::BulkString(b"0-0".to_vec()),
+            redis::Value::BulkString(b"first-entry".to_vec()),
+            redis::Value::Array(vec![]),
+        ]);
+        let f = xinfo_fields(&reply);
+        assert_eq!(f.get("length").map(String::as_str), Some("2"));
+        assert_eq!(f.get("max-deleted-entry-id").map(String::as_str), Some("0-0"));
+        assert!(!f.contains_key("first-entry"), "entries are not fields");
+    }
 
     #[test]
     fn the_version_comes_from_info_server() {

@@ -5,7 +5,8 @@ use tokio::io::AsyncWriteExt;
 
 use crate::error::Result;
 use crate::event::Event;
-use crate::relay::{FatalSinkError, Message, Sink, SinkFuture, SinkSettings};
+use crate::relay::sink::delivered;
+use crate::relay::{FatalSinkError, Message, SendFuture, Sink, SinkSettings};
 use crate::secret::SecretUrl;
 
 /// Writes each event as one JSON line, the message body in the relay's
@@ -106,8 +107,8 @@ impl Sink for StdoutSink {
         false
     }
 
-    fn send<'a>(&'a self, message: &'a Message, _event: &'a Event) -> SinkFuture<'a> {
-        Box::pin(async move {
+    fn send<'a>(&'a self, message: &'a Message, _event: &'a Event) -> SendFuture<'a> {
+        delivered(Box::pin(async move {
             let mut line = Vec::with_capacity(message.body.len() + 1);
             line.extend_from_slice(&message.body);
             line.push(b'\n');
@@ -122,6 +123,6 @@ impl Sink for StdoutSink {
                 },
             };
             written.map_err(gone)
-        })
+        }))
     }
 }

@@ -8,7 +8,8 @@ use hmac::{KeyInit as _, Mac as _};
 
 use crate::error::{Error, Result};
 use crate::event::Event;
-use crate::relay::{Message, Sink, SinkFuture, SinkSettings, header};
+use crate::relay::sink::delivered;
+use crate::relay::{Message, SendFuture, Sink, SinkSettings, header};
 use crate::secret::{MASK, Secret, SecretUrl, looks_secret};
 
 /// Default time a webhook has to answer: 10 seconds
@@ -392,8 +393,8 @@ impl Sink for WebhookSink {
         &self.name
     }
 
-    fn send<'a>(&'a self, message: &'a Message, _event: &'a Event) -> SinkFuture<'a> {
-        Box::pin(async move {
+    fn send<'a>(&'a self, message: &'a Message, _event: &'a Event) -> SendFuture<'a> {
+        delivered(Box::pin(async move {
             let resp = self
                 .request(message)
                 .send()
@@ -403,7 +404,7 @@ impl Sink for WebhookSink {
                 return Ok(());
             }
             Err(self.refused(resp).await.into())
-        })
+        }))
     }
 }
 

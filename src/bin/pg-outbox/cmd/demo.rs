@@ -5,7 +5,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use pg_outbox::relay::{Message, Sink, SinkFuture, StdoutSink};
+use pg_outbox::relay::{Message, SendFuture, Sent, Sink, StdoutSink};
 use pg_outbox::temp_server::TempServer;
 use pg_outbox::{ConnectOptions, Consumer, Envelope, Event, Metadata, NewEvent, Publisher};
 
@@ -53,7 +53,7 @@ impl Sink for DemoSink {
         self.inner.name()
     }
 
-    fn send<'a>(&'a self, message: &'a Message, event: &'a Event) -> SinkFuture<'a> {
+    fn send<'a>(&'a self, message: &'a Message, event: &'a Event) -> SendFuture<'a> {
         Box::pin(async move {
             self.inner.send(message, event).await?;
             let now = Instant::now();
@@ -65,7 +65,7 @@ impl Sink for DemoSink {
             if last.is_some_and(|l| l > event.id) {
                 s.order_violations += 1;
             }
-            Ok(())
+            Ok(Sent::Delivered)
         })
     }
 }

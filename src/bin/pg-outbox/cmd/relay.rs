@@ -151,6 +151,15 @@ pub(crate) struct RelayArgs {
     /// Hidden: meant for tests and for checking a deployment.
     #[arg(long, hide = true, requires = "retention")]
     retention_at_start: bool,
+    /// Declare that every producer locks its aggregate's row before it
+    /// inserts the aggregate's events (the producer-locked contract, README
+    /// "Ordering modes"). --exactly-once needs it on an outbox in ordering
+    /// mode producer-locked (or with no insert trigger), where
+    /// per-aggregate order rests on that contract; it changes nothing else.
+    /// A producer that breaks it makes an event arrive after a later one of
+    /// its aggregate, which then fails with an error saying so.
+    #[arg(long)]
+    producers_lock_aggregates: bool,
     #[command(flatten)]
     sink: SinkArgs,
 }
@@ -222,6 +231,7 @@ pub(crate) async fn run(url: &str, args: RelayArgs) -> Result<(), Error> {
         .source(args.source.kind())
         .stranded_after(args.stranded_after)
         .take_over_stranded(args.take_over_stranded)
+        .producers_lock_aggregates(args.producers_lock_aggregates)
         .mode(match args.mode {
             ModeArg::Single => pg_outbox::Mode::Single,
             ModeArg::Partitioned => pg_outbox::Mode::Partitioned { partitions: args.partitions },

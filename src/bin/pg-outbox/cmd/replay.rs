@@ -270,27 +270,38 @@ pub(crate) async fn run(url: &str, args: ReplayArgs, format: LogFormat) -> Resul
     let p = replay.progress();
     let (hint, mut fields) = resume(&p);
     fields.push(("events", json!(p.events)));
+    fields.push(("sent", json!(p.events - p.held)));
+    fields.push(("already_held", json!(p.held)));
     fields.push(("sink", json!(sink_name)));
+    // With --exactly-once, what the broker already held was not sent again.
+    let held = if p.held > 0 {
+        format!(" ({} sent, {} already held by the broker, read back and not sent again)", p.events - p.held, p.held)
+    } else {
+        String::new()
+    };
     match result {
         Ok(Outcome::Finished) if p.events == 0 => {
             logging::line(format, "INFO", TARGET, "nothing to replay (no event matches)", &fields);
             Ok(())
         }
         Ok(Outcome::Finished) => {
-            let msg =
-                format!("replay done: {} events delivered to {sink_name} in {}; {hint}", p.events, elapsed(started));
+            let msg = format!(
+                "replay done: {} events delivered to {sink_name}{held} in {}; {hint}",
+                p.events,
+                elapsed(started)
+            );
             logging::line(format, "INFO", TARGET, &msg, &fields);
             Ok(())
         }
         Ok(_) => {
-            let msg = format!("replay interrupted after {} events; {hint}", p.events);
+            let msg = format!("replay interrupted after {} events{held}; {hint}", p.events);
             logging::line(format, "WARN", TARGET, &msg, &fields);
             Err(Error::Interrupted)
         }
         Err(e) => {
             let at = p.stopped_at.map_or_else(String::new, |id| format!(" at event {id}"));
             Err(Error::Stopped(format!(
-                "replay stopped{at} after {} events: {}; {hint}",
+                "replay stopped{at} after {} events{held}: {}; {hint}",
                 p.events,
                 pg_outbox::error::report(&e)
             )))
