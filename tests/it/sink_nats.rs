@@ -698,6 +698,10 @@ async fn exactly_once_is_refused_at_start_for_sinks_that_cannot_refuse_a_repeat(
     assert!(brokers::line_with(&log, "--exactly-once").contains("--mode competing"), "{log}");
 }
 
+/// A stream that keeps only each subject's last message: a repeat of the
+/// last event is proven by the message itself, one of the event before it
+/// by the last message's `previous_id` header; an earlier one, whose
+/// message the stream removed, cannot be proven and fails, saying why.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn nats_exactly_once_runs_on_a_stream_that_keeps_only_each_subjects_last_message() {
     if !needs::server(&needs::NATS).await {
@@ -718,17 +722,40 @@ async fn nats_exactly_once_runs_on_a_stream_that_keeps_only_each_subjects_last_m
     brokers::wait_published(&c, sent.len() as i64).await;
     relay.stop().await;
 
+    // The crash window for each aggregate's last two events, after the
+    // duplicate window (1 s).
     tokio::time::sleep(Duration::from_millis(1500)).await;
-    let ids: Vec<i64> = sent.keys().copied().collect();
-    brokers::unpublish(&db, &ids).await;
+    let per_aggregate_ids =
+        |a: uuid::Uuid| -> Vec<i64> { sent.iter().filter(|(_, e)| e.aggregate_id == a).map(|(id, _)| *id).collect() };
+    let last_two: Vec<i64> = aggs.iter().flat_map(|(_, a)| per_aggregate_ids(*a).into_iter().rev().take(2)).collect();
+    brokers::unpublish(&db, &last_two).await;
     let addr = format!("127.0.0.1:{}", brokers::free_port());
     let mut again = args.to_vec();
-    again.extend(["--metrics-addr", &addr]);
+    again.extend(["--metrics-addr", &addr, "--retry-schedule", "1h"]);
     let relay = relay_proc::start(&db, &again).await;
     brokers::wait_published(&c, sent.len() as i64).await;
+
+    // An earlier event of one aggregate: its message is gone.
+    let earliest = per_aggregate_ids(aggs[0].1)[0];
+    brokers::unpublish(&db, &[earliest]).await;
+    support::eventually(LIVENESS.as_secs(), "the earliest event failed", || async {
+        brokers::row_state(&c, earliest).await.1 == 1
+    })
+    .await;
     let metrics = brokers::scrape(&addr).await;
     relay.stop().await;
-    assert_eq!(brokers::sample(&metrics, "outbox_sink_repeats_refused_total"), Some(sent.len() as f64), "{metrics}");
+    let four = Some(aggs.len() as f64);
+    assert_eq!(
+        brokers::sample(&metrics, r#"outbox_sink_acknowledged_unsent_total{proof="last-message"}"#),
+        four,
+        "{metrics}"
+    );
+    assert_eq!(brokers::sample(&metrics, r#"outbox_sink_acknowledged_unsent_total{proof="chain"}"#), four, "{metrics}");
+    assert_eq!(brokers::sample(&metrics, "outbox_sink_repeats_refused_total"), Some(2.0 * aggs.len() as f64));
+    let (published, _, error) = brokers::row_state(&c, earliest).await;
+    assert!(!published, "never acknowledged when its message is gone");
+    let error = error.unwrap_or_default();
+    assert!(error.contains("is gone") && error.contains("cannot be proven"), "{error}");
     // The stream keeps each aggregate's last event, sent once.
     let mut last: Vec<i64> = aggs
         .iter()

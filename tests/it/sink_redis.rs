@@ -264,8 +264,13 @@ async fn redis_exactly_once_delivers_a_load_once_in_aggregate_order() {
     brokers::check_once_in_aggregate_order(&ids, &sent);
 }
 
+/// The crash window (the broker stored the events, the outbox did not
+/// record it): each repeat is acknowledged only on its own entry, read
+/// back. A stream trimmed empty meanwhile still refuses the repeats (it
+/// keeps its top id), but holds no entry to prove them by: they fail,
+/// saying so, and nothing is appended or acknowledged unsent.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn redis_exactly_once_refuses_the_repeat_even_after_trimming() {
+async fn redis_exactly_once_a_repeat_is_proven_by_its_own_entry_and_a_trimmed_one_fails() {
     if !needs::server(&needs::REDIS).await {
         return;
     }
@@ -280,8 +285,6 @@ async fn redis_exactly_once_refuses_the_repeat_even_after_trimming() {
     brokers::wait_published(&c, sent.len() as i64).await;
     relay.stop().await;
 
-    // The crash window again, and one stream trimmed empty meanwhile: a
-    // stream keeps its top id.
     let trimmed = format!("{}:{}:{}", keys.prefix, aggs[0].0, aggs[0].1);
     let _: i64 = redis::cmd("XTRIM")
         .arg(&trimmed)
@@ -294,27 +297,47 @@ async fn redis_exactly_once_refuses_the_repeat_even_after_trimming() {
     brokers::unpublish(&db, &ids).await;
     let addr = format!("127.0.0.1:{}", brokers::free_port());
     let mut again = args.to_vec();
-    again.extend(["--metrics-addr", &addr]);
+    again.extend(["--metrics-addr", &addr, "--retry-schedule", "1h"]);
     let relay = relay_proc::start(&db, &again).await;
-    brokers::wait_published(&c, sent.len() as i64).await;
+    let kept: BTreeMap<i64, Sent> =
+        sent.iter().filter(|(_, e)| e.aggregate_id != aggs[0].1).map(|(k, v)| (*k, v.clone())).collect();
+    let first_trimmed = sent.iter().find(|(_, e)| e.aggregate_id == aggs[0].1).map(|(id, _)| *id).expect("an event");
+    brokers::wait_published(&c, kept.len() as i64).await;
+    support::eventually(brokers::LIVENESS.as_secs(), "the trimmed stream's first event failed", || async {
+        brokers::row_state(&c, first_trimmed).await.1 == 1
+    })
+    .await;
     let metrics = brokers::scrape(&addr).await;
     let log = relay.log();
     relay.stop().await;
+    let proven = Some(kept.len() as f64);
+    assert_eq!(brokers::sample(&metrics, "outbox_sink_repeats_refused_total"), proven, "{metrics}");
     assert_eq!(
-        brokers::sample(&metrics, "outbox_sink_repeats_refused_total"),
-        Some(sent.len() as f64),
-        "every repeat was refused:\n{metrics}"
+        brokers::sample(&metrics, r#"outbox_sink_acknowledged_unsent_total{proof="entry"}"#),
+        proven,
+        "each repeat proven by its own entry:\n{metrics}"
     );
     let line = brokers::line_with(&log, "repeat refused");
-    assert!(line.contains(&keys.prefix), "the refusal names the key: {line}");
+    assert!(line.contains(&keys.prefix) && line.contains("WARN") && line.contains("entry"), "{line}");
+    let (published, _, error) = brokers::row_state(&c, first_trimmed).await;
+    assert!(!published, "never acknowledged without its entry");
+    let error = error.unwrap_or_default();
+    assert!(
+        error.contains(&trimmed) && error.contains("deleted or trimmed") && error.contains("cannot be proven"),
+        "{error}"
+    );
+    let trimmed_published: i64 = c
+        .query_one(
+            "SELECT count(*) FROM events.outbox WHERE aggregate_id = $1 AND published_at IS NOT NULL",
+            &[&aggs[0].1],
+        )
+        .await
+        .expect("count")
+        .get(0);
+    assert_eq!(trimmed_published, 0, "none of the trimmed stream's events is acknowledged");
     assert_eq!(keys.len(&trimmed).await, 0, "nothing was appended to the trimmed stream");
-    let kept: BTreeMap<i64, Sent> =
-        sent.iter().filter(|(_, e)| e.aggregate_id != aggs[0].1).map(|(k, v)| (*k, v.clone())).collect();
     let ids = ids_per_aggregate(&keys, &kept).await;
     brokers::check_once_in_aggregate_order(&ids, &kept);
-    let failed: i64 =
-        c.query_one("SELECT count(*) FROM events.outbox WHERE retry_count > 0", &[]).await.expect("count").get(0);
-    assert_eq!(failed, 0, "a refused repeat is no failure");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -531,5 +554,8 @@ async fn redis_exactly_once_a_greater_id_of_another_outbox_is_not_taken_for_a_re
     let (published, _, last_error) = brokers::row_state(&c, id).await;
     assert!(!published, "never acknowledged when the key is another outbox's");
     let last_error = last_error.unwrap_or_default();
-    assert!(last_error.contains(&key) && last_error.contains("restored"), "{last_error}");
+    assert!(
+        last_error.contains(&key) && last_error.contains("never stored") && last_error.contains("another outbox"),
+        "{last_error}"
+    );
 }

@@ -864,7 +864,6 @@ impl NatsSink {
                 let now = self.read_last(state, &subject).await?;
                 remember(&state.last, &subject, now.clone());
                 if now.id.is_some_and(|id| event.id <= id) {
-                    state.last.lock().unwrap_or_else(PoisonError::into_inner).remove(&subject);
                     return self.prove(state, &subject, event).await;
                 }
                 Err(format!(

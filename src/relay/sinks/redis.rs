@@ -460,16 +460,32 @@ impl RedisSink {
             }
         };
         let top = fields.get("last-generated-id").cloned().unwrap_or_else(|| "?".into());
-        let deleted = fields.get("max-deleted-entry-id").and_then(|d| entry_id(d));
+        let field_id = |name: &str| fields.get(name).and_then(|d| entry_id(d));
+        let own = (event.id.unsigned_abs(), 0);
+        // Redis 7.0 and later: XDEL raises max-deleted-entry-id, trimming
+        // raises the first entry. An own id above the one and at or above
+        // the other, on a stream that holds entries, was never added.
+        let length = fields.get("length").and_then(|l| l.parse::<u64>().ok()).unwrap_or(0);
+        let deleted = match (field_id("max-deleted-entry-id"), field_id("recorded-first-entry-id")) {
+            (Some(d), Some(first)) if length > 0 => {
+                if own < first {
+                    Some(first)
+                } else {
+                    Some(d)
+                }
+            }
+            (Some(_), Some(_)) => field_id("last-generated-id"),
+            _ => None,
+        };
         match deleted {
-            Some(d) if d < (event.id.unsigned_abs(), 0) => format!(
+            Some(d) if d < own => format!(
                 "order broke upstream: {key} (aggregate {} {}) already holds entry {top} above this event's \
-                 {own_id}, and never held {own_id} (no entry at or above it was ever deleted: max-deleted-entry-id \
-                 {}-{}), so this event was never stored and a later one of its aggregate was; not acknowledged \
-                 unsent. Causes: a producer that broke the producer-locked contract, a trigger disabled while rows \
-                 changed, another outbox (or a restored database) writing this key; see docs/operations.md, \
-                 \"When exactly-once finds order broken\"",
-                event.aggregate_type, event.aggregate_id, d.0, d.1
+                 {own_id}, and never held {own_id} (no entry at or above it was ever deleted or trimmed), so this \
+                 event was never stored and a later one of its aggregate was; not acknowledged unsent. Causes: a \
+                 producer that broke the producer-locked contract, a trigger disabled while rows changed, another \
+                 outbox (or a restored database) writing this key; see docs/operations.md, \"When exactly-once finds \
+                 order broken\"",
+                event.aggregate_type, event.aggregate_id
             ),
             Some(d) => format!(
                 "XADD {key} refused entry {own_id} as not above the top {top}, the stream has no such entry, and \
