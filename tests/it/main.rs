@@ -15,6 +15,10 @@ mod contrib;
 mod dead_letters;
 #[cfg(all(feature = "nats", feature = "redis"))]
 mod exactly_once;
+#[cfg(all(feature = "nats", feature = "redis"))]
+mod exactly_once_proof;
+#[cfg(feature = "redis")]
+mod exactly_once_unblock;
 mod failover;
 mod faults;
 mod health;

@@ -22,7 +22,7 @@ pub(crate) const NATS_URL: &str = "nats://127.0.0.1:4222";
 /// A JetStream stream of its own for one test, on subjects `<prefix>.>`;
 /// deleted when dropped.
 pub(crate) struct TestStream {
-    js: jetstream::Context,
+    pub(crate) js: jetstream::Context,
     name: String,
     pub(crate) prefix: String,
 }
@@ -52,6 +52,11 @@ impl TestStream {
         tweak(&mut config);
         js.create_stream(config).await.expect("create the test stream");
         TestStream { js, name, prefix }
+    }
+
+    /// The stream's name.
+    pub(crate) fn name(&self) -> &str {
+        &self.name
     }
 
     pub(crate) async fn count(&self) -> u64 {
@@ -342,7 +347,7 @@ pub async fn publish_order<C: tokio_postgres::GenericClient + Sync>(c: &C, aggre
 }
 
 /// The exactly-once subject template of `stream`: one subject per aggregate.
-fn per_aggregate(stream: &TestStream) -> String {
+pub(crate) fn per_aggregate(stream: &TestStream) -> String {
     format!("{}.{{aggregate_type}}.{{aggregate_id}}", stream.prefix)
 }
 

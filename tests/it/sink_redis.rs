@@ -28,7 +28,7 @@ impl TestKeys {
         TestKeys { client, prefix: format!("pgo_it_{tag}_{}", uuid::Uuid::new_v4().simple()) }
     }
 
-    async fn conn(&self) -> redis::aio::MultiplexedConnection {
+    pub(crate) async fn conn(&self) -> redis::aio::MultiplexedConnection {
         self.client.get_multiplexed_async_connection().await.expect("connect to Redis")
     }
 
@@ -209,7 +209,7 @@ async fn redis_server_lost_mid_run_fails_events_until_it_is_back() {
 }
 
 /// The exactly-once key template under `keys`' prefix: one stream per aggregate.
-fn per_aggregate(keys: &TestKeys) -> String {
+pub(crate) fn per_aggregate(keys: &TestKeys) -> String {
     format!("{}:{{aggregate_type}}:{{aggregate_id}}", keys.prefix)
 }
 

@@ -463,10 +463,15 @@ impl RedisSink {
         let field_id = |name: &str| fields.get(name).and_then(|d| entry_id(d));
         let own = (event.id.unsigned_abs(), 0);
         // Redis 7.0 and later: XDEL raises max-deleted-entry-id, trimming
-        // raises the first entry. An own id above the one and at or above
-        // the other, on a stream that holds entries, was never added.
-        let length = fields.get("length").and_then(|l| l.parse::<u64>().ok()).unwrap_or(0);
+        // raises the first entry, and neither lowers entries-added. An own
+        // id above the one and at or above the other, on a stream that holds
+        // entries, was never added; on a stream that holds every entry ever
+        // added, no id was.
+        let count = |name: &str| fields.get(name).and_then(|l| l.parse::<u64>().ok());
+        let length = count("length").unwrap_or(0);
         let deleted = match (field_id("max-deleted-entry-id"), field_id("recorded-first-entry-id")) {
+            // Every entry ever added is still there: nothing was removed.
+            (Some(_), Some(_)) if count("entries-added") == Some(length) => Some((0, 0)),
             (Some(d), Some(first)) if length > 0 => {
                 if own < first {
                     Some(first)
