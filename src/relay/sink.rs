@@ -31,13 +31,15 @@ pub enum Guarantee {
     #[default]
     AtLeastOnce,
     /// Every event reaches the destination exactly once: the destination
-    /// refuses a repeat (an event it already holds, or one older than the
-    /// last event it holds of the same aggregate), and the relay
-    /// acknowledges the refused event without a second copy (counted in
-    /// `outbox_sink_repeats_refused_total`). What the NATS JetStream and
-    /// Redis Streams sinks give with `--exactly-once`, under the
-    /// conditions their docs state (a subject or key per aggregate,
-    /// streams that keep each subject's last message).
+    /// refuses a repeat (an event at or below the last id it holds of the
+    /// same aggregate), and the relay acknowledges the refused event
+    /// without a second copy only when the sink read that very event back
+    /// from the destination ([`Sent::Held`], counted in
+    /// `outbox_sink_acknowledged_unsent_total{proof}`); one it cannot show
+    /// the destination holds fails. What the NATS JetStream and Redis
+    /// Streams sinks give with `--exactly-once`, under the conditions their
+    /// docs state (a subject or key per aggregate, streams that keep each
+    /// subject's last message).
     ExactlyOnce,
 }
 

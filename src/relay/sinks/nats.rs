@@ -74,25 +74,34 @@ impl Default for NatsOptions {
 /// one aggregate's events, one at a time, in increasing id order. Before
 /// its first send to a subject the sink reads the subject's last message
 /// back from its stream and keeps its outbox id (header `id`, else
-/// `Nats-Msg-Id`) and stream sequence. An event whose id is not above the
-/// last one is already held: it is acknowledged without a send (a refused
-/// repeat, counted in `outbox_sink_repeats_refused_total`). Otherwise it is
+/// `Nats-Msg-Id`) and stream sequence. An event above the last id is
 /// published with `Nats-Expected-Last-Subject-Sequence` = that sequence (0
 /// for an empty subject), so the stream refuses it if anything else was
 /// written to the subject meanwhile (JetStream error 10071, "wrong last
-/// sequence": another relay, a deposed leader); the sink then reads the
-/// subject back again: when it holds this event or a later one of the
-/// aggregate, the event is a refused repeat; otherwise it fails (retried).
-/// A last message without the relay's id header fails the event, naming
-/// the subject. Unlike the duplicate window this holds for any length of
-/// time, as long as the stream keeps each subject's last message: opening
-/// the sink checks every stream that captures the template's subjects and
-/// refuses one whose retention is not `limits`, or that sets `max_age`,
-/// `max_msgs` or `max_bytes` (a stream with `max_msgs_per_subject` = 1 keeps
-/// exactly what is needed), or `discard_new_per_subject`; and it refuses
-/// the template when no stream captures it. Deleting or purging a
-/// subject's messages breaks it: the next event of that aggregate is
-/// checked against what is left.
+/// sequence": another relay, a deposed leader), and with headers
+/// `previous_id` and `previous_occurred_at` naming the event stored before
+/// it. An event at or below the last id is not sent: the sink reads it
+/// back, and acknowledges it without a send ([`Sent::Held`]) only when the
+/// subject's last message is this event ([`Proof::LastMessage`]) or the walk
+/// back along the subject (each message's stored expected sequence and
+/// `previous_id`, at most 1 000 messages) reaches it ([`Proof::Chain`]); a
+/// greater id alone proves nothing, and the event fails with the cause
+/// (order broke upstream; a message the stream's limits removed; a message
+/// not written by pg-outbox). After a wrong last sequence the sink reads
+/// the subject again and does the same. A duplicate PubAck counts only
+/// when the message stored under that `Nats-Msg-Id` is this event
+/// ([`Proof::DuplicateWindow`]). This holds for any length of time as long
+/// as the stream keeps each subject's last message: opening the sink checks
+/// every stream that captures the template's subjects (and again every
+/// [`SinkSettings::broker_check_interval`] while it runs) and refuses one
+/// whose retention is not `limits`, or that sets `max_age`, `max_msgs` or
+/// `max_bytes`, or `discard_new_per_subject`, or a file-stored one on a
+/// nats-server release whose per-subject index can lose a subject's last
+/// message after a restart (2.12.7 and later 2.12 releases; nats-server
+/// PRs 8254 and 8285); and it refuses the template when no stream captures
+/// it. Deleting or purging a subject's messages makes the next event of
+/// that aggregate be stored again: a second copy, never a loss. It logs
+/// each stream's storage and replicas at start: what a PubAck means on disk.
 ///
 /// Authentication, one way of: a user and password (in the URL,
 /// `nats://user:pass@host:4222`, or [`SinkSettings::credentials`]), a token
