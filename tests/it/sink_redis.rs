@@ -559,3 +559,71 @@ async fn redis_exactly_once_a_greater_id_of_another_outbox_is_not_taken_for_a_re
         "{last_error}"
     );
 }
+
+/// `--redis-wait-replicas 1`: an event is acknowledged once a replica has
+/// its entry; with the replica gone, the event fails, saying how many
+/// replicas confirmed it, and is not marked published.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_wait_replicas_acknowledges_only_what_a_replica_confirmed() {
+    let Some(program) = needs::program(&needs::REDIS_SERVER) else { return };
+    let base = ["--bind", "127.0.0.1", "--port", "{port}", "--dir", "{dir}", "--save", ""];
+    let primary = brokers::PrivateServer::start(program.clone(), &base).await;
+    let primary_port = primary.port.to_string();
+    let mut replica_args = base.to_vec();
+    replica_args.extend(["--replicaof", "127.0.0.1", &primary_port]);
+    let mut replica = brokers::PrivateServer::start(program, &replica_args).await;
+    let url = format!("redis://127.0.0.1:{}", primary.port);
+    let client = redis::Client::open(url.as_str()).expect("Redis URL");
+    let mut conn = client.get_multiplexed_async_connection().await.expect("connect to the primary");
+    support::eventually(brokers::LIVENESS.as_secs(), "the replica is connected", || {
+        let mut conn = conn.clone();
+        async move {
+            let info: String = redis::cmd("INFO").arg("replication").query_async(&mut conn).await.expect("INFO");
+            info.contains("connected_slaves:1") && info.contains("state=online")
+        }
+    })
+    .await;
+    let db = TestDb::new("sink_redis_wait").await;
+    let c = db.client().await;
+    let relay = relay_proc::start(
+        &db,
+        &[
+            "--sink",
+            &url,
+            "--redis-stream",
+            "w:{aggregate_id}",
+            "--redis-wait-replicas",
+            "1",
+            "--sink-timeout",
+            "2s",
+            "--retry-schedule",
+            "1h",
+            "--sweep-interval",
+            "200ms",
+        ],
+    )
+    .await;
+    let sent = brokers::publish_events(&c, &brokers::three_aggregates(), 3, "t").await;
+    brokers::wait_published(&c, sent.len() as i64).await;
+
+    replica.stop().await;
+    let aggregate = uuid::Uuid::new_v4();
+    let event = pg_outbox::NewEvent::new("order", aggregate, "Created", serde_json::json!({}));
+    let id = pg_outbox::Publisher::new().publish(&c, &event).await.expect("publish");
+    support::eventually(brokers::LIVENESS.as_secs(), "the event fails", || async {
+        brokers::row_state(&c, id).await.1 == 1
+    })
+    .await;
+    let log = relay.log();
+    relay.stop().await;
+    assert!(
+        brokers::line_with(&log, "Redis durability").contains("WAIT 1 replica(s) after each XADD"),
+        "the start log names what is in force:\n{log}"
+    );
+    let (published, _, error) = brokers::row_state(&c, id).await;
+    assert!(!published, "not acknowledged without the replica");
+    let error = error.unwrap_or_default();
+    assert!(error.contains("only 0 of 1 replicas") && error.contains("--redis-wait-replicas"), "{error}");
+    let len: u64 = redis::cmd("XLEN").arg(format!("w:{aggregate}")).query_async(&mut conn).await.expect("XLEN");
+    assert_eq!(len, 1, "the primary has the entry; the relay did not count it as delivered");
+}
