@@ -166,6 +166,9 @@ pub fn describe() {
     describe_gauge!(LISTEN_ENABLED, "1 when the consumer listens for notifications (0 with --no-listen).");
 }
 
+/// The `sink` label values of [`SINK_BROKER_CHECKS_FAILED`].
+pub const SINK_BROKER_CHECK_KINDS: [&str; 2] = ["nats", "redis"];
+
 /// The `proof` label values of [`SINK_ACKNOWLEDGED_UNSENT`].
 pub const SINK_PROOFS: [&str; 4] = ["entry", "last-message", "chain", "duplicate-window"];
 

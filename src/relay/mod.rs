@@ -194,6 +194,9 @@ where
     for proof in m::SINK_PROOFS {
         metrics::counter!(m::SINK_ACKNOWLEDGED_UNSENT, "proof" => proof).increment(0);
     }
+    for kind in m::SINK_BROKER_CHECK_KINDS {
+        metrics::counter!(m::SINK_BROKER_CHECKS_FAILED, "sink" => kind).increment(0);
+    }
     tokio::pin!(shutdown);
     let mut shutdown_seen = false;
     let mut fatal: Option<FatalSinkError> = None;
