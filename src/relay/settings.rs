@@ -56,7 +56,9 @@ pub struct SinkSettings {
     /// version, Redis eviction policy); `None` (the default):
     /// [`DEFAULT_BROKER_CHECK_INTERVAL`], a minute. A setting found to
     /// break exactly-once stops the relay with a
-    /// [`super::FatalSinkError`] naming it (the event in hand released).
+    /// [`super::FatalSinkError`] naming it (the event in hand released). A
+    /// check that cannot read the settings is logged and tried again at the
+    /// next interval.
     pub broker_check_interval: Option<std::time::Duration>,
     /// The webhook sink's options.
     #[cfg(feature = "webhook")]

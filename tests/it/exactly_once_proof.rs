@@ -264,8 +264,8 @@ async fn redis_an_evicted_key_costs_a_second_copy_and_evicting_policies_are_refu
     let status = tokio::time::timeout(LIVENESS, relay.wait()).await.expect("the relay stops");
     assert!(!status.success(), "{status}");
     let log = relay.log();
-    let line = brokers::line_with(&log, "maxmemory-policy is allkeys-lfu");
-    assert!(line.contains("exactly-once stopped"), "{line}");
+    let line = brokers::line_with(&log, "exactly-once stopped");
+    assert!(line.contains("maxmemory-policy is allkeys-lfu"), "{line}");
     let (published, retries, _) = brokers::row_state(&c, late).await;
     assert!(!published && retries == 0, "the event in hand is released, neither published nor failed");
     assert_eq!(len(&conn).await, 1, "nothing was appended after the check failed");
@@ -343,13 +343,17 @@ async fn replay_exactly_once_reports_what_the_broker_held_apart_from_what_it_sen
 
 /// The library refuses an exactly-once sink on a stream that cannot keep
 /// its precondition, before it hands anything out: competing mode, and an
-/// outbox whose order rests on the producers without their declaration.
+/// outbox whose order rests on the producers without their declaration;
+/// with the declaration it delivers.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_library_refuses_exactly_once_without_its_precondition() {
-    use pg_outbox::relay::{Guarantee, Message, SendFuture, Sink};
+    use pg_outbox::relay::{Guarantee, Message, SendFuture, Sent, Sink};
 
-    /// A sink that claims exactly-once and must never be called.
-    struct Claims;
+    /// A sink that claims exactly-once; it delivers only when `allowed`,
+    /// and otherwise must never be called.
+    struct Claims {
+        allowed: bool,
+    }
     impl Sink for Claims {
         fn name(&self) -> &str {
             "claims exactly-once"
@@ -358,21 +362,36 @@ async fn the_library_refuses_exactly_once_without_its_precondition() {
             Guarantee::ExactlyOnce
         }
         fn send<'a>(&'a self, _: &'a Message, event: &'a pg_outbox::Event) -> SendFuture<'a> {
-            panic!("event {} handed out to a sink whose precondition does not hold", event.id)
+            assert!(self.allowed, "event {} handed out to a sink whose precondition does not hold", event.id);
+            Box::pin(async { Ok(Sent::Delivered) })
         }
     }
     let db = TestDb::new("eo_library").await;
     let c = db.client().await;
     publish_order(&c, Uuid::new_v4()).await;
-    let run = |builder: pg_outbox::ConsumerBuilder| async move {
+    let refused = |builder: pg_outbox::ConsumerBuilder| async move {
         let stream = builder.start().await.expect("start");
-        pg_outbox::relay::run(stream, &Claims, std::future::pending()).await
+        pg_outbox::relay::run(stream, &Claims { allowed: false }, std::future::pending()).await
     };
     let competing = pg_outbox::Consumer::builder(db.options()).mode(pg_outbox::Mode::Competing);
-    let err = run(competing).await.expect_err("competing mode is refused").to_string();
+    let err = refused(competing).await.expect_err("competing mode is refused").to_string();
     assert!(err.contains("competing"), "{err}");
     migrate::set_ordering(&db.options(), OrderingMode::ProducerLocked).await.expect("set ordering");
-    let err = run(pg_outbox::Consumer::builder(db.options())).await.expect_err("refused").to_string();
+    let err = refused(pg_outbox::Consumer::builder(db.options())).await.expect_err("refused").to_string();
     assert!(err.contains("producer-locked") && err.contains("producers_lock_aggregates"), "{err}");
     assert_eq!(brokers::published_count(&c).await, 0, "nothing was handed out");
+
+    let declared = pg_outbox::Consumer::builder(db.options()).producers_lock_aggregates(true);
+    let stream = declared.start().await.expect("start");
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let run = tokio::spawn(async move {
+        pg_outbox::relay::run(stream, &Claims { allowed: true }, async {
+            let _ = stopped.await;
+        })
+        .await
+    });
+    brokers::wait_published(&c, 1).await;
+    let _ = stop.send(());
+    let stats = run.await.expect("join").expect("declared: delivered");
+    assert_eq!(stats.delivered, 1);
 }

@@ -42,8 +42,9 @@ pub(crate) struct SinkArgs {
     /// reads each subject's last message back and publishes with
     /// Nats-Expected-Last-Subject-Sequence; needs --nats-subject with
     /// {aggregate_id} and streams that keep each subject's last message
-    /// (retention limits; no max_age, max_msgs or max_bytes;
-    /// max_msgs_per_subject is fine). Redis Streams: XADD with the outbox
+    /// (retention limits; no max_age, max_msgs or max_bytes; keep at
+    /// least twice --batch-size per subject with max_msgs_per_subject, so
+    /// every repeat can be proven). Redis Streams: XADD with the outbox
     /// id as entry id (Redis refuses one at or below the stream's top);
     /// needs --redis-stream with {aggregate_id} and a maxmemory-policy that
     /// does not evict keys. Broker settings are checked at start and every
@@ -51,7 +52,8 @@ pub(crate) struct SinkArgs {
     /// destination cannot refuse a repeat) and Kafka (no transactional
     /// producer); they stay at-least-once: deduplicate on the `id` header.
     /// Not with --mode competing (no per-aggregate order), nor on an outbox
-    /// in ordering mode producer-locked unless --producers-lock-aggregates.
+    /// in ordering mode producer-locked (or with no insert trigger) unless
+    /// --producers-lock-aggregates.
     #[arg(long)]
     pub(crate) exactly_once: bool,
     /// How often --exactly-once checks the broker's settings again while

@@ -69,10 +69,10 @@ impl Recheck {
         true
     }
 
-    /// The error that stops the relay when a running check found `why`
-    /// (counted in `outbox_sink_broker_checks_failed_total{sink}`).
+    /// The error that stops the relay when a running check of the `sink`
+    /// found `why`.
     pub(crate) fn failed(sink: &'static str, why: String) -> crate::error::BoxError {
-        metrics::counter!(crate::metrics::SINK_BROKER_CHECKS_FAILED, "sink" => sink).increment(1);
+        tracing::error!(sink, "{why}");
         Box::new(crate::relay::FatalSinkError(format!(
             "exactly-once stopped: a broker check found a setting that breaks it: {why}"
         )))

@@ -219,14 +219,14 @@ fn stream_loses_last(config: &jetstream::stream::Config) -> Option<String> {
     if config.max_messages > 0 {
         return Some(format!(
             "max_msgs is {}, which can remove a subject's last message; set max_msgs -1 (unlimited) \
-             and bound it with max_msgs_per_subject instead (1 keeps exactly what is needed)",
+             and bound it with max_msgs_per_subject instead (at least twice --batch-size proves every repeat)",
             config.max_messages
         ));
     }
     if config.max_bytes > 0 {
         return Some(format!(
             "max_bytes is {}, which can remove a subject's last message; set max_bytes -1 (unlimited) \
-             and bound it with max_msgs_per_subject instead (1 keeps exactly what is needed)",
+             and bound it with max_msgs_per_subject instead (at least twice --batch-size proves every repeat)",
             config.max_bytes
         ));
     }
@@ -771,7 +771,7 @@ impl NatsSink {
     /// The stream answered a publish of `event` with a duplicate PubAck
     /// (`Nats-Msg-Id` seen within its duplicate window): `Ok` when the
     /// message stored under that id (at `ack`'s sequence) is this event (its
-    /// `id` and `occurred_at`); `Err` when it is another one (another outbox
+    /// `id` and `occurred_at`, on this subject); `Err` when it is another one (another outbox
     /// on this stream, or ids that came round again after a restore), which
     /// the stream dropped this event for, or when it cannot be read.
     async fn verify_duplicate(
@@ -792,14 +792,15 @@ impl NatsSink {
         let get = |name: &str| stored.headers.get(name).map(|v| v.as_str().to_string());
         let id = get(header::ID).and_then(|v| v.trim().parse::<i64>().ok());
         let at = get(header::OCCURRED_AT).as_deref().and_then(parse_occurred_at);
-        if id == Some(event.id) && at == Some(event.occurred_at) {
+        if id == Some(event.id) && at == Some(event.occurred_at) && stored.subject.as_str() == subject {
             return Ok(());
         }
         Err(format!(
-            "publish to {subject}: stream {} dropped event {} as a duplicate of message {} (Nats-Msg-Id {}), which \
-             is another event (another outbox on this stream, or a database restored to an earlier point whose \
-             ids came round again); not acknowledged, retried after the stream's duplicate window",
-            ack.stream, event.id, ack.sequence, event.id
+            "publish to {subject}: stream {} dropped event {} as a duplicate of message {} (Nats-Msg-Id {}) on \
+             subject {}, which is another event or another subject (another outbox on this stream, a subject \
+             template changed, or a database restored to an earlier point whose ids came round again); not \
+             acknowledged, retried after the stream's duplicate window",
+            ack.stream, event.id, ack.sequence, event.id, stored.subject
         )
         .into())
     }

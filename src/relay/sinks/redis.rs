@@ -159,6 +159,10 @@ fn xinfo_fields(reply: &redis::Value) -> std::collections::HashMap<String, Strin
     pairs.into_iter().filter_map(|(k, v)| Some((text(k)?, text(v)?))).collect()
 }
 
+/// The channel the sink publishes to before `WAIT` after a proof that
+/// only read ([`RedisSink::replicated`]).
+const WAIT_CHANNEL: &str = "pg-outbox:wait-replicas";
+
 /// The text of Redis's refusal of an entry id at or below a stream's top
 /// id (Redis 5.0 and later, `t_stream.c`).
 const ID_TOO_SMALL: &str = "equal or smaller than the target stream top item";
@@ -362,12 +366,30 @@ impl RedisSink {
 
     /// With [`RedisOptions::wait_replicas`], wait until that many replicas
     /// have `entry` of `key` (and everything written before it).
-    async fn replicated(&self, key: &str, entry: &str) -> std::result::Result<(), BoxError> {
+    ///
+    /// `WAIT` counts the replicas that have this connection's last write.
+    /// After a write of its own (the `XADD`) that covers the entry. After a
+    /// proof that only read (`written` false: the `XADD` was refused), the
+    /// connection may have written nothing since it opened (a new relay, a
+    /// reconnect), and `WAIT` would answer at once (Redis 7.2 and later
+    /// count a connection's own propagated writes only); so it first
+    /// publishes to channel `pg-outbox:wait-replicas` (a non-cluster
+    /// server propagates every `PUBLISH` to its replicas), a write that
+    /// comes after the entry.
+    async fn replicated(&self, key: &str, entry: &str, written: bool) -> std::result::Result<(), BoxError> {
         let n = self.options.wait_replicas;
         if n == 0 {
             return Ok(());
         }
         let mut conn = self.conn.clone();
+        if !written {
+            let _: i64 = redis::cmd("PUBLISH")
+                .arg(WAIT_CHANNEL)
+                .arg(entry)
+                .query_async(&mut conn)
+                .await
+                .map_err(|e| format!("PUBLISH {WAIT_CHANNEL} before WAIT {n} for {key} {entry} failed: {e}"))?;
+        }
         let millis = u64::try_from(self.wait_timeout.as_millis()).unwrap_or(u64::MAX).max(1);
         let got: i64 = redis::cmd("WAIT")
             .arg(n)
@@ -422,7 +444,7 @@ impl RedisSink {
                 )
                 .into());
             }
-            self.replicated(key, &own_id).await?;
+            self.replicated(key, &own_id, false).await?;
             return Ok(held(event.id, key, Proof::Entry, "the stream holds its own entry"));
         }
         Err(self.not_held(key, event).await.into())
@@ -485,8 +507,10 @@ impl RedisSink {
         match deleted {
             Some(d) if d < own => format!(
                 "order broke upstream: {key} (aggregate {} {}) already holds entry {top} above this event's \
-                 {own_id}, and never held {own_id} (no entry at or above it was ever deleted or trimmed), so this \
-                 event was never stored and a later one of its aggregate was; not acknowledged unsent. Causes: a \
+                 {own_id}, and its counters show it never held {own_id} (no entry at or above it deleted or \
+                 trimmed; counters reset by re-creating the key, loading a stream saved by Redis before 7.0 or \
+                 XSETID would hide that), so this event was never stored and a later one of its aggregate was; not \
+                 acknowledged unsent. Causes: a \
                  producer that broke the producer-locked contract, a trigger disabled while rows changed, another \
                  outbox (or a restored database) writing this key; see docs/operations.md, \"When exactly-once finds \
                  order broken\"",
@@ -514,7 +538,7 @@ pub(crate) fn open<'a>(url: &'a SecretUrl, settings: &'a SinkSettings) -> BoxFut
             RedisSink::check_template(&settings.redis.stream)?;
             if settings.redis.maxlen == Some(0) {
                 return Err(Error::Config(
-                    "--exactly-once needs each stream to keep its newest entry, which a repeat is proven by: \
+                    "--exactly-once proves a repeat by its own entry, which the stream must still hold: \
                      --redis-maxlen must be at least 1"
                         .into(),
                 ));
@@ -562,7 +586,7 @@ impl Sink for RedisSink {
             let reply: std::result::Result<String, redis::RedisError> = cmd.query_async(&mut conn).await;
             match reply {
                 Ok(entry_id) => {
-                    self.replicated(&key, &entry_id).await?;
+                    self.replicated(&key, &entry_id, true).await?;
                     Ok(Sent::Delivered)
                 }
                 Err(e) if self.exactly_once && e.to_string().contains(ID_TOO_SMALL) => self.refused(&key, event).await,
