@@ -100,8 +100,14 @@ pub const RETENTION_LAST_RUN: &str = "outbox_retention_last_run_timestamp_second
 /// Counter: retention runs that failed (a database error, or the relay's
 /// scheduled run could not connect).
 pub const RETENTION_ERRORS: &str = "outbox_retention_errors_total";
-/// Histogram, seconds: time a sink took to deliver one event (relay only).
+/// Histogram, seconds: time a sink took to deliver one event, from its
+/// send to the destination's answer, however many are in flight (relay
+/// only).
 pub const SINK_DURATION: &str = "outbox_sink_duration_seconds";
+/// Gauge: deliveries the relay has in flight to its sink, at most
+/// `--max-in-flight` ([`crate::relay::DeliveryOptions::max_in_flight`]),
+/// one per aggregate (relay only).
+pub const SINK_IN_FLIGHT: &str = "outbox_sink_in_flight";
 /// Gauge: the delivery guarantee the relay's sink runs with, labelled
 /// `guarantee` (`exactly-once` or `at-least-once`, [`SINK_GUARANTEES`]):
 /// 1 for the sink's, 0 for the other (relay only; set when the relay
@@ -118,11 +124,6 @@ pub const SINK_REPEATS_REFUSED: &str = "outbox_sink_repeats_refused_total";
 /// broker, [`crate::relay::Proof`]). Never by inference from a later event:
 /// an event the broker cannot be shown to hold fails instead.
 pub const SINK_ACKNOWLEDGED_UNSENT: &str = "outbox_sink_acknowledged_unsent_total";
-/// Counter: broker checks that found a setting breaking exactly-once
-/// delivery while the relay ran (checked every minute), labelled `sink`
-/// kind (`nats`, `redis`); the relay stops on the first, naming the
-/// setting.
-pub const SINK_BROKER_CHECKS_FAILED: &str = "outbox_sink_broker_checks_failed_total";
 
 /// Register descriptions and units of every metric above with the installed
 /// recorder. Call once after installing an exporter; harmless to call again.
@@ -145,13 +146,13 @@ pub fn describe() {
     describe_counter!(DATABASE_ERRORS, "Errors on the work connection.");
     describe_counter!(STATEMENT_TIMEOUTS, "Statements cut by the statement timeout, by statement.");
     describe_histogram!(SINK_DURATION, Unit::Seconds, "Time a sink took to deliver one event.");
+    describe_gauge!(SINK_IN_FLIGHT, "Deliveries in flight to the sink (one per aggregate at most).");
     describe_gauge!(SINK_GUARANTEE, "1 for the delivery guarantee the sink runs with (exactly-once, at-least-once).");
     describe_counter!(SINK_REPEATS_REFUSED, "Sends refused or skipped: the destination holds this very event.");
     describe_counter!(
         SINK_ACKNOWLEDGED_UNSENT,
         "Events acknowledged without a send, by how the broker was shown to hold them (proof)."
     );
-    describe_counter!(SINK_BROKER_CHECKS_FAILED, "Broker settings found to break exactly-once while running.");
     describe_gauge!(WAITING_FOR_NOTIFICATIONS, "1 while this relay asks producers to notify it.");
     describe_counter!(RETENTION_DELETED, "Published events deleted by retention.");
     describe_gauge!(RETENTION_LAST_RUN, Unit::Seconds, "When the last successful retention run finished (Unix time).");
@@ -165,9 +166,6 @@ pub fn describe() {
     describe_gauge!(NOTIFICATIONS_WORKING, "1 when notifications round-trip to the LISTEN connection.");
     describe_gauge!(LISTEN_ENABLED, "1 when the consumer listens for notifications (0 with --no-listen).");
 }
-
-/// The `sink` label values of [`SINK_BROKER_CHECKS_FAILED`].
-pub const SINK_BROKER_CHECK_KINDS: [&str; 2] = ["nats", "redis"];
 
 /// The `proof` label values of [`SINK_ACKNOWLEDGED_UNSENT`].
 pub const SINK_PROOFS: [&str; 4] = ["entry", "last-message", "chain", "duplicate-window"];

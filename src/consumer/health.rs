@@ -69,7 +69,7 @@ pub struct LastError {
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct SinkHealth {
-    /// How long the delivery in progress has been running (`None`: none
+    /// How long the oldest delivery in flight has been running (`None`: none
     /// in progress).
     pub in_flight_for: Option<Duration>,
     /// Deliveries that failed since the last one that succeeded (0: the
@@ -325,15 +325,15 @@ impl State {
         self.sink.attached.store(true, Ordering::Release);
     }
 
-    /// A delivery started `at`.
-    pub(crate) fn delivery_started(&self, at: Instant) {
-        self.sink.started.store(self.nanos(at).max(1), Ordering::Relaxed);
+    /// The oldest delivery in flight started `at`; `None`: none is in
+    /// flight.
+    pub(crate) fn deliveries_in_flight(&self, oldest: Option<Instant>) {
+        self.sink.started.store(oldest.map_or(0, |at| self.nanos(at).max(1)), Ordering::Relaxed);
     }
 
-    /// The delivery in progress ended `at`: `Ok`, or failed with this error text.
+    /// A delivery ended `at`: `Ok`, or failed with this error text.
     pub(crate) fn delivery_ended(&self, at: Instant, outcome: std::result::Result<(), String>) {
         let now = self.nanos(at).max(1);
-        self.sink.started.store(0, Ordering::Relaxed);
         match outcome {
             Ok(()) => {
                 self.sink.last_ok.store(now, Ordering::Relaxed);
@@ -345,18 +345,13 @@ impl State {
             }
         }
     }
-
-    /// The delivery in progress was given up (released at shutdown).
-    pub(crate) fn delivery_abandoned(&self) {
-        self.sink.started.store(0, Ordering::Relaxed);
-    }
 }
 
 /// The sink's side, written by `relay::run`.
 #[derive(Debug, Default)]
 struct SinkState {
     attached: AtomicBool,
-    /// Start of the delivery in progress (nanoseconds since `base`, at
+    /// Start of the oldest delivery in flight (nanoseconds since `base`, at
     /// least 1), 0 when none is.
     started: AtomicU64,
     /// End of the last successful delivery, likewise; 0 before the first.

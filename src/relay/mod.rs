@@ -3,8 +3,11 @@
 //!
 //! Each delivery is handed to the sink; `Ok` acknowledges it (it becomes
 //! published), `Err` fails it (retry with backoff, dead letter at the
-//! threshold). Deliveries are handed over one after another, in id order,
-//! so per-aggregate order holds at the sink.
+//! threshold). Up to [`DeliveryOptions::max_in_flight`] deliveries are in
+//! flight at once, at most one per aggregate (a lane per aggregate id), so
+//! per-aggregate order holds at the sink whatever completes first, and
+//! throughput follows the sink's capacity rather than one over its round
+//! trip. Each completion is settled as it lands.
 //!
 //! [`replay`] delivers events that were already published to a sink again,
 //! without changing the table.
@@ -26,6 +29,7 @@
 //! binary's `sink_args.rs`, a Cargo feature, and its tests. This file is
 //! not touched.
 
+mod lanes;
 mod message;
 mod registry;
 pub mod replay;
@@ -33,17 +37,22 @@ mod settings;
 mod sink;
 mod sinks;
 
+use std::collections::BTreeSet;
 use std::future::Future;
 use std::pin::Pin;
 use std::time::{Duration, Instant};
 
 use futures::StreamExt;
+use futures::stream::FuturesUnordered;
+
+use lanes::Lanes;
 
 pub use message::{DEFAULT_CLOUDEVENTS_SOURCE, Format, Message, Template, header};
 pub use registry::{OpenSink, SINKS, SinkKind, open_sink, sink_schemes};
 pub use settings::{Credentials, DEFAULT_BROKER_CHECK_INTERVAL, SinkSettings, TlsOptions};
 pub use sink::{
-    DEFAULT_SINK_TIMEOUT, DeliveryOptions, EventSink, Guarantee, Proof, SendFuture, Sent, Sink, SinkFuture, SinkRecord,
+    DEFAULT_MAX_IN_FLIGHT, DEFAULT_SINK_TIMEOUT, DeliveryOptions, EventSink, Guarantee, Proof, SendFuture, Sent, Sink,
+    SinkFuture, SinkRecord,
 };
 pub use sinks::*;
 
@@ -112,6 +121,14 @@ where
     }
 }
 
+/// Resolves at `deadline`; never without one.
+async fn sleep_until(deadline: Option<tokio::time::Instant>) {
+    match deadline {
+        Some(d) => tokio::time::sleep_until(d).await,
+        None => std::future::pending().await,
+    }
+}
+
 /// Deliver every event of `stream` to `sink` with the default
 /// [`DeliveryOptions`] until `shutdown` resolves or the stream ends: see
 /// [`run_with`].
@@ -149,10 +166,21 @@ where
 /// ([`crate::Health::sink`]): the delivery in progress, failures since the
 /// last success, the last error.
 ///
-/// On shutdown it stops fetching; the delivery in progress gets up to the
-/// consumer's shutdown grace to finish (then it is released: not published,
-/// delivered again by the next relay); buffered deliveries are released;
-/// the final acknowledgements are written before it returns.
+/// Pipelining: up to `options`' [`DeliveryOptions::max_in_flight`]
+/// deliveries are sent at once, at most one per aggregate id; the next of
+/// an aggregate waits (parked, at most `max_in_flight` in all) until the
+/// one before it completes. A failure fails that event and releases those
+/// parked behind it (its aggregate is held back, as
+/// [`crate::Delivery::fail`] says); other aggregates go on. Each delivery
+/// carries the leadership term it was handed out under, so a deposed relay
+/// can have up to `max_in_flight` events in flight, each under its old
+/// term.
+///
+/// On shutdown it stops fetching and releases the parked deliveries; the
+/// deliveries in flight get up to the consumer's shutdown grace, together,
+/// to finish (then they are released: not published, delivered again by
+/// the next relay); buffered deliveries are released; the final
+/// acknowledgements are written before it returns.
 ///
 /// # Errors
 /// [`Error::Config`](crate::Error::Config) when an exactly-once sink meets
@@ -163,8 +191,8 @@ where
 /// # Cancel safety
 /// Not cancel safe, but it loses nothing: dropping the future drops the
 /// stream, which stops the consumer (as [`crate::ShutdownHandle::shutdown`]
-/// does), and the delivery in hand unacknowledged: the sink may have taken
-/// that event, which is then delivered again later (at-least-once);
+/// does), and the deliveries in flight unacknowledged: the sink may have
+/// taken those events, which are then delivered again later (at-least-once);
 /// buffered events stay unpublished for the next relay. For a clean stop,
 /// resolve `shutdown` instead.
 pub async fn run_with<S, F>(
@@ -181,7 +209,9 @@ where
     if sink.guarantee() == Guarantee::ExactlyOnce
         && let Err(e) = stream.check_exactly_once()
     {
-        stream.finish().await?;
+        if let Err(stop) = stream.finish().await {
+            tracing::warn!(error = %crate::error::report(&stop), "stopping the consumer after the refusal");
+        }
         return Err(e);
     }
     let handle = stream.shutdown_handle();
@@ -194,76 +224,114 @@ where
     for proof in m::SINK_PROOFS {
         metrics::counter!(m::SINK_ACKNOWLEDGED_UNSENT, "proof" => proof).increment(0);
     }
-    for kind in m::SINK_BROKER_CHECK_KINDS {
-        metrics::counter!(m::SINK_BROKER_CHECKS_FAILED, "sink" => kind).increment(0);
-    }
     tokio::pin!(shutdown);
+    let max = options.max_in_flight.max(1);
+    let mut lanes: Lanes<crate::Delivery> = Lanes::default();
+    let mut in_flight = FuturesUnordered::new();
+    // Start of each send in flight, by (start, id): the first is the oldest.
+    let mut starts: BTreeSet<(Instant, i64)> = BTreeSet::new();
+    let send = |delivery: crate::Delivery, at: Instant| async move {
+        let result = sink::deliver(sink, options, delivery.event(), delivery.term()).await;
+        (delivery, at, result)
+    };
     let mut shutdown_seen = false;
+    let mut stream_done = false;
+    let mut grace_until: Option<tokio::time::Instant> = None;
     let mut fatal: Option<FatalSinkError> = None;
     loop {
-        let next = tokio::select! {
-            d = stream.next() => d,
+        // Done once nothing is in flight and nothing more will be taken
+        // (parked deliveries wait only behind a send in flight).
+        if (stream_done || fatal.is_some()) && in_flight.is_empty() {
+            break;
+        }
+        let room = !stream_done && fatal.is_none() && in_flight.len() < max && lanes.parked() < max;
+        let mut started = None;
+        tokio::select! {
+            biased;
+            Some((delivery, at, result)) = in_flight.next(), if !in_flight.is_empty() => {
+                let (delivery, at, result): (crate::Delivery, Instant, Result<Sent, BoxError>) = (delivery, at, result);
+                let ended = Instant::now();
+                starts.remove(&(at, delivery.id));
+                metrics::histogram!(m::SINK_DURATION).record((ended - at).as_secs_f64());
+                let lane = delivery.aggregate_id;
+                match result {
+                    Ok(sent) => {
+                        health.delivery_ended(ended, Ok(()));
+                        stats.delivered += 1;
+                        if let Sent::Held(_) = sent {
+                            stats.held += 1;
+                        }
+                        delivery.ack();
+                        started = lanes.next(lane);
+                    }
+                    Err(e) => {
+                        match e.downcast::<FatalSinkError>() {
+                            Ok(f) => {
+                                health.delivery_ended(ended, Err(f.to_string()));
+                                tracing::error!(id = delivery.id, error = %f, "sink is gone; stopping (the event is released, not failed)");
+                                delivery.release();
+                                if fatal.is_none() {
+                                    fatal = Some(*f);
+                                    handle.shutdown();
+                                    grace_until.get_or_insert_with(|| tokio::time::Instant::now() + grace);
+                                }
+                            }
+                            Err(e) => {
+                                stats.failed += 1;
+                                let msg = crate::error::report(e.as_ref());
+                                health.delivery_ended(ended, Err(msg.clone()));
+                                tracing::warn!(id = delivery.id, attempt = delivery.retry_count + 1, error = %msg.escape_debug(), "sink failed");
+                                delivery.fail(msg);
+                            }
+                        }
+                        // Its aggregate's later events are held back.
+                        for held in lanes.close(lane) {
+                            held.release_held();
+                        }
+                        if fatal.is_some() {
+                            for parked in lanes.drain_parked() {
+                                parked.release_held();
+                            }
+                        }
+                    }
+                }
+            }
             _ = &mut shutdown, if !shutdown_seen => {
                 shutdown_seen = true;
-                tracing::info!("shutting down: writing acknowledgements");
+                tracing::info!(in_flight = in_flight.len(), grace = ?grace, "shutting down: waiting for the events in flight, then writing acknowledgements");
                 handle.shutdown();
-                continue;
+                grace_until.get_or_insert_with(|| tokio::time::Instant::now() + grace);
+                for parked in lanes.drain_parked() {
+                    parked.release_held();
+                }
             }
-        };
-        let Some(delivery) = next else { break };
-        let started = Instant::now();
-        health.delivery_started(started);
-        let watch = (!shutdown_seen).then_some(shutdown.as_mut());
-        let on_stop = || handle.shutdown();
-        let (result, stopped) = deliver_with_grace(
-            sink,
-            options,
-            (delivery.event(), delivery.term()),
-            watch,
-            grace,
-            "shutting down",
-            on_stop,
-        )
-        .await;
-        shutdown_seen |= stopped;
-        let ended = Instant::now();
-        metrics::histogram!(m::SINK_DURATION).record((ended - started).as_secs_f64());
-        match result {
-            None => {
-                health.delivery_abandoned();
+            next = stream.next(), if room => match next {
+                None => stream_done = true,
+                Some(delivery) => started = lanes.admit(delivery.aggregate_id, delivery),
+            },
+            _ = sleep_until(grace_until), if grace_until.is_some() && !in_flight.is_empty() => {
                 tracing::warn!(
-                    id = delivery.id,
-                    "shutdown grace ran out; the event in hand is released and will be delivered again"
+                    in_flight = in_flight.len(),
+                    "shutdown grace ran out; the events in flight are released and will be delivered again"
                 );
-                delivery.release();
+                // Dropped unsettled, each delivery is released.
+                in_flight.clear();
+                starts.clear();
+                for parked in lanes.drain_parked() {
+                    parked.release_held();
+                }
+                health.deliveries_in_flight(None);
+                metrics::gauge!(m::SINK_IN_FLIGHT).set(0.0);
                 break;
             }
-            Some(Ok(sent)) => {
-                health.delivery_ended(ended, Ok(()));
-                stats.delivered += 1;
-                if let Sent::Held(_) = sent {
-                    stats.held += 1;
-                }
-                delivery.ack();
-            }
-            Some(Err(e)) => match e.downcast::<FatalSinkError>() {
-                Ok(f) => {
-                    health.delivery_ended(ended, Err(f.to_string()));
-                    tracing::error!(id = delivery.id, error = %f, "sink is gone; stopping (the event is released, not failed)");
-                    delivery.release();
-                    handle.shutdown();
-                    fatal = Some(*f);
-                    break;
-                }
-                Err(e) => {
-                    stats.failed += 1;
-                    let msg = crate::error::report(e.as_ref());
-                    health.delivery_ended(ended, Err(msg.clone()));
-                    tracing::warn!(id = delivery.id, attempt = delivery.retry_count + 1, error = %msg.escape_debug(), "sink failed");
-                    delivery.fail(msg);
-                }
-            },
         }
+        if let Some(delivery) = started {
+            let at = Instant::now();
+            starts.insert((at, delivery.id));
+            in_flight.push(send(delivery, at));
+        }
+        health.deliveries_in_flight(starts.first().map(|(at, _)| *at));
+        metrics::gauge!(m::SINK_IN_FLIGHT).set(in_flight.len() as f64);
     }
     stream.finish().await?;
     match fatal {

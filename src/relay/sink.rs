@@ -283,7 +283,16 @@ pub struct DeliveryOptions {
     /// sink's send; the broker sinks also bound connecting by it (default
     /// [`DEFAULT_SINK_TIMEOUT`], 10 s).
     pub timeout: Duration,
+    /// Deliveries the relay keeps in flight to the sink at once, at most
+    /// one per aggregate (default [`DEFAULT_MAX_IN_FLIGHT`]; flag
+    /// `--max-in-flight`; 0 counts as 1). Throughput into a sink whose
+    /// answer takes a round trip grows with it, up to what the destination
+    /// takes; 1 sends one event at a time.
+    pub max_in_flight: usize,
 }
+
+/// Default of [`DeliveryOptions::max_in_flight`]: 64 deliveries.
+pub const DEFAULT_MAX_IN_FLIGHT: usize = 64;
 
 impl Default for DeliveryOptions {
     fn default() -> Self {
@@ -291,6 +300,7 @@ impl Default for DeliveryOptions {
             format: Format::Record,
             cloudevents_source: DEFAULT_CLOUDEVENTS_SOURCE.to_string(),
             timeout: DEFAULT_SINK_TIMEOUT,
+            max_in_flight: DEFAULT_MAX_IN_FLIGHT,
         }
     }
 }

@@ -28,6 +28,8 @@ mod modes;
 mod needs;
 mod order;
 mod ordering_modes;
+#[cfg(feature = "relay")]
+mod pipeline;
 mod plan_states;
 mod plans;
 mod poolers;

@@ -160,6 +160,15 @@ pub(crate) struct RelayArgs {
     /// its aggregate, which then fails with an error saying so.
     #[arg(long)]
     producers_lock_aggregates: bool,
+    /// Deliveries in flight to the sink at once (1 to 10000), at most one
+    /// per aggregate, so per-aggregate order holds whatever completes
+    /// first. Into a sink whose answer takes a round trip, throughput grows
+    /// with it up to what the destination takes; 1 sends one event at a
+    /// time. A shutdown gives every send in flight --shutdown-grace, then
+    /// releases what is left (delivered again, never marked published).
+    #[arg(long, value_name = "N", default_value_t = pg_outbox::relay::DEFAULT_MAX_IN_FLIGHT as u64,
+        value_parser = clap::value_parser!(u64).range(1..=10000))]
+    max_in_flight: u64,
     #[command(flatten)]
     sink: SinkArgs,
 }
@@ -262,11 +271,13 @@ pub(crate) async fn run(url: &str, args: RelayArgs) -> Result<(), Error> {
             tracing::info!(database = %target, sink = %sink_name, max_buffered_bytes = %bound, "relay started; {woken_by}")
         }
     }
-    tracing::info!(sink = %sink_name, guarantee = %guarantee, "sink delivery guarantee: {guarantee}");
+    tracing::info!(sink = %sink_name, guarantee = %guarantee, max_in_flight = args.max_in_flight, "sink delivery guarantee: {guarantee}");
     let retention = args.retention.map(|older| {
         tokio::spawn(retention_loop(url.to_string(), older, args.retention_hour, args.retention_at_start))
     });
-    let stats = relay::run_with(stream, sink.as_ref(), &args.sink.delivery(), shutdown).await;
+    let mut delivery = args.sink.delivery();
+    delivery.max_in_flight = usize::try_from(args.max_in_flight).unwrap_or(1);
+    let stats = relay::run_with(stream, sink.as_ref(), &delivery, shutdown).await;
     if let Some(task) = retention {
         task.abort();
     }
