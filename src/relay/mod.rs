@@ -167,7 +167,8 @@ where
 /// last success, the last error.
 ///
 /// Pipelining: up to `options`' [`DeliveryOptions::max_in_flight`]
-/// deliveries are sent at once, at most one per aggregate id; the next of
+/// deliveries (or the sink's own [`Sink::max_in_flight`], if smaller) are
+/// sent at once, at most one per aggregate id; the next of
 /// an aggregate waits (parked, at most `max_in_flight` in all) until the
 /// one before it completes. A failure fails that event and releases those
 /// parked behind it (its aggregate is held back, as
@@ -225,7 +226,7 @@ where
         metrics::counter!(m::SINK_ACKNOWLEDGED_UNSENT, "proof" => proof).increment(0);
     }
     tokio::pin!(shutdown);
-    let max = options.max_in_flight.max(1);
+    let max = options.max_in_flight.min(sink.max_in_flight().unwrap_or(usize::MAX)).max(1);
     let mut lanes: Lanes<crate::Delivery> = Lanes::default();
     let mut in_flight = FuturesUnordered::new();
     // Start of each send in flight, by (start, id): the first is the oldest.

@@ -210,7 +210,18 @@ pub trait Sink: Send + Sync {
         Guarantee::AtLeastOnce
     }
 
-    /// Send `message` (the encoded `event`) to the destination.
+    /// How many sends the sink takes at once, at most: `None` (the default)
+    /// leaves it to the relay's [`DeliveryOptions::max_in_flight`]; a sink
+    /// whose sends must not overlap, or that cannot yet overlap them
+    /// without one send's failure costing the others, returns `Some(1)`
+    /// (the Kafka and RabbitMQ sinks do). The relay keeps the smaller.
+    fn max_in_flight(&self) -> Option<usize> {
+        None
+    }
+
+    /// Send `message` (the encoded `event`) to the destination. The relay
+    /// may call it again before the future resolves, for another
+    /// aggregate's event (up to [`Sink::max_in_flight`]).
     fn send<'a>(&'a self, message: &'a Message, event: &'a Event) -> SendFuture<'a>;
 }
 
@@ -239,6 +250,14 @@ pub trait EventSink: Send + Sync {
         Guarantee::AtLeastOnce
     }
 
+    /// How many deliveries the sink takes at once, as [`Sink::max_in_flight`];
+    /// default `Some(1)`: one at a time, as a sink written for a relay that
+    /// delivered one event at a time expects. Return `None` (or more than
+    /// 1) when `deliver` may run for several aggregates at once.
+    fn max_in_flight(&self) -> Option<usize> {
+        Some(1)
+    }
+
     /// Deliver one event; the same contract as [`Sink::send`].
     fn deliver<'a>(&'a self, event: &'a Event) -> SinkFuture<'a>;
 }
@@ -260,6 +279,10 @@ impl<T: EventSink + ?Sized> Sink for T {
 
     fn guarantee(&self) -> Guarantee {
         EventSink::guarantee(self)
+    }
+
+    fn max_in_flight(&self) -> Option<usize> {
+        EventSink::max_in_flight(self)
     }
 
     fn send<'a>(&'a self, _message: &'a Message, event: &'a Event) -> SendFuture<'a> {

@@ -402,6 +402,13 @@ impl Sink for AmqpSink {
         &self.name
     }
 
+    /// One send at a time: the sink publishes on one channel and waits for
+    /// each confirm under its lock, so overlapping sends would only queue,
+    /// their waits counted against the delivery timeout.
+    fn max_in_flight(&self) -> Option<usize> {
+        Some(1)
+    }
+
     fn send<'a>(&'a self, message: &'a Message, event: &'a Event) -> SendFuture<'a> {
         delivered(Box::pin(async move {
             let mut in_use = InUse { link: self.link.lock().await, armed: true };

@@ -502,6 +502,13 @@ impl Sink for KafkaSink {
         &self.name
     }
 
+    /// One send at a time: a failed delivery replaces the producer
+    /// (`renew`), which would fail every other send in flight
+    /// on it.
+    fn max_in_flight(&self) -> Option<usize> {
+        Some(1)
+    }
+
     fn send<'a>(&'a self, message: &'a Message, event: &'a Event) -> SendFuture<'a> {
         Box::pin(async move { self.produce(message, event).await.map(|()| Sent::Delivered).map_err(Into::into) })
     }
