@@ -26,6 +26,10 @@
 //!   without 5 failing aggregates holding back their events, drained by the
 //!   Consumer, against every event its own aggregate (checks that exactly
 //!   the failing aggregates' events are left);
+//! - `pipeline`: a relay into a webhook that answers after 0, 1, 5 and
+//!   20 ms, with 64 deliveries in flight and with one at a time, against a
+//!   plain async client with 64 in flight on the same server; and with
+//!   1, 4 and 16 aggregates at 5 ms;
 //! - `trigger-split` (only when named): the producers' server CPU per insert
 //!   for each step of the trigger's fast path, at 16 connections; and
 //!   pg-outbox's triggers with no relay running and with 8 hot aggregates;
@@ -94,6 +98,7 @@ mod hot;
 mod keepup;
 mod latency;
 mod peers;
+mod pipeline;
 mod producers;
 mod report;
 mod util;
@@ -113,7 +118,7 @@ use pg_outbox_testkit::{connect, find_server};
 use report::Section;
 
 /// Scenario names, in the order they run.
-pub const SCENARIOS: [&str; 7] = ["latency", "drain", "keepup", "producers", "heads", "history", "hot"];
+pub const SCENARIOS: [&str; 8] = ["latency", "drain", "keepup", "producers", "heads", "history", "hot", "pipeline"];
 /// Scenarios that run only when named, after the others.
 pub const EXTRA_SCENARIOS: [&str; 3] = ["trigger-split", "peers", "wal"];
 
@@ -477,6 +482,7 @@ async fn run() -> BenchResult<()> {
             "heads" => heads::run(&ctx).await,
             "history" => history::run(&ctx).await,
             "hot" => hot::run(&ctx).await,
+            "pipeline" => pipeline::run(&ctx).await,
             "trigger-split" => producers::split(&ctx).await,
             "peers" => peers::run(&ctx).await,
             "wal" => wal::run(&ctx).await,
