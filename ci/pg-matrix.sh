@@ -63,7 +63,7 @@ subset=(
   # The round trip: publish, consume, acknowledge; through the relay.
   consumer::published_event_is_delivered_acknowledged_and_marked_published
   relay::stdout_sink_prints_every_event_as_one_json_line_then_exits_cleanly_on_sigterm
-  relay::webhook_receives_every_event_in_id_order_with_an_idempotency_key
+  relay::webhook_receives_every_event_once_in_aggregate_order_with_an_idempotency_key
 )
 
 target=${CARGO_TARGET_DIR:-target}
