@@ -105,7 +105,7 @@ pub const RETENTION_ERRORS: &str = "outbox_retention_errors_total";
 /// only).
 pub const SINK_DURATION: &str = "outbox_sink_duration_seconds";
 /// Gauge: deliveries the relay has in flight to its sink, at most
-/// `--max-in-flight` ([`crate::relay::DeliveryOptions::max_in_flight`]),
+/// `--max-in-flight` (`relay::DeliveryOptions::max_in_flight`),
 /// one per aggregate (relay only).
 pub const SINK_IN_FLIGHT: &str = "outbox_sink_in_flight";
 /// Gauge: the delivery guarantee the relay's sink runs with, labelled
@@ -121,7 +121,7 @@ pub const SINK_GUARANTEE: &str = "outbox_sink_guarantee";
 pub const SINK_REPEATS_REFUSED: &str = "outbox_sink_repeats_refused_total";
 /// Counter: events acknowledged without a send (`--exactly-once`), labelled
 /// `proof` ([`SINK_PROOFS`]: how the sink read the event back from the
-/// broker, [`crate::relay::Proof`]). Never by inference from a later event:
+/// broker, `relay::Proof`). Never by inference from a later event:
 /// an event the broker cannot be shown to hold fails instead.
 pub const SINK_ACKNOWLEDGED_UNSENT: &str = "outbox_sink_acknowledged_unsent_total";
 

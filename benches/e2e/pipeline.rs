@@ -131,9 +131,7 @@ pub async fn run(ctx: &Ctx) -> BenchResult<Section> {
         // One at a time: a backlog it can drain within the cap or so.
         let serial_n = if ms == 0 { events.min(20_000) } else { (20_000 / i64::try_from(ms)?).min(events) };
         let serial = drain(ctx, &url, serial_n, AGGREGATES, 1).await?;
-        eprintln!(
-            "e2e: pipeline: {ms} ms: client {client_rate:.0}/s, relay {pipelined:.0}/s (64), {serial:.0}/s (1)"
-        );
+        eprintln!("e2e: pipeline: {ms} ms: client {client_rate:.0}/s, relay {pipelined:.0}/s (64), {serial:.0}/s (1)");
         let vs_client = ratio(pipelined, client_rate);
         let speed_up = ratio(pipelined, serial);
         sec.rows.push(vec![

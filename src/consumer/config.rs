@@ -555,7 +555,7 @@ impl ConsumerBuilder {
     /// that costs order. Exactly once it would cost the event, if a later
     /// event counted as proof; it does not, and such an event fails instead
     /// (an error that says order broke upstream). So
-    /// [`crate::relay::run_with`] with an exactly-once sink refuses an
+    /// `relay::run_with` (feature `relay`) with an exactly-once sink refuses an
     /// outbox whose order rests on the producers unless this is `true`
     /// (flag `--producers-lock-aggregates`). It changes nothing else.
     ///

@@ -91,13 +91,16 @@ pub struct EventStream {
     waiting: Option<Delivery>,
     /// Resolves when the lease changes (set while `waiting` waits).
     lease_changed: Option<LeaseChanged>,
-    /// What exactly-once delivery needs to know of the consumer.
+    /// What exactly-once delivery needs to know of the consumer (read by
+    /// the relay).
+    #[cfg_attr(not(feature = "relay"), allow(dead_code))]
     order: OrderFacts,
 }
 
 /// How the consumer keeps per-aggregate order: what
 /// [`EventStream::check_exactly_once`] reads.
 #[derive(Debug, Clone, Copy)]
+#[cfg_attr(not(feature = "relay"), allow(dead_code))]
 pub(super) struct OrderFacts {
     /// The consumer's mode.
     pub(super) mode: super::Mode,
@@ -160,6 +163,7 @@ impl EventStream {
     /// an outbox whose order rests on the producers' own lock (ordering
     /// mode `producer-locked`, or no insert trigger) without
     /// [`super::ConsumerBuilder::producers_lock_aggregates`].
+    #[cfg(feature = "relay")]
     pub(crate) fn check_exactly_once(&self) -> Result<()> {
         use crate::migrate::OrderingMode;
         if self.order.mode == super::Mode::Competing {
