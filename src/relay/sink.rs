@@ -214,7 +214,8 @@ pub trait Sink: Send + Sync {
     /// leaves it to the relay's [`DeliveryOptions::max_in_flight`]; a sink
     /// whose sends must not overlap, or that cannot yet overlap them
     /// without one send's failure costing the others, returns `Some(1)`
-    /// (the Kafka and RabbitMQ sinks do). The relay keeps the smaller.
+    /// (the Kafka, RabbitMQ and stdout sinks do). The relay keeps the
+    /// smaller.
     fn max_in_flight(&self) -> Option<usize> {
         None
     }

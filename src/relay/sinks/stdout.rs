@@ -107,6 +107,12 @@ impl Sink for StdoutSink {
         false
     }
 
+    /// One line at a time, so the lines come out in id order: a local pipe
+    /// has no round trip to hide, and a reader may rely on the order.
+    fn max_in_flight(&self) -> Option<usize> {
+        Some(1)
+    }
+
     fn send<'a>(&'a self, message: &'a Message, _event: &'a Event) -> SendFuture<'a> {
         delivered(Box::pin(async move {
             let mut line = Vec::with_capacity(message.body.len() + 1);

@@ -53,6 +53,10 @@ impl Sink for DemoSink {
         self.inner.name()
     }
 
+    fn max_in_flight(&self) -> Option<usize> {
+        self.inner.max_in_flight()
+    }
+
     fn send<'a>(&'a self, message: &'a Message, event: &'a Event) -> SendFuture<'a> {
         Box::pin(async move {
             self.inner.send(message, event).await?;
