@@ -31,13 +31,13 @@
 
 mod lanes;
 mod message;
+mod pipeline;
 mod registry;
 pub mod replay;
 mod settings;
 mod sink;
 mod sinks;
 
-use std::collections::BTreeSet;
 use std::future::Future;
 use std::pin::Pin;
 use std::time::{Duration, Instant};
@@ -45,7 +45,7 @@ use std::time::{Duration, Instant};
 use futures::StreamExt;
 use futures::stream::FuturesUnordered;
 
-use lanes::Lanes;
+use pipeline::Pipeline;
 
 pub use message::{DEFAULT_CLOUDEVENTS_SOURCE, Format, Message, Template, header};
 pub use registry::{OpenSink, SINKS, SinkKind, open_sink, sink_schemes};
@@ -206,7 +206,6 @@ where
     S: Sink + ?Sized,
     F: Future<Output = ()>,
 {
-    let mut stats = RelayStats::default();
     if sink.guarantee() == Guarantee::ExactlyOnce
         && let Err(e) = stream.check_exactly_once()
     {
@@ -215,128 +214,60 @@ where
         }
         return Err(e);
     }
-    let handle = stream.shutdown_handle();
-    let grace = stream.shutdown_grace();
     let monitor = stream.health();
-    let health = monitor.state();
-    health.sink_attached();
+    monitor.state().sink_attached();
     sink.guarantee().record();
     metrics::counter!(m::SINK_REPEATS_REFUSED).increment(0);
     for proof in m::SINK_PROOFS {
         metrics::counter!(m::SINK_ACKNOWLEDGED_UNSENT, "proof" => proof).increment(0);
     }
     tokio::pin!(shutdown);
-    let max = options.max_in_flight.min(sink.max_in_flight().unwrap_or(usize::MAX)).max(1);
-    let mut lanes: Lanes<crate::Delivery> = Lanes::default();
+    let max = options.max_in_flight.min(sink.max_in_flight().unwrap_or(usize::MAX));
+    let mut pipe = Pipeline::new(max, stream.shutdown_grace(), stream.shutdown_handle(), monitor);
     let mut in_flight = FuturesUnordered::new();
-    // Start of each send in flight, by (start, id): the first is the oldest.
-    let mut starts: BTreeSet<(Instant, i64)> = BTreeSet::new();
     let send = |delivery: crate::Delivery, at: Instant| async move {
         let result = sink::deliver(sink, options, delivery.event(), delivery.term()).await;
         (delivery, at, result)
     };
-    let mut shutdown_seen = false;
-    let mut stream_done = false;
-    let mut grace_until: Option<tokio::time::Instant> = None;
-    let mut fatal: Option<FatalSinkError> = None;
+    let (mut shutdown_seen, mut stream_done) = (false, false);
     loop {
         // Done once nothing is in flight and nothing more will be taken
         // (parked deliveries wait only behind a send in flight).
-        if (stream_done || fatal.is_some()) && in_flight.is_empty() {
+        if (stream_done || pipe.fatal.is_some()) && in_flight.is_empty() {
             break;
         }
-        let room = !stream_done && fatal.is_none() && in_flight.len() < max && lanes.parked() < max;
+        let room = !stream_done && pipe.room(in_flight.len());
         let mut started = None;
         tokio::select! {
             biased;
             Some((delivery, at, result)) = in_flight.next(), if !in_flight.is_empty() => {
-                let (delivery, at, result): (crate::Delivery, Instant, Result<Sent, BoxError>) = (delivery, at, result);
-                let ended = Instant::now();
-                starts.remove(&(at, delivery.id));
-                metrics::histogram!(m::SINK_DURATION).record((ended - at).as_secs_f64());
-                let lane = delivery.aggregate_id;
-                match result {
-                    Ok(sent) => {
-                        health.delivery_ended(ended, Ok(()));
-                        stats.delivered += 1;
-                        if let Sent::Held(_) = sent {
-                            stats.held += 1;
-                        }
-                        delivery.ack();
-                        started = lanes.next(lane);
-                    }
-                    Err(e) => {
-                        match e.downcast::<FatalSinkError>() {
-                            Ok(f) => {
-                                health.delivery_ended(ended, Err(f.to_string()));
-                                tracing::error!(id = delivery.id, error = %f, "sink is gone; stopping (the event is released, not failed)");
-                                delivery.release();
-                                if fatal.is_none() {
-                                    fatal = Some(*f);
-                                    handle.shutdown();
-                                    grace_until.get_or_insert_with(|| tokio::time::Instant::now() + grace);
-                                }
-                            }
-                            Err(e) => {
-                                stats.failed += 1;
-                                let msg = crate::error::report(e.as_ref());
-                                health.delivery_ended(ended, Err(msg.clone()));
-                                tracing::warn!(id = delivery.id, attempt = delivery.retry_count + 1, error = %msg.escape_debug(), "sink failed");
-                                delivery.fail(msg);
-                            }
-                        }
-                        // Its aggregate's later events are held back.
-                        for held in lanes.close(lane) {
-                            held.release_held();
-                        }
-                        if fatal.is_some() {
-                            for parked in lanes.drain_parked() {
-                                parked.release_held();
-                            }
-                        }
-                    }
-                }
+                started = pipe.settle(delivery, at, result);
             }
             _ = &mut shutdown, if !shutdown_seen => {
                 shutdown_seen = true;
-                tracing::info!(in_flight = in_flight.len(), grace = ?grace, "shutting down: waiting for the events in flight, then writing acknowledgements");
-                handle.shutdown();
-                grace_until.get_or_insert_with(|| tokio::time::Instant::now() + grace);
-                for parked in lanes.drain_parked() {
-                    parked.release_held();
-                }
+                pipe.shut_down(in_flight.len());
             }
             next = stream.next(), if room => match next {
                 None => stream_done = true,
-                Some(delivery) => started = lanes.admit(delivery.aggregate_id, delivery),
+                Some(delivery) => started = pipe.admit(delivery),
             },
-            _ = sleep_until(grace_until), if grace_until.is_some() && !in_flight.is_empty() => {
-                tracing::warn!(
-                    in_flight = in_flight.len(),
-                    "shutdown grace ran out; the events in flight are released and will be delivered again"
-                );
+            _ = sleep_until(pipe.grace_until), if pipe.grace_until.is_some() && !in_flight.is_empty() => {
+                pipe.give_up(in_flight.len());
                 // Dropped unsettled, each delivery is released.
                 in_flight.clear();
-                starts.clear();
-                for parked in lanes.drain_parked() {
-                    parked.release_held();
-                }
-                health.deliveries_in_flight(None);
-                metrics::gauge!(m::SINK_IN_FLIGHT).set(0.0);
+                pipe.report(0);
                 break;
             }
         }
         if let Some(delivery) = started {
-            let at = Instant::now();
-            starts.insert((at, delivery.id));
+            let at = pipe.started(&delivery);
             in_flight.push(send(delivery, at));
         }
-        health.deliveries_in_flight(starts.first().map(|(at, _)| *at));
-        metrics::gauge!(m::SINK_IN_FLIGHT).set(in_flight.len() as f64);
+        pipe.report(in_flight.len());
     }
     stream.finish().await?;
-    match fatal {
+    match pipe.fatal {
         Some(f) => Err(crate::Error::Sink(Box::new(f))),
-        None => Ok(stats),
+        None => Ok(pipe.stats),
     }
 }
