@@ -30,6 +30,8 @@ mod order;
 mod ordering_modes;
 #[cfg(feature = "relay")]
 mod pipeline;
+#[cfg(all(feature = "nats", feature = "redis"))]
+mod pipeline_faults;
 mod plan_states;
 mod plans;
 mod poolers;
