@@ -12,76 +12,15 @@
 //! - [`discard`] deletes dead letters ("removed by hand after review", as
 //!   docs/schema.md has it); the later events of their aggregates are then delivered.
 
-use chrono::{DateTime, Utc};
 use tokio_postgres::GenericClient;
 
 use crate::error::Result;
 use crate::event::Event;
+pub use crate::store::dead_letters::Filter;
 use crate::store::dead_letters::{self as store, Action};
 
 /// Default number of rows `list` returns: 100.
 pub const DEFAULT_LIST_LIMIT: i64 = 100;
-
-/// Which dead letters an operation applies to. Empty fields match all;
-/// set fields are combined with AND.
-#[derive(Debug, Clone, Default, PartialEq)]
-#[non_exhaustive]
-pub struct Filter {
-    /// Only these ids.
-    pub ids: Option<Vec<i64>>,
-    /// Only this aggregate type (exact match).
-    pub aggregate_type: Option<String>,
-    /// Only this event type (exact match).
-    pub event_type: Option<String>,
-    /// Only events whose `last_error` contains this text (case-sensitive).
-    pub error_contains: Option<String>,
-    /// Only events that occurred at or after this time.
-    pub since: Option<DateTime<Utc>>,
-    /// At most this many rows (default: all for retry/discard, 100 for list).
-    pub limit: Option<i64>,
-}
-
-impl Filter {
-    /// A filter matching every dead letter.
-    pub fn all() -> Self {
-        Self::default()
-    }
-
-    /// A filter matching the given ids.
-    pub fn ids(ids: Vec<i64>) -> Self {
-        Filter { ids: Some(ids), ..Self::default() }
-    }
-
-    /// Set [`Filter::aggregate_type`].
-    pub fn aggregate_type(mut self, t: impl Into<String>) -> Self {
-        self.aggregate_type = Some(t.into());
-        self
-    }
-
-    /// Set [`Filter::event_type`].
-    pub fn event_type(mut self, t: impl Into<String>) -> Self {
-        self.event_type = Some(t.into());
-        self
-    }
-
-    /// Set [`Filter::error_contains`].
-    pub fn error_contains(mut self, t: impl Into<String>) -> Self {
-        self.error_contains = Some(t.into());
-        self
-    }
-
-    /// Set [`Filter::since`].
-    pub fn since(mut self, t: DateTime<Utc>) -> Self {
-        self.since = Some(t);
-        self
-    }
-
-    /// Set [`Filter::limit`].
-    pub fn limit(mut self, n: i64) -> Self {
-        self.limit = Some(n);
-        self
-    }
-}
 
 /// A dead letter as listed: the event plus when it died (its last failure is
 /// in `event.last_error`).

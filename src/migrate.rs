@@ -15,6 +15,7 @@ use crate::connect::{self, ConnectOptions, SessionSettings};
 use crate::error::{Error, Result};
 use crate::store::locks::{self, RunLock};
 use crate::store::schema as store;
+pub use crate::store::schema::OrderingMode;
 
 /// Schema migrations, in order: (name, SQL). Numbered `NNNN_name`.
 pub const MIGRATIONS: &[(&str, &str)] = &[
@@ -182,75 +183,6 @@ async fn apply_locked(client: &Client) -> Result<MigrationReport> {
         )));
     }
     Ok(report)
-}
-
-/// How per-aggregate order is kept on insert: the ordering mode installed
-/// on `events.outbox` (which insert trigger is enabled; see
-/// `triggers/outbox_insert_order_and_notify.sql`, "Ordering modes", and
-/// docs/architecture.md). A new database gets [`OrderingMode::OutboxLocked`];
-/// [`apply`] keeps whatever mode is installed, and [`set_ordering`]
-/// switches.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize)]
-#[serde(rename_all = "kebab-case")]
-#[non_exhaustive]
-pub enum OrderingMode {
-    /// The default. The insert trigger `outbox_order` locks each event's
-    /// aggregate before it draws the event's id, so an aggregate's ids
-    /// commit in id order whatever the producers do (docs/architecture.md,
-    /// "Why order holds when producers race"). Costs each insert a PL/pgSQL
-    /// row trigger.
-    OutboxLocked,
-    /// Opt-in, for producers that already serialise each aggregate: every
-    /// transaction that writes an aggregate's events first locks a row of
-    /// its own for that aggregate (`SELECT ... FOR UPDATE` or an `UPDATE`
-    /// of the aggregate's row) and holds it to the commit. The insert path
-    /// then only decides the wake-up (the statement trigger `outbox_wake`,
-    /// called only while a relay waits for one). Producers that write an
-    /// aggregate without such a lock can commit its events out of id order,
-    /// and relays then deliver them out of order.
-    ProducerLocked,
-}
-
-impl OrderingMode {
-    /// The mode's name as `pg-outbox migrate --ordering` and
-    /// `events.outbox_set_ordering()` spell it: `outbox-locked` or
-    /// `producer-locked`.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            OrderingMode::OutboxLocked => "outbox-locked",
-            OrderingMode::ProducerLocked => "producer-locked",
-        }
-    }
-
-    /// The mode `events.outbox_set_ordering()` and the catalog read name
-    /// `s`; `None` for any other name (`none`).
-    pub(crate) fn from_sql(s: &str) -> Option<OrderingMode> {
-        match s {
-            "outbox-locked" => Some(OrderingMode::OutboxLocked),
-            "producer-locked" => Some(OrderingMode::ProducerLocked),
-            _ => None,
-        }
-    }
-}
-
-impl std::fmt::Display for OrderingMode {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.as_str())
-    }
-}
-
-impl std::str::FromStr for OrderingMode {
-    type Err = Error;
-
-    /// Parse `outbox-locked` or `producer-locked`.
-    ///
-    /// # Errors
-    /// [`Error::Config`] naming the value and the two names it accepts.
-    fn from_str(s: &str) -> Result<OrderingMode> {
-        OrderingMode::from_sql(s).ok_or_else(|| {
-            Error::Config(format!("unknown ordering mode {s:?}; expected outbox-locked or producer-locked"))
-        })
-    }
 }
 
 /// The ordering mode installed on `events.outbox`, or `None` when neither

@@ -5,9 +5,70 @@ use tokio_postgres::GenericClient;
 use tokio_postgres::types::ToSql;
 
 use super::{event_from_row, map_missing_schema, query_map, row_id};
-use crate::dead_letters::Filter;
 use crate::error::Result;
 use crate::event::Event;
+use chrono::{DateTime, Utc};
+
+/// Which dead letters an operation applies to. Empty fields match all;
+/// set fields are combined with AND.
+#[derive(Debug, Clone, Default, PartialEq)]
+#[non_exhaustive]
+pub struct Filter {
+    /// Only these ids.
+    pub ids: Option<Vec<i64>>,
+    /// Only this aggregate type (exact match).
+    pub aggregate_type: Option<String>,
+    /// Only this event type (exact match).
+    pub event_type: Option<String>,
+    /// Only events whose `last_error` contains this text (case-sensitive).
+    pub error_contains: Option<String>,
+    /// Only events that occurred at or after this time.
+    pub since: Option<DateTime<Utc>>,
+    /// At most this many rows (default: all for retry/discard, 100 for list).
+    pub limit: Option<i64>,
+}
+
+impl Filter {
+    /// A filter matching every dead letter.
+    pub fn all() -> Self {
+        Self::default()
+    }
+
+    /// A filter matching the given ids.
+    pub fn ids(ids: Vec<i64>) -> Self {
+        Filter { ids: Some(ids), ..Self::default() }
+    }
+
+    /// Set [`Filter::aggregate_type`].
+    pub fn aggregate_type(mut self, t: impl Into<String>) -> Self {
+        self.aggregate_type = Some(t.into());
+        self
+    }
+
+    /// Set [`Filter::event_type`].
+    pub fn event_type(mut self, t: impl Into<String>) -> Self {
+        self.event_type = Some(t.into());
+        self
+    }
+
+    /// Set [`Filter::error_contains`].
+    pub fn error_contains(mut self, t: impl Into<String>) -> Self {
+        self.error_contains = Some(t.into());
+        self
+    }
+
+    /// Set [`Filter::since`].
+    pub fn since(mut self, t: DateTime<Utc>) -> Self {
+        self.since = Some(t);
+        self
+    }
+
+    /// Set [`Filter::limit`].
+    pub fn limit(mut self, n: i64) -> Self {
+        self.limit = Some(n);
+        self
+    }
+}
 
 /// The WHERE clause shared by every operation; `$6` is the row limit.
 /// Every statement orders by `id + 0`, the key of `outbox_dead_letter_idx`

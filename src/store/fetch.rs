@@ -1,7 +1,7 @@
 //! The consumer's fetches: the ordered fetch (single and partitioned mode),
 //! the competing mode's claim, and when the next retry is due.
 
-use super::rows::{BYTES_BEFORE, EVENT_COLUMNS, PARTITION, TERM};
+use super::rows::{BYTES_BEFORE, EVENT_COLUMNS, PARTITION, SMALL_STORED_BYTES, TERM};
 
 /// The outbox's current leadership term (`events.outbox_terms`, migration
 /// 0013), NULL when no leader ever took one: a scalar subquery PostgreSQL
@@ -328,10 +328,6 @@ pub(crate) enum PayloadSizes {
     /// compressed value: every payload by the length of its text.
     Text,
 }
-
-/// Payloads stored in the row, uncompressed, under this many bytes are
-/// measured by their stored size ([`PayloadSizes::StoredWhenSmall`]).
-pub(crate) const SMALL_STORED_BYTES: usize = 2048;
 
 impl PayloadSizes {
     /// The sizes to use on a server of `server_version_num` `num`.

@@ -15,7 +15,125 @@ use tokio_postgres::types::ToSql;
 use super::{event_from_row, map_missing_schema, row_id};
 use crate::error::{Error, Result};
 use crate::event::Event;
-use crate::relay::replay::Filter;
+use chrono::{DateTime, Utc};
+
+/// Which events a replay delivers. Unset fields match all; set fields are
+/// combined with AND. The default: every published event.
+#[derive(Debug, Clone, Default, PartialEq)]
+#[non_exhaustive]
+pub struct Filter {
+    /// Only ids at or above this one.
+    pub from_id: Option<i64>,
+    /// Only ids at or below this one.
+    pub to_id: Option<i64>,
+    /// Only ids above this one: where an earlier, stopped replay resumes
+    /// (its `relay::replay::Progress::last_delivered`). Combined with
+    /// [`Filter::from_id`], the later start wins.
+    pub after_id: Option<i64>,
+    /// Only events that occurred (`occurred_at`) at or after this time.
+    pub since: Option<DateTime<Utc>>,
+    /// Only events that occurred before this time.
+    pub until: Option<DateTime<Utc>>,
+    /// Only this aggregate type (exact match).
+    pub aggregate_type: Option<String>,
+    /// Only this aggregate.
+    pub aggregate_id: Option<uuid::Uuid>,
+    /// Only this event type (exact match).
+    pub event_type: Option<String>,
+    /// Also unpublished events (pending, waiting for a retry, dead letters),
+    /// which the relay delivers too. Default `false`: published only.
+    pub include_unpublished: bool,
+}
+
+impl Filter {
+    /// Set [`Filter::from_id`].
+    pub fn from_id(mut self, id: i64) -> Self {
+        self.from_id = Some(id);
+        self
+    }
+
+    /// Set [`Filter::to_id`].
+    pub fn to_id(mut self, id: i64) -> Self {
+        self.to_id = Some(id);
+        self
+    }
+
+    /// Set [`Filter::after_id`].
+    pub fn after_id(mut self, id: i64) -> Self {
+        self.after_id = Some(id);
+        self
+    }
+
+    /// Set [`Filter::since`].
+    pub fn since(mut self, t: DateTime<Utc>) -> Self {
+        self.since = Some(t);
+        self
+    }
+
+    /// Set [`Filter::until`].
+    pub fn until(mut self, t: DateTime<Utc>) -> Self {
+        self.until = Some(t);
+        self
+    }
+
+    /// Set [`Filter::aggregate_type`].
+    pub fn aggregate_type(mut self, t: impl Into<String>) -> Self {
+        self.aggregate_type = Some(t.into());
+        self
+    }
+
+    /// Set [`Filter::aggregate_id`].
+    pub fn aggregate_id(mut self, id: uuid::Uuid) -> Self {
+        self.aggregate_id = Some(id);
+        self
+    }
+
+    /// Set [`Filter::event_type`].
+    pub fn event_type(mut self, t: impl Into<String>) -> Self {
+        self.event_type = Some(t.into());
+        self
+    }
+
+    /// Set [`Filter::include_unpublished`].
+    pub fn include_unpublished(mut self, yes: bool) -> Self {
+        self.include_unpublished = yes;
+        self
+    }
+
+    /// Check that the ranges are not inverted.
+    ///
+    /// # Errors
+    /// [`Error::Config`] when `from_id` is above `to_id`, or `since` is not
+    /// before `until`.
+    pub fn validate(&self) -> Result<()> {
+        if let (Some(from), Some(to)) = (self.from_id, self.to_id)
+            && from > to
+        {
+            return Err(Error::Config(format!("the id range is inverted: from id {from} is above to id {to}")));
+        }
+        if let (Some(since), Some(until)) = (self.since, self.until)
+            && since >= until
+        {
+            let t = |t: DateTime<Utc>| t.to_rfc3339_opts(chrono::SecondsFormat::AutoSi, true);
+            return Err(Error::Config(format!(
+                "the time range is empty or inverted: since {} is not before until {}",
+                t(since),
+                t(until)
+            )));
+        }
+        Ok(())
+    }
+
+    /// The ids below and at this one are out: the later of `after_id` and
+    /// the id before `from_id`; `None` when neither is set.
+    pub(crate) fn start_after(&self) -> Option<i64> {
+        let from = self.from_id.map(|f| f.saturating_sub(1));
+        match (self.after_id, from) {
+            (Some(a), Some(f)) => Some(a.max(f)),
+            (a, f) => a.or(f),
+        }
+    }
+}
 
 /// Starts each read of a replay: a transaction of its own, read-only, so a
 /// replay cannot change a row, even by mistake. Per transaction, not per

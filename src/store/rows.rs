@@ -6,6 +6,10 @@ use tokio_postgres::types::{FromSql, Type};
 use crate::error::Result;
 use crate::event::Event;
 
+/// Payloads stored in the row, uncompressed, under this many bytes are
+/// measured by their stored size (`fetch::PayloadSizes::StoredWhenSmall`).
+pub(crate) const SMALL_STORED_BYTES: usize = 2048;
+
 /// The columns of an event row, as text: see `event_columns!`.
 pub(crate) const EVENT_COLUMNS: &str = event_columns!();
 
@@ -40,13 +44,13 @@ pub(crate) const BYTES_BEFORE: &str = "bytes_before";
 /// candidates were there)? Yes when the payloads of its rows reach `budget`
 /// as the fetch measured them: [`BYTES_BEFORE`] of the last row plus its
 /// own payload, which the fetch measured as received (then it is exact), or
-/// by its stored size, under [`super::fetch::SMALL_STORED_BYTES`]: so the
+/// by its stored size, under [`SMALL_STORED_BYTES`]: so the
 /// last row counts for at least that. A fetch that took every candidate and
 /// came within that of the budget is taken for cut too: the next fetch
 /// finds nothing, as after a full batch that happened to be the last.
 pub(crate) fn fetch_was_cut(last: &Row, budget: i64) -> bool {
     let before: i64 = last.try_get::<_, Option<i64>>(BYTES_BEFORE).ok().flatten().unwrap_or(0);
-    let own = payload_bytes(last).unwrap_or(0).max(super::fetch::SMALL_STORED_BYTES);
+    let own = payload_bytes(last).unwrap_or(0).max(SMALL_STORED_BYTES);
     before.saturating_add(i64::try_from(own).unwrap_or(i64::MAX)) >= budget
 }
 

@@ -47,7 +47,7 @@ pub struct OutboxStatus {
     /// The ordering mode installed on `events.outbox`
     /// ([`crate::migrate::ordering`]); `None` when neither insert trigger is
     /// enabled. In JSON: `"outbox-locked"`, `"producer-locked"` or `null`.
-    pub ordering: Option<crate::migrate::OrderingMode>,
+    pub ordering: Option<super::schema::OrderingMode>,
     /// Whether any figure is estimated: the figures named in
     /// [`OutboxStatus::estimated_figures`] are.
     pub estimated: bool,
@@ -238,7 +238,7 @@ pub async fn status<C: GenericClient + Sync>(client: &C) -> Result<OutboxStatus>
             next,
         },
         leader: leader_lock(client).await?,
-        ordering: crate::migrate::ordering(client).await?,
+        ordering: super::schema::installed_ordering(client).await?,
         estimated: !b.estimated.is_empty(),
         estimated_figures: estimated_figures(&b),
     })
