@@ -30,6 +30,15 @@
 //!   20 ms, with 64 deliveries in flight and with one at a time, against a
 //!   plain async client with 64 in flight on the same server; and with
 //!   1, 4 and 16 aggregates at 5 ms;
+//! - `sinks` (only when named): a relay into NATS JetStream, Redis,
+//!   RabbitMQ and Kafka (a tansu the scenario starts) through a proxy in
+//!   this process that adds a round trip of 0, 1, 5 and 20 ms, with 64
+//!   deliveries in flight (and one at a time at 5 ms), against a plain
+//!   async client of each broker with 64 in flight through the same proxy;
+//!   and the relay into stdout, the floor. The smoke pass skips a broker
+//!   that is not there; a real run fails on it
+//!   (`PG_OUTBOX_BENCH_SINKS=nats,redis` and `PG_OUTBOX_BENCH_ROUND_TRIPS=0,5`
+//!   pick sinks and round trips);
 //! - `trigger-split` (only when named): the producers' server CPU per insert
 //!   for each step of the trigger's fast path, at 16 connections; and
 //!   pg-outbox's triggers with no relay running and with 8 hot aggregates;
@@ -101,6 +110,7 @@ mod peers;
 mod pipeline;
 mod producers;
 mod report;
+mod sinks;
 mod util;
 mod wal;
 
@@ -120,7 +130,7 @@ use report::Section;
 /// Scenario names, in the order they run.
 pub const SCENARIOS: [&str; 8] = ["latency", "drain", "keepup", "producers", "heads", "history", "hot", "pipeline"];
 /// Scenarios that run only when named, after the others.
-pub const EXTRA_SCENARIOS: [&str; 3] = ["trigger-split", "peers", "wal"];
+pub const EXTRA_SCENARIOS: [&str; 4] = ["trigger-split", "peers", "wal", "sinks"];
 
 /// Sizes and durations of a run.
 #[derive(Debug, Clone, Serialize)]
@@ -486,6 +496,7 @@ async fn run() -> BenchResult<()> {
             "trigger-split" => producers::split(&ctx).await,
             "peers" => peers::run(&ctx).await,
             "wal" => wal::run(&ctx).await,
+            "sinks" => sinks::run(&ctx).await,
             other => Err(format!("unknown scenario {other}").into()),
         };
         drop_leftovers(&ctx.admin).await;
