@@ -2,7 +2,7 @@
 //! RabbitMQ (127.0.0.1:5672, guest/guest), read back with lapin.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use futures::StreamExt;
 use lapin::options::{BasicAckOptions, BasicConsumeOptions, QueueBindOptions, QueueDeclareOptions, QueueDeleteOptions};
@@ -284,6 +284,158 @@ async fn amqp_connection_lost_mid_run_fails_events_then_the_sink_reconnects() {
     assert_eq!(next_id().await, during, "the event arrived after the reconnect");
     assert!(relay.log().contains("connected to RabbitMQ"), "the reconnect is logged:\n{}", relay.log());
     relay.stop_cleanly().await;
+    ch.queue_delete(queue.as_str().into(), QueueDeleteOptions::default()).await.expect("delete the test queue");
+    let _ = conn.close(200, "done".into()).await;
+}
+
+/// A TCP proxy to RabbitMQ that holds each chunk the broker sends for
+/// `delay` before passing it on, so every confirm takes at least `delay`:
+/// `n` sends made one after another take at least `n * delay`. Returns the
+/// proxy's port.
+async fn delaying_proxy(delay: Duration) -> u16 {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind the proxy");
+    let port = listener.local_addr().expect("proxy address").port();
+    tokio::spawn(async move {
+        while let Ok((client, _)) = listener.accept().await {
+            tokio::spawn(async move {
+                let Ok(server) = tokio::net::TcpStream::connect(BROKER).await else { return };
+                let (mut from_client, mut to_client) = client.into_split();
+                let (mut from_server, mut to_server) = server.into_split();
+                let down = async {
+                    let mut buf = vec![0u8; 64 * 1024];
+                    while let Ok(n @ 1..) = from_server.read(&mut buf).await {
+                        tokio::time::sleep(delay).await;
+                        if to_client.write_all(&buf[..n]).await.is_err() {
+                            break;
+                        }
+                    }
+                };
+                tokio::select! {
+                    _ = tokio::io::copy(&mut from_client, &mut to_server) => {}
+                    _ = down => {}
+                }
+            });
+        }
+    });
+    port
+}
+
+/// Read `n` messages from `queue` (acknowledging each); their outbox ids
+/// in arrival order.
+async fn read_ids(ch: &Channel, queue: &str, n: usize, relay: &brokers::RelayProc) -> Vec<i64> {
+    let mut consumer = ch
+        .basic_consume(queue.into(), "pgo-test".into(), BasicConsumeOptions::default(), FieldTable::default())
+        .await
+        .expect("consume the test queue");
+    let mut ids = Vec::with_capacity(n);
+    while ids.len() < n {
+        let d = tokio::time::timeout(LIVENESS, consumer.next())
+            .await
+            .unwrap_or_else(|_| {
+                panic!("only {} of {n} messages within {LIVENESS:?}; relay:\n{}", ids.len(), relay.log())
+            })
+            .expect("consumer stream ended")
+            .expect("delivery");
+        d.ack(BasicAckOptions::default()).await.expect("ack");
+        ids.push(d.properties.message_id().as_ref().expect("message_id").as_str().parse().expect("numeric message_id"));
+    }
+    let extra = tokio::time::timeout(Duration::from_millis(300), consumer.next()).await;
+    assert!(extra.is_err(), "no message beyond the {n} expected: {extra:?}");
+    ids
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn amqp_sink_overlaps_sends_and_delivers_every_event_once_in_aggregate_order() {
+    if !needs::server(&needs::RABBITMQ).await {
+        return;
+    }
+    let db = TestDb::new("sink_amqp_pipelined").await;
+    let c = db.client().await;
+    let prefix = format!("pgo-test-{}", Uuid::new_v4().simple());
+    let (conn, ch, queue) = bound_queue(&prefix).await;
+    // Every confirm takes 25 ms or more: 480 events sent one at a time
+    // would take 12 s or more.
+    const DELAY: Duration = Duration::from_millis(25);
+    const EVENTS: usize = 480;
+    let url = format!("amqp://guest:guest@127.0.0.1:{}/%2f", delaying_proxy(DELAY).await);
+    let sent = brokers::publish_events(&c, &brokers::aggregates(96), EVENTS, "pipelined").await;
+    let rk = format!("{prefix}.{{aggregate_type}}.{{event_type}}");
+    let began = Instant::now();
+    let mut relay =
+        relay_proc::start(&db, &["--sink", &url, "--amqp-routing-key", &rk, "--sweep-interval", "200ms"]).await;
+    brokers::wait_published(&c, EVENTS as i64).await;
+    let took = began.elapsed();
+
+    let ids = read_ids(&ch, &queue, EVENTS, &relay).await;
+    brokers::check_once_in_aggregate_order(&ids, &sent);
+    let serial = DELAY * EVENTS as u32;
+    assert!(
+        took < serial / 4,
+        "{EVENTS} events took {took:?}, start included; one at a time they take {serial:?} or more, so sends \
+         did not overlap (the default --max-in-flight is 64)"
+    );
+    relay.stop_cleanly().await;
+    ch.queue_delete(queue.as_str().into(), QueueDeleteOptions::default()).await.expect("delete the test queue");
+    let _ = conn.close(200, "done".into()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn amqp_overlapping_sends_fail_exactly_the_unroutable_events() {
+    if !needs::server(&needs::RABBITMQ).await {
+        return;
+    }
+    let db = TestDb::new("sink_amqp_mixed_routes").await;
+    let c = db.client().await;
+    let prefix = format!("pgo-test-{}", Uuid::new_v4().simple());
+    // Only `order` events have a queue: every `invoice` one is returned.
+    let (conn, ch, queue) = bound_queue(&format!("{prefix}.order")).await;
+    let url = format!("amqp://guest:guest@127.0.0.1:{}/%2f", delaying_proxy(Duration::from_millis(5)).await);
+    let aggs = brokers::aggregates(60);
+    let sent = brokers::publish_events(&c, &aggs, 240, "mixed").await;
+    let orders: BTreeMap<i64, brokers::Sent> =
+        sent.iter().filter(|(_, e)| e.aggregate_type == "order").map(|(id, e)| (*id, e.clone())).collect();
+    // Each invoice aggregate's first event fails; the rest wait behind it.
+    let first_invoices: Vec<i64> = aggs
+        .iter()
+        .filter(|(t, _)| *t == "invoice")
+        .filter_map(|(_, agg)| sent.iter().find(|(_, e)| e.aggregate_id == *agg).map(|(id, _)| *id))
+        .collect();
+    assert!(!first_invoices.is_empty() && !orders.is_empty());
+    let rk = format!("{prefix}.{{aggregate_type}}.{{event_type}}");
+    let relay = relay_proc::start(&db, &["--sink", &url, "--amqp-routing-key", &rk, "--sweep-interval", "200ms"]).await;
+
+    let counts = || async {
+        let r = c
+            .query_one(
+                "SELECT count(*) FILTER (WHERE aggregate_type = 'order' AND published_at IS NOT NULL), \
+                        count(*) FILTER (WHERE aggregate_type = 'invoice' AND published_at IS NOT NULL), \
+                        count(*) FILTER (WHERE id = ANY($1) AND retry_count >= 1) \
+                 FROM events.outbox",
+                &[&first_invoices],
+            )
+            .await
+            .expect("count rows");
+        (r.get::<_, i64>(0), r.get::<_, i64>(1), r.get::<_, i64>(2))
+    };
+    let want = (orders.len() as i64, 0, first_invoices.len() as i64);
+    support::eventually(LIVENESS.as_secs(), "every order event published and every first invoice failed", || async {
+        counts().await == want
+    })
+    .await;
+    assert_eq!(counts().await, want, "(orders published, invoices published, first invoices failed)");
+    for id in &first_invoices {
+        let (published, retries, last_error) = brokers::row_state(&c, *id).await;
+        assert!(!published && retries == 1, "invoice {id}: published {published}, {retries} failures");
+        let last_error = last_error.expect("last_error is set");
+        assert!(
+            last_error.contains("unroutable") && last_error.contains(&format!("{prefix}.invoice.")),
+            "{last_error}"
+        );
+    }
+    let ids = read_ids(&ch, &queue, orders.len(), &relay).await;
+    brokers::check_once_in_aggregate_order(&ids, &orders);
+    drop(relay);
     ch.queue_delete(queue.as_str().into(), QueueDeleteOptions::default()).await.expect("delete the test queue");
     let _ = conn.close(200, "done".into()).await;
 }

@@ -33,12 +33,25 @@ const PARTITIONS: i32 = 3;
 struct Tansu {
     bin: PathBuf,
     port: u16,
+    /// The port the broker tells clients to use: `port`, or a proxy's.
+    advertised: u16,
     child: Option<Child>,
 }
 
 impl Tansu {
     async fn start(bin: PathBuf) -> Tansu {
-        let mut t = Tansu { bin, port: brokers::free_port(), child: None };
+        let port = brokers::free_port();
+        let mut t = Tansu { bin, port, advertised: port, child: None };
+        t.restart().await;
+        t
+    }
+
+    /// A broker reached only through [`delaying_proxy`]: it advertises the
+    /// proxy, so every request's answer takes at least `delay`.
+    async fn start_delayed(bin: PathBuf, delay: Duration) -> Tansu {
+        let port = brokers::free_port();
+        let advertised = delaying_proxy(format!("127.0.0.1:{port}"), delay).await;
+        let mut t = Tansu { bin, port, advertised, child: None };
         t.restart().await;
         t
     }
@@ -46,8 +59,9 @@ impl Tansu {
     /// Start (again) on the same port; storage starts empty.
     async fn restart(&mut self) {
         let url = format!("tcp://127.0.0.1:{}", self.port);
+        let advertised = format!("tcp://127.0.0.1:{}", self.advertised);
         let child = Command::new(&self.bin)
-            .args(["broker", "--listener-url", &url, "--advertised-listener-url", &url])
+            .args(["broker", "--listener-url", &url, "--advertised-listener-url", &advertised])
             .args(["--storage-engine", "memory://tansu/", "--silent"])
             .stdin(Stdio::null())
             .stdout(Stdio::null())
@@ -56,7 +70,7 @@ impl Tansu {
             .spawn()
             .unwrap_or_else(|e| panic!("cannot start {}: {e}", self.bin.display()));
         self.child = Some(child);
-        let addr = self.addr();
+        let addr = format!("127.0.0.1:{}", self.port);
         support::eventually(30, "tansu to accept connections", || async {
             tokio::net::TcpStream::connect(&addr).await.is_ok()
         })
@@ -70,8 +84,9 @@ impl Tansu {
         }
     }
 
+    /// Where clients connect (the proxy, if any).
     fn addr(&self) -> String {
-        format!("127.0.0.1:{}", self.port)
+        format!("127.0.0.1:{}", self.advertised)
     }
 
     fn url(&self) -> String {
@@ -123,6 +138,40 @@ impl Tansu {
         consumer.assign(&tpl).expect("assign partitions");
         Reader { consumer, topic: topic.to_owned(), partitions }
     }
+}
+
+/// A TCP proxy to `target` that holds each chunk the server sends for
+/// `delay` before passing it on, so every answer takes at least `delay`:
+/// `n` requests made one after another take at least `n * delay`. Returns
+/// the proxy's port.
+async fn delaying_proxy(target: String, delay: Duration) -> u16 {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind the proxy");
+    let port = listener.local_addr().expect("proxy address").port();
+    tokio::spawn(async move {
+        while let Ok((client, _)) = listener.accept().await {
+            let target = target.clone();
+            tokio::spawn(async move {
+                let Ok(server) = tokio::net::TcpStream::connect(&target).await else { return };
+                let (mut from_client, mut to_client) = client.into_split();
+                let (mut from_server, mut to_server) = server.into_split();
+                let down = async {
+                    let mut buf = vec![0u8; 64 * 1024];
+                    while let Ok(n @ 1..) = from_server.read(&mut buf).await {
+                        tokio::time::sleep(delay).await;
+                        if to_client.write_all(&buf[..n]).await.is_err() {
+                            break;
+                        }
+                    }
+                };
+                tokio::select! {
+                    _ = tokio::io::copy(&mut from_client, &mut to_server) => {}
+                    _ = down => {}
+                }
+            });
+        }
+    });
+    port
 }
 
 /// A consumer and the partitions it is assigned.
@@ -243,6 +292,43 @@ async fn kafka_sink_keys_by_aggregate_with_headers_and_keeps_per_aggregate_order
     let used: BTreeSet<i32> = partition_of.values().copied().collect();
     assert!(used.len() > 1, "24 aggregates over {PARTITIONS} partitions all landed in one: {partition_of:?}");
 
+    relay.stop_cleanly().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kafka_sink_overlaps_sends_and_delivers_every_event_once_in_aggregate_order() {
+    let Some(bin) = needs::program(&needs::TANSU) else { return };
+    // Every answer of the broker takes 25 ms or more: 480 events sent one
+    // at a time would take 12 s or more.
+    const DELAY: Duration = Duration::from_millis(25);
+    const EVENTS: usize = 480;
+    let tansu = Tansu::start_delayed(bin, DELAY).await;
+    let topic = format!("pgo-test-{}", Uuid::new_v4().simple());
+    tansu.create_topic(&topic, false).await;
+    let db = TestDb::new("sink_kafka_pipelined").await;
+    let c = db.client().await;
+    let sent = brokers::publish_events(&c, &brokers::aggregates(96), EVENTS, "pipelined").await;
+    let url = tansu.url();
+    let began = std::time::Instant::now();
+    let mut relay =
+        relay_proc::start(&db, &["--sink", &url, "--kafka-topic", &topic, "--sweep-interval", "200ms"]).await;
+    brokers::wait_published(&c, EVENTS as i64).await;
+    let took = began.elapsed();
+
+    let reader = tansu.consumer(&topic);
+    let got = read(&reader, EVENTS, &relay).await;
+    // A consumer reads each partition in order, and an aggregate keeps to
+    // one partition: arrival order keeps each aggregate's order.
+    let ids: Vec<i64> = got.iter().map(|g| g.id).collect();
+    brokers::check_once_in_aggregate_order(&ids, &sent);
+    let serial = DELAY * EVENTS as u32;
+    assert!(
+        took < serial / 4,
+        "{EVENTS} events took {took:?}, start included; one at a time they take {serial:?} or more, so sends \
+         did not overlap (the default --max-in-flight is 64)"
+    );
+    let log = relay.log();
+    assert!(!log.contains("replacing the Kafka producer"), "no delivery failed, so no new producer:\n{log}");
     relay.stop_cleanly().await;
 }
 

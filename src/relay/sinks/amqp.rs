@@ -1,5 +1,7 @@
 //! RabbitMQ (AMQP 0-9-1) sink, on the `lapin` client.
 
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use futures::future::BoxFuture;
@@ -61,9 +63,24 @@ const SHORTSTR_MAX: usize = 255;
 /// write to disk). It fails when the broker nacks, when it returns the
 /// message as unroutable (`basic.return`: no queue is bound for the routing
 /// key, which RabbitMQ reports before the ack), when no confirm arrives
-/// within the relay's timeout, or when the connection is down. After a lost
-/// connection, or a delivery the relay gave up on, the next delivery
-/// reconnects.
+/// within the relay's timeout, or when the connection is down.
+///
+/// Sends overlap, each on a confirm-mode channel of its own (of one
+/// connection; a channel is reused once its message is confirmed), so a
+/// confirm and a `basic.return` always belong to the one message on their
+/// channel: lapin pairs a return with whichever confirm it resolves next,
+/// which on a channel shared by several unconfirmed messages can be
+/// another message's. At most as many sends as the connection may open
+/// channels (its negotiated `channel_max`, 2047 on a default RabbitMQ) are
+/// in flight at once ([`Sink::max_in_flight`]).
+///
+/// After a lost connection, a channel that broke, or a delivery the relay
+/// gave up on (no confirm within its timeout), the connection is retired:
+/// the next delivery opens a new one. The sends still in flight on the
+/// retired connection end as the broker says (a confirm, a return, a
+/// nack, or the error of the broken channel or connection: never taken
+/// for delivered) or at their timeout; the connection is closed when the
+/// last of them ends.
 pub struct AmqpSink {
     uri: AMQPUri,
     shown: String,
@@ -74,7 +91,11 @@ pub struct AmqpSink {
     /// The CA file's certificates and the client identity (PEM); empty
     /// without `--sink-tls-*` files.
     tls: OwnedTLSConfig,
-    link: tokio::sync::Mutex<Option<Link>>,
+    /// The current link; the lock is held while one is opened, so sends
+    /// that find none wait for that one.
+    link: tokio::sync::Mutex<Option<Arc<Link>>>,
+    /// Sends in flight at most: the first connection's `channel_max`.
+    channels: usize,
 }
 
 impl std::fmt::Debug for AmqpSink {
@@ -88,20 +109,31 @@ impl std::fmt::Debug for AmqpSink {
     }
 }
 
-/// An open connection and its confirm-mode channel.
+/// An open connection, shared by the sends in flight on it (each holds an
+/// `Arc`), and its confirm-mode channels that have nothing unconfirmed.
+/// lapin closes the connection when the last holder drops it.
 struct Link {
     conn: Connection,
-    channel: Channel,
+    /// Channels in confirm mode with no message awaiting its confirm.
+    idle: std::sync::Mutex<Vec<Channel>>,
+    /// Set by a send that saw this link fail: no new send uses it. Only
+    /// ever set on the link that send used, never on a newer one.
+    retired: AtomicBool,
 }
 
 impl Link {
+    /// Whether new sends may use it: connected, and not retired.
     fn usable(&self) -> bool {
-        self.conn.status().connected() && self.channel.status().connected()
+        self.conn.status().connected() && !self.retired.load(Ordering::SeqCst)
     }
 
-    /// Close in the background, without waiting (the link may be dead).
-    fn discard(self) {
-        Self::discard_conn(self.conn);
+    /// Stop handing this link out; the next send opens a new one.
+    fn retire(&self) {
+        self.retired.store(true, Ordering::SeqCst);
+    }
+
+    fn idle(&self) -> std::sync::MutexGuard<'_, Vec<Channel>> {
+        self.idle.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
     /// Close `conn` in the background, giving it 2 s.
@@ -109,6 +141,15 @@ impl Link {
         tokio::spawn(async move {
             let _ = tokio::time::timeout(Duration::from_secs(2), conn.close(200, "pg-outbox closing".into())).await;
         });
+    }
+}
+
+/// Channels a connection that negotiated `channel_max` can open: 0 means
+/// no limit, which is at most 65 535 (a `short`).
+fn channel_limit(channel_max: u16) -> usize {
+    match channel_max {
+        0 => usize::from(u16::MAX),
+        n => usize::from(n),
     }
 }
 
@@ -195,7 +236,7 @@ impl AmqpSink {
             )));
         }
         let shown = describe(&uri);
-        let sink = AmqpSink {
+        let mut sink = AmqpSink {
             uri,
             name: format!("RabbitMQ {shown} exchange '{}'", options.exchange),
             shown,
@@ -204,29 +245,33 @@ impl AmqpSink {
             timeout: settings.delivery.timeout,
             tls,
             link: tokio::sync::Mutex::new(None),
+            channels: 1,
         };
-        let link = tokio::time::timeout(sink.timeout, sink.open())
+        let (link, channel) = tokio::time::timeout(sink.timeout, sink.open())
             .await
             .map_err(|_| {
                 Error::SinkUnavailable(format!("RabbitMQ at {} did not answer within {:?}", sink.shown, sink.timeout))
             })?
             .map_err(|e| Error::SinkUnavailable(with_reason(e)))?;
-        if let Err(e) = sink.check_exchange(&link).await {
-            link.discard();
+        if let Err(e) = sink.check_exchange(&channel).await {
+            drop(channel);
+            Link::discard_conn(link.conn);
             return Err(e);
         }
-        *sink.link.lock().await = Some(link);
+        sink.channels = channel_limit(link.conn.configuration().channel_max());
+        link.idle().push(channel);
+        *sink.link.get_mut() = Some(Arc::new(link));
         Ok(sink)
     }
 
     /// Check that the exchange exists: a passive declare only checks, and a
     /// missing exchange closes the channel with 404 NOT_FOUND. The default
     /// exchange ("") always exists and cannot be declared.
-    async fn check_exchange(&self, link: &Link) -> Result<()> {
+    async fn check_exchange(&self, channel: &Channel) -> Result<()> {
         if self.exchange.is_empty() {
             return Ok(());
         }
-        let check = link.channel.exchange_declare(
+        let check = channel.exchange_declare(
             self.exchange.as_str().into(),
             ExchangeKind::Topic,
             ExchangeDeclareOptions { passive: true, ..ExchangeDeclareOptions::default() },
@@ -247,8 +292,8 @@ impl AmqpSink {
         }
     }
 
-    /// Open a connection and a channel with publisher confirms on.
-    async fn open(&self) -> Result<Link, String> {
+    /// Open a connection, and a channel with publisher confirms on.
+    async fn open(&self) -> Result<(Link, Channel), String> {
         let props = ConnectionProperties::default().with_connection_name("pg-outbox relay".into());
         let connected = match DefaultConnectionBuilder::new() {
             Ok(builder) => {
@@ -262,31 +307,72 @@ impl AmqpSink {
             Err(e) => Err(e),
         };
         let conn = connected.map_err(|e| format!("cannot connect to RabbitMQ at {}: {}", self.shown, report(&e)))?;
-        let channel = match conn.create_channel().await {
-            Ok(c) => c,
+        let link = Link { conn, idle: std::sync::Mutex::new(Vec::new()), retired: AtomicBool::new(false) };
+        match self.open_channel(&link).await {
+            Ok(channel) => Ok((link, channel)),
             Err(e) => {
-                Link::discard_conn(conn);
-                return Err(format!("cannot open a channel on RabbitMQ at {}: {}", self.shown, report(&e)));
+                Link::discard_conn(link.conn);
+                Err(e)
             }
-        };
-        if let Err(e) = channel.confirm_select(ConfirmSelectOptions::default()).await {
-            Link::discard_conn(conn);
-            return Err(format!("RabbitMQ at {} refused publisher confirms: {}", self.shown, report(&e)));
         }
-        Ok(Link { conn, channel })
     }
 
-    /// Publish one message and wait for its confirm. `link` is dropped
-    /// (to be reopened by the next delivery) when the channel may be broken.
-    async fn publish(&self, link: &mut Option<Link>, msg: &Message, event: &Event) -> Result<(), String> {
+    /// Open a channel on `link` with publisher confirms on.
+    async fn open_channel(&self, link: &Link) -> Result<Channel, String> {
+        let channel = link
+            .conn
+            .create_channel()
+            .await
+            .map_err(|e| format!("cannot open a channel on RabbitMQ at {}: {}", self.shown, report(&e)))?;
+        channel
+            .confirm_select(ConfirmSelectOptions::default())
+            .await
+            .map_err(|e| format!("RabbitMQ at {} refused publisher confirms: {}", self.shown, report(&e)))?;
+        Ok(channel)
+    }
+
+    /// The link to publish on: the current one, or a new one when it was
+    /// lost or retired (opened under the lock, so concurrent sends wait for
+    /// this one instead of each opening its own).
+    async fn link(&self) -> Result<Arc<Link>, String> {
+        let mut slot = self.link.lock().await;
+        if let Some(current) = slot.as_ref() {
+            if current.usable() {
+                return Ok(current.clone());
+            }
+            tracing::warn!(broker = %self.shown, "RabbitMQ connection lost or given up on; reconnecting");
+            // Closed by lapin when the sends still on it let go.
+            *slot = None;
+        }
+        let (link, channel) = self.open().await?;
+        tracing::info!(broker = %self.shown, "connected to RabbitMQ");
+        link.idle().push(channel);
+        let link = Arc::new(link);
+        *slot = Some(link.clone());
+        Ok(link)
+    }
+
+    /// Publish one message on a channel of its own and wait for its
+    /// confirm. The channel goes back to `link`'s idle ones once the
+    /// message is confirmed (or returned, or nacked: the channel is fine);
+    /// on any other outcome it is dropped, and `in_use` stays armed, so the
+    /// link is retired.
+    async fn publish(&self, in_use: &mut InUse, msg: &Message, event: &Event) -> Result<(), String> {
         let routing_key = self.routing_key.render(event);
         if routing_key.len() > SHORTSTR_MAX {
+            in_use.armed = false;
             return Err(format!(
                 "routing key '{routing_key}' is {} bytes; AMQP allows at most {SHORTSTR_MAX}",
                 routing_key.len()
             ));
         }
-        let channel = self.channel(link).await?;
+        let link = self.link().await?;
+        in_use.link = Some(link.clone());
+        let idle = link.idle().pop().filter(|c| c.status().connected());
+        let channel = match idle {
+            Some(c) => c,
+            None => self.open_channel(&link).await?,
+        };
         let options = BasicPublishOptions { mandatory: true, ..BasicPublishOptions::default() };
         let props = properties(event, msg);
         let exchange = self.exchange.as_str().into();
@@ -295,33 +381,19 @@ impl AmqpSink {
                 Ok(confirm) => self.confirmed(confirm.await, &routing_key),
                 Err(e) => Err(Broken(format!("publishing failed: {}", report(&e)))),
             };
-        outcome.map_err(|e| match e {
-            Broken(msg) => {
-                if let Some(old) = link.take() {
-                    old.discard();
-                }
-                msg
+        match outcome {
+            Ok(()) => {
+                in_use.armed = false;
+                link.idle().push(channel);
+                Ok(())
             }
-            Refused(msg) => msg,
-        })
-    }
-
-    /// The channel of `link`, reopened first when it was lost.
-    async fn channel(&self, link: &mut Option<Link>) -> Result<lapin::Channel, String> {
-        if link.as_ref().is_some_and(|l| !l.usable())
-            && let Some(old) = link.take()
-        {
-            tracing::warn!(broker = %self.shown, "RabbitMQ connection lost; reconnecting");
-            old.discard();
+            Err(Refused(msg)) => {
+                in_use.armed = false;
+                link.idle().push(channel);
+                Err(msg)
+            }
+            Err(Broken(msg)) => Err(msg),
         }
-        if let Some(l) = link.as_ref() {
-            return Ok(l.channel.clone());
-        }
-        let opened = self.open().await?;
-        tracing::info!(broker = %self.shown, "connected to RabbitMQ");
-        let channel = opened.channel.clone();
-        *link = Some(opened);
-        Ok(channel)
     }
 
     /// What a publisher confirm means: delivered, refused (the channel is
@@ -374,20 +446,21 @@ fn properties(event: &Event, msg: &Message) -> BasicProperties {
     }
 }
 
-/// The link, discarded when dropped armed: a publish the relay gave up on
-/// (the broker may be stuck or the socket half-open) starts afresh on the
-/// next delivery.
-struct InUse<'a> {
-    link: tokio::sync::MutexGuard<'a, Option<Link>>,
+/// Retires the link a send used when dropped armed: a publish that broke
+/// the channel or connection, or one the relay gave up on (the broker may
+/// be stuck or the socket half-open), so the next delivery starts afresh.
+/// Only that link: a newer one another send opened meanwhile is kept.
+struct InUse {
+    link: Option<Arc<Link>>,
     armed: bool,
 }
 
-impl Drop for InUse<'_> {
+impl Drop for InUse {
     fn drop(&mut self) {
         if self.armed
-            && let Some(old) = self.link.take()
+            && let Some(used) = &self.link
         {
-            old.discard();
+            used.retire();
         }
     }
 }
@@ -402,19 +475,16 @@ impl Sink for AmqpSink {
         &self.name
     }
 
-    /// One send at a time: the sink publishes on one channel and waits for
-    /// each confirm under its lock, so overlapping sends would only queue,
-    /// their waits counted against the delivery timeout.
+    /// The channels the broker lets one connection open (its negotiated
+    /// `channel_max`, 2047 on a default RabbitMQ): one per send in flight.
     fn max_in_flight(&self) -> Option<usize> {
-        Some(1)
+        Some(self.channels)
     }
 
     fn send<'a>(&'a self, message: &'a Message, event: &'a Event) -> SendFuture<'a> {
         delivered(Box::pin(async move {
-            let mut in_use = InUse { link: self.link.lock().await, armed: true };
-            let outcome = self.publish(&mut in_use.link, message, event).await;
-            in_use.armed = false;
-            outcome.map_err(Into::into)
+            let mut in_use = InUse { link: None, armed: true };
+            self.publish(&mut in_use, message, event).await.map_err(Into::into)
         }))
     }
 }

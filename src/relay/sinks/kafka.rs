@@ -9,6 +9,7 @@ use rdkafka::client::ClientContext;
 use rdkafka::error::KafkaError;
 use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::producer::{FutureProducer, FutureRecord, Producer};
+use rdkafka::types::RDKafkaErrorCode;
 
 use crate::error::{Error, Result};
 use crate::event::Event;
@@ -154,31 +155,107 @@ impl ClientContext for Context {
 /// The producer, with its context.
 type KafkaProducer = FutureProducer<Context>;
 
+/// Most produce requests librdkafka keeps in flight per broker connection:
+/// 5, the most its idempotent producer allows while it keeps the order of
+/// each partition (and without duplicates) across its own retries.
+const MAX_REQUESTS_IN_FLIGHT: &str = "5";
+
+/// A producer shared by the sink and the sends in flight on it (each holds
+/// an `Arc`). Whichever drops the last `Arc` destroys it, and that happens
+/// off the async runtime: dropping a librdkafka producer purges what it
+/// still holds, waits up to 500 ms for those reports and joins its
+/// threads, which must not stall a runtime worker.
+struct Handle(Option<KafkaProducer>);
+
+impl Handle {
+    fn new(producer: KafkaProducer) -> Arc<Self> {
+        Arc::new(Handle(Some(producer)))
+    }
+}
+
+impl std::ops::Deref for Handle {
+    type Target = KafkaProducer;
+    fn deref(&self) -> &KafkaProducer {
+        // Taken only by `drop`, after which nothing derefs it.
+        self.0.as_ref().expect("the producer is held until the handle is dropped")
+    }
+}
+
+impl Drop for Handle {
+    fn drop(&mut self) {
+        let Some(producer) = self.0.take() else { return };
+        match tokio::runtime::Handle::try_current() {
+            Ok(runtime) => {
+                runtime.spawn_blocking(move || drop(producer));
+            }
+            // Not on a runtime: blocking here stalls nothing.
+            Err(_) => drop(producer),
+        }
+    }
+}
+
+/// Whether a failed delivery (`error`, from the delivery report) may say
+/// something about the producer rather than about the message: anything
+/// but a refusal of this message itself (too large, invalid, a topic it
+/// may not write or that is invalid, a broker policy). Only such a failure
+/// renews the producer: a message the broker refuses would fail again on a
+/// new producer, and each new one costs every later send a connection and
+/// a producer id first.
+fn implicates_producer(error: &KafkaError) -> bool {
+    !matches!(
+        error.rdkafka_error_code(),
+        Some(
+            RDKafkaErrorCode::InvalidMessage
+                | RDKafkaErrorCode::InvalidMessageSize
+                | RDKafkaErrorCode::MessageSizeTooLarge
+                | RDKafkaErrorCode::InvalidTopic
+                | RDKafkaErrorCode::TopicAuthorizationFailed
+                | RDKafkaErrorCode::PolicyViolation
+                | RDKafkaErrorCode::InvalidRecord
+        )
+    )
+}
+
 /// Produces each event to a Kafka topic and acknowledges it only on the
 /// broker's delivery report.
 ///
 /// The producer runs with `acks=all` and `enable.idempotence=true`
 /// (librdkafka's idempotent producer: no duplicates or reordering from its
-/// own retries), `linger.ms=0` (the relay sends one event at a time),
-/// `compression.type=none` (one small message per request gains little), and
+/// own retries), `max.in.flight.requests.per.connection=5` (the most the
+/// idempotent producer allows while it keeps each partition's order),
+/// `linger.ms=0`, `compression.type=none` (small messages gain little), and
 /// `partitioner=murmur2_random`, the hash Java clients use, so a key lands in
-/// the partition a Java producer would pick. The message key is the
-/// aggregate id (one aggregate stays in one partition, as Debezium's outbox
-/// event router does), the topic is rendered from a [`Template`], the
-/// headers are the [`Message`] headers. A delivery returns `Ok` only when
-/// the delivery report says the partition leader wrote the message with all
-/// in-sync replicas (`acks=all`); it fails when the report is an error or
-/// does not arrive within the timeout (`message.timeout.ms`), e.g. while the
-/// broker is down. After a failed delivery (the relay's timeout included),
-/// or a fatal idempotence error, the producer is replaced by a new one
-/// (with a new producer id).
+/// the partition a Java producer would pick. `linger.ms=0` costs no
+/// batching: the relay keeps many sends in flight, and librdkafka puts the
+/// messages that queue up while a request is in flight into the next one;
+/// an idle relay's lone event then goes out at once instead of waiting for
+/// the linger. The message key is the aggregate id (one aggregate stays in
+/// one partition, as Debezium's outbox event router does), the topic is
+/// rendered from a [`Template`], the headers are the [`Message`] headers.
+///
+/// A delivery returns `Ok` only when its own delivery report says the
+/// partition leader wrote the message with all in-sync replicas
+/// (`acks=all`); it fails when the report is an error or does not arrive
+/// within the timeout (`message.timeout.ms`), e.g. while the broker is
+/// down. Sends overlap (for different aggregates: the relay keeps one per
+/// aggregate in flight), all on one producer.
+///
+/// After a failed delivery (the relay's timeout included; not a refusal of
+/// the message itself, such as one too large), or a fatal idempotence
+/// error, the producer is replaced by a new one (with a new producer id),
+/// once per producer however many of its sends fail: later sends go to the
+/// new one. The other sends in flight on the old producer are not cut
+/// short: each keeps the old producer alive and ends with its own delivery
+/// report (or its timeout), delivered or failed as the broker said; the
+/// old producer is destroyed, off the async runtime, when the last of them
+/// ends.
 pub struct KafkaSink {
     config: ClientConfig,
     brokers: String,
     name: String,
     topic: Template,
     timeout: Duration,
-    producer: Mutex<Arc<KafkaProducer>>,
+    producer: Mutex<Arc<Handle>>,
     context: Context,
     /// Values cut out of librdkafka's errors.
     quoted: Vec<Secret>,
@@ -276,6 +353,7 @@ fn client_config(brokers: &str, settings: &SinkSettings) -> Result<ClientConfig>
         .set("client.id", "pg-outbox")
         .set("acks", "all")
         .set("enable.idempotence", "true")
+        .set("max.in.flight.requests.per.connection", MAX_REQUESTS_IN_FLIGHT)
         .set("linger.ms", "0")
         .set("compression.type", "none")
         .set("partitioner", "murmur2_random")
@@ -363,7 +441,7 @@ impl KafkaSink {
         // password: never quoted back in an error.
         let mut quoted: Vec<Secret> = settings.credentials.password.iter().cloned().collect();
         quoted.extend(settings.kafka.properties.iter().filter(|p| p.value().len() >= 3).map(|p| p.value.clone()));
-        let producer = Arc::new(Self::create(&config, &brokers, &context, &quoted)?);
+        let producer = Handle::new(Self::create(&config, &brokers, &context, &quoted)?);
         let probe = producer.clone();
         let wait = settings.delivery.timeout;
         let answered = tokio::task::spawn_blocking(move || probe.client().fetch_metadata(None, wait).map(|_| ()))
@@ -374,8 +452,8 @@ impl KafkaSink {
             if let Some(reason) = context.take() {
                 why = format!("{reason}; {why}");
             }
-            // Destroying a librdkafka handle joins its threads: off the runtime.
-            tokio::task::spawn_blocking(move || drop(producer));
+            // The handle's last drop destroys it off the runtime.
+            drop(producer);
             return Err(Error::SinkUnavailable(format!(
                 "cannot connect to Kafka at {brokers} within {wait:?}: {}",
                 with_reason(why)
@@ -406,34 +484,38 @@ impl KafkaSink {
 
     /// The producer to use now; a new one if the current one hit a fatal
     /// error (librdkafka: an idempotent producer that lost its guarantees
-    /// must be recreated).
-    fn producer(&self) -> Result<Arc<KafkaProducer>, String> {
+    /// must be recreated; the sends in flight on it get their fatal error
+    /// reports).
+    fn producer(&self) -> Result<Arc<Handle>, String> {
         let mut current = self.producer.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         if let Some((code, reason)) = current.client().fatal_error() {
             tracing::warn!(brokers = %self.brokers, %code, %reason, "Kafka producer hit a fatal error; creating a new one");
             let fresh =
                 Self::create(&self.config, &self.brokers, &self.context, &self.quoted).map_err(|e| e.to_string())?;
-            let old = std::mem::replace(&mut *current, Arc::new(fresh));
-            // Destroying a librdkafka handle joins its threads: off the runtime.
-            tokio::task::spawn_blocking(move || drop(old));
+            // The old one is destroyed off the runtime by its last holder.
+            *current = Handle::new(fresh);
         }
         Ok(current.clone())
     }
 
-    /// Replace `used` (if it is still the current producer) after a failed
-    /// delivery. Nothing else is in flight then (the relay waits for each
-    /// report), so nothing is lost; the new producer gets a new producer id.
-    /// That also recovers from a broker that forgot the old id (it answers
+    /// Replace `used` after a failed delivery, if it is still the current
+    /// producer: of many sends failing on one producer (a broker outage
+    /// fails every send in flight), only the first replaces it, and later
+    /// sends go to the new one. The new producer gets a new producer id,
+    /// which also recovers from a broker that forgot the old id (it answers
     /// UNKNOWN_PRODUCER_ID forever, e.g. after losing its state).
-    fn renew(&self, used: &Arc<KafkaProducer>) {
+    ///
+    /// Nothing in flight is lost: each send on `used` holds it, so it stays
+    /// alive, and the send gets its own report from it, true either way.
+    fn renew(&self, used: &Arc<Handle>) {
         let mut current = self.producer.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         if !Arc::ptr_eq(&current, used) {
             return;
         }
         match Self::create(&self.config, &self.brokers, &self.context, &self.quoted) {
             Ok(fresh) => {
-                let old = std::mem::replace(&mut *current, Arc::new(fresh));
-                tokio::task::spawn_blocking(move || drop(old));
+                tracing::info!(brokers = %self.brokers, "replacing the Kafka producer after a failed delivery");
+                *current = Handle::new(fresh);
             }
             Err(e) => {
                 tracing::warn!(brokers = %self.brokers, error = %e, "cannot create a new Kafka producer; keeping the old one")
@@ -454,7 +536,7 @@ impl KafkaSink {
             .send_result(record)
             .map_err(|(e, _)| format!("the producer refused the message for topic '{topic}': {e}"))?;
         // Dropped before the report (the relay's timeout) or failed: renew.
-        let mut renew = RenewOnDrop { sink: self, used: Some(producer.clone()) };
+        let mut renew = RenewOnDrop { sink: self, used: Some(producer) };
         let failure = match tokio::time::timeout(self.timeout + REPORT_MARGIN, report).await {
             Ok(Ok(Ok(delivery))) => {
                 tracing::debug!(
@@ -468,6 +550,9 @@ impl KafkaSink {
                 return Ok(());
             }
             Ok(Ok(Err((e, _)))) => {
+                if !implicates_producer(&e) {
+                    renew.used = None;
+                }
                 format!("the broker did not take the message for topic '{topic}': {}", crate::error::report(&e))
             }
             Ok(Err(_canceled)) => format!("the producer dropped the message for topic '{topic}'"),
@@ -478,10 +563,11 @@ impl KafkaSink {
 }
 
 /// Renews the producer `used` when dropped armed: a delivery that did not
-/// end with a report.
+/// end with a report, or whose failure may be the producer's. Disarmed
+/// (`used` taken), it only lets go of the producer.
 struct RenewOnDrop<'a> {
     sink: &'a KafkaSink,
-    used: Option<Arc<KafkaProducer>>,
+    used: Option<Arc<Handle>>,
 }
 
 impl Drop for RenewOnDrop<'_> {
@@ -502,11 +588,11 @@ impl Sink for KafkaSink {
         &self.name
     }
 
-    /// One send at a time: a failed delivery replaces the producer
-    /// (`renew`), which would fail every other send in flight
-    /// on it.
+    /// No cap of its own (`None`): sends overlap on one producer, and a
+    /// failed one replaces the producer without costing the others their
+    /// reports (see [`KafkaSink`]).
     fn max_in_flight(&self) -> Option<usize> {
-        Some(1)
+        None
     }
 
     fn send<'a>(&'a self, message: &'a Message, event: &'a Event) -> SendFuture<'a> {
@@ -528,6 +614,24 @@ mod tests {
         {
             assert!(parse_kafka_url(bad).is_err(), "{bad} must be refused");
         }
+    }
+
+    #[test]
+    fn only_a_failure_that_may_be_the_producers_renews_it() {
+        use rdkafka::error::KafkaError::MessageProduction;
+        for code in [
+            RDKafkaErrorCode::MessageTimedOut,
+            RDKafkaErrorCode::UnknownProducerId,
+            RDKafkaErrorCode::OutOfOrderSequenceNumber,
+            RDKafkaErrorCode::NotEnoughReplicas,
+            RDKafkaErrorCode::PurgeInflight,
+        ] {
+            assert!(implicates_producer(&MessageProduction(code)), "{code:?} renews");
+        }
+        for code in [RDKafkaErrorCode::MessageSizeTooLarge, RDKafkaErrorCode::TopicAuthorizationFailed] {
+            assert!(!implicates_producer(&MessageProduction(code)), "{code:?} is the message's own");
+        }
+        assert!(implicates_producer(&KafkaError::Canceled));
     }
 
     #[test]
