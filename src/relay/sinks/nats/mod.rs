@@ -87,15 +87,15 @@ impl Default for NatsOptions {
 /// `previous_id` and `previous_occurred_at` naming the event stored before
 /// it. An event at or below the last id is not sent: the sink reads it
 /// back, and acknowledges it without a send ([`Sent::Held`]) only when the
-/// subject's last message is this event ([`Proof::LastMessage`]) or the walk
+/// subject's last message is this event ([`Proof::LastMessage`](crate::relay::Proof::LastMessage)) or the walk
 /// back along the subject (each message's stored expected sequence and
-/// `previous_id`, at most 1 000 messages) reaches it ([`Proof::Chain`]); a
+/// `previous_id`, at most 1 000 messages) reaches it ([`Proof::Chain`](crate::relay::Proof::Chain)); a
 /// greater id alone proves nothing, and the event fails with the cause
 /// (order broke upstream; a message the stream's limits removed; a message
 /// not written by pg-outbox). After a wrong last sequence the sink reads
 /// the subject again and does the same. A duplicate PubAck counts only
 /// when the message stored under that `Nats-Msg-Id` is this event
-/// ([`Proof::DuplicateWindow`]). This holds for any length of time as long
+/// ([`Proof::DuplicateWindow`](crate::relay::Proof::DuplicateWindow)). This holds for any length of time as long
 /// as the stream keeps each subject's last message: opening the sink checks
 /// every stream that captures the template's subjects (and again every
 /// [`SinkSettings::broker_check_interval`] while it runs) and refuses one
