@@ -24,6 +24,7 @@ mod store;
 #[cfg(feature = "temp-server")]
 #[cfg_attr(docsrs, doc(cfg(feature = "temp-server")))]
 pub mod temp_server;
+mod term;
 
 pub use connect::{ConnectOptions, DEFAULT_CONNECT_TIMEOUT, RootCert, SessionMode, SslMode, TlsConnector};
 pub use consumer::{
@@ -48,4 +49,5 @@ pub use store::{
 /// the API: they change with any release.
 #[doc(hidden)]
 pub use store::{fetch_query, run_time_statements};
+pub use term::Term;
 pub use tokio_postgres;

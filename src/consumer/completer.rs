@@ -23,6 +23,7 @@ use crate::metrics as m;
 use crate::retry::RetryPolicy;
 use crate::store::statement::StatementError;
 use crate::store::{Acknowledged, FailParams, FailWritten, FailsWritten, Fence, WriterSession};
+use crate::term::Term;
 
 /// A failed attempt waiting to be written.
 pub(super) struct PendingFail {
@@ -62,7 +63,7 @@ pub(super) struct Written {
     /// A term of the write was no longer current: the greatest of its
     /// terms (its settlements were dropped, and the current holder delivers
     /// those events again).
-    pub(super) fenced: Option<i64>,
+    pub(super) fenced: Option<Option<Term>>,
     /// The ids of the settlements dropped as fenced.
     pub(super) dropped: Vec<i64>,
 }
@@ -228,7 +229,7 @@ impl Completer {
             let now = fence_for(&ids);
             now.is_some() && now != fence
         };
-        let term = fence.as_ref().map(Fence::max_term);
+        let term = fence.as_ref().and_then(Fence::max_term);
         let mut written = Written {
             acked: Vec::new(),
             failed: Vec::new(),
@@ -272,11 +273,11 @@ impl Completer {
             }
         }
         if fenced != (0, 0) {
-            written.fenced = term.or(Some(0));
+            written.fenced = Some(term);
             metrics::counter!(m::FENCED_WRITES, "write" => "ack").increment(fenced.0 as u64);
             metrics::counter!(m::FENCED_WRITES, "write" => "fail").increment(fenced.1 as u64);
             tracing::warn!(
-                term = term.unwrap_or(0),
+                term = term.map_or(0, Term::get),
                 acknowledgements = fenced.0,
                 failures = fenced.1,
                 "settlements not written: a leadership term of this consumer was superseded (another relay took \

@@ -7,6 +7,7 @@ use std::sync::Arc;
 use crate::consumer::holdback::AggregateKey;
 use crate::consumer::{MAX_ERROR_BYTES, Shared};
 use crate::event::Event;
+use crate::term::Term;
 
 /// What user code decided about a delivery; sent to the drain loop.
 #[derive(Debug)]
@@ -34,12 +35,12 @@ pub(crate) enum Settlement {
 pub struct Delivery {
     event: Event,
     seq: u64,
-    term: Option<i64>,
+    term: Option<Term>,
     shared: Option<Arc<Shared>>,
 }
 
 impl Delivery {
-    pub(crate) fn new(event: Event, seq: u64, term: Option<i64>, shared: Arc<Shared>) -> Self {
+    pub(crate) fn new(event: Event, seq: u64, term: Option<Term>, shared: Arc<Shared>) -> Self {
         Delivery { event, seq, term, shared: Some(shared) }
     }
 
@@ -53,8 +54,8 @@ impl Delivery {
     /// every message (header `term`, the webhook's `outbox-term`, the
     /// CloudEvents attribute `outboxterm`). `None` in competing mode, which
     /// takes no term.
-    pub fn term(&self) -> Option<u64> {
-        self.term.and_then(|t| u64::try_from(t).ok())
+    pub fn term(&self) -> Option<Term> {
+        self.term
     }
 
     pub(crate) fn seq(&self) -> u64 {

@@ -50,6 +50,7 @@ use crate::connect::Link;
 use crate::error::Error;
 use crate::metrics as m;
 use crate::store::statement::{self, Failure, StatementError};
+use crate::term::Term;
 
 /// What the loop exchanges with the stream.
 pub(crate) struct Io {
@@ -87,7 +88,7 @@ enum Loss {
     Statement(StatementError),
     /// The leadership term held (`term`) is no longer the current one
     /// (`current`, when read): another relay took the outbox over.
-    Fenced { term: i64, current: Option<i64> },
+    Fenced { term: Option<Term>, current: Option<Term> },
 }
 
 impl Loss {
@@ -564,8 +565,9 @@ impl<S: Source> Engine<S> {
                 )
             }
             Loss::Fenced { term, current } => {
-                let current = current.map_or_else(|| "unknown".to_string(), |c| c.to_string());
-                tracing::warn!(term, current = %current, retry_in = ?delay,
+                let known = |t: Option<Term>| t.map_or_else(|| "unknown".to_string(), |t| t.to_string());
+                let (term, current) = (known(term), known(current));
+                tracing::warn!(term = %term, current = %current, retry_in = ?delay,
                     "this consumer's leadership term was superseded: another relay took the outbox over; \
                      handing nothing more out, and reconnecting as a standby");
                 format!("leadership term {term} superseded (current term {current}): another relay leads")

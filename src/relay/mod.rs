@@ -92,7 +92,7 @@ pub struct FatalSinkError(pub String);
 pub(crate) async fn deliver_with_grace<S, F>(
     sink: &S,
     options: &DeliveryOptions,
-    (event, term): (&Event, Option<u64>),
+    (event, term): (&Event, Option<crate::Term>),
     shutdown: Option<Pin<&mut F>>,
     grace: Duration,
     what: &str,

@@ -23,6 +23,7 @@ use tokio_postgres::{GenericClient, Row};
 
 use super::locks::LEADER_KEY;
 use crate::error::Result;
+use crate::term::Term;
 
 /// [`LEADER_HOLDER`]'s text, for `concat!` ([`TERMINATE_STRANDED`] runs
 /// it as a subquery).
@@ -158,11 +159,11 @@ pub(crate) async fn check_term_privileges<C: GenericClient + Sync>(client: &C) -
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct TermTaken {
     /// The new term.
-    pub(crate) term: i64,
+    pub(crate) term: Term,
     /// The previous holder released its term at a graceful stop.
     pub(crate) previous_released: bool,
     /// The term before this one (`None`: this is the first).
-    pub(crate) previous_term: Option<i64>,
+    pub(crate) previous_term: Option<Term>,
 }
 
 /// Which session holds the leader lock: its pid and start, which together

@@ -3,6 +3,8 @@
 
 use std::collections::BTreeMap;
 
+use crate::term::Term;
+
 /// The fence of a write: `current` is true when every leadership term the
 /// writer names in `$T` (a `jsonb` object, scope to term: [`Fence`]; NULL
 /// for a consumer that holds no term, competing mode) is still its scope's
@@ -39,12 +41,15 @@ pub(crate) struct Fence(BTreeMap<String, i64>);
 
 impl Fence {
     /// A fence of the one scope `scope` at `term`.
-    pub(crate) fn of(scope: &str, term: i64) -> Self {
-        Fence(BTreeMap::from([(scope.to_string(), term)]))
+    pub(crate) fn of(scope: &str, term: Term) -> Self {
+        Fence(BTreeMap::from([(scope.to_string(), term.to_db())]))
     }
 
     /// Add scope `scope` at `term` (a scope named twice keeps the greater).
-    pub(crate) fn insert(&mut self, scope: String, term: i64) {
+    /// `None`, no term known for it, fences the write off: no scope ever
+    /// holds term 0.
+    pub(crate) fn insert(&mut self, scope: String, term: Option<Term>) {
+        let term = term.map_or(0, Term::to_db);
         let t = self.0.entry(scope).or_insert(term);
         *t = (*t).max(term);
     }
@@ -55,8 +60,8 @@ impl Fence {
     }
 
     /// The greatest term named (for logs).
-    pub(crate) fn max_term(&self) -> i64 {
-        self.0.values().copied().max().unwrap_or(0)
+    pub(crate) fn max_term(&self) -> Option<Term> {
+        self.0.values().copied().max().and_then(Term::from_db)
     }
 
     /// The statements' `$T`.

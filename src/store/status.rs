@@ -95,7 +95,7 @@ pub struct LeaderLock {
     /// The leadership term this holder took (`events.outbox_terms`);
     /// `None` when it took none (a session of an earlier build, or of
     /// anything else, holds the lock) or the schema predates terms.
-    pub term: Option<i64>,
+    pub term: Option<crate::Term>,
 }
 
 /// Most `(event_type, aggregate_type)` rows [`status`] returns: 50.
@@ -330,13 +330,13 @@ async fn leader_lock<C: GenericClient + Sync>(client: &C) -> Result<Option<Leade
     // The term is the holder's only when it took it (not a session of an
     // older build, or of anything else, that holds the lock); a schema from
     // before migration 0013 has none.
-    let term: Option<i64> = if has_terms {
+    let term: Option<crate::Term> = if has_terms {
         let row = client
             .query_one(super::leader::CURRENT_TERM, &[&super::leader::OUTBOX_SCOPE])
             .await
             .map_err(super::map_missing_schema)?;
         let holder: Option<i32> = row.try_get("holder_pid")?;
-        row.try_get::<_, Option<i64>>("term")?.filter(|_| holder == Some(h.id.pid))
+        row.try_get::<_, Option<crate::Term>>("term")?.filter(|_| holder == Some(h.id.pid))
     } else {
         None
     };

@@ -22,6 +22,7 @@ use super::rows::{DecodedEvent, TERM, decode_event, fetch_was_cut, row_identity}
 use super::statement::{self, Session, StatementError, StatementKind};
 use super::wakeup::{HEARTBEAT, NOTIFICATION_QUEUE_USAGE, NOTIFY_LOCK_WAITERS, SET_WAITING, UNREGISTER};
 use crate::error::Error;
+use crate::term::Term;
 
 /// Which fetch a work session prepares: what its source reads.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -153,7 +154,7 @@ pub(crate) struct FetchPage {
     pub(crate) rows: Vec<FetchedRow>,
     /// The outbox's current leadership term as the fetch read it (single
     /// mode, with at least one row; `None` otherwise).
-    pub(crate) term: Option<i64>,
+    pub(crate) term: Option<Term>,
     /// The byte budget cut it: more rows may be due.
     pub(crate) cut: bool,
     /// The floor and snapshot figures (an ordered fetch with at least one
@@ -327,10 +328,10 @@ impl WorkSession {
         &self,
         scope: &str,
         stop: impl Future<Output = ()>,
-    ) -> Result<Option<i64>, StatementError> {
+    ) -> Result<Option<Term>, StatementError> {
         let kind = StatementKind::Term;
         let row = self.run(kind, stop, self.client.query_one(CURRENT_TERM, &[&scope])).await?;
-        row.try_get::<_, Option<i64>>("term").map_err(|e| StatementError::db(kind, e))
+        row.try_get::<_, Option<Term>>("term").map_err(|e| StatementError::db(kind, e))
     }
 
     /// The current terms of `scopes` ([`CURRENT_TERMS`]), scope to term;
@@ -339,11 +340,11 @@ impl WorkSession {
         &self,
         scopes: &[String],
         stop: impl Future<Output = ()>,
-    ) -> Result<std::collections::BTreeMap<String, i64>, StatementError> {
+    ) -> Result<std::collections::BTreeMap<String, Term>, StatementError> {
         let kind = StatementKind::Term;
         let rows = self.run(kind, stop, self.client.query(CURRENT_TERMS, &[&scopes])).await?;
         rows.iter()
-            .map(|r| Ok((r.try_get::<_, String>("scope")?, r.try_get::<_, i64>("term")?)))
+            .map(|r| Ok((r.try_get::<_, String>("scope")?, r.try_get::<_, Term>("term")?)))
             .collect::<Result<_, tokio_postgres::Error>>()
             .map_err(|e| StatementError::db(kind, e))
     }
@@ -353,10 +354,10 @@ impl WorkSession {
     pub(crate) async fn release_term(
         &self,
         scope: &str,
-        term: i64,
+        term: Term,
         stop: impl Future<Output = ()>,
     ) -> Result<(), StatementError> {
-        let kind = StatementKind::Term;
+        let (kind, term) = (StatementKind::Term, term.to_db());
         self.run(kind, stop, self.client.execute(RELEASE_TERM, &[&scope, &term])).await.map(drop)
     }
 
@@ -475,7 +476,7 @@ async fn decode_stream(stream: RowStream, budget: i64, partitioned: bool) -> Res
     while let Some(row) = stream.try_next().await? {
         cut = fetch_was_cut(&row, budget);
         if rows.is_empty() {
-            term = row.try_get::<_, Option<i64>>(TERM).ok().flatten();
+            term = row.try_get::<_, Option<i64>>(TERM).ok().flatten().and_then(Term::from_db);
             floor = floor_reading(&row);
         }
         rows.push(decode_row(&row, partitioned));

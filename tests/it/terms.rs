@@ -34,7 +34,11 @@ async fn each_leader_takes_a_greater_term_and_its_deliveries_carry_it() {
     support::insert_seed_events(&c, agg, 1).await;
     let d = next(&mut a).await;
     let first = current_term(&c).await.expect("a term taken");
-    assert_eq!(d.term(), u64::try_from(first).ok(), "the delivery carries the leader's term");
+    assert_eq!(
+        d.term(),
+        u64::try_from(first).ok().and_then(pg_outbox::Term::new),
+        "the delivery carries the leader's term"
+    );
     d.ack();
     a.finish().await.expect("finish a");
     let released: bool = c
@@ -49,9 +53,13 @@ async fn each_leader_takes_a_greater_term_and_its_deliveries_carry_it() {
     let d = next(&mut b).await;
     let second = current_term(&c).await.expect("a term");
     assert!(second > first, "terms grow: {first} then {second}");
-    assert_eq!(d.term(), u64::try_from(second).ok());
+    assert_eq!(d.term(), u64::try_from(second).ok().and_then(pg_outbox::Term::new));
     let leader = pg_outbox::status(&c).await.expect("status").leader.expect("a leader");
-    assert_eq!((leader.live, leader.term), (true, Some(second)), "status shows the live leader's term");
+    assert_eq!(
+        (leader.live, leader.term),
+        (true, u64::try_from(second).ok().and_then(pg_outbox::Term::new)),
+        "status shows the live leader's term"
+    );
     d.ack();
     b.finish().await.expect("finish b");
     assert_eq!(support::published_count(&c).await, 2);
@@ -342,7 +350,12 @@ async fn each_partition_holder_takes_a_term_its_deliveries_carry_and_a_graceful_
         let d = next(&mut a).await;
         let p = partition_of(&c, d.id, N).await;
         let term = partition_term(&c, p, N).await.expect("the partition's term was taken");
-        assert_eq!(d.term(), u64::try_from(term).ok(), "event {} carries partition {p}'s term", d.id);
+        assert_eq!(
+            d.term(),
+            u64::try_from(term).ok().and_then(pg_outbox::Term::new),
+            "event {} carries partition {p}'s term",
+            d.id
+        );
         seen.insert(p);
         d.ack();
     }
@@ -361,7 +374,11 @@ async fn each_partition_holder_takes_a_term_its_deliveries_carry_and_a_graceful_
     let d = next(&mut b).await;
     let p = partition_of(&c, d.id, N).await;
     let after = partition_term(&c, p, N).await.expect("a term");
-    assert_eq!(d.term(), u64::try_from(after).ok(), "the next holder's delivery carries its new term");
+    assert_eq!(
+        d.term(),
+        u64::try_from(after).ok().and_then(pg_outbox::Term::new),
+        "the next holder's delivery carries its new term"
+    );
     assert!(partition_term(&c, 0, N).await.expect("partition 0") > before, "taking a partition again bumps its term");
     d.ack();
     b.finish().await.expect("finish b");

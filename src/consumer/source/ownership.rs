@@ -35,6 +35,7 @@ use crate::metrics as m;
 use crate::store::leader::{OUTBOX_SCOPE, TermTaken, partition_scope};
 use crate::store::statement::StatementError;
 use crate::store::{Fence, FetchPage, FetchScope};
+use crate::term::Term;
 
 /// How often a standby tries to take over (and, times four, how often
 /// partitions are rebalanced): 250 ms.
@@ -50,18 +51,18 @@ pub(super) struct Partitions {
     /// Given up, unlocked once nothing of them is in flight.
     releasing: BTreeSet<i32>,
     /// The term held of every partition owned or releasing.
-    terms: BTreeMap<i32, i64>,
+    terms: BTreeMap<i32, Term>,
     /// The last term this consumer took of each partition, kept when it
     /// loses its session (taking a partition back from itself needs no
     /// wait).
-    last_terms: BTreeMap<i32, i64>,
+    last_terms: BTreeMap<i32, Term>,
     /// Partitions taken over from a holder that did not release them: not
     /// fetched before these instants ([`TAKEOVER_WAIT`]). Kept when the
     /// session is lost, as single mode's wait is.
     waits: BTreeMap<i32, Instant>,
     /// Partition, and the term it was fetched under, of every fetched, not
     /// yet written id.
-    part_of: HashMap<i64, (i32, i64)>,
+    part_of: HashMap<i64, (i32, Option<Term>)>,
     lock_at: Option<Instant>,
 }
 
@@ -71,10 +72,10 @@ pub(super) enum Ownership {
     Single {
         leader: bool,
         /// The leadership term taken with the lock (`events.outbox_terms`).
-        term: Option<i64>,
+        term: Option<Term>,
         /// The last term this consumer took, kept when it loses its
         /// session: taking the outbox back from itself needs no wait.
-        last_term: Option<i64>,
+        last_term: Option<Term>,
         /// After taking over from a holder that did not release its term:
         /// no fetch before this ([`TAKEOVER_WAIT`]). Kept when the session
         /// is lost, so a wait cut short by a lost session is waited out
@@ -133,7 +134,7 @@ impl Ownership {
             Ownership::Single { term: Some(held), .. } => match page.term {
                 None if page.rows.is_empty() => TermCheck::Unconfirmed,
                 current if current == Some(*held) => TermCheck::Confirmed,
-                current => TermCheck::Superseded { term: *held, current },
+                current => TermCheck::Superseded { term: Some(*held), current },
             },
             Ownership::Single { .. } => TermCheck::Unfenced,
             Ownership::Partitioned(p) => {
@@ -142,7 +143,7 @@ impl Ownership {
                     any = true;
                     let held = row.partition.and_then(|part| p.terms.get(&part).copied());
                     if held.is_none() || held != row.term {
-                        return TermCheck::Superseded { term: held.unwrap_or(0), current: row.term };
+                        return TermCheck::Superseded { term: held, current: row.term };
                     }
                 }
                 if any { TermCheck::Confirmed } else { TermCheck::Unconfirmed }
@@ -159,7 +160,7 @@ impl Ownership {
                 Ok(if current == Some(*held) {
                     TermCheck::Confirmed
                 } else {
-                    TermCheck::Superseded { term: *held, current }
+                    TermCheck::Superseded { term: Some(*held), current }
                 })
             }
             Ownership::Partitioned(p) if !p.terms.is_empty() => {
@@ -168,7 +169,7 @@ impl Ownership {
                 for (part, held) in &p.terms {
                     let now = current.get(&partition_scope(*part, p.partitions)).copied();
                     if now != Some(*held) {
-                        return Ok(TermCheck::Superseded { term: *held, current: now });
+                        return Ok(TermCheck::Superseded { term: Some(*held), current: now });
                     }
                 }
                 Ok(TermCheck::Confirmed)
@@ -188,7 +189,7 @@ impl Ownership {
             Ownership::Partitioned(p) => {
                 let mut fence = Fence::default();
                 for (part, fetched) in ids.iter().filter_map(|id| p.part_of.get(id)) {
-                    let term = p.terms.get(part).copied().unwrap_or(*fetched);
+                    let term = p.terms.get(part).copied().or(*fetched);
                     fence.insert(partition_scope(*part, p.partitions), term);
                 }
                 (!fence.is_empty()).then_some(fence)
@@ -200,7 +201,7 @@ impl Ownership {
     /// and term: single mode's leader's, and every partition's held, once
     /// any wait after its takeover is over (a holder still waiting out a
     /// deposed predecessor's lease must pass that wait on to the next).
-    pub(super) fn releasable_terms(&self) -> Vec<(String, i64)> {
+    pub(super) fn releasable_terms(&self) -> Vec<(String, Term)> {
         let now = Instant::now();
         match self {
             Ownership::Single { leader: true, term: Some(term), waits_until, .. }
@@ -304,10 +305,10 @@ impl Ownership {
             match waits_until.filter(|t| *t > Instant::now()) {
                 None => tracing::info!(
                     role = "leader",
-                    term = term.unwrap_or(0),
+                    term = term.map_or(0, Term::get),
                     "active: this consumer holds the outbox lock and delivers"
                 ),
-                Some(until) => tracing::info!(role = "leader", term = term.unwrap_or(0),
+                Some(until) => tracing::info!(role = "leader", term = term.map_or(0, Term::get),
                     wait = ?until.saturating_duration_since(Instant::now()),
                     "active: this consumer holds the outbox lock; the previous leader did not release its term \
                      (it crashed, froze or lost its connection), so delivery starts once its hand-out lease has \
@@ -320,7 +321,7 @@ impl Ownership {
             *term = None;
         }
         metrics::gauge!(m::LEADER).set(if now { 1.0 } else { 0.0 });
-        metrics::gauge!(m::LEADER_TERM).set(term.filter(|_| now).unwrap_or(0) as f64);
+        metrics::gauge!(m::LEADER_TERM).set(term.filter(|_| now).map_or(0, Term::get) as f64);
         *leader = now;
     }
 
@@ -345,7 +346,7 @@ impl Ownership {
     /// of that partition).
     pub(super) fn fetched(&mut self, id: i64, partition: Option<i32>) {
         if let (Ownership::Partitioned(p), Some(part)) = (self, partition) {
-            let term = p.terms.get(&part).copied().unwrap_or(0);
+            let term = p.terms.get(&part).copied();
             p.part_of.insert(id, (part, term));
         }
     }
@@ -402,7 +403,7 @@ impl Ownership {
                 *lock_at = *waits_until;
                 if own {
                     tracing::info!(
-                        term = taken.term,
+                        term = taken.term.get(),
                         "took the outbox back after losing the session (no other leader since)"
                     );
                 }
@@ -482,7 +483,7 @@ impl Partitions {
                 let last = self.last_terms.get(&p).copied();
                 match taken.wait_until(last, self.waits.get(&p).copied(), now) {
                     Some(until) => {
-                        tracing::info!(partition = p, term = taken.term, wait = ?until.saturating_duration_since(now),
+                        tracing::info!(partition = p, term = taken.term.get(), wait = ?until.saturating_duration_since(now),
                             "took a partition whose previous holder did not release it (it crashed, froze or lost \
                              its connection): its delivery starts once that holder's hand-out lease has run out");
                         self.waits.insert(p, until);
@@ -517,13 +518,13 @@ pub(crate) enum TermCheck {
     Confirmed,
     /// A term held (`term`) is no longer current (`current`, `None` when
     /// it could not be read).
-    Superseded { term: i64, current: Option<i64> },
+    Superseded { term: Option<Term>, current: Option<Term> },
 }
 
 impl TermTaken {
     /// This term was taken back from this consumer itself (its last term,
     /// `last`, was the previous one: no other holder since).
-    fn taken_back_from(&self, last: Option<i64>) -> bool {
+    fn taken_back_from(&self, last: Option<Term>) -> bool {
         self.previous_term.is_some() && self.previous_term == last
     }
 
@@ -532,7 +533,7 @@ impl TermTaken {
     /// (unless the previous holder was this consumer, `last`: its own
     /// buffer went with its session), and never before a wait it had not
     /// finished when it lost its session (`pending`). `None`: at once.
-    fn wait_until(&self, last: Option<i64>, pending: Option<Instant>, now: Instant) -> Option<Instant> {
+    fn wait_until(&self, last: Option<Term>, pending: Option<Instant>, now: Instant) -> Option<Instant> {
         let inherited = pending.filter(|t| *t > now);
         if self.previous_released || self.taken_back_from(last) { inherited } else { Some(now + TAKEOVER_WAIT) }
     }
