@@ -212,10 +212,10 @@ pub trait Sink: Send + Sync {
 
     /// How many sends the sink takes at once, at most: `None` (the default)
     /// leaves it to the relay's [`DeliveryOptions::max_in_flight`]; a sink
-    /// whose sends must not overlap, or that cannot yet overlap them
-    /// without one send's failure costing the others, returns `Some(1)`
-    /// (the Kafka, RabbitMQ and stdout sinks do). The relay keeps the
-    /// smaller.
+    /// whose sends must not overlap returns `Some(1)` (the stdout sink, so
+    /// its lines come out in id order), and one with a limit of its own
+    /// returns it (RabbitMQ: the connection's `channel_max`, a channel per
+    /// send). The relay keeps the smaller.
     fn max_in_flight(&self) -> Option<usize> {
         None
     }
