@@ -24,8 +24,8 @@
 //! pass, which skips it with a note.
 //!
 //! Also the floor: the same backlog drained by `--sink stdout` (the relay's
-//! own work per event, no broker), and per drain the relay's CPU time per
-//! event and how busy the machine was.
+//! own work per event, no broker), and per drain the CPU time per event of
+//! the relay and of its PostgreSQL sessions, and how busy the machine was.
 //!
 //! Environment: `PG_OUTBOX_BENCH_SINKS=nats,redis,amqp,kafka` picks the
 //! sinks (default all), `PG_OUTBOX_BENCH_ROUND_TRIPS=0,5` the round trips in
@@ -588,6 +588,9 @@ struct Drained {
     rate: f64,
     /// The relay process's CPU time per event published, µs.
     cpu_us: Option<f64>,
+    /// The relay's PostgreSQL sessions' CPU time per event, µs (`None`
+    /// where the server is not a local process).
+    server_us: Option<f64>,
     /// Share of the machine's CPU time busy during the drain (everything:
     /// relay, server, broker, bench).
     busy: Option<f64>,
@@ -621,7 +624,18 @@ async fn drain(ctx: &Ctx, sink_args: &[String], n: i64, max_in_flight: usize) ->
             .start()
             .await?;
         let pid = relay.pid();
-        let (cpu0, machine0) = (pid.and_then(util::cpu_us), util::machine_cpu_s());
+        // The relay's sessions: every other one on its database.
+        let sessions: Vec<u32> = client
+            .query(
+                "SELECT pid FROM pg_stat_activity WHERE datname = current_database() AND pid <> pg_backend_pid()",
+                &[],
+            )
+            .await?
+            .iter()
+            .map(|r| r.try_get::<_, i32>(0).map(|p| u32::try_from(p).unwrap_or(0)))
+            .collect::<Result<_, _>>()?;
+        let server_cpu = || sessions.iter().map(|&p| util::server_cpu_us(p)).sum::<Option<f64>>();
+        let (cpu0, server0, machine0) = (pid.and_then(util::cpu_us), server_cpu(), util::machine_cpu_s());
         let started = Instant::now();
         let before = published().await?;
         // Cheap to poll (the count above is not): whether any fresh event is left.
@@ -636,7 +650,7 @@ async fn drain(ctx: &Ctx, sink_args: &[String], n: i64, max_in_flight: usize) ->
         })
         .await?;
         let secs = started.elapsed().as_secs_f64();
-        let (cpu1, machine1) = (pid.and_then(util::cpu_us), util::machine_cpu_s());
+        let (cpu1, server1, machine1) = (pid.and_then(util::cpu_us), server_cpu(), util::machine_cpu_s());
         let after = published().await?;
         relay.check_running().await?;
         let failed = client
@@ -657,15 +671,16 @@ async fn drain(ctx: &Ctx, sink_args: &[String], n: i64, max_in_flight: usize) ->
         }
         util::stop_relay(relay).await?;
         let events = (after - before) as f64;
-        let cpu_us = match (cpu0, cpu1) {
+        let per_event = |a: Option<f64>, b: Option<f64>| match (a, b) {
             (Some(a), Some(b)) if events > 0.0 => Some((b - a) / events),
             _ => None,
         };
+        let (cpu_us, server_us) = (per_event(cpu0, cpu1), per_event(server0, server1));
         let busy = match (machine0, machine1) {
             (Some((b0, t0)), Some((b1, t1))) if t1 > t0 => Some((b1 - b0) / (t1 - t0)),
             _ => None,
         };
-        Ok::<_, BoxError>(Drained { rate: events / secs, cpu_us, busy })
+        Ok::<_, BoxError>(Drained { rate: events / secs, cpu_us, server_us, busy })
     }
     .await;
     db.drop_now(&ctx.admin).await;
@@ -674,11 +689,9 @@ async fn drain(ctx: &Ctx, sink_args: &[String], n: i64, max_in_flight: usize) ->
 
 /// A CPU figure for the table.
 fn fmt_cpu(d: &Drained) -> String {
-    match (d.cpu_us, d.busy) {
-        (Some(us), Some(busy)) => format!("{us:.0} µs ({:.0}%)", busy * 100.0),
-        (Some(us), None) => format!("{us:.0} µs"),
-        _ => "n/a".into(),
-    }
+    let us = |v: Option<f64>| v.map_or_else(|| "?".to_string(), |v| format!("{v:.0}"));
+    let busy = d.busy.map_or_else(String::new, |b| format!(" ({:.0}%)", b * 100.0));
+    format!("{} + {} µs{busy}", us(d.cpu_us), us(d.server_us))
 }
 
 /// Run the scenario.
@@ -722,7 +735,7 @@ pub async fn run(ctx: &Ctx) -> BenchResult<Section> {
             "plain client msgs/s (64 in flight)",
             "relay events/s (64 in flight)",
             "relay vs client",
-            "relay CPU per event (machine busy)",
+            "CPU per event: relay + its sessions (machine busy)",
             "relay one at a time, events/s",
             "speed-up",
         ],
@@ -737,7 +750,7 @@ pub async fn run(ctx: &Ctx) -> BenchResult<Section> {
         let d = drain(ctx, &["--sink".into(), "stdout".into()], events, IN_FLIGHT).await?;
         eprintln!("e2e: sinks: floor (--sink stdout): {:.0}/s, {}", d.rate, fmt_cpu(&d));
         data.push(serde_json::json!({"sink": "stdout", "relay_per_second": d.rate,
-            "relay_cpu_us_per_event": d.cpu_us, "machine_busy": d.busy}));
+            "relay_cpu_us_per_event": d.cpu_us, "server_cpu_us_per_event": d.server_us, "machine_busy": d.busy}));
         Some(d)
     };
 
@@ -806,6 +819,7 @@ pub async fn run(ctx: &Ctx) -> BenchResult<Section> {
             data.push(serde_json::json!({"sink": broker.name(), "round_trip_ms": ms,
                 "proxy_round_trip_ms": rtt.as_secs_f64() * 1e3, "client_per_second": client_rate,
                 "relay_per_second": pipelined.rate, "relay_cpu_us_per_event": pipelined.cpu_us,
+                "server_cpu_us_per_event": pipelined.server_us,
                 "machine_busy": pipelined.busy, "serial_per_second": serial.map(|d| d.rate),
                 "vs_client": vs_client, "speed_up": speed_up}));
         }
@@ -820,7 +834,8 @@ pub async fn run(ctx: &Ctx) -> BenchResult<Section> {
          awaiting the PubAck (file-storage stream), redis multiplexed XADD, lapin publish with confirms \
          (mandatory, persistent, durable queue), rdkafka FutureProducer (acks=all, idempotence, linger.ms=0, \
          as the relay's). One at a time: `--max-in-flight 1` at {SERIAL_MS} ms. CPU: the relay process's \
-         CPU time per event, and the machine's busy share during the drain.",
+         CPU time per event, its PostgreSQL sessions' (the server's processes, from /proc), and the machine's \
+         busy share during the drain (every process on it: relay, server, broker, bench).",
         DRAIN_CAP.as_secs(),
     ));
     if let Some(d) = floor {
