@@ -41,7 +41,7 @@ use super::completer::{Completer, FlushDone};
 use super::delivery::Settlement;
 use super::health;
 use super::inflight::InFlight;
-use super::lease::LEASE;
+use super::leadership::LEASE;
 use super::maintenance::Maintenance;
 use super::session::{OpenError, Sessions};
 use super::source::{Cx, Room, Source, Stop, TermCheck};

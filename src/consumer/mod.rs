@@ -9,12 +9,13 @@
 
 mod completer;
 mod config;
+mod cx;
 mod delivery;
 mod drain;
 mod health;
 mod holdback;
 mod inflight;
-mod lease;
+mod leadership;
 mod maintenance;
 mod session;
 mod source;

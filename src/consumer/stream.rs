@@ -12,7 +12,7 @@ use tokio::sync::{Notify, mpsc, watch};
 use tokio::task::JoinHandle;
 use tokio_util::sync::{CancellationToken, WaitForCancellationFutureOwned};
 
-use super::lease;
+use super::leadership::lease;
 use super::{Delivery, HealthMonitor, delivery, holdback};
 use crate::error::{Error, Result};
 

@@ -8,12 +8,12 @@ use std::collections::HashSet;
 use tokio::time::Instant;
 
 use super::floor::FetchFloor;
-use super::ownership::Ownership;
 use super::wakeups::{Wakeups, due, earliest};
 use super::{Cx, Room, Signals, Source, TermCheck, Wake};
 use crate::consumer::ConsumerConfig;
 use crate::consumer::completer::Written;
 use crate::consumer::health::Role;
+use crate::consumer::leadership::Ownership;
 use crate::store::statement::StatementError;
 use crate::store::{Fence, FetchKind, FetchPage, FetchParams, FetchedRow};
 

@@ -8,8 +8,8 @@
 //!
 //! - [`ListenSource`] (single and partitioned modes): LISTEN wake-ups, the
 //!   wake-up policy, the retry timer, the relays' registration, and
-//!   ownership by advisory locks ([`ownership`]), with the standbys' watch
-//!   for a stranded lock ([`stranded`]);
+//!   ownership by advisory locks, with the standbys' watch for a stranded
+//!   lock (both in `super::leadership`);
 //! - [`ClaimSource`] (competing mode): the same wake-ups, and the
 //!   `FOR UPDATE SKIP LOCKED` claim transaction, all in `claim.rs`;
 //! - `WalSource` (feature `wal`, either mode): one of the two, woken by
@@ -43,9 +43,7 @@ mod claim;
 mod floor;
 mod listen;
 pub(super) mod notifier;
-mod ownership;
 mod retry_timer;
-mod stranded;
 mod wake;
 mod wakeups;
 #[cfg(feature = "wal")]
@@ -54,14 +52,13 @@ pub(super) mod wal;
 use std::future::Future;
 use std::sync::Arc;
 
-use futures::future::Either;
 use tokio::sync::Notify;
 use tokio::time::Instant;
-use tokio_util::sync::CancellationToken;
 
+pub(super) use super::cx::{Cx, Stop, jittered};
+pub(super) use super::leadership::TermCheck;
 pub(super) use claim::ClaimSource;
 pub(super) use listen::ListenSource;
-pub(super) use ownership::TermCheck;
 pub(super) use wake::Wake;
 #[cfg(feature = "wal")]
 pub(super) use wal::WalSource;
@@ -70,12 +67,7 @@ use super::completer::Written;
 use super::health::Role;
 use crate::store::Fence;
 use crate::store::statement::StatementError;
-use crate::store::{FetchKind, FetchPage, WorkSession};
-
-/// `d` plus up to 10 %, so consumers started together spread out.
-pub(super) fn jittered(d: std::time::Duration) -> std::time::Duration {
-    d.mul_f64(1.0 + rand::random::<f64>() * 0.1)
-}
+use crate::store::{FetchKind, FetchPage};
 
 /// Wake-ups from outside the drain loop, shared with the notifier.
 #[derive(Debug, Clone, Default)]
@@ -84,50 +76,6 @@ pub(crate) struct Signals {
     pub(crate) notification: Arc<Notify>,
     /// The LISTEN session was opened again (notifications may be lost).
     pub(crate) reconnected: Arc<Notify>,
-}
-
-/// When a source's statements must give up.
-#[derive(Clone, Copy)]
-pub(super) enum Stop<'a> {
-    /// When the consumer is told to stop.
-    Token(&'a CancellationToken),
-    /// At this time (the consumer is stopping, within its shutdown grace).
-    At(Instant),
-}
-
-impl<'a> Stop<'a> {
-    /// Resolves when it is time to give up, and again each time it is
-    /// polled after that (one stop may serve several statements in turn).
-    pub(super) fn wait(self) -> impl Future<Output = ()> + Send + 'a {
-        match self {
-            Stop::Token(token) => Either::Left(token.cancelled()),
-            Stop::At(at) => Either::Right(tokio::time::sleep_until(at)),
-        }
-    }
-}
-
-/// What a source's statements run on: the open work session, and when to
-/// give up.
-#[derive(Clone, Copy)]
-pub(super) struct Cx<'a> {
-    pub(super) work: &'a WorkSession,
-    pub(super) stop: Stop<'a>,
-}
-
-impl<'a> Cx<'a> {
-    /// Resolves when a statement must give up (it then gets a short grace,
-    /// then is cancelled: `store::statement::run`).
-    pub(super) fn stop(&self) -> impl Future<Output = ()> + Send + 'a {
-        self.stop.wait()
-    }
-
-    /// The consumer is stopping.
-    pub(super) fn stopping(&self) -> bool {
-        match self.stop {
-            Stop::Token(token) => token.is_cancelled(),
-            Stop::At(_) => true,
-        }
-    }
 }
 
 /// What the engine has room for in a fetch.

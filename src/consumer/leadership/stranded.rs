@@ -21,15 +21,15 @@ use std::time::Duration;
 use tokio::time::Instant;
 use tokio_postgres::error::SqlState;
 
-use super::{Cx, jittered};
 use crate::consumer::ConsumerConfig;
+use crate::consumer::cx::{Cx, jittered};
 use crate::metrics as m;
 use crate::store::leader::{Holder, HolderId};
 use crate::store::statement::{Failure, StatementError};
 
 /// What a look found that the standby must act on.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) enum Found {
+pub(in crate::consumer) enum Found {
     /// Nothing to do (a live holder, none, or a suspect not yet confirmed).
     Nothing,
     /// The stranded holder was ended: try the lock at once.
@@ -49,7 +49,7 @@ enum Verdict {
 
 /// The watch's state.
 #[derive(Debug)]
-pub(super) struct Watch {
+pub(in crate::consumer) struct Watch {
     /// The heartbeat age from which a holder is stranded, in seconds.
     threshold_secs: f64,
     /// How often to look.
@@ -69,7 +69,7 @@ pub(super) struct Watch {
 
 impl Watch {
     /// A watch configured by `cfg`.
-    pub(super) fn new(cfg: &ConsumerConfig) -> Self {
+    pub(in crate::consumer) fn new(cfg: &ConsumerConfig) -> Self {
         Watch {
             threshold_secs: cfg.stranded_after.as_secs_f64(),
             every: cfg.heartbeat_interval(),
@@ -83,13 +83,13 @@ impl Watch {
     }
 
     /// Is a look due at `now`?
-    pub(super) fn due(&self, now: Instant) -> bool {
+    pub(in crate::consumer) fn due(&self, now: Instant) -> bool {
         self.look_at.is_none_or(|t| t <= now)
     }
 
     /// This consumer is no standby any more (it leads, or its session is
     /// gone): forget what was seen, and clear the gauge.
-    pub(super) fn reset(&mut self) {
+    pub(in crate::consumer) fn reset(&mut self) {
         self.look_at = None;
         self.suspect = None;
         self.refused = None;
@@ -101,7 +101,7 @@ impl Watch {
     /// Look at the holder of the outbox lock, report a stranded one and,
     /// with `take_over`, end it. A database error of the look is logged
     /// (once as a warning) and ignored; timeouts and stops are returned.
-    pub(super) async fn look(&mut self, cx: Cx<'_>) -> Result<Found, StatementError> {
+    pub(in crate::consumer) async fn look(&mut self, cx: Cx<'_>) -> Result<Found, StatementError> {
         self.look_at = Some(Instant::now() + jittered(self.every));
         let holder = match cx.work.leader_holder(self.threshold_secs, cx.stop()).await {
             Ok(h) => h,

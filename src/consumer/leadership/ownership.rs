@@ -26,10 +26,10 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
+use super::lease::TAKEOVER_WAIT;
 use super::stranded::{Found, Watch};
-use super::{Cx, jittered};
+use crate::consumer::cx::{Cx, jittered};
 use crate::consumer::health::Role;
-use crate::consumer::lease::TAKEOVER_WAIT;
 use crate::consumer::{ConsumerConfig, Mode};
 use crate::metrics as m;
 use crate::store::leader::{OUTBOX_SCOPE, TermTaken, partition_scope};
@@ -39,11 +39,11 @@ use crate::term::Term;
 
 /// How often a standby tries to take over (and, times four, how often
 /// partitions are rebalanced): 250 ms.
-pub(super) const LOCK_INTERVAL: Duration = Duration::from_millis(250);
+pub(in crate::consumer) const LOCK_INTERVAL: Duration = Duration::from_millis(250);
 
 /// Partitioned mode's state.
 #[derive(Debug, Default)]
-pub(super) struct Partitions {
+pub(in crate::consumer) struct Partitions {
     partitions: u32,
     /// This session's membership key.
     member_key: i32,
@@ -68,7 +68,7 @@ pub(super) struct Partitions {
 
 /// Ownership by mode: each variant holds only its mode's state.
 #[derive(Debug)]
-pub(super) enum Ownership {
+pub(in crate::consumer) enum Ownership {
     Single {
         leader: bool,
         /// The leadership term taken with the lock (`events.outbox_terms`).
@@ -91,7 +91,7 @@ pub(super) enum Ownership {
 impl Ownership {
     /// Nothing owned yet, for `cfg`'s mode (competing mode is taken for
     /// single: it is not the listen source's).
-    pub(super) fn new(cfg: &ConsumerConfig) -> Self {
+    pub(in crate::consumer) fn new(cfg: &ConsumerConfig) -> Self {
         match cfg.mode {
             Mode::Partitioned { partitions } => Ownership::Partitioned(Partitions { partitions, ..Default::default() }),
             _ => Ownership::Single {
@@ -107,7 +107,7 @@ impl Ownership {
     }
 
     /// May this consumer fetch now?
-    pub(super) fn may_fetch(&self) -> bool {
+    pub(in crate::consumer) fn may_fetch(&self) -> bool {
         match self {
             Ownership::Single { leader, waits_until, .. } => *leader && waits_until.is_none_or(|t| Instant::now() >= t),
             Ownership::Partitioned(p) => p.fetchable().next().is_some(),
@@ -117,7 +117,7 @@ impl Ownership {
     /// Does this consumer hold a leadership term now (single mode's leader,
     /// a partitioned consumer holding a partition)? Then its fetches must
     /// find its terms current, and its hand-outs are bound by the lease.
-    pub(super) fn fenced(&self) -> bool {
+    pub(in crate::consumer) fn fenced(&self) -> bool {
         match self {
             Ownership::Single { leader, term, .. } => *leader && term.is_some(),
             Ownership::Partitioned(p) => !p.terms.is_empty(),
@@ -126,7 +126,7 @@ impl Ownership {
 
     /// What a fetch's rows say of the terms held: each row carries the
     /// current term of its scope as the fetch read it.
-    pub(super) fn check_page(&self, page: &FetchPage) -> TermCheck {
+    pub(in crate::consumer) fn check_page(&self, page: &FetchPage) -> TermCheck {
         if !self.fenced() {
             return TermCheck::Unfenced;
         }
@@ -153,7 +153,7 @@ impl Ownership {
 
     /// Confirm with one statement that every term held is still current
     /// (the hand-out lease ran out while deliveries wait).
-    pub(super) async fn confirm_terms(&self, cx: Cx<'_>) -> Result<TermCheck, StatementError> {
+    pub(in crate::consumer) async fn confirm_terms(&self, cx: Cx<'_>) -> Result<TermCheck, StatementError> {
         match self {
             Ownership::Single { leader: true, term: Some(held), .. } => {
                 let current = cx.work.current_term(OUTBOX_SCOPE, cx.stop()).await?;
@@ -183,7 +183,7 @@ impl Ownership {
     /// ids, the term held now if this consumer holds the partition (it may
     /// have taken it back), else the one the event was fetched under.
     /// `None`: nothing to fence (no term was ever taken).
-    pub(super) fn fence_for(&self, ids: &[i64]) -> Option<Fence> {
+    pub(in crate::consumer) fn fence_for(&self, ids: &[i64]) -> Option<Fence> {
         match self {
             Ownership::Single { last_term, .. } => last_term.map(|t| Fence::of(OUTBOX_SCOPE, t)),
             Ownership::Partitioned(p) => {
@@ -201,7 +201,7 @@ impl Ownership {
     /// and term: single mode's leader's, and every partition's held, once
     /// any wait after its takeover is over (a holder still waiting out a
     /// deposed predecessor's lease must pass that wait on to the next).
-    pub(super) fn releasable_terms(&self) -> Vec<(String, Term)> {
+    pub(in crate::consumer) fn releasable_terms(&self) -> Vec<(String, Term)> {
         let now = Instant::now();
         match self {
             Ownership::Single { leader: true, term: Some(term), waits_until, .. }
@@ -220,7 +220,7 @@ impl Ownership {
     }
 
     /// What this consumer does now, for its health.
-    pub(super) fn role(&self) -> Role {
+    pub(in crate::consumer) fn role(&self) -> Role {
         match self {
             Ownership::Single { leader: true, .. } => Role::Leader,
             Ownership::Single { .. } => Role::Standby,
@@ -235,7 +235,7 @@ impl Ownership {
     /// consumer leads, `None` before its first try; partitioned mode:
     /// `Some(false)`.
     #[cfg(feature = "wal")]
-    pub(super) fn stands_by(&self) -> Option<bool> {
+    pub(in crate::consumer) fn stands_by(&self) -> Option<bool> {
         match self {
             Ownership::Single { leader: true, .. } | Ownership::Partitioned(_) => Some(false),
             Ownership::Single { standby_logged: true, .. } => Some(true),
@@ -244,13 +244,13 @@ impl Ownership {
     }
 
     /// Partitioned mode: fetched rows carry their partition.
-    pub(super) fn is_partitioned(&self) -> bool {
+    pub(in crate::consumer) fn is_partitioned(&self) -> bool {
         matches!(self, Ownership::Partitioned(_))
     }
 
     /// When to try to take (or rebalance) locks next, or a wait after a
     /// partition's takeover ends.
-    pub(super) fn lock_at(&self) -> Option<Instant> {
+    pub(in crate::consumer) fn lock_at(&self) -> Option<Instant> {
         match self {
             Ownership::Single { lock_at, .. } => *lock_at,
             Ownership::Partitioned(p) => {
@@ -266,7 +266,7 @@ impl Ownership {
     /// New sessions are open: nothing is owned, locks are taken at once;
     /// in partitioned mode the work session first takes a membership lock
     /// with a key drawn anew.
-    pub(super) async fn session_opened(&mut self, cx: Cx<'_>) -> Result<(), StatementError> {
+    pub(in crate::consumer) async fn session_opened(&mut self, cx: Cx<'_>) -> Result<(), StatementError> {
         self.session_lost();
         match self {
             Ownership::Single { standby_logged, lock_at, watch, .. } => {
@@ -284,7 +284,7 @@ impl Ownership {
     }
 
     /// The work session is gone, and its locks with it.
-    pub(super) fn session_lost(&mut self) {
+    pub(in crate::consumer) fn session_lost(&mut self) {
         match self {
             Ownership::Single { watch, .. } => {
                 watch.reset();
@@ -327,7 +327,7 @@ impl Ownership {
 
     /// The partitions held and not waiting out a takeover, for the scope of
     /// a fetch (`None` in single mode).
-    pub(super) fn partitions(&self) -> Option<(u32, Vec<i32>)> {
+    pub(in crate::consumer) fn partitions(&self) -> Option<(u32, Vec<i32>)> {
         match self {
             Ownership::Single { .. } => None,
             Ownership::Partitioned(p) => Some((p.partitions, p.fetchable().collect())),
@@ -335,7 +335,7 @@ impl Ownership {
     }
 
     /// A fetch's scope, given [`Self::partitions`].
-    pub(super) fn scope(partitions: &Option<(u32, Vec<i32>)>) -> FetchScope<'_> {
+    pub(in crate::consumer) fn scope(partitions: &Option<(u32, Vec<i32>)>) -> FetchScope<'_> {
         match partitions {
             None => FetchScope::All,
             Some((partitions, owned)) => FetchScope::Partitions { partitions: *partitions, owned },
@@ -344,7 +344,7 @@ impl Ownership {
 
     /// Event `id` of partition `partition` was fetched (under the term held
     /// of that partition).
-    pub(super) fn fetched(&mut self, id: i64, partition: Option<i32>) {
+    pub(in crate::consumer) fn fetched(&mut self, id: i64, partition: Option<i32>) {
         if let (Ownership::Partitioned(p), Some(part)) = (self, partition) {
             let term = p.terms.get(&part).copied();
             p.part_of.insert(id, (part, term));
@@ -352,7 +352,7 @@ impl Ownership {
     }
 
     /// Event `id` is no longer in flight (written, or released).
-    pub(super) fn done(&mut self, id: i64) {
+    pub(in crate::consumer) fn done(&mut self, id: i64) {
         if let Ownership::Partitioned(p) = self {
             p.part_of.remove(&id);
         }
@@ -360,7 +360,7 @@ impl Ownership {
 
     /// Take the outbox lock (single mode) or rebalance partitions. `Ok(true)`:
     /// this consumer owns more than before and should fetch.
-    pub(super) async fn take_locks(&mut self, cx: Cx<'_>) -> Result<bool, StatementError> {
+    pub(in crate::consumer) async fn take_locks(&mut self, cx: Cx<'_>) -> Result<bool, StatementError> {
         match self {
             Ownership::Single { leader: true, lock_at, waits_until, .. } => {
                 *lock_at = None;
