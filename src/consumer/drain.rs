@@ -44,7 +44,7 @@ use super::inflight::InFlight;
 use super::leadership::LEASE;
 use super::maintenance::Maintenance;
 use super::session::{OpenError, Sessions};
-use super::source::{Cx, Room, Source, Stop, TermCheck};
+use super::source::{Cx, Leadership, Room, Source, Stop, TermCheck};
 use super::{ConsumerConfig, Delivery, STATUS_INTERVAL, Shared};
 use crate::connect::Link;
 use crate::error::Error;
@@ -323,7 +323,7 @@ impl<S: Source> Engine<S> {
         };
         // The fetch read the current terms with its rows: hand them out
         // only under ours, within the lease from when the fetch was sent.
-        match self.source.check_page(&page) {
+        match self.source.leadership().check_page(&page) {
             TermCheck::Unfenced => self.shared.lease.unfenced(),
             TermCheck::Unconfirmed => {}
             TermCheck::Confirmed => self.confirmed(sent),
@@ -355,14 +355,14 @@ impl<S: Source> Engine<S> {
     /// confirm that the term is still current, one statement for all that
     /// waits ([`super::lease`]).
     async fn renew_lease(&mut self) {
-        if !self.source.fenced() {
+        if !self.source.leadership().fenced() {
             // No term held: a standby's buffer was released when it lost
             // its term; in competing mode nothing is fenced.
             return;
         }
         let sent = Instant::now();
         let read = match self.source_cx() {
-            (source, Some(cx)) => source.confirm_terms(cx).await,
+            (source, Some(cx)) => source.leadership().confirm_terms(cx).await,
             (_, None) => return,
         };
         match read {
@@ -399,7 +399,7 @@ impl<S: Source> Engine<S> {
         let (source, cx) = self.source_cx();
         match source.timers_due(cx, stopping).await {
             Ok(false) => {}
-            Ok(true) => self.health.role(self.source.role()),
+            Ok(true) => self.health.role(self.source.leadership().role()),
             Err(e) => self.lose(Loss::Statement(e)),
         }
     }
@@ -439,7 +439,8 @@ impl<S: Source> Engine<S> {
         match self.sessions.conn() {
             Some(conn) => {
                 let source = &self.source;
-                self.completer.start(&conn.writer, self.sessions.generation(), |ids| source.fence_for(ids));
+                self.completer
+                    .start(&conn.writer, self.sessions.generation(), |ids| source.leadership().fence_for(ids));
             }
             None => self.completer.disarm(),
         }
@@ -450,7 +451,7 @@ impl<S: Source> Engine<S> {
     async fn written(&mut self, done: FlushDone) {
         let current = done.generation == self.sessions.generation() && self.sessions.is_open();
         let source = &self.source;
-        let w = self.completer.finish(done, |ids| source.fence_for(ids));
+        let w = self.completer.finish(done, |ids| source.leadership().fence_for(ids));
         self.source.written(&w);
         // No fetch is in flight while this runs (fetches are awaited by this
         // same task), so every later fetch sees the failures.
@@ -461,7 +462,7 @@ impl<S: Source> Engine<S> {
             self.lose(Loss::Statement(e));
         } else if let Some(term) = w.fenced
             && current
-            && self.source.fenced()
+            && self.source.leadership().fenced()
         {
             self.lose(Loss::Fenced { term, current: None });
         }
@@ -499,7 +500,7 @@ impl<S: Source> Engine<S> {
             tracing::info!(after = ?since.elapsed(), "a host accepts writes again (the standby was promoted): delivering");
         }
         self.health.connected(true);
-        self.health.role(self.source.role());
+        self.health.role(self.source.leadership().role());
         if self.completer.pending() > 0 {
             self.completer.flush_now();
         }
@@ -525,7 +526,7 @@ impl<S: Source> Engine<S> {
             }
             None => Duration::ZERO,
         };
-        let had_term = self.source.fenced();
+        let had_term = self.source.leadership().fenced();
         self.inflight.session_lost();
         self.sessions.close(delay);
         self.source.session_lost();
@@ -535,7 +536,7 @@ impl<S: Source> Engine<S> {
             self.shared.lease.revoke();
         }
         self.health.connected(false);
-        self.health.role(self.source.role());
+        self.health.role(self.source.leadership().role());
     }
 
     /// Log a loss and return the error for the consumer's health with the

@@ -23,3 +23,97 @@ mod stranded;
 
 pub(super) use lease::LEASE;
 pub(super) use ownership::{Ownership, TermCheck};
+
+use super::cx::Cx;
+use super::health::Role;
+use crate::store::statement::StatementError;
+use crate::store::{Fence, FetchPage};
+
+/// What the drain loop asks of leadership: the consumer's role, whether
+/// it holds terms, what a fetch's rows and a confirmation say of them, and
+/// the fence of a settlement write. [`Ownership`] is single and
+/// partitioned mode's; [`Unled`] competing mode's, which holds nothing.
+pub(super) trait Leadership: Send {
+    /// What this consumer does now, for its health.
+    fn role(&self) -> Role;
+
+    /// Single mode: `Some(true)` once a try for the outbox lock since the
+    /// sessions opened found another holding it (a standby), `Some(false)`
+    /// while this consumer leads, `None` before its first try. `Some(false)`
+    /// in the other modes.
+    #[cfg(feature = "wal")]
+    fn stands_by(&self) -> Option<bool> {
+        Some(false)
+    }
+
+    /// Does this consumer hold a leadership term now (single mode's leader,
+    /// a partitioned consumer holding partitions)? Then a fetch must find
+    /// its terms current for its rows to be handed out
+    /// ([`Self::check_page`]), and hand-outs are bound by the lease.
+    /// `false`: a standby, competing mode; nothing is fenced.
+    fn fenced(&self) -> bool;
+
+    /// What `page`'s rows say of the terms held (each row carries its
+    /// scope's current term as the fetch read it).
+    fn check_page(&self, page: &FetchPage) -> TermCheck;
+
+    /// Confirm with one statement that the terms held are still current.
+    async fn confirm_terms(&self, cx: Cx<'_>) -> Result<TermCheck, StatementError>;
+
+    /// The terms a write of the settlements of `ids` is conditional on
+    /// (`None`: not fenced).
+    fn fence_for(&self, ids: &[i64]) -> Option<Fence>;
+}
+
+impl Leadership for Ownership {
+    fn role(&self) -> Role {
+        Ownership::role(self)
+    }
+
+    #[cfg(feature = "wal")]
+    fn stands_by(&self) -> Option<bool> {
+        Ownership::stands_by(self)
+    }
+
+    fn fenced(&self) -> bool {
+        Ownership::fenced(self)
+    }
+
+    fn check_page(&self, page: &FetchPage) -> TermCheck {
+        Ownership::check_page(self, page)
+    }
+
+    async fn confirm_terms(&self, cx: Cx<'_>) -> Result<TermCheck, StatementError> {
+        Ownership::confirm_terms(self, cx).await
+    }
+
+    fn fence_for(&self, ids: &[i64]) -> Option<Fence> {
+        Ownership::fence_for(self, ids)
+    }
+}
+
+/// Competing mode's leadership: none. No lock, no term, nothing fenced.
+#[derive(Debug, Clone, Copy, Default)]
+pub(super) struct Unled;
+
+impl Leadership for Unled {
+    fn role(&self) -> Role {
+        Role::Competing
+    }
+
+    fn fenced(&self) -> bool {
+        false
+    }
+
+    fn check_page(&self, _page: &FetchPage) -> TermCheck {
+        TermCheck::Unfenced
+    }
+
+    async fn confirm_terms(&self, _cx: Cx<'_>) -> Result<TermCheck, StatementError> {
+        Ok(TermCheck::Unfenced)
+    }
+
+    fn fence_for(&self, _ids: &[i64]) -> Option<Fence> {
+        None
+    }
+}

@@ -18,13 +18,13 @@
 use tokio::time::Instant;
 
 use super::wakeups::Wakeups;
-use super::{Cx, Room, Signals, Source, TermCheck, Wake};
+use super::{Cx, Room, Signals, Source, Wake};
 use crate::consumer::ConsumerConfig;
 use crate::consumer::completer::Written;
-use crate::consumer::health::Role;
+use crate::consumer::leadership::Unled;
 use crate::metrics as m;
 use crate::store::statement::StatementError;
-use crate::store::{Fence, FetchKind, FetchPage, FetchParams, FetchScope, FloorParams};
+use crate::store::{FetchKind, FetchPage, FetchParams, FetchScope, FloorParams};
 
 /// Competing mode's source.
 #[derive(Debug)]
@@ -43,28 +43,14 @@ impl ClaimSource {
 }
 
 impl Source for ClaimSource {
+    type Leader = Unled;
+
+    fn leadership(&self) -> &Unled {
+        &Unled
+    }
+
     fn fetch_kind(&self) -> FetchKind {
         FetchKind::Claim
-    }
-
-    fn role(&self) -> Role {
-        Role::Competing
-    }
-
-    fn fenced(&self) -> bool {
-        false
-    }
-
-    fn check_page(&self, _page: &FetchPage) -> TermCheck {
-        TermCheck::Unfenced
-    }
-
-    async fn confirm_terms(&mut self, _cx: Cx<'_>) -> Result<TermCheck, StatementError> {
-        Ok(TermCheck::Unfenced)
-    }
-
-    fn fence_for(&self, _ids: &[i64]) -> Option<Fence> {
-        None
     }
 
     fn wants_fetch(&self) -> bool {

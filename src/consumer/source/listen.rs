@@ -9,13 +9,12 @@ use tokio::time::Instant;
 
 use super::floor::FetchFloor;
 use super::wakeups::{Wakeups, due, earliest};
-use super::{Cx, Room, Signals, Source, TermCheck, Wake};
+use super::{Cx, Room, Signals, Source, Wake};
 use crate::consumer::ConsumerConfig;
 use crate::consumer::completer::Written;
-use crate::consumer::health::Role;
 use crate::consumer::leadership::Ownership;
 use crate::store::statement::StatementError;
-use crate::store::{Fence, FetchKind, FetchPage, FetchParams, FetchedRow};
+use crate::store::{FetchKind, FetchPage, FetchParams, FetchedRow};
 
 /// Single or partitioned mode's source.
 #[derive(Debug)]
@@ -47,33 +46,14 @@ impl ListenSource {
 }
 
 impl Source for ListenSource {
+    type Leader = Ownership;
+
+    fn leadership(&self) -> &Ownership {
+        &self.ownership
+    }
+
     fn fetch_kind(&self) -> FetchKind {
         if self.ownership.is_partitioned() { FetchKind::Partitioned } else { FetchKind::Ordered }
-    }
-
-    fn role(&self) -> Role {
-        self.ownership.role()
-    }
-
-    #[cfg(feature = "wal")]
-    fn stands_by(&self) -> Option<bool> {
-        self.ownership.stands_by()
-    }
-
-    fn fenced(&self) -> bool {
-        self.ownership.fenced()
-    }
-
-    fn check_page(&self, page: &FetchPage) -> TermCheck {
-        self.ownership.check_page(page)
-    }
-
-    async fn confirm_terms(&mut self, cx: Cx<'_>) -> Result<TermCheck, StatementError> {
-        self.ownership.confirm_terms(cx).await
-    }
-
-    fn fence_for(&self, ids: &[i64]) -> Option<Fence> {
-        self.ownership.fence_for(ids)
     }
 
     fn wants_fetch(&self) -> bool {

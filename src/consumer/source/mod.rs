@@ -56,7 +56,7 @@ use tokio::sync::Notify;
 use tokio::time::Instant;
 
 pub(super) use super::cx::{Cx, Stop, jittered};
-pub(super) use super::leadership::TermCheck;
+pub(super) use super::leadership::{Leadership, TermCheck};
 pub(super) use claim::ClaimSource;
 pub(super) use listen::ListenSource;
 pub(super) use wake::Wake;
@@ -64,8 +64,6 @@ pub(super) use wake::Wake;
 pub(super) use wal::WalSource;
 
 use super::completer::Written;
-use super::health::Role;
-use crate::store::Fence;
 use crate::store::statement::StatementError;
 use crate::store::{FetchKind, FetchPage};
 
@@ -97,36 +95,12 @@ pub(super) trait Source: Send {
     /// The fetch statement the work session prepares for this source.
     fn fetch_kind(&self) -> FetchKind;
 
-    /// What this consumer does now, for its health.
-    fn role(&self) -> Role;
+    /// Who may hand events out, and under which terms.
+    type Leader: Leadership;
 
-    /// Single mode: `Some(true)` once a try for the outbox lock since the
-    /// sessions opened found another holding it (a standby), `Some(false)`
-    /// while this consumer leads, `None` before its first try (nothing is
-    /// known yet). `Some(false)` in the other modes. Changes only when the
-    /// sessions open or close and in [`Self::timers_due`].
-    #[cfg(feature = "wal")]
-    fn stands_by(&self) -> Option<bool> {
-        Some(false)
-    }
-
-    /// Does the source hold a leadership term now (`events.outbox_terms`:
-    /// single mode's leader, a partitioned consumer holding partitions)?
-    /// Then a fetch must find its terms current for its rows to be handed
-    /// out ([`Self::check_page`]), and hand-outs are bound by the lease.
-    /// `false`: a standby, competing mode; nothing is fenced.
-    fn fenced(&self) -> bool;
-
-    /// What `page`'s rows say of the terms held (each row carries its
-    /// scope's current term as the fetch read it).
-    fn check_page(&self, page: &FetchPage) -> TermCheck;
-
-    /// Confirm with one statement that the terms held are still current.
-    async fn confirm_terms(&mut self, cx: Cx<'_>) -> Result<TermCheck, StatementError>;
-
-    /// The terms a write of the settlements of `ids` is conditional on
-    /// (`None`: not fenced).
-    fn fence_for(&self, ids: &[i64]) -> Option<Fence>;
+    /// The source's leadership: its role, its terms and their fences
+    /// ([`Leadership`]).
+    fn leadership(&self) -> &Self::Leader;
 
     /// Does the source want a fetch now (a wake-up is pending, and it may
     /// fetch)? The engine adds its own conditions (sessions open, room).
@@ -189,4 +163,36 @@ pub(super) trait Source: Send {
 
     /// The last statement before the sessions close, until `deadline`.
     async fn finish(&mut self, cx: Cx<'_>, deadline: Instant) -> Result<(), StatementError>;
+}
+
+#[cfg(test)]
+mod tests {
+    /// The method names of trait `name` in Rust source `code`.
+    fn methods(code: &str, name: &str) -> Vec<String> {
+        let start = code.find(&format!("trait {name}: Send {{")).unwrap_or_else(|| panic!("trait {name} not found"));
+        let body = &code[start..];
+        let end = body.find("\n}\n").unwrap_or(body.len());
+        body[..end]
+            .lines()
+            .filter_map(|l| {
+                let l = l.trim_start().trim_start_matches("async ");
+                let rest = l.strip_prefix("fn ").or_else(|| l.strip_prefix("type "))?;
+                Some(rest.split(['(', ':', '<', ' ']).next().unwrap_or_default().to_string())
+            })
+            .collect()
+    }
+
+    #[test]
+    fn adding_a_source_in_the_architecture_doc_names_every_method_of_source_and_leadership() {
+        let doc = include_str!("../../../docs/architecture.md");
+        let start = doc.find("## Adding a source").expect("the section");
+        let section = &doc[start..];
+        let section = &section[..section[3..].find("\n## ").map_or(section.len(), |i| i + 3)];
+        let source = methods(include_str!("mod.rs"), "Source");
+        let leadership = methods(include_str!("../leadership/mod.rs"), "Leadership");
+        assert!(source.len() > 15 && leadership.len() == 6, "{source:?} {leadership:?}");
+        for m in source.iter().chain(&leadership) {
+            assert!(section.contains(&format!("`{m}`")), "docs/architecture.md, \"Adding a source\", lacks `{m}`");
+        }
+    }
 }

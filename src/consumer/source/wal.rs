@@ -50,17 +50,16 @@ use tokio_postgres::config::Host;
 use tokio_util::sync::CancellationToken;
 
 use super::wakeups::earliest;
-use super::{Cx, Room, Signals, Source, TermCheck, Wake};
+use super::{Cx, Leadership, Room, Signals, Source, Wake};
 use crate::connect::{self, RootCert, SslMode};
 use crate::consumer::completer::Written;
-use crate::consumer::health::Role;
 use crate::consumer::session::new_backoff;
 use crate::consumer::{ConsumerConfig, ListenerStatus};
 use crate::error::{Error, Result};
 use crate::metrics as m;
 use crate::store::replication::{self, PUBLICATION};
 use crate::store::statement::StatementError;
-use crate::store::{Fence, FetchKind, FetchPage};
+use crate::store::{FetchKind, FetchPage};
 
 /// The replication connection's `lock_timeout`, which bounds how long
 /// creating the slot waits for the write transactions running in the
@@ -459,12 +458,12 @@ impl<S: Source> WalSource<S> {
     }
 
     /// Tell the reader whether to stream: not once `inner` found another
-    /// holding the outbox ([`Source::stands_by`]), with its session open
+    /// holding the outbox ([`Leadership::stands_by`]), with its session open
     /// (without one, or before its first try for the lock, nothing is
     /// known, and the reader keeps what it has). Called where leadership
     /// can be taken: after the timers ran.
     fn publish_role(&self) {
-        if let (true, Some(standing_by)) = (self.open, self.inner.stands_by()) {
+        if let (true, Some(standing_by)) = (self.open, self.inner.leadership().stands_by()) {
             let want = !standing_by;
             self.wanted.send_if_modified(|w| std::mem::replace(w, want) != want);
         }
@@ -472,32 +471,14 @@ impl<S: Source> WalSource<S> {
 }
 
 impl<S: Source> Source for WalSource<S> {
+    type Leader = S::Leader;
+
+    fn leadership(&self) -> &S::Leader {
+        self.inner.leadership()
+    }
+
     fn fetch_kind(&self) -> FetchKind {
         self.inner.fetch_kind()
-    }
-
-    fn role(&self) -> Role {
-        self.inner.role()
-    }
-
-    fn stands_by(&self) -> Option<bool> {
-        self.inner.stands_by()
-    }
-
-    fn fenced(&self) -> bool {
-        self.inner.fenced()
-    }
-
-    fn check_page(&self, page: &FetchPage) -> TermCheck {
-        self.inner.check_page(page)
-    }
-
-    async fn confirm_terms(&mut self, cx: Cx<'_>) -> Result<TermCheck, StatementError> {
-        self.inner.confirm_terms(cx).await
-    }
-
-    fn fence_for(&self, ids: &[i64]) -> Option<Fence> {
-        self.inner.fence_for(ids)
     }
 
     fn wants_fetch(&self) -> bool {
