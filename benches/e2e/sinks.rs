@@ -149,6 +149,10 @@ impl Broker {
 /// destinations are named after.
 const AGGREGATE_TYPES: [&str; 3] = ["subscription", "invoice", "account"];
 
+/// The plain Kafka client's topics: as many as the relay's
+/// ([`AGGREGATE_TYPES`]), 3 partitions each like them.
+const PLAIN_TOPICS: [&str; 3] = ["plain0", "plain1", "plain2"];
+
 /// A TCP proxy on 127.0.0.1 in front of `upstream` that releases each chunk
 /// `one_way` after it was read, in each direction; stops (with every
 /// connection through it) when dropped.
@@ -373,7 +377,7 @@ impl Target {
         let admin: AdminClient<DefaultClientContext> =
             ClientConfig::new().set("bootstrap.servers", self.proxy.addr.to_string()).create()?;
         let names: Vec<String> =
-            AGGREGATE_TYPES.iter().chain(&["plain"]).map(|t| format!("{}.{t}", self.prefix)).collect();
+            AGGREGATE_TYPES.iter().chain(&PLAIN_TOPICS).map(|t| format!("{}.{t}", self.prefix)).collect();
         let topics: Vec<NewTopic> = names.iter().map(|n| NewTopic::new(n, 3, TopicReplication::Fixed(1))).collect();
         let opts = AdminOptions::new().operation_timeout(Some(Duration::from_secs(10)));
         for r in admin.create_topics(&topics, &opts).await? {
@@ -450,7 +454,7 @@ impl Target {
     /// acknowledgement at a time; messages/s, counted after one message
     /// sent and acknowledged alone (connections up, Kafka's producer id and
     /// metadata in hand, as the relay's are once it says it started).
-    async fn plain_client(&self, n: usize) -> BenchResult<f64> {
+    async fn plain_client(&self, n: usize) -> BenchResult<(f64, MachineCpu)> {
         let addr = self.proxy.addr;
         let prefix = &self.prefix;
         let body = vec![b'x'; BODY_BYTES];
@@ -531,9 +535,12 @@ impl Target {
                     .set("compression.type", "none")
                     .set("message.timeout.ms", "30000")
                     .create()?;
-                let topic = format!("{prefix}.plain");
+                // As many topics and partitions as the relay's (librdkafka
+                // builds a request per partition: fewer partitions would
+                // batch more per request).
+                let topics: Vec<String> = PLAIN_TOPICS.iter().map(|t| format!("{prefix}.{t}")).collect();
                 drive(n, |i| {
-                    let (producer, body, topic) = (&producer, &body, &topic);
+                    let (producer, body, topic) = (&producer, &body, &topics[i % topics.len()]);
                     async move {
                         let key = format!("agg-{}", i % 1_000);
                         let record = FutureRecord::to(topic).key(&key).payload(body.as_slice());
@@ -550,18 +557,41 @@ impl Target {
 /// Send message `n` alone (the warm-up), then messages `0..n`,
 /// [`IN_FLIGHT`] at a time, each `send` awaiting its acknowledgement;
 /// messages/s after the warm-up.
-async fn drive<F, Fut>(n: usize, send: F) -> BenchResult<f64>
+async fn drive<F, Fut>(n: usize, send: F) -> BenchResult<(f64, MachineCpu)>
 where
     F: Fn(usize) -> Fut,
     Fut: std::future::Future<Output = BenchResult<()>>,
 {
     send(n).await?;
-    let started = Instant::now();
+    let (started, machine0) = (Instant::now(), util::machine_cpu_s());
     let mut sends = futures::stream::iter(0..n).map(&send).buffer_unordered(IN_FLIGHT);
     while let Some(r) = sends.next().await {
         r?;
     }
-    Ok(n as f64 / started.elapsed().as_secs_f64())
+    let rate = n as f64 / started.elapsed().as_secs_f64();
+    Ok((rate, MachineCpu::between(machine0, util::machine_cpu_s(), n as f64)))
+}
+
+/// The whole machine's CPU over a measurement (every process: relay or
+/// client, server, broker, the bench's proxy).
+#[derive(Debug, Clone, Copy, Default)]
+struct MachineCpu {
+    /// Share of the machine's CPU time busy.
+    busy: Option<f64>,
+    /// Busy CPU time per message or event, µs.
+    us: Option<f64>,
+}
+
+impl MachineCpu {
+    /// From two [`util::machine_cpu_s`] readings around `items` messages.
+    fn between(a: Option<(f64, f64)>, b: Option<(f64, f64)>, items: f64) -> MachineCpu {
+        match (a, b) {
+            (Some((b0, t0)), Some((b1, t1))) if t1 > t0 => {
+                MachineCpu { busy: Some((b1 - b0) / (t1 - t0)), us: (items > 0.0).then(|| (b1 - b0) * 1e6 / items) }
+            }
+            _ => MachineCpu::default(),
+        }
+    }
 }
 
 /// Whether `broker` can be measured here: its server answers (Kafka: the
@@ -591,9 +621,8 @@ struct Drained {
     /// The relay's PostgreSQL sessions' CPU time per event, µs (`None`
     /// where the server is not a local process).
     server_us: Option<f64>,
-    /// Share of the machine's CPU time busy during the drain (everything:
-    /// relay, server, broker, bench).
-    busy: Option<f64>,
+    /// The machine during the drain.
+    machine: MachineCpu,
 }
 
 /// Drain a backlog of `n` events over [`AGGREGATES`] aggregates with a
@@ -625,17 +654,23 @@ async fn drain(ctx: &Ctx, sink_args: &[String], n: i64, max_in_flight: usize) ->
             .await?;
         let pid = relay.pid();
         // The relay's sessions: every other one on its database.
-        let sessions: Vec<u32> = client
-            .query(
-                "SELECT pid FROM pg_stat_activity WHERE datname = current_database() AND pid <> pg_backend_pid()",
-                &[],
-            )
-            .await?
-            .iter()
-            .map(|r| r.try_get::<_, i32>(0).map(|p| u32::try_from(p).unwrap_or(0)))
-            .collect::<Result<_, _>>()?;
-        let server_cpu = || sessions.iter().map(|&p| util::server_cpu_us(p)).sum::<Option<f64>>();
-        let (cpu0, server0, machine0) = (pid.and_then(util::cpu_us), server_cpu(), util::machine_cpu_s());
+        // The relay's sessions: every other one on its database. It may
+        // open one during the drain: counted from 0 then.
+        let sessions = || async {
+            let rows = client
+                .query(
+                    "SELECT pid FROM pg_stat_activity WHERE datname = current_database() AND pid <> pg_backend_pid()",
+                    &[],
+                )
+                .await?;
+            let mut cpu = std::collections::BTreeMap::new();
+            for r in rows {
+                let pid = u32::try_from(r.try_get::<_, i32>(0)?)?;
+                cpu.insert(pid, util::server_cpu_us(pid));
+            }
+            Ok::<_, BoxError>(cpu)
+        };
+        let (cpu0, server0, machine0) = (pid.and_then(util::cpu_us), sessions().await?, util::machine_cpu_s());
         let started = Instant::now();
         let before = published().await?;
         // Cheap to poll (the count above is not): whether any fresh event is left.
@@ -650,7 +685,11 @@ async fn drain(ctx: &Ctx, sink_args: &[String], n: i64, max_in_flight: usize) ->
         })
         .await?;
         let secs = started.elapsed().as_secs_f64();
-        let (cpu1, server1, machine1) = (pid.and_then(util::cpu_us), server_cpu(), util::machine_cpu_s());
+        let (cpu1, server1, machine1) = (pid.and_then(util::cpu_us), sessions().await?, util::machine_cpu_s());
+        let server_delta: Option<f64> = server1
+            .iter()
+            .map(|(p, end)| Some(end.as_ref()? - server0.get(p).copied().flatten().unwrap_or(0.0)))
+            .sum();
         let after = published().await?;
         relay.check_running().await?;
         let failed = client
@@ -675,23 +714,27 @@ async fn drain(ctx: &Ctx, sink_args: &[String], n: i64, max_in_flight: usize) ->
             (Some(a), Some(b)) if events > 0.0 => Some((b - a) / events),
             _ => None,
         };
-        let (cpu_us, server_us) = (per_event(cpu0, cpu1), per_event(server0, server1));
-        let busy = match (machine0, machine1) {
-            (Some((b0, t0)), Some((b1, t1))) if t1 > t0 => Some((b1 - b0) / (t1 - t0)),
-            _ => None,
-        };
-        Ok::<_, BoxError>(Drained { rate: events / secs, cpu_us, server_us, busy })
+        let (cpu_us, server_us) = (per_event(cpu0, cpu1), per_event(Some(0.0), server_delta));
+        let machine = MachineCpu::between(machine0, machine1, events);
+        Ok::<_, BoxError>(Drained { rate: events / secs, cpu_us, server_us, machine })
     }
     .await;
     db.drop_now(&ctx.admin).await;
     result
 }
 
-/// A CPU figure for the table.
+/// The relay's and its sessions' CPU per event, µs: `"8 + 26"`.
 fn fmt_cpu(d: &Drained) -> String {
     let us = |v: Option<f64>| v.map_or_else(|| "?".to_string(), |v| format!("{v:.0}"));
-    let busy = d.busy.map_or_else(String::new, |b| format!(" ({:.0}%)", b * 100.0));
-    format!("{} + {} µs{busy}", us(d.cpu_us), us(d.server_us))
+    format!("{} + {}", us(d.cpu_us), us(d.server_us))
+}
+
+/// The machine's CPU per message of two runs, µs, with how busy it was:
+/// `"95 / 40 (99% / 100%)"`.
+fn fmt_machine(a: MachineCpu, b: MachineCpu) -> String {
+    let us = |v: Option<f64>| v.map_or_else(|| "?".to_string(), |v| format!("{v:.0}"));
+    let busy = |v: Option<f64>| v.map_or_else(|| "?".to_string(), |v| format!("{:.0}%", v * 100.0));
+    format!("{} / {} ({} / {})", us(a.us), us(b.us), busy(a.busy), busy(b.busy))
 }
 
 /// Run the scenario.
@@ -735,7 +778,8 @@ pub async fn run(ctx: &Ctx) -> BenchResult<Section> {
             "plain client msgs/s (64 in flight)",
             "relay events/s (64 in flight)",
             "relay vs client",
-            "CPU per event: relay + its sessions (machine busy)",
+            "relay + its sessions, CPU µs/event",
+            "machine CPU µs per message, relay / client (busy)",
             "relay one at a time, events/s",
             "speed-up",
         ],
@@ -750,7 +794,7 @@ pub async fn run(ctx: &Ctx) -> BenchResult<Section> {
         let d = drain(ctx, &["--sink".into(), "stdout".into()], events, IN_FLIGHT).await?;
         eprintln!("e2e: sinks: floor (--sink stdout): {:.0}/s, {}", d.rate, fmt_cpu(&d));
         data.push(serde_json::json!({"sink": "stdout", "relay_per_second": d.rate,
-            "relay_cpu_us_per_event": d.cpu_us, "server_cpu_us_per_event": d.server_us, "machine_busy": d.busy}));
+            "relay_cpu_us_per_event": d.cpu_us, "server_cpu_us_per_event": d.server_us, "machine_busy": d.machine.busy, "machine_cpu_us_per_event": d.machine.us}));
         Some(d)
     };
 
@@ -774,7 +818,7 @@ pub async fn run(ctx: &Ctx) -> BenchResult<Section> {
             sink_args.extend(broker.relay_args(&target.prefix));
             let result = async {
                 target.reset(true).await?;
-                let client_rate = target.plain_client(client_n).await?;
+                let (client_rate, client_machine) = target.plain_client(client_n).await?;
                 target.reset(true).await?;
                 let pipelined = drain(ctx, &sink_args, events, IN_FLIGHT).await?;
                 // One at a time: a backlog it drains within the cap or so.
@@ -786,12 +830,12 @@ pub async fn run(ctx: &Ctx) -> BenchResult<Section> {
                 } else {
                     None
                 };
-                Ok::<_, BoxError>((client_rate, pipelined, serial))
+                Ok::<_, BoxError>((client_rate, client_machine, pipelined, serial))
             }
             .await;
             target.reset(false).await?;
             drop(target);
-            let (client_rate, pipelined, serial) = result?;
+            let (client_rate, client_machine, pipelined, serial) = result?;
             let vs_client = ratio(pipelined.rate, client_rate);
             let speed_up = serial.and_then(|d| ratio(pipelined.rate, d.rate));
             eprintln!(
@@ -807,6 +851,7 @@ pub async fn run(ctx: &Ctx) -> BenchResult<Section> {
                 fmt_count(pipelined.rate),
                 fmt_ratio(vs_client),
                 fmt_cpu(&pipelined),
+                fmt_machine(pipelined.machine, client_machine),
                 serial.map_or_else(|| "-".into(), |d| fmt_count(d.rate)),
                 speed_up.map_or_else(|| "-".into(), |r| fmt_ratio(Some(r))),
             ]);
@@ -820,7 +865,8 @@ pub async fn run(ctx: &Ctx) -> BenchResult<Section> {
                 "proxy_round_trip_ms": rtt.as_secs_f64() * 1e3, "client_per_second": client_rate,
                 "relay_per_second": pipelined.rate, "relay_cpu_us_per_event": pipelined.cpu_us,
                 "server_cpu_us_per_event": pipelined.server_us,
-                "machine_busy": pipelined.busy, "serial_per_second": serial.map(|d| d.rate),
+                "machine_busy": pipelined.machine.busy, "machine_cpu_us_per_event": pipelined.machine.us,
+                "client_machine_busy": client_machine.busy, "client_machine_cpu_us_per_message": client_machine.us, "serial_per_second": serial.map(|d| d.rate),
                 "vs_client": vs_client, "speed_up": speed_up}));
         }
     }
