@@ -274,19 +274,24 @@ impl Completer {
         }
         if fenced != (0, 0) {
             written.fenced = Some(term);
-            metrics::counter!(m::FENCED_WRITES, "write" => "ack").increment(fenced.0 as u64);
-            metrics::counter!(m::FENCED_WRITES, "write" => "fail").increment(fenced.1 as u64);
-            tracing::warn!(
-                term = term.map_or(0, Term::get),
-                acknowledgements = fenced.0,
-                failures = fenced.1,
-                "settlements not written: a leadership term of this consumer was superseded (another relay took \
-                 the outbox or the partition over); those events stay unpublished and the current holder delivers \
-                 them again"
-            );
+            record_fenced(term, fenced);
         }
         written
     }
+}
+
+/// Settlements dropped as fenced (`(acknowledgements, failures)`), the
+/// write conditional on `term` at most: counted and logged.
+fn record_fenced(term: Option<Term>, (acks, fails): (usize, usize)) {
+    metrics::counter!(m::FENCED_WRITES, "write" => "ack").increment(acks as u64);
+    metrics::counter!(m::FENCED_WRITES, "write" => "fail").increment(fails as u64);
+    tracing::warn!(
+        term = term.map_or(0, Term::get),
+        acknowledgements = acks,
+        failures = fails,
+        "settlements not written: a leadership term of this consumer was superseded (another relay took the \
+         outbox or the partition over); those events stay unpublished and the current holder delivers them again"
+    );
 }
 
 /// Acknowledged rows: the delivery-lag histogram and the published counter.

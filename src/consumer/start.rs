@@ -61,31 +61,7 @@ impl ConsumerBuilder {
         if cfg.mode != Mode::Competing {
             crate::store::leader::check_term_privileges(&work).await?;
         }
-        let ordering = crate::migrate::ordering(&work).await?;
-        match ordering {
-            Some(mode) => tracing::info!(ordering = %mode, "ordering mode installed on events.outbox: {mode}"),
-            None if cfg.source != SourceKind::Listen => tracing::info!(
-                "no insert trigger is enabled on events.outbox: per-aggregate order rests on the producers' own \
-                 lock (the producer-locked contract, README \"Ordering modes\")"
-            ),
-            None => tracing::warn!(
-                "no insert trigger is enabled on events.outbox: new events are found by the sweep only, and \
-                 racing producers can commit an aggregate's events out of order; enable one with \
-                 `pg-outbox migrate --ordering outbox-locked`"
-            ),
-        }
-        if cfg.source == SourceKind::Listen
-            && cfg.listen
-            && ordering.is_some()
-            && !crate::store::schema::insert_trigger_fires(&work).await?
-        {
-            tracing::warn!(
-                sweep_interval = ?cfg.sweep_interval,
-                "the insert trigger was stopped for the WAL source (`pg-outbox migrate --source wal`): producers \
-                 send no NOTIFY, so this LISTEN consumer finds new events by the sweep only; run it with the WAL \
-                 source (`relay --source wal`), or `pg-outbox migrate --source listen`"
-            );
-        }
+        let ordering = check_ordering(&cfg, &work).await?;
         let signals = Signals::default();
         let (status_tx, status_rx) = watch::channel(ListenerStatus::default());
         let token = CancellationToken::new();
@@ -110,28 +86,11 @@ impl ConsumerBuilder {
         });
         let io = drain::Io { tx, settle_rx, shared: shared.clone() };
         let health = HealthMonitor::new(Arc::new(health::State::new(&cfg)), status_rx.clone());
-        let (first, state) = ((work, work_link), health.state().clone());
-        // One engine per source type: the calls into the source are static.
-        let drain = match (cfg.mode, cfg.source) {
-            #[cfg(feature = "wal")]
-            (Mode::Competing, SourceKind::Wal) => {
-                let source = WalSource::new(ClaimSource::new(&cfg, signals), wanted_tx);
-                tokio::spawn(drain::run(cfg.clone(), source, first, io, token.clone(), state))
-            }
-            #[cfg(feature = "wal")]
-            (_, SourceKind::Wal) => {
-                let source = WalSource::new(ListenSource::new(&cfg, signals), wanted_tx);
-                tokio::spawn(drain::run(cfg.clone(), source, first, io, token.clone(), state))
-            }
-            (Mode::Competing, _) => {
-                let source = ClaimSource::new(&cfg, signals);
-                tokio::spawn(drain::run(cfg.clone(), source, first, io, token.clone(), state))
-            }
-            _ => {
-                let source = ListenSource::new(&cfg, signals);
-                tokio::spawn(drain::run(cfg.clone(), source, first, io, token.clone(), state))
-            }
-        };
+        let engine = Engine { first: (work, work_link), io, token: token.clone(), state: health.state().clone() };
+        #[cfg(feature = "wal")]
+        let drain = engine.spawn(&cfg, signals, wanted_tx);
+        #[cfg(not(feature = "wal"))]
+        let drain = engine.spawn(&cfg, signals);
         Ok(EventStream::new(StreamParts {
             rx,
             shared,
@@ -183,6 +142,84 @@ async fn first_session(cfg: &ConsumerConfig) -> Result<(tokio_postgres::Client, 
             Err(e) => return Err(e),
         }
     }
+}
+
+/// What the drain loop starts with: the first work session, the channels
+/// to the stream, the stop, the health state.
+struct Engine {
+    first: (tokio_postgres::Client, connect::Link),
+    io: drain::Io,
+    token: CancellationToken,
+    state: Arc<health::State>,
+}
+
+impl Engine {
+    /// Spawn the drain loop over the source of `cfg`'s mode and source kind,
+    /// woken by `signals` (the WAL source streams while `wanted` says so).
+    /// One engine per source type: the calls into the source are static.
+    fn spawn(
+        self,
+        cfg: &Arc<ConsumerConfig>,
+        signals: Signals,
+        #[cfg(feature = "wal")] wanted: watch::Sender<bool>,
+    ) -> JoinHandle<()> {
+        let Engine { first, io, token, state } = self;
+        match (cfg.mode, cfg.source) {
+            #[cfg(feature = "wal")]
+            (Mode::Competing, SourceKind::Wal) => {
+                let source = WalSource::new(ClaimSource::new(cfg, signals), wanted);
+                tokio::spawn(drain::run(cfg.clone(), source, first, io, token, state))
+            }
+            #[cfg(feature = "wal")]
+            (_, SourceKind::Wal) => {
+                let source = WalSource::new(ListenSource::new(cfg, signals), wanted);
+                tokio::spawn(drain::run(cfg.clone(), source, first, io, token, state))
+            }
+            (Mode::Competing, _) => {
+                tokio::spawn(drain::run(cfg.clone(), ClaimSource::new(cfg, signals), first, io, token, state))
+            }
+            _ => tokio::spawn(drain::run(cfg.clone(), ListenSource::new(cfg, signals), first, io, token, state)),
+        }
+    }
+}
+
+/// The ordering mode installed on `events.outbox`, logged: at warn when no
+/// insert trigger is enabled for a LISTEN consumer (the sweep alone finds
+/// new events, and racing producers can commit out of order), or when the
+/// trigger was stopped for the WAL source.
+///
+/// # Errors
+/// [`crate::Error::Db`] when the catalog cannot be read.
+async fn check_ordering(
+    cfg: &ConsumerConfig,
+    work: &tokio_postgres::Client,
+) -> Result<Option<crate::migrate::OrderingMode>> {
+    let ordering = crate::migrate::ordering(work).await?;
+    match ordering {
+        Some(mode) => tracing::info!(ordering = %mode, "ordering mode installed on events.outbox: {mode}"),
+        None if cfg.source != SourceKind::Listen => tracing::info!(
+            "no insert trigger is enabled on events.outbox: per-aggregate order rests on the producers' own \
+             lock (the producer-locked contract, README \"Ordering modes\")"
+        ),
+        None => tracing::warn!(
+            "no insert trigger is enabled on events.outbox: new events are found by the sweep only, and \
+             racing producers can commit an aggregate's events out of order; enable one with \
+             `pg-outbox migrate --ordering outbox-locked`"
+        ),
+    }
+    if cfg.source == SourceKind::Listen
+        && cfg.listen
+        && ordering.is_some()
+        && !crate::store::schema::insert_trigger_fires(work).await?
+    {
+        tracing::warn!(
+            sweep_interval = ?cfg.sweep_interval,
+            "the insert trigger was stopped for the WAL source (`pg-outbox migrate --source wal`): producers \
+             send no NOTIFY, so this LISTEN consumer finds new events by the sweep only; run it with the WAL \
+             source (`relay --source wal`), or `pg-outbox migrate --source listen`"
+        );
+    }
+    Ok(ordering)
 }
 
 /// Check that the server can stream inserts to the WAL source, open the

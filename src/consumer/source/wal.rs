@@ -311,35 +311,15 @@ async fn run(r: WalReader) {
     let mut took_lead = false;
     loop {
         if let Some(streaming) = current.take() {
-            status.send_replace(ListenerStatus { listening: true, reconnects, standing_by: false });
-            metrics::gauge!(m::LISTENER_UP).set(1.0);
-            let ended = read(streaming, &signals, &token, &mut wanted).await;
-            metrics::gauge!(m::LISTENER_UP).set(0.0);
-            let standing_by = matches!(ended, Ended::StandingBy);
-            status.send_replace(ListenerStatus { listening: false, reconnects, standing_by });
-            match ended {
-                Ended::Cancelled => return,
-                Ended::StandingBy => {
-                    tracing::info!(
-                        "standing by: the replication stream and its slot are closed until this consumer leads"
-                    );
-                }
-                Ended::Lost(reason) => {
-                    tracing::warn!(reason = %reason, "replication connection lost; reconnecting (a new slot, then a sweep)");
-                }
+            if stream(streaming, (&signals, &token, &status), &mut wanted, reconnects).await {
+                return;
             }
             backoff = new_backoff(cfg.reconnect_max_delay);
         }
         if !*wanted.borrow_and_update() {
-            status.send_modify(|s| {
-                s.listening = false;
-                s.standing_by = true;
-            });
-            tokio::select! {
-                _ = token.cancelled() => return,
-                led = async { wanted.wait_for(|w| *w).await.is_ok() } => if !led { return },
+            if !wait_to_lead(&token, &status, &mut wanted).await {
+                return;
             }
-            status.send_modify(|s| s.standing_by = false);
             at_once = true;
             took_lead = true;
         }
@@ -372,6 +352,51 @@ async fn run(r: WalReader) {
             }
         }
     }
+}
+
+/// Stream from `streaming` until it ends, publishing the listener status
+/// (`reconnects` so far) and the gauge; `true` when the consumer stops.
+async fn stream(
+    streaming: Streaming,
+    (signals, token, status): (&Signals, &CancellationToken, &watch::Sender<ListenerStatus>),
+    wanted: &mut watch::Receiver<bool>,
+    reconnects: u64,
+) -> bool {
+    status.send_replace(ListenerStatus { listening: true, reconnects, standing_by: false });
+    metrics::gauge!(m::LISTENER_UP).set(1.0);
+    let ended = read(streaming, signals, token, wanted).await;
+    metrics::gauge!(m::LISTENER_UP).set(0.0);
+    let standing_by = matches!(ended, Ended::StandingBy);
+    status.send_replace(ListenerStatus { listening: false, reconnects, standing_by });
+    match ended {
+        Ended::Cancelled => return true,
+        Ended::StandingBy => {
+            tracing::info!("standing by: the replication stream and its slot are closed until this consumer leads");
+        }
+        Ended::Lost(reason) => {
+            tracing::warn!(reason = %reason, "replication connection lost; reconnecting (a new slot, then a sweep)");
+        }
+    }
+    false
+}
+
+/// Stand by, no stream open, until the consumer leads (`wanted` turns
+/// true): `true` then, `false` when the consumer stops.
+async fn wait_to_lead(
+    token: &CancellationToken,
+    status: &watch::Sender<ListenerStatus>,
+    wanted: &mut watch::Receiver<bool>,
+) -> bool {
+    status.send_modify(|s| {
+        s.listening = false;
+        s.standing_by = true;
+    });
+    tokio::select! {
+        _ = token.cancelled() => return false,
+        led = async { wanted.wait_for(|w| *w).await.is_ok() } => if !led { return false },
+    }
+    status.send_modify(|s| s.standing_by = false);
+    true
 }
 
 /// Read one connection's stream until it ends, `token` is cancelled, or

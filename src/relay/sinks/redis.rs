@@ -209,6 +209,63 @@ fn fields(msg: &Message) -> Vec<(&'static str, &[u8])> {
     out
 }
 
+/// The client for `url`, with the credentials and TLS files of `settings`.
+///
+/// # Errors
+/// [`Error::Config`] for a malformed URL or an unreadable TLS file.
+fn client(url: &SecretUrl, settings: &SinkSettings) -> Result<redis::Client> {
+    let (shown, tls) = (url.shown(), &settings.tls);
+    let invalid =
+        |e: redis::RedisError| Error::Config(format!("invalid Redis URL '{shown}': {}", url.scrub(&e.to_string())));
+    let mut info = url.expose().into_connection_info().map_err(invalid)?;
+    let mut redis_settings = info.redis_settings().clone();
+    if let Some(user) = &settings.credentials.user {
+        redis_settings = redis_settings.set_username(user);
+    }
+    if let Some(password) = &settings.credentials.password {
+        redis_settings = redis_settings.set_password(password.expose());
+    }
+    info = info.set_redis_settings(redis_settings);
+    if tls.ca_file.is_none() && tls.client_cert.is_none() {
+        return redis::Client::open(info).map_err(invalid);
+    }
+    let read = |p: &std::path::Path| {
+        std::fs::read(p).map_err(|e| Error::Config(format!("Redis: cannot read {}: {e}", p.display())))
+    };
+    let client_tls = match (&tls.client_cert, &tls.client_key) {
+        (Some(cert), Some(key)) => Some(redis::ClientTlsConfig { client_cert: read(cert)?, client_key: read(key)? }),
+        _ => None,
+    };
+    let root_cert = tls.ca_file.as_deref().map(read).transpose()?;
+    redis::Client::build_with_tls(info, redis::TlsCertificates { client_tls, root_cert }).map_err(invalid)
+}
+
+/// Refuse a server older than Redis 5.0 (no streams), read from `INFO
+/// server` on `conn`.
+///
+/// # Errors
+/// [`Error::SinkUnavailable`] when it cannot be read; [`Error::Config`]
+/// for an older server or one that names no version.
+async fn check_version(conn: &mut ConnectionManager, url: &SecretUrl) -> Result<()> {
+    let shown = url.shown();
+    let info: std::result::Result<String, _> = redis::cmd("INFO").arg("server").query_async(conn).await;
+    let info = info.map_err(|e| {
+        Error::SinkUnavailable(format!(
+            "--exactly-once: cannot read the version of Redis at {shown} (INFO server): {}",
+            url.scrub(&e.to_string())
+        ))
+    })?;
+    match redis_version(&info) {
+        Some((major, _)) if major >= 5 => Ok(()),
+        Some((major, minor)) => Err(Error::Config(format!(
+            "--exactly-once: Redis at {shown} is {major}.{minor}; streams need Redis 5.0 or later"
+        ))),
+        None => Err(Error::Config(format!(
+            "--exactly-once: INFO server of Redis at {shown} names no redis_version; streams need 5.0 or later"
+        ))),
+    }
+}
+
 impl RedisSink {
     /// Connect to the Redis server of `url` (`redis://` or `rediss://`) and
     /// prepare appending with `settings` (stream template, MAXLEN,
@@ -238,33 +295,7 @@ impl RedisSink {
             // is compiled in; ours is ring. Already installed is fine.
             let _ = rustls::crypto::ring::default_provider().install_default();
         }
-        let invalid =
-            |e: redis::RedisError| Error::Config(format!("invalid Redis URL '{shown}': {}", url.scrub(&e.to_string())));
-        let mut info = url.expose().into_connection_info().map_err(invalid)?;
-        let mut redis_settings = info.redis_settings().clone();
-        if let Some(user) = &settings.credentials.user {
-            redis_settings = redis_settings.set_username(user);
-        }
-        if let Some(password) = &settings.credentials.password {
-            redis_settings = redis_settings.set_password(password.expose());
-        }
-        info = info.set_redis_settings(redis_settings);
-        let client = if tls.ca_file.is_some() || tls.client_cert.is_some() {
-            let read = |p: &std::path::Path| {
-                std::fs::read(p).map_err(|e| Error::Config(format!("Redis: cannot read {}: {e}", p.display())))
-            };
-            let client_tls = match (&tls.client_cert, &tls.client_key) {
-                (Some(cert), Some(key)) => {
-                    Some(redis::ClientTlsConfig { client_cert: read(cert)?, client_key: read(key)? })
-                }
-                _ => None,
-            };
-            let root_cert = tls.ca_file.as_deref().map(read).transpose()?;
-            redis::Client::build_with_tls(info, redis::TlsCertificates { client_tls, root_cert })
-        } else {
-            redis::Client::open(info)
-        }
-        .map_err(invalid)?;
+        let client = client(url, settings)?;
         let config = ConnectionManagerConfig::new()
             .set_connection_timeout(Some(timeout))
             .set_response_timeout(Some(timeout))
@@ -281,26 +312,7 @@ impl RedisSink {
         let pong: std::result::Result<String, _> = redis::cmd("PING").query_async(&mut conn).await;
         pong.map_err(|e| unreachable(url.scrub(&e.to_string())))?;
         if settings.exactly_once {
-            let info: std::result::Result<String, _> = redis::cmd("INFO").arg("server").query_async(&mut conn).await;
-            let info = info.map_err(|e| {
-                Error::SinkUnavailable(format!(
-                    "--exactly-once: cannot read the version of Redis at {shown} (INFO server): {}",
-                    url.scrub(&e.to_string())
-                ))
-            })?;
-            match redis_version(&info) {
-                Some((major, _)) if major >= 5 => {}
-                Some((major, minor)) => {
-                    return Err(Error::Config(format!(
-                        "--exactly-once: Redis at {shown} is {major}.{minor}; streams need Redis 5.0 or later"
-                    )));
-                }
-                None => {
-                    return Err(Error::Config(format!(
-                        "--exactly-once: INFO server of Redis at {shown} names no redis_version; streams need 5.0 or later"
-                    )));
-                }
-            }
+            check_version(&mut conn, url).await?;
         }
         let sink = RedisSink {
             conn,

@@ -196,19 +196,7 @@ enum ModeArg {
 }
 
 pub(crate) async fn run(url: &str, args: RelayArgs) -> Result<(), Error> {
-    if args.sink.exactly_once && args.mode == ModeArg::Competing {
-        return Err(Error::Config(
-            "--exactly-once needs one aggregate's events delivered one at a time in id order, which \
-             --mode competing does not keep; use --mode single or partitioned"
-                .into(),
-        ));
-    }
-    if args.no_listen && args.source == SourceArg::Wal {
-        return Err(Error::Config(
-            "--no-listen applies to --source listen: the WAL source never LISTENs (its replication stream wakes it)"
-                .into(),
-        ));
-    }
+    check(&args)?;
     let sink = args.sink.open().await?;
     let sink_name = sink.name().to_string();
     let guarantee = sink.guarantee();
@@ -227,7 +215,51 @@ pub(crate) async fn run(url: &str, args: RelayArgs) -> Result<(), Error> {
     if let Some(l) = health_listener {
         health::serve(l, probes.clone(), None)?;
     }
-    let mut builder = Consumer::builder(pg)
+    let builder = consumer(pg, &args);
+    let stream = builder.start().await?;
+    // From here a SIGTERM is a graceful shutdown (until now, nothing was
+    // in flight and the default action ends the process).
+    let shutdown = shutdown_then_force();
+    probes.started(stream.health());
+    if let Some(a) = args.health_addr {
+        tracing::info!(livez = %format!("http://{a}/livez"), readyz = %format!("http://{a}/readyz"), "health probes");
+    }
+    log_start(&args, &target, &sink_name, guarantee);
+    let retention = args.retention.map(|older| {
+        tokio::spawn(retention_loop(url.to_string(), older, args.retention_hour, args.retention_at_start))
+    });
+    let mut delivery = args.sink.delivery();
+    delivery.max_in_flight = usize::try_from(args.max_in_flight).unwrap_or(1);
+    let stats = relay::run_with(stream, sink.as_ref(), &delivery, shutdown).await;
+    if let Some(task) = retention {
+        task.abort();
+    }
+    let stats = stats?;
+    tracing::info!(delivered = stats.delivered, failed = stats.failed, "relay stopped");
+    Ok(())
+}
+
+/// Refuse flag combinations that cannot work, naming the flags.
+fn check(args: &RelayArgs) -> Result<(), Error> {
+    if args.sink.exactly_once && args.mode == ModeArg::Competing {
+        return Err(Error::Config(
+            "--exactly-once needs one aggregate's events delivered one at a time in id order, which \
+             --mode competing does not keep; use --mode single or partitioned"
+                .into(),
+        ));
+    }
+    if args.no_listen && args.source == SourceArg::Wal {
+        return Err(Error::Config(
+            "--no-listen applies to --source listen: the WAL source never LISTENs (its replication stream wakes it)"
+                .into(),
+        ));
+    }
+    Ok(())
+}
+
+/// The consumer the relay's flags configure, on `pg`.
+fn consumer(pg: pg_outbox::ConnectOptions, args: &RelayArgs) -> pg_outbox::ConsumerBuilder {
+    let builder = Consumer::builder(pg)
         .batch_size(args.batch_size)
         .max_buffered_bytes(usize::try_from(args.max_buffered_bytes.as_u64()).unwrap_or(usize::MAX))
         .sweep_interval(args.sweep_interval)
@@ -246,18 +278,16 @@ pub(crate) async fn run(url: &str, args: RelayArgs) -> Result<(), Error> {
             ModeArg::Partitioned => pg_outbox::Mode::Partitioned { partitions: args.partitions },
             ModeArg::Competing => pg_outbox::Mode::Competing,
         });
-    if let Some(policy) = args.retry_schedule {
-        builder = builder.retry_policy(policy);
+    match args.retry_schedule.clone() {
+        Some(policy) => builder.retry_policy(policy),
+        None => builder,
     }
+}
+
+/// Log what the relay runs with: the database, the sink and its guarantee,
+/// the memory bound, what wakes it, and where metrics are served.
+fn log_start(args: &RelayArgs, target: &str, sink_name: &str, guarantee: pg_outbox::relay::Guarantee) {
     let bound = args.max_buffered_bytes;
-    let stream = builder.start().await?;
-    // From here a SIGTERM is a graceful shutdown (until now, nothing was
-    // in flight and the default action ends the process).
-    let shutdown = shutdown_then_force();
-    probes.started(stream.health());
-    if let Some(a) = args.health_addr {
-        tracing::info!(livez = %format!("http://{a}/livez"), readyz = %format!("http://{a}/readyz"), "health probes");
-    }
     let woken_by = match (args.source, args.no_listen) {
         (SourceArg::Wal, _) => "woken by logical replication (publication pg_outbox)".to_string(),
         (SourceArg::Listen, true) => "no LISTEN: the sweep finds new events".to_string(),
@@ -272,18 +302,6 @@ pub(crate) async fn run(url: &str, args: RelayArgs) -> Result<(), Error> {
         }
     }
     tracing::info!(sink = %sink_name, guarantee = %guarantee, max_in_flight = args.max_in_flight, "sink delivery guarantee: {guarantee}");
-    let retention = args.retention.map(|older| {
-        tokio::spawn(retention_loop(url.to_string(), older, args.retention_hour, args.retention_at_start))
-    });
-    let mut delivery = args.sink.delivery();
-    delivery.max_in_flight = usize::try_from(args.max_in_flight).unwrap_or(1);
-    let stats = relay::run_with(stream, sink.as_ref(), &delivery, shutdown).await;
-    if let Some(task) = retention {
-        task.abort();
-    }
-    let stats = stats?;
-    tracing::info!(delivered = stats.delivered, failed = stats.failed, "relay stopped");
-    Ok(())
 }
 
 /// Run retention every day at `hour`:00 UTC (and once at start when
