@@ -91,19 +91,31 @@ pub(crate) fn partition_scope(p: i32, partitions: u32) -> String {
 /// wake-up policy decides). The bump waits for acknowledgements and
 /// failures still being written under the old term (each holds a `FOR
 /// SHARE` lock on the row, [`super::settle`]); once it commits, no write
-/// under an older term changes anything. One row: `term` (the new one, 1
-/// the first time) and `previous_released` (the previous holder marked its
-/// term released at a graceful stop, [`RELEASE_TERM`]; true when there was
-/// none) and `previous_term` (NULL when there was none).
+/// under an older term changes anything.
+///
+/// The new term is one more than the greatest term of any leadership scope
+/// (`'outbox'` and every `'partition:P/N'`; not the unblock and rewind
+/// counts), not only of scope $1: an aggregate moves to another scope when
+/// the mode or the number of partitions changes, and a destination that
+/// refuses a lower term per aggregate must still see its terms grow.
+///
+/// One row: `term` (the new one, 1 the first time) and `previous_released`
+/// (the previous holder marked its term released at a graceful stop,
+/// [`RELEASE_TERM`]; true when there was none) and `previous_term` (scope
+/// $1's term before, NULL when there was none).
 pub(crate) const TAKE_TERM: &str = "WITH reg AS ( \
        INSERT INTO events.outbox_relays (pid, waiting) VALUES (pg_backend_pid(), true) \
        ON CONFLICT (pid) DO UPDATE SET updated_at = now() RETURNING pid), \
      prev AS (SELECT released, term FROM events.outbox_terms WHERE scope = $1), \
+     next AS (SELECT coalesce(max(term), 0) + 1 AS term FROM events.outbox_terms \
+       WHERE scope = 'outbox' OR scope LIKE 'partition:%'), \
      t AS ( \
        INSERT INTO events.outbox_terms AS t (scope, term, holder_pid, holder_started, taken_at, released) \
-       SELECT $1, 1, pid, (SELECT backend_start FROM pg_catalog.pg_stat_activity WHERE pid = pg_backend_pid()), \
-              now(), false FROM reg \
-       ON CONFLICT (scope) DO UPDATE SET term = t.term + 1, holder_pid = excluded.holder_pid, \
+       SELECT $1, (SELECT term FROM next), pid, \
+              (SELECT backend_start FROM pg_catalog.pg_stat_activity WHERE pid = pg_backend_pid()), now(), false \
+       FROM reg \
+       ON CONFLICT (scope) DO UPDATE SET term = greatest(t.term, excluded.term - 1) + 1, \
+         holder_pid = excluded.holder_pid, \
          holder_started = excluded.holder_started, taken_at = now(), released = false \
        RETURNING term) \
      SELECT (SELECT term FROM t) AS term, coalesce((SELECT released FROM prev), true) AS previous_released, \

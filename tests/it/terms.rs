@@ -494,3 +494,44 @@ async fn a_deposed_partition_holder_hands_nothing_out_after_another_took_its_par
         let _ = tokio::time::timeout(Duration::from_secs(10), m.stream_task).await;
     }
 }
+
+/// The terms of `n` deliveries of `stream` (events of fresh aggregates
+/// inserted for them), each acknowledged.
+async fn terms_of(c: &Client, stream: &mut EventStream, n: usize) -> Vec<pg_outbox::Term> {
+    for _ in 0..n {
+        support::insert_seed_events(c, uuid::Uuid::new_v4(), 1).await;
+    }
+    let mut terms = Vec::new();
+    for _ in 0..n {
+        let d = next(stream).await;
+        terms.push(d.term().expect("a leader's delivery carries a term"));
+        d.ack();
+    }
+    terms
+}
+
+#[tokio::test]
+async fn terms_only_grow_when_the_mode_or_the_number_of_partitions_changes() {
+    let db = TestDb::new("terms_across_modes").await;
+    let c = db.client().await;
+    let mut last = None;
+    let configs = [
+        pg_outbox::Mode::Single,
+        pg_outbox::Mode::Partitioned { partitions: 4 },
+        pg_outbox::Mode::Partitioned { partitions: 2 },
+        pg_outbox::Mode::Single,
+        pg_outbox::Mode::Partitioned { partitions: 4 },
+    ];
+    for mode in configs {
+        let mut s = Consumer::builder(db.options()).mode(mode).start().await.expect("start");
+        let terms = terms_of(&c, &mut s, 8).await;
+        s.finish().await.expect("finish");
+        let lowest = terms.iter().min().copied();
+        assert!(
+            lowest > last,
+            "{mode:?}: every delivery's term is above every term before ({lowest:?} after {last:?}); an aggregate \
+             that moves to another scope must not see its term go down"
+        );
+        last = terms.iter().max().copied();
+    }
+}
