@@ -94,9 +94,42 @@ pub(super) struct Sessions {
     /// The connection `start` made (checked the schema on), used first.
     first: Option<Connected>,
     generation: u64,
-    backoff: backon::ExponentialBackoff,
+    backoff: Backoff,
     reconnect_at: Option<Instant>,
+}
+
+/// The reconnect backoff, and when it starts over: only after sessions
+/// that stayed up for [`Backoff::max_delay`] or longer once ready. Sessions
+/// lost sooner (a permanent error right after each opening: a privilege
+/// revoked, a statement that always fails) keep it growing, so such a
+/// loop waits up to the longest delay between tries, not 100 ms.
+#[derive(Debug)]
+pub(super) struct Backoff {
+    delays: backon::ExponentialBackoff,
+    /// When the sessions last became ready, while they are up.
+    ready_at: Option<Instant>,
     max_delay: Duration,
+}
+
+impl Backoff {
+    /// A backoff whose delays grow up to `max_delay` ([`new_backoff`]).
+    pub(super) fn new(max_delay: Duration) -> Self {
+        Backoff { delays: new_backoff(max_delay), ready_at: None, max_delay }
+    }
+
+    /// The sessions are ready at `now`.
+    pub(super) fn ready(&mut self, now: Instant) {
+        self.ready_at = Some(now);
+    }
+
+    /// The sessions were lost at `now`: the delay before the next try,
+    /// from a fresh backoff when they had stayed up for `max_delay`.
+    pub(super) fn next_delay(&mut self, now: Instant) -> Duration {
+        if self.ready_at.take().is_some_and(|at| now.saturating_duration_since(at) >= self.max_delay) {
+            self.delays = new_backoff(self.max_delay);
+        }
+        self.delays.next().unwrap_or(self.max_delay).min(self.max_delay)
+    }
 }
 
 /// The reconnect backoff, without end: 100–200 ms first, then doubling,
@@ -122,9 +155,8 @@ impl Sessions {
             conn: None,
             first: Some(first),
             generation: 0,
-            backoff: new_backoff(max_delay),
+            backoff: Backoff::new(max_delay),
             reconnect_at: Some(Instant::now()),
-            max_delay,
         }
     }
 
@@ -150,7 +182,7 @@ impl Sessions {
 
     /// The next delay of the reconnect backoff.
     pub(super) fn next_delay(&mut self) -> Duration {
-        self.backoff.next().unwrap_or(self.max_delay).min(self.max_delay)
+        self.backoff.next_delay(Instant::now())
     }
 
     /// Give the sessions up (closing them) and open them again after `delay`.
@@ -200,9 +232,10 @@ impl Sessions {
     }
 
     /// The sessions opened are ready (what the source takes on them is
-    /// taken): the reconnect backoff starts over.
+    /// taken): the reconnect backoff starts over once they have stayed up
+    /// long enough ([`Backoff`]).
     pub(super) fn ready(&mut self) {
-        self.backoff = new_backoff(self.max_delay);
+        self.backoff.ready(Instant::now());
     }
 
     /// Connect the work session (the first connection, once) and, unless
@@ -248,5 +281,27 @@ mod tests {
         }
         let waits: Vec<Duration> = new_backoff(Duration::from_secs(10)).take(3).collect();
         assert!(waits[0] >= Duration::from_millis(100) && waits[2] >= Duration::from_millis(400), "{waits:?}");
+    }
+    #[test]
+    fn sessions_lost_soon_after_opening_keep_the_backoff_growing_and_a_long_life_starts_it_over() {
+        let max = Duration::from_secs(10);
+        let mut b = Backoff::new(max);
+        let t0 = Instant::now();
+        // A permanent error right after each opening: 100-200 ms, then
+        // longer each time, up to the bound.
+        let mut waits = Vec::new();
+        for i in 0..8 {
+            b.ready(t0 + Duration::from_secs(i));
+            waits.push(b.next_delay(t0 + Duration::from_secs(i) + Duration::from_millis(50)));
+        }
+        assert!(waits[0] <= Duration::from_millis(200), "{waits:?}");
+        assert!(waits[5] >= Duration::from_millis(3_200) && waits[7] >= max / 2, "growing: {waits:?}");
+        // Up for the bound or longer: the next loss waits 100-200 ms again.
+        b.ready(t0 + Duration::from_secs(100));
+        let after_long_life = b.next_delay(t0 + Duration::from_secs(100) + max);
+        assert!(after_long_life <= Duration::from_millis(200), "{after_long_life:?}");
+        // A failed opening (never ready) keeps growing too.
+        let next = b.next_delay(t0 + Duration::from_secs(200));
+        assert!(next >= Duration::from_millis(200), "{next:?}");
     }
 }
