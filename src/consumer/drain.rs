@@ -214,7 +214,7 @@ impl<S: Source> Engine<S> {
                 _ = shared.reader_waiting.notified(), if bytes_wait => {}
                 _ = shared.lease.renewal_requested(), if open && !stopping => self.renew_lease().await,
                 _ = maybe_sleep(source_at) => self.source_timers().await,
-                _ = sleep_until(self.status_due), if open && !stopping => self.maintain().await,
+                _ = sleep_until(self.status_due), if open => self.maintain().await,
             }
         }
         self.final_flush(&mut done_rx).await;
@@ -408,7 +408,16 @@ impl<S: Source> Engine<S> {
         let tick = Instant::now();
         self.status_due = tick + self.cfg.heartbeat_interval().min(STATUS_INTERVAL);
         let Some(conn) = self.sessions.conn() else { return };
-        let r = self.maintenance.refresh(&conn.work, tick, || self.token.cancelled()).await;
+        // While stopping, the heartbeat alone goes on, to the end of the
+        // grace: a graceful stop longer than `stranded_after` must not
+        // look stranded to a standby (which may end it, fencing its last
+        // acknowledgements).
+        let stop = match self.stop_deadline {
+            Some(deadline) => Stop::At(deadline),
+            None => Stop::Token(&self.token),
+        };
+        let only_heartbeat = self.stop_deadline.is_some();
+        let r = self.maintenance.refresh(&conn.work, tick, || stop.wait(), only_heartbeat).await;
         self.check(r);
     }
 

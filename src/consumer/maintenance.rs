@@ -58,16 +58,18 @@ impl Maintenance {
     }
 
     /// Refresh the heartbeat (and forget gone relays); when due (`tick`:
-    /// when this turn of maintenance was due), the backlog gauges and the
-    /// notification queue's usage; until `stop` resolves.
+    /// when this turn of maintenance was due) and not `only_heartbeat`, the
+    /// backlog gauges and the notification queue's usage; until `stop`
+    /// resolves.
     pub(super) async fn refresh<F: Future<Output = ()>>(
         &mut self,
         work: &WorkSession,
         tick: Instant,
         stop: impl Fn() -> F,
+        only_heartbeat: bool,
     ) -> Result<(), StatementError> {
         tolerate(work.heartbeat(stop()).await, "refresh the heartbeat")?;
-        if self.gauges_due.is_some_and(|at| tick < at) {
+        if only_heartbeat || self.gauges_due.is_some_and(|at| tick < at) {
             return Ok(());
         }
         self.read_gauges(work, tick, stop()).await?;

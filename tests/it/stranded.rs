@@ -739,3 +739,48 @@ async fn without_the_role_to_end_the_holder_a_standby_says_what_is_missing_and_s
         .await
         .expect("drop the roles");
 }
+
+#[tokio::test]
+async fn a_leader_stopping_gracefully_keeps_its_heartbeat_while_it_waits_for_its_deliveries() {
+    let db = TestDb::new("stranded_stopping").await;
+    let c = db.client().await;
+    let mut stream = pg_outbox::Consumer::builder(db.options())
+        .stranded_after(Duration::from_secs(3))
+        .shutdown_grace(Duration::from_secs(20))
+        .start()
+        .await
+        .expect("start");
+    support::insert_seed_events(&c, Uuid::new_v4(), 1).await;
+    let held = tokio::time::timeout(Duration::from_secs(20), futures::StreamExt::next(&mut stream))
+        .await
+        .expect("a delivery in time")
+        .expect("open");
+    let pid: i32 = c
+        .query_one("SELECT holder_pid FROM events.outbox_terms WHERE scope = 'outbox'", &[])
+        .await
+        .expect("the leader's pid")
+        .get(0);
+    // Stop while the delivery is still in hand: the loop waits for it,
+    // within the grace, for longer than `stranded_after`.
+    stream.shutdown_handle().shutdown();
+    let age = || async {
+        c.query_one(
+            "SELECT EXTRACT(EPOCH FROM (now() - updated_at))::float8 FROM events.outbox_relays WHERE pid = $1",
+            &[&pid],
+        )
+        .await
+        .expect("the leader's heartbeat")
+        .get::<_, f64>(0)
+    };
+    let mut oldest: f64 = 0.0;
+    for _ in 0..12 {
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        oldest = oldest.max(age().await);
+    }
+    assert!(
+        oldest < 3.0,
+        "the heartbeat of a leader stopping gracefully went {oldest:.1} s without a refresh, past stranded_after (3 s)"
+    );
+    held.ack();
+    stream.finish().await.expect("finish");
+}
