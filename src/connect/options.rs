@@ -10,7 +10,7 @@ use tokio_postgres_rustls::MakeRustlsConnect;
 use super::env::{DEFAULT_PORT, fill_from_env};
 use super::libpq;
 use super::parse::parse_string;
-use super::session::{KEEPALIVE_IDLE, SessionSettings, connect};
+use super::session::{SessionSettings, client_liveness, connect};
 use super::target::describe_target;
 use super::{RootCert, SslMode, TlsConnector};
 #[cfg(doc)]
@@ -392,7 +392,7 @@ impl ConnectOptions {
     pub fn tokio_postgres_config(&self) -> Config {
         use tokio_postgres::config::SslMode as T;
         let (mut cfg, _) = self.with_password();
-        cfg.keepalives(true).keepalives_idle(KEEPALIVE_IDLE);
+        client_liveness(&mut cfg);
         if cfg.get_connect_timeout().is_none() {
             cfg.connect_timeout(DEFAULT_CONNECT_TIMEOUT);
         }

@@ -22,6 +22,42 @@ use crate::store::PLANNER_SETTINGS;
 /// a minute instead of the kernel's two hours.
 pub(crate) const KEEPALIVE_IDLE: Duration = Duration::from_secs(30);
 
+/// Client-side TCP keepalive probes after [`KEEPALIVE_IDLE`]: 10 s apart,
+/// 3 of them, so an idle connection to a vanished server ends in about a
+/// minute (the kernel's defaults, 75 s apart and 9 of them, take over 11
+/// minutes), unless the URL sets `keepalives_interval` or
+/// `keepalives_retries`.
+pub(crate) const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(10);
+
+/// Client-side keepalive probes unanswered before the connection ends: 3.
+pub(crate) const KEEPALIVE_RETRIES: u32 = 3;
+
+/// `TCP_USER_TIMEOUT` of every connection (Linux): 60 s. Data sent and
+/// not acknowledged for that long ends the connection. Keepalives do not
+/// probe a connection with data in flight, so without it a statement sent
+/// into a black-holed network (a cut that drops packets silently) waits
+/// for the kernel's retransmissions, about 15 minutes, while the relay
+/// looks alive. Unless the URL sets `tcp_user_timeout` (in seconds, as
+/// tokio-postgres reads it; libpq reads milliseconds).
+pub(crate) const TCP_USER_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// The client side of a connection's liveness on `cfg`: keepalives after
+/// [`KEEPALIVE_IDLE`], [`KEEPALIVE_INTERVAL`] apart, [`KEEPALIVE_RETRIES`]
+/// of them, and [`TCP_USER_TIMEOUT`]; the interval, the count and the user
+/// timeout only where the URL leaves them unset.
+pub(crate) fn client_liveness(cfg: &mut Config) {
+    cfg.keepalives(true).keepalives_idle(KEEPALIVE_IDLE);
+    if cfg.get_keepalives_interval().is_none() {
+        cfg.keepalives_interval(KEEPALIVE_INTERVAL);
+    }
+    if cfg.get_keepalives_retries().is_none() {
+        cfg.keepalives_retries(KEEPALIVE_RETRIES);
+    }
+    if cfg.get_tcp_user_timeout().is_none() {
+        cfg.tcp_user_timeout(TCP_USER_TIMEOUT);
+    }
+}
+
 /// Server-side TCP keepalive settings sent with every connection (unless the
 /// URL's `options` set them): idle 30 s, then 3 probes 10 s apart.
 pub(crate) const SERVER_KEEPALIVES: &str =
@@ -573,9 +609,8 @@ fn unprepared(cfg: &Config, application_name: &str) -> Config {
     for p in cfg.get_ports() {
         out.port(*p);
     }
-    out.keepalives(true)
-        .keepalives_idle(KEEPALIVE_IDLE)
-        .connect_timeout(cfg.get_connect_timeout().copied().unwrap_or(DEFAULT_CONNECT_TIMEOUT));
+    client_liveness(&mut out);
+    out.connect_timeout(cfg.get_connect_timeout().copied().unwrap_or(DEFAULT_CONNECT_TIMEOUT));
     out
 }
 
@@ -585,7 +620,7 @@ pub(crate) fn prepared(cfg: &Config, application_name: &str) -> Config {
     if cfg.get_application_name().is_none() {
         cfg.application_name(application_name);
     }
-    cfg.keepalives(true).keepalives_idle(KEEPALIVE_IDLE);
+    client_liveness(&mut cfg);
     // The server's side too (PostgreSQL docs, "Connection Settings"): a relay
     // that vanished behind a half-open connection is dropped in about a
     // minute, releasing its locks, so a standby can take over.
@@ -614,6 +649,13 @@ mod tests {
         assert_eq!(cfg.get_options(), Some(ours.as_str()));
         assert_eq!(cfg.get_application_name(), Some("app"));
         assert!(cfg.get_keepalives());
+        assert_eq!(cfg.get_keepalives_interval(), Some(KEEPALIVE_INTERVAL));
+        assert_eq!(cfg.get_keepalives_retries(), Some(KEEPALIVE_RETRIES));
+        assert_eq!(cfg.get_tcp_user_timeout(), Some(&TCP_USER_TIMEOUT));
+        let own =
+            prepared(&parse_url("postgres://u@h/db?tcp_user_timeout=5&keepalives_retries=9").expect("url").pg, "a");
+        assert_eq!(own.get_tcp_user_timeout(), Some(&Duration::from_secs(5)), "the URL's own is kept");
+        assert_eq!(own.get_keepalives_retries(), Some(9));
         let cfg = prepared(&parse_url("host=h user=u options='-c search_path=x'").expect("url").pg, "app");
         assert_eq!(cfg.get_options(), Some(format!("{ours} -c search_path=x").as_str()));
         // The URL's own settings come last, so they win.
