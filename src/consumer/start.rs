@@ -58,8 +58,13 @@ impl ConsumerBuilder {
         let cfg = Arc::new(self.cfg);
         let (work, work_link) = first_session(&cfg).await?;
         crate::migrate::check(&work).await?;
-        if cfg.mode != Mode::Competing {
+        if let Some(mine) = match cfg.mode {
+            Mode::Single => Some("single".to_string()),
+            Mode::Partitioned { partitions } => Some(format!("partitioned {partitions}")),
+            Mode::Competing => None,
+        } {
             crate::store::leader::check_term_privileges(&work).await?;
+            crate::store::leader::check_configuration(&work, &mine).await?;
         }
         let ordering = check_ordering(&cfg, &work).await?;
         let signals = Signals::default();

@@ -167,6 +167,61 @@ pub(crate) async fn check_term_privileges<C: GenericClient + Sync>(client: &C) -
     )))
 }
 
+/// The delivery configurations other sessions of this database hold,
+/// read from their advisory locks (`store::locks`): one row per lock,
+/// `pid` and `config`: `single` (the leader lock, $1), `partitioned` (a
+/// membership lock, class $2), or `partitioned N` (the lock of partition P,
+/// class $3, whose holder took the term of scope `partition:P/N`). A
+/// single-mode standby holds no lock and is not seen.
+const OTHER_CONFIGS: &str = "SELECT l.pid, CASE \
+       WHEN l.objsubid = 1 THEN 'single' \
+       WHEN l.classid = ($2::int4)::bigint::oid THEN 'partitioned' \
+       ELSE coalesce((SELECT 'partitioned ' || split_part(t.scope, '/', 2) FROM events.outbox_terms t \
+         WHERE t.holder_pid = l.pid AND t.scope LIKE 'partition:' || l.objid::text || '/%' LIMIT 1), 'partitioned') \
+       END AS config \
+     FROM pg_catalog.pg_locks l \
+     WHERE l.locktype = 'advisory' AND l.granted AND l.pid IS NOT NULL AND l.pid <> pg_backend_pid() \
+       AND l.database = (SELECT oid FROM pg_catalog.pg_database WHERE datname = current_database()) \
+       AND ((l.objsubid = 1 AND l.classid = ($1::bigint >> 32)::oid AND l.objid = ($1::bigint & 4294967295)::oid) \
+         OR (l.objsubid = 2 AND l.classid IN (($2::int4)::bigint::oid, ($3::int4)::bigint::oid)))";
+
+/// Refuse to start a consumer configured as `mine` (`single`, or
+/// `partitioned N`) on an outbox that other relays deliver with another
+/// configuration, as their locks show ([`OTHER_CONFIGS`]): a single-mode
+/// relay beside partitioned ones delivers every event twice, and relays
+/// with different partition counts take the same partitions' locks under
+/// other terms. A member whose partition count cannot be told (it holds no
+/// partition yet) passes.
+///
+/// # Errors
+/// [`crate::Error::Config`] naming the other relay's configuration and
+/// backend pid; [`crate::Error::Db`] when `pg_locks` cannot be read.
+pub(crate) async fn check_configuration<C: GenericClient + Sync>(client: &C, mine: &str) -> Result<()> {
+    use super::locks::{LEADER_KEY, MEMBER_CLASS, PARTITION_CLASS};
+    let rows = client
+        .query(OTHER_CONFIGS, &[&LEADER_KEY, &MEMBER_CLASS, &PARTITION_CLASS])
+        .await
+        .map_err(super::map_missing_schema)?;
+    for row in rows {
+        let (pid, other): (i32, String) = (row.try_get("pid")?, row.try_get("config")?);
+        let differs = match (mine, other.as_str()) {
+            (m, o) if m == o => false,
+            // A member that holds no partition yet: its count is unknown.
+            (m, "partitioned") => !m.starts_with("partitioned"),
+            _ => true,
+        };
+        if differs {
+            return Err(crate::Error::Config(format!(
+                "another relay delivers this outbox as {other} (backend pid {pid}), and this one is configured as \
+                 {mine}: one outbox runs one delivery configuration (a single-mode relay beside partitioned ones \
+                 delivers every event twice; different --partitions take the same partitions under other terms); \
+                 start this one with the same --mode and --partitions, or stop the others first"
+            )));
+        }
+    }
+    Ok(())
+}
+
 /// A term taken ([`TAKE_TERM`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct TermTaken {

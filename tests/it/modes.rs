@@ -192,3 +192,55 @@ async fn a_consumer_that_loses_its_session_hands_out_nothing_it_had_buffered() {
     }
     a.finish().await.expect("finish a");
 }
+
+/// Start a consumer of `mode` and wait until it holds what its mode takes
+/// (the leader lock, or partitions): one event of a fresh aggregate
+/// delivered and acknowledged.
+async fn leading(db: &TestDb, mode: Mode) -> EventStream {
+    let mut s = pg_outbox::Consumer::builder(db.options()).mode(mode).start().await.expect("start");
+    let c = db.client().await;
+    insert_seed_events(&c, Uuid::new_v4(), 1).await;
+    let d = tokio::time::timeout(Duration::from_secs(20), s.next()).await.expect("a delivery").expect("open");
+    d.ack();
+    s
+}
+
+#[tokio::test]
+async fn a_relay_of_another_mode_or_partition_count_is_refused_at_start() {
+    let db = TestDb::new("modes_mixed").await;
+    let refused = |mode: Mode| {
+        let db = &db;
+        async move {
+            match pg_outbox::Consumer::builder(db.options()).mode(mode).start().await {
+                Ok(s) => {
+                    s.finish().await.expect("finish");
+                    panic!("{mode:?} started beside a relay of another configuration")
+                }
+                Err(e) => e.to_string(),
+            }
+        }
+    };
+    let single = leading(&db, Mode::Single).await;
+    let e = refused(Mode::Partitioned { partitions: 4 }).await;
+    assert!(e.contains("as single") && e.contains("partitioned 4"), "{e}");
+    // The same configuration is welcome (a standby).
+    let standby = pg_outbox::Consumer::builder(db.options()).start().await.expect("a second single-mode relay");
+    standby.finish().await.expect("finish the standby");
+    single.finish().await.expect("finish");
+
+    let four = leading(&db, Mode::Partitioned { partitions: 4 }).await;
+    let e = refused(Mode::Single).await;
+    assert!(e.contains("as partitioned") && e.contains("configured as single"), "{e}");
+    let e = refused(Mode::Partitioned { partitions: 2 }).await;
+    assert!(e.contains("as partitioned 4") && e.contains("partitioned 2"), "{e}");
+    let same = pg_outbox::Consumer::builder(db.options())
+        .mode(Mode::Partitioned { partitions: 4 })
+        .start()
+        .await
+        .expect("another member with the same count");
+    same.finish().await.expect("finish the member");
+    four.finish().await.expect("finish");
+    // Once they are gone, another configuration starts.
+    let single = pg_outbox::Consumer::builder(db.options()).start().await.expect("single once the others stopped");
+    single.finish().await.expect("finish");
+}
