@@ -222,6 +222,44 @@ pub(crate) async fn check_configuration<C: GenericClient + Sync>(client: &C, min
     Ok(())
 }
 
+/// Partitioned mode's partition locks held in this database (class $1),
+/// with the term each holder took of its partition (`term`, and
+/// `partitions`, the N of scope `partition:P/N`; NULL when none).
+const PARTITION_HOLDERS: &str = "SELECT l.objid::int8::int4 AS partition, l.pid, t.term, \
+       nullif(split_part(t.scope, '/', 2), '')::int8 AS partitions \
+     FROM pg_catalog.pg_locks l \
+       LEFT JOIN events.outbox_terms t ON t.holder_pid = l.pid AND t.scope LIKE 'partition:' || l.objid::text || '/%' \
+     WHERE l.locktype = 'advisory' AND l.granted AND l.pid IS NOT NULL AND l.objsubid = 2 \
+       AND l.classid = ($1::int4)::bigint::oid \
+       AND l.database = (SELECT oid FROM pg_catalog.pg_database WHERE datname = current_database()) \
+     ORDER BY 1, 2";
+
+/// Each partition lock held, by partition ([`PARTITION_HOLDERS`]); without
+/// `events.outbox_terms` (a schema from before migration 0013), none.
+///
+/// # Errors
+/// [`crate::Error::Db`] when `pg_locks` cannot be read.
+pub(crate) async fn partition_holders<C: GenericClient + Sync>(
+    client: &C,
+) -> Result<Vec<super::status::PartitionHolder>> {
+    let has_terms: bool =
+        client.query_one("SELECT to_regclass('events.outbox_terms') IS NOT NULL", &[]).await?.try_get(0)?;
+    if !has_terms {
+        return Ok(Vec::new());
+    }
+    let rows = client.query(PARTITION_HOLDERS, &[&super::locks::PARTITION_CLASS]).await?;
+    rows.iter()
+        .map(|r| {
+            Ok(super::status::PartitionHolder {
+                partition: r.try_get("partition")?,
+                partitions: r.try_get::<_, Option<i64>>("partitions")?.and_then(|n| u32::try_from(n).ok()),
+                pid: r.try_get("pid")?,
+                term: r.try_get("term")?,
+            })
+        })
+        .collect()
+}
+
 /// A term taken ([`TAKE_TERM`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct TermTaken {

@@ -44,6 +44,10 @@ pub struct OutboxStatus {
     /// whose `events.outbox_relays`, an unlogged table, cannot be read
     /// during recovery).
     pub leader: Option<LeaderLock>,
+    /// Partitioned mode: each partition held, by partition, with its
+    /// holder and the term it took; empty when no relay runs in partitioned
+    /// mode (and always on a hot standby, as [`OutboxStatus::leader`]).
+    pub partitions: Vec<PartitionHolder>,
     /// The ordering mode installed on `events.outbox`
     /// ([`crate::migrate::ordering`]); `None` when neither insert trigger is
     /// enabled. In JSON: `"outbox-locked"`, `"producer-locked"` or `null`.
@@ -60,6 +64,24 @@ pub struct OutboxStatus {
     /// the three `due_within`/`due_later` buckets only: the next retries and
     /// the earliest due time are always exact.
     pub estimated_figures: Vec<&'static str>,
+}
+
+/// A partition of partitioned mode and the session holding its lock, as
+/// [`OutboxStatus::partitions`] shows it.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+#[non_exhaustive]
+pub struct PartitionHolder {
+    /// The partition, from 0.
+    pub partition: i32,
+    /// How many partitions its holder divides the outbox into
+    /// (`--partitions`), from the scope of the term it took (`partition:P/N`);
+    /// `None` when it took none.
+    pub partitions: Option<u32>,
+    /// The holder's backend process id.
+    pub pid: i32,
+    /// The leadership term the holder took of the partition; `None` when
+    /// it took none (or the schema predates terms).
+    pub term: Option<crate::Term>,
 }
 
 /// The session holding single mode's outbox lock, as
@@ -238,6 +260,7 @@ pub async fn status<C: GenericClient + Sync>(client: &C) -> Result<OutboxStatus>
             next,
         },
         leader: leader_lock(client).await?,
+        partitions: super::leader::partition_holders(client).await?,
         ordering: super::schema::installed_ordering(client).await?,
         estimated: !b.estimated.is_empty(),
         estimated_figures: estimated_figures(&b),

@@ -244,3 +244,29 @@ async fn a_relay_of_another_mode_or_partition_count_is_refused_at_start() {
     let single = pg_outbox::Consumer::builder(db.options()).start().await.expect("single once the others stopped");
     single.finish().await.expect("finish");
 }
+
+#[tokio::test]
+async fn status_shows_each_partition_with_its_holder_and_term() {
+    let db = TestDb::new("modes_status_partitions").await;
+    let c = db.client().await;
+    let none = pg_outbox::status(&c).await.expect("status");
+    assert!(none.partitions.is_empty() && none.leader.is_none(), "no relay: {:?}", none.partitions);
+    let four = leading(&db, Mode::Partitioned { partitions: 4 }).await;
+    crate::support::eventually(10, "one member to hold all four partitions", || async {
+        pg_outbox::status(&c).await.expect("status").partitions.len() == 4
+    })
+    .await;
+    let s = pg_outbox::status(&c).await.expect("status");
+    assert!(s.leader.is_none(), "partitioned mode takes no outbox lock");
+    let held: Vec<i32> = s.partitions.iter().map(|h| h.partition).collect();
+    assert_eq!(held, [0, 1, 2, 3], "one member holds every partition: {:?}", s.partitions);
+    for h in &s.partitions {
+        assert_eq!(h.partitions, Some(4), "{h:?}");
+        assert!(h.term.is_some() && h.pid > 0, "{h:?}");
+    }
+    let json = serde_json::to_value(&s).expect("json");
+    assert_eq!(json["partitions"][0]["partitions"], 4, "{}", json["partitions"]);
+    four.finish().await.expect("finish");
+    let after = pg_outbox::status(&c).await.expect("status");
+    assert!(after.partitions.is_empty(), "released at a graceful stop: {:?}", after.partitions);
+}

@@ -39,7 +39,10 @@ pub(crate) async fn run(url: &str, args: StatusArgs) -> Result<(), Error> {
         println!("waiting for retry   {}{}", est("waiting_for_retry"), s.waiting_for_retry);
         println!("dead letters        {}{}", est("dead_letters"), s.dead_letters);
         println!("oldest pending age  {age}");
-        println!("leader              {}", leader_line(s.leader.as_ref()));
+        println!("leader              {}", leader_line(s.leader.as_ref(), !s.partitions.is_empty()));
+        if !s.partitions.is_empty() {
+            println!("partitions          {}", partitions_line(&s.partitions));
+        }
         println!(
             "ordering mode       {}",
             s.ordering.map_or("none (no insert trigger enabled)", pg_outbox::migrate::OrderingMode::as_str)
@@ -95,8 +98,14 @@ fn short_secs(secs: f64) -> String {
 
 /// The `leader` line: the live leader's pid, "no live leader" with the
 /// stranded holder's details, or none.
-fn leader_line(l: Option<&pg_outbox::LeaderLock>) -> String {
-    let Some(l) = l else { return "none (no relay holds the outbox lock)".into() };
+fn leader_line(l: Option<&pg_outbox::LeaderLock>, partitioned: bool) -> String {
+    let Some(l) = l else {
+        return if partitioned {
+            "none (relays run in partitioned mode: see partitions)".into()
+        } else {
+            "none (no relay holds the outbox lock)".into()
+        };
+    };
     let heartbeat =
         l.heartbeat_age_seconds.map_or("no heartbeat".to_string(), |a| format!("heartbeat {} ago", short_secs(a)));
     if l.live {
@@ -119,6 +128,16 @@ fn leader_line(l: Option<&pg_outbox::LeaderLock>) -> String {
          --take-over-stranded)",
         l.pid, l.pid
     )
+}
+
+/// The `partitions` line: each partition held, `P/N pid X term T`.
+fn partitions_line(held: &[pg_outbox::PartitionHolder]) -> String {
+    let one = |h: &pg_outbox::PartitionHolder| {
+        let of = h.partitions.map_or(String::new(), |n| format!("/{n}"));
+        let term = h.term.map_or("no term".to_string(), |t| format!("term {t}"));
+        format!("{}{of} pid {} {term}", h.partition, h.pid)
+    };
+    held.iter().map(one).collect::<Vec<_>>().join(", ")
 }
 
 fn print_by_type(s: &pg_outbox::OutboxStatus) {
