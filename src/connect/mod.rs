@@ -27,6 +27,7 @@
 //! - `pooling`: whether the sessions behind a URL are a connection's own or
 //!   shared between transactions (a transaction-mode pooler), [`SessionMode`].
 
+mod attempt;
 mod env;
 mod hosts;
 mod libpq;

@@ -10,7 +10,8 @@ use tokio::task::JoinHandle;
 use tokio_postgres::{Client, Config, Connection, Socket};
 use tokio_postgres_rustls::MakeRustlsConnect;
 
-use super::hosts::{self, ServerState};
+use super::attempt::{Attempt, HostTry};
+use super::hosts;
 use super::target::{describe_target, failure_notes, with_notes};
 use super::tls::TlsStream;
 use super::{ConnectOptions, DEFAULT_CONNECT_TIMEOUT, SslMode};
@@ -251,7 +252,7 @@ fn as_sets(options: &str) -> String {
 /// PgBouncer does ("unsupported startup parameter: options", SQLSTATE
 /// 08P01) unless its `ignore_startup_parameters` names it, and RDS Proxy
 /// ("doesn't support command-line options", by its documentation).
-fn refused_startup_options(e: &tokio_postgres::Error) -> bool {
+pub(super) fn refused_startup_options(e: &tokio_postgres::Error) -> bool {
     use tokio_postgres::error::SqlState;
     e.as_db_error().is_some_and(|db| {
         (*db.code() == SqlState::PROTOCOL_VIOLATION || *db.code() == SqlState::FEATURE_NOT_SUPPORTED)
@@ -375,88 +376,9 @@ async fn open_with(
     Err(failures.into_error(opts, &base, password_file, several, bound))
 }
 
-/// What trying one host, in each TLS mode to try, gave.
-enum HostTry {
-    /// A session to a server that takes writes (or to any server, when
-    /// writes are not needed).
-    Open(Client, Box<Connection<Socket, TlsStream>>),
-    /// Not this host (each failure recorded); `unknown_setting`: the
-    /// server did not know a setting of PostgreSQL 14.
-    Next { unknown_setting: bool },
-    /// A pooler refused the startup options: [`open`] connects again
-    /// without them.
-    Refused,
-}
-
-/// One host's connection attempt, the same for each TLS mode.
-struct Attempt<'a> {
-    /// The host as messages name it.
-    name: String,
-    tls: &'a MakeRustlsConnect,
-    /// Only a server that takes writes will do.
-    writes: bool,
-    /// The bound of the whole attempt of each mode (libpq's
-    /// `connect_timeout`: per host).
-    bound: Duration,
-    /// The session options hold settings of PostgreSQL 14.
-    with_check: bool,
-}
-
-impl Attempt<'_> {
-    /// Connect to `host` in each of the TLS modes `attempts` in turn, each
-    /// failure pushed on `failures`.
-    async fn host(
-        &self,
-        mut host: Config,
-        attempts: &[tokio_postgres::config::SslMode],
-        failures: &mut Failures,
-    ) -> HostTry {
-        let (name, bound) = (&self.name, self.bound);
-        let mut unknown_setting = false;
-        for mode in attempts {
-            host.ssl_mode(*mode);
-            let attempt = async {
-                let (client, mut connection) = host.connect(self.tls.clone()).await?;
-                let state = if self.writes {
-                    hosts::server_state(&client, &mut connection).await?
-                } else {
-                    ServerState::Writable
-                };
-                Ok::<_, tokio_postgres::Error>((client, connection, state))
-            };
-            let Ok(attempt) = tokio::time::timeout(bound, attempt).await else {
-                tracing::debug!(target_db = %name, timeout = ?bound, "connection attempt timed out");
-                failures.push(name, Failure::TimedOut);
-                break;
-            };
-            match attempt {
-                Ok((client, connection, ServerState::Writable)) => return HostTry::Open(client, Box::new(connection)),
-                Ok((_, _, state)) => {
-                    tracing::debug!(target_db = %name, ?state, "the server accepts no writes; trying the next host");
-                    failures
-                        .push(name, if state == ServerState::Standby { Failure::Standby } else { Failure::ReadOnly });
-                    break;
-                }
-                Err(e) => {
-                    tracing::debug!(target_db = %name, error = %crate::error::report(&e), "connection attempt failed");
-                    unknown_setting |=
-                        self.with_check && e.code() == Some(&tokio_postgres::error::SqlState::UNDEFINED_OBJECT);
-                    // A pooler that refuses the options answered in this mode.
-                    let refused = refused_startup_options(&e);
-                    failures.push(name, Failure::Error(e));
-                    if refused {
-                        return HostTry::Refused;
-                    }
-                }
-            }
-        }
-        HostTry::Next { unknown_setting }
-    }
-}
-
 /// Why a host was not connected to.
 #[derive(Debug)]
-enum Failure {
+pub(super) enum Failure {
     /// The connect timeout ran out.
     TimedOut,
     /// A hot standby, for a session that must write.
@@ -469,10 +391,10 @@ enum Failure {
 
 /// The failures of one connection attempt, host by host, in order.
 #[derive(Debug, Default)]
-struct Failures(Vec<(String, Failure)>);
+pub(super) struct Failures(Vec<(String, Failure)>);
 
 impl Failures {
-    fn push(&mut self, host: &str, failure: Failure) {
+    pub(super) fn push(&mut self, host: &str, failure: Failure) {
         self.0.push((host.to_string(), failure));
     }
 

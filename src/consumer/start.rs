@@ -58,14 +58,7 @@ impl ConsumerBuilder {
         let cfg = Arc::new(self.cfg);
         let (work, work_link) = first_session(&cfg).await?;
         crate::migrate::check(&work).await?;
-        if let Some(mine) = match cfg.mode {
-            Mode::Single => Some("single".to_string()),
-            Mode::Partitioned { partitions } => Some(format!("partitioned {partitions}")),
-            Mode::Competing => None,
-        } {
-            crate::store::leader::check_term_privileges(&work).await?;
-            crate::store::leader::check_configuration(&work, &mine).await?;
-        }
+        check_leadership(&cfg, &work).await?;
         let ordering = check_ordering(&cfg, &work).await?;
         let signals = Signals::default();
         let (status_tx, status_rx) = watch::channel(ListenerStatus::default());
@@ -186,6 +179,22 @@ impl Engine {
             _ => tokio::spawn(drain::run(cfg.clone(), ListenSource::new(cfg, signals), first, io, token, state)),
         }
     }
+}
+
+/// In single and partitioned mode: the role may take terms, and no relay
+/// of another configuration delivers this outbox.
+///
+/// # Errors
+/// [`Error::Config`] naming what to change; [`Error::Db`] when the
+/// catalog cannot be read.
+async fn check_leadership(cfg: &ConsumerConfig, work: &tokio_postgres::Client) -> Result<()> {
+    let mine = match cfg.mode {
+        Mode::Single => "single".to_string(),
+        Mode::Partitioned { partitions } => format!("partitioned {partitions}"),
+        Mode::Competing => return Ok(()),
+    };
+    crate::store::leader::check_term_privileges(work).await?;
+    crate::store::leader::check_configuration(work, &mine).await
 }
 
 /// The ordering mode installed on `events.outbox`, logged: at warn when no

@@ -222,6 +222,24 @@ pub(crate) async fn check_configuration<C: GenericClient + Sync>(client: &C, min
     Ok(())
 }
 
+/// A partition of partitioned mode and the session holding its lock, as
+/// `OutboxStatus::partitions` shows it.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+#[non_exhaustive]
+pub struct PartitionHolder {
+    /// The partition, from 0.
+    pub partition: i32,
+    /// How many partitions its holder divides the outbox into
+    /// (`--partitions`), from the scope of the term it took (`partition:P/N`);
+    /// `None` when it took none.
+    pub partitions: Option<u32>,
+    /// The holder's backend process id.
+    pub pid: i32,
+    /// The leadership term the holder took of the partition; `None` when
+    /// it took none (or the schema predates terms).
+    pub term: Option<crate::Term>,
+}
+
 /// Partitioned mode's partition locks held in this database (class $1),
 /// with the term each holder took of its partition (`term`, and
 /// `partitions`, the N of scope `partition:P/N`; NULL when none).
@@ -239,9 +257,7 @@ const PARTITION_HOLDERS: &str = "SELECT l.objid::int8::int4 AS partition, l.pid,
 ///
 /// # Errors
 /// [`crate::Error::Db`] when `pg_locks` cannot be read.
-pub(crate) async fn partition_holders<C: GenericClient + Sync>(
-    client: &C,
-) -> Result<Vec<super::status::PartitionHolder>> {
+pub(crate) async fn partition_holders<C: GenericClient + Sync>(client: &C) -> Result<Vec<PartitionHolder>> {
     let has_terms: bool =
         client.query_one("SELECT to_regclass('events.outbox_terms') IS NOT NULL", &[]).await?.try_get(0)?;
     if !has_terms {
@@ -250,7 +266,7 @@ pub(crate) async fn partition_holders<C: GenericClient + Sync>(
     let rows = client.query(PARTITION_HOLDERS, &[&super::locks::PARTITION_CLASS]).await?;
     rows.iter()
         .map(|r| {
-            Ok(super::status::PartitionHolder {
+            Ok(PartitionHolder {
                 partition: r.try_get("partition")?,
                 partitions: r.try_get::<_, Option<i64>>("partitions")?.and_then(|n| u32::try_from(n).ok()),
                 pid: r.try_get("pid")?,

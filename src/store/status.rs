@@ -3,6 +3,7 @@
 use tokio_postgres::GenericClient;
 
 use super::backlog::{self, Backlog, Class};
+pub use super::leader::PartitionHolder;
 use super::{map_missing_schema, query_map};
 use crate::error::Result;
 
@@ -64,24 +65,6 @@ pub struct OutboxStatus {
     /// the three `due_within`/`due_later` buckets only: the next retries and
     /// the earliest due time are always exact.
     pub estimated_figures: Vec<&'static str>,
-}
-
-/// A partition of partitioned mode and the session holding its lock, as
-/// [`OutboxStatus::partitions`] shows it.
-#[derive(Debug, Clone, PartialEq, serde::Serialize)]
-#[non_exhaustive]
-pub struct PartitionHolder {
-    /// The partition, from 0.
-    pub partition: i32,
-    /// How many partitions its holder divides the outbox into
-    /// (`--partitions`), from the scope of the term it took (`partition:P/N`);
-    /// `None` when it took none.
-    pub partitions: Option<u32>,
-    /// The holder's backend process id.
-    pub pid: i32,
-    /// The leadership term the holder took of the partition; `None` when
-    /// it took none (or the schema predates terms).
-    pub term: Option<crate::Term>,
 }
 
 /// The session holding single mode's outbox lock, as
