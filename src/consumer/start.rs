@@ -181,8 +181,9 @@ impl Engine {
     }
 }
 
-/// In single and partitioned mode: the role may take terms, and no relay
-/// of another configuration delivers this outbox.
+/// No relay of another configuration delivers this outbox (a competing
+/// relay beside a single or partitioned one delivers every event twice);
+/// in single and partitioned mode, the role may take terms.
 ///
 /// # Errors
 /// [`Error::Config`] naming what to change; [`Error::Db`] when the
@@ -191,9 +192,11 @@ async fn check_leadership(cfg: &ConsumerConfig, work: &tokio_postgres::Client) -
     let mine = match cfg.mode {
         Mode::Single => "single".to_string(),
         Mode::Partitioned { partitions } => format!("partitioned {partitions}"),
-        Mode::Competing => return Ok(()),
+        Mode::Competing => "competing".to_string(),
     };
-    crate::store::leader::check_term_privileges(work).await?;
+    if cfg.mode != Mode::Competing {
+        crate::store::leader::check_term_privileges(work).await?;
+    }
     crate::store::leader::check_configuration(work, &mine).await
 }
 

@@ -101,12 +101,20 @@ pub(crate) fn partition_scope(p: i32, partitions: u32) -> String {
 ///
 /// One row: `term` (the new one, 1 the first time) and `previous_released`
 /// (the previous holder marked its term released at a graceful stop,
-/// [`RELEASE_TERM`]; true when there was none) and `previous_term` (scope
-/// $1's term before, NULL when there was none).
+/// [`RELEASE_TERM`]; true when there was none), and `previous_term` (scope
+/// $1's term before, NULL when there was none). `previous_released` is
+/// false too while a scope of another configuration, whose aggregates
+/// overlap $1's (`'outbox'` against any partition; `'partition:P/N'`
+/// against another N), holds a term not released: its holder crashed or
+/// froze before the mode or the partition count changed, and may still be
+/// within its hand-out lease.
 pub(crate) const TAKE_TERM: &str = "WITH reg AS ( \
        INSERT INTO events.outbox_relays (pid, waiting) VALUES (pg_backend_pid(), true) \
        ON CONFLICT (pid) DO UPDATE SET updated_at = now() RETURNING pid), \
      prev AS (SELECT released, term FROM events.outbox_terms WHERE scope = $1), \
+     others AS (SELECT bool_and(o.released) AS released FROM events.outbox_terms o \
+       WHERE (o.scope = 'outbox' OR o.scope LIKE 'partition:%') AND o.scope <> $1 \
+         AND (o.scope = 'outbox' OR $1 = 'outbox' OR split_part(o.scope, '/', 2) <> split_part($1, '/', 2))), \
      next AS (SELECT coalesce(max(term), 0) + 1 AS term FROM events.outbox_terms \
        WHERE scope = 'outbox' OR scope LIKE 'partition:%'), \
      t AS ( \
@@ -118,7 +126,9 @@ pub(crate) const TAKE_TERM: &str = "WITH reg AS ( \
          holder_pid = excluded.holder_pid, \
          holder_started = excluded.holder_started, taken_at = now(), released = false \
        RETURNING term) \
-     SELECT (SELECT term FROM t) AS term, coalesce((SELECT released FROM prev), true) AS previous_released, \
+     SELECT (SELECT term FROM t) AS term, \
+       coalesce((SELECT released FROM prev), true) AND coalesce((SELECT released FROM others), true) \
+         AS previous_released, \
        (SELECT term FROM prev) AS previous_term";
 
 /// Scope $1's current term (`term`, NULL when none was ever taken) and its
@@ -185,10 +195,11 @@ const OTHER_CONFIGS: &str = "SELECT l.pid, CASE \
        AND ((l.objsubid = 1 AND l.classid = ($1::bigint >> 32)::oid AND l.objid = ($1::bigint & 4294967295)::oid) \
          OR (l.objsubid = 2 AND l.classid IN (($2::int4)::bigint::oid, ($3::int4)::bigint::oid)))";
 
-/// Refuse to start a consumer configured as `mine` (`single`, or
-/// `partitioned N`) on an outbox that other relays deliver with another
+/// Refuse to start a consumer configured as `mine` (`single`,
+/// `partitioned N` or `competing`) on an outbox that other relays deliver with another
 /// configuration, as their locks show ([`OTHER_CONFIGS`]): a single-mode
-/// relay beside partitioned ones delivers every event twice, and relays
+/// relay beside partitioned ones, or a competing relay beside either,
+/// delivers every event twice, and relays
 /// with different partition counts take the same partitions' locks under
 /// other terms. A member whose partition count cannot be told (it holds no
 /// partition yet) passes.
@@ -207,14 +218,14 @@ pub(crate) async fn check_configuration<C: GenericClient + Sync>(client: &C, min
         let differs = match (mine, other.as_str()) {
             (m, o) if m == o => false,
             // A member that holds no partition yet: its count is unknown.
-            (m, "partitioned") => !m.starts_with("partitioned"),
+            (m, "partitioned") => !m.starts_with("partitioned "),
             _ => true,
         };
         if differs {
             return Err(crate::Error::Config(format!(
                 "another relay delivers this outbox as {other} (backend pid {pid}), and this one is configured as \
-                 {mine}: one outbox runs one delivery configuration (a single-mode relay beside partitioned ones \
-                 delivers every event twice; different --partitions take the same partitions under other terms); \
+                 {mine}: one outbox runs one delivery configuration (a single-mode relay beside partitioned ones, \
+                 or a competing one beside either, delivers every event twice; different --partitions take the same partitions under other terms); \
                  start this one with the same --mode and --partitions, or stop the others first"
             )));
         }

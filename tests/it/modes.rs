@@ -223,6 +223,8 @@ async fn a_relay_of_another_mode_or_partition_count_is_refused_at_start() {
     let single = leading(&db, Mode::Single).await;
     let e = refused(Mode::Partitioned { partitions: 4 }).await;
     assert!(e.contains("as single") && e.contains("partitioned 4"), "{e}");
+    let e = refused(Mode::Competing).await;
+    assert!(e.contains("as single") && e.contains("configured as competing"), "{e}");
     // The same configuration is welcome (a standby).
     let standby = pg_outbox::Consumer::builder(db.options()).start().await.expect("a second single-mode relay");
     standby.finish().await.expect("finish the standby");
@@ -233,6 +235,8 @@ async fn a_relay_of_another_mode_or_partition_count_is_refused_at_start() {
     assert!(e.contains("as partitioned") && e.contains("configured as single"), "{e}");
     let e = refused(Mode::Partitioned { partitions: 2 }).await;
     assert!(e.contains("as partitioned 4") && e.contains("partitioned 2"), "{e}");
+    let e = refused(Mode::Competing).await;
+    assert!(e.contains("as partitioned") && e.contains("configured as competing"), "{e}");
     let same = pg_outbox::Consumer::builder(db.options())
         .mode(Mode::Partitioned { partitions: 4 })
         .start()

@@ -535,3 +535,33 @@ async fn terms_only_grow_when_the_mode_or_the_number_of_partitions_changes() {
         last = terms.iter().max().copied();
     }
 }
+
+/// A holder of another configuration's scope that did not release its
+/// term (it crashed or froze before the mode changed) may still be within
+/// its hand-out lease: the new configuration's first leader waits the
+/// takeover wait before it delivers, as it would after its own scope's.
+#[tokio::test]
+async fn a_term_left_unreleased_under_another_mode_makes_the_next_leader_wait() {
+    let db = TestDb::new("terms_wait_across_modes").await;
+    let c = db.client().await;
+    // What a partitioned relay killed before the switch leaves behind.
+    c.execute("INSERT INTO events.outbox_terms (scope, term, released) VALUES ('partition:0/4', 7, false)", &[])
+        .await
+        .expect("an unreleased partition term");
+    let id = support::insert_seed_events(&c, uuid::Uuid::new_v4(), 1).await[0];
+    let mut s = Consumer::builder(db.options()).start().await.expect("start");
+    let d = next(&mut s).await;
+    assert_eq!(d.id, id);
+    d.ack();
+    s.finish().await.expect("finish");
+    let waited: f64 = c
+        .query_one(
+            "SELECT EXTRACT(EPOCH FROM ((SELECT published_at FROM events.outbox WHERE id = $1) \
+               - (SELECT taken_at FROM events.outbox_terms WHERE scope = 'outbox')))::float8",
+            &[&id],
+        )
+        .await
+        .expect("from the term to the delivery")
+        .get(0);
+    assert!(waited >= 2.0, "delivered {waited:.3} s after taking the term, inside a possible lease of the other mode");
+}
