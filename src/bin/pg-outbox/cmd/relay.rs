@@ -102,8 +102,8 @@ pub(crate) struct RelayArgs {
     /// design's FOR UPDATE SKIP LOCKED; no order at all; no term).
     #[arg(long, value_enum, default_value_t = ModeArg::Single)]
     mode: ModeArg,
-    /// Partitions in `--mode partitioned` (the same on every relay; at least 1).
-    #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u32).range(1..))]
+    /// Partitions in `--mode partitioned` (the same on every relay; 1 to 4096).
+    #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u32).range(1..=4096))]
     partitions: u32,
     /// Do not LISTEN: find events by the sweep only (for a server whose
     /// notifications never arrive, or producers that use two-phase commit).
