@@ -7,6 +7,9 @@ use std::future::Future;
 /// hand gets `--shutdown-grace`, acknowledgements are written); a second
 /// signal exits at once with status 130: nothing is lost, but events
 /// delivered since the last written acknowledgement are delivered again.
+/// A second signal within [`SAME_STOP`] of the first counts as the same
+/// stop: coreutils `timeout` sends SIGTERM to the process and then to its
+/// process group, so the relay gets two a few milliseconds apart.
 /// The first signal is listened for from the call on, not from the first
 /// poll: a SIGTERM that comes while the relay starts is a graceful
 /// shutdown too, never the default action that ends the process.
@@ -14,8 +17,15 @@ pub(crate) fn shutdown_then_force() -> impl Future<Output = ()> + Send + 'static
     let first = shutdown_signal();
     async move {
         first.await;
-        tokio::spawn(async {
-            shutdown_signal().await;
+        let at = std::time::Instant::now();
+        tokio::spawn(async move {
+            loop {
+                shutdown_signal().await;
+                if at.elapsed() >= SAME_STOP {
+                    break;
+                }
+                tracing::debug!("a second signal right after the first: the same stop");
+            }
             tracing::warn!(
                 "second signal: exiting now; events whose acknowledgements were not written yet will be delivered again"
             );
@@ -23,6 +33,10 @@ pub(crate) fn shutdown_then_force() -> impl Future<Output = ()> + Send + 'static
         });
     }
 }
+
+/// How soon after the first a second SIGINT/SIGTERM is taken for the same
+/// stop, not a request to exit at once: 200 ms.
+const SAME_STOP: std::time::Duration = std::time::Duration::from_millis(200);
 
 /// Resolves on SIGINT or SIGTERM. Listens from the call on (the handlers
 /// are installed before this returns, and stay installed). Call it within
