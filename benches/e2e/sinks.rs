@@ -475,7 +475,7 @@ impl Target {
         if pids.is_empty() {
             return None;
         }
-        pids.into_iter().map(process_cpu_us).sum()
+        pids.into_iter().map(util::process_cpu_us).sum()
     }
 
     /// [`Target::plain_client`] without the broker's CPU.
@@ -704,7 +704,7 @@ async fn drain(
             }
             Ok::<_, BoxError>(cpu)
         };
-        let (cpu0, server0, machine0) = (pid.and_then(process_cpu_us), sessions().await?, util::machine_cpu_s());
+        let (cpu0, server0, machine0) = (pid.and_then(util::process_cpu_us), sessions().await?, util::machine_cpu_s());
         let broker0 = broker_cpu();
         let started = Instant::now();
         let before = published().await?;
@@ -720,7 +720,7 @@ async fn drain(
         })
         .await?;
         let secs = started.elapsed().as_secs_f64();
-        let (cpu1, server1, machine1) = (pid.and_then(process_cpu_us), sessions().await?, util::machine_cpu_s());
+        let (cpu1, server1, machine1) = (pid.and_then(util::process_cpu_us), sessions().await?, util::machine_cpu_s());
         let broker1 = broker_cpu();
         let server_delta: Option<f64> = server1
             .iter()
@@ -951,21 +951,4 @@ fn processes_named(name: &str) -> Vec<u32> {
     dir.filter_map(|e| e.ok()?.file_name().to_str()?.parse::<u32>().ok())
         .filter(|pid| std::fs::read_to_string(format!("/proc/{pid}/comm")).is_ok_and(|c| c.trim_end() == name))
         .collect()
-}
-
-/// CPU time (µs) of process `pid`, every thread of it, the exited ones
-/// included: user + system from `/proc/<pid>/stat` (fields 14 and 15, in
-/// clock ticks of usually 10 ms). `util::cpu_us` reads `schedstat`, which is
-/// the main thread's alone: right for a PostgreSQL backend, near zero for a
-/// multi-threaded broker (NATS, RabbitMQ, tansu) and short for the relay.
-fn process_cpu_us(pid: u32) -> Option<f64> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    // The command name (field 2) is in parentheses and may hold spaces.
-    let rest = &stat[stat.rfind(')')? + 1..];
-    let fields: Vec<&str> = rest.split_whitespace().collect();
-    // `rest` starts at field 3, so fields 14 and 15 are at 11 and 12.
-    let ticks: f64 = fields.get(11)?.parse::<f64>().ok()? + fields.get(12)?.parse::<f64>().ok()?;
-    // SAFETY: sysconf only reads a system constant.
-    let per_second = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
-    (per_second > 0).then(|| ticks * 1e6 / per_second as f64)
 }

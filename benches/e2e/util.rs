@@ -151,6 +151,15 @@ pub fn cpu_us(pid: u32) -> Option<f64> {
     {
         return Some(ns / 1e3);
     }
+    process_cpu_us(pid)
+}
+
+/// CPU time (µs) of process `pid`, every thread of it, the exited ones
+/// included: user + system from `/proc/<pid>/stat` (fields 14 and 15, in
+/// clock ticks of usually 10 ms). [`cpu_us`] reads `schedstat`, which is
+/// the main thread's alone: right for a PostgreSQL backend, near zero for a
+/// multi-threaded broker (NATS, RabbitMQ, tansu) and short for the relay.
+pub fn process_cpu_us(pid: u32) -> Option<f64> {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
     // The command name (field 2) is in parentheses and may hold spaces.
     let rest = &stat[stat.rfind(')')? + 1..];

@@ -288,37 +288,11 @@ async fn amqp_connection_lost_mid_run_fails_events_then_the_sink_reconnects() {
     let _ = conn.close(200, "done".into()).await;
 }
 
-/// A TCP proxy to RabbitMQ that holds each chunk the broker sends for
-/// `delay` before passing it on, so every confirm takes at least `delay`:
-/// `n` sends made one after another take at least `n * delay`. Returns the
-/// proxy's port.
+/// A proxy to RabbitMQ that holds each chunk the broker sends for `delay`
+/// ([`crate::brokers::delaying_proxy`]): every confirm takes at least
+/// `delay`. Returns the proxy's port.
 async fn delaying_proxy(delay: Duration) -> u16 {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind the proxy");
-    let port = listener.local_addr().expect("proxy address").port();
-    tokio::spawn(async move {
-        while let Ok((client, _)) = listener.accept().await {
-            tokio::spawn(async move {
-                let Ok(server) = tokio::net::TcpStream::connect(BROKER).await else { return };
-                let (mut from_client, mut to_client) = client.into_split();
-                let (mut from_server, mut to_server) = server.into_split();
-                let down = async {
-                    let mut buf = vec![0u8; 64 * 1024];
-                    while let Ok(n @ 1..) = from_server.read(&mut buf).await {
-                        tokio::time::sleep(delay).await;
-                        if to_client.write_all(&buf[..n]).await.is_err() {
-                            break;
-                        }
-                    }
-                };
-                tokio::select! {
-                    _ = tokio::io::copy(&mut from_client, &mut to_server) => {}
-                    _ = down => {}
-                }
-            });
-        }
-    });
-    port
+    crate::brokers::delaying_proxy(BROKER.to_string(), delay).await
 }
 
 /// Read `n` messages from `queue` (acknowledging each); their outbox ids

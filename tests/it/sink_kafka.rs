@@ -46,11 +46,11 @@ impl Tansu {
         t
     }
 
-    /// A broker reached only through [`delaying_proxy`]: it advertises the
+    /// A broker reached only through [`crate::brokers::delaying_proxy`]: it advertises the
     /// proxy, so every request's answer takes at least `delay`.
     async fn start_delayed(bin: PathBuf, delay: Duration) -> Tansu {
         let port = brokers::free_port();
-        let advertised = delaying_proxy(format!("127.0.0.1:{port}"), delay).await;
+        let advertised = crate::brokers::delaying_proxy(format!("127.0.0.1:{port}"), delay).await;
         let mut t = Tansu { bin, port, advertised, child: None };
         t.restart().await;
         t
@@ -138,40 +138,6 @@ impl Tansu {
         consumer.assign(&tpl).expect("assign partitions");
         Reader { consumer, topic: topic.to_owned(), partitions }
     }
-}
-
-/// A TCP proxy to `target` that holds each chunk the server sends for
-/// `delay` before passing it on, so every answer takes at least `delay`:
-/// `n` requests made one after another take at least `n * delay`. Returns
-/// the proxy's port.
-async fn delaying_proxy(target: String, delay: Duration) -> u16 {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind the proxy");
-    let port = listener.local_addr().expect("proxy address").port();
-    tokio::spawn(async move {
-        while let Ok((client, _)) = listener.accept().await {
-            let target = target.clone();
-            tokio::spawn(async move {
-                let Ok(server) = tokio::net::TcpStream::connect(&target).await else { return };
-                let (mut from_client, mut to_client) = client.into_split();
-                let (mut from_server, mut to_server) = server.into_split();
-                let down = async {
-                    let mut buf = vec![0u8; 64 * 1024];
-                    while let Ok(n @ 1..) = from_server.read(&mut buf).await {
-                        tokio::time::sleep(delay).await;
-                        if to_client.write_all(&buf[..n]).await.is_err() {
-                            break;
-                        }
-                    }
-                };
-                tokio::select! {
-                    _ = tokio::io::copy(&mut from_client, &mut to_server) => {}
-                    _ = down => {}
-                }
-            });
-        }
-    });
-    port
 }
 
 /// A consumer and the partitions it is assigned.
