@@ -184,6 +184,12 @@ impl ConsumerConfig {
         self.stranded_after / 3
     }
 
+    /// Whether this consumer takes leadership on its work session (single
+    /// and partitioned modes; competing mode takes none).
+    pub(crate) fn leads(&self) -> bool {
+        !matches!(self.mode, Mode::Competing)
+    }
+
     /// Startup settings of the consumer's own sessions: the statement
     /// timeout, the server's check for a vanished client while a statement
     /// runs, no `idle_session_timeout` (so a server or database that closes

@@ -128,7 +128,7 @@ pub(crate) async fn run<S: Source>(
         sessions: Sessions::new(first, cfg.reconnect_max_delay),
         inflight: InFlight::new(shared.clone(), cfg.batch_size, cfg.max_buffered_bytes),
         completer: Completer::new(&cfg, done_tx),
-        maintenance: Maintenance::new(STATUS_INTERVAL),
+        maintenance: Maintenance::new(cfg.heartbeat_interval().min(STATUS_INTERVAL), STATUS_INTERVAL, cfg.leads()),
         source,
         status_due: Instant::now(),
         cfg,
@@ -406,7 +406,7 @@ impl<S: Source> Engine<S> {
 
     async fn maintain(&mut self) {
         let tick = Instant::now();
-        self.status_due = tick + self.cfg.heartbeat_interval().min(STATUS_INTERVAL);
+        self.status_due = tick + self.maintenance.every();
         let Some(conn) = self.sessions.conn() else { return };
         // While stopping, the heartbeat alone goes on, to the end of the
         // grace: a graceful stop longer than `stranded_after` must not

@@ -15,8 +15,11 @@
 //! loop to handle as a failed session.
 
 use std::future::Future;
+use std::time::Duration;
 
 use tokio::time::Instant;
+
+use super::leadership::lease::KEEPALIVE_AFTER;
 
 use crate::metrics as m;
 use crate::store::WorkSession;
@@ -36,7 +39,15 @@ pub(super) struct Maintenance {
     /// The backlog gauges are read again no earlier than this.
     gauges_due: Option<Instant>,
     /// The gauges' own interval ([`super::STATUS_INTERVAL`]).
-    gauges_every: std::time::Duration,
+    gauges_every: Duration,
+    /// The heartbeat is refreshed again no earlier than this.
+    heartbeat_due: Instant,
+    /// The heartbeat's interval.
+    heartbeat_every: Duration,
+    /// Keep the work session from sitting idle for [`KEEPALIVE_AFTER`]
+    /// (single and partitioned modes, whose work session the server ends
+    /// once idle for `IDLE_SESSION_TIMEOUT`).
+    keep_alive: bool,
 }
 
 /// A database error of a best-effort statement: logged at debug level and
@@ -52,15 +63,27 @@ fn tolerate(r: Result<(), StatementError>, what: &str) -> Result<(), StatementEr
 }
 
 impl Maintenance {
-    /// Maintenance whose gauges are read every `gauges_every` at most.
-    pub(super) fn new(gauges_every: std::time::Duration) -> Self {
-        Maintenance { gauges_due: None, gauges_every }
+    /// Maintenance whose heartbeat is refreshed every `heartbeat_every`
+    /// and whose gauges are read every `gauges_every` at most; with
+    /// `keep_alive`, the work session is never left idle for longer than
+    /// [`KEEPALIVE_AFTER`] and a turn of [`Self::every`].
+    pub(super) fn new(heartbeat_every: Duration, gauges_every: Duration, keep_alive: bool) -> Self {
+        Maintenance { gauges_due: None, gauges_every, heartbeat_due: Instant::now(), heartbeat_every, keep_alive }
     }
 
-    /// Refresh the heartbeat (and forget gone relays); when due (`tick`:
-    /// when this turn of maintenance was due) and not `only_heartbeat`, the
-    /// backlog gauges and the notification queue's usage; until `stop`
-    /// resolves.
+    /// How often a turn of maintenance comes: the heartbeat's interval, or
+    /// half of [`KEEPALIVE_AFTER`] when the session is kept alive (a turn
+    /// with nothing due costs no statement).
+    pub(super) fn every(&self) -> Duration {
+        if self.keep_alive { self.heartbeat_every.min(KEEPALIVE_AFTER / 2) } else { self.heartbeat_every }
+    }
+
+    /// A turn of maintenance (`tick`: when it was due), until `stop`
+    /// resolves. When the heartbeat is due: refresh it (and forget gone
+    /// relays), then, when due and not `only_heartbeat`, the backlog gauges
+    /// and the notification queue's usage. Otherwise, when the work session
+    /// is kept alive and has been idle for [`KEEPALIVE_AFTER`]: a
+    /// keep-alive.
     pub(super) async fn refresh<F: Future<Output = ()>>(
         &mut self,
         work: &WorkSession,
@@ -68,6 +91,13 @@ impl Maintenance {
         stop: impl Fn() -> F,
         only_heartbeat: bool,
     ) -> Result<(), StatementError> {
+        if tick < self.heartbeat_due {
+            if self.keep_alive && work.session().idle_for() >= KEEPALIVE_AFTER {
+                tolerate(work.keep_alive(stop()).await, "keep the session alive")?;
+            }
+            return Ok(());
+        }
+        self.heartbeat_due = tick + self.heartbeat_every;
         tolerate(work.heartbeat(stop()).await, "refresh the heartbeat")?;
         if only_heartbeat || self.gauges_due.is_some_and(|at| tick < at) {
             return Ok(());

@@ -156,6 +156,20 @@ pub(crate) const TERM_PRIVILEGES: &str = "SELECT current_user::text AS role, \
 /// when the term is no longer current.
 pub(crate) const RELEASE_TERM: &str = "UPDATE events.outbox_terms SET released = true WHERE scope = $1 AND term = $2";
 
+/// Have the server end this session once it has sat idle for $1
+/// milliseconds (`text`): `idle_session_timeout` (PostgreSQL 14+, docs
+/// "Client Connection Defaults"), for the rest of the session. Ending the
+/// session releases its advisory locks, so a leader that stops talking to
+/// the server loses leadership within that bound. One row, `set`: the
+/// setting now, NULL on a server without it (PostgreSQL 13), where nothing
+/// changes.
+pub(crate) const BOUND_IDLE: &str = "SELECT CASE WHEN current_setting('server_version_num')::int >= 140000 \
+       THEN set_config('idle_session_timeout', $1::text, false) END AS set";
+
+/// A statement that does nothing but tell the server the session is alive
+/// (its `idle_session_timeout` counts from the end of the last statement).
+pub(crate) const KEEP_ALIVE: &str = "SELECT 1";
+
 /// Refuse a role that cannot take a term ([`TERM_PRIVILEGES`]) at start,
 /// rather than once it has taken the lock: `Err` names the role and the
 /// `GRANT` it needs.

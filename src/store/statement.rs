@@ -10,7 +10,7 @@
 //! the statement was sent, is the timeout; earlier, a cancel.
 
 use std::future::Future;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
@@ -163,22 +163,34 @@ pub(crate) fn record_timeout(
     }
 }
 
-/// One session's cancel requests, and how many of its statements are in
-/// flight (so one may be cancelled when the session is given up).
+/// One session's cancel requests, how many of its statements are in
+/// flight (so one may be cancelled when the session is given up), and when
+/// its last statement ended (how long the server has seen it idle).
 #[derive(Debug, Clone)]
 pub(crate) struct Session {
     canceller: Canceller,
     in_flight: Arc<AtomicUsize>,
+    last_ended: Arc<Mutex<Instant>>,
 }
 
 impl Session {
     pub(crate) fn new(canceller: Canceller) -> Self {
-        Session { canceller, in_flight: Arc::new(AtomicUsize::new(0)) }
+        Session { canceller, in_flight: Arc::new(AtomicUsize::new(0)), last_ended: Arc::new(Mutex::new(Instant::now())) }
     }
 
     /// Whether a statement of this session may be running.
     pub(crate) fn busy(&self) -> bool {
         self.in_flight.load(Ordering::SeqCst) > 0
+    }
+
+    /// How long the session has had no statement running: zero while one
+    /// runs, else the time since the last one ended (or since the session
+    /// was opened). What the server counts against `idle_session_timeout`.
+    pub(crate) fn idle_for(&self) -> Duration {
+        if self.busy() {
+            return Duration::ZERO;
+        }
+        self.last_ended.lock().unwrap_or_else(std::sync::PoisonError::into_inner).elapsed()
     }
 
     /// Send a cancel request now and wait for it to be sent (bounded).
@@ -219,6 +231,7 @@ impl InFlight {
 
 impl Drop for InFlight {
     fn drop(&mut self) {
+        *self.session.last_ended.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = Instant::now();
         self.session.in_flight.fetch_sub(1, Ordering::SeqCst);
         if !self.finished {
             self.session.cancel_in_background();

@@ -21,6 +21,7 @@ mod exactly_once_proof;
 mod exactly_once_unblock;
 mod failover;
 mod faults;
+mod freeze;
 mod health;
 mod libpq;
 mod managed;

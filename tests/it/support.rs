@@ -279,8 +279,13 @@ pub enum Target {
 impl Target {
     /// The server of `db`.
     pub fn of(db: &TestDb) -> Target {
-        let host = db.pg.get_hosts().first().cloned();
-        let db_port = db.pg.get_ports().first().copied().unwrap_or(5432);
+        Target::of_config(&db.pg)
+    }
+
+    /// The (first) server of `pg`.
+    pub fn of_config(pg: &tokio_postgres::Config) -> Target {
+        let host = pg.get_hosts().first().cloned();
+        let db_port = pg.get_ports().first().copied().unwrap_or(5432);
         match host {
             Some(tokio_postgres::config::Host::Unix(dir)) => Target::Unix(dir.join(format!(".s.PGSQL.{db_port}"))),
             Some(tokio_postgres::config::Host::Tcp(h)) => Target::Tcp(format!("{h}:{db_port}")),

@@ -24,10 +24,14 @@
 //! Writers: the drain loop ([`Lease::confirm`], [`Lease::revoke`],
 //! [`Lease::unfenced`]). Readers: the stream, as it hands a delivery out.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use tokio::sync::{Notify, watch};
 use tokio::time::Instant;
+
+use crate::consumer::cx::Cx;
+use crate::store::statement::StatementError;
 
 /// How long after sending a statement that found its term current a
 /// leader may hand deliveries out: 2 s.
@@ -37,6 +41,51 @@ pub(crate) const LEASE: Duration = Duration::from_secs(2);
 /// holder did not release its term: [`LEASE`] and 250 ms.
 pub(crate) const TAKEOVER_WAIT: Duration = Duration::from_millis(2_250);
 const _: () = assert!(TAKEOVER_WAIT.as_millis() > LEASE.as_millis());
+
+/// How long the server lets the work session of single and partitioned
+/// mode sit idle before it ends it (`idle_session_timeout`, PostgreSQL
+/// 14+, docs "Client Connection Defaults"): 4 s. Ending the session
+/// releases its advisory locks, so a leader that stops talking to the
+/// server (a frozen process, a paused container, a silent network) loses
+/// leadership within this long, with no other relay's privilege and no
+/// flag; a standby then takes the outbox within [`TAKEOVER_WAIT`] and its
+/// lock try (250 ms) more. A live consumer talks far more often: its sweep
+/// every second, a standby's lock try every 250 ms, and otherwise a
+/// keep-alive after [`KEEPALIVE_AFTER`] of quiet.
+pub(crate) const IDLE_SESSION_TIMEOUT: Duration = Duration::from_secs(4);
+
+/// A leader's work session that has sent nothing for this long (1 s, a
+/// quarter of [`IDLE_SESSION_TIMEOUT`]) sends a keep-alive: a relay whose
+/// sweep is turned down, or whose buffer is full behind a slow reader,
+/// still keeps its session (and its leadership) with 2.5 s to spare (the
+/// keep-alive is checked every half of this).
+pub(crate) const KEEPALIVE_AFTER: Duration = Duration::from_secs(1);
+const _: () = assert!(KEEPALIVE_AFTER.as_millis() * 4 <= IDLE_SESSION_TIMEOUT.as_millis());
+
+/// Whether the warning that the server cannot take leadership back
+/// (PostgreSQL 13) was given: once per process.
+static UNBOUNDED_WARNED: AtomicBool = AtomicBool::new(false);
+
+/// The work session that holds (or is about to hold) leadership asks the
+/// server to end it once idle for [`IDLE_SESSION_TIMEOUT`]. On a server
+/// without the setting (PostgreSQL 13) it warns, once per process, that a
+/// frozen or cut-off leader keeps the outbox until the server's keepalives
+/// end its session (a silent network: about 60 s) or forever (a frozen
+/// process), and what to do about it.
+pub(in crate::consumer) async fn bound_by_server(cx: Cx<'_>) -> Result<(), StatementError> {
+    if cx.work.bound_idle(IDLE_SESSION_TIMEOUT, cx.stop()).await? {
+        return Ok(());
+    }
+    if !UNBOUNDED_WARNED.swap(true, Ordering::Relaxed) {
+        tracing::warn!(
+            "the server has no idle_session_timeout (PostgreSQL 13): a frozen leader keeps the outbox for as long as it \
+             is frozen, and one behind a silent network until the server's keepalives end its session (about 60 s); \
+             upgrade to PostgreSQL 14 or later, or run the standbys with --take-over-stranded (docs/architecture.md, \
+             \"Leadership the server takes back\")"
+        );
+    }
+    Ok(())
+}
 
 /// Whether buffered deliveries may be handed out.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

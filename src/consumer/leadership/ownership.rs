@@ -26,7 +26,7 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
-use super::lease::TAKEOVER_WAIT;
+use super::lease::{TAKEOVER_WAIT, bound_by_server};
 use super::stranded::{Found, Watch};
 use crate::consumer::cx::{Cx, jittered};
 use crate::consumer::health::Role;
@@ -277,6 +277,7 @@ impl Ownership {
             Ownership::Partitioned(p) => {
                 p.member_key = rand::random::<i32>();
                 cx.work.take_member_lock(p.member_key, cx.stop()).await?;
+                bound_by_server(cx).await?;
                 p.lock_at = Some(Instant::now());
             }
         }
@@ -393,6 +394,7 @@ impl Ownership {
             // standbys and `status` see a live holder from now on, and
             // writes under an older term change nothing.
             let taken = cx.work.take_term(OUTBOX_SCOPE, cx.stop()).await?;
+            bound_by_server(cx).await?;
             if let Ownership::Single { watch, term, last_term, waits_until, lock_at, .. } = self {
                 watch.reset();
                 let now = Instant::now();

@@ -1,0 +1,306 @@
+//! Leadership the server takes back (docs/architecture.md): at default
+//! settings, a relay frozen (SIGSTOP, as a paused container or a stuck
+//! host) or cut off (a proxy that stops forwarding and acknowledging
+//! nothing) under a steady load is replaced by another relay within 10 s,
+//! in single and partitioned modes, with the listen and the WAL source,
+//! whatever the length of the fault; it loses nothing, breaks no order and
+//! delivers nothing after its successor began.
+//!
+//! Each test prints one `freeze ...` line: the fault, the mode and source,
+//! the worst wait of an event committed around the fault (from its commit
+//! to its first delivery), the takeover (from the fault to the first
+//! delivery of another relay), events, lost, duplicates, order violations
+//! and late deliveries (a delivery carrying a lower term than one that
+//! already arrived for its aggregate: a deposed relay's, after its
+//! successor began).
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{Duration, Instant};
+
+use axum::body::Bytes;
+use axum::extract::{Path, State};
+use axum::http::{HeaderMap, StatusCode};
+use serde_json::Value;
+use tokio::task::JoinHandle;
+use uuid::Uuid;
+
+use crate::relay_proc::{self, LIVENESS};
+use crate::stranded::tally;
+use crate::support::{self, Proxy, Target, TestDb, eventually};
+use pg_outbox_testkit::process;
+#[cfg(feature = "wal")]
+use pg_outbox_testkit::{TempServer, TempServerOptions};
+
+/// The bound the design asks at default settings: no event waits longer
+/// from its commit to its delivery while a relay is frozen or cut off.
+const BOUND: Duration = Duration::from_secs(10);
+/// How long each fault lasts: longer than the takeover, so the replaced
+/// relay resumes after its successor delivered.
+const FAULT: Duration = Duration::from_secs(14);
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// One delivery the webhook got.
+#[derive(Debug, Clone)]
+struct Got {
+    relay: u32,
+    id: i64,
+    aggregate: Uuid,
+    /// The delivery's leadership term (the header `outbox-term`).
+    term: u64,
+    at: Instant,
+}
+
+/// A webhook that answers 200 to every event and records it, by relay.
+#[derive(Clone, Default)]
+struct Hook {
+    got: Arc<Mutex<Vec<Got>>>,
+    base: String,
+}
+
+impl Hook {
+    async fn serve() -> Hook {
+        let mut hook = Hook::default();
+        let app = axum::Router::new().route("/hook/{relay}", axum::routing::post(record)).with_state(hook.clone());
+        hook.base = support::serve_hook(app).await;
+        hook
+    }
+
+    fn url(&self, relay: u32) -> String {
+        format!("{}/{relay}", self.base)
+    }
+
+    fn got(&self) -> Vec<Got> {
+        lock(&self.got).clone()
+    }
+}
+
+async fn record(State(hook): State<Hook>, Path(relay): Path<u32>, headers: HeaderMap, body: Bytes) -> StatusCode {
+    let Ok(v) = serde_json::from_slice::<Value>(&body) else { return StatusCode::BAD_REQUEST };
+    let id = v["id"].as_i64();
+    let aggregate = v["aggregate_id"].as_str().and_then(|s| Uuid::parse_str(s).ok());
+    let term = headers.get("outbox-term").and_then(|t| t.to_str().ok()?.parse::<u64>().ok());
+    let (Some(id), Some(aggregate), Some(term)) = (id, aggregate, term) else { return StatusCode::BAD_REQUEST };
+    lock(&hook.got).push(Got { relay, id, aggregate, term, at: Instant::now() });
+    StatusCode::OK
+}
+
+const INSERT: &str = "INSERT INTO events.outbox (aggregate_type, aggregate_id, event_type, payload) \
+                      VALUES ('subscription', $1, 'FreezeTest', '{}') RETURNING id";
+
+/// A producer committing one event every 10 ms over `aggregates` until
+/// stopped: each event's id, aggregate and commit time.
+struct Producer {
+    stop: Arc<AtomicBool>,
+    task: JoinHandle<Vec<(i64, Uuid, Instant)>>,
+}
+
+impl Producer {
+    fn start(c: tokio_postgres::Client, aggregates: usize) -> Producer {
+        let aggregates: Vec<Uuid> = (0..aggregates).map(|_| Uuid::new_v4()).collect();
+        let stop = Arc::new(AtomicBool::new(false));
+        let flag = stop.clone();
+        let task = tokio::spawn(async move {
+            let mut out = Vec::new();
+            let mut i = 0usize;
+            while !flag.load(Ordering::SeqCst) {
+                let agg = aggregates[i % aggregates.len()];
+                let id: i64 = c.query_one(INSERT, &[&agg]).await.expect("insert an event").get(0);
+                out.push((id, agg, Instant::now()));
+                i += 1;
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+            out
+        });
+        Producer { stop, task }
+    }
+
+    async fn stop(self) -> Vec<(i64, Uuid, Instant)> {
+        self.stop.store(true, Ordering::SeqCst);
+        self.task.await.expect("the producer task")
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Fault {
+    /// SIGSTOP, then SIGCONT.
+    Freeze,
+    /// The relay's every connection to the database goes through a proxy
+    /// that stops passing anything either way and keeps the connections
+    /// open (this machine answers the server's keepalives).
+    Cut,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Mode {
+    Single,
+    Partitioned,
+}
+
+/// Two relays of `mode` (the first through a proxy when the fault is a
+/// cut), a steady load, the fault on the first relay for [`FAULT`], then
+/// everything delivered: the figures, checked against the bound.
+async fn replaced_within_the_bound(url: &str, fault: Fault, mode: Mode, wal: bool) {
+    let pg: tokio_postgres::Config = url.parse().expect("a URL");
+    let user = pg.get_user().unwrap_or("postgres").to_string();
+    let db = pg.get_dbname().unwrap_or("postgres").to_string();
+    let hook = Hook::serve().await;
+    let mut args: Vec<&str> = Vec::new();
+    if mode == Mode::Partitioned {
+        args.extend(["--mode", "partitioned"]);
+    }
+    if wal {
+        args.extend(["--source", "wal"]);
+    }
+    let (sink1, sink2) = (hook.url(1), hook.url(2));
+    let proxy = Proxy::start(Target::of_config(&pg)).await;
+    let first_url = match fault {
+        Fault::Cut => format!("postgres://{user}@127.0.0.1:{}/{db}?connect_timeout=2", proxy.port),
+        Fault::Freeze => url.to_string(),
+    };
+    let spec = |url: &str, sink: &str| {
+        let mut a = args.clone();
+        a.extend(["--sink", sink]);
+        process::Relay::new(support::bin()).url(url).args(&a)
+    };
+    let a = relay_proc::start_spec(spec(&first_url, &sink1)).await;
+    let producer = Producer::start(crate::faults::connect(url, "freeze producer", LIVENESS).await, 32);
+    eventually(30, "the first relay delivers", || async { hook.got().iter().filter(|g| g.relay == 1).count() >= 50 })
+        .await;
+    let b = relay_proc::start_spec(spec(url, &sink2)).await;
+    if mode == Mode::Partitioned {
+        eventually(30, "both members deliver", || async {
+            let since = Instant::now() - Duration::from_millis(500);
+            hook.got().iter().any(|g| g.relay == 2 && g.at >= since)
+                && hook.got().iter().any(|g| g.relay == 1 && g.at >= since)
+        })
+        .await;
+    } else {
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
+
+    let faulted = Instant::now();
+    match fault {
+        Fault::Freeze => a.send(libc::SIGSTOP).expect("SIGSTOP"),
+        Fault::Cut => proxy.freeze(true),
+    }
+    // The takeover: the first delivery by another relay of an aggregate
+    // the faulted relay delivered in the second before the fault (in
+    // single mode, of any aggregate).
+    let theirs: std::collections::HashSet<Uuid> = hook
+        .got()
+        .iter()
+        .filter(|g| g.relay == 1 && g.at + Duration::from_secs(1) >= faulted)
+        .map(|g| g.aggregate)
+        .collect();
+    let deadline = faulted + LIVENESS;
+    let takeover = loop {
+        let taken = hook.got().into_iter().find(|g| g.relay != 1 && g.at >= faulted && theirs.contains(&g.aggregate));
+        if let Some(g) = taken {
+            break g.at.duration_since(faulted);
+        }
+        assert!(Instant::now() < deadline, "nobody took over after the fault\n{}\n{}", a.log(), b.log());
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    };
+    tokio::time::sleep(FAULT.saturating_sub(faulted.elapsed())).await;
+    match fault {
+        Fault::Freeze => a.send(libc::SIGCONT).expect("SIGCONT"),
+        Fault::Cut => proxy.freeze(false),
+    }
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let committed = producer.stop().await;
+    let want: Vec<(i64, Uuid)> = committed.iter().map(|(id, agg, _)| (*id, *agg)).collect();
+    eventually(90, "every event delivered", || async {
+        let got: std::collections::HashSet<i64> = hook.got().iter().map(|g| g.id).collect();
+        want.iter().all(|(id, _)| got.contains(id))
+    })
+    .await;
+    let got = hook.got();
+    let t = tally(want.iter().copied(), got.iter().map(|g| (g.id, g.aggregate)));
+    let mut first: HashMap<i64, Instant> = HashMap::new();
+    for g in &got {
+        first.entry(g.id).or_insert(g.at);
+    }
+    // Every event committed from a second before the fault to its end.
+    let worst = committed
+        .iter()
+        .filter(|(_, _, at)| *at + Duration::from_secs(1) >= faulted && *at <= faulted + FAULT)
+        .filter_map(|(id, _, at)| first.get(id).map(|d| d.saturating_duration_since(*at)))
+        .max()
+        .unwrap_or_default();
+    // Deliveries of a deposed relay after its successor began: each
+    // carries a lower term than one that already arrived for its aggregate.
+    let mut highest: HashMap<Uuid, u64> = HashMap::new();
+    let late = got
+        .iter()
+        .filter(|g| {
+            let top = highest.entry(g.aggregate).or_insert(0);
+            let late = g.term < *top;
+            *top = (*top).max(g.term);
+            late
+        })
+        .count();
+    println!(
+        "freeze fault={fault:?} mode={mode:?} source={} worst_wait={:.2}s takeover={:.2}s events={} lost={} \
+         duplicates={} order_violations={} late_deliveries={late}",
+        if wal { "wal" } else { "listen" },
+        worst.as_secs_f64(),
+        takeover.as_secs_f64(),
+        t.events,
+        t.lost,
+        t.duplicates,
+        t.order_violations
+    );
+    let logs = || format!("--- relay 1\n{}\n--- relay 2\n{}", a.log(), b.log());
+    assert_eq!(t.lost, 0, "{t:?}\n{}", logs());
+    assert_eq!(t.order_violations, 0, "{t:?}\n{}", logs());
+    assert_eq!(late, 0, "the faulted relay delivered after its successor began\n{}", logs());
+    assert!(worst <= BOUND, "an event waited {worst:?} from its commit to its delivery\n{}", logs());
+    b.stop().await;
+    a.stop().await;
+}
+
+async fn on_the_machine(name: &str, fault: Fault, mode: Mode) {
+    let db = TestDb::new(name).await;
+    replaced_within_the_bound(&db.url(), fault, mode, false).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_frozen_leader_is_replaced_within_10s_at_default_settings() {
+    on_the_machine("freeze_single", Fault::Freeze, Mode::Single).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_leader_cut_off_is_replaced_within_10s_at_default_settings() {
+    on_the_machine("cut_single", Fault::Cut, Mode::Single).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_frozen_partition_member_is_replaced_within_10s_at_default_settings() {
+    on_the_machine("freeze_partitioned", Fault::Freeze, Mode::Partitioned).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_partition_member_cut_off_is_replaced_within_10s_at_default_settings() {
+    on_the_machine("cut_partitioned", Fault::Cut, Mode::Partitioned).await;
+}
+
+#[cfg(feature = "wal")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_frozen_leader_of_the_wal_source_is_replaced_within_10s_at_default_settings() {
+    let server =
+        tokio::task::spawn_blocking(|| TempServer::start_with(TempServerOptions::default().setting("wal_level", "logical")))
+            .await
+            .expect("start task")
+            .unwrap_or_else(|e| panic!("throwaway PostgreSQL: {}", pg_outbox::error::report(&e)));
+    let admin = crate::faults::connect(&server.url(), "freeze admin", LIVENESS).await;
+    admin.batch_execute("CREATE DATABASE freeze_wal").await.expect("create database");
+    let url = server.url_for("freeze_wal");
+    let out = support::cli(&["migrate", "--source", "wal"]).url(&url).run().await;
+    assert!(out.ok(), "migrate: {}", out.stderr);
+    replaced_within_the_bound(&url, Fault::Freeze, Mode::Single, true).await;
+}
