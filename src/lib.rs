@@ -49,5 +49,5 @@ pub use store::{
 /// the API: they change with any release.
 #[doc(hidden)]
 pub use store::{fetch_query, run_time_statements};
-pub use term::Term;
+pub use term::{Term, TermFilter};
 pub use tokio_postgres;

@@ -77,9 +77,100 @@ impl From<Term> for u64 {
     }
 }
 
+/// A destination's fence against a deposed relay: it remembers the
+/// highest leadership term it accepted per aggregate, and refuses a
+/// delivery that carries a lower one.
+///
+/// The term fences what the relay hands out and what it writes, but a
+/// delivery already on its way when its relay was deposed (at most
+/// `--max-in-flight` of them, at most one per aggregate, each handed out
+/// within its relay's lease) can still arrive after the successor's first
+/// delivery of the same aggregate. An at-least-once destination that keeps
+/// per-aggregate order refuses those by their term: every delivery carries
+/// it ([`crate::Delivery::term`], the header `term`, the webhook's
+/// `outbox-term`, the CloudEvents attribute `outboxterm`). An equal term
+/// is accepted (a redelivery by the same leader; two partitions taken at
+/// the same moment may share a number). A refused delivery should be
+/// acknowledged to its sender and dropped: the successor delivers that
+/// event again under its own term.
+///
+/// Kept in memory, one entry per aggregate seen (about 48 bytes each with
+/// a `Uuid` key); a destination that restarts or runs several instances
+/// should keep the highest term per aggregate in its own store, in the
+/// transaction that applies the event, with the same rule.
+///
+/// # Example
+/// ```
+/// use pg_outbox::{Term, TermFilter};
+/// let mut fence = TermFilter::new();
+/// let order = uuid::Uuid::new_v4();
+/// let (t3, t4) = (Term::new(3).unwrap(), Term::new(4).unwrap());
+/// assert!(fence.admit(order, t3));
+/// assert!(fence.admit(order, t4), "the successor's delivery");
+/// assert!(!fence.admit(order, t3), "the deposed relay's, arriving late: refused");
+/// assert!(fence.admit(order, t4), "a redelivery under the same term");
+/// ```
+#[derive(Debug, Clone)]
+pub struct TermFilter<K = uuid::Uuid> {
+    highest: std::collections::HashMap<K, Term>,
+}
+
+impl<K: Eq + std::hash::Hash> Default for TermFilter<K> {
+    fn default() -> Self {
+        TermFilter { highest: std::collections::HashMap::new() }
+    }
+}
+
+impl<K: Eq + std::hash::Hash> TermFilter<K> {
+    /// An empty filter: every aggregate's first delivery is accepted.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Whether to accept a delivery of `aggregate` under `term`: `true`
+    /// (and `term` is remembered) unless a higher term of that aggregate was
+    /// accepted before.
+    pub fn admit(&mut self, aggregate: K, term: Term) -> bool {
+        let highest = self.highest.entry(aggregate).or_insert(term);
+        if term < *highest {
+            return false;
+        }
+        *highest = term;
+        true
+    }
+
+    /// The highest term accepted for `aggregate`, if any.
+    pub fn highest(&self, aggregate: &K) -> Option<Term> {
+        self.highest.get(aggregate).copied()
+    }
+
+    /// How many aggregates the filter remembers.
+    pub fn len(&self) -> usize {
+        self.highest.len()
+    }
+
+    /// Whether it remembers none.
+    pub fn is_empty(&self) -> bool {
+        self.highest.is_empty()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_filter_refuses_only_a_lower_term_of_the_same_aggregate() {
+        let t = |n| Term::new(n).expect("term");
+        let mut f: TermFilter<&str> = TermFilter::new();
+        assert!(f.admit("a", t(5)));
+        assert!(f.admit("b", t(2)), "another aggregate is not fenced by a's term");
+        assert!(!f.admit("a", t(4)));
+        assert!(f.admit("a", t(5)));
+        assert!(f.admit("a", t(9)));
+        assert!(!f.admit("a", t(5)));
+        assert_eq!((f.highest(&"a"), f.highest(&"c"), f.len()), (Some(t(9)), None, 2));
+    }
 
     #[test]
     fn stored_terms_below_one_are_none_and_round_trip_otherwise() {

@@ -614,8 +614,9 @@ impl<S: Source> Engine<S> {
     async fn final_flush(&mut self, done_rx: &mut mpsc::UnboundedReceiver<FlushDone>) {
         let deadline = Instant::now() + self.cfg.shutdown_grace;
         self.final_deadline = Some(deadline);
+        let settled = self.inflight.outstanding() == 0;
         let r = match self.source_cx() {
-            (source, Some(cx)) => source.finish(cx, deadline).await,
+            (source, Some(cx)) => source.finish(cx, deadline, settled).await,
             (_, None) => Ok(()),
         };
         self.check(r);

@@ -326,10 +326,13 @@ impl Proxy {
                         }
                     };
                     // A cut drops both sockets: each side sees its
-                    // connection closed.
+                    // connection closed. The cut is looked at first: a cut
+                    // then a thaw (`cut(); freeze(false)`) must not let
+                    // what was held while frozen through.
                     tokio::select! {
-                        _ = carry => {}
+                        biased;
                         _ = cut.changed() => {}
+                        _ = carry => {}
                     }
                 });
             }

@@ -136,6 +136,31 @@ async fn a_leader_that_stops_during_its_takeover_wait_does_not_release_its_term(
     assert!(released, "a leader that delivered releases its term");
 }
 
+/// A leader whose shutdown grace runs out with a delivery still open
+/// leaves its term unreleased: that delivery may yet reach its destination,
+/// so the next leader must wait out the lease.
+#[tokio::test]
+async fn a_leader_stopping_with_a_delivery_still_open_does_not_release_its_term() {
+    let db = TestDb::new("terms_open_at_stop").await;
+    let c = db.client().await;
+    let mut a = Consumer::builder(db.options()).shutdown_grace(Duration::from_millis(500)).start().await.expect("start a");
+    support::insert_seed_events(&c, uuid::Uuid::new_v4(), 1).await;
+    let open = next(&mut a).await;
+    a.finish().await.expect("finish a");
+    let released: bool =
+        c.query_one("SELECT released FROM events.outbox_terms WHERE scope = 'outbox'", &[]).await.expect("row").get(0);
+    assert!(!released, "a term with a delivery still open at the stop stays unreleased");
+    drop(open);
+
+    // Settled before the stop: released.
+    let mut b = Consumer::builder(db.options()).start().await.expect("start b");
+    next(&mut b).await.ack();
+    b.finish().await.expect("finish b");
+    let released: bool =
+        c.query_one("SELECT released FROM events.outbox_terms WHERE scope = 'outbox'", &[]).await.expect("row").get(0);
+    assert!(released, "a leader with nothing open releases its term");
+}
+
 /// A role without the privileges on `events.outbox_terms` is refused at
 /// start, in one line naming the GRANT, instead of failing each time it
 /// takes the lock.

@@ -289,7 +289,7 @@ impl Ownership {
         match self {
             Ownership::Single { watch, .. } => {
                 watch.reset();
-                self.set_leader(false);
+                self.set_leader(false, None);
             }
             Ownership::Partitioned(p) => {
                 p.owned.clear();
@@ -300,23 +300,29 @@ impl Ownership {
         metrics::gauge!(m::PARTITIONS_OWNED).set(0.0);
     }
 
-    fn set_leader(&mut self, now: bool) {
+    /// Lead now or no more; `ended`: the term the taking of the lock ended
+    /// (logged).
+    fn set_leader(&mut self, now: bool, ended: Option<Term>) {
         let Ownership::Single { leader, term, waits_until, .. } = self else { return };
+        let ended = ended.map_or(0, Term::get);
         if now && !*leader {
             match waits_until.filter(|t| *t > Instant::now()) {
                 None => tracing::info!(
                     role = "leader",
                     term = term.map_or(0, Term::get),
+                    ended_term = ended,
                     "active: this consumer holds the outbox lock and delivers"
                 ),
-                Some(until) => tracing::info!(role = "leader", term = term.map_or(0, Term::get),
+                Some(until) => tracing::info!(role = "leader", term = term.map_or(0, Term::get), ended_term = ended,
                     wait = ?until.saturating_duration_since(Instant::now()),
                     "active: this consumer holds the outbox lock; the previous leader did not release its term \
                      (it crashed, froze or lost its connection), so delivery starts once its hand-out lease has \
                      run out"),
             }
         } else if !now && *leader {
-            tracing::warn!(role = "standby", "no longer active (connection lost); will try to take over again");
+            tracing::warn!(role = "standby", term = term.map_or(0, Term::get),
+                "no longer active (connection lost): term {} ends here; will try to take over again",
+                term.map_or(0, Term::get));
         }
         if !now {
             *term = None;
@@ -410,7 +416,7 @@ impl Ownership {
                     );
                 }
             }
-            self.set_leader(true);
+            self.set_leader(true, taken.previous_term);
             return Ok(true);
         }
         metrics::gauge!(m::LEADER).set(0.0);
@@ -485,7 +491,9 @@ impl Partitions {
                 let last = self.last_terms.get(&p).copied();
                 match taken.wait_until(last, self.waits.get(&p).copied(), now) {
                     Some(until) => {
-                        tracing::info!(partition = p, term = taken.term.get(), wait = ?until.saturating_duration_since(now),
+                        tracing::info!(partition = p, term = taken.term.get(),
+                            ended_term = taken.previous_term.map_or(0, Term::get),
+                            wait = ?until.saturating_duration_since(now),
                             "took a partition whose previous holder did not release it (it crashed, froze or lost \
                              its connection): its delivery starts once that holder's hand-out lease has run out");
                         self.waits.insert(p, until);

@@ -123,7 +123,7 @@ impl Source for ClaimSource {
         self.wakeups.stop();
     }
 
-    async fn finish(&mut self, cx: Cx<'_>, deadline: Instant) -> Result<(), StatementError> {
+    async fn finish(&mut self, cx: Cx<'_>, deadline: Instant, _settled: bool) -> Result<(), StatementError> {
         Wakeups::unregister(cx, deadline).await
     }
 }

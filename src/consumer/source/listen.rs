@@ -155,10 +155,16 @@ impl Source for ListenSource {
         self.wakeups.stop();
     }
 
-    async fn finish(&mut self, cx: Cx<'_>, deadline: Instant) -> Result<(), StatementError> {
-        // Nothing more is handed out: the next leader need not wait out
-        // this one's hand-out lease.
-        for (scope, term) in self.ownership.releasable_terms() {
+    async fn finish(&mut self, cx: Cx<'_>, deadline: Instant, settled: bool) -> Result<(), StatementError> {
+        // Nothing more is handed out and nothing handed out is open: the
+        // next leader need not wait out this one's hand-out lease. With
+        // deliveries still open (the grace ran out), one may yet reach its
+        // destination: the terms stay unreleased and the next leader waits.
+        if !settled {
+            tracing::info!("deliveries still open at the stop: the leadership terms stay unreleased, so the next leader \
+                 waits out this one's lease");
+        }
+        for (scope, term) in if settled { self.ownership.releasable_terms() } else { Vec::new() } {
             cx.work.release_term(&scope, term, cx.stop()).await?;
         }
         Wakeups::unregister(cx, deadline).await

@@ -162,7 +162,10 @@ pub(super) trait Source: Send {
     fn stop(&mut self);
 
     /// The last statement before the sessions close, until `deadline`.
-    async fn finish(&mut self, cx: Cx<'_>, deadline: Instant) -> Result<(), StatementError>;
+    /// `settled`: nothing handed out is still open (else a delivery may
+    /// still reach its destination, and the terms held must not be marked
+    /// released: the next leader waits out this one's lease).
+    async fn finish(&mut self, cx: Cx<'_>, deadline: Instant, settled: bool) -> Result<(), StatementError>;
 }
 
 #[cfg(test)]

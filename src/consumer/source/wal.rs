@@ -601,7 +601,7 @@ impl<S: Source> Source for WalSource<S> {
         self.inner.stop();
     }
 
-    async fn finish(&mut self, cx: Cx<'_>, deadline: Instant) -> Result<(), StatementError> {
-        self.inner.finish(cx, deadline).await
+    async fn finish(&mut self, cx: Cx<'_>, deadline: Instant, settled: bool) -> Result<(), StatementError> {
+        self.inner.finish(cx, deadline, settled).await
     }
 }

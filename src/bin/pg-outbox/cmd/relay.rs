@@ -102,9 +102,10 @@ pub(crate) struct RelayArgs {
     /// design's FOR UPDATE SKIP LOCKED; no order at all; no term).
     #[arg(long, value_enum, default_value_t = ModeArg::Single)]
     mode: ModeArg,
-    /// Partitions in `--mode partitioned` (the same on every relay; 1 to 4096).
-    #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u32).range(1..=4096))]
-    partitions: u32,
+    /// Partitions in `--mode partitioned` (the same on every relay; 1 to
+    /// 4096; default 16). Refused with another mode.
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..=4096))]
+    partitions: Option<u32>,
     /// Do not LISTEN: find events by the sweep only (for a server whose
     /// notifications never arrive, or producers that use two-phase commit).
     /// Not a way through a transaction-mode pooler: the relay refuses one.
@@ -239,6 +240,9 @@ pub(crate) async fn run(url: &str, args: RelayArgs) -> Result<(), Error> {
     Ok(())
 }
 
+/// Partitions of `--mode partitioned` without `--partitions`.
+const DEFAULT_PARTITIONS: u32 = 16;
+
 /// Refuse flag combinations that cannot work, naming the flags.
 fn check(args: &RelayArgs) -> Result<(), Error> {
     if args.sink.exactly_once && args.mode == ModeArg::Competing {
@@ -247,6 +251,15 @@ fn check(args: &RelayArgs) -> Result<(), Error> {
              --mode competing does not keep; use --mode single or partitioned"
                 .into(),
         ));
+    }
+    if let Some(n) = args.partitions
+        && args.mode != ModeArg::Partitioned
+    {
+        let mode = if args.mode == ModeArg::Single { "single" } else { "competing" };
+        return Err(Error::Config(format!(
+            "--partitions {n} applies to --mode partitioned; this relay runs --mode {mode}, which has no partitions: \
+             add --mode partitioned, or drop --partitions"
+        )));
     }
     if args.no_listen && args.source == SourceArg::Wal {
         return Err(Error::Config(
@@ -275,7 +288,9 @@ fn consumer(pg: pg_outbox::ConnectOptions, args: &RelayArgs) -> pg_outbox::Consu
         .producers_lock_aggregates(args.producers_lock_aggregates)
         .mode(match args.mode {
             ModeArg::Single => pg_outbox::Mode::Single,
-            ModeArg::Partitioned => pg_outbox::Mode::Partitioned { partitions: args.partitions },
+            ModeArg::Partitioned => {
+                pg_outbox::Mode::Partitioned { partitions: args.partitions.unwrap_or(DEFAULT_PARTITIONS) }
+            }
             ModeArg::Competing => pg_outbox::Mode::Competing,
         });
     match args.retry_schedule.clone() {
