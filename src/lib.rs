@@ -41,8 +41,8 @@ pub use publisher::{DEFAULT_MAX_PAYLOAD_BYTES, Publisher};
 pub use retry::{AfterLastStep, DEFAULT_RETRY_CAP, DEFAULT_RETRY_JITTER, DEFAULT_RETRY_STEPS, RetryPolicy};
 pub use secret::{DatabaseUrl, MASK, Secret, SecretUrl};
 pub use store::{
-    LeaderLock, OutboxStatus, PartitionHolder, PendingRetry, RetryLadder, STATUS_EXACT_ROWS, STATUS_MAX_TYPES,
-    STATUS_NEXT_RETRIES, STATUS_SAMPLE_IDS, TypeBacklog, status,
+    LeaderLock, OutboxStatus, PartitionHolder, PendingRetry, RelayIdentity, RetryLadder, STATUS_EXACT_ROWS,
+    STATUS_MAX_TYPES, STATUS_NEXT_RETRIES, STATUS_SAMPLE_IDS, TypeBacklog, status,
 };
 /// The statements behind the consumer, for the plan tests
 /// (`EXPLAIN (ANALYZE, BUFFERS)` under every statistics state). Not part of

@@ -2,7 +2,10 @@
 //! `stranded_after`, at most [`super::STATUS_INTERVAL`]; 5 s by default)
 //! the heartbeat, which also forgets relays that are gone; every
 //! [`super::STATUS_INTERVAL`] (or less often, see [`GAUGES_SHARE`]) the
-//! backlog gauges and the notification queue's usage.
+//! backlog gauges and the notification queue's usage; in single and
+//! partitioned modes, between those, a keep-alive whenever the work
+//! session has run nothing for [`KEEPALIVE_AFTER`] (the server ends it
+//! once idle for `IDLE_SESSION_TIMEOUT`, `super::leadership::lease`).
 //!
 //! The heartbeat comes first and does not wait for the gauges: standbys
 //! read it to tell a live leader from a stranded lock

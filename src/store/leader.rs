@@ -166,6 +166,16 @@ pub(crate) const RELEASE_TERM: &str = "UPDATE events.outbox_terms SET released =
 pub(crate) const BOUND_IDLE: &str = "SELECT CASE WHEN current_setting('server_version_num')::int >= 140000 \
        THEN set_config('idle_session_timeout', $1::text, false) END AS set";
 
+/// Record which relay this session belongs to in its row of
+/// `events.outbox_relays` (created if missing, as a waiting relay: the
+/// safe value, as [`TAKE_TERM`]'s): its process id $1 (`int4`), host name
+/// $2 and version $3 (migration 0015). Fails with SQLSTATE 42703 on a
+/// schema without those columns.
+pub(crate) const REGISTER_IDENTITY: &str = "INSERT INTO events.outbox_relays \
+       (pid, waiting, relay_pid, relay_host, relay_version) VALUES (pg_backend_pid(), true, $1, $2, $3) \
+     ON CONFLICT (pid) DO UPDATE SET relay_pid = excluded.relay_pid, relay_host = excluded.relay_host, \
+       relay_version = excluded.relay_version, updated_at = now()";
+
 /// A statement that does nothing but tell the server the session is alive
 /// (its `idle_session_timeout` counts from the end of the last statement).
 pub(crate) const KEEP_ALIVE: &str = "SELECT 1";
@@ -263,6 +273,12 @@ pub struct PartitionHolder {
     /// The leadership term the holder took of the partition; `None` when
     /// it took none (or the schema predates terms).
     pub term: Option<crate::Term>,
+    /// Which relay holds it (process id, host, version); `None` when it
+    /// recorded none (an earlier build, a schema before migration 0015).
+    pub relay: Option<RelayIdentity>,
+    /// Age of the holder's heartbeat in seconds, by the database's clock;
+    /// `None` without a registration.
+    pub heartbeat_age_seconds: Option<f64>,
 }
 
 /// Partitioned mode's partition locks held in this database (class $1),
@@ -289,14 +305,96 @@ pub(crate) async fn partition_holders<C: GenericClient + Sync>(client: &C) -> Re
         return Ok(Vec::new());
     }
     let rows = client.query(PARTITION_HOLDERS, &[&super::locks::PARTITION_CLASS]).await?;
+    let pids: Vec<i32> = rows.iter().map(|r| r.try_get("pid")).collect::<std::result::Result<_, _>>()?;
+    let mut pids_sorted = pids.clone();
+    pids_sorted.sort_unstable();
+    pids_sorted.dedup();
+    let identities = identities(client, &pids_sorted).await?;
     rows.iter()
         .map(|r| {
+            let pid: i32 = r.try_get("pid")?;
+            let (relay, age) = identities.get(&pid).cloned().map_or((None, None), |(r, a)| (r, Some(a)));
             Ok(PartitionHolder {
                 partition: r.try_get("partition")?,
                 partitions: r.try_get::<_, Option<i64>>("partitions")?.and_then(|n| u32::try_from(n).ok()),
-                pid: r.try_get("pid")?,
+                pid,
                 term: r.try_get("term")?,
+                relay,
+                heartbeat_age_seconds: age,
             })
+        })
+        .collect()
+}
+
+/// Which relay a registered work session belongs to, as the relay
+/// recorded it when it took leadership (`events.outbox_relays`, migration
+/// 0015): its own process id (not the server backend's), the host name of
+/// its machine, and its pg-outbox version.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+#[non_exhaustive]
+pub struct RelayIdentity {
+    /// The relay's operating-system process id.
+    pub process_id: i32,
+    /// The host name of the machine it runs on (`gethostname`), as sent.
+    pub host: String,
+    /// Its pg-outbox version (`CARGO_PKG_VERSION`).
+    pub version: String,
+}
+
+impl RelayIdentity {
+    /// This process's identity: process id, host name (empty when the
+    /// system gives none) and version.
+    pub(crate) fn own() -> (i32, String, String) {
+        let pid = i32::try_from(std::process::id()).unwrap_or(i32::MAX);
+        (pid, host_name(), env!("CARGO_PKG_VERSION").to_string())
+    }
+}
+
+/// This machine's host name (`gethostname(2)`), lossily decoded; empty
+/// when the call fails.
+fn host_name() -> String {
+    let mut buf = [0u8; 256];
+    // SAFETY: the buffer is valid for its length; gethostname writes at
+    // most that many bytes and NUL-terminates unless the name is cut.
+    let rc = unsafe { libc::gethostname(buf.as_mut_ptr().cast(), buf.len()) };
+    if rc != 0 {
+        return String::new();
+    }
+    let end = buf.iter().position(|b| *b == 0).unwrap_or(buf.len());
+    String::from_utf8_lossy(&buf[..end]).into_owned()
+}
+
+/// Whether `events.outbox_relays` has the identity columns (migration 0015).
+const HAS_IDENTITY: &str = "SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_attribute \
+       WHERE attrelid = to_regclass('events.outbox_relays') AND attname = 'relay_pid' AND NOT attisdropped)";
+
+/// The identity and heartbeat age (seconds) of the registered work
+/// sessions `pids` (`int4[]`).
+const IDENTITIES: &str = "SELECT pid, relay_pid, relay_host, relay_version, \
+       EXTRACT(EPOCH FROM (now() - updated_at))::float8 AS heartbeat_age \
+     FROM events.outbox_relays WHERE pid = ANY($1::int4[])";
+
+/// The identity (when recorded) and heartbeat age of each of `pids`' rows
+/// of `events.outbox_relays`, by backend pid; empty before migration 0015.
+pub(crate) async fn identities<C: GenericClient + Sync>(
+    client: &C,
+    pids: &[i32],
+) -> Result<std::collections::HashMap<i32, (Option<RelayIdentity>, f64)>> {
+    if pids.is_empty() || !client.query_one(HAS_IDENTITY, &[]).await?.try_get::<_, bool>(0)? {
+        return Ok(std::collections::HashMap::new());
+    }
+    let rows = client.query(IDENTITIES, &[&pids]).await?;
+    rows.iter()
+        .map(|r| {
+            let relay = match r.try_get::<_, Option<i32>>("relay_pid")? {
+                Some(process_id) => Some(RelayIdentity {
+                    process_id,
+                    host: r.try_get::<_, Option<String>>("relay_host")?.unwrap_or_default(),
+                    version: r.try_get::<_, Option<String>>("relay_version")?.unwrap_or_default(),
+                }),
+                None => None,
+            };
+            Ok((r.try_get("pid")?, (relay, r.try_get("heartbeat_age")?)))
         })
         .collect()
 }

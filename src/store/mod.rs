@@ -87,8 +87,8 @@ pub(crate) use rows::{DecodedEvent, event_from_row, row_id};
 pub(crate) use schema::SERVER_STATE;
 pub(crate) use settle::{ACK, FAIL, Fence};
 pub use status::{
-    LeaderLock, OutboxStatus, PartitionHolder, PendingRetry, RetryLadder, STATUS_MAX_TYPES, STATUS_NEXT_RETRIES,
-    TypeBacklog, status,
+    LeaderLock, OutboxStatus, PartitionHolder, PendingRetry, RelayIdentity, RetryLadder, STATUS_MAX_TYPES,
+    STATUS_NEXT_RETRIES, TypeBacklog, status,
 };
 pub(crate) use wakeup::{listen, notify, ping};
 pub(crate) use work::{

@@ -10,8 +10,8 @@
 //! the statement was sent, is the timeout; earlier, a cancel.
 
 use std::future::Future;
-use std::sync::{Arc, Mutex};
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use tokio::time::Instant;
@@ -175,7 +175,11 @@ pub(crate) struct Session {
 
 impl Session {
     pub(crate) fn new(canceller: Canceller) -> Self {
-        Session { canceller, in_flight: Arc::new(AtomicUsize::new(0)), last_ended: Arc::new(Mutex::new(Instant::now())) }
+        Session {
+            canceller,
+            in_flight: Arc::new(AtomicUsize::new(0)),
+            last_ended: Arc::new(Mutex::new(Instant::now())),
+        }
     }
 
     /// Whether a statement of this session may be running.

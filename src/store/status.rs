@@ -3,7 +3,7 @@
 use tokio_postgres::GenericClient;
 
 use super::backlog::{self, Backlog, Class};
-pub use super::leader::PartitionHolder;
+pub use super::leader::{PartitionHolder, RelayIdentity};
 use super::{map_missing_schema, query_map};
 use crate::error::Result;
 
@@ -101,6 +101,11 @@ pub struct LeaderLock {
     /// `None` when it took none (a session of an earlier build, or of
     /// anything else, holds the lock) or the schema predates terms.
     pub term: Option<crate::Term>,
+    /// Which relay holds it: its own process id, host and version, as it
+    /// recorded them when it took the lock; `None` for a session that is
+    /// not a relay's, a relay of an earlier build, or a schema before
+    /// migration 0015.
+    pub relay: Option<RelayIdentity>,
 }
 
 /// Most `(event_type, aggregate_type)` rows [`status`] returns: 50.
@@ -355,5 +360,6 @@ async fn leader_lock<C: GenericClient + Sync>(client: &C) -> Result<Option<Leade
         state_seconds: h.state_secs,
         heartbeat_age_seconds: h.heartbeat_age,
         term,
+        relay: super::leader::identities(client, &[h.id.pid]).await?.remove(&h.id.pid).and_then(|(relay, _)| relay),
     }))
 }

@@ -14,7 +14,7 @@ use tokio_postgres::types::ToSql;
 use tokio_postgres::{Client, Row, RowStream, Statement};
 
 use super::fetch::{BEGIN, COMMIT, NEXT_RETRY_IN, PayloadSizes, competing_fetch_sql, fetch_sql};
-use super::leader::{BOUND_IDLE, KEEP_ALIVE};
+use super::leader::{BOUND_IDLE, KEEP_ALIVE, REGISTER_IDENTITY};
 use super::leader::{CURRENT_TERM, CURRENT_TERMS, Holder, LEADER_HOLDER, RELEASE_TERM, TAKE_TERM, TERMINATE_STRANDED};
 use super::leader::{TermTaken, holder_from_row};
 use super::locks::{COUNT_MEMBERS, LEADER_KEY, MEMBER_CLASS, MEMBER_LOCK, PARTITION_CLASS, PARTITION_UNLOCK};
@@ -305,12 +305,32 @@ impl WorkSession {
 
     /// Have the server end this session once idle for `after` ([`BOUND_IDLE`]):
     /// `Ok(false)` when the server has no such setting (PostgreSQL 13).
-    pub(crate) async fn bound_idle(&self, after: Duration, stop: impl Future<Output = ()>) -> Result<bool, StatementError> {
+    pub(crate) async fn bound_idle(
+        &self,
+        after: Duration,
+        stop: impl Future<Output = ()>,
+    ) -> Result<bool, StatementError> {
         let kind = StatementKind::SessionSetup;
         let ms = crate::connect::setting_millis(after).to_string();
         let row = self.run(kind, stop, self.client.query_one(BOUND_IDLE, &[&ms])).await?;
         let set: Option<String> = row.try_get("set").map_err(|e| StatementError::db(kind, e))?;
         Ok(set.is_some())
+    }
+
+    /// Record this relay's process id, host name and version in the
+    /// session's registration ([`REGISTER_IDENTITY`]); a schema without the
+    /// columns (before migration 0015) records nothing.
+    pub(crate) async fn register_identity(&self, stop: impl Future<Output = ()>) -> Result<(), StatementError> {
+        let (pid, host, version) = super::leader::RelayIdentity::own();
+        let params: [&(dyn ToSql + Sync); 3] = [&pid, &host, &version];
+        match self.run(StatementKind::Registration, stop, self.client.execute(REGISTER_IDENTITY, &params)).await {
+            Err(StatementError { failure: statement::Failure::Db(e), .. })
+                if e.code() == Some(&tokio_postgres::error::SqlState::UNDEFINED_COLUMN) =>
+            {
+                Ok(())
+            }
+            r => r.map(drop),
+        }
     }
 
     /// Tell the server the session is alive ([`KEEP_ALIVE`]).

@@ -8,8 +8,8 @@
 //!
 //! Each test prints one `freeze ...` line: the fault, the mode and source,
 //! the worst wait of an event committed around the fault (from its commit
-//! to its first delivery), the takeover (from the fault to the first
-//! delivery of another relay), events, lost, duplicates, order violations
+//! to its first delivery), the takeover (from the fault until another
+//! relay delivered each aggregate the faulted one was delivering), events, lost, duplicates, order violations
 //! and late deliveries (a delivery carrying a lower term than one that
 //! already arrived for its aggregate: a deposed relay's, after its
 //! successor began).
@@ -188,20 +188,27 @@ async fn replaced_within_the_bound(url: &str, fault: Fault, mode: Mode, wal: boo
         Fault::Freeze => a.send(libc::SIGSTOP).expect("SIGSTOP"),
         Fault::Cut => proxy.freeze(true),
     }
-    // The takeover: the first delivery by another relay of an aggregate
-    // the faulted relay delivered in the second before the fault (in
-    // single mode, of any aggregate).
-    let theirs: std::collections::HashSet<Uuid> = hook
-        .got()
-        .iter()
-        .filter(|g| g.relay == 1 && g.at + Duration::from_secs(1) >= faulted)
-        .map(|g| g.aggregate)
-        .collect();
+    // The takeover: until another relay delivered each aggregate that only
+    // the faulted relay delivered in the second before the fault.
+    let before = hook.got();
+    let recent = |relay: u32| -> std::collections::HashSet<Uuid> {
+        before
+            .iter()
+            .filter(|g| g.relay == relay && g.at + Duration::from_secs(1) >= faulted && g.at < faulted)
+            .map(|g| g.aggregate)
+            .collect()
+    };
+    let theirs: Vec<Uuid> = recent(1).difference(&recent(2)).copied().collect();
+    assert!(!theirs.is_empty(), "the faulted relay delivered nothing alone before the fault");
     let deadline = faulted + LIVENESS;
     let takeover = loop {
-        let taken = hook.got().into_iter().find(|g| g.relay != 1 && g.at >= faulted && theirs.contains(&g.aggregate));
-        if let Some(g) = taken {
-            break g.at.duration_since(faulted);
+        let got = hook.got();
+        let firsts: Vec<Option<Instant>> = theirs
+            .iter()
+            .map(|agg| got.iter().find(|g| g.relay != 1 && g.at >= faulted && g.aggregate == *agg).map(|g| g.at))
+            .collect();
+        if firsts.iter().all(Option::is_some) {
+            break firsts.into_iter().flatten().max().unwrap_or(faulted).duration_since(faulted);
         }
         assert!(Instant::now() < deadline, "nobody took over after the fault\n{}\n{}", a.log(), b.log());
         tokio::time::sleep(Duration::from_millis(5)).await;
@@ -292,15 +299,55 @@ async fn a_partition_member_cut_off_is_replaced_within_10s_at_default_settings()
 #[cfg(feature = "wal")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_frozen_leader_of_the_wal_source_is_replaced_within_10s_at_default_settings() {
-    let server =
-        tokio::task::spawn_blocking(|| TempServer::start_with(TempServerOptions::default().setting("wal_level", "logical")))
-            .await
-            .expect("start task")
-            .unwrap_or_else(|e| panic!("throwaway PostgreSQL: {}", pg_outbox::error::report(&e)));
+    let server = tokio::task::spawn_blocking(|| {
+        TempServer::start_with(TempServerOptions::default().setting("wal_level", "logical"))
+    })
+    .await
+    .expect("start task")
+    .unwrap_or_else(|e| panic!("throwaway PostgreSQL: {}", pg_outbox::error::report(&e)));
     let admin = crate::faults::connect(&server.url(), "freeze admin", LIVENESS).await;
     admin.batch_execute("CREATE DATABASE freeze_wal").await.expect("create database");
     let url = server.url_for("freeze_wal");
     let out = support::cli(&["migrate", "--source", "wal"]).url(&url).run().await;
     assert!(out.ok(), "migrate: {}", out.stderr);
     replaced_within_the_bound(&url, Fault::Freeze, Mode::Single, true).await;
+}
+
+/// The work session backends of relays on `db` (`pg-outbox drain`).
+async fn drain_pids(c: &tokio_postgres::Client) -> Vec<i32> {
+    c.query(
+        "SELECT pid FROM pg_stat_activity WHERE datname = current_database() AND application_name = 'pg-outbox drain'",
+        &[],
+    )
+    .await
+    .expect("read pg_stat_activity")
+    .iter()
+    .map(|r| r.get(0))
+    .collect()
+}
+
+/// A live leader keeps its session however quiet it is: with the sweep at
+/// once an hour and no events, nothing but the keep-alive runs on its work
+/// session between heartbeats 5 s apart, longer than the 4 s the server
+/// allows it idle. Its session (and leadership) stays, and it delivers.
+#[tokio::test]
+async fn a_quiet_leader_keeps_its_session_and_its_leadership() {
+    use futures::StreamExt;
+    let db = TestDb::new("freeze_quiet_leader").await;
+    let c = db.client().await;
+    let mut stream = pg_outbox::Consumer::builder(db.options())
+        .sweep_interval(Duration::from_secs(3600))
+        .start()
+        .await
+        .expect("start a consumer");
+    eventually(20, "it leads", || async { stream.health().get().role == pg_outbox::Role::Leader }).await;
+    let before = drain_pids(&c).await;
+    assert_eq!(before.len(), 1, "{before:?}");
+    tokio::time::sleep(Duration::from_secs(12)).await;
+    assert_eq!(drain_pids(&c).await, before, "the work session was ended while its relay was live");
+    assert_eq!(stream.health().get().role, pg_outbox::Role::Leader);
+    support::insert_seed_events(&c, Uuid::new_v4(), 1).await;
+    let d = tokio::time::timeout(Duration::from_secs(10), stream.next()).await.expect("delivered").expect("open");
+    d.ack();
+    stream.finish().await.expect("finish");
 }

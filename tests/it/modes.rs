@@ -247,6 +247,18 @@ async fn a_relay_of_another_mode_or_partition_count_is_refused_at_start() {
     // Once they are gone, another configuration starts.
     let single = pg_outbox::Consumer::builder(db.options()).start().await.expect("single once the others stopped");
     single.finish().await.expect("finish");
+
+    // --partitions belongs to --mode partitioned: refused beside another
+    // mode, naming both flags, before anything connects.
+    for mode in ["single", "competing"] {
+        let (code, _, err) = crate::support::cli(&["relay", "--mode", mode, "--partitions", "8", "--sink", "stdout"])
+            .url(&db.url())
+            .run()
+            .await
+            .parts();
+        assert_eq!(code, Some(1), "{err}");
+        assert!(err.contains("--partitions 8 applies to --mode partitioned") && err.contains(mode), "{err}");
+    }
 }
 
 #[tokio::test]
@@ -267,9 +279,21 @@ async fn status_shows_each_partition_with_its_holder_and_term() {
     for h in &s.partitions {
         assert_eq!(h.partitions, Some(4), "{h:?}");
         assert!(h.term.is_some() && h.pid > 0, "{h:?}");
+        // The holder is this test's own consumer: its process, version and
+        // a fresh heartbeat, beside the server backend's pid.
+        let relay = h.relay.as_ref().unwrap_or_else(|| panic!("the holder's relay: {h:?}"));
+        assert_eq!(relay.process_id, i32::try_from(std::process::id()).expect("pid"), "{h:?}");
+        assert_eq!(relay.version, env!("CARGO_PKG_VERSION"), "{h:?}");
+        assert!(!relay.host.is_empty(), "{h:?}");
+        assert!(h.heartbeat_age_seconds.is_some_and(|a| a < 15.0), "{h:?}");
     }
     let json = serde_json::to_value(&s).expect("json");
     assert_eq!(json["partitions"][0]["partitions"], 4, "{}", json["partitions"]);
+    assert_eq!(json["partitions"][0]["relay"]["version"], env!("CARGO_PKG_VERSION"), "{}", json["partitions"]);
+    let out = crate::support::cli(&["status"]).url(&db.url()).run().await;
+    assert!(out.ok(), "{out:?}");
+    let line = out.stdout.lines().find(|l| l.starts_with("partitions")).unwrap_or_default().to_string();
+    assert!(line.contains(&format!("relay {} on ", std::process::id())) && line.contains("heartbeat"), "{line}");
     four.finish().await.expect("finish");
     let after = pg_outbox::status(&c).await.expect("status");
     assert!(after.partitions.is_empty(), "released at a graceful stop: {:?}", after.partitions);

@@ -332,6 +332,9 @@ async fn a_kept_backend_holding_the_lock_is_reported_within_30s_and_ended_only_w
     metric_is(&addr, "outbox_leader_stranded", 0.0, 10).await;
     let status = status_json(&db).await;
     assert_eq!(status["leader"]["live"], true, "a relay leads now: {status}");
+    let relays = [first.pid(), second.pid()].map(|p| p.map(u64::from));
+    let leading = status["leader"]["relay"]["process_id"].as_u64();
+    assert!(leading.is_some() && relays.contains(&leading), "a relay's own pid ({relays:?}): {status}");
     assert_ne!(status["leader"]["pid"], holder_pid, "{status}");
     let overview = console_overview(&db).await;
     let live = format!("Leader: pid {} (live, heartbeat", status["leader"]["pid"]);

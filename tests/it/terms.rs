@@ -143,7 +143,8 @@ async fn a_leader_that_stops_during_its_takeover_wait_does_not_release_its_term(
 async fn a_leader_stopping_with_a_delivery_still_open_does_not_release_its_term() {
     let db = TestDb::new("terms_open_at_stop").await;
     let c = db.client().await;
-    let mut a = Consumer::builder(db.options()).shutdown_grace(Duration::from_millis(500)).start().await.expect("start a");
+    let mut a =
+        Consumer::builder(db.options()).shutdown_grace(Duration::from_millis(500)).start().await.expect("start a");
     support::insert_seed_events(&c, uuid::Uuid::new_v4(), 1).await;
     let open = next(&mut a).await;
     a.finish().await.expect("finish a");

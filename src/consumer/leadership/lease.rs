@@ -66,13 +66,16 @@ const _: () = assert!(KEEPALIVE_AFTER.as_millis() * 4 <= IDLE_SESSION_TIMEOUT.as
 /// (PostgreSQL 13) was given: once per process.
 static UNBOUNDED_WARNED: AtomicBool = AtomicBool::new(false);
 
-/// The work session that holds (or is about to hold) leadership asks the
-/// server to end it once idle for [`IDLE_SESSION_TIMEOUT`]. On a server
-/// without the setting (PostgreSQL 13) it warns, once per process, that a
-/// frozen or cut-off leader keeps the outbox until the server's keepalives
-/// end its session (a silent network: about 60 s) or forever (a frozen
-/// process), and what to do about it.
-pub(in crate::consumer) async fn bound_by_server(cx: Cx<'_>) -> Result<(), StatementError> {
+/// What the work session does as it takes leadership (the outbox lock and
+/// its term, or partitioned membership): it records which relay it belongs
+/// to (process id, host, version: `status` shows them), and asks the server
+/// to end it once idle for [`IDLE_SESSION_TIMEOUT`]. On a server without
+/// that setting (PostgreSQL 13) it warns, once per process, that a frozen
+/// or cut-off leader keeps the outbox until the server's keepalives end its
+/// session (a silent network: about 60 s) or forever (a frozen process),
+/// and what to do about it.
+pub(in crate::consumer) async fn taking_leadership(cx: Cx<'_>) -> Result<(), StatementError> {
+    cx.work.register_identity(cx.stop()).await?;
     if cx.work.bound_idle(IDLE_SESSION_TIMEOUT, cx.stop()).await? {
         return Ok(());
     }

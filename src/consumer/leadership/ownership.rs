@@ -26,7 +26,7 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
-use super::lease::{TAKEOVER_WAIT, bound_by_server};
+use super::lease::{TAKEOVER_WAIT, taking_leadership};
 use super::stranded::{Found, Watch};
 use crate::consumer::cx::{Cx, jittered};
 use crate::consumer::health::Role;
@@ -277,7 +277,7 @@ impl Ownership {
             Ownership::Partitioned(p) => {
                 p.member_key = rand::random::<i32>();
                 cx.work.take_member_lock(p.member_key, cx.stop()).await?;
-                bound_by_server(cx).await?;
+                taking_leadership(cx).await?;
                 p.lock_at = Some(Instant::now());
             }
         }
@@ -320,9 +320,12 @@ impl Ownership {
                      run out"),
             }
         } else if !now && *leader {
-            tracing::warn!(role = "standby", term = term.map_or(0, Term::get),
+            tracing::warn!(
+                role = "standby",
+                term = term.map_or(0, Term::get),
                 "no longer active (connection lost): term {} ends here; will try to take over again",
-                term.map_or(0, Term::get));
+                term.map_or(0, Term::get)
+            );
         }
         if !now {
             *term = None;
@@ -400,7 +403,7 @@ impl Ownership {
             // standbys and `status` see a live holder from now on, and
             // writes under an older term change nothing.
             let taken = cx.work.take_term(OUTBOX_SCOPE, cx.stop()).await?;
-            bound_by_server(cx).await?;
+            taking_leadership(cx).await?;
             if let Ownership::Single { watch, term, last_term, waits_until, lock_at, .. } = self {
                 watch.reset();
                 let now = Instant::now();

@@ -161,8 +161,10 @@ impl Source for ListenSource {
         // deliveries still open (the grace ran out), one may yet reach its
         // destination: the terms stay unreleased and the next leader waits.
         if !settled {
-            tracing::info!("deliveries still open at the stop: the leadership terms stay unreleased, so the next leader \
-                 waits out this one's lease");
+            tracing::info!(
+                "deliveries still open at the stop: the leadership terms stay unreleased, so the next leader \
+                 waits out this one's lease"
+            );
         }
         for (scope, term) in if settled { self.ownership.releasable_terms() } else { Vec::new() } {
             cx.work.release_term(&scope, term, cx.stop()).await?;

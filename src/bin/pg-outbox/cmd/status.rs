@@ -110,7 +110,7 @@ fn leader_line(l: Option<&pg_outbox::LeaderLock>, partitioned: bool) -> String {
         l.heartbeat_age_seconds.map_or("no heartbeat".to_string(), |a| format!("heartbeat {} ago", short_secs(a)));
     if l.live {
         let term = l.term.map_or(String::new(), |t| format!("term {t}, "));
-        return format!("pid {} (live, {term}{heartbeat})", l.pid);
+        return format!("pid {} (live, {term}{heartbeat}){}", l.pid, relay_of(l.relay.as_ref()));
     }
     let client = l
         .client_addr
@@ -130,14 +130,30 @@ fn leader_line(l: Option<&pg_outbox::LeaderLock>, partitioned: bool) -> String {
     )
 }
 
-/// The `partitions` line: each partition held, `P/N pid X term T`.
+/// `, relay 4242 on host-a (pg-outbox 0.1.0)`: the relay's own identity,
+/// when it recorded one (empty otherwise).
+fn relay_of(r: Option<&pg_outbox::RelayIdentity>) -> String {
+    r.map_or(String::new(), |r| {
+        format!(", relay {} on {} (pg-outbox {})", r.process_id, printable(&r.host), printable(&r.version))
+    })
+}
+
+/// The `partitions` line: each partition held, `P/N pid X term T`; then,
+/// per holder, its relay's identity and heartbeat age.
 fn partitions_line(held: &[pg_outbox::PartitionHolder]) -> String {
     let one = |h: &pg_outbox::PartitionHolder| {
         let of = h.partitions.map_or(String::new(), |n| format!("/{n}"));
         let term = h.term.map_or("no term".to_string(), |t| format!("term {t}"));
         format!("{}{of} pid {} {term}", h.partition, h.pid)
     };
-    held.iter().map(one).collect::<Vec<_>>().join(", ")
+    let mut line = held.iter().map(one).collect::<Vec<_>>().join(", ");
+    let mut seen = std::collections::BTreeSet::new();
+    for h in held.iter().filter(|h| seen.insert(h.pid)) {
+        let heartbeat =
+            h.heartbeat_age_seconds.map_or("no heartbeat".to_string(), |a| format!("heartbeat {} ago", short_secs(a)));
+        line.push_str(&format!("; pid {}: {heartbeat}{}", h.pid, relay_of(h.relay.as_ref())));
+    }
+    line
 }
 
 fn print_by_type(s: &pg_outbox::OutboxStatus) {

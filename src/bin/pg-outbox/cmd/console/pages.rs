@@ -130,6 +130,7 @@ pub(crate) fn overview(
             }
         }
         (leader(s.leader.as_ref()))
+        (partitions(&s.partitions))
         @if s.dead_letters > 0 {
             p { a href="/dead-letters" { "Review the " (figure(s, "dead_letters", s.dead_letters)) " dead letters" } }
         }
@@ -166,7 +167,12 @@ fn leader(l: Option<&pg_outbox::LeaderLock>) -> Markup {
         None => "no heartbeat".to_string(),
     };
     if l.live {
-        return html! { p id="leader" { "Leader: pid " (l.pid) " (live, " (heartbeat) ")." } };
+        let term = l.term.map_or(String::new(), |t| format!(", term {t}"));
+        let relay = l
+            .relay
+            .as_ref()
+            .map_or(String::new(), |r| format!(": relay {} on {} (pg-outbox {})", r.process_id, r.host, r.version));
+        return html! { p id="leader" { "Leader: pid " (l.pid) " (live, " (heartbeat) (term) ")" (relay) "." } };
     }
     let client = l
         .client_addr
@@ -182,6 +188,30 @@ fn leader(l: Option<&pg_outbox::LeaderLock>) -> Markup {
             (l.application_name.as_deref().unwrap_or("")) "\", " (state) ", " (heartbeat)
             "). Nothing is delivered until that session ends: pg_terminate_backend(" (l.pid)
             "), or a relay with --take-over-stranded."
+        }
+    }
+}
+
+/// The overview's partitions (partitioned mode): each held, with its
+/// holder (backend pid, relay, heartbeat age) and term.
+fn partitions(held: &[pg_outbox::PartitionHolder]) -> Markup {
+    html! {
+        @if !held.is_empty() {
+            h2 { "Partitions" }
+            table id="partitions" {
+                thead { tr { th { "partition" } th { "term" } th { "pid" } th { "relay" } th { "heartbeat" } } }
+                tbody {
+                    @for h in held {
+                        tr {
+                            td { (h.partition) (h.partitions.map_or(String::new(), |n| format!("/{n}"))) }
+                            td { (h.term.map_or("none".to_string(), |t| t.to_string())) }
+                            td { (h.pid) }
+                            td { (h.relay.as_ref().map_or("-".to_string(), |r| format!("{} on {} ({})", r.process_id, r.host, r.version))) }
+                            td { (h.heartbeat_age_seconds.map_or("none".to_string(), |a| format!("{} ago", age(Some(a))))) }
+                        }
+                    }
+                }
+            }
         }
     }
 }
