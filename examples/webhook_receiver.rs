@@ -14,8 +14,11 @@
 //!
 //! ```text
 //! cargo run --example webhook_receiver -- 127.0.0.1:8080
-//! cargo run --features cli -- relay --sink http://127.0.0.1:8080/events
+//! cargo run --features cli,webhook -- relay --sink http://127.0.0.1:8080/events
 //! ```
+//!
+//! It reads the relay's default record format (`--format record`): the event
+//! as JSON, with `id` and `aggregate_id`.
 //!
 //! A receiver that restarts, or runs as several instances, keeps the
 //! highest term per aggregate in its own database instead, updated in the

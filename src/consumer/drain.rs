@@ -42,6 +42,7 @@ use super::delivery::Settlement;
 use super::health;
 use super::inflight::InFlight;
 use super::leadership::LEASE;
+use super::leadership::lease::IDLE_SESSION_TIMEOUT;
 use super::maintenance::Maintenance;
 use super::session::{OpenError, Sessions};
 use super::source::{Cx, Leadership, Room, Source, Stop, TermCheck};
@@ -595,6 +596,14 @@ impl<S: Source> Engine<S> {
                         "statement timeout: the server cancelled a statement ({}) after {timeout:?}",
                         kind.describe()
                     )
+                }
+                Failure::Db(e) if e.code() == Some(&tokio_postgres::error::SqlState::IDLE_SESSION_TIMEOUT) => {
+                    let error = crate::error::report(&e);
+                    tracing::warn!(error = %error, retry_in = ?delay, idle_session_timeout = ?IDLE_SESSION_TIMEOUT,
+                        "the server ended this relay's work session after {IDLE_SESSION_TIMEOUT:?} without a statement: \
+                         this relay stalled (frozen, paused, cut off or starved of CPU), so it lost its leadership and \
+                         another relay may have taken over; reconnecting");
+                    format!("work session ended by the server after {IDLE_SESSION_TIMEOUT:?} idle (this relay stalled)")
                 }
                 Failure::Db(e) => {
                     let error = crate::error::report(&e);

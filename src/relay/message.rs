@@ -59,7 +59,8 @@ pub mod header {
     /// [`crate::Delivery::term`]): a destination may refuse a message whose
     /// term is lower than one it has already seen for the aggregate (it
     /// comes from a deposed relay). Absent when the relay holds no term
-    /// (competing and partitioned modes, `replay`). The webhook sends it as
+    /// (competing mode, a standby, `replay`); in partitioned mode it is the
+    /// term of the event's partition. The webhook sends it as
     /// `outbox-term`.
     pub const TERM: &str = "term";
     /// The event name.

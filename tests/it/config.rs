@@ -56,7 +56,7 @@ async fn precedence_is_command_line_then_environment_then_file_then_default() {
     assert_eq!(s["mode"], ("\"competing\"".into(), file_src.clone()), "{out}");
     assert_eq!(s["sweep_interval"], ("\"2s\"".into(), "environment (OUTBOX_SWEEP_INTERVAL)".into()), "{out}");
     assert_eq!(s["max_retries"], ("5".into(), "command line".into()), "{out}");
-    assert_eq!(s["partitions"], ("16".into(), "default".into()), "{out}");
+    assert!(!s.contains_key("partitions"), "--partitions is unset outside partitioned mode: {out}");
     assert_eq!(s["sink"], ("\"stdout\"".into(), "default".into()), "{out}");
     assert_eq!(s["database_url"], (format!("\"{NOWHERE}\""), "environment (DATABASE_URL)".into()), "{out}");
 

@@ -93,8 +93,8 @@ pub(in crate::consumer) async fn taking_leadership(cx: Cx<'_>) -> Result<(), Sta
 /// Whether buffered deliveries may be handed out.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum LeaseState {
-    /// The consumer holds no term (competing and partitioned modes): no
-    /// lease applies.
+    /// The consumer holds no term (competing mode, a standby, a partitioned
+    /// member holding no partition): no lease applies.
     Unfenced,
     /// Until this instant.
     Until(Instant),

@@ -292,6 +292,12 @@ impl Ownership {
                 self.set_leader(false, None);
             }
             Ownership::Partitioned(p) => {
+                if !p.terms.is_empty() {
+                    let held: Vec<String> = p.terms.iter().map(|(part, t)| format!("{part} (term {t})")).collect();
+                    tracing::warn!(partitions = %held.join(", "),
+                        "no longer holding partitions {} (connection lost): their terms are this relay's no more, \
+                         another relay may take them; will rebalance", held.join(", "));
+                }
                 p.owned.clear();
                 p.releasing.clear();
                 p.terms.clear();
@@ -304,7 +310,7 @@ impl Ownership {
     /// (logged).
     fn set_leader(&mut self, now: bool, ended: Option<Term>) {
         let Ownership::Single { leader, term, waits_until, .. } = self else { return };
-        let ended = ended.map_or(0, Term::get);
+        let ended = ended.map(Term::get);
         if now && !*leader {
             match waits_until.filter(|t| *t > Instant::now()) {
                 None => tracing::info!(
@@ -495,7 +501,7 @@ impl Partitions {
                 match taken.wait_until(last, self.waits.get(&p).copied(), now) {
                     Some(until) => {
                         tracing::info!(partition = p, term = taken.term.get(),
-                            ended_term = taken.previous_term.map_or(0, Term::get),
+                            ended_term = taken.previous_term.map(Term::get),
                             wait = ?until.saturating_duration_since(now),
                             "took a partition whose previous holder did not release it (it crashed, froze or lost \
                              its connection): its delivery starts once that holder's hand-out lease has run out");

@@ -124,8 +124,9 @@ pub(crate) struct RelayArgs {
     /// In `--mode single`, let a standby end a stranded holder of the outbox
     /// lock and take over: a session that holds the lock with no live relay
     /// behind it (a pooler's server session left with it, an older build's
-    /// relay, a frozen process, a network that drops traffic), so nothing is
-    /// delivered. Without this flag a standby only reports it (a warning,
+    /// relay; on PostgreSQL 13 also a frozen relay or one behind a network
+    /// that drops traffic, which on 14 and later the server ends itself
+    /// after 4 s idle), so nothing is delivered. Without this flag a standby only reports it (a warning,
     /// outbox_leader_stranded = 1, `status`). Ending another session takes
     /// pg_terminate_backend, which PostgreSQL allows a superuser, a role with
     /// the holder's role's privileges, or a member of pg_signal_backend

@@ -129,7 +129,7 @@ pub(crate) fn overview(
                 (pg_outbox::STATUS_SAMPLE_IDS) " ids of that kind (docs/operations.md, \"How status estimates\")."
             }
         }
-        (leader(s.leader.as_ref()))
+        (leader(s.leader.as_ref(), !s.partitions.is_empty()))
         (partitions(&s.partitions))
         @if s.dead_letters > 0 {
             p { a href="/dead-letters" { "Review the " (figure(s, "dead_letters", s.dead_letters)) " dead letters" } }
@@ -157,9 +157,13 @@ pub(crate) fn overview(
 }
 
 /// The overview's leader line: the live leader's pid, or "no live leader"
-/// with the stranded holder of the outbox lock, or none.
-fn leader(l: Option<&pg_outbox::LeaderLock>) -> Markup {
+/// with the stranded holder of the outbox lock, or none (`partitioned`:
+/// because partitioned relays hold partitions instead).
+fn leader(l: Option<&pg_outbox::LeaderLock>, partitioned: bool) -> Markup {
     let Some(l) = l else {
+        if partitioned {
+            return html! { p.note id="leader" { "Leader: none (relays run in partitioned mode: see Partitions)." } };
+        }
         return html! { p.note id="leader" { "Leader: none (no relay holds the outbox lock)." } };
     };
     let heartbeat = match l.heartbeat_age_seconds {
