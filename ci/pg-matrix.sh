@@ -55,6 +55,9 @@ subset=(
   faults::listener_terminated
   faults::terminating_the_work_connection_loses_nothing
   faults::terminating_the_writer_connection_loses_nothing_and_keeps_each_aggregate_in_order
+  # The server takes leadership back from a frozen leader
+  # (idle_session_timeout, 14+; 13 warns).
+  freeze::a_frozen_leader_is_replaced_within_10s_at_default_settings
   # The WAL source: the replication protocol, temporary slots, and
   # (before 15) every transaction's empty BEGIN/COMMIT on the stream.
   wal::with_no_insert_trigger_events_arrive_from_the_wal_in_order_without_the_sweep
