@@ -51,3 +51,6 @@ pub use store::{
 pub use store::{fetch_query, run_time_statements};
 pub use term::{Term, TermFilter};
 pub use tokio_postgres;
+
+#[cfg(test)]
+mod surface;

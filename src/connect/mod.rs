@@ -43,7 +43,6 @@ pub use options::{ConnectOptions, DEFAULT_CONNECT_TIMEOUT};
 pub(crate) use parse::parses;
 pub use pooling::SessionMode;
 pub(crate) use pooling::require_own_sessions;
-#[cfg(feature = "console")]
 pub(crate) use session::setting_millis;
 pub(crate) use session::{Canceller, Link, SessionSettings, connect, open};
 pub use ssl_mode::{RootCert, SslMode};
