@@ -131,6 +131,13 @@ pub(crate) const TAKE_TERM: &str = "WITH reg AS ( \
          AS previous_released, \
        (SELECT term FROM prev) AS previous_term";
 
+/// Raise scope $1's term, just taken by this session, to $2 + 1 (`int8`):
+/// the database's terms went back below one this consumer had already
+/// seen (an asynchronous failover lost the last bumps, or a restore). One
+/// row, `term`; none when this session no longer holds the scope's term.
+pub(crate) const RAISE_TERM: &str = "UPDATE events.outbox_terms SET term = $2::int8 + 1 \
+     WHERE scope = $1 AND holder_pid = pg_backend_pid() AND term <= $2::int8 RETURNING term";
+
 /// Scope $1's current term (`term`, NULL when none was ever taken) and its
 /// holder's backend pid (`holder_pid`): a leader confirming that its term
 /// is still current before it hands out more of what it fetched, and

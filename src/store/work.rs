@@ -14,7 +14,7 @@ use tokio_postgres::types::ToSql;
 use tokio_postgres::{Client, Row, RowStream, Statement};
 
 use super::fetch::{BEGIN, COMMIT, NEXT_RETRY_IN, PayloadSizes, competing_fetch_sql, fetch_sql};
-use super::leader::{BOUND_IDLE, KEEP_ALIVE, REGISTER_IDENTITY};
+use super::leader::{BOUND_IDLE, KEEP_ALIVE, RAISE_TERM, REGISTER_IDENTITY};
 use super::leader::{CURRENT_TERM, CURRENT_TERMS, Holder, LEADER_HOLDER, RELEASE_TERM, TAKE_TERM, TERMINATE_STRANDED};
 use super::leader::{TermTaken, holder_from_row};
 use super::locks::{COUNT_MEMBERS, LEADER_KEY, MEMBER_CLASS, MEMBER_LOCK, PARTITION_CLASS, PARTITION_UNLOCK};
@@ -341,6 +341,20 @@ impl WorkSession {
     /// Register this session as the holder of `scope` (the outbox, or a
     /// partition), with its first heartbeat, and take the scope's next
     /// leadership term ([`TAKE_TERM`]).
+    /// Raise `scope`'s term, just taken by this session, above `seen`
+    /// ([`RAISE_TERM`]): the new term.
+    pub(crate) async fn raise_term(
+        &self,
+        scope: &str,
+        seen: Term,
+        stop: impl Future<Output = ()>,
+    ) -> Result<Term, StatementError> {
+        let kind = StatementKind::Term;
+        let params: [&(dyn ToSql + Sync); 2] = [&scope, &seen.to_db()];
+        let row = self.run(kind, stop, self.client.query_one(RAISE_TERM, &params)).await?;
+        row.try_get("term").map_err(|e| StatementError::db(kind, e))
+    }
+
     pub(crate) async fn take_term(
         &self,
         scope: &str,

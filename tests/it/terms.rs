@@ -104,6 +104,54 @@ async fn writes_under_a_superseded_term_change_nothing_and_the_events_come_again
     assert_eq!(support::published_count(&c).await, 2);
 }
 
+/// The database's terms going back below one a relay already took (an
+/// asynchronous failover that lost the last bump, simulated by lowering
+/// the stored term as the relay's work session ends) never make it take a
+/// term twice: it raises the one it takes above the highest it took.
+#[tokio::test]
+async fn a_term_the_database_lost_is_never_taken_again() {
+    use tokio::io::AsyncBufReadExt;
+    let db = TestDb::new("terms_went_back").await;
+    let c = db.client().await;
+    // Another scope at 5: the outbox's first term is 6.
+    c.execute("INSERT INTO events.outbox_terms (scope, term, released) VALUES ('partition:0/2', 5, true)", &[])
+        .await
+        .expect("another scope's term");
+    let (relay, stdout) = crate::relay_proc::start_with_stdout(&db, &["--sink", "stdout"]).await;
+    let mut lines = tokio::io::BufReader::new(stdout).lines();
+    let mut term_of_next = async || -> u64 {
+        let line = tokio::time::timeout(Duration::from_secs(20), lines.next_line())
+            .await
+            .expect("a delivery in time")
+            .expect("stdout")
+            .expect("a line");
+        let v: serde_json::Value = serde_json::from_str(&line).expect("JSON");
+        v["term"].as_u64().unwrap_or_else(|| panic!("a term: {line}"))
+    };
+    support::insert_seed_events(&c, uuid::Uuid::new_v4(), 1).await;
+    let first = term_of_next().await;
+    assert_eq!(first, 6);
+    // The failover: the relay's work session ends and the bump to 6 is
+    // lost (the database would hand out 6 again), in one statement.
+    let ended: i64 = c
+        .query_one(
+            "WITH lost AS (UPDATE events.outbox_terms SET term = 5 WHERE scope = 'outbox' RETURNING 1) \
+             SELECT count(*) FILTER (WHERE pg_terminate_backend(pid)) FROM pg_stat_activity \
+             WHERE datname = current_database() AND application_name = 'pg-outbox drain' AND (SELECT count(*) FROM lost) = 1",
+            &[],
+        )
+        .await
+        .expect("end the work session, lose the bump")
+        .get(0);
+    assert_eq!(ended, 1);
+    support::insert_seed_events(&c, uuid::Uuid::new_v4(), 1).await;
+    let again = term_of_next().await;
+    assert!(again > first, "took {again} after {first}: a term never repeats\n{}", relay.log());
+    assert!(relay.log().contains("is not above one this relay already took"), "{}", relay.log());
+    assert_eq!(current_term(&c).await, i64::try_from(again).ok(), "the stored term is the one delivered");
+    relay.stop().await;
+}
+
 /// A leader still waiting out a deposed predecessor's lease must not mark
 /// its term released when it stops: the next leader must wait in its place
 /// (else the deposed one and the next could hand out at once).

@@ -329,7 +329,8 @@ impl Ownership {
             tracing::warn!(
                 role = "standby",
                 term = term.map_or(0, Term::get),
-                "no longer active (connection lost): term {} ends here; will try to take over again",
+                "no longer active (connection lost): term {} is this relay's no more (another relay may have taken a \
+                 later one since); will try to take over again",
                 term.map_or(0, Term::get)
             );
         }
@@ -409,6 +410,11 @@ impl Ownership {
             // standbys and `status` see a live holder from now on, and
             // writes under an older term change nothing.
             let taken = cx.work.take_term(OUTBOX_SCOPE, cx.stop()).await?;
+            let seen = match self {
+                Ownership::Single { last_term, .. } => *last_term,
+                Ownership::Partitioned(_) => None,
+            };
+            let taken = above_seen(cx, OUTBOX_SCOPE, taken, seen).await?;
             taking_leadership(cx).await?;
             if let Ownership::Single { watch, term, last_term, waits_until, lock_at, .. } = self {
                 watch.reset();
@@ -495,7 +501,9 @@ impl Partitions {
                 continue;
             }
             if cx.work.try_partition_lock(p, cx.stop()).await? {
-                let taken = cx.work.take_term(&partition_scope(p, self.partitions), cx.stop()).await?;
+                let scope = partition_scope(p, self.partitions);
+                let taken = cx.work.take_term(&scope, cx.stop()).await?;
+                let taken = above_seen(cx, &scope, taken, self.last_terms.values().max().copied()).await?;
                 let now = Instant::now();
                 let last = self.last_terms.get(&p).copied();
                 match taken.wait_until(last, self.waits.get(&p).copied(), now) {
@@ -538,6 +546,38 @@ pub(crate) enum TermCheck {
     /// A term held (`term`) is no longer current (`current`, `None` when
     /// it could not be read).
     Superseded { term: Option<Term>, current: Option<Term> },
+}
+
+/// A term just taken of `scope` that is not above `seen`, the highest this
+/// consumer took before, means the database's terms went back (an
+/// asynchronous failover lost the last bumps, or a restore): the term is
+/// raised above `seen`, so it never repeats one a destination may have
+/// seen, and the takeover wait is never skipped (another relay may have
+/// led on what was lost).
+async fn above_seen(
+    cx: Cx<'_>,
+    scope: &str,
+    mut taken: TermTaken,
+    seen: Option<Term>,
+) -> Result<TermTaken, StatementError> {
+    let Some(seen) = seen.filter(|s| taken.term <= *s) else { return Ok(taken) };
+    let raised = cx.work.raise_term(scope, seen, cx.stop()).await?;
+    tracing::warn!(
+        scope,
+        database_term = taken.term.get(),
+        seen = seen.get(),
+        term = raised.get(),
+        "the database's leadership term ({}) is not above one this relay already took ({}): an asynchronous \
+         failover or a restore lost the last terms; taking {} instead, and waiting out any lease of a leader \
+         that led on what was lost",
+        taken.term,
+        seen,
+        raised
+    );
+    taken.term = raised;
+    taken.previous_released = false;
+    taken.previous_term = None;
+    Ok(taken)
 }
 
 impl TermTaken {
