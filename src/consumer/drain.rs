@@ -41,8 +41,7 @@ use super::completer::{Completer, FlushDone};
 use super::delivery::Settlement;
 use super::health;
 use super::inflight::InFlight;
-use super::leadership::LEASE;
-use super::leadership::lease::IDLE_SESSION_TIMEOUT;
+use super::leadership::{LEASE, lease};
 use super::maintenance::Maintenance;
 use super::session::{OpenError, Sessions};
 use super::source::{Cx, Leadership, Room, Source, Stop, TermCheck};
@@ -598,12 +597,7 @@ impl<S: Source> Engine<S> {
                     )
                 }
                 Failure::Db(e) if e.code() == Some(&tokio_postgres::error::SqlState::IDLE_SESSION_TIMEOUT) => {
-                    let error = crate::error::report(&e);
-                    tracing::warn!(error = %error, retry_in = ?delay, idle_session_timeout = ?IDLE_SESSION_TIMEOUT,
-                        "the server ended this relay's work session after {IDLE_SESSION_TIMEOUT:?} without a statement: \
-                         this relay stalled (frozen, paused, cut off or starved of CPU), so it lost its leadership and \
-                         another relay may have taken over; reconnecting");
-                    format!("work session ended by the server after {IDLE_SESSION_TIMEOUT:?} idle (this relay stalled)")
+                    lease::ended_idle(&e, delay)
                 }
                 Failure::Db(e) => {
                     let error = crate::error::report(&e);

@@ -90,6 +90,18 @@ pub(in crate::consumer) async fn taking_leadership(cx: Cx<'_>) -> Result<(), Sta
     Ok(())
 }
 
+/// The server ended the work session after [`IDLE_SESSION_TIMEOUT`]
+/// without a statement (SQLSTATE 57P05, `e`): this relay stalled, lost its
+/// leadership, and reconnects after `retry_in`. Logs it and returns the
+/// health's last error.
+pub(in crate::consumer) fn ended_idle(e: &tokio_postgres::Error, retry_in: Duration) -> String {
+    tracing::warn!(error = %crate::error::report(e), retry_in = ?retry_in, idle_session_timeout = ?IDLE_SESSION_TIMEOUT,
+        "the server ended this relay's work session after {IDLE_SESSION_TIMEOUT:?} without a statement: this relay \
+         stalled (frozen, paused, cut off or starved of CPU), so it lost its leadership and another relay may have \
+         taken over; reconnecting");
+    format!("work session ended by the server after {IDLE_SESSION_TIMEOUT:?} idle (this relay stalled)")
+}
+
 /// Whether buffered deliveries may be handed out.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum LeaseState {
