@@ -46,35 +46,37 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 
 /// One delivery the webhook got.
 #[derive(Debug, Clone)]
-struct Got {
-    relay: u32,
-    id: i64,
-    aggregate: Uuid,
+pub(crate) struct Got {
+    pub(crate) relay: u32,
+    pub(crate) id: i64,
+    pub(crate) aggregate: Uuid,
     /// The delivery's leadership term (the header `outbox-term`).
-    term: u64,
-    at: Instant,
+    pub(crate) term: u64,
+    pub(crate) at: Instant,
 }
 
-/// A webhook that answers 200 to every event and records it, by relay.
+/// A webhook that answers 200 to every event and records it, by relay
+/// (each relay posts to `/hook/<n>`); a delivery without a term (a relay in
+/// competing mode) is refused with 400.
 #[derive(Clone, Default)]
-struct Hook {
+pub(crate) struct Hook {
     got: Arc<Mutex<Vec<Got>>>,
     base: String,
 }
 
 impl Hook {
-    async fn serve() -> Hook {
+    pub(crate) async fn serve() -> Hook {
         let mut hook = Hook::default();
         let app = axum::Router::new().route("/hook/{relay}", axum::routing::post(record)).with_state(hook.clone());
         hook.base = support::serve_hook(app).await;
         hook
     }
 
-    fn url(&self, relay: u32) -> String {
+    pub(crate) fn url(&self, relay: u32) -> String {
         format!("{}/{relay}", self.base)
     }
 
-    fn got(&self) -> Vec<Got> {
+    pub(crate) fn got(&self) -> Vec<Got> {
         lock(&self.got).clone()
     }
 }

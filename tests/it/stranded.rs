@@ -12,16 +12,13 @@
 
 use std::collections::{HashMap, HashSet};
 use std::process::Stdio;
-use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
-use axum::body::Bytes;
-use axum::extract::{Path, State};
-use axum::http::StatusCode;
 use serde_json::Value;
 use tokio_postgres::{Client, NoTls};
 use uuid::Uuid;
 
+use crate::freeze::Hook;
 use crate::relay_proc::{self, LIVENESS, RelayProc, free_port};
 use crate::support::{self, DbCli, TestDb, eventually};
 use pg_outbox_testkit::process;
@@ -44,53 +41,6 @@ const DETECTION_BOUND: Duration = Duration::from_secs(30);
 /// A short threshold for the tests that do not measure the default one:
 /// heartbeats and looks every second.
 const FAST: &str = "3s";
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(PoisonError::into_inner)
-}
-
-// ------------------------------------------------------------- the webhook
-
-/// One delivery the webhook got.
-#[derive(Debug, Clone)]
-struct Got {
-    id: i64,
-    aggregate: Uuid,
-}
-
-/// A webhook that answers 200 to every event and records it, by relay
-/// (each relay posts to `/hook/<n>`).
-#[derive(Clone, Default)]
-struct Hook {
-    got: Arc<Mutex<Vec<Got>>>,
-    base: String,
-}
-
-impl Hook {
-    async fn serve() -> Hook {
-        let mut hook = Hook::default();
-        let app = axum::Router::new().route("/hook/{relay}", axum::routing::post(record)).with_state(hook.clone());
-        hook.base = support::serve_hook(app).await;
-        hook
-    }
-
-    fn url(&self, relay: u32) -> String {
-        format!("{}/{relay}", self.base)
-    }
-
-    fn got(&self) -> Vec<Got> {
-        lock(&self.got).clone()
-    }
-}
-
-async fn record(State(hook): State<Hook>, Path(_relay): Path<u32>, body: Bytes) -> StatusCode {
-    let Ok(v) = serde_json::from_slice::<Value>(&body) else { return StatusCode::BAD_REQUEST };
-    let id = v["id"].as_i64();
-    let aggregate = v["aggregate_id"].as_str().and_then(|s| Uuid::parse_str(s).ok());
-    let (Some(id), Some(aggregate)) = (id, aggregate) else { return StatusCode::BAD_REQUEST };
-    lock(&hook.got).push(Got { id, aggregate });
-    StatusCode::OK
-}
 
 // ------------------------------------------------------------- producers and the tally
 
