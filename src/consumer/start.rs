@@ -123,7 +123,7 @@ async fn first_session(cfg: &ConsumerConfig) -> Result<(tokio_postgres::Client, 
             Err(Error::ReadOnlyStandby { target }) if cfg.wait_for_primary => {
                 let delay = backoff.next().unwrap_or(cfg.reconnect_max_delay).min(cfg.reconnect_max_delay);
                 if waited.is_none() {
-                    tracing::warn!(standby = %target, retry_every_at_most = ?cfg.reconnect_max_delay,
+                    tracing::warn!(signal = "awaiting_promotion", standby = %target, retry_every_at_most = ?cfg.reconnect_max_delay,
                         "the database is a read-only standby (in recovery): waiting for a promotion before starting");
                     waited = Some(tokio::time::Instant::now());
                 } else {
@@ -213,7 +213,9 @@ async fn check_ordering(
 ) -> Result<Option<crate::migrate::OrderingMode>> {
     let ordering = crate::migrate::ordering(work).await?;
     match ordering {
-        Some(mode) => tracing::info!(ordering = %mode, "ordering mode installed on events.outbox: {mode}"),
+        Some(mode) => {
+            tracing::info!(signal = "ordering", ordering = %mode, "ordering mode installed on events.outbox: {mode}")
+        }
         None if cfg.source != SourceKind::Listen => tracing::info!(
             "no insert trigger is enabled on events.outbox: per-aggregate order rests on the producers' own \
              lock (the producer-locked contract, README \"Ordering modes\")"
@@ -230,6 +232,7 @@ async fn check_ordering(
         && !crate::store::schema::insert_trigger_fires(work).await?
     {
         tracing::warn!(
+            signal = "sweep_only",
             sweep_interval = ?cfg.sweep_interval,
             "the insert trigger was stopped for the WAL source (`pg-outbox migrate --source wal`): producers \
              send no NOTIFY, so this LISTEN consumer finds new events by the sweep only; run it with the WAL \

@@ -1,13 +1,13 @@
 //! Child processes of the `pg-outbox` binary, shared by the integration
 //! tests (`tests/it`) and the benchmarks (`benches/`): the clean environment
-//! every run gets, the relay process (stderr collected, "relay started"
-//! awaited, signalled, reaped), and a free port.
+//! every run gets, the relay process (stderr collected, its `started` log
+//! signal awaited, signalled, reaped), and a free port.
 //!
 //! The binary is the caller's to name ([`Relay::new`]): cargo tells its
 //! path to the tests and benchmarks only (`CARGO_BIN_EXE_pg-outbox`).
 //! Failures come back as `Err(String)` holding the relay's stderr, so that
 //! the benchmarks can report them; the tests use the panicking twins
-//! ([`RelayProc::wait_for_log`], [`RelayProc::stop_cleanly`], ...), which
+//! ([`RelayProc::wait_for_signal`], [`RelayProc::stop_cleanly`], ...), which
 //! fail the test with the same message.
 
 use std::process::{ExitStatus, Stdio};
@@ -21,8 +21,17 @@ use tokio::task::JoinHandle;
 /// Liveness bound for anything a relay should do "soon": start, exit.
 pub const LIVENESS: Duration = Duration::from_secs(30);
 
-/// What the relay logs once its sink is connected and it listens.
-pub const STARTED: &str = "relay started";
+/// The `signal` of the line the relay logs once its sink is connected and
+/// it listens.
+pub const STARTED: &str = "started";
+
+/// The text of a log line carrying the stable field `signal = name`
+/// (docs/operations.md, "Logs"): `signal="name"` in the text format,
+/// `"signal":"name"` in JSON. The tests wait on these names, never on the
+/// wording of a line, which is for people and may change.
+pub fn signal(name: &str) -> [String; 2] {
+    [format!("signal=\"{name}\""), format!("\"signal\":\"{name}\"")]
+}
 
 /// Clear what the caller's environment could slip into a run of the
 /// binary: `DATABASE_URL`, `RUST_LOG`, libpq's `PG*` variables, every `OUTBOX_*` setting and the
@@ -186,7 +195,7 @@ impl Relay {
     /// [`Relay::spawn`], then wait until the relay logs that it started.
     pub async fn start(self) -> Result<RelayProc, String> {
         let mut relay = self.spawn()?;
-        relay.wait_log(&[STARTED], LIVENESS).await?;
+        relay.wait_signal(&[STARTED], LIVENESS).await?;
         Ok(relay)
     }
 }
@@ -254,6 +263,32 @@ impl RelayProc {
         }
     }
 
+    /// Wait until it logs a line with one of the `signal`s (names of the
+    /// field, [`signal`]), for at most `limit`.
+    pub async fn wait_signal(&mut self, signals: &[&str], limit: Duration) -> Result<(), String> {
+        let needles: Vec<String> = signals.iter().flat_map(|s| signal(s)).collect();
+        let needles: Vec<&str> = needles.iter().map(String::as_str).collect();
+        self.wait_log(&needles, limit).await
+    }
+
+    /// Whether a line with `signal` (a name of the field, [`signal`]) was logged.
+    pub fn signalled(&self, name: &str) -> bool {
+        let log = self.log();
+        signal(name).iter().any(|n| log.contains(n.as_str()))
+    }
+
+    /// How many lines carry `signal` (a name of the field, [`signal`]).
+    pub fn signal_count(&self, name: &str) -> usize {
+        let needles = signal(name);
+        self.log().lines().filter(|l| needles.iter().any(|n| l.contains(n.as_str()))).count()
+    }
+
+    /// The first line carrying `signal`, or `""`.
+    pub fn signal_line(&self, name: &str) -> String {
+        let needles = signal(name);
+        self.log().lines().find(|l| needles.iter().any(|n| l.contains(n.as_str()))).unwrap_or_default().to_string()
+    }
+
     /// Send `signal` (kill(2)).
     pub fn send(&self, signal: libc::c_int) -> Result<(), String> {
         let pid = self.child.id().ok_or("the relay is no longer running")?;
@@ -296,13 +331,13 @@ impl RelayProc {
         }
     }
 
-    /// Wait until its stderr holds one of `needles`, for at most
+    /// Wait until it logs one of the `signals` ([`signal`]), for at most
     /// [`LIVENESS`].
     ///
     /// # Panics
-    /// As [`RelayProc::wait_log`] fails: with the relay's stderr.
-    pub async fn wait_for_log(&mut self, needles: &[&str]) {
-        must(self.wait_log(needles, LIVENESS).await);
+    /// As [`RelayProc::wait_signal`] fails: with the relay's stderr.
+    pub async fn wait_for_signal(&mut self, signals: &[&str]) {
+        must(self.wait_signal(signals, LIVENESS).await);
     }
 
     /// Ask the relay to stop (SIGTERM).

@@ -84,7 +84,7 @@ const REFUSED: &str = pg_outbox::metrics::SINK_REPEATS_REFUSED;
 const FENCED: &str = pg_outbox::metrics::FENCED_WRITES;
 const LEADER: &str = pg_outbox::metrics::LEADER;
 /// What a leader logs when its session is gone.
-const DEPOSED: &str = "no longer active (connection lost)";
+const DEPOSED: &str = "deposed";
 
 // ---------------------------------------------------------------- the broker
 
@@ -304,7 +304,7 @@ impl Run {
         let metrics = format!("127.0.0.1:{}", free_port());
         let spec = process::Relay::new(support::bin()).url(url).args(&self.args).args(&["--metrics-addr", &metrics]);
         let mut relay = RelayProc::start_spec(self.started_relays, spec).await;
-        relay.wait_log(roles).await;
+        relay.wait_signal(roles).await;
         (relay, metrics)
     }
 
@@ -485,7 +485,7 @@ impl Run {
     /// resumes and stands by.
     async fn silent_failover(&mut self, cut: bool) {
         let l = self.leader().await;
-        let standbys = self.slots[l].relay.log().matches(STANDBY).count();
+        let standbys = self.slots[l].relay.signal_count(STANDBY);
         self.slots[l].scrape().await;
         let fenced = self.slots[l].seen;
         if cut {
@@ -508,8 +508,7 @@ impl Run {
         loop {
             self.assert_running().await;
             let s = &self.slots[l];
-            let log = s.relay.log();
-            if log.matches(STANDBY).count() > standbys && s.metric(LEADER).await == Some(0.0) {
+            if s.relay.signal_count(STANDBY) > standbys && s.metric(LEADER).await == Some(0.0) {
                 self.slots[l].scrape().await;
                 self.plan.late_fenced.push(self.slots[l].seen - fenced);
                 return;
@@ -519,7 +518,7 @@ impl Run {
                 "{}: relay {} never stood by again after it resumed (deposed: {})\n{}",
                 self.kind,
                 s.relay.n,
-                log.contains(DEPOSED),
+                s.relay.signal_count(DEPOSED) > 0,
                 self.logs()
             );
             tokio::time::sleep(Duration::from_millis(20)).await;

@@ -354,11 +354,11 @@ async fn a_relay_pointed_at_a_standby_exits_in_one_line_or_waits_for_the_promoti
         .args(&["--sink", &sink.url_for(2), "--wait-for-primary", "--reconnect-max-delay", "400ms"])
         .spawn()
         .unwrap_or_else(|e| panic!("{e}"));
-    relay.wait_for_log(&["waiting for a promotion"]).await;
+    relay.wait_for_signal(&["awaiting_promotion"]).await;
     // Several tries at up to 400 ms each.
     tokio::time::sleep(Duration::from_secs(2)).await;
     relay.check_running().await.unwrap_or_else(|e| panic!("{e}"));
-    assert!(!relay.log().contains(process::STARTED), "no start before the promotion:\n{}", relay.log());
+    assert!(!relay.signalled(process::STARTED), "no start before the promotion:\n{}", relay.log());
     let (primary, stopped) = blocking(move || {
         let mut primary = primary;
         let r = primary.stop_fast();
@@ -368,7 +368,7 @@ async fn a_relay_pointed_at_a_standby_exits_in_one_line_or_waits_for_the_promoti
     must(stopped, "stop the primary");
     let standby = promote(standby).await;
     let promoted_at = Instant::now();
-    relay.wait_for_log(&[process::STARTED]).await;
+    relay.wait_for_signal(&[process::STARTED]).await;
     support::eventually(30, "the relay to deliver the events after the promotion", || async {
         let got: Vec<i64> = sink.attempts().iter().filter(|a| a.delivered()).map(|a| a.id).collect();
         ids.iter().all(|id| got.contains(id))

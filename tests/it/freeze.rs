@@ -286,9 +286,7 @@ async fn on_the_machine(name: &str, fault: Fault, mode: Mode) {
 async fn warned_on_13(db: &TestDb) {
     let hook = Hook::serve().await;
     let mut a = relay_proc::start(db, &["--sink", &hook.url(1)]).await;
-    a.wait_log(&["the server has no idle_session_timeout (PostgreSQL 13)"], LIVENESS)
-        .await
-        .unwrap_or_else(|e| panic!("{e}"));
+    a.wait_signal(&["no_idle_session_timeout"], LIVENESS).await.unwrap_or_else(|e| panic!("{e}"));
     println!("freeze server=13 warned=true (a frozen leader is not replaced without --take-over-stranded)");
     a.stop().await;
 }

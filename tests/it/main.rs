@@ -42,6 +42,7 @@ mod replay;
 mod retention;
 mod schema;
 mod secrets;
+mod signals;
 #[cfg(feature = "amqp")]
 mod sink_amqp;
 #[cfg(feature = "kafka")]

@@ -281,7 +281,9 @@ async fn the_command_line_switches_reports_and_refuses_unknown_modes() {
     let out = db.cli(&["status"]).run().await;
     assert!(out.ok() && out.stdout.contains("ordering mode       producer-locked"), "{out:?}");
     let mut relay = relay_proc::start(&db, &["--sink", "stdout"]).await;
-    relay.wait_for_log(&["ordering mode installed on events.outbox: producer-locked"]).await;
+    relay.wait_for_signal(&["ordering"]).await;
+    let line = relay.signal_line("ordering");
+    assert!(line.contains("ordering=producer-locked"), "{line}");
     relay.stop().await;
     let out = db.cli(&["status", "--json"]).run().await;
     let json: serde_json::Value = serde_json::from_str(&out.stdout).expect("status json");

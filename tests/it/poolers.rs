@@ -492,7 +492,7 @@ async fn two_relays_through_a_session_pooler_one_leader_every_event_exactly_once
         Relay::new(support::bin()).url(&url).args(&["--sink", hook.as_str(), "--sweep-interval", "200ms"]).start()
     };
     let mut a = start(url_a).await.expect("relay a through session mode");
-    a.wait_for_log(&["holds the outbox lock"]).await;
+    a.wait_for_signal(&["leader", "standby"]).await;
     let mut b = start(url_b).await.expect("relay b through session mode");
     let mut ids = publish_through(&bouncer, &db, 100).await;
     let c = db.client().await;
@@ -502,7 +502,7 @@ async fn two_relays_through_a_session_pooler_one_leader_every_event_exactly_once
 
     // The leader stops; the standby takes the lock through the pooler.
     a.stop_cleanly().await;
-    b.wait_for_log(&["holds the outbox lock"]).await;
+    b.wait_for_signal(&["leader"]).await;
     ids.extend(publish_through(&bouncer, &db, 100).await);
     eventually(30, "all 200 events published", || async { published_count(&c).await == 200 }).await;
     b.stop_cleanly().await;
@@ -539,7 +539,7 @@ async fn relay_migrate_and_console_refuse_a_transaction_pooler_in_one_line() {
         for needed in ["transaction-mode pooler", pooler.as_str(), "direct", "session-mode"] {
             assert!(error[0].contains(needed), "the error names {needed:?}: {}", error[0]);
         }
-        assert!(!log.contains("relay started"), "{log}");
+        assert!(!relay.signalled(pg_outbox_testkit::process::STARTED), "{log}");
     }
     for args in [vec!["migrate".to_string()], vec!["console".into(), "--addr".into(), free_port().to_string()]] {
         let out = support::cli(&args).url(&url).run().await;

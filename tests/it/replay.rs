@@ -438,7 +438,7 @@ async fn json_logs_of_a_relay_with_failing_events_and_a_sigterm_parse_line_by_li
     assert_eq!(dead.len(), 2, "{log}");
     assert!(dead.iter().all(|l| l["level"] == "WARN" && l["error"].is_string()), "{log}");
     assert!(lines.iter().any(|l| l["role"] == "leader"), "the relay's role is a field:\n{log}");
-    let started = lines.iter().find(|l| l["message"].as_str().is_some_and(|m| m.starts_with("relay started")));
+    let started = lines.iter().find(|l| l["signal"] == "started");
     let started = started.unwrap_or_else(|| panic!("a start line:\n{log}"));
     assert_eq!(started["sink"], "stdout", "{log}");
     assert!(started["database"].as_str().is_some_and(|d| d.contains(&db.name)), "{log}");

@@ -158,7 +158,7 @@ async fn amqp_missing_exchange_or_bad_login_is_refused_at_start_without_showing_
     assert!(!status.success(), "a missing exchange must stop the relay; stderr:\n{}", relay.log());
     let log = relay.log();
     assert!(log.contains(&missing) && log.contains("NOT_FOUND"), "the error names the exchange:\n{log}");
-    assert!(!log.contains("relay started"), "{log}");
+    assert!(!relay.signalled(pg_outbox_testkit::process::STARTED), "{log}");
 
     let secret = "s3cret-Pa55";
     let bad = format!("amqp://guest:{secret}@127.0.0.1:5672/%2f");

@@ -26,16 +26,19 @@ use pg_outbox_testkit::process;
 /// Single mode's leader lock (`src/store/locks.rs`, docs/architecture.md,
 /// "Advisory lock keys").
 const LEADER_KEY: i64 = 0x7067_6f75_7400_0001;
-/// What a standby logs when it finds a stranded holder.
-const NO_LIVE_LEADER: &str = "no live leader";
-/// What it logs when it ended one.
-const ENDED: &str = "ended the stranded holder of the outbox lock";
-/// What a relay logs when it takes the lock.
-const ACTIVE: &str = "active: this consumer holds the outbox lock";
-/// What a standby logs.
-const STANDBY: &str = "standby: another consumer holds the outbox lock";
-/// What a leader logs when its session is gone.
-const DEPOSED: &str = "no longer active (connection lost)";
+// The relay's log signals (docs/operations.md, "Logs"; never the wording).
+/// A standby found a stranded holder.
+const NO_LIVE_LEADER: &str = "stranded";
+/// It ended one.
+const ENDED: &str = "stranded_ended";
+/// It may not end one.
+const REFUSED: &str = "stranded_refused";
+/// A relay took the lock.
+const ACTIVE: &str = "leader";
+/// A relay stands by.
+const STANDBY: &str = "standby";
+/// A leader's session is gone.
+const DEPOSED: &str = "deposed";
 /// The design's bound on finding a stranded holder.
 const DETECTION_BOUND: Duration = Duration::from_secs(30);
 /// A short threshold for the tests that do not measure the default one:
@@ -166,20 +169,20 @@ async fn status_json(db: &TestDb) -> Value {
     serde_json::from_str(&out.stdout).expect("status JSON")
 }
 
-/// The relay's log line holding `needle`.
-fn log_line(relay: &RelayProc, needle: &str) -> String {
-    relay.log().lines().find(|l| l.contains(needle)).map(str::to_string).unwrap_or_default()
+/// The relay's first log line carrying `signal`.
+fn log_line(relay: &RelayProc, signal: &str) -> String {
+    relay.signal_line(signal)
 }
 
-/// How many of the relay's log lines hold `needle`.
-fn log_count(relay: &RelayProc, needle: &str) -> usize {
-    relay.log().lines().filter(|l| l.contains(needle)).count()
+/// How many of the relay's log lines carry `signal`.
+fn log_count(relay: &RelayProc, signal: &str) -> usize {
+    relay.signal_count(signal)
 }
 
-/// Wait until `relay` logs `needle`, for at most `limit`; how long that
+/// Wait until `relay` logs `signal`, for at most `limit`; how long that
 /// took from `since`.
-async fn logged_within(relay: &mut RelayProc, needle: &str, since: Instant, limit: Duration) -> Duration {
-    relay.wait_log(&[needle], limit.saturating_sub(since.elapsed())).await.unwrap_or_else(|e| panic!("{e}"));
+async fn logged_within(relay: &mut RelayProc, signal: &str, since: Instant, limit: Duration) -> Duration {
+    relay.wait_signal(&[signal], limit.saturating_sub(since.elapsed())).await.unwrap_or_else(|e| panic!("{e}"));
     since.elapsed()
 }
 
@@ -226,7 +229,7 @@ async fn a_kept_backend_holding_the_lock_is_reported_within_30s_and_ended_only_w
     let addr = format!("127.0.0.1:{}", free_port());
     let started = Instant::now();
     let mut first = relay_proc::start(&db, &["--sink", &hook.url(1), "--metrics-addr", &addr]).await;
-    first.wait_for_log(&[STANDBY]).await;
+    first.wait_for_signal(&[STANDBY]).await;
     let detected = logged_within(&mut first, NO_LIVE_LEADER, started, DETECTION_BOUND).await;
     let line = log_line(&first, NO_LIVE_LEADER);
     for part in [
@@ -313,11 +316,11 @@ async fn a_live_leader_is_never_reported_stranded_idle_draining_a_backlog_or_bus
     let common = ["--sink", "stdout", "--stranded-after", "6s"];
     let a_spec = relay_proc::relay(&db, &common).args(&["--metrics-addr", &a_addr]).stdout(process::Output::Drained);
     let mut a = relay_proc::start_spec(a_spec).await;
-    a.wait_for_log(&[ACTIVE]).await;
+    a.wait_for_signal(&[ACTIVE]).await;
     let mut b =
         relay_proc::start(&db, &[&common[..], &["--take-over-stranded", "--metrics-addr", b_addr.as_str()]].concat())
             .await;
-    b.wait_for_log(&[STANDBY]).await;
+    b.wait_for_signal(&[STANDBY]).await;
     let a_pid: i32 = c
         .query_one(
             "SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND granted AND objsubid = 1 \
@@ -337,8 +340,8 @@ async fn a_live_leader_is_never_reported_stranded_idle_draining_a_backlog_or_bus
         .unwrap_or(f64::INFINITY)
     };
     let clean = |a: &RelayProc, b: &RelayProc| {
-        assert!(!b.log().contains(NO_LIVE_LEADER) && !b.log().contains(ENDED), "a false positive:\n{}", b.log());
-        assert!(!a.log().contains(DEPOSED), "the leader lost its lock:\n{}\n{}", a.log(), b.log());
+        assert!(!b.signalled(NO_LIVE_LEADER) && !b.signalled(ENDED), "a false positive:\n{}", b.log());
+        assert!(!a.signalled(DEPOSED), "the leader lost its lock:\n{}\n{}", a.log(), b.log());
     };
 
     // Idle, then a backlog of 50 000 events drained, watched for at least
@@ -475,8 +478,8 @@ async fn without_the_role_to_end_the_holder_a_standby_says_what_is_missing_and_s
         "--take-over-stranded",
     ]);
     let mut relay = relay_proc::start_spec(spec).await;
-    let refused = "cannot end the stranded holder of the outbox lock";
-    relay.wait_log(&[refused], DETECTION_BOUND).await.unwrap_or_else(|e| panic!("{e}"));
+    let refused = REFUSED;
+    relay.wait_signal(&[refused], DETECTION_BOUND).await.unwrap_or_else(|e| panic!("{e}"));
     let line = log_line(&relay, refused);
     assert!(line.contains("pg_signal_backend") && line.contains(&holder_pid.to_string()), "{line}");
     let warning = log_line(&relay, NO_LIVE_LEADER);
@@ -490,8 +493,8 @@ async fn without_the_role_to_end_the_holder_a_standby_says_what_is_missing_and_s
     relay.check_running().await.unwrap_or_else(|e| panic!("{e}"));
 
     admin.batch_execute(&format!("GRANT pg_signal_backend TO {relay_role}")).await.expect("grant");
-    relay.wait_log(&[ENDED], DETECTION_BOUND).await.unwrap_or_else(|e| panic!("{e}"));
-    relay.wait_log(&[ACTIVE], LIVENESS).await.unwrap_or_else(|e| panic!("{e}"));
+    relay.wait_signal(&[ENDED], DETECTION_BOUND).await.unwrap_or_else(|e| panic!("{e}"));
+    relay.wait_signal(&[ACTIVE], LIVENESS).await.unwrap_or_else(|e| panic!("{e}"));
     all_delivered(&hook, &committed, || relay.log()).await;
     relay.stop().await;
     drop(holder);

@@ -398,7 +398,7 @@ async fn a_listen_relay_where_no_insert_trigger_fires_says_it_finds_events_by_th
     assert!(out.ok(), "migrate --source wal: {}", out.stderr);
     assert!(out.stderr.contains("no insert trigger fires"), "migrate says so: {}", out.stderr);
     let mut relay = crate::relay_proc::start(&db, &["--sink", "stdout"]).await;
-    relay.wait_for_log(&["finds new events by the sweep only"]).await;
+    relay.wait_for_signal(&["sweep_only"]).await;
     relay.sigterm();
     relay.wait().await;
     let out = support::cli(&["migrate", "--source", "listen"]).url(&db.url()).run().await;
@@ -464,7 +464,7 @@ async fn a_long_write_transaction_delays_the_slot_not_the_relay() {
     .await
     .unwrap_or_else(|e| panic!("the relay starts despite the long transaction: {e}"));
     let waited = started.elapsed();
-    relay.wait_log(&["starting without the replication stream"], LIVENESS).await.unwrap_or_else(|e| panic!("{e}"));
+    relay.wait_signal(&["replication_pending"], LIVENESS).await.unwrap_or_else(|e| panic!("{e}"));
     // Ready (the sweep delivers), and degraded: the stream is not there.
     let (_, body) = crate::health::probe_until(port, "/readyz", LIVENESS, |code, _| code == 200).await;
     assert_eq!(body["checks"]["listener"]["status"], "degraded", "{body}");
@@ -483,10 +483,7 @@ async fn a_long_write_transaction_delays_the_slot_not_the_relay() {
     })
     .await;
     long.batch_execute("COMMIT").await.expect("the long transaction ends");
-    relay
-        .wait_log(&["replication connection re-established"], Duration::from_secs(60))
-        .await
-        .unwrap_or_else(|e| panic!("{e}"));
+    relay.wait_signal(&["replication_resumed"], Duration::from_secs(60)).await.unwrap_or_else(|e| panic!("{e}"));
     assert_eq!(slots(&c).await.0, 1, "the slot exists once the transaction ended");
     let (_, body) =
         crate::health::probe_until(port, "/readyz", LIVENESS, |_, b| b["listener"]["listening"] == true).await;

@@ -81,6 +81,7 @@ pub(in crate::consumer) async fn taking_leadership(cx: Cx<'_>) -> Result<(), Sta
     }
     if !UNBOUNDED_WARNED.swap(true, Ordering::Relaxed) {
         tracing::warn!(
+            signal = "no_idle_session_timeout",
             "the server has no idle_session_timeout (PostgreSQL 13): a frozen leader keeps the outbox for as long as it \
              is frozen, and one behind a silent network until the server's keepalives end its session (about 60 s); \
              upgrade to PostgreSQL 14 or later, or run the standbys with --take-over-stranded (docs/architecture.md, \

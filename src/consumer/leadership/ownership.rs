@@ -314,19 +314,23 @@ impl Ownership {
         if now && !*leader {
             match waits_until.filter(|t| *t > Instant::now()) {
                 None => tracing::info!(
+                    signal = "leader",
                     role = "leader",
                     term = term.map_or(0, Term::get),
                     ended_term = ended,
                     "active: this consumer holds the outbox lock and delivers"
                 ),
-                Some(until) => tracing::info!(role = "leader", term = term.map_or(0, Term::get), ended_term = ended,
+                Some(until) => {
+                    tracing::info!(signal = "leader", role = "leader", term = term.map_or(0, Term::get), ended_term = ended,
                     wait = ?until.saturating_duration_since(Instant::now()),
                     "active: this consumer holds the outbox lock; the previous leader did not release its term \
                      (it crashed, froze or lost its connection), so delivery starts once its hand-out lease has \
-                     run out"),
+                     run out")
+                }
             }
         } else if !now && *leader {
             tracing::warn!(
+                signal = "deposed",
                 role = "standby",
                 term = term.map_or(0, Term::get),
                 "no longer active (connection lost): term {} is this relay's no more (another relay may have taken a \
@@ -438,7 +442,11 @@ impl Ownership {
         let Ownership::Single { standby_logged, lock_at, watch, .. } = self else { return Ok(false) };
         if !*standby_logged {
             *standby_logged = true;
-            tracing::info!(role = "standby", "standby: another consumer holds the outbox lock; waiting to take over");
+            tracing::info!(
+                signal = "standby",
+                role = "standby",
+                "standby: another consumer holds the outbox lock; waiting to take over"
+            );
         }
         let now = Instant::now();
         *lock_at = Some(now + LOCK_INTERVAL);

@@ -172,6 +172,7 @@ impl Watch {
             )
         };
         tracing::warn!(
+            signal = "stranded",
             role = "standby",
             pid,
             client_addr = h.client(),
@@ -189,6 +190,7 @@ impl Watch {
         match cx.work.terminate_stranded(h, self.threshold_secs, cx.stop()).await {
             Ok(true) => {
                 tracing::warn!(
+                    signal = "stranded_ended",
                     role = "standby",
                     pid = h.id.pid,
                     client_addr = h.client(),
@@ -205,7 +207,7 @@ impl Watch {
                     self.refused = Some(h.id);
                     let error = crate::error::report(&e);
                     if e.code() == Some(&SqlState::INSUFFICIENT_PRIVILEGE) {
-                        tracing::warn!(role = "standby", pid = h.id.pid, error = %error,
+                        tracing::warn!(signal = "stranded_refused", role = "standby", pid = h.id.pid, error = %error,
                             "cannot end the stranded holder of the outbox lock (pid {}): the relay's role may not \
                              signal it; --take-over-stranded needs a role that is a member of pg_signal_backend \
                              (GRANT pg_signal_backend TO <role>) or has the holder's role's privileges (a \

@@ -254,7 +254,7 @@ pub(crate) async fn first(pg: &connect::ConnectOptions, work: &tokio_postgres::C
             Ok(Some(Streaming { client, slot }))
         }
         Err(e) if is_slot_wait(&e) => {
-            tracing::warn!(error = %crate::error::report(&e),
+            tracing::warn!(signal = "replication_pending", error = %crate::error::report(&e),
                 "starting without the replication stream: events are found by the sweep until the slot is created \
                  (tried again with backoff)");
             Ok(None)
@@ -340,7 +340,7 @@ async fn run(r: WalReader) {
                 } else {
                     reconnects += 1;
                     metrics::counter!(m::LISTENER_RECONNECTS).increment(1);
-                    tracing::info!(reconnects, slot = %slot, "replication connection re-established; sweeping");
+                    tracing::info!(signal = "replication_resumed", reconnects, slot = %slot, "replication connection re-established; sweeping");
                 }
                 metrics::gauge!(m::NOTIFICATIONS_WORKING).set(1.0);
                 current = Some(Streaming { client, slot });

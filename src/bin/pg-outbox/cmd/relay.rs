@@ -311,10 +311,10 @@ fn log_start(args: &RelayArgs, target: &str, sink_name: &str, guarantee: pg_outb
     };
     match args.metrics_addr {
         Some(a) => {
-            tracing::info!(database = %target, sink = %sink_name, max_buffered_bytes = %bound, metrics = %format!("http://{a}/metrics"), "relay started; {woken_by}")
+            tracing::info!(signal = "started", database = %target, sink = %sink_name, max_buffered_bytes = %bound, metrics = %format!("http://{a}/metrics"), "relay started; {woken_by}")
         }
         None => {
-            tracing::info!(database = %target, sink = %sink_name, max_buffered_bytes = %bound, "relay started; {woken_by}")
+            tracing::info!(signal = "started", database = %target, sink = %sink_name, max_buffered_bytes = %bound, "relay started; {woken_by}")
         }
     }
     tracing::info!(sink = %sink_name, guarantee = %guarantee, max_in_flight = args.max_in_flight, "sink delivery guarantee: {guarantee}");
