@@ -506,7 +506,7 @@ impl<S: Source> Engine<S> {
         }
         self.sessions.ready();
         if let Some(since) = self.on_standby.take() {
-            tracing::info!(after = ?since.elapsed(), "a host accepts writes again (the standby was promoted): delivering");
+            tracing::info!(signal = "writable", after = ?since.elapsed(), "a host accepts writes again (the standby was promoted): delivering");
         }
         self.health.connected(true);
         self.health.role(self.source.leadership().role());
@@ -565,7 +565,7 @@ impl<S: Source> Engine<S> {
             Loss::ConnectFailed(Error::ReadOnlyStandby { target }) => {
                 if self.on_standby.is_none() {
                     self.on_standby = Some(Instant::now());
-                    tracing::warn!(standby = %target, retry_every_at_most = ?self.cfg.reconnect_max_delay,
+                    tracing::warn!(signal = "read_only", standby = %target, retry_every_at_most = ?self.cfg.reconnect_max_delay,
                         "the database is a read-only standby now (a failover?): reconnecting until a host accepts writes");
                 } else {
                     tracing::debug!(retry_in = ?delay, "still a read-only standby");

@@ -571,6 +571,7 @@ async fn above_seen(
     let Some(seen) = seen.filter(|s| taken.term <= *s) else { return Ok(taken) };
     let raised = cx.work.raise_term(scope, seen, cx.stop()).await?;
     tracing::warn!(
+        signal = "term_raised",
         scope,
         database_term = taken.term.get(),
         seen = seen.get(),

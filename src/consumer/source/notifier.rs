@@ -173,7 +173,7 @@ pub(crate) async fn run(n: Notifier) {
                 on_standby = false;
                 reconnects += 1;
                 metrics::counter!(m::LISTENER_RECONNECTS).increment(1);
-                tracing::info!(reconnects, "LISTEN connection re-established; sweeping");
+                tracing::info!(signal = "listen_resumed", reconnects, "LISTEN connection re-established; sweeping");
                 current = Some(l);
                 // LISTEN is in place: now sweep for what was committed while down.
                 reconnect_wake.notify_one();
