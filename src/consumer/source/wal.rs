@@ -506,7 +506,7 @@ impl WakeKind for Streamed {
     }
 
     fn look_due(&mut self, now: Instant) -> bool {
-        if !self.recheck_at.is_some_and(|t| t <= now) {
+        if self.recheck_at.is_none_or(|t| t > now) {
             return false;
         }
         self.recheck_at = None;
