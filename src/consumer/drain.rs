@@ -281,7 +281,7 @@ impl<K: WakeKind, F: Fetch> Engine<K, F> {
             }
         }
         if self.fetch.holds_transaction() && self.inflight.outstanding() == 0 {
-            // What the source's transaction handed out is settled: write it.
+            // What the fetch's transaction handed out is settled: write it.
             self.completer.flush_now();
         }
     }
@@ -442,7 +442,7 @@ impl<K: WakeKind, F: Fetch> Engine<K, F> {
     }
 
     /// The flush timer fired: write what is pending, or, with nothing to
-    /// write, end a source's transaction whose deliveries are settled.
+    /// write, end a fetch's transaction whose deliveries are settled.
     async fn flush_timer(&mut self) {
         if self.completer.pending() > 0 {
             return self.start_write();
