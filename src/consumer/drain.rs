@@ -2,10 +2,10 @@
 //! what can happen next and hands each to the service that owns it.
 //!
 //! ```text
-//! the source says fetch (wake-ups, timers, ownership)
-//!     -> the source fetches -> InFlight hands out into the stream's buffer
+//! the wake-ups say fetch (signals, timers), and the leadership may
+//!     -> the fetch fetches -> InFlight hands out into the stream's buffer
 //!     -> user code settles -> Completer writes
-//!     -> the write's outcome: HoldBack released, the source told
+//!     -> the write's outcome: HoldBack released, the fetch and wake-ups told
 //! ```
 //!
 //! The engine's services, each a file of this module with its own state:
@@ -13,7 +13,9 @@
 //! (the events handed out, the byte bound, the fetch count),
 //! [`super::holdback`] (per-aggregate hold-back), [`Completer`]
 //! (acknowledgements and failures, written in batches), [`Maintenance`]
-//! (gauges). Where events come from is the [`Source`] (`super::source`).
+//! (gauges). Where events come from is the source (`super::source`): its
+//! [`Wakeups`] of a [`WakeKind`], its [`Fetch`], and that fetch's
+//! [`Leadership`].
 //!
 //! Why one task: a write's outcome is taken in by the loop between two
 //! fetches, and fetches are awaited by the loop, so a fetch issued after a
@@ -41,16 +43,19 @@ use super::completer::{Completer, FlushDone};
 use super::delivery::Settlement;
 use super::health;
 use super::inflight::InFlight;
-use super::leadership::{LEASE, lease};
+use super::leadership::LEASE;
 use super::maintenance::Maintenance;
 use super::session::{OpenError, Sessions};
-use super::source::{Cx, Leadership, Room, Source, Stop, TermCheck};
+use super::source::{Cx, Fetch, Leadership, Room, Stop, TermCheck, Wake, WakeKind, Wakeups, due, earliest};
 use super::{ConsumerConfig, Delivery, STATUS_INTERVAL, Shared};
 use crate::connect::Link;
-use crate::error::Error;
 use crate::metrics as m;
-use crate::store::statement::{self, Failure, StatementError};
-use crate::term::Term;
+use crate::store::statement::{Failure, StatementError};
+
+mod finish;
+mod loss;
+
+use loss::Loss;
 
 /// What the loop exchanges with the stream.
 pub(crate) struct Io {
@@ -78,36 +83,13 @@ async fn maybe<F: Future>(f: Option<F>) -> F::Output {
     }
 }
 
-/// Why the sessions are given up.
-enum Loss {
-    /// A session's connection ended (`"drain"` or `"writer"`).
-    Closed(&'static str),
-    /// Opening the sessions failed.
-    ConnectFailed(Error),
-    /// A statement failed.
-    Statement(StatementError),
-    /// The leadership term held (`term`) is no longer the current one
-    /// (`current`, when read): another relay took the outbox over.
-    Fenced { term: Option<Term>, current: Option<Term> },
-}
-
-impl Loss {
-    /// A statement opening the sessions failed: a database error counts as
-    /// a failed connection.
-    fn opening(e: StatementError) -> Self {
-        match e {
-            StatementError { failure: Failure::Db(e), .. } => Loss::ConnectFailed(Error::Db(e)),
-            e => Loss::Statement(e),
-        }
-    }
-}
-
-/// Run the drain loop over `source` until `token` is cancelled and the
-/// handed-out deliveries are settled (or the shutdown grace ran out), then
-/// write the last settlements. `first` is the connection `start` opened.
-pub(crate) async fn run<S: Source>(
+/// Run the drain loop over the source of `wakeups` and `fetch` until
+/// `token` is cancelled and the handed-out deliveries are settled (or the
+/// shutdown grace ran out), then write the last settlements. `first` is
+/// the connection `start` opened.
+pub(crate) async fn run<K: WakeKind, F: Fetch>(
     cfg: Arc<ConsumerConfig>,
-    source: S,
+    (wakeups, fetch): (Wakeups<K>, F),
     first: (Client, Link),
     io: Io,
     token: CancellationToken,
@@ -129,7 +111,8 @@ pub(crate) async fn run<S: Source>(
         inflight: InFlight::new(shared.clone(), cfg.batch_size, cfg.max_buffered_bytes),
         completer: Completer::new(&cfg, done_tx),
         maintenance: Maintenance::new(cfg.heartbeat_interval().min(STATUS_INTERVAL), STATUS_INTERVAL, cfg.leads()),
-        source,
+        wakeups,
+        fetch,
         status_due: Instant::now(),
         cfg,
         token,
@@ -143,7 +126,7 @@ pub(crate) async fn run<S: Source>(
     engine.run(tx, settle_rx, done_rx, &shared).await
 }
 
-struct Engine<S: Source> {
+struct Engine<K: WakeKind, F: Fetch> {
     cfg: Arc<ConsumerConfig>,
     token: CancellationToken,
     /// Set once stopping: the loop ends then, or when nothing is handed out.
@@ -156,7 +139,10 @@ struct Engine<S: Source> {
     maintenance: Maintenance,
     /// When maintenance (the heartbeat, and the gauges when due) runs next.
     status_due: Instant,
-    source: S,
+    /// When to fetch.
+    wakeups: Wakeups<K>,
+    /// Which rows, under which leadership.
+    fetch: F,
     /// Where each turn, the sessions' state, the role and errors are told.
     health: Arc<health::State>,
     /// Since when reconnects have found only a read-only standby (a
@@ -171,7 +157,7 @@ struct Engine<S: Source> {
     lease_warned: Option<Instant>,
 }
 
-impl<S: Source> Engine<S> {
+impl<K: WakeKind, F: Fetch> Engine<K, F> {
     async fn run(
         mut self,
         tx: mpsc::Sender<Delivery>,
@@ -190,7 +176,9 @@ impl<S: Source> Engine<S> {
             let buffer_empty = tx.capacity() == tx.max_capacity();
             let can_fetch = !stopping
                 && open
-                && self.source.wants_fetch()
+                && self.wakeups.wants_fetch()
+                && self.fetch.leadership().may_fetch()
+                && !self.fetch.holds_transaction()
                 && !self.completer.behind()
                 && self.inflight.bytes_allow_fetch(buffer_empty);
             // Held payloads between half the bound and the bound: a fetch
@@ -198,7 +186,9 @@ impl<S: Source> Engine<S> {
             // the buffer (then it waits with deliveries unsettled).
             let bytes_wait = !stopping && !buffer_empty && self.inflight.waits_for_empty_buffer();
             let engine_at = self.next_timer(open);
-            let source_at = self.source.next_timer(open, stopping);
+            let source_at = self.source_timer(open, stopping);
+            // The source's timers and maintenance, last of all, share an arm.
+            let later_at = earliest(source_at, Some(self.status_due).filter(|_| open));
             // Notice a lost session at once, not at the next query: its locks
             // are gone, and what it buffered must not be handed out.
             let closed = self.sessions.conn().map(|c| c.closed());
@@ -210,11 +200,13 @@ impl<S: Source> Engine<S> {
                 Some(s) = settle_rx.recv() => self.take_settlements(s, &mut settle_rx),
                 _ = maybe_sleep(engine_at) => self.timer_due().await,
                 permit = tx.reserve_many(self.inflight.batch()), if can_fetch => self.fetch(permit).await,
-                wake = self.source.signalled(), if !stopping => self.source.woken(wake),
+                wake = self.wakeups.signalled(), if !stopping => self.wakeups.woken(wake),
                 _ = shared.reader_waiting.notified(), if bytes_wait => {}
                 _ = shared.lease.renewal_requested(), if open && !stopping => self.renew_lease().await,
-                _ = maybe_sleep(source_at) => self.source_timers().await,
-                _ = sleep_until(self.status_due), if open => self.maintain().await,
+                _ = maybe_sleep(later_at) => match source_at {
+                    Some(at) if at <= Instant::now() => self.source_timers().await,
+                    _ => self.maintain().await,
+                },
             }
         }
         self.final_flush(&mut done_rx).await;
@@ -248,7 +240,7 @@ impl<S: Source> Engine<S> {
         if self.token.is_cancelled() && self.stop_deadline.is_none() {
             self.stop_deadline = Some(Instant::now() + self.cfg.shutdown_grace);
             self.health.stopping();
-            self.source.stop();
+            self.wakeups.stop();
             tracing::debug!(
                 outstanding = self.inflight.outstanding(),
                 held_bytes = self.inflight.held_bytes(),
@@ -284,24 +276,25 @@ impl<S: Source> Engine<S> {
             Settlement::Release { id, key } => {
                 metrics::counter!(m::EVENTS_RELEASED).increment(1);
                 self.inflight.released(id, &key);
-                self.source.released(id);
+                self.fetch.released(id);
+                self.wakeups.woken(Wake::Release);
             }
         }
-        if self.source.holds_transaction() && self.inflight.outstanding() == 0 {
-            // What the source's transaction handed out is settled: write it.
+        if self.fetch.holds_transaction() && self.inflight.outstanding() == 0 {
+            // What the fetch's transaction handed out is settled: write it.
             self.completer.flush_now();
         }
     }
 
-    /// The work session and the stop signal, for the source (`None` while
-    /// the sessions are closed).
-    fn source_cx(&mut self) -> (&mut S, Option<Cx<'_>>) {
+    /// The wake-ups, the fetch, and the work session with the stop signal
+    /// for them (`None` while the sessions are closed).
+    fn source_cx(&mut self) -> (&mut Wakeups<K>, &mut F, Option<Cx<'_>>) {
         let stop = match self.final_deadline {
             Some(at) => Stop::At(at),
             None => Stop::Token(&self.token),
         };
         let cx = self.sessions.conn().map(|c| Cx { work: &c.work, stop });
-        (&mut self.source, cx)
+        (&mut self.wakeups, &mut self.fetch, cx)
     }
 
     /// Fetch into the reserved buffer slots (`Err`: the stream was dropped).
@@ -311,8 +304,8 @@ impl<S: Source> Engine<S> {
         let room = Room { exclude: &exclude, batch: self.inflight.batch(), budget: self.inflight.budget() };
         let sent = Instant::now();
         let page = match self.source_cx() {
-            (source, Some(cx)) => source.fetch(cx, room).await,
-            (_, None) => return,
+            (_, fetch, Some(cx)) => fetch.fetch(cx, room).await,
+            (_, _, None) => return,
         };
         let page = match page {
             Ok(page) => page,
@@ -323,7 +316,7 @@ impl<S: Source> Engine<S> {
         };
         // The fetch read the current terms with its rows: hand them out
         // only under ours, within the lease from when the fetch was sent.
-        match self.source.leadership().check_page(&page) {
+        match self.fetch.leadership().check_page(&page) {
             TermCheck::Unfenced => self.shared.lease.unfenced(),
             TermCheck::Unconfirmed => {}
             TermCheck::Confirmed => self.confirmed(sent),
@@ -335,18 +328,19 @@ impl<S: Source> Engine<S> {
         // A fetch the byte budget cut counts as full: more may be due (the
         // wake-up policy ends a drain at a fetch of less than a batch).
         let full = page.rows.len() >= self.inflight.batch() || page.cut;
-        let source = &mut self.source;
+        let fetch = &mut self.fetch;
         let settle = (&self.token, &mut self.completer);
-        let handed = self.inflight.hand_out(page, permit, settle, |id, part| source.handed_out(id, part));
+        let handed = self.inflight.hand_out(page, permit, settle, |id, part| fetch.handed_out(id, part));
         self.inflight.record_held();
-        metrics::counter!(m::EVENTS_FETCHED, "wake" => self.source.wake_label()).increment(handed);
-        if handed == 0 && self.source.holds_transaction() {
-            // Nothing handed out: end the source's transaction at once.
+        metrics::counter!(m::EVENTS_FETCHED, "wake" => self.wakeups.label()).increment(handed);
+        let in_tx = self.fetch.holds_transaction();
+        if handed == 0 && in_tx {
+            // Nothing handed out: end the fetch's transaction at once.
             self.completer.flush_now();
         }
         let after = match self.source_cx() {
-            (source, Some(cx)) => source.fetched(cx, handed, full).await,
-            (_, None) => Ok(()),
+            (wakeups, _, Some(cx)) => wakeups.fetched(cx, handed, full, in_tx).await,
+            (_, _, None) => Ok(()),
         };
         self.check(after);
     }
@@ -355,15 +349,15 @@ impl<S: Source> Engine<S> {
     /// confirm that the term is still current, one statement for all that
     /// waits ([`super::lease`]).
     async fn renew_lease(&mut self) {
-        if !self.source.leadership().fenced() {
+        if !self.fetch.leadership().fenced() {
             // No term held: a standby's buffer was released when it lost
             // its term; in competing mode nothing is fenced.
             return;
         }
         let sent = Instant::now();
         let read = match self.source_cx() {
-            (source, Some(cx)) => source.leadership().confirm_terms(cx).await,
-            (_, None) => return,
+            (_, fetch, Some(cx)) => fetch.leadership().confirm_terms(cx).await,
+            (_, _, None) => return,
         };
         match read {
             Ok(TermCheck::Confirmed) => self.confirmed(sent),
@@ -393,13 +387,39 @@ impl<S: Source> Engine<S> {
         ));
     }
 
-    /// The source's timer fired.
+    /// The source's next timer: the wake-ups' (`in_tx`: the fetch holds a
+    /// transaction), or the leadership's next try for its locks (sessions
+    /// open, not stopping).
+    fn source_timer(&self, open: bool, stopping: bool) -> Option<Instant> {
+        let wakeups = self.wakeups.next_timer(open, stopping, self.fetch.holds_transaction());
+        earliest(wakeups, self.fetch.leadership().next_try().filter(|_| open && !stopping))
+    }
+
+    /// The source's timer fired: the wake-ups' timers due, then the
+    /// leadership's try for its locks (a fetch when it may fetch more, and
+    /// its role told); then the wake-ups hear of the leadership.
     async fn source_timers(&mut self) {
         let stopping = self.stop_deadline.is_some();
-        let (source, cx) = self.source_cx();
-        match source.timers_due(cx, stopping).await {
-            Ok(false) => {}
-            Ok(true) => self.health.role(self.source.leadership().role()),
+        let now = Instant::now();
+        let in_tx = self.fetch.holds_transaction();
+        let (wakeups, fetch, cx) = self.source_cx();
+        let tried = async {
+            wakeups.timers_due(cx, stopping, in_tx).await?;
+            match cx.filter(|_| !stopping && due(fetch.leadership().next_try(), now)) {
+                Some(cx) => fetch.leadership_mut().try_take(cx).await.map(Some),
+                None => Ok(None),
+            }
+        }
+        .await;
+        self.wakeups.led(self.fetch.leadership());
+        match tried {
+            Ok(None) => {}
+            Ok(Some(took)) => {
+                if took {
+                    self.wakeups.woken(Wake::Ownership);
+                }
+                self.health.role(self.fetch.leadership().role());
+            }
             Err(e) => self.lose(Loss::Statement(e)),
         }
     }
@@ -422,7 +442,7 @@ impl<S: Source> Engine<S> {
     }
 
     /// The flush timer fired: write what is pending, or, with nothing to
-    /// write, end a source's transaction whose deliveries are settled.
+    /// write, end a fetch's transaction whose deliveries are settled.
     async fn flush_timer(&mut self) {
         if self.completer.pending() > 0 {
             return self.start_write();
@@ -431,15 +451,15 @@ impl<S: Source> Engine<S> {
         self.end_transaction().await;
     }
 
-    /// Everything handed out is settled and written: a source that holds a
+    /// Everything handed out is settled and written: a fetch that holds a
     /// transaction ends it.
     async fn end_transaction(&mut self) {
-        if !self.source.holds_transaction() || self.inflight.outstanding() > 0 || self.completer.pending() > 0 {
+        if !self.fetch.holds_transaction() || self.inflight.outstanding() > 0 || self.completer.pending() > 0 {
             return;
         }
         let r = match self.source_cx() {
-            (source, Some(cx)) => source.settled(cx).await,
-            (_, None) => Ok(()),
+            (_, fetch, Some(cx)) => fetch.settled(cx).await,
+            (_, _, None) => Ok(()),
         };
         self.check(r);
     }
@@ -447,21 +467,23 @@ impl<S: Source> Engine<S> {
     fn start_write(&mut self) {
         match self.sessions.conn() {
             Some(conn) => {
-                let source = &self.source;
-                self.completer
-                    .start(&conn.writer, self.sessions.generation(), |ids| source.leadership().fence_for(ids));
+                let leader = self.fetch.leadership();
+                self.completer.start(&conn.writer, self.sessions.generation(), |ids| leader.fence_for(ids));
             }
             None => self.completer.disarm(),
         }
     }
 
-    /// Take in a write's outcome: hold-back released, the source told; an
-    /// error on the current sessions gives them up.
+    /// Take in a write's outcome: hold-back released, the fetch and the
+    /// wake-ups told; an error on the current sessions gives them up.
     async fn written(&mut self, done: FlushDone) {
         let current = done.generation == self.sessions.generation() && self.sessions.is_open();
-        let source = &self.source;
-        let w = self.completer.finish(done, |ids| source.leadership().fence_for(ids));
-        self.source.written(&w);
+        let leader = self.fetch.leadership();
+        let w = self.completer.finish(done, |ids| leader.fence_for(ids));
+        if self.fetch.written(&w) {
+            self.wakeups.woken(Wake::Retry);
+        }
+        self.wakeups.written(&w);
         // No fetch is in flight while this runs (fetches are awaited by this
         // same task), so every later fetch sees the failures.
         self.inflight.failures_written(w.failed.iter().map(|(_, key)| key));
@@ -471,7 +493,7 @@ impl<S: Source> Engine<S> {
             self.lose(Loss::Statement(e));
         } else if let Some(term) = w.fenced
             && current
-            && self.source.leadership().fenced()
+            && self.fetch.leadership().fenced()
         {
             self.lose(Loss::Fenced { term, current: None });
         }
@@ -482,7 +504,7 @@ impl<S: Source> Engine<S> {
         }
     }
 
-    /// Open the sessions and let the source take what it holds on them
+    /// Open the sessions and let the fetch take what it holds on them
     /// (giving up when the consumer stops, or at the final flush's
     /// deadline).
     async fn reconnect(&mut self) {
@@ -491,25 +513,26 @@ impl<S: Source> Engine<S> {
             Some(at) => Stop::At(at),
             None => Stop::Token(&token),
         };
-        if let Err(e) = self.sessions.open(&self.cfg, self.source.fetch_kind(), stop.wait()).await {
+        if let Err(e) = self.sessions.open(&self.cfg, self.fetch.fetch_kind(), stop.wait()).await {
             return self.lose(match e {
                 OpenError::Connect(e) => Loss::ConnectFailed(e),
                 OpenError::Statement(e) => Loss::opening(e),
             });
         }
         let opened = match self.source_cx() {
-            (source, Some(cx)) => source.session_opened(cx).await,
-            (_, None) => Ok(()),
+            (_, fetch, Some(cx)) => fetch.session_opened(cx).await,
+            (_, _, None) => Ok(()),
         };
         if let Err(e) = opened {
             return self.lose(Loss::opening(e));
         }
+        self.wakeups.session_opened();
         self.sessions.ready();
         if let Some(since) = self.on_standby.take() {
             tracing::info!(signal = "writable", after = ?since.elapsed(), "a host accepts writes again (the standby was promoted): delivering");
         }
         self.health.connected(true);
-        self.health.role(self.source.leadership().role());
+        self.health.role(self.fetch.leadership().role());
         if self.completer.pending() > 0 {
             self.completer.flush_now();
         }
@@ -535,17 +558,18 @@ impl<S: Source> Engine<S> {
             }
             None => Duration::ZERO,
         };
-        let had_term = self.source.leadership().fenced();
+        let had_term = self.fetch.leadership().fenced();
         self.inflight.session_lost();
         self.sessions.close(delay);
-        self.source.session_lost();
+        self.wakeups.session_lost();
+        self.fetch.session_lost();
         if had_term {
             // After the stale mark: a delivery waiting for the lease is
             // released when the stream looks again.
             self.shared.lease.revoke();
         }
         self.health.connected(false);
-        self.health.role(self.source.leadership().role());
+        self.health.role(self.fetch.leadership().role());
     }
 
     /// Log a loss and return the error for the consumer's health with the
@@ -557,132 +581,7 @@ impl<S: Source> Engine<S> {
             return None;
         }
         let delay = self.sessions.next_delay();
-        let error = match loss {
-            Loss::Closed(which) => {
-                tracing::warn!(retry_in = ?delay, "{which} connection closed; reconnecting");
-                format!("{which} connection closed")
-            }
-            Loss::ConnectFailed(Error::ReadOnlyStandby { target }) => {
-                if self.on_standby.is_none() {
-                    self.on_standby = Some(Instant::now());
-                    tracing::warn!(signal = "read_only", standby = %target, retry_every_at_most = ?self.cfg.reconnect_max_delay,
-                        "the database is a read-only standby now (a failover?): reconnecting until a host accepts writes");
-                } else {
-                    tracing::debug!(retry_in = ?delay, "still a read-only standby");
-                }
-                format!(
-                    "the server at {target} is a read-only standby (in recovery): waiting for a host that accepts writes"
-                )
-            }
-            Loss::Fenced { term, current } => {
-                let known = |t: Option<Term>| t.map_or_else(|| "unknown".to_string(), |t| t.to_string());
-                let (term, current) = (known(term), known(current));
-                tracing::warn!(term = %term, current = %current, retry_in = ?delay,
-                    "this consumer's leadership term was superseded: another relay took the outbox over; \
-                     handing nothing more out, and reconnecting as a standby");
-                format!("leadership term {term} superseded (current term {current}): another relay leads")
-            }
-            Loss::ConnectFailed(e) => {
-                let error = crate::error::report(&e);
-                tracing::warn!(error = %error, retry_in = ?delay, "drain connection failed; retrying");
-                error
-            }
-            Loss::Statement(StatementError { kind, failure }) => match failure {
-                Failure::TimedOut(e) => {
-                    statement::record_timeout(kind, self.cfg.statement_timeout, &e, Some(delay));
-                    let timeout = self.cfg.statement_timeout;
-                    format!(
-                        "statement timeout: the server cancelled a statement ({}) after {timeout:?}",
-                        kind.describe()
-                    )
-                }
-                Failure::Db(e) if e.code() == Some(&tokio_postgres::error::SqlState::IDLE_SESSION_TIMEOUT) => {
-                    lease::ended_idle(&e, delay)
-                }
-                Failure::Db(e) => {
-                    let error = crate::error::report(&e);
-                    tracing::warn!(error = %error, during = kind.describe(), retry_in = ?delay,
-                        "database error in the drain loop; reconnecting");
-                    format!("{}: {error}", kind.describe())
-                }
-                Failure::Stopped => return None,
-            },
-        };
-        Some((error, delay))
-    }
-
-    /// Let the source say its last, and write the final settlements, within
-    /// one shutdown grace: a statement still running then is cancelled.
-    /// Whatever is still handed out is released by its `Drop` later.
-    async fn final_flush(&mut self, done_rx: &mut mpsc::UnboundedReceiver<FlushDone>) {
-        let deadline = Instant::now() + self.cfg.shutdown_grace;
-        self.final_deadline = Some(deadline);
-        let settled = self.inflight.outstanding() == 0;
-        let r = match self.source_cx() {
-            (source, Some(cx)) => source.finish(cx, deadline, settled).await,
-            (_, None) => Ok(()),
-        };
-        self.check(r);
-        // A write per batch, and up to three more for writes that fail.
-        for _ in 0..3 + self.completer.writes_needed() {
-            if self.completer.is_writing() {
-                match self.write_outcome(done_rx, deadline).await {
-                    Some(done) => self.written(done).await,
-                    None => break,
-                }
-            }
-            if self.completer.pending() == 0 || Instant::now() >= deadline {
-                break;
-            }
-            if !self.sessions.is_open() {
-                self.reconnect().await;
-            }
-            self.start_write();
-            if self.completer.is_writing()
-                && let Some(done) = self.write_outcome(done_rx, deadline).await
-            {
-                self.written(done).await;
-            }
-        }
-        self.report_unwritten();
-    }
-
-    /// The outcome of the write in flight, waited for until `deadline`;
-    /// then the write is cancelled and waited for a little longer (`None`
-    /// if it still does not end: its events stay unpublished).
-    async fn write_outcome(
-        &self,
-        done_rx: &mut mpsc::UnboundedReceiver<FlushDone>,
-        deadline: Instant,
-    ) -> Option<FlushDone> {
-        if let Ok(done) = tokio::time::timeout_at(deadline, done_rx.recv()).await {
-            return done;
-        }
-        tracing::warn!(grace = ?self.cfg.shutdown_grace,
-            "the final settlements were not written within the shutdown grace; cancelling the write");
-        if let Some(conn) = self.sessions.conn() {
-            conn.writer.session().cancel().await;
-        }
-        tokio::time::timeout(statement::CANCELLED_WAIT, done_rx.recv()).await.ok().flatten()
-    }
-
-    fn report_unwritten(&self) {
-        let (acks, fails) = self.completer.pending_counts();
-        let unfinished = self.completer.writing();
-        if acks + fails + unfinished > 0 {
-            tracing::error!(
-                acknowledgements = acks,
-                failures = fails,
-                unfinished,
-                "could not write the final settlements; those events will be delivered again"
-            );
-        }
-        if self.inflight.outstanding() > 0 {
-            tracing::warn!(
-                deliveries = self.inflight.outstanding(),
-                "shutdown grace ran out with deliveries still open; they stay unpublished and will be delivered again"
-            );
-        }
+        loss.describe(delay, &mut self.on_standby, &self.cfg).map(|error| (error, delay))
     }
 }
 

@@ -9,7 +9,7 @@
 //!
 //! The heartbeat comes first and does not wait for the gauges: standbys
 //! read it to tell a live leader from a stranded lock
-//! (`source::stranded`), so it must keep its pace while a large backlog
+//! (`leadership::stranded`), so it must keep its pace while a large backlog
 //! makes the gauges slow.
 //!
 //! None of these is needed to deliver: a database error in them is logged

@@ -8,9 +8,9 @@ use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
 use super::session::new_backoff;
-use super::source::{ClaimSource, ListenSource, Signals, notifier};
+use super::source::{ClaimFetch, Notified, OrderedFetch, Signals, WakeKind, Wakeups, notifier};
 #[cfg(feature = "wal")]
-use super::source::{WalSource, wal};
+use super::source::{Streamed, wal};
 use super::stream::{Shared, StreamParts};
 use super::{
     ConsumerBuilder, ConsumerConfig, EventStream, HealthMonitor, ListenerStatus, Mode, NOTIFY_CHANNEL, PROBE_TIMEOUT,
@@ -152,31 +152,33 @@ struct Engine {
 }
 
 impl Engine {
-    /// Spawn the drain loop over the source of `cfg`'s mode and source kind,
-    /// woken by `signals` (the WAL source streams while `wanted` says so).
-    /// One engine per source type: the calls into the source are static.
+    /// Spawn the drain loop over the source of `cfg`'s source kind and
+    /// mode, woken by `signals` (the WAL source streams while `wanted` says
+    /// so).
     fn spawn(
         self,
         cfg: &Arc<ConsumerConfig>,
         signals: Signals,
         #[cfg(feature = "wal")] wanted: watch::Sender<bool>,
     ) -> JoinHandle<()> {
+        match cfg.source {
+            SourceKind::Listen => self.spawn_with(cfg, signals, Notified),
+            #[cfg(feature = "wal")]
+            SourceKind::Wal => self.spawn_with(cfg, signals, Streamed::new(wanted)),
+        }
+    }
+
+    /// Spawn the drain loop over wake-ups of `kind` and the fetch of
+    /// `cfg`'s mode. One engine per pair of types: the calls into the
+    /// source are static.
+    fn spawn_with<K: WakeKind + 'static>(self, cfg: &Arc<ConsumerConfig>, signals: Signals, kind: K) -> JoinHandle<()> {
         let Engine { first, io, token, state } = self;
-        match (cfg.mode, cfg.source) {
-            #[cfg(feature = "wal")]
-            (Mode::Competing, SourceKind::Wal) => {
-                let source = WalSource::new(ClaimSource::new(cfg, signals), wanted);
-                tokio::spawn(drain::run(cfg.clone(), source, first, io, token, state))
-            }
-            #[cfg(feature = "wal")]
-            (_, SourceKind::Wal) => {
-                let source = WalSource::new(ListenSource::new(cfg, signals), wanted);
-                tokio::spawn(drain::run(cfg.clone(), source, first, io, token, state))
-            }
-            (Mode::Competing, _) => {
-                tokio::spawn(drain::run(cfg.clone(), ClaimSource::new(cfg, signals), first, io, token, state))
-            }
-            _ => tokio::spawn(drain::run(cfg.clone(), ListenSource::new(cfg, signals), first, io, token, state)),
+        let competing = cfg.mode == Mode::Competing;
+        let wakeups = Wakeups::new(cfg, signals, competing, kind);
+        if competing {
+            tokio::spawn(drain::run(cfg.clone(), (wakeups, ClaimFetch::default()), first, io, token, state))
+        } else {
+            tokio::spawn(drain::run(cfg.clone(), (wakeups, OrderedFetch::new(cfg)), first, io, token, state))
         }
     }
 }

@@ -13,8 +13,9 @@
 //! - [`stranded`]: a standby's watch on the holder of the outbox lock, and
 //!   the takeover of a stranded one.
 //!
-//! The sources hold an [`Ownership`] (competing mode takes none); the
-//! drain loop and the stream hold the [`lease::Lease`]. docs/architecture.md,
+//! The ordered fetch holds an [`Ownership`] (competing mode's claim fetch
+//! holds [`Unled`]: none); the drain loop and the stream hold the
+//! [`lease::Lease`]. docs/architecture.md,
 //! "Leadership terms", tells the whole protocol.
 
 pub(super) mod lease;
@@ -24,18 +25,39 @@ mod stranded;
 pub(super) use lease::LEASE;
 pub(super) use ownership::{Ownership, TermCheck};
 
+use tokio::time::Instant;
+
 use super::cx::Cx;
 use super::health::Role;
 use crate::store::statement::StatementError;
 use crate::store::{Fence, FetchPage};
 
 /// What the drain loop asks of leadership: the consumer's role, whether
-/// it holds terms, what a fetch's rows and a confirmation say of them, and
-/// the fence of a settlement write. [`Ownership`] is single and
-/// partitioned mode's; [`Unled`] competing mode's, which holds nothing.
+/// it may fetch, when it tries for its locks, whether it holds terms, what
+/// a fetch's rows and a confirmation say of them, the fence of a
+/// settlement write, and its terms' release at the stop. [`Ownership`] is
+/// single and partitioned mode's; [`Unled`] competing mode's, which holds
+/// nothing.
 pub(super) trait Leadership: Send {
     /// What this consumer does now, for its health.
     fn role(&self) -> Role;
+
+    /// May this consumer fetch now (it leads, or owns a partition, and no
+    /// takeover wait runs)?
+    fn may_fetch(&self) -> bool;
+
+    /// When to try to take (or rebalance) the locks next, or when a wait
+    /// after a takeover ends.
+    fn next_try(&self) -> Option<Instant>;
+
+    /// Take the locks, or rebalance (the time of [`Self::next_try`] came).
+    /// `Ok(true)`: this consumer may fetch more than before.
+    async fn try_take(&mut self, cx: Cx<'_>) -> Result<bool, StatementError>;
+
+    /// The consumer stops: release the terms held, so the next leader need
+    /// not wait out this one's hand-out lease; unless deliveries are still
+    /// open (`settled` false: one may yet reach its destination).
+    async fn release_terms(&self, cx: Cx<'_>, settled: bool) -> Result<(), StatementError>;
 
     /// Single mode: `Some(true)` once a try for the outbox lock since the
     /// sessions opened found another holding it (a standby), `Some(false)`
@@ -70,6 +92,32 @@ impl Leadership for Ownership {
         Ownership::role(self)
     }
 
+    fn may_fetch(&self) -> bool {
+        Ownership::may_fetch(self)
+    }
+
+    fn next_try(&self) -> Option<Instant> {
+        self.lock_at()
+    }
+
+    async fn try_take(&mut self, cx: Cx<'_>) -> Result<bool, StatementError> {
+        self.take_locks(cx).await
+    }
+
+    async fn release_terms(&self, cx: Cx<'_>, settled: bool) -> Result<(), StatementError> {
+        if !settled {
+            tracing::info!(
+                "deliveries still open at the stop: the leadership terms stay unreleased, so the next leader \
+                 waits out this one's lease"
+            );
+            return Ok(());
+        }
+        for (scope, term) in self.releasable_terms() {
+            cx.work.release_term(&scope, term, cx.stop()).await?;
+        }
+        Ok(())
+    }
+
     #[cfg(feature = "wal")]
     fn stands_by(&self) -> Option<bool> {
         Ownership::stands_by(self)
@@ -99,6 +147,22 @@ pub(super) struct Unled;
 impl Leadership for Unled {
     fn role(&self) -> Role {
         Role::Competing
+    }
+
+    fn may_fetch(&self) -> bool {
+        true
+    }
+
+    fn next_try(&self) -> Option<Instant> {
+        None
+    }
+
+    async fn try_take(&mut self, _cx: Cx<'_>) -> Result<bool, StatementError> {
+        Ok(false)
+    }
+
+    async fn release_terms(&self, _cx: Cx<'_>, _settled: bool) -> Result<(), StatementError> {
+        Ok(())
     }
 
     fn fenced(&self) -> bool {

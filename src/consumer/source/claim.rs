@@ -1,4 +1,4 @@
-//! The claim source (competing mode, docs/schema.md, "Publisher and poller
+//! The claim fetch (competing mode, docs/schema.md, "Publisher and poller
 //! flow"): each fetch opens a transaction and claims due rows with
 //! `FOR UPDATE SKIP LOCKED` (`store::fetch::competing_fetch_sql`); the
 //! transaction stays open until every claimed event is settled and its
@@ -8,64 +8,42 @@
 //! No order, no hold-back, no lock to own.
 //!
 //! The transaction's lifecycle, all of it here:
-//! - [`Source::fetch`] begins it and claims (`in_tx` from then on);
-//! - the engine writes at once when nothing claimed is outstanding
-//!   ([`Source::holds_transaction`]);
-//! - [`Source::settled`] commits once everything is written;
+//! - [`Fetch::fetch`] begins it and claims (`in_tx` from then on);
+//! - the engine fetches no more, and writes at once when nothing claimed
+//!   is outstanding ([`Fetch::holds_transaction`]);
+//! - [`Fetch::settled`] commits once everything is written;
 //! - a lost session ends it (the server rolls it back; what was handed out
 //!   is not, and is delivered again).
 
-use tokio::time::Instant;
-
-use super::wakeups::Wakeups;
-use super::{Cx, Room, Signals, Source, Wake};
-use crate::consumer::ConsumerConfig;
+use super::{Cx, Fetch, Room};
 use crate::consumer::completer::Written;
 use crate::consumer::leadership::Unled;
 use crate::metrics as m;
 use crate::store::statement::StatementError;
 use crate::store::{FetchKind, FetchPage, FetchParams, FetchScope, FloorParams};
 
-/// Competing mode's source.
-#[derive(Debug)]
-pub(crate) struct ClaimSource {
-    wakeups: Wakeups,
+/// Competing mode's fetch.
+#[derive(Debug, Default)]
+pub(crate) struct ClaimFetch {
+    /// Competing mode holds no lock and no term.
+    unled: Unled,
     /// A claim transaction is open.
     in_tx: bool,
 }
 
-impl ClaimSource {
-    /// The source of a competing consumer configured by `cfg`, woken by
-    /// `signals`.
-    pub(crate) fn new(cfg: &ConsumerConfig, signals: Signals) -> Self {
-        ClaimSource { wakeups: Wakeups::new(cfg, signals, true), in_tx: false }
-    }
-}
-
-impl Source for ClaimSource {
+impl Fetch for ClaimFetch {
     type Leader = Unled;
 
     fn leadership(&self) -> &Unled {
-        &Unled
+        &self.unled
+    }
+
+    fn leadership_mut(&mut self) -> &mut Unled {
+        &mut self.unled
     }
 
     fn fetch_kind(&self) -> FetchKind {
         FetchKind::Claim
-    }
-
-    fn wants_fetch(&self) -> bool {
-        self.wakeups.wants_fetch() && !self.in_tx
-    }
-
-    wakeups_delegate!();
-
-    fn next_timer(&self, open: bool, stopping: bool) -> Option<Instant> {
-        self.wakeups.next_timer(open, stopping, self.in_tx)
-    }
-
-    async fn timers_due(&mut self, cx: Option<Cx<'_>>, stopping: bool) -> Result<bool, StatementError> {
-        self.wakeups.timers_due(cx, stopping, self.in_tx).await?;
-        Ok(false)
     }
 
     async fn fetch(&mut self, cx: Cx<'_>, room: Room<'_>) -> Result<FetchPage, StatementError> {
@@ -84,16 +62,10 @@ impl Source for ClaimSource {
 
     fn handed_out(&mut self, _id: i64, _partition: Option<i32>) {}
 
-    async fn fetched(&mut self, cx: Cx<'_>, handed: u64, full: bool) -> Result<(), StatementError> {
-        self.wakeups.fetched(cx, handed, full, self.in_tx).await
-    }
+    fn released(&mut self, _id: i64) {}
 
-    fn released(&mut self, _id: i64) {
-        self.wakeups.wake(Wake::Release);
-    }
-
-    fn written(&mut self, w: &Written) {
-        self.wakeups.written(w);
+    fn written(&mut self, _w: &Written) -> bool {
+        false
     }
 
     fn holds_transaction(&self) -> bool {
@@ -109,21 +81,11 @@ impl Source for ClaimSource {
     async fn session_opened(&mut self, _cx: Cx<'_>) -> Result<(), StatementError> {
         self.in_tx = false;
         metrics::gauge!(m::PARTITIONS_OWNED).set(0.0);
-        self.wakeups.session_opened();
         Ok(())
     }
 
     fn session_lost(&mut self) {
         self.in_tx = false;
-        self.wakeups.session_lost();
         metrics::gauge!(m::PARTITIONS_OWNED).set(0.0);
-    }
-
-    fn stop(&mut self) {
-        self.wakeups.stop();
-    }
-
-    async fn finish(&mut self, cx: Cx<'_>, deadline: Instant, _settled: bool) -> Result<(), StatementError> {
-        Wakeups::unregister(cx, deadline).await
     }
 }

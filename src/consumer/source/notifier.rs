@@ -23,13 +23,22 @@ use tokio::task::JoinHandle;
 use tokio_postgres::{AsyncMessage, Client};
 use tokio_util::sync::CancellationToken;
 
-use super::Signals;
+use super::{Signals, WakeKind};
 use crate::connect;
 use crate::consumer::session::new_backoff;
 use crate::consumer::{ConsumerConfig, ListenerStatus, NOTIFY_CHANNEL};
 use crate::error::{Error, Result};
 use crate::metrics as m;
 use crate::store;
+
+/// Wake-ups by LISTEN/NOTIFY: the notifier's signals. Its looks after a
+/// wake-up that found nothing are the wake-up policy's own (after asking
+/// producers for notifications again, `super::wake::RECHECKS`), so every
+/// hook is the default.
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct Notified;
+
+impl WakeKind for Notified {}
 
 /// Payload prefix of the start-up test notification (not a wake-up).
 pub(crate) const PROBE_PREFIX: &str = "pg-outbox probe ";

@@ -49,17 +49,13 @@ use tokio::time::Instant;
 use tokio_postgres::config::Host;
 use tokio_util::sync::CancellationToken;
 
-use super::wakeups::earliest;
-use super::{Cx, Leadership, Room, Signals, Source, Wake};
+use super::{Leadership, Signals, Wake, WakeKind};
 use crate::connect::{self, RootCert, SslMode};
-use crate::consumer::completer::Written;
 use crate::consumer::session::new_backoff;
 use crate::consumer::{ConsumerConfig, ListenerStatus};
 use crate::error::{Error, Result};
 use crate::metrics as m;
 use crate::store::replication::{self, PUBLICATION};
-use crate::store::statement::StatementError;
-use crate::store::{FetchKind, FetchPage};
 
 /// The replication connection's `lock_timeout`, which bounds how long
 /// creating the slot waits for the write transactions running in the
@@ -273,7 +269,7 @@ pub(crate) struct WalReader {
     pub(crate) status: watch::Sender<ListenerStatus>,
     pub(crate) cfg: Arc<ConsumerConfig>,
     /// Whether the consumer wants the stream: false while it stands by
-    /// ([`WalSource`] sets it).
+    /// ([`Streamed`] sets it).
     pub(crate) wanted: watch::Receiver<bool>,
 }
 
@@ -456,12 +452,12 @@ async fn close(mut client: ReplicationClient) {
     client.abort();
 }
 
-/// A source woken by the replication stream: `S` (the listen source, or
-/// the claim source in competing mode) with rechecks after a wake-up from
-/// the stream whose drain found nothing ([`WAL_RECHECKS`]).
+/// Wake-ups by the replication stream (the stream reader's signals), with
+/// looks of their own after a wake-up from the stream whose drain found
+/// nothing ([`WAL_RECHECKS`]), and the stream closed while this consumer
+/// stands by.
 #[derive(Debug)]
-pub(crate) struct WalSource<S> {
-    inner: S,
+pub(crate) struct Streamed {
     /// Tells the stream reader whether to stream: not while this consumer
     /// stands by in single mode with a session open (another holds the
     /// outbox); unchanged while it has no session.
@@ -475,49 +471,15 @@ pub(crate) struct WalSource<S> {
     rechecks_done: usize,
 }
 
-impl<S: Source> WalSource<S> {
-    /// `inner`, woken by the stream, telling its reader through `wanted`
-    /// when to stream.
-    pub(crate) fn new(inner: S, wanted: watch::Sender<bool>) -> Self {
-        WalSource { inner, wanted, open: false, awaiting: false, recheck_at: None, rechecks_done: 0 }
-    }
-
-    /// Tell the reader whether to stream: not once `inner` found another
-    /// holding the outbox ([`Leadership::stands_by`]), with its session open
-    /// (without one, or before its first try for the lock, nothing is
-    /// known, and the reader keeps what it has). Called where leadership
-    /// can be taken: after the timers ran.
-    fn publish_role(&self) {
-        if let (true, Some(standing_by)) = (self.open, self.inner.leadership().stands_by()) {
-            let want = !standing_by;
-            self.wanted.send_if_modified(|w| std::mem::replace(w, want) != want);
-        }
+impl Streamed {
+    /// Wake-ups by the stream, telling its reader through `wanted` when to
+    /// stream.
+    pub(crate) fn new(wanted: watch::Sender<bool>) -> Self {
+        Streamed { wanted, open: false, awaiting: false, recheck_at: None, rechecks_done: 0 }
     }
 }
 
-impl<S: Source> Source for WalSource<S> {
-    type Leader = S::Leader;
-
-    fn leadership(&self) -> &S::Leader {
-        self.inner.leadership()
-    }
-
-    fn fetch_kind(&self) -> FetchKind {
-        self.inner.fetch_kind()
-    }
-
-    fn wants_fetch(&self) -> bool {
-        self.inner.wants_fetch()
-    }
-
-    fn wake_label(&self) -> &'static str {
-        self.inner.wake_label()
-    }
-
-    fn signalled(&self) -> impl Future<Output = Wake> + Send + '_ {
-        self.inner.signalled()
-    }
-
+impl WakeKind for Streamed {
     fn woken(&mut self, wake: Wake) {
         if wake == Wake::Notification {
             // A new commit: its own ladder of looks.
@@ -525,83 +487,55 @@ impl<S: Source> Source for WalSource<S> {
             self.recheck_at = None;
             self.rechecks_done = 0;
         }
-        self.inner.woken(wake);
     }
 
-    fn next_timer(&self, open: bool, stopping: bool) -> Option<Instant> {
-        earliest(self.inner.next_timer(open, stopping), self.recheck_at.filter(|_| open && !stopping))
-    }
-
-    async fn timers_due(&mut self, cx: Option<Cx<'_>>, stopping: bool) -> Result<bool, StatementError> {
-        if cx.is_some() && !stopping && self.recheck_at.is_some_and(|t| t <= Instant::now()) {
-            self.recheck_at = None;
-            self.awaiting = true;
-            self.inner.woken(Wake::Recheck);
-        }
-        let due = self.inner.timers_due(cx, stopping).await;
-        self.publish_role();
-        due
-    }
-
-    async fn fetch(&mut self, cx: Cx<'_>, room: Room<'_>) -> Result<FetchPage, StatementError> {
-        self.inner.fetch(cx, room).await
-    }
-
-    fn handed_out(&mut self, id: i64, partition: Option<i32>) {
-        self.inner.handed_out(id, partition);
-    }
-
-    async fn fetched(&mut self, cx: Cx<'_>, handed: u64, full: bool) -> Result<(), StatementError> {
+    fn fetched(&mut self, handed: u64) {
         if self.awaiting {
             if handed > 0 {
-                self.awaiting = false;
                 self.rechecks_done = 0;
             } else if let Some(delay) = WAL_RECHECKS.get(self.rechecks_done) {
                 self.rechecks_done += 1;
                 self.recheck_at = Some(Instant::now() + *delay);
-                self.awaiting = false;
-            } else {
-                self.awaiting = false;
             }
+            self.awaiting = false;
         }
-        self.inner.fetched(cx, handed, full).await
     }
 
-    fn released(&mut self, id: i64) {
-        self.inner.released(id);
+    fn next_look(&self, open: bool, stopping: bool) -> Option<Instant> {
+        self.recheck_at.filter(|_| open && !stopping)
     }
 
-    fn written(&mut self, written: &Written) {
-        self.inner.written(written);
+    fn look_due(&mut self, now: Instant) -> bool {
+        if self.recheck_at.is_none_or(|t| t > now) {
+            return false;
+        }
+        self.recheck_at = None;
+        self.awaiting = true;
+        true
     }
 
-    fn holds_transaction(&self) -> bool {
-        self.inner.holds_transaction()
-    }
-
-    async fn settled(&mut self, cx: Cx<'_>) -> Result<(), StatementError> {
-        self.inner.settled(cx).await
-    }
-
-    async fn session_opened(&mut self, cx: Cx<'_>) -> Result<(), StatementError> {
-        let opened = self.inner.session_opened(cx).await;
-        self.open = opened.is_ok();
-        opened
+    fn session_opened(&mut self) {
+        self.open = true;
     }
 
     fn session_lost(&mut self) {
         self.recheck_at = None;
         self.awaiting = false;
         self.open = false;
-        self.inner.session_lost();
     }
 
     fn stop(&mut self) {
         self.recheck_at = None;
-        self.inner.stop();
     }
 
-    async fn finish(&mut self, cx: Cx<'_>, deadline: Instant, settled: bool) -> Result<(), StatementError> {
-        self.inner.finish(cx, deadline, settled).await
+    /// Tell the reader whether to stream: not once the leadership found
+    /// another holding the outbox ([`Leadership::stands_by`]), with the
+    /// session open (without one, or before its first try for the lock,
+    /// nothing is known, and the reader keeps what it has).
+    fn led(&mut self, leader: &impl Leadership) {
+        if let (true, Some(standing_by)) = (self.open, leader.stands_by()) {
+            let want = !standing_by;
+            self.wanted.send_if_modified(|w| std::mem::replace(w, want) != want);
+        }
     }
 }
