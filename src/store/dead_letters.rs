@@ -237,7 +237,7 @@ pub(crate) async fn apply<C: GenericClient + Sync>(
     );
     let ids = query_map(client, &sql, &limited(filter, &limit), row_id).await?;
     if !ids.is_empty() {
-        super::wakeup::notify(client, crate::NOTIFY_CHANNEL, "").await?;
+        super::wakeup::notify(client, super::wakeup::CHANNEL, "").await?;
     }
     Ok(ids)
 }
