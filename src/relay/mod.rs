@@ -29,6 +29,8 @@
 //! binary's `sink_args.rs`, a Cargo feature, and its tests. This file is
 //! not touched.
 
+#[cfg(feature = "cli")]
+mod cli;
 mod lanes;
 mod message;
 mod pipeline;
@@ -47,6 +49,8 @@ use futures::stream::FuturesUnordered;
 
 use pipeline::Pipeline;
 
+#[cfg(feature = "cli")]
+pub use cli::SinkFlags;
 pub use message::{DEFAULT_CLOUDEVENTS_SOURCE, Format, Message, Template, header};
 pub use registry::{OpenSink, SINKS, SinkKind, open_sink, sink_schemes};
 pub use settings::{Credentials, DEFAULT_BROKER_CHECK_INTERVAL, SinkSettings, TlsOptions};

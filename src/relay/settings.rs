@@ -5,16 +5,7 @@
 use std::path::PathBuf;
 
 use super::DeliveryOptions;
-#[cfg(feature = "amqp")]
-use super::sinks::amqp::AmqpOptions;
-#[cfg(feature = "kafka")]
-use super::sinks::kafka::KafkaOptions;
-#[cfg(feature = "nats")]
-use super::sinks::nats::NatsOptions;
-#[cfg(feature = "redis")]
-use super::sinks::redis::RedisOptions;
-#[cfg(feature = "webhook")]
-use super::sinks::webhook::WebhookOptions;
+use super::registry::dead_unless;
 use crate::error::{Error, Result};
 use crate::secret::Secret;
 
@@ -62,19 +53,19 @@ pub struct SinkSettings {
     pub broker_check_interval: Option<std::time::Duration>,
     /// The webhook sink's options.
     #[cfg(feature = "webhook")]
-    pub webhook: WebhookOptions,
+    pub webhook: super::sinks::webhook::WebhookOptions,
     /// The NATS JetStream sink's options.
     #[cfg(feature = "nats")]
-    pub nats: NatsOptions,
+    pub nats: super::sinks::nats::NatsOptions,
     /// The Kafka sink's options.
     #[cfg(feature = "kafka")]
-    pub kafka: KafkaOptions,
+    pub kafka: super::sinks::kafka::KafkaOptions,
     /// The Redis Streams sink's options.
     #[cfg(feature = "redis")]
-    pub redis: RedisOptions,
+    pub redis: super::sinks::redis::RedisOptions,
     /// The RabbitMQ sink's options.
     #[cfg(feature = "amqp")]
-    pub amqp: AmqpOptions,
+    pub amqp: super::sinks::amqp::AmqpOptions,
 }
 
 /// TLS to a broker. Redis and RabbitMQ take TLS from the scheme
@@ -155,68 +146,70 @@ pub struct Credentials {
     pub password: Option<Secret>,
 }
 
-/// Why a broker refused a connection, in words, when `error` (one line,
-/// with its chain) shows a known cause: an untrusted certificate, a
-/// certificate for another host name, a missing or refused client
-/// certificate, refused credentials. `None` otherwise.
-#[cfg_attr(not(any(feature = "nats", feature = "kafka", feature = "redis", feature = "amqp")), allow(dead_code))]
-pub(crate) fn refusal_reason(error: &str) -> Option<&'static str> {
-    let e = error.to_ascii_lowercase();
-    let has = |needles: &[&str]| needles.iter().any(|n| e.contains(n));
-    if has(&["broker certificate could not be verified"]) {
-        // librdkafka (OpenSSL) reports both causes with the same words.
-        Some(
-            "TLS: the broker's certificate could not be verified: it is not signed by a trusted CA \
-             (see --sink-tls-ca-file) or not valid for the host name in the URL (librdkafka does not say which)",
-        )
-    } else if has(&["notvalidforname", "not valid for name", "hostname mismatch", "host name mismatch"]) {
-        Some("TLS: the broker's certificate is not valid for the host name in the URL")
-    } else if has(&[
-        "unknownissuer",
-        "unknown issuer",
-        "unable to get local issuer",
-        "self-signed certificate",
-        "self signed certificate",
-        "invalidcertificate",
-    ]) {
-        Some("TLS: the broker's certificate is not signed by a trusted CA (see --sink-tls-ca-file)")
-    } else if has(&[
-        "certificaterequired",
-        "certificate required",
-        "badcertificate",
-        "bad certificate",
-        "unknownca",
-        "unknown ca",
-        "decrypterror",
-    ]) {
-        Some(
-            "TLS: the broker refused the client certificate or wants one \
-             (--sink-tls-client-cert, --sink-tls-client-key)",
-        )
-    } else if has(&[
-        "authorization violation",
-        "authentication failed",
-        "wrongpass",
-        "noauth",
-        "access_refused",
-        "access-refused",
-        "sasl authentication",
-        "authentication error",
-        "invalid username or password",
-        "failed signing nonce",
-    ]) {
-        Some("the broker refused the credentials (user and password, token, NKey or credentials file)")
-    } else {
-        None
+dead_unless! {broker;
+    /// Why a broker refused a connection, in words, when `error` (one line,
+    /// with its chain) shows a known cause: an untrusted certificate, a
+    /// certificate for another host name, a missing or refused client
+    /// certificate, refused credentials. `None` otherwise.
+    pub(crate) fn refusal_reason(error: &str) -> Option<&'static str> {
+        let e = error.to_ascii_lowercase();
+        let has = |needles: &[&str]| needles.iter().any(|n| e.contains(n));
+        if has(&["broker certificate could not be verified"]) {
+            // librdkafka (OpenSSL) reports both causes with the same words.
+            Some(
+                "TLS: the broker's certificate could not be verified: it is not signed by a trusted CA \
+                 (see --sink-tls-ca-file) or not valid for the host name in the URL (librdkafka does not say which)",
+            )
+        } else if has(&["notvalidforname", "not valid for name", "hostname mismatch", "host name mismatch"]) {
+            Some("TLS: the broker's certificate is not valid for the host name in the URL")
+        } else if has(&[
+            "unknownissuer",
+            "unknown issuer",
+            "unable to get local issuer",
+            "self-signed certificate",
+            "self signed certificate",
+            "invalidcertificate",
+        ]) {
+            Some("TLS: the broker's certificate is not signed by a trusted CA (see --sink-tls-ca-file)")
+        } else if has(&[
+            "certificaterequired",
+            "certificate required",
+            "badcertificate",
+            "bad certificate",
+            "unknownca",
+            "unknown ca",
+            "decrypterror",
+        ]) {
+            Some(
+                "TLS: the broker refused the client certificate or wants one \
+                 (--sink-tls-client-cert, --sink-tls-client-key)",
+            )
+        } else if has(&[
+            "authorization violation",
+            "authentication failed",
+            "wrongpass",
+            "noauth",
+            "access_refused",
+            "access-refused",
+            "sasl authentication",
+            "authentication error",
+            "invalid username or password",
+            "failed signing nonce",
+        ]) {
+            Some("the broker refused the credentials (user and password, token, NKey or credentials file)")
+        } else {
+            None
+        }
     }
 }
 
-/// `error` preceded by its [`refusal_reason`], if it has one.
-#[cfg_attr(not(any(feature = "nats", feature = "kafka", feature = "redis", feature = "amqp")), allow(dead_code))]
-pub(crate) fn with_reason(error: String) -> String {
-    match refusal_reason(&error) {
-        Some(reason) => format!("{reason} ({error})"),
-        None => error,
+dead_unless! {broker;
+    /// `error` preceded by its [`refusal_reason`], if it has one.
+    pub(crate) fn with_reason(error: String) -> String {
+        match refusal_reason(&error) {
+            Some(reason) => format!("{reason} ({error})"),
+            None => error,
+        }
     }
 }
 
