@@ -35,9 +35,8 @@ pub(crate) enum OrderingArg {
     ProducerLocked,
 }
 
-pub(crate) async fn run(url: &str, args: MigrateArgs) -> Result<(), Error> {
+pub(crate) async fn run(pg: &pg_outbox::ConnectOptions, args: MigrateArgs) -> Result<(), Error> {
     use pg_outbox::migrate::{self, OrderingMode};
-    let pg = pg_outbox::ConnectOptions::parse(url)?;
     let report = migrate::apply(&pg).await?;
     if report.applied.is_empty() {
         eprintln!("schema is up to date");
