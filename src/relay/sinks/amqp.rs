@@ -14,7 +14,7 @@ use lapin::{BasicProperties, Channel, Connection, ConnectionProperties, DefaultC
 
 use crate::error::{Error, Result};
 use crate::event::Event;
-use crate::relay::settings::with_reason;
+use crate::relay::access::with_reason;
 use crate::relay::sink::delivered;
 use crate::relay::{Message, SendFuture, Sink, SinkSettings, Template, TlsOptions};
 use crate::secret::SecretUrl;

@@ -13,7 +13,7 @@ use rdkafka::types::RDKafkaErrorCode;
 
 use crate::error::{Error, Result};
 use crate::event::Event;
-use crate::relay::settings::with_reason;
+use crate::relay::access::with_reason;
 use crate::relay::{Message, SendFuture, Sent, Sink, SinkSettings, Template};
 use crate::secret::{MASK, Secret, SecretUrl, looks_secret};
 

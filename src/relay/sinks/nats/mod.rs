@@ -16,7 +16,7 @@ use futures::future::BoxFuture;
 
 use crate::error::{BoxError, Error, Result};
 use crate::event::Event;
-use crate::relay::settings::with_reason;
+use crate::relay::access::with_reason;
 use crate::relay::{Guarantee, Message, SendFuture, Sent, Sink, SinkSettings, Template, header};
 use crate::secret::{Secret, SecretUrl};
 use auth::{authentication, split_credentials};

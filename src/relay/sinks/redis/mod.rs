@@ -11,7 +11,7 @@ use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use super::{Recheck, held, parse_occurred_at};
 use crate::error::{BoxError, Error, Result};
 use crate::event::Event;
-use crate::relay::settings::with_reason;
+use crate::relay::access::with_reason;
 use crate::relay::{Guarantee, Message, Proof, SendFuture, Sent, Sink, SinkSettings, Template, header};
 use crate::secret::SecretUrl;
 
