@@ -3,7 +3,7 @@
 
 use std::path::PathBuf;
 
-use super::registry::dead_unless;
+use super::sink_list::dead_unless;
 use crate::error::{Error, Result};
 use crate::secret::Secret;
 

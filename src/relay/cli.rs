@@ -1,10 +1,10 @@
 //! The sink flags of the `pg-outbox` command line (`relay`, `replay`),
 //! feature `cli`: [`SinkFlags`] holds one group per sink this build has,
-//! made from the registry's list (`each_sink!`); each sink's module declares
+//! made from the one list of sinks (`each_sink!`); each sink's module declares
 //! its own group (`Flags`) and how it writes it into [`SinkSettings`].
 
 use super::SinkSettings;
-use super::registry::{dead_unless, each_sink};
+use super::sink_list::{dead_unless, each_sink};
 use crate::error::Result;
 
 /// [`SinkFlags`] from the entries of `each_sink!`.

@@ -4,7 +4,7 @@
 use serde::Serialize;
 
 use super::SinkRecord;
-use super::registry::dead_unless;
+use super::sink_list::dead_unless;
 use crate::error::{Error, Result};
 use crate::event::Event;
 

@@ -19,7 +19,7 @@
 //!   name in errors, and health.
 //! - [`SINKS`]: the registry, from which [`open_sink`], the list of schemes
 //!   and the "built without feature X" error come. It is made from one
-//!   list in `registry.rs` (`each_sink!`), which also makes the sink flags
+//!   list in `sink_list.rs` (`each_sink!`), which also makes the sink flags
 //!   of the binary ([`SinkFlags`], feature `cli`) and the `cfg` of what only
 //!   some sinks use.
 //! - [`SinkSettings`]: the shared settings and one options struct per sink;
@@ -30,7 +30,7 @@
 //! One file in `src/relay/sinks/`: the sink, its options struct, its `open`
 //! function and, under feature `cli`, its flags (`Flags`, a `clap::Args`)
 //! with `apply`, which writes them into [`SinkSettings`]. Then one entry in
-//! the list `each_sink!` in `registry.rs`, its `mod` and `pub use` lines in
+//! the list `each_sink!` in `sink_list.rs`, its `mod` and `pub use` lines in
 //! `sinks/mod.rs`, one field in [`SinkSettings`], and a Cargo feature (in
 //! `full` too); a flag type whose values hold secrets is masked by
 //! `--print-config` when the binary's `config.rs` names it. This file and
@@ -46,6 +46,7 @@ mod registry;
 pub mod replay;
 mod settings;
 mod sink;
+mod sink_list;
 mod sinks;
 
 use std::future::Future;

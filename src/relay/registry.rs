@@ -1,6 +1,7 @@
-//! The sinks this build knows, in one table: opening a `--sink` value, the
-//! list of schemes in messages, and the "built without feature X" error are
-//! all derived from [`SINKS`].
+//! The sinks this build knows, in one table made from the one list of
+//! sinks (`sink_list.rs`): opening a `--sink` value, the list of schemes in
+//! messages, and the "built without feature X" error are all derived from
+//! [`SINKS`].
 
 use futures::future::BoxFuture;
 
@@ -63,59 +64,7 @@ const KAFKA_AT_LEAST_ONCE: &str = "the Kafka sink stays at-least-once (idempoten
     deduplicate on the `id` header): exactly-once would need a transactional producer, which pg-outbox does not \
     offer until it can be proven against a broker (README, \"Guarantees\")";
 
-/// Every sink this build can have, once, in the order `--help` and
-/// messages list them: its module in `sinks/`, its kind (`broker`: a sink
-/// with TLS, credentials and a name template; `http`, `local`), whether its
-/// flags hold secrets in `KEY=VALUE` or `NAME: VALUE` form (`no_echo`, else
-/// `echo`), its Cargo feature, its name in messages, the `--sink` schemes
-/// that select it, and why it cannot deliver exactly once (`None`: it can).
-/// `each_sink!(m)` hands the list to the macro `m`: [`SINKS`], the sink
-/// flags of the binary (`relay::SinkFlags`, feature `cli`) and the `cfg`
-/// of what only some sinks use ([`dead_unless`]) are made from it. Each
-/// sink's module has `open` (see [`OpenSink`]) and, with feature `cli`,
-/// `Flags` (its `clap` flags) with `apply`, which writes them into
-/// [`SinkSettings`].
-macro_rules! each_sink {
-    ($then:ident $(; $($extra:tt)*)?) => {
-        $then! {
-            [$($($extra)*)?]
-            stdout(local, echo, "relay", "stdout", ["stdout"], Some(NO_REFUSAL)),
-            webhook(http, no_echo, "webhook", "webhook", ["http://", "https://"], Some(NO_REFUSAL)),
-            nats(broker, echo, "nats", "NATS JetStream", ["nats://", "tls://"], None),
-            kafka(broker, no_echo, "kafka", "Kafka", ["kafka://"], Some(KAFKA_AT_LEAST_ONCE)),
-            redis(broker, echo, "redis", "Redis Streams", ["redis://", "rediss://"], None),
-            amqp(broker, echo, "amqp", "RabbitMQ", ["amqp://", "amqps://"], Some(NO_REFUSAL)),
-        }
-    };
-}
-pub(crate) use each_sink;
-
-/// The items `$item`, allowed to go unused in a build without any sink of
-/// the kind `broker` (or, with `no_echo`, without any sink whose flags hold
-/// secrets): `dead_unless!(broker; fn f() {})`. The features come from
-/// [`each_sink`].
-macro_rules! dead_unless {
-    ($what:ident; $($item:tt)*) => {
-        $crate::relay::registry::each_sink!(dead_unless; @$what [] $($item)*);
-    };
-    // Every entry read: the features collected.
-    ([@$what:ident [$($f:literal)*] $($item:tt)*]) => {
-        #[cfg_attr(not(any($(feature = $f),*)), allow(dead_code))]
-        $($item)*
-    };
-    ([@broker [$($f:literal)*] $($item:tt)*] $m:ident(broker, $e:ident, $feat:literal, $($_:tt)*), $($rest:tt)*) => {
-        $crate::relay::registry::dead_unless!([@broker [$($f)* $feat] $($item)*] $($rest)*);
-    };
-    ([@no_echo [$($f:literal)*] $($item:tt)*] $m:ident($k:ident, no_echo, $feat:literal, $($_:tt)*), $($rest:tt)*) => {
-        $crate::relay::registry::dead_unless!([@no_echo [$($f)* $feat] $($item)*] $($rest)*);
-    };
-    ([@$what:ident [$($f:literal)*] $($item:tt)*] $m:ident($($_:tt)*), $($rest:tt)*) => {
-        $crate::relay::registry::dead_unless!([@$what [$($f)*] $($item)*] $($rest)*);
-    };
-}
-pub(crate) use dead_unless;
-
-/// [`SINKS`] from the entries of [`each_sink`].
+/// [`SINKS`] from the entries of `each_sink!` (`sink_list.rs`).
 macro_rules! sink_table {
     ([] $($m:ident($k:ident, $e:ident, $feature:literal, $what:literal, [$($scheme:literal),+], $no:expr),)*) => {
         /// Every sink, in the order `--help` and messages list them.
@@ -123,7 +72,7 @@ macro_rules! sink_table {
     };
 }
 
-each_sink!(sink_table);
+super::sink_list::each_sink!(sink_table);
 
 /// The `--sink` values every sink takes, for messages: `stdout`,
 /// `http://`, `https://`, `nats://`, ...

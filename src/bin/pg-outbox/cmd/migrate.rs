@@ -37,7 +37,7 @@ pub(crate) enum OrderingArg {
 
 pub(crate) async fn run(pg: &pg_outbox::ConnectOptions, args: MigrateArgs) -> Result<(), Error> {
     use pg_outbox::migrate::{self, OrderingMode};
-    let report = migrate::apply(&pg).await?;
+    let report = migrate::apply(pg).await?;
     if report.applied.is_empty() {
         eprintln!("schema is up to date");
     } else {
@@ -51,7 +51,7 @@ pub(crate) async fn run(pg: &pg_outbox::ConnectOptions, args: MigrateArgs) -> Re
                 OrderingArg::OutboxLocked => OrderingMode::OutboxLocked,
                 OrderingArg::ProducerLocked => OrderingMode::ProducerLocked,
             };
-            let before = migrate::set_ordering(&pg, mode).await.map_err(|e| {
+            let before = migrate::set_ordering(pg, mode).await.map_err(|e| {
                 if e.code() == Some(&tokio_postgres::error::SqlState::LOCK_NOT_AVAILABLE) {
                     return Error::Usage(format!(
                         "could not switch the ordering mode to {mode}: producer transactions that have written \
@@ -82,7 +82,7 @@ pub(crate) async fn run(pg: &pg_outbox::ConnectOptions, args: MigrateArgs) -> Re
         }
     };
     if let Some(source) = args.source {
-        let fires = migrate::set_source(&pg, source.kind()).await.map_err(|e| {
+        let fires = migrate::set_source(pg, source.kind()).await.map_err(|e| {
             if e.code() == Some(&tokio_postgres::error::SqlState::LOCK_NOT_AVAILABLE) {
                 return Error::Usage(
                     "could not change the insert trigger: producer transactions that have written events kept \
