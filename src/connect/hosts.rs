@@ -22,7 +22,13 @@ use tokio_postgres::{Client, Config, Connection, SimpleQueryMessage, Socket};
 
 use super::tls::TlsStream;
 use crate::error::{Error, Result};
-use crate::store::SERVER_STATE;
+
+/// Whether the server is a standby (`pg_is_in_recovery()`, `t` or `f`)
+/// and whether the session is read-only (`transaction_read_only`, `on` or
+/// `off`): for a server that does not report `in_hot_standby` and
+/// `default_transaction_read_only` at startup (PostgreSQL 13, a pooler).
+/// A simple query, outside any transaction.
+const SERVER_STATE: &str = "SELECT pg_is_in_recovery(), current_setting('transaction_read_only')";
 
 /// Whether a server accepts writes, as a session sees it at its start.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

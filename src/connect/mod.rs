@@ -22,6 +22,8 @@
 //! - `hosts`: the hosts of a URL tried one at a time, each within the
 //!   connect timeout, and whether a server accepts writes;
 //! - `tls`: the rustls verifier behind `sslmode`, and [`TlsConnector`];
+//! - `planner`: the planner settings every pg-outbox session starts with
+//!   ([`PLANNER_SETTINGS`]), which the statements of `store` rely on;
 //! - `session`: pg-outbox's own sessions (application names, keepalives,
 //!   startup settings, the connection task and its canceller);
 //! - `pooling`: whether the sessions behind a URL are a connection's own or
@@ -33,6 +35,7 @@ mod hosts;
 mod libpq;
 mod options;
 mod parse;
+mod planner;
 mod pooling;
 mod session;
 mod ssl_mode;
@@ -41,6 +44,7 @@ mod tls;
 
 pub use options::{ConnectOptions, DEFAULT_CONNECT_TIMEOUT};
 pub(crate) use parse::parses;
+pub(crate) use planner::PLANNER_SETTINGS;
 pub use pooling::SessionMode;
 pub(crate) use pooling::require_own_sessions;
 pub(crate) use session::setting_millis;

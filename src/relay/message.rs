@@ -4,6 +4,7 @@
 use serde::Serialize;
 
 use super::SinkRecord;
+use super::sink_list::dead_unless;
 use crate::error::{Error, Result};
 use crate::event::Event;
 
@@ -231,11 +232,12 @@ enum Part {
 }
 
 impl Template {
-    /// A template written into pg-outbox itself (a default), known to parse.
-    #[cfg_attr(not(any(feature = "nats", feature = "kafka", feature = "redis", feature = "amqp")), allow(dead_code))]
-    pub(crate) fn builtin(text: &str) -> Self {
-        Template::parse(text).unwrap_or_else(|e| unreachable!("built-in template {text} does not parse: {e}"))
-    }
+    dead_unless!(broker;
+        /// A template written into pg-outbox itself (a default), known to parse.
+        pub(crate) fn builtin(text: &str) -> Self {
+            Template::parse(text).unwrap_or_else(|e| unreachable!("built-in template {text} does not parse: {e}"))
+        }
+    );
 
     /// Parse a template.
     ///

@@ -18,17 +18,27 @@
 //!   encoding ([`Message`]), the timeout ([`DeliveryOptions`]), the sink's
 //!   name in errors, and health.
 //! - [`SINKS`]: the registry, from which [`open_sink`], the list of schemes
-//!   and the "built without feature X" error come.
+//!   and the "built without feature X" error come. It is made from one
+//!   list in `sink_list.rs` (`each_sink!`), which also makes the sink flags
+//!   of the binary ([`SinkFlags`], feature `cli`) and the `cfg` of what only
+//!   some sinks use.
 //! - [`SinkSettings`]: the shared settings and one options struct per sink;
-//!   secrets are [`crate::Secret`]s, so `Debug` masks them.
+//!   secrets are [`crate::Secret`]s, so `Debug` masks them. TLS, credentials
+//!   and why a broker refused a connection are in `access.rs`.
 //!
 //! # Adding a sink
-//! One file in `src/relay/sinks/` (the sink, its options struct, its `open`
-//! function; its `mod` and `pub use` lines in `sinks/mod.rs`), one line in
-//! [`SINKS`], one field in [`SinkSettings`], one argument group in the
-//! binary's `sink_args.rs`, a Cargo feature, and its tests. This file is
-//! not touched.
+//! One file in `src/relay/sinks/`: the sink, its options struct, its `open`
+//! function and, under feature `cli`, its flags (`Flags`, a `clap::Args`)
+//! with `apply`, which writes them into [`SinkSettings`]. Then one entry in
+//! the list `each_sink!` in `sink_list.rs`, its `mod` and `pub use` lines in
+//! `sinks/mod.rs`, one field in [`SinkSettings`], and a Cargo feature (in
+//! `full` too); a flag type whose values hold secrets is masked by
+//! `--print-config` when the binary's `config.rs` names it. This file and
+//! the binary's `sink_args.rs` are not touched.
 
+mod access;
+#[cfg(feature = "cli")]
+mod cli;
 mod lanes;
 mod message;
 mod pipeline;
@@ -36,6 +46,7 @@ mod registry;
 pub mod replay;
 mod settings;
 mod sink;
+mod sink_list;
 mod sinks;
 
 use std::future::Future;
@@ -47,9 +58,12 @@ use futures::stream::FuturesUnordered;
 
 use pipeline::Pipeline;
 
+pub use access::{Credentials, TlsOptions};
+#[cfg(feature = "cli")]
+pub use cli::SinkFlags;
 pub use message::{DEFAULT_CLOUDEVENTS_SOURCE, Format, Message, Template, header};
 pub use registry::{OpenSink, SINKS, SinkKind, open_sink, sink_schemes};
-pub use settings::{Credentials, DEFAULT_BROKER_CHECK_INTERVAL, SinkSettings, TlsOptions};
+pub use settings::{DEFAULT_BROKER_CHECK_INTERVAL, SinkSettings};
 pub use sink::{
     DEFAULT_MAX_IN_FLIGHT, DEFAULT_SINK_TIMEOUT, DeliveryOptions, EventSink, Guarantee, Proof, SendFuture, Sent, Sink,
     SinkFuture, SinkRecord,

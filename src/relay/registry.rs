@@ -1,6 +1,7 @@
-//! The sinks this build knows, in one table: opening a `--sink` value, the
-//! list of schemes in messages, and the "built without feature X" error are
-//! all derived from [`SINKS`].
+//! The sinks this build knows, in one table made from the one list of
+//! sinks (`sink_list.rs`): opening a `--sink` value, the list of schemes in
+//! messages, and the "built without feature X" error are all derived from
+//! [`SINKS`].
 
 use futures::future::BoxFuture;
 
@@ -63,15 +64,15 @@ const KAFKA_AT_LEAST_ONCE: &str = "the Kafka sink stays at-least-once (idempoten
     deduplicate on the `id` header): exactly-once would need a transactional producer, which pg-outbox does not \
     offer until it can be proven against a broker (README, \"Guarantees\")";
 
-/// Every sink, in the order `--help` and messages list them.
-pub static SINKS: &[SinkKind] = &[
-    kind!("stdout", "relay", stdout, ["stdout"], Some(NO_REFUSAL)),
-    kind!("webhook", "webhook", webhook, ["http://", "https://"], Some(NO_REFUSAL)),
-    kind!("NATS JetStream", "nats", nats, ["nats://", "tls://"], None),
-    kind!("Kafka", "kafka", kafka, ["kafka://"], Some(KAFKA_AT_LEAST_ONCE)),
-    kind!("Redis Streams", "redis", redis, ["redis://", "rediss://"], None),
-    kind!("RabbitMQ", "amqp", amqp, ["amqp://", "amqps://"], Some(NO_REFUSAL)),
-];
+/// [`SINKS`] from the entries of `each_sink!` (`sink_list.rs`).
+macro_rules! sink_table {
+    ([] $($m:ident($k:ident, $e:ident, $feature:literal, $what:literal, [$($scheme:literal),+], $no:expr),)*) => {
+        /// Every sink, in the order `--help` and messages list them.
+        pub static SINKS: &[SinkKind] = &[$(kind!($what, $feature, $m, [$($scheme),+], $no)),*];
+    };
+}
+
+super::sink_list::each_sink!(sink_table);
 
 /// The `--sink` values every sink takes, for messages: `stdout`,
 /// `http://`, `https://`, `nats://`, ...

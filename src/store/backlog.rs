@@ -65,7 +65,7 @@ const GROUPED: &str = "c.class, c.event_type, c.aggregate_type, count(*) AS n, \
        c.tail";
 
 /// One class's first $1 rows in the order of its index (the only plan
-/// without a sort: see [`crate::store::PLANNER_SETTINGS`]), each marked
+/// without a sort: see [`crate::connect::PLANNER_SETTINGS`]), each marked
 /// `tail` when the class is ordered by `next_retry_at` and the row is due at
 /// the last due time read.
 fn class_rows(class: &str, filter: &str, order: &str, held: &str) -> String {

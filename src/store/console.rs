@@ -218,7 +218,7 @@ pub(crate) const LATER: &str = concat!(
 /// `outbox_aggregate_idx`, as long as the aggregate's history after it.
 /// The inner query orders by that index's key (its `OFFSET 0` keeps the
 /// planner from merging it into the outer query and dropping the order),
-/// so with sorts discouraged ([`crate::store::PLANNER_SETTINGS`]) that walk is the
+/// so with sorts discouraged ([`crate::connect::PLANNER_SETTINGS`]) that walk is the
 /// plan whatever the statistics say; a bare count let statistics taken before a backlog pick
 /// `outbox_unpublished_idx` and walk every unpublished row.
 pub(crate) const LATER_UNPUBLISHED: &str = "SELECT count(*) AS n FROM ( \

@@ -73,7 +73,7 @@ impl Filter {
 /// The WHERE clause shared by every operation; `$6` is the row limit.
 /// Every statement orders by `id + 0`, the key of `outbox_dead_letter_idx`
 /// (dead letters only), which no other index provides: with sorts
-/// discouraged on pg-outbox's sessions ([`crate::store::PLANNER_SETTINGS`]) each
+/// discouraged on pg-outbox's sessions ([`crate::connect::PLANNER_SETTINGS`]) each
 /// is a walk of that index, touching dead letters only, whatever the
 /// statistics say (the count too: its subquery keeps the order).
 pub(super) const MATCHES: &str = "published_at IS NULL AND next_retry_at = 'infinity' \
@@ -237,7 +237,7 @@ pub(crate) async fn apply<C: GenericClient + Sync>(
     );
     let ids = query_map(client, &sql, &limited(filter, &limit), row_id).await?;
     if !ids.is_empty() {
-        super::wakeup::notify(client, crate::NOTIFY_CHANNEL, "").await?;
+        super::wakeup::notify(client, super::wakeup::CHANNEL, "").await?;
     }
     Ok(ids)
 }

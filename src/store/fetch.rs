@@ -28,7 +28,7 @@ const CURRENT_PARTITION_TERMS: &str = "(SELECT array_agg(coalesce(t.term, 0) ORD
 /// it once per candidate row and never turns it into a join, and it orders
 /// by the expression `id + 0`, which only `outbox_holdback_idx` (aggregate,
 /// `id + 0`; failed unpublished rows only) provides; with sorts discouraged
-/// on pg-outbox's sessions ([`crate::store::PLANNER_SETTINGS`]) the probe is one
+/// on pg-outbox's sessions ([`crate::connect::PLANNER_SETTINGS`]) the probe is one
 /// descent of that index whatever the statistics say. (Written as
 /// `NOT EXISTS`, the planner flattens it into an anti-join, and with
 /// statistics from before a backlog formed it chose to walk the whole
@@ -96,7 +96,7 @@ const NOT_IN_FLIGHT: &str = "o.id NOT IN (SELECT unnest($1::bigint[]))";
 /// 'infinity', are outside its range). Then the lowest $2 ids of both, cut
 /// at the byte budget $3 ([`within_budget`]).
 /// With sorts discouraged on pg-outbox's sessions
-/// ([`crate::store::PLANNER_SETTINGS`]), those walks are the only plans without a
+/// ([`crate::connect::PLANNER_SETTINGS`]), those walks are the only plans without a
 /// sort, so the planner takes them whatever the statistics say (none, taken
 /// before a backlog formed, or current); the final sort is over at most
 /// twice $2 rows.

@@ -17,8 +17,6 @@
 //! - [`leader`]: who holds single mode's leader lock, and whether it is a
 //!   live relay (its heartbeat); the leadership term it takes, confirms
 //!   and releases (`events.outbox_terms`);
-//! - `planner`: the planner settings every pg-outbox session starts with
-//!   ([`PLANNER_SETTINGS`]);
 //! - [`dead_letters`], [`retention`]: the operators' statements;
 //! - `replay`: replay's reads (feature `relay`);
 //! - `console`: the operator console's reads (feature `console`);
@@ -60,7 +58,6 @@ pub(crate) mod dead_letters;
 pub(crate) mod fetch;
 pub(crate) mod leader;
 pub(crate) mod locks;
-mod planner;
 mod publish;
 #[cfg(feature = "relay")]
 pub(crate) mod replay;
@@ -79,12 +76,10 @@ mod writer;
 pub use backlog::{STATUS_EXACT_ROWS, STATUS_SAMPLE_IDS};
 pub use fetch::fetch_query;
 pub(crate) use fetch::{NEXT_RETRY_IN, PayloadSizes, competing_fetch_sql, fetch_sql};
-pub(crate) use planner::PLANNER_SETTINGS;
 #[cfg(feature = "sqlx")]
 pub(crate) use publish::via_sqlx;
 pub(crate) use publish::{insert_event, insert_events};
 pub(crate) use rows::{DecodedEvent, event_from_row, row_id};
-pub(crate) use schema::SERVER_STATE;
 pub(crate) use settle::{ACK, FAIL, Fence};
 pub use status::{
     LeaderLock, OutboxStatus, PartitionHolder, PendingRetry, RelayIdentity, RetryLadder, STATUS_MAX_TYPES,

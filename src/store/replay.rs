@@ -164,7 +164,7 @@ const MATCHES: &str = "id > $1 AND id <= $2 \
 /// One page: the matching rows ([`MATCHES`], `$1`..`$8`), lowest id
 /// first, at most `$9 bigint`. Ordered by `id`,
 /// the key of `outbox_pkey`: with sorts discouraged on pg-outbox's sessions
-/// ([`crate::store::PLANNER_SETTINGS`]), a walk of that index over the window that
+/// ([`crate::connect::PLANNER_SETTINGS`]), a walk of that index over the window that
 /// stops after `$9` rows.
 pub(crate) fn page_sql() -> String {
     format!(concat!("SELECT ", event_columns!(), " FROM events.outbox WHERE {} ORDER BY id LIMIT $9"), MATCHES)

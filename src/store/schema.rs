@@ -81,13 +81,6 @@ impl std::str::FromStr for OrderingMode {
 const SERVER_VERSION: &str = "SELECT current_setting('server_version_num')::int4 AS num, \
      current_setting('server_version') AS version";
 
-/// Whether the server is a standby (`pg_is_in_recovery()`, `t` or `f`)
-/// and whether the session is read-only (`transaction_read_only`, `on` or
-/// `off`): for a server that does not report `in_hot_standby` and
-/// `default_transaction_read_only` at startup (PostgreSQL 13, a pooler).
-/// A simple query, outside any transaction.
-pub(crate) const SERVER_STATE: &str = "SELECT pg_is_in_recovery(), current_setting('transaction_read_only')";
-
 /// Turn the session's `statement_timeout` off for a run (the run's own
 /// session, which ends with it).
 const NO_STATEMENT_TIMEOUT: &str = "SET statement_timeout = 0";

@@ -326,8 +326,13 @@ fn by_type(b: &Backlog) -> (Vec<TypeBacklog>, bool) {
     (rows, truncated)
 }
 
-/// The holder of the outbox lock, judged against
-/// [`crate::DEFAULT_STRANDED_AFTER`] ([`super::leader::LEADER_HOLDER`]);
+/// The heartbeat age past which `status` reports the holder of single
+/// mode's outbox lock as stranded: 15 s, the consumer's default
+/// `stranded_after` (a relay's own setting is not known here).
+pub(crate) const STRANDED_AFTER: std::time::Duration = std::time::Duration::from_secs(15);
+
+/// The holder of the outbox lock, judged against [`STRANDED_AFTER`]
+/// ([`super::leader::LEADER_HOLDER`]);
 /// none on a server in recovery (a standby).
 async fn leader_lock<C: GenericClient + Sync>(client: &C) -> Result<Option<LeaderLock>> {
     let server =
@@ -336,7 +341,7 @@ async fn leader_lock<C: GenericClient + Sync>(client: &C) -> Result<Option<Leade
     if in_recovery {
         return Ok(None);
     }
-    let threshold = crate::DEFAULT_STRANDED_AFTER.as_secs_f64();
+    let threshold = STRANDED_AFTER.as_secs_f64();
     let Some(h) = super::leader::leader_holder(client, threshold).await? else { return Ok(None) };
     // The term is the holder's only when it took it (not a session of an
     // older build, or of anything else, that holds the lock); a schema from

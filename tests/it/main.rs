@@ -23,6 +23,7 @@ mod failover;
 mod faults;
 mod freeze;
 mod health;
+mod layers;
 mod libpq;
 mod managed;
 mod modes;

@@ -15,16 +15,17 @@ pub(crate) fn database_url(cli: &Option<pg_outbox::DatabaseUrl>) -> String {
     cli.as_ref().map(|u| u.expose().to_string()).filter(|s| !s.trim().is_empty()).unwrap_or_default()
 }
 
-/// Resolve `url` (libpq's variables fill what it leaves out) and connect.
-pub(crate) async fn connect(url: &str) -> Result<tokio_postgres::Client, Error> {
-    connect_with(pg_outbox::ConnectOptions::parse(url)?).await
+/// Connect to the database `db` names, as a short command's session
+/// unless `db` names its sessions.
+pub(crate) async fn connect(db: &pg_outbox::ConnectOptions) -> Result<tokio_postgres::Client, Error> {
+    connect_with(db.clone()).await
 }
 
 /// [`connect`] on a server that accepts writes: a standby is refused in a
 /// sentence that says what to do (see
 /// [`pg_outbox::ConnectOptions::connect_primary`]).
-pub(crate) async fn connect_primary(url: &str) -> Result<tokio_postgres::Client, Error> {
-    Ok(named(pg_outbox::ConnectOptions::parse(url)?, CLI_SESSIONS).connect_primary().await?)
+pub(crate) async fn connect_primary(db: &pg_outbox::ConnectOptions) -> Result<tokio_postgres::Client, Error> {
+    Ok(named(db.clone(), CLI_SESSIONS).connect_primary().await?)
 }
 
 /// Connect with `opts`, as a short command's session unless `opts` names
@@ -33,11 +34,10 @@ pub(crate) async fn connect_with(opts: pg_outbox::ConnectOptions) -> Result<toki
     Ok(named(opts, CLI_SESSIONS).connect().await?)
 }
 
-/// `url` parsed, with libpq's variables and defaults for what it leaves
-/// out; the sessions are named `application_name` unless the URL (or
+/// `db` with its sessions named `application_name` unless the URL (or
 /// `PGAPPNAME`) names them.
-pub(crate) fn options(url: &str, application_name: &str) -> Result<pg_outbox::ConnectOptions, Error> {
-    Ok(named(pg_outbox::ConnectOptions::parse(url)?, application_name))
+pub(crate) fn options(db: &pg_outbox::ConnectOptions, application_name: &str) -> pg_outbox::ConnectOptions {
+    named(db.clone(), application_name)
 }
 
 /// `opts` with its sessions named `application_name` unless it names them.

@@ -123,18 +123,13 @@ fn main() -> ExitCode {
     };
     let url = db::database_url(&cli.database_url);
     let no_url = url.is_empty() && !matches!(cli.command, Command::Demo(_));
-    let target_url = url.clone();
+    // The one parse of the URL; the demo runs on a server of its own.
+    let db = pg_outbox::ConnectOptions::parse(&url);
+    let target = db.as_ref().ok().map(pg_outbox::ConnectOptions::describe);
     let result = rt.block_on(async move {
         match cli.command {
             Command::Demo(args) => demo::run(args).await,
-            Command::Migrate(args) => migrate::run(&url, args).await,
-            Command::Relay(args) => relay::run(&url, *args).await,
-            Command::Publish(args) => publish::run(&url, args).await,
-            Command::Status(args) => status::run(&url, args).await,
-            Command::DeadLetters(cmd) => dead_letters::run(&url, cmd).await,
-            Command::Archive(args) => archive::run(&url, args).await,
-            Command::Replay(args) => replay::run(&url, *args, log_format).await,
-            Command::Console(args) => console::run(db::options(&url, console::SESSIONS)?, args).await,
+            command => on_database(command, db?, log_format).await,
         }
     });
     rt.shutdown_timeout(Duration::from_secs(1));
@@ -146,9 +141,9 @@ fn main() -> ExitCode {
             // Name the database that lacks the schema: with libpq's
             // defaults it may not be the one the user had in mind.
             if let Error::Outbox(pg_outbox::Error::NotMigrated(_)) = &e
-                && let Ok(target) = pg_outbox::ConnectOptions::parse(&target_url)
+                && let Some(target) = &target
             {
-                message.push_str(&format!(" against {}", target.describe()));
+                message.push_str(&format!(" against {target}"));
             }
             logging::error(log_format, &message);
             if no_url
@@ -161,5 +156,24 @@ fn main() -> ExitCode {
             }
             ExitCode::FAILURE
         }
+    }
+}
+
+/// Run `command` on the database `db` names.
+async fn on_database(
+    command: Command,
+    db: pg_outbox::ConnectOptions,
+    log_format: logging::LogFormat,
+) -> Result<(), Error> {
+    match command {
+        Command::Demo(args) => demo::run(args).await,
+        Command::Migrate(args) => migrate::run(&db, args).await,
+        Command::Relay(args) => relay::run(db, *args).await,
+        Command::Publish(args) => publish::run(&db, args).await,
+        Command::Status(args) => status::run(&db, args).await,
+        Command::DeadLetters(cmd) => dead_letters::run(&db, cmd).await,
+        Command::Archive(args) => archive::run(&db, args).await,
+        Command::Replay(args) => replay::run(db, *args, log_format).await,
+        Command::Console(args) => console::run(db::options(&db, console::SESSIONS), args).await,
     }
 }

@@ -1,5 +1,6 @@
 //! The `relay` and `replay` flags that configure sinks: the ones every sink
-//! shares, then one group per sink (present when the sink is built in).
+//! shares, then one group per sink built in, which the sink declares itself
+//! ([`pg_outbox::relay::SinkFlags`]).
 //! Every secret-bearing flag is parsed into a secret type
 //! ([`Secret`], [`SecretUrl`], the sinks' header and property types), which
 //! decides how `--print-config` shows it.
@@ -60,21 +61,9 @@ pub(crate) struct SinkArgs {
     /// delivering (default 60s). Hidden: for tests.
     #[arg(long, hide = true, value_parser = crate::parse::parse_duration, value_name = "DURATION")]
     broker_check_interval: Option<Duration>,
-    #[cfg(feature = "webhook")]
+    // One group per sink this build has, each declared by its sink.
     #[command(flatten)]
-    webhook: WebhookArgs,
-    #[cfg(feature = "nats")]
-    #[command(flatten)]
-    nats: NatsArgs,
-    #[cfg(feature = "kafka")]
-    #[command(flatten)]
-    kafka: KafkaArgs,
-    #[cfg(feature = "redis")]
-    #[command(flatten)]
-    redis: RedisArgs,
-    #[cfg(feature = "amqp")]
-    #[command(flatten)]
-    amqp: AmqpArgs,
+    sinks: pg_outbox::relay::SinkFlags,
     #[command(flatten)]
     access: AccessArgs,
 }
@@ -113,129 +102,6 @@ struct AccessArgs {
     /// --sink-password-file (a command line is visible to other users).
     #[arg(long, value_name = "PASSWORD", hide_env_values = true)]
     sink_password: Option<Secret>,
-}
-
-/// The webhook sink's flags.
-#[cfg(feature = "webhook")]
-#[derive(clap::Args, Debug)]
-struct WebhookArgs {
-    /// Sign webhook requests (Standard Webhooks: webhook-id,
-    /// webhook-timestamp, webhook-signature) with this secret (`whsec_...`).
-    #[arg(long, hide_env_values = true)]
-    webhook_secret: Option<Secret>,
-    /// Extra header on every webhook request, `NAME: VALUE` (repeatable).
-    #[arg(long = "webhook-header", value_name = "NAME: VALUE", value_parser = NoEcho::<pg_outbox::relay::HttpHeader>::new())]
-    webhook_headers: Vec<pg_outbox::relay::HttpHeader>,
-}
-
-/// The NATS sink's flags.
-#[cfg(feature = "nats")]
-#[derive(clap::Args, Debug)]
-struct NatsArgs {
-    /// NATS subject template; placeholders {aggregate_type}, {event_type},
-    /// {aggregate_id}.
-    #[arg(long, default_value = "events.{aggregate_type}.{event_type}", value_parser = parse_template)]
-    nats_subject: pg_outbox::relay::Template,
-    /// NATS: a .creds file (user JWT and NKey seed, as `nsc` writes it).
-    #[arg(long, value_name = "FILE", help_heading = "Sink TLS and credentials")]
-    nats_creds: Option<PathBuf>,
-    /// NATS: a file holding a user NKey seed (SU...).
-    #[arg(long, value_name = "FILE", help_heading = "Sink TLS and credentials")]
-    nats_nkey_file: Option<PathBuf>,
-    /// NATS: a file holding the authentication token.
-    #[arg(long, value_name = "FILE", help_heading = "Sink TLS and credentials")]
-    nats_token_file: Option<PathBuf>,
-}
-
-/// The Kafka sink's flags.
-#[cfg(feature = "kafka")]
-#[derive(clap::Args, Debug)]
-struct KafkaArgs {
-    /// Kafka topic template (the message key is the aggregate id).
-    #[arg(long, default_value = "outbox.event.{aggregate_type}", value_parser = parse_template)]
-    kafka_topic: pg_outbox::relay::Template,
-    /// Kafka SASL mechanism, with --sink-user and a password: PLAIN,
-    /// SCRAM-SHA-256 or SCRAM-SHA-512 (others, e.g. OAUTHBEARER, through
-    /// --kafka-option). security.protocol becomes SASL_SSL with --sink-tls
-    /// (or a TLS file), else SASL_PLAINTEXT.
-    #[arg(long, value_name = "MECHANISM", value_parser = ["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"], help_heading = "Sink TLS and credentials")]
-    kafka_sasl_mechanism: Option<String>,
-    /// Any librdkafka producer property, KEY=VALUE (repeatable), applied
-    /// last: it overrides the sink's own. The sink's defaults: acks=all,
-    /// enable.idempotence=true, linger.ms=0 (one event in flight at a time),
-    /// compression.type=none, partitioner=murmur2_random (Java's),
-    /// message.timeout.ms from --sink-timeout. E.g.
-    /// --kafka-option sasl.mechanism=OAUTHBEARER.
-    #[arg(long = "kafka-option", value_name = "KEY=VALUE", value_parser = NoEcho::<pg_outbox::relay::KafkaProperty>::new(), help_heading = "Sink TLS and credentials")]
-    kafka_options: Vec<pg_outbox::relay::KafkaProperty>,
-}
-
-/// The Redis Streams sink's flags.
-#[cfg(feature = "redis")]
-#[derive(clap::Args, Debug)]
-struct RedisArgs {
-    /// Redis stream key template.
-    #[arg(long, default_value = "outbox:{aggregate_type}", value_parser = parse_template)]
-    redis_stream: pg_outbox::relay::Template,
-    /// Trim Redis streams to about this many entries (XADD MAXLEN ~); off by default.
-    #[arg(long, value_name = "ENTRIES", value_parser = clap::value_parser!(u64).range(1..))]
-    redis_maxlen: Option<u64>,
-    /// Acknowledge an event only once this many Redis replicas have its
-    /// entry (WAIT after each XADD, within half of --sink-timeout); fewer
-    /// fails the event, which is retried. 0 (the default): the primary's
-    /// reply is enough.
-    #[arg(long, value_name = "REPLICAS", default_value_t = 0)]
-    redis_wait_replicas: u32,
-}
-
-/// The RabbitMQ sink's flags.
-#[cfg(feature = "amqp")]
-#[derive(clap::Args, Debug)]
-struct AmqpArgs {
-    /// RabbitMQ exchange to publish to.
-    #[arg(long, default_value = "amq.topic")]
-    amqp_exchange: String,
-    /// RabbitMQ routing key template.
-    #[arg(long, default_value = "{aggregate_type}.{event_type}", value_parser = parse_template)]
-    amqp_routing_key: pg_outbox::relay::Template,
-}
-
-/// A value parser for settings that may hold a secret: on a malformed value
-/// the error names the flag and the problem, never the value (clap's own
-/// errors quote it).
-#[derive(Clone)]
-#[cfg_attr(not(any(feature = "webhook", feature = "kafka")), allow(dead_code))]
-struct NoEcho<T>(std::marker::PhantomData<T>);
-
-impl<T> NoEcho<T> {
-    #[cfg_attr(not(any(feature = "webhook", feature = "kafka")), allow(dead_code))]
-    fn new() -> Self {
-        NoEcho(std::marker::PhantomData)
-    }
-}
-
-impl<T> clap::builder::TypedValueParser for NoEcho<T>
-where
-    T: std::str::FromStr<Err = pg_outbox::Error> + Clone + Send + Sync + 'static,
-{
-    type Value = T;
-
-    fn parse_ref(
-        &self,
-        _cmd: &clap::Command,
-        arg: Option<&clap::Arg>,
-        value: &std::ffi::OsStr,
-    ) -> Result<T, clap::Error> {
-        let flag = arg.and_then(clap::Arg::get_long).map_or_else(|| "a setting".to_string(), |l| format!("--{l}"));
-        let refused = |why: String| {
-            clap::Error::raw(
-                clap::error::ErrorKind::ValueValidation,
-                format!("{flag}: {why} (the value is not shown)\n"),
-            )
-        };
-        let text = value.to_str().ok_or_else(|| refused("the value is not UTF-8".into()))?;
-        text.parse().map_err(|e: pg_outbox::Error| refused(e.to_string()))
-    }
 }
 
 /// The contents of a secret file named by `flag`, without the trailing
@@ -278,36 +144,7 @@ impl SinkArgs {
         if s.credentials.password.as_ref().is_some_and(|p| p.expose().is_empty()) {
             return Err(Error::Config("--sink-password is empty; give the password, or leave the flag out".into()));
         }
-        #[cfg(feature = "webhook")]
-        {
-            s.webhook.secret = self.webhook.webhook_secret.clone();
-            s.webhook.headers = self.webhook.webhook_headers.clone();
-        }
-        #[cfg(feature = "nats")]
-        {
-            let n = &self.nats;
-            s.nats.subject = n.nats_subject.clone();
-            s.nats.credentials = secret_file("nats-creds", n.nats_creds.as_deref())?;
-            s.nats.nkey = secret_file("nats-nkey-file", n.nats_nkey_file.as_deref())?;
-            s.nats.token = secret_file("nats-token-file", n.nats_token_file.as_deref())?;
-        }
-        #[cfg(feature = "kafka")]
-        {
-            s.kafka.topic = self.kafka.kafka_topic.clone();
-            s.kafka.sasl_mechanism = self.kafka.kafka_sasl_mechanism.clone();
-            s.kafka.properties = self.kafka.kafka_options.clone();
-        }
-        #[cfg(feature = "redis")]
-        {
-            s.redis.stream = self.redis.redis_stream.clone();
-            s.redis.maxlen = self.redis.redis_maxlen.and_then(|n| usize::try_from(n).ok());
-            s.redis.wait_replicas = self.redis.redis_wait_replicas;
-        }
-        #[cfg(feature = "amqp")]
-        {
-            s.amqp.exchange = self.amqp.amqp_exchange.clone();
-            s.amqp.routing_key = self.amqp.amqp_routing_key.clone();
-        }
+        self.sinks.apply(&mut s)?;
         Ok(s)
     }
 
@@ -340,9 +177,4 @@ fn parse_source(s: &str) -> Result<String, String> {
         return Err("the CloudEvents source must not be empty (the spec requires it), e.g. /billing".into());
     }
     Ok(s.to_string())
-}
-
-#[cfg_attr(not(any(feature = "nats", feature = "kafka", feature = "redis", feature = "amqp")), allow(dead_code))]
-fn parse_template(s: &str) -> Result<pg_outbox::relay::Template, String> {
-    pg_outbox::relay::Template::parse(s).map_err(|e| e.to_string())
 }

@@ -14,7 +14,7 @@ use lapin::{BasicProperties, Channel, Connection, ConnectionProperties, DefaultC
 
 use crate::error::{Error, Result};
 use crate::event::Event;
-use crate::relay::settings::with_reason;
+use crate::relay::access::with_reason;
 use crate::relay::sink::delivered;
 use crate::relay::{Message, SendFuture, Sink, SinkSettings, Template, TlsOptions};
 use crate::secret::SecretUrl;
@@ -468,6 +468,29 @@ impl Drop for InUse {
 /// Open the RabbitMQ sink (`--sink amqp://...` or `amqps://...`).
 pub(crate) fn open<'a>(url: &'a SecretUrl, settings: &'a SinkSettings) -> BoxFuture<'a, Result<Box<dyn Sink>>> {
     Box::pin(async move { Ok(Box::new(AmqpSink::connect(url, settings).await?) as Box<dyn Sink>) })
+}
+
+/// The RabbitMQ sink's flags (feature `cli`).
+#[cfg(feature = "cli")]
+#[derive(clap::Args, Debug)]
+#[group(skip)]
+pub(crate) struct Flags {
+    /// RabbitMQ exchange to publish to.
+    #[arg(long, default_value = "amq.topic")]
+    amqp_exchange: String,
+    /// RabbitMQ routing key template.
+    #[arg(long, default_value = "{aggregate_type}.{event_type}", value_parser = |s: &str| Template::parse(s).map_err(|e| e.to_string()))]
+    amqp_routing_key: Template,
+}
+
+#[cfg(feature = "cli")]
+impl Flags {
+    /// Write the flags into [`SinkSettings::amqp`].
+    pub(crate) fn apply(&self, settings: &mut SinkSettings) -> Result<()> {
+        settings.amqp.exchange = self.amqp_exchange.clone();
+        settings.amqp.routing_key = self.amqp_routing_key.clone();
+        Ok(())
+    }
 }
 
 impl Sink for AmqpSink {

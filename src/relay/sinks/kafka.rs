@@ -13,7 +13,7 @@ use rdkafka::types::RDKafkaErrorCode;
 
 use crate::error::{Error, Result};
 use crate::event::Event;
-use crate::relay::settings::with_reason;
+use crate::relay::access::with_reason;
 use crate::relay::{Message, SendFuture, Sent, Sink, SinkSettings, Template};
 use crate::secret::{MASK, Secret, SecretUrl, looks_secret};
 
@@ -581,6 +581,41 @@ impl Drop for RenewOnDrop<'_> {
 /// Open the Kafka sink (`--sink kafka://...`).
 pub(crate) fn open<'a>(url: &'a SecretUrl, settings: &'a SinkSettings) -> BoxFuture<'a, Result<Box<dyn Sink>>> {
     Box::pin(async move { Ok(Box::new(KafkaSink::connect(url, settings).await?) as Box<dyn Sink>) })
+}
+
+/// The Kafka sink's flags (feature `cli`).
+#[cfg(feature = "cli")]
+#[derive(clap::Args, Debug)]
+#[group(skip)]
+pub(crate) struct Flags {
+    /// Kafka topic template (the message key is the aggregate id).
+    #[arg(long, default_value = "outbox.event.{aggregate_type}", value_parser = |s: &str| Template::parse(s).map_err(|e| e.to_string()))]
+    kafka_topic: Template,
+    /// Kafka SASL mechanism, with --sink-user and a password: PLAIN,
+    /// SCRAM-SHA-256 or SCRAM-SHA-512 (others, e.g. OAUTHBEARER, through
+    /// --kafka-option). security.protocol becomes SASL_SSL with --sink-tls
+    /// (or a TLS file), else SASL_PLAINTEXT.
+    #[arg(long, value_name = "MECHANISM", value_parser = ["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"], help_heading = "Sink TLS and credentials")]
+    kafka_sasl_mechanism: Option<String>,
+    /// Any librdkafka producer property, KEY=VALUE (repeatable), applied
+    /// last: it overrides the sink's own. The sink's defaults: acks=all,
+    /// enable.idempotence=true, linger.ms=0 (one event in flight at a time),
+    /// compression.type=none, partitioner=murmur2_random (Java's),
+    /// message.timeout.ms from --sink-timeout. E.g.
+    /// --kafka-option sasl.mechanism=OAUTHBEARER.
+    #[arg(long = "kafka-option", value_name = "KEY=VALUE", value_parser = crate::relay::cli::NoEcho::<KafkaProperty>::new(), help_heading = "Sink TLS and credentials")]
+    kafka_options: Vec<KafkaProperty>,
+}
+
+#[cfg(feature = "cli")]
+impl Flags {
+    /// Write the flags into [`SinkSettings::kafka`].
+    pub(crate) fn apply(&self, settings: &mut SinkSettings) -> Result<()> {
+        settings.kafka.topic = self.kafka_topic.clone();
+        settings.kafka.sasl_mechanism = self.kafka_sasl_mechanism.clone();
+        settings.kafka.properties = self.kafka_options.clone();
+        Ok(())
+    }
 }
 
 impl Sink for KafkaSink {

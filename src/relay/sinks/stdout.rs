@@ -85,6 +85,20 @@ pub(crate) fn open<'a>(_url: &'a SecretUrl, _settings: &'a SinkSettings) -> BoxF
     Box::pin(async { Ok(Box::new(StdoutSink::new()) as Box<dyn Sink>) })
 }
 
+/// The stdout sink's flags: none (feature `cli`).
+#[cfg(feature = "cli")]
+#[derive(clap::Args, Debug)]
+#[group(skip)]
+pub(crate) struct Flags {}
+
+#[cfg(feature = "cli")]
+impl Flags {
+    /// Nothing to write.
+    pub(crate) fn apply(&self, _settings: &mut SinkSettings) -> Result<()> {
+        Ok(())
+    }
+}
+
 /// Any write error on standard output (closed: `EPIPE`; full: `ENOSPC`; ...)
 /// is about the sink, not the event: stop the relay rather than fail every
 /// event on its way to becoming a dead letter.

@@ -329,6 +329,30 @@ pub(crate) fn open<'a>(url: &'a SecretUrl, settings: &'a SinkSettings) -> BoxFut
     Box::pin(async move { Ok(Box::new(WebhookSink::new(url, &settings.webhook)?) as Box<dyn Sink>) })
 }
 
+/// The webhook sink's flags (feature `cli`).
+#[cfg(feature = "cli")]
+#[derive(clap::Args, Debug)]
+#[group(skip)]
+pub(crate) struct Flags {
+    /// Sign webhook requests (Standard Webhooks: webhook-id,
+    /// webhook-timestamp, webhook-signature) with this secret (`whsec_...`).
+    #[arg(long, hide_env_values = true)]
+    webhook_secret: Option<Secret>,
+    /// Extra header on every webhook request, `NAME: VALUE` (repeatable).
+    #[arg(long = "webhook-header", value_name = "NAME: VALUE", value_parser = crate::relay::cli::NoEcho::<HttpHeader>::new())]
+    webhook_headers: Vec<HttpHeader>,
+}
+
+#[cfg(feature = "cli")]
+impl Flags {
+    /// Write the flags into [`SinkSettings::webhook`].
+    pub(crate) fn apply(&self, settings: &mut SinkSettings) -> Result<()> {
+        settings.webhook.secret = self.webhook_secret.clone();
+        settings.webhook.headers = self.webhook_headers.clone();
+        Ok(())
+    }
+}
+
 impl WebhookSink {
     /// The POST request for `msg`: its headers, and the Standard Webhooks
     /// signature when a secret is set.

@@ -32,7 +32,7 @@ pub(crate) struct ArchiveArgs {
     dry_run: bool,
 }
 
-pub(crate) async fn run(url: &str, args: ArchiveArgs) -> Result<(), Error> {
+pub(crate) async fn run(db: &pg_outbox::ConnectOptions, args: ArchiveArgs) -> Result<(), Error> {
     let r = pg_outbox::retention::Retention {
         older_than: args.older_than,
         batch_size: args.batch_size,
@@ -42,11 +42,11 @@ pub(crate) async fn run(url: &str, args: ArchiveArgs) -> Result<(), Error> {
     };
     let age = humantime::format_duration(args.older_than);
     if args.dry_run {
-        let rep = pg_outbox::retention::dry_run(&connect(url).await?, &r).await?;
+        let rep = pg_outbox::retention::dry_run(&connect(db).await?, &r).await?;
         println!("dry run: would delete {} published events older than {age}", rep.deleted);
         return Ok(());
     }
-    let rep = pg_outbox::retention::run(&pg_outbox::ConnectOptions::parse(url)?, &r).await?;
+    let rep = pg_outbox::retention::run(db, &r).await?;
     if rep.skipped {
         return Err(Error::Usage("another retention run holds the lock; nothing deleted".into()));
     }

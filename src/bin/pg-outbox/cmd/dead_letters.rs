@@ -148,11 +148,11 @@ fn require_selection(ids: &[i64], filter: &FilterArgs, all: bool, verb: &str) ->
 /// them across sessions), and a retry or discard commits with the
 /// wake-up it sends. What was done is committed also when the command then
 /// reports ids it did not touch.
-pub(crate) async fn run(url: &str, cmd: DeadLetterCmd) -> Result<(), Error> {
+pub(crate) async fn run(db: &pg_outbox::ConnectOptions, cmd: DeadLetterCmd) -> Result<(), Error> {
     // Retrying and discarding write: on the primary (a standby is refused
     // in a sentence); listing and showing read anywhere.
     let writes = matches!(cmd, DeadLetterCmd::Retry { .. } | DeadLetterCmd::Discard { .. });
-    let mut client = if writes { crate::db::connect_primary(url).await? } else { crate::db::connect(url).await? };
+    let mut client = if writes { crate::db::connect_primary(db).await? } else { crate::db::connect(db).await? };
     let tx = client.transaction().await?;
     let result = match cmd {
         DeadLetterCmd::List { filter, json } => match filter.to_filter(&[]) {

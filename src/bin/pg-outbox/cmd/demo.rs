@@ -87,9 +87,10 @@ pub(crate) async fn run(args: DemoArgs) -> Result<(), Error> {
         Some(server) => {
             // A scratch database on the given server, dropped afterwards.
             let name = format!("pg_outbox_demo_{}", std::process::id());
+            let server = ConnectOptions::parse(&server)?;
             let admin = crate::db::connect(&server).await?;
             admin.batch_execute(&format!("CREATE DATABASE {name}")).await?;
-            let opts = ConnectOptions::parse(&server)?.with_dbname(&name);
+            let opts = server.with_dbname(&name);
             eprintln!("demo: created scratch database {name} on {}", opts.describe());
             let result = run_on(&opts, &args).await;
             if let Err(e) = admin.batch_execute(&format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)")).await {

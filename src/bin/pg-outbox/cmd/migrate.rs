@@ -35,10 +35,9 @@ pub(crate) enum OrderingArg {
     ProducerLocked,
 }
 
-pub(crate) async fn run(url: &str, args: MigrateArgs) -> Result<(), Error> {
+pub(crate) async fn run(pg: &pg_outbox::ConnectOptions, args: MigrateArgs) -> Result<(), Error> {
     use pg_outbox::migrate::{self, OrderingMode};
-    let pg = pg_outbox::ConnectOptions::parse(url)?;
-    let report = migrate::apply(&pg).await?;
+    let report = migrate::apply(pg).await?;
     if report.applied.is_empty() {
         eprintln!("schema is up to date");
     } else {
@@ -52,7 +51,7 @@ pub(crate) async fn run(url: &str, args: MigrateArgs) -> Result<(), Error> {
                 OrderingArg::OutboxLocked => OrderingMode::OutboxLocked,
                 OrderingArg::ProducerLocked => OrderingMode::ProducerLocked,
             };
-            let before = migrate::set_ordering(&pg, mode).await.map_err(|e| {
+            let before = migrate::set_ordering(pg, mode).await.map_err(|e| {
                 if e.code() == Some(&tokio_postgres::error::SqlState::LOCK_NOT_AVAILABLE) {
                     return Error::Usage(format!(
                         "could not switch the ordering mode to {mode}: producer transactions that have written \
@@ -83,7 +82,7 @@ pub(crate) async fn run(url: &str, args: MigrateArgs) -> Result<(), Error> {
         }
     };
     if let Some(source) = args.source {
-        let fires = migrate::set_source(&pg, source.kind()).await.map_err(|e| {
+        let fires = migrate::set_source(pg, source.kind()).await.map_err(|e| {
             if e.code() == Some(&tokio_postgres::error::SqlState::LOCK_NOT_AVAILABLE) {
                 return Error::Usage(
                     "could not change the insert trigger: producer transactions that have written events kept \

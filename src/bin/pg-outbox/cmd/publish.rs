@@ -24,7 +24,7 @@ pub(crate) struct PublishArgs {
     payload: String,
 }
 
-pub(crate) async fn run(url: &str, args: PublishArgs) -> Result<(), Error> {
+pub(crate) async fn run(db: &pg_outbox::ConnectOptions, args: PublishArgs) -> Result<(), Error> {
     // Read at most one byte over the limit, so `@/dev/zero` or an endless
     // pipe is refused instead of filling memory.
     let limit = u64::try_from(pg_outbox::DEFAULT_MAX_PAYLOAD_BYTES).unwrap_or(u64::MAX).saturating_add(1);
@@ -54,7 +54,7 @@ pub(crate) async fn run(url: &str, args: PublishArgs) -> Result<(), Error> {
     let event = NewEvent::new(args.aggregate_type, args.aggregate_id, args.event_type, payload);
     let publisher = Publisher::new();
     event.validate(pg_outbox::DEFAULT_MAX_PAYLOAD_BYTES)?;
-    let client = connect_primary(url).await?;
+    let client = connect_primary(db).await?;
     let id = publisher.publish(&client, &event).await?;
     println!("{id}");
     Ok(())

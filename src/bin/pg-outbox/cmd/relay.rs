@@ -197,12 +197,11 @@ enum ModeArg {
     Competing,
 }
 
-pub(crate) async fn run(url: &str, args: RelayArgs) -> Result<(), Error> {
+pub(crate) async fn run(pg: pg_outbox::ConnectOptions, args: RelayArgs) -> Result<(), Error> {
     check(&args)?;
     let sink = args.sink.open().await?;
     let sink_name = sink.name().to_string();
     let guarantee = sink.guarantee();
-    let pg = pg_outbox::ConnectOptions::parse(url)?;
     let target = pg.describe();
     let metrics_listener = args.metrics_addr.map(|a| health::bind(a, "metrics")).transpose()?;
     let health_addr = args.health_addr.filter(|a| Some(*a) != args.metrics_addr);
@@ -217,7 +216,7 @@ pub(crate) async fn run(url: &str, args: RelayArgs) -> Result<(), Error> {
     if let Some(l) = health_listener {
         health::serve(l, probes.clone(), None)?;
     }
-    let builder = consumer(pg, &args);
+    let builder = consumer(pg.clone(), &args);
     let stream = builder.start().await?;
     // From here a SIGTERM is a graceful shutdown (until now, nothing was
     // in flight and the default action ends the process).
@@ -227,9 +226,9 @@ pub(crate) async fn run(url: &str, args: RelayArgs) -> Result<(), Error> {
         tracing::info!(livez = %format!("http://{a}/livez"), readyz = %format!("http://{a}/readyz"), "health probes");
     }
     log_start(&args, &target, &sink_name, guarantee);
-    let retention = args.retention.map(|older| {
-        tokio::spawn(retention_loop(url.to_string(), older, args.retention_hour, args.retention_at_start))
-    });
+    let retention = args
+        .retention
+        .map(|older| tokio::spawn(retention_loop(pg.clone(), older, args.retention_hour, args.retention_at_start)));
     let mut delivery = args.sink.delivery();
     delivery.max_in_flight = usize::try_from(args.max_in_flight).unwrap_or(1);
     let stats = relay::run_with(stream, sink.as_ref(), &delivery, shutdown).await;
@@ -322,10 +321,10 @@ fn log_start(args: &RelayArgs, target: &str, sink_name: &str, guarantee: pg_outb
 
 /// Run retention every day at `hour`:00 UTC (and once at start when
 /// `at_start`), each run on a connection of its own.
-async fn retention_loop(url: String, older_than: Duration, hour: u32, at_start: bool) {
+async fn retention_loop(db: pg_outbox::ConnectOptions, older_than: Duration, hour: u32, at_start: bool) {
     let r = pg_outbox::retention::Retention { older_than, ..Default::default() };
     if at_start {
-        retention_once(&url, &r).await;
+        retention_once(&db, &r).await;
     }
     loop {
         let now = chrono::Utc::now();
@@ -333,13 +332,12 @@ async fn retention_loop(url: String, older_than: Duration, hour: u32, at_start: 
         let wait = (next - now).to_std().unwrap_or(Duration::from_secs(3600));
         tracing::info!(next = %next.to_rfc3339(), "retention scheduled");
         tokio::time::sleep(wait).await;
-        retention_once(&url, &r).await;
+        retention_once(&db, &r).await;
     }
 }
 
-async fn retention_once(url: &str, r: &pg_outbox::retention::Retention) {
-    let run = async { pg_outbox::retention::run(&pg_outbox::ConnectOptions::parse(url)?, r).await };
-    match run.await {
+async fn retention_once(db: &pg_outbox::ConnectOptions, r: &pg_outbox::retention::Retention) {
+    match pg_outbox::retention::run(db, r).await {
         Ok(rep) if rep.skipped => tracing::info!("retention skipped: another relay is running it"),
         Ok(rep) => tracing::info!(deleted = rep.deleted, batches = rep.batches, "retention done"),
         Err(e) => tracing::error!(error = %pg_outbox::error::report(&e), "retention failed"),

@@ -229,10 +229,9 @@ fn report_count(format: LogFormat, c: replay::Counted) -> Result<(), Error> {
 /// `pg-outbox replay`: deliver the matching published events to the sink
 /// again (or count them, with `--dry-run`), with a progress bar on a
 /// terminal and a line saying how to resume.
-pub(crate) async fn run(url: &str, args: ReplayArgs, format: LogFormat) -> Result<(), Error> {
+pub(crate) async fn run(db: pg_outbox::ConnectOptions, args: ReplayArgs, format: LogFormat) -> Result<(), Error> {
     let filter = args.filter()?;
     let sink = if args.dry_run { None } else { Some(args.sink.open().await?) };
-    let db = pg_outbox::ConnectOptions::parse(url)?;
     let mut builder = Replay::builder(filter)
         .page_size(args.batch_size)
         .shutdown_grace(args.shutdown_grace)

@@ -13,8 +13,8 @@ pub(crate) struct StatusArgs {
     json: bool,
 }
 
-pub(crate) async fn run(url: &str, args: StatusArgs) -> Result<(), Error> {
-    let mut client = connect(url).await?;
+pub(crate) async fn run(db: &pg_outbox::ConnectOptions, args: StatusArgs) -> Result<(), Error> {
+    let mut client = connect(db).await?;
     // One read-only snapshot: the figures agree with one another, and the
     // statements hold one server session (a transaction-mode pooler cannot
     // split them across sessions).

@@ -16,7 +16,7 @@ use futures::future::BoxFuture;
 
 use crate::error::{BoxError, Error, Result};
 use crate::event::Event;
-use crate::relay::settings::with_reason;
+use crate::relay::access::with_reason;
 use crate::relay::{Guarantee, Message, SendFuture, Sent, Sink, SinkSettings, Template, header};
 use crate::secret::{Secret, SecretUrl};
 use auth::{authentication, split_credentials};
@@ -240,6 +240,54 @@ pub(crate) fn open<'a>(url: &'a SecretUrl, settings: &'a SinkSettings) -> BoxFut
         }
         Ok(Box::new(NatsSink::connect(url, settings).await?) as Box<dyn Sink>)
     })
+}
+
+/// The NATS sink's flags (feature `cli`).
+#[cfg(feature = "cli")]
+#[derive(clap::Args, Debug)]
+#[group(skip)]
+pub(crate) struct Flags {
+    /// NATS subject template; placeholders {aggregate_type}, {event_type},
+    /// {aggregate_id}.
+    #[arg(long, default_value = "events.{aggregate_type}.{event_type}", value_parser = |s: &str| Template::parse(s).map_err(|e| e.to_string()))]
+    nats_subject: Template,
+    /// NATS: a .creds file (user JWT and NKey seed, as `nsc` writes it).
+    #[arg(long, value_name = "FILE", help_heading = "Sink TLS and credentials")]
+    nats_creds: Option<std::path::PathBuf>,
+    /// NATS: a file holding a user NKey seed (SU...).
+    #[arg(long, value_name = "FILE", help_heading = "Sink TLS and credentials")]
+    nats_nkey_file: Option<std::path::PathBuf>,
+    /// NATS: a file holding the authentication token.
+    #[arg(long, value_name = "FILE", help_heading = "Sink TLS and credentials")]
+    nats_token_file: Option<std::path::PathBuf>,
+}
+
+#[cfg(feature = "cli")]
+impl Flags {
+    /// Write the flags into [`SinkSettings::nats`], the secret files read.
+    ///
+    /// # Errors
+    /// [`Error::Config`] naming the flag for an unreadable or empty file.
+    pub(crate) fn apply(&self, settings: &mut SinkSettings) -> Result<()> {
+        /// The contents of the file `path` that `flag` names, without the
+        /// trailing line break.
+        fn secret_file(flag: &str, path: Option<&std::path::Path>) -> Result<Option<Secret>> {
+            let Some(path) = path else { return Ok(None) };
+            let text = std::fs::read_to_string(path)
+                .map_err(|e| Error::Config(format!("--{flag} {}: cannot read: {e}", path.display())))?;
+            let value = text.trim_end_matches(['\n', '\r']);
+            if value.trim().is_empty() {
+                return Err(Error::Config(format!("--{flag} {}: the file is empty", path.display())));
+            }
+            Ok(Some(Secret::new(value)))
+        }
+        let nats = &mut settings.nats;
+        nats.subject = self.nats_subject.clone();
+        nats.credentials = secret_file("nats-creds", self.nats_creds.as_deref())?;
+        nats.nkey = secret_file("nats-nkey-file", self.nats_nkey_file.as_deref())?;
+        nats.token = secret_file("nats-token-file", self.nats_token_file.as_deref())?;
+        Ok(())
+    }
 }
 
 impl Sink for NatsSink {
