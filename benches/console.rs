@@ -172,7 +172,10 @@ async fn run() -> BenchResult<()> {
     let opts = pg_outbox::ConnectOptions::parse(&url)?;
     let lib = opts.connect().await?;
     let lib = &lib;
-    line("pg_outbox::status", time(|| async { pg_outbox::status(lib).await.map(drop).map_err(Into::into) }).await?);
+    line(
+        "pg_outbox::status",
+        time(|| async { pg_outbox::status::read(lib).await.map(drop).map_err(Into::into) }).await?,
+    );
     line(
         "console::relays",
         time(|| async { pg_outbox::console::relays(lib).await.map(drop).map_err(Into::into) }).await?,
@@ -239,7 +242,7 @@ async fn status_states(
             }
             _ => {}
         }
-        let s = time(|| async { pg_outbox::status(lib).await.map(drop).map_err(Into::into) }).await?;
+        let s = time(|| async { pg_outbox::status::read(lib).await.map(drop).map_err(Into::into) }).await?;
         let base = time(|| async {
             c.query_one("SELECT count(*) FROM events.outbox WHERE published_at IS NULL", &[]).await?;
             Ok(())
@@ -250,7 +253,7 @@ async fn status_states(
         eprintln!("  status / baseline: {:.3}x", s.1 / base.1);
         let mut errs = Vec::new();
         for _ in 0..5 {
-            let st = pg_outbox::status(lib).await?;
+            let st = pg_outbox::status::read(lib).await?;
             let backlog = st.unpublished - st.dead_letters;
             errs.push((backlog as f64 / pending as f64 - 1.0, st.dead_letters as f64 / dead.max(1) as f64 - 1.0));
         }

@@ -28,7 +28,7 @@ pub const BACKLOG: &str = "outbox_backlog_events";
 /// Gauge, rows: dead letters (unpublished, `next_retry_at = 'infinity'`).
 pub const DEAD_LETTERS: &str = "outbox_dead_letters";
 /// Gauge, 0 or 1: 1 while [`BACKLOG`] or [`DEAD_LETTERS`] is an estimate
-/// (a class of rows over [`crate::STATUS_EXACT_ROWS`]; docs/operations.md,
+/// (a class of rows over [`OutboxStatus::EXACT_ROWS`](crate::status::OutboxStatus::EXACT_ROWS); docs/operations.md,
 /// "How `status` estimates"), 0 while both are exact.
 pub const BACKLOG_ESTIMATED: &str = "outbox_backlog_estimated";
 /// Gauge, seconds: age of the oldest unpublished event that is not a dead letter.

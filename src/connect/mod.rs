@@ -39,7 +39,7 @@ mod ssl_mode;
 mod target;
 mod tls;
 
-pub use options::{ConnectOptions, DEFAULT_CONNECT_TIMEOUT};
+pub use options::ConnectOptions;
 pub(crate) use parse::parses;
 pub use pooling::SessionMode;
 pub(crate) use pooling::require_own_sessions;

@@ -338,7 +338,7 @@ pub(crate) async fn deliver<S: Sink + ?Sized>(
     sink: &S,
     options: &DeliveryOptions,
     event: &Event,
-    term: Option<crate::Term>,
+    term: Option<crate::term::Term>,
 ) -> Result<Sent, BoxError> {
     let name = sink.name();
     let message = Message::with_term(event, term, options.format, &options.cloudevents_source)
@@ -381,7 +381,7 @@ pub struct SinkRecord<'a> {
     /// The leadership term it was delivered under; `None` (and no key)
     /// when the relay holds none.
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub term: Option<crate::Term>,
+    pub term: Option<crate::term::Term>,
 }
 
 impl<'a> SinkRecord<'a> {

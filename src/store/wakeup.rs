@@ -6,6 +6,11 @@ use tokio_postgres::GenericClient;
 
 use crate::error::Result;
 
+/// The channel the insert trigger notifies
+/// (`triggers/outbox_insert_order_and_notify.sql`), and the consumer
+/// listens on ([`Consumer::NOTIFY_CHANNEL`](crate::Consumer::NOTIFY_CHANNEL)).
+pub(crate) const NOTIFY_CHANNEL: &str = "events.outbox";
+
 /// Send notification payload $2 on channel $1 (the start-up probe, and the
 /// wake-up after an operator made dead letters due or deleted them).
 pub(crate) const NOTIFY: &str = "SELECT pg_notify($1, $2)";

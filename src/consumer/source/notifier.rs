@@ -26,10 +26,11 @@ use tokio_util::sync::CancellationToken;
 use super::Signals;
 use crate::connect;
 use crate::consumer::session::new_backoff;
-use crate::consumer::{ConsumerConfig, ListenerStatus, NOTIFY_CHANNEL};
+use crate::consumer::{ConsumerConfig, ListenerStatus};
 use crate::error::{Error, Result};
 use crate::metrics as m;
 use crate::store;
+use crate::store::NOTIFY_CHANNEL;
 
 /// Payload prefix of the start-up test notification (not a wake-up).
 pub(crate) const PROBE_PREFIX: &str = "pg-outbox probe ";
