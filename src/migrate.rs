@@ -35,7 +35,7 @@ pub enum SourceKind {
     /// `wal_level = logical`, the REPLICATION privilege, a free slot and
     /// WAL sender, and the publication `pg-outbox migrate --source wal`
     /// creates; [`ConsumerBuilder::start`](crate::ConsumerBuilder::start) checks each and fails with
-    /// [`Error::ReplicationSetup`](crate::error::Error::ReplicationSetup) naming
+    /// [`Error::ReplicationSetup`] naming
     /// what to change. Feature `wal`.
     #[cfg(feature = "wal")]
     Wal,
@@ -287,13 +287,13 @@ pub async fn set_ordering(pg: &ConnectOptions, mode: OrderingMode) -> Result<Opt
 /// Prepare a database that [`apply`] migrated for a consumer's source, on a
 /// session of its own, and return whether an insert trigger still fires.
 ///
-/// [`SourceKind::Wal`](SourceKind::Wal): create the publication
+/// [`SourceKind::Wal`]: create the publication
 /// `pg_outbox` of inserts into `events.outbox` (if missing), and in the
 /// producer-locked mode turn the wake-up trigger `outbox_wake` off for
 /// ordinary sessions (`ENABLE REPLICA TRIGGER`: it fires only under
 /// `session_replication_role = replica`), so that inserts run no trigger
 /// at all. The outbox-locked mode keeps its trigger: it is what keeps each
-/// aggregate's order. [`SourceKind::Listen`](SourceKind::Listen):
+/// aggregate's order. [`SourceKind::Listen`]:
 /// turn `outbox_wake` back on in the producer-locked mode (the publication
 /// stays; `DROP PUBLICATION pg_outbox` removes it). Switching the ordering
 /// mode ([`set_ordering`]) turns `outbox_wake` on again: run this after it.

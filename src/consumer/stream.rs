@@ -211,9 +211,9 @@ impl EventStream {
         self.status.clone()
     }
 
-    /// A handle that reads this consumer's [`Health`](crate::Health): whether its drain
+    /// A handle that reads this consumer's [`Health`](crate::health::Health): whether its drain
     /// loop still turns, whether its database sessions are open, its
-    /// [`Role`](crate::Role), the LISTEN connection's state, the last database error,
+    /// [`Role`](crate::health::Role), the LISTEN connection's state, the last database error,
     /// and (under `relay::run`) the sink's side. Cheap
     /// to clone and to read; meant for liveness and readiness probes (the
     /// relay's `/livez` and `/readyz` are built on it).

@@ -20,7 +20,7 @@
 //! - [`SINKS`]: the registry, from which [`open_sink`], the list of schemes
 //!   and the "built without feature X" error come.
 //! - [`SinkSettings`]: the shared settings and one options struct per sink;
-//!   secrets are [`crate::Secret`]s, so `Debug` masks them.
+//!   secrets are [`crate::secret::Secret`]s, so `Debug` masks them.
 //!
 //! # Adding a sink
 //! One file in `src/relay/sinks/` (the sink, its options struct, its `open`
@@ -164,7 +164,7 @@ where
 /// contract.
 ///
 /// The stream's [`EventStream::health`] then reports the sink's side too
-/// ([`crate::Health::sink`]): the delivery in progress, failures since the
+/// ([`crate::health::Health::sink`]): the delivery in progress, failures since the
 /// last success, the last error.
 ///
 /// Pipelining: up to `options`' [`DeliveryOptions::max_in_flight`]

@@ -170,7 +170,7 @@ impl std::fmt::Display for Proof {
 /// The relay encodes each event once ([`Message`], in the format of its
 /// [`DeliveryOptions`]), bounds the send by [`DeliveryOptions::timeout`],
 /// prefixes an error with [`Sink::name`], and reports the outcome in the
-/// stream's [`crate::Health`]; a sink only sends.
+/// stream's [`crate::health::Health`]; a sink only sends.
 ///
 /// `send` returns `Ok` only once the destination has taken the event
 /// (written and flushed, a 2xx response, a broker's confirmation:
@@ -186,7 +186,7 @@ impl std::fmt::Display for Proof {
 /// A sink that only needs the event can implement [`EventSink`] instead.
 pub trait Sink: Send + Sync {
     /// The sink as logs, `/readyz`, error texts and the console show it,
-    /// with no secret in it (see [`crate::SecretUrl::shown`]), e.g.
+    /// with no secret in it (see [`crate::secret::SecretUrl::shown`]), e.g.
     /// `NATS JetStream nats://127.0.0.1:4222`.
     fn name(&self) -> &str;
 

@@ -135,6 +135,7 @@ pub(crate) use writer::{Acknowledged, FailParams, FailWritten, FailsWritten, Wri
 /// ([`dead_letters::EXISTING_IDS`]), and statements on other tables or
 /// the catalogs ([`locks`], [`leader`], [`wakeup`], [`schema`]).
 #[cfg(feature = "kit")]
+#[doc(hidden)]
 pub fn run_time_statements(server_version_num: i32) -> Vec<(&'static str, String)> {
     use dead_letters as d;
     let sizes = PayloadSizes::for_server(server_version_num);

@@ -3,6 +3,8 @@
 
 use std::path::Path;
 
+#[cfg(doc)]
+use super::Error;
 use super::{Result, StandbyOptions, TempServer, err};
 
 /// Standbys started by this process, for their names.
