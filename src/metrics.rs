@@ -2,6 +2,11 @@
 //! facade only; install an exporter (the relay installs
 //! `metrics-exporter-prometheus`) to see them. Names follow Prometheus
 //! conventions: `outbox_` prefix, `_total` counters, `_seconds` units.
+//!
+//! This module is the one place metric names are written: the library
+//! records through these constants, the integration tests read them from
+//! here, and a test holds the Grafana dashboard and the alert rules
+//! (`contrib/`) and the names in docs/operations.md to them.
 
 use metrics::{Unit, describe_counter, describe_gauge, describe_histogram};
 

@@ -81,5 +81,9 @@ fn the_crate_roots_public_names_are_those_docs_public_api_lists() {
 fn the_crate_root_shows_at_most_35_names() {
     let names = root_names(include_str!("lib.rs"));
     let shown: Vec<&String> = names.iter().filter(|n| !n.contains("hidden")).collect();
-    assert!(shown.len() <= MAX_ROOT_NAMES, "{} names at the crate root, {MAX_ROOT_NAMES} at most: {shown:?}", shown.len());
+    assert!(
+        shown.len() <= MAX_ROOT_NAMES,
+        "{} names at the crate root, {MAX_ROOT_NAMES} at most: {shown:?}",
+        shown.len()
+    );
 }
