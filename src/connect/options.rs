@@ -62,7 +62,8 @@ use crate::error::Result;
 ///
 /// # Example
 /// ```
-/// use pg_outbox::{ConnectOptions, SslMode};
+/// use pg_outbox::ConnectOptions;
+/// use pg_outbox::tls::SslMode;
 /// let opts = ConnectOptions::parse(
 ///     "postgres://app@db.example.com/app?sslmode=verify-full&sslrootcert=/etc/ssl/pg-ca.pem",
 /// )?;
@@ -214,7 +215,8 @@ impl ConnectOptions {
     ///
     /// # Example
     /// ```
-    /// use pg_outbox::{ConnectOptions, SslMode};
+    /// use pg_outbox::ConnectOptions;
+    /// use pg_outbox::tls::SslMode;
     /// let pg = ConnectOptions::parse("postgres://app@db/app")?.with_ssl_mode(SslMode::Require);
     /// assert_eq!(pg.ssl_mode(), SslMode::Require);
     /// # Ok::<(), pg_outbox::Error>(())
@@ -230,7 +232,8 @@ impl ConnectOptions {
     ///
     /// # Example
     /// ```
-    /// use pg_outbox::{ConnectOptions, RootCert, SslMode};
+    /// use pg_outbox::ConnectOptions;
+    /// use pg_outbox::tls::{RootCert, SslMode};
     /// let pg = ConnectOptions::parse("postgres://app@db/app")?
     ///     .with_ssl_mode(SslMode::VerifyFull)
     ///     .with_root_cert(RootCert::File("/etc/ssl/pg-ca.pem".into()));
