@@ -79,6 +79,7 @@ mod writer;
 pub(crate) use backlog::{STATUS_EXACT_ROWS, STATUS_SAMPLE_IDS};
 #[cfg(feature = "kit")]
 pub use fetch::fetch_query;
+#[cfg(feature = "kit")]
 pub(crate) use fetch::{NEXT_RETRY_IN, PayloadSizes, competing_fetch_sql, fetch_sql};
 pub(crate) use planner::PLANNER_SETTINGS;
 #[cfg(feature = "sqlx")]
@@ -86,7 +87,9 @@ pub(crate) use publish::via_sqlx;
 pub(crate) use publish::{insert_event, insert_events};
 pub(crate) use rows::{DecodedEvent, event_from_row, row_id};
 pub(crate) use schema::SERVER_STATE;
-pub(crate) use settle::{ACK, FAIL, Fence};
+pub(crate) use settle::Fence;
+#[cfg(feature = "kit")]
+pub(crate) use settle::{ACK, FAIL};
 pub use status::{
     LeaderLock, OutboxStatus, PartitionHolder, PendingRetry, RelayIdentity, RetryLadder, TypeBacklog, status,
 };
