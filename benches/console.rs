@@ -3,7 +3,7 @@
 //! 1 000 000 published events, then 1 000 000 unpublished events and
 //! 100 000 dead letters in the table (target: under 100 ms each), and the
 //! library reads behind each page measured alone, to tell where the time
-//! goes. `pg_outbox::status` is timed in three statistics states, as users
+//! goes. `pg_outbox::status::read` is timed in three statistics states, as users
 //! meet them: stale (analyzed at the steady state, before the backlog and
 //! the dead letters came), current (analyzed), and absent (the table's
 //! statistics deleted, where the role may), each beside the baseline of an
@@ -20,7 +20,7 @@
 //! free port, times each page (2 warm-up requests, then 10; minimum,
 //! median, maximum) over loopback HTTP, and drops the database. The overview serves the backlog figures from the last reading
 //! when counting them takes longer than 200 ms (the warm-up requests wait
-//! for the first one); `pg_outbox::status` below is what one reading costs.
+//! for the first one); `pg_outbox::status::read` below is what one reading costs.
 
 use std::future::Future;
 use std::process::Stdio;
@@ -172,7 +172,10 @@ async fn run() -> BenchResult<()> {
     let opts = pg_outbox::ConnectOptions::parse(&url)?;
     let lib = opts.connect().await?;
     let lib = &lib;
-    line("pg_outbox::status", time(|| async { pg_outbox::status(lib).await.map(drop).map_err(Into::into) }).await?);
+    line(
+        "pg_outbox::status::read",
+        time(|| async { pg_outbox::status::read(lib).await.map(drop).map_err(Into::into) }).await?,
+    );
     line(
         "console::relays",
         time(|| async { pg_outbox::console::relays(lib).await.map(drop).map_err(Into::into) }).await?,
@@ -210,7 +213,7 @@ async fn run() -> BenchResult<()> {
     Ok(())
 }
 
-/// `pg_outbox::status` against an exact `count(*)` of the unpublished rows
+/// `pg_outbox::status::read` against an exact `count(*)` of the unpublished rows
 /// in each statistics state: stale (as loaded), current, absent.
 async fn status_states(
     lib: &pg_outbox::tokio_postgres::Client,
@@ -239,18 +242,18 @@ async fn status_states(
             }
             _ => {}
         }
-        let s = time(|| async { pg_outbox::status(lib).await.map(drop).map_err(Into::into) }).await?;
+        let s = time(|| async { pg_outbox::status::read(lib).await.map(drop).map_err(Into::into) }).await?;
         let base = time(|| async {
             c.query_one("SELECT count(*) FROM events.outbox WHERE published_at IS NULL", &[]).await?;
             Ok(())
         })
         .await?;
-        line(&format!("pg_outbox::status, statistics {state}"), s);
+        line(&format!("pg_outbox::status::read, statistics {state}"), s);
         line(&format!("baseline count(*) of unpublished, statistics {state}"), base);
         eprintln!("  status / baseline: {:.3}x", s.1 / base.1);
         let mut errs = Vec::new();
         for _ in 0..5 {
-            let st = pg_outbox::status(lib).await?;
+            let st = pg_outbox::status::read(lib).await?;
             let backlog = st.unpublished - st.dead_letters;
             errs.push((backlog as f64 / pending as f64 - 1.0, st.dead_letters as f64 / dead.max(1) as f64 - 1.0));
         }

@@ -1,8 +1,14 @@
-//! Reads for an operator console (`pg-outbox console`): the relays and
+//! The reads of the operator console, `pg-outbox console`: the relays and
 //! their roles, one event with its state and its aggregate's timeline, a
 //! page of dead letters (keyset paging), and delivery per minute over the
 //! last hour. The backlog figures are [`crate::status`]; the actions are
 //! [`crate::dead_letters::retry`] and [`crate::dead_letters::discard`].
+//!
+//! The binary's, not an API: hidden from the docs, behind the feature
+//! `console` (which `cli` turns on), and changed with any release. A binary
+//! reaches only what its library makes public; the SQL stays in
+//! `store/console.rs`, beside the locks and filters it shares and where the
+//! plan tests run it.
 //!
 //! Every function only reads, through an index or the catalog views, with a
 //! bound on the rows it returns.

@@ -34,7 +34,7 @@ pub enum Error {
     /// The server accepted the connection but did not finish the startup
     /// exchange (TLS negotiation, authentication) within the connect
     /// timeout (`connect_timeout` of the URL, default
-    /// [`crate::DEFAULT_CONNECT_TIMEOUT`]): not a PostgreSQL server, or one
+    /// [`ConnectOptions::DEFAULT_CONNECT_TIMEOUT`](crate::ConnectOptions::DEFAULT_CONNECT_TIMEOUT)): not a PostgreSQL server, or one
     /// that hangs. `target` names the host, port and database.
     #[error("cannot connect to the database at {target}: the server did not answer the startup within {after:?}")]
     ConnectTimedOut {

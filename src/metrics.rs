@@ -2,6 +2,11 @@
 //! facade only; install an exporter (the relay installs
 //! `metrics-exporter-prometheus`) to see them. Names follow Prometheus
 //! conventions: `outbox_` prefix, `_total` counters, `_seconds` units.
+//!
+//! This module is the one place metric names are written: the library
+//! records through these constants, the integration tests read them from
+//! here, and a test holds the Grafana dashboard and the alert rules
+//! (`contrib/`) and the names in docs/operations.md to them.
 
 use metrics::{Unit, describe_counter, describe_gauge, describe_histogram};
 
@@ -28,7 +33,7 @@ pub const BACKLOG: &str = "outbox_backlog_events";
 /// Gauge, rows: dead letters (unpublished, `next_retry_at = 'infinity'`).
 pub const DEAD_LETTERS: &str = "outbox_dead_letters";
 /// Gauge, 0 or 1: 1 while [`BACKLOG`] or [`DEAD_LETTERS`] is an estimate
-/// (a class of rows over [`crate::STATUS_EXACT_ROWS`]; docs/operations.md,
+/// (a class of rows over [`OutboxStatus::EXACT_ROWS`](crate::status::OutboxStatus::EXACT_ROWS); docs/operations.md,
 /// "How `status` estimates"), 0 while both are exact.
 pub const BACKLOG_ESTIMATED: &str = "outbox_backlog_estimated";
 /// Gauge, seconds: age of the oldest unpublished event that is not a dead letter.

@@ -17,6 +17,40 @@ use crate::store::locks::{self, RunLock};
 use crate::store::schema as store;
 pub use crate::store::schema::OrderingMode;
 
+/// Where a consumer learns that events committed. The same choice is the
+/// relay's `--source` flag. Either way the events themselves are read from
+/// `events.outbox` in id order, and hold-back, retries, dead letters,
+/// leadership and the sweep are the same.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum SourceKind {
+    /// LISTEN for the insert trigger's NOTIFY (default). Needs an insert
+    /// trigger (either ordering mode installs one).
+    #[default]
+    Listen,
+    /// Read the server's logical replication stream (pgoutput) of inserts
+    /// into `events.outbox`, through a temporary slot that the server drops
+    /// when the connection ends (no WAL is kept while no consumer runs).
+    /// Producers then need no insert trigger and never NOTIFY. Needs
+    /// `wal_level = logical`, the REPLICATION privilege, a free slot and
+    /// WAL sender, and the publication `pg-outbox migrate --source wal`
+    /// creates; [`ConsumerBuilder::start`](crate::ConsumerBuilder::start) checks each and fails with
+    /// [`Error::ReplicationSetup`] naming
+    /// what to change. Feature `wal`.
+    #[cfg(feature = "wal")]
+    Wal,
+}
+
+impl std::fmt::Display for SourceKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            SourceKind::Listen => "listen",
+            #[cfg(feature = "wal")]
+            SourceKind::Wal => "wal",
+        })
+    }
+}
+
 /// Schema migrations, in order: (name, SQL). Numbered `NNNN_name`.
 pub const MIGRATIONS: &[(&str, &str)] = &[
     ("0001_events_outbox", include_str!("../migrations/0001_events_outbox.sql")),
@@ -253,13 +287,13 @@ pub async fn set_ordering(pg: &ConnectOptions, mode: OrderingMode) -> Result<Opt
 /// Prepare a database that [`apply`] migrated for a consumer's source, on a
 /// session of its own, and return whether an insert trigger still fires.
 ///
-/// [`SourceKind::Wal`](crate::SourceKind::Wal): create the publication
+/// [`SourceKind::Wal`]: create the publication
 /// `pg_outbox` of inserts into `events.outbox` (if missing), and in the
 /// producer-locked mode turn the wake-up trigger `outbox_wake` off for
 /// ordinary sessions (`ENABLE REPLICA TRIGGER`: it fires only under
 /// `session_replication_role = replica`), so that inserts run no trigger
 /// at all. The outbox-locked mode keeps its trigger: it is what keeps each
-/// aggregate's order. [`SourceKind::Listen`](crate::SourceKind::Listen):
+/// aggregate's order. [`SourceKind::Listen`]:
 /// turn `outbox_wake` back on in the producer-locked mode (the publication
 /// stays; `DROP PUBLICATION pg_outbox` removes it). Switching the ordering
 /// mode ([`set_ordering`]) turns `outbox_wake` on again: run this after it.
@@ -271,9 +305,9 @@ pub async fn set_ordering(pg: &ConnectOptions, mode: OrderingMode) -> Result<Opt
 /// As [`set_ordering`]; creating the publication needs the CREATE
 /// privilege on the database and ownership of `events.outbox`.
 #[cfg(feature = "wal")]
-pub async fn set_source(pg: &ConnectOptions, source: crate::SourceKind) -> Result<bool> {
+pub async fn set_source(pg: &ConnectOptions, source: SourceKind) -> Result<bool> {
     let (client, _link) = connect::connect(pg, "pg-outbox migrate", &SessionSettings::primary()).await?;
-    crate::store::replication::set_source(&client, source != crate::SourceKind::Listen).await
+    crate::store::replication::set_source(&client, source != SourceKind::Listen).await
 }
 
 /// Objects the relay needs, each with the file that creates it.

@@ -9,10 +9,6 @@ use crate::error::Result;
 use crate::event::NewEvent;
 use crate::store;
 
-/// Default largest payload accepted: 1 MiB of JSON text, the default message
-/// limit of common brokers (Kafka `message.max.bytes`, NATS `max_payload`).
-pub const DEFAULT_MAX_PAYLOAD_BYTES: usize = 1024 * 1024;
-
 /// Inserts events into `events.outbox` through the caller's client or
 /// transaction. It never commits, never spawns, and never notifies by itself:
 /// the table's insert trigger (`triggers/outbox_insert_order_and_notify.sql`)
@@ -62,12 +58,17 @@ pub struct Publisher {
 
 impl Default for Publisher {
     fn default() -> Self {
-        Publisher { max_payload_bytes: DEFAULT_MAX_PAYLOAD_BYTES }
+        Publisher { max_payload_bytes: Publisher::DEFAULT_MAX_PAYLOAD_BYTES }
     }
 }
 
 impl Publisher {
-    /// A publisher with the default payload limit ([`DEFAULT_MAX_PAYLOAD_BYTES`]).
+    /// Default largest payload accepted: 1 MiB of JSON text, the default
+    /// message limit of common brokers (Kafka `message.max.bytes`, NATS
+    /// `max_payload`).
+    pub const DEFAULT_MAX_PAYLOAD_BYTES: usize = 1024 * 1024;
+
+    /// A publisher with the default payload limit ([`Publisher::DEFAULT_MAX_PAYLOAD_BYTES`]).
     pub fn new() -> Self {
         Self::default()
     }

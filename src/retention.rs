@@ -219,17 +219,23 @@ pub async fn dry_run(client: &Client, r: &Retention) -> Result<RetentionReport> 
 /// ```
 pub async fn run(pg: &ConnectOptions, r: &Retention) -> Result<RetentionReport> {
     if r.batch_size < 1 {
-        return Err(crate::Error::Config(format!("retention batch size must be at least 1, got {}", r.batch_size)));
+        return Err(crate::error::Error::Config(format!(
+            "retention batch size must be at least 1, got {}",
+            r.batch_size
+        )));
     }
     if !(r.max_share > 0.0 && r.max_share <= 1.0) {
-        return Err(crate::Error::Config(format!(
+        return Err(crate::error::Error::Config(format!(
             "retention max share must be above 0 and at most 1, got {}",
             r.max_share
         )));
     }
     let opened = async {
         let shared = matches!(pg.session_mode().await?, SessionMode::Shared { .. });
-        Ok::<_, crate::Error>((shared, connect::connect(pg, "pg-outbox retention", &SessionSettings::primary()).await?))
+        Ok::<_, crate::error::Error>((
+            shared,
+            connect::connect(pg, "pg-outbox retention", &SessionSettings::primary()).await?,
+        ))
     };
     let (shared, (client, _link)) = match opened.await {
         Ok(c) => c,

@@ -4,17 +4,6 @@ use std::time::Duration;
 
 use crate::error::{Error, Result};
 
-/// The original ladder's steps: 1 min, 5 min, 15 min, 1 h
-/// (docs/schema.md, "Publisher and poller flow", MarkRetry).
-pub const DEFAULT_RETRY_STEPS: [Duration; 4] =
-    [Duration::from_secs(60), Duration::from_secs(5 * 60), Duration::from_secs(15 * 60), Duration::from_secs(60 * 60)];
-
-/// Longest wait of the default ladder: 24 hours.
-pub const DEFAULT_RETRY_CAP: Duration = Duration::from_secs(24 * 60 * 60);
-
-/// Default jitter: each delay is stretched by a random 0–10 %.
-pub const DEFAULT_RETRY_JITTER: f64 = 0.10;
-
 /// What happens after the last explicit step.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
@@ -55,15 +44,30 @@ pub struct RetryPolicy {
 impl Default for RetryPolicy {
     fn default() -> Self {
         RetryPolicy {
-            steps: DEFAULT_RETRY_STEPS.to_vec(),
+            steps: RetryPolicy::DEFAULT_STEPS.to_vec(),
             after: AfterLastStep::Double,
-            cap: DEFAULT_RETRY_CAP,
-            jitter: DEFAULT_RETRY_JITTER,
+            cap: RetryPolicy::DEFAULT_CAP,
+            jitter: RetryPolicy::DEFAULT_JITTER,
         }
     }
 }
 
 impl RetryPolicy {
+    /// The original ladder's steps: 1 min, 5 min, 15 min, 1 h
+    /// (docs/schema.md, "Publisher and poller flow", MarkRetry).
+    pub const DEFAULT_STEPS: [Duration; 4] = [
+        Duration::from_secs(60),
+        Duration::from_secs(5 * 60),
+        Duration::from_secs(15 * 60),
+        Duration::from_secs(60 * 60),
+    ];
+
+    /// Longest wait of the default ladder: 24 hours.
+    pub const DEFAULT_CAP: Duration = Duration::from_secs(24 * 60 * 60);
+
+    /// Default jitter: each delay is stretched by a random 0–10 %.
+    pub const DEFAULT_JITTER: f64 = 0.10;
+
     /// A ladder of explicit steps whose last step repeats (the relay's
     /// `--retry-schedule 1m,5m,15m,1h`). Steps may be sub-second.
     ///
@@ -76,12 +80,12 @@ impl RetryPolicy {
         if steps.iter().any(|d| d.is_zero()) {
             return Err(Error::Config("retry schedule steps must be longer than zero".into()));
         }
-        let cap = steps.iter().copied().max().unwrap_or(DEFAULT_RETRY_CAP);
+        let cap = steps.iter().copied().max().unwrap_or(RetryPolicy::DEFAULT_CAP);
         Ok(RetryPolicy {
             steps,
             after: AfterLastStep::Repeat,
-            cap: cap.max(DEFAULT_RETRY_CAP),
-            jitter: DEFAULT_RETRY_JITTER,
+            cap: cap.max(RetryPolicy::DEFAULT_CAP),
+            jitter: RetryPolicy::DEFAULT_JITTER,
         })
     }
 
@@ -115,7 +119,7 @@ impl RetryPolicy {
     /// `failures` of 0 is treated as 1.
     pub fn base_delay(&self, failures: u32) -> Duration {
         let n = failures.max(1) as usize;
-        let last = *self.steps.last().unwrap_or(&DEFAULT_RETRY_STEPS[0]);
+        let last = *self.steps.last().unwrap_or(&RetryPolicy::DEFAULT_STEPS[0]);
         let d = if n <= self.steps.len() {
             self.steps[n - 1]
         } else {
@@ -166,7 +170,7 @@ mod tests {
                 mins(1440)
             ]
         );
-        assert_eq!(p.base_delay(1000), DEFAULT_RETRY_CAP);
+        assert_eq!(p.base_delay(1000), RetryPolicy::DEFAULT_CAP);
     }
 
     #[test]

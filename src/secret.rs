@@ -29,7 +29,7 @@ pub const MASK: &str = "****";
 ///
 /// # Example
 /// ```
-/// use pg_outbox::Secret;
+/// use pg_outbox::secret::Secret;
 /// let s = Secret::new("hunter2");
 /// assert_eq!(format!("{s:?}"), "Secret(****)");
 /// assert_eq!(s.to_string(), "****");
@@ -89,7 +89,7 @@ impl std::str::FromStr for Secret {
 ///
 /// # Example
 /// ```
-/// use pg_outbox::SecretUrl;
+/// use pg_outbox::secret::SecretUrl;
 /// let url = SecretUrl::new("amqp://app:pw@mq:5672/%2f");
 /// assert_eq!(url.shown(), "amqp://mq:5672/%2f");
 /// assert_eq!(url.masked(), "amqp://app:****@mq:5672/%2f");

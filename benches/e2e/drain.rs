@@ -604,7 +604,7 @@ fn large_events(s: &Settings) -> i64 {
 
 /// Characters of each large payload's string: 1 MiB. With the keys around
 /// it the payload is just over 1 MiB, as a producer's payload at the
-/// publisher's limit ([`pg_outbox::DEFAULT_MAX_PAYLOAD_BYTES`]) is just under.
+/// publisher's limit ([`pg_outbox::Publisher::DEFAULT_MAX_PAYLOAD_BYTES`]) is just under.
 const LARGE_PAYLOAD_CHARS: usize = 1 << 20;
 
 /// A byte bound high enough never to bind: the behaviour before the bound
@@ -622,7 +622,7 @@ struct LargeRun {
 impl LargeRun {
     fn bound_name(&self) -> String {
         match self.bound {
-            None => format!("default bound ({} MiB)", pg_outbox::DEFAULT_MAX_BUFFERED_BYTES >> 20),
+            None => format!("default bound ({} MiB)", pg_outbox::ConsumerBuilder::DEFAULT_MAX_BUFFERED_BYTES >> 20),
             Some(_) => "no byte bound".into(),
         }
     }
@@ -894,7 +894,7 @@ fn report(s: &Settings, runs: &[Run], large: &[LargeRun]) -> Section {
          binds: the behaviour before the bound, rows alone (a fetch of 500, the stream buffering 1 000). The \
          ratio is the peak RSS against the same drainer's without the bound, in the same run.",
         fmt_count(large_events(s) as f64),
-        pg_outbox::DEFAULT_MAX_BUFFERED_BYTES >> 20
+        pg_outbox::ConsumerBuilder::DEFAULT_MAX_BUFFERED_BYTES >> 20
     ));
     sec.notes.push(format!(
         "Table states, each built for real with autovacuum off on the table: *stale statistics* (the headline: \

@@ -38,7 +38,7 @@ async fn one(ctx: &Ctx, pathological: bool) -> BenchResult<HeadRun> {
         util::settle(&client).await?;
         eprintln!("e2e: heads: loaded in {:.1} s", started.elapsed().as_secs_f64());
         let job = Job {
-            drainer: Drainer::Consumer(pg_outbox::DEFAULT_BATCH_SIZE),
+            drainer: Drainer::Consumer(pg_outbox::ConsumerBuilder::DEFAULT_BATCH_SIZE),
             limit: u64::try_from(s.heads_fresh)?,
             max_secs: s.drain_max_secs,
         };
@@ -103,7 +103,7 @@ pub async fn run(ctx: &Ctx) -> BenchResult<Section> {
         fmt_count(s.heads_rows as f64),
         fmt_count(s.heads_rows as f64),
         fmt_count(s.heads_fresh as f64),
-        pg_outbox::DEFAULT_BATCH_SIZE,
+        pg_outbox::ConsumerBuilder::DEFAULT_BATCH_SIZE,
         s.heads_probe_secs
     ));
     sec.data = serde_json::json!(

@@ -300,8 +300,8 @@ async fn await_published(client: &Client, published: &Statement, relay: &util::R
 /// floor `floor` (`i64::MIN`: none, as in a consumer's first fetch and in
 /// the one after each drop of the floor: a rewind, a new session, the
 /// safety net once a minute), the rewind count as the table has it, a batch of
-/// [`pg_outbox::DEFAULT_BATCH_SIZE`], a budget of
-/// [`pg_outbox::DEFAULT_MAX_BUFFERED_BYTES`]) under `EXPLAIN (ANALYZE, BUFFERS)`
+/// [`pg_outbox::ConsumerBuilder::DEFAULT_BATCH_SIZE`], a budget of
+/// [`pg_outbox::ConsumerBuilder::DEFAULT_MAX_BUFFERED_BYTES`]) under `EXPLAIN (ANALYZE, BUFFERS)`
 /// on a session opened as pg-outbox opens its own (its planner settings),
 /// in a transaction rolled back. Fails unless it returns `expect_rows`.
 async fn fetch_buffers(cfg: &Config, expect_rows: i64, floor: i64) -> BenchResult<(i64, i64)> {
@@ -310,9 +310,9 @@ async fn fetch_buffers(cfg: &Config, expect_rows: i64, floor: i64) -> BenchResul
     let version: i32 = c.query_one("SELECT current_setting('server_version_num')::int4", &[]).await?.try_get(0)?;
     let sql = format!("EXPLAIN (ANALYZE, BUFFERS, TIMING OFF, FORMAT JSON) {}", pg_outbox::fetch_query(version));
     let none: Vec<i64> = Vec::new();
-    let batch = i64::try_from(pg_outbox::DEFAULT_BATCH_SIZE)?;
+    let batch = i64::try_from(pg_outbox::ConsumerBuilder::DEFAULT_BATCH_SIZE)?;
     // The byte budget of a consumer that holds nothing: the default bound.
-    let budget = i64::try_from(pg_outbox::DEFAULT_MAX_BUFFERED_BYTES)?;
+    let budget = i64::try_from(pg_outbox::ConsumerBuilder::DEFAULT_MAX_BUFFERED_BYTES)?;
     // The floor kept where it is (no checkpoint moves it).
     let no_xid = i64::MAX;
     // The rewind count the table has, as a running consumer would have
@@ -371,7 +371,7 @@ async fn measure(cfg: &Config, s: &Settings, rows: i64, load_secs: f64, floor: i
         .await?;
     let (total_mib, dead_rows): (f64, i64) = (row.try_get(0)?, row.try_get::<_, Option<i64>>(1)?.unwrap_or(0));
     util::load_rows(&client, RowKind::Fresh, FETCH_TAIL, 1_000, "tail").await?;
-    let batch = i64::try_from(pg_outbox::DEFAULT_BATCH_SIZE)?;
+    let batch = i64::try_from(pg_outbox::ConsumerBuilder::DEFAULT_BATCH_SIZE)?;
     // From the floor first: the fetch with none marks the index entries of
     // the rows it passes dead (as every such fetch does), which the one
     // from the floor never reads.
@@ -883,7 +883,7 @@ fn report(s: &Settings, runs: &[SizeRun], archive: Option<&ArchiveRun>, autovacu
          checkpoint). Relay: `pg-outbox relay --sink stdout` \
          draining a backlog of {} events (~1.5 KB) inserted on top of the history (statistics from before it, as \
          an outage leaves them). Every ratio is against the empty table (0 rows) of the same run, measured first.",
-        pg_outbox::DEFAULT_BATCH_SIZE,
+        pg_outbox::ConsumerBuilder::DEFAULT_BATCH_SIZE,
         s.producer_warmup_secs,
         s.history_producer_secs,
         fmt_count(s.history_backlog as f64)

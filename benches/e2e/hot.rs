@@ -76,7 +76,7 @@ async fn unpublished(client: &Client) -> BenchResult<i64> {
     Ok(client.query_one("SELECT count(*) FROM events.outbox WHERE published_at IS NULL", &[]).await?.try_get(0)?)
 }
 
-/// Drain with a Consumer in this process (batch [`pg_outbox::DEFAULT_BATCH_SIZE`]):
+/// Drain with a Consumer in this process (batch [`pg_outbox::ConsumerBuilder::DEFAULT_BATCH_SIZE`]):
 /// fail every delivery of a `failing` aggregate, acknowledge the rest; done
 /// when `expect_acks` are acknowledged and only `expect_held` events are
 /// unpublished. Errors when the time cap comes first.
@@ -91,7 +91,7 @@ async fn drain(
     let started = Instant::now();
     let deadline = started + Duration::from_secs_f64(max_secs);
     let mut stream = Consumer::builder(pg_outbox_testkit::options_of(cfg))
-        .batch_size(pg_outbox::DEFAULT_BATCH_SIZE)
+        .batch_size(pg_outbox::ConsumerBuilder::DEFAULT_BATCH_SIZE)
         .retry_policy(RetryPolicy::schedule(vec![RETRY_AFTER])?)
         .start()
         .await?;
@@ -309,7 +309,7 @@ pub async fn run(ctx: &Ctx) -> BenchResult<Section> {
          scenario fails unless the unpublished events at the end are exactly the failing aggregates' events, \
          each aggregate's first event failed once and the rest untouched.",
         fmt_count(n as f64),
-        pg_outbox::DEFAULT_BATCH_SIZE,
+        pg_outbox::ConsumerBuilder::DEFAULT_BATCH_SIZE,
         RETRY_AFTER.as_secs()
     ));
     sec.data = serde_json::json!(

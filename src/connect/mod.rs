@@ -42,7 +42,7 @@ mod ssl_mode;
 mod target;
 mod tls;
 
-pub use options::{ConnectOptions, DEFAULT_CONNECT_TIMEOUT};
+pub use options::ConnectOptions;
 pub(crate) use parse::parses;
 pub(crate) use planner::PLANNER_SETTINGS;
 pub use pooling::SessionMode;

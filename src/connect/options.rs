@@ -17,13 +17,6 @@ use super::{RootCert, SslMode, TlsConnector};
 use crate::error::Error;
 use crate::error::Result;
 
-/// Default connect timeout when the URL sets none: 10 seconds, for each
-/// host of a multi-host URL apart (as libpq's `connect_timeout`). A host
-/// that never answers (a dead VM, a dropped route) costs that long before
-/// the next host is tried, at every connect: with a multi-host URL for
-/// failover, set a shorter one (`connect_timeout=2`).
-pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
-
 /// Connection settings, resolved as libpq resolves them, with TLS by libpq's
 /// `sslmode` rules.
 ///
@@ -69,7 +62,8 @@ pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 ///
 /// # Example
 /// ```
-/// use pg_outbox::{ConnectOptions, SslMode};
+/// use pg_outbox::ConnectOptions;
+/// use pg_outbox::tls::SslMode;
 /// let opts = ConnectOptions::parse(
 ///     "postgres://app@db.example.com/app?sslmode=verify-full&sslrootcert=/etc/ssl/pg-ca.pem",
 /// )?;
@@ -96,6 +90,13 @@ pub struct ConnectOptions {
 }
 
 impl ConnectOptions {
+    /// Default connect timeout when the URL sets none: 10 seconds, for each
+    /// host of a multi-host URL apart (as libpq's `connect_timeout`). A host
+    /// that never answers (a dead VM, a dropped route) costs that long before
+    /// the next host is tried, at every connect: with a multi-host URL for
+    /// failover, set a shorter one (`connect_timeout=2`).
+    pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+
     /// Parse a libpq connection string, a URL
     /// (`postgres://user:password@host:5432/db?sslmode=verify-full&sslrootcert=/ca.pem`)
     /// or key=value pairs (`host=h dbname=d sslmode=verify-full`), and fill
@@ -203,7 +204,7 @@ impl ConnectOptions {
     }
 
     /// The connect timeout given (`connect_timeout` or `PGCONNECT_TIMEOUT`,
-    /// in seconds). Without one, [`DEFAULT_CONNECT_TIMEOUT`] applies. It
+    /// in seconds). Without one, [`ConnectOptions::DEFAULT_CONNECT_TIMEOUT`] applies. It
     /// bounds each host of a multi-host URL apart (as in libpq), from the
     /// TCP connect to the end of the startup exchange.
     pub fn connect_timeout(&self) -> Option<Duration> {
@@ -214,7 +215,8 @@ impl ConnectOptions {
     ///
     /// # Example
     /// ```
-    /// use pg_outbox::{ConnectOptions, SslMode};
+    /// use pg_outbox::ConnectOptions;
+    /// use pg_outbox::tls::SslMode;
     /// let pg = ConnectOptions::parse("postgres://app@db/app")?.with_ssl_mode(SslMode::Require);
     /// assert_eq!(pg.ssl_mode(), SslMode::Require);
     /// # Ok::<(), pg_outbox::Error>(())
@@ -230,7 +232,8 @@ impl ConnectOptions {
     ///
     /// # Example
     /// ```
-    /// use pg_outbox::{ConnectOptions, RootCert, SslMode};
+    /// use pg_outbox::ConnectOptions;
+    /// use pg_outbox::tls::{RootCert, SslMode};
     /// let pg = ConnectOptions::parse("postgres://app@db/app")?
     ///     .with_ssl_mode(SslMode::VerifyFull)
     ///     .with_root_cert(RootCert::File("/etc/ssl/pg-ca.pem".into()));
@@ -275,7 +278,7 @@ impl ConnectOptions {
     /// Open a session with pg-outbox's TLS rules (the `sslmode`, verified
     /// against the roots as libpq does), TCP keepalives (client side, and
     /// server side via `tcp_keepalives_*`), a connect timeout (default
-    /// [`DEFAULT_CONNECT_TIMEOUT`]), the application name `pg-outbox` unless
+    /// [`ConnectOptions::DEFAULT_CONNECT_TIMEOUT`]), the application name `pg-outbox` unless
     /// one is given, and the planner settings pg-outbox's own statements are
     /// written for (`enable_sort=off`, `jit=off`,
     /// `max_parallel_workers_per_gather=0`, before the string's own
@@ -371,7 +374,7 @@ impl ConnectOptions {
     /// The `tokio_postgres::Config` to connect with, for a connection pool
     /// (or any `Config::connect`): hosts, ports, user, database, password
     /// (from the password file when needed), application name, TCP
-    /// keepalives, the connect timeout (default [`DEFAULT_CONNECT_TIMEOUT`]),
+    /// keepalives, the connect timeout (default [`ConnectOptions::DEFAULT_CONNECT_TIMEOUT`]),
     /// and the closest `sslmode` tokio-postgres knows: `verify-ca` and
     /// `verify-full` become `require`, so pairing this `Config` with
     /// `tokio_postgres::NoTls` refuses to connect instead of going on
@@ -394,7 +397,7 @@ impl ConnectOptions {
         let (mut cfg, _) = self.with_password();
         client_liveness(&mut cfg);
         if cfg.get_connect_timeout().is_none() {
-            cfg.connect_timeout(DEFAULT_CONNECT_TIMEOUT);
+            cfg.connect_timeout(ConnectOptions::DEFAULT_CONNECT_TIMEOUT);
         }
         cfg.ssl_mode(if self.all_unix() { T::Disable } else { self.ssl_mode.coarse() });
         cfg
@@ -501,7 +504,7 @@ mod tests {
         assert_eq!(mode("host=/run/pg user=u sslmode=verify-full"), T::Disable, "no TLS on a socket (libpq)");
         let cfg = parse_in("host=h user=u", &[]).expect("url").tokio_postgres_config();
         assert!(cfg.get_keepalives());
-        assert_eq!(cfg.get_connect_timeout(), Some(&DEFAULT_CONNECT_TIMEOUT));
+        assert_eq!(cfg.get_connect_timeout(), Some(&ConnectOptions::DEFAULT_CONNECT_TIMEOUT));
         assert_eq!(cfg.get_options(), None, "no planner settings for an application's pool");
         // A socket needs no roots, even with verify-full.
         let o = parse_in("host=/run/pg user=u sslmode=verify-full", &[]).expect("kv");

@@ -13,7 +13,7 @@ use super::attempt::{Attempt, Failures, HostTry, refused_startup_options};
 use super::hosts;
 use super::target::describe_target;
 use super::tls::TlsStream;
-use super::{ConnectOptions, DEFAULT_CONNECT_TIMEOUT, PLANNER_SETTINGS, SslMode};
+use super::{ConnectOptions, PLANNER_SETTINGS, SslMode};
 use crate::error::{Error, Result};
 
 /// TCP keepalive idle time set on every connection, so a half-open
@@ -291,7 +291,7 @@ pub(crate) async fn open(
 ///
 /// Each host is tried alone, in turn (see `hosts`), and bounded by the
 /// connect timeout (libpq's `connect_timeout`, default
-/// [`DEFAULT_CONNECT_TIMEOUT`]) from the TCP connect to the end of the
+/// [`ConnectOptions::DEFAULT_CONNECT_TIMEOUT`]) from the TCP connect to the end of the
 /// startup exchange: a host that never answers costs that long, then the
 /// next is tried. A session that must write (`target_session_attrs=read-write`,
 /// or [`SessionSettings::primary`]) refuses a standby or a read-only server
@@ -326,7 +326,7 @@ async fn open_with(
     // server that accepts and then never answers would hang the startup
     // exchange forever. Each host's whole attempt gets the bound (libpq's
     // `connect_timeout` is "maximum time to wait while connecting", per host).
-    let bound = base.get_connect_timeout().copied().unwrap_or(DEFAULT_CONNECT_TIMEOUT);
+    let bound = base.get_connect_timeout().copied().unwrap_or(ConnectOptions::DEFAULT_CONNECT_TIMEOUT);
     // With the settings of PostgreSQL 14 first; without them if the server
     // does not know them (PostgreSQL 13: "unrecognized configuration
     // parameter", SQLSTATE 42704, at startup).
@@ -427,7 +427,7 @@ fn unprepared(cfg: &Config, application_name: &str) -> Config {
         out.port(*p);
     }
     client_liveness(&mut out);
-    out.connect_timeout(cfg.get_connect_timeout().copied().unwrap_or(DEFAULT_CONNECT_TIMEOUT));
+    out.connect_timeout(cfg.get_connect_timeout().copied().unwrap_or(ConnectOptions::DEFAULT_CONNECT_TIMEOUT));
     out
 }
 
@@ -449,7 +449,7 @@ pub(crate) fn prepared(cfg: &Config, application_name: &str) -> Config {
     };
     cfg.options(&options);
     if cfg.get_connect_timeout().is_none() {
-        cfg.connect_timeout(DEFAULT_CONNECT_TIMEOUT);
+        cfg.connect_timeout(ConnectOptions::DEFAULT_CONNECT_TIMEOUT);
     }
     cfg
 }

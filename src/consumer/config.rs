@@ -4,85 +4,15 @@ use std::time::Duration;
 
 use crate::connect;
 use crate::error::{Error, Result};
+use crate::migrate::SourceKind;
 use crate::retry::RetryPolicy;
 
-/// The channel the insert trigger notifies
-/// (`triggers/outbox_insert_order_and_notify.sql`).
-pub const NOTIFY_CHANNEL: &str = "events.outbox";
-/// Default rows fetched per query: 500 (the schema's original poller query,
-/// FetchUnpublishedBatch in docs/schema.md, takes 50; docs/performance.md, "Batch sizes", says why 500). A fetch
-/// returns at once with what is there, so a small backlog is not delayed.
-/// The stream buffers up to twice the batch, and payloads within
-/// [`DEFAULT_MAX_BUFFERED_BYTES`].
-pub const DEFAULT_BATCH_SIZE: usize = 500;
-/// Default bound on the payload bytes a consumer holds: 64 MiB
-/// ([`ConsumerBuilder::max_buffered_bytes`]). Before it, only rows bounded
-/// what a consumer holds: twice the batch of 500, so with payloads near the
-/// publisher's 1 MiB limit ([`crate::DEFAULT_MAX_PAYLOAD_BYTES`]) about
-/// 1 GB. The default buffer of 1 000 rows reaches 64 MiB only with payloads
-/// of about 64 KiB or more, so for smaller ones (the bench's envelope is
-/// 1.5 KB) the rows bind first and nothing changes; the bound binds where
-/// payloads are large.
-pub const DEFAULT_MAX_BUFFERED_BYTES: usize = 64 * 1024 * 1024;
-/// The smallest byte bound [`ConsumerBuilder::max_buffered_bytes`] takes:
-/// 1 MiB, the publisher's default payload limit
-/// ([`crate::DEFAULT_MAX_PAYLOAD_BYTES`]). A smaller bound would still
-/// work (a fetch always returns at least one event), but every fetch would
-/// bring a single event: a figure that low is far more likely a unit
-/// mistake (`64` meant as MiB) than a wish.
-pub const MIN_MAX_BUFFERED_BYTES: usize = 1024 * 1024;
-/// Default fallback sweep interval: 1 second. Bounds how long a lost
-/// notification can delay an event.
-pub const DEFAULT_SWEEP_INTERVAL: Duration = Duration::from_secs(1);
-/// Default dead-letter threshold: an event whose `retry_count` reaches 10 is
-/// a dead letter (the schema's original threshold, `retry_count >= 10`;
-/// docs/schema.md, "Retention and dead letters").
-pub const DEFAULT_MAX_RETRIES: i32 = 10;
-/// Default acknowledgement batch: flush once 500 settlements are pending.
-pub const DEFAULT_ACK_BATCH_SIZE: usize = 500;
-/// Default acknowledgement delay: flush pending settlements after 10 ms.
-pub const DEFAULT_ACK_INTERVAL: Duration = Duration::from_millis(10);
-/// Default longest wait between reconnect attempts: 10 seconds. Attempts
-/// start after 100–200 ms and the wait doubles (with jitter) up to it, so
-/// after a failover, a restart or a suspended server that resumes, the
-/// consumer is back within about this long of the server (bar the connect
-/// itself); while the server stays away, it costs a connection attempt per
-/// session every 5–10 s.
-pub const DEFAULT_RECONNECT_MAX_DELAY: Duration = Duration::from_secs(10);
-/// Default liveness ping on the idle LISTEN connection: every 5 seconds.
-pub const DEFAULT_PING_INTERVAL: Duration = Duration::from_secs(5);
-/// Default statement timeout of the consumer's own sessions (drain, writer,
-/// LISTEN): 60 seconds. A healthy statement of theirs takes milliseconds (a
-/// fetch of a 500-row batch, the UPDATE of an acknowledged batch), so a
-/// minute is three orders of magnitude above it: an overloaded server, a
-/// checkpoint or a lock held for a while by a migration does not reach it.
-/// A statement that does (a bad plan, a lock held by a forgotten session)
-/// is cut by the server after a minute instead of running on for as long
-/// as it takes, after the relay gave up on it or was killed.
-pub const DEFAULT_STATEMENT_TIMEOUT: Duration = Duration::from_secs(60);
-/// Default age of the heartbeat after which the holder of single mode's
-/// outbox lock counts as stranded: 15 s ([`ConsumerBuilder::stranded_after`]).
-/// The active consumer refreshes its heartbeat every third of it (5 s), and
-/// a standby looks at the holder every third of it too, and reports it once
-/// it found it stranded twice in a row: a holder that stopped is reported
-/// within 26 s (15 s, then two looks, each 5 s plus up to 10 % jitter
-/// apart), under the 30 s the design asks.
-pub const DEFAULT_STRANDED_AFTER: Duration = Duration::from_secs(15);
-/// The shortest [`ConsumerBuilder::stranded_after`]: 3 s (a heartbeat every
-/// second).
-pub const MIN_STRANDED_AFTER: Duration = Duration::from_secs(3);
-/// The longest [`ConsumerBuilder::stranded_after`]: 1 hour.
-pub const MAX_STRANDED_AFTER: Duration = Duration::from_secs(3600);
-/// Default time graceful shutdown waits for handed-out deliveries: 30 s.
-pub const DEFAULT_SHUTDOWN_GRACE: Duration = Duration::from_secs(30);
 /// The largest statement timeout the server takes: `i32::MAX` ms.
 const MAX_STATEMENT_TIMEOUT: Duration = Duration::from_millis(i32::MAX as u64);
 /// Interval at which the backlog gauges are refreshed: 5 seconds.
 pub(crate) const STATUS_INTERVAL: Duration = Duration::from_secs(5);
 /// How long start waits for its test notification to come back: 2 s.
 pub(crate) const PROBE_TIMEOUT: Duration = Duration::from_secs(2);
-/// Longest `last_error` stored, in bytes; longer messages are cut.
-pub const MAX_ERROR_BYTES: usize = 4096;
 
 /// How several consumers of one outbox share it. The same choice is the
 /// relay's `--mode` flag.
@@ -115,40 +45,6 @@ pub enum Mode {
     /// order at all**, not even per aggregate, and no hold-back behind
     /// failed events: for events whose order does not matter.
     Competing,
-}
-
-/// Where a consumer learns that events committed. The same choice is the
-/// relay's `--source` flag. Either way the events themselves are read from
-/// `events.outbox` in id order, and hold-back, retries, dead letters,
-/// leadership and the sweep are the same.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-#[non_exhaustive]
-pub enum SourceKind {
-    /// LISTEN for the insert trigger's NOTIFY (default). Needs an insert
-    /// trigger (either ordering mode installs one).
-    #[default]
-    Listen,
-    /// Read the server's logical replication stream (pgoutput) of inserts
-    /// into `events.outbox`, through a temporary slot that the server drops
-    /// when the connection ends (no WAL is kept while no consumer runs).
-    /// Producers then need no insert trigger and never NOTIFY. Needs
-    /// `wal_level = logical`, the REPLICATION privilege, a free slot and
-    /// WAL sender, and the publication `pg-outbox migrate --source wal`
-    /// creates; [`ConsumerBuilder::start`] checks each and fails with
-    /// [`Error::ReplicationSetup`](crate::Error::ReplicationSetup) naming
-    /// what to change. Feature `wal`.
-    #[cfg(feature = "wal")]
-    Wal,
-}
-
-impl std::fmt::Display for SourceKind {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(match self {
-            SourceKind::Listen => "listen",
-            #[cfg(feature = "wal")]
-            SourceKind::Wal => "wal",
-        })
-    }
 }
 
 /// Settings of a consumer. Build it with [`Consumer::builder`].
@@ -211,6 +107,10 @@ impl ConsumerConfig {
 pub struct Consumer(());
 
 impl Consumer {
+    /// The channel the insert trigger notifies and the consumer listens on:
+    /// `events.outbox` (`triggers/outbox_insert_order_and_notify.sql`).
+    pub const NOTIFY_CHANNEL: &'static str = crate::store::NOTIFY_CHANNEL;
+
     /// A builder for a consumer of `events.outbox` on the database `pg`:
     /// [`ConnectOptions`](crate::ConnectOptions) from [`ConnectOptions::parse`](crate::ConnectOptions::parse)
     /// (TLS settings included), or a plain `tokio_postgres::Config` (its
@@ -233,22 +133,22 @@ impl Consumer {
             cfg: ConsumerConfig {
                 pg: pg.into(),
                 listener_pg: None,
-                batch_size: DEFAULT_BATCH_SIZE,
+                batch_size: ConsumerBuilder::DEFAULT_BATCH_SIZE,
                 buffer: 0,
-                max_buffered_bytes: DEFAULT_MAX_BUFFERED_BYTES,
-                sweep_interval: DEFAULT_SWEEP_INTERVAL,
+                max_buffered_bytes: ConsumerBuilder::DEFAULT_MAX_BUFFERED_BYTES,
+                sweep_interval: ConsumerBuilder::DEFAULT_SWEEP_INTERVAL,
                 retry: RetryPolicy::default(),
-                max_retries: DEFAULT_MAX_RETRIES,
-                ack_batch_size: DEFAULT_ACK_BATCH_SIZE,
-                ack_interval: DEFAULT_ACK_INTERVAL,
-                reconnect_max_delay: DEFAULT_RECONNECT_MAX_DELAY,
-                ping_interval: DEFAULT_PING_INTERVAL,
-                shutdown_grace: DEFAULT_SHUTDOWN_GRACE,
-                statement_timeout: DEFAULT_STATEMENT_TIMEOUT,
+                max_retries: ConsumerBuilder::DEFAULT_MAX_RETRIES,
+                ack_batch_size: ConsumerBuilder::DEFAULT_ACK_BATCH_SIZE,
+                ack_interval: ConsumerBuilder::DEFAULT_ACK_INTERVAL,
+                reconnect_max_delay: ConsumerBuilder::DEFAULT_RECONNECT_MAX_DELAY,
+                ping_interval: ConsumerBuilder::DEFAULT_PING_INTERVAL,
+                shutdown_grace: ConsumerBuilder::DEFAULT_SHUTDOWN_GRACE,
+                statement_timeout: ConsumerBuilder::DEFAULT_STATEMENT_TIMEOUT,
                 mode: Mode::Single,
                 listen: true,
                 source: SourceKind::Listen,
-                stranded_after: DEFAULT_STRANDED_AFTER,
+                stranded_after: ConsumerBuilder::DEFAULT_STRANDED_AFTER,
                 take_over_stranded: false,
                 wait_for_primary: false,
                 producers_lock_aggregates: false,
@@ -264,8 +164,78 @@ pub struct ConsumerBuilder {
     pub(super) cfg: ConsumerConfig,
 }
 
+/// The defaults and bounds of the builder's settings.
 impl ConsumerBuilder {
-    /// Rows fetched per query (default [`DEFAULT_BATCH_SIZE`], 500; the schema's original poller fetches 50). A backlog is drained in batches
+    /// Default rows fetched per query: 500 (the schema's original poller query,
+    /// FetchUnpublishedBatch in docs/schema.md, takes 50; docs/performance.md, "Batch sizes", says why 500). A fetch
+    /// returns at once with what is there, so a small backlog is not delayed.
+    /// The stream buffers up to twice the batch, and payloads within
+    /// [`ConsumerBuilder::DEFAULT_MAX_BUFFERED_BYTES`].
+    pub const DEFAULT_BATCH_SIZE: usize = 500;
+    /// Default bound on the payload bytes a consumer holds: 64 MiB
+    /// ([`ConsumerBuilder::max_buffered_bytes`]). Before it, only rows bounded
+    /// what a consumer holds: twice the batch of 500, so with payloads near the
+    /// publisher's 1 MiB limit ([`Publisher::DEFAULT_MAX_PAYLOAD_BYTES`](crate::Publisher::DEFAULT_MAX_PAYLOAD_BYTES)) about
+    /// 1 GB. The default buffer of 1 000 rows reaches 64 MiB only with payloads
+    /// of about 64 KiB or more, so for smaller ones (the bench's envelope is
+    /// 1.5 KB) the rows bind first and nothing changes; the bound binds where
+    /// payloads are large.
+    pub const DEFAULT_MAX_BUFFERED_BYTES: usize = 64 * 1024 * 1024;
+    /// The smallest byte bound [`ConsumerBuilder::max_buffered_bytes`] takes:
+    /// 1 MiB, the publisher's default payload limit
+    /// ([`Publisher::DEFAULT_MAX_PAYLOAD_BYTES`](crate::Publisher::DEFAULT_MAX_PAYLOAD_BYTES)). A smaller bound would still
+    /// work (a fetch always returns at least one event), but every fetch would
+    /// bring a single event: a figure that low is far more likely a unit
+    /// mistake (`64` meant as MiB) than a wish.
+    pub const MIN_MAX_BUFFERED_BYTES: usize = 1024 * 1024;
+    /// Default fallback sweep interval: 1 second. Bounds how long a lost
+    /// notification can delay an event.
+    pub const DEFAULT_SWEEP_INTERVAL: Duration = Duration::from_secs(1);
+    /// Default dead-letter threshold: an event whose `retry_count` reaches 10 is
+    /// a dead letter (the schema's original threshold, `retry_count >= 10`;
+    /// docs/schema.md, "Retention and dead letters").
+    pub const DEFAULT_MAX_RETRIES: i32 = 10;
+    /// Default acknowledgement batch: flush once 500 settlements are pending.
+    pub const DEFAULT_ACK_BATCH_SIZE: usize = 500;
+    /// Default acknowledgement delay: flush pending settlements after 10 ms.
+    pub const DEFAULT_ACK_INTERVAL: Duration = Duration::from_millis(10);
+    /// Default longest wait between reconnect attempts: 10 seconds. Attempts
+    /// start after 100–200 ms and the wait doubles (with jitter) up to it, so
+    /// after a failover, a restart or a suspended server that resumes, the
+    /// consumer is back within about this long of the server (bar the connect
+    /// itself); while the server stays away, it costs a connection attempt per
+    /// session every 5–10 s.
+    pub const DEFAULT_RECONNECT_MAX_DELAY: Duration = Duration::from_secs(10);
+    /// Default liveness ping on the idle LISTEN connection: every 5 seconds.
+    pub const DEFAULT_PING_INTERVAL: Duration = Duration::from_secs(5);
+    /// Default statement timeout of the consumer's own sessions (drain, writer,
+    /// LISTEN): 60 seconds. A healthy statement of theirs takes milliseconds (a
+    /// fetch of a 500-row batch, the UPDATE of an acknowledged batch), so a
+    /// minute is three orders of magnitude above it: an overloaded server, a
+    /// checkpoint or a lock held for a while by a migration does not reach it.
+    /// A statement that does (a bad plan, a lock held by a forgotten session)
+    /// is cut by the server after a minute instead of running on for as long
+    /// as it takes, after the relay gave up on it or was killed.
+    pub const DEFAULT_STATEMENT_TIMEOUT: Duration = Duration::from_secs(60);
+    /// Default age of the heartbeat after which the holder of single mode's
+    /// outbox lock counts as stranded: 15 s ([`ConsumerBuilder::stranded_after`]).
+    /// The active consumer refreshes its heartbeat every third of it (5 s), and
+    /// a standby looks at the holder every third of it too, and reports it once
+    /// it found it stranded twice in a row: a holder that stopped is reported
+    /// within 26 s (15 s, then two looks, each 5 s plus up to 10 % jitter
+    /// apart), under the 30 s the design asks.
+    pub const DEFAULT_STRANDED_AFTER: Duration = crate::store::leader::DEFAULT_STRANDED_AFTER;
+    /// The shortest [`ConsumerBuilder::stranded_after`]: 3 s (a heartbeat every
+    /// second).
+    pub const MIN_STRANDED_AFTER: Duration = Duration::from_secs(3);
+    /// The longest [`ConsumerBuilder::stranded_after`]: 1 hour.
+    pub const MAX_STRANDED_AFTER: Duration = Duration::from_secs(3600);
+    /// Default time graceful shutdown waits for handed-out deliveries: 30 s.
+    pub const DEFAULT_SHUTDOWN_GRACE: Duration = Duration::from_secs(30);
+}
+
+impl ConsumerBuilder {
+    /// Rows fetched per query (default [`ConsumerBuilder::DEFAULT_BATCH_SIZE`], 500; the schema's original poller fetches 50). A backlog is drained in batches
     /// of this size and is never read into memory at once.
     pub fn batch_size(mut self, rows: usize) -> Self {
         self.cfg.batch_size = rows;
@@ -282,8 +252,8 @@ impl ConsumerBuilder {
     }
 
     /// Bound on the payload bytes this consumer holds (default
-    /// [`DEFAULT_MAX_BUFFERED_BYTES`], 64 MiB; at least
-    /// [`MIN_MAX_BUFFERED_BYTES`], 1 MiB): the payloads of every event
+    /// [`ConsumerBuilder::DEFAULT_MAX_BUFFERED_BYTES`], 64 MiB; at least
+    /// [`ConsumerBuilder::MIN_MAX_BUFFERED_BYTES`], 1 MiB): the payloads of every event
     /// fetched and not yet settled, whether it waits in the stream's buffer
     /// or is in the reader's hands, unacknowledged.
     ///
@@ -369,7 +339,7 @@ impl ConsumerBuilder {
     }
 
     /// Longest wait between reconnect attempts (default
-    /// [`DEFAULT_RECONNECT_MAX_DELAY`], 10 s). The first attempt after a
+    /// [`ConsumerBuilder::DEFAULT_RECONNECT_MAX_DELAY`], 10 s). The first attempt after a
     /// loss comes after 100–200 ms, and each wait doubles, with jitter,
     /// up to this bound (the jitter stays within it: once there, waits are
     /// between half the bound and the bound). It bounds how long the
@@ -433,7 +403,7 @@ impl ConsumerBuilder {
 
     /// The longest a statement of the consumer's own sessions (drain,
     /// writer, LISTEN) may run before the server cancels it (default
-    /// [`DEFAULT_STATEMENT_TIMEOUT`], 60 s; zero disables it, as in
+    /// [`ConsumerBuilder::DEFAULT_STATEMENT_TIMEOUT`], 60 s; zero disables it, as in
     /// PostgreSQL; at most `i32::MAX` milliseconds, about 24.8 days).
     ///
     /// Sent as `-c statement_timeout=...` when each session starts; an
@@ -493,8 +463,8 @@ impl ConsumerBuilder {
 
     /// How old the active consumer's heartbeat may get before a standby
     /// counts the holder of the outbox lock as stranded (single mode;
-    /// default [`DEFAULT_STRANDED_AFTER`], 15 s; from [`MIN_STRANDED_AFTER`],
-    /// 3 s, to [`MAX_STRANDED_AFTER`], 1 hour).
+    /// default [`ConsumerBuilder::DEFAULT_STRANDED_AFTER`], 15 s; from [`ConsumerBuilder::MIN_STRANDED_AFTER`],
+    /// 3 s, to [`ConsumerBuilder::MAX_STRANDED_AFTER`], 1 hour).
     ///
     /// The active consumer refreshes its heartbeat (`updated_at` of its row
     /// in `events.outbox_relays`) every third of this; a standby looks at
@@ -585,9 +555,12 @@ impl ConsumerBuilder {
             c.buffer = c.batch_size * 2;
         }
         c.buffer = c.buffer.max(c.batch_size);
-        if c.max_buffered_bytes < MIN_MAX_BUFFERED_BYTES || i64::try_from(c.max_buffered_bytes).is_err() {
+        if c.max_buffered_bytes < ConsumerBuilder::MIN_MAX_BUFFERED_BYTES
+            || i64::try_from(c.max_buffered_bytes).is_err()
+        {
             return Err(Error::Config(format!(
-                "max buffered bytes must be at least {MIN_MAX_BUFFERED_BYTES} (1 MiB), got {}",
+                "max buffered bytes must be at least {} (1 MiB), got {}",
+                ConsumerBuilder::MIN_MAX_BUFFERED_BYTES,
                 c.max_buffered_bytes
             )));
         }
@@ -608,7 +581,7 @@ impl ConsumerBuilder {
         if c.ping_interval.is_zero() || c.reconnect_max_delay.is_zero() {
             return Err(Error::Config("ping interval and reconnect delay must be longer than zero".into()));
         }
-        if !(MIN_STRANDED_AFTER..=MAX_STRANDED_AFTER).contains(&c.stranded_after) {
+        if !(ConsumerBuilder::MIN_STRANDED_AFTER..=ConsumerBuilder::MAX_STRANDED_AFTER).contains(&c.stranded_after) {
             return Err(Error::Config(format!("stranded-after must be 3 s to 1 hour, got {:?}", c.stranded_after)));
         }
         if c.statement_timeout > MAX_STATEMENT_TIMEOUT {
@@ -628,9 +601,9 @@ mod tests {
 
     #[test]
     fn stranded_after_is_checked_and_sets_the_heartbeat_pace() {
-        let pg = crate::ConnectOptions::parse("postgres://u@localhost/db").expect("URL");
+        let pg = crate::connect::ConnectOptions::parse("postgres://u@localhost/db").expect("URL");
         let b = Consumer::builder(pg);
-        assert_eq!(b.cfg.stranded_after, DEFAULT_STRANDED_AFTER);
+        assert_eq!(b.cfg.stranded_after, ConsumerBuilder::DEFAULT_STRANDED_AFTER);
         assert!(!b.cfg.take_over_stranded);
         assert_eq!(b.cfg.heartbeat_interval(), Duration::from_secs(5));
         for bad in [Duration::from_secs(2), Duration::from_secs(3601)] {

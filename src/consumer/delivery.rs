@@ -4,8 +4,8 @@ use std::fmt;
 use std::ops::Deref;
 use std::sync::Arc;
 
+use crate::consumer::Shared;
 use crate::consumer::holdback::AggregateKey;
-use crate::consumer::{MAX_ERROR_BYTES, Shared};
 use crate::event::Event;
 use crate::term::Term;
 
@@ -40,6 +40,10 @@ pub struct Delivery {
 }
 
 impl Delivery {
+    /// Longest error text [`Delivery::fail`] stores in the row's
+    /// `last_error`, in bytes: 4096 (cut at a character boundary).
+    pub const MAX_ERROR_BYTES: usize = 4096;
+
     pub(crate) fn new(event: Event, seq: u64, term: Option<Term>, shared: Arc<Shared>) -> Self {
         Delivery { event, seq, term, shared: Some(shared) }
     }
@@ -79,7 +83,7 @@ impl Delivery {
     }
 
     /// Fail: the event was not delivered. `error` is stored in `last_error`
-    /// (NUL characters replaced, cut to 4096 bytes). Later events of the same
+    /// (NUL characters replaced, cut to [`Delivery::MAX_ERROR_BYTES`], 4096 bytes). Later events of the same
     /// aggregate are held back until this one is delivered.
     pub fn fail(mut self, error: impl fmt::Display) {
         if let Some(shared) = self.shared.take() {
@@ -139,11 +143,11 @@ impl fmt::Debug for Delivery {
 }
 
 /// Replace NUL characters (PostgreSQL text cannot hold them) and cut to
-/// [`MAX_ERROR_BYTES`] on a character boundary.
+/// [`Delivery::MAX_ERROR_BYTES`] on a character boundary.
 pub(crate) fn sanitize_error(s: &str) -> String {
     let mut out = s.replace('\0', "\u{FFFD}");
-    if out.len() > MAX_ERROR_BYTES {
-        let mut cut = MAX_ERROR_BYTES;
+    if out.len() > Delivery::MAX_ERROR_BYTES {
+        let mut cut = Delivery::MAX_ERROR_BYTES;
         while !out.is_char_boundary(cut) {
             cut -= 1;
         }

@@ -13,12 +13,9 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::watch;
 
-use super::{ConsumerConfig, DEFAULT_STATEMENT_TIMEOUT, ListenerStatus, Mode};
-use crate::connect::DEFAULT_CONNECT_TIMEOUT;
-
-/// Longest error text a [`Health`] snapshot keeps, in bytes (cut at a
-/// character boundary).
-pub const HEALTH_ERROR_BYTES: usize = 512;
+use super::{ConsumerBuilder, ConsumerConfig, ListenerStatus, Mode};
+use crate::connect::ConnectOptions;
+use crate::secret::{MASK, Secret};
 
 /// What this consumer does among the consumers of its outbox.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -58,10 +55,16 @@ impl Role {
 #[non_exhaustive]
 pub struct LastError {
     /// The error, with its causes (`a: b: c`), without secrets, cut to
-    /// [`HEALTH_ERROR_BYTES`].
+    /// [`LastError::MAX_MESSAGE_BYTES`].
     pub message: String,
     /// Time since it happened.
     pub age: Duration,
+}
+
+impl LastError {
+    /// Longest error text a [`Health`] snapshot keeps, in bytes: 512 (cut
+    /// at a character boundary).
+    pub const MAX_MESSAGE_BYTES: usize = 512;
 }
 
 /// The sink's side of a relay's health, as `relay::run`
@@ -190,10 +193,10 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
-/// `msg` cut to [`HEALTH_ERROR_BYTES`] at a character boundary.
+/// `msg` cut to [`LastError::MAX_MESSAGE_BYTES`] at a character boundary.
 fn cut(mut msg: String) -> String {
-    if msg.len() > HEALTH_ERROR_BYTES {
-        let mut end = HEALTH_ERROR_BYTES;
+    if msg.len() > LastError::MAX_MESSAGE_BYTES {
+        let mut end = LastError::MAX_MESSAGE_BYTES;
         while !msg.is_char_boundary(end) {
             end -= 1;
         }
@@ -205,8 +208,12 @@ fn cut(mut msg: String) -> String {
 
 /// The stall bound of `cfg` (see [`Health::stall_bound`]).
 pub(crate) fn stall_bound(cfg: &ConsumerConfig) -> Duration {
-    let statement = if cfg.statement_timeout.is_zero() { DEFAULT_STATEMENT_TIMEOUT } else { cfg.statement_timeout };
-    let connect = cfg.pg.connect_timeout().filter(|t| !t.is_zero()).unwrap_or(DEFAULT_CONNECT_TIMEOUT);
+    let statement = if cfg.statement_timeout.is_zero() {
+        ConsumerBuilder::DEFAULT_STATEMENT_TIMEOUT
+    } else {
+        cfg.statement_timeout
+    };
+    let connect = cfg.pg.connect_timeout().filter(|t| !t.is_zero()).unwrap_or(ConnectOptions::DEFAULT_CONNECT_TIMEOUT);
     2 * statement + 2 * connect + 2 * cfg.sweep_interval
 }
 
@@ -225,7 +232,7 @@ pub(crate) struct State {
     slow: Mutex<Slow>,
     sink: SinkState,
     /// The database password, kept out of error texts.
-    password: Option<crate::Secret>,
+    password: Option<Secret>,
 }
 
 /// What changes seldom.
@@ -249,7 +256,7 @@ impl State {
             .tokio_postgres_config()
             .get_password()
             .filter(|p| !p.is_empty())
-            .map(|p| crate::Secret::new(String::from_utf8_lossy(p)));
+            .map(|p| Secret::new(String::from_utf8_lossy(p)));
         State {
             base: Instant::now(),
             stall_bound: stall_bound(cfg),
@@ -311,7 +318,7 @@ impl State {
 
     fn scrub(&self, msg: String) -> String {
         match &self.password {
-            Some(p) if msg.contains(p.expose()) => msg.replace(p.expose(), crate::MASK),
+            Some(p) if msg.contains(p.expose()) => msg.replace(p.expose(), MASK),
             _ => msg,
         }
     }
@@ -384,9 +391,9 @@ mod tests {
 
     #[test]
     fn error_texts_are_cut_at_a_character_boundary() {
-        let long = "é".repeat(HEALTH_ERROR_BYTES);
+        let long = "é".repeat(LastError::MAX_MESSAGE_BYTES);
         let cut = cut(long);
-        assert!(cut.len() <= HEALTH_ERROR_BYTES + '…'.len_utf8(), "{}", cut.len());
+        assert!(cut.len() <= LastError::MAX_MESSAGE_BYTES + '…'.len_utf8(), "{}", cut.len());
         assert!(cut.ends_with('…'));
         assert_eq!(super::cut("short".into()), "short");
     }

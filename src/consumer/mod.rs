@@ -22,14 +22,10 @@ mod source;
 mod start;
 mod stream;
 
-pub use config::{
-    Consumer, ConsumerBuilder, DEFAULT_ACK_BATCH_SIZE, DEFAULT_ACK_INTERVAL, DEFAULT_BATCH_SIZE,
-    DEFAULT_MAX_BUFFERED_BYTES, DEFAULT_MAX_RETRIES, DEFAULT_PING_INTERVAL, DEFAULT_RECONNECT_MAX_DELAY,
-    DEFAULT_SHUTDOWN_GRACE, DEFAULT_STATEMENT_TIMEOUT, DEFAULT_STRANDED_AFTER, DEFAULT_SWEEP_INTERVAL, MAX_ERROR_BYTES,
-    MAX_STRANDED_AFTER, MIN_MAX_BUFFERED_BYTES, MIN_STRANDED_AFTER, Mode, NOTIFY_CHANNEL, SourceKind,
-};
+pub(crate) use crate::migrate::SourceKind;
+pub use config::{Consumer, ConsumerBuilder, Mode};
 pub(crate) use config::{ConsumerConfig, PROBE_TIMEOUT, STATUS_INTERVAL};
 pub use delivery::Delivery;
-pub use health::{HEALTH_ERROR_BYTES, Health, HealthMonitor, LastError, Role, SinkHealth};
+pub use health::{Health, HealthMonitor, LastError, Role, SinkHealth};
 pub(crate) use stream::Shared;
 pub use stream::{EventStream, ListenerStatus, ShutdownHandle};

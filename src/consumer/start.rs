@@ -13,11 +13,12 @@ use super::source::{ClaimFetch, Notified, OrderedFetch, Signals, WakeKind, Wakeu
 use super::source::{Streamed, wal};
 use super::stream::{Shared, StreamParts};
 use super::{
-    ConsumerBuilder, ConsumerConfig, EventStream, HealthMonitor, ListenerStatus, Mode, NOTIFY_CHANNEL, PROBE_TIMEOUT,
-    SourceKind, drain, health, holdback,
+    ConsumerBuilder, ConsumerConfig, EventStream, HealthMonitor, ListenerStatus, Mode, PROBE_TIMEOUT, SourceKind,
+    drain, health, holdback,
 };
 use crate::connect;
 use crate::error::{Error, Result};
+use crate::store::NOTIFY_CHANNEL;
 
 impl ConsumerBuilder {
     /// Connect, check the schema, LISTEN (or open the WAL source's

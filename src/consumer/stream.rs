@@ -167,7 +167,7 @@ impl EventStream {
     pub(crate) fn check_exactly_once(&self) -> Result<()> {
         use crate::migrate::OrderingMode;
         if self.order.mode == super::Mode::Competing {
-            return Err(crate::Error::Config(
+            return Err(crate::error::Error::Config(
                 "exactly-once delivery (--exactly-once) needs one aggregate's events delivered one at a time in id \
                  order, which competing mode (--mode competing) does not keep; use single or partitioned mode"
                     .into(),
@@ -181,7 +181,7 @@ impl EventStream {
             Some(OrderingMode::ProducerLocked) => "ordering mode producer-locked is installed",
             None => "no insert trigger is enabled on events.outbox",
         };
-        Err(crate::Error::Config(format!(
+        Err(crate::error::Error::Config(format!(
             "exactly-once delivery (--exactly-once): {rests_on}, so per-aggregate order rests on every producer \
              locking its aggregate's row before it inserts; declare that contract with --producers-lock-aggregates \
              (ConsumerBuilder::producers_lock_aggregates), or install `pg-outbox migrate --ordering outbox-locked`. \
@@ -211,9 +211,9 @@ impl EventStream {
         self.status.clone()
     }
 
-    /// A handle that reads this consumer's [`Health`](crate::Health): whether its drain
+    /// A handle that reads this consumer's [`Health`](crate::health::Health): whether its drain
     /// loop still turns, whether its database sessions are open, its
-    /// [`Role`](crate::Role), the LISTEN connection's state, the last database error,
+    /// [`Role`](crate::health::Role), the LISTEN connection's state, the last database error,
     /// and (under `relay::run`) the sink's side. Cheap
     /// to clone and to read; meant for liveness and readiness probes (the
     /// relay's `/livez` and `/readyz` are built on it).

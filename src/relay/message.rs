@@ -153,7 +153,7 @@ impl Message {
     ///
     /// # Errors
     /// As [`Message::new`].
-    pub fn with_term(event: &Event, term: Option<crate::Term>, format: Format, source: &str) -> Result<Self> {
+    pub fn with_term(event: &Event, term: Option<crate::term::Term>, format: Format, source: &str) -> Result<Self> {
         let occurred_at = event.occurred_at.to_rfc3339_opts(chrono::SecondsFormat::Micros, true);
         let correlation = metadata_field(event, "correlation_id");
         let causation = metadata_field(event, "causation_id");
@@ -441,13 +441,13 @@ mod tests {
     #[test]
     fn a_term_travels_next_to_the_id_in_headers_record_and_cloudevents() {
         let e = event(serde_json::json!({"n": 1}));
-        let m =
-            Message::with_term(&e, crate::Term::new(7), Format::Record, DEFAULT_CLOUDEVENTS_SOURCE).expect("message");
+        let m = Message::with_term(&e, crate::term::Term::new(7), Format::Record, DEFAULT_CLOUDEVENTS_SOURCE)
+            .expect("message");
         assert_eq!(m.headers[0], (header::ID, "42".to_string()));
         assert_eq!(m.headers[1], (header::TERM, "7".to_string()));
         let record: serde_json::Value = serde_json::from_slice(&m.body).expect("json");
         assert_eq!(record["term"], 7);
-        let m = Message::with_term(&e, crate::Term::new(7), Format::Cloudevents, "/orders").expect("message");
+        let m = Message::with_term(&e, crate::term::Term::new(7), Format::Cloudevents, "/orders").expect("message");
         let ce: serde_json::Value = serde_json::from_slice(&m.body).expect("json");
         assert_eq!(ce["outboxterm"], "7");
         let plain = Message::new(&e, Format::Record, DEFAULT_CLOUDEVENTS_SOURCE).expect("message");

@@ -23,7 +23,7 @@
 //!   of the binary ([`SinkFlags`], feature `cli`) and the `cfg` of what only
 //!   some sinks use.
 //! - [`SinkSettings`]: the shared settings and one options struct per sink;
-//!   secrets are [`crate::Secret`]s, so `Debug` masks them. TLS, credentials
+//!   secrets are [`crate::secret::Secret`]s, so `Debug` masks them. TLS, credentials
 //!   and why a broker refused a connection are in `access.rs`.
 //!
 //! # Adding a sink
@@ -72,9 +72,10 @@ pub use sinks::*;
 
 pub use crate::secret::Secret;
 
+use crate::consumer::EventStream;
 use crate::error::{BoxError, Result};
 use crate::event::Event;
-use crate::{EventStream, metrics as m};
+use crate::metrics as m;
 
 /// Counts of what a relay run did.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -106,7 +107,7 @@ pub struct FatalSinkError(pub String);
 pub(crate) async fn deliver_with_grace<S, F>(
     sink: &S,
     options: &DeliveryOptions,
-    (event, term): (&Event, Option<crate::Term>),
+    (event, term): (&Event, Option<crate::term::Term>),
     shutdown: Option<Pin<&mut F>>,
     grace: Duration,
     what: &str,
@@ -177,7 +178,7 @@ where
 /// contract.
 ///
 /// The stream's [`EventStream::health`] then reports the sink's side too
-/// ([`crate::Health::sink`]): the delivery in progress, failures since the
+/// ([`crate::health::Health::sink`]): the delivery in progress, failures since the
 /// last success, the last error.
 ///
 /// Pipelining: up to `options`' [`DeliveryOptions::max_in_flight`]
@@ -239,7 +240,7 @@ where
     let max = options.max_in_flight.min(sink.max_in_flight().unwrap_or(usize::MAX));
     let mut pipe = Pipeline::new(max, stream.shutdown_grace(), stream.shutdown_handle(), monitor);
     let mut in_flight = FuturesUnordered::new();
-    let send = |delivery: crate::Delivery, at: Instant| async move {
+    let send = |delivery: crate::consumer::Delivery, at: Instant| async move {
         let result = sink::deliver(sink, options, delivery.event(), delivery.term()).await;
         (delivery, at, result)
     };
@@ -281,7 +282,7 @@ where
     }
     stream.finish().await?;
     match pipe.fatal {
-        Some(f) => Err(crate::Error::Sink(Box::new(f))),
+        Some(f) => Err(crate::error::Error::Sink(Box::new(f))),
         None => Ok(pipe.stats),
     }
 }

@@ -8,8 +8,9 @@ use std::time::{Duration, Instant};
 
 use super::lanes::Lanes;
 use super::{FatalSinkError, RelayStats, Sent};
+use crate::consumer::{Delivery, HealthMonitor, ShutdownHandle};
 use crate::error::BoxError;
-use crate::{Delivery, HealthMonitor, ShutdownHandle, metrics as m};
+use crate::metrics as m;
 
 /// Everything [`super::run_with`] keeps between sends.
 pub(super) struct Pipeline {

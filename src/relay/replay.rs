@@ -71,8 +71,8 @@ pub const MAX_RATE: f64 = 1_000_000.0;
 
 /// Default time an event in hand may take to reach the sink after
 /// shutdown resolves: 30 seconds, as the relay's
-/// [`DEFAULT_SHUTDOWN_GRACE`](crate::DEFAULT_SHUTDOWN_GRACE).
-pub const DEFAULT_REPLAY_GRACE: Duration = crate::DEFAULT_SHUTDOWN_GRACE;
+/// [`ConsumerBuilder::DEFAULT_SHUTDOWN_GRACE`](crate::ConsumerBuilder::DEFAULT_SHUTDOWN_GRACE).
+pub const DEFAULT_REPLAY_GRACE: Duration = crate::consumer::ConsumerBuilder::DEFAULT_SHUTDOWN_GRACE;
 
 /// Settings of a replay: `Replay::builder(filter)...open(&db)`.
 #[derive(Debug, Clone)]

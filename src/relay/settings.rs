@@ -70,7 +70,7 @@ mod tests {
     /// Every secret-bearing field of every sink this build has, filled with
     /// a secret of its own; the secrets.
     fn filled() -> (super::SinkSettings, Vec<&'static str>) {
-        use crate::Secret;
+        use crate::secret::Secret;
         let mut s = super::SinkSettings::default();
         let mut secrets = vec!["pw-credentials"];
         s.credentials.user = Some("user".into());
@@ -111,7 +111,7 @@ mod tests {
             for secret in &secrets {
                 assert!(!text.contains(secret), "{secret} printed: {text}");
             }
-            assert!(text.contains(crate::MASK), "{text}");
+            assert!(text.contains(crate::secret::MASK), "{text}");
         }
     }
 }

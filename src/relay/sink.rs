@@ -170,7 +170,7 @@ impl std::fmt::Display for Proof {
 /// The relay encodes each event once ([`Message`], in the format of its
 /// [`DeliveryOptions`]), bounds the send by [`DeliveryOptions::timeout`],
 /// prefixes an error with [`Sink::name`], and reports the outcome in the
-/// stream's [`crate::Health`]; a sink only sends.
+/// stream's [`crate::health::Health`]; a sink only sends.
 ///
 /// `send` returns `Ok` only once the destination has taken the event
 /// (written and flushed, a 2xx response, a broker's confirmation:
@@ -186,7 +186,7 @@ impl std::fmt::Display for Proof {
 /// A sink that only needs the event can implement [`EventSink`] instead.
 pub trait Sink: Send + Sync {
     /// The sink as logs, `/readyz`, error texts and the console show it,
-    /// with no secret in it (see [`crate::SecretUrl::shown`]), e.g.
+    /// with no secret in it (see [`crate::secret::SecretUrl::shown`]), e.g.
     /// `NATS JetStream nats://127.0.0.1:4222`.
     fn name(&self) -> &str;
 
@@ -338,7 +338,7 @@ pub(crate) async fn deliver<S: Sink + ?Sized>(
     sink: &S,
     options: &DeliveryOptions,
     event: &Event,
-    term: Option<crate::Term>,
+    term: Option<crate::term::Term>,
 ) -> Result<Sent, BoxError> {
     let name = sink.name();
     let message = Message::with_term(event, term, options.format, &options.cloudevents_source)
@@ -381,7 +381,7 @@ pub struct SinkRecord<'a> {
     /// The leadership term it was delivered under; `None` (and no key)
     /// when the relay holds none.
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub term: Option<crate::Term>,
+    pub term: Option<crate::term::Term>,
 }
 
 impl<'a> SinkRecord<'a> {

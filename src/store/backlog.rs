@@ -30,13 +30,13 @@ use super::fetch::HELD_BACK;
 /// 2 000. Reading them costs at most about four buffers a row (measured:
 /// 16 ms for all four classes at 10 000 000 unpublished rows and 1 000 000
 /// dead letters, `cargo bench --features full --bench console`).
-pub const STATUS_EXACT_ROWS: i64 = 2_000;
+pub(crate) const STATUS_EXACT_ROWS: i64 = 2_000;
 
 /// Ids an estimate draws and looks up by primary key in each stratum (fresh
 /// rows, dead letters, retries; only those estimated): 500, about 15 ms a
 /// stratum on a table that does not fit in shared buffers. See the module
 /// docs for the error this gives.
-pub const STATUS_SAMPLE_IDS: i64 = 500;
+pub(crate) const STATUS_SAMPLE_IDS: i64 = 500;
 
 /// The held-back probe of a due row `o`, skipped (false) when no unpublished
 /// row has failed at all: see `NOT_HELD_BACK_IF_ANY_FAILED` in `fetch.rs`.

@@ -216,7 +216,7 @@ pub(crate) enum Action {
 /// Lock the dead letters matching `filter` (its `limit` ignored), at most
 /// `limit` of them in id order, and apply `action` to them in one statement
 /// ([`apply_sql`]); then, when it changed any, wake the relays (a
-/// notification on [`crate::NOTIFY_CHANNEL`]). Returns the ids it changed,
+/// notification on [`super::NOTIFY_CHANNEL`]). Returns the ids it changed,
 /// ascending.
 ///
 /// # Errors
@@ -237,7 +237,7 @@ pub(crate) async fn apply<C: GenericClient + Sync>(
     );
     let ids = query_map(client, &sql, &limited(filter, &limit), row_id).await?;
     if !ids.is_empty() {
-        super::wakeup::notify(client, super::wakeup::CHANNEL, "").await?;
+        super::wakeup::notify(client, super::NOTIFY_CHANNEL, "").await?;
     }
     Ok(ids)
 }

@@ -403,6 +403,7 @@ fn within_budget(cols: &str, candidates: &str, budget: &str, sizes: PayloadSizes
 /// the server's (e.g. 180004): the text is the one the consumer prepares on
 /// that server (on PostgreSQL 13, which lacks `pg_column_compression`, it
 /// measures payloads by the length of their text).
+#[cfg(feature = "kit")]
 pub fn fetch_query(server_version_num: i32) -> String {
     fetch_sql(false, PayloadSizes::for_server(server_version_num))
 }

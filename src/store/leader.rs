@@ -25,6 +25,11 @@ use super::locks::LEADER_KEY;
 use crate::error::Result;
 use crate::term::Term;
 
+/// Heartbeat age after which the holder of single mode's outbox lock is
+/// stranded, by default: 15 s (`ConsumerBuilder::DEFAULT_STRANDED_AFTER`,
+/// and what `status` judges holders against).
+pub(crate) const DEFAULT_STRANDED_AFTER: std::time::Duration = std::time::Duration::from_secs(15);
+
 /// [`LEADER_HOLDER`]'s text, for `concat!` ([`TERMINATE_STRANDED`] runs
 /// it as a subquery).
 macro_rules! leader_holder {
@@ -201,7 +206,7 @@ pub(crate) async fn check_term_privileges<C: GenericClient + Sync>(client: &C) -
         return Ok(());
     }
     let role: String = row.try_get("role")?;
-    Err(crate::Error::Config(format!(
+    Err(crate::error::Error::Config(format!(
         "role {role:?} may not take the leadership term: a relay in single or partitioned mode needs SELECT, \
          INSERT and UPDATE on events.outbox_terms (migration 0013); run GRANT SELECT, INSERT, UPDATE ON events.outbox_terms TO \
          \"{role}\""
@@ -253,7 +258,7 @@ pub(crate) async fn check_configuration<C: GenericClient + Sync>(client: &C, min
             _ => true,
         };
         if differs {
-            return Err(crate::Error::Config(format!(
+            return Err(crate::error::Error::Config(format!(
                 "another relay delivers this outbox as {other} (backend pid {pid}), and this one is configured as \
                  {mine}: one outbox runs one delivery configuration (a single-mode relay beside partitioned ones, \
                  or a competing one beside either, delivers every event twice; different --partitions take the same partitions under other terms); \
@@ -279,7 +284,7 @@ pub struct PartitionHolder {
     pub pid: i32,
     /// The leadership term the holder took of the partition; `None` when
     /// it took none (or the schema predates terms).
-    pub term: Option<crate::Term>,
+    pub term: Option<crate::term::Term>,
     /// Which relay holds it (process id, host, version); `None` when it
     /// recorded none (an earlier build, a schema before migration 0015).
     pub relay: Option<RelayIdentity>,

@@ -73,19 +73,23 @@ mod wakeup;
 mod work;
 mod writer;
 
-pub use backlog::{STATUS_EXACT_ROWS, STATUS_SAMPLE_IDS};
+pub(crate) use backlog::{STATUS_EXACT_ROWS, STATUS_SAMPLE_IDS};
+#[cfg(feature = "kit")]
 pub use fetch::fetch_query;
+#[cfg(feature = "kit")]
 pub(crate) use fetch::{NEXT_RETRY_IN, PayloadSizes, competing_fetch_sql, fetch_sql};
 #[cfg(feature = "sqlx")]
 pub(crate) use publish::via_sqlx;
 pub(crate) use publish::{insert_event, insert_events};
 pub(crate) use rows::{DecodedEvent, event_from_row, row_id};
-pub(crate) use settle::{ACK, FAIL, Fence};
+pub(crate) use settle::Fence;
+#[cfg(feature = "kit")]
+pub(crate) use settle::{ACK, FAIL};
 pub use status::{
-    LeaderLock, OutboxStatus, PartitionHolder, PendingRetry, RelayIdentity, RetryLadder, STATUS_MAX_TYPES,
-    STATUS_NEXT_RETRIES, TypeBacklog, status,
+    LeaderLock, OutboxStatus, PartitionHolder, PendingRetry, RelayIdentity, RetryLadder, TypeBacklog, status,
 };
-pub(crate) use wakeup::{listen, notify, ping};
+pub(crate) use status::{STATUS_MAX_TYPES, STATUS_NEXT_RETRIES};
+pub(crate) use wakeup::{NOTIFY_CHANNEL, listen, notify, ping};
 pub(crate) use work::{
     FetchKind, FetchPage, FetchParams, FetchScope, FetchedRow, FloorParams, FloorReading, RowIdentity, Undecodable,
     WorkSession,
@@ -128,6 +132,7 @@ pub(crate) use writer::{Acknowledged, FailParams, FailWritten, FailsWritten, Wri
 /// measured by the benches), the operators' lookup of ids by primary key
 /// ([`dead_letters::EXISTING_IDS`]), and statements on other tables or
 /// the catalogs ([`locks`], [`leader`], [`wakeup`], [`schema`]).
+#[cfg(feature = "kit")]
 #[doc(hidden)]
 pub fn run_time_statements(server_version_num: i32) -> Vec<(&'static str, String)> {
     use dead_letters as d;

@@ -86,7 +86,7 @@ pub(crate) struct DecodedEvent {
     /// The current leadership term the fetch read for the row (single
     /// mode: the outbox's; partitioned mode: its partition's; `None` in
     /// competing mode).
-    pub(crate) term: Option<crate::Term>,
+    pub(crate) term: Option<crate::term::Term>,
 }
 
 /// [`event_from_row`] and the rest of [`DecodedEvent`]; the partition when
@@ -96,7 +96,7 @@ pub(crate) fn decode_event(row: &Row, partitioned: bool) -> Result<DecodedEvent>
         event: event_from_row(row)?,
         payload_bytes: payload_bytes(row).unwrap_or(0),
         partition: if partitioned { row_partition(row) } else { None },
-        term: row.try_get::<_, Option<i64>>(TERM).ok().flatten().and_then(crate::Term::from_db),
+        term: row.try_get::<_, Option<i64>>(TERM).ok().flatten().and_then(crate::term::Term::from_db),
     })
 }
 

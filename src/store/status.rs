@@ -30,7 +30,7 @@ pub struct OutboxStatus {
     pub oldest_unpublished_age_seconds: Option<f64>,
     /// Backlog per `(event_type, aggregate_type)`, most unpublished first
     /// (ties by event type, then aggregate type); at most
-    /// [`STATUS_MAX_TYPES`] rows.
+    /// [`OutboxStatus::MAX_TYPES`](crate::status::OutboxStatus::MAX_TYPES) rows.
     pub by_type: Vec<TypeBacklog>,
     /// More `(event_type, aggregate_type)` pairs have unpublished events
     /// than [`OutboxStatus::by_type`] shows.
@@ -60,7 +60,7 @@ pub struct OutboxStatus {
     /// `due_now`, `held_back`, `waiting_for_retry`, `dead_letters`,
     /// `oldest_unpublished_age_seconds`, `by_type`, `retries`); empty when
     /// every figure is exact. A class of rows (fresh, due retries, waiting
-    /// for a retry, dead letters) with more than [`STATUS_EXACT_ROWS`](crate::STATUS_EXACT_ROWS) rows
+    /// for a retry, dead letters) with more than [`OutboxStatus::EXACT_ROWS`](crate::status::OutboxStatus::EXACT_ROWS) rows
     /// is estimated, and so is every figure it adds to. `retries` covers
     /// the three `due_within`/`due_later` buckets only: the next retries and
     /// the earliest due time are always exact.
@@ -71,7 +71,7 @@ pub struct OutboxStatus {
 /// [`OutboxStatus::leader`] shows it.
 ///
 /// A live leader is a relay that refreshed its heartbeat (its row in
-/// `events.outbox_relays`) within [`crate::DEFAULT_STRANDED_AFTER`] (15 s),
+/// `events.outbox_relays`) within `ConsumerBuilder::DEFAULT_STRANDED_AFTER` (15 s),
 /// or is running a statement it began within that of its last heartbeat.
 /// Any other holder is stranded: a pooler's server session that kept the
 /// lock, a session of an older build (which writes no heartbeat), a frozen
@@ -100,7 +100,7 @@ pub struct LeaderLock {
     /// The leadership term this holder took (`events.outbox_terms`);
     /// `None` when it took none (a session of an earlier build, or of
     /// anything else, holds the lock) or the schema predates terms.
-    pub term: Option<crate::Term>,
+    pub term: Option<crate::term::Term>,
     /// Which relay holds it: its own process id, host and version, as it
     /// recorded them when it took the lock; `None` for a session that is
     /// not a relay's, a relay of an earlier build, or a schema before
@@ -109,9 +109,9 @@ pub struct LeaderLock {
 }
 
 /// Most `(event_type, aggregate_type)` rows [`status`] returns: 50.
-pub const STATUS_MAX_TYPES: i64 = 50;
+pub(crate) const STATUS_MAX_TYPES: i64 = 50;
 /// How many of the next retry-due events [`status`] lists: 5.
-pub const STATUS_NEXT_RETRIES: i64 = 5;
+pub(crate) const STATUS_NEXT_RETRIES: i64 = 5;
 
 /// Unpublished events of one `(event_type, aggregate_type)`; the counts
 /// split [`TypeBacklog::unpublished`] as in [`OutboxStatus`].
@@ -153,7 +153,7 @@ pub struct RetryLadder {
     pub due_within_1h: i64,
     /// Due in more than an hour.
     pub due_later: i64,
-    /// The next [`STATUS_NEXT_RETRIES`] events to come due, earliest first.
+    /// The next [`OutboxStatus::NEXT_RETRIES`](crate::status::OutboxStatus::NEXT_RETRIES) events to come due, earliest first.
     pub next: Vec<PendingRetry>,
 }
 
@@ -190,13 +190,13 @@ pub(super) const NEXT_RETRIES: &str = "SELECT id, event_type, aggregate_type, re
 /// Read [`OutboxStatus`] in bounded time, whatever the backlog's size.
 ///
 /// Each class of unpublished rows (fresh, due retries, waiting for a retry,
-/// dead letters) is counted exactly up to [`STATUS_EXACT_ROWS`](crate::STATUS_EXACT_ROWS) rows, read
+/// dead letters) is counted exactly up to [`OutboxStatus::EXACT_ROWS`](crate::status::OutboxStatus::EXACT_ROWS) rows, read
 /// from its partial index in that index's order. A class with more is
-/// estimated from [`STATUS_SAMPLE_IDS`](crate::STATUS_SAMPLE_IDS) ids per estimated kind, drawn
+/// estimated from [`OutboxStatus::SAMPLE_IDS`](crate::status::OutboxStatus::SAMPLE_IDS) ids per estimated kind, drawn
 /// uniformly from the ids past the rows read and looked up by primary key;
 /// [`OutboxStatus::estimated_figures`] names what is estimated
 /// (docs/operations.md, "How `status` estimates"). Then the next
-/// [`STATUS_NEXT_RETRIES`] retries (the first entries of
+/// [`OutboxStatus::NEXT_RETRIES`](crate::status::OutboxStatus::NEXT_RETRIES) retries (the first entries of
 /// `outbox_retry_due_idx` after now), and the holder of the outbox lock on
 /// `pg_locks` ([`OutboxStatus::leader`]). No statement walks the backlog or
 /// the published history: the buffers each touches are bounded by those
@@ -326,13 +326,8 @@ fn by_type(b: &Backlog) -> (Vec<TypeBacklog>, bool) {
     (rows, truncated)
 }
 
-/// The heartbeat age past which `status` reports the holder of single
-/// mode's outbox lock as stranded: 15 s, the consumer's default
-/// `stranded_after` (a relay's own setting is not known here).
-pub(crate) const STRANDED_AFTER: std::time::Duration = std::time::Duration::from_secs(15);
-
-/// The holder of the outbox lock, judged against [`STRANDED_AFTER`]
-/// ([`super::leader::LEADER_HOLDER`]);
+/// The holder of the outbox lock, judged against
+/// [`super::leader::DEFAULT_STRANDED_AFTER`] ([`super::leader::LEADER_HOLDER`]);
 /// none on a server in recovery (a standby).
 async fn leader_lock<C: GenericClient + Sync>(client: &C) -> Result<Option<LeaderLock>> {
     let server =
@@ -341,18 +336,18 @@ async fn leader_lock<C: GenericClient + Sync>(client: &C) -> Result<Option<Leade
     if in_recovery {
         return Ok(None);
     }
-    let threshold = STRANDED_AFTER.as_secs_f64();
+    let threshold = super::leader::DEFAULT_STRANDED_AFTER.as_secs_f64();
     let Some(h) = super::leader::leader_holder(client, threshold).await? else { return Ok(None) };
     // The term is the holder's only when it took it (not a session of an
     // older build, or of anything else, that holds the lock); a schema from
     // before migration 0013 has none.
-    let term: Option<crate::Term> = if has_terms {
+    let term: Option<crate::term::Term> = if has_terms {
         let row = client
             .query_one(super::leader::CURRENT_TERM, &[&super::leader::OUTBOX_SCOPE])
             .await
             .map_err(super::map_missing_schema)?;
         let holder: Option<i32> = row.try_get("holder_pid")?;
-        row.try_get::<_, Option<crate::Term>>("term")?.filter(|_| holder == Some(h.id.pid))
+        row.try_get::<_, Option<crate::term::Term>>("term")?.filter(|_| holder == Some(h.id.pid))
     } else {
         None
     };

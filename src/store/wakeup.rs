@@ -7,9 +7,9 @@ use tokio_postgres::GenericClient;
 use crate::error::Result;
 
 /// The channel the insert trigger notifies
-/// (`triggers/outbox_insert_order_and_notify.sql`), which the consumer
-/// listens on.
-pub(crate) const CHANNEL: &str = "events.outbox";
+/// (`triggers/outbox_insert_order_and_notify.sql`), and the consumer
+/// listens on ([`Consumer::NOTIFY_CHANNEL`](crate::Consumer::NOTIFY_CHANNEL)).
+pub(crate) const NOTIFY_CHANNEL: &str = "events.outbox";
 
 /// Send notification payload $2 on channel $1 (the start-up probe, and the
 /// wake-up after an operator made dead letters due or deleted them).
@@ -95,11 +95,5 @@ mod tests {
     fn channel_is_quoted() {
         assert_eq!(super::listen_sql("events.outbox"), "LISTEN \"events.outbox\"");
         assert_eq!(super::quote_ident("a\"b"), "\"a\"\"b\"");
-    }
-
-    #[test]
-    fn the_store_keeps_the_consumers_channel_and_stranded_default() {
-        assert_eq!(super::CHANNEL, crate::NOTIFY_CHANNEL);
-        assert_eq!(super::super::status::STRANDED_AFTER, crate::DEFAULT_STRANDED_AFTER);
     }
 }

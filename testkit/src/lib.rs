@@ -11,8 +11,9 @@
 //!   environment every run of the binary gets, and a free port;
 //! - [`bench`](mod@bench): the benchmarks' error type and `main`.
 //!
-//! The throwaway server itself is pg-outbox's own
-//! [`pg_outbox::temp_server`] (feature `temp-server`), re-exported here.
+//! - [`temp_server`]: a throwaway server from the local binaries; the file
+//!   lives with the binary (`src/bin/pg-outbox/temp_server/`), whose
+//!   `demo` starts one, and is included here.
 //!
 //! [`ConnectOptions`]: pg_outbox::ConnectOptions
 
@@ -23,8 +24,10 @@ pub mod db;
 pub mod options;
 pub mod process;
 pub mod server;
+#[path = "../../src/bin/pg-outbox/temp_server/mod.rs"]
+pub mod temp_server;
 
 pub use db::TestDb;
 pub use options::{conninfo, options_of};
-pub use pg_outbox::temp_server::{StandbyOptions, TempServer, TempServerOptions};
 pub use server::{Server, connect, find_server};
+pub use temp_server::{StandbyOptions, TempServer, TempServerOptions};

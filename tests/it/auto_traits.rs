@@ -14,13 +14,13 @@ fn public_types_are_send_and_sync() {
     assert_send_sync::<pg_outbox::RetryPolicy>();
     assert_send_sync::<pg_outbox::ConsumerBuilder>();
     assert_send_sync::<pg_outbox::ConnectOptions>();
-    assert_send_sync::<pg_outbox::SslMode>();
-    assert_send_sync::<pg_outbox::RootCert>();
-    assert_send_sync::<pg_outbox::HealthMonitor>();
-    assert_send_sync::<pg_outbox::Health>();
-    assert_send_sync::<pg_outbox::Role>();
-    assert_send_sync::<pg_outbox::LastError>();
-    assert_send_sync::<pg_outbox::SinkHealth>();
+    assert_send_sync::<pg_outbox::tls::SslMode>();
+    assert_send_sync::<pg_outbox::tls::RootCert>();
+    assert_send_sync::<pg_outbox::health::HealthMonitor>();
+    assert_send_sync::<pg_outbox::health::Health>();
+    assert_send_sync::<pg_outbox::health::Role>();
+    assert_send_sync::<pg_outbox::health::LastError>();
+    assert_send_sync::<pg_outbox::health::SinkHealth>();
     assert_send_sync::<pg_outbox::relay::StdoutSink>();
     assert_send_sync::<pg_outbox::relay::WebhookSink>();
     assert_send_unpin::<pg_outbox::EventStream>();
@@ -28,9 +28,9 @@ fn public_types_are_send_and_sync() {
     assert_send_sync::<pg_outbox::relay::replay::ReplayBuilder>();
     assert_send_sync::<pg_outbox::relay::replay::Filter>();
     assert_send_sync::<pg_outbox::relay::replay::Progress>();
-    assert_send_sync::<pg_outbox::temp_server::TempServer>();
-    assert_send_sync::<pg_outbox::temp_server::TempServerOptions>();
-    assert_send_sync::<pg_outbox::temp_server::StandbyOptions>();
+    assert_send_sync::<pg_outbox_testkit::temp_server::TempServer>();
+    assert_send_sync::<pg_outbox_testkit::temp_server::TempServerOptions>();
+    assert_send_sync::<pg_outbox_testkit::temp_server::StandbyOptions>();
 }
 
 fn assert_send<T: Send>(_: T) {}

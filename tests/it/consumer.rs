@@ -278,7 +278,7 @@ async fn tenth_failure_makes_a_dead_letter_that_is_never_fetched_and_holds_back_
     assert_eq!(row.get::<_, i32>(0), 10);
     assert_eq!(row.get::<_, String>(1), "failure 10");
     assert!(row.get::<_, bool>(2) && row.get::<_, bool>(3));
-    let s = pg_outbox::status(&c).await.expect("status");
+    let s = pg_outbox::status::read(&c).await.expect("status");
     assert_eq!((s.dead_letters, s.unpublished, s.due_now, s.held_back), (1, 2, 0, 1));
     // Another aggregate still flows.
     let other = insert_seed_events(&c, Uuid::new_v4(), 1).await[0];

@@ -16,6 +16,13 @@ use crate::support::{self, TestDb};
 const DASHBOARD: &str = include_str!("../../contrib/grafana/pg-outbox.json");
 const ALERTS: &str = include_str!("../../contrib/prometheus/alerts.yml");
 const METRICS_RS: &str = include_str!("../../src/metrics.rs");
+/// The prose that names metrics.
+const DOCS: [(&str, &str); 4] = [
+    ("docs/operations.md", include_str!("../../docs/operations.md")),
+    ("docs/architecture.md", include_str!("../../docs/architecture.md")),
+    ("README.md", include_str!("../../README.md")),
+    ("src/guide.md", include_str!("../../src/guide.md")),
+];
 
 /// Every `outbox_...` name in `text`.
 fn outbox_names(text: &str) -> BTreeSet<String> {
@@ -136,17 +143,35 @@ fn contrib_files_parse_and_every_exported_metric_is_shown() {
     // notifications, relay down, retention.
     let alerts = alert_exprs(&rules).join("\n");
     for needle in [
-        "outbox_oldest_unpublished_age_seconds",
-        "outbox_dead_letters",
-        "outbox_notifications_working",
-        "outbox_listener_up",
+        pg_outbox::metrics::OLDEST_UNPUBLISHED_AGE,
+        pg_outbox::metrics::DEAD_LETTERS,
+        pg_outbox::metrics::NOTIFICATIONS_WORKING,
+        pg_outbox::metrics::LISTENER_UP,
         "up{",
         "absent(",
-        "outbox_retention_errors_total",
-        "outbox_retention_last_run_timestamp_seconds",
-        "outbox_leader_stranded",
+        pg_outbox::metrics::RETENTION_ERRORS,
+        pg_outbox::metrics::RETENTION_LAST_RUN,
+        pg_outbox::metrics::LEADER_STRANDED,
     ] {
         assert!(alerts.contains(needle), "no alert uses {needle}");
+    }
+}
+
+#[test]
+fn the_docs_name_only_metrics_of_src_metrics_rs() {
+    let defined: BTreeSet<String> =
+        outbox_names(METRICS_RS).into_iter().filter(|n| METRICS_RS.contains(&format!("\"{n}\""))).collect();
+    // A metric's name ends in its unit or kind; tables, indexes and
+    // triggers named `outbox_...` do not.
+    let re = regex::Regex::new(
+        r"\boutbox_[a-z_]+_(total|seconds|ratio|events|bytes|up|working|leader|stranded|letters|estimated)\b",
+    )
+    .expect("regex");
+    for (file, text) in DOCS {
+        for m in re.find_iter(text) {
+            let name = base_name(m.as_str());
+            assert!(defined.contains(name), "{file} names the metric {name}, which src/metrics.rs does not define");
+        }
     }
 }
 
@@ -220,10 +245,10 @@ async fn every_metric_in_contrib_is_exported_by_a_running_relay() {
                 .filter_map(|l| l.split_whitespace().last()?.parse::<f64>().ok())
                 .sum::<f64>()
         };
-        if value("outbox_events_published_total") >= 4.0
-            && value("outbox_events_dead_lettered_total") >= 1.0
-            && value("outbox_retention_deleted_total") >= 3.0
-            && value("outbox_dead_letters") >= 1.0
+        if value(pg_outbox::metrics::EVENTS_PUBLISHED) >= 4.0
+            && value(pg_outbox::metrics::EVENTS_DEAD_LETTERED) >= 1.0
+            && value(pg_outbox::metrics::RETENTION_DELETED) >= 3.0
+            && value(pg_outbox::metrics::DEAD_LETTERS) >= 1.0
         {
             break body;
         }

@@ -45,7 +45,7 @@ const DB: &str = "failover";
 /// Committed events per failover test.
 const EVENTS: usize = 1200;
 /// The relay's longest wait between reconnects in these tests: its default.
-const RECONNECT_MAX_DELAY: Duration = pg_outbox::DEFAULT_RECONNECT_MAX_DELAY;
+const RECONNECT_MAX_DELAY: Duration = pg_outbox::ConsumerBuilder::DEFAULT_RECONNECT_MAX_DELAY;
 /// Bound asserted on the time from the promotion to the relay's first
 /// delivery after it: the reconnect backoff's longest wait (the default,
 /// 10 s), plus 5 s for the connect, the leader lock, the sweep and a noisy
@@ -72,7 +72,7 @@ async fn blocking<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> 
     tokio::task::spawn_blocking(f).await.expect("join a blocking task")
 }
 
-fn must<T>(r: pg_outbox::temp_server::Result<T>, what: &str) -> T {
+fn must<T>(r: pg_outbox_testkit::temp_server::Result<T>, what: &str) -> T {
     r.unwrap_or_else(|e| panic!("{what}: {}", pg_outbox::error::report(&e)))
 }
 

@@ -355,12 +355,12 @@ async fn a_quiet_leader_keeps_its_session_and_its_leadership() {
         .start()
         .await
         .expect("start a consumer");
-    eventually(20, "it leads", || async { stream.health().get().role == pg_outbox::Role::Leader }).await;
+    eventually(20, "it leads", || async { stream.health().get().role == pg_outbox::health::Role::Leader }).await;
     let before = drain_pids(&c).await;
     assert_eq!(before.len(), 1, "{before:?}");
     tokio::time::sleep(Duration::from_secs(12)).await;
     assert_eq!(drain_pids(&c).await, before, "the work session was ended while its relay was live");
-    assert_eq!(stream.health().get().role, pg_outbox::Role::Leader);
+    assert_eq!(stream.health().get().role, pg_outbox::health::Role::Leader);
     support::insert_seed_events(&c, Uuid::new_v4(), 1).await;
     let d = tokio::time::timeout(Duration::from_secs(10), stream.next()).await.expect("delivered").expect("open");
     d.ack();

@@ -177,7 +177,7 @@ async fn a_consumer_that_loses_its_session_hands_out_nothing_it_had_buffered() {
     let health = a.health();
     crate::support::eventually(10, "the consumer to notice it lost the outbox lock", || {
         let role = health.get().role;
-        async move { role != pg_outbox::Role::Leader }
+        async move { role != pg_outbox::health::Role::Leader }
     })
     .await;
     if let Ok(Some(d)) = tokio::time::timeout(Duration::from_millis(700), a.next()).await {
@@ -265,14 +265,14 @@ async fn a_relay_of_another_mode_or_partition_count_is_refused_at_start() {
 async fn status_shows_each_partition_with_its_holder_and_term() {
     let db = TestDb::new("modes_status_partitions").await;
     let c = db.client().await;
-    let none = pg_outbox::status(&c).await.expect("status");
+    let none = pg_outbox::status::read(&c).await.expect("status");
     assert!(none.partitions.is_empty() && none.leader.is_none(), "no relay: {:?}", none.partitions);
     let four = leading(&db, Mode::Partitioned { partitions: 4 }).await;
     crate::support::eventually(10, "one member to hold all four partitions", || async {
-        pg_outbox::status(&c).await.expect("status").partitions.len() == 4
+        pg_outbox::status::read(&c).await.expect("status").partitions.len() == 4
     })
     .await;
-    let s = pg_outbox::status(&c).await.expect("status");
+    let s = pg_outbox::status::read(&c).await.expect("status");
     assert!(s.leader.is_none(), "partitioned mode takes no outbox lock");
     let held: Vec<i32> = s.partitions.iter().map(|h| h.partition).collect();
     assert_eq!(held, [0, 1, 2, 3], "one member holds every partition: {:?}", s.partitions);
@@ -295,6 +295,6 @@ async fn status_shows_each_partition_with_its_holder_and_term() {
     let line = out.stdout.lines().find(|l| l.starts_with("partitions")).unwrap_or_default().to_string();
     assert!(line.contains(&format!("relay {} on ", std::process::id())) && line.contains("heartbeat"), "{line}");
     four.finish().await.expect("finish");
-    let after = pg_outbox::status(&c).await.expect("status");
+    let after = pg_outbox::status::read(&c).await.expect("status");
     assert!(after.partitions.is_empty(), "released at a graceful stop: {:?}", after.partitions);
 }

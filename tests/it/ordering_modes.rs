@@ -218,7 +218,7 @@ async fn switching_modes_is_idempotent_kept_by_migrate_and_waits_for_running_pro
     assert_eq!(migrate::ordering(&c).await.expect("mode"), Some(OrderingMode::OutboxLocked), "new databases");
     assert_eq!(set(&db, OrderingMode::ProducerLocked).await, Some(OrderingMode::OutboxLocked));
     assert_eq!(set(&db, OrderingMode::ProducerLocked).await, Some(OrderingMode::ProducerLocked), "idempotent");
-    assert_eq!(pg_outbox::status(&c).await.expect("status").ordering, Some(OrderingMode::ProducerLocked));
+    assert_eq!(pg_outbox::status::read(&c).await.expect("status").ordering, Some(OrderingMode::ProducerLocked));
 
     // Re-running every file (as an upgrade does) keeps the mode.
     c.batch_execute("DELETE FROM events.outbox_schema_migrations WHERE name LIKE 'triggers/%'").await.expect("forget");

@@ -66,8 +66,9 @@ const MAX_IN_FLIGHT: usize = pg_outbox::relay::DEFAULT_MAX_IN_FLIGHT;
 /// stream had buffered by then (twice the fetch batch), handed out
 /// meanwhile. Not `--max-in-flight` alone: the acknowledgement window is
 /// counted in events, so a fast sink fills it.
-const UNRECORDED_BOUND: usize =
-    MAX_IN_FLIGHT + 2 * pg_outbox::DEFAULT_ACK_BATCH_SIZE + 2 * pg_outbox::DEFAULT_BATCH_SIZE;
+const UNRECORDED_BOUND: usize = MAX_IN_FLIGHT
+    + 2 * pg_outbox::ConsumerBuilder::DEFAULT_ACK_BATCH_SIZE
+    + 2 * pg_outbox::ConsumerBuilder::DEFAULT_BATCH_SIZE;
 /// Aggregates the producers write.
 const AGGREGATES: usize = 100;
 /// Committed events per test.

@@ -31,10 +31,10 @@ const BATCH: i64 = 500;
 /// touch: four for each of the four classes' first rows (its heap page, its
 /// index page, a share of a hold-back probe for a due row), whatever the
 /// backlog.
-const EXACT_BOUND: i64 = 4 * 4 * (pg_outbox::STATUS_EXACT_ROWS + 1) + 100;
+const EXACT_BOUND: i64 = 4 * 4 * (pg_outbox::status::OutboxStatus::EXACT_ROWS + 1) + 100;
 /// And the sample's: per id drawn (in up to three strata), a primary-key
 /// lookup (the index levels and the heap page) and a hold-back probe.
-const SAMPLE_BOUND: i64 = 10 * 3 * pg_outbox::STATUS_SAMPLE_IDS + 100;
+const SAMPLE_BOUND: i64 = 10 * 3 * pg_outbox::status::OutboxStatus::SAMPLE_IDS + 100;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Stats {
@@ -178,8 +178,8 @@ async fn check_all(c: &mut Client, stats: Stats, backlog: i64) {
     // The backlog figures: each class's first rows, then the sample, with
     // every class read up to its first rows (ids and due times from the
     // table) or none.
-    let exact_limit = pg_outbox::STATUS_EXACT_ROWS + 1;
-    let sample_ids = pg_outbox::STATUS_SAMPLE_IDS;
+    let exact_limit = pg_outbox::status::OutboxStatus::EXACT_ROWS + 1;
+    let sample_ids = pg_outbox::status::OutboxStatus::SAMPLE_IDS;
     let (no_id, no_due): (Option<i64>, Option<f64>) = (None, None);
     let past = c
         .query_one(
@@ -187,7 +187,7 @@ async fn check_all(c: &mut Client, stats: Stats, backlog: i64) {
                     (SELECT min(id) + $1 FROM events.outbox WHERE next_retry_at = 'infinity'), \
                     (SELECT EXTRACT(EPOCH FROM min(next_retry_at))::float8 FROM events.outbox \
                       WHERE next_retry_at > now() AND next_retry_at < 'infinity')",
-            &[&pg_outbox::STATUS_EXACT_ROWS],
+            &[&pg_outbox::status::OutboxStatus::EXACT_ROWS],
         )
         .await
         .expect("the rows read of each class");
@@ -224,7 +224,7 @@ async fn check_all(c: &mut Client, stats: Stats, backlog: i64) {
     let n_dead_ids = dead_ids.as_ref().map_or(0, Vec::len) as i64;
     // Byte budgets: the default bound (no cut with these payloads), and
     // five and a half fresh payloads' worth.
-    let budget = i64::try_from(pg_outbox::DEFAULT_MAX_BUFFERED_BYTES).expect("a bigint");
+    let budget = i64::try_from(pg_outbox::ConsumerBuilder::DEFAULT_MAX_BUFFERED_BYTES).expect("a bigint");
     // As the fetch measures them: stored sizes (these payloads are small
     // and uncompressed), or on PostgreSQL 13 the length of their text.
     let version = server_version_num(c).await;

@@ -291,7 +291,7 @@ async fn metrics_endpoint_counts_deliveries_notifications_and_lag() {
             Ok(resp) => {
                 assert!(resp.status().is_success(), "GET {url}: {}", resp.status());
                 let body = resp.text().await.expect("metrics body");
-                if metric(&body, "outbox_events_published_total").unwrap_or(0.0) >= 5.0 {
+                if metric(&body, pg_outbox::metrics::EVENTS_PUBLISHED).unwrap_or(0.0) >= 5.0 {
                     break body;
                 }
                 body
@@ -302,8 +302,8 @@ async fn metrics_endpoint_counts_deliveries_notifications_and_lag() {
         tokio::time::sleep(Duration::from_millis(50)).await;
     };
 
-    assert_eq!(metric(&text, "outbox_events_published_total"), Some(5.0), "{text}");
-    let notifications = metric(&text, "outbox_notifications_total").unwrap_or(0.0);
+    assert_eq!(metric(&text, pg_outbox::metrics::EVENTS_PUBLISHED), Some(5.0), "{text}");
+    let notifications = metric(&text, pg_outbox::metrics::NOTIFICATIONS).unwrap_or(0.0);
     assert!(notifications > 0.0, "outbox_notifications_total should be > 0:\n{text}");
     assert!(
         text.lines().any(|l| l == "# TYPE outbox_delivery_lag_seconds histogram"),
@@ -352,17 +352,17 @@ async fn backlog_gauges_count_pending_events_and_dead_letters() {
             Ok(resp) => resp.text().await.unwrap_or_default(),
             Err(e) => format!("GET {url} failed: {e}"),
         };
-        if metric(&body, "outbox_backlog_events") == Some(3.0) {
+        if metric(&body, pg_outbox::metrics::BACKLOG) == Some(3.0) {
             break body;
         }
         assert!(tokio::time::Instant::now() < deadline, "outbox_backlog_events never showed 3:\n{body}");
         tokio::time::sleep(Duration::from_millis(50)).await;
     };
-    assert_eq!(metric(&text, "outbox_dead_letters"), Some(2.0), "{text}");
-    let age = metric(&text, "outbox_oldest_unpublished_age_seconds").unwrap_or(0.0);
+    assert_eq!(metric(&text, pg_outbox::metrics::DEAD_LETTERS), Some(2.0), "{text}");
+    let age = metric(&text, pg_outbox::metrics::OLDEST_UNPUBLISHED_AGE).unwrap_or(0.0);
     assert!((90.0..3600.0).contains(&age), "oldest pending event is about 90 s old, got {age}:\n{text}");
-    assert_eq!(metric(&text, "outbox_leader"), Some(0.0), "a standby: {text}");
-    assert!(metric(&text, "outbox_notification_queue_usage_ratio").is_some(), "{text}");
+    assert_eq!(metric(&text, pg_outbox::metrics::LEADER), Some(0.0), "a standby: {text}");
+    assert!(metric(&text, pg_outbox::metrics::NOTIFICATION_QUEUE_USAGE).is_some(), "{text}");
     assert_eq!(published_count(&c).await, 0, "a standby delivers nothing");
 
     relay.sigterm();

@@ -397,7 +397,7 @@ async fn nats_exactly_once_delivers_a_load_once_in_aggregate_order() {
     assert!(line.contains("exactly-once") && line.contains("NATS JetStream"), "{line}");
     assert_eq!(brokers::sample(&metrics, r#"outbox_sink_guarantee{guarantee="exactly-once"}"#), Some(1.0), "{metrics}");
     assert_eq!(brokers::sample(&metrics, r#"outbox_sink_guarantee{guarantee="at-least-once"}"#), Some(0.0));
-    assert_eq!(brokers::sample(&metrics, "outbox_sink_repeats_refused_total"), Some(0.0), "nothing was a repeat");
+    assert_eq!(brokers::sample(&metrics, pg_outbox::metrics::SINK_REPEATS_REFUSED), Some(0.0), "nothing was a repeat");
     let messages = stream.messages().await;
     assert_eq!(messages.len(), sent.len(), "the stream holds each event once");
     let ids = ids_on_aggregate_subjects(&messages, &stream.prefix, &sent);
@@ -441,7 +441,7 @@ async fn nats_exactly_once_refuses_the_repeat_beyond_the_duplicate_window() {
     let log = relay.log();
     relay.stop().await;
     assert_eq!(
-        brokers::sample(&metrics, "outbox_sink_repeats_refused_total"),
+        brokers::sample(&metrics, pg_outbox::metrics::SINK_REPEATS_REFUSED),
         Some(sent.len() as f64),
         "every repeat was refused:\n{metrics}"
     );
@@ -545,7 +545,7 @@ async fn nats_exactly_once_a_write_behind_the_relays_back_is_not_duplicated() {
     assert_eq!(ids, [first, second, first, third, fourth], "the relay sent the first and third, once each");
     assert_eq!(messages[1].payload.as_ref(), b"from a deposed relay", "the second is the deposed relay's copy only");
     assert_eq!(messages[4].payload.as_ref(), b"deposed", "the fourth is the deposed relay's copy only");
-    assert_eq!(brokers::sample(&metrics, "outbox_sink_repeats_refused_total"), Some(2.0), "{metrics}");
+    assert_eq!(brokers::sample(&metrics, pg_outbox::metrics::SINK_REPEATS_REFUSED), Some(2.0), "{metrics}");
     assert_eq!(brokers::row_state(&c, fourth).await.1, 0, "the duplicate PubAck is no failure");
     let (published, retries, last_error) = brokers::row_state(&c, third).await;
     assert!(published);
@@ -756,7 +756,7 @@ async fn nats_exactly_once_runs_on_a_stream_that_keeps_only_each_subjects_last_m
         "{metrics}"
     );
     assert_eq!(brokers::sample(&metrics, r#"outbox_sink_acknowledged_unsent_total{proof="chain"}"#), four, "{metrics}");
-    assert_eq!(brokers::sample(&metrics, "outbox_sink_repeats_refused_total"), Some(2.0 * aggs.len() as f64));
+    assert_eq!(brokers::sample(&metrics, pg_outbox::metrics::SINK_REPEATS_REFUSED), Some(2.0 * aggs.len() as f64));
     let (published, _, error) = brokers::row_state(&c, earliest).await;
     assert!(!published, "never acknowledged when its message is gone");
     let error = error.unwrap_or_default();

@@ -259,7 +259,7 @@ async fn redis_exactly_once_delivers_a_load_once_in_aggregate_order() {
     let line = brokers::line_with(&log, "sink delivery guarantee");
     assert!(line.contains("exactly-once") && line.contains("Redis Streams"), "{line}");
     assert_eq!(brokers::sample(&metrics, r#"outbox_sink_guarantee{guarantee="exactly-once"}"#), Some(1.0), "{metrics}");
-    assert_eq!(brokers::sample(&metrics, "outbox_sink_repeats_refused_total"), Some(0.0));
+    assert_eq!(brokers::sample(&metrics, pg_outbox::metrics::SINK_REPEATS_REFUSED), Some(0.0));
     let ids = ids_per_aggregate(&keys, &sent).await;
     brokers::check_once_in_aggregate_order(&ids, &sent);
 }
@@ -311,7 +311,7 @@ async fn redis_exactly_once_a_repeat_is_proven_by_its_own_entry_and_a_trimmed_on
     let log = relay.log();
     relay.stop().await;
     let proven = Some(kept.len() as f64);
-    assert_eq!(brokers::sample(&metrics, "outbox_sink_repeats_refused_total"), proven, "{metrics}");
+    assert_eq!(brokers::sample(&metrics, pg_outbox::metrics::SINK_REPEATS_REFUSED), proven, "{metrics}");
     assert_eq!(
         brokers::sample(&metrics, r#"outbox_sink_acknowledged_unsent_total{proof="entry"}"#),
         proven,
@@ -503,7 +503,7 @@ async fn redis_exactly_once_a_relay_killed_before_its_acknowledgements_leaves_no
     brokers::wait_published(&c, n as i64).await;
     let metrics = brokers::scrape(&addr).await;
     relay.stop().await;
-    assert_eq!(brokers::sample(&metrics, "outbox_sink_repeats_refused_total"), Some(n as f64), "{metrics}");
+    assert_eq!(brokers::sample(&metrics, pg_outbox::metrics::SINK_REPEATS_REFUSED), Some(n as f64), "{metrics}");
     let ids = ids_per_aggregate(&keys, &sent).await;
     brokers::check_once_in_aggregate_order(&ids, &sent);
 }

@@ -159,7 +159,11 @@ async fn status_splits_the_backlog_by_event_type_and_shows_when_retries_come_due
     .await
     .expect("60 more types");
     let v = status_json(&db).await;
-    assert_eq!(v["by_type"].as_array().expect("array").len(), pg_outbox::STATUS_MAX_TYPES as usize, "{v}");
+    assert_eq!(
+        v["by_type"].as_array().expect("array").len(),
+        pg_outbox::status::OutboxStatus::MAX_TYPES as usize,
+        "{v}"
+    );
     assert_eq!(v["by_type_truncated"], true, "{v}");
     assert_eq!(v["by_type"][0]["event_type"], "PaymentFailed", "the largest backlog stays in view");
     let table = status(&db, false).await;
@@ -175,7 +179,7 @@ fn near(got: &Value, want: f64, tolerance: f64) -> bool {
 async fn status_estimates_a_class_past_its_exact_rows_and_says_which_figures_are_estimated() {
     let db = TestDb::new("status_estimate").await;
     let c = db.client().await;
-    let cap = pg_outbox::STATUS_EXACT_ROWS;
+    let cap = pg_outbox::status::OutboxStatus::EXACT_ROWS;
     // Fresh events of two types (2 to 1), three times the cap; retries
     // waiting, as many, due one per second from now on; dead letters, under
     // the cap. Row triggers off for the load.
@@ -255,7 +259,7 @@ async fn status_estimates_a_class_past_its_exact_rows_and_says_which_figures_are
 async fn status_estimates_retries_that_share_one_due_time() {
     let db = TestDb::new("status_ties").await;
     let c = db.client().await;
-    let cap = pg_outbox::STATUS_EXACT_ROWS;
+    let cap = pg_outbox::status::OutboxStatus::EXACT_ROWS;
     // What `dead-letters retry --all` leaves: many retries due at one time
     // (one statement's now()); here three times the cap due an hour ago and
     // as many waiting, due tomorrow. And a row due at '-infinity'.

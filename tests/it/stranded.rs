@@ -243,8 +243,8 @@ async fn a_kept_backend_holding_the_lock_is_reported_within_30s_and_ended_only_w
     ] {
         assert!(line.contains(&part), "the warning names {part}: {line}");
     }
-    metric_is(&addr, "outbox_leader_stranded", 1.0, 10).await;
-    assert_eq!(metric(&addr, "outbox_leader").await, Some(0.0));
+    metric_is(&addr, pg_outbox::metrics::LEADER_STRANDED, 1.0, 10).await;
+    assert_eq!(metric(&addr, pg_outbox::metrics::LEADER).await, Some(0.0));
 
     // status, as JSON and as text, and the console.
     let status = status_json(&db).await;
@@ -282,7 +282,7 @@ async fn a_kept_backend_holding_the_lock_is_reported_within_30s_and_ended_only_w
     all_delivered(&hook, &committed, || format!("{}\n{}", first.log(), second.log())).await;
     let t = tally(committed.iter().copied(), hook.got().iter().map(|g| (g.id, g.aggregate)));
     assert_eq!((t.lost, t.duplicates, t.order_violations), (0, 0, 0), "{t:?}");
-    metric_is(&addr, "outbox_leader_stranded", 0.0, 10).await;
+    metric_is(&addr, pg_outbox::metrics::LEADER_STRANDED, 0.0, 10).await;
     let status = status_json(&db).await;
     assert_eq!(status["leader"]["live"], true, "a relay leads now: {status}");
     let relays = [first.pid(), second.pid()].map(|p| p.map(u64::from));
@@ -361,7 +361,7 @@ async fn a_live_leader_is_never_reported_stranded_idle_draining_a_backlog_or_bus
     let mut live_seen_while_draining = false;
     while drained.is_none() || started.elapsed() < Duration::from_secs(24) {
         max_age = max_age.max(heartbeat_age().await);
-        assert_eq!(metric(&b_addr, "outbox_leader_stranded").await, Some(0.0), "{}", b.log());
+        assert_eq!(metric(&b_addr, pg_outbox::metrics::LEADER_STRANDED).await, Some(0.0), "{}", b.log());
         clean(&a, &b);
         if drained.is_none() {
             let left: i64 = c
@@ -405,7 +405,7 @@ async fn a_live_leader_is_never_reported_stranded_idle_draining_a_backlog_or_bus
         let (state, wait): (Option<String>, Option<String>) = (row.get(0), row.get(1));
         seen_waiting |= state.as_deref() == Some("active") && wait.as_deref() == Some("Lock");
         max_busy_age = max_busy_age.max(heartbeat_age().await);
-        assert_eq!(metric(&b_addr, "outbox_leader_stranded").await, Some(0.0), "{}", b.log());
+        assert_eq!(metric(&b_addr, pg_outbox::metrics::LEADER_STRANDED).await, Some(0.0), "{}", b.log());
         clean(&a, &b);
         tokio::time::sleep(Duration::from_millis(200)).await;
     }

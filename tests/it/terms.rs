@@ -7,7 +7,8 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use futures::StreamExt;
-use pg_outbox::{Consumer, EventStream, Role};
+use pg_outbox::health::Role;
+use pg_outbox::{Consumer, EventStream};
 use tokio::sync::watch;
 use tokio_postgres::Client;
 
@@ -54,7 +55,7 @@ async fn each_leader_takes_a_greater_term_and_its_deliveries_carry_it() {
     let second = current_term(&c).await.expect("a term");
     assert!(second > first, "terms grow: {first} then {second}");
     assert_eq!(d.term(), u64::try_from(second).ok().and_then(pg_outbox::Term::new));
-    let leader = pg_outbox::status(&c).await.expect("status").leader.expect("a leader");
+    let leader = pg_outbox::status::read(&c).await.expect("status").leader.expect("a leader");
     assert_eq!(
         (leader.live, leader.term),
         (true, u64::try_from(second).ok().and_then(pg_outbox::Term::new)),
@@ -256,7 +257,7 @@ struct Member {
     paused: watch::Sender<bool>,
     /// Ids handed out, in order.
     handed: Arc<Mutex<Vec<i64>>>,
-    health: pg_outbox::HealthMonitor,
+    health: pg_outbox::health::HealthMonitor,
     shutdown: pg_outbox::ShutdownHandle,
     proxy: Proxy,
 }

@@ -159,7 +159,7 @@ async fn a_fetch_cut_by_the_statement_timeout_is_logged_counted_and_the_relay_de
         assert!(tokio::time::Instant::now() < deadline, "no statement timed out:\n{text}\nstderr:\n{}", relay.log());
         tokio::time::sleep(Duration::from_millis(100)).await;
     };
-    assert!(sample(&text, "outbox_database_errors_total").is_some_and(|n| n >= 1.0), "{text}");
+    assert!(sample(&text, pg_outbox::metrics::DATABASE_ERRORS).is_some_and(|n| n >= 1.0), "{text}");
     let warned = |log: String| {
         log.lines().any(|l| {
             l.contains("WARN")
@@ -195,7 +195,7 @@ async fn a_fetch_cut_by_the_statement_timeout_is_logged_counted_and_the_relay_de
         .collect();
     assert!(published.is_subset(&delivered), "published but never delivered: {:?}", published.difference(&delivered));
     let text = scrape(&addr).await;
-    assert_eq!(sample(&text, "outbox_events_failed_total"), Some(0.0), "{text}");
+    assert_eq!(sample(&text, pg_outbox::metrics::EVENTS_FAILED), Some(0.0), "{text}");
     relay.stop_cleanly().await;
 }
 

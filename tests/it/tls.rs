@@ -398,7 +398,7 @@ fn the_tls_connector_fits_a_pool() {
         <T::TlsConnect as TlsConnect<Socket>>::Future: Send,
     {
     }
-    pool_ready::<pg_outbox::TlsConnector>();
+    pool_ready::<pg_outbox::tls::TlsConnector>();
     let opts = pg_outbox::ConnectOptions::parse("postgres://u@db.example.com/d?sslmode=require").expect("url");
     assert!(opts.tls_connector().is_ok(), "require without roots needs none");
 }

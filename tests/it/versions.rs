@@ -7,7 +7,7 @@
 //! - `PG_BINDIR` without the server binaries is an error naming it, never
 //!   a quiet fallback to other binaries (which would test another version).
 
-use pg_outbox::temp_server::{TempServer, TempServerOptions};
+use pg_outbox_testkit::temp_server::{TempServer, TempServerOptions};
 
 use crate::needs;
 use crate::support::{Out, cli};

@@ -332,7 +332,7 @@ pub(crate) fn render(loaded: &Loaded) -> String {
 }
 
 /// A setting's values as `--print-config` prints them: a value of a
-/// secret type ([`pg_outbox::Secret`], [`pg_outbox::SecretUrl`],
+/// secret type ([`pg_outbox::secret::Secret`], [`pg_outbox::secret::SecretUrl`],
 /// [`pg_outbox::DatabaseUrl`], a webhook header, a Kafka property) as its
 /// `Display` form, which masks; any other value as given.
 fn printed(m: &ArgMatches, id: &str) -> Vec<String> {
@@ -341,8 +341,8 @@ fn printed(m: &ArgMatches, id: &str) -> Vec<String> {
         let values = m.try_get_many::<T>(id).ok()?;
         Some(values.map(|vs| vs.map(ToString::to_string).collect()).unwrap_or_default())
     }
-    let secret = typed::<pg_outbox::Secret>(m, id)
-        .or_else(|| typed::<pg_outbox::SecretUrl>(m, id))
+    let secret = typed::<pg_outbox::secret::Secret>(m, id)
+        .or_else(|| typed::<pg_outbox::secret::SecretUrl>(m, id))
         .or_else(|| typed::<pg_outbox::DatabaseUrl>(m, id));
     #[cfg(feature = "webhook")]
     let secret = secret.or_else(|| typed::<pg_outbox::relay::HttpHeader>(m, id));

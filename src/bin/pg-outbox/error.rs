@@ -32,7 +32,7 @@ pub(crate) enum Error {
     Check(String),
     /// The demo's throwaway server.
     #[error(transparent)]
-    TempServer(#[from] pg_outbox::temp_server::Error),
+    TempServer(#[from] crate::temp_server::Error),
 }
 
 impl From<tokio_postgres::Error> for Error {

@@ -3,7 +3,7 @@
 //! listener and on `--health-addr` when given.
 //!
 //! - `/livez`: 200 while the relay's two loops turn: the drain loop (its
-//!   last turn no longer ago than [`pg_outbox::Health::stall_bound`]) and
+//!   last turn no longer ago than [`pg_outbox::health::Health::stall_bound`]) and
 //!   the delivery loop (no delivery in flight for longer than that bound
 //!   plus `--sink-timeout`); 503 once either stalls.
 //! - `/readyz`: 503 when the relay cannot work (the drain loop stalled, the
@@ -25,7 +25,7 @@ use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use metrics_exporter_prometheus::PrometheusHandle;
-use pg_outbox::{Health, HealthMonitor, LastError, Role};
+use pg_outbox::health::{Health, HealthMonitor, LastError, Role};
 use serde_json::{Value, json};
 
 use crate::error::Error;

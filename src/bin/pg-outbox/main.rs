@@ -22,6 +22,10 @@ mod parse;
 mod prometheus;
 mod signals;
 mod sink_args;
+// The demo starts a server and reads its URL; the rest is the test kit's
+// (`testkit/` includes this directory).
+#[allow(dead_code)]
+mod temp_server;
 
 /// The duration parser, where the sink arguments name it.
 pub(crate) use parse::parse_duration;

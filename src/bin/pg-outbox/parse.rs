@@ -26,7 +26,7 @@ pub(crate) fn parse_duration(s: &str) -> Result<Duration, String> {
 /// A size in bytes for `--max-buffered-bytes`: a number of bytes, or a
 /// number with a unit (`KiB`, `MiB`, `GiB` in powers of 1024; `KB`, `MB`,
 /// `GB` in powers of 1000; parsed by the `bytesize` crate), at least
-/// [`pg_outbox::MIN_MAX_BUFFERED_BYTES`] and at most `i64::MAX`. A
+/// [`pg_outbox::ConsumerBuilder::MIN_MAX_BUFFERED_BYTES`] and at most `i64::MAX`. A
 /// `ByteSize`, not a number, so a config file may write it either way
 /// (`"64MiB"` or `67108864`).
 pub(crate) fn parse_byte_size(s: &str) -> Result<bytesize::ByteSize, String> {
@@ -37,10 +37,10 @@ pub(crate) fn parse_byte_size(s: &str) -> Result<bytesize::ByteSize, String> {
         .ok()
         .filter(|b| i64::try_from(*b).is_ok())
         .ok_or_else(|| format!("invalid size '{s}': too large"))?;
-    if bytes < pg_outbox::MIN_MAX_BUFFERED_BYTES {
+    if bytes < pg_outbox::ConsumerBuilder::MIN_MAX_BUFFERED_BYTES {
         return Err(format!(
             "invalid size '{s}' ({bytes} bytes): must be at least 1MiB ({} bytes)",
-            pg_outbox::MIN_MAX_BUFFERED_BYTES
+            pg_outbox::ConsumerBuilder::MIN_MAX_BUFFERED_BYTES
         ));
     }
     Ok(size)
@@ -67,11 +67,11 @@ pub(crate) fn parse_sweep_interval(s: &str) -> Result<Duration, String> {
     Ok(d)
 }
 
-/// `--stranded-after`: a duration from [`pg_outbox::MIN_STRANDED_AFTER`]
-/// (3 s) to [`pg_outbox::MAX_STRANDED_AFTER`] (1 hour).
+/// `--stranded-after`: a duration from [`pg_outbox::ConsumerBuilder::MIN_STRANDED_AFTER`]
+/// (3 s) to [`pg_outbox::ConsumerBuilder::MAX_STRANDED_AFTER`] (1 hour).
 pub(crate) fn parse_stranded_after(s: &str) -> Result<Duration, String> {
     let d = parse_duration(s)?;
-    if !(pg_outbox::MIN_STRANDED_AFTER..=pg_outbox::MAX_STRANDED_AFTER).contains(&d) {
+    if !(pg_outbox::ConsumerBuilder::MIN_STRANDED_AFTER..=pg_outbox::ConsumerBuilder::MAX_STRANDED_AFTER).contains(&d) {
         return Err(format!("invalid duration '{s}': must be 3s to 1h"));
     }
     Ok(d)

@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use pg_outbox::relay::{DeliveryOptions, Format, SinkSettings};
-use pg_outbox::{Secret, SecretUrl};
+use pg_outbox::secret::{Secret, SecretUrl};
 
 use crate::error::Error;
 

@@ -3,7 +3,7 @@
 //!
 //! - [`ownership`]: the locks by mode (single mode's outbox lock,
 //!   partitioned mode's membership and partition locks), the leadership
-//!   term taken with each (`events.outbox_terms`, [`crate::Term`]), what a
+//!   term taken with each (`events.outbox_terms`, [`crate::term::Term`]), what a
 //!   fetch's rows say of the terms held ([`TermCheck`]), and the fence a
 //!   settlement write is conditional on;
 //! - [`lease`]: the hand-out lease (nothing is handed out unless a

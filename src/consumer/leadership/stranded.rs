@@ -230,8 +230,8 @@ mod tests {
     use super::*;
 
     fn cfg() -> ConsumerConfig {
-        let pg = crate::ConnectOptions::parse("postgres://u@localhost/db").expect("URL");
-        crate::Consumer::builder(pg).cfg
+        let pg = crate::connect::ConnectOptions::parse("postgres://u@localhost/db").expect("URL");
+        crate::consumer::Consumer::builder(pg).cfg
     }
 
     fn holder(pid: i32, beating: bool, busy: bool) -> Holder {

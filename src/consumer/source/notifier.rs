@@ -26,10 +26,11 @@ use tokio_util::sync::CancellationToken;
 use super::{Signals, WakeKind};
 use crate::connect;
 use crate::consumer::session::new_backoff;
-use crate::consumer::{ConsumerConfig, ListenerStatus, NOTIFY_CHANNEL};
+use crate::consumer::{ConsumerConfig, ListenerStatus};
 use crate::error::{Error, Result};
 use crate::metrics as m;
 use crate::store;
+use crate::store::NOTIFY_CHANNEL;
 
 /// Wake-ups by LISTEN/NOTIFY: the notifier's signals. Its looks after a
 /// wake-up that found nothing are the wake-up policy's own (after asking

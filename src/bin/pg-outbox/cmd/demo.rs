@@ -5,8 +5,8 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use crate::temp_server::TempServer;
 use pg_outbox::relay::{Message, SendFuture, Sent, Sink, StdoutSink};
-use pg_outbox::temp_server::TempServer;
 use pg_outbox::{ConnectOptions, Consumer, Envelope, Event, Metadata, NewEvent, Publisher};
 
 use crate::error::Error;
@@ -135,7 +135,7 @@ async fn run_on(opts: &ConnectOptions, args: &DemoArgs) -> Result<(), Error> {
     let _ = stop_tx.send(());
     relay.await.map_err(|e| Error::Config(format!("relay panicked: {e}")))??;
     // The scratch database holds the demo's events only.
-    let unpublished = pg_outbox::status(&admin).await?.unpublished;
+    let unpublished = pg_outbox::status::read(&admin).await?.unpublished;
     let summary = Summary::new(&committed, &lock(&seen), rolled_back, unpublished, elapsed)?;
     summary.print(&metrics);
     summary.check()

@@ -27,7 +27,7 @@ pub(crate) struct PublishArgs {
 pub(crate) async fn run(db: &pg_outbox::ConnectOptions, args: PublishArgs) -> Result<(), Error> {
     // Read at most one byte over the limit, so `@/dev/zero` or an endless
     // pipe is refused instead of filling memory.
-    let limit = u64::try_from(pg_outbox::DEFAULT_MAX_PAYLOAD_BYTES).unwrap_or(u64::MAX).saturating_add(1);
+    let limit = u64::try_from(pg_outbox::Publisher::DEFAULT_MAX_PAYLOAD_BYTES).unwrap_or(u64::MAX).saturating_add(1);
     let read_limited = |r: &mut dyn std::io::Read, what: &str| -> Result<String, Error> {
         let mut buf = String::new();
         std::io::Read::read_to_string(&mut std::io::Read::take(r, limit), &mut buf)
@@ -35,7 +35,7 @@ pub(crate) async fn run(db: &pg_outbox::ConnectOptions, args: PublishArgs) -> Re
         if buf.len() as u64 >= limit {
             return Err(Error::InvalidEvent(format!(
                 "the payload from {what} is over the limit of {} bytes",
-                pg_outbox::DEFAULT_MAX_PAYLOAD_BYTES
+                pg_outbox::Publisher::DEFAULT_MAX_PAYLOAD_BYTES
             )));
         }
         Ok(buf)
@@ -53,7 +53,7 @@ pub(crate) async fn run(db: &pg_outbox::ConnectOptions, args: PublishArgs) -> Re
         serde_json::from_str(&text).map_err(|e| Error::InvalidEvent(format!("--payload is not valid JSON: {e}")))?;
     let event = NewEvent::new(args.aggregate_type, args.aggregate_id, args.event_type, payload);
     let publisher = Publisher::new();
-    event.validate(pg_outbox::DEFAULT_MAX_PAYLOAD_BYTES)?;
+    event.validate(pg_outbox::Publisher::DEFAULT_MAX_PAYLOAD_BYTES)?;
     let client = connect_primary(db).await?;
     let id = publisher.publish(&client, &event).await?;
     println!("{id}");

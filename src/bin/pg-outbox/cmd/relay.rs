@@ -47,7 +47,7 @@ pub(crate) struct RelayArgs {
     #[arg(long, value_name = "[HOST:]PORT", value_parser = parse_metrics_addr)]
     health_addr: Option<SocketAddr>,
     /// Rows fetched per query (at least 1).
-    #[arg(long, default_value_t = pg_outbox::DEFAULT_BATCH_SIZE,
+    #[arg(long, default_value_t = pg_outbox::ConsumerBuilder::DEFAULT_BATCH_SIZE,
           value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
     batch_size: usize,
     /// Bound on the payload bytes the relay holds, as received: events
@@ -67,7 +67,7 @@ pub(crate) struct RelayArgs {
     #[arg(long, value_parser = parse_schedule)]
     retry_schedule: Option<RetryPolicy>,
     /// Failures after which an event is a dead letter (at least 1).
-    #[arg(long, default_value_t = pg_outbox::DEFAULT_MAX_RETRIES,
+    #[arg(long, default_value_t = pg_outbox::ConsumerBuilder::DEFAULT_MAX_RETRIES,
           value_parser = clap::value_parser!(i32).range(1..))]
     max_retries: i32,
     /// On SIGINT/SIGTERM, how long to wait for the event in hand.
@@ -306,7 +306,7 @@ fn log_start(args: &RelayArgs, target: &str, sink_name: &str, guarantee: pg_outb
     let woken_by = match (args.source, args.no_listen) {
         (SourceArg::Wal, _) => "woken by logical replication (publication pg_outbox)".to_string(),
         (SourceArg::Listen, true) => "no LISTEN: the sweep finds new events".to_string(),
-        (SourceArg::Listen, false) => format!("listening on channel {}", pg_outbox::NOTIFY_CHANNEL),
+        (SourceArg::Listen, false) => format!("listening on channel {}", pg_outbox::Consumer::NOTIFY_CHANNEL),
     };
     match args.metrics_addr {
         Some(a) => {
@@ -360,7 +360,7 @@ mod tests {
         assert!(e.contains("invalid duration 'abc'") && e.contains("0 disables"), "{e}");
         let cli = Cli::try_parse_from(["pg-outbox", "relay"]).expect("relay parses without flags");
         let Command::Relay(args) = cli.command else { panic!("relay") };
-        assert_eq!(args.statement_timeout, pg_outbox::DEFAULT_STATEMENT_TIMEOUT);
+        assert_eq!(args.statement_timeout, pg_outbox::ConsumerBuilder::DEFAULT_STATEMENT_TIMEOUT);
     }
 
     #[test]
@@ -374,7 +374,7 @@ mod tests {
         assert!(parse_stranded_after("1s").is_err_and(|e| e.contains("must be 3s to 1h")));
         let cli = Cli::try_parse_from(["pg-outbox", "relay"]).expect("relay parses without flags");
         let Command::Relay(args) = cli.command else { panic!("relay") };
-        assert_eq!(args.stranded_after, pg_outbox::DEFAULT_STRANDED_AFTER);
+        assert_eq!(args.stranded_after, pg_outbox::ConsumerBuilder::DEFAULT_STRANDED_AFTER);
         assert!(!args.take_over_stranded);
         let cli = Cli::try_parse_from(["pg-outbox", "relay", "--take-over-stranded", "--stranded-after", "30s"])
             .expect("the flags parse");
@@ -387,7 +387,7 @@ mod tests {
     fn reconnect_max_delay_takes_durations_and_defaults_to_the_librarys() {
         let cli = Cli::try_parse_from(["pg-outbox", "relay"]).expect("relay parses without flags");
         let Command::Relay(args) = cli.command else { panic!("relay") };
-        assert_eq!(args.reconnect_max_delay, pg_outbox::DEFAULT_RECONNECT_MAX_DELAY);
+        assert_eq!(args.reconnect_max_delay, pg_outbox::ConsumerBuilder::DEFAULT_RECONNECT_MAX_DELAY);
         assert!(!args.wait_for_primary);
         let cli = Cli::try_parse_from(["pg-outbox", "relay", "--reconnect-max-delay", "2s", "--wait-for-primary"])
             .expect("relay parses");
@@ -411,6 +411,6 @@ mod tests {
         assert!(e.contains("at least 1MiB"), "{e}");
         let cli = Cli::try_parse_from(["pg-outbox", "relay"]).expect("relay parses without flags");
         let Command::Relay(args) = cli.command else { panic!("relay") };
-        assert_eq!(args.max_buffered_bytes.as_u64(), pg_outbox::DEFAULT_MAX_BUFFERED_BYTES as u64);
+        assert_eq!(args.max_buffered_bytes.as_u64(), pg_outbox::ConsumerBuilder::DEFAULT_MAX_BUFFERED_BYTES as u64);
     }
 }

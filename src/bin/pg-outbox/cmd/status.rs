@@ -24,7 +24,7 @@ pub(crate) async fn run(db: &pg_outbox::ConnectOptions, args: StatusArgs) -> Res
         .read_only(true)
         .start()
         .await?;
-    let s = pg_outbox::status(&tx).await?;
+    let s = pg_outbox::status::read(&tx).await?;
     tx.commit().await?;
     if args.json {
         println!("{}", serde_json::to_string_pretty(&s)?);
@@ -53,7 +53,7 @@ pub(crate) async fn run(db: &pg_outbox::ConnectOptions, args: StatusArgs) -> Res
             println!();
             println!(
                 "~ estimated: more than {} rows of a kind, sampled (docs/operations.md, \"How `status` estimates\")",
-                pg_outbox::STATUS_EXACT_ROWS
+                pg_outbox::status::OutboxStatus::EXACT_ROWS
             );
         }
     }
@@ -98,7 +98,7 @@ fn short_secs(secs: f64) -> String {
 
 /// The `leader` line: the live leader's pid, "no live leader" with the
 /// stranded holder's details, or none.
-fn leader_line(l: Option<&pg_outbox::LeaderLock>, partitioned: bool) -> String {
+fn leader_line(l: Option<&pg_outbox::status::LeaderLock>, partitioned: bool) -> String {
     let Some(l) = l else {
         return if partitioned {
             "none (relays run in partitioned mode: see partitions)".into()
@@ -132,7 +132,7 @@ fn leader_line(l: Option<&pg_outbox::LeaderLock>, partitioned: bool) -> String {
 
 /// `, relay 4242 on host-a (pg-outbox 0.1.0)`: the relay's own identity,
 /// when it recorded one (empty otherwise).
-fn relay_of(r: Option<&pg_outbox::RelayIdentity>) -> String {
+fn relay_of(r: Option<&pg_outbox::status::RelayIdentity>) -> String {
     r.map_or(String::new(), |r| {
         format!(", relay {} on {} (pg-outbox {})", r.process_id, printable(&r.host), printable(&r.version))
     })
@@ -140,8 +140,8 @@ fn relay_of(r: Option<&pg_outbox::RelayIdentity>) -> String {
 
 /// The `partitions` line: each partition held, `P/N pid X term T`; then,
 /// per holder, its relay's identity and heartbeat age.
-fn partitions_line(held: &[pg_outbox::PartitionHolder]) -> String {
-    let one = |h: &pg_outbox::PartitionHolder| {
+fn partitions_line(held: &[pg_outbox::status::PartitionHolder]) -> String {
+    let one = |h: &pg_outbox::status::PartitionHolder| {
         let of = h.partitions.map_or(String::new(), |n| format!("/{n}"));
         let term = h.term.map_or("no term".to_string(), |t| format!("term {t}"));
         format!("{}{of} pid {} {term}", h.partition, h.pid)
@@ -156,7 +156,7 @@ fn partitions_line(held: &[pg_outbox::PartitionHolder]) -> String {
     line
 }
 
-fn print_by_type(s: &pg_outbox::OutboxStatus) {
+fn print_by_type(s: &pg_outbox::status::OutboxStatus) {
     if s.by_type.is_empty() {
         return;
     }
@@ -190,7 +190,7 @@ fn print_by_type(s: &pg_outbox::OutboxStatus) {
     }
 }
 
-fn print_retries(r: &pg_outbox::RetryLadder, estimated: bool) {
+fn print_retries(r: &pg_outbox::status::RetryLadder, estimated: bool) {
     let Some(next_at) = r.next_due_at else { return };
     println!();
     let next_in = r.next_due_in_seconds.map_or("-".to_string(), short_secs);

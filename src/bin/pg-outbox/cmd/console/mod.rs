@@ -93,7 +93,7 @@ struct Figures {
 /// One reading of the backlog figures.
 #[derive(Clone)]
 pub(crate) struct Reading {
-    pub(crate) status: Arc<pg_outbox::OutboxStatus>,
+    pub(crate) status: Arc<pg_outbox::status::OutboxStatus>,
     /// When it started.
     pub(crate) at: std::time::Instant,
     /// How long it took.
@@ -117,7 +117,7 @@ impl Figures {
 async fn read_figures(opts: &pg_outbox::ConnectOptions) -> Result<Reading, Error> {
     let t = std::time::Instant::now();
     let c = opts.connect().await?;
-    let status = pg_outbox::status(&c).await?;
+    let status = pg_outbox::status::read(&c).await?;
     Ok(Reading { status: Arc::new(status), at: t, took: t.elapsed(), cached: false })
 }
 
@@ -209,7 +209,7 @@ pub(crate) async fn run(opts: pg_outbox::ConnectOptions, args: ConsoleArgs) -> R
     }
     let db = Db { opts, client: tokio::sync::Mutex::new(None), primary: !args.read_only };
     // Fail fast on a wrong URL, a standby (unless read-only) or a missing schema.
-    pg_outbox::status(&*db.client().await?).await?;
+    pg_outbox::status::read(&*db.client().await?).await?;
     let app = Arc::new(App {
         db,
         token,

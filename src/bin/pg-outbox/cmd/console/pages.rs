@@ -5,8 +5,9 @@ use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 use maud::{DOCTYPE, Markup, html};
+use pg_outbox::Event;
 use pg_outbox::console::{DeliveryChart, EventDetail, EventState, Relays, Timeline};
-use pg_outbox::{Event, OutboxStatus};
+use pg_outbox::status::OutboxStatus;
 
 use super::{Action, Ctx, FilterForm, Reading, Target, chart};
 
@@ -125,8 +126,8 @@ pub(crate) fn overview(
         }
         @if s.estimated {
             p.note id="estimated" {
-                "~ estimated: more than " (pg_outbox::STATUS_EXACT_ROWS) " rows of a kind, so the figure is scaled from a sample of "
-                (pg_outbox::STATUS_SAMPLE_IDS) " ids of that kind (docs/operations.md, \"How status estimates\")."
+                "~ estimated: more than " (pg_outbox::status::OutboxStatus::EXACT_ROWS) " rows of a kind, so the figure is scaled from a sample of "
+                (pg_outbox::status::OutboxStatus::SAMPLE_IDS) " ids of that kind (docs/operations.md, \"How status estimates\")."
             }
         }
         (leader(s.leader.as_ref(), !s.partitions.is_empty()))
@@ -159,7 +160,7 @@ pub(crate) fn overview(
 /// The overview's leader line: the live leader's pid, or "no live leader"
 /// with the stranded holder of the outbox lock, or none (`partitioned`:
 /// because partitioned relays hold partitions instead).
-fn leader(l: Option<&pg_outbox::LeaderLock>, partitioned: bool) -> Markup {
+fn leader(l: Option<&pg_outbox::status::LeaderLock>, partitioned: bool) -> Markup {
     let Some(l) = l else {
         if partitioned {
             return html! { p.note id="leader" { "Leader: none (relays run in partitioned mode: see Partitions)." } };
@@ -198,7 +199,7 @@ fn leader(l: Option<&pg_outbox::LeaderLock>, partitioned: bool) -> Markup {
 
 /// The overview's partitions (partitioned mode): each held, with its
 /// holder (backend pid, relay, heartbeat age) and term.
-fn partitions(held: &[pg_outbox::PartitionHolder]) -> Markup {
+fn partitions(held: &[pg_outbox::status::PartitionHolder]) -> Markup {
     html! {
         @if !held.is_empty() {
             h2 { "Partitions" }
@@ -290,7 +291,7 @@ fn backlog_by_type(s: &OutboxStatus) -> Markup {
 }
 
 /// The overview's next retries, if any are waiting.
-fn next_retries(r: &pg_outbox::RetryLadder) -> Markup {
+fn next_retries(r: &pg_outbox::status::RetryLadder) -> Markup {
     html! {
         @if !r.next.is_empty() {
             h2 { "Next retries" }

@@ -1,6 +1,7 @@
-//! A throwaway PostgreSQL server started from the local binaries (feature
-//! `temp-server`): for demos, and for an application's own tests on a
-//! machine where no server runs.
+//! A throwaway PostgreSQL server started from the local binaries: the
+//! `demo` command's, and the test kit's (`testkit/` includes this
+//! directory) for tests on a machine where no server runs. Not part of the
+//! library.
 //!
 //! [`TempServer::start`] creates a cluster in a new temporary directory
 //! (data, Unix socket and `server.log`), starts it listening on 127.0.0.1
@@ -25,13 +26,17 @@
 //! [`TempServer::stop_fast`] or [`TempServer::kill`] the primary and
 //! [`TempServer::promote`] the standby.
 //!
+//! By concern: `bindir`, where the server's programs are and who runs
+//! them; `failover`, standbys, promotion, a clean stop and a kill; this
+//! file, the cluster's life otherwise.
+//!
 //! The functions block (for the second or two that `initdb` and `pg_ctl`
 //! take): in async code call them through `tokio::task::spawn_blocking`.
 //!
 //! # Example
 //! ```no_run
 //! # async fn example() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
-//! use pg_outbox::temp_server::TempServer;
+//! use pg_outbox_testkit::temp_server::TempServer;
 //!
 //! let server = tokio::task::spawn_blocking(TempServer::start).await??;
 //! let options = pg_outbox::ConnectOptions::parse(&server.url())?;
@@ -42,9 +47,13 @@
 //! # }
 //! ```
 
-use std::ffi::CString;
+mod bindir;
+mod failover;
+
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
+
+use bindir::{chosen_bindir, find_bindir, free_port, lookup_user};
 
 /// Why a throwaway server could not be found, started or stopped.
 #[derive(Debug, thiserror::Error)]
@@ -70,8 +79,8 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 ///
 /// # Example
 /// ```no_run
-/// # fn example(cert_pem: &[u8], key_pem: &[u8]) -> pg_outbox::temp_server::Result<()> {
-/// use pg_outbox::temp_server::{TempServer, TempServerOptions};
+/// # fn example(cert_pem: &[u8], key_pem: &[u8]) -> pg_outbox_testkit::temp_server::Result<()> {
+/// use pg_outbox_testkit::temp_server::{TempServer, TempServerOptions};
 ///
 /// let _server = TempServer::start_with(
 ///     TempServerOptions::default()
@@ -123,8 +132,8 @@ impl TempServerOptions {
 ///
 /// # Example
 /// ```no_run
-/// # fn example() -> pg_outbox::temp_server::Result<()> {
-/// use pg_outbox::temp_server::{StandbyOptions, TempServer};
+/// # fn example() -> pg_outbox_testkit::temp_server::Result<()> {
+/// use pg_outbox_testkit::temp_server::{StandbyOptions, TempServer};
 ///
 /// let primary = TempServer::start()?;
 /// // Commits on the primary wait until this standby has the WAL.
@@ -163,12 +172,6 @@ impl StandbyOptions {
     }
 }
 
-/// Standbys started by this process, for their names.
-static STANDBYS: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
-
-/// How long [`TempServer::kill`] waits for the killed postmaster to go.
-const KILL_WAIT: std::time::Duration = std::time::Duration::from_secs(10);
-
 /// A throwaway server (see the [module documentation](self)); stopped and
 /// its directory deleted on drop.
 #[derive(Debug)]
@@ -180,90 +183,9 @@ pub struct TempServer {
     running: bool,
 }
 
+/// A [`Error::Server`] with `msg`.
 fn err(msg: impl Into<String>) -> Error {
     Error::Server(msg.into())
-}
-
-/// The programs a throwaway server needs, in one directory.
-const SERVER_BINARIES: [&str; 3] = ["initdb", "pg_ctl", "postgres"];
-
-fn has_server_binaries(dir: &Path) -> bool {
-    SERVER_BINARIES.iter().all(|b| dir.join(b).is_file())
-}
-
-/// The directory holding `initdb`, `pg_ctl` and `postgres` (the order of
-/// the search is in the module documentation); an error saying how to
-/// install them when none is found.
-fn find_bindir() -> Result<PathBuf> {
-    if let Some(d) = std::env::var_os("PG_BINDIR").filter(|d| !d.is_empty()).map(PathBuf::from) {
-        // Set on purpose (say, to test another major): never fall back to
-        // other binaries behind the user's back.
-        return chosen_bindir(
-            d,
-            "PG_BINDIR is",
-            "point PG_BINDIR at it, or unset PG_BINDIR to use the binaries found elsewhere",
-        );
-    }
-    if let Ok(out) = Command::new("pg_config").arg("--bindir").stderr(Stdio::null()).output() {
-        let d = PathBuf::from(String::from_utf8_lossy(&out.stdout).trim());
-        if out.status.success() && has_server_binaries(&d) {
-            return Ok(d);
-        }
-    }
-    if let Ok(entries) = std::fs::read_dir("/usr/lib/postgresql") {
-        let mut versions: Vec<(u32, PathBuf)> = entries
-            .filter_map(|e| e.ok())
-            .filter_map(|e| {
-                let v = e.file_name().to_string_lossy().parse::<u32>().ok()?;
-                Some((v, e.path().join("bin")))
-            })
-            .filter(|(_, p)| has_server_binaries(p))
-            .collect();
-        versions.sort();
-        if let Some((_, p)) = versions.pop() {
-            return Ok(p);
-        }
-    }
-    if let Some(path) = std::env::var_os("PATH") {
-        for d in std::env::split_paths(&path) {
-            if has_server_binaries(&d) {
-                return Ok(d);
-            }
-        }
-    }
-    Err(err("PostgreSQL server binaries (initdb, pg_ctl, postgres) not found; install them \
-         (Debian/Ubuntu: apt-get install postgresql; macOS: brew install postgresql) \
-         or set PG_BINDIR, or point DATABASE_URL at a running server"))
-}
-
-/// `dir` when it holds the server binaries; else an error naming it
-/// (`what` says whose it is, `fix` how to fix it) and those it lacks.
-fn chosen_bindir(dir: PathBuf, what: &str, fix: &str) -> Result<PathBuf> {
-    if has_server_binaries(&dir) {
-        return Ok(dir);
-    }
-    let missing: Vec<&str> = SERVER_BINARIES.into_iter().filter(|b| !dir.join(b).is_file()).collect();
-    Err(err(format!(
-        "{what} {}, which lacks {}: the server binaries (initdb, pg_ctl, postgres) must all be in one directory; {fix}",
-        dir.display(),
-        missing.join(", ")
-    )))
-}
-
-/// uid/gid of a user, via getpwnam(3).
-fn lookup_user(name: &str) -> Option<(u32, u32)> {
-    let c = CString::new(name).ok()?;
-    // SAFETY: getpwnam returns a pointer to static storage or NULL; we read
-    // two integers from it immediately and keep no reference.
-    unsafe {
-        let pw = libc::getpwnam(c.as_ptr());
-        if pw.is_null() { None } else { Some(((*pw).pw_uid, (*pw).pw_gid)) }
-    }
-}
-
-fn free_port() -> Result<u16> {
-    let l = std::net::TcpListener::bind("127.0.0.1:0")?;
-    Ok(l.local_addr()?.port())
 }
 
 impl TempServer {
@@ -354,146 +276,6 @@ impl TempServer {
             }
         }
         Err(last.unwrap_or_else(|| err("could not start")))
-    }
-
-    /// Start a streaming standby of this server (which must run): a base
-    /// backup taken with `pg_basebackup -R -X stream` from the directory of
-    /// this server's binaries, started on a free port of its own as a hot
-    /// standby (read-only, following this server's WAL). Blocks until the
-    /// standby accepts connections (it has reached a consistent state),
-    /// which takes a few seconds. The standby is a [`TempServer`] like any
-    /// other: stopped and deleted on drop, and [`TempServer::promote`] makes
-    /// it a primary.
-    ///
-    /// The standby connects as `postgres` with `application_name` set to
-    /// its own name (`pgo_standby_<pid>_<n>`), which
-    /// [`StandbyOptions::synchronous`] names in this server's
-    /// `synchronous_standby_names`. The default `pg_hba.conf` of a
-    /// throwaway server lets local replication connections in.
-    ///
-    /// # Errors
-    /// [`Error::Server`] if this server is not running, if `pg_basebackup`
-    /// is not beside `initdb` (some packagings of the server ship without
-    /// it; the message says where it was looked for), if the backup or the
-    /// start fails (with the programs' output), or if this server cannot
-    /// be reloaded; [`Error::Io`] for a file that cannot be written.
-    pub fn start_standby(&self, options: StandbyOptions) -> Result<TempServer> {
-        if !self.running {
-            return Err(err("cannot start a standby of a server that is not running"));
-        }
-        if !self.bindir.join("pg_basebackup").is_file() {
-            return Err(err(format!(
-                "pg_basebackup is not in {} (the directory of the server's binaries); install the server package \
-                 that ships it (Debian: postgresql), or point PG_BINDIR at a directory that holds it",
-                self.bindir.display()
-            )));
-        }
-        let n = STANDBYS.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-        let name = format!("pgo_standby_{}_{n}", std::process::id());
-        let dir = Self::new_dir(self.run_as)?;
-        let mut standby = TempServer { dir, bindir: self.bindir.clone(), port: 0, run_as: self.run_as, running: false };
-        let data = standby.data_dir();
-        let port = self.port.to_string();
-        standby.run(
-            "pg_basebackup",
-            &[
-                "-D".as_ref(),
-                data.as_os_str(),
-                "-h".as_ref(),
-                "127.0.0.1".as_ref(),
-                "-p".as_ref(),
-                port.as_ref(),
-                "-U".as_ref(),
-                "postgres".as_ref(),
-                "-R".as_ref(),
-                "-X".as_ref(),
-                "stream".as_ref(),
-                "-c".as_ref(),
-                "fast".as_ref(),
-                "--no-sync".as_ref(),
-            ],
-        )?;
-        // `-R` wrote a primary_conninfo without an application name into
-        // postgresql.auto.conf (read after postgresql.conf); a later line
-        // there wins, and names the standby for synchronous_standby_names.
-        let conninfo = format!("host=127.0.0.1 port={} user=postgres application_name={name}", self.port);
-        standby.append_settings_to("postgresql.auto.conf", &[("primary_conninfo", &conninfo)])?;
-        standby.configure(&options.server)?;
-        if options.synchronous {
-            self.append_settings(&[("synchronous_standby_names", &name)])?;
-            self.reload()?;
-        }
-        standby.start_on_a_free_port()?;
-        Ok(standby)
-    }
-
-    /// Make this standby a primary (`pg_ctl promote -w`): it leaves
-    /// recovery and accepts writes. Blocks until it does.
-    ///
-    /// # Errors
-    /// [`Error::Server`] if `pg_ctl` fails, e.g. when the server is not a
-    /// standby or does not run.
-    pub fn promote(&self) -> Result<()> {
-        let data = self.data_dir();
-        self.run("pg_ctl", &["-D".as_ref(), data.as_os_str(), "-w".as_ref(), "promote".as_ref()])
-    }
-
-    /// Stop the server cleanly (`pg_ctl stop -m fast`): sessions are ended,
-    /// and a primary sends its last WAL to its standbys before it goes (a
-    /// switchover). Does nothing when it is stopped; [`TempServer::start_again`]
-    /// starts it again.
-    ///
-    /// # Errors
-    /// [`Error::Server`] if `pg_ctl` fails.
-    pub fn stop_fast(&mut self) -> Result<()> {
-        if !self.running {
-            return Ok(());
-        }
-        let data = self.data_dir();
-        self.run(
-            "pg_ctl",
-            &["-D".as_ref(), data.as_os_str(), "-m".as_ref(), "fast".as_ref(), "-w".as_ref(), "stop".as_ref()],
-        )?;
-        self.running = false;
-        Ok(())
-    }
-
-    /// Kill the server's postmaster with SIGKILL, as a crash of the machine
-    /// would end it: nothing is flushed or sent to standbys, and the
-    /// server processes it leaves end on their own within moments (they
-    /// watch the postmaster). Blocks until the postmaster is gone (10 s at
-    /// most). The server is not restarted; the files stay until the drop.
-    /// Does nothing when it is stopped.
-    ///
-    /// # Errors
-    /// [`Error::Server`] if the postmaster's process id cannot be read from
-    /// `postmaster.pid`, if it cannot be signalled, or if it is still there
-    /// after 10 s.
-    pub fn kill(&mut self) -> Result<()> {
-        if !self.running {
-            return Ok(());
-        }
-        let pid_file = self.data_dir().join("postmaster.pid");
-        let text =
-            std::fs::read_to_string(&pid_file).map_err(|e| err(format!("cannot read {}: {e}", pid_file.display())))?;
-        let pid: libc::pid_t = text
-            .lines()
-            .next()
-            .and_then(|l| l.trim().parse().ok())
-            .ok_or_else(|| err(format!("no process id on the first line of {}", pid_file.display())))?;
-        // SAFETY: kill(2) with a pid read from the server's own pid file.
-        if unsafe { libc::kill(pid, libc::SIGKILL) } != 0 {
-            return Err(err(format!("cannot kill the postmaster {pid}: {}", std::io::Error::last_os_error())));
-        }
-        self.running = false;
-        let deadline = std::time::Instant::now() + KILL_WAIT;
-        while alive(pid) {
-            if std::time::Instant::now() > deadline {
-                return Err(err(format!("the postmaster {pid} is still there {KILL_WAIT:?} after SIGKILL")));
-            }
-            std::thread::sleep(std::time::Duration::from_millis(10));
-        }
-        Ok(())
     }
 
     /// Append `name = 'value'` lines to `postgresql.conf` (read at the next
@@ -675,19 +457,6 @@ impl TempServer {
     }
 }
 
-/// Whether process `pid` still runs (a zombie, dead but not yet reaped by
-/// its parent, does not count).
-fn alive(pid: libc::pid_t) -> bool {
-    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
-        // The state is the first field after the command, which ends in ')'.
-        Ok(stat) => stat.rsplit_once(')').is_some_and(|(_, rest)| !rest.trim_start().starts_with('Z')),
-        Err(_) if Path::new("/proc/self").exists() => false,
-        // No procfs (not Linux): ask the kernel whether the pid exists.
-        // SAFETY: kill(2) with signal 0 only checks the pid.
-        Err(_) => (unsafe { libc::kill(pid, 0) }) == 0,
-    }
-}
-
 impl Drop for TempServer {
     fn drop(&mut self) {
         if let Err(e) = self.stop() {
@@ -697,7 +466,7 @@ impl Drop for TempServer {
             let _ = writeln!(
                 std::io::stderr(),
                 "pg-outbox: could not stop the throwaway PostgreSQL server: {}",
-                crate::error::report(&e)
+                pg_outbox::error::report(&e)
             );
         }
     }
