@@ -4,9 +4,12 @@
 # Runs the integration tests (tests/it) against throwaway servers of other
 # PostgreSQL majors, started from the binaries ci/pg-binaries.sh fetches:
 # - 18: the whole suite but the failover tests (the package has no
-#   pg_basebackup for their standbys; they run on the machine's server)
-#   and the exactly-once fault suite (what it tests is the brokers' side;
-#   the server's side is the fault tests', which run here);
+#   pg_basebackup for their standbys; they run on the machine's server),
+#   the exactly-once fault suite (what it tests is the brokers' side;
+#   the server's side is the fault tests', which run here), and the tests
+#   whose subject is on the client's side of the server (below: sinks and
+#   brokers, the command line and its configuration, the console, the
+#   container image, secrets, URL parsing, the test kit's own checks);
 # - any other major: the part below that depends most on the server
 #   (every plan-state and plan test, the ordering and fault tests that
 #   cover each mechanism, and the publish/consume round trip).
@@ -69,6 +72,15 @@ subset=(
   relay::webhook_receives_every_event_once_in_aggregate_order_with_an_idempotency_key
 )
 
+# The modules 18 skips: what they test is on the client's side of the
+# server (the sinks and brokers, the command line and its configuration,
+# the console and the container image, secrets, URL parsing, the checks
+# of the code's own shape), and the machine's server runs them all.
+client_side=(
+  auto_traits broker_tls cli config console container contrib layers libpq secrets signals
+  sink_amqp sink_kafka sink_nats sink_redis webhook_signing exactly_once_proof exactly_once_unblock
+)
+
 target=${CARGO_TARGET_DIR:-target}
 cargo test --all-features --test it --no-run --quiet
 listed=$(cargo test --all-features --test it --quiet -- --list --exact "${subset[@]}" 2>/dev/null | grep -c ': test$' || true)
@@ -86,8 +98,9 @@ for major in "${majors[@]}"; do
     # The package ships initdb, pg_ctl and postgres but no pg_basebackup,
     # which the failover tests need for their standbys: those run on the
     # machine's server (README's test command).
-    part="whole suite but failover:: (no pg_basebackup in the package) and exactly_once:: (the brokers' fault suite)"
+    part="whole suite but failover:: (no pg_basebackup in the package), exactly_once:: (the brokers' fault suite) and ${#client_side[@]} client-side modules"
     args=(--skip failover:: --skip exactly_once::)
+    for m in "${client_side[@]}"; do args+=(--skip "$m::"); done
   else
     part="subset (${#subset[@]} tests)"
     args=(--exact "${subset[@]}")
