@@ -286,7 +286,7 @@ impl ConnectOptions {
     /// PgBouncer, gets a session without them, and without these settings:
     /// a `SET` would outlive the transaction on a transaction-mode pooler's
     /// server session). The session suits pg-outbox's functions
-    /// ([`crate::migrate::apply`], [`crate::status`],
+    /// ([`crate::migrate::apply`], [`crate::status::read`],
     /// [`crate::dead_letters`], [`crate::retention`], [`crate::Publisher`]);
     /// for a pool serving an application's own queries, see
     /// [`ConnectOptions::tokio_postgres_config`].

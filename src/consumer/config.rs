@@ -172,6 +172,10 @@ impl ConsumerBuilder {
     /// The stream buffers up to twice the batch, and payloads within
     /// [`ConsumerBuilder::DEFAULT_MAX_BUFFERED_BYTES`].
     pub const DEFAULT_BATCH_SIZE: usize = 500;
+    /// The most rows a fetch may ask for: 100 000. A larger
+    /// [`ConsumerBuilder::batch_size`] makes [`ConsumerBuilder::start`] fail
+    /// with [`Error::Config`].
+    pub const MAX_BATCH_SIZE: usize = 100_000;
     /// Default bound on the payload bytes a consumer holds: 64 MiB
     /// ([`ConsumerBuilder::max_buffered_bytes`]). Before it, only rows bounded
     /// what a consumer holds: twice the batch of 500, so with payloads near the
@@ -236,7 +240,9 @@ impl ConsumerBuilder {
 
 impl ConsumerBuilder {
     /// Rows fetched per query (default [`ConsumerBuilder::DEFAULT_BATCH_SIZE`], 500; the schema's original poller fetches 50). A backlog is drained in batches
-    /// of this size and is never read into memory at once.
+    /// of this size and is never read into memory at once. 1 to
+    /// [`ConsumerBuilder::MAX_BATCH_SIZE`]; outside, [`ConsumerBuilder::start`]
+    /// fails with [`Error::Config`].
     pub fn batch_size(mut self, rows: usize) -> Self {
         self.cfg.batch_size = rows;
         self
@@ -548,8 +554,12 @@ impl ConsumerBuilder {
 
     pub(super) fn validate(&mut self) -> Result<()> {
         let c = &mut self.cfg;
-        if c.batch_size == 0 || c.batch_size > 100_000 {
-            return Err(Error::Config(format!("batch size must be 1..=100000 rows, got {}", c.batch_size)));
+        if c.batch_size == 0 || c.batch_size > ConsumerBuilder::MAX_BATCH_SIZE {
+            return Err(Error::Config(format!(
+                "batch size must be 1..={} rows, got {}",
+                ConsumerBuilder::MAX_BATCH_SIZE,
+                c.batch_size
+            )));
         }
         if c.buffer == 0 {
             c.buffer = c.batch_size * 2;

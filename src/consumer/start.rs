@@ -85,7 +85,7 @@ impl ConsumerBuilder {
         });
         let io = drain::Io { tx, settle_rx, shared: shared.clone() };
         let health = HealthMonitor::new(Arc::new(health::State::new(&cfg)), status_rx.clone());
-        let engine = Engine { first: (work, work_link), io, token: token.clone(), state: health.state().clone() };
+        let engine = Starter { first: (work, work_link), io, token: token.clone(), state: health.state().clone() };
         #[cfg(feature = "wal")]
         let drain = engine.spawn(&cfg, signals, wanted_tx);
         #[cfg(not(feature = "wal"))]
@@ -145,14 +145,14 @@ async fn first_session(cfg: &ConsumerConfig) -> Result<(tokio_postgres::Client, 
 
 /// What the drain loop starts with: the first work session, the channels
 /// to the stream, the stop, the health state.
-struct Engine {
+struct Starter {
     first: (tokio_postgres::Client, connect::Link),
     io: drain::Io,
     token: CancellationToken,
     state: Arc<health::State>,
 }
 
-impl Engine {
+impl Starter {
     /// Spawn the drain loop over the source of `cfg`'s source kind and
     /// mode, woken by `signals` (the WAL source streams while `wanted` says
     /// so).
@@ -173,7 +173,7 @@ impl Engine {
     /// `cfg`'s mode. One engine per pair of types: the calls into the
     /// source are static.
     fn spawn_with<K: WakeKind + 'static>(self, cfg: &Arc<ConsumerConfig>, signals: Signals, kind: K) -> JoinHandle<()> {
-        let Engine { first, io, token, state } = self;
+        let Starter { first, io, token, state } = self;
         let competing = cfg.mode == Mode::Competing;
         let wakeups = Wakeups::new(cfg, signals, competing, kind);
         if competing {

@@ -27,14 +27,25 @@
 //!   and why a broker refused a connection are in `access.rs`.
 //!
 //! # Adding a sink
-//! One file in `src/relay/sinks/`: the sink, its options struct, its `open`
-//! function and, under feature `cli`, its flags (`Flags`, a `clap::Args`)
-//! with `apply`, which writes them into [`SinkSettings`]. Then one entry in
-//! the list `each_sink!` in `sink_list.rs`, its `mod` and `pub use` lines in
-//! `sinks/mod.rs`, one field in [`SinkSettings`], and a Cargo feature (in
-//! `full` too); a flag type whose values hold secrets is masked by
-//! `--print-config` when the binary's `config.rs` names it. This file and
-//! the binary's `sink_args.rs` are not touched.
+//! The code:
+//! 1. One file in `src/relay/sinks/`: the sink, its options struct, its
+//!    `open` function and, under feature `cli`, its flags (`Flags`, a
+//!    `clap::Args`, empty for a sink with none) with `apply`, which writes
+//!    them into [`SinkSettings`].
+//! 2. One entry in the list `each_sink!` in `sink_list.rs`: its name for
+//!    messages, feature, schemes, whether its flags echo secrets, and why
+//!    it cannot deliver exactly once (a reason in `registry.rs`), or not.
+//! 3. Its `mod` and `pub use` lines in `sinks/mod.rs`, one field in
+//!    [`SinkSettings`], and a Cargo feature (in `full` too).
+//! 4. A flag type whose values hold secrets: the binary's `config.rs` names
+//!    it, so that `--print-config` masks it.
+//!
+//! Then the words, which no list makes: the scheme in the `--sink` help
+//! (the binary's `sink_args.rs`) and in [`open_sink`]'s doc; the feature
+//! tables of README and `src/guide.md`; the sink's section in
+//! docs/operations.md, "Sinks". The registry's test pins the sinks that
+//! can deliver exactly once: a new one that can joins it. This file is not
+//! touched.
 
 mod access;
 #[cfg(feature = "cli")]

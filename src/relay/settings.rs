@@ -1,6 +1,6 @@
 //! The settings of the sinks: what every sink shares (delivery, TLS and
 //! credentials, see `access`) and one options struct per sink. `Debug` is
-//! derived: every secret is a [`Secret`](crate::Secret), which prints
+//! derived: every secret is a [`Secret`](crate::secret::Secret), which prints
 //! masked.
 
 use super::DeliveryOptions;

@@ -1,6 +1,6 @@
 //! Single mode's leader lock ([`LEADER_KEY`]) as the others see it: which
 //! session holds it, and whether that holder is a live relay. For standbys
-//! (`consumer::source::stranded`) and for [`crate::status`]. And the
+//! (`consumer::leadership::stranded`) and for [`crate::status::read`]. And the
 //! leader's term (`events.outbox_terms`, migration 0013): taken with the
 //! lock ([`TAKE_TERM`]), confirmed ([`CURRENT_TERM`]), released at a
 //! graceful stop ([`RELEASE_TERM`]); docs/architecture.md, "Leadership

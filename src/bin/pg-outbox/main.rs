@@ -125,6 +125,15 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
+    if matches!(cli.command, Command::Demo(_)) && cli.database_url.is_some() {
+        logging::line(
+            log_format,
+            "WARN",
+            "pg_outbox",
+            "the demo runs on a throwaway server of its own: the database URL given (--database-url or DATABASE_URL) is not used",
+            &[],
+        );
+    }
     let url = db::database_url(&cli.database_url);
     let no_url = url.is_empty() && !matches!(cli.command, Command::Demo(_));
     // The one parse of the URL; the demo runs on a server of its own.

@@ -490,7 +490,7 @@ impl Partitions {
         if self.owned.len() == before {
             return Ok(false);
         }
-        tracing::info!(role = "partitioned", owned = ?self.owned, members, "partitions rebalanced");
+        tracing::info!(signal = "partitions", role = "partitioned", owned = ?self.owned, members, "partitions rebalanced");
         metrics::gauge!(m::PARTITIONS_OWNED).set(self.owned.len() as f64);
         Ok(self.owned.len() > before)
     }

@@ -599,7 +599,8 @@ pub(crate) struct Flags {
     kafka_sasl_mechanism: Option<String>,
     /// Any librdkafka producer property, KEY=VALUE (repeatable), applied
     /// last: it overrides the sink's own. The sink's defaults: acks=all,
-    /// enable.idempotence=true, linger.ms=0 (one event in flight at a time),
+    /// enable.idempotence=true, max.in.flight.requests.per.connection=5,
+    /// linger.ms=0 (each send goes out at once; --max-in-flight overlaps them),
     /// compression.type=none, partitioner=murmur2_random (Java's),
     /// message.timeout.ms from --sink-timeout. E.g.
     /// --kafka-option sasl.mechanism=OAUTHBEARER.

@@ -46,9 +46,10 @@ pub(crate) struct RelayArgs {
     /// binds 127.0.0.1.
     #[arg(long, value_name = "[HOST:]PORT", value_parser = parse_metrics_addr)]
     health_addr: Option<SocketAddr>,
-    /// Rows fetched per query (at least 1).
+    /// Rows fetched per query (1 to 100000).
     #[arg(long, default_value_t = pg_outbox::ConsumerBuilder::DEFAULT_BATCH_SIZE,
-          value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
+          value_parser = clap::builder::RangedU64ValueParser::<usize>::new()
+              .range(1..=pg_outbox::ConsumerBuilder::MAX_BATCH_SIZE as u64))]
     batch_size: usize,
     /// Bound on the payload bytes the relay holds, as received: events
     /// fetched and not yet delivered and acknowledged (e.g. 64MiB, 512MB, or
@@ -236,7 +237,7 @@ pub(crate) async fn run(pg: pg_outbox::ConnectOptions, args: RelayArgs) -> Resul
         task.abort();
     }
     let stats = stats?;
-    tracing::info!(delivered = stats.delivered, failed = stats.failed, "relay stopped");
+    tracing::info!(signal = "stopped", delivered = stats.delivered, failed = stats.failed, "relay stopped");
     Ok(())
 }
 
