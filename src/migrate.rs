@@ -68,6 +68,7 @@ pub const MIGRATIONS: &[(&str, &str)] = &[
     ("0013_outbox_terms", include_str!("../migrations/0013_outbox_terms.sql")),
     ("0014_outbox_retention_marks", include_str!("../migrations/0014_outbox_retention_marks.sql")),
     ("0015_outbox_relays_identity", include_str!("../migrations/0015_outbox_relays_identity.sql")),
+    ("0016_outbox_subscriptions", include_str!("../migrations/0016_outbox_subscriptions.sql")),
 ];
 
 /// Trigger files, applied after the migrations: (name, SQL).
