@@ -86,14 +86,31 @@ DECLARE
     v_any_failed boolean;
     v_ordered boolean;
     v_top bigint;
+    v_running bigint;
     r record;
 BEGIN
     SELECT * INTO s FROM events.outbox_subscriptions WHERE name = p_name;
     v_limit := s.cursor_id;
-    -- Checkpoints passed by this snapshot's xmin bound the cursor; the
-    -- others stay.
+    -- A checkpoint is passed once no transaction that may have drawn an id
+    -- at or below it still runs: this snapshot's xmin has passed its
+    -- transaction id, or else every transaction this snapshot counts as
+    -- running below it holds that id in another database (a transaction
+    -- cannot write another database's outbox; one whose database cannot be
+    -- told, ended since or prepared for two-phase commit, counts as
+    -- running here). So a long write in another database of the cluster
+    -- does not hold the cursor.
+    IF EXISTS (SELECT 1 FROM unnest(s.checkpoint_xids) x WHERE x > v_xmin) THEN
+        v_running := (SELECT min(x::text::int8) FROM pg_snapshot_xip(pg_current_snapshot()) x
+                       WHERE NOT EXISTS (
+                           SELECT 1 FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid
+                            WHERE l.locktype = 'transactionid' AND l.granted
+                              AND l.transactionid = (((x::text::int8) % 4294967296)::text)::xid
+                              AND a.datid IS DISTINCT FROM
+                                  (SELECT d.oid FROM pg_database d WHERE d.datname = current_database())));
+    END IF;
+    -- Checkpoints passed bound the cursor; the others stay.
     FOR r IN SELECT u.id, u.xid FROM unnest(s.checkpoint_ids, s.checkpoint_xids) u(id, xid) LOOP
-        IF r.xid <= v_xmin THEN
+        IF r.xid <= v_xmin OR v_running IS NULL OR r.xid <= v_running THEN
             v_limit := greatest(v_limit, r.id);
         ELSE
             v_ids := v_ids || r.id;
@@ -113,7 +130,7 @@ BEGIN
     IF v_ordered THEN
         v_top := (SELECT o.id FROM events.outbox o ORDER BY o.id DESC LIMIT 1);
         v_next := v_xmax + age(((v_xmax % 4294967296)::text)::xid);
-        IF v_top IS NOT NULL AND v_top > v_limit THEN
+        IF v_top IS NOT NULL AND v_top > greatest(v_limit, v_ids[cardinality(v_ids)]) THEN
             IF cardinality(v_ids) >= 32 THEN
                 -- The newest moves furthest once passed: it replaces the
                 -- newest kept.

@@ -6,6 +6,7 @@ use crate::connect;
 use crate::error::{Error, Result};
 use crate::migrate::SourceKind;
 use crate::retry::RetryPolicy;
+use crate::store::subscription::{Reader, check_name};
 
 /// The largest statement timeout the server takes: `i32::MAX` ms.
 const MAX_STATEMENT_TIMEOUT: Duration = Duration::from_millis(i32::MAX as u64);
@@ -71,6 +72,8 @@ pub(crate) struct ConsumerConfig {
     pub(crate) take_over_stranded: bool,
     pub(crate) wait_for_primary: bool,
     pub(crate) producers_lock_aggregates: bool,
+    /// Whose events it reads: the default subscription, or a named one.
+    pub(crate) reader: Reader,
 }
 
 impl ConsumerConfig {
@@ -152,6 +155,7 @@ impl Consumer {
                 take_over_stranded: false,
                 wait_for_primary: false,
                 producers_lock_aggregates: false,
+                reader: Reader::Default,
             },
         }
     }
@@ -441,6 +445,43 @@ impl ConsumerBuilder {
         self
     }
 
+    /// Read subscription `name` instead of the default subscription
+    /// (default: the default subscription, the seeded flow of
+    /// `published_at` and the retry columns on the row).
+    ///
+    /// A subscription is one more reader of the same outbox, created with
+    /// `pg-outbox subscription create NAME` (docs/subscriptions.md), with
+    /// its own progress (a cursor), retries, dead letters and hold-back per
+    /// aggregate: acknowledging an event here leaves it unpublished for
+    /// the default subscription and every other one. It has its own leader
+    /// (its own advisory lock and leadership term, scope
+    /// `subscription:NAME`), so relays of different subscriptions run side
+    /// by side, each with its own standbys. Single mode only.
+    ///
+    /// # Errors
+    /// [`ConsumerBuilder::start`] returns [`Error::Config`] when `name` is
+    /// not a subscription's name (1 to 63 characters of `a-z`, `0-9`, `_`,
+    /// `.`, `-`; not `default`), when the mode is not [`Mode::Single`], when
+    /// the subscription does not exist, or when ids do not follow
+    /// transaction ids (the insert trigger `outbox_order` is needed: without
+    /// it the cursor could pass an event that commits late).
+    ///
+    /// # Example
+    /// ```
+    /// # fn f(pg: pg_outbox::ConnectOptions) -> pg_outbox::ConsumerBuilder {
+    /// pg_outbox::Consumer::builder(pg).subscription("audit")
+    /// # }
+    /// ```
+    pub fn subscription(mut self, name: impl Into<String>) -> Self {
+        let name: String = name.into();
+        self.cfg.reader = if name == crate::store::subscription::DEFAULT_NAME {
+            Reader::Default
+        } else {
+            Reader::Subscription(name.into())
+        };
+        self
+    }
+
     /// How consumers of one outbox share it (default [`Mode::Single`]).
     pub fn mode(mut self, mode: Mode) -> Self {
         self.cfg.mode = mode;
@@ -593,6 +634,15 @@ impl ConsumerBuilder {
         }
         if !(ConsumerBuilder::MIN_STRANDED_AFTER..=ConsumerBuilder::MAX_STRANDED_AFTER).contains(&c.stranded_after) {
             return Err(Error::Config(format!("stranded-after must be 3 s to 1 hour, got {:?}", c.stranded_after)));
+        }
+        if let Some(name) = c.reader.subscription() {
+            check_name(name).map_err(Error::Config)?;
+            if c.mode != Mode::Single {
+                return Err(Error::Config(format!(
+                    "subscription {name:?} is read in single mode only (one leader, with standbys), not {:?}",
+                    c.mode
+                )));
+            }
         }
         if c.statement_timeout > MAX_STATEMENT_TIMEOUT {
             return Err(Error::Config(format!(

@@ -212,8 +212,9 @@ impl Sessions {
         let timeout = cfg.statement_timeout;
         tokio::pin!(stop);
         let prepared = async {
-            let work = WorkSession::prepare(client, session, timeout, kind, &mut stop).await?;
-            Ok((work, WriterSession::prepare(writer, writer_session, timeout, &mut stop).await?))
+            let work = WorkSession::prepare(client, session, timeout, kind, cfg.reader.clone(), &mut stop).await?;
+            let reader = cfg.reader.clone();
+            Ok((work, WriterSession::prepare(writer, writer_session, timeout, reader, &mut stop).await?))
         };
         let (work, writer) = match prepared.await {
             Ok(p) => p,

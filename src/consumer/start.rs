@@ -200,6 +200,13 @@ async fn check_leadership(cfg: &ConsumerConfig, work: &tokio_postgres::Client) -
     if cfg.mode != Mode::Competing {
         crate::store::leader::check_term_privileges(work).await?;
     }
+    if let Some(name) = cfg.reader.subscription() {
+        // A subscription's leadership is its own (single mode only): the
+        // outbox's configuration does not bind it.
+        let state = crate::store::subscription::check(work, name).await?;
+        tracing::info!(subscription = name, state = %state, "reading subscription {name:?} ({state})");
+        return Ok(());
+    }
     crate::store::leader::check_configuration(work, &mine).await
 }
 

@@ -412,6 +412,71 @@ pub fn fetch_query(server_version_num: i32) -> String {
 const PARTITION_EXPR: &str =
     "((hashtextextended(o.aggregate_type || '/' || o.aggregate_id::text, 0) & 2147483647) % $4)::int4";
 
+/// A named subscription's current leadership term (scope
+/// `subscription:NAME`, $4 the name): an InitPlan, one primary-key lookup.
+const CURRENT_SUBSCRIPTION_TERM: &str =
+    "(SELECT t.term FROM events.outbox_terms t WHERE t.scope = 'subscription:' || $4::text)";
+
+/// The first failure row of subscription $4 for the aggregate of row `o`
+/// at or before id `{bound}` (a failed event, a dead letter, or one held
+/// back behind them): one descent of `outbox_subscription_failures_aggregate_idx`.
+macro_rules! subscription_held_by {
+    ($op:literal) => {
+        concat!(
+            "(SELECT b.id FROM events.outbox_subscription_failures b \
+               WHERE b.subscription = $4::text AND b.aggregate_type = o.aggregate_type \
+                 AND b.aggregate_id = o.aggregate_id AND b.id ",
+            $op,
+            " o.id ORDER BY b.id LIMIT 1)"
+        )
+    };
+}
+
+/// A named subscription's fetch (docs/subscriptions.md): the due events
+/// of subscription $4 (`text`) in id order, with $1 the ids in flight, $2
+/// the batch size and $3 the byte budget, as [`fetch_sql`]. Two index
+/// walks, each stopping after $2 rows: fresh events above the
+/// subscription's cursor by the primary key, skipping the ids settled
+/// above it and any event whose aggregate has a failure row at or before
+/// it (its own included: a failed event is not fresh); and failure rows
+/// whose retry is due, by `outbox_subscription_failures_due_idx` (dead
+/// letters, at 'infinity', and held events, NULL, are outside its range),
+/// each let through only when nothing of its aggregate failed before it.
+/// Nothing while the subscription is paused, or when it does not exist.
+/// `retry_count` and `last_error` are the subscription's (its failure
+/// row's), and every row carries the subscription's current term as
+/// `term`.
+pub(crate) fn subscription_fetch_sql(sizes: PayloadSizes) -> String {
+    let fresh_cols = "o.id, o.aggregate_type, o.aggregate_id, o.event_type, o.payload, o.occurred_at, \
+         0 AS retry_count, NULL::text AS last_error";
+    let failed_cols = "o.id, o.aggregate_type, o.aggregate_id, o.event_type, o.payload, o.occurred_at, \
+         f.retry_count, f.last_error";
+    let candidates = format!(
+        "SELECT o.* FROM ( \
+           (SELECT {fresh_cols} FROM events.outbox o \
+             WHERE o.id > (SELECT s.cursor_id FROM sub s) AND (SELECT s.active FROM sub s) \
+               AND o.id NOT IN (SELECT unnest(s.settled) FROM sub s) AND {NOT_IN_FLIGHT} \
+               AND (NOT (SELECT s.any_failed FROM sub s) OR {held} IS NULL) \
+             ORDER BY o.id LIMIT $2) \
+           UNION ALL \
+           (SELECT {failed_cols} FROM events.outbox_subscription_failures f \
+              JOIN events.outbox o ON o.id = f.id \
+             WHERE f.subscription = $4::text AND f.next_retry_at <= now() AND (SELECT s.active FROM sub s) \
+               AND {NOT_IN_FLIGHT} AND {held_before} IS NULL \
+             ORDER BY f.next_retry_at LIMIT $2) \
+         ) o ORDER BY o.id LIMIT $2",
+        held = subscription_held_by!("<="),
+        held_before = subscription_held_by!("<"),
+    );
+    let cols = format!("{EVENT_COLUMNS}, {CURRENT_SUBSCRIPTION_TERM} AS {TERM}");
+    format!(
+        "WITH sub AS MATERIALIZED (SELECT s.cursor_id, s.settled, s.state = 'active' AS active, \
+           EXISTS (SELECT 1 FROM events.outbox_subscription_failures f WHERE f.subscription = s.name) AS any_failed \
+           FROM events.outbox_subscriptions s WHERE s.name = $4::text) {}",
+        within_budget(&cols, &candidates, "$3", sizes)
+    )
+}
+
 /// Competing mode (docs/schema.md, "Publisher and poller flow"): claim
 /// due rows with `FOR UPDATE SKIP LOCKED` inside a transaction held until
 /// the batch is settled. No per-aggregate
@@ -459,6 +524,13 @@ pub(crate) const COMMIT: &str = "COMMIT";
 /// Always one row.
 pub(crate) const NEXT_RETRY_IN: &str = "SELECT (SELECT EXTRACT(EPOCH FROM (next_retry_at - now()))::float8 \
      FROM events.outbox WHERE published_at IS NULL AND next_retry_at IS NOT NULL \
+       AND next_retry_at > now() AND next_retry_at < 'infinity' \
+     ORDER BY next_retry_at LIMIT 1) AS retry_in";
+
+/// [`NEXT_RETRY_IN`] for subscription $1 (`text`): the first entry of
+/// `outbox_subscription_failures_due_idx` after now().
+pub(crate) const SUBSCRIPTION_NEXT_RETRY_IN: &str = "SELECT (SELECT EXTRACT(EPOCH FROM (next_retry_at - now()))::float8 \
+     FROM events.outbox_subscription_failures WHERE subscription = $1::text AND next_retry_at IS NOT NULL \
        AND next_retry_at > now() AND next_retry_at < 'infinity' \
      ORDER BY next_retry_at LIMIT 1) AS retry_in";
 

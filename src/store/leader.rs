@@ -113,15 +113,20 @@ pub(crate) fn partition_scope(p: i32, partitions: u32) -> String {
 /// against another N), holds a term not released: its holder crashed or
 /// froze before the mode or the partition count changed, and may still be
 /// within its hand-out lease.
+///
+/// A named subscription's scope (`'subscription:NAME'`, single mode) is a
+/// family of its own: its term grows from its own, and no other scope's
+/// holder delivers its events.
 pub(crate) const TAKE_TERM: &str = "WITH reg AS ( \
        INSERT INTO events.outbox_relays (pid, waiting) VALUES (pg_backend_pid(), true) \
        ON CONFLICT (pid) DO UPDATE SET updated_at = now() RETURNING pid), \
      prev AS (SELECT released, term FROM events.outbox_terms WHERE scope = $1), \
      others AS (SELECT bool_and(o.released) AS released FROM events.outbox_terms o \
-       WHERE (o.scope = 'outbox' OR o.scope LIKE 'partition:%') AND o.scope <> $1 \
+       WHERE $1 NOT LIKE 'subscription:%' AND (o.scope = 'outbox' OR o.scope LIKE 'partition:%') AND o.scope <> $1 \
          AND (o.scope = 'outbox' OR $1 = 'outbox' OR split_part(o.scope, '/', 2) <> split_part($1, '/', 2))), \
      next AS (SELECT coalesce(max(term), 0) + 1 AS term FROM events.outbox_terms \
-       WHERE scope = 'outbox' OR scope LIKE 'partition:%'), \
+       WHERE CASE WHEN $1 LIKE 'subscription:%' THEN scope = $1 \
+                  ELSE scope = 'outbox' OR scope LIKE 'partition:%' END), \
      t AS ( \
        INSERT INTO events.outbox_terms AS t (scope, term, holder_pid, holder_started, taken_at, released) \
        SELECT $1, (SELECT term FROM next), pid, \

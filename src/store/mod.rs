@@ -17,6 +17,8 @@
 //! - [`leader`]: who holds single mode's leader lock, and whether it is a
 //!   live relay (its heartbeat); the leadership term it takes, confirms
 //!   and releases (`events.outbox_terms`);
+//! - [`subscription`]: whose events a consumer reads (the default
+//!   subscription or a named one), its leader lock key and term scope;
 //! - [`dead_letters`], [`retention`]: the operators' statements;
 //! - `replay`: replay's reads (feature `relay`);
 //! - `console`: the operator console's reads (feature `console`);
@@ -69,6 +71,7 @@ pub(crate) mod schema;
 mod settle;
 pub(crate) mod statement;
 mod status;
+pub(crate) mod subscription;
 mod wakeup;
 mod work;
 mod writer;

@@ -14,13 +14,15 @@ use tokio_postgres::types::ToSql;
 use tokio_postgres::{Client, Row, RowStream, Statement};
 
 use super::fetch::{BEGIN, COMMIT, NEXT_RETRY_IN, PayloadSizes, competing_fetch_sql, fetch_sql};
+use super::fetch::{SUBSCRIPTION_NEXT_RETRY_IN, subscription_fetch_sql};
 use super::leader::{BOUND_IDLE, KEEP_ALIVE, RAISE_TERM, REGISTER_IDENTITY};
 use super::leader::{CURRENT_TERM, CURRENT_TERMS, Holder, LEADER_HOLDER, RELEASE_TERM, TAKE_TERM, TERMINATE_STRANDED};
 use super::leader::{TermTaken, holder_from_row};
-use super::locks::{COUNT_MEMBERS, LEADER_KEY, MEMBER_CLASS, MEMBER_LOCK, PARTITION_CLASS, PARTITION_UNLOCK};
+use super::locks::{COUNT_MEMBERS, MEMBER_CLASS, MEMBER_LOCK, PARTITION_CLASS, PARTITION_UNLOCK};
 use super::locks::{TRY_LEADER_LOCK, TRY_PARTITION_LOCK};
 use super::rows::{DecodedEvent, TERM, decode_event, fetch_was_cut, row_identity};
 use super::statement::{self, Session, StatementError, StatementKind};
+use super::subscription::Reader;
 use super::wakeup::{HEARTBEAT, NOTIFICATION_QUEUE_USAGE, NOTIFY_LOCK_WAITERS, SET_WAITING, UNREGISTER};
 use crate::error::Error;
 use crate::term::Term;
@@ -186,6 +188,8 @@ pub(crate) struct WorkSession {
     timeout: Duration,
     fetch: Statement,
     next_retry: Statement,
+    /// Whose events it fetches, and whose leader lock it takes.
+    reader: Reader,
 }
 
 impl WorkSession {
@@ -198,19 +202,23 @@ impl WorkSession {
         session: Session,
         timeout: Duration,
         kind: FetchKind,
+        reader: Reader,
         stop: impl Future<Output = ()>,
     ) -> Result<Self, StatementError> {
         let work = async {
             let sizes = PayloadSizes::for_server(super::schema::read_server_version(&client).await?.num);
-            let sql = match kind {
-                FetchKind::Ordered => fetch_sql(false, sizes),
-                FetchKind::Partitioned => fetch_sql(true, sizes),
-                FetchKind::Claim => competing_fetch_sql(sizes),
+            let (sql, next_retry) = match (kind, &reader) {
+                (FetchKind::Ordered, Reader::Default) => (fetch_sql(false, sizes), NEXT_RETRY_IN),
+                (FetchKind::Partitioned, _) => (fetch_sql(true, sizes), NEXT_RETRY_IN),
+                (FetchKind::Claim, _) => (competing_fetch_sql(sizes), NEXT_RETRY_IN),
+                (FetchKind::Ordered, Reader::Subscription(_)) => {
+                    (subscription_fetch_sql(sizes), SUBSCRIPTION_NEXT_RETRY_IN)
+                }
             };
-            Ok((client.prepare(&sql).await?, client.prepare(NEXT_RETRY_IN).await?))
+            Ok((client.prepare(&sql).await?, client.prepare(next_retry).await?))
         };
         let (fetch, next_retry) = statement::run(StatementKind::SessionSetup, &session, timeout, stop, work).await?;
-        Ok(WorkSession { client, session, timeout, fetch, next_retry })
+        Ok(WorkSession { client, session, timeout, fetch, next_retry, reader })
     }
 
     /// The session's cancel requests and statements in flight.
@@ -244,6 +252,10 @@ impl WorkSession {
         let client = &self.client;
         let fetch = async {
             match p.scope {
+                FetchScope::All if let Some(name) = self.reader.subscription() => {
+                    let params: [&(dyn ToSql + Sync); 4] = [&exclude, &batch, &budget, &name];
+                    decode_stream(client.query_raw(&self.fetch, params).await?, budget, false).await
+                }
                 FetchScope::All => {
                     let params: Vec<&(dyn ToSql + Sync)> =
                         [&exclude as &(dyn ToSql + Sync), &batch, &budget].into_iter().chain(f.sql_params()).collect();
@@ -278,7 +290,9 @@ impl WorkSession {
     /// by the database's clock; `None` when none waits.
     pub(crate) async fn next_retry_in(&self, stop: impl Future<Output = ()>) -> Result<Option<f64>, StatementError> {
         let kind = StatementKind::NextRetryRead;
-        let row = self.run(kind, stop, self.client.query_one(&self.next_retry, &[])).await?;
+        let name = self.reader.subscription();
+        let params: Vec<&(dyn ToSql + Sync)> = name.iter().map(|n| n as &(dyn ToSql + Sync)).collect();
+        let row = self.run(kind, stop, self.client.query_one(&self.next_retry, &params)).await?;
         row.try_get::<_, Option<f64>>("retry_in").map_err(|e| StatementError::db(kind, e))
     }
 
@@ -419,7 +433,8 @@ impl WorkSession {
         stop: impl Future<Output = ()>,
     ) -> Result<Option<Holder>, StatementError> {
         let kind = StatementKind::Lock;
-        let params: [&(dyn ToSql + Sync); 2] = [&LEADER_KEY, &threshold_secs];
+        let key = self.reader.leader_key();
+        let params: [&(dyn ToSql + Sync); 2] = [&key, &threshold_secs];
         let row = self.run(kind, stop, self.client.query_opt(LEADER_HOLDER, &params)).await?;
         row.as_ref().map(holder_from_row).transpose().map_err(|e| StatementError::db(kind, e))
     }
@@ -435,7 +450,8 @@ impl WorkSession {
     ) -> Result<bool, StatementError> {
         let kind = StatementKind::Lock;
         let (pid, start) = (holder.id.pid, holder.id.backend_start);
-        let params: [&(dyn ToSql + Sync); 4] = [&LEADER_KEY, &threshold_secs, &pid, &start];
+        let key = self.reader.leader_key();
+        let params: [&(dyn ToSql + Sync); 4] = [&key, &threshold_secs, &pid, &start];
         let row = self.run(kind, stop, self.client.query_opt(TERMINATE_STRANDED, &params)).await?;
         Ok(row.and_then(|r| r.try_get::<_, bool>("ended").ok()).unwrap_or(false))
     }
@@ -460,6 +476,19 @@ impl WorkSession {
     /// The backlog gauges ([`Gauges`]).
     pub(crate) async fn gauges(&self, stop: impl Future<Output = ()>) -> Result<Gauges, StatementError> {
         use super::backlog::Class;
+        if let Some(name) = self.reader.subscription() {
+            let (kind, cap) = (StatementKind::Gauges, super::STATUS_EXACT_ROWS);
+            let params: [&(dyn ToSql + Sync); 2] = [&name, &cap];
+            let row = self.run(kind, stop, self.client.query_one(super::subscription::GAUGES, &params)).await?;
+            let count = |c: &str| row.try_get::<_, i64>(c).map_err(|e| StatementError::db(kind, e));
+            let (fresh, waiting, dead) = (count("fresh")?, count("waiting")?, count("dead")?);
+            return Ok(Gauges {
+                pending: fresh + waiting,
+                dead,
+                oldest_age_secs: row.try_get::<_, Option<f64>>("oldest_age").ok().flatten().unwrap_or(0.0),
+                estimated: fresh > cap || waiting > cap || dead > cap,
+            });
+        }
         let b = self.run(StatementKind::Gauges, stop, super::backlog::read(&*self.client)).await?;
         Ok(Gauges {
             pending: b.total(Class::Fresh) + b.total(Class::Due) + b.total(Class::Waiting),
@@ -469,10 +498,12 @@ impl WorkSession {
         })
     }
 
-    /// Try the outbox's leader lock ([`TRY_LEADER_LOCK`]): held by this
+    /// Try single mode's leader lock of its reader ([`TRY_LEADER_LOCK`],
+    /// [`Reader::leader_key`]): held by this
     /// session from now on when `true`.
     pub(crate) async fn try_leader_lock(&self, stop: impl Future<Output = ()>) -> Result<bool, StatementError> {
-        let row = self.run(StatementKind::Lock, stop, self.client.query_one(TRY_LEADER_LOCK, &[&LEADER_KEY])).await?;
+        let key = self.reader.leader_key();
+        let row = self.run(StatementKind::Lock, stop, self.client.query_one(TRY_LEADER_LOCK, &[&key])).await?;
         Ok(row.try_get::<_, bool>(0).unwrap_or(false))
     }
 

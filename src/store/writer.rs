@@ -12,8 +12,9 @@ use std::time::Duration;
 use tokio_postgres::types::ToSql;
 use tokio_postgres::{Client, Row, Statement};
 
-use super::settle::{ACK, FAIL, Fence, fail_details};
+use super::settle::{ACK, FAIL, Fence, SUBSCRIPTION_ACK, SUBSCRIPTION_FAIL, fail_details};
 use super::statement::{self, Session, StatementError, StatementKind};
+use super::subscription::Reader;
 
 /// A failed attempt to record ([`FAIL`]).
 #[derive(Debug, Clone, Copy)]
@@ -67,19 +68,29 @@ pub(crate) struct WriterSession {
     timeout: Duration,
     ack: Statement,
     fail: Statement,
+    /// Whose events it settles: the default subscription's statements
+    /// ([`ACK`], [`FAIL`]) or a named one's ([`SUBSCRIPTION_ACK`],
+    /// [`SUBSCRIPTION_FAIL`]).
+    reader: Reader,
 }
 
 impl WriterSession {
-    /// Prepare `client`'s statements until `stop` resolves.
+    /// Prepare `client`'s statements for `reader`'s settlements until
+    /// `stop` resolves.
     pub(crate) async fn prepare(
         client: Arc<Client>,
         session: Session,
         timeout: Duration,
+        reader: Reader,
         stop: impl Future<Output = ()>,
     ) -> Result<Self, StatementError> {
-        let write = async { Ok((client.prepare(ACK).await?, client.prepare(FAIL).await?)) };
+        let (ack_sql, fail_sql) = match reader {
+            Reader::Default => (ACK, FAIL),
+            Reader::Subscription(_) => (SUBSCRIPTION_ACK, SUBSCRIPTION_FAIL),
+        };
+        let write = async { Ok((client.prepare(ack_sql).await?, client.prepare(fail_sql).await?)) };
         let (ack, fail) = statement::run(StatementKind::SessionSetup, &session, timeout, stop, write).await?;
-        Ok(WriterSession { client, session, timeout, ack, fail })
+        Ok(WriterSession { client, session, timeout, ack, fail, reader })
     }
 
     /// The session's cancel requests and statements in flight.
@@ -94,7 +105,11 @@ impl WriterSession {
             return Ok(Acknowledged::default());
         }
         let fence = fence.map(Fence::to_json);
-        let params: [&(dyn ToSql + Sync); 2] = [&ids, &fence];
+        let name = self.reader.subscription();
+        let params: Vec<&(dyn ToSql + Sync)> = match &name {
+            None => vec![&ids, &fence],
+            Some(name) => vec![&ids, &fence, name],
+        };
         let acked = self.client.query(&self.ack, &params);
         let rows = statement::run_to_end(StatementKind::AckWrite, &self.session, self.timeout, acked).await?;
         let lags_secs: Vec<f64> = rows.iter().filter_map(lag).collect();
@@ -117,7 +132,11 @@ impl WriterSession {
         let ids: Vec<i64> = fails.iter().map(|f| f.id).collect();
         let details = fail_details(fails.iter().map(|f| (f.id, f.error, f.delay.as_secs_f64(), f.retry_count)));
         let fence = fence.map(Fence::to_json);
-        let params: [&(dyn ToSql + Sync); 4] = [&ids, &details, &max_retries, &fence];
+        let name = self.reader.subscription();
+        let params: Vec<&(dyn ToSql + Sync)> = match &name {
+            None => vec![&ids, &details, &max_retries, &fence],
+            Some(name) => vec![&details, &max_retries, &fence, name],
+        };
         let failed = self.client.query(&self.fail, &params);
         let rows = statement::run_to_end(StatementKind::FailWrite, &self.session, self.timeout, failed).await?;
         Ok(FailsWritten { fenced: !rows.iter().all(current), rows: rows.iter().filter_map(fail_written).collect() })

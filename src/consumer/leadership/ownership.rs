@@ -32,7 +32,7 @@ use crate::consumer::cx::{Cx, jittered};
 use crate::consumer::health::Role;
 use crate::consumer::{ConsumerConfig, Mode};
 use crate::metrics as m;
-use crate::store::leader::{OUTBOX_SCOPE, TermTaken, partition_scope};
+use crate::store::leader::{TermTaken, partition_scope};
 use crate::store::statement::StatementError;
 use crate::store::{Fence, FetchPage, FetchScope};
 use crate::term::Term;
@@ -70,6 +70,10 @@ pub(in crate::consumer) struct Partitions {
 #[derive(Debug)]
 pub(in crate::consumer) enum Ownership {
     Single {
+        /// The scope of its term in `events.outbox_terms`: `outbox`, or a
+        /// named subscription's `subscription:NAME`
+        /// ([`crate::store::subscription::Reader::leader_scope`]).
+        scope: String,
         leader: bool,
         /// The leadership term taken with the lock (`events.outbox_terms`).
         term: Option<Term>,
@@ -95,6 +99,7 @@ impl Ownership {
         match cfg.mode {
             Mode::Partitioned { partitions } => Ownership::Partitioned(Partitions { partitions, ..Default::default() }),
             _ => Ownership::Single {
+                scope: cfg.reader.leader_scope(),
                 leader: false,
                 term: None,
                 last_term: None,
@@ -155,8 +160,8 @@ impl Ownership {
     /// (the hand-out lease ran out while deliveries wait).
     pub(in crate::consumer) async fn confirm_terms(&self, cx: Cx<'_>) -> Result<TermCheck, StatementError> {
         match self {
-            Ownership::Single { leader: true, term: Some(held), .. } => {
-                let current = cx.work.current_term(OUTBOX_SCOPE, cx.stop()).await?;
+            Ownership::Single { leader: true, term: Some(held), scope, .. } => {
+                let current = cx.work.current_term(scope, cx.stop()).await?;
                 Ok(if current == Some(*held) {
                     TermCheck::Confirmed
                 } else {
@@ -185,7 +190,7 @@ impl Ownership {
     /// `None`: nothing to fence (no term was ever taken).
     pub(in crate::consumer) fn fence_for(&self, ids: &[i64]) -> Option<Fence> {
         match self {
-            Ownership::Single { last_term, .. } => last_term.map(|t| Fence::of(OUTBOX_SCOPE, t)),
+            Ownership::Single { last_term, scope, .. } => last_term.map(|t| Fence::of(scope, t)),
             Ownership::Partitioned(p) => {
                 let mut fence = Fence::default();
                 for (part, fetched) in ids.iter().filter_map(|id| p.part_of.get(id)) {
@@ -204,10 +209,10 @@ impl Ownership {
     pub(in crate::consumer) fn releasable_terms(&self) -> Vec<(String, Term)> {
         let now = Instant::now();
         match self {
-            Ownership::Single { leader: true, term: Some(term), waits_until, .. }
+            Ownership::Single { leader: true, term: Some(term), waits_until, scope, .. }
                 if waits_until.is_none_or(|t| now >= t) =>
             {
-                vec![(OUTBOX_SCOPE.to_string(), *term)]
+                vec![(scope.clone(), *term)]
             }
             Ownership::Single { .. } => Vec::new(),
             Ownership::Partitioned(p) => p
@@ -413,12 +418,12 @@ impl Ownership {
             // The first heartbeat and the next term, before anything else:
             // standbys and `status` see a live holder from now on, and
             // writes under an older term change nothing.
-            let taken = cx.work.take_term(OUTBOX_SCOPE, cx.stop()).await?;
-            let seen = match self {
-                Ownership::Single { last_term, .. } => *last_term,
-                Ownership::Partitioned(_) => None,
+            let (scope, seen) = match self {
+                Ownership::Single { last_term, scope, .. } => (scope.clone(), *last_term),
+                Ownership::Partitioned(_) => (crate::store::leader::OUTBOX_SCOPE.to_string(), None),
             };
-            let taken = above_seen(cx, OUTBOX_SCOPE, taken, seen).await?;
+            let taken = cx.work.take_term(&scope, cx.stop()).await?;
+            let taken = above_seen(cx, &scope, taken, seen).await?;
             taking_leadership(cx).await?;
             if let Ownership::Single { watch, term, last_term, waits_until, lock_at, .. } = self {
                 watch.reset();

@@ -119,7 +119,7 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 type Committed = HashMap<i64, Instant>;
 
 async fn run_on(opts: &ConnectOptions, args: &DemoArgs) -> Result<(), Error> {
-    let metrics = crate::prometheus::install_metrics()?;
+    let metrics = crate::prometheus::install_metrics("default")?;
     let admin = crate::db::connect_with(opts.clone()).await?;
     let subs = prepare(opts, &admin, args).await?;
     let seen = Arc::new(Mutex::new(Seen::default()));

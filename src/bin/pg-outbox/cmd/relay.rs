@@ -94,6 +94,13 @@ pub(crate) struct RelayArgs {
     /// Once running, the relay always waits out a failover this way.
     #[arg(long)]
     wait_for_primary: bool,
+    /// The subscription to deliver (default: `default`, the seeded flow of
+    /// `published_at` and the retry columns on the row). Another one keeps
+    /// its own progress, retries and dead letters, and its own leader:
+    /// create it first with `pg-outbox subscription create NAME`. Single
+    /// mode only. Its metrics carry the label `subscription="NAME"`.
+    #[arg(long, value_name = "NAME", default_value = "default")]
+    subscription: String,
     /// How several relays share one outbox: `single` (one active, others
     /// hot standbys; keeps order; each leader takes a leadership term that
     /// every message carries, and after a leader that did not stop cleanly
@@ -207,7 +214,7 @@ pub(crate) async fn run(pg: pg_outbox::ConnectOptions, args: RelayArgs) -> Resul
     let metrics_listener = args.metrics_addr.map(|a| health::bind(a, "metrics")).transpose()?;
     let health_addr = args.health_addr.filter(|a| Some(*a) != args.metrics_addr);
     let health_listener = health_addr.map(|a| health::bind(a, "health probes")).transpose()?;
-    let metrics = install_metrics()?;
+    let metrics = install_metrics(&args.subscription)?;
     // Before /metrics is served, so its first scrape shows it.
     guarantee.record();
     let probes = health::Probes::new(sink_name.clone(), args.sink.sink_timeout);
@@ -287,6 +294,7 @@ fn consumer(pg: pg_outbox::ConnectOptions, args: &RelayArgs) -> pg_outbox::Consu
         .stranded_after(args.stranded_after)
         .take_over_stranded(args.take_over_stranded)
         .producers_lock_aggregates(args.producers_lock_aggregates)
+        .subscription(args.subscription.clone())
         .mode(match args.mode {
             ModeArg::Single => pg_outbox::Mode::Single,
             ModeArg::Partitioned => {
@@ -311,10 +319,10 @@ fn log_start(args: &RelayArgs, target: &str, sink_name: &str, guarantee: pg_outb
     };
     match args.metrics_addr {
         Some(a) => {
-            tracing::info!(signal = "started", database = %target, sink = %sink_name, max_buffered_bytes = %bound, metrics = %format!("http://{a}/metrics"), "relay started; {woken_by}")
+            tracing::info!(signal = "started", database = %target, subscription = %args.subscription, sink = %sink_name, max_buffered_bytes = %bound, metrics = %format!("http://{a}/metrics"), "relay started; {woken_by}")
         }
         None => {
-            tracing::info!(signal = "started", database = %target, sink = %sink_name, max_buffered_bytes = %bound, "relay started; {woken_by}")
+            tracing::info!(signal = "started", database = %target, subscription = %args.subscription, sink = %sink_name, max_buffered_bytes = %bound, "relay started; {woken_by}")
         }
     }
     tracing::info!(sink = %sink_name, guarantee = %guarantee, max_in_flight = args.max_in_flight, "sink delivery guarantee: {guarantee}");

@@ -1,0 +1,181 @@
+//! Subscriptions as the consumer reads them (migration 0016,
+//! docs/subscriptions.md): whose events a consumer reads, the default
+//! subscription (the seeded flow: `published_at` and the retry columns on
+//! the row) or a named one (a cursor, the ids settled above it, and a row
+//! per failed event in `events.outbox_subscription_failures`); its
+//! leadership's lock key and term scope; and the checks a named one's
+//! consumer makes before it starts.
+
+use std::sync::Arc;
+
+use tokio_postgres::GenericClient;
+
+use super::locks::LEADER_KEY;
+use crate::error::{Error, Result};
+
+/// Whose events a consumer reads.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub(crate) enum Reader {
+    /// The default subscription: the seeded flow.
+    #[default]
+    Default,
+    /// A named subscription (a row of `events.outbox_subscriptions`).
+    Subscription(Arc<str>),
+}
+
+/// The name of the default subscription, in logs, metrics and `status`.
+pub(crate) const DEFAULT_NAME: &str = "default";
+
+/// The high 16 bits of a subscription's leader lock key: "po", as the
+/// two-int4 classes of `super::locks` (docs/architecture.md, "Advisory
+/// lock keys").
+const SUBSCRIPTION_KEY_PREFIX: i64 = 0x706f << 48;
+
+impl Reader {
+    /// The named subscription, if this is one.
+    pub(crate) fn subscription(&self) -> Option<&str> {
+        match self {
+            Reader::Default => None,
+            Reader::Subscription(name) => Some(name),
+        }
+    }
+
+    /// The bigint key of single mode's leader lock: [`LEADER_KEY`] for the
+    /// default subscription; for a named one "po" in the two high bytes and
+    /// the low 48 bits of the FNV-1a hash (64 bits) of its name, so that
+    /// two subscriptions share a key with odds of about 1 in 2^48.
+    pub(crate) fn leader_key(&self) -> i64 {
+        match self {
+            Reader::Default => LEADER_KEY,
+            Reader::Subscription(name) => SUBSCRIPTION_KEY_PREFIX | (fnv1a(name.as_bytes()) & 0xFFFF_FFFF_FFFF) as i64,
+        }
+    }
+
+    /// The scope of single mode's term in `events.outbox_terms`: `outbox`
+    /// for the default subscription, `subscription:NAME` for a named one.
+    pub(crate) fn leader_scope(&self) -> String {
+        match self {
+            Reader::Default => super::leader::OUTBOX_SCOPE.to_string(),
+            Reader::Subscription(name) => format!("subscription:{name}"),
+        }
+    }
+}
+
+/// FNV-1a, 64 bits (a fixed function: the key must not change between
+/// builds, unlike std's hasher).
+fn fnv1a(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325, |h, b| (h ^ u64::from(*b)).wrapping_mul(0x0100_0000_01b3))
+}
+
+/// Whether `name` is a subscription's name: 1 to 63 characters of `a-z`,
+/// `0-9`, `_`, `.` and `-`, starting with a letter or digit, and not
+/// `default` (the constraint `outbox_subscriptions_name_check` of migration
+/// 0016). `Err` says what is wrong, for a message.
+pub(crate) fn check_name(name: &str) -> std::result::Result<(), String> {
+    let first_ok = name.chars().next().is_some_and(|c| c.is_ascii_lowercase() || c.is_ascii_digit());
+    let rest_ok = name.chars().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || matches!(c, '_' | '.' | '-'));
+    if name == DEFAULT_NAME {
+        Err("`default` is the seeded flow's subscription, not one to name".into())
+    } else if name.is_empty() || name.len() > 63 || !first_ok || !rest_ok {
+        Err(format!(
+            "subscription name {name:?} must be 1 to 63 characters of a-z, 0-9, '_', '.' and '-', starting with a \
+             letter or digit"
+        ))
+    } else {
+        Ok(())
+    }
+}
+
+/// What a named subscription's consumer needs of the database: the
+/// subscription exists, and ids follow transaction ids (the insert trigger
+/// `outbox_order` enabled in its `ids-after-xid` version and the id
+/// sequence with `CACHE 1`): without that rule the cursor could pass an
+/// event whose transaction commits late (docs/subscriptions.md, "Progress").
+const CHECK: &str = "SELECT (SELECT s.state FROM events.outbox_subscriptions s WHERE s.name = $1) AS state, \
+     coalesce((SELECT t.tgenabled IN ('O', 'A') AND strpos(p.prosrc, 'ids-after-xid') > 0 \
+       AND (SELECT q.seqcache FROM pg_sequence q WHERE q.seqrelid = 'events.outbox_id_seq'::regclass) = 1 \
+     FROM pg_trigger t JOIN pg_proc p ON p.oid = t.tgfoid \
+     WHERE t.tgrelid = 'events.outbox'::regclass AND t.tgname = 'outbox_order'), false) AS ids_after_xids";
+
+/// Check that subscription `name` can be read ([`CHECK`]); returns its
+/// state (`active` or `paused`).
+///
+/// # Errors
+/// [`Error::Config`] naming the subscription when it does not exist (and
+/// how to create it), or when ids do not follow transaction ids (and how
+/// to install the trigger); [`Error::NotMigrated`] without migration 0016;
+/// [`Error::Db`] otherwise.
+pub(crate) async fn check<C: GenericClient + Sync>(client: &C, name: &str) -> Result<String> {
+    let row = client.query_one(CHECK, &[&name]).await.map_err(super::map_missing_schema)?;
+    let state: Option<String> = row.try_get("state")?;
+    let Some(state) = state else {
+        return Err(Error::Config(format!(
+            "subscription {name:?} does not exist: create it with `pg-outbox subscription create {name} --from now` \
+             (or `--from earliest` for the retained history)"
+        )));
+    };
+    if !row.try_get::<_, bool>("ids_after_xids")? {
+        return Err(Error::Config(format!(
+            "subscription {name:?} needs ids to follow transaction ids (the insert trigger `outbox_order` enabled, \
+             the id sequence with CACHE 1), or its cursor could pass an event that commits late; run \
+             `pg-outbox migrate --ordering outbox-locked`"
+        )));
+    }
+    Ok(state)
+}
+
+/// The backlog gauges of subscription $1 (`text`), each count read to at
+/// most $2 + 1 rows (`bigint`; more says "at least"): `fresh`, events above
+/// the cursor neither settled nor failed (a walk of the primary key from
+/// the cursor); `waiting`, failure rows that are not dead letters (waiting
+/// for a retry, due, or held back); `dead`, dead letters; and
+/// `oldest_age`, seconds since the oldest of the first fresh event and
+/// the failed events not dead (NULL: none). Index walks from the cursor
+/// and over the subscription's failure rows only, whatever the size of
+/// the table.
+pub(crate) const GAUGES: &str = "WITH s AS MATERIALIZED (SELECT cursor_id, settled FROM events.outbox_subscriptions \
+       WHERE name = $1::text), \
+     fresh AS MATERIALIZED (SELECT o.id, o.occurred_at FROM events.outbox o \
+       WHERE o.id > (SELECT cursor_id FROM s) AND o.id NOT IN (SELECT unnest(settled) FROM s) \
+         AND NOT EXISTS (SELECT 1 FROM events.outbox_subscription_failures f \
+                          WHERE f.subscription = $1::text AND f.id = o.id) \
+       ORDER BY o.id LIMIT $2::int8 + 1) \
+     SELECT (SELECT count(*) FROM fresh) AS fresh, \
+       (SELECT count(*) FROM (SELECT 1 FROM events.outbox_subscription_failures f \
+          WHERE f.subscription = $1::text AND (f.next_retry_at IS NULL OR f.next_retry_at < 'infinity') \
+          LIMIT $2::int8 + 1) w) AS waiting, \
+       (SELECT count(*) FROM (SELECT 1 FROM events.outbox_subscription_failures f \
+          WHERE f.subscription = $1::text AND f.next_retry_at = 'infinity' LIMIT $2::int8 + 1) d) AS dead, \
+       EXTRACT(EPOCH FROM (now() - least( \
+         (SELECT f.occurred_at FROM fresh f ORDER BY f.id LIMIT 1), \
+         (SELECT min(o.occurred_at) FROM (SELECT f.id FROM events.outbox_subscription_failures f \
+            WHERE f.subscription = $1::text AND (f.next_retry_at IS NULL OR f.next_retry_at < 'infinity') \
+            ORDER BY f.id LIMIT 1) f JOIN events.outbox o ON o.id = f.id))))::float8 AS oldest_age";
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_follow_the_tables_constraint() {
+        for ok in ["audit", "a", "billing-v2", "x.y_z", "0day", &"a".repeat(63)] {
+            assert!(check_name(ok).is_ok(), "{ok}");
+        }
+        for bad in ["", "default", "Audit", "-a", "_a", "a b", "a/b", "é", &"a".repeat(64)] {
+            assert!(check_name(bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn leader_keys_are_fixed_per_name_and_apart_from_the_outboxs() {
+        let audit = Reader::Subscription("audit".into());
+        assert_eq!(audit.leader_key(), Reader::Subscription("audit".into()).leader_key());
+        assert_ne!(audit.leader_key(), Reader::Subscription("audit2".into()).leader_key());
+        assert_ne!(audit.leader_key(), LEADER_KEY);
+        assert_eq!(audit.leader_key() >> 48, 0x706f);
+        // FNV-1a of "a", a published test vector: af63dc4c8601ec8c.
+        assert_eq!(fnv1a(b"a"), 0xaf63_dc4c_8601_ec8c);
+        assert_eq!(audit.leader_scope(), "subscription:audit");
+        assert_eq!(Reader::Default.leader_scope(), "outbox");
+    }
+}

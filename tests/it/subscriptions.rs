@@ -1,0 +1,323 @@
+//! Subscriptions, the reading side: a named subscription reads every event
+//! in id order beside the default one, with its own progress (a cursor that
+//! never passes an event whose transaction commits late), its own retries,
+//! hold-back and dead letters, and its own leader and term.
+
+use std::collections::{HashMap, HashSet};
+use std::time::Duration;
+
+use futures::StreamExt;
+use pg_outbox::EventStream;
+use tokio_postgres::Client;
+use uuid::Uuid;
+
+use crate::consumer::{fast_retries, next, start};
+use crate::support::{TestDb, eventually, insert_seed_events};
+
+/// Create subscription `name` reading from the first event on (as
+/// `subscription create NAME --from earliest` on an empty outbox).
+async fn create(c: &Client, name: &str) {
+    c.execute("INSERT INTO events.outbox_subscriptions (name, start_id, cursor_id) VALUES ($1, 0, 0)", &[&name])
+        .await
+        .expect("create subscription");
+}
+
+/// The cursor of subscription `name`, and how many ids it keeps settled
+/// above it.
+async fn cursor(c: &Client, name: &str) -> (i64, i32) {
+    let row = c
+        .query_one("SELECT cursor_id, cardinality(settled) FROM events.outbox_subscriptions WHERE name = $1", &[&name])
+        .await
+        .expect("cursor");
+    (row.get(0), row.get(1))
+}
+
+/// Acknowledge every delivery until `want` distinct ids were seen; returns
+/// the ids in delivery order.
+async fn ack_all(stream: &mut EventStream, want: usize) -> Vec<i64> {
+    let mut seen = Vec::new();
+    let mut distinct = HashSet::new();
+    while distinct.len() < want {
+        let d = next(stream, 20).await;
+        seen.push(d.id);
+        distinct.insert(d.id);
+        d.ack();
+    }
+    seen
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_subscription_reads_every_event_in_order_and_leaves_the_default_unpublished() {
+    let db = TestDb::new("sub_reads").await;
+    let c = db.client().await;
+    create(&c, "audit").await;
+    let (a, b) = (Uuid::new_v4(), Uuid::new_v4());
+    let mut ids = insert_seed_events(&c, a, 30).await;
+    ids.extend(insert_seed_events(&c, b, 30).await);
+    let mut stream = start(&db, |bld| bld.subscription("audit").batch_size(7)).await;
+    let seen = ack_all(&mut stream, ids.len()).await;
+    assert_eq!(seen, ids, "one delivery each, in id order");
+    stream.finish().await.expect("finish");
+    let unpublished: i64 = c
+        .query_one("SELECT count(*) FROM events.outbox WHERE published_at IS NULL AND retry_count = 0", &[])
+        .await
+        .expect("count")
+        .get(0);
+    assert_eq!(unpublished, 60, "the default subscription has read nothing");
+    // The cursor passes everything once a later write's snapshot passed
+    // the checkpoints.
+    c.execute("SELECT events.outbox_subscription_ack('audit', '{}', true)", &[]).await.expect("advance");
+    assert_eq!(cursor(&c, "audit").await, (*ids.last().expect("ids"), 0));
+    let term: String = c
+        .query_one("SELECT string_agg(scope, ',' ORDER BY scope) FROM events.outbox_terms", &[])
+        .await
+        .expect("terms")
+        .get(0);
+    assert_eq!(term, "subscription:audit", "the subscription's own term, not the outbox's");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failure_holds_back_its_aggregate_in_that_subscription_only() {
+    let db = TestDb::new("sub_holdback").await;
+    let c = db.client().await;
+    create(&c, "audit").await;
+    let (a, b) = (Uuid::new_v4(), Uuid::new_v4());
+    let a_ids = insert_seed_events(&c, a, 3).await;
+    let b_ids = insert_seed_events(&c, b, 3).await;
+    let mut audit = start(&db, |bld| bld.subscription("audit").retry_policy(fast_retries(&[1500]))).await;
+    let mut default = start(&db, |bld| bld).await;
+    // The default subscription reads all six, untouched by audit's failure.
+    let seen = ack_all(&mut default, 6).await;
+    assert_eq!(seen.len(), 6);
+    default.finish().await.expect("finish");
+    // Audit fails a's first event: b goes on, a waits for the retry.
+    let mut order = Vec::new();
+    let first = next(&mut audit, 20).await;
+    assert_eq!(first.id, a_ids[0]);
+    first.fail("audit store down");
+    for _ in 0..3 {
+        let d = next(&mut audit, 20).await;
+        order.push(d.id);
+        d.ack();
+    }
+    assert_eq!(order, b_ids, "the other aggregate is not held back");
+    eventually(10, "the failure written", || async {
+        let n: i64 = c
+            .query_one("SELECT count(*) FROM events.outbox_subscription_failures WHERE retry_count = 1", &[])
+            .await
+            .expect("count")
+            .get(0);
+        n == 1
+    })
+    .await;
+    let failure = c
+        .query_one(
+            "SELECT retry_count, last_error FROM events.outbox_subscription_failures \
+             WHERE subscription = 'audit' AND id = $1",
+            &[&a_ids[0]],
+        )
+        .await
+        .expect("failure row");
+    assert_eq!((failure.get::<_, i32>(0), failure.get::<_, String>(1)), (1, "audit store down".into()));
+    let row = c
+        .query_one("SELECT published_at IS NOT NULL, retry_count FROM events.outbox WHERE id = $1", &[&a_ids[0]])
+        .await
+        .expect("row");
+    assert_eq!((row.get::<_, bool>(0), row.get::<_, i32>(1)), (true, 0), "the default's columns are its own");
+    // The retry comes, with its count, then a's later events in order.
+    let d = next(&mut audit, 20).await;
+    assert_eq!((d.id, d.retry_count, d.last_error.as_deref()), (a_ids[0], 1, Some("audit store down")));
+    d.ack();
+    let rest = ack_all(&mut audit, 2).await;
+    assert_eq!(rest, a_ids[1..].to_vec());
+    audit.finish().await.expect("finish");
+    eventually(10, "no failure rows left", || async {
+        let n: i64 =
+            c.query_one("SELECT count(*) FROM events.outbox_subscription_failures", &[]).await.expect("count").get(0);
+        n == 0
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_tenth_failure_is_a_dead_letter_of_that_subscription_and_holds_its_aggregate() {
+    let db = TestDb::new("sub_dead").await;
+    let c = db.client().await;
+    create(&c, "audit").await;
+    let a = Uuid::new_v4();
+    let a_ids = insert_seed_events(&c, a, 2).await;
+    let mut audit = start(&db, |bld| bld.subscription("audit").max_retries(3).retry_policy(fast_retries(&[50]))).await;
+    for attempt in 0..3 {
+        let d = next(&mut audit, 20).await;
+        assert_eq!((d.id, d.retry_count), (a_ids[0], attempt));
+        d.fail(format!("failure {}", attempt + 1));
+    }
+    // Nothing more: the dead letter holds a's second event back.
+    if let Ok(Some(d)) = tokio::time::timeout(Duration::from_millis(1500), audit.next()).await {
+        panic!("unexpected delivery of {}", d.id);
+    }
+    audit.finish().await.expect("finish");
+    let rows = c
+        .query(
+            "SELECT id, retry_count, next_retry_at = 'infinity', next_retry_at IS NULL \
+             FROM events.outbox_subscription_failures WHERE subscription = 'audit' ORDER BY id",
+            &[],
+        )
+        .await
+        .expect("rows");
+    let rows: Vec<(i64, i32, Option<bool>, bool)> =
+        rows.iter().map(|r| (r.get(0), r.get(1), r.get(2), r.get(3))).collect();
+    assert_eq!(rows[0], (a_ids[0], 3, Some(true), false), "a dead letter");
+    if let Some(held) = rows.get(1) {
+        assert_eq!(*held, (a_ids[1], 0, None, true), "held back behind it");
+    }
+    let published: i64 =
+        c.query_one("SELECT count(*) FROM events.outbox WHERE published_at IS NOT NULL", &[]).await.expect("n").get(0);
+    assert_eq!(published, 0, "nothing published for the default subscription");
+}
+
+/// Producers whose transactions draw ids and commit in another order (some
+/// wait before they commit): the subscription's cursor must never pass an
+/// id whose transaction is still open, so every committed event is read.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_cursor_never_passes_an_event_that_commits_late() {
+    let db = TestDb::new("sub_late").await;
+    let c = db.client().await;
+    create(&c, "audit").await;
+    let mut stream =
+        start(&db, |bld| bld.subscription("audit").batch_size(5).sweep_interval(Duration::from_millis(200))).await;
+    let mut producers = Vec::new();
+    for p in 0..6u64 {
+        let mut pc = db.client().await;
+        producers.push(tokio::spawn(async move {
+            let mut committed = Vec::new();
+            for i in 0..25u64 {
+                let tx = pc.transaction().await.expect("tx");
+                let id: i64 = tx
+                    .query_one(
+                        "INSERT INTO events.outbox (aggregate_type, aggregate_id, event_type, payload) \
+                         VALUES ('late', gen_random_uuid(), 'E', '{}') RETURNING id",
+                        &[],
+                    )
+                    .await
+                    .expect("insert")
+                    .get(0);
+                // Every few, hold the transaction open while others commit.
+                if (i + p) % 4 == 0 {
+                    tokio::time::sleep(Duration::from_millis(30 + 20 * p)).await;
+                }
+                if (i + p) % 9 == 0 {
+                    tx.rollback().await.expect("rollback");
+                } else {
+                    tx.commit().await.expect("commit");
+                    committed.push(id);
+                }
+            }
+            committed
+        }));
+    }
+    let mut committed = HashSet::new();
+    for p in producers {
+        committed.extend(p.await.expect("producer"));
+    }
+    let mut seen: HashMap<i64, u32> = HashMap::new();
+    while seen.len() < committed.len() {
+        let d = next(&mut stream, 20).await;
+        *seen.entry(d.id).or_default() += 1;
+        d.ack();
+    }
+    stream.finish().await.expect("finish");
+    assert_eq!(seen.keys().copied().collect::<HashSet<_>>(), committed, "every committed event, nothing else");
+    assert!(seen.values().all(|n| *n == 1), "read once each");
+    c.execute("SELECT events.outbox_subscription_ack('audit', '{}', true)", &[]).await.expect("advance");
+    let top = committed.iter().max().copied().unwrap_or_default();
+    let (cursor_id, settled) = cursor(&c, "audit").await;
+    assert!(cursor_id >= top && settled == 0, "cursor {cursor_id} (settled above: {settled}), last event {top}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn relays_of_two_subscriptions_lead_side_by_side() {
+    let db = TestDb::new("sub_side").await;
+    let c = db.client().await;
+    create(&c, "audit").await;
+    let ids = insert_seed_events(&c, Uuid::new_v4(), 10).await;
+    let mut audit = start(&db, |bld| bld.subscription("audit")).await;
+    let mut default = start(&db, |bld| bld).await;
+    // A second consumer of audit stands by: it gets nothing.
+    let mut standby = start(&db, |bld| bld.subscription("audit")).await;
+    assert_eq!(ack_all(&mut audit, 10).await, ids);
+    assert_eq!(ack_all(&mut default, 10).await, ids);
+    if let Ok(Some(d)) = tokio::time::timeout(Duration::from_millis(800), standby.next()).await {
+        panic!("the standby delivered {}", d.id);
+    }
+    audit.finish().await.expect("finish");
+    // Once the leader stops, the standby takes over audit's later events.
+    let later = insert_seed_events(&c, Uuid::new_v4(), 3).await;
+    assert_eq!(ack_all(&mut standby, 3).await, later);
+    standby.finish().await.expect("finish");
+    default.finish().await.expect("finish");
+    let terms: Vec<(String, i64)> = c
+        .query("SELECT scope, term FROM events.outbox_terms ORDER BY scope", &[])
+        .await
+        .expect("terms")
+        .iter()
+        .map(|r| (r.get(0), r.get(1)))
+        .collect();
+    assert_eq!(terms, vec![("outbox".to_string(), 1), ("subscription:audit".to_string(), 2)]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_missing_subscription_or_a_bad_name_is_refused_by_name() {
+    let db = TestDb::new("sub_refused").await;
+    let e =
+        pg_outbox::Consumer::builder(db.options()).subscription("nope").start().await.expect_err("refused").to_string();
+    assert!(e.contains("subscription \"nope\" does not exist") && e.contains("subscription create nope"), "{e}");
+    let e = pg_outbox::Consumer::builder(db.options())
+        .subscription("Bad Name")
+        .start()
+        .await
+        .expect_err("refused")
+        .to_string();
+    assert!(e.contains("\"Bad Name\"") && e.contains("a-z"), "{e}");
+    let e = pg_outbox::Consumer::builder(db.options())
+        .subscription("audit")
+        .mode(pg_outbox::Mode::Competing)
+        .start()
+        .await
+        .expect_err("refused")
+        .to_string();
+    assert!(e.contains("single mode only"), "{e}");
+}
+
+/// The rule itself, step by step: an event whose transaction is open when
+/// a later one is acknowledged keeps the cursor below it, so it is read
+/// once it commits.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_open_transactions_event_holds_the_cursor_below_it() {
+    let db = TestDb::new("sub_open").await;
+    let c = db.client().await;
+    create(&c, "audit").await;
+    let insert = "INSERT INTO events.outbox (aggregate_type, aggregate_id, event_type, payload) \
+                  VALUES ('open', gen_random_uuid(), 'E', '{}') RETURNING id";
+    let first: i64 = c.query_one(insert, &[]).await.expect("first").get(0);
+    let mut late_session = db.client().await;
+    let late_tx = late_session.transaction().await.expect("tx");
+    let late: i64 = late_tx.query_one(insert, &[]).await.expect("late").get(0);
+    let after: i64 = c.query_one(insert, &[]).await.expect("after").get(0);
+    assert!(first < late && late < after);
+    let ack = "SELECT count(*) FROM events.outbox_subscription_ack('audit', $1, true)";
+    // Acknowledged twice: the second write's snapshot passes the first's
+    // checkpoint (the open transaction still runs, in this database).
+    for _ in 0..2 {
+        c.query_one(ack, &[&vec![first, after]]).await.expect("ack");
+    }
+    let (cursor_id, settled) = cursor(&c, "audit").await;
+    assert!(cursor_id < late, "cursor {cursor_id} passed {late}, whose transaction is open");
+    // Every checkpoint was taken after the open transaction drew its id,
+    // so none is passed: the cursor stays, the two kept settled above it.
+    assert_eq!((cursor_id, settled), (0, 2));
+    late_tx.commit().await.expect("commit");
+    c.query_one(ack, &[&vec![late]]).await.expect("ack late");
+    c.query_one(ack, &[&Vec::<i64>::new()]).await.expect("advance");
+    assert_eq!(cursor(&c, "audit").await, (after, 0));
+}
