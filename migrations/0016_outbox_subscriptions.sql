@@ -11,7 +11,9 @@
 -- * the ids above the cursor already settled (`settled`, sorted): only
 --   the few acknowledged ahead of an event still in flight;
 -- * checkpoints (`checkpoint_ids`, `checkpoint_xids`): the highest id
---   visible to an acknowledgement and the next transaction id it saw. The
+--   visible to a read the writer makes before each acknowledgement, in a
+--   transaction without an id of its own, and the next transaction id that
+--   read saw (src/store/subscription.rs, CHECKPOINT). The
 --   fetch floor's rule (docs/architecture.md, "The fetch floor"): the
 --   insert trigger takes a transaction's id before it draws an event's id,
 --   so once a snapshot's xmin has passed a checkpoint's transaction id, no
@@ -68,24 +70,22 @@ CREATE INDEX IF NOT EXISTS outbox_subscription_failures_due_idx
     WHERE next_retry_at IS NOT NULL;
 
 -- Move subscription `p_name`'s cursor as far as its settled ids, its
--- failures and its checkpoints allow, and record a new checkpoint. Called
--- by the functions below with the subscription's row locked.
-CREATE OR REPLACE FUNCTION events.outbox_subscription_advance(p_name text)
+-- failures and its checkpoints allow, and record the checkpoint (`p_top`,
+-- `p_next`): the highest id and the next transaction id one snapshot saw,
+-- read where ids follow transaction ids (NULL `p_top`: none). Called by
+-- the functions below with the subscription's row locked.
+CREATE OR REPLACE FUNCTION events.outbox_subscription_advance(p_name text, p_top bigint, p_next bigint)
 RETURNS void
 LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
 DECLARE
     s events.outbox_subscriptions;
     v_xmin bigint := pg_snapshot_xmin(pg_current_snapshot())::text::int8;
-    v_xmax bigint := pg_snapshot_xmax(pg_current_snapshot())::text::int8;
-    v_next bigint;
     v_limit bigint;
     v_cursor bigint;
     v_ids bigint[] := '{}';
     v_xids bigint[] := '{}';
     v_i integer := 1;
     v_any_failed boolean;
-    v_ordered boolean;
-    v_top bigint;
     v_running bigint;
     r record;
 BEGIN
@@ -117,31 +117,17 @@ BEGIN
             v_xids := v_xids || r.xid;
         END IF;
     END LOOP;
-    -- A new checkpoint, where ids follow transaction ids (the insert
-    -- trigger `outbox_order` enabled in a version that takes the
-    -- transaction's id first, and the sequence handing out one value at a
-    -- time: src/store/fetch.rs, IDS_AFTER_XIDS). Elsewhere the cursor
-    -- stays where it is: it never passes an event that may commit late.
-    v_ordered := coalesce((SELECT t.tgenabled IN ('O', 'A') AND strpos(p.prosrc, 'ids-after-xid') > 0
-                              AND (SELECT q.seqcache FROM pg_sequence q
-                                    WHERE q.seqrelid = 'events.outbox_id_seq'::regclass) = 1
-                           FROM pg_trigger t JOIN pg_proc p ON p.oid = t.tgfoid
-                           WHERE t.tgrelid = 'events.outbox'::regclass AND t.tgname = 'outbox_order'), false);
-    IF v_ordered THEN
-        v_top := (SELECT o.id FROM events.outbox o ORDER BY o.id DESC LIMIT 1);
-        v_next := v_xmax + age(((v_xmax % 4294967296)::text)::xid);
-        IF v_top IS NOT NULL AND v_top > greatest(v_limit, v_ids[cardinality(v_ids)]) THEN
-            IF cardinality(v_ids) >= 32 THEN
-                -- The newest moves furthest once passed: it replaces the
-                -- newest kept.
-                v_ids[32] := v_top;
-                v_xids[32] := v_next;
-                v_ids := v_ids[1:32];
-                v_xids := v_xids[1:32];
-            ELSE
-                v_ids := v_ids || v_top;
-                v_xids := v_xids || v_next;
-            END IF;
+    -- The new checkpoint (the newest replaces the newest kept when 32
+    -- wait: it moves the cursor furthest once passed).
+    IF p_top IS NOT NULL AND p_top > greatest(v_limit, v_ids[cardinality(v_ids)]) THEN
+        IF cardinality(v_ids) >= 32 THEN
+            v_ids[32] := p_top;
+            v_xids[32] := p_next;
+            v_ids := v_ids[1:32];
+            v_xids := v_xids[1:32];
+        ELSE
+            v_ids := v_ids || p_top;
+            v_xids := v_xids || p_next;
         END IF;
     END IF;
     -- Walk the events above the cursor up to the limit, in id order: a
@@ -186,26 +172,25 @@ BEGIN
 END
 $$;
 
--- The first held event of each aggregate (`p_types[i]`, `p_ids[i]`), when
--- nothing failed is left before it, is due now: the failed event it waited
--- for was settled.
+-- The held events of each aggregate (`p_types[i]`, `p_ids[i]`) are due
+-- now: an event they waited for was settled. The fetch lets through those
+-- with no failed event (retry_count > 0) before them, in id order.
 CREATE OR REPLACE FUNCTION events.outbox_subscription_release_held(p_name text, p_types text[], p_ids uuid[])
 RETURNS void
 LANGUAGE sql SET search_path = pg_catalog, pg_temp AS $$
     UPDATE events.outbox_subscription_failures h SET next_retry_at = now()
-      FROM unnest(p_types, p_ids) a(aggregate_type, aggregate_id)
+      FROM (SELECT DISTINCT * FROM unnest(p_types, p_ids)) a(aggregate_type, aggregate_id)
      WHERE h.subscription = p_name AND h.aggregate_type = a.aggregate_type AND h.aggregate_id = a.aggregate_id
-       AND h.next_retry_at IS NULL
-       AND h.id = (SELECT f.id FROM events.outbox_subscription_failures f
-                    WHERE f.subscription = p_name AND f.aggregate_type = a.aggregate_type
-                      AND f.aggregate_id = a.aggregate_id ORDER BY f.id LIMIT 1);
+       AND h.next_retry_at IS NULL;
 $$;
 
 -- Acknowledge events `p_ids` for subscription `p_name`, when `p_current`
--- (the writer's leadership term is current: the caller's fence). Returns,
+-- (the writer's leadership term is current: the caller's fence), and
+-- record the checkpoint (`p_top`, `p_next`: see the advance above). Returns,
 -- per event settled now (not before), seconds from `occurred_at` to now.
 -- Fails with SQLSTATE P0002 when the subscription does not exist.
-CREATE OR REPLACE FUNCTION events.outbox_subscription_ack(p_name text, p_ids bigint[], p_current boolean)
+CREATE OR REPLACE FUNCTION events.outbox_subscription_ack(p_name text, p_ids bigint[], p_current boolean,
+                                                          p_top bigint, p_next bigint)
 RETURNS TABLE (lag float8)
 LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
 DECLARE
@@ -241,7 +226,7 @@ BEGIN
     UPDATE events.outbox_subscriptions
        SET settled = ARRAY(SELECT DISTINCT x FROM unnest(s.settled || p_ids) x WHERE x > s.cursor_id ORDER BY x)
      WHERE name = p_name;
-    PERFORM events.outbox_subscription_advance(p_name);
+    PERFORM events.outbox_subscription_advance(p_name, p_top, p_next);
 END
 $$;
 
@@ -254,7 +239,7 @@ $$;
 -- to `p_max` makes a dead letter (`next_retry_at` 'infinity'). Returns per
 -- row changed `id`, `dead`, and `retry_in` (seconds, NULL for a dead letter).
 CREATE OR REPLACE FUNCTION events.outbox_subscription_fail(p_name text, p_details jsonb, p_max integer,
-                                                           p_current boolean)
+                                                           p_current boolean, p_top bigint, p_next bigint)
 RETURNS TABLE (id bigint, dead boolean, retry_in float8)
 LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
 #variable_conflict use_column
@@ -287,6 +272,6 @@ BEGIN
       FROM w
       JOIN d ON d.id = w.id
      WHERE w.retry_count = d.seen + 1;
-    PERFORM events.outbox_subscription_advance(p_name);
+    PERFORM events.outbox_subscription_advance(p_name, p_top, p_next);
 END
 $$;

@@ -126,7 +126,7 @@ impl InFlight {
                 break;
             }
             match row {
-                Ok(DecodedEvent { event, payload_bytes: bytes, partition, term }) => {
+                Ok(DecodedEvent { event, payload_bytes: bytes, partition, term, .. }) => {
                     self.held_bytes += bytes;
                     if let Some(old) = self.outstanding.insert(event.id, Out { seq: self.seq, bytes }) {
                         // Not expected (a fetch excludes the ids handed out);

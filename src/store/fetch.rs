@@ -165,7 +165,7 @@ const SNAPSHOT_XMIN: &str = "pg_snapshot_xmin(pg_current_snapshot())::text::int8
 /// `age(xid)`: `GetStableLatestTransactionId`). No id is assigned to the
 /// fetch. A special xid makes `age` return 2^31 - 1: the floor then waits
 /// (it never moves early).
-const NEXT_XID: &str = "(pg_snapshot_xmax(pg_current_snapshot())::text::int8 \
+pub(super) const NEXT_XID: &str = "(pg_snapshot_xmax(pg_current_snapshot())::text::int8 \
      + age(((pg_snapshot_xmax(pg_current_snapshot())::text::int8 % 4294967296)::text)::xid))";
 
 /// Whether ids follow transaction ids on this outbox now: the insert
@@ -175,7 +175,7 @@ const NEXT_XID: &str = "(pg_snapshot_xmax(pg_current_snapshot())::text::int8 \
 /// triggers/outbox_insert_order_and_notify.sql), and the id sequence hands
 /// out one value at a time (`CACHE 1`, so ids rise in the order they are
 /// drawn across sessions). Catalog lookups: a few buffers per fetch.
-const IDS_AFTER_XIDS: &str = "coalesce((SELECT t.tgenabled IN ('O', 'A') AND strpos(p.prosrc, 'ids-after-xid') > 0 \
+pub(super) const IDS_AFTER_XIDS: &str = "coalesce((SELECT t.tgenabled IN ('O', 'A') AND strpos(p.prosrc, 'ids-after-xid') > 0 \
        AND (SELECT s.seqcache FROM pg_sequence s WHERE s.seqrelid = 'events.outbox_id_seq'::regclass) = 1 \
      FROM pg_trigger t JOIN pg_proc p ON p.oid = t.tgfoid \
      WHERE t.tgrelid = 'events.outbox'::regclass AND t.tgname = 'outbox_order'), false)";
@@ -441,16 +441,20 @@ macro_rules! subscription_held_by {
 /// it (its own included: a failed event is not fresh); and failure rows
 /// whose retry is due, by `outbox_subscription_failures_due_idx` (dead
 /// letters, at 'infinity', and held events, NULL, are outside its range),
-/// each let through only when nothing of its aggregate failed before it.
+/// each let through only when its aggregate has no failure row before it
+/// (so one event per aggregate, the earliest: due rows of one aggregate may
+/// share a `next_retry_at`, and a walk cut at $2 rows would otherwise pick
+/// a later one alone). Rows of the second walk say so in column
+/// `failure_row`: settling one wakes the next fetch.
 /// Nothing while the subscription is paused, or when it does not exist.
 /// `retry_count` and `last_error` are the subscription's (its failure
 /// row's), and every row carries the subscription's current term as
 /// `term`.
 pub(crate) fn subscription_fetch_sql(sizes: PayloadSizes) -> String {
     let fresh_cols = "o.id, o.aggregate_type, o.aggregate_id, o.event_type, o.payload, o.occurred_at, \
-         0 AS retry_count, NULL::text AS last_error";
+         0 AS retry_count, NULL::text AS last_error, false AS failure_row";
     let failed_cols = "o.id, o.aggregate_type, o.aggregate_id, o.event_type, o.payload, o.occurred_at, \
-         f.retry_count, f.last_error";
+         f.retry_count, f.last_error, true AS failure_row";
     let candidates = format!(
         "SELECT o.* FROM ( \
            (SELECT {fresh_cols} FROM events.outbox o \
@@ -468,7 +472,7 @@ pub(crate) fn subscription_fetch_sql(sizes: PayloadSizes) -> String {
         held = subscription_held_by!("<="),
         held_before = subscription_held_by!("<"),
     );
-    let cols = format!("{EVENT_COLUMNS}, {CURRENT_SUBSCRIPTION_TERM} AS {TERM}");
+    let cols = format!("{EVENT_COLUMNS}, failure_row, {CURRENT_SUBSCRIPTION_TERM} AS {TERM}");
     format!(
         "WITH sub AS MATERIALIZED (SELECT s.cursor_id, s.settled, s.state = 'active' AS active, \
            EXISTS (SELECT 1 FROM events.outbox_subscription_failures f WHERE f.subscription = s.name) AS any_failed \

@@ -87,6 +87,11 @@ pub(crate) struct DecodedEvent {
     /// mode: the outbox's; partitioned mode: its partition's; `None` in
     /// competing mode).
     pub(crate) term: Option<crate::term::Term>,
+    /// Read from a named subscription's failure rows (a retry, or an event
+    /// held back behind one, column `failure_row` of
+    /// [`super::fetch::subscription_fetch_sql`]): settling it can free the
+    /// events of its aggregate after it.
+    pub(crate) failure_row: bool,
 }
 
 /// [`event_from_row`] and the rest of [`DecodedEvent`]; the partition when
@@ -97,6 +102,7 @@ pub(crate) fn decode_event(row: &Row, partitioned: bool) -> Result<DecodedEvent>
         payload_bytes: payload_bytes(row).unwrap_or(0),
         partition: if partitioned { row_partition(row) } else { None },
         term: row.try_get::<_, Option<i64>>(TERM).ok().flatten().and_then(crate::term::Term::from_db),
+        failure_row: row.try_get::<_, Option<bool>>("failure_row").ok().flatten().unwrap_or(false),
     })
 }
 

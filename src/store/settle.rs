@@ -128,25 +128,28 @@ pub(crate) fn fail_details<'a>(fails: impl Iterator<Item = (i64, &'a str, f64, i
 /// $1 for subscription $3 (`text`) if the terms $2 are current
 /// ([`fence!`]), through `events.outbox_subscription_ack` (migration 0016),
 /// which records them above the cursor (or deletes their failure rows, and
-/// makes the next held event of each such aggregate due) and moves the
-/// cursor. The same rows as [`ACK`]: `current`, and `lag` per event
+/// makes the held events of each such aggregate due) and moves the cursor,
+/// with the checkpoint $4, $5 ([`super::subscription::checkpoint_sql`], read
+/// just before). The same rows as [`ACK`]: `current`, and `lag` per event
 /// settled now. Fails with SQLSTATE P0002 when the subscription is gone.
 pub(crate) const SUBSCRIPTION_ACK: &str = concat!(
     "WITH ",
     fence!("$2"),
     " SELECT f.current, a.lag FROM fence f \
-       LEFT JOIN events.outbox_subscription_ack($3::text, $1::bigint[], (SELECT current FROM fence)) a ON true"
+       LEFT JOIN events.outbox_subscription_ack($3::text, $1::bigint[], (SELECT current FROM fence), \
+         $4::int8, $5::int8) a ON true"
 );
 
 /// [`FAIL`] for a named subscription: record the failures $1 (the details
 /// of [`fail_details`]) for subscription $4 (`text`) with the dead-letter
 /// threshold $2, if the terms $3 are current, through
-/// `events.outbox_subscription_fail` (migration 0016), in its failure rows.
+/// `events.outbox_subscription_fail` (migration 0016), in its failure rows,
+/// with the checkpoint $5, $6 as [`SUBSCRIPTION_ACK`].
 /// The same rows as [`FAIL`].
 pub(crate) const SUBSCRIPTION_FAIL: &str = concat!(
     "WITH ",
     fence!("$3"),
     " SELECT f.current, u.id, u.dead, u.retry_in FROM fence f \
-       LEFT JOIN events.outbox_subscription_fail($4::text, $1::jsonb, $2::int4, (SELECT current FROM fence)) u \
-       ON true"
+       LEFT JOIN events.outbox_subscription_fail($4::text, $1::jsonb, $2::int4, (SELECT current FROM fence), \
+         $5::int8, $6::int8) u ON true"
 );

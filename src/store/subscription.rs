@@ -86,6 +86,23 @@ pub(crate) fn check_name(name: &str) -> std::result::Result<(), String> {
     }
 }
 
+/// A checkpoint for a named subscription's cursor (migration 0016): the
+/// highest id in `events.outbox` and the next transaction id, from one
+/// snapshot, read in a transaction of its own that has no transaction id
+/// (so the next id is the server's, not the reader's own: `age()` counts
+/// from a transaction's own id once it has one), and NULLs where ids do not
+/// follow transaction ids. Once no transaction below that next id runs in
+/// this database, no event at or below that id can still commit. One row:
+/// `top`, `next_xid`.
+pub(crate) fn checkpoint_sql() -> String {
+    format!(
+        "SELECT CASE WHEN {} THEN (SELECT o.id FROM events.outbox o ORDER BY o.id DESC LIMIT 1) END AS top, \
+         {} AS next_xid",
+        super::fetch::IDS_AFTER_XIDS,
+        super::fetch::NEXT_XID
+    )
+}
+
 /// What a named subscription's consumer needs of the database: the
 /// subscription exists, and ids follow transaction ids (the insert trigger
 /// `outbox_order` enabled in its `ids-after-xid` version and the id

@@ -68,6 +68,9 @@ pub(crate) struct WriterSession {
     timeout: Duration,
     ack: Statement,
     fail: Statement,
+    /// A named subscription's checkpoint read, run before each of its
+    /// writes ([`super::subscription::checkpoint_sql`]).
+    checkpoint: Option<Statement>,
     /// Whose events it settles: the default subscription's statements
     /// ([`ACK`], [`FAIL`]) or a named one's ([`SUBSCRIPTION_ACK`],
     /// [`SUBSCRIPTION_FAIL`]).
@@ -88,9 +91,25 @@ impl WriterSession {
             Reader::Default => (ACK, FAIL),
             Reader::Subscription(_) => (SUBSCRIPTION_ACK, SUBSCRIPTION_FAIL),
         };
-        let write = async { Ok((client.prepare(ack_sql).await?, client.prepare(fail_sql).await?)) };
-        let (ack, fail) = statement::run(StatementKind::SessionSetup, &session, timeout, stop, write).await?;
-        Ok(WriterSession { client, session, timeout, ack, fail, reader })
+        let write = async {
+            let checkpoint = match reader {
+                Reader::Default => None,
+                Reader::Subscription(_) => Some(client.prepare(&super::subscription::checkpoint_sql()).await?),
+            };
+            Ok((client.prepare(ack_sql).await?, client.prepare(fail_sql).await?, checkpoint))
+        };
+        let (ack, fail, checkpoint) =
+            statement::run(StatementKind::SessionSetup, &session, timeout, stop, write).await?;
+        Ok(WriterSession { client, session, timeout, ack, fail, checkpoint, reader })
+    }
+
+    /// A named subscription's checkpoint, read in a statement of its own
+    /// before its write (`(None, None)` for the default subscription).
+    async fn checkpoint(&self, kind: StatementKind) -> Result<(Option<i64>, Option<i64>), StatementError> {
+        let Some(read) = &self.checkpoint else { return Ok((None, None)) };
+        let row = statement::run_to_end(kind, &self.session, self.timeout, self.client.query_one(read, &[])).await?;
+        let int = |c: &str| row.try_get::<_, Option<i64>>(c).map_err(|e| StatementError::db(kind, e));
+        Ok((int("top")?, int("next_xid")?))
     }
 
     /// The session's cancel requests and statements in flight.
@@ -106,9 +125,10 @@ impl WriterSession {
         }
         let fence = fence.map(Fence::to_json);
         let name = self.reader.subscription();
+        let (top, next) = self.checkpoint(StatementKind::AckWrite).await?;
         let params: Vec<&(dyn ToSql + Sync)> = match &name {
             None => vec![&ids, &fence],
-            Some(name) => vec![&ids, &fence, name],
+            Some(name) => vec![&ids, &fence, name, &top, &next],
         };
         let acked = self.client.query(&self.ack, &params);
         let rows = statement::run_to_end(StatementKind::AckWrite, &self.session, self.timeout, acked).await?;
@@ -133,9 +153,10 @@ impl WriterSession {
         let details = fail_details(fails.iter().map(|f| (f.id, f.error, f.delay.as_secs_f64(), f.retry_count)));
         let fence = fence.map(Fence::to_json);
         let name = self.reader.subscription();
+        let (top, next) = self.checkpoint(StatementKind::FailWrite).await?;
         let params: Vec<&(dyn ToSql + Sync)> = match &name {
             None => vec![&ids, &details, &max_retries, &fence],
-            Some(name) => vec![&details, &max_retries, &fence, name],
+            Some(name) => vec![&details, &max_retries, &fence, name, &top, &next],
         };
         let failed = self.client.query(&self.fail, &params);
         let rows = statement::run_to_end(StatementKind::FailWrite, &self.session, self.timeout, failed).await?;

@@ -66,7 +66,7 @@ async fn a_subscription_reads_every_event_in_order_and_leaves_the_default_unpubl
     assert_eq!(unpublished, 60, "the default subscription has read nothing");
     // The cursor passes everything once a later write's snapshot passed
     // the checkpoints.
-    c.execute("SELECT events.outbox_subscription_ack('audit', '{}', true)", &[]).await.expect("advance");
+    c.execute("SELECT events.outbox_subscription_ack('audit', '{}', true, NULL, NULL)", &[]).await.expect("advance");
     assert_eq!(cursor(&c, "audit").await, (*ids.last().expect("ids"), 0));
     let term: String = c
         .query_one("SELECT string_agg(scope, ',' ORDER BY scope) FROM events.outbox_terms", &[])
@@ -229,7 +229,7 @@ async fn the_cursor_never_passes_an_event_that_commits_late() {
     stream.finish().await.expect("finish");
     assert_eq!(seen.keys().copied().collect::<HashSet<_>>(), committed, "every committed event, nothing else");
     assert!(seen.values().all(|n| *n == 1), "read once each");
-    c.execute("SELECT events.outbox_subscription_ack('audit', '{}', true)", &[]).await.expect("advance");
+    c.execute("SELECT events.outbox_subscription_ack('audit', '{}', true, NULL, NULL)", &[]).await.expect("advance");
     let top = committed.iter().max().copied().unwrap_or_default();
     let (cursor_id, settled) = cursor(&c, "audit").await;
     assert!(cursor_id >= top && settled == 0, "cursor {cursor_id} (settled above: {settled}), last event {top}");
@@ -305,11 +305,17 @@ async fn an_open_transactions_event_holds_the_cursor_below_it() {
     let late: i64 = late_tx.query_one(insert, &[]).await.expect("late").get(0);
     let after: i64 = c.query_one(insert, &[]).await.expect("after").get(0);
     assert!(first < late && late < after);
-    let ack = "SELECT count(*) FROM events.outbox_subscription_ack('audit', $1, true)";
+    // As the writer does: the checkpoint read in a statement of its own,
+    // then the acknowledgement.
+    let checkpoint = "SELECT max(id), pg_snapshot_xmax(pg_current_snapshot())::text::int8 \
+         + age(((pg_snapshot_xmax(pg_current_snapshot())::text::int8 % 4294967296)::text)::xid) FROM events.outbox";
+    let ack = "SELECT count(*) FROM events.outbox_subscription_ack('audit', $1, true, $2, $3)";
     // Acknowledged twice: the second write's snapshot passes the first's
     // checkpoint (the open transaction still runs, in this database).
     for _ in 0..2 {
-        c.query_one(ack, &[&vec![first, after]]).await.expect("ack");
+        let cp = c.query_one(checkpoint, &[]).await.expect("checkpoint");
+        let (top, next): (Option<i64>, Option<i64>) = (cp.get(0), cp.get(1));
+        c.query_one(ack, &[&vec![first, after], &top, &next]).await.expect("ack");
     }
     let (cursor_id, settled) = cursor(&c, "audit").await;
     assert!(cursor_id < late, "cursor {cursor_id} passed {late}, whose transaction is open");
@@ -317,7 +323,10 @@ async fn an_open_transactions_event_holds_the_cursor_below_it() {
     // so none is passed: the cursor stays, the two kept settled above it.
     assert_eq!((cursor_id, settled), (0, 2));
     late_tx.commit().await.expect("commit");
-    c.query_one(ack, &[&vec![late]]).await.expect("ack late");
-    c.query_one(ack, &[&Vec::<i64>::new()]).await.expect("advance");
+    for ids in [vec![late], vec![]] {
+        let cp = c.query_one(checkpoint, &[]).await.expect("checkpoint");
+        let (top, next): (Option<i64>, Option<i64>) = (cp.get(0), cp.get(1));
+        c.query_one(ack, &[&ids, &top, &next]).await.expect("ack");
+    }
     assert_eq!(cursor(&c, "audit").await, (after, 0));
 }

@@ -69,7 +69,9 @@ impl Fetch for OrderedFetch {
         let params = FetchParams { exclude: room.exclude, batch: room.batch, budget: room.budget, scope, floor };
         let page = cx.work.fetch(params, cx.stop()).await?;
         self.floor.fetched(page.floor, page.rows.iter().filter_map(row_id).max());
-        self.retries.extend(page.rows.iter().flatten().filter(|r| r.event.retry_count > 0).map(|r| r.event.id));
+        self.retries.extend(
+            page.rows.iter().flatten().filter(|r| r.event.retry_count > 0 || r.failure_row).map(|r| r.event.id),
+        );
         Ok(page)
     }
 

@@ -139,6 +139,8 @@ pub(crate) struct Harness {
     pub(super) args: Vec<String>,
     pub(crate) relays: Vec<RelayProc>,
     pub(super) started: Instant,
+    /// The subscription its relays deliver (`None`: the default one).
+    pub(super) subscription: Option<&'static str>,
 }
 
 impl Harness {
@@ -157,7 +159,17 @@ impl Harness {
             args,
             relays: Vec::new(),
             started: Instant::now(),
+            subscription: None,
         }
+    }
+
+    /// Deliver subscription `name` instead of the default one: its relays
+    /// run with `--subscription name`, and an event counts as published
+    /// once settled for it.
+    pub(crate) fn for_subscription(mut self, name: &'static str) -> Harness {
+        self.args.extend(["--subscription".to_string(), name.to_string()]);
+        self.subscription = Some(name);
+        self
     }
 
     /// Start one more relay; returns its index in `relays`.
@@ -183,12 +195,20 @@ impl Harness {
     pub(crate) async fn finish(&mut self, faults: Faults, ledger: Ledger) -> Report {
         let c = connect(&self.url, "fault-suite checker", Duration::from_secs(60)).await;
         let (committed, rolled_back) = ledger.resolve(&c).await;
-        let drained_in = wait_drained(&c, self.kind, self.seed, &mut self.relays.iter_mut().collect::<Vec<_>>()).await;
+        let relays = &mut self.relays.iter_mut().collect::<Vec<_>>();
+        let drained_in = wait_drained_in(&c, self.subscription, self.kind, self.seed, relays).await;
 
         // The rows first, then the webhook's log: a published row was
         // acknowledged after its 2xx, so its delivery is in the log by now.
         let rows: Vec<(i64, Uuid, bool)> = c
-            .query("SELECT id, aggregate_id, published_at IS NOT NULL FROM events.outbox ORDER BY id", &[])
+            .query(
+                "SELECT o.id, o.aggregate_id, CASE WHEN $1::text IS NULL THEN o.published_at IS NOT NULL \
+                   ELSE (o.id <= s.cursor_id OR o.id = ANY (s.settled)) AND NOT EXISTS ( \
+                     SELECT 1 FROM events.outbox_subscription_failures f \
+                      WHERE f.subscription = s.name AND f.id = o.id) END \
+                 FROM events.outbox o LEFT JOIN events.outbox_subscriptions s ON s.name = $1::text ORDER BY o.id",
+                &[&self.subscription],
+            )
             .await
             .expect("read outbox rows")
             .iter()
@@ -273,6 +293,11 @@ impl Harness {
             report.trace = format!("attempts of aggregate {agg}, in arrival order:\n{}", lines.join("\n"));
         }
         report.lost = committed.keys().filter(|id| !received.contains(id)).count();
+        for id in committed.keys().filter(|id| !received.contains(id)).take(5) {
+            let tried: Vec<String> =
+                attempts.iter().filter(|a| a.id == *id).map(|a| format!("{}@relay{}", a.status, a.relay)).collect();
+            report.examples.push(format!("lost id {id} (attempts: {tried:?})"));
+        }
         report.published_without_delivery =
             rows.iter().filter(|(id, _, published)| *published && !received.contains(id)).count();
         report.rows_not_committed = rows.iter().filter(|(id, _, _)| !committed.contains_key(id)).count();
@@ -351,17 +376,44 @@ pub(crate) fn logs<'a>(relays: impl IntoIterator<Item = &'a RelayProc>) -> Strin
 /// the stuck rows and the relays' logs, on a dead letter, an unexpected
 /// exit of a relay, or after [`DRAIN_LIVENESS`]); returns how long it took.
 pub(crate) async fn wait_drained(c: &Client, kind: &str, seed: u64, relays: &mut [&mut RelayProc]) -> Duration {
+    wait_drained_in(c, None, kind, seed, relays).await
+}
+
+/// [`wait_drained`] for `subscription` (`None`: the default one): a named
+/// one is drained when no event above its cursor is unsettled and no
+/// failure row is left.
+pub(crate) async fn wait_drained_in(
+    c: &Client,
+    subscription: Option<&str>,
+    kind: &str,
+    seed: u64,
+    relays: &mut [&mut RelayProc],
+) -> Duration {
     let load_done = Instant::now();
     let deadline = load_done + DRAIN_LIVENESS;
     loop {
-        let row = c
-            .query_one(
-                "SELECT count(*) FILTER (WHERE published_at IS NULL), \
+        let row = match subscription {
+            None => {
+                c.query_one(
+                    "SELECT count(*) FILTER (WHERE published_at IS NULL), \
                         count(*) FILTER (WHERE next_retry_at = 'infinity') FROM events.outbox",
-                &[],
-            )
-            .await
-            .expect("count unpublished rows");
+                    &[],
+                )
+                .await
+            }
+            Some(name) => {
+                c.query_one(
+                    "SELECT (SELECT count(*) FROM events.outbox o, events.outbox_subscriptions s \
+                          WHERE s.name = $1 AND o.id > s.cursor_id AND NOT o.id = ANY (s.settled)) \
+                      + (SELECT count(*) FROM events.outbox_subscription_failures WHERE subscription = $1), \
+                        (SELECT count(*) FROM events.outbox_subscription_failures \
+                          WHERE subscription = $1 AND next_retry_at = 'infinity')",
+                    &[&name],
+                )
+                .await
+            }
+        };
+        let row = row.expect("count unpublished rows");
         let (unpublished, dead): (i64, i64) = (row.get(0), row.get(1));
         if unpublished == 0 {
             return load_done.elapsed();

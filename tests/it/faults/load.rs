@@ -5,7 +5,7 @@ use super::*;
 // ---------------------------------------------------------------- producers
 
 /// What the producers did, by event id.
-#[derive(Debug, Default)]
+#[derive(Debug, Default, Clone)]
 pub(crate) struct Ledger {
     /// COMMIT acknowledged.
     pub(crate) committed: Vec<(i64, Uuid)>,

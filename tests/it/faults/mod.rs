@@ -83,6 +83,7 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 
 mod harness;
 mod load;
+mod subscriptions;
 mod webhook;
 
 pub(crate) use harness::*;

@@ -1,0 +1,107 @@
+//! The fault suite with two subscriptions on one outbox, each delivered by
+//! its own `pg-outbox relay` to its own webhook: the default subscription,
+//! and `audit`, whose webhook answers HTTP 500 to the first attempt of one
+//! event in ten. Into one producer load go a `kill -9` of each relay
+//! (restarted), a PostgreSQL restart, and a freeze of audit's relay
+//! (SIGSTOP, then SIGCONT). Each subscription is checked as the rest of the
+//! suite checks the default one: 0 lost, 0 order violations, nothing
+//! settled without a 2xx, duplicates within the in-flight window of the
+//! kills.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use rand::rngs::StdRng;
+use rand::{RngExt, SeedableRng};
+
+use pg_outbox_testkit::TempServer;
+use pg_outbox_testkit::process::LIVENESS;
+
+use super::{BATCH, Behavior, Faults, Harness, Load, connect, fault_points, load_spec};
+use crate::support;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_subscriptions_through_kills_a_restart_a_freeze_and_a_failing_sink() {
+    const SEED: u64 = 0xFA17_0050;
+    let mut rng = StdRng::seed_from_u64(SEED);
+    let server = Arc::new(
+        tokio::task::spawn_blocking(TempServer::start)
+            .await
+            .expect("join")
+            .unwrap_or_else(|e| panic!("throwaway PostgreSQL: {}", pg_outbox::error::report(&e))),
+    );
+    let admin = connect(&server.url(), "fault-suite admin", LIVENESS).await;
+    admin.batch_execute("CREATE DATABASE fault_subscriptions").await.expect("create database");
+    drop(admin);
+    let url = server.url_for("fault_subscriptions");
+    let migrate = support::cli(&["migrate"]).url(&url).run().await;
+    assert!(migrate.ok(), "pg-outbox migrate failed: {}", migrate.stderr);
+    let c = connect(&url, "fault-suite setup", LIVENESS).await;
+    c.execute("INSERT INTO events.outbox_subscriptions (name, start_id, cursor_id) VALUES ('audit', 0, 0)", &[])
+        .await
+        .expect("create subscription");
+    drop(c);
+
+    let mut default = Harness::new("subscriptions_default", SEED, url.clone(), Behavior::Ok, &[]).await;
+    let failing = Behavior::FailFirstAttemptOfEvery { every: 10 };
+    let mut audit =
+        Harness::new("subscriptions_audit", SEED, url.clone(), failing, &[]).await.for_subscription("audit");
+    default.start_relay().await;
+    audit.start_relay().await;
+    let load = Load::spawn(load_spec(&url, SEED, &mut rng));
+    let points = fault_points(&mut rng, load.events, 4);
+    let (mut default_kills, mut audit_faults) = (0, 0);
+    for (k, p) in points.into_iter().enumerate() {
+        load.reached(p).await;
+        tokio::time::sleep(Duration::from_millis(rng.random_range(0..30))).await;
+        default.assert_relays_running().await;
+        audit.assert_relays_running().await;
+        match k {
+            0 | 1 => {
+                let h = if k == 0 { &mut default } else { &mut audit };
+                let i = h.relays.iter().position(|r| r.alive).expect("a relay runs");
+                h.relays[i].kill9().await;
+                tokio::time::sleep(Duration::from_millis(rng.random_range(0..200))).await;
+                h.start_relay().await;
+                if k == 0 { default_kills += 1 } else { audit_faults += 1 }
+            }
+            2 => {
+                let s = server.clone();
+                let took = Instant::now();
+                tokio::task::spawn_blocking(move || s.restart())
+                    .await
+                    .expect("join")
+                    .unwrap_or_else(|e| panic!("restart: {}", pg_outbox::error::report(&e)));
+                println!("fault=subscriptions restart took {:?}", took.elapsed());
+                audit_faults += 1;
+            }
+            _ => {
+                let i = audit.relays.iter().position(|r| r.alive).expect("a relay runs");
+                audit.relays[i].signal(libc::SIGSTOP);
+                tokio::time::sleep(Duration::from_secs(2)).await;
+                audit.relays[i].signal(libc::SIGCONT);
+                audit_faults += 1;
+            }
+        }
+    }
+    let ledger = load.join().await;
+    let report = default.finish(Faults::Injected(default_kills + 1), ledger.clone()).await;
+    default.check(&report, 2 * BATCH * default_kills);
+    let report = audit.finish(Faults::Injected(audit_faults), ledger).await;
+    // Duplicates: the kill's in-flight window, and what the freeze and the
+    // restart left in flight.
+    audit.check(&report, 2 * BATCH * 3);
+    let published_by_default: i64 = connect(&url, "fault-suite checker", LIVENESS)
+        .await
+        .query_one("SELECT count(*) FROM events.outbox WHERE published_at IS NOT NULL AND retry_count = 0", &[])
+        .await
+        .expect("count")
+        .get(0);
+    assert_eq!(
+        usize::try_from(published_by_default).unwrap_or(0),
+        report.events,
+        "audit's failures never touched the default subscription's columns"
+    );
+    drop((default, audit));
+    let _ = tokio::task::spawn_blocking(move || drop(server)).await;
+}
