@@ -20,6 +20,9 @@
 //! - [`subscription`]: whose events a consumer reads (the default
 //!   subscription or a named one), its leader lock key and term scope;
 //! - [`dead_letters`], [`retention`]: the operators' statements;
+//! - [`subscription_admin`]: the operators' statements on subscriptions
+//!   (create, list, pause, resume, drop, rewind; a subscription's dead
+//!   letters);
 //! - `replay`: replay's reads (feature `relay`);
 //! - `console`: the operator console's reads (feature `console`);
 //! - [`schema`]: what `migrate` runs besides the files;
@@ -72,6 +75,7 @@ mod settle;
 pub(crate) mod statement;
 mod status;
 pub(crate) mod subscription;
+pub(crate) mod subscription_admin;
 mod wakeup;
 mod work;
 mod writer;
