@@ -189,7 +189,7 @@ pub(crate) const CREATE: &str = "INSERT INTO events.outbox_subscriptions (name, 
      VALUES ($1, $2, $2) ON CONFLICT (name) DO NOTHING RETURNING name";
 
 /// Every subscription (or only $1 when it is not NULL) with its figures,
-/// by name: the highest id (one descent, an init plan), the lag (a walk of
+/// by name (byte order): the highest id (one descent, an init plan), the lag (a walk of
 /// `outbox_pkey` from the cursor past the ids settled above it), and its
 /// failures counted over its first $2 rows by primary key.
 pub(crate) const LIST: &str = "SELECT s.name, s.state, s.created_at, s.start_id, s.cursor_id, s.moved_at, \
@@ -207,7 +207,7 @@ pub(crate) const LIST: &str = "SELECT s.name, s.state, s.created_at, s.start_id,
        FROM (SELECT x.retry_count, x.next_retry_at FROM events.outbox_subscription_failures x \
              WHERE x.subscription = s.name ORDER BY x.id LIMIT $2) w) f \
      WHERE ($1::text IS NULL OR s.name = $1) \
-     ORDER BY s.name";
+     ORDER BY s.name COLLATE \"C\"";
 
 /// Whether `events.outbox_subscriptions` exists (`present`): a schema
 /// before migration 0016 has none.
