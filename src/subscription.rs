@@ -42,8 +42,8 @@
 use chrono::{DateTime, Utc};
 use tokio_postgres::GenericClient;
 
-pub use crate::error::SubscriptionError;
 use crate::error::Result;
+pub use crate::error::SubscriptionError;
 use crate::store::subscription_admin as store;
 pub use crate::store::subscription_admin::{Dropped, From, Rewound, Subscription, SubscriptionState};
 
@@ -214,7 +214,8 @@ impl std::str::FromStr for From {
     /// # Errors
     /// [`SubscriptionError::InvalidStart`] naming the value and the forms.
     fn from_str(s: &str) -> Result<From> {
-        let invalid = |why: String| -> crate::Error { SubscriptionError::InvalidStart { value: s.to_string(), why }.into() };
+        let invalid =
+            |why: String| -> crate::Error { SubscriptionError::InvalidStart { value: s.to_string(), why }.into() };
         let t = s.trim();
         match t {
             "now" => return Ok(From::Now),

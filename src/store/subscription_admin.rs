@@ -263,8 +263,7 @@ pub(crate) fn check_name(name: &str) -> Result<()> {
         Some("it is empty")
     } else if name.len() > 63 {
         Some("it is longer than 63 characters")
-    } else if !name.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || matches!(b, b'_' | b'.' | b'-'))
-    {
+    } else if !name.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || matches!(b, b'_' | b'.' | b'-')) {
         Some("it holds a character other than a-z, 0-9, '_', '.' and '-'")
     } else if !name.as_bytes()[0].is_ascii_alphanumeric() {
         Some("it does not start with a letter or a digit")
@@ -447,7 +446,11 @@ pub(crate) async fn drop_subscription<C: GenericClient + Sync>(client: &C, name:
         return Err(SubscriptionError::Unknown(name.to_string()).into());
     }
     let terms: i64 = row.try_get("terms")?;
-    Ok(Dropped { failures: row.try_get("failures")?, dead_letters: row.try_get("dead_letters")?, term_deleted: terms > 0 })
+    Ok(Dropped {
+        failures: row.try_get("failures")?,
+        dead_letters: row.try_get("dead_letters")?,
+        term_deleted: terms > 0,
+    })
 }
 
 /// Rewind `name` to `from` ([`REWIND`]), only when it is paused.

@@ -170,8 +170,7 @@ async fn names_are_checked_taken_names_refused_and_unknown_names_named() {
     }
     let long = "x".repeat(64);
     assert!(subscription::create(&c, &long, From::Now).await.is_err(), "64 characters");
-    let rows: i64 =
-        c.query_one("SELECT count(*) FROM events.outbox_subscriptions", &[]).await.expect("count").get(0);
+    let rows: i64 = c.query_one("SELECT count(*) FROM events.outbox_subscriptions", &[]).await.expect("count").get(0);
     assert_eq!(rows, 0, "no bad name reached the table");
 
     subscription::create(&c, "audit", From::Now).await.expect("create");
@@ -262,12 +261,9 @@ async fn drop_removes_the_failures_and_the_term_row_of_that_subscription_only() 
         subscription::create(&c, name, From::Earliest).await.expect("create");
         failure(&c, name, ids[0], 10, "'infinity'").await;
         failure(&c, name, ids[1], 1, "now() + interval '1 minute'").await;
-        c.execute(
-            "INSERT INTO events.outbox_terms (scope, term) VALUES ('subscription:' || $1::text, 3)",
-            &[&name],
-        )
-        .await
-        .expect("a term row");
+        c.execute("INSERT INTO events.outbox_terms (scope, term) VALUES ('subscription:' || $1::text, 3)", &[&name])
+            .await
+            .expect("a term row");
     }
     let d = subscription::drop(&c, "audit").await.expect("drop");
     assert_eq!((d.failures, d.dead_letters, d.term_deleted), (2, 1, true));
@@ -282,7 +278,10 @@ async fn drop_removes_the_failures_and_the_term_row_of_that_subscription_only() 
     assert_eq!(terms, ["subscription:search"], "the other subscription's term row stays");
     assert_eq!(failure_ids(&c, "search").await, [ids[0], ids[1]], "and its failure rows");
     assert_eq!(outbox_ids(&c).await, ids, "the events stay");
-    assert_eq!(sub_error(subscription::get(&c, "audit").await.expect_err("gone")), SubscriptionError::Unknown("audit".into()));
+    assert_eq!(
+        sub_error(subscription::get(&c, "audit").await.expect_err("gone")),
+        SubscriptionError::Unknown("audit".into())
+    );
     // The name is free again.
     subscription::create(&c, "audit", From::Now).await.expect("create it again");
 }
@@ -317,7 +316,10 @@ async fn a_subscriptions_dead_letters_are_its_failure_rows_retried_and_discarded
         "`default` names the seeded flow"
     );
     assert_eq!(dead_letters::count(&c, &of_audit()).await.expect("count"), 2);
-    assert_eq!(dead_letters::matching_ids(&c, &of_audit().aggregate_type("subscription").limit(1)).await.expect("ids"), [ids[0]]);
+    assert_eq!(
+        dead_letters::matching_ids(&c, &of_audit().aggregate_type("subscription").limit(1)).await.expect("ids"),
+        [ids[0]]
+    );
 
     // Retry: due now, the count kept.
     let retried = dead_letters::retry(&c, &Filter::ids(vec![other[0]]).subscription("audit")).await.expect("retry");
@@ -355,12 +357,9 @@ async fn a_subscriptions_dead_letters_are_its_failure_rows_retried_and_discarded
 
 /// Published events, old enough for retention.
 async fn publish_old(c: &Client, ids: &[i64]) {
-    c.execute(
-        "UPDATE events.outbox SET published_at = now() - interval '40 days' WHERE id = ANY($1)",
-        &[&ids],
-    )
-    .await
-    .expect("published 40 days ago");
+    c.execute("UPDATE events.outbox SET published_at = now() - interval '40 days' WHERE id = ANY($1)", &[&ids])
+        .await
+        .expect("published 40 days ago");
 }
 
 fn retention() -> pg_outbox::retention::Retention {
@@ -534,12 +533,18 @@ async fn the_command_line_creates_lists_pauses_rewinds_and_drops() {
     for bad in ["latest", "id:abc", "time:yesterday"] {
         let out = db.cli(&["subscription", "create", "audit", "--from", bad]).run().await;
         assert!(matches!(out.code, Some(c) if c != 0), "{bad}: {out:?}");
-        assert!(out.stderr.contains(&format!("'{bad}'")) || out.stderr.contains(&format!("\"{bad}\"")), "{bad}: {out:?}");
+        assert!(
+            out.stderr.contains(&format!("'{bad}'")) || out.stderr.contains(&format!("\"{bad}\"")),
+            "{bad}: {out:?}"
+        );
         assert!(out.stderr.contains("earliest") && out.stderr.contains("id:N"), "the forms are named: {out:?}");
         assert!(out.stdout.is_empty(), "{out:?}");
     }
     let out = db.cli(&["subscription", "create", "Bad", "--from", "now"]).run().await;
-    assert!(matches!(out.code, Some(c) if c != 0) && out.stderr.contains("invalid subscription name \"Bad\""), "{out:?}");
+    assert!(
+        matches!(out.code, Some(c) if c != 0) && out.stderr.contains("invalid subscription name \"Bad\""),
+        "{out:?}"
+    );
     let rows: i64 = c.query_one("SELECT count(*) FROM events.outbox_subscriptions", &[]).await.expect("n").get(0);
     assert_eq!(rows, 0, "nothing created");
 

@@ -60,10 +60,7 @@ pub(crate) async fn run(db: &pg_outbox::ConnectOptions, args: ArchiveArgs) -> Re
     };
     if rep.deleted == 0 {
         if rep.walk_end_subscription {
-            println!(
-                "deleted 0 published events older than {age}: none were due up to id {}{end}",
-                rep.walk_end_id
-            );
+            println!("deleted 0 published events older than {age}: none were due up to id {}{end}", rep.walk_end_id);
         } else {
             println!("deleted 0 published events older than {age}: none were due");
         }
