@@ -158,6 +158,54 @@ pub enum Error {
     /// connection at start (the message names it, never its password).
     #[error("sink unavailable: {0}")]
     SinkUnavailable(String),
+    /// An operation on a subscription was refused: a name that breaks the
+    /// naming rule, a name taken or unknown, a rewind of an active one, a
+    /// start position that cannot be used ([`SubscriptionError`]).
+    #[error(transparent)]
+    Subscription(#[from] SubscriptionError),
+}
+
+/// Why an operation on a subscription (`pg_outbox::subscription`) was
+/// refused. Each message names the subscription (or the value) and says
+/// what to do.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum SubscriptionError {
+    /// The name breaks the rule: 1 to 63 characters of `a`-`z`, `0`-`9`,
+    /// `_`, `.`, `-`, starting with a letter or a digit (the regular
+    /// expression `^[a-z0-9][a-z0-9_.-]{0,62}$`), and not `default`, the
+    /// name of the seeded flow.
+    #[error(
+        "invalid subscription name {name:?}: {why}; a name is 1 to 63 characters of a-z, 0-9, '_', '.' and '-', \
+         starting with a letter or a digit (^[a-z0-9][a-z0-9_.-]{{0,62}}$), and not 'default'"
+    )]
+    InvalidName {
+        /// The name given.
+        name: String,
+        /// Which part of the rule it breaks.
+        why: &'static str,
+    },
+    /// A subscription of that name exists already; creating it again is
+    /// refused, never taken as success.
+    #[error("subscription {0:?} exists already; drop it first (pg-outbox subscription drop) or choose another name")]
+    Exists(String),
+    /// No subscription of that name exists (`pg-outbox subscription list`
+    /// shows those that do).
+    #[error("no subscription {0:?}; `pg-outbox subscription list` shows the subscriptions there are")]
+    Unknown(String),
+    /// A rewind of a subscription that is not paused: a relay may be
+    /// delivering its events.
+    #[error("subscription {0:?} is active; pause it first (pg-outbox subscription pause {0}), then rewind it")]
+    NotPaused(String),
+    /// A start position that cannot be used: text that is none of `now`,
+    /// `earliest`, `id:N`, `time:RFC3339`, or an id with no id before it.
+    #[error("invalid start position {value:?}: {why}")]
+    InvalidStart {
+        /// The value given.
+        value: String,
+        /// What is wrong with it, and the forms that are accepted.
+        why: String,
+    },
 }
 
 impl Error {

@@ -26,6 +26,7 @@ mod retry;
 pub mod secret;
 pub mod status;
 mod store;
+pub mod subscription;
 mod term;
 pub mod tls;
 

@@ -158,6 +158,11 @@ pub struct RetentionReport {
     /// above it committed after that run started
     /// (migrations/0014_outbox_retention_marks.sql).
     pub walk_end_marked: bool,
+    /// [`RetentionReport::walk_end_id`] is the lowest cursor of the
+    /// subscriptions (`crate::subscription`), below the table's highest id
+    /// and any mark: no event above it can be deleted until that
+    /// subscription passes it.
+    pub walk_end_subscription: bool,
     /// Batches (DELETE statements) run.
     pub batches: i64,
     /// Another run held the retention lock; nothing was done.
@@ -174,7 +179,8 @@ pub struct RetentionReport {
 }
 
 /// Count what a run would delete, without deleting (one `SELECT count(*)`
-/// over the published rows older than the cutoff).
+/// over the published rows older than the cutoff that every subscription
+/// has passed).
 ///
 /// # Errors
 /// [`crate::Error::NotMigrated`] or [`crate::Error::Db`].
@@ -288,9 +294,19 @@ async fn delete_batches(client: &Client, r: &Retention) -> Result<RetentionRepor
 /// the run's mark), its report so far, its pace and its first batch;
 /// `None` when the table is empty. Warns when the marks cannot be used.
 async fn start_walk(client: &Client, r: &Retention) -> Result<Option<(RetentionReport, Pace, Batch)>> {
-    let Some(end) = store::walk_end(client, r.older_than).await? else {
+    let subscribers = store::subscribers(client).await?;
+    let Some(mut end) = store::walk_end(client, r.older_than).await? else {
         return Ok(None);
     };
+    // No event above the lowest cursor can be deleted: the walk ends there.
+    let mut by_subscription = false;
+    if let Some(floor) = subscribers.floor
+        && floor < end.id
+    {
+        end.id = floor;
+        end.marked = false;
+        by_subscription = true;
+    }
     if let Some(why) = &end.unmarked {
         tracing::warn!(
             error = %why,
@@ -298,10 +314,21 @@ async fn start_walk(client: &Client, r: &Retention) -> Result<Option<(RetentionR
              Run `pg-outbox migrate` (migration 0014) and grant the retention role SELECT, INSERT, DELETE on it"
         );
     }
-    let report = RetentionReport { walk_end_id: end.id, walk_end_marked: end.marked, ..RetentionReport::default() };
+    let report = RetentionReport {
+        walk_end_id: end.id,
+        walk_end_marked: end.marked,
+        walk_end_subscription: by_subscription,
+        ..RetentionReport::default()
+    };
     let pace = Pace::new(r);
     // Every id, including any a producer gave at or below zero.
-    let batch = Batch { older_than: r.older_than, size: pace.size, after_id: i64::MIN, end_id: end.id };
+    let batch = Batch {
+        older_than: r.older_than,
+        size: pace.size,
+        after_id: i64::MIN,
+        end_id: end.id,
+        subscriptions: subscribers.present,
+    };
     Ok(Some((report, pace, batch)))
 }
 

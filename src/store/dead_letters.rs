@@ -4,6 +4,7 @@
 use tokio_postgres::GenericClient;
 use tokio_postgres::types::ToSql;
 
+use super::subscription_admin as sub;
 use super::{event_from_row, map_missing_schema, query_map, row_id};
 use crate::error::Result;
 use crate::event::Event;
@@ -26,6 +27,18 @@ pub struct Filter {
     pub since: Option<DateTime<Utc>>,
     /// At most this many rows (default: all for retry/discard, 100 for list).
     pub limit: Option<i64>,
+    /// Whose dead letters: the subscription of this name
+    /// (`pg_outbox::subscription`), whose failure rows
+    /// (`events.outbox_subscription_failures` with `next_retry_at =
+    /// 'infinity'`) are its dead letters; `None` or `default` for the
+    /// seeded flow (`events.outbox`'s own columns). With a subscription,
+    /// `retry_count` and `last_error` (and the filter's error text) are the
+    /// subscription's, retry makes its failure rows due now (the count
+    /// kept), and discard settles the events for it (deletes its failure
+    /// rows, as an acknowledgement does: the event stays in
+    /// `events.outbox`). A name that is no subscription is
+    /// [`crate::error::SubscriptionError::Unknown`].
+    pub subscription: Option<String>,
 }
 
 impl Filter {
@@ -67,6 +80,17 @@ impl Filter {
     pub fn limit(mut self, n: i64) -> Self {
         self.limit = Some(n);
         self
+    }
+
+    /// Set [`Filter::subscription`].
+    pub fn subscription(mut self, name: impl Into<String>) -> Self {
+        self.subscription = Some(name.into());
+        self
+    }
+
+    /// The subscription named, unless it is the default (the seeded flow).
+    fn named_subscription(&self) -> Option<&str> {
+        self.subscription.as_deref().filter(|s| *s != super::subscription_admin::DEFAULT_NAME)
     }
 }
 
@@ -182,6 +206,9 @@ fn limited<'a>(filter: &'a Filter, limit: &'a i64) -> [&'a (dyn ToSql + Sync); 6
 /// [`crate::Error::NotMigrated`] or [`crate::Error::Db`] (a row that cannot
 /// be read as an event too).
 pub(crate) async fn list<C: GenericClient + Sync>(client: &C, filter: &Filter, limit: i64) -> Result<Vec<Event>> {
+    if let Some(name) = filter.named_subscription() {
+        return sub::dead_letters_list(client, name, filter_params(filter), limit).await;
+    }
     query_map(client, &list_sql(Walk::of(filter)), &limited(filter, &limit), event_from_row).await
 }
 
@@ -190,6 +217,9 @@ pub(crate) async fn list<C: GenericClient + Sync>(client: &C, filter: &Filter, l
 /// # Errors
 /// [`crate::Error::NotMigrated`] or [`crate::Error::Db`].
 pub(crate) async fn count<C: GenericClient + Sync>(client: &C, filter: &Filter) -> Result<i64> {
+    if let Some(name) = filter.named_subscription() {
+        return sub::dead_letters_count(client, name, filter_params(filter)).await;
+    }
     let sql = count_sql(Walk::of(filter));
     let row = client.query_one(&sql, &filter_params(filter)).await.map_err(map_missing_schema)?;
     Ok(row.try_get("count")?)
@@ -201,6 +231,9 @@ pub(crate) async fn count<C: GenericClient + Sync>(client: &C, filter: &Filter) 
 /// # Errors
 /// [`crate::Error::NotMigrated`] or [`crate::Error::Db`].
 pub(crate) async fn matching_ids<C: GenericClient + Sync>(client: &C, filter: &Filter, limit: i64) -> Result<Vec<i64>> {
+    if let Some(name) = filter.named_subscription() {
+        return sub::dead_letters_ids(client, name, filter_params(filter), limit).await;
+    }
     query_map(client, &ids_sql(Walk::of(filter)), &limited(filter, &limit), row_id).await
 }
 
@@ -228,6 +261,9 @@ pub(crate) async fn apply<C: GenericClient + Sync>(
     filter: &Filter,
     limit: i64,
 ) -> Result<Vec<i64>> {
+    if let Some(name) = filter.named_subscription() {
+        return sub::dead_letters_apply(client, name, filter_params(filter), limit, action == Action::Discard).await;
+    }
     let sql = apply_sql(
         Walk::of(filter),
         match action {

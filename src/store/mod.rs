@@ -20,6 +20,9 @@
 //! - [`subscription`]: whose events a consumer reads (the default
 //!   subscription or a named one), its leader lock key and term scope;
 //! - [`dead_letters`], [`retention`]: the operators' statements;
+//! - [`subscription_admin`]: the operators' statements on subscriptions
+//!   (create, list, pause, resume, drop, rewind; a subscription's dead
+//!   letters);
 //! - `replay`: replay's reads (feature `relay`);
 //! - `console`: the operator console's reads (feature `console`);
 //! - [`schema`]: what `migrate` runs besides the files;
@@ -72,6 +75,7 @@ mod settle;
 pub(crate) mod statement;
 mod status;
 pub(crate) mod subscription;
+pub(crate) mod subscription_admin;
 mod wakeup;
 mod work;
 mod writer;
@@ -133,8 +137,12 @@ pub(crate) use writer::{Acknowledged, FailParams, FailWritten, FailsWritten, Wri
 ///
 /// Not listed: the producers' INSERTs (their cost is the triggers',
 /// measured by the benches), the operators' lookup of ids by primary key
-/// ([`dead_letters::EXISTING_IDS`]), and statements on other tables or
-/// the catalogs ([`locks`], [`leader`], [`wakeup`], [`schema`]).
+/// ([`dead_letters::EXISTING_IDS`]), the operators' statements on
+/// subscriptions ([`subscription_admin`]: one-off, on its own tables, and
+/// on `events.outbox` by primary key; retention's rule for them is in
+/// `retention_delete`, checked in `tests/it/subscription_admin.rs`), and
+/// statements on other tables or the catalogs ([`locks`], [`leader`],
+/// [`wakeup`], [`schema`]).
 #[cfg(feature = "kit")]
 #[doc(hidden)]
 pub fn run_time_statements(server_version_num: i32) -> Vec<(&'static str, String)> {

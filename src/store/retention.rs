@@ -12,9 +12,28 @@ use tokio_postgres::types::Type;
 use super::map_missing_schema;
 use crate::error::Result;
 
+/// The condition that every subscription (`events.outbox_subscriptions`,
+/// active or paused: a paused one must not lose events) has passed event
+/// `o`: its id is at or below the lowest cursor, and no subscription has a
+/// failure row for it (waiting for a retry, held back, or a dead letter).
+/// The lowest cursor and the subscriptions' names are init plans, read
+/// once per statement; the failure probe runs only on the rows the other
+/// conditions keep, one lookup in the failures' primary key
+/// `(subscription, id)` per subscription (none when there is none). A
+/// macro, so that `concat!` builds constant statements from it.
+macro_rules! subscribed {
+    () => {
+        "AND o.id <= coalesce((SELECT min(s.cursor_id) FROM events.outbox_subscriptions s), 9223372036854775807) \
+         AND (SELECT 1 FROM events.outbox_subscription_failures f \
+              WHERE f.subscription = ANY (ARRAY(SELECT s.name FROM events.outbox_subscriptions s)) \
+                AND f.id = o.id LIMIT 1) IS NULL"
+    };
+}
+
 /// Delete one batch: walk the next $2 rows by id above $3, up to id $4
-/// (the run's end, [`WALK_END`]), and delete those of them that
-/// were published longer ago than $1 seconds; returns how many it walked
+/// (the run's end, [`WALK_END`]), and delete those of them that are due:
+/// published longer ago than $1 seconds, and passed by every subscription
+/// (`subscribed!`). Returns how many it walked
 /// (`walked`), the highest id walked (`last_id`) and how many it deleted
 /// (`deleted`). The next batch starts after `last_id`, so a run walks
 /// `outbox_pkey` once, never passing again the index entries of the rows
@@ -24,7 +43,22 @@ use crate::error::Result;
 /// rows after the last due one cost a batch each, not one long scan at the
 /// end of the run. A row skipped because another session had it locked is
 /// left for the next run.
-pub(crate) const DELETE_BATCH: &str = "WITH walked AS MATERIALIZED ( \
+pub(crate) const DELETE_BATCH: &str = concat!(
+    "WITH walked AS MATERIALIZED ( \
+       SELECT id FROM events.outbox WHERE id > $3 AND id <= $4 ORDER BY id LIMIT $2), \
+     doomed AS MATERIALIZED ( \
+       SELECT o.id FROM events.outbox o \
+       WHERE o.id > $3 AND o.id <= (SELECT max(id) FROM walked) \
+         AND o.published_at IS NOT NULL AND o.published_at < now() - make_interval(secs => $1) ",
+    subscribed!(),
+    " ORDER BY o.id FOR UPDATE SKIP LOCKED), \
+     gone AS (DELETE FROM events.outbox o USING doomed WHERE o.id = doomed.id RETURNING o.id) \
+     SELECT count(*) AS walked, max(id) AS last_id, (SELECT count(*) FROM gone) AS deleted FROM walked"
+);
+
+/// [`DELETE_BATCH`] on a schema before migration 0016, which has no
+/// subscriptions.
+pub(crate) const DELETE_BATCH_UNSUBSCRIBED: &str = "WITH walked AS MATERIALIZED ( \
        SELECT id FROM events.outbox WHERE id > $3 AND id <= $4 ORDER BY id LIMIT $2), \
      doomed AS MATERIALIZED ( \
        SELECT id FROM events.outbox \
@@ -60,9 +94,50 @@ pub(crate) const WALK_END: &str = "WITH top AS (SELECT max(id) AS last_id FROM e
 /// run's end when the marks cannot be read or written.
 pub(crate) const LAST_ID: &str = "SELECT max(id) AS last_id FROM events.outbox";
 
-/// How many rows a run with age $1 (seconds) would delete (`due`).
-pub(crate) const COUNT_DUE: &str = "SELECT count(*) AS due FROM events.outbox \
+/// How many rows a run with age $1 (seconds) would delete (`due`): those
+/// published longer ago and passed by every subscription (`subscribed!`).
+pub(crate) const COUNT_DUE: &str = concat!(
+    "SELECT count(*) AS due FROM events.outbox o \
+     WHERE o.published_at IS NOT NULL AND o.published_at < now() - make_interval(secs => $1) ",
+    subscribed!()
+);
+
+/// [`COUNT_DUE`] on a schema before migration 0016.
+pub(crate) const COUNT_DUE_UNSUBSCRIBED: &str = "SELECT count(*) AS due FROM events.outbox \
      WHERE published_at IS NOT NULL AND published_at < now() - make_interval(secs => $1)";
+
+/// Whether `events.outbox_subscriptions` exists (`present`: a schema from
+/// migration 0016 on).
+pub(crate) const HAS_SUBSCRIPTIONS: &str = "SELECT to_regclass('events.outbox_subscriptions') IS NOT NULL AS present";
+/// The lowest cursor of the subscriptions (`floor`, NULL when there is
+/// none): no event above it can be deleted.
+pub(crate) const LOWEST_CURSOR: &str = "SELECT min(cursor_id) AS floor FROM events.outbox_subscriptions";
+
+/// What retention must wait for: whether the schema has subscriptions at
+/// all, and the lowest cursor among them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Subscribers {
+    /// `events.outbox_subscriptions` exists (migration 0016).
+    pub(crate) present: bool,
+    /// The lowest cursor, when there is a subscription.
+    pub(crate) floor: Option<i64>,
+}
+
+/// Read [`Subscribers`] ([`HAS_SUBSCRIPTIONS`], [`LOWEST_CURSOR`]).
+///
+/// # Errors
+/// [`crate::Error::NotMigrated`] or [`crate::Error::Db`] (a role that may
+/// not read `events.outbox_subscriptions` too: retention never guesses).
+pub(crate) async fn subscribers<C: GenericClient + Sync>(client: &C) -> Result<Subscribers> {
+    let present: bool =
+        client.query_typed_one(HAS_SUBSCRIPTIONS, &[]).await.map_err(map_missing_schema)?.try_get("present")?;
+    if !present {
+        return Ok(Subscribers { present, floor: None });
+    }
+    let floor: Option<i64> =
+        client.query_typed_one(LOWEST_CURSOR, &[]).await.map_err(map_missing_schema)?.try_get("floor")?;
+    Ok(Subscribers { present, floor })
+}
 
 /// One batch for [`delete_batch`].
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -76,6 +151,9 @@ pub(crate) struct Batch {
     pub(crate) after_id: i64,
     /// Only ids up to this one: the run's end ([`walk_end`]).
     pub(crate) end_id: i64,
+    /// The schema has subscriptions ([`Subscribers::present`]): run
+    /// [`DELETE_BATCH`], else [`DELETE_BATCH_UNSUBSCRIBED`].
+    pub(crate) subscriptions: bool,
 }
 
 /// What [`delete_batch`] did.
@@ -89,7 +167,7 @@ pub(crate) struct Deleted {
     pub(crate) rows: i64,
 }
 
-/// Delete one batch ([`DELETE_BATCH`]).
+/// Delete one batch ([`DELETE_BATCH`], or [`DELETE_BATCH_UNSUBSCRIBED`]).
 ///
 /// # Errors
 /// [`crate::Error::NotMigrated`] or [`crate::Error::Db`].
@@ -97,7 +175,7 @@ pub(crate) async fn delete_batch<C: GenericClient + Sync>(client: &C, b: &Batch)
     let secs = b.older_than.as_secs_f64();
     let row = client
         .query_typed_one(
-            DELETE_BATCH,
+            if b.subscriptions { DELETE_BATCH } else { DELETE_BATCH_UNSUBSCRIBED },
             &[(&secs, Type::FLOAT8), (&b.size, Type::INT8), (&b.after_id, Type::INT8), (&b.end_id, Type::INT8)],
         )
         .await
@@ -148,12 +226,15 @@ pub(crate) struct WalkEnd {
 }
 
 /// How many published rows are older than `older_than` (by the database's
-/// clock; sent as seconds): what a run would delete ([`COUNT_DUE`]).
+/// clock; sent as seconds) and passed by every subscription: what a run
+/// would delete ([`COUNT_DUE`], or [`COUNT_DUE_UNSUBSCRIBED`] on a schema
+/// before migration 0016).
 ///
 /// # Errors
 /// [`crate::Error::NotMigrated`] or [`crate::Error::Db`].
 pub(crate) async fn count_due<C: GenericClient + Sync>(client: &C, older_than: Duration) -> Result<i64> {
     let secs = older_than.as_secs_f64();
-    let row = client.query_typed_one(COUNT_DUE, &[(&secs, Type::FLOAT8)]).await.map_err(map_missing_schema)?;
+    let sql = if subscribers(client).await?.present { COUNT_DUE } else { COUNT_DUE_UNSUBSCRIBED };
+    let row = client.query_typed_one(sql, &[(&secs, Type::FLOAT8)]).await.map_err(map_missing_schema)?;
     Ok(row.try_get("due")?)
 }

@@ -53,6 +53,13 @@ pub struct OutboxStatus {
     /// ([`crate::migrate::ordering`]); `None` when neither insert trigger is
     /// enabled. In JSON: `"outbox-locked"`, `"producer-locked"` or `null`.
     pub ordering: Option<super::schema::OrderingMode>,
+    /// Every subscription but the default (whose figures are the ones
+    /// above), by name, with its state, cursor, lag, backlog bound,
+    /// failures, dead letters and held events
+    /// ([`crate::subscription::list`]'s figures, bounded whatever the
+    /// table's size); empty when there is none, or on a schema before
+    /// migration 0016.
+    pub subscriptions: Vec<super::subscription_admin::Subscription>,
     /// Whether any figure is estimated: the figures named in
     /// [`OutboxStatus::estimated_figures`] are.
     pub estimated: bool,
@@ -198,7 +205,8 @@ pub(super) const NEXT_RETRIES: &str = "SELECT id, event_type, aggregate_type, re
 /// (docs/operations.md, "How `status` estimates"). Then the next
 /// [`OutboxStatus::NEXT_RETRIES`](crate::status::OutboxStatus::NEXT_RETRIES) retries (the first entries of
 /// `outbox_retry_due_idx` after now), and the holder of the outbox lock on
-/// `pg_locks` ([`OutboxStatus::leader`]). No statement walks the backlog or
+/// `pg_locks` ([`OutboxStatus::leader`]), and the subscriptions
+/// ([`OutboxStatus::subscriptions`]). No statement walks the backlog or
 /// the published history: the buffers each touches are bounded by those
 /// constants. The statements run one after another; run them in one
 /// `REPEATABLE READ` transaction (as `pg-outbox status` does) for figures
@@ -250,6 +258,7 @@ pub async fn status<C: GenericClient + Sync>(client: &C) -> Result<OutboxStatus>
         leader: leader_lock(client).await?,
         partitions: super::leader::partition_holders(client).await?,
         ordering: super::schema::installed_ordering(client).await?,
+        subscriptions: super::subscription_admin::named_if_any(client).await?,
         estimated: !b.estimated.is_empty(),
         estimated_figures: estimated_figures(&b),
     })

@@ -56,6 +56,7 @@ mod sink_redis;
 mod sqlx_publish;
 mod status_detail;
 mod stranded;
+mod subscription_admin;
 mod subscriptions;
 mod support;
 mod terms;

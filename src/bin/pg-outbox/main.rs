@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use clap::{Parser, Subcommand};
 
-use crate::cmd::{archive, console, dead_letters, demo, migrate, publish, relay, replay, status};
+use crate::cmd::{archive, console, dead_letters, demo, migrate, publish, relay, replay, status, subscription};
 use crate::error::Error;
 
 mod cmd;
@@ -71,11 +71,18 @@ enum Command {
     /// Show backlog, retries, dead letters, and who leads (its pid and
     /// leadership term, or "no live leader").
     Status(status::StatusArgs),
-    /// List, show, retry or discard dead letters.
+    /// List, show, retry or discard dead letters (the default's, or a
+    /// subscription's with --subscription).
     #[command(subcommand)]
     DeadLetters(dead_letters::DeadLetterCmd),
+    /// Create, list, pause, resume, drop or rewind subscriptions: more
+    /// readers of the outbox, each with its own progress, retries and dead
+    /// letters.
+    #[command(subcommand)]
+    Subscription(subscription::SubscriptionCmd),
     /// Delete published events older than a cutoff (30 days by default, as docs/schema.md says), in
-    /// bounded batches; never unpublished events or dead letters.
+    /// bounded batches; never unpublished events or dead letters, nor events a subscription has not
+    /// passed.
     Archive(archive::ArchiveArgs),
     /// Run a self-contained demo: throwaway PostgreSQL, concurrent producers,
     /// relay to stdout, summary with delivery lag.
@@ -185,6 +192,7 @@ async fn on_database(
         Command::Publish(args) => publish::run(&db, args).await,
         Command::Status(args) => status::run(&db, args).await,
         Command::DeadLetters(cmd) => dead_letters::run(&db, cmd).await,
+        Command::Subscription(cmd) => subscription::run(&db, cmd).await,
         Command::Archive(args) => archive::run(&db, args).await,
         Command::Replay(args) => replay::run(db, *args, log_format).await,
         Command::Console(args) => console::run(db::options(&db, console::SESSIONS), args).await,

@@ -8,7 +8,8 @@ use crate::parse::{parse_duration, parse_duration_or_zero};
 
 #[derive(clap::Args, Debug)]
 pub(crate) struct ArchiveArgs {
-    /// Delete published events older than this (default 30 days, docs/schema.md).
+    /// Delete published events older than this (default 30 days, docs/schema.md),
+    /// once every subscription has passed them.
     #[arg(long, value_parser = parse_duration, default_value = "30d")]
     older_than: Duration,
     /// The largest batch, in rows walked per DELETE (every batch's size with
@@ -50,8 +51,19 @@ pub(crate) async fn run(db: &pg_outbox::ConnectOptions, args: ArchiveArgs) -> Re
     if rep.skipped {
         return Err(Error::Usage("another retention run holds the lock; nothing deleted".into()));
     }
+    let end = if rep.walk_end_subscription {
+        ", the lowest subscription cursor (pg-outbox subscription list)"
+    } else if rep.walk_end_marked {
+        ", an earlier run's mark"
+    } else {
+        ", the highest"
+    };
     if rep.deleted == 0 {
-        println!("deleted 0 published events older than {age}: none were due");
+        if rep.walk_end_subscription {
+            println!("deleted 0 published events older than {age}: none were due up to id {}{end}", rep.walk_end_id);
+        } else {
+            println!("deleted 0 published events older than {age}: none were due");
+        }
         return Ok(());
     }
     println!(
@@ -65,7 +77,7 @@ pub(crate) async fn run(db: &pg_outbox::ConnectOptions, args: ArchiveArgs) -> Re
         rep.paused_seconds,
         rep.walked,
         rep.walk_end_id,
-        if rep.walk_end_marked { ", an earlier run's mark" } else { ", the highest" }
+        end
     );
     Ok(())
 }

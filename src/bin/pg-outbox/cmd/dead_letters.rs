@@ -1,4 +1,6 @@
-//! `pg-outbox dead-letters ...`: operate dead letters from the command line.
+//! `pg-outbox dead-letters ...`: operate dead letters from the command line,
+//! the default's (the seeded flow) or, with `--subscription NAME`, a
+//! subscription's.
 
 use crate::error::Error;
 use chrono::{DateTime, Utc};
@@ -19,6 +21,10 @@ pub(crate) enum DeadLetterCmd {
     Show {
         /// Outbox id.
         id: i64,
+        /// A subscription's dead letter (its retry count and last error)
+        /// instead of the default's.
+        #[arg(long)]
+        subscription: Option<String>,
     },
     /// Make dead letters due again (one more attempt each; retry_count is kept).
     Retry {
@@ -52,6 +58,12 @@ pub(crate) struct Selection {
 
 #[derive(Args, Debug, Default)]
 pub(crate) struct FilterArgs {
+    /// The dead letters of this subscription (its failure rows that reached
+    /// the threshold) instead of the default's (events.outbox's own
+    /// columns). Retry makes them due again for that subscription only;
+    /// discard settles them for it (the events stay in events.outbox).
+    #[arg(long)]
+    subscription: Option<String>,
     /// Only this aggregate type.
     #[arg(long)]
     aggregate_type: Option<String>,
@@ -101,6 +113,7 @@ impl FilterArgs {
         f.error_contains = self.error_contains.clone();
         f.since = self.since;
         f.limit = self.limit;
+        f.subscription = self.subscription.clone();
         Ok(f)
     }
 }
@@ -116,8 +129,22 @@ fn counted(ids: &[i64]) -> String {
     format!("{} {noun}: {}{more}", ids.len(), shown.join(", "))
 }
 
-/// Explain ids that were asked for by number but are not dead letters.
-async fn explain_missing(client: &tokio_postgres::Transaction<'_>, asked: &[i64], found: &[i64]) -> Result<(), Error> {
+/// ` of subscription NAME`, or nothing for the default.
+fn of_subscription(f: &Filter) -> String {
+    match f.subscription.as_deref() {
+        Some(name) if name != pg_outbox::subscription::DEFAULT => format!(" of subscription {name}"),
+        _ => String::new(),
+    }
+}
+
+/// Explain ids that were asked for by number but are not dead letters
+/// (`whose`: ` of subscription NAME`, or nothing).
+async fn explain_missing(
+    client: &tokio_postgres::Transaction<'_>,
+    asked: &[i64],
+    found: &[i64],
+    whose: &str,
+) -> Result<(), Error> {
     let missing: Vec<i64> = asked.iter().copied().filter(|i| !found.contains(i)).collect();
     if missing.is_empty() {
         return Ok(());
@@ -126,7 +153,7 @@ async fn explain_missing(client: &tokio_postgres::Transaction<'_>, asked: &[i64]
     let (exist, absent): (Vec<i64>, Vec<i64>) = missing.iter().partition(|i| existing.contains(i));
     let mut parts = Vec::new();
     if !exist.is_empty() {
-        parts.push(format!("not dead letters: {exist:?}"));
+        parts.push(format!("not dead letters{whose}: {exist:?}"));
     }
     if !absent.is_empty() {
         parts.push(format!("no such events: {absent:?}"));
@@ -159,7 +186,7 @@ pub(crate) async fn run(db: &pg_outbox::ConnectOptions, cmd: DeadLetterCmd) -> R
             Ok(f) => list(&tx, &f, json).await,
             Err(e) => Err(e),
         },
-        DeadLetterCmd::Show { id } => show(&tx, id).await,
+        DeadLetterCmd::Show { id, subscription } => show(&tx, id, subscription).await,
         DeadLetterCmd::Retry { sel } => retry(&tx, sel).await,
         DeadLetterCmd::Discard { sel, yes } => discard(&tx, sel, yes).await,
     };
@@ -183,7 +210,7 @@ async fn list(client: &tokio_postgres::Transaction<'_>, f: &Filter, json: bool) 
     if json {
         println!("{}", serde_json::to_string_pretty(&rows)?);
     } else if rows.is_empty() {
-        eprintln!("no dead letters");
+        eprintln!("no dead letters{}", of_subscription(f));
     } else {
         print_table(&rows);
     }
@@ -214,15 +241,17 @@ fn print_table(rows: &[pg_outbox::Event]) {
 }
 
 /// `dead-letters show ID`: the dead letter as JSON, or why there is none.
-async fn show(client: &tokio_postgres::Transaction<'_>, id: i64) -> Result<(), Error> {
-    let rows = dead_letters::list(client, &Filter::ids(vec![id])).await?;
+async fn show(client: &tokio_postgres::Transaction<'_>, id: i64, subscription: Option<String>) -> Result<(), Error> {
+    let mut f = Filter::ids(vec![id]);
+    f.subscription = subscription;
+    let rows = dead_letters::list(client, &f).await?;
     if let Some(e) = rows.first() {
         println!("{}", serde_json::to_string_pretty(e)?);
         return Ok(());
     }
     let exists = !dead_letters::existing(client, &[id]).await?.is_empty();
     Err(Error::Usage(if exists {
-        format!("event {id} is not a dead letter")
+        format!("event {id} is not a dead letter{}", of_subscription(&f))
     } else {
         format!("no event {id} in events.outbox")
     }))
@@ -235,14 +264,14 @@ async fn retry(client: &tokio_postgres::Transaction<'_>, sel: Selection) -> Resu
     let f = filter.to_filter(&ids)?;
     let done = if dry_run {
         let found = dead_letters::matching_ids(client, &f).await?;
-        println!("dry run: would retry {}", counted(&found));
+        println!("dry run: would retry {}{}", counted(&found), of_subscription(&f));
         found
     } else {
         let done = dead_letters::retry(client, &f).await?;
-        println!("retried {}", counted(&done));
+        println!("retried {}{}", counted(&done), of_subscription(&f));
         done
     };
-    explain_missing(client, &ids, &done).await
+    explain_missing(client, &ids, &done, &of_subscription(&f)).await
 }
 
 /// `dead-letters discard`: delete for good, only with --yes (or, with
@@ -253,16 +282,24 @@ async fn discard(client: &tokio_postgres::Transaction<'_>, sel: Selection, yes: 
     let f = filter.to_filter(&ids)?;
     if dry_run || !yes {
         let found = dead_letters::matching_ids(client, &f).await?;
+        let whose = of_subscription(&f);
         if !dry_run {
+            let what = if whose.is_empty() { "delete" } else { "settle, unsent," };
             return Err(Error::Usage(format!(
-                "discard would delete {} for good; pass --yes to confirm, or --dry-run",
+                "discard would {what} {}{whose} for good; pass --yes to confirm, or --dry-run",
                 counted(&found)
             )));
         }
-        println!("dry run: would delete {}", counted(&found));
-        return explain_missing(client, &ids, &found).await;
+        let what = if whose.is_empty() { "delete" } else { "settle" };
+        println!("dry run: would {what} {}{whose}", counted(&found));
+        return explain_missing(client, &ids, &found, &whose).await;
     }
     let done = dead_letters::discard(client, &f).await?;
-    println!("deleted {}", counted(&done));
-    explain_missing(client, &ids, &done).await
+    let whose = of_subscription(&f);
+    if whose.is_empty() {
+        println!("deleted {}", counted(&done));
+    } else {
+        println!("discarded {}{whose}: settled for it without delivery, the events stay", counted(&done));
+    }
+    explain_missing(client, &ids, &done, &whose).await
 }

@@ -10,3 +10,4 @@ pub(crate) mod publish;
 pub(crate) mod relay;
 pub(crate) mod replay;
 pub(crate) mod status;
+pub(crate) mod subscription;

@@ -47,6 +47,11 @@ pub(crate) async fn run(db: &pg_outbox::ConnectOptions, args: StatusArgs) -> Res
             "ordering mode       {}",
             s.ordering.map_or("none (no insert trigger enabled)", pg_outbox::migrate::OrderingMode::as_str)
         );
+        if !s.subscriptions.is_empty() {
+            println!();
+            println!("subscriptions (besides the default above; pg-outbox subscription list)");
+            super::subscription::print_table(&s.subscriptions);
+        }
         print_by_type(&s);
         print_retries(&s.retries, s.estimated_figures.contains(&"retries"));
         if s.estimated {
@@ -81,7 +86,7 @@ pub(crate) fn printable(s: &str) -> String {
 }
 
 /// Seconds as a short human figure: `850 ms`, `42 s`, `3m 5s`, `2h 10m`.
-fn short_secs(secs: f64) -> String {
+pub(crate) fn short_secs(secs: f64) -> String {
     if !secs.is_finite() {
         return "-".into();
     }

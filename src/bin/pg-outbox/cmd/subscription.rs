@@ -1,0 +1,204 @@
+//! `pg-outbox subscription ...`: create, list, pause, resume, drop and
+//! rewind subscriptions (docs/subscriptions.md).
+
+use clap::Subcommand;
+use pg_outbox::subscription::{self, From, Subscription};
+
+use crate::error::Error;
+
+/// How `--from` and `--to` are written, for `--help`.
+pub(crate) const FROM_HELP: &str = "\
+Where a subscription starts (--from) or a rewind puts it (--to):
+  now           the events after the highest id in events.outbox now (an event whose transaction
+                is still open then and drew a lower id is not delivered to the subscription)
+  earliest      every event in the table
+  id:N          the events from id N on
+  time:RFC3339  the events from the first (lowest id) that occurred at or after that time, e.g.
+                time:2026-01-31T00:00:00Z (a one-off walk of the table up to that event)
+See docs/subscriptions.md.";
+
+#[derive(Subcommand, Debug)]
+pub(crate) enum SubscriptionCmd {
+    /// Create a subscription: another reader of the outbox, with its own
+    /// progress, retries and dead letters.
+    #[command(after_help = FROM_HELP)]
+    Create {
+        /// Its name: 1 to 63 characters of a-z, 0-9, '_', '.' and '-',
+        /// starting with a letter or a digit; not `default`.
+        name: String,
+        /// Where it starts: now, earliest, id:N or time:RFC3339 (below).
+        #[arg(long, value_parser = parse_from, default_value = "now")]
+        from: From,
+    },
+    /// List the subscriptions, the default (the seeded flow) first, with
+    /// state, cursor, backlog, lag, failures, dead letters and held events
+    /// (table, or --json).
+    List {
+        /// Print JSON (one array) instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Pause a subscription: its relays deliver nothing more until it is
+    /// resumed; retention keeps every event it has not passed.
+    Pause {
+        /// The subscription's name.
+        name: String,
+    },
+    /// Resume a paused subscription.
+    Resume {
+        /// The subscription's name.
+        name: String,
+    },
+    /// Drop a subscription with its failure rows and dead letters (its
+    /// events stay in events.outbox).
+    Drop {
+        /// The subscription's name.
+        name: String,
+        /// Confirm the drop.
+        #[arg(long)]
+        yes: bool,
+    },
+    /// Move a paused subscription's cursor: its events after the new cursor
+    /// (failures and dead letters among them) are delivered again once it
+    /// is resumed.
+    #[command(after_help = FROM_HELP)]
+    Rewind {
+        /// The subscription's name.
+        name: String,
+        /// Where to put it: now, earliest, id:N or time:RFC3339 (below).
+        #[arg(long, value_parser = parse_from)]
+        to: From,
+    },
+}
+
+/// `--from` and `--to`: the error names the value and the forms.
+fn parse_from(s: &str) -> Result<From, String> {
+    s.parse::<From>().map_err(|e| e.to_string())
+}
+
+pub(crate) async fn run(db: &pg_outbox::ConnectOptions, cmd: SubscriptionCmd) -> Result<(), Error> {
+    match cmd {
+        SubscriptionCmd::List { json } => list(db, json).await,
+        SubscriptionCmd::Create { name, from } => {
+            let client = crate::db::connect_primary(db).await?;
+            let s = subscription::create(&client, &name, from).await?;
+            let cursor = s.cursor_id.unwrap_or_default();
+            println!(
+                "created subscription {} from {from}: cursor {cursor}, events from id {} on",
+                s.name,
+                cursor.saturating_add(1)
+            );
+            Ok(())
+        }
+        SubscriptionCmd::Pause { name } => {
+            let client = crate::db::connect_primary(db).await?;
+            if subscription::pause(&client, &name).await? {
+                println!("paused subscription {name}");
+            } else {
+                println!("subscription {name} was paused already");
+            }
+            Ok(())
+        }
+        SubscriptionCmd::Resume { name } => {
+            let client = crate::db::connect_primary(db).await?;
+            if subscription::resume(&client, &name).await? {
+                println!("resumed subscription {name}");
+            } else {
+                println!("subscription {name} was active already");
+            }
+            Ok(())
+        }
+        SubscriptionCmd::Drop { name, yes } => drop_subscription(db, &name, yes).await,
+        SubscriptionCmd::Rewind { name, to } => {
+            let client = crate::db::connect_primary(db).await?;
+            let r = subscription::rewind(&client, &name, to).await?;
+            println!(
+                "rewound subscription {name} to {to}: cursor {} (was {}); events from id {} on are delivered \
+                 once it is resumed; {} failure rows above the cursor deleted, {} of them dead letters",
+                r.cursor_id,
+                r.previous_cursor_id,
+                r.cursor_id.saturating_add(1),
+                r.failures_dropped,
+                r.dead_letters_dropped
+            );
+            Ok(())
+        }
+    }
+}
+
+/// `subscription drop NAME`: only with --yes; in one transaction with the
+/// figures it reports.
+async fn drop_subscription(db: &pg_outbox::ConnectOptions, name: &str, yes: bool) -> Result<(), Error> {
+    let mut client = crate::db::connect_primary(db).await?;
+    let tx = client.transaction().await?;
+    let s = subscription::get(&tx, name).await?;
+    let exact = if s.counts_exact { "" } else { "at least " };
+    if !yes {
+        return Err(Error::Usage(format!(
+            "drop would delete subscription {name} for good, with its failure rows ({exact}{} dead letters, \
+             {exact}{} waiting for a retry, {exact}{} held); pass --yes to confirm",
+            s.dead_letters, s.failing, s.held
+        )));
+    }
+    let d = subscription::drop(&tx, name).await?;
+    tx.commit().await?;
+    println!(
+        "dropped subscription {name}: {} failure rows deleted, {} of them dead letters{}",
+        d.failures,
+        d.dead_letters,
+        if d.term_deleted { "; its leadership term row deleted" } else { "" }
+    );
+    Ok(())
+}
+
+/// `subscription list`: a table (or JSON) on stdout, from one snapshot.
+async fn list(db: &pg_outbox::ConnectOptions, json: bool) -> Result<(), Error> {
+    let mut client = crate::db::connect(db).await?;
+    let tx = client
+        .build_transaction()
+        .isolation_level(tokio_postgres::IsolationLevel::RepeatableRead)
+        .read_only(true)
+        .start()
+        .await?;
+    let all = subscription::list(&tx).await?;
+    tx.commit().await?;
+    if json {
+        println!("{}", serde_json::to_string_pretty(&all)?);
+    } else {
+        print_table(&all);
+    }
+    Ok(())
+}
+
+/// The subscriptions as a table: one line each. Figures that are lower
+/// bounds (more failure rows than were counted) start with `>=`, estimated
+/// ones (the default's, as `status` estimates them) with `~`.
+pub(crate) fn print_table(all: &[Subscription]) {
+    let names: Vec<String> = all.iter().map(|s| super::status::printable(&s.name)).collect();
+    let w = names.iter().map(|n| n.chars().count()).max().unwrap_or(0).max(12);
+    println!(
+        "{:<w$}  {:<6}  {:>12}  {:>12}  {:>8}  {:>8}  {:>12}  {:>8}  moved",
+        "subscription", "state", "cursor", "backlog <=", "lag", "failing", "dead letters", "held"
+    );
+    for (s, name) in all.iter().zip(&names) {
+        let mark = match (s.counts_exact, s.cursor_id.is_some()) {
+            (true, _) => "",
+            (false, true) => ">=",
+            (false, false) => "~",
+        };
+        let backlog_mark = if s.cursor_id.is_none() && !s.counts_exact { "~" } else { "" };
+        let n = |v: i64| format!("{mark}{v}");
+        println!(
+            "{:<w$}  {:<6}  {:>12}  {:>12}  {:>8}  {:>8}  {:>12}  {:>8}  {}",
+            name,
+            s.state.as_str(),
+            s.cursor_id.map_or("-".to_string(), |c| c.to_string()),
+            format!("{backlog_mark}{}", s.backlog_upper_bound),
+            s.lag_seconds.map_or("-".to_string(), super::status::short_secs),
+            n(s.failing),
+            n(s.dead_letters),
+            n(s.held),
+            s.moved_at.map_or("-".to_string(), |t| t.to_rfc3339_opts(chrono::SecondsFormat::Secs, true)),
+        );
+    }
+}
