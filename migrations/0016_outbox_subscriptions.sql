@@ -84,7 +84,6 @@ DECLARE
     v_cursor bigint;
     v_ids bigint[] := '{}';
     v_xids bigint[] := '{}';
-    v_i integer := 1;
     v_any_failed boolean;
     v_running bigint;
     r record;
@@ -130,37 +129,36 @@ BEGIN
             v_xids := v_xids || p_next;
         END IF;
     END IF;
-    -- Walk the events above the cursor up to the limit, in id order: a
-    -- settled one, or one with a failure row, is passed; one held back
-    -- behind a failed event of its aggregate gets a held row and is
-    -- passed; the first other one (in flight, or not yet handed out) stops
-    -- the cursor below it.
+    -- The cursor moves to just below the first event above it, up to the
+    -- limit, that is neither settled, nor failed (a failure row), nor held
+    -- back behind a failed event of its aggregate; or to the limit. One
+    -- walk of the primary key from the cursor, in one statement (the ids
+    -- settled in a hashed set). The events it passes held back get a
+    -- failure row of their own (held: `next_retry_at` NULL), so they are
+    -- delivered once the event they wait for is settled.
     v_cursor := s.cursor_id;
-    v_any_failed := EXISTS (SELECT 1 FROM events.outbox_subscription_failures f WHERE f.subscription = p_name);
     IF v_limit > s.cursor_id THEN
-        v_cursor := v_limit;
-        FOR r IN SELECT o.id, o.aggregate_type, o.aggregate_id FROM events.outbox o
-                  WHERE o.id > s.cursor_id AND o.id <= v_limit ORDER BY o.id LOOP
-            WHILE v_i <= cardinality(s.settled) AND s.settled[v_i] < r.id LOOP
-                v_i := v_i + 1;
-            END LOOP;
-            CONTINUE WHEN v_i <= cardinality(s.settled) AND s.settled[v_i] = r.id;
-            IF v_any_failed THEN
-                CONTINUE WHEN EXISTS (SELECT 1 FROM events.outbox_subscription_failures f
-                                       WHERE f.subscription = p_name AND f.id = r.id);
-                IF EXISTS (SELECT 1 FROM events.outbox_subscription_failures f
-                            WHERE f.subscription = p_name AND f.aggregate_type = r.aggregate_type
-                              AND f.aggregate_id = r.aggregate_id AND f.id < r.id) THEN
-                    INSERT INTO events.outbox_subscription_failures
-                        (subscription, id, aggregate_type, aggregate_id)
-                    VALUES (p_name, r.id, r.aggregate_type, r.aggregate_id)
-                    ON CONFLICT DO NOTHING;
-                    CONTINUE;
-                END IF;
-            END IF;
-            v_cursor := r.id - 1;
-            EXIT;
-        END LOOP;
+        v_any_failed := EXISTS (SELECT 1 FROM events.outbox_subscription_failures f WHERE f.subscription = p_name);
+        SELECT o.id - 1 INTO v_cursor FROM events.outbox o
+         WHERE o.id > s.cursor_id AND o.id <= v_limit
+           AND o.id NOT IN (SELECT unnest(s.settled))
+           AND (NOT v_any_failed OR (
+                NOT EXISTS (SELECT 1 FROM events.outbox_subscription_failures f
+                             WHERE f.subscription = p_name AND f.id = o.id)
+                AND NOT EXISTS (SELECT 1 FROM events.outbox_subscription_failures f
+                                 WHERE f.subscription = p_name AND f.aggregate_type = o.aggregate_type
+                                   AND f.aggregate_id = o.aggregate_id AND f.id < o.id)))
+         ORDER BY o.id LIMIT 1;
+        v_cursor := coalesce(v_cursor, v_limit);
+        IF v_any_failed AND v_cursor > s.cursor_id THEN
+            INSERT INTO events.outbox_subscription_failures (subscription, id, aggregate_type, aggregate_id)
+            SELECT p_name, o.id, o.aggregate_type, o.aggregate_id FROM events.outbox o
+             WHERE o.id > s.cursor_id AND o.id <= v_cursor
+               AND o.id NOT IN (SELECT unnest(s.settled))
+               AND NOT EXISTS (SELECT 1 FROM events.outbox_subscription_failures f
+                                WHERE f.subscription = p_name AND f.id = o.id)
+            ON CONFLICT DO NOTHING;
+        END IF;
     END IF;
     UPDATE events.outbox_subscriptions
        SET cursor_id = v_cursor,
@@ -220,7 +218,7 @@ BEGIN
         SELECT EXTRACT(EPOCH FROM (now() - o.occurred_at))::float8 FROM events.outbox o
          WHERE o.id = ANY (p_ids)
            AND (o.id = ANY (coalesce(v_deleted, '{}'))
-                OR (o.id > s.cursor_id AND NOT o.id = ANY (s.settled)));
+                OR (o.id > s.cursor_id AND o.id NOT IN (SELECT unnest(s.settled))));
     -- Settled above the cursor, retried ones too (their failure rows are
     -- gone): the walk passes them.
     UPDATE events.outbox_subscriptions

@@ -163,9 +163,10 @@ pub async fn resume<C: GenericClient + Sync>(client: &C, name: &str) -> Result<b
     Ok(store::set_state(client, name, SubscriptionState::Active).await? == SubscriptionState::Paused)
 }
 
-/// Drop subscription `name`: its row, its failure rows (dead letters
-/// included) and its leadership term row (`events.outbox_terms`, scope
-/// `subscription:NAME`). Its events stay in `events.outbox` (retention
+/// Drop subscription `name`: its row and its failure rows (dead letters
+/// included). Its leadership term row (`events.outbox_terms`, scope
+/// `subscription:NAME`) stays, so terms only grow: one created again under
+/// the name takes the next term. Its events stay in `events.outbox` (retention
 /// stops waiting for it). A relay still delivering it fails its next
 /// acknowledgement.
 ///

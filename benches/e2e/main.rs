@@ -30,6 +30,11 @@
 //!   20 ms, with 64 deliveries in flight and with one at a time, against a
 //!   plain async client with 64 in flight on the same server; and with
 //!   1, 4 and 16 aggregates at 5 ms;
+//! - `subscriptions`: a backlog (the `hot` scenario's size) drained by a
+//!   Consumer of a named subscription, against one of the default
+//!   subscription and against a plain `UPDATE ... RETURNING` loop, with
+//!   WAL bytes and dead tuples per event; commit-to-delivery p50 and p99 at
+//!   100 and 1 000 events/s of each subscription's Consumer;
 //! - `sinks` (only when named): a relay into NATS JetStream, Redis,
 //!   RabbitMQ and Kafka (a tansu the scenario starts) through a proxy in
 //!   this process that adds a round trip of 0, 1, 5 and 20 ms, with 64
@@ -111,6 +116,7 @@ mod pipeline;
 mod producers;
 mod report;
 mod sinks;
+mod subscriptions;
 mod util;
 mod wal;
 
@@ -128,7 +134,8 @@ use pg_outbox_testkit::{connect, find_server};
 use report::Section;
 
 /// Scenario names, in the order they run.
-pub const SCENARIOS: [&str; 8] = ["latency", "drain", "keepup", "producers", "heads", "history", "hot", "pipeline"];
+pub const SCENARIOS: [&str; 9] =
+    ["latency", "drain", "keepup", "producers", "heads", "history", "hot", "pipeline", "subscriptions"];
 /// Scenarios that run only when named, after the others.
 pub const EXTRA_SCENARIOS: [&str; 4] = ["trigger-split", "peers", "wal", "sinks"];
 
@@ -493,6 +500,7 @@ async fn run() -> BenchResult<()> {
             "history" => history::run(&ctx).await,
             "hot" => hot::run(&ctx).await,
             "pipeline" => pipeline::run(&ctx).await,
+            "subscriptions" => subscriptions::run(&ctx).await,
             "trigger-split" => producers::split(&ctx).await,
             "peers" => peers::run(&ctx).await,
             "wal" => wal::run(&ctx).await,

@@ -6,7 +6,8 @@ use crate::connect;
 use crate::error::{Error, Result};
 use crate::migrate::SourceKind;
 use crate::retry::RetryPolicy;
-use crate::store::subscription::{Reader, check_name};
+use crate::store::subscription::Reader;
+use crate::store::subscription_admin::{DEFAULT_NAME, check_name};
 
 /// The largest statement timeout the server takes: `i32::MAX` ms.
 const MAX_STATEMENT_TIMEOUT: Duration = Duration::from_millis(i32::MAX as u64);
@@ -474,11 +475,7 @@ impl ConsumerBuilder {
     /// ```
     pub fn subscription(mut self, name: impl Into<String>) -> Self {
         let name: String = name.into();
-        self.cfg.reader = if name == crate::store::subscription::DEFAULT_NAME {
-            Reader::Default
-        } else {
-            Reader::Subscription(name.into())
-        };
+        self.cfg.reader = if name == DEFAULT_NAME { Reader::Default } else { Reader::Subscription(name.into()) };
         self
     }
 
@@ -636,7 +633,7 @@ impl ConsumerBuilder {
             return Err(Error::Config(format!("stranded-after must be 3 s to 1 hour, got {:?}", c.stranded_after)));
         }
         if let Some(name) = c.reader.subscription() {
-            check_name(name).map_err(Error::Config)?;
+            check_name(name)?;
             if c.mode != Mode::Single {
                 return Err(Error::Config(format!(
                     "subscription {name:?} is read in single mode only (one leader, with standbys), not {:?}",

@@ -23,9 +23,6 @@ pub(crate) enum Reader {
     Subscription(Arc<str>),
 }
 
-/// The name of the default subscription, in logs, metrics and `status`.
-pub(crate) const DEFAULT_NAME: &str = "default";
-
 /// The high 16 bits of a subscription's leader lock key: "po", as the
 /// two-int4 classes of `super::locks` (docs/architecture.md, "Advisory
 /// lock keys").
@@ -65,25 +62,6 @@ impl Reader {
 /// builds, unlike std's hasher).
 fn fnv1a(bytes: &[u8]) -> u64 {
     bytes.iter().fold(0xcbf2_9ce4_8422_2325, |h, b| (h ^ u64::from(*b)).wrapping_mul(0x0100_0000_01b3))
-}
-
-/// Whether `name` is a subscription's name: 1 to 63 characters of `a-z`,
-/// `0-9`, `_`, `.` and `-`, starting with a letter or digit, and not
-/// `default` (the constraint `outbox_subscriptions_name_check` of migration
-/// 0016). `Err` says what is wrong, for a message.
-pub(crate) fn check_name(name: &str) -> std::result::Result<(), String> {
-    let first_ok = name.chars().next().is_some_and(|c| c.is_ascii_lowercase() || c.is_ascii_digit());
-    let rest_ok = name.chars().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || matches!(c, '_' | '.' | '-'));
-    if name == DEFAULT_NAME {
-        Err("`default` is the seeded flow's subscription, not one to name".into())
-    } else if name.is_empty() || name.len() > 63 || !first_ok || !rest_ok {
-        Err(format!(
-            "subscription name {name:?} must be 1 to 63 characters of a-z, 0-9, '_', '.' and '-', starting with a \
-             letter or digit"
-        ))
-    } else {
-        Ok(())
-    }
 }
 
 /// A checkpoint for a named subscription's cursor (migration 0016): the
@@ -172,16 +150,6 @@ pub(crate) const GAUGES: &str = "WITH s AS MATERIALIZED (SELECT cursor_id, settl
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn names_follow_the_tables_constraint() {
-        for ok in ["audit", "a", "billing-v2", "x.y_z", "0day", &"a".repeat(63)] {
-            assert!(check_name(ok).is_ok(), "{ok}");
-        }
-        for bad in ["", "default", "Audit", "-a", "_a", "a b", "a/b", "é", &"a".repeat(64)] {
-            assert!(check_name(bad).is_err(), "{bad}");
-        }
-    }
 
     #[test]
     fn leader_keys_are_fixed_per_name_and_apart_from_the_outboxs() {

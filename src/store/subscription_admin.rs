@@ -163,9 +163,6 @@ pub struct Dropped {
     pub failures: i64,
     /// Of those, dead letters.
     pub dead_letters: i64,
-    /// Its leadership term row (`events.outbox_terms`, scope
-    /// `subscription:NAME`), when it had one.
-    pub term_deleted: bool,
 }
 
 /// The highest id in `events.outbox` (`cursor_id`, 0 when empty): one
@@ -220,16 +217,16 @@ pub(crate) const SET_STATE: &str = "WITH old AS ( \
      UPDATE events.outbox_subscriptions s SET state = $2 FROM old WHERE s.name = old.name RETURNING old.state AS was";
 
 /// Drop subscription $1: its row (its failure rows go with it: `ON DELETE
-/// CASCADE`) and its term row (scope `subscription:` $1). Returns one row:
-/// `dropped` (0 when there was no such subscription), its `failures` and
-/// `dead_letters` before, and `terms` deleted.
+/// CASCADE`). Its term row (scope `subscription:` $1) stays, so terms only
+/// grow: a subscription created again under the name takes the next term,
+/// and a destination that refuses a lower term per aggregate still takes
+/// its deliveries. Returns one row: `dropped` (0 when there was no such
+/// subscription), its `failures` and `dead_letters` before.
 pub(crate) const DROP: &str = "WITH f AS ( \
        SELECT count(*) AS failures, count(*) FILTER (WHERE x.next_retry_at = 'infinity') AS dead_letters \
        FROM events.outbox_subscription_failures x WHERE x.subscription = $1), \
-     d AS (DELETE FROM events.outbox_subscriptions WHERE name = $1 RETURNING name), \
-     t AS (DELETE FROM events.outbox_terms WHERE scope = 'subscription:' || $1 AND EXISTS (SELECT 1 FROM d) \
-           RETURNING scope) \
-     SELECT (SELECT count(*) FROM d) AS dropped, f.failures, f.dead_letters, (SELECT count(*) FROM t) AS terms FROM f";
+     d AS (DELETE FROM events.outbox_subscriptions WHERE name = $1 RETURNING name) \
+     SELECT (SELECT count(*) FROM d) AS dropped, f.failures, f.dead_letters FROM f";
 
 /// Rewind subscription $1 to cursor $2 when it is paused: the cursor set,
 /// the ids settled above it and the checkpoints cleared, its failure rows
@@ -445,12 +442,7 @@ pub(crate) async fn drop_subscription<C: GenericClient + Sync>(client: &C, name:
     if dropped == 0 {
         return Err(SubscriptionError::Unknown(name.to_string()).into());
     }
-    let terms: i64 = row.try_get("terms")?;
-    Ok(Dropped {
-        failures: row.try_get("failures")?,
-        dead_letters: row.try_get("dead_letters")?,
-        term_deleted: terms > 0,
-    })
+    Ok(Dropped { failures: row.try_get("failures")?, dead_letters: row.try_get("dead_letters")? })
 }
 
 /// Rewind `name` to `from` ([`REWIND`]), only when it is paused.
@@ -556,14 +548,14 @@ pub(crate) fn dead_letters_retry_sql() -> String {
 
 /// Settle the dead letters of `$1` matching the filter (at most `$7`,
 /// locked first) as if delivered: `events.outbox_subscription_ack` deletes
-/// their failure rows, makes the next held event of each of their
+/// their failure rows, makes the held events of each of their
 /// aggregates due, and counts those above the cursor as settled. Returns
 /// their ids, ascending.
 pub(crate) fn dead_letters_discard_sql() -> String {
     format!(
         "WITH picked AS MATERIALIZED (SELECT f.id FROM {SUB_DEAD} ORDER BY f.id LIMIT $7 FOR UPDATE OF f), \
               settled AS MATERIALIZED ( \
-                SELECT count(*) AS n FROM events.outbox_subscription_ack($1, ARRAY(SELECT p.id FROM picked p), true)) \
+                SELECT count(*) AS n FROM events.outbox_subscription_ack($1, ARRAY(SELECT p.id FROM picked p), true, NULL, NULL)) \
          SELECT p.id FROM picked p, settled s WHERE s.n >= 0 ORDER BY p.id"
     )
 }

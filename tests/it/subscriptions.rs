@@ -330,3 +330,53 @@ async fn an_open_transactions_event_holds_the_cursor_below_it() {
     }
     assert_eq!(cursor(&c, "audit").await, (after, 0));
 }
+
+/// The WAL source wakes a subscription's consumer as it wakes the default
+/// one (the table stays the truth); where the insert trigger was stopped
+/// for it (`migrate --ordering producer-locked --source wal`), ids no
+/// longer follow transaction ids and a subscription's consumer refuses to
+/// start, naming the ordering mode.
+#[cfg(feature = "wal")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_wal_source_reads_a_subscription_and_one_without_the_trigger_is_refused() {
+    use pg_outbox::{Consumer, SourceKind};
+    use pg_outbox_testkit::process::LIVENESS;
+    use pg_outbox_testkit::{TempServer, TempServerOptions};
+
+    let server = tokio::task::spawn_blocking(|| {
+        TempServer::start_with(TempServerOptions::default().setting("wal_level", "logical"))
+    })
+    .await
+    .expect("join")
+    .unwrap_or_else(|e| panic!("throwaway PostgreSQL: {}", pg_outbox::error::report(&e)));
+    let admin = crate::faults::connect(&server.url(), "sub wal admin", LIVENESS).await;
+    if crate::support::server_version_num(&admin).await < 140_000 {
+        println!("subscriptions: PostgreSQL older than 14 has no WAL source; nothing to check here");
+        return;
+    }
+    let untriggered = vec!["migrate", "--ordering", "producer-locked", "--source", "wal"];
+    for (db, args) in [("sub_wal", vec!["migrate", "--source", "wal"]), ("sub_wal_untriggered", untriggered)] {
+        admin.batch_execute(&format!("CREATE DATABASE {db}")).await.expect("create database");
+        let out = crate::support::cli(&args).url(&server.url_for(db)).run().await;
+        assert!(out.ok(), "pg-outbox {args:?}: {}", out.stderr);
+        let c = crate::faults::connect(&server.url_for(db), "sub wal", LIVENESS).await;
+        create(&c, "audit").await;
+    }
+    let wal_consumer = |db: &str| {
+        Consumer::builder(pg_outbox::ConnectOptions::parse(&server.url_for(db)).expect("url"))
+            .source(SourceKind::Wal)
+            .subscription("audit")
+            .sweep_interval(Duration::from_secs(3600))
+            .start()
+    };
+    let mut stream = wal_consumer("sub_wal").await.expect("start");
+    let c = crate::faults::connect(&server.url_for("sub_wal"), "sub wal", LIVENESS).await;
+    let ids = insert_seed_events(&c, Uuid::new_v4(), 5).await;
+    // No sweep for an hour: the stream's wake-ups bring them.
+    assert_eq!(ack_all(&mut stream, 5).await, ids);
+    stream.finish().await.expect("finish");
+    let e = wal_consumer("sub_wal_untriggered").await.expect_err("refused").to_string();
+    assert!(e.contains("ids to follow transaction ids") && e.contains("--ordering outbox-locked"), "{e}");
+    drop((c, admin));
+    let _ = tokio::task::spawn_blocking(move || drop(server)).await;
+}

@@ -143,10 +143,8 @@ async fn drop_subscription(db: &pg_outbox::ConnectOptions, name: &str, yes: bool
     let d = subscription::drop(&tx, name).await?;
     tx.commit().await?;
     println!(
-        "dropped subscription {name}: {} failure rows deleted, {} of them dead letters{}",
-        d.failures,
-        d.dead_letters,
-        if d.term_deleted { "; its leadership term row deleted" } else { "" }
+        "dropped subscription {name}: {} failure rows deleted, {} of them dead letters",
+        d.failures, d.dead_letters
     );
     Ok(())
 }

@@ -1,0 +1,343 @@
+//! Scenario `subscriptions`: a named subscription against the default one
+//! (docs/subscriptions.md). A backlog of `hot_events` fresh events (1 000
+//! 000 in a full run) drained by a Consumer of the default subscription
+//! (one row written per event), by a Consumer of a named subscription (one
+//! cursor row per batch), and by the floor: a plain loop of `UPDATE ...
+//! RETURNING`, 500 rows a statement. Each drain's WAL bytes and dead tuples
+//! per event. Then commit-to-delivery latency, p50 and p99, at 100 and 1 000
+//! events/s, of each subscription's Consumer.
+
+use std::collections::HashMap;
+use std::hint::black_box;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{Duration, Instant};
+
+use futures::StreamExt;
+use pg_outbox::Consumer;
+use pg_outbox::tokio_postgres::{Client, Config};
+use serde::Serialize;
+
+use crate::report::{Section, fmt_count, fmt_ms, fmt_ratio, ratio};
+use crate::util::{self, RowKind, Scratch, scratch};
+use crate::{Ctx, Settings};
+use pg_outbox_testkit::bench::{BenchResult, BoxError};
+use pg_outbox_testkit::connect;
+
+/// The named subscription the scenario creates.
+const NAME: &str = "bench";
+/// Aggregates the backlog is spread over (round robin in id order).
+const AGGREGATES: i64 = 10_000;
+/// Rows per statement of the floor's loop.
+const FLOOR_BATCH: i64 = 500;
+/// Latency rates, events/s.
+const RATES: [u64; 2] = [100, 1_000];
+/// Producer connections sharing a latency rate.
+const PRODUCERS: usize = 4;
+
+/// Who drains.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+enum Reader {
+    /// `UPDATE ... RETURNING` in a loop, 500 a statement: the floor.
+    Floor,
+    /// A Consumer of the default subscription.
+    Default,
+    /// A Consumer of subscription [`NAME`].
+    Named,
+}
+
+impl Reader {
+    fn name(self) -> &'static str {
+        match self {
+            Reader::Floor => "floor: UPDATE ... RETURNING, 500 a statement",
+            Reader::Default => "default subscription (Consumer)",
+            Reader::Named => "named subscription (Consumer)",
+        }
+    }
+}
+
+/// One drain.
+#[derive(Debug, Clone, Serialize)]
+struct DrainRun {
+    reader: Reader,
+    events: i64,
+    seconds: f64,
+    wal_bytes: i64,
+    dead_tuples: i64,
+}
+
+impl DrainRun {
+    fn rate(&self) -> f64 {
+        if self.seconds > 0.0 { self.events as f64 / self.seconds } else { 0.0 }
+    }
+}
+
+/// One latency run.
+#[derive(Debug, Clone, Serialize)]
+struct LatencyRun {
+    reader: Reader,
+    rate: u64,
+    sent: usize,
+    p50_ms: f64,
+    p99_ms: f64,
+}
+
+/// A scratch database with subscription [`NAME`] reading from the first
+/// event, and `events` fresh events loaded and settled.
+async fn backlog(ctx: &Ctx, tag: &str, events: i64) -> BenchResult<(Scratch, Client)> {
+    let db = scratch(&ctx.admin, &ctx.admin_cfg, tag).await?;
+    let client = connect(&db.cfg).await?;
+    util::autovacuum_off(&client).await?;
+    client
+        .execute("INSERT INTO events.outbox_subscriptions (name, start_id, cursor_id) VALUES ($1, 0, 0)", &[&NAME])
+        .await?;
+    if events > 0 {
+        util::load_rows(&client, RowKind::Fresh, events, AGGREGATES, "sub").await?;
+        util::settle(&client).await?;
+    }
+    Ok((db, client))
+}
+
+/// The WAL position now, as a byte count.
+async fn wal_at(client: &Client) -> BenchResult<i64> {
+    Ok(client.query_one("SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), '0/0')::int8", &[]).await?.try_get(0)?)
+}
+
+/// Dead tuples in the schema `events`, once the server's statistics caught
+/// up (other sessions flush theirs within about a second of going idle).
+async fn dead_tuples(client: &Client) -> BenchResult<i64> {
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    client.batch_execute("SELECT pg_stat_clear_snapshot()").await?;
+    Ok(client
+        .query_one(
+            "SELECT coalesce(sum(n_dead_tup), 0)::int8 FROM pg_stat_user_tables WHERE schemaname = 'events'",
+            &[],
+        )
+        .await?
+        .try_get(0)?)
+}
+
+/// Events of the backlog not yet settled for `reader`.
+async fn left(client: &Client, reader: Reader) -> BenchResult<i64> {
+    let sql = match reader {
+        Reader::Named => {
+            "SELECT count(*) FROM events.outbox o, events.outbox_subscriptions s \
+             WHERE s.name = 'bench' AND o.id > s.cursor_id AND NOT o.id = ANY (s.settled)"
+        }
+        _ => "SELECT count(*) FROM events.outbox WHERE published_at IS NULL",
+    };
+    Ok(client.query_one(sql, &[]).await?.try_get(0)?)
+}
+
+/// Drain the backlog of `cfg` with `reader`; returns the seconds taken.
+async fn drain(cfg: &Config, client: &Client, reader: Reader, events: i64, max_secs: f64) -> BenchResult<f64> {
+    let started = Instant::now();
+    let deadline = started + Duration::from_secs_f64(max_secs);
+    if reader == Reader::Floor {
+        let floor = connect(cfg).await?;
+        loop {
+            let rows = floor
+                .query(
+                    "UPDATE events.outbox o SET published_at = now() WHERE o.id IN ( \
+                       SELECT id FROM events.outbox WHERE published_at IS NULL ORDER BY id LIMIT $1) \
+                     RETURNING o.id, o.payload",
+                    &[&FLOOR_BATCH],
+                )
+                .await?;
+            black_box(&rows);
+            if rows.is_empty() {
+                return Ok(started.elapsed().as_secs_f64());
+            }
+            if Instant::now() > deadline {
+                return Err(format!("the floor's loop did not drain {events} events in {max_secs:.0} s").into());
+            }
+        }
+    }
+    let builder = Consumer::builder(pg_outbox_testkit::options_of(cfg));
+    let builder = if reader == Reader::Named { builder.subscription(NAME) } else { builder };
+    let mut stream = builder.start().await?;
+    let mut acked = 0i64;
+    while acked < events {
+        match tokio::time::timeout_at(deadline.into(), stream.next()).await {
+            Ok(Some(d)) => {
+                black_box(&d.payload);
+                d.ack();
+                acked += 1;
+            }
+            Ok(None) => return Err("the consumer's stream ended before the backlog was drained".into()),
+            Err(_) => return Err(format!("{} acknowledged {acked} of {events} in the cap", reader.name()).into()),
+        }
+    }
+    let rest = deadline.saturating_duration_since(Instant::now());
+    let done =
+        util::wait_until(rest, Duration::from_millis(2), || async { Ok(left(client, reader).await? == 0) }).await?;
+    let seconds = started.elapsed().as_secs_f64();
+    stream.finish().await?;
+    if !done {
+        return Err(format!("{}: acknowledgements not all written in the cap", reader.name()).into());
+    }
+    Ok(seconds)
+}
+
+/// One drain in a scratch database of its own.
+async fn one_drain(ctx: &Ctx, reader: Reader, tag: &str) -> BenchResult<DrainRun> {
+    let s: &Settings = &ctx.settings;
+    let events = s.hot_events;
+    let (db, client) = backlog(ctx, tag, events).await?;
+    let result = async {
+        let wal0 = wal_at(&client).await?;
+        let dead0 = dead_tuples(&client).await?;
+        let seconds = drain(&db.cfg, &client, reader, events, s.drain_max_secs).await?;
+        let wal_bytes = wal_at(&client).await? - wal0;
+        let dead = dead_tuples(&client).await? - dead0;
+        Ok::<_, BoxError>(DrainRun { reader, events, seconds, wal_bytes, dead_tuples: dead })
+    }
+    .await;
+    db.drop_now(&ctx.admin).await;
+    let run = result?;
+    eprintln!("e2e: subscriptions: drain by {}: {} events/s", reader.name(), fmt_count(run.rate()));
+    Ok(run)
+}
+
+/// Commit-to-delivery latency of `reader`'s Consumer at `rate` events/s for
+/// `secs` seconds, producers on [`PRODUCERS`] connections.
+async fn one_latency(ctx: &Ctx, reader: Reader, rate: u64, secs: f64, tag: &str) -> BenchResult<LatencyRun> {
+    let (db, _client) = backlog(ctx, tag, 0).await?;
+    let result = async {
+        let builder = Consumer::builder(pg_outbox_testkit::options_of(&db.cfg));
+        let builder = if reader == Reader::Named { builder.subscription(NAME) } else { builder };
+        let mut stream = builder.start().await?;
+        let arrived: Arc<Mutex<HashMap<i64, Instant>>> = Arc::default();
+        let seen = arrived.clone();
+        let reader_task = tokio::spawn(async move {
+            while let Some(d) = stream.next().await {
+                seen.lock().unwrap_or_else(PoisonError::into_inner).insert(d.id, Instant::now());
+                d.ack();
+            }
+        });
+        let total = ((rate as f64) * secs).max(1.0) as usize;
+        let start = Instant::now() + Duration::from_millis(200);
+        let mut producers = Vec::new();
+        for p in 0..PRODUCERS {
+            let c = connect(&db.cfg).await?;
+            producers.push(tokio::spawn(async move {
+                let mut committed = Vec::new();
+                for i in (p..total).step_by(PRODUCERS) {
+                    let at = start + Duration::from_secs_f64(i as f64 / rate as f64);
+                    tokio::time::sleep_until(at.into()).await;
+                    let row = c
+                        .query_one(
+                            "INSERT INTO events.outbox (aggregate_type, aggregate_id, event_type, payload) \
+                             VALUES ('bench', gen_random_uuid(), 'Latency', '{\"n\": 1}') RETURNING id",
+                            &[],
+                        )
+                        .await?;
+                    committed.push((row.try_get::<_, i64>(0)?, Instant::now()));
+                }
+                Ok::<_, BoxError>(committed)
+            }));
+        }
+        let mut committed = Vec::new();
+        for p in producers {
+            committed.extend(p.await??);
+        }
+        let all = committed.len();
+        util::wait_until(Duration::from_secs(10), Duration::from_millis(5), || async {
+            Ok(arrived.lock().unwrap_or_else(PoisonError::into_inner).len() >= all)
+        })
+        .await?;
+        reader_task.abort();
+        let got = arrived.lock().unwrap_or_else(PoisonError::into_inner).clone();
+        let mut ms: Vec<f64> = committed
+            .iter()
+            .filter_map(|(id, at)| got.get(id).map(|a| a.saturating_duration_since(*at).as_secs_f64() * 1000.0))
+            .collect();
+        if ms.len() < all {
+            return Err(format!("{}: {} of {all} events delivered within 10 s", reader.name(), ms.len()).into());
+        }
+        ms.sort_by(f64::total_cmp);
+        let pct = |q: f64| ms[((ms.len() as f64 * q) as usize).min(ms.len() - 1)];
+        Ok::<_, BoxError>(LatencyRun { reader, rate, sent: all, p50_ms: pct(0.5), p99_ms: pct(0.99) })
+    }
+    .await;
+    db.drop_now(&ctx.admin).await;
+    result
+}
+
+/// Run the drains, then the latency runs.
+pub async fn run(ctx: &Ctx) -> BenchResult<Section> {
+    let s: &Settings = &ctx.settings;
+    let mut drains = Vec::new();
+    for (reader, tag) in [(Reader::Floor, "sub_floor"), (Reader::Default, "sub_default"), (Reader::Named, "sub_named")]
+    {
+        drains.push(one_drain(ctx, reader, tag).await?);
+    }
+    let mut latencies = Vec::new();
+    for rate in RATES {
+        for (reader, tag) in [(Reader::Default, "sub_lat_default"), (Reader::Named, "sub_lat_named")] {
+            latencies.push(one_latency(ctx, reader, rate, s.latency_secs, tag).await?);
+        }
+    }
+    let mut sec = Section::new(
+        "subscriptions",
+        &format!(
+            "Subscriptions: a named subscription against the default one, {} events",
+            fmt_count(s.hot_events as f64)
+        ),
+        &[
+            "what",
+            "reader",
+            "events/s or p50 / p99 ms",
+            "vs default",
+            "vs floor",
+            "WAL bytes/event",
+            "dead tuples/event",
+        ],
+    );
+    let (floor, default) = (drains[0].rate(), drains[1].rate());
+    for d in &drains {
+        let per = |v: i64| format!("{:.1}", v as f64 / d.events.max(1) as f64);
+        sec.rows.push(vec![
+            "drain".into(),
+            d.reader.name().into(),
+            fmt_count(d.rate()),
+            fmt_ratio(ratio(d.rate(), default)),
+            fmt_ratio(ratio(d.rate(), floor)),
+            per(d.wal_bytes),
+            per(d.dead_tuples),
+        ]);
+    }
+    for l in &latencies {
+        let base = latencies.iter().find(|b| b.rate == l.rate && b.reader == Reader::Default);
+        sec.rows.push(vec![
+            format!("latency at {}/s", l.rate),
+            l.reader.name().into(),
+            format!("{} / {}", fmt_ms(l.p50_ms), fmt_ms(l.p99_ms)),
+            base.map_or("n/a".into(), |b| {
+                format!("{} / {}", fmt_ratio(ratio(l.p50_ms, b.p50_ms)), fmt_ratio(ratio(l.p99_ms, b.p99_ms)))
+            }),
+            String::new(),
+            String::new(),
+            String::new(),
+        ]);
+        if l.reader == Reader::Named
+            && let Some(b) = base
+        {
+            let what = format!("named subscription's p99 <= 1.1x the default's at {}/s", l.rate);
+            sec.target(what, ratio(l.p99_ms, b.p99_ms), 1.1, true);
+        }
+    }
+    sec.target("named subscription's drain >= 1.5x the default's".into(), ratio(drains[2].rate(), default), 1.5, false);
+    sec.notes.push(format!(
+        "Each drain: {} fresh events (~1.5 KB JSON) over {AGGREGATES} aggregates in a scratch database of its own, \
+         settled (VACUUM ANALYZE, CHECKPOINT); the named subscription created from the first event. Consumers \
+         with the default settings; events/s over the time from the start until the table shows every event \
+         settled for that reader (published, or passed by the subscription's cursor). WAL bytes from \
+         pg_current_wal_lsn() around the drain; dead tuples from pg_stat_user_tables of the schema events. Latency: \
+         {} s at each rate over {PRODUCERS} producer connections (single-row autocommitted inserts, a fresh \
+         aggregate each), commit acknowledged to delivery in this process, one Consumer at a time.",
+        fmt_count(s.hot_events as f64),
+        s.latency_secs
+    ));
+    sec.data = serde_json::json!({"drains": drains, "latencies": latencies});
+    Ok(sec)
+}
