@@ -46,9 +46,11 @@ CREATE TABLE IF NOT EXISTS events.outbox_subscriptions (
     checkpoint_xids BIGINT[] NOT NULL DEFAULT '{}'
 );
 
+-- No foreign key to events.outbox_subscriptions: its triggers would sit in
+-- pg_trigger, which every fetch reads (src/store/fetch.rs, REWINDS,
+-- UNBLOCKS); `subscription drop` deletes a subscription's rows itself.
 CREATE TABLE IF NOT EXISTS events.outbox_subscription_failures (
-    subscription   TEXT NOT NULL
-                   REFERENCES events.outbox_subscriptions (name) ON DELETE CASCADE,
+    subscription   TEXT NOT NULL,
     id             BIGINT NOT NULL,
     aggregate_type TEXT NOT NULL,
     aggregate_id   UUID NOT NULL,

@@ -635,9 +635,10 @@ impl ConsumerBuilder {
         if let Some(name) = c.reader.subscription() {
             check_name(name)?;
             if c.mode != Mode::Single {
+                let mode = if matches!(c.mode, Mode::Competing) { "competing" } else { "partitioned" };
                 return Err(Error::Config(format!(
-                    "subscription {name:?} is read in single mode only (one leader, with standbys), not {:?}",
-                    c.mode
+                    "subscription {name:?} is read in single mode only (one leader, with standbys), not {mode} \
+                     (`--mode single`, or leave --mode out)"
                 )));
             }
         }

@@ -204,7 +204,12 @@ async fn check_leadership(cfg: &ConsumerConfig, work: &tokio_postgres::Client) -
         // A subscription's leadership is its own (single mode only): the
         // outbox's configuration does not bind it.
         let state = crate::store::subscription::check(work, name).await?;
-        tracing::info!(subscription = name, state = %state, "reading subscription {name:?} ({state})");
+        if state == "paused" {
+            tracing::warn!(subscription = name, state = %state,
+                "subscription {name:?} is paused: nothing is delivered until `pg-outbox subscription resume {name}`");
+        } else {
+            tracing::info!(subscription = name, state = %state, "reading subscription {name:?} ({state})");
+        }
         return Ok(());
     }
     crate::store::leader::check_configuration(work, &mine).await

@@ -81,6 +81,12 @@ pub(crate) fn checkpoint_sql() -> String {
     )
 }
 
+/// Move subscription $1's cursor with the checkpoint $3, $4 (`int8`), as
+/// an acknowledgement of the events $2 (none: `'{}'`) does
+/// ([`super::work::WorkSession::advance_idle`]).
+pub(crate) const ADVANCE_IDLE: &str =
+    "SELECT 1 FROM events.outbox_subscription_ack($1::text, $2::bigint[], true, $3::int8, $4::int8)";
+
 /// What a named subscription's consumer needs of the database: the
 /// subscription exists, and ids follow transaction ids (the insert trigger
 /// `outbox_order` enabled in its `ids-after-xid` version and the id

@@ -216,8 +216,7 @@ pub(crate) const SET_STATE: &str = "WITH old AS ( \
        SELECT name, state FROM events.outbox_subscriptions WHERE name = $1 FOR UPDATE) \
      UPDATE events.outbox_subscriptions s SET state = $2 FROM old WHERE s.name = old.name RETURNING old.state AS was";
 
-/// Drop subscription $1: its row (its failure rows go with it: `ON DELETE
-/// CASCADE`). Its term row (scope `subscription:` $1) stays, so terms only
+/// Drop subscription $1: its row and its failure rows, in one statement. Its term row (scope `subscription:` $1) stays, so terms only
 /// grow: a subscription created again under the name takes the next term,
 /// and a destination that refuses a lower term per aggregate still takes
 /// its deliveries. Returns one row: `dropped` (0 when there was no such
@@ -225,8 +224,10 @@ pub(crate) const SET_STATE: &str = "WITH old AS ( \
 pub(crate) const DROP: &str = "WITH f AS ( \
        SELECT count(*) AS failures, count(*) FILTER (WHERE x.next_retry_at = 'infinity') AS dead_letters \
        FROM events.outbox_subscription_failures x WHERE x.subscription = $1), \
-     d AS (DELETE FROM events.outbox_subscriptions WHERE name = $1 RETURNING name) \
-     SELECT (SELECT count(*) FROM d) AS dropped, f.failures, f.dead_letters FROM f";
+     d AS (DELETE FROM events.outbox_subscriptions WHERE name = $1 RETURNING name), \
+     x AS (DELETE FROM events.outbox_subscription_failures WHERE subscription = $1 AND EXISTS (SELECT 1 FROM d) \
+           RETURNING 1) \
+     SELECT (SELECT count(*) FROM d) AS dropped, f.failures, f.dead_letters, (SELECT count(*) FROM x) AS deleted FROM f";
 
 /// Rewind subscription $1 to cursor $2 when it is paused: the cursor set,
 /// the ids settled above it and the checkpoints cleared, its failure rows
@@ -265,7 +266,9 @@ pub(crate) fn check_name(name: &str) -> Result<()> {
     } else if !name.as_bytes()[0].is_ascii_alphanumeric() {
         Some("it does not start with a letter or a digit")
     } else if name == DEFAULT_NAME {
-        Some("'default' is the seeded flow's name")
+        Some(
+            "'default' is the seeded flow (published_at on the row), which has no row to create, pause, rewind or drop",
+        )
     } else {
         None
     };
@@ -276,21 +279,29 @@ pub(crate) fn check_name(name: &str) -> Result<()> {
 }
 
 /// The cursor `from` gives now ([`CURSOR_NOW`], [`CURSOR_EARLIEST`],
-/// [`CURSOR_TIME`]; `Id(n)`: `n - 1`, no SQL).
+/// [`CURSOR_TIME`]; `Id(n)`: `n - 1`).
 ///
 /// # Errors
-/// [`SubscriptionError::InvalidStart`] for `Id(i64::MIN)`;
-/// [`crate::Error::NotMigrated`] or [`crate::Error::Db`].
+/// [`SubscriptionError::InvalidStart`] for `Id(n)` below 1 (ids start at
+/// 1) or above the highest id plus one (the events between would be
+/// skipped unseen as they commit); [`crate::Error::NotMigrated`] or
+/// [`crate::Error::Db`].
 pub(crate) async fn cursor_for<C: GenericClient + Sync>(client: &C, from: From) -> Result<i64> {
     let row = match from {
         From::Id(n) => {
-            return n.checked_sub(1).ok_or_else(|| {
-                SubscriptionError::InvalidStart {
-                    value: format!("id:{n}"),
-                    why: "no id comes before it; give an id above the lowest bigint".into(),
-                }
-                .into()
-            });
+            let top: i64 = client.query_one(CURSOR_NOW, &[]).await.map_err(map_missing_schema)?.try_get("cursor_id")?;
+            let why = if n < 1 {
+                "ids start at 1; give id:1 for the first event".to_string()
+            } else if n > top.saturating_add(1) {
+                format!(
+                    "the highest id is {top}: a start above {} would skip, unseen, the events that take the ids                      between; give id:{} or lower, or --from now",
+                    top.saturating_add(1),
+                    top.saturating_add(1)
+                )
+            } else {
+                return Ok(n - 1);
+            };
+            return Err(SubscriptionError::InvalidStart { value: format!("id:{n}"), why }.into());
         }
         From::Now => client.query_one(CURSOR_NOW, &[]).await,
         From::Earliest => client.query_one(CURSOR_EARLIEST, &[]).await,
@@ -420,6 +431,7 @@ pub(crate) async fn set_state<C: GenericClient + Sync>(
     name: &str,
     state: SubscriptionState,
 ) -> Result<SubscriptionState> {
+    check_name(name)?;
     let row = client.query_opt(SET_STATE, &[&name, &state.as_str()]).await.map_err(map_missing_schema)?;
     let Some(row) = row else { return Err(SubscriptionError::Unknown(name.to_string()).into()) };
     let was: String = row.try_get("was")?;
@@ -437,6 +449,7 @@ pub(crate) async fn set_state<C: GenericClient + Sync>(
 /// [`SubscriptionError::Unknown`]; [`crate::Error::NotMigrated`] or
 /// [`crate::Error::Db`].
 pub(crate) async fn drop_subscription<C: GenericClient + Sync>(client: &C, name: &str) -> Result<Dropped> {
+    check_name(name)?;
     let row = client.query_one(DROP, &[&name]).await.map_err(map_missing_schema)?;
     let dropped: i64 = row.try_get("dropped")?;
     if dropped == 0 {
@@ -452,8 +465,9 @@ pub(crate) async fn drop_subscription<C: GenericClient + Sync>(client: &C, name:
 /// [`SubscriptionError::InvalidStart`]; [`crate::Error::NotMigrated`] or
 /// [`crate::Error::Db`].
 pub(crate) async fn rewind<C: GenericClient + Sync>(client: &C, name: &str, from: From) -> Result<Rewound> {
-    // Refused before any work when the name is unknown or the subscription
-    // active; the statement checks again under the row's lock.
+    // Refused before any work when the name is invalid or unknown or the
+    // subscription active; the statement checks again under the row's lock.
+    check_name(name)?;
     match state_of(client, name).await? {
         SubscriptionState::Paused => {}
         SubscriptionState::Active => return Err(SubscriptionError::NotPaused(name.to_string()).into()),

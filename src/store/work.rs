@@ -280,6 +280,26 @@ impl WorkSession {
         self.run(StatementKind::Fetch, stop, fetch).await
     }
 
+    /// A named subscription's fetch found nothing: move its cursor over what
+    /// is settled, so an idle subscription's cursor (its figures, and what
+    /// retention may delete) catches up without waiting for another event:
+    /// a checkpoint read in a statement of its own, then an
+    /// acknowledgement of no events that records it and passes the earlier
+    /// ones (migration 0016, `events.outbox_subscription_advance`: safe
+    /// from any session at any time, as it passes only settled, failed or
+    /// held-back events). Nothing for the default subscription.
+    pub(crate) async fn advance_idle(&self, stop: impl Future<Output = ()>) -> Result<(), StatementError> {
+        let Some(name) = self.reader.subscription() else { return Ok(()) };
+        let advance = async {
+            let row = self.client.query_one(&super::subscription::checkpoint_sql(), &[]).await?;
+            let (top, next): (Option<i64>, Option<i64>) = (row.try_get("top")?, row.try_get("next_xid")?);
+            let none: Vec<i64> = Vec::new();
+            let params: [&(dyn ToSql + Sync); 4] = [&name, &none, &top, &next];
+            self.client.execute(super::subscription::ADVANCE_IDLE, &params).await
+        };
+        self.run(StatementKind::Fetch, stop, advance).await.map(drop)
+    }
+
     /// Commit the claim transaction, running to its end (or the timeout).
     pub(crate) async fn commit_claim(&self) -> Result<(), StatementError> {
         let commit = self.client.batch_execute(COMMIT);

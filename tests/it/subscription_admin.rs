@@ -153,9 +153,14 @@ async fn create_sets_the_cursor_from_each_start() {
     assert_eq!(e.backlog_upper_bound, span - 2, "the span above the cursor, less the two settled");
     // Still the first event's lag: it is not settled.
     assert!(e.lag_seconds.is_some_and(|l| l > 9.0 * 86_400.0), "{e:?}");
-    // id:i64::MIN has no id before it.
-    let err = sub_error(subscription::create(&c, "too-low", From::Id(i64::MIN)).await.expect_err("no id before"));
-    assert!(matches!(err, SubscriptionError::InvalidStart { .. }), "{err:?}");
+    // Ids start at 1; a start past the highest id plus one would skip the
+    // events that take the ids between.
+    let top: i64 = c.query_one("SELECT max(id) FROM events.outbox", &[]).await.expect("max").get(0);
+    for (n, why) in [(i64::MIN, "ids start at 1"), (0, "ids start at 1"), (top + 2, "would skip")] {
+        let err = sub_error(subscription::create(&c, "out-of-range", From::Id(n)).await.expect_err("refused"));
+        assert!(matches!(&err, SubscriptionError::InvalidStart { why: w, .. } if w.contains(why)), "{n}: {err:?}");
+    }
+    subscription::create(&c, "next-one", From::Id(top + 1)).await.expect("the next id is a start");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

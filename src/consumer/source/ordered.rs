@@ -27,7 +27,16 @@ pub(crate) struct OrderedFetch {
     /// most the consumer's buffer): when one's acknowledgement is written,
     /// the events of its aggregate held back behind it are due.
     retries: HashSet<i64>,
+    /// When a named subscription's cursor was last moved after a fetch
+    /// that found nothing ([`crate::store::WorkSession::advance_idle`]).
+    advanced_idle: Option<Instant>,
 }
+
+/// How often an idle named subscription's cursor is moved at most: each
+/// move passes the checkpoint the one before recorded, so an idle
+/// subscription's cursor catches up within about two of these (or two
+/// sweeps, if longer).
+const ADVANCE_IDLE_EVERY: std::time::Duration = std::time::Duration::from_secs(1);
 
 impl OrderedFetch {
     /// The fetch of a consumer configured by `cfg` (single or partitioned
@@ -38,6 +47,7 @@ impl OrderedFetch {
             floor: FetchFloor::new(cfg.sweep_interval),
             read_partitions: None,
             retries: HashSet::new(),
+            advanced_idle: None,
         }
     }
 }
@@ -72,6 +82,11 @@ impl Fetch for OrderedFetch {
         self.retries.extend(
             page.rows.iter().flatten().filter(|r| r.event.retry_count > 0 || r.failure_row).map(|r| r.event.id),
         );
+        let now = Instant::now();
+        if page.rows.is_empty() && self.advanced_idle.is_none_or(|t| now >= t + ADVANCE_IDLE_EVERY) {
+            self.advanced_idle = Some(now);
+            cx.work.advance_idle(cx.stop()).await?;
+        }
         Ok(page)
     }
 

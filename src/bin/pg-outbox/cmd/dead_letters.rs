@@ -227,13 +227,13 @@ fn print_table(rows: &[pg_outbox::Event]) {
     );
     for e in rows {
         let err: String =
-            super::status::printable(e.last_error.as_deref().unwrap_or_default()).chars().take(80).collect();
+            super::text::printable(e.last_error.as_deref().unwrap_or_default()).chars().take(80).collect();
         println!(
             "{:>10}  {:<20}  {:<36}  {:<24}  {:>7}  {}",
             e.id,
-            super::status::printable(&e.aggregate_type),
+            super::text::printable(&e.aggregate_type),
             e.aggregate_id,
-            super::status::printable(&e.event_type),
+            super::text::printable(&e.event_type),
             e.retry_count,
             err
         );

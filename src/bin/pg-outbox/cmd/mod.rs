@@ -11,3 +11,4 @@ pub(crate) mod relay;
 pub(crate) mod replay;
 pub(crate) mod status;
 pub(crate) mod subscription;
+pub(crate) mod text;

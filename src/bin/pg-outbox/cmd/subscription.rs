@@ -172,7 +172,7 @@ async fn list(db: &pg_outbox::ConnectOptions, json: bool) -> Result<(), Error> {
 /// bounds (more failure rows than were counted) start with `>=`, estimated
 /// ones (the default's, as `status` estimates them) with `~`.
 pub(crate) fn print_table(all: &[Subscription]) {
-    let names: Vec<String> = all.iter().map(|s| super::status::printable(&s.name)).collect();
+    let names: Vec<String> = all.iter().map(|s| super::text::printable(&s.name)).collect();
     let w = names.iter().map(|n| n.chars().count()).max().unwrap_or(0).max(12);
     println!(
         "{:<w$}  {:<6}  {:>12}  {:>12}  {:>8}  {:>8}  {:>12}  {:>8}  moved",
@@ -192,7 +192,7 @@ pub(crate) fn print_table(all: &[Subscription]) {
             s.state.as_str(),
             s.cursor_id.map_or("-".to_string(), |c| c.to_string()),
             format!("{backlog_mark}{}", s.backlog_upper_bound),
-            s.lag_seconds.map_or("-".to_string(), super::status::short_secs),
+            s.lag_seconds.map_or("-".to_string(), super::text::short_secs),
             n(s.failing),
             n(s.dead_letters),
             n(s.held),
