@@ -632,16 +632,7 @@ impl ConsumerBuilder {
         if !(ConsumerBuilder::MIN_STRANDED_AFTER..=ConsumerBuilder::MAX_STRANDED_AFTER).contains(&c.stranded_after) {
             return Err(Error::Config(format!("stranded-after must be 3 s to 1 hour, got {:?}", c.stranded_after)));
         }
-        if let Some(name) = c.reader.subscription() {
-            check_name(name)?;
-            if c.mode != Mode::Single {
-                let mode = if matches!(c.mode, Mode::Competing) { "competing" } else { "partitioned" };
-                return Err(Error::Config(format!(
-                    "subscription {name:?} is read in single mode only (one leader, with standbys), not {mode} \
-                     (`--mode single`, or leave --mode out)"
-                )));
-            }
-        }
+        check_subscription(c)?;
         if c.statement_timeout > MAX_STATEMENT_TIMEOUT {
             return Err(Error::Config(format!(
                 "statement timeout must be at most {} ms (about 24.8 days; 0 disables it), got {:?}",
@@ -651,6 +642,24 @@ impl ConsumerBuilder {
         }
         Ok(())
     }
+}
+
+/// A named subscription's name is one, and it is read in single mode.
+///
+/// # Errors
+/// [`Error::Subscription`] for an invalid name; [`Error::Config`] naming
+/// the mode otherwise.
+fn check_subscription(c: &ConsumerConfig) -> Result<()> {
+    let Some(name) = c.reader.subscription() else { return Ok(()) };
+    check_name(name)?;
+    if c.mode != Mode::Single {
+        let mode = if matches!(c.mode, Mode::Competing) { "competing" } else { "partitioned" };
+        return Err(Error::Config(format!(
+            "subscription {name:?} is read in single mode only (one leader, with standbys), not {mode} \
+             (`--mode single`, or leave --mode out)"
+        )));
+    }
+    Ok(())
 }
 
 #[cfg(test)]

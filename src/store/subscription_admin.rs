@@ -282,8 +282,8 @@ pub(crate) fn check_name(name: &str) -> Result<()> {
 /// [`CURSOR_TIME`]; `Id(n)`: `n - 1`).
 ///
 /// # Errors
-/// [`SubscriptionError::InvalidStart`] for `Id(n)` below 1 (ids start at
-/// 1) or above the highest id plus one (the events between would be
+/// [`SubscriptionError::InvalidStart`] for `Id(n)` below one, where no
+/// id is, or above the highest id plus one (the events between would be
 /// skipped unseen as they commit); [`crate::Error::NotMigrated`] or
 /// [`crate::Error::Db`].
 pub(crate) async fn cursor_for<C: GenericClient + Sync>(client: &C, from: From) -> Result<i64> {
