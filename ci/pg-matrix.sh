@@ -51,6 +51,10 @@ subset=(
   order::events_committed_late_below_delivered_ids_are_delivered_without_waiting_for_the_sweep
   order::events_held_back_behind_a_retry_follow_it_although_later_events_passed_them
   order::rolled_back_insert_does_not_stall_the_aggregate
+  # A subscription's cursor: the same rule, in PL/pgSQL on the server
+  # (snapshot functions, pg_locks against pg_stat_activity).
+  subscriptions::an_open_transactions_event_holds_the_cursor_below_it
+  subscriptions::the_cursor_never_passes_an_event_that_commits_late
   ordering_modes::producer_locked_mode_keeps_order_for_producers_that_lock_their_aggregate_first
   # Faults: relay killed, server restarted, sessions terminated.
   faults::kill_9
