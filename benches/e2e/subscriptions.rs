@@ -9,6 +9,7 @@
 
 use std::collections::HashMap;
 use std::hint::black_box;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
@@ -207,12 +208,23 @@ async fn one_latency(ctx: &Ctx, reader: Reader, rate: u64, secs: f64, tag: &str)
         let builder = if reader == Reader::Named { builder.subscription(NAME) } else { builder };
         let mut stream = builder.start().await?;
         let arrived: Arc<Mutex<HashMap<i64, Instant>>> = Arc::default();
-        let seen = arrived.clone();
+        // How many the producers committed (set once they are done): the
+        // reader then stops, and finishes the stream (its acknowledgements
+        // written, its sessions closed) before the database is dropped.
+        let expected = Arc::new(AtomicUsize::new(usize::MAX));
+        let (seen, want) = (arrived.clone(), expected.clone());
         let reader_task = tokio::spawn(async move {
-            while let Some(d) = stream.next().await {
-                seen.lock().unwrap_or_else(PoisonError::into_inner).insert(d.id, Instant::now());
-                d.ack();
+            let deadline = Instant::now() + Duration::from_secs_f64(secs + 15.0);
+            while Instant::now() < deadline {
+                if seen.lock().unwrap_or_else(PoisonError::into_inner).len() >= want.load(Ordering::SeqCst) {
+                    break;
+                }
+                if let Ok(Some(d)) = tokio::time::timeout(Duration::from_millis(50), stream.next()).await {
+                    seen.lock().unwrap_or_else(PoisonError::into_inner).insert(d.id, Instant::now());
+                    d.ack();
+                }
             }
+            stream.finish().await
         });
         let total = ((rate as f64) * secs).max(1.0) as usize;
         let start = Instant::now() + Duration::from_millis(200);
@@ -241,18 +253,15 @@ async fn one_latency(ctx: &Ctx, reader: Reader, rate: u64, secs: f64, tag: &str)
             committed.extend(p.await??);
         }
         let all = committed.len();
-        util::wait_until(Duration::from_secs(10), Duration::from_millis(5), || async {
-            Ok(arrived.lock().unwrap_or_else(PoisonError::into_inner).len() >= all)
-        })
-        .await?;
-        reader_task.abort();
+        expected.store(all, Ordering::SeqCst);
+        reader_task.await??;
         let got = arrived.lock().unwrap_or_else(PoisonError::into_inner).clone();
         let mut ms: Vec<f64> = committed
             .iter()
             .filter_map(|(id, at)| got.get(id).map(|a| a.saturating_duration_since(*at).as_secs_f64() * 1000.0))
             .collect();
         if ms.len() < all {
-            return Err(format!("{}: {} of {all} events delivered within 10 s", reader.name(), ms.len()).into());
+            return Err(format!("{}: {} of {all} events delivered within 15 s", reader.name(), ms.len()).into());
         }
         ms.sort_by(f64::total_cmp);
         let pct = |q: f64| ms[((ms.len() as f64 * q) as usize).min(ms.len() - 1)];
