@@ -137,7 +137,13 @@ BEGIN
     -- walk of the primary key from the cursor, in one statement (the ids
     -- settled in a hashed set). The events it passes held back get a
     -- failure row of their own (held: `next_retry_at` NULL), so they are
-    -- delivered once the event they wait for is settled.
+    -- delivered once the event they wait for is settled. The failure rows
+    -- above the cursor are read once per statement into a hashed set, and
+    -- the hold-back probe is a scalar subquery in the order of
+    -- `outbox_subscription_failures_aggregate_idx` (one descent per event
+    -- walked): as NOT EXISTS, with statistics taken while the failures
+    -- table was empty, the planner scanned every failure row for each
+    -- event walked.
     v_cursor := s.cursor_id;
     IF v_limit > s.cursor_id THEN
         v_any_failed := EXISTS (SELECT 1 FROM events.outbox_subscription_failures f WHERE f.subscription = p_name);
@@ -145,11 +151,11 @@ BEGIN
          WHERE o.id > s.cursor_id AND o.id <= v_limit
            AND o.id NOT IN (SELECT unnest(s.settled))
            AND (NOT v_any_failed OR (
-                NOT EXISTS (SELECT 1 FROM events.outbox_subscription_failures f
-                             WHERE f.subscription = p_name AND f.id = o.id)
-                AND NOT EXISTS (SELECT 1 FROM events.outbox_subscription_failures f
-                                 WHERE f.subscription = p_name AND f.aggregate_type = o.aggregate_type
-                                   AND f.aggregate_id = o.aggregate_id AND f.id < o.id)))
+                o.id NOT IN (SELECT f.id FROM events.outbox_subscription_failures f
+                              WHERE f.subscription = p_name AND f.id > s.cursor_id)
+                AND (SELECT f.id FROM events.outbox_subscription_failures f
+                      WHERE f.subscription = p_name AND f.aggregate_type = o.aggregate_type
+                        AND f.aggregate_id = o.aggregate_id AND f.id < o.id ORDER BY f.id LIMIT 1) IS NULL))
          ORDER BY o.id LIMIT 1;
         v_cursor := coalesce(v_cursor, v_limit);
         IF v_any_failed AND v_cursor > s.cursor_id THEN
@@ -157,8 +163,8 @@ BEGIN
             SELECT p_name, o.id, o.aggregate_type, o.aggregate_id FROM events.outbox o
              WHERE o.id > s.cursor_id AND o.id <= v_cursor
                AND o.id NOT IN (SELECT unnest(s.settled))
-               AND NOT EXISTS (SELECT 1 FROM events.outbox_subscription_failures f
-                                WHERE f.subscription = p_name AND f.id = o.id)
+               AND o.id NOT IN (SELECT f.id FROM events.outbox_subscription_failures f
+                                 WHERE f.subscription = p_name AND f.id > s.cursor_id)
             ON CONFLICT DO NOTHING;
         END IF;
     END IF;

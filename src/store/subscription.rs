@@ -133,13 +133,16 @@ pub(crate) async fn check<C: GenericClient + Sync>(client: &C, name: &str) -> Re
 /// `oldest_age`, seconds since the oldest of the first fresh event and
 /// the failed events not dead (NULL: none). Index walks from the cursor
 /// and over the subscription's failure rows only, whatever the size of
-/// the table.
+/// the table; the failure rows above the cursor are read once into a
+/// hashed set (as a per-event probe, with statistics taken while the
+/// failures table was empty, the planner scanned every failure row for
+/// each event walked).
 pub(crate) const GAUGES: &str = "WITH s AS MATERIALIZED (SELECT cursor_id, settled FROM events.outbox_subscriptions \
        WHERE name = $1::text), \
      fresh AS MATERIALIZED (SELECT o.id, o.occurred_at FROM events.outbox o \
        WHERE o.id > (SELECT cursor_id FROM s) AND o.id NOT IN (SELECT unnest(settled) FROM s) \
-         AND NOT EXISTS (SELECT 1 FROM events.outbox_subscription_failures f \
-                          WHERE f.subscription = $1::text AND f.id = o.id) \
+         AND o.id NOT IN (SELECT f.id FROM events.outbox_subscription_failures f \
+                           WHERE f.subscription = $1::text AND f.id > (SELECT cursor_id FROM s)) \
        ORDER BY o.id LIMIT $2::int8 + 1) \
      SELECT (SELECT count(*) FROM fresh) AS fresh, \
        (SELECT count(*) FROM (SELECT 1 FROM events.outbox_subscription_failures f \
@@ -148,7 +151,7 @@ pub(crate) const GAUGES: &str = "WITH s AS MATERIALIZED (SELECT cursor_id, settl
        (SELECT count(*) FROM (SELECT 1 FROM events.outbox_subscription_failures f \
           WHERE f.subscription = $1::text AND f.next_retry_at = 'infinity' LIMIT $2::int8 + 1) d) AS dead, \
        EXTRACT(EPOCH FROM (now() - least( \
-         (SELECT f.occurred_at FROM fresh f ORDER BY f.id LIMIT 1), \
+         (SELECT f.occurred_at FROM fresh f WHERE f.id = (SELECT min(m.id) FROM fresh m)), \
          (SELECT min(o.occurred_at) FROM (SELECT f.id FROM events.outbox_subscription_failures f \
             WHERE f.subscription = $1::text AND (f.next_retry_at IS NULL OR f.next_retry_at < 'infinity') \
             ORDER BY f.id LIMIT 1) f JOIN events.outbox o ON o.id = f.id))))::float8 AS oldest_age";

@@ -90,6 +90,25 @@ pub(crate) use harness::*;
 pub(crate) use load::*;
 pub(crate) use webhook::*;
 
+/// A throwaway server of this test's own (one it may restart), with
+/// database `name` created and migrated by `pg-outbox migrate`; the server
+/// and the database's URL.
+pub(crate) async fn throwaway_migrated(name: &str) -> (Arc<TempServer>, String) {
+    let server = Arc::new(
+        tokio::task::spawn_blocking(TempServer::start)
+            .await
+            .expect("join")
+            .unwrap_or_else(|e| panic!("throwaway PostgreSQL: {}", pg_outbox::error::report(&e))),
+    );
+    let admin = connect(&server.url(), "fault-suite admin", LIVENESS).await;
+    admin.batch_execute(&format!("CREATE DATABASE {name}")).await.expect("create database");
+    drop(admin);
+    let url = server.url_for(name);
+    let migrate = support::cli(&["migrate"]).url(&url).run().await;
+    assert!(migrate.ok(), "pg-outbox migrate failed: {}", migrate.stderr);
+    (server, url)
+}
+
 // ---------------------------------------------------------------- tests
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -174,18 +193,7 @@ async fn postgres_restart() {
     const SEED: u64 = 0xFA17_0003;
     const RESTARTS: usize = 2;
     let mut rng = StdRng::seed_from_u64(SEED);
-    let server = Arc::new(
-        tokio::task::spawn_blocking(TempServer::start)
-            .await
-            .expect("join")
-            .unwrap_or_else(|e| panic!("throwaway PostgreSQL: {}", pg_outbox::error::report(&e))),
-    );
-    let admin = connect(&server.url(), "fault-suite admin", LIVENESS).await;
-    admin.batch_execute("CREATE DATABASE fault_restart").await.expect("create database");
-    drop(admin);
-    let url = server.url_for("fault_restart");
-    let migrate = support::cli(&["migrate"]).url(&url).run().await;
-    assert!(migrate.ok(), "pg-outbox migrate failed: {}", migrate.stderr);
+    let (server, url) = throwaway_migrated("fault_restart").await;
 
     let mut h = Harness::new("postgres_restart", SEED, url.clone(), Behavior::Ok, &[]).await;
     h.start_relay().await;

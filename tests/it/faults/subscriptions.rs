@@ -8,34 +8,20 @@
 //! settled without a 2xx, duplicates within the in-flight window of the
 //! kills.
 
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use rand::rngs::StdRng;
 use rand::{RngExt, SeedableRng};
 
-use pg_outbox_testkit::TempServer;
 use pg_outbox_testkit::process::LIVENESS;
 
-use super::{BATCH, Behavior, Faults, Harness, Load, connect, fault_points, load_spec};
-use crate::support;
+use super::{BATCH, Behavior, Faults, Harness, Load, connect, fault_points, load_spec, throwaway_migrated};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_subscriptions_through_kills_a_restart_a_freeze_and_a_failing_sink() {
     const SEED: u64 = 0xFA17_0050;
     let mut rng = StdRng::seed_from_u64(SEED);
-    let server = Arc::new(
-        tokio::task::spawn_blocking(TempServer::start)
-            .await
-            .expect("join")
-            .unwrap_or_else(|e| panic!("throwaway PostgreSQL: {}", pg_outbox::error::report(&e))),
-    );
-    let admin = connect(&server.url(), "fault-suite admin", LIVENESS).await;
-    admin.batch_execute("CREATE DATABASE fault_subscriptions").await.expect("create database");
-    drop(admin);
-    let url = server.url_for("fault_subscriptions");
-    let migrate = support::cli(&["migrate"]).url(&url).run().await;
-    assert!(migrate.ok(), "pg-outbox migrate failed: {}", migrate.stderr);
+    let (server, url) = throwaway_migrated("fault_subscriptions").await;
     let c = connect(&url, "fault-suite setup", LIVENESS).await;
     c.execute("INSERT INTO events.outbox_subscriptions (name, start_id, cursor_id) VALUES ('audit', 0, 0)", &[])
         .await
