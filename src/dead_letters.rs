@@ -88,8 +88,20 @@ pub async fn retry<C: GenericClient + Sync>(client: &C, filter: &Filter) -> Resu
 /// Delete the matching dead letters. Returns the ids deleted. The later
 /// events of their aggregates are no longer held back.
 ///
+/// With [`Filter::subscription`] naming a subscription, its dead letters
+/// are settled for it instead (the events stay). For the default
+/// subscription (the seeded flow), the events are deleted from
+/// `events.outbox` only when every other subscription has passed them:
+/// otherwise nothing is deleted and the error names the events and the
+/// subscriptions that still need them.
+///
 /// # Errors
-/// [`crate::Error::NotMigrated`] or [`crate::Error::Db`].
+/// [`crate::Error::NotMigrated`] or [`crate::Error::Db`];
+/// [`crate::Error::Subscription`] with
+/// [`crate::error::SubscriptionError::StillNeeded`] when a subscription has
+/// not passed a picked event yet (nothing was deleted), or
+/// [`crate::error::SubscriptionError::Unknown`] for a name that is no
+/// subscription.
 ///
 /// # Cancel safety
 /// One statement, then a `NOTIFY` that wakes the relays. If the future is dropped,

@@ -206,6 +206,34 @@ pub enum SubscriptionError {
         /// What is wrong with it, and the forms that are accepted.
         why: String,
     },
+    /// A discard of the default subscription's dead letters (the seeded
+    /// flow deletes them from `events.outbox`) that picked events another
+    /// subscription has not passed yet: deleting them would lose them for
+    /// it, so nothing was discarded. Discard them once every subscription
+    /// has passed them, or leave them out of the selection.
+    #[error(
+        "nothing discarded: {} of the dead letters picked ({}) {} not been passed yet by subscription(s) {}, and \
+         discarding deletes them from events.outbox, which would lose them for {}; discard them once {} passed \
+         them (pg-outbox subscription list shows each cursor), or leave them out of the selection",
+        ids.len(), crate::error::id_list(ids), if ids.len() == 1 { "has" } else { "have" },
+        subscriptions.join(", "), if subscriptions.len() == 1 { "it" } else { "them" },
+        if subscriptions.len() == 1 { "it has" } else { "they have" }
+    )]
+    StillNeeded {
+        /// The picked events some subscription still needs, ascending.
+        ids: Vec<i64>,
+        /// The subscriptions that still need them, by name.
+        subscriptions: Vec<String>,
+    },
+}
+
+/// `ids` for a message: up to 10, then how many more.
+pub(crate) fn id_list(ids: &[i64]) -> String {
+    let shown: Vec<String> = ids.iter().take(10).map(i64::to_string).collect();
+    match ids.len().saturating_sub(10) {
+        0 => shown.join(", "),
+        more => format!("{} and {more} more", shown.join(", ")),
+    }
 }
 
 impl Error {

@@ -49,6 +49,7 @@ use super::session::{OpenError, Sessions};
 use super::source::{Cx, Fetch, Leadership, Room, Stop, TermCheck, Wake, WakeKind, Wakeups, due, earliest};
 use super::{ConsumerConfig, Delivery, STATUS_INTERVAL, Shared};
 use crate::connect::Link;
+use crate::error::SubscriptionError;
 use crate::metrics as m;
 use crate::store::statement::{Failure, StatementError};
 
@@ -87,6 +88,11 @@ async fn maybe<F: Future>(f: Option<F>) -> F::Output {
 /// `token` is cancelled and the handed-out deliveries are settled (or the
 /// shutdown grace ran out), then write the last settlements. `first` is
 /// the connection `start` opened.
+///
+/// # Errors
+/// What ended the consumer on its own: [`SubscriptionError::Unknown`] when
+/// the named subscription it reads was dropped. Every other error is
+/// retried.
 pub(crate) async fn run<K: WakeKind, F: Fetch>(
     cfg: Arc<ConsumerConfig>,
     (wakeups, fetch): (Wakeups<K>, F),
@@ -94,7 +100,7 @@ pub(crate) async fn run<K: WakeKind, F: Fetch>(
     io: Io,
     token: CancellationToken,
     health: Arc<health::State>,
-) {
+) -> crate::error::Result<()> {
     /// Marks the loop ended however it ends (a panic included).
     struct Ended(Arc<health::State>);
     impl Drop for Ended {
@@ -122,6 +128,7 @@ pub(crate) async fn run<K: WakeKind, F: Fetch>(
         on_standby: None,
         shared: shared.clone(),
         lease_warned: None,
+        fatal: None,
     };
     engine.run(tx, settle_rx, done_rx, &shared).await
 }
@@ -155,6 +162,9 @@ struct Engine<K: WakeKind, F: Fetch> {
     /// When a confirmation that came back after its lease was said last
     /// (said at most once a minute).
     lease_warned: Option<Instant>,
+    /// What ends the consumer instead of a retry: its subscription was
+    /// dropped ([`Engine::gone`]). Returned once the loop has stopped.
+    fatal: Option<crate::error::Error>,
 }
 
 impl<K: WakeKind, F: Fetch> Engine<K, F> {
@@ -164,7 +174,7 @@ impl<K: WakeKind, F: Fetch> Engine<K, F> {
         mut settle_rx: mpsc::UnboundedReceiver<Settlement>,
         mut done_rx: mpsc::UnboundedReceiver<FlushDone>,
         shared: &Shared,
-    ) {
+    ) -> crate::error::Result<()> {
         let token = self.token.clone();
         while !self.stop_reached() {
             self.health.turned();
@@ -210,6 +220,7 @@ impl<K: WakeKind, F: Fetch> Engine<K, F> {
             }
         }
         self.final_flush(&mut done_rx).await;
+        self.fatal.map_or(Ok(()), Err)
     }
 
     /// The engine's next timer but the gauges': a write due (sessions
@@ -550,6 +561,7 @@ impl<K: WakeKind, F: Fetch> Engine<K, F> {
     /// claims went with them: another consumer may deliver what is buffered
     /// here, so none of it is handed out.
     fn lose(&mut self, loss: Loss) {
+        self.gone(&loss);
         let delay = match self.describe_loss(loss) {
             Some((error, delay)) => {
                 metrics::counter!(m::DATABASE_ERRORS).increment(1);
@@ -570,6 +582,29 @@ impl<K: WakeKind, F: Fetch> Engine<K, F> {
         }
         self.health.connected(false);
         self.health.role(self.fetch.leadership().role());
+    }
+
+    /// A named subscription's statement failed with SQLSTATE P0002 (its
+    /// acknowledgement and failure functions' "subscription does not
+    /// exist": migrations/0016_outbox_subscriptions.sql): it was dropped,
+    /// so nothing it fetches can be settled. Stop (what is handed out is
+    /// released with the sessions) and end with
+    /// [`SubscriptionError::Unknown`], instead of reconnecting for ever.
+    fn gone(&mut self, loss: &Loss) {
+        let Some(name) = self.cfg.reader.subscription() else { return };
+        let Loss::Statement(StatementError { failure: Failure::Db(e), .. }) = loss else { return };
+        if self.fatal.is_some() || e.code() != Some(&tokio_postgres::error::SqlState::NO_DATA_FOUND) {
+            return;
+        }
+        tracing::error!(
+            subscription = name,
+            signal = "subscription_dropped",
+            "subscription {name:?} was dropped (pg-outbox subscription drop): stopping; its events stay in \
+             events.outbox, and nothing more is delivered or settled for it"
+        );
+        self.health.error(format!("subscription {name:?} was dropped"));
+        self.fatal = Some(SubscriptionError::Unknown(name.to_string()).into());
+        self.token.cancel();
     }
 
     /// Log a loss and return the error for the consumer's health with the

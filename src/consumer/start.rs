@@ -161,7 +161,7 @@ impl Starter {
         cfg: &Arc<ConsumerConfig>,
         signals: Signals,
         #[cfg(feature = "wal")] wanted: watch::Sender<bool>,
-    ) -> JoinHandle<()> {
+    ) -> JoinHandle<Result<()>> {
         match cfg.source {
             SourceKind::Listen => self.spawn_with(cfg, signals, Notified),
             #[cfg(feature = "wal")]
@@ -172,7 +172,12 @@ impl Starter {
     /// Spawn the drain loop over wake-ups of `kind` and the fetch of
     /// `cfg`'s mode. One engine per pair of types: the calls into the
     /// source are static.
-    fn spawn_with<K: WakeKind + 'static>(self, cfg: &Arc<ConsumerConfig>, signals: Signals, kind: K) -> JoinHandle<()> {
+    fn spawn_with<K: WakeKind + 'static>(
+        self,
+        cfg: &Arc<ConsumerConfig>,
+        signals: Signals,
+        kind: K,
+    ) -> JoinHandle<Result<()>> {
         let Starter { first, io, token, state } = self;
         let competing = cfg.mode == Mode::Competing;
         let wakeups = Wakeups::new(cfg, signals, competing, kind);

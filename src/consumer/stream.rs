@@ -17,7 +17,7 @@ use super::{Delivery, HealthMonitor, delivery, holdback};
 use crate::error::{Error, Result};
 
 /// The drain loop's and the notifier's task handles.
-type Tasks = (JoinHandle<()>, Option<JoinHandle<()>>);
+type Tasks = (JoinHandle<Result<()>>, Option<JoinHandle<()>>);
 
 /// State of the LISTEN connection, for monitoring and tests.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -244,10 +244,15 @@ impl EventStream {
     ///
     /// Database errors while the consumer runs are retried (with backoff),
     /// never returned; settlements that could not be written by the end are
-    /// logged as an error, and those events are delivered again.
+    /// logged as an error, and those events are delivered again. One
+    /// thing ends a consumer on its own: the named subscription it reads
+    /// was dropped ([`crate::subscription::drop`]); its stream then ends.
     ///
     /// # Errors
-    /// [`Error::Io`] only if the drain task panicked.
+    /// [`Error::Subscription`] with
+    /// [`crate::error::SubscriptionError::Unknown`] when the consumer
+    /// stopped because its subscription was dropped; [`Error::Io`] if the
+    /// drain task panicked.
     ///
     /// # Cancel safety
     /// Cancel safe: the consumer is told to stop before the first await, and
@@ -273,7 +278,7 @@ impl EventStream {
                 if let Some(n) = notifier {
                     let _ = n.await;
                 }
-                r.map_err(|e| Error::Io(std::io::Error::other(e)))
+                r.map_err(|e| Error::Io(std::io::Error::other(e)))?
             }
             None => Ok(()),
         }

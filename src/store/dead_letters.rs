@@ -6,7 +6,7 @@ use tokio_postgres::types::ToSql;
 
 use super::subscription_admin as sub;
 use super::{event_from_row, map_missing_schema, query_map, row_id};
-use crate::error::Result;
+use crate::error::{Result, SubscriptionError};
 use crate::event::Event;
 use chrono::{DateTime, Utc};
 
@@ -181,6 +181,35 @@ pub(crate) fn apply_sql(walk: Walk, action: &str) -> String {
     )
 }
 
+/// `discard`'s statement on a schema with subscriptions (migration 0016):
+/// [`apply_sql`] with [`DISCARD`], but the rows are deleted only when every
+/// subscription has passed each picked event: it is at or below the
+/// subscription's cursor with no failure row of it (a retry, a held event,
+/// a dead letter), or among the ids it settled above the cursor. Otherwise
+/// nothing is deleted, and the statement returns the picked events some
+/// subscription still needs (`needed_by`, its name) instead: deleting them
+/// would lose them for it. The subscriptions' rows are read `FOR SHARE`, so
+/// a rewind that commits meanwhile is waited for and seen. Returns `id` and
+/// `needed_by` (NULL for a deleted row), by id. `$1`..`$5` the filter,
+/// `$6` the limit.
+pub(crate) fn discard_subscribed_sql(walk: Walk) -> String {
+    let (matches, order) = walk.parts();
+    format!(
+        "WITH picked AS (SELECT id FROM events.outbox WHERE {matches} ORDER BY {order} LIMIT $6 FOR UPDATE), \
+              subs AS MATERIALIZED (SELECT name, cursor_id, settled FROM events.outbox_subscriptions FOR SHARE), \
+              needed AS MATERIALIZED ( \
+                SELECT p.id, s.name FROM picked p CROSS JOIN subs s \
+                WHERE NOT (p.id = ANY (s.settled) \
+                           OR (p.id <= s.cursor_id \
+                               AND (SELECT 1 FROM events.outbox_subscription_failures f \
+                                    WHERE f.subscription = s.name AND f.id = p.id) IS NULL))), \
+              done AS (DELETE FROM events.outbox o USING picked \
+                       WHERE o.id = picked.id AND (SELECT count(*) FROM needed) = 0 RETURNING o.id) \
+         SELECT id, NULL::text AS needed_by FROM done \
+         UNION ALL SELECT id, name FROM needed ORDER BY 1, 2"
+    )
+}
+
 /// Which of the ids $1 (`bigint[]`) are in `events.outbox` at all, dead
 /// letters or not: lookups in `outbox_pkey`, to explain ids an operator
 /// named that are not dead letters.
@@ -264,6 +293,9 @@ pub(crate) async fn apply<C: GenericClient + Sync>(
     if let Some(name) = filter.named_subscription() {
         return sub::dead_letters_apply(client, name, filter_params(filter), limit, action == Action::Discard).await;
     }
+    if action == Action::Discard && super::retention::subscribers(client).await?.present {
+        return discard_subscribed(client, filter, limit).await;
+    }
     let sql = apply_sql(
         Walk::of(filter),
         match action {
@@ -272,6 +304,35 @@ pub(crate) async fn apply<C: GenericClient + Sync>(
         },
     );
     let ids = query_map(client, &sql, &limited(filter, &limit), row_id).await?;
+    if !ids.is_empty() {
+        super::wakeup::notify(client, super::NOTIFY_CHANNEL, "").await?;
+    }
+    Ok(ids)
+}
+
+/// The default subscription's discard on a schema with subscriptions
+/// ([`discard_subscribed_sql`]): the deleted ids, ascending; or, when a
+/// subscription has not passed a picked event yet, nothing deleted and
+/// [`SubscriptionError::StillNeeded`].
+async fn discard_subscribed<C: GenericClient + Sync>(client: &C, filter: &Filter, limit: i64) -> Result<Vec<i64>> {
+    let rows = query_map(client, &discard_subscribed_sql(Walk::of(filter)), &limited(filter, &limit), |r| {
+        Ok((r.try_get::<_, i64>("id")?, r.try_get::<_, Option<String>>("needed_by")?))
+    })
+    .await?;
+    let (mut ids, mut subscriptions) = (Vec::new(), Vec::new());
+    for (id, by) in &rows {
+        if let Some(by) = by {
+            ids.push(*id);
+            subscriptions.push(by.clone());
+        }
+    }
+    if !ids.is_empty() {
+        ids.dedup();
+        subscriptions.sort_unstable();
+        subscriptions.dedup();
+        return Err(SubscriptionError::StillNeeded { ids, subscriptions }.into());
+    }
+    let ids: Vec<i64> = rows.into_iter().map(|(id, _)| id).collect();
     if !ids.is_empty() {
         super::wakeup::notify(client, super::NOTIFY_CHANNEL, "").await?;
     }

@@ -1,4 +1,4 @@
-//! Single mode's leader lock ([`LEADER_KEY`]) as the others see it: which
+//! Single mode's leader lock ([`super::locks::LEADER_KEY`]) as the others see it: which
 //! session holds it, and whether that holder is a live relay. For standbys
 //! (`consumer::leadership::stranded`) and for [`crate::status::read`]. And the
 //! leader's term (`events.outbox_terms`, migration 0013): taken with the
@@ -21,7 +21,6 @@
 use chrono::{DateTime, Utc};
 use tokio_postgres::{GenericClient, Row};
 
-use super::locks::LEADER_KEY;
 use crate::error::Result;
 use crate::term::Term;
 
@@ -486,8 +485,97 @@ pub(crate) fn holder_from_row(r: &Row) -> std::result::Result<Holder, tokio_post
 ///
 /// # Errors
 /// [`crate::Error::NotMigrated`] or [`crate::Error::Db`].
-pub(crate) async fn leader_holder<C: GenericClient + Sync>(client: &C, threshold_secs: f64) -> Result<Option<Holder>> {
-    let row =
-        client.query_opt(LEADER_HOLDER, &[&LEADER_KEY, &threshold_secs]).await.map_err(super::map_missing_schema)?;
+pub(crate) async fn leader_holder<C: GenericClient + Sync>(
+    client: &C,
+    key: i64,
+    threshold_secs: f64,
+) -> Result<Option<Holder>> {
+    let row = client.query_opt(LEADER_HOLDER, &[&key, &threshold_secs]).await.map_err(super::map_missing_schema)?;
     Ok(row.as_ref().map(holder_from_row).transpose()?)
+}
+
+/// The session holding a single-mode leader lock: the outbox's (the
+/// default subscription's), as [`super::OutboxStatus::leader`] shows it, or
+/// a named subscription's ([`super::Subscription::leader`]).
+///
+/// A live leader is a relay that refreshed its heartbeat (its row in
+/// `events.outbox_relays`) within `ConsumerBuilder::DEFAULT_STRANDED_AFTER` (15 s),
+/// or is running a statement it began within that of its last heartbeat.
+/// Any other holder is stranded: a pooler's server session that kept the
+/// lock, a session of an older build (which writes no heartbeat), a frozen
+/// relay, or one behind a network that drops its traffic. Every age is by
+/// the database's clock. Another role's session shows without its state,
+/// address and idle time unless the reader has `pg_read_all_stats`.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+#[non_exhaustive]
+pub struct LeaderLock {
+    /// The holder's backend process id.
+    pub pid: i32,
+    /// Whether the holder is a live relay (`false`: no live leader).
+    pub live: bool,
+    /// Its `application_name` (`pg-outbox drain` for a relay's work
+    /// session), if visible.
+    pub application_name: Option<String>,
+    /// Its client address; `None` over a Unix socket or when hidden.
+    pub client_addr: Option<String>,
+    /// `pg_stat_activity.state` (`idle`, `active`, ...), if visible.
+    pub state: Option<String>,
+    /// Seconds in that state (idle time when `idle`), if visible.
+    pub state_seconds: Option<f64>,
+    /// Age of its heartbeat in seconds; `None` when it has none (not a
+    /// relay of this version, or one that has not fetched yet).
+    pub heartbeat_age_seconds: Option<f64>,
+    /// The leadership term this holder took (`events.outbox_terms`);
+    /// `None` when it took none (a session of an earlier build, or of
+    /// anything else, holds the lock) or the schema predates terms.
+    pub term: Option<crate::term::Term>,
+    /// Which relay holds it: its own process id, host and version, as it
+    /// recorded them when it took the lock; `None` for a session that is
+    /// not a relay's, a relay of an earlier build, or a schema before
+    /// migration 0015.
+    pub relay: Option<RelayIdentity>,
+}
+
+/// The holder of the leader lock of key `key` (the outbox's, or a named
+/// subscription's: `store::subscription::Reader::leader_key`) and the term
+/// of `scope` if it took it, judged against [`DEFAULT_STRANDED_AFTER`]
+/// ([`LEADER_HOLDER`]); none on a server in recovery (a standby), or when
+/// nobody holds it.
+///
+/// # Errors
+/// [`crate::Error::NotMigrated`] or [`crate::Error::Db`].
+pub(crate) async fn leader_lock<C: GenericClient + Sync>(
+    client: &C,
+    key: i64,
+    scope: &str,
+) -> Result<Option<LeaderLock>> {
+    let server =
+        client.query_one("SELECT pg_is_in_recovery(), to_regclass('events.outbox_terms') IS NOT NULL", &[]).await?;
+    let (in_recovery, has_terms): (bool, bool) = (server.try_get(0)?, server.try_get(1)?);
+    if in_recovery {
+        return Ok(None);
+    }
+    let threshold = DEFAULT_STRANDED_AFTER.as_secs_f64();
+    let Some(h) = leader_holder(client, key, threshold).await? else { return Ok(None) };
+    // The term is the holder's only when it took it (not a session of an
+    // older build, or of anything else, that holds the lock); a schema from
+    // before migration 0013 has none.
+    let term: Option<crate::term::Term> = if has_terms {
+        let row = client.query_one(CURRENT_TERM, &[&scope]).await.map_err(super::map_missing_schema)?;
+        let holder: Option<i32> = row.try_get("holder_pid")?;
+        row.try_get::<_, Option<crate::term::Term>>("term")?.filter(|_| holder == Some(h.id.pid))
+    } else {
+        None
+    };
+    Ok(Some(LeaderLock {
+        pid: h.id.pid,
+        live: h.live(),
+        application_name: h.application_name,
+        client_addr: h.client_addr,
+        state: h.state,
+        state_seconds: h.state_secs,
+        heartbeat_age_seconds: h.heartbeat_age,
+        term,
+        relay: identities(client, &[h.id.pid]).await?.remove(&h.id.pid).and_then(|(relay, _)| relay),
+    }))
 }

@@ -3,7 +3,7 @@
 use tokio_postgres::GenericClient;
 
 use super::backlog::{self, Backlog, Class};
-pub use super::leader::{PartitionHolder, RelayIdentity};
+pub use super::leader::{LeaderLock, PartitionHolder, RelayIdentity};
 use super::{map_missing_schema, query_map};
 use crate::error::Result;
 
@@ -72,47 +72,6 @@ pub struct OutboxStatus {
     /// the three `due_within`/`due_later` buckets only: the next retries and
     /// the earliest due time are always exact.
     pub estimated_figures: Vec<&'static str>,
-}
-
-/// The session holding single mode's outbox lock, as
-/// [`OutboxStatus::leader`] shows it.
-///
-/// A live leader is a relay that refreshed its heartbeat (its row in
-/// `events.outbox_relays`) within `ConsumerBuilder::DEFAULT_STRANDED_AFTER` (15 s),
-/// or is running a statement it began within that of its last heartbeat.
-/// Any other holder is stranded: a pooler's server session that kept the
-/// lock, a session of an older build (which writes no heartbeat), a frozen
-/// relay, or one behind a network that drops its traffic. Every age is by
-/// the database's clock. Another role's session shows without its state,
-/// address and idle time unless the reader has `pg_read_all_stats`.
-#[derive(Debug, Clone, PartialEq, serde::Serialize)]
-#[non_exhaustive]
-pub struct LeaderLock {
-    /// The holder's backend process id.
-    pub pid: i32,
-    /// Whether the holder is a live relay (`false`: no live leader).
-    pub live: bool,
-    /// Its `application_name` (`pg-outbox drain` for a relay's work
-    /// session), if visible.
-    pub application_name: Option<String>,
-    /// Its client address; `None` over a Unix socket or when hidden.
-    pub client_addr: Option<String>,
-    /// `pg_stat_activity.state` (`idle`, `active`, ...), if visible.
-    pub state: Option<String>,
-    /// Seconds in that state (idle time when `idle`), if visible.
-    pub state_seconds: Option<f64>,
-    /// Age of its heartbeat in seconds; `None` when it has none (not a
-    /// relay of this version, or one that has not fetched yet).
-    pub heartbeat_age_seconds: Option<f64>,
-    /// The leadership term this holder took (`events.outbox_terms`);
-    /// `None` when it took none (a session of an earlier build, or of
-    /// anything else, holds the lock) or the schema predates terms.
-    pub term: Option<crate::term::Term>,
-    /// Which relay holds it: its own process id, host and version, as it
-    /// recorded them when it took the lock; `None` for a session that is
-    /// not a relay's, a relay of an earlier build, or a schema before
-    /// migration 0015.
-    pub relay: Option<RelayIdentity>,
 }
 
 /// Most `(event_type, aggregate_type)` rows [`status`] returns: 50.
@@ -255,7 +214,7 @@ pub async fn status<C: GenericClient + Sync>(client: &C) -> Result<OutboxStatus>
             due_later: b.sum(Class::Waiting, |c| c.later),
             next,
         },
-        leader: leader_lock(client).await?,
+        leader: super::leader::leader_lock(client, super::locks::LEADER_KEY, super::leader::OUTBOX_SCOPE).await?,
         partitions: super::leader::partition_holders(client).await?,
         ordering: super::schema::installed_ordering(client).await?,
         subscriptions: super::subscription_admin::named_if_any(client).await?,
@@ -333,42 +292,4 @@ fn by_type(b: &Backlog) -> (Vec<TypeBacklog>, bool) {
     let truncated = rows.len() > max;
     rows.truncate(max);
     (rows, truncated)
-}
-
-/// The holder of the outbox lock, judged against
-/// [`super::leader::DEFAULT_STRANDED_AFTER`] ([`super::leader::LEADER_HOLDER`]);
-/// none on a server in recovery (a standby).
-async fn leader_lock<C: GenericClient + Sync>(client: &C) -> Result<Option<LeaderLock>> {
-    let server =
-        client.query_one("SELECT pg_is_in_recovery(), to_regclass('events.outbox_terms') IS NOT NULL", &[]).await?;
-    let (in_recovery, has_terms): (bool, bool) = (server.try_get(0)?, server.try_get(1)?);
-    if in_recovery {
-        return Ok(None);
-    }
-    let threshold = super::leader::DEFAULT_STRANDED_AFTER.as_secs_f64();
-    let Some(h) = super::leader::leader_holder(client, threshold).await? else { return Ok(None) };
-    // The term is the holder's only when it took it (not a session of an
-    // older build, or of anything else, that holds the lock); a schema from
-    // before migration 0013 has none.
-    let term: Option<crate::term::Term> = if has_terms {
-        let row = client
-            .query_one(super::leader::CURRENT_TERM, &[&super::leader::OUTBOX_SCOPE])
-            .await
-            .map_err(super::map_missing_schema)?;
-        let holder: Option<i32> = row.try_get("holder_pid")?;
-        row.try_get::<_, Option<crate::term::Term>>("term")?.filter(|_| holder == Some(h.id.pid))
-    } else {
-        None
-    };
-    Ok(Some(LeaderLock {
-        pid: h.id.pid,
-        live: h.live(),
-        application_name: h.application_name,
-        client_addr: h.client_addr,
-        state: h.state,
-        state_seconds: h.state_secs,
-        heartbeat_age_seconds: h.heartbeat_age,
-        term,
-        relay: super::leader::identities(client, &[h.id.pid]).await?.remove(&h.id.pid).and_then(|(relay, _)| relay),
-    }))
 }

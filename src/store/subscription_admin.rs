@@ -138,6 +138,11 @@ pub struct Subscription {
     /// over its first 10 000 by id: lower bounds), and for the default when
     /// `status` estimated them.
     pub counts_exact: bool,
+    /// Who holds its single-mode leader lock (a relay or consumer reading
+    /// it), with its term; `None` when nobody does, or on a standby. For
+    /// the default subscription, the outbox lock's holder
+    /// ([`super::OutboxStatus::leader`]).
+    pub leader: Option<super::leader::LeaderLock>,
 }
 
 /// What a rewind did.
@@ -345,6 +350,7 @@ fn subscription_from_row(r: &tokio_postgres::Row) -> Result<Subscription> {
         dead_letters: r.try_get("dead_letters")?,
         held: r.try_get("held")?,
         counts_exact: walked <= FAILURES_COUNTED,
+        leader: None,
     })
 }
 
@@ -356,7 +362,12 @@ fn subscription_from_row(r: &tokio_postgres::Row) -> Result<Subscription> {
 /// [`crate::Error::Db`].
 pub(crate) async fn named<C: GenericClient + Sync>(client: &C, name: Option<&str>) -> Result<Vec<Subscription>> {
     let cap = FAILURES_COUNTED + 1;
-    query_map(client, LIST, &[&name, &cap], subscription_from_row).await
+    let mut all = query_map(client, LIST, &[&name, &cap], subscription_from_row).await?;
+    for s in &mut all {
+        let reader = super::subscription::Reader::Subscription(s.name.as_str().into());
+        s.leader = super::leader::leader_lock(client, reader.leader_key(), &reader.leader_scope()).await?;
+    }
+    Ok(all)
 }
 
 /// One subscription with its figures.
@@ -389,7 +400,8 @@ pub(crate) async fn named_if_any<C: GenericClient + Sync>(client: &C) -> Result<
 }
 
 /// The default subscription (the seeded flow) as a [`Subscription`], from
-/// the backlog figures `status` reads ([`super::backlog::read`]).
+/// the backlog figures `status` reads ([`super::backlog::read`]); its
+/// `leader` is left `None` for the caller to read.
 pub(crate) fn default_from(b: &Backlog) -> Subscription {
     let held = (b.sum(Class::Fresh, |c| c.held) + b.sum(Class::Due, |c| c.held))
         .min(b.total(Class::Fresh) + b.total(Class::Due));
@@ -406,6 +418,7 @@ pub(crate) fn default_from(b: &Backlog) -> Subscription {
         dead_letters: b.total(Class::Dead),
         held,
         counts_exact: b.estimated.is_empty(),
+        leader: None,
     }
 }
 
@@ -416,7 +429,9 @@ pub(crate) fn default_from(b: &Backlog) -> Subscription {
 /// [`crate::Error::Db`].
 pub(crate) async fn list<C: GenericClient + Sync>(client: &C) -> Result<Vec<Subscription>> {
     let b = super::backlog::read(client).await.map_err(map_missing_schema)?;
-    let mut all = vec![default_from(&b)];
+    let mut default = default_from(&b);
+    default.leader = super::leader::leader_lock(client, super::locks::LEADER_KEY, super::leader::OUTBOX_SCOPE).await?;
+    let mut all = vec![default];
     all.extend(named(client, None).await?);
     Ok(all)
 }

@@ -361,6 +361,76 @@ async fn a_subscriptions_dead_letters_are_its_failure_rows_retried_and_discarded
     assert_eq!(outbox_ids(&c).await, [ids.clone(), other.clone()].concat(), "no event deleted");
 }
 
+/// Dead letters of the default subscription in `ids` (the seeded flow's
+/// columns: unpublished, `next_retry_at = 'infinity'`).
+async fn default_dead(c: &Client, ids: &[i64]) {
+    c.execute(
+        "UPDATE events.outbox SET retry_count = 10, last_error = 'HTTP 500', next_retry_at = 'infinity' \
+         WHERE id = ANY($1)",
+        &[&ids],
+    )
+    .await
+    .expect("dead letters of the default");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn discarding_a_default_dead_letter_a_subscription_still_needs_deletes_nothing_and_names_both() {
+    let db = TestDb::new("sub_discard_default").await;
+    let c = db.client().await;
+    let ids = insert_seed_events(&c, Uuid::new_v4(), 4).await;
+    subscription::create(&c, "audit", From::Earliest).await.expect("create audit");
+    subscription::create(&c, "billing", From::Earliest).await.expect("create billing");
+    default_dead(&c, &ids).await;
+    // audit: past ids[0] and ids[1], a dead letter of its own at ids[1],
+    // ids[3] settled above its cursor. billing: past all but ids[3].
+    c.execute(
+        "UPDATE events.outbox_subscriptions SET cursor_id = $1, settled = ARRAY[$2::int8] WHERE name = 'audit'",
+        &[&ids[1], &ids[3]],
+    )
+    .await
+    .expect("audit's cursor");
+    failure(&c, "audit", ids[1], 10, "'infinity'").await;
+    c.execute("UPDATE events.outbox_subscriptions SET cursor_id = $1 WHERE name = 'billing'", &[&ids[2]])
+        .await
+        .expect("billing's cursor");
+    use pg_outbox::dead_letters::{self, Filter};
+
+    let e = dead_letters::discard(&c, &Filter::all()).await.expect_err("audit and billing still need some");
+    let text = e.to_string();
+    assert_eq!(
+        sub_error(e),
+        SubscriptionError::StillNeeded {
+            ids: vec![ids[1], ids[2], ids[3]],
+            subscriptions: vec!["audit".into(), "billing".into()]
+        }
+    );
+    assert!(
+        text.starts_with("nothing discarded: 3 of the dead letters picked") && text.contains("audit, billing"),
+        "{text}"
+    );
+    assert_eq!(outbox_ids(&c).await, ids, "nothing deleted");
+    // Only what every subscription passed goes.
+    assert_eq!(dead_letters::discard(&c, &Filter::ids(vec![ids[0]])).await.expect("passed by both"), [ids[0]]);
+    let e = dead_letters::discard(&c, &Filter::ids(vec![ids[2]])).await.expect_err("audit needs it");
+    assert_eq!(sub_error(e), SubscriptionError::StillNeeded { ids: vec![ids[2]], subscriptions: vec!["audit".into()] });
+    // Once audit settles its own dead letter and passes ids[2], and billing
+    // passes ids[3], the rest go.
+    dead_letters::discard(&c, &Filter::ids(vec![ids[1]]).subscription("audit")).await.expect("audit's own discard");
+    c.execute("UPDATE events.outbox_subscriptions SET cursor_id = $1 WHERE name IN ('audit', 'billing')", &[&ids[3]])
+        .await
+        .expect("both past them all");
+    assert_eq!(dead_letters::discard(&c, &Filter::all()).await.expect("passed by all"), ids[1..].to_vec());
+    assert!(outbox_ids(&c).await.is_empty());
+    // The command line says it in one line and exits non-zero.
+    let more = insert_seed_events(&c, Uuid::new_v4(), 1).await;
+    default_dead(&c, &more).await;
+    let out = db.cli(&["dead-letters", "discard", "--all", "--yes"]).run().await;
+    assert!(matches!(out.code, Some(c) if c != 0), "a refused discard exits non-zero: {out:?}");
+    let want = format!("nothing discarded: 1 of the dead letters picked ({})", more[0]);
+    assert!(out.stderr.contains(&want) && out.stderr.lines().count() == 1, "{out:?}");
+    assert_eq!(outbox_ids(&c).await, more, "nothing deleted");
+}
+
 /// Published events, old enough for retention.
 async fn publish_old(c: &Client, ids: &[i64]) {
     c.execute("UPDATE events.outbox SET published_at = now() - interval '40 days' WHERE id = ANY($1)", &[&ids])

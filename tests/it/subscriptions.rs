@@ -12,7 +12,7 @@ use tokio_postgres::Client;
 use uuid::Uuid;
 
 use crate::consumer::{fast_retries, next, start};
-use crate::support::{TestDb, eventually, insert_seed_events};
+use crate::support::{DbCli, TestDb, eventually, insert_seed_events};
 
 /// Create subscription `name` reading from the first event on (as
 /// `subscription create NAME --from earliest` on an empty outbox).
@@ -383,4 +383,55 @@ async fn the_wal_source_reads_a_subscription_and_one_without_the_trigger_is_refu
     assert!(e.contains("ids to follow transaction ids") && e.contains("--ordering outbox-locked"), "{e}");
     drop((c, admin));
     let _ = tokio::task::spawn_blocking(move || drop(server)).await;
+}
+
+/// Who leads a subscription shows in `subscription list` and `status`; a
+/// relay and a library consumer whose subscription is dropped stop on
+/// their own, naming it, instead of reconnecting for ever.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn status_names_a_subscriptions_leader_and_a_dropped_subscription_stops_its_readers() {
+    use tokio::io::AsyncBufReadExt;
+    let db = TestDb::new("sub_dropped").await;
+    let c = db.client().await;
+    create(&c, "audit").await;
+    create(&c, "billing").await;
+    let ids = insert_seed_events(&c, Uuid::new_v4(), 3).await;
+    let (mut relay, stdout) =
+        crate::relay_proc::start_with_stdout(&db, &["--subscription", "audit", "--sink", "stdout"]).await;
+    let mut lines = tokio::io::BufReader::new(stdout).lines();
+    for id in &ids {
+        let line = tokio::time::timeout(Duration::from_secs(20), lines.next_line()).await;
+        let line = line.expect("a line in time").expect("stdout").expect("a line");
+        assert!(line.contains(&format!("\"id\":{id}")), "{id}: {line}");
+    }
+    let status = db.cli(&["status", "--json"]).run().await;
+    assert!(status.ok(), "{status:?}");
+    let v: serde_json::Value = serde_json::from_str(&status.stdout).expect("status JSON");
+    let audit = &v["subscriptions"][0];
+    assert_eq!((audit["name"].as_str(), audit["leader"]["term"].as_i64()), (Some("audit"), Some(1)), "{v}");
+    assert!(audit["leader"]["live"].as_bool() == Some(true) && v["subscriptions"][1]["leader"].is_null(), "{v}");
+    assert!(v["leader"].is_null(), "nobody leads the default: {v}");
+    let list = db.cli(&["subscription", "list"]).run().await;
+    let row = |name: &str| list.stdout.lines().find(|l| l.starts_with(name)).map(str::to_string).unwrap_or_default();
+    assert!(row("audit").ends_with("term 1") && row("billing").ends_with("none"), "{list:?}");
+    assert!(row("default").ends_with("none"), "{list:?}");
+
+    // A library consumer of billing, then both subscriptions dropped.
+    let mut billing = start(&db, |bld| bld.subscription("billing")).await;
+    assert_eq!(ack_all(&mut billing, 3).await, ids);
+    for name in ["audit", "billing"] {
+        let out = db.cli(&["subscription", "drop", name, "--yes"]).run().await;
+        assert!(out.ok(), "{out:?}");
+    }
+    let status = relay.wait().await;
+    assert_eq!(status.code(), Some(1), "the relay exits with 1\n{}", relay.log());
+    assert!(relay.log().contains("subscription_dropped"), "{}", relay.log());
+    let end = tokio::time::timeout(Duration::from_secs(20), billing.next()).await.expect("the stream ends in time");
+    assert!(end.is_none(), "nothing more is handed out");
+    match billing.finish().await {
+        Err(pg_outbox::Error::Subscription(pg_outbox::error::SubscriptionError::Unknown(name))) => {
+            assert_eq!(name, "billing")
+        }
+        other => panic!("finish of a dropped subscription's consumer: {other:?}"),
+    }
 }

@@ -175,8 +175,8 @@ pub(crate) fn print_table(all: &[Subscription]) {
     let names: Vec<String> = all.iter().map(|s| super::text::printable(&s.name)).collect();
     let w = names.iter().map(|n| n.chars().count()).max().unwrap_or(0).max(12);
     println!(
-        "{:<w$}  {:<6}  {:>12}  {:>12}  {:>8}  {:>8}  {:>12}  {:>8}  moved",
-        "subscription", "state", "cursor", "backlog <=", "lag", "failing", "dead letters", "held"
+        "{:<w$}  {:<6}  {:>12}  {:>12}  {:>8}  {:>8}  {:>12}  {:>8}  {:<20}  leader",
+        "subscription", "state", "cursor", "backlog <=", "lag", "failing", "dead letters", "held", "moved"
     );
     for (s, name) in all.iter().zip(&names) {
         let mark = match (s.counts_exact, s.cursor_id.is_some()) {
@@ -187,7 +187,7 @@ pub(crate) fn print_table(all: &[Subscription]) {
         let backlog_mark = if s.cursor_id.is_none() && !s.counts_exact { "~" } else { "" };
         let n = |v: i64| format!("{mark}{v}");
         println!(
-            "{:<w$}  {:<6}  {:>12}  {:>12}  {:>8}  {:>8}  {:>12}  {:>8}  {}",
+            "{:<w$}  {:<6}  {:>12}  {:>12}  {:>8}  {:>8}  {:>12}  {:>8}  {:<20}  {}",
             name,
             s.state.as_str(),
             s.cursor_id.map_or("-".to_string(), |c| c.to_string()),
@@ -197,6 +197,21 @@ pub(crate) fn print_table(all: &[Subscription]) {
             n(s.dead_letters),
             n(s.held),
             s.moved_at.map_or("-".to_string(), |t| t.to_rfc3339_opts(chrono::SecondsFormat::Secs, true)),
+            leader_cell(s.leader.as_ref()),
         );
+    }
+}
+
+/// Who leads a subscription, in one table cell: `pid 4242 term 7`, `none`,
+/// or `stranded: pid 4242` for a holder that is not a live relay (`status`
+/// explains a stranded outbox lock in full; a subscription's is the same).
+fn leader_cell(l: Option<&pg_outbox::status::LeaderLock>) -> String {
+    match l {
+        None => "none".into(),
+        Some(l) if !l.live => format!("stranded: pid {} (not a live relay)", l.pid),
+        Some(l) => match l.term {
+            Some(t) => format!("pid {} term {t}", l.pid),
+            None => format!("pid {}", l.pid),
+        },
     }
 }
