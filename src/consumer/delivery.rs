@@ -6,6 +6,7 @@ use std::sync::Arc;
 
 use crate::consumer::Shared;
 use crate::consumer::holdback::AggregateKey;
+use crate::consumer::leadership::lease::{self, LEASE, LeaseState};
 use crate::event::Event;
 use crate::term::Term;
 
@@ -73,6 +74,36 @@ impl Delivery {
 
     fn key(&self) -> AggregateKey {
         (self.event.aggregate_type.clone(), self.event.aggregate_id)
+    }
+
+    /// Whether this delivery may still be sent: always for a consumer that
+    /// holds no term; for a leader, while its hand-out lease runs
+    /// ([`crate::consumer::leadership::lease`]). A lapsed lease is renewed
+    /// first (one statement of the drain loop, at most [`LEASE`] waited
+    /// for); `false` when the term is gone or the renewal did not come, and
+    /// the delivery must be released unsent: its relay may have been
+    /// deposed, and its successor may be delivering this aggregate. The
+    /// relay asks just before each send, so a relay frozen between the
+    /// hand-out and the send (a pipelined send parked behind its
+    /// aggregate, or a SIGSTOP) sends nothing once it resumes deposed.
+    pub(crate) async fn lease_held(&self) -> bool {
+        let Some(shared) = &self.shared else { return false };
+        let mut state = shared.lease.subscribe();
+        let deadline = tokio::time::Instant::now() + LEASE;
+        loop {
+            let now = *state.borrow_and_update();
+            if lease::allows(now, tokio::time::Instant::now()) {
+                return true;
+            }
+            if now == LeaseState::Revoked {
+                return false;
+            }
+            shared.lease.request_renewal();
+            match tokio::time::timeout_at(deadline, state.changed()).await {
+                Ok(Ok(())) => {}
+                Ok(Err(_)) | Err(_) => return false,
+            }
+        }
     }
 
     /// Acknowledge: the event was delivered; mark it published.
@@ -158,7 +189,61 @@ pub(crate) fn sanitize_error(s: &str) -> String {
 
 #[cfg(test)]
 mod tests {
-    use super::sanitize_error;
+    use super::*;
+    use tokio::sync::{Notify, mpsc};
+    use tokio::time::{Duration, Instant};
+
+    fn delivery() -> (Delivery, Arc<Shared>, mpsc::UnboundedReceiver<Settlement>) {
+        let (settle_tx, settle_rx) = mpsc::unbounded_channel();
+        let shared = Arc::new(Shared {
+            holdback: Default::default(),
+            settle_tx,
+            reader_waiting: Notify::new(),
+            lease: Default::default(),
+        });
+        let event = Event {
+            id: 7,
+            aggregate_type: "order".into(),
+            aggregate_id: uuid::Uuid::nil(),
+            event_type: "Placed".into(),
+            payload: serde_json::json!({}),
+            occurred_at: chrono::Utc::now(),
+            retry_count: 0,
+            last_error: None,
+        };
+        (Delivery::new(event, 1, Term::new(3), shared.clone()), shared, settle_rx)
+    }
+
+    #[tokio::test]
+    async fn a_send_goes_ahead_under_a_running_lease_and_after_a_renewal_and_never_once_the_term_is_gone() {
+        let (d, shared, _settled) = delivery();
+        assert!(d.lease_held().await, "unfenced: no term to lose");
+        shared.lease.confirm(Instant::now());
+        assert!(d.lease_held().await, "within the lease");
+        // Lapsed: the send asks for a renewal and goes ahead once it comes.
+        shared.lease.confirm(Instant::now() - LEASE - Duration::from_millis(1));
+        let renewer = {
+            let shared = shared.clone();
+            tokio::spawn(async move {
+                shared.lease.renewal_requested().await;
+                shared.lease.confirm(Instant::now());
+            })
+        };
+        assert!(d.lease_held().await, "renewed");
+        renewer.await.expect("the renewal");
+        // Revoked (the session and its term are gone): never.
+        shared.lease.revoke();
+        assert!(!d.lease_held().await);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_lapsed_lease_nobody_renews_stops_the_send_after_one_lease() {
+        let (d, shared, _settled) = delivery();
+        shared.lease.confirm(Instant::now() - LEASE - Duration::from_millis(1));
+        let started = Instant::now();
+        assert!(!d.lease_held().await, "a frozen or deposed relay sends nothing");
+        assert_eq!(started.elapsed(), LEASE, "it waited one lease for a renewal");
+    }
 
     #[test]
     fn error_text_is_made_storable() {

@@ -199,9 +199,12 @@ where
 /// one before it completes. A failure fails that event and releases those
 /// parked behind it (its aggregate is held back, as
 /// [`crate::Delivery::fail`] says); other aggregates go on. Each delivery
-/// carries the leadership term it was handed out under, so a deposed relay
-/// can have up to `max_in_flight` events in flight, each under its old
-/// term.
+/// carries the leadership term it was handed out under. Just before each
+/// send, the relay checks that its hand-out lease still runs (renewing a
+/// lapsed one first): a delivery whose lease cannot be renewed within a
+/// lease (2 s) is released unsent, with those parked behind it, so a
+/// deposed relay sends at most what was already on the wire, up to
+/// `max_in_flight` events, each under its old term.
 ///
 /// On shutdown it stops fetching and releases the parked deliveries; the
 /// deliveries in flight get up to the consumer's shutdown grace, together,
@@ -252,6 +255,9 @@ where
     let mut pipe = Pipeline::new(max, stream.shutdown_grace(), stream.shutdown_handle(), monitor);
     let mut in_flight = FuturesUnordered::new();
     let send = |delivery: crate::consumer::Delivery, at: Instant| async move {
+        if !delivery.lease_held().await {
+            return (delivery, at, Err(Box::new(pipeline::LeaseLapsed) as crate::error::BoxError));
+        }
         let result = sink::deliver(sink, options, delivery.event(), delivery.term()).await;
         (delivery, at, result)
     };

@@ -12,6 +12,14 @@ use crate::consumer::{Delivery, HealthMonitor, ShutdownHandle};
 use crate::error::BoxError;
 use crate::metrics as m;
 
+/// What a send that never began returns: its hand-out lease lapsed and
+/// could not be renewed before the send (`Delivery::lease_held`), so this
+/// relay may have been deposed. The delivery is released unsent, with
+/// those parked behind it; whoever leads delivers them.
+#[derive(Debug, thiserror::Error)]
+#[error("the leadership lease lapsed before the send (this relay may have been deposed)")]
+pub(super) struct LeaseLapsed;
+
 /// Everything [`super::run_with`] keeps between sends.
 pub(super) struct Pipeline {
     /// Sends in flight at most (at least 1).
@@ -90,6 +98,17 @@ impl Pipeline {
                 }
                 delivery.ack();
                 return self.lanes.next(lane);
+            }
+            Err(e) => e,
+        };
+        let e = match e.downcast::<LeaseLapsed>() {
+            Ok(_) => {
+                tracing::warn!(id = delivery.id, term = ?delivery.term(), "{LeaseLapsed}; released unsent");
+                delivery.release();
+                for held in self.lanes.close(lane) {
+                    held.release_held();
+                }
+                return None;
             }
             Err(e) => e,
         };
