@@ -96,6 +96,18 @@ pub const LISTEN_ENABLED: &str = "outbox_listen_enabled";
 /// Gauge: 1 while this relay asks producers to notify it (idle), 0 while
 /// it is draining and polls by itself (producers then skip NOTIFY).
 pub const WAITING_FOR_NOTIFICATIONS: &str = "outbox_waiting_for_notifications";
+/// Gauge, seconds, label `subscription`: a named subscription's lag, the
+/// age of the lowest event above its cursor that it has not settled (0
+/// once it has caught up). Every relay and consumer of the outbox reports
+/// every subscription (every 5 s), so the alert fires while the
+/// subscription's own relay is down.
+pub const SUBSCRIPTION_LAG: &str = "outbox_subscription_lag_seconds";
+/// Gauge, seconds, label `subscription`: a named subscription's lag bound
+/// (`subscription create|set --max-lag`); absent without one.
+pub const SUBSCRIPTION_MAX_LAG: &str = "outbox_subscription_max_lag_seconds";
+/// Gauge, label `subscription`: 1 while a named subscription lags more
+/// than its bound (it still holds retention: nothing is dropped), else 0.
+pub const SUBSCRIPTION_BEHIND: &str = "outbox_subscription_behind";
 /// Counter: published events deleted by retention.
 pub const RETENTION_DELETED: &str = "outbox_retention_deleted_total";
 /// Gauge, Unix seconds: when the last successful retention run finished.

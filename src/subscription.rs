@@ -163,6 +163,30 @@ pub async fn resume<C: GenericClient + Sync>(client: &C, name: &str) -> Result<b
     Ok(store::set_state(client, name, SubscriptionState::Active).await? == SubscriptionState::Paused)
 }
 
+/// Set subscription `name`'s lag bound: once its lag (the age of the
+/// lowest event above its cursor that it has not settled) passes `max`,
+/// it is behind: every relay and consumer of the outbox sets the gauge
+/// `outbox_subscription_behind{subscription}` to 1 and logs the signal
+/// `subscription_behind` (within 5 s, their gauges' interval), and
+/// `status` and `subscription list` mark it. Nothing is dropped: a
+/// subscription behind still holds retention. `None` clears the bound
+/// (the default: no alert).
+///
+/// # Errors
+/// [`SubscriptionError::Unknown`], [`SubscriptionError::InvalidName`];
+/// [`crate::Error::NotMigrated`] or [`crate::Error::Db`].
+///
+/// # Cancel safety
+/// One statement: if the future is dropped it may or may not have run;
+/// running it again is harmless.
+pub async fn set_max_lag<C: GenericClient + Sync>(
+    client: &C,
+    name: &str,
+    max: Option<std::time::Duration>,
+) -> Result<()> {
+    crate::store::subscription_lag::set_max_lag(client, name, max).await
+}
+
 /// Drop subscription `name`: its row and its failure rows (dead letters
 /// included). Its leadership term row (`events.outbox_terms`, scope
 /// `subscription:NAME`) stays, so terms only grow: one created again under

@@ -17,6 +17,7 @@
 //! read; any other failure (a timeout elsewhere, a stop) is returned for the
 //! loop to handle as a failed session.
 
+use std::collections::BTreeSet;
 use std::future::Future;
 use std::time::Duration;
 
@@ -51,6 +52,11 @@ pub(super) struct Maintenance {
     /// (single and partitioned modes, whose work session the server ends
     /// once idle for `IDLE_SESSION_TIMEOUT`).
     keep_alive: bool,
+    /// The subscriptions lagging more than their bound at the last read
+    /// (said once as each falls behind and once as it catches up); `None`
+    /// once the schema proved to have no subscriptions table (not read
+    /// again).
+    behind: Option<BTreeSet<String>>,
 }
 
 /// A database error of a best-effort statement: logged at debug level and
@@ -71,7 +77,14 @@ impl Maintenance {
     /// `keep_alive`, the work session is never left idle for longer than
     /// [`KEEPALIVE_AFTER`] and a turn of [`Self::every`].
     pub(super) fn new(heartbeat_every: Duration, gauges_every: Duration, keep_alive: bool) -> Self {
-        Maintenance { gauges_due: None, gauges_every, heartbeat_due: Instant::now(), heartbeat_every, keep_alive }
+        Maintenance {
+            gauges_due: None,
+            gauges_every,
+            heartbeat_due: Instant::now(),
+            heartbeat_every,
+            keep_alive,
+            behind: Some(BTreeSet::new()),
+        }
     }
 
     /// How often a turn of maintenance comes: the heartbeat's interval, or
@@ -106,6 +119,7 @@ impl Maintenance {
             return Ok(());
         }
         self.read_gauges(work, tick, stop()).await?;
+        self.read_lags(work, stop()).await?;
         let usage = work.notification_queue_usage(stop()).await.map(|usage| {
             if let Some(usage) = usage {
                 metrics::gauge!(m::NOTIFICATION_QUEUE_USAGE).set(usage);
@@ -144,5 +158,50 @@ impl Maintenance {
             }
             r => tolerate(r, "refresh backlog gauges"),
         }
+    }
+
+    /// Every subscription's lag against its bound: the gauges
+    /// [`m::SUBSCRIPTION_LAG`], [`m::SUBSCRIPTION_MAX_LAG`] and
+    /// [`m::SUBSCRIPTION_BEHIND`], and the signal `subscription_behind` as
+    /// one falls behind. A schema without subscriptions (before migration
+    /// 0016) is not asked again.
+    async fn read_lags(&mut self, work: &WorkSession, stop: impl Future<Output = ()>) -> Result<(), StatementError> {
+        let Some(was) = self.behind.as_mut() else { return Ok(()) };
+        let lags = match work.subscription_lags(stop).await {
+            Ok(lags) => lags,
+            Err(StatementError { failure: Failure::Db(e), .. })
+                if e.code() == Some(&tokio_postgres::error::SqlState::UNDEFINED_TABLE) =>
+            {
+                self.behind = None;
+                return Ok(());
+            }
+            Err(StatementError { kind, failure: Failure::TimedOut(e) }) => {
+                statement::record_timeout(kind, work.timeout(), &e, None);
+                return Ok(());
+            }
+            Err(e) => return tolerate(Err(e), "read the subscriptions' lag"),
+        };
+        let mut now = BTreeSet::new();
+        for l in &lags {
+            let label = [("subscription", l.name.clone())];
+            metrics::gauge!(m::SUBSCRIPTION_LAG, &label).set(l.lag_seconds.unwrap_or(0.0));
+            if let Some(max) = l.max_lag_seconds {
+                metrics::gauge!(m::SUBSCRIPTION_MAX_LAG, &label).set(max);
+            }
+            metrics::gauge!(m::SUBSCRIPTION_BEHIND, &label).set(if l.behind() { 1.0 } else { 0.0 });
+            if l.behind() {
+                if !was.contains(&l.name) {
+                    tracing::warn!(subscription = %l.name, lag_seconds = l.lag_seconds, max_lag_seconds = l.max_lag_seconds,
+                        signal = "subscription_behind",
+                        "subscription {:?} is behind: its oldest unsettled event is older than its bound (--max-lag); \
+                         it still holds retention, so nothing is dropped: start or fix its relay, or drop it", l.name);
+                }
+                now.insert(l.name.clone());
+            } else if was.contains(&l.name) {
+                tracing::info!(subscription = %l.name, "subscription {:?} is within its lag bound again", l.name);
+            }
+        }
+        *was = now;
+        Ok(())
     }
 }

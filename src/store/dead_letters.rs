@@ -4,7 +4,7 @@
 use tokio_postgres::GenericClient;
 use tokio_postgres::types::ToSql;
 
-use super::subscription_admin as sub;
+use super::subscription_dead_letters as sub;
 use super::{event_from_row, map_missing_schema, query_map, row_id};
 use crate::error::{Result, SubscriptionError};
 use crate::event::Event;

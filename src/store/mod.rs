@@ -21,8 +21,10 @@
 //!   subscription or a named one), its leader lock key and term scope;
 //! - [`dead_letters`], [`retention`]: the operators' statements;
 //! - [`subscription_admin`]: the operators' statements on subscriptions
-//!   (create, list, pause, resume, drop, rewind; a subscription's dead
-//!   letters);
+//!   (create, list, pause, resume, drop, rewind);
+//!   [`subscription_dead_letters`]: a subscription's dead letters;
+//!   [`subscription_lag`]: its lag bound, and every subscription's lag
+//!   that each consumer's maintenance reads for the alert;
 //! - `replay`: replay's reads (feature `relay`);
 //! - `console`: the operator console's reads (feature `console`);
 //! - [`schema`]: what `migrate` runs besides the files;
@@ -76,6 +78,8 @@ pub(crate) mod statement;
 mod status;
 pub(crate) mod subscription;
 pub(crate) mod subscription_admin;
+pub(crate) mod subscription_dead_letters;
+pub(crate) mod subscription_lag;
 mod wakeup;
 mod work;
 mod writer;
@@ -139,7 +143,9 @@ pub(crate) use writer::{Acknowledged, FailParams, FailWritten, FailsWritten, Wri
 /// measured by the benches), the operators' lookup of ids by primary key
 /// ([`dead_letters::EXISTING_IDS`]), the operators' statements on
 /// subscriptions ([`subscription_admin`]: one-off, on its own tables, and
-/// on `events.outbox` by primary key; retention's rule for them is in
+/// on `events.outbox` by primary key; the lags every consumer reads,
+/// [`subscription_lag::LAGS`], one descent of `outbox_pkey` per
+/// subscription; retention's rule for them is in
 /// `retention_delete`, checked in `tests/it/subscription_admin.rs`), and
 /// statements on other tables or the catalogs ([`locks`], [`leader`],
 /// [`wakeup`], [`schema`]).

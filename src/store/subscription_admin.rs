@@ -15,12 +15,10 @@
 
 use chrono::{DateTime, Utc};
 use tokio_postgres::GenericClient;
-use tokio_postgres::types::ToSql;
 
 use super::backlog::{Backlog, Class};
-use super::{event_from_row, map_missing_schema, query_map, row_id};
+use super::{map_missing_schema, query_map};
 use crate::error::{Result, SubscriptionError};
-use crate::event::Event;
 
 /// The name of the seeded flow (`published_at` and the retry columns on
 /// the row), which is no row of `events.outbox_subscriptions`.
@@ -124,6 +122,13 @@ pub struct Subscription {
     /// none. For the default: its oldest unpublished event that is not a
     /// dead letter, retries included (`status`'s oldest pending age).
     pub lag_seconds: Option<f64>,
+    /// Its lag bound in seconds (`subscription create|set --max-lag`);
+    /// `None` without one, and for the default.
+    pub max_lag_seconds: Option<f64>,
+    /// Whether [`Subscription::lag_seconds`] passes
+    /// [`Subscription::max_lag_seconds`]: the alert (docs/subscriptions.md,
+    /// "Falling behind"). It still holds retention: nothing is dropped.
+    pub behind: bool,
     /// Failed events waiting for a retry or due again (`retry_count` above
     /// 0, not dead letters).
     pub failing: i64,
@@ -199,6 +204,7 @@ pub(crate) const LIST: &str = "SELECT s.name, s.state, s.created_at, s.start_id,
                 - (SELECT count(*) FROM unnest(s.settled) x WHERE x > s.cursor_id), 0)::int8 AS backlog_upper_bound, \
        (SELECT EXTRACT(EPOCH FROM (now() - o.occurred_at))::float8 FROM events.outbox o \
          WHERE o.id > s.cursor_id AND o.id <> ALL (s.settled) ORDER BY o.id LIMIT 1) AS lag_seconds, \
+       (s.options ->> 'max_lag_seconds')::float8 AS max_lag_seconds, \
        f.failing, f.dead_letters, f.held, f.walked \
      FROM events.outbox_subscriptions s \
      CROSS JOIN LATERAL ( \
@@ -346,6 +352,8 @@ fn subscription_from_row(r: &tokio_postgres::Row) -> Result<Subscription> {
         moved_at: Some(r.try_get("moved_at")?),
         backlog_upper_bound: r.try_get("backlog_upper_bound")?,
         lag_seconds: r.try_get("lag_seconds")?,
+        max_lag_seconds: r.try_get("max_lag_seconds")?,
+        behind: super::subscription_lag::behind(r.try_get("lag_seconds")?, r.try_get("max_lag_seconds")?),
         failing: r.try_get("failing")?,
         dead_letters: r.try_get("dead_letters")?,
         held: r.try_get("held")?,
@@ -414,6 +422,8 @@ pub(crate) fn default_from(b: &Backlog) -> Subscription {
         moved_at: None,
         backlog_upper_bound: b.total(Class::Fresh),
         lag_seconds: b.oldest_age,
+        max_lag_seconds: None,
+        behind: false,
         failing: b.total(Class::Due) + b.total(Class::Waiting),
         dead_letters: b.total(Class::Dead),
         held,
@@ -523,144 +533,6 @@ pub(crate) async fn require<C: GenericClient + Sync>(client: &C, name: &str) -> 
         Some(_) => Ok(()),
         None => Err(SubscriptionError::Unknown(name.to_string()).into()),
     }
-}
-
-// ------------------------------------------------------------ dead letters
-
-/// A subscription's dead letters, the events of its failure rows with
-/// `next_retry_at = 'infinity'`: `$1 text` the subscription, then the
-/// dead-letter filter (`super::dead_letters::Filter`): `$2 bigint[]` ids,
-/// `$3 text` aggregate type, `$4 text` event type, `$5 text` error text
-/// (in the failure row's `last_error`), `$6 timestamptz` occurred since,
-/// each NULL for any. A walk of the failures' primary key `(subscription,
-/// id)` (lookups in it when ids are named), each joined to its event by
-/// `outbox_pkey`; ordered by that key's id.
-const SUB_DEAD: &str = "events.outbox_subscription_failures f JOIN events.outbox o ON o.id = f.id \
-     WHERE f.subscription = $1 AND f.next_retry_at = 'infinity' \
-       AND ($2::bigint[] IS NULL OR f.id = ANY($2)) \
-       AND ($3::text IS NULL OR o.aggregate_type = $3) \
-       AND ($4::text IS NULL OR o.event_type = $4) \
-       AND ($5::text IS NULL OR strpos(coalesce(f.last_error, ''), $5) > 0) \
-       AND ($6::timestamptz IS NULL OR o.occurred_at >= $6)";
-
-/// The dead letters of `$1` matching the filter, lowest id first, at most
-/// `$7`, as events whose `retry_count` and `last_error` are the
-/// subscription's.
-pub(crate) fn dead_letters_list_sql() -> String {
-    format!(
-        "SELECT o.id, o.aggregate_type, o.aggregate_id, o.event_type, o.payload, o.occurred_at, \
-                f.retry_count, f.last_error FROM {SUB_DEAD} ORDER BY f.id LIMIT $7"
-    )
-}
-
-/// How many dead letters of `$1` match the filter (`count`).
-pub(crate) fn dead_letters_count_sql() -> String {
-    format!("SELECT count(*) AS count FROM (SELECT 1 FROM {SUB_DEAD}) d")
-}
-
-/// The ids of the dead letters of `$1` matching the filter, ascending, at
-/// most `$7`.
-pub(crate) fn dead_letters_ids_sql() -> String {
-    format!("SELECT f.id AS id FROM {SUB_DEAD} ORDER BY f.id LIMIT $7")
-}
-
-/// Make the dead letters of `$1` matching the filter (at most `$7`, locked
-/// first) due now; `retry_count` stays. Returns their ids, ascending.
-pub(crate) fn dead_letters_retry_sql() -> String {
-    format!(
-        "WITH picked AS (SELECT f.id FROM {SUB_DEAD} ORDER BY f.id LIMIT $7 FOR UPDATE OF f), \
-              done AS (UPDATE events.outbox_subscription_failures u SET next_retry_at = now() FROM picked \
-                       WHERE u.subscription = $1 AND u.id = picked.id RETURNING u.id) \
-         SELECT id FROM done ORDER BY id"
-    )
-}
-
-/// Settle the dead letters of `$1` matching the filter (at most `$7`,
-/// locked first) as if delivered: `events.outbox_subscription_ack` deletes
-/// their failure rows, makes the held events of each of their
-/// aggregates due, and counts those above the cursor as settled. Returns
-/// their ids, ascending.
-pub(crate) fn dead_letters_discard_sql() -> String {
-    format!(
-        "WITH picked AS MATERIALIZED (SELECT f.id FROM {SUB_DEAD} ORDER BY f.id LIMIT $7 FOR UPDATE OF f), \
-              settled AS MATERIALIZED ( \
-                SELECT count(*) AS n FROM events.outbox_subscription_ack($1, ARRAY(SELECT p.id FROM picked p), true, NULL, NULL)) \
-         SELECT p.id FROM picked p, settled s WHERE s.n >= 0 ORDER BY p.id"
-    )
-}
-
-/// The dead letters of `subscription` matching `filter`, at most `limit`.
-///
-/// # Errors
-/// [`SubscriptionError::Unknown`]; [`crate::Error::NotMigrated`] or
-/// [`crate::Error::Db`].
-pub(crate) async fn dead_letters_list<C: GenericClient + Sync>(
-    client: &C,
-    subscription: &str,
-    filter: [&(dyn ToSql + Sync); 5],
-    limit: i64,
-) -> Result<Vec<Event>> {
-    require(client, subscription).await?;
-    let [a, b, c, d, e] = filter;
-    query_map(client, &dead_letters_list_sql(), &[&subscription, a, b, c, d, e, &limit], event_from_row).await
-}
-
-/// How many dead letters of `subscription` match `filter`.
-///
-/// # Errors
-/// As [`dead_letters_list`].
-pub(crate) async fn dead_letters_count<C: GenericClient + Sync>(
-    client: &C,
-    subscription: &str,
-    filter: [&(dyn ToSql + Sync); 5],
-) -> Result<i64> {
-    require(client, subscription).await?;
-    let [a, b, c, d, e] = filter;
-    let row = client
-        .query_one(&dead_letters_count_sql(), &[&subscription, a, b, c, d, e])
-        .await
-        .map_err(map_missing_schema)?;
-    Ok(row.try_get("count")?)
-}
-
-/// The ids of the dead letters of `subscription` matching `filter`, at
-/// most `limit`.
-///
-/// # Errors
-/// As [`dead_letters_list`].
-pub(crate) async fn dead_letters_ids<C: GenericClient + Sync>(
-    client: &C,
-    subscription: &str,
-    filter: [&(dyn ToSql + Sync); 5],
-    limit: i64,
-) -> Result<Vec<i64>> {
-    require(client, subscription).await?;
-    let [a, b, c, d, e] = filter;
-    query_map(client, &dead_letters_ids_sql(), &[&subscription, a, b, c, d, e, &limit], row_id).await
-}
-
-/// Retry (`discard` false) or settle (`discard` true) the dead letters of
-/// `subscription` matching `filter`, at most `limit`; wake the relays when
-/// any changed. Returns the ids, ascending.
-///
-/// # Errors
-/// As [`dead_letters_list`]; [`crate::Error::Db`] too when the wake-up
-/// cannot be sent (the change stands).
-pub(crate) async fn dead_letters_apply<C: GenericClient + Sync>(
-    client: &C,
-    subscription: &str,
-    filter: [&(dyn ToSql + Sync); 5],
-    limit: i64,
-    discard: bool,
-) -> Result<Vec<i64>> {
-    require(client, subscription).await?;
-    let sql = if discard { dead_letters_discard_sql() } else { dead_letters_retry_sql() };
-    let [a, b, c, d, e] = filter;
-    let ids = query_map(client, &sql, &[&subscription, a, b, c, d, e, &limit], row_id).await?;
-    if !ids.is_empty() {
-        super::wakeup::notify(client, super::NOTIFY_CHANNEL, "").await?;
-    }
-    Ok(ids)
 }
 
 #[cfg(test)]

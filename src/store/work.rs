@@ -493,6 +493,26 @@ impl WorkSession {
         Ok(row.try_get::<_, f64>("usage").ok())
     }
 
+    /// Every subscription's lag against its bound
+    /// ([`super::subscription_lag::LAGS`]), for the alert.
+    pub(crate) async fn subscription_lags(
+        &self,
+        stop: impl Future<Output = ()>,
+    ) -> Result<Vec<super::subscription_lag::Lag>, StatementError> {
+        let kind = StatementKind::Gauges;
+        let rows = self.run(kind, stop, self.client.query(super::subscription_lag::LAGS, &[])).await?;
+        rows.iter()
+            .map(|r| {
+                Ok(super::subscription_lag::Lag {
+                    name: r.try_get("name")?,
+                    lag_seconds: r.try_get("lag")?,
+                    max_lag_seconds: r.try_get("max_lag")?,
+                })
+            })
+            .collect::<Result<_, tokio_postgres::Error>>()
+            .map_err(|e| StatementError::db(kind, e))
+    }
+
     /// The backlog gauges ([`Gauges`]).
     pub(crate) async fn gauges(&self, stop: impl Future<Output = ()>) -> Result<Gauges, StatementError> {
         use super::backlog::Class;

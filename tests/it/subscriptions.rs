@@ -435,3 +435,51 @@ async fn status_names_a_subscriptions_leader_and_a_dropped_subscription_stops_it
         other => panic!("finish of a dropped subscription's consumer: {other:?}"),
     }
 }
+
+/// A subscription past its lag bound is behind: every relay of the outbox
+/// (here the default's, with the subscription's own relay not running)
+/// reports it in its metrics and log, and `subscription list` marks it;
+/// nothing is dropped, and clearing the bound ends the alert.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_subscription_past_its_lag_bound_is_reported_behind_by_every_relay() {
+    use crate::stranded::scrape;
+    let db = TestDb::new("sub_behind").await;
+    let c = db.client().await;
+    let bad = db.cli(&["subscription", "create", "audit", "--from", "earliest", "--max-lag", "soon"]).run().await;
+    assert!(matches!(bad.code, Some(2)) && bad.stderr.contains("invalid duration 'soon'"), "{bad:?}");
+    let out = db.cli(&["subscription", "create", "audit", "--from", "earliest", "--max-lag", "10m"]).run().await;
+    assert!(out.ok(), "{out:?}");
+    c.execute(
+        "INSERT INTO events.outbox (aggregate_type, aggregate_id, event_type, payload, occurred_at) \
+         VALUES ('order', $1, 'Placed', '{}', now() - interval '1 hour')",
+        &[&Uuid::new_v4()],
+    )
+    .await
+    .expect("an event an hour old");
+    let list = db.cli(&["subscription", "list", "--json"]).run().await;
+    let v: serde_json::Value = serde_json::from_str(&list.stdout).expect("list JSON");
+    let audit = &v[1];
+    assert_eq!((audit["name"].as_str(), audit["max_lag_seconds"].as_f64()), (Some("audit"), Some(600.0)), "{v}");
+    assert_eq!(audit["behind"].as_bool(), Some(true), "{v}");
+    let table = db.cli(&["subscription", "list"]).run().await;
+    assert!(table.stdout.lines().any(|l| l.starts_with("audit") && l.contains("BEHIND 1h")), "{table:?}");
+
+    let addr = format!("127.0.0.1:{}", pg_outbox_testkit::process::free_port());
+    let (mut relay, _stdout) =
+        crate::relay_proc::start_with_stdout(&db, &["--sink", "stdout", "--metrics-addr", &addr]).await;
+    relay.wait_signal(&["subscription_behind"], Duration::from_secs(30)).await.unwrap_or_else(|e| panic!("{e}"));
+    let text = scrape(&addr).await.unwrap_or_default();
+    assert!(text.lines().any(|l| l == "outbox_subscription_behind{subscription=\"audit\"} 1"), "{text}");
+    assert!(text.lines().any(|l| l == "outbox_subscription_max_lag_seconds{subscription=\"audit\"} 600"), "{text}");
+    let out = db.cli(&["subscription", "set", "audit", "--max-lag", "none"]).run().await;
+    assert!(out.ok() && out.stdout.contains("no lag bound"), "{out:?}");
+    eventually(30, "the alert ends", || async {
+        scrape(&addr)
+            .await
+            .is_some_and(|t| t.lines().any(|l| l == "outbox_subscription_behind{subscription=\"audit\"} 0"))
+    })
+    .await;
+    let kept: i64 = c.query_one("SELECT count(*) FROM events.outbox", &[]).await.expect("count").get(0);
+    assert_eq!(kept, 1, "nothing dropped");
+    relay.stop().await;
+}

@@ -29,6 +29,21 @@ pub(crate) enum SubscriptionCmd {
         /// Where it starts: now, earliest, id:N or time:RFC3339 (below).
         #[arg(long, value_parser = parse_from, default_value = "now")]
         from: From,
+        /// Its lag bound (e.g. 15m, 1h): once its oldest unsettled event is
+        /// older, it is behind (metric, log, status). Nothing is dropped.
+        #[arg(long, value_parser = crate::parse_duration)]
+        max_lag: Option<std::time::Duration>,
+    },
+    /// Set or clear a subscription's lag bound (--max-lag).
+    Set {
+        /// The subscription's name.
+        name: String,
+        /// Its lag bound (e.g. 15m, 1h), or `none` to clear it: once its
+        /// oldest unsettled event is older, it is behind (the gauge
+        /// outbox_subscription_behind, the log signal subscription_behind,
+        /// status). Nothing is dropped: it still holds retention.
+        #[arg(long, value_parser = parse_max_lag)]
+        max_lag: MaxLag,
     },
     /// List the subscriptions, the default (the seeded flow) first, with
     /// state, cursor, backlog, lag, failures, dead letters and held events
@@ -71,6 +86,17 @@ pub(crate) enum SubscriptionCmd {
     },
 }
 
+/// `set --max-lag`: a duration, or `none`.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct MaxLag(Option<std::time::Duration>);
+
+fn parse_max_lag(s: &str) -> Result<MaxLag, String> {
+    if s.trim() == "none" {
+        return Ok(MaxLag(None));
+    }
+    crate::parse_duration(s).map(|d| MaxLag(Some(d))).map_err(|e| format!("{e}, or none to clear the bound"))
+}
+
 /// `--from` and `--to`: the error names the value and the forms.
 fn parse_from(s: &str) -> Result<From, String> {
     s.parse::<From>().map_err(|e| e.to_string())
@@ -79,15 +105,30 @@ fn parse_from(s: &str) -> Result<From, String> {
 pub(crate) async fn run(db: &pg_outbox::ConnectOptions, cmd: SubscriptionCmd) -> Result<(), Error> {
     match cmd {
         SubscriptionCmd::List { json } => list(db, json).await,
-        SubscriptionCmd::Create { name, from } => {
-            let client = crate::db::connect_primary(db).await?;
-            let s = subscription::create(&client, &name, from).await?;
+        SubscriptionCmd::Create { name, from, max_lag } => {
+            let mut client = crate::db::connect_primary(db).await?;
+            let tx = client.transaction().await.map_err(pg_outbox::Error::from)?;
+            let mut s = subscription::create(&tx, &name, from).await?;
+            if max_lag.is_some() {
+                subscription::set_max_lag(&tx, &name, max_lag).await?;
+                s = subscription::get(&tx, &name).await?;
+            }
+            tx.commit().await.map_err(pg_outbox::Error::from)?;
             let cursor = s.cursor_id.unwrap_or_default();
             println!(
                 "created subscription {} from {from}: cursor {cursor}, events from id {} on",
                 s.name,
                 cursor.saturating_add(1)
             );
+            Ok(())
+        }
+        SubscriptionCmd::Set { name, max_lag: MaxLag(max_lag) } => {
+            let client = crate::db::connect_primary(db).await?;
+            subscription::set_max_lag(&client, &name, max_lag).await?;
+            match max_lag {
+                Some(d) => println!("subscription {name}: lag bound {}", humantime::format_duration(d)),
+                None => println!("subscription {name}: no lag bound"),
+            }
             Ok(())
         }
         SubscriptionCmd::Pause { name } => {
@@ -175,8 +216,8 @@ pub(crate) fn print_table(all: &[Subscription]) {
     let names: Vec<String> = all.iter().map(|s| super::text::printable(&s.name)).collect();
     let w = names.iter().map(|n| n.chars().count()).max().unwrap_or(0).max(12);
     println!(
-        "{:<w$}  {:<6}  {:>12}  {:>12}  {:>8}  {:>8}  {:>12}  {:>8}  {:<20}  leader",
-        "subscription", "state", "cursor", "backlog <=", "lag", "failing", "dead letters", "held", "moved"
+        "{:<w$}  {:<6}  {:>12}  {:>12}  {:>16}  {:>8}  {:>8}  {:>12}  {:>8}  {:<20}  leader",
+        "subscription", "state", "cursor", "backlog <=", "lag", "max lag", "failing", "dead letters", "held", "moved"
     );
     for (s, name) in all.iter().zip(&names) {
         let mark = match (s.counts_exact, s.cursor_id.is_some()) {
@@ -187,12 +228,13 @@ pub(crate) fn print_table(all: &[Subscription]) {
         let backlog_mark = if s.cursor_id.is_none() && !s.counts_exact { "~" } else { "" };
         let n = |v: i64| format!("{mark}{v}");
         println!(
-            "{:<w$}  {:<6}  {:>12}  {:>12}  {:>8}  {:>8}  {:>12}  {:>8}  {:<20}  {}",
+            "{:<w$}  {:<6}  {:>12}  {:>12}  {:>16}  {:>8}  {:>8}  {:>12}  {:>8}  {:<20}  {}",
             name,
             s.state.as_str(),
             s.cursor_id.map_or("-".to_string(), |c| c.to_string()),
             format!("{backlog_mark}{}", s.backlog_upper_bound),
-            s.lag_seconds.map_or("-".to_string(), super::text::short_secs),
+            lag_cell(s),
+            s.max_lag_seconds.map_or("-".to_string(), super::text::short_secs),
             n(s.failing),
             n(s.dead_letters),
             n(s.held),
@@ -200,6 +242,12 @@ pub(crate) fn print_table(all: &[Subscription]) {
             leader_cell(s.leader.as_ref()),
         );
     }
+}
+
+/// The lag, and `BEHIND` when it passes the bound (`--max-lag`).
+fn lag_cell(s: &Subscription) -> String {
+    let lag = s.lag_seconds.map_or("-".to_string(), super::text::short_secs);
+    if s.behind { format!("BEHIND {lag}") } else { lag }
 }
 
 /// Who leads a subscription, in one table cell: `pid 4242 term 7`, `none`,

@@ -1,0 +1,73 @@
+//! A subscription's lag bound (`subscription create|set ... --max-lag`):
+//! how far behind it may fall before every consumer's maintenance raises
+//! the alert (the gauges `outbox_subscription_behind` and
+//! `outbox_subscription_lag_seconds`, the log signal
+//! `subscription_behind`), and `status` and `subscription list` mark it.
+//! Falling behind never drops anything: the subscription keeps holding
+//! retention (docs/subscriptions.md, "Falling behind").
+
+use std::time::Duration;
+
+use tokio_postgres::GenericClient;
+
+use super::map_missing_schema;
+use crate::error::{Result, SubscriptionError};
+
+/// Set subscription $1's lag bound to $2 seconds (`float8`), or clear it
+/// when $2 is NULL, in its `options` (key `max_lag_seconds`). Returns its
+/// name, or nothing when there is no such subscription.
+pub(crate) const SET_MAX_LAG: &str = "UPDATE events.outbox_subscriptions \
+     SET options = CASE WHEN $2::float8 IS NULL THEN options - 'max_lag_seconds' \
+                        ELSE options || jsonb_build_object('max_lag_seconds', $2::float8) END \
+     WHERE name = $1 RETURNING name";
+
+/// Every subscription's lag against its bound, by name, at most 1 000 of
+/// them: `name`, `max_lag` (seconds, NULL without a bound) and `lag`:
+/// seconds from `occurred_at` to now of the lowest event above its cursor
+/// that it has not settled (as `subscription list` shows it; NULL when it
+/// has caught up). One descent of `outbox_pkey` per subscription, walking
+/// at most its few ids settled above the cursor, whatever the table's
+/// size.
+pub(crate) const LAGS: &str = "SELECT s.name, (s.options ->> 'max_lag_seconds')::float8 AS max_lag, \
+       (SELECT EXTRACT(EPOCH FROM (now() - o.occurred_at))::float8 FROM events.outbox o \
+         WHERE o.id > s.cursor_id AND o.id <> ALL (s.settled) ORDER BY o.id LIMIT 1) AS lag \
+     FROM events.outbox_subscriptions s ORDER BY s.name COLLATE \"C\" LIMIT 1000";
+
+/// One subscription's lag against its bound ([`LAGS`]).
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct Lag {
+    /// The subscription.
+    pub(crate) name: String,
+    /// Its lag in seconds; `None` when it has caught up.
+    pub(crate) lag_seconds: Option<f64>,
+    /// Its bound in seconds; `None` without one.
+    pub(crate) max_lag_seconds: Option<f64>,
+}
+
+impl Lag {
+    /// Whether it lags more than its bound ([`behind`]).
+    pub(crate) fn behind(&self) -> bool {
+        behind(self.lag_seconds, self.max_lag_seconds)
+    }
+}
+
+/// Whether a lag of `lag` seconds passes the bound `max` (never without
+/// a bound, nor for a subscription that has caught up).
+pub(crate) fn behind(lag: Option<f64>, max: Option<f64>) -> bool {
+    matches!((lag, max), (Some(lag), Some(max)) if lag > max)
+}
+
+/// Set subscription `name`'s lag bound ([`SET_MAX_LAG`]); `None` clears it.
+///
+/// # Errors
+/// [`SubscriptionError::Unknown`], [`SubscriptionError::InvalidName`];
+/// [`crate::Error::NotMigrated`] or [`crate::Error::Db`].
+pub(crate) async fn set_max_lag<C: GenericClient + Sync>(client: &C, name: &str, max: Option<Duration>) -> Result<()> {
+    super::subscription_admin::check_name(name)?;
+    let seconds = max.map(|d| d.as_secs_f64());
+    let row = client.query_opt(SET_MAX_LAG, &[&name, &seconds]).await.map_err(map_missing_schema)?;
+    match row {
+        Some(_) => Ok(()),
+        None => Err(SubscriptionError::Unknown(name.to_string()).into()),
+    }
+}
