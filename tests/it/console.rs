@@ -471,3 +471,33 @@ async fn console_changes_nothing_without_the_csrf_token_the_console_token_or_fro
         "{out:?}"
     );
 }
+
+/// The overview lists the named subscriptions with their figures and
+/// leader, and marks one past its lag bound.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_overview_lists_subscriptions_and_marks_one_behind() {
+    let db = TestDb::new("console_subscriptions").await;
+    let c = db.client().await;
+    for args in [["audit", "1m"], ["billing", "none"]] {
+        let mut cli = vec!["subscription", "create", args[0], "--from", "earliest"];
+        if args[1] != "none" {
+            cli.extend(["--max-lag", args[1]]);
+        }
+        let out = db.cli(&cli).run().await;
+        assert!(out.ok(), "{out:?}");
+    }
+    c.execute(
+        "INSERT INTO events.outbox (aggregate_type, aggregate_id, event_type, payload, occurred_at) \
+         VALUES ('order', $1, 'Placed', '{}', now() - interval '3 hours')",
+        &[&uuid::Uuid::new_v4()],
+    )
+    .await
+    .expect("an old event");
+    let console = Console::start(&db, &[]).await;
+    let page = http().get(console.url("/")).send().await.expect("GET /").text().await.expect("the page");
+    let table = page.split("id=\"subscriptions\"").nth(1).unwrap_or_else(|| panic!("no subscriptions table:\n{page}"));
+    let rows: Vec<&str> = table.split("<tr>").skip(2).collect();
+    assert!(rows[0].contains("<td>audit</td>") && rows[0].contains("class=\"bad\">behind: 3.0 h"), "{table}");
+    assert!(rows[0].contains("<td>60.0 s</td>") && rows[0].contains("<td>none</td>"), "{table}");
+    assert!(rows[1].contains("<td>billing</td>") && !rows[1].contains("behind"), "{table}");
+}

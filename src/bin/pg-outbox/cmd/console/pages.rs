@@ -132,6 +132,7 @@ pub(crate) fn overview(
         }
         (leader(s.leader.as_ref(), !s.partitions.is_empty()))
         (partitions(&s.partitions))
+        (subscriptions(&s.subscriptions))
         @if s.dead_letters > 0 {
             p { a href="/dead-letters" { "Review the " (figure(s, "dead_letters", s.dead_letters)) " dead letters" } }
         }
@@ -217,6 +218,49 @@ fn partitions(held: &[pg_outbox::status::PartitionHolder]) -> Markup {
                     }
                 }
             }
+        }
+    }
+}
+
+/// The overview's named subscriptions (the figures above are the default
+/// one's): state, cursor, backlog bound, lag (marked when past its
+/// `--max-lag`), failures, dead letters, held events and leader.
+fn subscriptions(all: &[pg_outbox::subscription::Subscription]) -> Markup {
+    let n = |exact: bool, v: i64| if exact { v.to_string() } else { format!(">={v}") };
+    html! {
+        @if !all.is_empty() {
+            h2 { "Subscriptions" }
+            table id="subscriptions" {
+                thead { tr {
+                    th { "subscription" } th { "state" } th { "cursor" } th { "backlog ≤" } th { "lag" } th { "max lag" }
+                    th { "failing" } th { "dead letters" } th { "held" } th { "leader" }
+                } }
+                tbody {
+                    @for s in all {
+                        tr {
+                            td { (s.name) }
+                            td { (s.state.as_str()) }
+                            td { (s.cursor_id.map_or("-".to_string(), |c| c.to_string())) }
+                            td { (s.backlog_upper_bound) }
+                            @if s.behind {
+                                td.bad { "behind: " (age(s.lag_seconds)) }
+                            } @else {
+                                td { (age(s.lag_seconds)) }
+                            }
+                            td { (s.max_lag_seconds.map_or("-".to_string(), |m| age(Some(m)))) }
+                            td { (n(s.counts_exact, s.failing)) }
+                            td class=(if s.dead_letters > 0 { "bad" } else { "" }) { (n(s.counts_exact, s.dead_letters)) }
+                            td { (n(s.counts_exact, s.held)) }
+                            td { (match &s.leader {
+                                None => "none".to_string(),
+                                Some(l) if !l.live => format!("stranded: pid {}", l.pid),
+                                Some(l) => format!("pid {}{}", l.pid, l.term.map_or(String::new(), |t| format!(", term {t}"))),
+                            }) }
+                        }
+                    }
+                }
+            }
+            p.note { "Each subscription's dead letters: pg-outbox dead-letters list --subscription NAME." }
         }
     }
 }
