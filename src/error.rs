@@ -206,6 +206,17 @@ pub enum SubscriptionError {
         /// What is wrong with it, and the forms that are accepted.
         why: String,
     },
+    /// The subscription expired: it fell behind its lag bound with expiry
+    /// opted in (`subscription set NAME --max-lag D --expire`), and
+    /// retention no longer waits for it, so events it never got may be
+    /// gone. Its relays stop, and it cannot be resumed or paused: rewind it
+    /// (which accepts the gap and leaves it paused) or drop it.
+    #[error(
+        "subscription {0:?} expired: it fell behind its lag bound (--max-lag) with --expire, so retention no longer \
+         waits for it and events it never got may have been deleted; `pg-outbox subscription rewind {0} --to ...` \
+         accepts the gap (it is then paused: resume it), or drop it"
+    )]
+    Expired(String),
     /// A discard of the default subscription's dead letters (the seeded
     /// flow deletes them from `events.outbox`) that picked events another
     /// subscription has not passed yet: deleting them would lose them for

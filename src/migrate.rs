@@ -69,6 +69,7 @@ pub const MIGRATIONS: &[(&str, &str)] = &[
     ("0014_outbox_retention_marks", include_str!("../migrations/0014_outbox_retention_marks.sql")),
     ("0015_outbox_relays_identity", include_str!("../migrations/0015_outbox_relays_identity.sql")),
     ("0016_outbox_subscriptions", include_str!("../migrations/0016_outbox_subscriptions.sql")),
+    ("0017_outbox_subscription_expiry", include_str!("../migrations/0017_outbox_subscription_expiry.sql")),
 ];
 
 /// Trigger files, applied after the migrations: (name, SQL).

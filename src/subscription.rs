@@ -138,8 +138,9 @@ pub async fn list<C: GenericClient + Sync>(client: &C) -> Result<Vec<Subscriptio
 /// active (pausing a paused one changes nothing).
 ///
 /// # Errors
-/// [`SubscriptionError::Unknown`]; [`crate::Error::NotMigrated`] or
-/// [`crate::Error::Db`].
+/// [`SubscriptionError::Unknown`], [`SubscriptionError::Expired`] (an
+/// expired subscription is only rewound or dropped);
+/// [`crate::Error::NotMigrated`] or [`crate::Error::Db`].
 ///
 /// # Cancel safety
 /// One statement: if the future is dropped it may or may not have run;
@@ -152,7 +153,8 @@ pub async fn pause<C: GenericClient + Sync>(client: &C, name: &str) -> Result<bo
 /// was paused (resuming an active one changes nothing).
 ///
 /// # Errors
-/// [`SubscriptionError::Unknown`]; [`crate::Error::NotMigrated`] or
+/// [`SubscriptionError::Unknown`], [`SubscriptionError::Expired`] (rewind
+/// it first: that accepts the gap); [`crate::Error::NotMigrated`] or
 /// [`crate::Error::Db`].
 ///
 /// # Cancel safety
@@ -169,8 +171,13 @@ pub async fn resume<C: GenericClient + Sync>(client: &C, name: &str) -> Result<b
 /// `outbox_subscription_behind{subscription}` to 1 and logs the signal
 /// `subscription_behind` (within 5 s, their gauges' interval), and
 /// `status` and `subscription list` mark it. Nothing is dropped: a
-/// subscription behind still holds retention. `None` clears the bound
-/// (the default: no alert).
+/// subscription behind still holds retention, unless `expire`: then the
+/// first relay or consumer of the outbox to see it behind marks it
+/// [`SubscriptionState::Expired`] (log signal `subscription_expired`):
+/// retention no longer waits for it (events it never got may be deleted),
+/// its relays stop, and it can only be rewound (accepting the gap) or
+/// dropped (docs/subscriptions.md, "Falling behind"). `None` clears the
+/// bound and the expiry (the default: no alert).
 ///
 /// # Errors
 /// [`SubscriptionError::Unknown`], [`SubscriptionError::InvalidName`];
@@ -183,8 +190,9 @@ pub async fn set_max_lag<C: GenericClient + Sync>(
     client: &C,
     name: &str,
     max: Option<std::time::Duration>,
+    expire: bool,
 ) -> Result<()> {
-    crate::store::subscription_lag::set_max_lag(client, name, max).await
+    crate::store::subscription_lag::set_max_lag(client, name, max, expire).await
 }
 
 /// Drop subscription `name`: its row and its failure rows (dead letters
@@ -204,7 +212,7 @@ pub async fn drop<C: GenericClient + Sync>(client: &C, name: &str) -> Result<Dro
     store::drop_subscription(client, name).await
 }
 
-/// Rewind paused subscription `name` to `from` (computed as for
+/// Rewind paused (or expired: it is paused then) subscription `name` to `from` (computed as for
 /// [`create`]; a later start skips the events between): its cursor is
 /// set, the ids settled above it and its checkpoints cleared, and its
 /// failure rows above the new cursor deleted, dead letters included: those

@@ -91,7 +91,8 @@ async fn maybe<F: Future>(f: Option<F>) -> F::Output {
 ///
 /// # Errors
 /// What ended the consumer on its own: [`SubscriptionError::Unknown`] when
-/// the named subscription it reads was dropped. Every other error is
+/// the named subscription it reads was dropped,
+/// [`SubscriptionError::Expired`] when it expired. Every other error is
 /// retried.
 pub(crate) async fn run<K: WakeKind, F: Fetch>(
     cfg: Arc<ConsumerConfig>,
@@ -450,6 +451,10 @@ impl<K: WakeKind, F: Fetch> Engine<K, F> {
         let only_heartbeat = self.stop_deadline.is_some();
         let r = self.maintenance.refresh(&conn.work, tick, || stop.wait(), only_heartbeat).await;
         self.check(r);
+        if self.maintenance.own_expired() && self.fatal.is_none() {
+            let name = self.cfg.reader.subscription().unwrap_or_default().to_string();
+            self.end_with(SubscriptionError::Expired(name));
+        }
     }
 
     /// The flush timer fired: write what is pending, or, with nothing to
@@ -602,8 +607,14 @@ impl<K: WakeKind, F: Fetch> Engine<K, F> {
             "subscription {name:?} was dropped (pg-outbox subscription drop): stopping; its events stay in \
              events.outbox, and nothing more is delivered or settled for it"
         );
-        self.health.error(format!("subscription {name:?} was dropped"));
-        self.fatal = Some(SubscriptionError::Unknown(name.to_string()).into());
+        self.end_with(SubscriptionError::Unknown(name.to_string()));
+    }
+
+    /// End the consumer with `e` (its subscription was dropped or
+    /// expired): stop, and return `e` once stopped.
+    fn end_with(&mut self, e: SubscriptionError) {
+        self.health.error(e.to_string());
+        self.fatal = Some(e.into());
         self.token.cancel();
     }
 

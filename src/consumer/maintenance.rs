@@ -57,6 +57,43 @@ pub(super) struct Maintenance {
     /// once the schema proved to have no subscriptions table (not read
     /// again).
     behind: Option<BTreeSet<String>>,
+    /// This consumer's own subscription was found expired: the drain loop
+    /// stops ([`Maintenance::own_expired`]).
+    own_expired: bool,
+}
+
+/// A best-effort read that failed: a statement timeout is recorded and cuts
+/// only this read; a database error is [`tolerate`]d; anything else (a
+/// stop) is passed on.
+fn timed_out_or_tolerated(work: &WorkSession, e: StatementError, what: &str) -> Result<(), StatementError> {
+    match e {
+        StatementError { kind, failure: Failure::TimedOut(e) } => {
+            statement::record_timeout(kind, work.timeout(), &e, None);
+            Ok(())
+        }
+        e => tolerate(Err(e), what),
+    }
+}
+
+/// One subscription's lag gauges, and the signal `subscription_behind`
+/// when it falls behind (`was_behind`: it was at the last read) or the
+/// word that it caught up.
+fn record_lag(l: &crate::store::subscription_lag::Lag, was_behind: bool) {
+    let label = [("subscription", l.name.clone())];
+    metrics::gauge!(m::SUBSCRIPTION_LAG, &label).set(l.lag_seconds.unwrap_or(0.0));
+    if let Some(max) = l.max_lag_seconds {
+        metrics::gauge!(m::SUBSCRIPTION_MAX_LAG, &label).set(max);
+    }
+    metrics::gauge!(m::SUBSCRIPTION_BEHIND, &label).set(if l.behind() { 1.0 } else { 0.0 });
+    if l.behind() && !was_behind {
+        tracing::warn!(subscription = %l.name, lag_seconds = l.lag_seconds, max_lag_seconds = l.max_lag_seconds,
+            signal = "subscription_behind",
+            "subscription {:?} is behind: its oldest unsettled event is older than its bound (--max-lag); unless it \
+             expires (--expire) it still holds retention, so nothing is dropped: start or fix its relay, or drop it",
+            l.name);
+    } else if !l.behind() && was_behind {
+        tracing::info!(subscription = %l.name, "subscription {:?} is within its lag bound again", l.name);
+    }
 }
 
 /// A database error of a best-effort statement: logged at debug level and
@@ -84,6 +121,7 @@ impl Maintenance {
             heartbeat_every,
             keep_alive,
             behind: Some(BTreeSet::new()),
+            own_expired: false,
         }
     }
 
@@ -119,7 +157,7 @@ impl Maintenance {
             return Ok(());
         }
         self.read_gauges(work, tick, stop()).await?;
-        self.read_lags(work, stop()).await?;
+        self.read_lags(work, &stop).await?;
         let usage = work.notification_queue_usage(stop()).await.map(|usage| {
             if let Some(usage) = usage {
                 metrics::gauge!(m::NOTIFICATION_QUEUE_USAGE).set(usage);
@@ -162,46 +200,52 @@ impl Maintenance {
 
     /// Every subscription's lag against its bound: the gauges
     /// [`m::SUBSCRIPTION_LAG`], [`m::SUBSCRIPTION_MAX_LAG`] and
-    /// [`m::SUBSCRIPTION_BEHIND`], and the signal `subscription_behind` as
-    /// one falls behind. A schema without subscriptions (before migration
-    /// 0016) is not asked again.
-    async fn read_lags(&mut self, work: &WorkSession, stop: impl Future<Output = ()>) -> Result<(), StatementError> {
-        let Some(was) = self.behind.as_mut() else { return Ok(()) };
-        let lags = match work.subscription_lags(stop).await {
+    /// [`m::SUBSCRIPTION_BEHIND`], the signal `subscription_behind` as one
+    /// falls behind, and the expiry of those behind that opted in. A schema
+    /// without subscriptions (before migration 0016) is not asked again.
+    async fn read_lags<F: Future<Output = ()>>(
+        &mut self,
+        work: &WorkSession,
+        stop: impl Fn() -> F,
+    ) -> Result<(), StatementError> {
+        let Some(was) = self.behind.take() else { return Ok(()) };
+        let lags = match work.subscription_lags(stop()).await {
             Ok(lags) => lags,
             Err(StatementError { failure: Failure::Db(e), .. })
                 if e.code() == Some(&tokio_postgres::error::SqlState::UNDEFINED_TABLE) =>
             {
-                self.behind = None;
                 return Ok(());
             }
-            Err(StatementError { kind, failure: Failure::TimedOut(e) }) => {
-                statement::record_timeout(kind, work.timeout(), &e, None);
-                return Ok(());
+            Err(e) => {
+                self.behind = Some(was);
+                return timed_out_or_tolerated(work, e, "read the subscriptions' lag");
             }
-            Err(e) => return tolerate(Err(e), "read the subscriptions' lag"),
         };
-        let mut now = BTreeSet::new();
+        let own = work.reader().subscription();
+        self.behind = Some(lags.iter().filter(|l| l.behind()).map(|l| l.name.clone()).collect());
         for l in &lags {
-            let label = [("subscription", l.name.clone())];
-            metrics::gauge!(m::SUBSCRIPTION_LAG, &label).set(l.lag_seconds.unwrap_or(0.0));
-            if let Some(max) = l.max_lag_seconds {
-                metrics::gauge!(m::SUBSCRIPTION_MAX_LAG, &label).set(max);
-            }
-            metrics::gauge!(m::SUBSCRIPTION_BEHIND, &label).set(if l.behind() { 1.0 } else { 0.0 });
-            if l.behind() {
-                if !was.contains(&l.name) {
-                    tracing::warn!(subscription = %l.name, lag_seconds = l.lag_seconds, max_lag_seconds = l.max_lag_seconds,
-                        signal = "subscription_behind",
-                        "subscription {:?} is behind: its oldest unsettled event is older than its bound (--max-lag); \
-                         it still holds retention, so nothing is dropped: start or fix its relay, or drop it", l.name);
-                }
-                now.insert(l.name.clone());
-            } else if was.contains(&l.name) {
-                tracing::info!(subscription = %l.name, "subscription {:?} is within its lag bound again", l.name);
+            record_lag(l, was.contains(&l.name));
+            self.own_expired |= l.state == "expired" && own == Some(l.name.as_str());
+        }
+        for l in lags.iter().filter(|l| l.behind() && l.expire && l.state != "expired") {
+            let expired = match work.expire_subscription(&l.name, stop()).await {
+                Ok(expired) => expired,
+                Err(e) => return timed_out_or_tolerated(work, e, "expire a subscription"),
+            };
+            if let Some((lag, max)) = expired {
+                tracing::error!(subscription = %l.name, lag_seconds = lag, max_lag_seconds = max, signal = "subscription_expired",
+                    "subscription {:?} expired: it fell behind its lag bound with --expire; retention no longer waits for it, \
+                     so events it never got may be deleted, and its relays stop; rewind it to accept the gap, or drop it",
+                    l.name);
+                self.own_expired |= own == Some(l.name.as_str());
             }
         }
-        *was = now;
         Ok(())
+    }
+
+    /// Whether this consumer's own subscription expired (read at the
+    /// gauges' turn, or expired by this consumer): the drain loop stops.
+    pub(super) fn own_expired(&self) -> bool {
+        self.own_expired
     }
 }

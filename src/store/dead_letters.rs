@@ -183,7 +183,7 @@ pub(crate) fn apply_sql(walk: Walk, action: &str) -> String {
 
 /// `discard`'s statement on a schema with subscriptions (migration 0016):
 /// [`apply_sql`] with [`DISCARD`], but the rows are deleted only when every
-/// subscription has passed each picked event: it is at or below the
+/// subscription but an expired one has passed each picked event: it is at or below the
 /// subscription's cursor with no failure row of it (a retry, a held event,
 /// a dead letter), or among the ids it settled above the cursor. Otherwise
 /// nothing is deleted, and the statement returns the picked events some
@@ -196,7 +196,8 @@ pub(crate) fn discard_subscribed_sql(walk: Walk) -> String {
     let (matches, order) = walk.parts();
     format!(
         "WITH picked AS (SELECT id FROM events.outbox WHERE {matches} ORDER BY {order} LIMIT $6 FOR UPDATE), \
-              subs AS MATERIALIZED (SELECT name, cursor_id, settled FROM events.outbox_subscriptions FOR SHARE), \
+              subs AS MATERIALIZED (SELECT name, cursor_id, settled FROM events.outbox_subscriptions \
+                                    WHERE state <> 'expired' FOR SHARE), \
               needed AS MATERIALIZED ( \
                 SELECT p.id, s.name FROM picked p CROSS JOIN subs s \
                 WHERE NOT (p.id = ANY (s.settled) \

@@ -13,7 +13,8 @@ use super::map_missing_schema;
 use crate::error::Result;
 
 /// The condition that every subscription (`events.outbox_subscriptions`,
-/// active or paused: a paused one must not lose events) has passed event
+/// active or paused: a paused one must not lose events; not an expired
+/// one, which the operator let go) has passed event
 /// `o`: its id is at or below the lowest cursor, and no subscription has a
 /// failure row for it (waiting for a retry, held back, or a dead letter).
 /// The lowest cursor and the subscriptions' names are init plans, read
@@ -23,9 +24,11 @@ use crate::error::Result;
 /// macro, so that `concat!` builds constant statements from it.
 macro_rules! subscribed {
     () => {
-        "AND o.id <= coalesce((SELECT min(s.cursor_id) FROM events.outbox_subscriptions s), 9223372036854775807) \
+        "AND o.id <= coalesce((SELECT min(s.cursor_id) FROM events.outbox_subscriptions s \
+                                WHERE s.state <> 'expired'), 9223372036854775807) \
          AND (SELECT 1 FROM events.outbox_subscription_failures f \
-              WHERE f.subscription = ANY (ARRAY(SELECT s.name FROM events.outbox_subscriptions s)) \
+              WHERE f.subscription = ANY (ARRAY(SELECT s.name FROM events.outbox_subscriptions s \
+                                                WHERE s.state <> 'expired')) \
                 AND f.id = o.id LIMIT 1) IS NULL"
     };
 }
@@ -111,7 +114,8 @@ pub(crate) const COUNT_DUE_UNSUBSCRIBED: &str = "SELECT count(*) AS due FROM eve
 pub(crate) const HAS_SUBSCRIPTIONS: &str = "SELECT to_regclass('events.outbox_subscriptions') IS NOT NULL AS present";
 /// The lowest cursor of the subscriptions (`floor`, NULL when there is
 /// none): no event above it can be deleted.
-pub(crate) const LOWEST_CURSOR: &str = "SELECT min(cursor_id) AS floor FROM events.outbox_subscriptions";
+pub(crate) const LOWEST_CURSOR: &str =
+    "SELECT min(cursor_id) AS floor FROM events.outbox_subscriptions WHERE state <> 'expired'";
 
 /// What retention must wait for: whether the schema has subscriptions at
 /// all, and the lowest cursor among them.

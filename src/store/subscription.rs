@@ -104,7 +104,8 @@ const CHECK: &str = "SELECT (SELECT s.state FROM events.outbox_subscriptions s W
 /// # Errors
 /// [`Error::Config`] naming the subscription when it does not exist (and
 /// how to create it), or when ids do not follow transaction ids (and how
-/// to install the trigger); [`Error::NotMigrated`] without migration 0016;
+/// to install the trigger); [`Error::Subscription`] with
+/// `SubscriptionError::Expired` when it expired; [`Error::NotMigrated`] without migration 0016;
 /// [`Error::Db`] otherwise.
 pub(crate) async fn check<C: GenericClient + Sync>(client: &C, name: &str) -> Result<String> {
     let row = client.query_one(CHECK, &[&name]).await.map_err(super::map_missing_schema)?;
@@ -115,6 +116,9 @@ pub(crate) async fn check<C: GenericClient + Sync>(client: &C, name: &str) -> Re
              (or `--from earliest` for the retained history)"
         )));
     };
+    if state == "expired" {
+        return Err(crate::error::SubscriptionError::Expired(name.to_string()).into());
+    }
     if !row.try_get::<_, bool>("ids_after_xids")? {
         return Err(Error::Config(format!(
             "subscription {name:?} needs ids to follow transaction ids (the insert trigger `outbox_order` enabled, \

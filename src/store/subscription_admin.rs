@@ -63,14 +63,20 @@ pub enum SubscriptionState {
     /// Its relays deliver nothing until it is resumed; retention keeps
     /// every event it has not passed.
     Paused,
+    /// It fell behind its lag bound with expiry opted in
+    /// (`subscription set --expire`): its relays stop, retention no longer
+    /// waits for it, and it can only be rewound (then paused) or dropped
+    /// ([`SubscriptionError::Expired`]).
+    Expired,
 }
 
 impl SubscriptionState {
-    /// `active` or `paused`, as stored.
+    /// `active`, `paused` or `expired`, as stored.
     pub fn as_str(self) -> &'static str {
         match self {
             SubscriptionState::Active => "active",
             SubscriptionState::Paused => "paused",
+            SubscriptionState::Expired => "expired",
         }
     }
 
@@ -78,6 +84,7 @@ impl SubscriptionState {
         match s {
             "active" => Ok(SubscriptionState::Active),
             "paused" => Ok(SubscriptionState::Paused),
+            "expired" => Ok(SubscriptionState::Expired),
             other => Err(crate::error::Error::NotMigrated(format!(
                 "events.outbox_subscriptions holds the unknown state {other:?}"
             ))),
@@ -129,6 +136,9 @@ pub struct Subscription {
     /// [`Subscription::max_lag_seconds`]: the alert (docs/subscriptions.md,
     /// "Falling behind"). It still holds retention: nothing is dropped.
     pub behind: bool,
+    /// Whether it expires once behind (`subscription set --expire`): it is
+    /// then marked [`SubscriptionState::Expired`].
+    pub expires: bool,
     /// Failed events waiting for a retry or due again (`retry_count` above
     /// 0, not dead letters).
     pub failing: i64,
@@ -205,6 +215,7 @@ pub(crate) const LIST: &str = "SELECT s.name, s.state, s.created_at, s.start_id,
        (SELECT EXTRACT(EPOCH FROM (now() - o.occurred_at))::float8 FROM events.outbox o \
          WHERE o.id > s.cursor_id AND o.id <> ALL (s.settled) ORDER BY o.id LIMIT 1) AS lag_seconds, \
        (s.options ->> 'max_lag_seconds')::float8 AS max_lag_seconds, \
+       coalesce((s.options ->> 'expire')::boolean, false) AS expires, \
        f.failing, f.dead_letters, f.held, f.walked \
      FROM events.outbox_subscriptions s \
      CROSS JOIN LATERAL ( \
@@ -221,11 +232,14 @@ pub(crate) const LIST: &str = "SELECT s.name, s.state, s.created_at, s.start_id,
 /// before migration 0016 has none.
 pub(crate) const TABLE_EXISTS: &str = "SELECT to_regclass('events.outbox_subscriptions') IS NOT NULL AS present";
 
-/// Set subscription $1's state to $2; returns the state it had (`was`),
-/// or nothing when there is no such subscription.
+/// Set subscription $1's state to $2 unless it expired; returns the state
+/// it had (`was`; `expired`: nothing changed), or nothing when there is no
+/// such subscription.
 pub(crate) const SET_STATE: &str = "WITH old AS ( \
-       SELECT name, state FROM events.outbox_subscriptions WHERE name = $1 FOR UPDATE) \
-     UPDATE events.outbox_subscriptions s SET state = $2 FROM old WHERE s.name = old.name RETURNING old.state AS was";
+       SELECT name, state FROM events.outbox_subscriptions WHERE name = $1 FOR UPDATE), \
+     upd AS (UPDATE events.outbox_subscriptions s SET state = $2 FROM old \
+             WHERE s.name = old.name AND old.state <> 'expired' RETURNING 1) \
+     SELECT old.state AS was FROM old";
 
 /// Drop subscription $1: its row and its failure rows, in one statement. Its term row (scope `subscription:` $1) stays, so terms only
 /// grow: a subscription created again under the name takes the next term,
@@ -240,7 +254,8 @@ pub(crate) const DROP: &str = "WITH f AS ( \
            RETURNING 1) \
      SELECT (SELECT count(*) FROM d) AS dropped, f.failures, f.dead_letters, (SELECT count(*) FROM x) AS deleted FROM f";
 
-/// Rewind subscription $1 to cursor $2 when it is paused: the cursor set,
+/// Rewind subscription $1 to cursor $2 when it is paused or expired (it is
+/// paused then): the cursor set,
 /// the ids settled above it and the checkpoints cleared, its failure rows
 /// above $2 deleted. One row (none when there is no such subscription):
 /// its `state` and `previous_cursor_id`, the failure rows deleted
@@ -249,10 +264,12 @@ pub(crate) const DROP: &str = "WITH f AS ( \
 pub(crate) const REWIND: &str = "WITH s AS ( \
        SELECT name, state, cursor_id FROM events.outbox_subscriptions WHERE name = $1 FOR UPDATE), \
      gone AS (DELETE FROM events.outbox_subscription_failures f USING s \
-              WHERE s.state = 'paused' AND f.subscription = s.name AND f.id > $2 RETURNING f.next_retry_at), \
+              WHERE s.state IN ('paused', 'expired') AND f.subscription = s.name AND f.id > $2 \
+              RETURNING f.next_retry_at), \
      moved AS (UPDATE events.outbox_subscriptions u \
-               SET cursor_id = $2, settled = '{}', checkpoint_ids = '{}', checkpoint_xids = '{}', moved_at = now() \
-               FROM s WHERE u.name = s.name AND s.state = 'paused' RETURNING u.name) \
+               SET cursor_id = $2, settled = '{}', checkpoint_ids = '{}', checkpoint_xids = '{}', moved_at = now(), \
+                   state = 'paused' \
+               FROM s WHERE u.name = s.name AND s.state IN ('paused', 'expired') RETURNING u.name) \
      SELECT s.state, s.cursor_id AS previous_cursor_id, \
        (SELECT count(*) FROM gone) AS failures, \
        (SELECT count(*) FROM gone WHERE next_retry_at = 'infinity') AS dead_letters, \
@@ -354,6 +371,7 @@ fn subscription_from_row(r: &tokio_postgres::Row) -> Result<Subscription> {
         lag_seconds: r.try_get("lag_seconds")?,
         max_lag_seconds: r.try_get("max_lag_seconds")?,
         behind: super::subscription_lag::behind(r.try_get("lag_seconds")?, r.try_get("max_lag_seconds")?),
+        expires: r.try_get("expires")?,
         failing: r.try_get("failing")?,
         dead_letters: r.try_get("dead_letters")?,
         held: r.try_get("held")?,
@@ -424,6 +442,7 @@ pub(crate) fn default_from(b: &Backlog) -> Subscription {
         lag_seconds: b.oldest_age,
         max_lag_seconds: None,
         behind: false,
+        expires: false,
         failing: b.total(Class::Due) + b.total(Class::Waiting),
         dead_letters: b.total(Class::Dead),
         held,
@@ -449,7 +468,8 @@ pub(crate) async fn list<C: GenericClient + Sync>(client: &C) -> Result<Vec<Subs
 /// Set `name`'s state ([`SET_STATE`]); returns the state it had.
 ///
 /// # Errors
-/// [`SubscriptionError::Unknown`]; [`crate::Error::NotMigrated`] or
+/// [`SubscriptionError::Unknown`], [`SubscriptionError::Expired`] (an
+/// expired subscription is only rewound or dropped); [`crate::Error::NotMigrated`] or
 /// [`crate::Error::Db`].
 pub(crate) async fn set_state<C: GenericClient + Sync>(
     client: &C,
@@ -461,6 +481,9 @@ pub(crate) async fn set_state<C: GenericClient + Sync>(
     let Some(row) = row else { return Err(SubscriptionError::Unknown(name.to_string()).into()) };
     let was: String = row.try_get("was")?;
     let was = SubscriptionState::parse(&was)?;
+    if was == SubscriptionState::Expired {
+        return Err(SubscriptionError::Expired(name.to_string()).into());
+    }
     if state == SubscriptionState::Active && was != state {
         // Relays waiting for a wake-up look again.
         super::wakeup::notify(client, super::NOTIFY_CHANNEL, "").await?;
@@ -494,7 +517,7 @@ pub(crate) async fn rewind<C: GenericClient + Sync>(client: &C, name: &str, from
     // subscription active; the statement checks again under the row's lock.
     check_name(name)?;
     match state_of(client, name).await? {
-        SubscriptionState::Paused => {}
+        SubscriptionState::Paused | SubscriptionState::Expired => {}
         SubscriptionState::Active => return Err(SubscriptionError::NotPaused(name.to_string()).into()),
     }
     let cursor = cursor_for(client, from).await?;

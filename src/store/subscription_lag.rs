@@ -14,21 +14,36 @@ use super::map_missing_schema;
 use crate::error::{Result, SubscriptionError};
 
 /// Set subscription $1's lag bound to $2 seconds (`float8`), or clear it
-/// when $2 is NULL, in its `options` (key `max_lag_seconds`). Returns its
-/// name, or nothing when there is no such subscription.
+/// when $2 is NULL, in its `options` (key `max_lag_seconds`), and whether it
+/// expires past the bound, $3 (`boolean`, key `expire`; false without a
+/// bound). Returns its name, or nothing when there is no such subscription.
 pub(crate) const SET_MAX_LAG: &str = "UPDATE events.outbox_subscriptions \
-     SET options = CASE WHEN $2::float8 IS NULL THEN options - 'max_lag_seconds' \
-                        ELSE options || jsonb_build_object('max_lag_seconds', $2::float8) END \
+     SET options = CASE WHEN $2::float8 IS NULL THEN options - 'max_lag_seconds' - 'expire' \
+                        ELSE options || jsonb_build_object('max_lag_seconds', $2::float8, 'expire', $3::boolean) END \
      WHERE name = $1 RETURNING name";
+
+/// Mark subscription $1 expired, if it still may and must: its expiry
+/// opted in (`options` key `expire`), not expired yet, and its lag (as in
+/// [`LAGS`], read again under the row's lock) past its bound. Returns its
+/// `lag` and `max_lag` (seconds) when it expired it, nothing otherwise.
+pub(crate) const EXPIRE: &str = "WITH s AS (SELECT name, cursor_id, settled, options FROM events.outbox_subscriptions \
+       WHERE name = $1 AND state <> 'expired' AND coalesce((options ->> 'expire')::boolean, false) FOR UPDATE), \
+     l AS (SELECT s.name, (s.options ->> 'max_lag_seconds')::float8 AS max_lag, \
+       (SELECT EXTRACT(EPOCH FROM (now() - o.occurred_at))::float8 FROM events.outbox o \
+         WHERE o.id > s.cursor_id AND o.id <> ALL (s.settled) ORDER BY o.id LIMIT 1) AS lag FROM s) \
+     UPDATE events.outbox_subscriptions u SET state = 'expired' FROM l \
+     WHERE u.name = l.name AND l.lag > l.max_lag RETURNING l.lag, l.max_lag";
 
 /// Every subscription's lag against its bound, by name, at most 1 000 of
 /// them: `name`, `max_lag` (seconds, NULL without a bound) and `lag`:
 /// seconds from `occurred_at` to now of the lowest event above its cursor
 /// that it has not settled (as `subscription list` shows it; NULL when it
-/// has caught up). One descent of `outbox_pkey` per subscription, walking
+/// has caught up); its `state`, and `expire`: whether it expires past its
+/// bound. One descent of `outbox_pkey` per subscription, walking
 /// at most its few ids settled above the cursor, whatever the table's
 /// size.
-pub(crate) const LAGS: &str = "SELECT s.name, (s.options ->> 'max_lag_seconds')::float8 AS max_lag, \
+pub(crate) const LAGS: &str = "SELECT s.name, s.state, (s.options ->> 'max_lag_seconds')::float8 AS max_lag, \
+       coalesce((s.options ->> 'expire')::boolean, false) AS expire, \
        (SELECT EXTRACT(EPOCH FROM (now() - o.occurred_at))::float8 FROM events.outbox o \
          WHERE o.id > s.cursor_id AND o.id <> ALL (s.settled) ORDER BY o.id LIMIT 1) AS lag \
      FROM events.outbox_subscriptions s ORDER BY s.name COLLATE \"C\" LIMIT 1000";
@@ -42,6 +57,10 @@ pub(crate) struct Lag {
     pub(crate) lag_seconds: Option<f64>,
     /// Its bound in seconds; `None` without one.
     pub(crate) max_lag_seconds: Option<f64>,
+    /// `active`, `paused` or `expired`.
+    pub(crate) state: String,
+    /// It expires past its bound (opted in).
+    pub(crate) expire: bool,
 }
 
 impl Lag {
@@ -57,15 +76,21 @@ pub(crate) fn behind(lag: Option<f64>, max: Option<f64>) -> bool {
     matches!((lag, max), (Some(lag), Some(max)) if lag > max)
 }
 
-/// Set subscription `name`'s lag bound ([`SET_MAX_LAG`]); `None` clears it.
+/// Set subscription `name`'s lag bound ([`SET_MAX_LAG`]) and whether it
+/// expires past it (`expire`); `None` clears both.
 ///
 /// # Errors
 /// [`SubscriptionError::Unknown`], [`SubscriptionError::InvalidName`];
 /// [`crate::Error::NotMigrated`] or [`crate::Error::Db`].
-pub(crate) async fn set_max_lag<C: GenericClient + Sync>(client: &C, name: &str, max: Option<Duration>) -> Result<()> {
+pub(crate) async fn set_max_lag<C: GenericClient + Sync>(
+    client: &C,
+    name: &str,
+    max: Option<Duration>,
+    expire: bool,
+) -> Result<()> {
     super::subscription_admin::check_name(name)?;
     let seconds = max.map(|d| d.as_secs_f64());
-    let row = client.query_opt(SET_MAX_LAG, &[&name, &seconds]).await.map_err(map_missing_schema)?;
+    let row = client.query_opt(SET_MAX_LAG, &[&name, &seconds, &expire]).await.map_err(map_missing_schema)?;
     match row {
         Some(_) => Ok(()),
         None => Err(SubscriptionError::Unknown(name.to_string()).into()),

@@ -493,6 +493,11 @@ impl WorkSession {
         Ok(row.try_get::<_, f64>("usage").ok())
     }
 
+    /// Whose events this session reads.
+    pub(crate) fn reader(&self) -> &Reader {
+        &self.reader
+    }
+
     /// Every subscription's lag against its bound
     /// ([`super::subscription_lag::LAGS`]), for the alert.
     pub(crate) async fn subscription_lags(
@@ -507,10 +512,27 @@ impl WorkSession {
                     name: r.try_get("name")?,
                     lag_seconds: r.try_get("lag")?,
                     max_lag_seconds: r.try_get("max_lag")?,
+                    state: r.try_get("state")?,
+                    expire: r.try_get("expire")?,
                 })
             })
             .collect::<Result<_, tokio_postgres::Error>>()
             .map_err(|e| StatementError::db(kind, e))
+    }
+
+    /// Mark subscription `name` expired if it still must
+    /// ([`super::subscription_lag::EXPIRE`]); returns its lag and bound
+    /// (seconds) when it did.
+    pub(crate) async fn expire_subscription(
+        &self,
+        name: &str,
+        stop: impl Future<Output = ()>,
+    ) -> Result<Option<(f64, f64)>, StatementError> {
+        let kind = StatementKind::Gauges;
+        let row = self.run(kind, stop, self.client.query_opt(super::subscription_lag::EXPIRE, &[&name])).await?;
+        row.map(|r| Ok((r.try_get("lag")?, r.try_get("max_lag")?)))
+            .transpose()
+            .map_err(|e: tokio_postgres::Error| StatementError::db(kind, e))
     }
 
     /// The backlog gauges ([`Gauges`]).

@@ -483,3 +483,74 @@ async fn a_subscription_past_its_lag_bound_is_reported_behind_by_every_relay() {
     assert_eq!(kept, 1, "nothing dropped");
     relay.stop().await;
 }
+
+/// A subscription that opted in to expiry is marked expired once behind:
+/// its relay stops and cannot start again, resume is refused, retention no
+/// longer waits for it (one behind without expiry still holds it), and a
+/// rewind brings it back, paused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_subscription_that_opted_in_expires_once_behind_and_only_a_rewind_brings_it_back() {
+    let db = TestDb::new("sub_expiry").await;
+    let c = db.client().await;
+    for args in [vec!["audit", "--max-lag", "10m", "--expire"], vec!["keep", "--max-lag", "10m"]] {
+        let out = db.cli(&[&["subscription", "create", "--from", "earliest"][..], &args].concat()).run().await;
+        assert!(out.ok(), "{out:?}");
+    }
+    assert!(db.cli(&["subscription", "pause", "audit"]).run().await.ok());
+    let (mut audit, _out) =
+        crate::relay_proc::start_with_stdout(&db, &["--subscription", "audit", "--sink", "stdout"]).await;
+    c.execute(
+        "INSERT INTO events.outbox (aggregate_type, aggregate_id, event_type, payload, occurred_at) \
+         VALUES ('order', $1, 'Placed', '{}', now() - interval '1 hour')",
+        &[&Uuid::new_v4()],
+    )
+    .await
+    .expect("an event an hour old");
+    let (default, _stdout) = crate::relay_proc::start_with_stdout(&db, &["--sink", "stdout"]).await;
+    let status = audit.wait().await;
+    assert_eq!(status.code(), Some(1), "audit's relay stops\n{}", audit.log());
+    assert!(audit.log().contains("expired"), "{}", audit.log());
+    let logs = format!("{}{}", audit.log(), default.log());
+    assert!(logs.contains("subscription_expired"), "{logs}");
+
+    let list = db.cli(&["subscription", "list", "--json"]).run().await;
+    let v: serde_json::Value = serde_json::from_str(&list.stdout).expect("list JSON");
+    let state = |i: usize| (v[i]["name"].as_str(), v[i]["state"].as_str(), v[i]["behind"].as_bool());
+    assert_eq!(
+        (state(1), state(2)),
+        ((Some("audit"), Some("expired"), Some(true)), (Some("keep"), Some("active"), Some(true)))
+    );
+    let resume = db.cli(&["subscription", "resume", "audit"]).run().await;
+    assert!(!resume.ok() && resume.stderr.contains("subscription \"audit\" expired"), "{resume:?}");
+    let (again, log) = crate::relay_proc::run_to_exit(&db, &["--subscription", "audit", "--sink", "stdout"]).await;
+    assert!(!again.success() && log.contains("subscription \"audit\" expired"), "{log}");
+
+    // Retention: `keep`, behind without expiry, holds the event; once it is
+    // dropped, the expired `audit` does not.
+    eventually(30, "the default publishes it", || async {
+        c.query_one("SELECT count(*) FROM events.outbox WHERE published_at IS NULL", &[])
+            .await
+            .expect("n")
+            .get::<_, i64>(0)
+            == 0
+    })
+    .await;
+    c.execute("UPDATE events.outbox SET published_at = now() - interval '40 days'", &[])
+        .await
+        .expect("published long ago");
+    let r = pg_outbox::retention::Retention::default();
+    assert_eq!(pg_outbox::retention::run(&db.options(), &r).await.expect("retention").deleted, 0, "keep holds it");
+    assert!(db.cli(&["subscription", "drop", "keep", "--yes"]).run().await.ok());
+    assert_eq!(pg_outbox::retention::run(&db.options(), &r).await.expect("retention").deleted, 1, "audit expired");
+
+    let rewind = db.cli(&["subscription", "rewind", "audit", "--to", "now"]).run().await;
+    assert!(rewind.ok(), "{rewind:?}");
+    let state: String = c
+        .query_one("SELECT state FROM events.outbox_subscriptions WHERE name = 'audit'", &[])
+        .await
+        .expect("state")
+        .get(0);
+    assert_eq!(state, "paused", "a rewound expired subscription waits to be resumed");
+    assert!(db.cli(&["subscription", "resume", "audit"]).run().await.ok());
+    default.stop().await;
+}

@@ -33,6 +33,12 @@ pub(crate) enum SubscriptionCmd {
         /// older, it is behind (metric, log, status). Nothing is dropped.
         #[arg(long, value_parser = crate::parse_duration)]
         max_lag: Option<std::time::Duration>,
+        /// With --max-lag: once behind, mark it expired: retention stops
+        /// waiting for it (events it never got may be deleted) and its
+        /// relays stop. Off by default: a subscription behind keeps
+        /// everything.
+        #[arg(long, requires = "max_lag")]
+        expire: bool,
     },
     /// Set or clear a subscription's lag bound (--max-lag).
     Set {
@@ -44,6 +50,12 @@ pub(crate) enum SubscriptionCmd {
         /// status). Nothing is dropped: it still holds retention.
         #[arg(long, value_parser = parse_max_lag)]
         max_lag: MaxLag,
+        /// Once behind, mark it expired: retention stops waiting for it
+        /// (events it never got may be deleted) and its relays stop. Off by
+        /// default (and without a bound): a subscription behind keeps
+        /// everything.
+        #[arg(long)]
+        expire: bool,
     },
     /// List the subscriptions, the default (the seeded flow) first, with
     /// state, cursor, backlog, lag, failures, dead letters and held events
@@ -105,12 +117,12 @@ fn parse_from(s: &str) -> Result<From, String> {
 pub(crate) async fn run(db: &pg_outbox::ConnectOptions, cmd: SubscriptionCmd) -> Result<(), Error> {
     match cmd {
         SubscriptionCmd::List { json } => list(db, json).await,
-        SubscriptionCmd::Create { name, from, max_lag } => {
+        SubscriptionCmd::Create { name, from, max_lag, expire } => {
             let mut client = crate::db::connect_primary(db).await?;
             let tx = client.transaction().await.map_err(pg_outbox::Error::from)?;
             let mut s = subscription::create(&tx, &name, from).await?;
             if max_lag.is_some() {
-                subscription::set_max_lag(&tx, &name, max_lag).await?;
+                subscription::set_max_lag(&tx, &name, max_lag, expire).await?;
                 s = subscription::get(&tx, &name).await?;
             }
             tx.commit().await.map_err(pg_outbox::Error::from)?;
@@ -122,12 +134,19 @@ pub(crate) async fn run(db: &pg_outbox::ConnectOptions, cmd: SubscriptionCmd) ->
             );
             Ok(())
         }
-        SubscriptionCmd::Set { name, max_lag: MaxLag(max_lag) } => {
+        SubscriptionCmd::Set { name, max_lag: MaxLag(max_lag), expire } => {
+            if expire && max_lag.is_none() {
+                return Err(Error::Usage("--expire needs a lag bound: --max-lag DURATION, not none".into()));
+            }
             let client = crate::db::connect_primary(db).await?;
-            subscription::set_max_lag(&client, &name, max_lag).await?;
-            match max_lag {
-                Some(d) => println!("subscription {name}: lag bound {}", humantime::format_duration(d)),
-                None => println!("subscription {name}: no lag bound"),
+            subscription::set_max_lag(&client, &name, max_lag, expire).await?;
+            match (max_lag, expire) {
+                (Some(d), false) => println!("subscription {name}: lag bound {}", humantime::format_duration(d)),
+                (Some(d), true) => println!(
+                    "subscription {name}: lag bound {}, expires once behind (retention then stops waiting for it)",
+                    humantime::format_duration(d)
+                ),
+                (None, _) => println!("subscription {name}: no lag bound"),
             }
             Ok(())
         }
@@ -216,7 +235,7 @@ pub(crate) fn print_table(all: &[Subscription]) {
     let names: Vec<String> = all.iter().map(|s| super::text::printable(&s.name)).collect();
     let w = names.iter().map(|n| n.chars().count()).max().unwrap_or(0).max(12);
     println!(
-        "{:<w$}  {:<6}  {:>12}  {:>12}  {:>16}  {:>8}  {:>8}  {:>12}  {:>8}  {:<20}  leader",
+        "{:<w$}  {:<7}  {:>12}  {:>12}  {:>16}  {:>8}  {:>8}  {:>12}  {:>8}  {:<20}  leader",
         "subscription", "state", "cursor", "backlog <=", "lag", "max lag", "failing", "dead letters", "held", "moved"
     );
     for (s, name) in all.iter().zip(&names) {
@@ -228,7 +247,7 @@ pub(crate) fn print_table(all: &[Subscription]) {
         let backlog_mark = if s.cursor_id.is_none() && !s.counts_exact { "~" } else { "" };
         let n = |v: i64| format!("{mark}{v}");
         println!(
-            "{:<w$}  {:<6}  {:>12}  {:>12}  {:>16}  {:>8}  {:>8}  {:>12}  {:>8}  {:<20}  {}",
+            "{:<w$}  {:<7}  {:>12}  {:>12}  {:>16}  {:>8}  {:>8}  {:>12}  {:>8}  {:<20}  {}",
             name,
             s.state.as_str(),
             s.cursor_id.map_or("-".to_string(), |c| c.to_string()),
