@@ -58,7 +58,7 @@ use crate::support::{self, TestDb};
 use pg_outbox_testkit::process;
 
 /// The relay's default `--max-in-flight`, which every relay here runs with.
-const MAX_IN_FLIGHT: usize = pg_outbox::relay::DEFAULT_MAX_IN_FLIGHT;
+pub(crate) const MAX_IN_FLIGHT: usize = pg_outbox::relay::DEFAULT_MAX_IN_FLIGHT;
 /// What a relay can have sent and not yet recorded, so what one `kill -9`
 /// can cost an at-least-once sink in duplicates: its sends in flight, the
 /// acknowledgements settled but not yet written (the consumer stops
@@ -72,7 +72,7 @@ const UNRECORDED_BOUND: usize = MAX_IN_FLIGHT
 /// Aggregates the producers write.
 const AGGREGATES: usize = 100;
 /// Committed events per test.
-const EVENTS: usize = 1600;
+pub(crate) const EVENTS: usize = 1600;
 /// Largest pause between a producer's transactions, in ms.
 const PACE_MS: u64 = 6;
 /// The relays' retry schedule: short, and never a dead letter here.
@@ -86,7 +86,7 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 
 /// The fault suite's producers (1 to 3 events a transaction, one in ten
 /// rolled back) over [`AGGREGATES`] aggregates, `events` committed in all.
-fn spawn_load(url: &str, seed: u64, rng: &mut StdRng, events: usize) -> Load {
+pub(crate) fn spawn_load(url: &str, seed: u64, rng: &mut StdRng, events: usize) -> Load {
     let mut spec = faults::load_spec(url, seed, rng);
     spec.aggregates = (0..AGGREGATES).map(|_| Uuid::from_u128(rng.random::<u128>())).collect();
     spec.events = events;
@@ -97,7 +97,7 @@ fn spawn_load(url: &str, seed: u64, rng: &mut StdRng, events: usize) -> Load {
 /// Wait until no relay session is left on the database (a killed relay's
 /// backend may still be finishing a statement it got before the kill), so
 /// that what is published is what the killed relay recorded.
-async fn relay_sessions_gone(c: &Client) {
+pub(crate) async fn relay_sessions_gone(c: &Client) {
     support::eventually(LIVENESS.as_secs(), "the killed relay's sessions end", || async {
         let r = c
             .query_one(
@@ -280,7 +280,7 @@ impl Hook {
 }
 
 /// The relays' stderr (the end of it), for failure messages.
-fn logs(relays: &[RelayProc]) -> String {
+pub(crate) fn logs(relays: &[RelayProc]) -> String {
     faults::logs(relays.iter())
 }
 
@@ -554,14 +554,14 @@ async fn a_frozen_relay_resumes_without_loss_or_reordering() {
 // ---------------------------------------------------------------- exactly-once brokers
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum BrokerKind {
+pub(crate) enum BrokerKind {
     Nats,
     Redis,
 }
 
 /// A private broker server (restartable) with one subject (stream key) per
 /// aggregate.
-struct Broker {
+pub(crate) struct Broker {
     kind: BrokerKind,
     server: PrivateServer,
     url: String,
@@ -574,7 +574,7 @@ const NATS_STREAM: &str = "OUTBOX";
 
 impl Broker {
     /// `None` (the test skips) when the server program is missing.
-    async fn start(kind: BrokerKind, exactly_once: bool) -> Option<Broker> {
+    pub(crate) async fn start(kind: BrokerKind, exactly_once: bool) -> Option<Broker> {
         let broker = match kind {
             BrokerKind::Nats => {
                 let program = needs::program(&needs::NATS_SERVER)?;
@@ -625,7 +625,7 @@ impl Broker {
     }
 
     /// `nats_exactly_once`, `redis_at_least_once`, ...
-    fn name(&self) -> String {
+    pub(crate) fn name(&self) -> String {
         let broker = match self.kind {
             BrokerKind::Nats => "nats",
             BrokerKind::Redis => "redis",
@@ -649,7 +649,7 @@ impl Broker {
 
     /// Relay number `n` delivering here, its metrics on a port
     /// of its own; waits until it says it started.
-    async fn relay(&self, url: &str, n: u32, extra: &[&str]) -> (RelayProc, String) {
+    pub(crate) async fn relay(&self, url: &str, n: u32, extra: &[&str]) -> (RelayProc, String) {
         let metrics = format!("127.0.0.1:{}", free_port());
         let spec = process::Relay::new(support::bin())
             .url(url)
@@ -732,7 +732,7 @@ impl Broker {
 
 /// Sample the relay's `outbox_sink_in_flight` at `addr` every 5 ms into
 /// `most` (its highest value seen) until aborted.
-fn sample_in_flight(addr: String, most: Arc<AtomicUsize>) -> JoinHandle<()> {
+pub(crate) fn sample_in_flight(addr: String, most: Arc<AtomicUsize>) -> JoinHandle<()> {
     tokio::spawn(async move {
         loop {
             if let Some(v) = metric(&addr, pg_outbox::metrics::SINK_IN_FLIGHT).await {
@@ -746,7 +746,7 @@ fn sample_in_flight(addr: String, most: Arc<AtomicUsize>) -> JoinHandle<()> {
 /// Read the broker back and check it against the ledger: 0 lost, 0 order
 /// violations, nothing rolled back or unknown, and with `--exactly-once` 0
 /// duplicates; the tally and the copies.
-async fn check_broker(
+pub(crate) async fn check_broker(
     kind: &str,
     broker: &Broker,
     c: &Client,
@@ -774,7 +774,7 @@ async fn check_broker(
 }
 
 /// The aggregates the producers of `ledger` wrote.
-fn aggregates_of(ledger: &Ledger) -> Vec<Uuid> {
+pub(crate) fn aggregates_of(ledger: &Ledger) -> Vec<Uuid> {
     let set: BTreeSet<Uuid> = ledger.committed.iter().map(|(_, a)| *a).collect();
     set.into_iter().collect()
 }
@@ -791,7 +791,7 @@ async fn published_more(c: &Client, n: i64) {
 }
 
 /// Copies the broker holds now, by id.
-async fn copies_by_id(broker: &Broker, c: &Client) -> HashMap<i64, usize> {
+pub(crate) async fn copies_by_id(broker: &Broker, c: &Client) -> HashMap<i64, usize> {
     let mut by: HashMap<i64, usize> = HashMap::new();
     for (id, _) in broker.copies(&aggregates_now(c).await).await {
         *by.entry(id).or_default() += 1;

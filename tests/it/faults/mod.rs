@@ -84,6 +84,8 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 mod harness;
 mod load;
 mod subscriptions;
+#[cfg(all(feature = "nats", feature = "redis"))]
+mod subscriptions_exactly_once;
 mod webhook;
 
 pub(crate) use harness::*;
