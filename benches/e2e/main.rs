@@ -34,7 +34,11 @@
 //!   Consumer of a named subscription, against one of the default
 //!   subscription and against a plain `UPDATE ... RETURNING` loop, with
 //!   WAL bytes and dead tuples per event; commit-to-delivery p50 and p99 at
-//!   100 and 1 000 events/s of each subscription's Consumer;
+//!   100 and 1 000 events/s of each subscription's Consumer; then four named
+//!   subscriptions draining a quarter of that backlog at once against one
+//!   alone, producers' insert rate with four draining live against one, and
+//!   one subscription's p50 and p99 at 100 events/s while another's Consumer
+//!   fails every event, against while it acknowledges;
 //! - `sinks` (only when named): a relay into NATS JetStream, Redis,
 //!   RabbitMQ and Kafka (a tansu the scenario starts) through a proxy in
 //!   this process that adds a round trip of 0, 1, 5 and 20 ms, with 64
@@ -117,6 +121,7 @@ mod producers;
 mod report;
 mod sinks;
 mod subscriptions;
+mod subscriptions_many;
 mod util;
 mod wal;
 

@@ -287,7 +287,7 @@ async fn one(ctx: &Ctx, conns: usize, table: Table) -> BenchResult<Run> {
 }
 
 /// The median of `v` (the mean of the middle two for an even count); 0 if empty.
-fn median(v: &mut [f64]) -> f64 {
+pub fn median(v: &mut [f64]) -> f64 {
     v.sort_by(f64::total_cmp);
     match v.len() {
         0 => 0.0,

@@ -5,12 +5,14 @@
 //! cursor row per batch), and by the floor: a plain loop of `UPDATE ...
 //! RETURNING`, 500 rows a statement. Each drain's WAL bytes and dead tuples
 //! per event. Then commit-to-delivery latency, p50 and p99, at 100 and 1 000
-//! events/s, of each subscription's Consumer.
+//! events/s, of each subscription's Consumer. Then several named
+//! subscriptions at once (`subscriptions_many`): four draining one backlog
+//! against one alone, producers with four draining live against one, and one
+//! subscription's latency while another's Consumer fails every event.
 
-use std::collections::HashMap;
 use std::hint::black_box;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use futures::StreamExt;
@@ -19,6 +21,7 @@ use pg_outbox::tokio_postgres::{Client, Config};
 use serde::Serialize;
 
 use crate::report::{Section, fmt_count, fmt_ms, fmt_ratio, ratio};
+use crate::subscriptions_many::{self, Arrivals, LATENCY_PRODUCERS, paced_inserts, percentiles, time_arrivals};
 use crate::util::{self, RowKind, Scratch, scratch};
 use crate::{Ctx, Settings};
 use pg_outbox_testkit::bench::{BenchResult, BoxError};
@@ -27,13 +30,11 @@ use pg_outbox_testkit::connect;
 /// The named subscription the scenario creates.
 const NAME: &str = "bench";
 /// Aggregates the backlog is spread over (round robin in id order).
-const AGGREGATES: i64 = 10_000;
+pub const AGGREGATES: i64 = 10_000;
 /// Rows per statement of the floor's loop.
 const FLOOR_BATCH: i64 = 500;
 /// Latency rates, events/s.
 const RATES: [u64; 2] = [100, 1_000];
-/// Producer connections sharing a latency rate.
-const PRODUCERS: usize = 4;
 
 /// Who drains.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -200,79 +201,33 @@ async fn one_drain(ctx: &Ctx, reader: Reader, tag: &str) -> BenchResult<DrainRun
 }
 
 /// Commit-to-delivery latency of `reader`'s Consumer at `rate` events/s for
-/// `secs` seconds, producers on [`PRODUCERS`] connections.
+/// `secs` seconds, producers on four connections.
 async fn one_latency(ctx: &Ctx, reader: Reader, rate: u64, secs: f64, tag: &str) -> BenchResult<LatencyRun> {
     let (db, _client) = backlog(ctx, tag, 0).await?;
     let result = async {
         let builder = Consumer::builder(pg_outbox_testkit::options_of(&db.cfg));
         let builder = if reader == Reader::Named { builder.subscription(NAME) } else { builder };
-        let mut stream = builder.start().await?;
-        let arrived: Arc<Mutex<HashMap<i64, Instant>>> = Arc::default();
+        let stream = builder.start().await?;
+        let arrived: Arrivals = Arc::default();
         // How many the producers committed (set once they are done): the
         // reader then stops, and finishes the stream (its acknowledgements
         // written, its sessions closed) before the database is dropped.
         let expected = Arc::new(AtomicUsize::new(usize::MAX));
-        let (seen, want) = (arrived.clone(), expected.clone());
-        let reader_task = tokio::spawn(async move {
-            let deadline = Instant::now() + Duration::from_secs_f64(secs + 15.0);
-            while Instant::now() < deadline {
-                if seen.lock().unwrap_or_else(PoisonError::into_inner).len() >= want.load(Ordering::SeqCst) {
-                    break;
-                }
-                if let Ok(Some(d)) = tokio::time::timeout(Duration::from_millis(50), stream.next()).await {
-                    seen.lock().unwrap_or_else(PoisonError::into_inner).insert(d.id, Instant::now());
-                    d.ack();
-                }
-            }
-            stream.finish().await
-        });
-        let total = ((rate as f64) * secs).max(1.0) as usize;
-        let start = Instant::now() + Duration::from_millis(200);
-        let mut producers = Vec::new();
-        for p in 0..PRODUCERS {
-            let c = connect(&db.cfg).await?;
-            producers.push(tokio::spawn(async move {
-                let mut committed = Vec::new();
-                for i in (p..total).step_by(PRODUCERS) {
-                    let at = start + Duration::from_secs_f64(i as f64 / rate as f64);
-                    tokio::time::sleep_until(at.into()).await;
-                    let row = c
-                        .query_one(
-                            "INSERT INTO events.outbox (aggregate_type, aggregate_id, event_type, payload) \
-                             VALUES ('bench', gen_random_uuid(), 'Latency', '{\"n\": 1}') RETURNING id",
-                            &[],
-                        )
-                        .await?;
-                    committed.push((row.try_get::<_, i64>(0)?, Instant::now()));
-                }
-                Ok::<_, BoxError>(committed)
-            }));
-        }
-        let mut committed = Vec::new();
-        for p in producers {
-            committed.extend(p.await??);
-        }
-        let all = committed.len();
-        expected.store(all, Ordering::SeqCst);
+        let reader_task = tokio::spawn(time_arrivals(stream, secs, arrived.clone(), expected.clone()));
+        let committed = paced_inserts(&db.cfg, rate, secs).await;
+        expected.store(committed.as_ref().map_or(0, Vec::len), Ordering::SeqCst);
         reader_task.await??;
-        let got = arrived.lock().unwrap_or_else(PoisonError::into_inner).clone();
-        let mut ms: Vec<f64> = committed
-            .iter()
-            .filter_map(|(id, at)| got.get(id).map(|a| a.saturating_duration_since(*at).as_secs_f64() * 1000.0))
-            .collect();
-        if ms.len() < all {
-            return Err(format!("{}: {} of {all} events delivered within 15 s", reader.name(), ms.len()).into());
-        }
-        ms.sort_by(f64::total_cmp);
-        let pct = |q: f64| ms[((ms.len() as f64 * q) as usize).min(ms.len() - 1)];
-        Ok::<_, BoxError>(LatencyRun { reader, rate, sent: all, p50_ms: pct(0.5), p99_ms: pct(0.99) })
+        let committed = committed?;
+        let (p50_ms, p99_ms) = percentiles(reader.name(), &committed, &arrived)?;
+        Ok::<_, BoxError>(LatencyRun { reader, rate, sent: committed.len(), p50_ms, p99_ms })
     }
     .await;
     db.drop_now(&ctx.admin).await;
     result
 }
 
-/// Run the drains, then the latency runs.
+/// Run the drains, the latency runs, then several subscriptions at once
+/// (`subscriptions_many`).
 pub async fn run(ctx: &Ctx) -> BenchResult<Section> {
     let s: &Settings = &ctx.settings;
     let mut drains = Vec::new();
@@ -286,41 +241,75 @@ pub async fn run(ctx: &Ctx) -> BenchResult<Section> {
             latencies.push(one_latency(ctx, reader, rate, s.latency_secs, tag).await?);
         }
     }
+    let many = subscriptions_many::run(ctx).await?;
     let mut sec = Section::new(
         "subscriptions",
         &format!(
-            "Subscriptions: a named subscription against the default one, {} events",
+            "Subscriptions: a named subscription against the default one, {} events; several at once",
             fmt_count(s.hot_events as f64)
         ),
         &[
             "what",
             "reader",
-            "events/s or p50 / p99 ms",
-            "vs default",
+            "events/s, inserts/s or p50 / p99 ms",
+            "baseline",
+            "vs baseline",
             "vs floor",
             "WAL bytes/event",
             "dead tuples/event",
         ],
     );
-    let (floor, default) = (drains[0].rate(), drains[1].rate());
-    for d in &drains {
+    drain_rows(&mut sec, &drains);
+    latency_rows(&mut sec, &latencies);
+    let rate_of = |r: Reader| drains.iter().find(|d| d.reader == r).map_or(0.0, DrainRun::rate);
+    let named = ratio(rate_of(Reader::Named), rate_of(Reader::Default));
+    sec.target("named subscription's drain >= 1.5x the default's".into(), named, 1.5, false);
+    sec.notes.push(format!(
+        "Each drain: {} fresh events (~1.5 KB JSON) over {AGGREGATES} aggregates in a scratch database of its own, \
+         settled (VACUUM ANALYZE, CHECKPOINT); the named subscription created from the first event. Consumers \
+         with the default settings; events/s over the time from the start until the table shows every event \
+         settled for that reader (published, or passed by the subscription's cursor). WAL bytes from \
+         pg_current_wal_lsn() around the drain; dead tuples from pg_stat_user_tables of the schema events. Latency: \
+         {} s at each rate over {LATENCY_PRODUCERS} producer connections (single-row autocommitted inserts, a fresh \
+         aggregate each), commit acknowledged to delivery in this process, one Consumer at a time.",
+        fmt_count(s.hot_events as f64),
+        s.latency_secs
+    ));
+    many.report(&mut sec);
+    sec.data = serde_json::json!({"drains": drains, "latencies": latencies, "several": many});
+    Ok(sec)
+}
+
+/// The drains' rows, against the default subscription's and the floor's
+/// drain.
+fn drain_rows(sec: &mut Section, drains: &[DrainRun]) {
+    let rate_of = |r: Reader| drains.iter().find(|d| d.reader == r).map_or(0.0, DrainRun::rate);
+    let (floor, default) = (rate_of(Reader::Floor), rate_of(Reader::Default));
+    for d in drains {
         let per = |v: i64| format!("{:.1}", v as f64 / d.events.max(1) as f64);
         sec.rows.push(vec![
             "drain".into(),
             d.reader.name().into(),
             fmt_count(d.rate()),
+            Reader::Default.name().into(),
             fmt_ratio(ratio(d.rate(), default)),
             fmt_ratio(ratio(d.rate(), floor)),
             per(d.wal_bytes),
             per(d.dead_tuples),
         ]);
     }
-    for l in &latencies {
+}
+
+/// The latency runs' rows, against the default subscription's at the same
+/// rate, and their targets.
+fn latency_rows(sec: &mut Section, latencies: &[LatencyRun]) {
+    for l in latencies {
         let base = latencies.iter().find(|b| b.rate == l.rate && b.reader == Reader::Default);
         sec.rows.push(vec![
             format!("latency at {}/s", l.rate),
             l.reader.name().into(),
             format!("{} / {}", fmt_ms(l.p50_ms), fmt_ms(l.p99_ms)),
+            Reader::Default.name().into(),
             base.map_or("n/a".into(), |b| {
                 format!("{} / {}", fmt_ratio(ratio(l.p50_ms, b.p50_ms)), fmt_ratio(ratio(l.p99_ms, b.p99_ms)))
             }),
@@ -335,18 +324,4 @@ pub async fn run(ctx: &Ctx) -> BenchResult<Section> {
             sec.target(what, ratio(l.p99_ms, b.p99_ms), 1.1, true);
         }
     }
-    sec.target("named subscription's drain >= 1.5x the default's".into(), ratio(drains[2].rate(), default), 1.5, false);
-    sec.notes.push(format!(
-        "Each drain: {} fresh events (~1.5 KB JSON) over {AGGREGATES} aggregates in a scratch database of its own, \
-         settled (VACUUM ANALYZE, CHECKPOINT); the named subscription created from the first event. Consumers \
-         with the default settings; events/s over the time from the start until the table shows every event \
-         settled for that reader (published, or passed by the subscription's cursor). WAL bytes from \
-         pg_current_wal_lsn() around the drain; dead tuples from pg_stat_user_tables of the schema events. Latency: \
-         {} s at each rate over {PRODUCERS} producer connections (single-row autocommitted inserts, a fresh \
-         aggregate each), commit acknowledged to delivery in this process, one Consumer at a time.",
-        fmt_count(s.hot_events as f64),
-        s.latency_secs
-    ));
-    sec.data = serde_json::json!({"drains": drains, "latencies": latencies});
-    Ok(sec)
 }
