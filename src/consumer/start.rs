@@ -305,13 +305,16 @@ async fn start_notifier(
         return Ok(None);
     }
     let listener_pg = cfg.listener_pg.clone().unwrap_or_else(|| cfg.pg.clone());
-    let (probe_tx, mut probe_rx) = watch::channel(String::new());
+    // The test notification this consumer expects back; the listener
+    // empties it when it arrives (and ignores other consumers' probes).
+    let probe = format!("{}{}", notifier::PROBE_PREFIX, Uuid::new_v4());
+    let (probe_tx, mut probe_rx) = watch::channel(probe.clone());
     let wake = signals.notification.clone();
     let first = notifier::listen(&listener_pg, &cfg.session(), wake, probe_tx.clone()).await?;
-    let probe = format!("{}{}", notifier::PROBE_PREFIX, Uuid::new_v4());
     crate::store::notify(work, NOTIFY_CHANNEL, &probe).await?;
-    let came_back = tokio::time::timeout(PROBE_TIMEOUT, probe_rx.wait_for(|p| *p == probe)).await.is_ok();
+    let came_back = tokio::time::timeout(PROBE_TIMEOUT, probe_rx.wait_for(String::is_empty)).await.is_ok();
     metrics::gauge!(crate::metrics::NOTIFICATIONS_WORKING).set(if came_back { 1.0 } else { 0.0 });
+    status_tx.send_modify(|s| s.notifications_work = Some(came_back));
     if came_back {
         tracing::info!(channel = NOTIFY_CHANNEL, "notifications work: LISTEN connection receives them");
     } else {

@@ -33,6 +33,11 @@ pub struct ListenerStatus {
     /// outbox); it opens again when this one leads. Always false with
     /// LISTEN, whose connection stays open on standbys.
     pub standing_by: bool,
+    /// Whether the test notification this consumer sent at start came back
+    /// to its LISTEN connection within 2 s (`Some(false)`: it runs on its
+    /// sweep alone, as through a transaction-mode pooler); `None` with the
+    /// WAL source or with LISTEN turned off.
+    pub notifications_work: Option<bool>,
 }
 
 /// What the drain loop and the deliveries share.

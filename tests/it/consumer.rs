@@ -814,3 +814,20 @@ async fn a_writer_that_falls_behind_stops_fetches_after_two_batches() {
     eventually(30, "every event published", || async { crate::support::published_count(&c).await == total }).await;
     stream.finish().await.expect("finish");
 }
+
+/// Consumers started at the same moment on one database each get their own
+/// start-up test notification back, though all are sent on one channel.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn consumers_starting_together_each_find_that_notifications_work() {
+    let db = TestDb::new("probe_together").await;
+    let db = &db;
+    let streams = futures::future::join_all(
+        (0..6).map(|_| async move { start(db, |b| b.mode(pg_outbox::Mode::Competing)).await }),
+    )
+    .await;
+    for s in streams {
+        let listener = s.health().get().listener;
+        assert_eq!(listener.notifications_work, Some(true), "{listener:?}");
+        s.finish().await.expect("finish");
+    }
+}

@@ -184,6 +184,14 @@ async fn every_metric_in_contrib_is_exported_by_a_running_relay() {
     c.execute("UPDATE events.outbox SET published_at = now() - interval '40 days' WHERE id = ANY($1)", &[&old])
         .await
         .expect("age rows");
+    // A subscription past them, with a lag bound: the relay reports its lag.
+    c.execute(
+        "INSERT INTO events.outbox_subscriptions (name, start_id, cursor_id, options) \
+         SELECT 'audit', max(id), max(id), '{\"max_lag_seconds\": 3600}' FROM events.outbox",
+        &[],
+    )
+    .await
+    .expect("a subscription");
 
     // A webhook that refuses `Poison` events and accepts the rest.
     let app = axum::Router::new().route(

@@ -67,7 +67,17 @@ pub(crate) async fn listen(
             match msg? {
                 AsyncMessage::Notification(n) => {
                     if n.payload().starts_with(PROBE_PREFIX) {
-                        probe.send_replace(n.payload().to_string());
+                        // Only this consumer's own test notification counts
+                        // (others starting at once on the database send
+                        // theirs on the same channel): it empties the
+                        // expected value, which the start waits for.
+                        probe.send_if_modified(|want| {
+                            let ours = !want.is_empty() && *want == n.payload();
+                            if ours {
+                                want.clear();
+                            }
+                            ours
+                        });
                     } else {
                         metrics::counter!(m::NOTIFICATIONS).increment(1);
                         wake.notify_one();
@@ -161,15 +171,15 @@ pub(crate) async fn run(n: Notifier) {
     let mut on_standby = false;
     loop {
         if let Some(listening) = current.take() {
-            status.send_replace(ListenerStatus { listening: true, reconnects, standing_by: false });
+            status.send_modify(|s| (s.listening, s.reconnects, s.standing_by) = (true, reconnects, false));
             metrics::gauge!(m::LISTENER_UP).set(1.0);
             let Some(reason) = watch_connection(listening, cfg.ping_interval, &token).await else {
                 metrics::gauge!(m::LISTENER_UP).set(0.0);
-                status.send_replace(ListenerStatus { listening: false, reconnects, standing_by: false });
+                status.send_modify(|s| (s.listening, s.reconnects, s.standing_by) = (false, reconnects, false));
                 return;
             };
             metrics::gauge!(m::LISTENER_UP).set(0.0);
-            status.send_replace(ListenerStatus { listening: false, reconnects, standing_by: false });
+            status.send_modify(|s| (s.listening, s.reconnects, s.standing_by) = (false, reconnects, false));
             tracing::warn!(reason = %reason, "LISTEN connection lost; reconnecting (a sweep follows)");
             backoff = new_backoff();
         }

@@ -296,7 +296,12 @@ async fn run(r: WalReader) {
     let WalReader { pg, first, signals, token, status, cfg, mut wanted } = r;
     let mut current = first;
     if current.is_none() {
-        status.send_replace(ListenerStatus { listening: false, reconnects: 0, standing_by: false });
+        status.send_replace(ListenerStatus {
+            listening: false,
+            reconnects: 0,
+            standing_by: false,
+            notifications_work: None,
+        });
     }
     let mut reconnects: u64 = 0;
     let mut backoff = new_backoff(cfg.reconnect_max_delay);
@@ -358,12 +363,12 @@ async fn stream(
     wanted: &mut watch::Receiver<bool>,
     reconnects: u64,
 ) -> bool {
-    status.send_replace(ListenerStatus { listening: true, reconnects, standing_by: false });
+    status.send_replace(ListenerStatus { listening: true, reconnects, standing_by: false, notifications_work: None });
     metrics::gauge!(m::LISTENER_UP).set(1.0);
     let ended = read(streaming, signals, token, wanted).await;
     metrics::gauge!(m::LISTENER_UP).set(0.0);
     let standing_by = matches!(ended, Ended::StandingBy);
-    status.send_replace(ListenerStatus { listening: false, reconnects, standing_by });
+    status.send_replace(ListenerStatus { listening: false, reconnects, standing_by, notifications_work: None });
     match ended {
         Ended::Cancelled => return true,
         Ended::StandingBy => {
