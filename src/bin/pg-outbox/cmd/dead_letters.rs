@@ -151,14 +151,18 @@ async fn explain_missing(
     }
     let existing = dead_letters::existing(client, &missing).await?;
     let (exist, absent): (Vec<i64>, Vec<i64>) = missing.iter().partition(|i| existing.contains(i));
+    let list = |ids: &[i64]| ids.iter().map(i64::to_string).collect::<Vec<_>>().join(", ");
+    let (n, m) = (exist.len(), absent.len());
     let mut parts = Vec::new();
-    if !exist.is_empty() {
-        parts.push(format!("not dead letters{whose}: {exist:?}"));
+    if n > 0 {
+        let are = if n == 1 { "is not a dead letter" } else { "are not dead letters" };
+        parts.push(format!("{} {} {are}{whose}", if n == 1 { "event" } else { "events" }, list(&exist)));
     }
-    if !absent.is_empty() {
-        parts.push(format!("no such events: {absent:?}"));
+    if m > 0 {
+        let verb = if m == 1 { "is no event in events.outbox" } else { "are no events in events.outbox" };
+        parts.push(format!("{} {verb}", list(&absent)));
     }
-    Err(Error::Usage(format!("nothing done for {}", parts.join("; "))))
+    Err(Error::Usage(format!("{}: nothing done for them", parts.join(", and "))))
 }
 
 fn require_selection(ids: &[i64], filter: &FilterArgs, all: bool, verb: &str) -> Result<(), Error> {
@@ -283,6 +287,10 @@ async fn discard(client: &tokio_postgres::Transaction<'_>, sel: Selection, yes: 
     if dry_run || !yes {
         let found = dead_letters::matching_ids(client, &f).await?;
         let whose = of_subscription(&f);
+        if found.is_empty() && !dry_run {
+            println!("no dead letters{whose} match: nothing to discard");
+            return explain_missing(client, &ids, &found, &whose).await;
+        }
         if !dry_run {
             let what = if whose.is_empty() { "delete" } else { "settle, unsent," };
             return Err(Error::Usage(format!(
