@@ -192,6 +192,7 @@ pub async fn set_max_lag<C: GenericClient + Sync>(
     max: Option<std::time::Duration>,
     expire: bool,
 ) -> Result<()> {
+    store::check_name(name)?;
     crate::store::subscription_lag::set_max_lag(client, name, max, expire).await
 }
 

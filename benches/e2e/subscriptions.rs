@@ -21,7 +21,9 @@ use pg_outbox::tokio_postgres::{Client, Config};
 use serde::Serialize;
 
 use crate::report::{Section, fmt_count, fmt_ms, fmt_ratio, ratio};
-use crate::subscriptions_many::{self, Arrivals, LATENCY_PRODUCERS, paced_inserts, percentiles, time_arrivals};
+use crate::subscriptions_many::{
+    self, AGGREGATES, Arrivals, LATENCY_PRODUCERS, paced_inserts, percentiles, time_arrivals,
+};
 use crate::util::{self, RowKind, Scratch, scratch};
 use crate::{Ctx, Settings};
 use pg_outbox_testkit::bench::{BenchResult, BoxError};
@@ -29,8 +31,6 @@ use pg_outbox_testkit::connect;
 
 /// The named subscription the scenario creates.
 const NAME: &str = "bench";
-/// Aggregates the backlog is spread over (round robin in id order).
-pub const AGGREGATES: i64 = 10_000;
 /// Rows per statement of the floor's loop.
 const FLOOR_BATCH: i64 = 500;
 /// Latency rates, events/s.

@@ -27,11 +27,13 @@ use serde::Serialize;
 
 use crate::producers::{median, run_load};
 use crate::report::{Section, fmt_count, fmt_ms, fmt_ratio, ratio};
-use crate::subscriptions::AGGREGATES;
 use crate::util::{self, RowKind, scratch};
 use crate::{Ctx, Settings};
 use pg_outbox_testkit::bench::{BenchResult, BoxError};
 use pg_outbox_testkit::{connect, options_of};
+
+/// Aggregates the backlog is spread over (round robin in id order).
+pub const AGGREGATES: i64 = 10_000;
 
 /// Subscriptions draining at once.
 const FAN: usize = 4;
@@ -256,6 +258,10 @@ struct ProducerRun {
     notify_share: Option<f64>,
     /// The machine's busy CPU share after the warm-up (`/proc/stat`).
     machine_busy: Option<f64>,
+    /// CPU time of the producers' own server processes per insert after
+    /// the warm-up (microseconds, `/proc`): what each insert costs the
+    /// server, whatever else runs on the machine.
+    cpu_us_per_insert: Option<f64>,
 }
 
 /// Sample the producers' hint every 10 ms from `warmup` seconds on until
@@ -308,7 +314,8 @@ async fn producers_run(ctx: &Ctx, subs: usize) -> BenchResult<ProducerRun> {
         let inserted: u64 = load.slices.iter().sum();
         let kept_up = if inserted > 0 { fewest as f64 / inserted as f64 } else { 0.0 };
         let per_second = if secs > 0.0 { counted as f64 / secs } else { 0.0 };
-        Ok::<_, BoxError>(ProducerRun { per_second, kept_up, notify_share, machine_busy })
+        let cpu_us_per_insert = load.backend_cpu_us.filter(|_| counted > 0).map(|us| us / counted as f64);
+        Ok::<_, BoxError>(ProducerRun { per_second, kept_up, notify_share, machine_busy, cpu_us_per_insert })
     }
     .await;
     db.drop_now(&ctx.admin).await;
@@ -331,6 +338,18 @@ impl ProducersCmp {
     fn ratio(&self) -> Option<f64> {
         let mut r: Vec<f64> =
             self.many.iter().zip(&self.one).filter_map(|(m, o)| ratio(m.per_second, o.per_second)).collect();
+        (!r.is_empty()).then(|| median(&mut r))
+    }
+
+    /// Median of the rounds' ratios of the producers' server CPU per
+    /// insert, [`FAN`] against one.
+    fn cpu_ratio(&self) -> Option<f64> {
+        let mut r: Vec<f64> = self
+            .many
+            .iter()
+            .zip(&self.one)
+            .filter_map(|(m, o)| ratio(m.cpu_us_per_insert?, o.cpu_us_per_insert?))
+            .collect();
         (!r.is_empty()).then(|| median(&mut r))
     }
 
@@ -357,9 +376,11 @@ async fn producers(ctx: &Ctx) -> BenchResult<ProducersCmp> {
             let run = producers_run(ctx, n).await?;
             let pct = |v: Option<f64>| v.map_or("n/a".into(), |v| format!("{:.0} %", v * 100.0));
             eprintln!(
-                "e2e: subscriptions: producers round {round}, {n} subscription(s) draining: {} inserts/s, the \
-                 slowest consumer acknowledged {} of them, hint said notify {}, machine busy {}",
+                "e2e: subscriptions: producers round {round}, {n} subscription(s) draining: {} inserts/s, {} \
+                 server CPU per insert, the slowest consumer acknowledged {} of them, hint said notify {}, machine \
+                 busy {}",
                 fmt_count(run.per_second),
+                run.cpu_us_per_insert.map_or("n/a".into(), |us| format!("{us:.1} us")),
                 pct(Some(run.kept_up)),
                 pct(run.notify_share),
                 pct(run.machine_busy)
@@ -619,6 +640,12 @@ impl Many {
         sec.rows.push(row(&what, one.into(), rate(&p.one), one, "1.00x".into()));
         sec.rows.push(row(&what, format!("{FAN} subscriptions draining"), rate(&p.many), one, fmt_ratio(p.ratio())));
         sec.target(format!("producers' insert rate with {FAN} subscriptions >= 0.98x with 1"), p.ratio(), 0.98, false);
+        let what = format!("producers' server CPU per insert, {} connections", p.connections);
+        let cpu = |runs: &[ProducerRun]| {
+            ProducersCmp::median_of(runs, |r| r.cpu_us_per_insert).map_or("n/a".into(), |us| format!("{us:.1} us"))
+        };
+        sec.rows.push(row(&what, one.into(), cpu(&p.one), one, "1.00x".into()));
+        sec.rows.push(row(&what, format!("{FAN} subscriptions draining"), cpu(&p.many), one, fmt_ratio(p.cpu_ratio())));
         let c = &self.failing_sink;
         let what = format!("latency at {}/s of subscription A", c.rate);
         let acking = "B acknowledging";
@@ -663,9 +690,7 @@ impl Many {
              first. Drain: {} settled events (a quarter of the backlog above) in one database, {} round(s) of one \
              named subscription alone and {FAN} at once (a Consumer each, default settings, in this process), each \
              created from the first event for its drain and dropped after it, the {FAN} Consumers started one \
-             after another (started at the same instant, their startup test notifications cross: each notifier \
-             keeps only the last one it received, so a Consumer may miss its own and wait out the 2 s probe \
-             timeout); each one's events/s from its start until the table shows every event settled for it, all \
+             after another; each one's events/s from its start until the table shows every event settled for it, all \
              together: {FAN} x events over the time from the first start until the last one finished. Producers: the `producers` load ({PRODUCER_CONNS} connections, single-row autocommit \
              INSERTs, {} s warm-up, {} s counted, a fresh database per run) while 1 or {FAN} named subscriptions' \
              Consumers (in this process) acknowledge everything live, {} round(s); the slowest Consumer had \

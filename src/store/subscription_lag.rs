@@ -77,18 +77,18 @@ pub(crate) fn behind(lag: Option<f64>, max: Option<f64>) -> bool {
 }
 
 /// Set subscription `name`'s lag bound ([`SET_MAX_LAG`]) and whether it
-/// expires past it (`expire`); `None` clears both.
+/// expires past it (`expire`); `None` clears both. The caller checks the
+/// name first (`subscription_admin::check_name`).
 ///
 /// # Errors
-/// [`SubscriptionError::Unknown`], [`SubscriptionError::InvalidName`];
-/// [`crate::Error::NotMigrated`] or [`crate::Error::Db`].
+/// [`SubscriptionError::Unknown`]; [`crate::Error::NotMigrated`] or
+/// [`crate::Error::Db`].
 pub(crate) async fn set_max_lag<C: GenericClient + Sync>(
     client: &C,
     name: &str,
     max: Option<Duration>,
     expire: bool,
 ) -> Result<()> {
-    super::subscription_admin::check_name(name)?;
     let seconds = max.map(|d| d.as_secs_f64());
     let row = client.query_opt(SET_MAX_LAG, &[&name, &seconds, &expire]).await.map_err(map_missing_schema)?;
     match row {
