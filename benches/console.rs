@@ -10,6 +10,13 @@
 //! exact `count(*)` of the unpublished rows in the same state, with the
 //! estimate's error against the exact figures.
 //!
+//! Named subscriptions: two are created on the published history (`audit`
+//! at cursor 0, `search` caught up, 300 failure rows each), and the
+//! statements that read their lag and backlog (the relay's gauges,
+//! `subscription list`, the lag alert's read) are measured there, then on
+//! the whole table in each statistics state: shared buffers touched
+//! (`EXPLAIN (ANALYZE, BUFFERS)`) and time, which must not grow with it.
+//!
 //! Run it with `cargo bench --features full --bench console`
 //! (`BENCH_CONSOLE_PUBLISHED`, `BENCH_CONSOLE_UNPUBLISHED`,
 //! `BENCH_CONSOLE_DEAD` change the sizes; the issue's scale is
@@ -27,6 +34,8 @@ use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 use pg_outbox::dead_letters::Filter;
+use pg_outbox::tokio_postgres::Client;
+use pg_outbox::tokio_postgres::types::ToSql;
 use pg_outbox_testkit::bench::{self, BenchResult};
 use pg_outbox_testkit::db::{drop_database, migrated_database};
 use pg_outbox_testkit::{connect, find_server, process};
@@ -72,67 +81,25 @@ async fn run() -> BenchResult<()> {
     let admin = connect(&server.config).await?;
     let cfg = migrated_database(&admin, &server.config, DB).await?;
     let c = connect(&cfg).await?;
+    let url = db_url(&cfg);
     let t = Instant::now();
-    // The steady state: published history, analyzed. Then fresh events
-    // over 100 000 aggregates, then dead letters on their own aggregates,
-    // two error texts, with no ANALYZE after them (stale statistics, as an
-    // outage leaves them). Row triggers off for the load (the triggers'
-    // locks leave nothing behind once committed).
-    c.batch_execute(&format!(
-        "SET session_replication_role = replica; \
-         INSERT INTO events.outbox (aggregate_type, aggregate_id, event_type, payload, published_at) \
-         SELECT 'history', md5('h-' || (g % 100000))::uuid, 'PaymentSucceeded', \
-                jsonb_build_object('version', 1, 'data', jsonb_build_object('n', g)), now() - interval '1 day' \
-         FROM generate_series(1, {published}::bigint) g; \
-         RESET session_replication_role; ANALYZE events.outbox;"
-    ))
-    .await?;
-    c.batch_execute(&format!(
-        "SET session_replication_role = replica; \
-         INSERT INTO events.outbox (aggregate_type, aggregate_id, event_type, payload) \
-         SELECT (ARRAY['subscription','invoice','account'])[1 + g % 3], md5('a-' || (g % 100000))::uuid, \
-                (ARRAY['PaymentSucceeded','InvoiceIssued','AccountUpdated','PlanChanged'])[1 + g % 4], \
-                jsonb_build_object('version', 1, 'data', jsonb_build_object('n', g)) \
-         FROM generate_series(1, {unpublished}::bigint) g; \
-         INSERT INTO events.outbox (aggregate_type, aggregate_id, event_type, payload, retry_count, next_retry_at, last_error) \
-         SELECT (ARRAY['subscription','invoice','account'])[1 + g % 3], md5('d-' || g)::uuid, \
-                (ARRAY['PaymentSucceeded','InvoiceIssued','AccountUpdated','PlanChanged'])[1 + g % 4], \
-                jsonb_build_object('version', 1, 'data', jsonb_build_object('n', g)), 10, 'infinity', \
-                CASE WHEN g % 10 = 0 THEN 'timeout after 30 s' ELSE 'HTTP 500 from the upstream' END \
-         FROM generate_series(1, {dead}::bigint) g; \
-         RESET session_replication_role;"
-    ))
-    .await?;
+    load_history(&c, published).await?;
+    let lib = pg_outbox::ConnectOptions::parse(&url)?.connect().await?;
+    create_subscriptions(&c).await?;
+    subscription_reads(&lib, &format!("{published} rows, analyzed")).await?;
+    load_backlog(&c, unpublished, dead).await?;
     eprintln!(
         "bench: loaded {published} published, then {unpublished} unpublished events and {dead} dead letters in {:.1} s",
         t.elapsed().as_secs_f64()
     );
+    c.batch_execute(
+        "UPDATE events.outbox_subscriptions SET cursor_id = (SELECT max(id) FROM events.outbox) WHERE name = 'search'",
+    )
+    .await?;
+    let rows = published + unpublished + dead;
+    subscription_reads(&lib, &format!("{rows} rows, statistics stale")).await?;
 
-    let mut cmd = tokio::process::Command::new(env!("CARGO_BIN_EXE_pg-outbox"));
-    let port = process::free_port();
-    cmd.args(["console", "--addr", &format!("127.0.0.1:{port}")]);
-    process::clean_env(&mut cmd);
-    let url = format!(
-        "postgres://{}@{}:{}/{DB}?sslmode=disable",
-        cfg.get_user().unwrap_or("postgres"),
-        match cfg.get_hosts().first() {
-            Some(pg_outbox::tokio_postgres::config::Host::Tcp(h)) => h.clone(),
-            _ => "127.0.0.1".into(),
-        },
-        cfg.get_ports().first().copied().unwrap_or(5432)
-    );
-    cmd.env("DATABASE_URL", &url).env("RUST_LOG", "warn,pg_outbox=info");
-    cmd.stdin(Stdio::null()).stdout(Stdio::null()).stderr(Stdio::piped()).kill_on_drop(true);
-    let mut child = cmd.spawn()?;
-    let mut lines = BufReader::new(child.stderr.take().ok_or("stderr")?).lines();
-    loop {
-        match tokio::time::timeout(Duration::from_secs(30), lines.next_line()).await {
-            Ok(Ok(Some(l))) if l.contains("console serving on") => break,
-            Ok(Ok(Some(_))) => {}
-            _ => return Err("the console did not start".into()),
-        }
-    }
-    tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
+    let (child, port) = start_console(&url).await?;
     let base = format!("http://127.0.0.1:{port}");
     let http = reqwest::Client::new();
     let deep: i64 = c
@@ -168,10 +135,91 @@ async fn run() -> BenchResult<()> {
         line(what, r);
     }
 
-    eprintln!("{:<52} {:>8} {:>8} {:>8}", "ms (the library reads alone)", "min", "median", "max");
-    let opts = pg_outbox::ConnectOptions::parse(&url)?;
-    let lib = opts.connect().await?;
     let lib = &lib;
+    library_reads(lib, deep).await?;
+    drop(child);
+    status_states(lib, &c).await?;
+    drop_database(&admin, DB).await;
+    Ok(())
+}
+
+/// The scratch database's URL, for the console and the library's sessions.
+fn db_url(cfg: &pg_outbox::tokio_postgres::Config) -> String {
+    format!(
+        "postgres://{}@{}:{}/{DB}?sslmode=disable",
+        cfg.get_user().unwrap_or("postgres"),
+        match cfg.get_hosts().first() {
+            Some(pg_outbox::tokio_postgres::config::Host::Tcp(h)) => h.clone(),
+            _ => "127.0.0.1".into(),
+        },
+        cfg.get_ports().first().copied().unwrap_or(5432)
+    )
+}
+
+/// The steady state: `published` events of published history, analyzed.
+async fn load_history(c: &Client, published: i64) -> BenchResult<()> {
+    // Row triggers off for the load (the triggers' locks leave nothing
+    // behind once committed).
+    c.batch_execute(&format!(
+        "SET session_replication_role = replica; \
+         INSERT INTO events.outbox (aggregate_type, aggregate_id, event_type, payload, published_at) \
+         SELECT 'history', md5('h-' || (g % 100000))::uuid, 'PaymentSucceeded', \
+                jsonb_build_object('version', 1, 'data', jsonb_build_object('n', g)), now() - interval '1 day' \
+         FROM generate_series(1, {published}::bigint) g; \
+         RESET session_replication_role; ANALYZE events.outbox;"
+    ))
+    .await?;
+    Ok(())
+}
+
+/// Then `unpublished` fresh events over 100 000 aggregates, then `dead`
+/// dead letters on their own aggregates, two error texts, with no ANALYZE
+/// after them (stale statistics, as an outage leaves them).
+async fn load_backlog(c: &Client, unpublished: i64, dead: i64) -> BenchResult<()> {
+    c.batch_execute(&format!(
+        "SET session_replication_role = replica; \
+         INSERT INTO events.outbox (aggregate_type, aggregate_id, event_type, payload) \
+         SELECT (ARRAY['subscription','invoice','account'])[1 + g % 3], md5('a-' || (g % 100000))::uuid, \
+                (ARRAY['PaymentSucceeded','InvoiceIssued','AccountUpdated','PlanChanged'])[1 + g % 4], \
+                jsonb_build_object('version', 1, 'data', jsonb_build_object('n', g)) \
+         FROM generate_series(1, {unpublished}::bigint) g; \
+         INSERT INTO events.outbox (aggregate_type, aggregate_id, event_type, payload, retry_count, next_retry_at, last_error) \
+         SELECT (ARRAY['subscription','invoice','account'])[1 + g % 3], md5('d-' || g)::uuid, \
+                (ARRAY['PaymentSucceeded','InvoiceIssued','AccountUpdated','PlanChanged'])[1 + g % 4], \
+                jsonb_build_object('version', 1, 'data', jsonb_build_object('n', g)), 10, 'infinity', \
+                CASE WHEN g % 10 = 0 THEN 'timeout after 30 s' ELSE 'HTTP 500 from the upstream' END \
+         FROM generate_series(1, {dead}::bigint) g; \
+         RESET session_replication_role;"
+    ))
+    .await?;
+    Ok(())
+}
+
+/// Start `pg-outbox console` on `url` on a free port; returns the process
+/// and the port once it serves.
+async fn start_console(url: &str) -> BenchResult<(tokio::process::Child, u16)> {
+    let mut cmd = tokio::process::Command::new(env!("CARGO_BIN_EXE_pg-outbox"));
+    let port = process::free_port();
+    cmd.args(["console", "--addr", &format!("127.0.0.1:{port}")]);
+    process::clean_env(&mut cmd);
+    cmd.env("DATABASE_URL", url).env("RUST_LOG", "warn,pg_outbox=info");
+    cmd.stdin(Stdio::null()).stdout(Stdio::null()).stderr(Stdio::piped()).kill_on_drop(true);
+    let mut child = cmd.spawn()?;
+    let mut lines = BufReader::new(child.stderr.take().ok_or("stderr")?).lines();
+    loop {
+        match tokio::time::timeout(Duration::from_secs(30), lines.next_line()).await {
+            Ok(Ok(Some(l))) if l.contains("console serving on") => break,
+            Ok(Ok(Some(_))) => {}
+            _ => return Err("the console did not start".into()),
+        }
+    }
+    tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
+    Ok((child, port))
+}
+
+/// The library reads behind the console's pages, alone.
+async fn library_reads(lib: &Client, deep: i64) -> BenchResult<()> {
+    eprintln!("{:<52} {:>8} {:>8} {:>8}", "ms (the library reads alone)", "min", "median", "max");
     line(
         "pg_outbox::status::read",
         time(|| async { pg_outbox::status::read(lib).await.map(drop).map_err(Into::into) }).await?,
@@ -207,9 +255,6 @@ async fn run() -> BenchResult<()> {
         "dead_letters::count (all)",
         time(|| async { pg_outbox::dead_letters::count(lib, &all).await.map(drop).map_err(Into::into) }).await?,
     );
-    drop(child);
-    status_states(lib, &c).await?;
-    drop_database(&admin, DB).await;
     Ok(())
 }
 
@@ -248,6 +293,9 @@ async fn status_states(
             Ok(())
         })
         .await?;
+        if state != "stale" {
+            subscription_reads(lib, &format!("statistics {state}")).await?;
+        }
         line(&format!("pg_outbox::status::read, statistics {state}"), s);
         line(&format!("baseline count(*) of unpublished, statistics {state}"), base);
         eprintln!("  status / baseline: {:.3}x", s.1 / base.1);
@@ -263,6 +311,66 @@ async fn status_states(
             fmt(errs.iter().map(|e| e.0).collect()),
             fmt(errs.iter().map(|e| e.1).collect())
         );
+    }
+    Ok(())
+}
+
+/// Two subscriptions on the outbox as loaded so far: `audit` with its
+/// cursor at 0 (every event behind it) and `search` caught up (its cursor
+/// at the highest id; moved up again after each load), each with 300
+/// failure rows at its lowest ids: 100 dead letters, 100 waiting for a
+/// retry, 100 held back.
+async fn create_subscriptions(c: &Client) -> BenchResult<()> {
+    c.batch_execute(
+        "INSERT INTO events.outbox_subscriptions (name, start_id, cursor_id, options) \
+           SELECT 'audit', 0, 0, '{\"max_lag_seconds\": 60}'::jsonb \
+           UNION ALL SELECT 'search', max(id), max(id), '{}'::jsonb FROM events.outbox; \
+         INSERT INTO events.outbox_subscription_failures \
+           (subscription, id, aggregate_type, aggregate_id, retry_count, next_retry_at, last_error) \
+         SELECT s.name, o.id, o.aggregate_type, o.aggregate_id, CASE WHEN o.n % 3 = 2 THEN 0 ELSE 3 END, \
+                CASE o.n % 3 WHEN 0 THEN 'infinity'::timestamptz WHEN 1 THEN now() + interval '1 hour' END, \
+                'HTTP 500 from the upstream' \
+         FROM (SELECT id, aggregate_type, aggregate_id, row_number() OVER (ORDER BY id) AS n \
+               FROM events.outbox ORDER BY id LIMIT 3000) o CROSS JOIN events.outbox_subscriptions s \
+         WHERE o.n % 10 = 0;",
+    )
+    .await?;
+    Ok(())
+}
+
+/// The statements that read the subscriptions' lag and backlog, on `lib`
+/// (a session opened as pg-outbox opens its own): the relay's backlog
+/// gauges of each subscription, `subscription list` of all, and the lags
+/// every relay reads for the alert. Shared buffers touched (hit + read,
+/// `EXPLAIN (ANALYZE, BUFFERS)`) and milliseconds as [`time`] reads them.
+async fn subscription_reads(lib: &Client, state: &str) -> BenchResult<()> {
+    eprintln!("{:<52} {:>8} {:>8} {:>8} {:>8}", format!("subscriptions, {state}"), "buffers", "min", "median", "max");
+    for (name, sql, cap) in pg_outbox::subscription_read_statements() {
+        let cases: &[(&str, Option<&str>)] = match name {
+            "subscription_gauges" => {
+                &[("GAUGES audit (cursor 0)", Some("audit")), ("GAUGES search (caught up)", Some("search"))]
+            }
+            "subscription_list" => &[("LIST (all)", None)],
+            _ => &[("LAGS", None)],
+        };
+        let cap = cap.unwrap_or(0);
+        for (what, sub) in cases {
+            let params: Vec<&(dyn ToSql + Sync)> = if name == "subscription_lags" { vec![] } else { vec![sub, &cap] };
+            let plan: serde_json::Value =
+                lib.query_one(&format!("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) {sql}"), &params).await?.get(0);
+            let top = &plan[0]["Plan"];
+            let count = |k: &str| top[k].as_f64().unwrap_or(0.0);
+            let buffers = count("Shared Hit Blocks") + count("Shared Read Blocks");
+            let (min, med, max) = time(|| {
+                let params = params.clone();
+                async move {
+                    lib.query(sql, &params).await?;
+                    Ok(())
+                }
+            })
+            .await?;
+            eprintln!("  {what:<50} {buffers:>8} {min:>8.2} {med:>8.2} {max:>8.2}");
+        }
     }
     Ok(())
 }

@@ -143,9 +143,10 @@ pub(crate) use writer::{Acknowledged, FailParams, FailWritten, FailsWritten, Wri
 /// measured by the benches), the operators' lookup of ids by primary key
 /// ([`dead_letters::EXISTING_IDS`]), the operators' statements on
 /// subscriptions ([`subscription_admin`]: one-off, on its own tables, and
-/// on `events.outbox` by primary key; the lags every consumer reads,
-/// [`subscription_lag::LAGS`], one descent of `outbox_pkey` per
-/// subscription; retention's rule for them is in
+/// on `events.outbox` by primary key; the three that read a
+/// subscription's lag and backlog, the lags every consumer reads among
+/// them, are [`subscription_read_statements`], checked in
+/// `tests/it/subscription_plans.rs`; retention's rule for them is in
 /// `retention_delete`, checked in `tests/it/subscription_admin.rs`), and
 /// statements on other tables or the catalogs ([`locks`], [`leader`],
 /// [`wakeup`], [`schema`]).
@@ -199,6 +200,23 @@ pub fn run_time_statements(server_version_num: i32) -> Vec<(&'static str, String
         ("console_delivery_per_minute", console::DELIVERY_PER_MINUTE.to_string()),
     ]);
     all
+}
+
+/// The statements that read a named subscription's lag and backlog, for
+/// the plan tests and the console bench, each with the cap the library
+/// passes: `subscription_gauges` ([`subscription::GAUGES`]: `$1 text`
+/// name, `$2 bigint` cap), `subscription_list` ([`subscription_admin::LIST`]:
+/// `$1 text` name or NULL for all, `$2 bigint` cap) and `subscription_lags`
+/// ([`subscription_lag::LAGS`]: no parameters, no cap). Each must cost the
+/// same whatever the size of `events.outbox`.
+#[cfg(feature = "kit")]
+#[doc(hidden)]
+pub fn subscription_read_statements() -> Vec<(&'static str, &'static str, Option<i64>)> {
+    vec![
+        ("subscription_gauges", subscription::GAUGES, Some(STATUS_EXACT_ROWS)),
+        ("subscription_list", subscription_admin::LIST, Some(subscription_admin::FAILURES_COUNTED + 1)),
+        ("subscription_lags", subscription_lag::LAGS, None),
+    ]
 }
 
 /// Run `sql` with `params` and read every row it returns with `read`; a
