@@ -345,7 +345,7 @@ async fn create_subscriptions(c: &Client) -> BenchResult<()> {
 /// `EXPLAIN (ANALYZE, BUFFERS)`) and milliseconds as [`time`] reads them.
 async fn subscription_reads(lib: &Client, state: &str) -> BenchResult<()> {
     eprintln!("{:<52} {:>8} {:>8} {:>8} {:>8}", format!("subscriptions, {state}"), "buffers", "min", "median", "max");
-    for (name, sql, cap) in pg_outbox::subscription_read_statements() {
+    for (name, sql, cap) in pg_outbox::subscription::read_statements() {
         let cases: &[(&str, Option<&str>)] = match name {
             "subscription_gauges" => {
                 &[("GAUGES audit (cursor 0)", Some("audit")), ("GAUGES search (caught up)", Some("search"))]

@@ -44,7 +44,7 @@ pub use secret::DatabaseUrl;
 /// release.
 #[cfg(feature = "kit")]
 #[doc(hidden)]
-pub use store::{fetch_query, run_time_statements, subscription_read_statements};
+pub use store::{fetch_query, run_time_statements};
 pub use term::{Term, TermFilter};
 pub use tokio_postgres;
 

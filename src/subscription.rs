@@ -46,6 +46,12 @@ use crate::error::Result;
 pub use crate::error::SubscriptionError;
 use crate::store::subscription_admin as store;
 pub use crate::store::subscription_admin::{Dropped, From, Rewound, Subscription, SubscriptionState};
+/// The statements that read a subscription's lag and backlog, for the plan
+/// tests and the console bench, with the test kit's feature `kit`. Not part
+/// of the API: they change with any release.
+#[cfg(feature = "kit")]
+#[doc(hidden)]
+pub use crate::store::subscription_read_statements as read_statements;
 
 /// The name of the seeded flow's subscription: `default`. It is no row of
 /// `events.outbox_subscriptions`, and no other subscription may take it.

@@ -6,7 +6,6 @@ use std::sync::Arc;
 
 use crate::consumer::Shared;
 use crate::consumer::holdback::AggregateKey;
-use crate::consumer::leadership::lease::{self, LEASE, LeaseState};
 use crate::event::Event;
 use crate::term::Term;
 
@@ -86,7 +85,9 @@ impl Delivery {
     /// relay asks just before each send, so a relay frozen between the
     /// hand-out and the send (a pipelined send parked behind its
     /// aggregate, or a SIGSTOP) sends nothing once it resumes deposed.
+    #[cfg(any(feature = "relay", test))]
     pub(crate) async fn lease_held(&self) -> bool {
+        use crate::consumer::leadership::lease::{self, LEASE, LeaseState};
         let Some(shared) = &self.shared else { return false };
         let mut state = shared.lease.subscribe();
         let deadline = tokio::time::Instant::now() + LEASE;
@@ -190,6 +191,7 @@ pub(crate) fn sanitize_error(s: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::consumer::leadership::lease::LEASE;
     use tokio::sync::{Notify, mpsc};
     use tokio::time::{Duration, Instant};
 

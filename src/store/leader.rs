@@ -496,7 +496,7 @@ pub(crate) async fn leader_holder<C: GenericClient + Sync>(
 
 /// The session holding a single-mode leader lock: the outbox's (the
 /// default subscription's), as [`super::OutboxStatus::leader`] shows it, or
-/// a named subscription's ([`super::Subscription::leader`]).
+/// a named subscription's ([`super::subscription_admin::Subscription::leader`]).
 ///
 /// A live leader is a relay that refreshed its heartbeat (its row in
 /// `events.outbox_relays`) within `ConsumerBuilder::DEFAULT_STRANDED_AFTER` (15 s),

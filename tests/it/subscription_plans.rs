@@ -2,7 +2,7 @@
 //! the same whatever the size of `events.outbox`: the relay's backlog
 //! gauges (`subscription_gauges`), `subscription list` / `status`
 //! (`subscription_list`) and the lags every relay reads for the alert
-//! (`subscription_lags`), from `pg_outbox::subscription_read_statements()`.
+//! (`subscription_lags`), from `pg_outbox::subscription::read_statements()`.
 //!
 //! Two subscriptions, `audit` with its cursor at 0 (every event behind it)
 //! and `search` caught up (its cursor at the highest id), each with 300
@@ -76,7 +76,7 @@ fn nodes(node: &Value, out: &mut Vec<(String, String)>) {
 async fn measure(db: &TestDb, state: &str) -> Vec<(String, String, i64)> {
     let mut c = plan_check_session(db).await;
     let mut out = Vec::new();
-    for (name, sql, cap) in pg_outbox::subscription_read_statements() {
+    for (name, sql, cap) in pg_outbox::subscription::read_statements() {
         let cap = cap.unwrap_or(0);
         let subs: &[Option<&str>] = match name {
             "subscription_gauges" => &[Some("audit"), Some("search")],
@@ -113,14 +113,14 @@ async fn measure(db: &TestDb, state: &str) -> Vec<(String, String, i64)> {
 
 /// What the statements return at `LARGE`: the caps and the lags.
 async fn check_results(c: &Client) {
-    let gauges = pg_outbox::subscription_read_statements()[0];
+    let gauges = pg_outbox::subscription::read_statements()[0];
     let cap = gauges.2.expect("the gauges' cap");
     let fresh = |name: &'static str| async move {
         c.query_one(gauges.1, &[&name, &cap]).await.expect("gauges").get::<_, i64>("fresh")
     };
     assert_eq!(fresh("audit").await, cap + 1, "cursor 0: more fresh events than counted");
     assert_eq!(fresh("search").await, 0, "caught up");
-    let lags = c.query(pg_outbox::subscription_read_statements()[2].1, &[]).await.expect("lags");
+    let lags = c.query(pg_outbox::subscription::read_statements()[2].1, &[]).await.expect("lags");
     let lag = |i: usize| lags[i].get::<_, Option<f64>>("lag");
     assert!(lag(0).is_some() && lag(1).is_none(), "audit lags, search does not");
 }
