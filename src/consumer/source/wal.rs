@@ -296,12 +296,8 @@ async fn run(r: WalReader) {
     let WalReader { pg, first, signals, token, status, cfg, mut wanted } = r;
     let mut current = first;
     if current.is_none() {
-        status.send_replace(ListenerStatus {
-            listening: false,
-            reconnects: 0,
-            standing_by: false,
-            notifications_work: None,
-        });
+        // Not listening, no reconnects, not standing by, no probe.
+        status.send_replace(ListenerStatus::default());
     }
     let mut reconnects: u64 = 0;
     let mut backoff = new_backoff(cfg.reconnect_max_delay);
