@@ -644,7 +644,9 @@ impl ConsumerBuilder {
     }
 }
 
-/// A named subscription's name is one, and it is read in single mode.
+/// A named subscription's name is one, and it is read in single or
+/// partitioned mode (competing mode's claims are row locks on
+/// `events.outbox`, which belong to the default subscription).
 ///
 /// # Errors
 /// [`Error::Subscription`] for an invalid name; [`Error::Config`] naming
@@ -652,11 +654,10 @@ impl ConsumerBuilder {
 fn check_subscription(c: &ConsumerConfig) -> Result<()> {
     let Some(name) = c.reader.subscription() else { return Ok(()) };
     check_name(name)?;
-    if c.mode != Mode::Single {
-        let mode = if matches!(c.mode, Mode::Competing) { "competing" } else { "partitioned" };
+    if c.mode == Mode::Competing {
         return Err(Error::Config(format!(
-            "subscription {name:?} is read in single mode only (one leader, with standbys), not {mode} \
-             (`--mode single`, or leave --mode out)"
+            "subscription {name:?} is read in single or partitioned mode, not competing \
+             (`--mode single` or `--mode partitioned`)"
         )));
     }
     Ok(())

@@ -206,8 +206,9 @@ async fn check_leadership(cfg: &ConsumerConfig, work: &tokio_postgres::Client) -
         crate::store::leader::check_term_privileges(work).await?;
     }
     if let Some(name) = cfg.reader.subscription() {
-        // A subscription's leadership is its own (single mode only): the
-        // outbox's configuration does not bind it.
+        // A subscription's leadership is its own: the outbox's
+        // configuration does not bind it, its own relays' does.
+        crate::store::leader::check_configuration(work, &cfg.reader, &mine).await?;
         let state = crate::store::subscription::check(work, name).await?;
         if state == "paused" {
             tracing::warn!(subscription = name, state = %state,
@@ -217,7 +218,7 @@ async fn check_leadership(cfg: &ConsumerConfig, work: &tokio_postgres::Client) -
         }
         return Ok(());
     }
-    crate::store::leader::check_configuration(work, &mine).await
+    crate::store::leader::check_configuration(work, &cfg.reader, &mine).await
 }
 
 /// The ordering mode installed on `events.outbox`, logged: at warn when no

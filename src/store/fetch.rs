@@ -450,29 +450,49 @@ macro_rules! subscription_held_by {
 /// `retry_count` and `last_error` are the subscription's (its failure
 /// row's), and every row carries the subscription's current term as
 /// `term`.
-pub(crate) fn subscription_fetch_sql(sizes: PayloadSizes) -> String {
+///
+/// With `partitioned`, only aggregates whose hash partition (of $5, `int8`)
+/// is in $6 (`int4[]`), each row carrying its partition as column `part`
+/// and the current term of that partition (scope
+/// `subscription:NAME:partition:P/N`) as `term`; and fresh events only up
+/// to [`SUBSCRIPTION_WINDOW`] ids above the cursor, which the consumers of
+/// all partitions share.
+pub(crate) fn subscription_fetch_sql(partitioned: bool, sizes: PayloadSizes) -> String {
     let fresh_cols = "o.id, o.aggregate_type, o.aggregate_id, o.event_type, o.payload, o.occurred_at, \
          0 AS retry_count, NULL::text AS last_error, false AS failure_row";
     let failed_cols = "o.id, o.aggregate_type, o.aggregate_id, o.event_type, o.payload, o.occurred_at, \
          f.retry_count, f.last_error, true AS failure_row";
+    let (part_filter, window, term_cols) = if partitioned {
+        (
+            format!("AND {SUBSCRIPTION_PARTITION_EXPR} = ANY($6::int4[])"),
+            format!("AND o.id <= (SELECT s.cursor_id FROM sub s) + {SUBSCRIPTION_WINDOW}"),
+            format!(
+                "{SUBSCRIPTION_PARTITION_EXPR} AS {PARTITION}, \
+                 {CURRENT_SUBSCRIPTION_PARTITION_TERMS}[array_position($6::int4[], {SUBSCRIPTION_PARTITION_EXPR})] \
+                 AS {TERM}"
+            ),
+        )
+    } else {
+        (String::new(), String::new(), format!("{CURRENT_SUBSCRIPTION_TERM} AS {TERM}"))
+    };
     let candidates = format!(
         "SELECT o.* FROM ( \
            (SELECT {fresh_cols} FROM events.outbox o \
-             WHERE o.id > (SELECT s.cursor_id FROM sub s) AND (SELECT s.active FROM sub s) \
-               AND o.id NOT IN (SELECT unnest(s.settled) FROM sub s) AND {NOT_IN_FLIGHT} \
+             WHERE o.id > (SELECT s.cursor_id FROM sub s) AND (SELECT s.active FROM sub s) {window} \
+               AND o.id NOT IN (SELECT unnest(s.settled) FROM sub s) AND {NOT_IN_FLIGHT} {part_filter} \
                AND (NOT (SELECT s.any_failed FROM sub s) OR {held} IS NULL) \
              ORDER BY o.id LIMIT $2) \
            UNION ALL \
            (SELECT {failed_cols} FROM events.outbox_subscription_failures f \
               JOIN events.outbox o ON o.id = f.id \
              WHERE f.subscription = $4::text AND f.next_retry_at <= now() AND (SELECT s.active FROM sub s) \
-               AND {NOT_IN_FLIGHT} AND {held_before} IS NULL \
+               AND {NOT_IN_FLIGHT} {part_filter} AND {held_before} IS NULL \
              ORDER BY f.next_retry_at LIMIT $2) \
          ) o ORDER BY o.id LIMIT $2",
         held = subscription_held_by!("<="),
         held_before = subscription_held_by!("<"),
     );
-    let cols = format!("{EVENT_COLUMNS}, failure_row, {CURRENT_SUBSCRIPTION_TERM} AS {TERM}");
+    let cols = format!("{EVENT_COLUMNS}, failure_row, {term_cols}");
     format!(
         "WITH sub AS MATERIALIZED (SELECT s.cursor_id, s.settled, s.state = 'active' AS active, \
            EXISTS (SELECT 1 FROM events.outbox_subscription_failures f WHERE f.subscription = s.name) AS any_failed \
@@ -480,6 +500,28 @@ pub(crate) fn subscription_fetch_sql(sizes: PayloadSizes) -> String {
         within_budget(&cols, &candidates, "$3", sizes)
     )
 }
+
+/// How far above a partitioned subscription's cursor its consumers read
+/// fresh events at most: 20 000 ids. The consumers of all its partitions
+/// share one cursor, and the ids settled above it are kept in its row
+/// (`settled`), rewritten by every acknowledgement; a partition whose
+/// events stay in flight (its consumer frozen until it is replaced, or a
+/// slow sink) holds the cursor, and without a bound the others would pile
+/// their settled ids above it. So that list stays under 20 000 ids
+/// (160 KB), and the other partitions wait once they are that far ahead.
+pub(crate) const SUBSCRIPTION_WINDOW: i64 = 20_000;
+
+/// The hash partition of a row's aggregate, 0..$5 (a partitioned named
+/// subscription's fetch): [`PARTITION_EXPR`]'s hash.
+const SUBSCRIPTION_PARTITION_EXPR: &str =
+    "((hashtextextended(o.aggregate_type || '/' || o.aggregate_id::text, 0) & 2147483647) % $5)::int4";
+
+/// The current terms of partitions $6 (`int4[]`) of $5 of subscription $4,
+/// in $6's order (0 for one never taken), scope
+/// `subscription:NAME:partition:P/N`.
+const CURRENT_SUBSCRIPTION_PARTITION_TERMS: &str = "(SELECT array_agg(coalesce(t.term, 0) ORDER BY u.i) \
+     FROM unnest($6::int4[]) WITH ORDINALITY u(p, i) \
+     LEFT JOIN events.outbox_terms t ON t.scope = 'subscription:' || $4::text || ':partition:' || u.p || '/' || $5)";
 
 /// Competing mode (docs/schema.md, "Publisher and poller flow"): claim
 /// due rows with `FOR UPDATE SKIP LOCKED` inside a transaction held until

@@ -83,6 +83,7 @@ pub(crate) const OUTBOX_SCOPE: &str = "outbox";
 /// The scope of partitioned mode's term for partition `p` of `partitions`
 /// in `events.outbox_terms`: `partition:P/N` (a consumer configured with
 /// another number of partitions takes other locks and other terms).
+#[cfg(test)]
 pub(crate) fn partition_scope(p: i32, partitions: u32) -> String {
     format!("partition:{p}/{partitions}")
 }
@@ -113,19 +114,23 @@ pub(crate) fn partition_scope(p: i32, partitions: u32) -> String {
 /// froze before the mode or the partition count changed, and may still be
 /// within its hand-out lease.
 ///
-/// A named subscription's scope (`'subscription:NAME'`, single mode) is a
-/// family of its own: its term grows from its own, and no other scope's
-/// holder delivers its events.
+/// A named subscription's scopes (`'subscription:NAME'` in single mode,
+/// `'subscription:NAME:partition:P/N'` in partitioned mode) are a family of
+/// their own, with the same rules inside it: its terms grow from its own,
+/// and no other family's holder delivers its events.
 pub(crate) const TAKE_TERM: &str = "WITH reg AS ( \
        INSERT INTO events.outbox_relays (pid, waiting) VALUES (pg_backend_pid(), true) \
        ON CONFLICT (pid) DO UPDATE SET updated_at = now() RETURNING pid), \
+     fam AS (SELECT CASE WHEN starts_with($1, 'subscription:') \
+         THEN 'subscription:' || split_part($1, ':', 2) ELSE 'outbox' END AS whole, \
+       CASE WHEN starts_with($1, 'subscription:') \
+         THEN 'subscription:' || split_part($1, ':', 2) || ':partition:' ELSE 'partition:' END AS parts), \
      prev AS (SELECT released, term FROM events.outbox_terms WHERE scope = $1), \
-     others AS (SELECT bool_and(o.released) AS released FROM events.outbox_terms o \
-       WHERE $1 NOT LIKE 'subscription:%' AND (o.scope = 'outbox' OR o.scope LIKE 'partition:%') AND o.scope <> $1 \
-         AND (o.scope = 'outbox' OR $1 = 'outbox' OR split_part(o.scope, '/', 2) <> split_part($1, '/', 2))), \
-     next AS (SELECT coalesce(max(term), 0) + 1 AS term FROM events.outbox_terms \
-       WHERE CASE WHEN $1 LIKE 'subscription:%' THEN scope = $1 \
-                  ELSE scope = 'outbox' OR scope LIKE 'partition:%' END), \
+     others AS (SELECT bool_and(o.released) AS released FROM events.outbox_terms o, fam \
+       WHERE (o.scope = fam.whole OR starts_with(o.scope, fam.parts)) AND o.scope <> $1 \
+         AND (o.scope = fam.whole OR $1 = fam.whole OR split_part(o.scope, '/', 2) <> split_part($1, '/', 2))), \
+     next AS (SELECT coalesce(max(term), 0) + 1 AS term FROM events.outbox_terms, fam \
+       WHERE scope = fam.whole OR starts_with(scope, fam.parts)), \
      t AS ( \
        INSERT INTO events.outbox_terms AS t (scope, term, holder_pid, holder_started, taken_at, released) \
        SELECT $1, (SELECT term FROM next), pid, \
@@ -221,13 +226,15 @@ pub(crate) async fn check_term_privileges<C: GenericClient + Sync>(client: &C) -
 /// read from their advisory locks (`store::locks`): one row per lock,
 /// `pid` and `config`: `single` (the leader lock, $1), `partitioned` (a
 /// membership lock, class $2), or `partitioned N` (the lock of partition P,
-/// class $3, whose holder took the term of scope `partition:P/N`). A
+/// class $3, whose holder took the term of scope `$4P/N`, $4 being
+/// `partition:` or a subscription's `subscription:NAME:partition:`). A
 /// single-mode standby holds no lock and is not seen.
 const OTHER_CONFIGS: &str = "SELECT l.pid, CASE \
        WHEN l.objsubid = 1 THEN 'single' \
        WHEN l.classid = ($2::int4)::bigint::oid THEN 'partitioned' \
        ELSE coalesce((SELECT 'partitioned ' || split_part(t.scope, '/', 2) FROM events.outbox_terms t \
-         WHERE t.holder_pid = l.pid AND t.scope LIKE 'partition:' || l.objid::text || '/%' LIMIT 1), 'partitioned') \
+         WHERE t.holder_pid = l.pid AND starts_with(t.scope, $4::text || l.objid::text || '/') LIMIT 1), \
+         'partitioned') \
        END AS config \
      FROM pg_catalog.pg_locks l \
      WHERE l.locktype = 'advisory' AND l.granted AND l.pid IS NOT NULL AND l.pid <> pg_backend_pid() \
@@ -236,7 +243,8 @@ const OTHER_CONFIGS: &str = "SELECT l.pid, CASE \
          OR (l.objsubid = 2 AND l.classid IN (($2::int4)::bigint::oid, ($3::int4)::bigint::oid)))";
 
 /// Refuse to start a consumer configured as `mine` (`single`,
-/// `partitioned N` or `competing`) on an outbox that other relays deliver with another
+/// `partitioned N` or `competing`) on an outbox (for a named subscription
+/// `reader`, on that subscription) that other relays deliver with another
 /// configuration, as their locks show ([`OTHER_CONFIGS`]): a single-mode
 /// relay beside partitioned ones, or a competing relay beside either,
 /// delivers every event twice, and relays
@@ -247,12 +255,21 @@ const OTHER_CONFIGS: &str = "SELECT l.pid, CASE \
 /// # Errors
 /// [`crate::Error::Config`] naming the other relay's configuration and
 /// backend pid; [`crate::Error::Db`] when `pg_locks` cannot be read.
-pub(crate) async fn check_configuration<C: GenericClient + Sync>(client: &C, mine: &str) -> Result<()> {
-    use super::locks::{LEADER_KEY, MEMBER_CLASS, PARTITION_CLASS};
+pub(crate) async fn check_configuration<C: GenericClient + Sync>(
+    client: &C,
+    reader: &super::subscription::Reader,
+    mine: &str,
+) -> Result<()> {
+    let (leader, member, partition) = (reader.leader_key(), reader.member_class(), reader.partition_class());
+    let prefix = reader.partition_scope_prefix();
     let rows = client
-        .query(OTHER_CONFIGS, &[&LEADER_KEY, &MEMBER_CLASS, &PARTITION_CLASS])
+        .query(OTHER_CONFIGS, &[&leader, &member, &partition, &prefix])
         .await
         .map_err(super::map_missing_schema)?;
+    let what = match reader.subscription() {
+        Some(name) => format!("subscription {name:?}"),
+        None => "this outbox".to_string(),
+    };
     for row in rows {
         let (pid, other): (i32, String) = (row.try_get("pid")?, row.try_get("config")?);
         let differs = match (mine, other.as_str()) {
@@ -263,8 +280,8 @@ pub(crate) async fn check_configuration<C: GenericClient + Sync>(client: &C, min
         };
         if differs {
             return Err(crate::error::Error::Config(format!(
-                "another relay delivers this outbox as {other} (backend pid {pid}), and this one is configured as \
-                 {mine}: one outbox runs one delivery configuration (a single-mode relay beside partitioned ones, \
+                "another relay delivers {what} as {other} (backend pid {pid}), and this one is configured as \
+                 {mine}: one outbox (and each subscription) runs one delivery configuration (a single-mode relay beside partitioned ones, \
                  or a competing one beside either, delivers every event twice; different --partitions take the same partitions under other terms); \
                  start this one with the same --mode and --partitions, or stop the others first"
             )));
@@ -299,28 +316,34 @@ pub struct PartitionHolder {
 
 /// Partitioned mode's partition locks held in this database (class $1),
 /// with the term each holder took of its partition (`term`, and
-/// `partitions`, the N of scope `partition:P/N`; NULL when none).
+/// `partitions`, the N of scope `$2P/N`, $2 being `partition:` or a
+/// subscription's `subscription:NAME:partition:`; NULL when none).
 const PARTITION_HOLDERS: &str = "SELECT l.objid::int8::int4 AS partition, l.pid, t.term, \
        nullif(split_part(t.scope, '/', 2), '')::int8 AS partitions \
      FROM pg_catalog.pg_locks l \
-       LEFT JOIN events.outbox_terms t ON t.holder_pid = l.pid AND t.scope LIKE 'partition:' || l.objid::text || '/%' \
+       LEFT JOIN events.outbox_terms t ON t.holder_pid = l.pid AND starts_with(t.scope, $2::text || l.objid::text || '/') \
      WHERE l.locktype = 'advisory' AND l.granted AND l.pid IS NOT NULL AND l.objsubid = 2 \
        AND l.classid = ($1::int4)::bigint::oid \
        AND l.database = (SELECT oid FROM pg_catalog.pg_database WHERE datname = current_database()) \
      ORDER BY 1, 2";
 
-/// Each partition lock held, by partition ([`PARTITION_HOLDERS`]); without
+/// Each partition lock of `reader` (the default subscription, or a named
+/// one) held, by partition ([`PARTITION_HOLDERS`]); without
 /// `events.outbox_terms` (a schema from before migration 0013), none.
 ///
 /// # Errors
 /// [`crate::Error::Db`] when `pg_locks` cannot be read.
-pub(crate) async fn partition_holders<C: GenericClient + Sync>(client: &C) -> Result<Vec<PartitionHolder>> {
+pub(crate) async fn partition_holders<C: GenericClient + Sync>(
+    client: &C,
+    reader: &super::subscription::Reader,
+) -> Result<Vec<PartitionHolder>> {
     let has_terms: bool =
         client.query_one("SELECT to_regclass('events.outbox_terms') IS NOT NULL", &[]).await?.try_get(0)?;
     if !has_terms {
         return Ok(Vec::new());
     }
-    let rows = client.query(PARTITION_HOLDERS, &[&super::locks::PARTITION_CLASS]).await?;
+    let (class, prefix) = (reader.partition_class(), reader.partition_scope_prefix());
+    let rows = client.query(PARTITION_HOLDERS, &[&class, &prefix]).await?;
     let pids: Vec<i32> = rows.iter().map(|r| r.try_get("pid")).collect::<std::result::Result<_, _>>()?;
     let mut pids_sorted = pids.clone();
     pids_sorted.sort_unstable();

@@ -215,7 +215,7 @@ pub async fn status<C: GenericClient + Sync>(client: &C) -> Result<OutboxStatus>
             next,
         },
         leader: super::leader::leader_lock(client, super::locks::LEADER_KEY, super::leader::OUTBOX_SCOPE).await?,
-        partitions: super::leader::partition_holders(client).await?,
+        partitions: super::leader::partition_holders(client, &super::subscription::Reader::Default).await?,
         ordering: super::schema::installed_ordering(client).await?,
         subscriptions: super::subscription_admin::named_if_any(client).await?,
         estimated: !b.estimated.is_empty(),

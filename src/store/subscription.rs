@@ -10,7 +10,7 @@ use std::sync::Arc;
 
 use tokio_postgres::GenericClient;
 
-use super::locks::LEADER_KEY;
+use super::locks::{LEADER_KEY, MEMBER_CLASS, PARTITION_CLASS};
 use crate::error::{Error, Result};
 
 /// Whose events a consumer reads.
@@ -54,6 +54,41 @@ impl Reader {
         match self {
             Reader::Default => super::leader::OUTBOX_SCOPE.to_string(),
             Reader::Subscription(name) => format!("subscription:{name}"),
+        }
+    }
+
+    /// What every partition scope of partitioned mode's terms starts
+    /// with: `partition:` for the default subscription,
+    /// `subscription:NAME:partition:` for a named one (a name holds no
+    /// `:`), so that a subscription's terms are a family of their own.
+    pub(crate) fn partition_scope_prefix(&self) -> String {
+        match self {
+            Reader::Default => "partition:".to_string(),
+            Reader::Subscription(name) => format!("subscription:{name}:partition:"),
+        }
+    }
+
+    /// The class (first int4 key) of partitioned mode's partition locks:
+    /// [`PARTITION_CLASS`] for the default subscription; for a named one
+    /// `0x6` in the top four bits and the low 27 bits of the FNV-1a hash of
+    /// its name, shifted left by one (an even number), so that two
+    /// subscriptions share a class with odds of about 1 in 2^27 (they would
+    /// then only compete for locks: terms and rows stay apart). Classes of
+    /// `super::locks` start with `0x706f`, outside this range.
+    pub(crate) fn partition_class(&self) -> i32 {
+        match self {
+            Reader::Default => PARTITION_CLASS,
+            Reader::Subscription(name) => 0x6000_0000 | (((fnv1a(name.as_bytes()) & 0x07FF_FFFF) as i32) << 1),
+        }
+    }
+
+    /// The class of partitioned mode's membership locks: [`MEMBER_CLASS`]
+    /// for the default subscription; for a named one, its partition class
+    /// plus one ([`Self::partition_class`]).
+    pub(crate) fn member_class(&self) -> i32 {
+        match self {
+            Reader::Default => MEMBER_CLASS,
+            Reader::Subscription(_) => self.partition_class() | 1,
         }
     }
 }
@@ -175,5 +210,25 @@ mod tests {
         assert_eq!(fnv1a(b"a"), 0xaf63_dc4c_8601_ec8c);
         assert_eq!(audit.leader_scope(), "subscription:audit");
         assert_eq!(Reader::Default.leader_scope(), "outbox");
+    }
+
+    #[test]
+    fn partition_locks_and_scopes_are_a_family_per_subscription() {
+        let audit = Reader::Subscription("audit".into());
+        assert_eq!(Reader::Default.partition_class(), PARTITION_CLASS);
+        assert_eq!(Reader::Default.member_class(), MEMBER_CLASS);
+        assert!(super::super::leader::partition_scope(3, 8).starts_with(&Reader::Default.partition_scope_prefix()));
+        assert_eq!(audit.partition_scope_prefix(), "subscription:audit:partition:");
+        let (p, m) = (audit.partition_class(), audit.member_class());
+        assert_eq!(p >> 28, 0x6, "{p:#x}");
+        assert_eq!((p & 1, m), (0, p | 1));
+        for other in ["audit2", "search", "a"] {
+            let o = Reader::Subscription(other.into());
+            assert_ne!(o.partition_class(), p, "{other}");
+            assert_eq!(o.partition_class() >> 28, 0x6);
+        }
+        for class in [PARTITION_CLASS, MEMBER_CLASS, super::super::locks::TRIGGER_CLASS] {
+            assert_ne!(class >> 28, 0x6, "the outbox's classes lie outside the subscriptions' range");
+        }
     }
 }

@@ -158,6 +158,11 @@ pub struct Subscription {
     /// the default subscription, the outbox lock's holder
     /// ([`super::OutboxStatus::leader`]).
     pub leader: Option<super::leader::LeaderLock>,
+    /// In partitioned mode, each partition lock held (a relay or consumer
+    /// reading it with `--mode partitioned`), by partition, with its
+    /// holder and term; empty when none is held. For the default
+    /// subscription, the outbox's ([`super::OutboxStatus::partitions`]).
+    pub partitions: Vec<super::leader::PartitionHolder>,
 }
 
 /// What a rewind did.
@@ -377,6 +382,7 @@ fn subscription_from_row(r: &tokio_postgres::Row) -> Result<Subscription> {
         held: r.try_get("held")?,
         counts_exact: walked <= FAILURES_COUNTED,
         leader: None,
+        partitions: Vec::new(),
     })
 }
 
@@ -392,6 +398,7 @@ pub(crate) async fn named<C: GenericClient + Sync>(client: &C, name: Option<&str
     for s in &mut all {
         let reader = super::subscription::Reader::Subscription(s.name.as_str().into());
         s.leader = super::leader::leader_lock(client, reader.leader_key(), &reader.leader_scope()).await?;
+        s.partitions = super::leader::partition_holders(client, &reader).await?;
     }
     Ok(all)
 }
@@ -448,6 +455,7 @@ pub(crate) fn default_from(b: &Backlog) -> Subscription {
         held,
         counts_exact: b.estimated.is_empty(),
         leader: None,
+        partitions: Vec::new(),
     }
 }
 
@@ -460,6 +468,7 @@ pub(crate) async fn list<C: GenericClient + Sync>(client: &C) -> Result<Vec<Subs
     let b = super::backlog::read(client).await.map_err(map_missing_schema)?;
     let mut default = default_from(&b);
     default.leader = super::leader::leader_lock(client, super::locks::LEADER_KEY, super::leader::OUTBOX_SCOPE).await?;
+    default.partitions = super::leader::partition_holders(client, &super::subscription::Reader::Default).await?;
     let mut all = vec![default];
     all.extend(named(client, None).await?);
     Ok(all)

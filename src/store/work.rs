@@ -18,7 +18,7 @@ use super::fetch::{SUBSCRIPTION_NEXT_RETRY_IN, subscription_fetch_sql};
 use super::leader::{BOUND_IDLE, KEEP_ALIVE, RAISE_TERM, REGISTER_IDENTITY};
 use super::leader::{CURRENT_TERM, CURRENT_TERMS, Holder, LEADER_HOLDER, RELEASE_TERM, TAKE_TERM, TERMINATE_STRANDED};
 use super::leader::{TermTaken, holder_from_row};
-use super::locks::{COUNT_MEMBERS, MEMBER_CLASS, MEMBER_LOCK, PARTITION_CLASS, PARTITION_UNLOCK};
+use super::locks::{COUNT_MEMBERS, MEMBER_LOCK, PARTITION_UNLOCK};
 use super::locks::{TRY_LEADER_LOCK, TRY_PARTITION_LOCK};
 use super::rows::{DecodedEvent, TERM, decode_event, fetch_was_cut, row_identity};
 use super::statement::{self, Session, StatementError, StatementKind};
@@ -209,10 +209,10 @@ impl WorkSession {
             let sizes = PayloadSizes::for_server(super::schema::read_server_version(&client).await?.num);
             let (sql, next_retry) = match (kind, &reader) {
                 (FetchKind::Ordered, Reader::Default) => (fetch_sql(false, sizes), NEXT_RETRY_IN),
-                (FetchKind::Partitioned, _) => (fetch_sql(true, sizes), NEXT_RETRY_IN),
+                (FetchKind::Partitioned, Reader::Default) => (fetch_sql(true, sizes), NEXT_RETRY_IN),
                 (FetchKind::Claim, _) => (competing_fetch_sql(sizes), NEXT_RETRY_IN),
-                (FetchKind::Ordered, Reader::Subscription(_)) => {
-                    (subscription_fetch_sql(sizes), SUBSCRIPTION_NEXT_RETRY_IN)
+                (FetchKind::Ordered | FetchKind::Partitioned, Reader::Subscription(_)) => {
+                    (subscription_fetch_sql(kind == FetchKind::Partitioned, sizes), SUBSCRIPTION_NEXT_RETRY_IN)
                 }
             };
             Ok((client.prepare(&sql).await?, client.prepare(next_retry).await?))
@@ -260,6 +260,11 @@ impl WorkSession {
                     let params: Vec<&(dyn ToSql + Sync)> =
                         [&exclude as &(dyn ToSql + Sync), &batch, &budget].into_iter().chain(f.sql_params()).collect();
                     decode_stream(client.query_raw(&self.fetch, params).await?, budget, false).await
+                }
+                FetchScope::Partitions { partitions, owned } if let Some(name) = self.reader.subscription() => {
+                    let partitions = i64::from(partitions);
+                    let params: [&(dyn ToSql + Sync); 6] = [&exclude, &batch, &budget, &name, &partitions, &owned];
+                    decode_stream(client.query_raw(&self.fetch, params).await?, budget, true).await
                 }
                 FetchScope::Partitions { partitions, owned } => {
                     let partitions = i64::from(partitions);
@@ -576,14 +581,16 @@ impl WorkSession {
         key: i32,
         stop: impl Future<Output = ()>,
     ) -> Result<(), StatementError> {
-        let params: [&(dyn ToSql + Sync); 2] = [&MEMBER_CLASS, &key];
+        let class = self.reader.member_class();
+        let params: [&(dyn ToSql + Sync); 2] = [&class, &key];
         self.run(StatementKind::SessionSetup, stop, self.client.execute(MEMBER_LOCK, &params)).await.map(drop)
     }
 
     /// Consumers holding a membership lock ([`COUNT_MEMBERS`]).
     pub(crate) async fn count_members(&self, stop: impl Future<Output = ()>) -> Result<i64, StatementError> {
         let kind = StatementKind::Lock;
-        let row = self.run(kind, stop, self.client.query_one(COUNT_MEMBERS, &[&MEMBER_CLASS])).await?;
+        let class = self.reader.member_class();
+        let row = self.run(kind, stop, self.client.query_one(COUNT_MEMBERS, &[&class])).await?;
         row.try_get("members").map_err(|e| StatementError::db(kind, e))
     }
 
@@ -594,13 +601,15 @@ impl WorkSession {
         stop: impl Future<Output = ()>,
     ) -> Result<bool, StatementError> {
         let kind = StatementKind::Lock;
-        let row = self.run(kind, stop, self.client.query_one(TRY_PARTITION_LOCK, &[&PARTITION_CLASS, &p])).await?;
+        let class = self.reader.partition_class();
+        let row = self.run(kind, stop, self.client.query_one(TRY_PARTITION_LOCK, &[&class, &p])).await?;
         row.try_get::<_, bool>(0).map_err(|e| StatementError::db(kind, e))
     }
 
     /// Give up partition `p`'s lock ([`PARTITION_UNLOCK`]).
     pub(crate) async fn unlock_partition(&self, p: i32, stop: impl Future<Output = ()>) -> Result<(), StatementError> {
-        let params: [&(dyn ToSql + Sync); 2] = [&PARTITION_CLASS, &p];
+        let class = self.reader.partition_class();
+        let params: [&(dyn ToSql + Sync); 2] = [&class, &p];
         self.run(StatementKind::Lock, stop, self.client.execute(PARTITION_UNLOCK, &params)).await.map(drop)
     }
 }

@@ -32,7 +32,7 @@ use crate::consumer::cx::{Cx, jittered};
 use crate::consumer::health::Role;
 use crate::consumer::{ConsumerConfig, Mode};
 use crate::metrics as m;
-use crate::store::leader::{TermTaken, partition_scope};
+use crate::store::leader::TermTaken;
 use crate::store::statement::StatementError;
 use crate::store::{Fence, FetchPage, FetchScope};
 use crate::term::Term;
@@ -45,6 +45,9 @@ pub(in crate::consumer) const LOCK_INTERVAL: Duration = Duration::from_millis(25
 #[derive(Debug, Default)]
 pub(in crate::consumer) struct Partitions {
     partitions: u32,
+    /// What the scope of each partition's term starts with
+    /// ([`crate::store::subscription::Reader::partition_scope_prefix`]).
+    scope_prefix: String,
     /// This session's membership key.
     member_key: i32,
     owned: BTreeSet<i32>,
@@ -97,7 +100,11 @@ impl Ownership {
     /// single: it is not the listen source's).
     pub(in crate::consumer) fn new(cfg: &ConsumerConfig) -> Self {
         match cfg.mode {
-            Mode::Partitioned { partitions } => Ownership::Partitioned(Partitions { partitions, ..Default::default() }),
+            Mode::Partitioned { partitions } => Ownership::Partitioned(Partitions {
+                partitions,
+                scope_prefix: cfg.reader.partition_scope_prefix(),
+                ..Default::default()
+            }),
             _ => Ownership::Single {
                 scope: cfg.reader.leader_scope(),
                 leader: false,
@@ -169,10 +176,10 @@ impl Ownership {
                 })
             }
             Ownership::Partitioned(p) if !p.terms.is_empty() => {
-                let scopes: Vec<String> = p.terms.keys().map(|part| partition_scope(*part, p.partitions)).collect();
+                let scopes: Vec<String> = p.terms.keys().map(|part| p.scope(*part)).collect();
                 let current = cx.work.current_terms(&scopes, cx.stop()).await?;
                 for (part, held) in &p.terms {
-                    let now = current.get(&partition_scope(*part, p.partitions)).copied();
+                    let now = current.get(&p.scope(*part)).copied();
                     if now != Some(*held) {
                         return Ok(TermCheck::Superseded { term: Some(*held), current: now });
                     }
@@ -195,7 +202,7 @@ impl Ownership {
                 let mut fence = Fence::default();
                 for (part, fetched) in ids.iter().filter_map(|id| p.part_of.get(id)) {
                     let term = p.terms.get(part).copied().or(*fetched);
-                    fence.insert(partition_scope(*part, p.partitions), term);
+                    fence.insert(p.scope(*part), term);
                 }
                 (!fence.is_empty()).then_some(fence)
             }
@@ -219,7 +226,7 @@ impl Ownership {
                 .terms
                 .iter()
                 .filter(|(part, _)| p.waits.get(part).is_none_or(|t| now >= *t))
-                .map(|(part, term)| (partition_scope(*part, p.partitions), *term))
+                .map(|(part, term)| (p.scope(*part), *term))
                 .collect(),
         }
     }
@@ -464,6 +471,12 @@ impl Ownership {
 }
 
 impl Partitions {
+    /// The scope of partition `p`'s term: `partition:P/N`, or
+    /// `subscription:NAME:partition:P/N` for a named subscription.
+    fn scope(&self, p: i32) -> String {
+        format!("{}{p}/{}", self.scope_prefix, self.partitions)
+    }
+
     /// Take partitions up to a fair share of the members, give up any over
     /// it, and unlock given-up partitions with nothing in flight.
     /// `Ok(true)`: more partitions are owned than before.
@@ -487,7 +500,7 @@ impl Partitions {
             if let Some(term) = self.terms.remove(&p)
                 && self.waits.get(&p).is_none_or(|t| *t <= Instant::now())
             {
-                cx.work.release_term(&partition_scope(p, self.partitions), term, cx.stop()).await?;
+                cx.work.release_term(&self.scope(p), term, cx.stop()).await?;
             }
             cx.work.unlock_partition(p, cx.stop()).await?;
             self.releasing.remove(&p);
@@ -514,7 +527,7 @@ impl Partitions {
                 continue;
             }
             if cx.work.try_partition_lock(p, cx.stop()).await? {
-                let scope = partition_scope(p, self.partitions);
+                let scope = self.scope(p);
                 let taken = cx.work.take_term(&scope, cx.stop()).await?;
                 let taken = above_seen(cx, &scope, taken, self.last_terms.values().max().copied()).await?;
                 let now = Instant::now();

@@ -258,7 +258,7 @@ pub(crate) fn print_table(all: &[Subscription]) {
             n(s.dead_letters),
             n(s.held),
             s.moved_at.map_or("-".to_string(), |t| t.to_rfc3339_opts(chrono::SecondsFormat::Secs, true)),
-            leader_cell(s.leader.as_ref()),
+            leader_cell(s),
         );
     }
 }
@@ -271,9 +271,18 @@ fn lag_cell(s: &Subscription) -> String {
 
 /// Who leads a subscription, in one table cell: `pid 4242 term 7`, `none`,
 /// or `stranded: pid 4242` for a holder that is not a live relay (`status`
-/// explains a stranded outbox lock in full; a subscription's is the same).
-fn leader_cell(l: Option<&pg_outbox::status::LeaderLock>) -> String {
-    match l {
+/// explains a stranded outbox lock in full; a subscription's is the same);
+/// in partitioned mode, how many of its partitions are held and by how
+/// many sessions: `partitions 3/4 held by 2`.
+pub(crate) fn leader_cell(s: &Subscription) -> String {
+    match s.leader.as_ref() {
+        None if !s.partitions.is_empty() => {
+            let mut pids: Vec<i32> = s.partitions.iter().map(|p| p.pid).collect();
+            pids.sort_unstable();
+            pids.dedup();
+            let of = s.partitions.iter().find_map(|p| p.partitions).map_or("?".to_string(), |n| n.to_string());
+            format!("partitions {}/{of} held by {}", s.partitions.len(), pids.len())
+        }
         None => "none".into(),
         Some(l) if !l.live => format!("stranded: pid {} (not a live relay)", l.pid),
         Some(l) => match l.term {

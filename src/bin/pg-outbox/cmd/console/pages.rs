@@ -251,11 +251,7 @@ fn subscriptions(all: &[pg_outbox::subscription::Subscription]) -> Markup {
                             td { (n(s.counts_exact, s.failing)) }
                             td class=(if s.dead_letters > 0 { "bad" } else { "" }) { (n(s.counts_exact, s.dead_letters)) }
                             td { (n(s.counts_exact, s.held)) }
-                            td { (match &s.leader {
-                                None => "none".to_string(),
-                                Some(l) if !l.live => format!("stranded: pid {}", l.pid),
-                                Some(l) => format!("pid {}{}", l.pid, l.term.map_or(String::new(), |t| format!(", term {t}"))),
-                            }) }
+                            td { (crate::cmd::subscription::leader_cell(s)) }
                         }
                     }
                 }

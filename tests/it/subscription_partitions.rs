@@ -1,0 +1,217 @@
+//! A named subscription in partitioned mode: its consumers share its
+//! partitions under its own locks and terms (a family apart from the
+//! outbox's), keep each aggregate in order and deliver each event once in
+//! a clean run, hand a departed consumer's partitions over, and read at
+//! most `SUBSCRIPTION_WINDOW` ids past the cursor they share.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use futures::StreamExt;
+use pg_outbox::{EventStream, Mode};
+use tokio_postgres::Client;
+use uuid::Uuid;
+
+use crate::consumer::{next, start};
+use crate::support::{TestDb, eventually, insert_seed_events};
+
+/// (consumer index, id, aggregate) in the order each consumer received them.
+type Log = Arc<Mutex<Vec<(usize, i64, Uuid)>>>;
+
+fn spawn_reader(mut stream: EventStream, idx: usize, log: Log) -> tokio::task::JoinHandle<()> {
+    tokio::spawn(async move {
+        while let Some(d) = stream.next().await {
+            log.lock().expect("log").push((idx, d.id, d.aggregate_id));
+            d.ack();
+        }
+        stream.finish().await.expect("finish");
+    })
+}
+
+async fn delivered(log: &Log, want: usize, secs: u64, what: &str) {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(secs);
+    while log.lock().expect("log").len() < want {
+        assert!(tokio::time::Instant::now() < deadline, "{what}: {} of {want} delivered", log.lock().expect("log").len());
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// The scopes of `events.outbox_terms`, sorted, comma-separated.
+async fn scopes(c: &Client) -> String {
+    c.query_one("SELECT coalesce(string_agg(scope, ',' ORDER BY scope), '') FROM events.outbox_terms", &[])
+        .await
+        .expect("terms")
+        .get(0)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn partitioned_readers_of_a_subscription_share_it_in_order_and_take_over_a_departed_ones_share() {
+    let db = TestDb::new("sub_partitioned").await;
+    let c = db.client().await;
+    c.execute("INSERT INTO events.outbox_subscriptions (name, start_id, cursor_id) VALUES ('audit', 0, 0)", &[])
+        .await
+        .expect("create");
+    let mode = Mode::Partitioned { partitions: 4 };
+    let log: Log = Arc::default();
+    let mut readers = Vec::new();
+    for i in 0..2 {
+        let s = start(&db, |b| b.subscription("audit").mode(mode).batch_size(10)).await;
+        readers.push((s.shutdown_handle(), spawn_reader(s, i, log.clone())));
+    }
+    // A single-mode reader of the same subscription would deliver its
+    // events twice: refused, naming the subscription. The default's relay
+    // is another family: it starts.
+    let e = pg_outbox::Consumer::builder(db.options())
+        .subscription("audit")
+        .start()
+        .await
+        .expect_err("single beside partitioned")
+        .to_string();
+    assert!(e.contains("subscription \"audit\"") && e.contains("partitioned"), "{e}");
+    let default = start(&db, |b| b).await;
+    eventually(10, "both readers hold partitions", || async {
+        let held: i64 = c
+            .query_one(
+                "SELECT count(DISTINCT holder_pid) FROM events.outbox_terms \
+                 WHERE scope LIKE 'subscription:audit:partition:%/4' AND NOT released",
+                &[],
+            )
+            .await
+            .expect("holders")
+            .get(0);
+        held == 2
+    })
+    .await;
+    let aggs: Vec<Uuid> = (0..24).map(|_| Uuid::new_v4()).collect();
+    let mut committed = Vec::new();
+    for round in 0..6 {
+        for a in &aggs {
+            committed.extend(insert_seed_events(&c, *a, 1 + (round % 2)).await);
+        }
+    }
+    delivered(&log, committed.len(), 30, "both readers").await;
+    // One reader leaves; the other takes its partitions.
+    let (h, r) = readers.remove(0);
+    h.shutdown();
+    r.await.expect("reader");
+    for a in &aggs {
+        committed.extend(insert_seed_events(&c, *a, 2).await);
+    }
+    delivered(&log, committed.len(), 30, "the departed reader's partitions taken over").await;
+    let top = *committed.iter().max().expect("events");
+    eventually(15, "the shared cursor at the last event", || async {
+        let row = c
+            .query_one("SELECT cursor_id, cardinality(settled) FROM events.outbox_subscriptions WHERE name = 'audit'", &[])
+            .await
+            .expect("cursor");
+        (row.get::<_, i64>(0), row.get::<_, i32>(1)) == (top, 0)
+    })
+    .await;
+    for (h, r) in readers {
+        h.shutdown();
+        r.await.expect("reader");
+    }
+    default.finish().await.expect("default");
+    let log = log.lock().expect("log").clone();
+    let ids: Vec<i64> = log.iter().map(|e| e.1).collect();
+    assert_eq!(ids.iter().collect::<HashSet<_>>().len(), ids.len(), "each event delivered once in a clean run");
+    assert_eq!(ids.iter().copied().collect::<HashSet<_>>(), committed.iter().copied().collect::<HashSet<_>>());
+    let mut last: HashMap<Uuid, i64> = HashMap::new();
+    for (_, id, agg) in &log {
+        if let Some(prev) = last.insert(*agg, *id) {
+            assert!(prev < *id, "aggregate {agg}: {id} after {prev}");
+        }
+    }
+    assert_eq!(log.iter().map(|e| e.0).collect::<HashSet<_>>().len(), 2, "both readers took a share");
+    // Its own terms, one per partition; the default's relay took the
+    // outbox's. No other partition scope.
+    let all = scopes(&c).await;
+    let want = "outbox,subscription:audit:partition:0/4,subscription:audit:partition:1/4,\
+                subscription:audit:partition:2/4,subscription:audit:partition:3/4";
+    assert_eq!(all, want);
+    // The subscription's readers leave `published_at` alone (the default's
+    // consumer acknowledged nothing).
+    let unpublished: i64 = c
+        .query_one("SELECT count(*) FROM events.outbox WHERE published_at IS NULL", &[])
+        .await
+        .expect("count")
+        .get(0);
+    assert_eq!(unpublished, committed.len() as i64);
+}
+
+/// A partition whose event stays in flight holds the shared cursor; the
+/// other partitions read on up to the window above it, then wait, so the
+/// ids settled above the cursor stay bounded; once the event is settled,
+/// the rest flows.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_partition_holding_the_cursor_stops_the_others_at_the_window() {
+    const WINDOW: i64 = 20_000;
+    let db = TestDb::new("sub_window").await;
+    let c = db.client().await;
+    c.execute("INSERT INTO events.outbox_subscriptions (name, start_id, cursor_id) VALUES ('audit', 0, 0)", &[])
+        .await
+        .expect("create");
+    let held_agg = Uuid::new_v4();
+    let held_ids = insert_seed_events(&c, held_agg, 1).await;
+    // About 25 000 more, on 500 aggregates, in one statement.
+    c.execute(
+        "INSERT INTO events.outbox (aggregate_type, aggregate_id, event_type, payload) \
+         SELECT 'subscription', ('00000000-0000-0000-0000-' || lpad((g % 500)::text, 12, '0'))::uuid, \
+                'PaymentSucceeded', jsonb_build_object('version', 1, 'data', jsonb_build_object('n', g)) \
+           FROM generate_series(1, 25000) g",
+        &[],
+    )
+    .await
+    .expect("backlog");
+    let top: i64 = c.query_one("SELECT max(id) FROM events.outbox", &[]).await.expect("top").get(0);
+    let mut stream =
+        start(&db, |b| b.subscription("audit").mode(Mode::Partitioned { partitions: 2 }).batch_size(500)).await;
+    let first = next(&mut stream, 20).await;
+    assert_eq!(first.id, held_ids[0]);
+    let mut seen: HashSet<i64> = HashSet::from([first.id]);
+    let mut highest = 0;
+    loop {
+        match tokio::time::timeout(Duration::from_secs(3), stream.next()).await {
+            Ok(Some(d)) => {
+                highest = highest.max(d.id);
+                assert!(seen.insert(d.id), "event {} delivered twice", d.id);
+                assert_ne!(d.aggregate_id, held_agg, "its aggregate waits for the event in flight");
+                d.ack();
+            }
+            Ok(None) => panic!("the stream ended"),
+            Err(_) => break,
+        }
+    }
+    let (cursor, settled): (i64, i32) = {
+        let row = c
+            .query_one("SELECT cursor_id, cardinality(settled) FROM events.outbox_subscriptions WHERE name = 'audit'", &[])
+            .await
+            .expect("cursor");
+        (row.get(0), row.get(1))
+    };
+    let n = seen.len() - 1;
+    eprintln!("window: cursor {cursor}, highest read {highest} ({n} events), {settled} settled above the cursor");
+    assert!(cursor < held_ids[0], "the event in flight holds the cursor ({cursor})");
+    assert!(highest <= cursor + WINDOW, "read {highest}, past the window above cursor {cursor}");
+    assert!(highest < top, "the reader stopped short of the backlog's end ({top})");
+    assert!(i64::from(settled) <= WINDOW, "{settled} ids kept settled");
+    assert!(n > 1_000, "the other partitions read on while the cursor was held ({n} events)");
+    // Settled now: the cursor moves and the rest follows, each once.
+    first.ack();
+    while seen.len() < 25_001 {
+        let d = next(&mut stream, 20).await;
+        assert!(seen.insert(d.id), "event {} delivered twice", d.id);
+        d.ack();
+    }
+    eventually(15, "the cursor at the backlog's end", || async {
+        let cur: i64 = c
+            .query_one("SELECT cursor_id FROM events.outbox_subscriptions WHERE name = 'audit'", &[])
+            .await
+            .expect("cursor")
+            .get(0);
+        cur == top
+    })
+    .await;
+    stream.finish().await.expect("finish");
+}
