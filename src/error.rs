@@ -189,6 +189,22 @@ pub enum SubscriptionError {
     /// refused, never taken as success.
     #[error("subscription {0:?} exists already; drop it first (pg-outbox subscription drop) or choose another name")]
     Exists(String),
+    /// The name's advisory lock class (partitioned mode's partition and
+    /// membership locks: a 27-bit hash of the name, docs/architecture.md,
+    /// "Advisory lock keys") is the one of an existing subscription, whose
+    /// partitioned relays would then compete for the same locks: refused,
+    /// so that no two subscriptions ever share one. The odds are about
+    /// 1 in 134 million per pair of names.
+    #[error(
+        "subscription name {name:?} hashes to the advisory lock class of subscription {other:?} (partitioned mode's \
+         locks), so their relays would compete for the same partitions; choose another name"
+    )]
+    LockClassTaken {
+        /// The name given.
+        name: String,
+        /// The existing subscription with the same class.
+        other: String,
+    },
     /// No subscription of that name exists (`pg-outbox subscription list`
     /// shows those that do).
     #[error("no subscription {0:?}; `pg-outbox subscription list` shows the subscriptions there are")]

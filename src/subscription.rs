@@ -95,7 +95,9 @@ pub fn check_name(name: &str) -> Result<()> {
 ///
 /// # Errors
 /// [`SubscriptionError::InvalidName`] (checked before any SQL),
-/// [`SubscriptionError::Exists`], [`SubscriptionError::InvalidStart`]
+/// [`SubscriptionError::Exists`], [`SubscriptionError::LockClassTaken`]
+/// (the name's partition lock class is another subscription's: about 1 in
+/// 134 million), [`SubscriptionError::InvalidStart`]
 /// (`From::Id(i64::MIN)`); [`crate::Error::NotMigrated`] (a schema before
 /// migration 0016: run `pg-outbox migrate`) or [`crate::Error::Db`].
 ///

@@ -227,6 +227,11 @@ mod tests {
             assert_ne!(o.partition_class(), p, "{other}");
             assert_eq!(o.partition_class() >> 28, 0x6);
         }
+        // Two names found to share a class (refused at create:
+        // `SubscriptionError::LockClassTaken`).
+        let (x, y) = (Reader::Subscription("s61396".into()), Reader::Subscription("s189520".into()));
+        assert_eq!(x.partition_class(), y.partition_class());
+        assert_eq!(x.partition_class(), 0x6c68_a576);
         for class in [PARTITION_CLASS, MEMBER_CLASS, super::super::locks::TRIGGER_CLASS] {
             assert_ne!(class >> 28, 0x6, "the outbox's classes lie outside the subscriptions' range");
         }

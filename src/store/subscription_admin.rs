@@ -344,15 +344,27 @@ pub(crate) async fn cursor_for<C: GenericClient + Sync>(client: &C, from: From) 
     Ok(row.try_get("cursor_id")?)
 }
 
+/// Every subscription's name.
+const NAMES: &str = "SELECT name FROM events.outbox_subscriptions";
+
 /// Create subscription `name` (checked with [`check_name`]) starting at
 /// `from`; returns it with its figures.
 ///
 /// # Errors
 /// [`SubscriptionError::InvalidName`], [`SubscriptionError::Exists`],
-/// [`SubscriptionError::InvalidStart`]; [`crate::Error::NotMigrated`] or
-/// [`crate::Error::Db`].
+/// [`SubscriptionError::LockClassTaken`], [`SubscriptionError::InvalidStart`];
+/// [`crate::Error::NotMigrated`] or [`crate::Error::Db`].
 pub(crate) async fn create<C: GenericClient + Sync>(client: &C, name: &str, from: From) -> Result<Subscription> {
     check_name(name)?;
+    let class = super::subscription::Reader::Subscription(name.into()).partition_class();
+    let names = client.query(NAMES, &[]).await.map_err(map_missing_schema)?;
+    for row in names {
+        let other: String = row.try_get(0)?;
+        if other != name && super::subscription::Reader::Subscription(other.as_str().into()).partition_class() == class
+        {
+            return Err(SubscriptionError::LockClassTaken { name: name.to_string(), other }.into());
+        }
+    }
     let cursor = cursor_for(client, from).await?;
     let created = client.query_opt(CREATE, &[&name, &cursor]).await.map_err(map_missing_schema)?;
     if created.is_none() {

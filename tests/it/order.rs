@@ -641,11 +641,8 @@ enum Rewind {
 /// checkpoint it was offered), the second is offered the newest checkpoint
 /// that xmin passed, past every event acknowledged before.
 async fn floor_passes(c: &tokio_postgres::Client, stream: &mut pg_outbox::EventStream) {
-    let after: i64 = c
-        .query_one("SELECT txid_current()", &[])
-        .await
-        .expect("a transaction id after the fetches")
-        .get(0);
+    let after: i64 =
+        c.query_one("SELECT txid_current()", &[]).await.expect("a transaction id after the fetches").get(0);
     let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
     loop {
         let xmin: i64 = c

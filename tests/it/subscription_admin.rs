@@ -183,6 +183,13 @@ async fn names_are_checked_taken_names_refused_and_unknown_names_named() {
     let text = e.to_string();
     assert_eq!(sub_error(e), SubscriptionError::Exists("audit".into()));
     assert!(text.contains("\"audit\"") && text.contains("exists already"), "{text}");
+    // Two names whose partitioned mode's lock classes (a 27-bit hash) are
+    // the same: the second is refused, naming the first.
+    subscription::create(&c, "s61396", From::Now).await.expect("create");
+    let e = subscription::create(&c, "s189520", From::Now).await.expect_err("a taken lock class");
+    let text = e.to_string();
+    assert_eq!(sub_error(e), SubscriptionError::LockClassTaken { name: "s189520".into(), other: "s61396".into() });
+    assert!(text.contains("advisory lock class") && text.contains("choose another name"), "{text}");
 
     // Every operation on an unknown name says which.
     let unknown = |e: pg_outbox::Error| {

@@ -32,7 +32,11 @@ fn spawn_reader(mut stream: EventStream, idx: usize, log: Log) -> tokio::task::J
 async fn delivered(log: &Log, want: usize, secs: u64, what: &str) {
     let deadline = tokio::time::Instant::now() + Duration::from_secs(secs);
     while log.lock().expect("log").len() < want {
-        assert!(tokio::time::Instant::now() < deadline, "{what}: {} of {want} delivered", log.lock().expect("log").len());
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "{what}: {} of {want} delivered",
+            log.lock().expect("log").len()
+        );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
@@ -102,7 +106,10 @@ async fn partitioned_readers_of_a_subscription_share_it_in_order_and_take_over_a
     let top = *committed.iter().max().expect("events");
     eventually(15, "the shared cursor at the last event", || async {
         let row = c
-            .query_one("SELECT cursor_id, cardinality(settled) FROM events.outbox_subscriptions WHERE name = 'audit'", &[])
+            .query_one(
+                "SELECT cursor_id, cardinality(settled) FROM events.outbox_subscriptions WHERE name = 'audit'",
+                &[],
+            )
             .await
             .expect("cursor");
         (row.get::<_, i64>(0), row.get::<_, i32>(1)) == (top, 0)
@@ -132,11 +139,8 @@ async fn partitioned_readers_of_a_subscription_share_it_in_order_and_take_over_a
     assert_eq!(all, want);
     // The subscription's readers leave `published_at` alone (the default's
     // consumer acknowledged nothing).
-    let unpublished: i64 = c
-        .query_one("SELECT count(*) FROM events.outbox WHERE published_at IS NULL", &[])
-        .await
-        .expect("count")
-        .get(0);
+    let unpublished: i64 =
+        c.query_one("SELECT count(*) FROM events.outbox WHERE published_at IS NULL", &[]).await.expect("count").get(0);
     assert_eq!(unpublished, committed.len() as i64);
 }
 
@@ -185,7 +189,10 @@ async fn a_partition_holding_the_cursor_stops_the_others_at_the_window() {
     }
     let (cursor, settled): (i64, i32) = {
         let row = c
-            .query_one("SELECT cursor_id, cardinality(settled) FROM events.outbox_subscriptions WHERE name = 'audit'", &[])
+            .query_one(
+                "SELECT cursor_id, cardinality(settled) FROM events.outbox_subscriptions WHERE name = 'audit'",
+                &[],
+            )
             .await
             .expect("cursor");
         (row.get(0), row.get(1))
