@@ -172,6 +172,14 @@ impl Harness {
         self
     }
 
+    /// Its relays run in partitioned mode with `partitions` partitions.
+    pub(crate) fn partitioned(mut self, partitions: u32) -> Harness {
+        let at = self.args.iter().position(|a| a == "--mode").expect("--mode");
+        self.args[at + 1] = "partitioned".to_string();
+        self.args.extend(["--partitions".to_string(), partitions.to_string()]);
+        self
+    }
+
     /// Start one more relay; returns its index in `relays`.
     pub(crate) async fn start_relay(&mut self) -> usize {
         let n = u32::try_from(self.relays.len() + 1).expect("few relays");
