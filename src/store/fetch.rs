@@ -418,8 +418,9 @@ const CURRENT_SUBSCRIPTION_TERM: &str =
     "(SELECT t.term FROM events.outbox_terms t WHERE t.scope = 'subscription:' || $4::text)";
 
 /// The first failure row of subscription $4 for the aggregate of row `o`
-/// at or before id `{bound}` (a failed event, a dead letter, or one held
-/// back behind them): one descent of `outbox_subscription_failures_aggregate_idx`.
+/// at or before its id (with `"<="`; a failed event, a dead letter, or one
+/// held back behind them): one descent of
+/// `outbox_subscription_failures_aggregate_idx`.
 macro_rules! subscription_held_by {
     ($op:literal) => {
         concat!(
@@ -444,7 +445,12 @@ macro_rules! subscription_held_by {
 /// each let through only when its aggregate has no failure row before it
 /// (so one event per aggregate, the earliest: due rows of one aggregate may
 /// share a `next_retry_at`, and a walk cut at $2 rows would otherwise pick
-/// a later one alone). Rows of the second walk say so in column
+/// a later one alone). Behind each such row, the failure rows of its
+/// aggregate that follow it and are released (held events made due
+/// together when the event they waited for was settled: `retry_count` 0,
+/// due, not in flight), in id order up to the first that is not, at most
+/// [`SUBSCRIPTION_FOLLOWERS`]: the final cut by id keeps each aggregate's
+/// rows a prefix. Rows of the failure rows say so in column
 /// `failure_row`: settling one wakes the next fetch.
 /// Nothing while the subscription is paused, or when it does not exist.
 /// `retry_count` and `last_error` are the subscription's (its failure
@@ -475,6 +481,16 @@ pub(crate) fn subscription_fetch_sql(partitioned: bool, sizes: PayloadSizes) -> 
     } else {
         (String::new(), String::new(), format!("{CURRENT_SUBSCRIPTION_TERM} AS {TERM}"))
     };
+    let heads = format!(
+        "SELECT {failed_cols} FROM events.outbox_subscription_failures f \
+           JOIN events.outbox o ON o.id = f.id \
+          WHERE f.subscription = $4::text AND f.next_retry_at <= now() AND (SELECT s.active FROM sub s) \
+            AND f.id NOT IN (SELECT unnest($1::bigint[])) {part_filter} \
+            AND (SELECT b.id FROM events.outbox_subscription_failures b \
+                  WHERE b.subscription = $4::text AND b.aggregate_type = f.aggregate_type \
+                    AND b.aggregate_id = f.aggregate_id AND b.id < f.id ORDER BY b.id LIMIT 1) IS NULL \
+          ORDER BY f.next_retry_at LIMIT $2",
+    );
     let candidates = format!(
         "SELECT o.* FROM ( \
            (SELECT {fresh_cols} FROM events.outbox o \
@@ -483,23 +499,40 @@ pub(crate) fn subscription_fetch_sql(partitioned: bool, sizes: PayloadSizes) -> 
                AND (NOT (SELECT s.any_failed FROM sub s) OR {held} IS NULL) \
              ORDER BY o.id LIMIT $2) \
            UNION ALL \
-           (SELECT {failed_cols} FROM events.outbox_subscription_failures f \
-              JOIN events.outbox o ON o.id = f.id \
-             WHERE f.subscription = $4::text AND f.next_retry_at <= now() AND (SELECT s.active FROM sub s) \
-               AND {NOT_IN_FLIGHT} {part_filter} AND {held_before} IS NULL \
-             ORDER BY f.next_retry_at LIMIT $2) \
+           (SELECT * FROM heads) \
+           UNION ALL \
+           (SELECT {failed_cols} FROM ( \
+              SELECT f.id, f.retry_count, f.last_error FROM heads h CROSS JOIN LATERAL ( \
+                SELECT f.*, bool_and(f.released) OVER (ORDER BY f.id) AS run FROM ( \
+                  SELECT b.id, b.retry_count, b.last_error, \
+                         b.retry_count = 0 AND b.next_retry_at <= now() AND b.id <> ALL ($1::bigint[]) AS released \
+                    FROM events.outbox_subscription_failures b \
+                   WHERE b.subscription = $4::text AND b.aggregate_type = h.aggregate_type \
+                     AND b.aggregate_id = h.aggregate_id AND b.id > h.id \
+                   ORDER BY b.id LIMIT {SUBSCRIPTION_FOLLOWERS}) f) f \
+               WHERE f.run ORDER BY f.id LIMIT $2) f \
+              JOIN events.outbox o ON o.id = f.id) \
          ) o ORDER BY o.id LIMIT $2",
         held = subscription_held_by!("<="),
-        held_before = subscription_held_by!("<"),
     );
     let cols = format!("{EVENT_COLUMNS}, failure_row, {term_cols}");
     format!(
         "WITH sub AS MATERIALIZED (SELECT s.cursor_id, s.settled, s.state = 'active' AS active, \
            EXISTS (SELECT 1 FROM events.outbox_subscription_failures f WHERE f.subscription = s.name) AS any_failed \
-           FROM events.outbox_subscriptions s WHERE s.name = $4::text) {}",
+           FROM events.outbox_subscriptions s WHERE s.name = $4::text), \
+         heads AS MATERIALIZED ({heads}) {}",
         within_budget(&cols, &candidates, "$3", sizes)
     )
 }
+
+/// How many released events of an aggregate a named subscription's fetch
+/// hands out at most behind the failure row that leads it (the events
+/// held back behind a failed one, due together once it is settled): 64 a
+/// fetch, so a fetch walks at most 64 entries of
+/// `outbox_subscription_failures_aggregate_idx` per aggregate it retries.
+/// Without them, each aggregate's held events came one per fetch and
+/// acknowledgement.
+const SUBSCRIPTION_FOLLOWERS: i64 = 64;
 
 /// How far above a partitioned subscription's cursor its consumers read
 /// fresh events at most: 20 000 ids. The consumers of all its partitions

@@ -418,7 +418,7 @@ async fn failing_sink() {
 
 /// Every attempt answered `status` was followed by a 2xx of the same id
 /// carrying a higher `retry_count` (the relay counted the failure).
-fn check_retried(attempts: &[Attempt], status: u16) {
+pub(super) fn check_retried(attempts: &[Attempt], status: u16) {
     for (i, a) in attempts.iter().enumerate().filter(|(_, a)| a.status == status) {
         let later = attempts[i + 1..].iter().find(|b| b.id == a.id && b.delivered());
         let later = later.unwrap_or_else(|| panic!("id {} (answered {status}) was never delivered after", a.id));

@@ -153,3 +153,27 @@ async fn a_partitioned_subscription_through_kills_and_a_freeze() {
     assert_eq!(published, 0, "the subscription's relays never touched the default's columns");
     drop(audit);
 }
+
+/// A subscription's webhook answers HTTP 500 to the first attempt of one
+/// event in ten: as `faults::failing_sink` for the default, every such
+/// event is retried and delivered, each aggregate's later events held back
+/// behind it in order, and nothing settled without a 2xx.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failing_sink_of_a_subscription() {
+    const SEED: u64 = 0xFA17_0008;
+    let mut rng = StdRng::seed_from_u64(SEED);
+    let db = crate::support::TestDb::new("fault_sub_sink_500").await;
+    db.client()
+        .await
+        .execute("INSERT INTO events.outbox_subscriptions (name, start_id, cursor_id) VALUES ('audit', 0, 0)", &[])
+        .await
+        .expect("create subscription");
+    let failing = Behavior::FailFirstAttemptOfEvery { every: 10 };
+    let mut h = Harness::new("subscription_failing_sink", SEED, db.url(), failing, &[]).await.for_subscription("audit");
+    h.start_relay().await;
+    let load = Load::spawn(load_spec(&db.url(), SEED, &mut rng));
+    let ledger = load.join().await;
+    let report = h.finish(Faults::SinkAnswers(500), ledger).await;
+    super::check_retried(&h.sink.attempts(), 500);
+    h.check(&report, 0);
+}
