@@ -7,8 +7,91 @@
 //! records through these constants, the integration tests read them from
 //! here, and a test holds the Grafana dashboard and the alert rules
 //! (`contrib/`) and the names in docs/operations.md to them.
+//!
+//! A consumer of a named subscription (`ConsumerBuilder::subscription`),
+//! and `relay::run` on its stream, label every metric they record
+//! `subscription="NAME"`, so two subscriptions read in one process keep
+//! their series apart; the default subscription's carry no such label, as
+//! before subscriptions existed. (The lag gauges of every subscription,
+//! [`SUBSCRIPTION_LAG`] and its two siblings, name the subscription they
+//! measure, whoever reads them.)
+
+use std::future::Future;
+use std::sync::Arc;
 
 use metrics::{Unit, describe_counter, describe_gauge, describe_histogram};
+
+tokio::task_local! {
+    /// The named subscription the running task works for (`None`: the
+    /// default one), for the label of the metrics it records.
+    static SUBSCRIPTION: Option<Arc<str>>;
+}
+
+/// `fut`, run as work for `subscription` (`None`: the default one): the
+/// metrics it records through [`counter!`], [`gauge!`] and
+/// [`histogram!`] carry the label `subscription="NAME"` for a named one.
+pub(crate) fn for_subscription<F: Future>(
+    subscription: Option<Arc<str>>,
+    fut: F,
+) -> tokio::task::futures::TaskLocalFuture<Option<Arc<str>>, F> {
+    SUBSCRIPTION.scope(subscription, fut)
+}
+
+/// Spawn `fut` as work for `subscription` ([`for_subscription`]).
+pub(crate) fn spawn_for<F>(subscription: Option<Arc<str>>, fut: F) -> tokio::task::JoinHandle<F::Output>
+where
+    F: Future + Send + 'static,
+    F::Output: Send + 'static,
+{
+    tokio::spawn(SUBSCRIPTION.scope(subscription, fut))
+}
+
+/// Spawn `fut` as work for the running task's subscription.
+pub(crate) fn spawn<F>(fut: F) -> tokio::task::JoinHandle<F::Output>
+where
+    F: Future + Send + 'static,
+    F::Output: Send + 'static,
+{
+    spawn_for(current(), fut)
+}
+
+/// The running task's named subscription, if any.
+fn current() -> Option<Arc<str>> {
+    SUBSCRIPTION.try_with(Clone::clone).ok().flatten()
+}
+
+/// `labels`, and `subscription="NAME"` when the running task works for a
+/// named subscription.
+pub(crate) fn labelled(mut labels: Vec<metrics::Label>) -> Vec<metrics::Label> {
+    if let Some(name) = current() {
+        labels.push(metrics::Label::new("subscription", name.to_string()));
+    }
+    labels
+}
+
+/// `metrics::counter!` with the running task's subscription label
+/// ([`labelled`]); labels as `"key" => value`.
+macro_rules! counter {
+    ($name:expr $(, $k:literal => $v:expr)* $(,)?) => {
+        ::metrics::counter!($name, $crate::metrics::labelled(vec![$(::metrics::Label::new($k, $v)),*]))
+    };
+}
+
+/// `metrics::gauge!` with the running task's subscription label.
+macro_rules! gauge {
+    ($name:expr $(, $k:literal => $v:expr)* $(,)?) => {
+        ::metrics::gauge!($name, $crate::metrics::labelled(vec![$(::metrics::Label::new($k, $v)),*]))
+    };
+}
+
+/// `metrics::histogram!` with the running task's subscription label.
+macro_rules! histogram {
+    ($name:expr $(, $k:literal => $v:expr)* $(,)?) => {
+        ::metrics::histogram!($name, $crate::metrics::labelled(vec![$(::metrics::Label::new($k, $v)),*]))
+    };
+}
+
+pub(crate) use {counter, gauge, histogram};
 
 /// Counter: events acknowledged and marked published.
 pub const EVENTS_PUBLISHED: &str = "outbox_events_published_total";

@@ -208,7 +208,7 @@ impl Completer {
         self.flushing = Some(ids);
         let (writer, max_retries) = (writer.clone(), self.max_retries);
         let done_tx = self.done_tx.clone();
-        tokio::spawn(async move {
+        crate::metrics::spawn(async move {
             let (ack_res, fail_res) = write(&writer, &acks, &fails, max_retries, fence.as_ref()).await;
             let _ = done_tx.send(FlushDone { generation, acks, fails, fence, ack_res, fail_res });
         });
@@ -283,8 +283,8 @@ impl Completer {
 /// Settlements dropped as fenced (`(acknowledgements, failures)`), the
 /// write conditional on `term` at most: counted and logged.
 fn record_fenced(term: Option<Term>, (acks, fails): (usize, usize)) {
-    metrics::counter!(m::FENCED_WRITES, "write" => "ack").increment(acks as u64);
-    metrics::counter!(m::FENCED_WRITES, "write" => "fail").increment(fails as u64);
+    crate::metrics::counter!(m::FENCED_WRITES, "write" => "ack").increment(acks as u64);
+    crate::metrics::counter!(m::FENCED_WRITES, "write" => "fail").increment(fails as u64);
     tracing::warn!(
         term = term.map_or(0, Term::get),
         acknowledgements = acks,
@@ -296,11 +296,11 @@ fn record_fenced(term: Option<Term>, (acks, fails): (usize, usize)) {
 
 /// Acknowledged rows: the delivery-lag histogram and the published counter.
 fn record_published(acknowledged: &Acknowledged) {
-    let hist = metrics::histogram!(m::DELIVERY_LAG);
+    let hist = crate::metrics::histogram!(m::DELIVERY_LAG);
     for lag in &acknowledged.lags_secs {
         hist.record(*lag);
     }
-    metrics::counter!(m::EVENTS_PUBLISHED).increment(acknowledged.published);
+    crate::metrics::counter!(m::EVENTS_PUBLISHED).increment(acknowledged.published);
 }
 
 /// Failed rows: counters, a warning per new dead letter; the earliest
@@ -318,8 +318,8 @@ fn record_failed(rows: &[FailWritten], fails: &[PendingFail]) -> Option<f64> {
             earliest = Some(earliest.map_or(s, |e: f64| e.min(s)));
         }
     }
-    metrics::counter!(m::EVENTS_FAILED).increment(fails.len() as u64);
-    metrics::counter!(m::EVENTS_DEAD_LETTERED).increment(dead);
+    crate::metrics::counter!(m::EVENTS_FAILED).increment(fails.len() as u64);
+    crate::metrics::counter!(m::EVENTS_DEAD_LETTERED).increment(dead);
     earliest
 }
 

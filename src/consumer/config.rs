@@ -457,12 +457,17 @@ impl ConsumerBuilder {
     /// the default subscription and every other one. It has its own leader
     /// (its own advisory lock and leadership term, scope
     /// `subscription:NAME`), so relays of different subscriptions run side
-    /// by side, each with its own standbys. Single mode only.
+    /// by side, each with its own standbys. Single or partitioned mode
+    /// ([`Mode::Partitioned`]: its own partition locks and terms, scope
+    /// `subscription:NAME:partition:P/N`, one cursor shared by the
+    /// partitions, read at most 20 000 ids ahead of it).
     ///
     /// # Errors
     /// [`ConsumerBuilder::start`] returns [`Error::Config`] when `name` is
     /// not a subscription's name (1 to 63 characters of `a-z`, `0-9`, `_`,
-    /// `.`, `-`; not `default`), when the mode is not [`Mode::Single`], when
+    /// `.`, `-`; not `default`), when the mode is [`Mode::Competing`], when
+    /// other relays of the subscription run in another mode or partition
+    /// count, when
     /// the subscription does not exist, or when ids do not follow
     /// transaction ids (the insert trigger `outbox_order` is needed: without
     /// it the cursor could pass an event that commits late).

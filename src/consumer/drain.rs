@@ -286,7 +286,7 @@ impl<K: WakeKind, F: Fetch> Engine<K, F> {
                 self.completer.fail(id, key, retry_count, error);
             }
             Settlement::Release { id, key } => {
-                metrics::counter!(m::EVENTS_RELEASED).increment(1);
+                crate::metrics::counter!(m::EVENTS_RELEASED).increment(1);
                 self.inflight.released(id, &key);
                 self.fetch.released(id);
                 self.wakeups.woken(Wake::Release);
@@ -344,7 +344,7 @@ impl<K: WakeKind, F: Fetch> Engine<K, F> {
         let settle = (&self.token, &mut self.completer);
         let handed = self.inflight.hand_out(page, permit, settle, |id, part| fetch.handed_out(id, part));
         self.inflight.record_held();
-        metrics::counter!(m::EVENTS_FETCHED, "wake" => self.wakeups.label()).increment(handed);
+        crate::metrics::counter!(m::EVENTS_FETCHED, "wake" => self.wakeups.label()).increment(handed);
         let in_tx = self.fetch.holds_transaction();
         if handed == 0 && in_tx {
             // Nothing handed out: end the fetch's transaction at once.
@@ -569,7 +569,7 @@ impl<K: WakeKind, F: Fetch> Engine<K, F> {
         self.gone(&loss);
         let delay = match self.describe_loss(loss) {
             Some((error, delay)) => {
-                metrics::counter!(m::DATABASE_ERRORS).increment(1);
+                crate::metrics::counter!(m::DATABASE_ERRORS).increment(1);
                 self.health.error(error);
                 delay
             }

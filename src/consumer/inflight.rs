@@ -85,7 +85,7 @@ impl InFlight {
 
     /// Set the gauge of held payload bytes.
     pub(super) fn record_held(&self) {
-        metrics::gauge!(m::BUFFERED_PAYLOAD_BYTES).set(self.held_bytes as f64);
+        crate::metrics::gauge!(m::BUFFERED_PAYLOAD_BYTES).set(self.held_bytes as f64);
     }
 
     /// Rows per fetch.

@@ -80,11 +80,11 @@ fn timed_out_or_tolerated(work: &WorkSession, e: StatementError, what: &str) -> 
 /// word that it caught up.
 fn record_lag(l: &crate::store::subscription_lag::Lag, was_behind: bool) {
     let label = [("subscription", l.name.clone())];
-    metrics::gauge!(m::SUBSCRIPTION_LAG, &label).set(l.lag_seconds.unwrap_or(0.0));
+    ::metrics::gauge!(m::SUBSCRIPTION_LAG, &label).set(l.lag_seconds.unwrap_or(0.0));
     if let Some(max) = l.max_lag_seconds {
-        metrics::gauge!(m::SUBSCRIPTION_MAX_LAG, &label).set(max);
+        ::metrics::gauge!(m::SUBSCRIPTION_MAX_LAG, &label).set(max);
     }
-    metrics::gauge!(m::SUBSCRIPTION_BEHIND, &label).set(if l.behind() { 1.0 } else { 0.0 });
+    ::metrics::gauge!(m::SUBSCRIPTION_BEHIND, &label).set(if l.behind() { 1.0 } else { 0.0 });
     if l.behind() && !was_behind {
         tracing::warn!(subscription = %l.name, lag_seconds = l.lag_seconds, max_lag_seconds = l.max_lag_seconds,
             signal = "subscription_behind",
@@ -160,7 +160,7 @@ impl Maintenance {
         self.read_lags(work, &stop).await?;
         let usage = work.notification_queue_usage(stop()).await.map(|usage| {
             if let Some(usage) = usage {
-                metrics::gauge!(m::NOTIFICATION_QUEUE_USAGE).set(usage);
+                crate::metrics::gauge!(m::NOTIFICATION_QUEUE_USAGE).set(usage);
             }
         });
         match usage {
@@ -182,10 +182,10 @@ impl Maintenance {
         // them due).
         self.gauges_due = Some((started + started.elapsed() * GAUGES_SHARE).max(tick + self.gauges_every));
         let read = read.map(|g| {
-            metrics::gauge!(m::BACKLOG).set(g.pending as f64);
-            metrics::gauge!(m::DEAD_LETTERS).set(g.dead as f64);
-            metrics::gauge!(m::BACKLOG_ESTIMATED).set(if g.estimated { 1.0 } else { 0.0 });
-            metrics::gauge!(m::OLDEST_UNPUBLISHED_AGE).set(g.oldest_age_secs);
+            crate::metrics::gauge!(m::BACKLOG).set(g.pending as f64);
+            crate::metrics::gauge!(m::DEAD_LETTERS).set(g.dead as f64);
+            crate::metrics::gauge!(m::BACKLOG_ESTIMATED).set(if g.estimated { 1.0 } else { 0.0 });
+            crate::metrics::gauge!(m::OLDEST_UNPUBLISHED_AGE).set(g.oldest_age_secs);
         });
         match read {
             // A statement timeout cuts only this read (the session stays

@@ -49,7 +49,14 @@ impl ConsumerBuilder {
     /// # Cancel safety
     /// Cancel safe: dropping the future before it resolves closes the sessions it
     /// opened (and with them any lock they took); nothing was fetched yet.
-    pub async fn start(mut self) -> Result<EventStream> {
+    pub async fn start(self) -> Result<EventStream> {
+        let subscription = self.cfg.reader.subscription().map(Arc::<str>::from);
+        crate::metrics::for_subscription(subscription, self.start_labelled()).await
+    }
+
+    /// [`Self::start`], run with the subscription's metrics label
+    /// ([`crate::metrics::for_subscription`]): the tasks it spawns keep it.
+    async fn start_labelled(mut self) -> Result<EventStream> {
         self.validate()?;
         if self.cfg.source != SourceKind::Listen {
             // The stream wakes the drain loop: register as never waiting,
@@ -103,6 +110,7 @@ impl ConsumerBuilder {
                 ordering,
                 producers_lock: cfg.producers_lock_aggregates,
             },
+            subscription: cfg.reader.subscription().map(Arc::<str>::from),
         }))
     }
 }
@@ -182,9 +190,9 @@ impl Starter {
         let competing = cfg.mode == Mode::Competing;
         let wakeups = Wakeups::new(cfg, signals, competing, kind);
         if competing {
-            tokio::spawn(drain::run(cfg.clone(), (wakeups, ClaimFetch::default()), first, io, token, state))
+            crate::metrics::spawn(drain::run(cfg.clone(), (wakeups, ClaimFetch::default()), first, io, token, state))
         } else {
-            tokio::spawn(drain::run(cfg.clone(), (wakeups, OrderedFetch::new(cfg)), first, io, token, state))
+            crate::metrics::spawn(drain::run(cfg.clone(), (wakeups, OrderedFetch::new(cfg)), first, io, token, state))
         }
     }
 }
@@ -276,7 +284,7 @@ async fn start_wal(
     status_tx: watch::Sender<ListenerStatus>,
     wanted: watch::Receiver<bool>,
 ) -> Result<JoinHandle<()>> {
-    metrics::gauge!(crate::metrics::LISTEN_ENABLED).set(0.0);
+    crate::metrics::gauge!(crate::metrics::LISTEN_ENABLED).set(0.0);
     // The replication client's rustls has aws-lc-rs beside ring (its
     // tokio-rustls default features): name the process's provider before
     // anything builds a config from the default (the client installs ring
@@ -284,7 +292,7 @@ async fn start_wal(
     let _ = rustls::crypto::ring::default_provider().install_default();
     let pg = cfg.listener_pg.clone().unwrap_or_else(|| cfg.pg.clone());
     let first = wal::first(&pg, work).await?;
-    metrics::gauge!(crate::metrics::NOTIFICATIONS_WORKING).set(if first.is_some() { 1.0 } else { 0.0 });
+    crate::metrics::gauge!(crate::metrics::NOTIFICATIONS_WORKING).set(if first.is_some() { 1.0 } else { 0.0 });
     Ok(wal::spawn(wal::WalReader { pg, first, signals, token, status: status_tx, cfg: cfg.clone(), wanted }))
 }
 
@@ -299,9 +307,9 @@ async fn start_notifier(
     token: CancellationToken,
     status_tx: watch::Sender<ListenerStatus>,
 ) -> Result<Option<JoinHandle<()>>> {
-    metrics::gauge!(crate::metrics::LISTEN_ENABLED).set(if cfg.listen { 1.0 } else { 0.0 });
+    crate::metrics::gauge!(crate::metrics::LISTEN_ENABLED).set(if cfg.listen { 1.0 } else { 0.0 });
     if !cfg.listen {
-        metrics::gauge!(crate::metrics::NOTIFICATIONS_WORKING).set(0.0);
+        crate::metrics::gauge!(crate::metrics::NOTIFICATIONS_WORKING).set(0.0);
         tracing::info!(sweep_interval = ?cfg.sweep_interval, "LISTEN disabled: sweep-only mode");
         return Ok(None);
     }
@@ -314,7 +322,7 @@ async fn start_notifier(
     let first = notifier::listen(&listener_pg, &cfg.session(), wake, probe_tx.clone()).await?;
     crate::store::notify(work, NOTIFY_CHANNEL, &probe).await?;
     let came_back = tokio::time::timeout(PROBE_TIMEOUT, probe_rx.wait_for(String::is_empty)).await.is_ok();
-    metrics::gauge!(crate::metrics::NOTIFICATIONS_WORKING).set(if came_back { 1.0 } else { 0.0 });
+    crate::metrics::gauge!(crate::metrics::NOTIFICATIONS_WORKING).set(if came_back { 1.0 } else { 0.0 });
     status_tx.send_modify(|s| s.notifications_work = Some(came_back));
     if came_back {
         tracing::info!(channel = NOTIFY_CHANNEL, "notifications work: LISTEN connection receives them");
@@ -328,5 +336,5 @@ async fn start_notifier(
     }
     let cfg = cfg.clone();
     let n = notifier::Notifier { pg: listener_pg, first, signals, probe: probe_tx, token, status: status_tx, cfg };
-    Ok(Some(tokio::spawn(notifier::run(n))))
+    Ok(Some(crate::metrics::spawn(notifier::run(n))))
 }

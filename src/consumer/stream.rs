@@ -100,6 +100,8 @@ pub struct EventStream {
     /// the relay).
     #[cfg_attr(not(feature = "relay"), allow(dead_code))]
     order: OrderFacts,
+    /// The named subscription it reads (`None`: the default one).
+    subscription: Option<Arc<str>>,
 }
 
 /// How the consumer keeps per-aggregate order: what
@@ -135,12 +137,13 @@ pub(super) struct StreamParts {
     pub(super) health: HealthMonitor,
     pub(super) grace: Duration,
     pub(super) order: OrderFacts,
+    pub(super) subscription: Option<Arc<str>>,
 }
 
 impl EventStream {
     /// The stream over a started consumer's parts.
     pub(super) fn new(p: StreamParts) -> Self {
-        let StreamParts { rx, shared, token, tasks, status, health, grace, order } = p;
+        let StreamParts { rx, shared, token, tasks, status, health, grace, order, subscription } = p;
         let cancelled = Box::pin(token.clone().cancelled_owned());
         EventStream {
             rx,
@@ -155,7 +158,15 @@ impl EventStream {
             waiting: None,
             lease_changed: None,
             order,
+            subscription,
         }
+    }
+
+    /// The named subscription this stream reads (`None`: the default
+    /// one), for the label of the relay's metrics.
+    #[cfg_attr(not(feature = "relay"), allow(dead_code))]
+    pub(crate) fn subscription(&self) -> Option<Arc<str>> {
+        self.subscription.clone()
     }
 
     /// Whether this stream keeps what exactly-once delivery rests on: each

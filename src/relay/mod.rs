@@ -225,7 +225,18 @@ where
 /// taken those events, which are then delivered again later (at-least-once);
 /// buffered events stay unpublished for the next relay. For a clean stop,
 /// resolve `shutdown` instead.
-pub async fn run_with<S, F>(
+pub async fn run_with<S, F>(stream: EventStream, sink: &S, options: &DeliveryOptions, shutdown: F) -> Result<RelayStats>
+where
+    S: Sink + ?Sized,
+    F: Future<Output = ()>,
+{
+    let subscription = stream.subscription();
+    crate::metrics::for_subscription(subscription, run_labelled(stream, sink, options, shutdown)).await
+}
+
+/// [`run_with`], run with the stream's subscription label on the metrics
+/// the relay and its sink record ([`crate::metrics::for_subscription`]).
+async fn run_labelled<S, F>(
     mut stream: EventStream,
     sink: &S,
     options: &DeliveryOptions,
@@ -246,9 +257,9 @@ where
     let monitor = stream.health();
     monitor.state().sink_attached();
     sink.guarantee().record();
-    metrics::counter!(m::SINK_REPEATS_REFUSED).increment(0);
+    crate::metrics::counter!(m::SINK_REPEATS_REFUSED).increment(0);
     for proof in m::SINK_PROOFS {
-        metrics::counter!(m::SINK_ACKNOWLEDGED_UNSENT, "proof" => proof).increment(0);
+        crate::metrics::counter!(m::SINK_ACKNOWLEDGED_UNSENT, "proof" => proof).increment(0);
     }
     tokio::pin!(shutdown);
     let max = options.max_in_flight.min(sink.max_in_flight().unwrap_or(usize::MAX));

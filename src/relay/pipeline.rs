@@ -86,7 +86,7 @@ impl Pipeline {
     ) -> Option<Delivery> {
         let ended = Instant::now();
         self.starts.remove(&(at, delivery.id));
-        metrics::histogram!(m::SINK_DURATION).record((ended - at).as_secs_f64());
+        crate::metrics::histogram!(m::SINK_DURATION).record((ended - at).as_secs_f64());
         let health = self.monitor.state();
         let lane = delivery.aggregate_id;
         let e = match result {
@@ -164,7 +164,7 @@ impl Pipeline {
     /// Publish the in-flight figures: health's oldest send, the gauge.
     pub(super) fn report(&self, in_flight: usize) {
         self.monitor.state().deliveries_in_flight(self.starts.first().map(|(at, _)| *at));
-        metrics::gauge!(m::SINK_IN_FLIGHT).set(in_flight as f64);
+        crate::metrics::gauge!(m::SINK_IN_FLIGHT).set(in_flight as f64);
     }
 
     /// Release every delivery parked behind a send in flight.

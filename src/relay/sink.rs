@@ -68,7 +68,7 @@ impl Guarantee {
     /// metrics before that may do it sooner.
     pub fn record(self) {
         for g in [Guarantee::AtLeastOnce, Guarantee::ExactlyOnce] {
-            metrics::gauge!(crate::metrics::SINK_GUARANTEE, "guarantee" => g.as_str()).set(if g == self {
+            crate::metrics::gauge!(crate::metrics::SINK_GUARANTEE, "guarantee" => g.as_str()).set(if g == self {
                 1.0
             } else {
                 0.0
@@ -347,8 +347,8 @@ pub(crate) async fn deliver<S: Sink + ?Sized>(
     let sent = if sink.bounded() { tokio::time::timeout(options.timeout, send).await } else { Ok(send.await) };
     match sent {
         Ok(Ok(Sent::Held(proof))) => {
-            metrics::counter!(crate::metrics::SINK_ACKNOWLEDGED_UNSENT, "proof" => proof.as_str()).increment(1);
-            metrics::counter!(crate::metrics::SINK_REPEATS_REFUSED).increment(1);
+            crate::metrics::counter!(crate::metrics::SINK_ACKNOWLEDGED_UNSENT, "proof" => proof.as_str()).increment(1);
+            crate::metrics::counter!(crate::metrics::SINK_REPEATS_REFUSED).increment(1);
             Ok(Sent::Held(proof))
         }
         Ok(Ok(sent)) => Ok(sent),

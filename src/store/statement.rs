@@ -153,7 +153,7 @@ pub(crate) fn record_timeout(
     e: &tokio_postgres::Error,
     retry_in: Option<Duration>,
 ) {
-    metrics::counter!(m::STATEMENT_TIMEOUTS, "statement" => kind.label()).increment(1);
+    crate::metrics::counter!(m::STATEMENT_TIMEOUTS, "statement" => kind.label()).increment(1);
     let error = crate::error::report(e);
     match retry_in {
         Some(delay) => tracing::warn!(statement = kind.label(), timeout = ?timeout, retry_in = ?delay, error = %error,

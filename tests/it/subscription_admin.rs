@@ -436,6 +436,17 @@ async fn discarding_a_default_dead_letter_a_subscription_still_needs_deletes_not
     let want = format!("nothing discarded: 1 of the dead letters picked ({})", more[0]);
     assert!(out.stderr.contains(&want) && out.stderr.lines().count() == 1, "{out:?}");
     assert_eq!(outbox_ids(&c).await, more, "nothing deleted");
+    // An expired subscription (its operator opted in to expiry, and it fell
+    // behind) is waited for no more: audit expired below the event, billing
+    // passed it.
+    c.execute("UPDATE events.outbox_subscriptions SET cursor_id = $1 WHERE name = 'billing'", &[&more[0]])
+        .await
+        .expect("billing past it");
+    c.execute("UPDATE events.outbox_subscriptions SET state = 'expired' WHERE name = 'audit'", &[])
+        .await
+        .expect("audit expired");
+    assert_eq!(dead_letters::discard(&c, &Filter::all()).await.expect("audit expired"), more);
+    assert!(outbox_ids(&c).await.is_empty());
 }
 
 /// Published events, old enough for retention.

@@ -554,3 +554,83 @@ async fn a_subscription_that_opted_in_expires_once_behind_and_only_a_rewind_brin
     assert!(db.cli(&["subscription", "resume", "audit"]).run().await.ok());
     default.stop().await;
 }
+
+/// The process's Prometheus recorder, installed once (the library records
+/// through the `metrics` facade; nothing else in this test binary installs
+/// one).
+fn prometheus() -> &'static metrics_exporter_prometheus::PrometheusHandle {
+    static HANDLE: std::sync::OnceLock<metrics_exporter_prometheus::PrometheusHandle> = std::sync::OnceLock::new();
+    HANDLE.get_or_init(|| {
+        let recorder = metrics_exporter_prometheus::PrometheusBuilder::new().build_recorder();
+        let handle = recorder.handle();
+        metrics::set_global_recorder(recorder).expect("the test process's recorder");
+        handle
+    })
+}
+
+/// A sink that takes every event.
+struct Accept;
+
+impl pg_outbox::relay::Sink for Accept {
+    fn name(&self) -> &str {
+        "accept"
+    }
+
+    fn send<'a>(
+        &'a self,
+        _: &'a pg_outbox::relay::Message,
+        _: &'a pg_outbox::Event,
+    ) -> pg_outbox::relay::SendFuture<'a> {
+        Box::pin(async { Ok(pg_outbox::relay::Sent::Delivered) })
+    }
+}
+
+/// In one process, a library consumer of a named subscription and
+/// `relay::run` on it label what they record `subscription="NAME"`; the
+/// default subscription's consumer beside them records without the label.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_named_subscriptions_metrics_carry_its_label_in_one_process_with_the_default() {
+    let handle = prometheus();
+    let db = TestDb::new("sub_metrics").await;
+    let c = db.client().await;
+    create(&c, "metrics-label").await;
+    let ids = insert_seed_events(&c, Uuid::new_v4(), 6).await;
+    let stream = start(&db, |b| b.subscription("metrics-label")).await;
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let relay = tokio::spawn(async move {
+        let stop = async move {
+            let _ = stop_rx.await;
+        };
+        pg_outbox::relay::run(stream, &Accept, stop).await
+    });
+    let mut default = start(&db, |b| b).await;
+    let seen = ack_all(&mut default, ids.len()).await;
+    assert_eq!(seen, ids);
+    let published = |text: &str, label: &str| -> Option<f64> {
+        text.lines()
+            .find(|l| l.starts_with(pg_outbox::metrics::EVENTS_PUBLISHED) && l.contains(label))
+            .and_then(|l| l.rsplit(' ').next())
+            .and_then(|v| v.parse().ok())
+    };
+    eventually(15, "the subscription's relay's acknowledgements counted under its label", || async {
+        published(&handle.render(), "subscription=\"metrics-label\"") == Some(6.0)
+    })
+    .await;
+    let _ = stop_tx.send(());
+    let stats = relay.await.expect("join").expect("relay");
+    assert_eq!(stats.delivered, 6);
+    default.finish().await.expect("finish");
+    let text = handle.render();
+    for name in [pg_outbox::metrics::SINK_DURATION, pg_outbox::metrics::EVENTS_FETCHED] {
+        assert!(
+            text.lines().any(|l| l.starts_with(name) && l.contains("subscription=\"metrics-label\"")),
+            "{name} with the subscription's label:\n{text}"
+        );
+    }
+    // The default's acknowledgements: a series without the label (other
+    // tests in this process add to it too).
+    assert!(
+        text.lines().any(|l| l.starts_with(pg_outbox::metrics::EVENTS_PUBLISHED) && !l.contains("subscription=")),
+        "{text}"
+    );
+}

@@ -315,7 +315,7 @@ impl Ownership {
                 p.terms.clear();
             }
         }
-        metrics::gauge!(m::PARTITIONS_OWNED).set(0.0);
+        crate::metrics::gauge!(m::PARTITIONS_OWNED).set(0.0);
     }
 
     /// Lead now or no more; `ended`: the term the taking of the lock ended
@@ -353,8 +353,8 @@ impl Ownership {
         if !now {
             *term = None;
         }
-        metrics::gauge!(m::LEADER).set(if now { 1.0 } else { 0.0 });
-        metrics::gauge!(m::LEADER_TERM).set(term.filter(|_| now).map_or(0, Term::get) as f64);
+        crate::metrics::gauge!(m::LEADER).set(if now { 1.0 } else { 0.0 });
+        crate::metrics::gauge!(m::LEADER_TERM).set(term.filter(|_| now).map_or(0, Term::get) as f64);
         *leader = now;
     }
 
@@ -450,7 +450,7 @@ impl Ownership {
             self.set_leader(true, taken.previous_term);
             return Ok(true);
         }
-        metrics::gauge!(m::LEADER).set(0.0);
+        crate::metrics::gauge!(m::LEADER).set(0.0);
         let Ownership::Single { standby_logged, lock_at, watch, .. } = self else { return Ok(false) };
         if !*standby_logged {
             *standby_logged = true;
@@ -509,7 +509,7 @@ impl Partitions {
             return Ok(false);
         }
         tracing::info!(signal = "partitions", role = "partitioned", owned = ?self.owned, members, "partitions rebalanced");
-        metrics::gauge!(m::PARTITIONS_OWNED).set(self.owned.len() as f64);
+        crate::metrics::gauge!(m::PARTITIONS_OWNED).set(self.owned.len() as f64);
         Ok(self.owned.len() > before)
     }
 

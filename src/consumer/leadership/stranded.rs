@@ -94,7 +94,7 @@ impl Watch {
         self.suspect = None;
         self.refused = None;
         if self.reported.take().is_some() {
-            metrics::gauge!(m::LEADER_STRANDED).set(0.0);
+            crate::metrics::gauge!(m::LEADER_STRANDED).set(0.0);
         }
     }
 
@@ -147,7 +147,7 @@ impl Watch {
     fn clear(&mut self) {
         self.suspect = None;
         if let Some(was) = self.reported.take() {
-            metrics::gauge!(m::LEADER_STRANDED).set(0.0);
+            crate::metrics::gauge!(m::LEADER_STRANDED).set(0.0);
             tracing::warn!(
                 role = "standby",
                 pid = was.pid,
@@ -158,7 +158,7 @@ impl Watch {
 
     fn report(&mut self, h: &Holder) {
         let was = self.reported.replace(h.id);
-        metrics::gauge!(m::LEADER_STRANDED).set(1.0);
+        crate::metrics::gauge!(m::LEADER_STRANDED).set(1.0);
         let idle = h.state_secs.map_or("unknown".to_string(), |s| format!("{s:.0}s"));
         let heartbeat = h.heartbeat_age.map_or("none".to_string(), |s| format!("{s:.0}s old"));
         let what = if was.is_some() { "now another stranded session holds" } else { "a stranded session holds" };

@@ -80,12 +80,12 @@ impl Fetch for ClaimFetch {
 
     async fn session_opened(&mut self, _cx: Cx<'_>) -> Result<(), StatementError> {
         self.in_tx = false;
-        metrics::gauge!(m::PARTITIONS_OWNED).set(0.0);
+        crate::metrics::gauge!(m::PARTITIONS_OWNED).set(0.0);
         Ok(())
     }
 
     fn session_lost(&mut self) {
         self.in_tx = false;
-        metrics::gauge!(m::PARTITIONS_OWNED).set(0.0);
+        crate::metrics::gauge!(m::PARTITIONS_OWNED).set(0.0);
     }
 }

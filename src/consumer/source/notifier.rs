@@ -61,7 +61,7 @@ pub(crate) async fn listen(
     probe: watch::Sender<String>,
 ) -> Result<Listening> {
     let (client, mut connection, _canceller, deferred) = connect::open(pg, "pg-outbox listener", settings).await?;
-    let driver = tokio::spawn(async move {
+    let driver = crate::metrics::spawn(async move {
         let mut messages = futures::stream::poll_fn(move |cx| connection.poll_message(cx));
         while let Some(msg) = messages.next().await {
             match msg? {
@@ -79,7 +79,7 @@ pub(crate) async fn listen(
                             ours
                         });
                     } else {
-                        metrics::counter!(m::NOTIFICATIONS).increment(1);
+                        crate::metrics::counter!(m::NOTIFICATIONS).increment(1);
                         wake.notify_one();
                     }
                 }
@@ -172,13 +172,13 @@ pub(crate) async fn run(n: Notifier) {
     loop {
         if let Some(listening) = current.take() {
             status.send_modify(|s| (s.listening, s.reconnects, s.standing_by) = (true, reconnects, false));
-            metrics::gauge!(m::LISTENER_UP).set(1.0);
+            crate::metrics::gauge!(m::LISTENER_UP).set(1.0);
             let Some(reason) = watch_connection(listening, cfg.ping_interval, &token).await else {
-                metrics::gauge!(m::LISTENER_UP).set(0.0);
+                crate::metrics::gauge!(m::LISTENER_UP).set(0.0);
                 status.send_modify(|s| (s.listening, s.reconnects, s.standing_by) = (false, reconnects, false));
                 return;
             };
-            metrics::gauge!(m::LISTENER_UP).set(0.0);
+            crate::metrics::gauge!(m::LISTENER_UP).set(0.0);
             status.send_modify(|s| (s.listening, s.reconnects, s.standing_by) = (false, reconnects, false));
             tracing::warn!(reason = %reason, "LISTEN connection lost; reconnecting (a sweep follows)");
             backoff = new_backoff();
@@ -192,7 +192,7 @@ pub(crate) async fn run(n: Notifier) {
             Ok(l) => {
                 on_standby = false;
                 reconnects += 1;
-                metrics::counter!(m::LISTENER_RECONNECTS).increment(1);
+                crate::metrics::counter!(m::LISTENER_RECONNECTS).increment(1);
                 tracing::info!(signal = "listen_resumed", reconnects, "LISTEN connection re-established; sweeping");
                 current = Some(l);
                 // LISTEN is in place: now sweep for what was committed while down.

@@ -130,7 +130,7 @@ impl<K: WakeKind> Wakeups<K> {
             self.policy.wake(Wake::Recheck);
         }
         if self.sweep_at <= now {
-            metrics::counter!(m::SWEEPS).increment(1);
+            crate::metrics::counter!(m::SWEEPS).increment(1);
             self.policy.sweep_due();
             self.sweep_at = Instant::now() + jittered(self.sweep_interval);
         }
@@ -178,7 +178,7 @@ impl<K: WakeKind> Wakeups<K> {
         looked?;
         if let Some(waiting) = next.set_waiting {
             cx.work.set_waiting(waiting, cx.stop()).await?;
-            metrics::gauge!(m::WAITING_FOR_NOTIFICATIONS).set(if waiting { 1.0 } else { 0.0 });
+            crate::metrics::gauge!(m::WAITING_FOR_NOTIFICATIONS).set(if waiting { 1.0 } else { 0.0 });
             self.policy.registered(waiting);
         }
         if next.read_retry {

@@ -285,7 +285,7 @@ enum Ended {
 
 /// Spawn the stream reader.
 pub(crate) fn spawn(r: WalReader) -> JoinHandle<()> {
-    tokio::spawn(run(r))
+    crate::metrics::spawn(run(r))
 }
 
 /// Read the stream until cancelled: wake the drain loop after each commit
@@ -336,10 +336,10 @@ async fn run(r: WalReader) {
                     tracing::info!(slot = %slot, "replication stream opened on taking the lead; sweeping");
                 } else {
                     reconnects += 1;
-                    metrics::counter!(m::LISTENER_RECONNECTS).increment(1);
+                    crate::metrics::counter!(m::LISTENER_RECONNECTS).increment(1);
                     tracing::info!(signal = "replication_resumed", reconnects, slot = %slot, "replication connection re-established; sweeping");
                 }
-                metrics::gauge!(m::NOTIFICATIONS_WORKING).set(1.0);
+                crate::metrics::gauge!(m::NOTIFICATIONS_WORKING).set(1.0);
                 current = Some(Streaming { client, slot });
                 // The slot is in place: now sweep for what committed before.
                 signals.reconnected.notify_one();
@@ -360,9 +360,9 @@ async fn stream(
     reconnects: u64,
 ) -> bool {
     status.send_replace(ListenerStatus { listening: true, reconnects, standing_by: false, notifications_work: None });
-    metrics::gauge!(m::LISTENER_UP).set(1.0);
+    crate::metrics::gauge!(m::LISTENER_UP).set(1.0);
     let ended = read(streaming, signals, token, wanted).await;
-    metrics::gauge!(m::LISTENER_UP).set(0.0);
+    crate::metrics::gauge!(m::LISTENER_UP).set(0.0);
     let standing_by = matches!(ended, Ended::StandingBy);
     status.send_replace(ListenerStatus { listening: false, reconnects, standing_by, notifications_work: None });
     match ended {
@@ -430,7 +430,7 @@ async fn read(
             }
             Ok(Some(ReplicationEvent::Commit { end_lsn, .. })) => {
                 if std::mem::take(&mut inserts) {
-                    metrics::counter!(m::NOTIFICATIONS).increment(1);
+                    crate::metrics::counter!(m::NOTIFICATIONS).increment(1);
                     signals.notification.notify_one();
                 }
                 client.update_applied_lsn(end_lsn);

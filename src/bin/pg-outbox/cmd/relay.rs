@@ -98,7 +98,8 @@ pub(crate) struct RelayArgs {
     /// `published_at` and the retry columns on the row). Another one keeps
     /// its own progress, retries and dead letters, and its own leader:
     /// create it first with `pg-outbox subscription create NAME`. Single
-    /// mode only. Its metrics carry the label `subscription="NAME"`.
+    /// or partitioned mode. Its metrics carry the label
+    /// `subscription="NAME"`.
     #[arg(long, value_name = "NAME", default_value = "default")]
     subscription: String,
     /// How several relays share one outbox: `single` (one active, others
