@@ -214,11 +214,12 @@ pub(crate) const CREATE: &str = "INSERT INTO events.outbox_subscriptions (name, 
 /// by name (byte order): the highest id (one descent, an init plan), the lag (a walk of
 /// `outbox_pkey` from the cursor past the ids settled above it), and its
 /// failures counted over its first $2 rows by primary key.
-pub(crate) const LIST: &str = "SELECT s.name, s.state, s.created_at, s.start_id, s.cursor_id, s.moved_at, \
+pub(crate) const LIST: &str = concat!(
+    "SELECT s.name, s.state, s.created_at, s.start_id, s.cursor_id, s.moved_at, \
        greatest(coalesce((SELECT o.id FROM events.outbox o ORDER BY o.id DESC LIMIT 1), s.cursor_id) - s.cursor_id \
-                - (SELECT count(*) FROM unnest(s.settled) x WHERE x > s.cursor_id), 0)::int8 AS backlog_upper_bound, \
-       (SELECT EXTRACT(EPOCH FROM (now() - o.occurred_at))::float8 FROM events.outbox o \
-         WHERE o.id > s.cursor_id AND o.id <> ALL (s.settled) ORDER BY o.id LIMIT 1) AS lag_seconds, \
+                - (SELECT count(*) FROM unnest(s.settled) x WHERE x > s.cursor_id), 0)::int8 AS backlog_upper_bound, ",
+    super::subscription_lag::lag_of_s!(),
+    " AS lag_seconds, \
        (s.options ->> 'max_lag_seconds')::float8 AS max_lag_seconds, \
        coalesce((s.options ->> 'expire')::boolean, false) AS expires, \
        f.failing, f.dead_letters, f.held, f.walked \
@@ -231,7 +232,8 @@ pub(crate) const LIST: &str = "SELECT s.name, s.state, s.created_at, s.start_id,
        FROM (SELECT x.retry_count, x.next_retry_at FROM events.outbox_subscription_failures x \
              WHERE x.subscription = s.name ORDER BY x.id LIMIT $2) w) f \
      WHERE ($1::text IS NULL OR s.name = $1) \
-     ORDER BY s.name COLLATE \"C\"";
+     ORDER BY s.name COLLATE \"C\""
+);
 
 /// Whether `events.outbox_subscriptions` exists (`present`): a schema
 /// before migration 0016 has none.

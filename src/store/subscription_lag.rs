@@ -22,17 +22,38 @@ pub(crate) const SET_MAX_LAG: &str = "UPDATE events.outbox_subscriptions \
                         ELSE options || jsonb_build_object('max_lag_seconds', $2::float8, 'expire', $3::boolean) END \
      WHERE name = $1 RETURNING name";
 
+/// The lag of subscription row `s`: seconds from `occurred_at` to now of
+/// the lowest event above its cursor that it has not settled (NULL when it
+/// has caught up). That event is among the first `cardinality(settled) + 1`
+/// rows above the cursor (at most that many of them are settled), so one
+/// walk of `outbox_pkey` of that many entries, and a hashed `EXCEPT` of the
+/// settled ids: linear in them. (Filtering the walk with `id <> ALL
+/// (settled)` was quadratic: 3.2 s with 20 000 ids settled above the
+/// cursor, against 33 ms this way.)
+macro_rules! lag_of_s {
+    () => {
+        "(SELECT EXTRACT(EPOCH FROM (now() - o.occurred_at))::float8 FROM events.outbox o WHERE o.id = ( \
+           SELECT min(d.id) FROM ( \
+             (SELECT o.id FROM events.outbox o WHERE o.id > s.cursor_id ORDER BY o.id \
+               LIMIT cardinality(s.settled) + 1) \
+             EXCEPT SELECT unnest(s.settled)) d))"
+    };
+}
+pub(crate) use lag_of_s;
+
 /// Mark subscription $1 expired, if it still may and must: its expiry
 /// opted in (`options` key `expire`), not expired yet, and its lag (as in
 /// [`LAGS`], read again under the row's lock) past its bound. Returns its
 /// `lag` and `max_lag` (seconds) when it expired it, nothing otherwise.
-pub(crate) const EXPIRE: &str = "WITH s AS (SELECT name, cursor_id, settled, options FROM events.outbox_subscriptions \
+pub(crate) const EXPIRE: &str = concat!(
+    "WITH s AS (SELECT name, cursor_id, settled, options FROM events.outbox_subscriptions \
        WHERE name = $1 AND state <> 'expired' AND coalesce((options ->> 'expire')::boolean, false) FOR UPDATE), \
-     l AS (SELECT s.name, (s.options ->> 'max_lag_seconds')::float8 AS max_lag, \
-       (SELECT EXTRACT(EPOCH FROM (now() - o.occurred_at))::float8 FROM events.outbox o \
-         WHERE o.id > s.cursor_id AND o.id <> ALL (s.settled) ORDER BY o.id LIMIT 1) AS lag FROM s) \
+     l AS (SELECT s.name, (s.options ->> 'max_lag_seconds')::float8 AS max_lag, ",
+    lag_of_s!(),
+    " AS lag FROM s) \
      UPDATE events.outbox_subscriptions u SET state = 'expired' FROM l \
-     WHERE u.name = l.name AND l.lag > l.max_lag RETURNING l.lag, l.max_lag";
+     WHERE u.name = l.name AND l.lag > l.max_lag RETURNING l.lag, l.max_lag"
+);
 
 /// Every subscription's lag against its bound, by name, at most 1 000 of
 /// them: `name`, `max_lag` (seconds, NULL without a bound) and `lag`:
@@ -40,13 +61,14 @@ pub(crate) const EXPIRE: &str = "WITH s AS (SELECT name, cursor_id, settled, opt
 /// that it has not settled (as `subscription list` shows it; NULL when it
 /// has caught up); its `state`, and `expire`: whether it expires past its
 /// bound. One descent of `outbox_pkey` per subscription, walking
-/// at most its few ids settled above the cursor, whatever the table's
-/// size.
-pub(crate) const LAGS: &str = "SELECT s.name, s.state, (s.options ->> 'max_lag_seconds')::float8 AS max_lag, \
-       coalesce((s.options ->> 'expire')::boolean, false) AS expire, \
-       (SELECT EXTRACT(EPOCH FROM (now() - o.occurred_at))::float8 FROM events.outbox o \
-         WHERE o.id > s.cursor_id AND o.id <> ALL (s.settled) ORDER BY o.id LIMIT 1) AS lag \
-     FROM events.outbox_subscriptions s ORDER BY s.name COLLATE \"C\" LIMIT 1000";
+/// at most as many entries as it has ids settled above the cursor, whatever
+/// the table's size ([`lag_of_s!`]).
+pub(crate) const LAGS: &str = concat!(
+    "SELECT s.name, s.state, (s.options ->> 'max_lag_seconds')::float8 AS max_lag, \
+       coalesce((s.options ->> 'expire')::boolean, false) AS expire, ",
+    lag_of_s!(),
+    " AS lag FROM events.outbox_subscriptions s ORDER BY s.name COLLATE \"C\" LIMIT 1000"
+);
 
 /// One subscription's lag against its bound ([`LAGS`]).
 #[derive(Debug, Clone, PartialEq)]
