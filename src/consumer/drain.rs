@@ -117,7 +117,12 @@ pub(crate) async fn run<K: WakeKind, F: Fetch>(
         sessions: Sessions::new(first, cfg.reconnect_max_delay),
         inflight: InFlight::new(shared.clone(), cfg.batch_size, cfg.max_buffered_bytes),
         completer: Completer::new(&cfg, done_tx),
-        maintenance: Maintenance::new(cfg.heartbeat_interval().min(STATUS_INTERVAL), STATUS_INTERVAL, cfg.leads()),
+        maintenance: Maintenance::new(
+            cfg.heartbeat_interval().min(STATUS_INTERVAL),
+            STATUS_INTERVAL,
+            cfg.leads(),
+            cfg.delivery_configuration(),
+        ),
         wakeups,
         fetch,
         status_due: Instant::now(),
@@ -453,7 +458,14 @@ impl<K: WakeKind, F: Fetch> Engine<K, F> {
         self.check(r);
         if self.maintenance.own_expired() && self.fatal.is_none() {
             let name = self.cfg.reader.subscription().unwrap_or_default().to_string();
-            self.end_with(SubscriptionError::Expired(name));
+            self.end_with(SubscriptionError::Expired(name).into());
+        }
+        if let Some(conflict) = self.maintenance.conflict()
+            && self.fatal.is_none()
+        {
+            tracing::error!(signal = "configuration_conflict", "{conflict}; this relay started last, so it stops");
+            let e = crate::Error::Config(format!("{conflict}; this relay started last, so it stops"));
+            self.end_with(e);
         }
     }
 
@@ -607,14 +619,15 @@ impl<K: WakeKind, F: Fetch> Engine<K, F> {
             "subscription {name:?} was dropped (pg-outbox subscription drop): stopping; its events stay in \
              events.outbox, and nothing more is delivered or settled for it"
         );
-        self.end_with(SubscriptionError::Unknown(name.to_string()));
+        self.end_with(SubscriptionError::Unknown(name.to_string()).into());
     }
 
     /// End the consumer with `e` (its subscription was dropped or
-    /// expired): stop, and return `e` once stopped.
-    fn end_with(&mut self, e: SubscriptionError) {
+    /// expired, or an older relay runs another configuration): stop, and
+    /// return `e` once stopped.
+    fn end_with(&mut self, e: crate::Error) {
         self.health.error(e.to_string());
-        self.fatal = Some(e.into());
+        self.fatal = Some(e);
         self.token.cancel();
     }
 

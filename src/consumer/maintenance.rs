@@ -60,6 +60,13 @@ pub(super) struct Maintenance {
     /// This consumer's own subscription was found expired: the drain loop
     /// stops ([`Maintenance::own_expired`]).
     own_expired: bool,
+    /// How this consumer delivers (`single`, `partitioned N`,
+    /// `competing`), checked again at each gauges' turn against the other
+    /// relays' ([`Self::conflict`]).
+    configuration: String,
+    /// Another configuration among the relays, held by an older session:
+    /// the drain loop stops with it.
+    conflict: Option<String>,
 }
 
 /// A best-effort read that failed: a statement timeout is recorded and cuts
@@ -113,8 +120,15 @@ impl Maintenance {
     /// and whose gauges are read every `gauges_every` at most; with
     /// `keep_alive`, the work session is never left idle for longer than
     /// [`KEEPALIVE_AFTER`] and a turn of [`Self::every`].
-    pub(super) fn new(heartbeat_every: Duration, gauges_every: Duration, keep_alive: bool) -> Self {
+    pub(super) fn new(
+        heartbeat_every: Duration,
+        gauges_every: Duration,
+        keep_alive: bool,
+        configuration: String,
+    ) -> Self {
         Maintenance {
+            configuration,
+            conflict: None,
             gauges_due: None,
             gauges_every,
             heartbeat_due: Instant::now(),
@@ -158,6 +172,10 @@ impl Maintenance {
         }
         self.read_gauges(work, tick, stop()).await?;
         self.read_lags(work, &stop).await?;
+        match work.configuration_conflict(&self.configuration, stop()).await {
+            Ok(conflict) => self.conflict = conflict,
+            Err(e) => timed_out_or_tolerated(work, e, "check the relays' configurations")?,
+        }
         let usage = work.notification_queue_usage(stop()).await.map(|usage| {
             if let Some(usage) = usage {
                 crate::metrics::gauge!(m::NOTIFICATION_QUEUE_USAGE).set(usage);
@@ -241,6 +259,15 @@ impl Maintenance {
             }
         }
         Ok(())
+    }
+
+    /// Another delivery configuration among the relays of its outbox or
+    /// subscription, held by a session older than this one's (two relays
+    /// started together, or one reconnected beside a relay started
+    /// meanwhile, both passed the check at start): the message this one,
+    /// the younger, stops with, so that one configuration goes on.
+    pub(super) fn conflict(&self) -> Option<&str> {
+        self.conflict.as_deref()
     }
 
     /// Whether this consumer's own subscription expired (read at the

@@ -205,11 +205,7 @@ impl Starter {
 /// [`Error::Config`] naming what to change; [`Error::Db`] when the
 /// catalog cannot be read.
 async fn check_leadership(cfg: &ConsumerConfig, work: &tokio_postgres::Client) -> Result<()> {
-    let mine = match cfg.mode {
-        Mode::Single => "single".to_string(),
-        Mode::Partitioned { partitions } => format!("partitioned {partitions}"),
-        Mode::Competing => "competing".to_string(),
-    };
+    let mine = cfg.delivery_configuration();
     if cfg.mode != Mode::Competing {
         crate::store::leader::check_term_privileges(work).await?;
     }

@@ -224,18 +224,22 @@ pub(crate) async fn check_term_privileges<C: GenericClient + Sync>(client: &C) -
 
 /// The delivery configurations other sessions of this database hold,
 /// read from their advisory locks (`store::locks`): one row per lock,
-/// `pid` and `config`: `single` (the leader lock, $1), `partitioned` (a
+/// `pid`, `config`: `single` (the leader lock, $1), `partitioned` (a
 /// membership lock, class $2), or `partitioned N` (the lock of partition P,
 /// class $3, whose holder took the term of scope `$4P/N`, $4 being
-/// `partition:` or a subscription's `subscription:NAME:partition:`). A
-/// single-mode standby holds no lock and is not seen.
+/// `partition:` or a subscription's `subscription:NAME:partition:`), and
+/// `older`: whether that session started before this one (backend start,
+/// then pid). A single-mode standby holds no lock and is not seen.
 const OTHER_CONFIGS: &str = "SELECT l.pid, CASE \
        WHEN l.objsubid = 1 THEN 'single' \
        WHEN l.classid = ($2::int4)::bigint::oid THEN 'partitioned' \
        ELSE coalesce((SELECT 'partitioned ' || split_part(t.scope, '/', 2) FROM events.outbox_terms t \
          WHERE t.holder_pid = l.pid AND starts_with(t.scope, $4::text || l.objid::text || '/') LIMIT 1), \
          'partitioned') \
-       END AS config \
+       END AS config, \
+       coalesce((SELECT (a.backend_start, a.pid) < (me.backend_start, me.pid) \
+         FROM pg_catalog.pg_stat_activity a, pg_catalog.pg_stat_activity me \
+         WHERE a.pid = l.pid AND me.pid = pg_backend_pid()), true) AS older \
      FROM pg_catalog.pg_locks l \
      WHERE l.locktype = 'advisory' AND l.granted AND l.pid IS NOT NULL AND l.pid <> pg_backend_pid() \
        AND l.database = (SELECT oid FROM pg_catalog.pg_database WHERE datname = current_database()) \
@@ -260,34 +264,79 @@ pub(crate) async fn check_configuration<C: GenericClient + Sync>(
     reader: &super::subscription::Reader,
     mine: &str,
 ) -> Result<()> {
+    match configuration_conflict(client, reader, mine, false).await? {
+        Some(e) => Err(crate::error::Error::Config(e)),
+        None => Ok(()),
+    }
+}
+
+/// Another configuration than `mine` among the relays of `reader`'s
+/// outbox or subscription ([`check_configuration`]), as the message to
+/// stop with; with `only_older`, only one held by a session that started
+/// before this one (relays that started together, or one that reconnected
+/// beside another started meanwhile, passed the check at start: the
+/// younger of two yields, so that one of them goes on).
+///
+/// # Errors
+/// [`crate::Error::Db`] when `pg_locks` cannot be read (or the schema is
+/// missing: [`crate::Error::NotMigrated`]).
+pub(crate) async fn configuration_conflict<C: GenericClient + Sync>(
+    client: &C,
+    reader: &super::subscription::Reader,
+    mine: &str,
+    only_older: bool,
+) -> Result<Option<String>> {
+    let rows = other_configurations(client, reader).await.map_err(super::map_missing_schema)?;
+    Ok(conflict_among(&rows, reader, mine, only_older)?)
+}
+
+/// The rows of [`OTHER_CONFIGS`] for `reader`'s locks.
+pub(crate) async fn other_configurations<C: GenericClient + Sync>(
+    client: &C,
+    reader: &super::subscription::Reader,
+) -> std::result::Result<Vec<tokio_postgres::Row>, tokio_postgres::Error> {
     let (leader, member, partition) = (reader.leader_key(), reader.member_class(), reader.partition_class());
     let prefix = reader.partition_scope_prefix();
-    let rows = client
-        .query(OTHER_CONFIGS, &[&leader, &member, &partition, &prefix])
-        .await
-        .map_err(super::map_missing_schema)?;
+    client.query(OTHER_CONFIGS, &[&leader, &member, &partition, &prefix]).await
+}
+
+/// The first of `rows` ([`OTHER_CONFIGS`]) whose configuration differs
+/// from `mine` (with `only_older`, held by an older session), as the
+/// message to refuse or stop with ([`configuration_conflict`]).
+pub(crate) fn conflict_among(
+    rows: &[tokio_postgres::Row],
+    reader: &super::subscription::Reader,
+    mine: &str,
+    only_older: bool,
+) -> std::result::Result<Option<String>, tokio_postgres::Error> {
     let what = match reader.subscription() {
         Some(name) => format!("subscription {name:?}"),
         None => "this outbox".to_string(),
     };
     for row in rows {
-        let (pid, other): (i32, String) = (row.try_get("pid")?, row.try_get("config")?);
+        let (pid, other, older): (i32, String, bool) =
+            (row.try_get("pid")?, row.try_get("config")?, row.try_get("older")?);
         let differs = match (mine, other.as_str()) {
             (m, o) if m == o => false,
             // A member that holds no partition yet: its count is unknown.
             (m, "partitioned") => !m.starts_with("partitioned "),
             _ => true,
         };
-        if differs {
-            return Err(crate::error::Error::Config(format!(
+        if differs && (older || !only_older) {
+            let twice = if reader.subscription().is_some() {
+                "a single-mode relay beside partitioned ones delivers every event twice"
+            } else {
+                "a single-mode relay beside partitioned ones, or a competing one beside either, delivers every event twice"
+            };
+            return Ok(Some(format!(
                 "another relay delivers {what} as {other} (backend pid {pid}), and this one is configured as \
-                 {mine}: one outbox (and each subscription) runs one delivery configuration (a single-mode relay beside partitioned ones, \
-                 or a competing one beside either, delivers every event twice; different --partitions take the same partitions under other terms); \
-                 start this one with the same --mode and --partitions, or stop the others first"
+                 {mine}: one outbox (and each subscription) runs one delivery configuration ({twice}; different \
+                 --partitions leave events no relay reads and deliver others twice); start this one with the same \
+                 --mode and --partitions, or stop the others first"
             )));
         }
     }
-    Ok(())
+    Ok(None)
 }
 
 /// A partition of partitioned mode and the session holding its lock, as

@@ -503,6 +503,22 @@ impl WorkSession {
         &self.reader
     }
 
+    /// Another delivery configuration than `mine` among its outbox's (or
+    /// subscription's) relays, held by a session older than this one
+    /// ([`super::leader::configuration_conflict`]): the message to stop
+    /// with.
+    pub(crate) async fn configuration_conflict(
+        &self,
+        mine: &str,
+        stop: impl Future<Output = ()>,
+    ) -> Result<Option<String>, StatementError> {
+        let read = async {
+            let rows = super::leader::other_configurations(self.client.as_ref(), &self.reader).await?;
+            super::leader::conflict_among(&rows, &self.reader, mine, true)
+        };
+        self.run(StatementKind::Gauges, stop, read).await
+    }
+
     /// Every subscription's lag against its bound
     /// ([`super::subscription_lag::LAGS`]), for the alert.
     pub(crate) async fn subscription_lags(

@@ -222,3 +222,94 @@ async fn a_partition_holding_the_cursor_stops_the_others_at_the_window() {
     .await;
     stream.finish().await.expect("finish");
 }
+
+/// Two readers of one subscription that passed the check at start with
+/// different configurations: a partitioned one whose sessions were cut (its
+/// role locked out meanwhile) and a single-mode one started while it was
+/// away. Once the first reconnects, the younger sessions' reader (the one
+/// that came back) stops within a gauges' turn, naming the other, and the
+/// older delivers on: one configuration, said out loud, rather than events
+/// delivered twice or left to no reader.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reader_that_comes_back_beside_another_configuration_stops_and_the_other_goes_on() {
+    let db = TestDb::new("sub_conflict").await;
+    let c = db.client().await;
+    c.execute("INSERT INTO events.outbox_subscriptions (name, start_id, cursor_id) VALUES ('audit', 0, 0)", &[])
+        .await
+        .expect("create");
+    let role = format!("pgo_conflict_{}", std::process::id());
+    c.batch_execute(&format!(
+        "DROP ROLE IF EXISTS {role}; CREATE ROLE {role} LOGIN; GRANT USAGE ON SCHEMA events TO {role}; \
+         GRANT ALL ON ALL TABLES IN SCHEMA events TO {role}; GRANT ALL ON ALL SEQUENCES IN SCHEMA events TO {role}"
+    ))
+    .await
+    .expect("role");
+    let mut cfg = db.pg.clone();
+    cfg.user(&role);
+    let mut away = pg_outbox::Consumer::builder(crate::support::options_of(&cfg))
+        .subscription("audit")
+        .mode(Mode::Partitioned { partitions: 4 })
+        .reconnect_max_delay(Duration::from_secs(1))
+        .start()
+        .await
+        .expect("the partitioned reader");
+    let held = || async {
+        c.query_one(
+            "SELECT count(*) FROM events.outbox_terms t JOIN pg_stat_activity a ON a.pid = t.holder_pid \
+             WHERE t.scope LIKE 'subscription:audit:partition:%' AND NOT t.released AND a.usename = $1",
+            &[&role],
+        )
+        .await
+        .expect("held")
+        .get::<_, i64>(0)
+    };
+    eventually(10, "the partitioned reader holds its partitions", || async { held().await == 4 }).await;
+    c.batch_execute(&format!(
+        "ALTER ROLE {role} NOLOGIN; SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = '{role}'"
+    ))
+    .await
+    .expect("cut off");
+    eventually(10, "its sessions gone", || async {
+        let n: i64 = c
+            .query_one("SELECT count(*) FROM pg_stat_activity WHERE usename = $1", &[&role])
+            .await
+            .expect("sessions")
+            .get(0);
+        n == 0
+    })
+    .await;
+    let mut single = start(&db, |b| b.subscription("audit")).await;
+    c.batch_execute(&format!("ALTER ROLE {role} LOGIN")).await.expect("back");
+    eventually(15, "the partitioned reader back on its partitions", || async { held().await > 0 }).await;
+    // The one that came back is the younger: it stops.
+    let ended = tokio::time::timeout(Duration::from_secs(20), async {
+        while let Some(d) = away.next().await {
+            d.release();
+        }
+    })
+    .await;
+    assert!(ended.is_ok(), "the reader that came back beside another configuration did not stop");
+    let e = away.finish().await.expect_err("it stops with the conflict").to_string();
+    assert!(
+        e.contains("subscription \"audit\" as single") && e.contains("partitioned 4") && e.contains("started last"),
+        "{e}"
+    );
+    // The other delivers on, every event.
+    let ids = insert_seed_events(&c, Uuid::new_v4(), 20).await;
+    let mut seen = Vec::new();
+    while seen.len() < ids.len() {
+        let d = next(&mut single, 20).await;
+        if !seen.contains(&d.id) {
+            seen.push(d.id);
+        }
+        d.ack();
+    }
+    assert_eq!(seen, ids);
+    single.finish().await.expect("finish");
+    c.batch_execute(&format!(
+        "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = '{role}'; \
+         DROP OWNED BY {role}; DROP ROLE {role}"
+    ))
+    .await
+    .expect("drop the role");
+}
