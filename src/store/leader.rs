@@ -229,7 +229,11 @@ pub(crate) async fn check_term_privileges<C: GenericClient + Sync>(client: &C) -
 /// class $3, whose holder took the term of scope `$4P/N`, $4 being
 /// `partition:` or a subscription's `subscription:NAME:partition:`), and
 /// `older`: whether that session started before this one (backend start,
-/// then pid). A single-mode standby holds no lock and is not seen.
+/// then pid). Another role's session shows no backend start in
+/// `pg_stat_activity` without `pg_read_all_stats`; then the start it
+/// recorded with its term (`holder_started`) stands in, and `older` is NULL
+/// when it recorded none. A single-mode standby holds no lock and is not
+/// seen.
 const OTHER_CONFIGS: &str = "SELECT l.pid, CASE \
        WHEN l.objsubid = 1 THEN 'single' \
        WHEN l.classid = ($2::int4)::bigint::oid THEN 'partitioned' \
@@ -237,9 +241,10 @@ const OTHER_CONFIGS: &str = "SELECT l.pid, CASE \
          WHERE t.holder_pid = l.pid AND starts_with(t.scope, $4::text || l.objid::text || '/') LIMIT 1), \
          'partitioned') \
        END AS config, \
-       coalesce((SELECT (a.backend_start, a.pid) < (me.backend_start, me.pid) \
-         FROM pg_catalog.pg_stat_activity a, pg_catalog.pg_stat_activity me \
-         WHERE a.pid = l.pid AND me.pid = pg_backend_pid()), true) AS older \
+       (coalesce((SELECT a.backend_start FROM pg_catalog.pg_stat_activity a WHERE a.pid = l.pid), \
+                 (SELECT max(t.holder_started) FROM events.outbox_terms t WHERE t.holder_pid = l.pid)), l.pid) \
+         < ((SELECT me.backend_start FROM pg_catalog.pg_stat_activity me WHERE me.pid = pg_backend_pid()), \
+            pg_backend_pid()) AS older \
      FROM pg_catalog.pg_locks l \
      WHERE l.locktype = 'advisory' AND l.granted AND l.pid IS NOT NULL AND l.pid <> pg_backend_pid() \
        AND l.database = (SELECT oid FROM pg_catalog.pg_database WHERE datname = current_database()) \
@@ -314,7 +319,7 @@ pub(crate) fn conflict_among(
         None => "this outbox".to_string(),
     };
     for row in rows {
-        let (pid, other, older): (i32, String, bool) =
+        let (pid, other, older): (i32, String, Option<bool>) =
             (row.try_get("pid")?, row.try_get("config")?, row.try_get("older")?);
         let differs = match (mine, other.as_str()) {
             (m, o) if m == o => false,
@@ -322,7 +327,9 @@ pub(crate) fn conflict_among(
             (m, "partitioned") => !m.starts_with("partitioned "),
             _ => true,
         };
-        if differs && (older || !only_older) {
+        // Of unknown age (another role's session that took no term): it
+        // may be the younger, which stops; this one goes on.
+        if differs && (older == Some(true) || !only_older) {
             let twice = if reader.subscription().is_some() {
                 "a single-mode relay beside partitioned ones delivers every event twice"
             } else {
