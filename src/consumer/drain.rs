@@ -578,8 +578,11 @@ impl<K: WakeKind, F: Fetch> Engine<K, F> {
     /// claims went with them: another consumer may deliver what is buffered
     /// here, so none of it is handed out.
     fn lose(&mut self, loss: Loss) {
-        self.gone(&loss);
-        let delay = match self.describe_loss(loss) {
+        // A dropped subscription ends the consumer: not a database error,
+        // and nothing to reconnect for.
+        let ended = self.gone(&loss);
+        let described = if ended { None } else { self.describe_loss(loss) };
+        let delay = match described {
             Some((error, delay)) => {
                 crate::metrics::counter!(m::DATABASE_ERRORS).increment(1);
                 self.health.error(error);
@@ -607,11 +610,12 @@ impl<K: WakeKind, F: Fetch> Engine<K, F> {
     /// so nothing it fetches can be settled. Stop (what is handed out is
     /// released with the sessions) and end with
     /// [`SubscriptionError::Unknown`], instead of reconnecting for ever.
-    fn gone(&mut self, loss: &Loss) {
-        let Some(name) = self.cfg.reader.subscription() else { return };
-        let Loss::Statement(StatementError { failure: Failure::Db(e), .. }) = loss else { return };
+    /// Returns whether it did.
+    fn gone(&mut self, loss: &Loss) -> bool {
+        let Some(name) = self.cfg.reader.subscription() else { return false };
+        let Loss::Statement(StatementError { failure: Failure::Db(e), .. }) = loss else { return false };
         if self.fatal.is_some() || e.code() != Some(&tokio_postgres::error::SqlState::NO_DATA_FOUND) {
-            return;
+            return false;
         }
         tracing::error!(
             subscription = name,
@@ -620,6 +624,7 @@ impl<K: WakeKind, F: Fetch> Engine<K, F> {
              events.outbox, and nothing more is delivered or settled for it"
         );
         self.end_with(SubscriptionError::Unknown(name.to_string()).into());
+        true
     }
 
     /// End the consumer with `e` (its subscription was dropped or
