@@ -464,7 +464,7 @@ impl<K: WakeKind, F: Fetch> Engine<K, F> {
             && self.fatal.is_none()
         {
             tracing::error!(signal = "configuration_conflict", "{conflict}; this relay started last, so it stops");
-            let e = crate::Error::Config(format!("{conflict}; this relay started last, so it stops"));
+            let e = crate::error::Error::Config(format!("{conflict}; this relay started last, so it stops"));
             self.end_with(e);
         }
     }
@@ -630,7 +630,7 @@ impl<K: WakeKind, F: Fetch> Engine<K, F> {
     /// End the consumer with `e` (its subscription was dropped or
     /// expired, or an older relay runs another configuration): stop, and
     /// return `e` once stopped.
-    fn end_with(&mut self, e: crate::Error) {
+    fn end_with(&mut self, e: crate::error::Error) {
         self.health.error(e.to_string());
         self.fatal = Some(e);
         self.token.cancel();

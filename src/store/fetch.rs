@@ -501,19 +501,10 @@ pub(crate) fn subscription_fetch_sql(partitioned: bool, sizes: PayloadSizes) -> 
            UNION ALL \
            (SELECT * FROM heads) \
            UNION ALL \
-           (SELECT {failed_cols} FROM ( \
-              SELECT f.id, f.retry_count, f.last_error FROM heads h CROSS JOIN LATERAL ( \
-                SELECT f.*, bool_and(f.released) OVER (ORDER BY f.id) AS run FROM ( \
-                  SELECT b.id, b.retry_count, b.last_error, \
-                         b.retry_count = 0 AND b.next_retry_at <= now() AND b.id <> ALL ($1::bigint[]) AS released \
-                    FROM events.outbox_subscription_failures b \
-                   WHERE b.subscription = $4::text AND b.aggregate_type = h.aggregate_type \
-                     AND b.aggregate_id = h.aggregate_id AND b.id > h.id \
-                   ORDER BY b.id LIMIT {SUBSCRIPTION_FOLLOWERS}) f) f \
-               WHERE f.run ORDER BY f.id LIMIT $2) f \
-              JOIN events.outbox o ON o.id = f.id) \
+           (SELECT {failed_cols} FROM ({released}) f JOIN events.outbox o ON o.id = f.id) \
          ) o ORDER BY o.id LIMIT $2",
         held = subscription_held_by!("<="),
+        released = released_behind_heads(),
     );
     let cols = format!("{EVENT_COLUMNS}, failure_row, {term_cols}");
     format!(
@@ -522,6 +513,27 @@ pub(crate) fn subscription_fetch_sql(partitioned: bool, sizes: PayloadSizes) -> 
            FROM events.outbox_subscriptions s WHERE s.name = $4::text), \
          heads AS MATERIALIZED ({heads}) {}",
         within_budget(&cols, &candidates, "$3", sizes)
+    )
+}
+
+/// Behind each of the `heads` of a named subscription's fetch (failure
+/// rows due, the first of their aggregate), the failure rows of its
+/// aggregate that follow it and are released (`retry_count` 0, due, not in
+/// flight: $1), in id order up to the first that is not, at most
+/// [`SUBSCRIPTION_FOLLOWERS`] each and $2 in all, lowest ids first: `id`,
+/// `retry_count`, `last_error`.
+fn released_behind_heads() -> String {
+    format!(
+        "SELECT f.id, f.retry_count, f.last_error FROM heads h \
+         CROSS JOIN LATERAL ( \
+           SELECT f.*, bool_and(f.released) OVER (ORDER BY f.id) AS run FROM ( \
+             SELECT b.id, b.retry_count, b.last_error, \
+                    b.retry_count = 0 AND b.next_retry_at <= now() AND b.id <> ALL ($1::bigint[]) AS released \
+               FROM events.outbox_subscription_failures b \
+              WHERE b.subscription = $4::text AND b.aggregate_type = h.aggregate_type \
+                AND b.aggregate_id = h.aggregate_id AND b.id > h.id \
+              ORDER BY b.id LIMIT {SUBSCRIPTION_FOLLOWERS}) f) f \
+         WHERE f.run ORDER BY f.id LIMIT $2"
     )
 }
 

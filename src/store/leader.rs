@@ -76,9 +76,7 @@ pub(crate) const TERMINATE_STRANDED: &str = concat!(
     ") h WHERE h.pid = $3 AND h.backend_start IS NOT DISTINCT FROM $4 AND NOT h.beating AND NOT h.busy"
 );
 
-/// The scope of single mode's term in `events.outbox_terms` (migration
-/// 0013): the whole outbox.
-pub(crate) const OUTBOX_SCOPE: &str = "outbox";
+pub(crate) use super::subscription::OUTBOX_SCOPE;
 
 /// The scope of partitioned mode's term for partition `p` of `partitions`
 /// in `events.outbox_terms`: `partition:P/N` (a consumer configured with
@@ -232,8 +230,9 @@ pub(crate) async fn check_term_privileges<C: GenericClient + Sync>(client: &C) -
 /// then pid). Another role's session shows no backend start in
 /// `pg_stat_activity` without `pg_read_all_stats`; then the start it
 /// recorded with its term (`holder_started`) stands in, and `older` is NULL
-/// when it recorded none. A single-mode standby holds no lock and is not
-/// seen.
+/// when it recorded none; and `relay_pid`, `relay_host`: which relay
+/// process it belongs to, as it registered (migration 0015; NULL when it
+/// did not). A single-mode standby holds no lock and is not seen.
 const OTHER_CONFIGS: &str = "SELECT l.pid, CASE \
        WHEN l.objsubid = 1 THEN 'single' \
        WHEN l.classid = ($2::int4)::bigint::oid THEN 'partitioned' \
@@ -244,7 +243,9 @@ const OTHER_CONFIGS: &str = "SELECT l.pid, CASE \
        (coalesce((SELECT a.backend_start FROM pg_catalog.pg_stat_activity a WHERE a.pid = l.pid), \
                  (SELECT max(t.holder_started) FROM events.outbox_terms t WHERE t.holder_pid = l.pid)), l.pid) \
          < ((SELECT me.backend_start FROM pg_catalog.pg_stat_activity me WHERE me.pid = pg_backend_pid()), \
-            pg_backend_pid()) AS older \
+            pg_backend_pid()) AS older, \
+       (SELECT r.relay_pid FROM events.outbox_relays r WHERE r.pid = l.pid) AS relay_pid, \
+       (SELECT r.relay_host FROM events.outbox_relays r WHERE r.pid = l.pid) AS relay_host \
      FROM pg_catalog.pg_locks l \
      WHERE l.locktype = 'advisory' AND l.granted AND l.pid IS NOT NULL AND l.pid <> pg_backend_pid() \
        AND l.database = (SELECT oid FROM pg_catalog.pg_database WHERE datname = current_database()) \
@@ -321,6 +322,12 @@ pub(crate) fn conflict_among(
     for row in rows {
         let (pid, other, older): (i32, String, Option<bool>) =
             (row.try_get("pid")?, row.try_get("config")?, row.try_get("older")?);
+        let relay = match (row.try_get::<_, Option<i32>>("relay_pid")?, row.try_get::<_, Option<String>>("relay_host")?)
+        {
+            (Some(p), Some(h)) => format!(", relay process {p} on {h}"),
+            (Some(p), None) => format!(", relay process {p}"),
+            _ => String::new(),
+        };
         let differs = match (mine, other.as_str()) {
             (m, o) if m == o => false,
             // A member that holds no partition yet: its count is unknown.
@@ -336,7 +343,7 @@ pub(crate) fn conflict_among(
                 "a single-mode relay beside partitioned ones, or a competing one beside either, delivers every event twice"
             };
             return Ok(Some(format!(
-                "another relay delivers {what} as {other} (backend pid {pid}), and this one is configured as \
+                "another relay delivers {what} as {other} (backend pid {pid}{relay}), and this one is configured as \
                  {mine}: one outbox (and each subscription) runs one delivery configuration ({twice}; different \
                  --partitions leave events no relay reads and deliver others twice); start this one with the same \
                  --mode and --partitions, or stop the others first"

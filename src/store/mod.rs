@@ -85,6 +85,7 @@ mod work;
 mod writer;
 
 pub(crate) use backlog::{STATUS_EXACT_ROWS, STATUS_SAMPLE_IDS};
+pub(crate) use fetch::SUBSCRIPTION_WINDOW;
 #[cfg(feature = "kit")]
 pub use fetch::fetch_query;
 #[cfg(feature = "kit")]

@@ -13,6 +13,10 @@ use tokio_postgres::GenericClient;
 use super::locks::{LEADER_KEY, MEMBER_CLASS, PARTITION_CLASS};
 use crate::error::{Error, Result};
 
+/// The scope of single mode's term in `events.outbox_terms` (migration
+/// 0013): the whole outbox, the default subscription's.
+pub(crate) const OUTBOX_SCOPE: &str = "outbox";
+
 /// Whose events a consumer reads.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub(crate) enum Reader {
@@ -52,7 +56,7 @@ impl Reader {
     /// for the default subscription, `subscription:NAME` for a named one.
     pub(crate) fn leader_scope(&self) -> String {
         match self {
-            Reader::Default => super::leader::OUTBOX_SCOPE.to_string(),
+            Reader::Default => OUTBOX_SCOPE.to_string(),
             Reader::Subscription(name) => format!("subscription:{name}"),
         }
     }
@@ -118,9 +122,12 @@ pub(crate) fn checkpoint_sql() -> String {
 
 /// Move subscription $1's cursor with the checkpoint $3, $4 (`int8`), as
 /// an acknowledgement of the events $2 (none: `'{}'`) does
-/// ([`super::work::WorkSession::advance_idle`]).
-pub(crate) const ADVANCE_IDLE: &str =
-    "SELECT 1 FROM events.outbox_subscription_ack($1::text, $2::bigint[], true, $3::int8, $4::int8)";
+/// ([`super::work::WorkSession::advance_idle`]). One row: `cursor_id`, the
+/// cursor before the move (the statement's snapshot), NULL when the
+/// subscription is gone (the acknowledgement then fails with P0002).
+pub(crate) const ADVANCE_IDLE: &str = "SELECT (SELECT count(*) \
+       FROM events.outbox_subscription_ack($1::text, $2::bigint[], true, $3::int8, $4::int8)) AS moved, \
+     (SELECT s.cursor_id FROM events.outbox_subscriptions s WHERE s.name = $1::text) AS cursor_id";
 
 /// What a named subscription's consumer needs of the database: the
 /// subscription exists, and ids follow transaction ids (the insert trigger
@@ -217,7 +224,7 @@ mod tests {
         let audit = Reader::Subscription("audit".into());
         assert_eq!(Reader::Default.partition_class(), PARTITION_CLASS);
         assert_eq!(Reader::Default.member_class(), MEMBER_CLASS);
-        assert!(super::super::leader::partition_scope(3, 8).starts_with(&Reader::Default.partition_scope_prefix()));
+        assert_eq!(Reader::Default.partition_scope_prefix(), "partition:", "the default's scopes, partition:P/N");
         assert_eq!(audit.partition_scope_prefix(), "subscription:audit:partition:");
         let (p, m) = (audit.partition_class(), audit.member_class());
         assert_eq!(p >> 28, 0x6, "{p:#x}");

@@ -292,17 +292,22 @@ impl WorkSession {
     /// acknowledgement of no events that records it and passes the earlier
     /// ones (migration 0016, `events.outbox_subscription_advance`: safe
     /// from any session at any time, as it passes only settled, failed or
-    /// held-back events). Nothing for the default subscription.
-    pub(crate) async fn advance_idle(&self, stop: impl Future<Output = ()>) -> Result<(), StatementError> {
-        let Some(name) = self.reader.subscription() else { return Ok(()) };
+    /// held-back events). Nothing for the default subscription. Returns,
+    /// for a named one, how far the highest id stands above its cursor as
+    /// that checkpoint and the cursor before the move read them (`None`
+    /// where ids do not follow transaction ids).
+    pub(crate) async fn advance_idle(&self, stop: impl Future<Output = ()>) -> Result<Option<i64>, StatementError> {
+        let Some(name) = self.reader.subscription() else { return Ok(None) };
         let advance = async {
             let row = self.client.query_one(&super::subscription::checkpoint_sql(), &[]).await?;
             let (top, next): (Option<i64>, Option<i64>) = (row.try_get("top")?, row.try_get("next_xid")?);
             let none: Vec<i64> = Vec::new();
             let params: [&(dyn ToSql + Sync); 4] = [&name, &none, &top, &next];
-            self.client.execute(super::subscription::ADVANCE_IDLE, &params).await
+            let row = self.client.query_one(super::subscription::ADVANCE_IDLE, &params).await?;
+            let cursor: Option<i64> = row.try_get("cursor_id")?;
+            Ok(top.zip(cursor).map(|(top, cursor)| top - cursor))
         };
-        self.run(StatementKind::Fetch, stop, advance).await.map(drop)
+        self.run(StatementKind::Fetch, stop, advance).await
     }
 
     /// Commit the claim transaction, running to its end (or the timeout).

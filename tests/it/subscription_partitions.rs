@@ -144,16 +144,64 @@ async fn partitioned_readers_of_a_subscription_share_it_in_order_and_take_over_a
     assert_eq!(unpublished, committed.len() as i64);
 }
 
+/// The log signals this process's consumers emit (field `signal`), with
+/// their subscription, as `(signal, subscription)`: a global subscriber
+/// installed once, at warn (nothing else in this test binary installs one).
+fn signals() -> Seen {
+    static SEEN: std::sync::OnceLock<Seen> = std::sync::OnceLock::new();
+    SEEN.get_or_init(|| {
+        let seen: Seen = Arc::default();
+        let writer = {
+            let seen = seen.clone();
+            move || Line(seen.clone(), Vec::new())
+        };
+        let subscriber =
+            tracing_subscriber::fmt().json().with_max_level(tracing::Level::WARN).with_writer(writer).finish();
+        tracing::subscriber::set_global_default(subscriber).expect("the test process's subscriber");
+        seen
+    })
+    .clone()
+}
+
+/// One JSON log line, parsed for its `signal` and `subscription` once
+/// written out.
+struct Line(Seen, Vec<u8>);
+
+/// `(signal, subscription)` of each log line that had both.
+type Seen = Arc<Mutex<Vec<(String, String)>>>;
+
+impl std::io::Write for Line {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.1.extend_from_slice(buf);
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+impl Drop for Line {
+    fn drop(&mut self) {
+        let Ok(v) = serde_json::from_slice::<serde_json::Value>(&self.1) else { return };
+        let field = |k: &str| v["fields"][k].as_str().map(str::to_string);
+        if let (Some(signal), Some(sub)) = (field("signal"), field("subscription")) {
+            self.0.lock().expect("signals").push((signal, sub));
+        }
+    }
+}
+
 /// A partition whose event stays in flight holds the shared cursor; the
-/// other partitions read on up to the window above it, then wait, so the
-/// ids settled above the cursor stay bounded; once the event is settled,
-/// the rest flows.
+/// other partitions read on up to the window above it, then wait (log
+/// signal `subscription_window`), so the ids settled above the cursor stay
+/// bounded; once the event is settled, the rest flows.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_partition_holding_the_cursor_stops_the_others_at_the_window() {
     const WINDOW: i64 = 20_000;
+    let signals = signals();
     let db = TestDb::new("sub_window").await;
     let c = db.client().await;
-    c.execute("INSERT INTO events.outbox_subscriptions (name, start_id, cursor_id) VALUES ('audit', 0, 0)", &[])
+    c.execute("INSERT INTO events.outbox_subscriptions (name, start_id, cursor_id) VALUES ('window-check', 0, 0)", &[])
         .await
         .expect("create");
     let held_agg = Uuid::new_v4();
@@ -170,16 +218,16 @@ async fn a_partition_holding_the_cursor_stops_the_others_at_the_window() {
     .expect("backlog");
     let top: i64 = c.query_one("SELECT max(id) FROM events.outbox", &[]).await.expect("top").get(0);
     let mut stream =
-        start(&db, |b| b.subscription("audit").mode(Mode::Partitioned { partitions: 2 }).batch_size(500)).await;
+        start(&db, |b| b.subscription("window-check").mode(Mode::Partitioned { partitions: 2 }).batch_size(500)).await;
     let first = next(&mut stream, 20).await;
     assert_eq!(first.id, held_ids[0]);
-    let mut seen: HashSet<i64> = HashSet::from([first.id]);
+    let mut seen_ids: HashSet<i64> = HashSet::from([first.id]);
     let mut highest = 0;
     loop {
         match tokio::time::timeout(Duration::from_secs(3), stream.next()).await {
             Ok(Some(d)) => {
                 highest = highest.max(d.id);
-                assert!(seen.insert(d.id), "event {} delivered twice", d.id);
+                assert!(seen_ids.insert(d.id), "event {} delivered twice", d.id);
                 assert_ne!(d.aggregate_id, held_agg, "its aggregate waits for the event in flight");
                 d.ack();
             }
@@ -190,14 +238,21 @@ async fn a_partition_holding_the_cursor_stops_the_others_at_the_window() {
     let (cursor, settled): (i64, i32) = {
         let row = c
             .query_one(
-                "SELECT cursor_id, cardinality(settled) FROM events.outbox_subscriptions WHERE name = 'audit'",
+                "SELECT cursor_id, cardinality(settled) FROM events.outbox_subscriptions WHERE name = 'window-check'",
                 &[],
             )
             .await
             .expect("cursor");
         (row.get(0), row.get(1))
     };
-    let n = seen.len() - 1;
+    eventually(10, "the signal subscription_window", || {
+        let signals = signals.clone();
+        async move {
+            signals.lock().expect("signals").iter().any(|(s, n)| s == "subscription_window" && n == "window-check")
+        }
+    })
+    .await;
+    let n = seen_ids.len() - 1;
     eprintln!("window: cursor {cursor}, highest read {highest} ({n} events), {settled} settled above the cursor");
     assert!(cursor < held_ids[0], "the event in flight holds the cursor ({cursor})");
     assert!(highest <= cursor + WINDOW, "read {highest}, past the window above cursor {cursor}");
@@ -206,14 +261,14 @@ async fn a_partition_holding_the_cursor_stops_the_others_at_the_window() {
     assert!(n > 1_000, "the other partitions read on while the cursor was held ({n} events)");
     // Settled now: the cursor moves and the rest follows, each once.
     first.ack();
-    while seen.len() < 25_001 {
+    while seen_ids.len() < 25_001 {
         let d = next(&mut stream, 20).await;
-        assert!(seen.insert(d.id), "event {} delivered twice", d.id);
+        assert!(seen_ids.insert(d.id), "event {} delivered twice", d.id);
         d.ack();
     }
     eventually(15, "the cursor at the backlog's end", || async {
         let cur: i64 = c
-            .query_one("SELECT cursor_id FROM events.outbox_subscriptions WHERE name = 'audit'", &[])
+            .query_one("SELECT cursor_id FROM events.outbox_subscriptions WHERE name = 'window-check'", &[])
             .await
             .expect("cursor")
             .get(0);

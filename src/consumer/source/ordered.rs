@@ -13,7 +13,7 @@ use crate::consumer::ConsumerConfig;
 use crate::consumer::completer::Written;
 use crate::consumer::leadership::Ownership;
 use crate::store::statement::StatementError;
-use crate::store::{FetchKind, FetchPage, FetchParams, FetchedRow};
+use crate::store::{FetchKind, FetchPage, FetchParams, FetchedRow, SUBSCRIPTION_WINDOW};
 
 /// Single or partitioned mode's fetch.
 #[derive(Debug)]
@@ -30,6 +30,9 @@ pub(crate) struct OrderedFetch {
     /// When a named subscription's cursor was last moved after a fetch
     /// that found nothing ([`crate::store::WorkSession::advance_idle`]).
     advanced_idle: Option<Instant>,
+    /// A partitioned named subscription's fetches find nothing while
+    /// events wait past the window above its cursor (said once).
+    waiting_at_window: bool,
 }
 
 /// How often an idle named subscription's cursor is moved at most: each
@@ -48,6 +51,7 @@ impl OrderedFetch {
             read_partitions: None,
             retries: HashSet::new(),
             advanced_idle: None,
+            waiting_at_window: false,
         }
     }
 }
@@ -85,7 +89,10 @@ impl Fetch for OrderedFetch {
         let now = Instant::now();
         if page.rows.is_empty() && self.advanced_idle.is_none_or(|t| now >= t + ADVANCE_IDLE_EVERY) {
             self.advanced_idle = Some(now);
-            cx.work.advance_idle(cx.stop()).await?;
+            let ahead = cx.work.advance_idle(cx.stop()).await?;
+            if self.ownership.is_partitioned() {
+                self.at_window(ahead, cx.work.reader().subscription());
+            }
         }
         Ok(page)
     }
@@ -135,6 +142,33 @@ impl Fetch for OrderedFetch {
         self.floor.reset();
         self.retries.clear();
         self.ownership.session_lost();
+    }
+}
+
+impl OrderedFetch {
+    /// A partitioned named subscription's fetch found nothing while the
+    /// highest id stands `ahead` ids above its cursor: past the window
+    /// ([`SUBSCRIPTION_WINDOW`]), its partitions wait for the cursor
+    /// (docs/subscriptions.md, "Delivering a subscription"). Said once
+    /// when it starts waiting (signal `subscription_window`), and once when
+    /// it reads on.
+    fn at_window(&mut self, ahead: Option<i64>, subscription: Option<&str>) {
+        let Some(name) = subscription else { return };
+        let waiting = ahead.is_some_and(|a| a > SUBSCRIPTION_WINDOW);
+        if waiting && !self.waiting_at_window {
+            tracing::warn!(
+                subscription = name,
+                ahead,
+                window = SUBSCRIPTION_WINDOW,
+                signal = "subscription_window",
+                "subscription {name:?}: its partitioned readers wait {SUBSCRIPTION_WINDOW} ids above its cursor, \
+                 which an event not yet settled below holds (one in flight on a slow or frozen relay, or a write \
+                 transaction still open in this database); they read on once the cursor moves"
+            );
+        } else if !waiting && self.waiting_at_window {
+            tracing::info!(subscription = name, "subscription {name:?}: its cursor moved; reading on past the window");
+        }
+        self.waiting_at_window = waiting;
     }
 }
 

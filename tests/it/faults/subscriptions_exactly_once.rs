@@ -104,7 +104,19 @@ async fn term(c: &Client, scope: &str) -> Option<i64> {
 
 /// Repeats the relay whose metrics are at `addr` had the broker refuse
 /// (`outbox_sink_repeats_refused_total`; 0 before the first).
+/// The repeats the relay at `addr` had refused, from a scrape that shows
+/// each series once. (A relay of a named subscription once exported a
+/// metric under two keys with the same labels, the library's labelled one
+/// and the one set to 0 at start; the exporter showed the 0, and this
+/// count read 0 while repeats were refused: `check_kills` caught it.)
 async fn repeats_refused(addr: &str) -> usize {
+    if let Some(body) = crate::stranded::scrape(addr).await {
+        let mut series = HashSet::new();
+        for line in body.lines().filter(|l| !l.starts_with('#') && !l.is_empty()) {
+            let name = line.rsplit_once(' ').map_or(line, |(n, _)| n);
+            assert!(series.insert(name.to_string()), "series {name} shown twice:\n{body}");
+        }
+    }
     metric(addr, pg_outbox::metrics::SINK_REPEATS_REFUSED).await.map_or(0, |v| v as usize)
 }
 
