@@ -649,19 +649,6 @@ impl ConsumerBuilder {
     }
 }
 
-impl ConsumerConfig {
-    /// How it delivers, as the relays' configuration check names it
-    /// (`crate::store::leader::check_configuration`): `single`,
-    /// `partitioned N` or `competing`.
-    pub(crate) fn delivery_configuration(&self) -> String {
-        match self.mode {
-            Mode::Single => "single".to_string(),
-            Mode::Partitioned { partitions } => format!("partitioned {partitions}"),
-            Mode::Competing => "competing".to_string(),
-        }
-    }
-}
-
 /// A named subscription's name is one, and it is read in single or
 /// partitioned mode (competing mode's claims are row locks on
 /// `events.outbox`, which belong to the default subscription).

@@ -197,6 +197,19 @@ impl Starter {
     }
 }
 
+impl ConsumerConfig {
+    /// How it delivers, as the relays' configuration check names it
+    /// (`crate::store::leader::check_configuration`): `single`,
+    /// `partitioned N` or `competing`.
+    pub(crate) fn delivery_configuration(&self) -> String {
+        match self.mode {
+            Mode::Single => "single".to_string(),
+            Mode::Partitioned { partitions } => format!("partitioned {partitions}"),
+            Mode::Competing => "competing".to_string(),
+        }
+    }
+}
+
 /// No relay of another configuration delivers this outbox (a competing
 /// relay beside a single or partitioned one delivers every event twice);
 /// in single and partitioned mode, the role may take terms.
