@@ -13,9 +13,9 @@ use crate::consumer::{ack_next, start};
 use crate::support::{TestDb, insert_seed_events};
 
 /// (consumer index, id, aggregate) in the order each consumer received them.
-type Log = Arc<Mutex<Vec<(usize, i64, Uuid)>>>;
+pub(crate) type Log = Arc<Mutex<Vec<(usize, i64, Uuid)>>>;
 
-fn spawn_reader(mut stream: EventStream, idx: usize, log: Log) -> tokio::task::JoinHandle<()> {
+pub(crate) fn spawn_reader(mut stream: EventStream, idx: usize, log: Log) -> tokio::task::JoinHandle<()> {
     tokio::spawn(async move {
         while let Some(d) = stream.next().await {
             log.lock().expect("log").push((idx, d.id, d.aggregate_id));

@@ -9,25 +9,14 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use futures::StreamExt;
-use pg_outbox::{EventStream, Mode};
+use pg_outbox::Mode;
 use tokio_postgres::Client;
 use uuid::Uuid;
 
 use crate::consumer::{next, start};
+use crate::modes::{Log, spawn_reader};
+use crate::subscriptions::create;
 use crate::support::{TestDb, eventually, insert_seed_events};
-
-/// (consumer index, id, aggregate) in the order each consumer received them.
-type Log = Arc<Mutex<Vec<(usize, i64, Uuid)>>>;
-
-fn spawn_reader(mut stream: EventStream, idx: usize, log: Log) -> tokio::task::JoinHandle<()> {
-    tokio::spawn(async move {
-        while let Some(d) = stream.next().await {
-            log.lock().expect("log").push((idx, d.id, d.aggregate_id));
-            d.ack();
-        }
-        stream.finish().await.expect("finish");
-    })
-}
 
 async fn delivered(log: &Log, want: usize, secs: u64, what: &str) {
     let deadline = tokio::time::Instant::now() + Duration::from_secs(secs);
@@ -53,9 +42,7 @@ async fn scopes(c: &Client) -> String {
 async fn partitioned_readers_of_a_subscription_share_it_in_order_and_take_over_a_departed_ones_share() {
     let db = TestDb::new("sub_partitioned").await;
     let c = db.client().await;
-    c.execute("INSERT INTO events.outbox_subscriptions (name, start_id, cursor_id) VALUES ('audit', 0, 0)", &[])
-        .await
-        .expect("create");
+    create(&c, "audit").await;
     let mode = Mode::Partitioned { partitions: 4 };
     let log: Log = Arc::default();
     let mut readers = Vec::new();
@@ -201,9 +188,7 @@ async fn a_partition_holding_the_cursor_stops_the_others_at_the_window() {
     let signals = signals();
     let db = TestDb::new("sub_window").await;
     let c = db.client().await;
-    c.execute("INSERT INTO events.outbox_subscriptions (name, start_id, cursor_id) VALUES ('window-check', 0, 0)", &[])
-        .await
-        .expect("create");
+    create(&c, "window-check").await;
     let held_agg = Uuid::new_v4();
     let held_ids = insert_seed_events(&c, held_agg, 1).await;
     // About 25 000 more, on 500 aggregates, in one statement.
@@ -289,9 +274,7 @@ async fn a_partition_holding_the_cursor_stops_the_others_at_the_window() {
 async fn a_reader_that_comes_back_beside_another_configuration_stops_and_the_other_goes_on() {
     let db = TestDb::new("sub_conflict").await;
     let c = db.client().await;
-    c.execute("INSERT INTO events.outbox_subscriptions (name, start_id, cursor_id) VALUES ('audit', 0, 0)", &[])
-        .await
-        .expect("create");
+    create(&c, "audit").await;
     let role = format!("pgo_conflict_{}", std::process::id());
     c.batch_execute(&format!(
         "DROP ROLE IF EXISTS {role}; CREATE ROLE {role} LOGIN; GRANT USAGE ON SCHEMA events TO {role}; \

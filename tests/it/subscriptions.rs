@@ -16,7 +16,7 @@ use crate::support::{DbCli, TestDb, eventually, insert_seed_events};
 
 /// Create subscription `name` reading from the first event on (as
 /// `subscription create NAME --from earliest` on an empty outbox).
-async fn create(c: &Client, name: &str) {
+pub(crate) async fn create(c: &Client, name: &str) {
     c.execute("INSERT INTO events.outbox_subscriptions (name, start_id, cursor_id) VALUES ($1, 0, 0)", &[&name])
         .await
         .expect("create subscription");
