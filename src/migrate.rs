@@ -70,6 +70,7 @@ pub const MIGRATIONS: &[(&str, &str)] = &[
     ("0015_outbox_relays_identity", include_str!("../migrations/0015_outbox_relays_identity.sql")),
     ("0016_outbox_subscriptions", include_str!("../migrations/0016_outbox_subscriptions.sql")),
     ("0017_outbox_subscription_expiry", include_str!("../migrations/0017_outbox_subscription_expiry.sql")),
+    ("0018_outbox_subscription_held_idx", include_str!("../migrations/0018_outbox_subscription_held_idx.sql")),
 ];
 
 /// Trigger files, applied after the migrations: (name, SQL).

@@ -52,6 +52,11 @@ pub use crate::store::subscription_admin::{Dropped, From, Rewound, Subscription,
 #[cfg(feature = "kit")]
 #[doc(hidden)]
 pub use crate::store::subscription_read_statements as read_statements;
+/// The statements of a subscription's claim in competing mode, and its
+/// claim class, for the plan tests (feature `kit`; not part of the API).
+#[cfg(feature = "kit")]
+#[doc(hidden)]
+pub use crate::store::subscription_claim_statements as claim_statements;
 
 /// The name of the seeded flow's subscription: `default`. It is no row of
 /// `events.outbox_subscriptions`, and no other subscription may take it.

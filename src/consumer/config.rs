@@ -457,15 +457,18 @@ impl ConsumerBuilder {
     /// the default subscription and every other one. It has its own leader
     /// (its own advisory lock and leadership term, scope
     /// `subscription:NAME`), so relays of different subscriptions run side
-    /// by side, each with its own standbys. Single or partitioned mode
-    /// ([`Mode::Partitioned`]: its own partition locks and terms, scope
-    /// `subscription:NAME:partition:P/N`, one cursor shared by the
-    /// partitions, read at most 20 000 ids ahead of it).
+    /// by side, each with its own standbys. Any mode: [`Mode::Partitioned`]
+    /// takes its own partition locks and terms (scope
+    /// `subscription:NAME:partition:P/N`) and its partitions share one
+    /// cursor, read at most 20 000 ids ahead of it; [`Mode::Competing`]
+    /// claims each event with a transaction-level advisory lock of a class
+    /// of the subscription's own (no order, no hold-back; docs/subscriptions.md,
+    /// "Competing mode"), within the same 20 000 ids.
     ///
     /// # Errors
     /// [`ConsumerBuilder::start`] returns [`Error::Config`] when `name` is
     /// not a subscription's name (1 to 63 characters of `a-z`, `0-9`, `_`,
-    /// `.`, `-`; not `default`), when the mode is [`Mode::Competing`], when
+    /// `.`, `-`; not `default`), when
     /// other relays of the subscription run in another mode or partition
     /// count, when
     /// the subscription does not exist, or when ids do not follow
@@ -649,23 +652,15 @@ impl ConsumerBuilder {
     }
 }
 
-/// A named subscription's name is one, and it is read in single or
-/// partitioned mode (competing mode's claims are row locks on
-/// `events.outbox`, which belong to the default subscription).
+/// A named subscription's name is one.
 ///
 /// # Errors
-/// [`Error::Subscription`] for an invalid name; [`Error::Config`] naming
-/// the mode otherwise.
+/// [`Error::Subscription`] for an invalid name.
 fn check_subscription(c: &ConsumerConfig) -> Result<()> {
-    let Some(name) = c.reader.subscription() else { return Ok(()) };
-    check_name(name)?;
-    if c.mode == Mode::Competing {
-        return Err(Error::Config(format!(
-            "subscription {name:?} is read in single or partitioned mode, not competing \
-             (`--mode single` or `--mode partitioned`)"
-        )));
+    match c.reader.subscription() {
+        Some(name) => check_name(name),
+        None => Ok(()),
     }
-    Ok(())
 }
 
 #[cfg(test)]

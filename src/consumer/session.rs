@@ -213,7 +213,7 @@ impl Sessions {
         tokio::pin!(stop);
         let prepared = async {
             let work = WorkSession::prepare(client, session, timeout, kind, cfg.reader.clone(), &mut stop).await?;
-            let reader = cfg.reader.clone();
+            let reader = (cfg.reader.clone(), work.claim_checkpoint());
             Ok((work, WriterSession::prepare(writer, writer_session, timeout, reader, &mut stop).await?))
         };
         let (work, writer) = match prepared.await {

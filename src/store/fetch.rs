@@ -367,7 +367,7 @@ impl PayloadSizes {
 /// them as pointers). Older servers evaluate the same filter row by row:
 /// the same rows, with every candidate measured. The candidate rows and
 /// their plan are those of `candidates` alone.
-fn within_budget(cols: &str, candidates: &str, budget: &str, sizes: PayloadSizes) -> String {
+pub(super) fn within_budget(cols: &str, candidates: &str, budget: &str, sizes: PayloadSizes) -> String {
     format!(
         "SELECT {cols}, o.bytes_before AS {BYTES_BEFORE} FROM ( \
            SELECT o.*, count(*) FILTER (WHERE o.bytes_before >= {budget}) \

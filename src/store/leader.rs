@@ -232,9 +232,13 @@ pub(crate) async fn check_term_privileges<C: GenericClient + Sync>(client: &C) -
 /// recorded with its term (`holder_started`) stands in, and `older` is NULL
 /// when it recorded none; and `relay_pid`, `relay_host`: which relay
 /// process it belongs to, as it registered (migration 0015; NULL when it
-/// did not). A single-mode standby holds no lock and is not seen.
-const OTHER_CONFIGS: &str = "SELECT l.pid, CASE \
+/// did not); and `competing` (a claim lock of a named subscription's class
+/// $5, held while the claim transaction is open; NULL for the default,
+/// whose claims are row locks). A single-mode standby holds no lock and is
+/// not seen, nor a competing reader between claims.
+const OTHER_CONFIGS: &str = "SELECT DISTINCT ON (l.pid, l.classid, l.objsubid) l.pid, CASE \
        WHEN l.objsubid = 1 THEN 'single' \
+       WHEN l.classid = ($5::int4)::bigint::oid THEN 'competing' \
        WHEN l.classid = ($2::int4)::bigint::oid THEN 'partitioned' \
        ELSE coalesce((SELECT 'partitioned ' || split_part(t.scope, '/', 2) FROM events.outbox_terms t \
          WHERE t.holder_pid = l.pid AND starts_with(t.scope, $4::text || l.objid::text || '/') LIMIT 1), \
@@ -250,7 +254,8 @@ const OTHER_CONFIGS: &str = "SELECT l.pid, CASE \
      WHERE l.locktype = 'advisory' AND l.granted AND l.pid IS NOT NULL AND l.pid <> pg_backend_pid() \
        AND l.database = (SELECT oid FROM pg_catalog.pg_database WHERE datname = current_database()) \
        AND ((l.objsubid = 1 AND l.classid = ($1::bigint >> 32)::oid AND l.objid = ($1::bigint & 4294967295)::oid) \
-         OR (l.objsubid = 2 AND l.classid IN (($2::int4)::bigint::oid, ($3::int4)::bigint::oid)))";
+         OR (l.objsubid = 2 AND l.classid IN (($2::int4)::bigint::oid, ($3::int4)::bigint::oid, \
+                                              ($5::int4)::bigint::oid)))";
 
 /// Refuse to start a consumer configured as `mine` (`single`,
 /// `partitioned N` or `competing`) on an outbox (for a named subscription
@@ -302,8 +307,8 @@ pub(crate) async fn other_configurations<C: GenericClient + Sync>(
     reader: &super::subscription::Reader,
 ) -> std::result::Result<Vec<tokio_postgres::Row>, tokio_postgres::Error> {
     let (leader, member, partition) = (reader.leader_key(), reader.member_class(), reader.partition_class());
-    let prefix = reader.partition_scope_prefix();
-    client.query(OTHER_CONFIGS, &[&leader, &member, &partition, &prefix]).await
+    let (prefix, claim) = (reader.partition_scope_prefix(), reader.claim_class());
+    client.query(OTHER_CONFIGS, &[&leader, &member, &partition, &prefix, &claim]).await
 }
 
 /// The first of `rows` ([`OTHER_CONFIGS`]) whose configuration differs
@@ -338,7 +343,8 @@ pub(crate) fn conflict_among(
         // may be the younger, which stops; this one goes on.
         if differs && (older == Some(true) || !only_older) {
             let twice = if reader.subscription().is_some() {
-                "a single-mode relay beside partitioned ones delivers every event twice"
+                "a single-mode relay beside partitioned ones, or a competing one beside either, delivers every event \
+                 twice"
             } else {
                 "a single-mode relay beside partitioned ones, or a competing one beside either, delivers every event twice"
             };

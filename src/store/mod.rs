@@ -78,6 +78,9 @@ pub(crate) mod statement;
 mod status;
 pub(crate) mod subscription;
 pub(crate) mod subscription_admin;
+mod subscription_claim;
+#[cfg(feature = "kit")]
+pub use subscription_claim::claim_statements as subscription_claim_statements;
 pub(crate) mod subscription_dead_letters;
 pub(crate) mod subscription_lag;
 mod wakeup;

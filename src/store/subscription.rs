@@ -95,7 +95,32 @@ impl Reader {
             Reader::Subscription(_) => self.partition_class() | 1,
         }
     }
+
+    /// The class of competing mode's claim locks (one transaction-level
+    /// advisory lock per event claimed, keyed by [`claim_key`]): none for
+    /// the default subscription (its claims are row locks); for a named one
+    /// `0x5` in the top four bits and the same 27 bits of the hash as
+    /// [`Self::partition_class`], so two subscriptions share a claim class
+    /// exactly when they share a partition class, which `subscription
+    /// create` refuses.
+    pub(crate) fn claim_class(&self) -> Option<i32> {
+        match self {
+            Reader::Default => None,
+            Reader::Subscription(_) => Some(0x5000_0000 | (self.partition_class() & 0x0FFF_FFFF)),
+        }
+    }
 }
+
+/// The second key of the claim lock on event `id` ([`Reader::claim_class`]),
+/// in SQL over an `int8` expression: the id's low 32 bits as an `int4`.
+/// Ids 2^32 apart share a key: a claim of one then makes the other wait
+/// for the next claim, never a second delivery.
+macro_rules! claim_key {
+    ($id:literal) => {
+        concat!("((", $id, " % 4294967296) - 2147483648)::int4")
+    };
+}
+pub(crate) use claim_key;
 
 /// FNV-1a, 64 bits (a fixed function: the key must not change between
 /// builds, unlike std's hasher).
@@ -241,6 +266,11 @@ mod tests {
         assert_eq!(x.partition_class(), 0x6c68_a576);
         for class in [PARTITION_CLASS, MEMBER_CLASS, super::super::locks::TRIGGER_CLASS] {
             assert_ne!(class >> 28, 0x6, "the outbox's classes lie outside the subscriptions' range");
+            assert_ne!(class >> 28, 0x5, "and outside the claims' range");
         }
+        assert_eq!(Reader::Default.claim_class(), None, "the default claims rows");
+        assert_eq!(x.claim_class(), y.claim_class(), "a claim class is shared with the partition class");
+        assert_eq!(audit.claim_class(), Some(0x5000_0000 | (p & 0x0FFF_FFFF)));
+        assert_ne!(audit.claim_class(), Reader::Subscription("audit2".into()).claim_class());
     }
 }

@@ -23,6 +23,7 @@ use super::locks::{TRY_LEADER_LOCK, TRY_PARTITION_LOCK};
 use super::rows::{DecodedEvent, TERM, decode_event, fetch_was_cut, row_identity};
 use super::statement::{self, Session, StatementError, StatementKind};
 use super::subscription::Reader;
+use super::subscription_claim::{ClaimCheckpoint, SubscriptionClaim};
 use super::wakeup::{HEARTBEAT, NOTIFICATION_QUEUE_USAGE, NOTIFY_LOCK_WAITERS, SET_WAITING, UNREGISTER};
 use crate::error::Error;
 use crate::term::Term;
@@ -153,6 +154,7 @@ pub(crate) struct Undecodable {
 pub(crate) type FetchedRow = Result<DecodedEvent, Undecodable>;
 
 /// What a fetch returned, in id order.
+#[derive(Default)]
 pub(crate) struct FetchPage {
     pub(crate) rows: Vec<FetchedRow>,
     /// The outbox's current leadership term as the fetch read it (single
@@ -190,6 +192,9 @@ pub(crate) struct WorkSession {
     next_retry: Statement,
     /// Whose events it fetches, and whose leader lock it takes.
     reader: Reader,
+    /// A named subscription's claim in competing mode (`fetch` is then
+    /// unused).
+    claim: Option<SubscriptionClaim>,
 }
 
 impl WorkSession {
@@ -210,15 +215,29 @@ impl WorkSession {
             let (sql, next_retry) = match (kind, &reader) {
                 (FetchKind::Ordered, Reader::Default) => (fetch_sql(false, sizes), NEXT_RETRY_IN),
                 (FetchKind::Partitioned, Reader::Default) => (fetch_sql(true, sizes), NEXT_RETRY_IN),
-                (FetchKind::Claim, _) => (competing_fetch_sql(sizes), NEXT_RETRY_IN),
+                (FetchKind::Claim, Reader::Default) => (competing_fetch_sql(sizes), NEXT_RETRY_IN),
+                (FetchKind::Claim, Reader::Subscription(_)) => {
+                    (super::subscription_claim::claimed_rows_sql(sizes), SUBSCRIPTION_NEXT_RETRY_IN)
+                }
                 (FetchKind::Ordered | FetchKind::Partitioned, Reader::Subscription(_)) => {
                     (subscription_fetch_sql(kind == FetchKind::Partitioned, sizes), SUBSCRIPTION_NEXT_RETRY_IN)
                 }
             };
-            Ok((client.prepare(&sql).await?, client.prepare(next_retry).await?))
+            let claim = match kind {
+                FetchKind::Claim => SubscriptionClaim::prepare(&client, &reader, sizes).await?,
+                FetchKind::Ordered | FetchKind::Partitioned => None,
+            };
+            Ok((client.prepare(&sql).await?, client.prepare(next_retry).await?, claim))
         };
-        let (fetch, next_retry) = statement::run(StatementKind::SessionSetup, &session, timeout, stop, work).await?;
-        Ok(WorkSession { client, session, timeout, fetch, next_retry, reader })
+        let (fetch, next_retry, claim) =
+            statement::run(StatementKind::SessionSetup, &session, timeout, stop, work).await?;
+        Ok(WorkSession { client, session, timeout, fetch, next_retry, reader, claim })
+    }
+
+    /// The checkpoint a named subscription's claim transactions read, for
+    /// the writer of competing mode (the same session); `None` otherwise.
+    pub(crate) fn claim_checkpoint(&self) -> Option<ClaimCheckpoint> {
+        self.claim.as_ref().map(SubscriptionClaim::checkpoint)
     }
 
     /// The session's cancel requests and statements in flight.
@@ -274,6 +293,10 @@ impl WorkSession {
                             .chain(f.sql_params())
                             .collect();
                     decode_stream(client.query_raw(&self.fetch, params).await?, budget, true).await
+                }
+                FetchScope::Claim if let (Some(claim), Some(name)) = (&self.claim, self.reader.subscription()) => {
+                    client.batch_execute(BEGIN).await?;
+                    claim.claim(client, name, batch, budget).await
                 }
                 FetchScope::Claim => {
                     client.batch_execute(BEGIN).await?;
@@ -640,7 +663,7 @@ impl WorkSession {
 /// batch of messages at a time, and reads no further until asked), so a
 /// fetch never holds its rows and their parsed payloads together.
 /// `partitioned`: read each row's partition too.
-async fn decode_stream(stream: RowStream, budget: i64, partitioned: bool) -> Result<FetchPage, tokio_postgres::Error> {
+pub(super) async fn decode_stream(stream: RowStream, budget: i64, partitioned: bool) -> Result<FetchPage, tokio_postgres::Error> {
     futures::pin_mut!(stream);
     let mut rows = Vec::new();
     let mut cut = false;

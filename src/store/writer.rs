@@ -15,6 +15,7 @@ use tokio_postgres::{Client, Row, Statement};
 use super::settle::{ACK, FAIL, Fence, SUBSCRIPTION_ACK, SUBSCRIPTION_FAIL, fail_details};
 use super::statement::{self, Session, StatementError, StatementKind};
 use super::subscription::Reader;
+use super::subscription_claim::ClaimCheckpoint;
 
 /// A failed attempt to record ([`FAIL`]).
 #[derive(Debug, Clone, Copy)]
@@ -68,23 +69,38 @@ pub(crate) struct WriterSession {
     timeout: Duration,
     ack: Statement,
     fail: Statement,
-    /// A named subscription's checkpoint read, run before each of its
-    /// writes ([`super::subscription::checkpoint_sql`]).
-    checkpoint: Option<Statement>,
+    /// Where a named subscription's writes take their checkpoint.
+    checkpoint: CheckpointFrom,
     /// Whose events it settles: the default subscription's statements
     /// ([`ACK`], [`FAIL`]) or a named one's ([`SUBSCRIPTION_ACK`],
     /// [`SUBSCRIPTION_FAIL`]).
     reader: Reader,
 }
 
+/// Where a named subscription's settlement writes take the checkpoint they
+/// pass on (`super::subscription::checkpoint_sql`).
+#[derive(Clone)]
+enum CheckpointFrom {
+    /// The default subscription: none.
+    None,
+    /// A read in a statement of its own before each write (single and
+    /// partitioned modes: the writer session is outside any transaction).
+    Read(Statement),
+    /// The one the claim transaction read as it began (competing mode:
+    /// the writes run in that transaction, which by then has a
+    /// transaction id of its own: `super::subscription_claim`).
+    Claim(ClaimCheckpoint),
+}
+
 impl WriterSession {
     /// Prepare `client`'s statements for `reader`'s settlements until
-    /// `stop` resolves.
+    /// `stop` resolves; with `claim`, a named subscription's writes inside
+    /// its claim transactions, which take that transaction's checkpoint.
     pub(crate) async fn prepare(
         client: Arc<Client>,
         session: Session,
         timeout: Duration,
-        reader: Reader,
+        (reader, claim): (Reader, Option<ClaimCheckpoint>),
         stop: impl Future<Output = ()>,
     ) -> Result<Self, StatementError> {
         let (ack_sql, fail_sql) = match reader {
@@ -92,9 +108,12 @@ impl WriterSession {
             Reader::Subscription(_) => (SUBSCRIPTION_ACK, SUBSCRIPTION_FAIL),
         };
         let write = async {
-            let checkpoint = match reader {
-                Reader::Default => None,
-                Reader::Subscription(_) => Some(client.prepare(&super::subscription::checkpoint_sql()).await?),
+            let checkpoint = match (&reader, claim) {
+                (Reader::Default, _) => CheckpointFrom::None,
+                (Reader::Subscription(_), Some(claim)) => CheckpointFrom::Claim(claim),
+                (Reader::Subscription(_), None) => {
+                    CheckpointFrom::Read(client.prepare(&super::subscription::checkpoint_sql()).await?)
+                }
             };
             Ok((client.prepare(ack_sql).await?, client.prepare(fail_sql).await?, checkpoint))
         };
@@ -106,7 +125,11 @@ impl WriterSession {
     /// A named subscription's checkpoint, read in a statement of its own
     /// before its write (`(None, None)` for the default subscription).
     async fn checkpoint(&self, kind: StatementKind) -> Result<(Option<i64>, Option<i64>), StatementError> {
-        let Some(read) = &self.checkpoint else { return Ok((None, None)) };
+        let read = match &self.checkpoint {
+            CheckpointFrom::None => return Ok((None, None)),
+            CheckpointFrom::Claim(claim) => return Ok(claim.get()),
+            CheckpointFrom::Read(read) => read,
+        };
         let row = statement::run_to_end(kind, &self.session, self.timeout, self.client.query_one(read, &[])).await?;
         let int = |c: &str| row.try_get::<_, Option<i64>>(c).map_err(|e| StatementError::db(kind, e));
         Ok((int("top")?, int("next_xid")?))

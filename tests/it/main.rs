@@ -57,6 +57,7 @@ mod sqlx_publish;
 mod status_detail;
 mod stranded;
 mod subscription_admin;
+mod subscription_competing;
 mod subscription_partitions;
 mod subscription_plans;
 mod subscriptions;

@@ -28,7 +28,7 @@ const GROWTH: i64 = 20;
 
 /// Insert `n` events as producers do (the triggers as they are), over
 /// 10 000 aggregates.
-async fn load(c: &Client, n: i64) {
+pub(crate) async fn load(c: &Client, n: i64) {
     c.execute(
         "INSERT INTO events.outbox (aggregate_type, aggregate_id, event_type, payload) \
          SELECT 'invoice', md5('a-' || (g % 10000))::uuid, 'InvoiceIssued', \

@@ -5,7 +5,12 @@
 //! settlement written, inside it, on the work session (there is no writer
 //! session in this mode); then it commits, and the next claim may start.
 //! Other consumers skip the locked rows, so no two deliver one row at once.
-//! No order, no hold-back, no lock to own.
+//! No order, no hold-back, no lock to own. A named subscription's claim
+//! locks each event with an advisory lock of its own class instead of the
+//! row (`store::subscription_claim`), and its writes in the transaction
+//! pass the checkpoint the claim read; after a claim that found nothing,
+//! the subscription's cursor is moved outside the transaction
+//! ([`IdleAdvance`]).
 //!
 //! The transaction's lifecycle, all of it here:
 //! - [`Fetch::fetch`] begins it and claims (`in_tx` from then on);
@@ -15,6 +20,7 @@
 //! - a lost session ends it (the server rolls it back; what was handed out
 //!   is not, and is delivered again).
 
+use super::idle::IdleAdvance;
 use super::{Cx, Fetch, Room};
 use crate::consumer::completer::Written;
 use crate::consumer::leadership::Unled;
@@ -29,6 +35,10 @@ pub(crate) struct ClaimFetch {
     unled: Unled,
     /// A claim transaction is open.
     in_tx: bool,
+    /// The open claim found nothing.
+    found_nothing: bool,
+    /// A named subscription's cursor moved after a claim found nothing.
+    idle: IdleAdvance,
 }
 
 impl Fetch for ClaimFetch {
@@ -57,7 +67,9 @@ impl Fetch for ClaimFetch {
             scope: FetchScope::Claim,
             floor: FloorParams::NONE,
         };
-        cx.work.fetch(params, cx.stop()).await
+        let page = cx.work.fetch(params, cx.stop()).await?;
+        self.found_nothing = page.rows.is_empty();
+        Ok(page)
     }
 
     fn handed_out(&mut self, _id: i64, _partition: Option<i32>) {}
@@ -75,6 +87,9 @@ impl Fetch for ClaimFetch {
     async fn settled(&mut self, cx: Cx<'_>) -> Result<(), StatementError> {
         cx.work.commit_claim().await?;
         self.in_tx = false;
+        if self.found_nothing {
+            self.idle.found_nothing(cx, true).await?;
+        }
         Ok(())
     }
 

@@ -26,6 +26,7 @@
 
 mod claim;
 mod floor;
+mod idle;
 pub(super) mod notifier;
 mod ordered;
 mod retry_timer;

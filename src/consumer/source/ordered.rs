@@ -8,12 +8,13 @@ use std::collections::HashSet;
 use tokio::time::Instant;
 
 use super::floor::FetchFloor;
+use super::idle::IdleAdvance;
 use super::{Cx, Fetch, Room};
 use crate::consumer::ConsumerConfig;
 use crate::consumer::completer::Written;
 use crate::consumer::leadership::Ownership;
 use crate::store::statement::StatementError;
-use crate::store::{FetchKind, FetchPage, FetchParams, FetchedRow, SUBSCRIPTION_WINDOW};
+use crate::store::{FetchKind, FetchPage, FetchParams, FetchedRow};
 
 /// Single or partitioned mode's fetch.
 #[derive(Debug)]
@@ -27,19 +28,9 @@ pub(crate) struct OrderedFetch {
     /// most the consumer's buffer): when one's acknowledgement is written,
     /// the events of its aggregate held back behind it are due.
     retries: HashSet<i64>,
-    /// When a named subscription's cursor was last moved after a fetch
-    /// that found nothing ([`crate::store::WorkSession::advance_idle`]).
-    advanced_idle: Option<Instant>,
-    /// A partitioned named subscription's fetches find nothing while
-    /// events wait past the window above its cursor (said once).
-    waiting_at_window: bool,
+    /// A named subscription's cursor moved when a fetch finds nothing.
+    idle: IdleAdvance,
 }
-
-/// How often an idle named subscription's cursor is moved at most: each
-/// move passes the checkpoint the one before recorded, so an idle
-/// subscription's cursor catches up within about two of these (or two
-/// sweeps, if longer).
-const ADVANCE_IDLE_EVERY: std::time::Duration = std::time::Duration::from_secs(1);
 
 impl OrderedFetch {
     /// The fetch of a consumer configured by `cfg` (single or partitioned
@@ -50,8 +41,7 @@ impl OrderedFetch {
             floor: FetchFloor::new(cfg.sweep_interval),
             read_partitions: None,
             retries: HashSet::new(),
-            advanced_idle: None,
-            waiting_at_window: false,
+            idle: IdleAdvance::default(),
         }
     }
 }
@@ -86,13 +76,8 @@ impl Fetch for OrderedFetch {
         self.retries.extend(
             page.rows.iter().flatten().filter(|r| r.event.retry_count > 0 || r.failure_row).map(|r| r.event.id),
         );
-        let now = Instant::now();
-        if page.rows.is_empty() && self.advanced_idle.is_none_or(|t| now >= t + ADVANCE_IDLE_EVERY) {
-            self.advanced_idle = Some(now);
-            let ahead = cx.work.advance_idle(cx.stop()).await?;
-            if self.ownership.is_partitioned() {
-                self.at_window(ahead, cx.work.reader().subscription());
-            }
+        if page.rows.is_empty() {
+            self.idle.found_nothing(cx, self.ownership.is_partitioned()).await?;
         }
         Ok(page)
     }
@@ -142,33 +127,6 @@ impl Fetch for OrderedFetch {
         self.floor.reset();
         self.retries.clear();
         self.ownership.session_lost();
-    }
-}
-
-impl OrderedFetch {
-    /// A partitioned named subscription's fetch found nothing while the
-    /// highest id stands `ahead` ids above its cursor: past the window
-    /// ([`SUBSCRIPTION_WINDOW`]), its partitions wait for the cursor
-    /// (docs/subscriptions.md, "Delivering a subscription"). Said once
-    /// when it starts waiting (signal `subscription_window`), and once when
-    /// it reads on.
-    fn at_window(&mut self, ahead: Option<i64>, subscription: Option<&str>) {
-        let Some(name) = subscription else { return };
-        let waiting = ahead.is_some_and(|a| a > SUBSCRIPTION_WINDOW);
-        if waiting && !self.waiting_at_window {
-            tracing::warn!(
-                subscription = name,
-                ahead,
-                window = SUBSCRIPTION_WINDOW,
-                signal = "subscription_window",
-                "subscription {name:?}: its partitioned readers wait {SUBSCRIPTION_WINDOW} ids above its cursor, \
-                 which an event not yet settled below holds (one in flight on a slow or frozen relay, or a write \
-                 transaction still open in this database); they read on once the cursor moves"
-            );
-        } else if !waiting && self.waiting_at_window {
-            tracing::info!(subscription = name, "subscription {name:?}: its cursor moved; reading on past the window");
-        }
-        self.waiting_at_window = waiting;
     }
 }
 

@@ -97,9 +97,8 @@ pub(crate) struct RelayArgs {
     /// The subscription to deliver (default: `default`, the seeded flow of
     /// `published_at` and the retry columns on the row). Another one keeps
     /// its own progress, retries and dead letters, and its own leader:
-    /// create it first with `pg-outbox subscription create NAME`. Single
-    /// or partitioned mode. Its metrics carry the label
-    /// `subscription="NAME"`.
+    /// create it first with `pg-outbox subscription create NAME`. Any
+    /// mode. Its metrics carry the label `subscription="NAME"`.
     #[arg(long, value_name = "NAME", default_value = "default")]
     subscription: String,
     /// How several relays share one outbox: `single` (one active, others
@@ -108,7 +107,8 @@ pub(crate) struct RelayArgs {
     /// the next waits 2.25 s before it delivers), `partitioned` (all active, split by a hash
     /// of the aggregate; keeps per-aggregate order; a term per partition, the same wait for a
     /// partition taken from a relay that did not stop cleanly), `competing` (the original
-    /// design's FOR UPDATE SKIP LOCKED; no order at all; no term).
+    /// design's FOR UPDATE SKIP LOCKED, or for a subscription a claim lock per event; no
+    /// order at all; no term).
     #[arg(long, value_enum, default_value_t = ModeArg::Single)]
     mode: ModeArg,
     /// Partitions in `--mode partitioned` (the same on every relay; 1 to
