@@ -46,17 +46,17 @@ use crate::error::Result;
 pub use crate::error::SubscriptionError;
 use crate::store::subscription_admin as store;
 pub use crate::store::subscription_admin::{Dropped, From, Rewound, Subscription, SubscriptionState};
+/// The statements of a subscription's claim in competing mode, and its
+/// claim class, for the plan tests (feature `kit`; not part of the API).
+#[cfg(feature = "kit")]
+#[doc(hidden)]
+pub use crate::store::subscription_claim_statements as claim_statements;
 /// The statements that read a subscription's lag and backlog, for the plan
 /// tests and the console bench, with the test kit's feature `kit`. Not part
 /// of the API: they change with any release.
 #[cfg(feature = "kit")]
 #[doc(hidden)]
 pub use crate::store::subscription_read_statements as read_statements;
-/// The statements of a subscription's claim in competing mode, and its
-/// claim class, for the plan tests (feature `kit`; not part of the API).
-#[cfg(feature = "kit")]
-#[doc(hidden)]
-pub use crate::store::subscription_claim_statements as claim_statements;
 
 /// The name of the seeded flow's subscription: `default`. It is no row of
 /// `events.outbox_subscriptions`, and no other subscription may take it.

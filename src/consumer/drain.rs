@@ -120,7 +120,7 @@ pub(crate) async fn run<K: WakeKind, F: Fetch>(
         maintenance: Maintenance::new(
             cfg.heartbeat_interval().min(STATUS_INTERVAL),
             STATUS_INTERVAL,
-            cfg.leads(),
+            cfg.leads() || cfg.mode == crate::consumer::Mode::Competing,
             cfg.delivery_configuration(),
         ),
         wakeups,

@@ -2,10 +2,12 @@
 //! `stranded_after`, at most [`super::STATUS_INTERVAL`]; 5 s by default)
 //! the heartbeat, which also forgets relays that are gone; every
 //! [`super::STATUS_INTERVAL`] (or less often, see [`GAUGES_SHARE`]) the
-//! backlog gauges and the notification queue's usage; in single and
-//! partitioned modes, between those, a keep-alive whenever the work
-//! session has run nothing for [`KEEPALIVE_AFTER`] (the server ends it
-//! once idle for `IDLE_SESSION_TIMEOUT`, `super::leadership::lease`).
+//! backlog gauges and the notification queue's usage; between those, a
+//! keep-alive whenever the work session has run nothing for
+//! [`KEEPALIVE_AFTER`] (the server ends it once idle for
+//! `IDLE_SESSION_TIMEOUT`, `super::leadership::lease`: in single and
+//! partitioned modes, idle at all; in competing mode, idle inside its claim
+//! transaction).
 //!
 //! The heartbeat comes first and does not wait for the gauges: standbys
 //! read it to tell a live leader from a stranded lock
@@ -49,8 +51,9 @@ pub(super) struct Maintenance {
     /// The heartbeat's interval.
     heartbeat_every: Duration,
     /// Keep the work session from sitting idle for [`KEEPALIVE_AFTER`]
-    /// (single and partitioned modes, whose work session the server ends
-    /// once idle for `IDLE_SESSION_TIMEOUT`).
+    /// (whose work session the server ends once idle for
+    /// `IDLE_SESSION_TIMEOUT`: single and partitioned modes', and
+    /// competing mode's inside its claim transaction).
     keep_alive: bool,
     /// The subscriptions lagging more than their bound at the last read
     /// (said once as each falls behind and once as it catches up); `None`

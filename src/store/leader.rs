@@ -185,6 +185,17 @@ pub(crate) const RELEASE_TERM: &str = "UPDATE events.outbox_terms SET released =
 pub(crate) const BOUND_IDLE: &str = "SELECT CASE WHEN current_setting('server_version_num')::int >= 140000 \
        THEN set_config('idle_session_timeout', $1::text, false) END AS set";
 
+/// Have the server end this session once it has sat idle inside a
+/// transaction for $1 milliseconds (`text`):
+/// `idle_in_transaction_session_timeout` (docs "Client Connection
+/// Defaults"; every supported server), for the rest of the session.
+/// Competing mode's claim transaction is open while its events are
+/// delivered: ending the session rolls it back and releases its claims,
+/// so a consumer that stops talking to the server hands its claimed
+/// events to the others within that bound. One row, `set`.
+pub(crate) const BOUND_IDLE_IN_CLAIM: &str =
+    "SELECT set_config('idle_in_transaction_session_timeout', $1::text, false) AS set";
+
 /// Record which relay this session belongs to in its row of
 /// `events.outbox_relays` (created if missing, as a waiting relay: the
 /// safe value, as [`TAKE_TERM`]'s): its process id $1 (`int4`), host name
@@ -342,12 +353,8 @@ pub(crate) fn conflict_among(
         // Of unknown age (another role's session that took no term): it
         // may be the younger, which stops; this one goes on.
         if differs && (older == Some(true) || !only_older) {
-            let twice = if reader.subscription().is_some() {
-                "a single-mode relay beside partitioned ones, or a competing one beside either, delivers every event \
-                 twice"
-            } else {
-                "a single-mode relay beside partitioned ones, or a competing one beside either, delivers every event twice"
-            };
+            let twice = "a single-mode relay beside partitioned ones, or a competing one beside either, delivers every \
+                         event twice";
             return Ok(Some(format!(
                 "another relay delivers {what} as {other} (backend pid {pid}{relay}), and this one is configured as \
                  {mine}: one outbox (and each subscription) runs one delivery configuration ({twice}; different \

@@ -138,7 +138,6 @@ pub(crate) fn claim_sql() -> String {
 /// each id in both tables (the failure row's a lateral probe, so no plan
 /// joins the subscription's failure rows, dead letters included, by
 /// scanning them).
-
 pub(crate) fn claimed_rows_sql(sizes: PayloadSizes) -> String {
     let candidates = "SELECT o.id, o.aggregate_type, o.aggregate_id, o.event_type, o.payload, o.occurred_at, \
            coalesce(f.retry_count, 0) AS retry_count, f.last_error, f.id IS NOT NULL AS failure_row \

@@ -15,7 +15,7 @@ use tokio_postgres::{Client, Row, RowStream, Statement};
 
 use super::fetch::{BEGIN, COMMIT, NEXT_RETRY_IN, PayloadSizes, competing_fetch_sql, fetch_sql};
 use super::fetch::{SUBSCRIPTION_NEXT_RETRY_IN, subscription_fetch_sql};
-use super::leader::{BOUND_IDLE, KEEP_ALIVE, RAISE_TERM, REGISTER_IDENTITY};
+use super::leader::{BOUND_IDLE, BOUND_IDLE_IN_CLAIM, KEEP_ALIVE, RAISE_TERM, REGISTER_IDENTITY};
 use super::leader::{CURRENT_TERM, CURRENT_TERMS, Holder, LEADER_HOLDER, RELEASE_TERM, TAKE_TERM, TERMINATE_STRANDED};
 use super::leader::{TermTaken, holder_from_row};
 use super::locks::{COUNT_MEMBERS, MEMBER_LOCK, PARTITION_UNLOCK};
@@ -384,6 +384,18 @@ impl WorkSession {
         Ok(set.is_some())
     }
 
+    /// Have the server end the session once idle for `after` inside a
+    /// transaction ([`BOUND_IDLE_IN_CLAIM`]: competing mode).
+    pub(crate) async fn bound_idle_in_claim(
+        &self,
+        after: Duration,
+        stop: impl Future<Output = ()>,
+    ) -> Result<(), StatementError> {
+        let ms = crate::connect::setting_millis(after).to_string();
+        self.run(StatementKind::SessionSetup, stop, self.client.execute(BOUND_IDLE_IN_CLAIM, &[&ms])).await?;
+        Ok(())
+    }
+
     /// Record this relay's process id, host name and version in the
     /// session's registration ([`REGISTER_IDENTITY`]); a schema without the
     /// columns (before migration 0015) records nothing.
@@ -663,7 +675,11 @@ impl WorkSession {
 /// batch of messages at a time, and reads no further until asked), so a
 /// fetch never holds its rows and their parsed payloads together.
 /// `partitioned`: read each row's partition too.
-pub(super) async fn decode_stream(stream: RowStream, budget: i64, partitioned: bool) -> Result<FetchPage, tokio_postgres::Error> {
+pub(super) async fn decode_stream(
+    stream: RowStream,
+    budget: i64,
+    partitioned: bool,
+) -> Result<FetchPage, tokio_postgres::Error> {
     futures::pin_mut!(stream);
     let mut rows = Vec::new();
     let mut cut = false;

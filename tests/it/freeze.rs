@@ -56,17 +56,24 @@ pub(crate) struct Got {
 }
 
 /// A webhook that answers 200 to every event and records it, by relay
-/// (each relay posts to `/hook/<n>`); a delivery without a term (a relay in
-/// competing mode) is refused with 400.
+/// (each relay posts to `/hook/<n>`); a delivery without a term is refused
+/// with 400 unless the hook serves competing relays (`unfenced`: recorded
+/// with term 0), whose relay 1 it answers after 20 ms, so that relay holds
+/// a claim most of the time.
 #[derive(Clone, Default)]
 pub(crate) struct Hook {
     got: Arc<Mutex<Vec<Got>>>,
     base: String,
+    unfenced: bool,
 }
 
 impl Hook {
     pub(crate) async fn serve() -> Hook {
-        let mut hook = Hook::default();
+        Hook::serve_for(false).await
+    }
+
+    async fn serve_for(unfenced: bool) -> Hook {
+        let mut hook = Hook { unfenced, ..Hook::default() };
         let app = axum::Router::new().route("/hook/{relay}", axum::routing::post(record)).with_state(hook.clone());
         hook.base = support::serve_hook(app).await;
         hook
@@ -86,6 +93,10 @@ async fn record(State(hook): State<Hook>, Path(relay): Path<u32>, headers: Heade
     let id = v["id"].as_i64();
     let aggregate = v["aggregate_id"].as_str().and_then(|s| Uuid::parse_str(s).ok());
     let term = headers.get("outbox-term").and_then(|t| t.to_str().ok()?.parse::<u64>().ok());
+    let term = if hook.unfenced { Some(term.unwrap_or(0)) } else { term };
+    if hook.unfenced && relay == 1 {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     let (Some(id), Some(aggregate), Some(term)) = (id, aggregate, term) else { return StatusCode::BAD_REQUEST };
     lock(&hook.got).push(Got { relay, id, aggregate, term, at: Instant::now() });
     StatusCode::OK
@@ -141,6 +152,8 @@ enum Fault {
 enum Mode {
     Single,
     Partitioned,
+    /// Competing mode, of the default subscription or of a named one.
+    Competing(Option<&'static str>),
 }
 
 /// Two relays of `mode` (the first through a proxy when the fault is a
@@ -150,10 +163,18 @@ async fn replaced_within_the_bound(url: &str, fault: Fault, mode: Mode, wal: boo
     let pg: tokio_postgres::Config = url.parse().expect("a URL");
     let user = pg.get_user().unwrap_or("postgres").to_string();
     let db = pg.get_dbname().unwrap_or("postgres").to_string();
-    let hook = Hook::serve().await;
+    let competing = matches!(mode, Mode::Competing(_));
+    let hook = Hook::serve_for(competing).await;
     let mut args: Vec<&str> = Vec::new();
-    if mode == Mode::Partitioned {
-        args.extend(["--mode", "partitioned"]);
+    match mode {
+        Mode::Single => {}
+        Mode::Partitioned => args.extend(["--mode", "partitioned"]),
+        Mode::Competing(subscription) => {
+            args.extend(["--mode", "competing"]);
+            if let Some(name) = subscription {
+                args.extend(["--subscription", name]);
+            }
+        }
     }
     if wal {
         args.extend(["--source", "wal"]);
@@ -169,13 +190,24 @@ async fn replaced_within_the_bound(url: &str, fault: Fault, mode: Mode, wal: boo
         a.extend(["--sink", sink]);
         process::Relay::new(support::bin()).url(url).args(&a)
     };
-    let a = relay_proc::start_spec(spec(&first_url, &sink1)).await;
+    // A competing relay 1 sends one event at a time (20 ms each), so the
+    // claim it holds at the fault still has events it has not sent.
+    let a = relay_proc::start_spec(if competing {
+        spec(&first_url, &sink1).args(&["--max-in-flight", "1"])
+    } else {
+        spec(&first_url, &sink1)
+    })
+    .await;
     let producer = Producer::start(crate::faults::connect(url, "freeze producer", LIVENESS).await, 32);
     eventually(30, "the first relay delivers", || async { hook.got().iter().filter(|g| g.relay == 1).count() >= 50 })
         .await;
+    // Competing: a burst of 500 events in one transaction, claimed by
+    // relay 1 alone (relay 2 starts once relay 1 sends them): about 10 s of
+    // its sends, most of them still unsent at the fault.
+    let burst = if competing { claimed_burst(url, &hook).await } else { Vec::new() };
     let b = relay_proc::start_spec(spec(url, &sink2)).await;
-    if mode == Mode::Partitioned {
-        eventually(30, "both members deliver", || async {
+    if mode != Mode::Single {
+        eventually(30, "both relays deliver", || async {
             let since = Instant::now() - Duration::from_millis(500);
             hook.got().iter().any(|g| g.relay == 2 && g.at >= since)
                 && hook.got().iter().any(|g| g.relay == 1 && g.at >= since)
@@ -191,7 +223,9 @@ async fn replaced_within_the_bound(url: &str, fault: Fault, mode: Mode, wal: boo
         Fault::Cut => proxy.freeze(true),
     }
     // The takeover: until another relay delivered each aggregate that only
-    // the faulted relay delivered in the second before the fault.
+    // the faulted relay delivered in the second before the fault (competing
+    // relays share every aggregate: until the other delivered an event the
+    // faulted one had claimed, below).
     let before = hook.got();
     let recent = |relay: u32| -> std::collections::HashSet<Uuid> {
         before
@@ -200,8 +234,8 @@ async fn replaced_within_the_bound(url: &str, fault: Fault, mode: Mode, wal: boo
             .map(|g| g.aggregate)
             .collect()
     };
-    let theirs: Vec<Uuid> = recent(1).difference(&recent(2)).copied().collect();
-    assert!(!theirs.is_empty(), "the faulted relay delivered nothing alone before the fault");
+    let theirs: Vec<Uuid> = if competing { Vec::new() } else { recent(1).difference(&recent(2)).copied().collect() };
+    assert!(competing || !theirs.is_empty(), "the faulted relay delivered nothing alone before the fault");
     let deadline = faulted + LIVENESS;
     let takeover = loop {
         let got = hook.got();
@@ -222,7 +256,8 @@ async fn replaced_within_the_bound(url: &str, fault: Fault, mode: Mode, wal: boo
     }
     tokio::time::sleep(Duration::from_secs(3)).await;
     let committed = producer.stop().await;
-    let want: Vec<(i64, Uuid)> = committed.iter().map(|(id, agg, _)| (*id, *agg)).collect();
+    let want: Vec<(i64, Uuid)> =
+        committed.iter().map(|(id, agg, _)| (*id, *agg)).chain(burst.iter().copied()).collect();
     eventually(90, "every event delivered", || async {
         let got: std::collections::HashSet<i64> = hook.got().iter().map(|g| g.id).collect();
         want.iter().all(|(id, _)| got.contains(id))
@@ -253,6 +288,24 @@ async fn replaced_within_the_bound(url: &str, fault: Fault, mode: Mode, wal: boo
             late
         })
         .count();
+    // Competing: the burst's events still unsent at the fault were
+    // claimed by the frozen relay; the takeover is when the last of them
+    // was delivered by the other.
+    let takeover = if competing {
+        let unsent: Vec<Instant> =
+            burst.iter().filter_map(|(id, _)| first.get(id)).filter(|at| **at > faulted).copied().collect();
+        assert!(unsent.len() >= 50, "the frozen relay held {} unsent events of its claim", unsent.len());
+        let last = unsent.into_iter().max().unwrap_or(faulted).duration_since(faulted);
+        assert!(
+            last <= BOUND,
+            "the frozen relay's claim was delivered {last:?} after the fault\n{}\n{}",
+            a.log(),
+            b.log()
+        );
+        last
+    } else {
+        takeover
+    };
     println!(
         "freeze fault={fault:?} mode={mode:?} source={} worst_wait={:.2}s takeover={:.2}s events={} lost={} \
          duplicates={} order_violations={} late_deliveries={late}",
@@ -266,16 +319,44 @@ async fn replaced_within_the_bound(url: &str, fault: Fault, mode: Mode, wal: boo
     );
     let logs = || format!("--- relay 1\n{}\n--- relay 2\n{}", a.log(), b.log());
     assert_eq!(t.lost, 0, "{t:?}\n{}", logs());
-    assert_eq!(t.order_violations, 0, "{t:?}\n{}", logs());
+    if !competing {
+        assert_eq!(t.order_violations, 0, "{t:?}\n{}", logs());
+    }
     assert_eq!(late, 0, "the faulted relay delivered after its successor began\n{}", logs());
     assert!(worst <= BOUND, "an event waited {worst:?} from its commit to its delivery\n{}", logs());
     b.stop().await;
     a.stop().await;
 }
 
+/// A burst of 500 events in one transaction, over 8 aggregates, and relay
+/// 1 delivering them (it claimed them: a competing relay claims up to its
+/// batch, 500); their ids and aggregates.
+async fn claimed_burst(url: &str, hook: &Hook) -> Vec<(i64, Uuid)> {
+    let c = crate::faults::connect(url, "freeze burst", LIVENESS).await;
+    let rows = c
+        .query(
+            "INSERT INTO events.outbox (aggregate_type, aggregate_id, event_type, payload) \
+             SELECT 'subscription', md5('burst-' || (g % 8))::uuid, 'FreezeTest', '{}' \
+             FROM generate_series(1, 500) g RETURNING id, aggregate_id",
+            &[],
+        )
+        .await
+        .expect("insert the burst");
+    let burst: Vec<(i64, Uuid)> = rows.iter().map(|r| (r.get(0), r.get(1))).collect();
+    let ids: std::collections::HashSet<i64> = burst.iter().map(|b| b.0).collect();
+    eventually(30, "relay 1 sends the burst", || async {
+        hook.got().iter().filter(|g| g.relay == 1 && ids.contains(&g.id)).count() >= 5
+    })
+    .await;
+    burst
+}
+
 async fn on_the_machine(name: &str, fault: Fault, mode: Mode) {
     let db = TestDb::new(name).await;
-    if support::server_version_num(&db.client().await).await < 140_000 {
+    if let Mode::Competing(Some(subscription)) = mode {
+        crate::subscriptions::create(&db.client().await, subscription).await;
+    }
+    if support::server_version_num(&db.client().await).await < 140_000 && !matches!(mode, Mode::Competing(_)) {
         return warned_on_13(&db).await;
     }
     replaced_within_the_bound(&db.url(), fault, mode, false).await;
@@ -309,6 +390,20 @@ async fn a_frozen_partition_member_is_replaced_within_10s_at_default_settings() 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_partition_member_cut_off_is_replaced_within_10s_at_default_settings() {
     on_the_machine("cut_partitioned", Fault::Cut, Mode::Partitioned).await;
+}
+
+/// Competing mode holds no leadership, but a claim: the server ends a
+/// frozen relay's session once its claim transaction sits idle for 4 s
+/// (`idle_in_transaction_session_timeout`, every supported server), and
+/// the other relay delivers what it had claimed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_frozen_competing_relay_hands_its_claim_over_within_10s_at_default_settings() {
+    on_the_machine("freeze_competing", Fault::Freeze, Mode::Competing(None)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_frozen_competing_relay_of_a_subscription_hands_its_claim_over_within_10s_at_default_settings() {
+    on_the_machine("freeze_competing_sub", Fault::Freeze, Mode::Competing(Some("audit"))).await;
 }
 
 #[cfg(feature = "wal")]

@@ -118,10 +118,9 @@ async fn a_competing_reader_retries_without_holding_back_and_delivers_what_singl
     create(&c, "audit").await;
     let a = Uuid::new_v4();
     let ids = insert_seed_events(&c, a, 3).await;
-    let mut s = start(&db, |b| {
-        b.subscription("audit").mode(Mode::Competing).max_retries(2).retry_policy(fast_retries(&[50]))
-    })
-    .await;
+    let mut s =
+        start(&db, |b| b.subscription("audit").mode(Mode::Competing).max_retries(2).retry_policy(fast_retries(&[50])))
+            .await;
     let first = next(&mut s, 20).await;
     assert_eq!((first.id, first.retry_count), (ids[0], 0));
     first.fail("audit store down");
@@ -386,4 +385,54 @@ fn seq_scans(node: &serde_json::Value) -> Vec<String> {
         out.extend(seq_scans(child));
     }
     out
+}
+
+/// A live competing reader whose sink takes longer than the 4 s the server
+/// lets a claim sit idle keeps its claim: a keep-alive runs inside the
+/// claim transaction, so the server does not end its session, and the
+/// event is delivered once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_live_competing_reader_keeps_its_claim_however_slow_its_sink() {
+    let db = TestDb::new("sub_competing_slow").await;
+    let c = db.client().await;
+    create(&c, "audit").await;
+    let ids = insert_seed_events(&c, Uuid::new_v4(), 2).await;
+    let mut s = start(&db, |b| b.subscription("audit").mode(Mode::Competing)).await;
+    let first = next(&mut s, 20).await;
+    let before = drain_pids(&c).await;
+    let claim = |pid: i32| {
+        let c = &c;
+        async move {
+            c.query_one("SELECT xact_start::text FROM pg_stat_activity WHERE pid = $1", &[&pid])
+                .await
+                .expect("the claim transaction")
+                .get::<_, Option<String>>(0)
+        }
+    };
+    let started = claim(before[0]).await;
+    assert!(started.is_some(), "the claim is open while the event is out");
+    tokio::time::sleep(Duration::from_secs(7)).await;
+    assert_eq!(drain_pids(&c).await, before, "the server ended a live reader's session");
+    assert_eq!(claim(before[0]).await, started, "the same claim transaction, open all along");
+    first.ack();
+    let second = next(&mut s, 20).await;
+    assert_eq!(vec![ids[0], second.id], ids, "each once, nothing delivered again");
+    second.ack();
+    if let Ok(Some(d)) = tokio::time::timeout(Duration::from_millis(1500), s.next()).await {
+        panic!("delivered again: {}", d.id);
+    }
+    s.finish().await.expect("finish");
+}
+
+/// The work sessions of consumers on this database (`pg-outbox drain`).
+async fn drain_pids(c: &Client) -> Vec<i32> {
+    c.query(
+        "SELECT pid FROM pg_stat_activity WHERE datname = current_database() AND application_name = 'pg-outbox drain'",
+        &[],
+    )
+    .await
+    .expect("pids")
+    .iter()
+    .map(|r| r.get(0))
+    .collect()
 }

@@ -290,7 +290,7 @@ async fn a_missing_subscription_or_a_bad_name_is_refused_by_name() {
         .await
         .expect_err("refused")
         .to_string();
-    assert!(e.contains("single or partitioned mode, not competing"), "{e}");
+    assert!(e.contains("subscription \"audit\" does not exist"), "any mode: the missing subscription is named: {e}");
 }
 
 /// The rule itself, step by step: an event whose transaction is open when

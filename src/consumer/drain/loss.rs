@@ -86,6 +86,11 @@ impl Loss {
                 Failure::Db(e) if e.code() == Some(&tokio_postgres::error::SqlState::IDLE_SESSION_TIMEOUT) => {
                     lease::ended_idle(&e, delay)
                 }
+                Failure::Db(e)
+                    if e.code() == Some(&tokio_postgres::error::SqlState::IDLE_IN_TRANSACTION_SESSION_TIMEOUT) =>
+                {
+                    lease::ended_idle_in_claim(&e, delay)
+                }
                 Failure::Db(e) => {
                     let error = crate::error::report(&e);
                     tracing::warn!(error = %error, during = kind.describe(), retry_in = ?delay,

@@ -103,6 +103,18 @@ pub(in crate::consumer) fn ended_idle(e: &tokio_postgres::Error, retry_in: Durat
     format!("work session ended by the server after {IDLE_SESSION_TIMEOUT:?} idle (this relay stalled)")
 }
 
+/// The server ended competing mode's work session after
+/// [`IDLE_SESSION_TIMEOUT`] idle inside its claim transaction (SQLSTATE
+/// 25P03, `e`): this relay stalled, and what it had claimed went back to
+/// the other relays. Logs it and returns the health's last error.
+pub(in crate::consumer) fn ended_idle_in_claim(e: &tokio_postgres::Error, retry_in: Duration) -> String {
+    tracing::warn!(error = %crate::error::report(e), retry_in = ?retry_in, idle_in_transaction_session_timeout = ?IDLE_SESSION_TIMEOUT,
+        "the server ended this relay's claim after {IDLE_SESSION_TIMEOUT:?} without a statement: this relay stalled \
+         (frozen, paused, cut off or starved of CPU), so the events it had claimed went back to the other relays \
+         (those it had already handed out are delivered again); reconnecting");
+    format!("claim ended by the server after {IDLE_SESSION_TIMEOUT:?} idle (this relay stalled)")
+}
+
 /// Whether buffered deliveries may be handed out.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum LeaseState {

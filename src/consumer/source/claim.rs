@@ -18,12 +18,15 @@
 //!   is outstanding ([`Fetch::holds_transaction`]);
 //! - [`Fetch::settled`] commits once everything is written;
 //! - a lost session ends it (the server rolls it back; what was handed out
-//!   is not, and is delivered again).
+//!   is not, and is delivered again); the server ends a session that sat
+//!   idle inside it for `IDLE_SESSION_TIMEOUT` (4 s), so a frozen or
+//!   cut-off consumer's claim goes back to the others.
 
 use super::idle::IdleAdvance;
 use super::{Cx, Fetch, Room};
 use crate::consumer::completer::Written;
 use crate::consumer::leadership::Unled;
+use crate::consumer::leadership::lease::IDLE_SESSION_TIMEOUT;
 use crate::metrics as m;
 use crate::store::statement::StatementError;
 use crate::store::{FetchKind, FetchPage, FetchParams, FetchScope, FloorParams};
@@ -93,10 +96,14 @@ impl Fetch for ClaimFetch {
         Ok(())
     }
 
-    async fn session_opened(&mut self, _cx: Cx<'_>) -> Result<(), StatementError> {
+    async fn session_opened(&mut self, cx: Cx<'_>) -> Result<(), StatementError> {
         self.in_tx = false;
         crate::metrics::gauge!(m::PARTITIONS_OWNED).set(0.0);
-        Ok(())
+        // A consumer that stops talking to the server while it holds a
+        // claim (frozen, paused, cut off) loses it within this bound; a
+        // live one sends a keep-alive inside the claim after a second of
+        // quiet (`crate::consumer::maintenance`).
+        cx.work.bound_idle_in_claim(IDLE_SESSION_TIMEOUT, cx.stop()).await
     }
 
     fn session_lost(&mut self) {
