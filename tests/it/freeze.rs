@@ -291,9 +291,11 @@ async fn replaced_within_the_bound(url: &str, fault: Fault, mode: Mode, wal: boo
     // Competing: the burst's events still unsent at the fault were
     // claimed by the frozen relay; the takeover is when the last of them
     // was delivered by the other.
+    let mut claimed_unsent = 0;
     let takeover = if competing {
         let unsent: Vec<Instant> =
             burst.iter().filter_map(|(id, _)| first.get(id)).filter(|at| **at > faulted).copied().collect();
+        claimed_unsent = unsent.len();
         assert!(unsent.len() >= 50, "the frozen relay held {} unsent events of its claim", unsent.len());
         let last = unsent.into_iter().max().unwrap_or(faulted).duration_since(faulted);
         assert!(
@@ -308,7 +310,7 @@ async fn replaced_within_the_bound(url: &str, fault: Fault, mode: Mode, wal: boo
     };
     println!(
         "freeze fault={fault:?} mode={mode:?} source={} worst_wait={:.2}s takeover={:.2}s events={} lost={} \
-         duplicates={} order_violations={} late_deliveries={late}",
+         duplicates={} order_violations={} late_deliveries={late} claimed_unsent={claimed_unsent}",
         if wal { "wal" } else { "listen" },
         worst.as_secs_f64(),
         takeover.as_secs_f64(),
