@@ -96,10 +96,15 @@ fn record_lag(l: &crate::store::subscription_lag::Lag, was_behind: bool) {
     }
     ::metrics::gauge!(m::SUBSCRIPTION_BEHIND, &label).set(if l.behind() { 1.0 } else { 0.0 });
     if l.behind() && !was_behind {
+        let what = if l.expire {
+            "it opted in to expire (--expire), so it is marked expired now: retention stops waiting for it and its \
+             relays stop"
+        } else {
+            "it still holds retention, so nothing is dropped: start or fix its relay, or drop it"
+        };
         tracing::warn!(subscription = %l.name, lag_seconds = l.lag_seconds, max_lag_seconds = l.max_lag_seconds,
             signal = "subscription_behind",
-            "subscription {:?} is behind: its oldest unsettled event is older than its bound (--max-lag); unless it \
-             expires (--expire) it still holds retention, so nothing is dropped: start or fix its relay, or drop it",
+            "subscription {:?} is behind: its oldest unsettled event is older than its bound (--max-lag); {what}",
             l.name);
     } else if !l.behind() && was_behind {
         tracing::info!(subscription = %l.name, "subscription {:?} is within its lag bound again", l.name);

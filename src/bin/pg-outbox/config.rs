@@ -292,6 +292,9 @@ fn source(m: &ArgMatches, arg: &Arg, file: &FileLayer) -> String {
         },
         Some(_) => "default".to_string(),
         None if id == DATABASE_URL => "not set: libpq's PG* variables and defaults apply".to_string(),
+        None if id == "partitions" => {
+            format!("not set: {} with --mode partitioned", crate::cmd::relay::DEFAULT_PARTITIONS)
+        }
         None => "not set".to_string(),
     }
 }

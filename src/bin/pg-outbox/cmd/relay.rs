@@ -250,7 +250,7 @@ pub(crate) async fn run(pg: pg_outbox::ConnectOptions, args: RelayArgs) -> Resul
 }
 
 /// Partitions of `--mode partitioned` without `--partitions`.
-const DEFAULT_PARTITIONS: u32 = 16;
+pub(crate) const DEFAULT_PARTITIONS: u32 = 16;
 
 /// Refuse flag combinations that cannot work, naming the flags.
 fn check(args: &RelayArgs) -> Result<(), Error> {
@@ -318,12 +318,17 @@ fn log_start(args: &RelayArgs, target: &str, sink_name: &str, guarantee: pg_outb
         (SourceArg::Listen, true) => "no LISTEN: the sweep finds new events".to_string(),
         (SourceArg::Listen, false) => format!("listening on channel {}", pg_outbox::Consumer::NOTIFY_CHANNEL),
     };
+    let mode = match args.mode {
+        ModeArg::Single => "single".to_string(),
+        ModeArg::Partitioned => format!("partitioned {}", args.partitions.unwrap_or(DEFAULT_PARTITIONS)),
+        ModeArg::Competing => "competing".to_string(),
+    };
     match args.metrics_addr {
         Some(a) => {
-            tracing::info!(signal = "started", database = %target, subscription = %args.subscription, sink = %sink_name, max_buffered_bytes = %bound, metrics = %format!("http://{a}/metrics"), "relay started; {woken_by}")
+            tracing::info!(signal = "started", database = %target, subscription = %args.subscription, mode = %mode, sink = %sink_name, max_buffered_bytes = %bound, metrics = %format!("http://{a}/metrics"), "relay started; {woken_by}")
         }
         None => {
-            tracing::info!(signal = "started", database = %target, subscription = %args.subscription, sink = %sink_name, max_buffered_bytes = %bound, "relay started; {woken_by}")
+            tracing::info!(signal = "started", database = %target, subscription = %args.subscription, mode = %mode, sink = %sink_name, max_buffered_bytes = %bound, "relay started; {woken_by}")
         }
     }
     tracing::info!(sink = %sink_name, guarantee = %guarantee, max_in_flight = args.max_in_flight, "sink delivery guarantee: {guarantee}");
