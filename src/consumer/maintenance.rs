@@ -63,6 +63,9 @@ pub(super) struct Maintenance {
     /// This consumer's own subscription was found expired: the drain loop
     /// stops ([`Maintenance::own_expired`]).
     own_expired: bool,
+    /// This consumer's own subscription's state at the last read (`active`,
+    /// `paused`): a change is said once ([`said_state`]).
+    own_state: Option<String>,
     /// How this consumer delivers (`single`, `partitioned N`,
     /// `competing`), checked again at each gauges' turn against the other
     /// relays' ([`Self::conflict`]).
@@ -111,6 +114,32 @@ fn record_lag(l: &crate::store::subscription_lag::Lag, was_behind: bool) {
     }
 }
 
+/// A named subscription's relay found its subscription's state `now`,
+/// `before` at the last read (`None`: the first read): says when it was
+/// paused (signal `subscription_paused`: its relays deliver nothing until
+/// it is resumed) or resumed (`subscription_resumed`), and at the first
+/// read when it starts paused.
+fn said_state(name: &str, before: Option<&str>, now: &str) {
+    match (before, now) {
+        (None, "paused") => tracing::warn!(
+            subscription = name,
+            signal = "subscription_paused",
+            "subscription {name:?} is paused: this relay delivers nothing until `pg-outbox subscription resume {name}`"
+        ),
+        (Some("active"), "paused") => tracing::warn!(
+            subscription = name,
+            signal = "subscription_paused",
+            "subscription {name:?} was paused: this relay delivers nothing until `pg-outbox subscription resume {name}`"
+        ),
+        (Some("paused"), "active") => tracing::info!(
+            subscription = name,
+            signal = "subscription_resumed",
+            "subscription {name:?} was resumed: this relay delivers again"
+        ),
+        _ => {}
+    }
+}
+
 /// A database error of a best-effort statement: logged at debug level and
 /// swallowed; anything else (a timeout, a stop) is passed on.
 fn tolerate(r: Result<(), StatementError>, what: &str) -> Result<(), StatementError> {
@@ -144,6 +173,7 @@ impl Maintenance {
             keep_alive,
             behind: Some(BTreeSet::new()),
             own_expired: false,
+            own_state: None,
         }
     }
 
@@ -252,6 +282,10 @@ impl Maintenance {
         for l in &lags {
             record_lag(l, was.contains(&l.name));
             self.own_expired |= l.state == "expired" && own == Some(l.name.as_str());
+            if own == Some(l.name.as_str()) {
+                said_state(&l.name, self.own_state.as_deref(), &l.state);
+                self.own_state = Some(l.state.clone());
+            }
         }
         for l in lags.iter().filter(|l| l.behind() && l.expire && l.state != "expired") {
             let expired = match work.expire_subscription(&l.name, stop()).await {

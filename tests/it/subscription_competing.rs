@@ -436,3 +436,53 @@ async fn drain_pids(c: &Client) -> Vec<i32> {
     .map(|r| r.get(0))
     .collect()
 }
+
+/// A competing relay process of a subscription: it says when the
+/// subscription is paused and resumed while it runs (signals
+/// `subscription_paused`, `subscription_resumed`), delivers nothing while
+/// paused, and everything after, each event once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_competing_relay_says_when_its_subscription_is_paused_and_resumed() {
+    use tokio::io::AsyncBufReadExt;
+    let db = TestDb::new("sub_competing_pause").await;
+    let c = db.client().await;
+    create(&c, "audit").await;
+    let (mut relay, stdout) = crate::relay_proc::start_with_stdout(
+        &db,
+        &["--sink", "stdout", "--subscription", "audit", "--mode", "competing"],
+    )
+    .await;
+    let mut lines = tokio::io::BufReader::new(stdout).lines();
+    let first = insert_seed_events(&c, Uuid::new_v4(), 3).await;
+    let mut got = Vec::new();
+    while got.len() < first.len() {
+        let line = tokio::time::timeout(Duration::from_secs(20), lines.next_line()).await;
+        let Ok(Ok(Some(line))) = line else { panic!("no record ({line:?}): {}", relay.log()) };
+        let record: serde_json::Value = serde_json::from_str(&line).expect("a JSON record");
+        got.push(record["id"].as_i64().expect("an id"));
+    }
+    assert_eq!(got, first, "stdout takes one at a time, in id order");
+    pg_outbox::subscription::pause(&c, "audit").await.expect("pause");
+    relay.wait_signal(&["subscription_paused"], Duration::from_secs(20)).await.unwrap_or_else(|e| panic!("{e}"));
+    let later = insert_seed_events(&c, Uuid::new_v4(), 2).await;
+    if let Ok(Ok(Some(line))) = tokio::time::timeout(Duration::from_millis(1500), lines.next_line()).await {
+        panic!("delivered while paused: {line}");
+    }
+    pg_outbox::subscription::resume(&c, "audit").await.expect("resume");
+    relay.wait_signal(&["subscription_resumed"], Duration::from_secs(20)).await.unwrap_or_else(|e| panic!("{e}"));
+    let mut after = Vec::new();
+    while after.len() < later.len() {
+        let line = tokio::time::timeout(Duration::from_secs(20), lines.next_line()).await;
+        let Ok(Ok(Some(line))) = line else { panic!("no record after resume ({line:?}): {}", relay.log()) };
+        let record: serde_json::Value = serde_json::from_str(&line).expect("a JSON record");
+        after.push(record["id"].as_i64().expect("an id"));
+    }
+    assert_eq!(after, later);
+    assert!(
+        relay.log().contains("mode=competing") || relay.log().contains("\"mode\":\"competing\""),
+        "{}",
+        relay.log()
+    );
+    relay.sigterm();
+    assert!(relay.wait().await.success(), "the relay stops cleanly: {}", relay.log());
+}
