@@ -65,6 +65,7 @@ pub(crate) mod dead_letters;
 pub(crate) mod fetch;
 pub(crate) mod leader;
 pub(crate) mod locks;
+mod page;
 mod publish;
 #[cfg(feature = "relay")]
 pub(crate) mod replay;

@@ -33,9 +33,9 @@ use tokio_postgres::types::ToSql;
 use tokio_postgres::{Client, Statement};
 
 use super::fetch::{PayloadSizes, SUBSCRIPTION_WINDOW, within_budget};
+use super::page::FetchPage;
 use super::rows::EVENT_COLUMNS;
 use super::subscription::{Reader, claim_key};
-use super::work::FetchPage;
 
 /// A checkpoint: the highest id and the next transaction id one snapshot
 /// saw (`None` where ids do not follow transaction ids).
@@ -201,7 +201,7 @@ impl SubscriptionClaim {
             return Ok(FetchPage::default());
         }
         let params: [&(dyn ToSql + Sync); 3] = [&ids, &budget, &name];
-        super::work::decode_stream(client.query_raw(&self.rows, params).await?, budget, false).await
+        super::page::decode_stream(client.query_raw(&self.rows, params).await?, budget, false).await
     }
 }
 
