@@ -116,6 +116,7 @@ mod hot;
 mod keepup;
 mod latency;
 mod peers;
+mod pinning;
 mod pipeline;
 mod producers;
 mod report;

@@ -5,7 +5,10 @@
 //!   subscription draining the same backlog alone.
 //! - Producers: single-row autocommit inserts on [`PRODUCER_CONNS`]
 //!   connections (the `producers` load) while [`FAN`] subscriptions'
-//!   Consumers drain live, against one subscription's Consumer.
+//!   Consumers drain live, against one subscription's Consumer; again with
+//!   the producers and the drains pinned to CPUs of their own
+//!   ([`crate::pinning`]), which leaves what the drains cost the producers
+//!   through the database rather than through a shared CPU.
 //! - A failing sink: commit-to-delivery of subscription A at
 //!   [`FAIL_RATE`] events/s while subscription B's Consumer fails every
 //!   event (short retry ladder, so it retries and dead-letters within the
@@ -25,6 +28,7 @@ use pg_outbox::tokio_postgres::{Client, Config};
 use pg_outbox::{Consumer, EventStream, RetryPolicy};
 use serde::Serialize;
 
+use crate::pinning;
 use crate::producers::{median, run_load};
 use crate::report::{Section, fmt_count, fmt_ms, fmt_ratio, ratio};
 use crate::util::{self, RowKind, scratch};
@@ -262,6 +266,9 @@ struct ProducerRun {
     /// the warm-up (microseconds, `/proc`): what each insert costs the
     /// server, whatever else runs on the machine.
     cpu_us_per_insert: Option<f64>,
+    /// The run was to be pinned ([`crate::pinning`]) and every thread and
+    /// server process of it was: `None` for an unpinned run.
+    pinned: Option<bool>,
 }
 
 /// Sample the producers' hint every 10 ms from `warmup` seconds on until
@@ -285,10 +292,27 @@ async fn sample_hint(client: Client, warmup: f64, stop: Arc<AtomicBool>) -> Benc
     Ok(((all > 0).then(|| set as f64 / all as f64), busy))
 }
 
-/// One producers' run with `subs` subscriptions' Consumers draining live.
-async fn producers_run(ctx: &Ctx, subs: usize) -> BenchResult<ProducerRun> {
+/// One producers' run with `subs` subscriptions' Consumers draining live;
+/// with `pinned`, the Consumers on a runtime of their own, and they and
+/// their server processes on one CPU, the producers and theirs on another
+/// ([`crate::pinning`]).
+async fn producers_run(ctx: &Ctx, subs: usize, pinned: bool) -> BenchResult<ProducerRun> {
     let (warmup, secs) = (ctx.settings.producer_warmup_secs, ctx.settings.producer_secs);
     let db = scratch(&ctx.admin, &ctx.admin_cfg, "sub_producers").await?;
+    let drains = if pinned {
+        Some(
+            tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(1)
+                .thread_name(pinning::DRAINS_THREAD)
+                .on_thread_start(|| {
+                    pinning::pin(0, &[pinning::DRAINS_CPU]);
+                })
+                .enable_all()
+                .build()?,
+        )
+    } else {
+        None
+    };
     let result = async {
         let client = connect(&db.cfg).await?;
         let stop = Arc::new(AtomicBool::new(false));
@@ -296,13 +320,31 @@ async fn producers_run(ctx: &Ctx, subs: usize) -> BenchResult<ProducerRun> {
         for i in 0..subs {
             let name = format!("live_{i}");
             create(&client, &name).await?;
-            let stream = Consumer::builder(options_of(&db.cfg)).subscription(name).start().await?;
-            readers.push(tokio::spawn(ack_until(stream, stop.clone())));
+            let (opts, stop) = (options_of(&db.cfg), stop.clone());
+            let reader = async move {
+                let stream = Consumer::builder(opts).subscription(name).start().await?;
+                ack_until(stream, stop).await
+            };
+            readers.push(match &drains {
+                Some(rt) => rt.spawn(reader),
+                None => tokio::spawn(reader),
+            });
         }
         // Let the consumers reach their idle state (asking for wake-ups).
         tokio::time::sleep(Duration::from_millis(200)).await;
+        let threads_pinned = pinned && pinning::pin_own_threads(false);
         let sampler = tokio::spawn(sample_hint(connect(&db.cfg).await?, warmup, stop.clone()));
-        let load = run_load(&db.cfg, PRODUCER_CONNS, warmup + secs, warmup, 0).await;
+        // The producers' server processes exist once the load has opened
+        // its connections: pinned then, within the warm-up.
+        let pin_backends = async {
+            if !pinned {
+                return None;
+            }
+            tokio::time::sleep(Duration::from_secs_f64((warmup / 2.0).min(0.3))).await;
+            pinning::pin_backends(&client).await
+        };
+        let (load, backends) = tokio::join!(run_load(&db.cfg, PRODUCER_CONNS, warmup + secs, warmup, 0), pin_backends);
+        let pinned = pinned.then_some(threads_pinned && backends.is_some_and(|n| n > PRODUCER_CONNS));
         stop.store(true, Ordering::SeqCst);
         let mut fewest = u64::MAX;
         for r in readers {
@@ -315,9 +357,13 @@ async fn producers_run(ctx: &Ctx, subs: usize) -> BenchResult<ProducerRun> {
         let kept_up = if inserted > 0 { fewest as f64 / inserted as f64 } else { 0.0 };
         let per_second = if secs > 0.0 { counted as f64 / secs } else { 0.0 };
         let cpu_us_per_insert = load.backend_cpu_us.filter(|_| counted > 0).map(|us| us / counted as f64);
-        Ok::<_, BoxError>(ProducerRun { per_second, kept_up, notify_share, machine_busy, cpu_us_per_insert })
+        Ok::<_, BoxError>(ProducerRun { per_second, kept_up, notify_share, machine_busy, cpu_us_per_insert, pinned })
     }
     .await;
+    if let Some(rt) = drains {
+        pinning::pin_own_threads(true);
+        rt.shutdown_background();
+    }
     db.drop_now(&ctx.admin).await;
     result
 }
@@ -331,13 +377,27 @@ pub struct ProducersCmp {
     counted_secs: f64,
     one: Vec<ProducerRun>,
     many: Vec<ProducerRun>,
+    /// The same, pinned ([`crate::pinning`]); empty where pinning cannot
+    /// be tried.
+    one_pinned: Vec<ProducerRun>,
+    many_pinned: Vec<ProducerRun>,
 }
 
 impl ProducersCmp {
     /// Median of the rounds' ratios, [`FAN`] against one.
     fn ratio(&self) -> Option<f64> {
-        let mut r: Vec<f64> =
-            self.many.iter().zip(&self.one).filter_map(|(m, o)| ratio(m.per_second, o.per_second)).collect();
+        Self::rate_ratio(&self.many, &self.one)
+    }
+
+    /// Median of the pinned rounds' ratios, [`FAN`] against one, where
+    /// every pinned run was pinned.
+    fn pinned_ratio(&self) -> Option<f64> {
+        let all = self.one_pinned.iter().chain(&self.many_pinned).all(|r| r.pinned == Some(true));
+        Self::rate_ratio(&self.many_pinned, &self.one_pinned).filter(|_| all)
+    }
+
+    fn rate_ratio(many: &[ProducerRun], one: &[ProducerRun]) -> Option<f64> {
+        let mut r: Vec<f64> = many.iter().zip(one).filter_map(|(m, o)| ratio(m.per_second, o.per_second)).collect();
         (!r.is_empty()).then(|| median(&mut r))
     }
 
@@ -369,23 +429,36 @@ async fn producers(ctx: &Ctx) -> BenchResult<ProducersCmp> {
         counted_secs: ctx.settings.producer_secs,
         one: Vec::new(),
         many: Vec::new(),
+        one_pinned: Vec::new(),
+        many_pinned: Vec::new(),
     };
+    let variants: &[bool] = if pinning::available() { &[false, true] } else { &[false] };
     for round in 0..ctx.settings.producer_rounds.max(1) {
         let order = if round % 2 == 0 { [1, FAN] } else { [FAN, 1] };
-        for n in order {
-            let run = producers_run(ctx, n).await?;
+        for (pinned, n) in variants.iter().flat_map(|p| order.map(|n| (*p, n))) {
+            let run = producers_run(ctx, n, pinned).await?;
             let pct = |v: Option<f64>| v.map_or("n/a".into(), |v| format!("{:.0} %", v * 100.0));
             eprintln!(
-                "e2e: subscriptions: producers round {round}, {n} subscription(s) draining: {} inserts/s, {} \
+                "e2e: subscriptions: producers round {round}, {n} subscription(s) draining{}: {} inserts/s, {} \
                  server CPU per insert, the slowest consumer acknowledged {} of them, hint said notify {}, machine \
                  busy {}",
+                match run.pinned {
+                    None => "",
+                    Some(true) => ", pinned",
+                    Some(false) => ", pinning refused",
+                },
                 fmt_count(run.per_second),
                 run.cpu_us_per_insert.map_or("n/a".into(), |us| format!("{us:.1} us")),
                 pct(Some(run.kept_up)),
                 pct(run.notify_share),
                 pct(run.machine_busy)
             );
-            if n == 1 { out.one.push(run) } else { out.many.push(run) }
+            match (pinned, n) {
+                (false, 1) => out.one.push(run),
+                (false, _) => out.many.push(run),
+                (true, 1) => out.one_pinned.push(run),
+                (true, _) => out.many_pinned.push(run),
+            }
         }
     }
     Ok(out)
@@ -640,6 +713,18 @@ impl Many {
         sec.rows.push(row(&what, one.into(), rate(&p.one), one, "1.00x".into()));
         sec.rows.push(row(&what, format!("{FAN} subscriptions draining"), rate(&p.many), one, fmt_ratio(p.ratio())));
         sec.target(format!("producers' insert rate with {FAN} subscriptions >= 0.98x with 1"), p.ratio(), 0.98, false);
+        if !p.one_pinned.is_empty() {
+            let pinned = format!("{what}, producers and drains on CPUs of their own");
+            sec.rows.push(row(&pinned, one.into(), rate(&p.one_pinned), one, "1.00x".into()));
+            let many = format!("{FAN} subscriptions draining");
+            sec.rows.push(row(&pinned, many, rate(&p.many_pinned), one, fmt_ratio(p.pinned_ratio())));
+            sec.target(
+                format!("producers' insert rate with {FAN} subscriptions >= 0.98x with 1, on CPUs of their own"),
+                p.pinned_ratio(),
+                0.98,
+                false,
+            );
+        }
         let what = format!("producers' server CPU per insert, {} connections", p.connections);
         let cpu = |runs: &[ProducerRun]| {
             ProducersCmp::median_of(runs, |r| r.cpu_us_per_insert).map_or("n/a".into(), |us| format!("{us:.1} us"))
@@ -697,7 +782,11 @@ impl Many {
              acknowledged at least {} (1) and {} ({FAN}) of the inserts when the producers stopped; after the \
              warm-up (medians), the producers' hint (`events.outbox_hint`, sampled every 10 ms) said \
              \"notify\" (some consumer waits for a wake-up, so every insert's transaction notifies) {} (1) and {} \
-             ({FAN}) of the time, the machine's CPU was busy {} (1) and {} ({FAN}). Failing sink: \
+             ({FAN}) of the time, the machine's CPU was busy {} (1) and {} ({FAN}). Pinned (where the machine has \
+             two CPUs or more): the same runs with this process's threads and the producers' server processes on \
+             CPU {} and the Consumers (a runtime of their own) and their server processes on CPU {} \
+             (`sched_setaffinity`; the server's background processes float), so that the drains reach the \
+             producers only through the database; {}. Failing sink: \
              subscriptions A and B on one outbox, {} events/s for {} s (fresh aggregates, {LATENCY_PRODUCERS} \
              producer connections), A's Consumer acknowledging (commit to delivery measured), B's failing every \
              delivery (retry ladder {FAIL_STEPS_MS:?} ms, dead letter at the {FAIL_MAX_RETRIES}th failure; dead \
@@ -713,6 +802,17 @@ impl Many {
             pct(many, |r| r.notify_share),
             pct(one, |r| r.machine_busy),
             pct(many, |r| r.machine_busy),
+            pinning::PRODUCERS_CPU,
+            pinning::DRAINS_CPU,
+            match (self.producers.one_pinned.is_empty(), self.producers.pinned_ratio()) {
+                (true, _) => "not run here (fewer than two CPUs)".to_string(),
+                (false, Some(_)) => format!(
+                    "the slowest Consumer had acknowledged at least {} (1) and {} ({FAN}) of the inserts",
+                    fewest(&self.producers.one_pinned),
+                    fewest(&self.producers.many_pinned)
+                ),
+                (false, None) => "the kernel refused some of the pinning, so no ratio is given".to_string(),
+            },
             self.failing_sink.rate,
             self.failing_sink.secs,
             dead.join(" / "),
