@@ -206,8 +206,8 @@ impl SubscriptionClaim {
 }
 
 /// The claim's statements for the plan tests: `subscription_claim`
-/// ([`claim_sql`]: `$1 bigint` batch, `$2 text` name, `$3 int4` class)
-/// and `subscription_claimed_rows` ([`claimed_rows_sql`] for the server
+/// (`claim_sql`: `$1 bigint` batch, `$2 text` name, `$3 int4` class)
+/// and `subscription_claimed_rows` (`claimed_rows_sql` for the server
 /// `server_version_num`: `$1 bigint[]` ids, `$2 bigint` byte budget,
 /// `$3 text` name), and the claim class of subscription `name`.
 #[cfg(feature = "kit")]
