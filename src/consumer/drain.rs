@@ -368,7 +368,7 @@ impl<K: WakeKind, F: Fetch> Engine<K, F> {
     async fn renew_lease(&mut self) {
         if !self.fetch.leadership().fenced() {
             // No term held: a standby's buffer was released when it lost
-            // its term; in competing mode nothing is fenced.
+            // its term.
             return;
         }
         let sent = Instant::now();

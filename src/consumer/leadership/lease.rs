@@ -118,7 +118,7 @@ pub(in crate::consumer) fn ended_idle_in_claim(e: &tokio_postgres::Error, retry_
 /// Whether buffered deliveries may be handed out.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum LeaseState {
-    /// The consumer holds no term (competing mode, a standby, a partitioned
+    /// The consumer holds no term nor claim (a standby, a partitioned
     /// member holding no partition): no lease applies.
     Unfenced,
     /// Until this instant.

@@ -69,10 +69,11 @@ pub(super) trait Leadership: Send {
     }
 
     /// Does this consumer hold a leadership term now (single mode's leader,
-    /// a partitioned consumer holding partitions)? Then a fetch must find
-    /// its terms current for its rows to be handed out
+    /// a partitioned consumer holding partitions), or a claim (competing
+    /// mode: [`Unled`])? Then a fetch must find its terms current (its
+    /// claim's session alive) for its rows to be handed out
     /// ([`Self::check_page`]), and hand-outs are bound by the lease.
-    /// `false`: a standby, competing mode; nothing is fenced.
+    /// `false`: a standby, a member holding no partition.
     fn fenced(&self) -> bool;
 
     /// What `page`'s rows say of the terms held (each row carries its
@@ -140,7 +141,14 @@ impl Leadership for Ownership {
     }
 }
 
-/// Competing mode's leadership: none. No lock, no term, nothing fenced.
+/// Competing mode's leadership: no lock and no term; but what it hands out
+/// is claimed by a transaction on its work session, which the server ends
+/// once it sits idle for `IDLE_SESSION_TIMEOUT` (the claim then goes to
+/// other consumers). So hand-outs are bound by the lease ([`LEASE`], 2 s,
+/// well inside those 4 s) from the last statement that found the session
+/// alive (a fetch, or a keep-alive sent to renew it): a consumer that was
+/// frozen past its claim hands nothing more out of it, and what it had
+/// buffered is released with the session. Writes carry no fence.
 #[derive(Debug, Clone, Copy, Default)]
 pub(super) struct Unled;
 
@@ -166,15 +174,17 @@ impl Leadership for Unled {
     }
 
     fn fenced(&self) -> bool {
-        false
+        true
     }
 
     fn check_page(&self, _page: &FetchPage) -> TermCheck {
-        TermCheck::Unfenced
+        // The fetch ran on the session that holds the claim.
+        TermCheck::Confirmed
     }
 
-    async fn confirm_terms(&self, _cx: Cx<'_>) -> Result<TermCheck, StatementError> {
-        Ok(TermCheck::Unfenced)
+    async fn confirm_terms(&self, cx: Cx<'_>) -> Result<TermCheck, StatementError> {
+        cx.work.keep_alive(cx.stop()).await?;
+        Ok(TermCheck::Confirmed)
     }
 
     fn fence_for(&self, _ids: &[i64]) -> Option<Fence> {
