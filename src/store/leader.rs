@@ -243,10 +243,9 @@ pub(crate) async fn check_term_privileges<C: GenericClient + Sync>(client: &C) -
 /// recorded with its term (`holder_started`) stands in, and `older` is NULL
 /// when it recorded none; and `relay_pid`, `relay_host`: which relay
 /// process it belongs to, as it registered (migration 0015; NULL when it
-/// did not); and `competing` (a claim lock of a named subscription's class
-/// $5, held while the claim transaction is open; NULL for the default,
-/// whose claims are row locks). A single-mode standby holds no lock and is
-/// not seen, nor a competing reader between claims.
+/// did not); and `competing` (competing mode's membership lock, class $5,
+/// held by every competing consumer's work session). A single-mode standby
+/// holds no lock and is not seen.
 const OTHER_CONFIGS: &str = "SELECT DISTINCT ON (l.pid, l.classid, l.objsubid) l.pid, CASE \
        WHEN l.objsubid = 1 THEN 'single' \
        WHEN l.classid = ($5::int4)::bigint::oid THEN 'competing' \
@@ -318,8 +317,8 @@ pub(crate) async fn other_configurations<C: GenericClient + Sync>(
     reader: &super::subscription::Reader,
 ) -> std::result::Result<Vec<tokio_postgres::Row>, tokio_postgres::Error> {
     let (leader, member, partition) = (reader.leader_key(), reader.member_class(), reader.partition_class());
-    let (prefix, claim) = (reader.partition_scope_prefix(), reader.claim_class());
-    client.query(OTHER_CONFIGS, &[&leader, &member, &partition, &prefix, &claim]).await
+    let (prefix, competing) = (reader.partition_scope_prefix(), reader.competing_class());
+    client.query(OTHER_CONFIGS, &[&leader, &member, &partition, &prefix, &competing]).await
 }
 
 /// The first of `rows` ([`OTHER_CONFIGS`]) whose configuration differs

@@ -43,6 +43,14 @@ pub(crate) const PARTITION_CLASS: i32 = 0x706f_0001;
 /// to tell how many consumers share the partitions.
 pub(crate) const MEMBER_CLASS: i32 = 0x706f_0002;
 
+/// Competing mode: one membership lock per consumer, `(COMPETING_CLASS,
+/// its backend pid)`. Session level, two int4. Held by each competing
+/// consumer's work session for its lifetime ([`COMPETING_LOCK`]): between
+/// claims it holds nothing else, and the other relays' configuration check
+/// (`super::leader`, `OTHER_CONFIGS`) must see it. A named subscription's
+/// is its claim class plus one (`super::subscription::Reader::competing_class`).
+pub(crate) const COMPETING_CLASS: i32 = 0x706f_0004;
+
 /// The insert trigger's class (`triggers/outbox_insert_order_and_notify.sql`,
 /// `triggers/outbox_relays_refresh_hint.sql`), 1886322691: two-int4 locks
 /// `(TRIGGER_CLASS, BULK_GATE)` and `(TRIGGER_CLASS, HINT_WRITERS)`. The
@@ -81,6 +89,10 @@ const TRY_XACT_LOCK: &str = "SELECT pg_try_advisory_xact_lock($1)";
 /// Partitioned mode: hold a membership lock for this session ($1
 /// [`MEMBER_CLASS`], $2 key).
 pub(crate) const MEMBER_LOCK: &str = "SELECT pg_advisory_lock($1, $2)";
+/// Competing mode: hold a membership lock for this session ($1, the
+/// reader's competing class, [`COMPETING_CLASS`] for the default; key: the
+/// backend pid).
+pub(crate) const COMPETING_LOCK: &str = "SELECT pg_advisory_lock($1, pg_backend_pid())";
 /// Partitioned mode: how many consumers hold a membership lock of class $1
 /// in this database (two-int4 advisory locks have `objsubid = 2`,
 /// PostgreSQL docs "pg_locks").

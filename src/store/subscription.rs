@@ -10,7 +10,7 @@ use std::sync::Arc;
 
 use tokio_postgres::GenericClient;
 
-use super::locks::{LEADER_KEY, MEMBER_CLASS, PARTITION_CLASS};
+use super::locks::{COMPETING_CLASS, LEADER_KEY, MEMBER_CLASS, PARTITION_CLASS};
 use crate::error::{Error, Result};
 
 /// The scope of single mode's term in `events.outbox_terms` (migration
@@ -107,6 +107,20 @@ impl Reader {
         match self {
             Reader::Default => None,
             Reader::Subscription(_) => Some(0x5000_0000 | (self.partition_class() & 0x0FFF_FFFF)),
+        }
+    }
+}
+
+impl Reader {
+    /// The class of competing mode's membership lock, held by each
+    /// competing consumer's work session for its lifetime
+    /// ([`super::locks::COMPETING_LOCK`]): [`COMPETING_CLASS`] for the
+    /// default subscription; for a named one its claim class plus one (an
+    /// odd number, apart from every claim lock's class).
+    pub(crate) fn competing_class(&self) -> i32 {
+        match self.claim_class() {
+            None => COMPETING_CLASS,
+            Some(claim) => claim | 1,
         }
     }
 }
@@ -272,5 +286,10 @@ mod tests {
         assert_eq!(x.claim_class(), y.claim_class(), "a claim class is shared with the partition class");
         assert_eq!(audit.claim_class(), Some(0x5000_0000 | (p & 0x0FFF_FFFF)));
         assert_ne!(audit.claim_class(), Reader::Subscription("audit2".into()).claim_class());
+        assert_eq!(Reader::Default.competing_class(), COMPETING_CLASS);
+        assert_eq!(audit.competing_class(), audit.claim_class().unwrap_or_default() | 1);
+        for class in [PARTITION_CLASS, MEMBER_CLASS, COMPETING_CLASS, super::super::locks::TRIGGER_CLASS] {
+            assert_eq!(class >> 16, 0x706f, "the outbox's classes share their high half");
+        }
     }
 }

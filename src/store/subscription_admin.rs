@@ -163,6 +163,10 @@ pub struct Subscription {
     /// holder and term; empty when none is held. For the default
     /// subscription, the outbox's ([`super::OutboxStatus::partitions`]).
     pub partitions: Vec<super::leader::PartitionHolder>,
+    /// Relays or consumers reading it in competing mode (each holds a
+    /// membership lock for as long as it runs; docs/architecture.md,
+    /// "Advisory lock keys"); 0 when none does.
+    pub competing: u32,
 }
 
 /// What a rewind did.
@@ -397,6 +401,7 @@ fn subscription_from_row(r: &tokio_postgres::Row) -> Result<Subscription> {
         counts_exact: walked <= FAILURES_COUNTED,
         leader: None,
         partitions: Vec::new(),
+        competing: 0,
     })
 }
 
@@ -413,8 +418,16 @@ pub(crate) async fn named<C: GenericClient + Sync>(client: &C, name: Option<&str
         let reader = super::subscription::Reader::Subscription(s.name.as_str().into());
         s.leader = super::leader::leader_lock(client, reader.leader_key(), &reader.leader_scope()).await?;
         s.partitions = super::leader::partition_holders(client, &reader).await?;
+        s.competing = competing_readers(client, &reader).await?;
     }
     Ok(all)
+}
+
+/// How many sessions hold `reader`'s competing membership lock
+/// (`super::locks::COUNT_MEMBERS` of its competing class).
+async fn competing_readers<C: GenericClient + Sync>(client: &C, reader: &super::subscription::Reader) -> Result<u32> {
+    let row = client.query_one(super::locks::COUNT_MEMBERS, &[&reader.competing_class()]).await?;
+    Ok(u32::try_from(row.try_get::<_, i64>("members")?).unwrap_or(u32::MAX))
 }
 
 /// One subscription with its figures.
@@ -470,6 +483,7 @@ pub(crate) fn default_from(b: &Backlog) -> Subscription {
         counts_exact: b.estimated.is_empty(),
         leader: None,
         partitions: Vec::new(),
+        competing: 0,
     }
 }
 
@@ -483,6 +497,7 @@ pub(crate) async fn list<C: GenericClient + Sync>(client: &C) -> Result<Vec<Subs
     let mut default = default_from(&b);
     default.leader = super::leader::leader_lock(client, super::locks::LEADER_KEY, super::leader::OUTBOX_SCOPE).await?;
     default.partitions = super::leader::partition_holders(client, &super::subscription::Reader::Default).await?;
+    default.competing = competing_readers(client, &super::subscription::Reader::Default).await?;
     let mut all = vec![default];
     all.extend(named(client, None).await?);
     Ok(all)

@@ -17,7 +17,7 @@ use super::fetch::{SUBSCRIPTION_NEXT_RETRY_IN, subscription_fetch_sql};
 use super::leader::{BOUND_IDLE, BOUND_IDLE_IN_CLAIM, KEEP_ALIVE, RAISE_TERM, REGISTER_IDENTITY};
 use super::leader::{CURRENT_TERM, CURRENT_TERMS, Holder, LEADER_HOLDER, RELEASE_TERM, TAKE_TERM, TERMINATE_STRANDED};
 use super::leader::{TermTaken, holder_from_row};
-use super::locks::{COUNT_MEMBERS, MEMBER_LOCK, PARTITION_UNLOCK};
+use super::locks::{COMPETING_LOCK, COUNT_MEMBERS, MEMBER_LOCK, PARTITION_UNLOCK};
 use super::locks::{TRY_LEADER_LOCK, TRY_PARTITION_LOCK};
 use super::page::decode_stream;
 pub(crate) use super::page::{FetchPage, FetchedRow, FloorReading, RowIdentity, Undecodable};
@@ -580,6 +580,13 @@ impl WorkSession {
         let class = self.reader.member_class();
         let params: [&(dyn ToSql + Sync); 2] = [&class, &key];
         self.run(StatementKind::SessionSetup, stop, self.client.execute(MEMBER_LOCK, &params)).await.map(drop)
+    }
+
+    /// Hold competing mode's membership lock for the session's lifetime
+    /// ([`COMPETING_LOCK`]).
+    pub(crate) async fn take_competing_lock(&self, stop: impl Future<Output = ()>) -> Result<(), StatementError> {
+        let class = self.reader.competing_class();
+        self.run(StatementKind::SessionSetup, stop, self.client.execute(COMPETING_LOCK, &[&class])).await.map(drop)
     }
 
     /// Consumers holding a membership lock ([`COUNT_MEMBERS`]).

@@ -136,6 +136,15 @@ async fn competing_consumers_never_deliver_an_event_twice_in_a_clean_run() {
         assert!(Instant::now() < deadline, "{left} events still unpublished");
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
+    // Idle competing consumers hold no row lock, but their membership
+    // lock: a single-mode consumer is refused beside them.
+    let e = pg_outbox::Consumer::builder(db.options())
+        .mode(Mode::Single)
+        .start()
+        .await
+        .expect_err("single beside idle competing consumers")
+        .to_string();
+    assert!(e.contains("this outbox as competing") && e.contains("configured as single"), "{e}");
     for (h, r) in readers {
         h.shutdown();
         r.await.expect("reader");

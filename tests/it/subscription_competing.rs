@@ -86,6 +86,20 @@ async fn competing_readers_of_a_subscription_deliver_each_event_once_and_move_it
     tokio::time::sleep(Duration::from_millis(500)).await;
     let last = committed.iter().copied().max().expect("events");
     cursor_reaches(&c, "audit", last).await;
+    let listed = pg_outbox::subscription::get(&c, "audit").await.expect("the subscription");
+    assert_eq!((listed.competing, listed.leader.is_none()), (3, true), "list shows the competing readers");
+    // Idle competing readers (no claim held) are still seen: a single or
+    // partitioned reader of the subscription is refused beside them.
+    for mode in [Mode::Single, Mode::Partitioned { partitions: 4 }] {
+        let e = pg_outbox::Consumer::builder(db.options())
+            .subscription("audit")
+            .mode(mode)
+            .start()
+            .await
+            .expect_err("beside idle competing readers")
+            .to_string();
+        assert!(e.contains("subscription \"audit\" as competing"), "{mode:?}: {e}");
+    }
     for (h, r) in readers {
         h.shutdown();
         r.await.expect("reader");

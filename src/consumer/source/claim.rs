@@ -103,7 +103,9 @@ impl Fetch for ClaimFetch {
         // claim (frozen, paused, cut off) loses it within this bound; a
         // live one sends a keep-alive inside the claim after a second of
         // quiet (`crate::consumer::maintenance`).
-        cx.work.bound_idle_in_claim(IDLE_SESSION_TIMEOUT, cx.stop()).await
+        cx.work.bound_idle_in_claim(IDLE_SESSION_TIMEOUT, cx.stop()).await?;
+        // Seen by the other relays' configuration check, between claims too.
+        cx.work.take_competing_lock(cx.stop()).await
     }
 
     fn session_lost(&mut self) {

@@ -283,6 +283,9 @@ pub(crate) fn leader_cell(s: &Subscription) -> String {
             let of = s.partitions.iter().find_map(|p| p.partitions).map_or("?".to_string(), |n| n.to_string());
             format!("partitions {}/{of} held by {}", s.partitions.len(), pids.len())
         }
+        None if s.competing > 0 => {
+            format!("competing: {} relay{}", s.competing, if s.competing == 1 { "" } else { "s" })
+        }
         None => "none".into(),
         Some(l) if !l.live => format!("stranded: pid {} (not a live relay)", l.pid),
         Some(l) => match l.term {
