@@ -93,6 +93,8 @@
 //!   `max_connections`;
 //! - `PG_OUTBOX_BENCH_RATES=1000`: event rates for `latency`, events/s
 //!   (default 100,1000,5000);
+//! - `PG_OUTBOX_BENCH_PRODUCER_ROUNDS=5`: rounds of the producers'
+//!   comparisons (`producers`, `subscriptions`; default 6, quick 1);
 //! - `PG_OUTBOX_BENCH_RELAY_BIN=/path/to/pg-outbox`: the relay binary the
 //!   scenarios start, instead of the one cargo built (to compare two builds
 //!   on the same machine).
@@ -374,6 +376,9 @@ impl Settings {
         }
         if let Some(v) = env_list::<u64>("PG_OUTBOX_BENCH_RATES", "100,1000")? {
             s.latency_rates = v;
+        }
+        if let Some(v) = env_list::<usize>("PG_OUTBOX_BENCH_PRODUCER_ROUNDS", "5")? {
+            s.producer_rounds = v.iter().copied().max().unwrap_or(1);
         }
         Ok(s)
     }
