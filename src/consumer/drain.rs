@@ -614,8 +614,13 @@ impl<K: WakeKind, F: Fetch> Engine<K, F> {
     fn gone(&mut self, loss: &Loss) -> bool {
         let Some(name) = self.cfg.reader.subscription() else { return false };
         let Loss::Statement(StatementError { failure: Failure::Db(e), .. }) = loss else { return false };
-        if self.fatal.is_some() || e.code() != Some(&tokio_postgres::error::SqlState::NO_DATA_FOUND) {
+        if e.code() != Some(&tokio_postgres::error::SqlState::NO_DATA_FOUND) {
             return false;
+        }
+        if self.fatal.is_some() {
+            // Already ending (its drop found first by another statement,
+            // or another cause): nothing more to say.
+            return true;
         }
         tracing::error!(
             subscription = name,

@@ -500,3 +500,38 @@ async fn a_competing_relay_says_when_its_subscription_is_paused_and_resumed() {
     relay.sigterm();
     assert!(relay.wait().await.success(), "the relay stops cleanly: {}", relay.log());
 }
+
+/// Two competing readers under load whose subscription is dropped: each
+/// stops with `SubscriptionError::Unknown`, whichever statement of it (a
+/// claim, or a settlement in its claim) finds the drop first.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn competing_readers_of_a_dropped_subscription_stop_with_its_name() {
+    let db = TestDb::new("sub_competing_drop").await;
+    let c = db.client().await;
+    create(&c, "audit").await;
+    let mut readers = Vec::new();
+    for _ in 0..2 {
+        let mut s = start(&db, |b| b.subscription("audit").mode(Mode::Competing).batch_size(20)).await;
+        readers.push(tokio::spawn(async move {
+            while let Some(d) = s.next().await {
+                tokio::time::sleep(Duration::from_millis(2)).await;
+                d.ack();
+            }
+            s.finish().await
+        }));
+    }
+    for _ in 0..10 {
+        insert_seed_events(&c, Uuid::new_v4(), 50).await;
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    pg_outbox::subscription::drop(&c, "audit").await.expect("drop");
+    for r in readers {
+        let ended = tokio::time::timeout(Duration::from_secs(20), r).await.expect("stopped").expect("reader");
+        match ended {
+            Err(pg_outbox::Error::Subscription(pg_outbox::error::SubscriptionError::Unknown(name))) => {
+                assert_eq!(name, "audit");
+            }
+            other => panic!("a dropped subscription's competing reader ended with {other:?}"),
+        }
+    }
+}

@@ -7,6 +7,7 @@ use tokio::time::Instant;
 use super::Engine;
 use crate::consumer::completer::FlushDone;
 use crate::consumer::source::{Fetch, Leadership, WakeKind};
+use crate::error::SubscriptionError;
 use crate::store::statement;
 
 impl<K: WakeKind, F: Fetch> Engine<K, F> {
@@ -75,7 +76,16 @@ impl<K: WakeKind, F: Fetch> Engine<K, F> {
     fn report_unwritten(&self) {
         let (acks, fails) = self.completer.pending_counts();
         let unfinished = self.completer.writing();
-        if acks + fails + unfinished > 0 {
+        let dropped = matches!(self.fatal, Some(crate::error::Error::Subscription(SubscriptionError::Unknown(_))));
+        if acks + fails + unfinished > 0 && dropped {
+            tracing::warn!(
+                acknowledgements = acks,
+                failures = fails,
+                unfinished,
+                "the final settlements were not written: the subscription was dropped, so nothing is delivered again \
+                 for it"
+            );
+        } else if acks + fails + unfinished > 0 {
             tracing::error!(
                 acknowledgements = acks,
                 failures = fails,
