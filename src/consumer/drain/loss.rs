@@ -83,23 +83,27 @@ impl Loss {
                         kind.describe()
                     )
                 }
-                Failure::Db(e) if e.code() == Some(&tokio_postgres::error::SqlState::IDLE_SESSION_TIMEOUT) => {
-                    lease::ended_idle(&e, delay)
-                }
-                Failure::Db(e)
-                    if e.code() == Some(&tokio_postgres::error::SqlState::IDLE_IN_TRANSACTION_SESSION_TIMEOUT) =>
-                {
-                    lease::ended_idle_in_claim(&e, delay)
-                }
-                Failure::Db(e) => {
-                    let error = crate::error::report(&e);
-                    tracing::warn!(error = %error, during = kind.describe(), retry_in = ?delay,
-                    "database error in the drain loop; reconnecting");
-                    format!("{}: {error}", kind.describe())
-                }
+                Failure::Db(e) => database_error(&e, kind, delay),
                 Failure::Stopped => return None,
             },
         };
         Some(error)
+    }
+}
+
+/// A database error that cost the sessions, logged and described for the
+/// health: the server ended a session that sat idle (a leader's, or a
+/// competing consumer's inside its claim: this relay stalled), or another.
+fn database_error(e: &tokio_postgres::Error, kind: statement::StatementKind, delay: Duration) -> String {
+    use tokio_postgres::error::SqlState;
+    match e.code() {
+        Some(c) if *c == SqlState::IDLE_SESSION_TIMEOUT => lease::ended_idle(e, delay),
+        Some(c) if *c == SqlState::IDLE_IN_TRANSACTION_SESSION_TIMEOUT => lease::ended_idle_in_claim(e, delay),
+        _ => {
+            let error = crate::error::report(e);
+            tracing::warn!(error = %error, during = kind.describe(), retry_in = ?delay,
+            "database error in the drain loop; reconnecting");
+            format!("{}: {error}", kind.describe())
+        }
     }
 }
