@@ -93,6 +93,9 @@
 //!   `max_connections`;
 //! - `PG_OUTBOX_BENCH_RATES=1000`: event rates for `latency`, events/s
 //!   (default 100,1000,5000);
+//! - `PG_OUTBOX_BENCH_CONSUMER_OPTIONS='-c synchronous_commit=off'`: server
+//!   settings of the subscriptions' Consumers in the producers' comparison
+//!   of `subscriptions` (libpq's `options`; none by default);
 //! - `PG_OUTBOX_BENCH_PRODUCER_ROUNDS=5`: rounds of the producers'
 //!   comparisons (`producers`, `subscriptions`; default 6, quick 1);
 //! - `PG_OUTBOX_BENCH_RELAY_BIN=/path/to/pg-outbox`: the relay binary the

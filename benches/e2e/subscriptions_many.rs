@@ -317,10 +317,16 @@ async fn producers_run(ctx: &Ctx, subs: usize, pinned: bool) -> BenchResult<Prod
         let client = connect(&db.cfg).await?;
         let stop = Arc::new(AtomicBool::new(false));
         let mut readers = Vec::with_capacity(subs);
+        // The Consumers' sessions may take settings of their own
+        // (`PG_OUTBOX_BENCH_CONSUMER_OPTIONS`, e.g. `-c synchronous_commit=off`).
+        let mut consumers_cfg = db.cfg.clone();
+        if let Ok(options) = std::env::var("PG_OUTBOX_BENCH_CONSUMER_OPTIONS") {
+            consumers_cfg.options(&options);
+        }
         for i in 0..subs {
             let name = format!("live_{i}");
             create(&client, &name).await?;
-            let (opts, stop) = (options_of(&db.cfg), stop.clone());
+            let (opts, stop) = (options_of(&consumers_cfg), stop.clone());
             let reader = async move {
                 let stream = Consumer::builder(opts).subscription(name).start().await?;
                 ack_until(stream, stop).await
