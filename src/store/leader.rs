@@ -246,7 +246,7 @@ pub(crate) async fn check_term_privileges<C: GenericClient + Sync>(client: &C) -
 /// did not); and `competing` (competing mode's membership lock, class $5,
 /// held by every competing consumer's work session). A single-mode standby
 /// holds no lock and is not seen.
-const OTHER_CONFIGS: &str = "SELECT DISTINCT ON (l.pid, l.classid, l.objsubid) l.pid, CASE \
+const OTHER_CONFIGS: &str = "SELECT l.pid, CASE \
        WHEN l.objsubid = 1 THEN 'single' \
        WHEN l.classid = ($5::int4)::bigint::oid THEN 'competing' \
        WHEN l.classid = ($2::int4)::bigint::oid THEN 'partitioned' \

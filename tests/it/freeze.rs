@@ -442,7 +442,7 @@ async fn a_frozen_leader_of_the_wal_source_is_replaced_within_10s_at_default_set
 }
 
 /// The work session backends of relays on `db` (`pg-outbox drain`).
-async fn drain_pids(c: &tokio_postgres::Client) -> Vec<i32> {
+pub(crate) async fn drain_pids(c: &tokio_postgres::Client) -> Vec<i32> {
     c.query(
         "SELECT pid FROM pg_stat_activity WHERE datname = current_database() AND application_name = 'pg-outbox drain'",
         &[],

@@ -413,7 +413,7 @@ async fn a_live_competing_reader_keeps_its_claim_however_slow_its_sink() {
     let ids = insert_seed_events(&c, Uuid::new_v4(), 2).await;
     let mut s = start(&db, |b| b.subscription("audit").mode(Mode::Competing)).await;
     let first = next(&mut s, 20).await;
-    let before = drain_pids(&c).await;
+    let before = crate::freeze::drain_pids(&c).await;
     let claim = |pid: i32| {
         let c = &c;
         async move {
@@ -426,7 +426,7 @@ async fn a_live_competing_reader_keeps_its_claim_however_slow_its_sink() {
     let started = claim(before[0]).await;
     assert!(started.is_some(), "the claim is open while the event is out");
     tokio::time::sleep(Duration::from_secs(7)).await;
-    assert_eq!(drain_pids(&c).await, before, "the server ended a live reader's session");
+    assert_eq!(crate::freeze::drain_pids(&c).await, before, "the server ended a live reader's session");
     assert_eq!(claim(before[0]).await, started, "the same claim transaction, open all along");
     first.ack();
     let second = next(&mut s, 20).await;
@@ -436,19 +436,6 @@ async fn a_live_competing_reader_keeps_its_claim_however_slow_its_sink() {
         panic!("delivered again: {}", d.id);
     }
     s.finish().await.expect("finish");
-}
-
-/// The work sessions of consumers on this database (`pg-outbox drain`).
-async fn drain_pids(c: &Client) -> Vec<i32> {
-    c.query(
-        "SELECT pid FROM pg_stat_activity WHERE datname = current_database() AND application_name = 'pg-outbox drain'",
-        &[],
-    )
-    .await
-    .expect("pids")
-    .iter()
-    .map(|r| r.get(0))
-    .collect()
 }
 
 /// A competing relay process of a subscription: it says when the
