@@ -212,8 +212,9 @@ impl Sessions {
         let timeout = cfg.statement_timeout;
         tokio::pin!(stop);
         let prepared = async {
-            let work = WorkSession::prepare(client, session, timeout, kind, cfg.reader.clone(), &mut stop).await?;
-            let reader = (cfg.reader.clone(), work.claim_checkpoint());
+            let reader = (cfg.reader.clone(), cfg.ack_commit);
+            let work = WorkSession::prepare(client, session, timeout, kind, reader, &mut stop).await?;
+            let reader = (cfg.reader.clone(), work.claim_checkpoint(), cfg.ack_commit);
             Ok((work, WriterSession::prepare(writer, writer_session, timeout, reader, &mut stop).await?))
         };
         let (work, writer) = match prepared.await {

@@ -98,9 +98,9 @@ pub(crate) use fetch::{NEXT_RETRY_IN, PayloadSizes, competing_fetch_sql, fetch_s
 pub(crate) use publish::via_sqlx;
 pub(crate) use publish::{insert_event, insert_events};
 pub(crate) use rows::{DecodedEvent, event_from_row, row_id};
-pub(crate) use settle::Fence;
 #[cfg(feature = "kit")]
 pub(crate) use settle::{ACK, FAIL};
+pub(crate) use settle::{AckCommit, Fence};
 pub use status::{
     LeaderLock, OutboxStatus, PartitionHolder, PendingRetry, RelayIdentity, RetryLadder, TypeBacklog, status,
 };

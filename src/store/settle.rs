@@ -70,6 +70,61 @@ impl Fence {
     }
 }
 
+/// A select-list item that sets `synchronous_commit` for the statement's
+/// transaction to the text `$p`, or, where `$p` is NULL, to what the
+/// session has (`set_config(..., true)`, as `SET LOCAL`: PostgreSQL docs,
+/// "Asynchronous Commit"). The statements that carry it return at least
+/// one row, so it is evaluated before their transaction commits.
+macro_rules! commit_as {
+    ($p:literal) => {
+        concat!(
+            "set_config('synchronous_commit', coalesce(",
+            $p,
+            "::text, current_setting('synchronous_commit')), true) AS commit_as"
+        )
+    };
+}
+
+/// How a named subscription's settlements commit: its acknowledgements,
+/// failures and dead letters ([`SUBSCRIPTION_ACK`], [`SUBSCRIPTION_FAIL`],
+/// an idle cursor's move, and competing mode's claim transactions, which
+/// hold them). Nothing
+/// else: leadership terms and the default subscription's `published_at`
+/// always commit as the session says (`on` by default).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub(crate) enum AckCommit {
+    /// `synchronous_commit = off` for the settlement's transaction: it
+    /// does not wait for its WAL to reach disk (or a synchronous standby).
+    /// A server crash or a failover loses the settlements of the last
+    /// moments (up to three times `wal_writer_delay`, 600 ms at its
+    /// default; PostgreSQL docs, "Asynchronous Commit"): their events are
+    /// delivered again, none is lost, as the WAL keeps its order.
+    #[default]
+    Asynchronous,
+    /// As the session's `synchronous_commit` says.
+    Durable,
+}
+
+impl AckCommit {
+    /// The value of `synchronous_commit` for a settlement's transaction:
+    /// `Some("off")`, or `None` for the session's own.
+    pub(crate) fn setting(self) -> Option<&'static str> {
+        match self {
+            AckCommit::Asynchronous => Some("off"),
+            AckCommit::Durable => None,
+        }
+    }
+
+    /// What begins a named subscription's claim transaction (competing
+    /// mode), which holds its settlements.
+    pub(crate) fn claim_begin(self) -> &'static str {
+        match self {
+            AckCommit::Asynchronous => "BEGIN; SET LOCAL synchronous_commit = off",
+            AckCommit::Durable => "BEGIN",
+        }
+    }
+}
+
 /// Mark events published (MarkPublished of docs/schema.md, batched), if
 /// the terms $2 are current ([`fence!`]). Returns `current` and, per row actually
 /// published, seconds from `occurred_at` to now (`lag`, NULL in the one
@@ -132,10 +187,14 @@ pub(crate) fn fail_details<'a>(fails: impl Iterator<Item = (i64, &'a str, f64, i
 /// with the checkpoint $4, $5 ([`super::subscription::checkpoint_sql`], read
 /// just before). The same rows as [`ACK`]: `current`, and `lag` per event
 /// settled now. Fails with SQLSTATE P0002 when the subscription is gone.
+/// Its transaction commits as `$6` (`text`) says, [`AckCommit::setting`]:
+/// `off`, or NULL for the session's own `synchronous_commit`.
 pub(crate) const SUBSCRIPTION_ACK: &str = concat!(
     "WITH ",
     fence!("$2"),
-    " SELECT f.current, a.lag FROM fence f \
+    " SELECT f.current, a.lag, ",
+    commit_as!("$6"),
+    " FROM fence f \
        LEFT JOIN events.outbox_subscription_ack($3::text, $1::bigint[], (SELECT current FROM fence), \
          $4::int8, $5::int8) a ON true"
 );
@@ -146,10 +205,13 @@ pub(crate) const SUBSCRIPTION_ACK: &str = concat!(
 /// `events.outbox_subscription_fail` (migration 0016), in its failure rows,
 /// with the checkpoint $5, $6 as [`SUBSCRIPTION_ACK`].
 /// The same rows as [`FAIL`].
+/// Its transaction commits as `$7` says, as [`SUBSCRIPTION_ACK`]'s `$6`.
 pub(crate) const SUBSCRIPTION_FAIL: &str = concat!(
     "WITH ",
     fence!("$3"),
-    " SELECT f.current, u.id, u.dead, u.retry_in FROM fence f \
+    " SELECT f.current, u.id, u.dead, u.retry_in, ",
+    commit_as!("$7"),
+    " FROM fence f \
        LEFT JOIN events.outbox_subscription_fail($4::text, $1::jsonb, $2::int4, (SELECT current FROM fence), \
          $5::int8, $6::int8) u ON true"
 );

@@ -21,6 +21,7 @@ use super::locks::{COMPETING_LOCK, COUNT_MEMBERS, MEMBER_LOCK, PARTITION_UNLOCK}
 use super::locks::{TRY_LEADER_LOCK, TRY_PARTITION_LOCK};
 use super::page::decode_stream;
 pub(crate) use super::page::{FetchPage, FetchedRow, FloorReading, RowIdentity, Undecodable};
+use super::settle::AckCommit;
 use super::statement::{self, Session, StatementError, StatementKind};
 use super::subscription::Reader;
 use super::subscription_claim::{ClaimCheckpoint, SubscriptionClaim};
@@ -135,19 +136,22 @@ pub(crate) struct WorkSession {
     /// A named subscription's claim in competing mode (`fetch` is then
     /// unused).
     claim: Option<SubscriptionClaim>,
+    /// How a named subscription's claim transactions commit.
+    commit: AckCommit,
 }
 
 impl WorkSession {
     /// Prepare `client`'s statements for fetches of `kind`, until `stop`
     /// resolves. How the fetch measures payloads depends on the server's
     /// functions ([`PayloadSizes`]): read per session, so a reconnect to
-    /// another server prepares what that one has.
+    /// another server prepares what that one has. A named subscription's
+    /// claim transactions commit as `commit` says.
     pub(crate) async fn prepare(
         client: Arc<Client>,
         session: Session,
         timeout: Duration,
         kind: FetchKind,
-        reader: Reader,
+        (reader, commit): (Reader, AckCommit),
         stop: impl Future<Output = ()>,
     ) -> Result<Self, StatementError> {
         let work = async {
@@ -171,7 +175,7 @@ impl WorkSession {
         };
         let (fetch, next_retry, claim) =
             statement::run(StatementKind::SessionSetup, &session, timeout, stop, work).await?;
-        Ok(WorkSession { client, session, timeout, fetch, next_retry, reader, claim })
+        Ok(WorkSession { client, session, timeout, fetch, next_retry, reader, claim, commit })
     }
 
     /// The checkpoint a named subscription's claim transactions read, for
@@ -235,7 +239,7 @@ impl WorkSession {
                     decode_stream(client.query_raw(&self.fetch, params).await?, budget, true).await
                 }
                 FetchScope::Claim if let (Some(claim), Some(name)) = (&self.claim, self.reader.subscription()) => {
-                    client.batch_execute(BEGIN).await?;
+                    client.batch_execute(self.commit.claim_begin()).await?;
                     claim.claim(client, name, batch, budget).await
                 }
                 FetchScope::Claim => {
@@ -265,7 +269,8 @@ impl WorkSession {
             let row = self.client.query_one(&super::subscription::checkpoint_sql(), &[]).await?;
             let (top, next): (Option<i64>, Option<i64>) = (row.try_get("top")?, row.try_get("next_xid")?);
             let none: Vec<i64> = Vec::new();
-            let params: [&(dyn ToSql + Sync); 4] = [&name, &none, &top, &next];
+            let commit = self.commit.setting();
+            let params: [&(dyn ToSql + Sync); 5] = [&name, &none, &top, &next, &commit];
             let row = self.client.query_one(super::subscription::ADVANCE_IDLE, &params).await?;
             let cursor: Option<i64> = row.try_get("cursor_id")?;
             Ok(top.zip(cursor).map(|(top, cursor)| top - cursor))

@@ -12,7 +12,7 @@ use std::time::Duration;
 use tokio_postgres::types::ToSql;
 use tokio_postgres::{Client, Row, Statement};
 
-use super::settle::{ACK, FAIL, Fence, SUBSCRIPTION_ACK, SUBSCRIPTION_FAIL, fail_details};
+use super::settle::{ACK, AckCommit, FAIL, Fence, SUBSCRIPTION_ACK, SUBSCRIPTION_FAIL, fail_details};
 use super::statement::{self, Session, StatementError, StatementKind};
 use super::subscription::Reader;
 use super::subscription_claim::ClaimCheckpoint;
@@ -75,6 +75,8 @@ pub(crate) struct WriterSession {
     /// ([`ACK`], [`FAIL`]) or a named one's ([`SUBSCRIPTION_ACK`],
     /// [`SUBSCRIPTION_FAIL`]).
     reader: Reader,
+    /// How a named subscription's settlements commit.
+    commit: AckCommit,
 }
 
 /// Where a named subscription's settlement writes take the checkpoint they
@@ -96,11 +98,12 @@ impl WriterSession {
     /// Prepare `client`'s statements for `reader`'s settlements until
     /// `stop` resolves; with `claim`, a named subscription's writes inside
     /// its claim transactions, which take that transaction's checkpoint.
+    /// A named subscription's writes commit as `commit` says.
     pub(crate) async fn prepare(
         client: Arc<Client>,
         session: Session,
         timeout: Duration,
-        (reader, claim): (Reader, Option<ClaimCheckpoint>),
+        (reader, claim, commit): (Reader, Option<ClaimCheckpoint>, AckCommit),
         stop: impl Future<Output = ()>,
     ) -> Result<Self, StatementError> {
         let (ack_sql, fail_sql) = match reader {
@@ -119,7 +122,7 @@ impl WriterSession {
         };
         let (ack, fail, checkpoint) =
             statement::run(StatementKind::SessionSetup, &session, timeout, stop, write).await?;
-        Ok(WriterSession { client, session, timeout, ack, fail, checkpoint, reader })
+        Ok(WriterSession { client, session, timeout, ack, fail, checkpoint, reader, commit })
     }
 
     /// A named subscription's checkpoint, read in a statement of its own
@@ -149,9 +152,10 @@ impl WriterSession {
         let fence = fence.map(Fence::to_json);
         let name = self.reader.subscription();
         let (top, next) = self.checkpoint(StatementKind::AckWrite).await?;
+        let commit = self.commit.setting();
         let params: Vec<&(dyn ToSql + Sync)> = match &name {
             None => vec![&ids, &fence],
-            Some(name) => vec![&ids, &fence, name, &top, &next],
+            Some(name) => vec![&ids, &fence, name, &top, &next, &commit],
         };
         let acked = self.client.query(&self.ack, &params);
         let rows = statement::run_to_end(StatementKind::AckWrite, &self.session, self.timeout, acked).await?;
@@ -177,9 +181,10 @@ impl WriterSession {
         let fence = fence.map(Fence::to_json);
         let name = self.reader.subscription();
         let (top, next) = self.checkpoint(StatementKind::FailWrite).await?;
+        let commit = self.commit.setting();
         let params: Vec<&(dyn ToSql + Sync)> = match &name {
             None => vec![&ids, &details, &max_retries, &fence],
-            Some(name) => vec![&details, &max_retries, &fence, name, &top, &next],
+            Some(name) => vec![&details, &max_retries, &fence, name, &top, &next, &commit],
         };
         let failed = self.client.query(&self.fail, &params);
         let rows = statement::run_to_end(StatementKind::FailWrite, &self.session, self.timeout, failed).await?;

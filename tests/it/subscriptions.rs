@@ -7,7 +7,7 @@ use std::collections::{HashMap, HashSet};
 use std::time::Duration;
 
 use futures::StreamExt;
-use pg_outbox::EventStream;
+use pg_outbox::{EventStream, Mode};
 use tokio_postgres::Client;
 use uuid::Uuid;
 
@@ -633,4 +633,72 @@ async fn a_named_subscriptions_metrics_carry_its_label_in_one_process_with_the_d
         text.lines().any(|l| l.starts_with(pg_outbox::metrics::EVENTS_PUBLISHED) && !l.contains("subscription=")),
         "{text}"
     );
+}
+
+/// What each transaction that settles for a subscription commits with, as
+/// a trigger deferred to the commit reads it: `synchronous_commit` off for
+/// a named subscription's acknowledgements, failures, idle cursor moves and
+/// claims by default, and the session's own (`on`) with
+/// `durable_acknowledgements(true)`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_named_subscription_settles_with_synchronous_commit_off_unless_asked_to_be_durable() {
+    let db = TestDb::new("sub_commit").await;
+    let c = db.client().await;
+    c.batch_execute(
+        "CREATE TABLE public.commits (subscription text, setting text); \
+         CREATE FUNCTION public.record_commit() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN \
+           INSERT INTO public.commits VALUES (to_jsonb(NEW) ->> TG_ARGV[0], current_setting('synchronous_commit')); \
+           RETURN NULL; END $$; \
+         CREATE CONSTRAINT TRIGGER record_commit AFTER UPDATE ON events.outbox_subscriptions \
+           DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION public.record_commit('name'); \
+         CREATE CONSTRAINT TRIGGER record_commit AFTER INSERT OR UPDATE ON events.outbox_subscription_failures \
+           DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION public.record_commit('subscription');",
+    )
+    .await
+    .expect("install the commit recorder");
+    let readers = [("fast", Mode::Single, false), ("claims", Mode::Competing, false), ("durable", Mode::Single, true)];
+    for (name, ..) in readers {
+        create(&c, name).await;
+    }
+    let ids = insert_seed_events(&c, Uuid::new_v4(), 20).await;
+    for (name, mode, durable) in readers {
+        let mut stream = start(&db, |b| {
+            b.subscription(name)
+                .mode(mode)
+                .durable_acknowledgements(durable)
+                .batch_size(5)
+                .retry_policy(fast_retries(&[20]))
+        })
+        .await;
+        // Every event acknowledged, the first after one failure.
+        let mut settled = HashSet::new();
+        let mut failed = false;
+        while settled.len() < ids.len() {
+            let d = next(&mut stream, 20).await;
+            if d.id == ids[0] && !failed {
+                failed = true;
+                d.fail("once");
+            } else {
+                settled.insert(d.id);
+                d.ack();
+            }
+        }
+        // Idle, the cursor moves over what is settled.
+        let last = *ids.last().expect("ids");
+        eventually(15, &format!("{name}'s cursor at its last event"), || async { cursor(&c, name).await == (last, 0) })
+            .await;
+        stream.finish().await.expect("finish");
+    }
+    let rows = c
+        .query("SELECT subscription, setting, count(*) FROM public.commits GROUP BY 1, 2 ORDER BY 1, 2", &[])
+        .await
+        .expect("read the commits");
+    let seen: Vec<(String, String, i64)> = rows.iter().map(|r| (r.get(0), r.get(1), r.get(2))).collect();
+    println!("settling commits (subscription, synchronous_commit, transactions): {seen:?}");
+    let settings = |name: &str| -> Vec<&str> {
+        seen.iter().filter(|(s, ..)| s == name).map(|(_, setting, _)| setting.as_str()).collect()
+    };
+    assert_eq!(settings("fast"), ["off"], "single mode's settlements: {seen:?}");
+    assert_eq!(settings("claims"), ["off"], "competing mode's claims: {seen:?}");
+    assert_eq!(settings("durable"), ["on"], "durable acknowledgements: {seen:?}");
 }

@@ -171,6 +171,16 @@ pub(crate) struct RelayArgs {
     /// its aggregate, which then fails with an error saying so.
     #[arg(long)]
     producers_lock_aggregates: bool,
+    /// With --subscription: acknowledge with the session's
+    /// synchronous_commit (on by default) instead of off. By default a
+    /// named subscription's acknowledgements, retries and dead letters do
+    /// not wait for the WAL to reach disk, so relays of many subscriptions
+    /// cost producers what one costs; a server crash or a failover then
+    /// delivers the last moments' events again (up to 3 x
+    /// wal_writer_delay, 600 ms at its default), never loses one. The
+    /// default subscription always acknowledges durably.
+    #[arg(long)]
+    durable_acks: bool,
     /// Deliveries in flight to the sink at once (1 to 10000), at most one
     /// per aggregate, so per-aggregate order holds whatever completes
     /// first. Into a sink whose answer takes a round trip, throughput grows
@@ -295,6 +305,7 @@ fn consumer(pg: pg_outbox::ConnectOptions, args: &RelayArgs) -> pg_outbox::Consu
         .stranded_after(args.stranded_after)
         .take_over_stranded(args.take_over_stranded)
         .producers_lock_aggregates(args.producers_lock_aggregates)
+        .durable_acknowledgements(args.durable_acks)
         .subscription(args.subscription.clone())
         .mode(match args.mode {
             ModeArg::Single => pg_outbox::Mode::Single,

@@ -1,13 +1,16 @@
-//! The consumer's configuration: defaults, the builder, and validation.
+//! The consumer's configuration: defaults, the builder, and validation
+//! (`validate`).
+
+mod validate;
 
 use std::time::Duration;
 
 use crate::connect;
-use crate::error::{Error, Result};
 use crate::migrate::SourceKind;
 use crate::retry::RetryPolicy;
+use crate::store::AckCommit;
 use crate::store::subscription::Reader;
-use crate::store::subscription_admin::{DEFAULT_NAME, check_name};
+use crate::store::subscription_admin::DEFAULT_NAME;
 
 /// The largest statement timeout the server takes: `i32::MAX` ms.
 const MAX_STATEMENT_TIMEOUT: Duration = Duration::from_millis(i32::MAX as u64);
@@ -75,6 +78,9 @@ pub(crate) struct ConsumerConfig {
     pub(crate) producers_lock_aggregates: bool,
     /// Whose events it reads: the default subscription, or a named one.
     pub(crate) reader: Reader,
+    /// How a named subscription's settlements commit
+    /// ([`ConsumerBuilder::durable_acknowledgements`]).
+    pub(crate) ack_commit: AckCommit,
 }
 
 impl ConsumerConfig {
@@ -156,6 +162,7 @@ impl Consumer {
                 take_over_stranded: false,
                 wait_for_primary: false,
                 producers_lock_aggregates: false,
+                ack_commit: AckCommit::default(),
                 reader: Reader::Default,
             },
         }
@@ -179,7 +186,7 @@ impl ConsumerBuilder {
     pub const DEFAULT_BATCH_SIZE: usize = 500;
     /// The most rows a fetch may ask for: 100 000. A larger
     /// [`ConsumerBuilder::batch_size`] makes [`ConsumerBuilder::start`] fail
-    /// with [`Error::Config`].
+    /// with [`Error::Config`](crate::Error::Config).
     pub const MAX_BATCH_SIZE: usize = 100_000;
     /// Default bound on the payload bytes a consumer holds: 64 MiB
     /// ([`ConsumerBuilder::max_buffered_bytes`]). Before it, only rows bounded
@@ -247,7 +254,7 @@ impl ConsumerBuilder {
     /// Rows fetched per query (default [`ConsumerBuilder::DEFAULT_BATCH_SIZE`], 500; the schema's original poller fetches 50). A backlog is drained in batches
     /// of this size and is never read into memory at once. 1 to
     /// [`ConsumerBuilder::MAX_BATCH_SIZE`]; outside, [`ConsumerBuilder::start`]
-    /// fails with [`Error::Config`].
+    /// fails with [`Error::Config`](crate::Error::Config).
     pub fn batch_size(mut self, rows: usize) -> Self {
         self.cfg.batch_size = rows;
         self
@@ -373,7 +380,7 @@ impl ConsumerBuilder {
     /// (default `false`).
     ///
     /// Without it, [`ConsumerBuilder::start`] fails with
-    /// [`Error::ReadOnlyStandby`] when the server (every host of a
+    /// [`Error::ReadOnlyStandby`](crate::Error::ReadOnlyStandby) when the server (every host of a
     /// multi-host URL that answers) is a hot standby: the consumer writes
     /// (it marks events published), so it needs the primary. With it,
     /// `start` tries again with the reconnect backoff (up to
@@ -466,7 +473,7 @@ impl ConsumerBuilder {
     /// "Competing mode"), within the same 20 000 ids.
     ///
     /// # Errors
-    /// [`ConsumerBuilder::start`] returns [`Error::Config`] when `name` is
+    /// [`ConsumerBuilder::start`] returns [`Error::Config`](crate::Error::Config) when `name` is
     /// not a subscription's name (1 to 63 characters of `a-z`, `0-9`, `_`,
     /// `.`, `-`; not `default`), when
     /// other relays of the subscription run in another mode or partition
@@ -484,6 +491,35 @@ impl ConsumerBuilder {
     pub fn subscription(mut self, name: impl Into<String>) -> Self {
         let name: String = name.into();
         self.cfg.reader = if name == DEFAULT_NAME { Reader::Default } else { Reader::Subscription(name.into()) };
+        self
+    }
+
+    /// Whether a named subscription's acknowledgements wait for the WAL
+    /// to reach disk (default `false`; flag `--durable-acks`). Nothing
+    /// changes for the default subscription, whose `published_at` always
+    /// commits as the session says.
+    ///
+    /// By default a named subscription's settlements (its cursor moves,
+    /// retries and dead letters) commit with `synchronous_commit = off`
+    /// for their own transaction (PostgreSQL docs, "Asynchronous Commit"),
+    /// so that readers do not take WAL flushes from producers
+    /// (docs/performance.md, "Subscriptions"). A server crash, or a
+    /// failover even to a synchronous standby, then loses the settlements
+    /// of the last moments (up to three times `wal_writer_delay`, 600 ms at
+    /// its default): their events are **delivered again, never lost**,
+    /// since the WAL keeps its order and what survives is a prefix of it.
+    /// With `true` they commit as the session's `synchronous_commit` says
+    /// (`on` unless the role, the database or the URL's `options` set it),
+    /// and only what was in flight is delivered again.
+    ///
+    /// # Example
+    /// ```
+    /// # fn f(pg: pg_outbox::ConnectOptions) -> pg_outbox::ConsumerBuilder {
+    /// pg_outbox::Consumer::builder(pg).subscription("audit").durable_acknowledgements(true)
+    /// # }
+    /// ```
+    pub fn durable_acknowledgements(mut self, durable: bool) -> Self {
+        self.cfg.ack_commit = if durable { AckCommit::Durable } else { AckCommit::Asynchronous };
         self
     }
 
@@ -596,70 +632,6 @@ impl ConsumerBuilder {
     pub fn producers_lock_aggregates(mut self, declared: bool) -> Self {
         self.cfg.producers_lock_aggregates = declared;
         self
-    }
-
-    pub(super) fn validate(&mut self) -> Result<()> {
-        let c = &mut self.cfg;
-        if c.batch_size == 0 || c.batch_size > ConsumerBuilder::MAX_BATCH_SIZE {
-            return Err(Error::Config(format!(
-                "batch size must be 1..={} rows, got {}",
-                ConsumerBuilder::MAX_BATCH_SIZE,
-                c.batch_size
-            )));
-        }
-        if c.buffer == 0 {
-            c.buffer = c.batch_size * 2;
-        }
-        c.buffer = c.buffer.max(c.batch_size);
-        if c.max_buffered_bytes < ConsumerBuilder::MIN_MAX_BUFFERED_BYTES
-            || i64::try_from(c.max_buffered_bytes).is_err()
-        {
-            return Err(Error::Config(format!(
-                "max buffered bytes must be at least {} (1 MiB), got {}",
-                ConsumerBuilder::MIN_MAX_BUFFERED_BYTES,
-                c.max_buffered_bytes
-            )));
-        }
-        if c.sweep_interval.is_zero() {
-            return Err(Error::Config("sweep interval must be longer than zero".into()));
-        }
-        if c.max_retries < 1 {
-            return Err(Error::Config(format!("max retries must be at least 1, got {}", c.max_retries)));
-        }
-        if c.ack_batch_size == 0 {
-            return Err(Error::Config("acknowledgement batch size must be at least 1".into()));
-        }
-        if let Mode::Partitioned { partitions } = c.mode
-            && !(1..=4096).contains(&partitions)
-        {
-            return Err(Error::Config(format!("partitions must be 1..=4096, got {partitions}")));
-        }
-        if c.ping_interval.is_zero() || c.reconnect_max_delay.is_zero() {
-            return Err(Error::Config("ping interval and reconnect delay must be longer than zero".into()));
-        }
-        if !(ConsumerBuilder::MIN_STRANDED_AFTER..=ConsumerBuilder::MAX_STRANDED_AFTER).contains(&c.stranded_after) {
-            return Err(Error::Config(format!("stranded-after must be 3 s to 1 hour, got {:?}", c.stranded_after)));
-        }
-        check_subscription(c)?;
-        if c.statement_timeout > MAX_STATEMENT_TIMEOUT {
-            return Err(Error::Config(format!(
-                "statement timeout must be at most {} ms (about 24.8 days; 0 disables it), got {:?}",
-                i32::MAX,
-                c.statement_timeout
-            )));
-        }
-        Ok(())
-    }
-}
-
-/// A named subscription's name is one.
-///
-/// # Errors
-/// [`Error::Subscription`] for an invalid name.
-fn check_subscription(c: &ConsumerConfig) -> Result<()> {
-    match c.reader.subscription() {
-        Some(name) => check_name(name),
-        None => Ok(()),
     }
 }
 
