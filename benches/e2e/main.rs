@@ -96,6 +96,10 @@
 //! - `PG_OUTBOX_BENCH_CONSUMER_OPTIONS='-c synchronous_commit=off'`: server
 //!   settings of the subscriptions' Consumers in the producers' comparison
 //!   of `subscriptions` (libpq's `options`; none by default);
+//! - `PG_OUTBOX_BENCH_DURABLE_ACKS=1`: the subscriptions' Consumers in the
+//!   producers' comparison of `subscriptions` acknowledge durably
+//!   (`ConsumerBuilder::durable_acknowledgements`), for the figure without
+//!   asynchronous acknowledgements;
 //! - `PG_OUTBOX_BENCH_PRODUCER_ROUNDS=5`: rounds of the producers'
 //!   comparisons (`producers`, `subscriptions`; default 6, quick 1);
 //! - `PG_OUTBOX_BENCH_RELAY_BIN=/path/to/pg-outbox`: the relay binary the

@@ -323,12 +323,16 @@ async fn producers_run(ctx: &Ctx, subs: usize, pinned: bool) -> BenchResult<Prod
         if let Ok(options) = std::env::var("PG_OUTBOX_BENCH_CONSUMER_OPTIONS") {
             consumers_cfg.options(&options);
         }
+        // Their acknowledgements durable (`PG_OUTBOX_BENCH_DURABLE_ACKS=1`)
+        // rather than at `synchronous_commit = off`, the default.
+        let durable = std::env::var("PG_OUTBOX_BENCH_DURABLE_ACKS").is_ok_and(|v| v == "1");
         for i in 0..subs {
             let name = format!("live_{i}");
             create(&client, &name).await?;
             let (opts, stop) = (options_of(&consumers_cfg), stop.clone());
             let reader = async move {
-                let stream = Consumer::builder(opts).subscription(name).start().await?;
+                let stream =
+                    Consumer::builder(opts).subscription(name).durable_acknowledgements(durable).start().await?;
                 ack_until(stream, stop).await
             };
             readers.push(match &drains {

@@ -70,6 +70,52 @@ pub(crate) const LAGS: &str = concat!(
     " AS lag FROM events.outbox_subscriptions s ORDER BY s.name COLLATE \"C\" LIMIT 1000"
 );
 
+/// What holds subscription $1's cursor, for the warning that its readers
+/// wait at the window (`consumer::source::idle`): `event_id`, the lowest
+/// event above the cursor it has not settled (as [`lag_of_s!`] finds it),
+/// and the oldest write transaction open in this database on another
+/// session (one with a transaction id: it may still insert an event below
+/// what the cursor may pass): `pid`, `application_name` and `open_secs`,
+/// NULL when there is none, or when `pg_stat_activity` hides it from this
+/// role. One row, none when the subscription is gone.
+pub(crate) const WINDOW_HOLDER: &str = "SELECT (SELECT min(d.id) FROM ( \
+       (SELECT o.id FROM events.outbox o WHERE o.id > s.cursor_id ORDER BY o.id LIMIT cardinality(s.settled) + 1) \
+       EXCEPT SELECT unnest(s.settled)) d) AS event_id, \
+     w.pid, w.application_name, EXTRACT(EPOCH FROM (now() - w.xact_start))::float8 AS open_secs \
+     FROM events.outbox_subscriptions s LEFT JOIN LATERAL ( \
+       SELECT a.pid, a.application_name, a.xact_start FROM pg_catalog.pg_stat_activity a \
+        WHERE a.datname = current_database() AND a.backend_xid IS NOT NULL AND a.pid <> pg_backend_pid() \
+        ORDER BY a.xact_start LIMIT 1) w ON true \
+     WHERE s.name = $1";
+
+/// What holds a subscription's cursor ([`WINDOW_HOLDER`]).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub(crate) struct WindowHolder {
+    /// The lowest event above the cursor not settled.
+    pub(crate) event_id: Option<i64>,
+    /// The oldest write transaction open in this database: its backend's
+    /// pid, `application_name`, and seconds since it began.
+    pub(crate) writer: Option<(i32, String, f64)>,
+}
+
+impl std::fmt::Display for WindowHolder {
+    /// "event 41 is not settled; the oldest write transaction open in this
+    /// database is pid 77 (psql), open 12 s" (either part alone, or
+    /// "nothing found" when neither is known).
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let event = self.event_id.map(|id| format!("event {id} is not settled (in flight, or failed and waiting)"));
+        let writer = self.writer.as_ref().map(|(pid, app, secs)| {
+            let app = if app.is_empty() { String::new() } else { format!(" ({app})") };
+            format!("the oldest write transaction open in this database is pid {pid}{app}, open {secs:.0} s")
+        });
+        match (event, writer) {
+            (Some(e), Some(w)) => write!(f, "{e}; {w}"),
+            (Some(one), None) | (None, Some(one)) => f.write_str(&one),
+            (None, None) => f.write_str("nothing found that holds it"),
+        }
+    }
+}
+
 /// One subscription's lag against its bound ([`LAGS`]).
 #[derive(Debug, Clone, PartialEq)]
 pub(crate) struct Lag {

@@ -526,6 +526,30 @@ impl WorkSession {
             .map_err(|e| StatementError::db(kind, e))
     }
 
+    /// What holds this named subscription's cursor
+    /// ([`super::subscription_lag::WINDOW_HOLDER`]); the default when it is
+    /// the default subscription, or gone.
+    pub(crate) async fn window_holder(
+        &self,
+        stop: impl Future<Output = ()>,
+    ) -> Result<super::subscription_lag::WindowHolder, StatementError> {
+        let Some(name) = self.reader.subscription() else { return Ok(Default::default()) };
+        let kind = StatementKind::Gauges;
+        let params: [&(dyn ToSql + Sync); 1] = [&name];
+        let read = self.client.query_opt(super::subscription_lag::WINDOW_HOLDER, &params);
+        let Some(row) = self.run(kind, stop, read).await? else { return Ok(Default::default()) };
+        let holder = || -> Result<_, tokio_postgres::Error> {
+            let pid: Option<i32> = row.try_get("pid")?;
+            let app: Option<String> = row.try_get("application_name")?;
+            let secs: Option<f64> = row.try_get("open_secs")?;
+            Ok(super::subscription_lag::WindowHolder {
+                event_id: row.try_get("event_id")?,
+                writer: pid.map(|pid| (pid, app.unwrap_or_default(), secs.unwrap_or(0.0))),
+            })
+        };
+        holder().map_err(|e| StatementError::db(kind, e))
+    }
+
     /// Mark subscription `name` expired if it still must
     /// ([`super::subscription_lag::EXPIRE`]); returns its lag and bound
     /// (seconds) when it did.

@@ -154,8 +154,8 @@ fn signals() -> Seen {
 /// written out.
 struct Line(Seen, Vec<u8>);
 
-/// `(signal, subscription)` of each log line that had both.
-type Seen = Arc<Mutex<Vec<(String, String)>>>;
+/// `(signal, subscription, fields)` of each log line that had both.
+type Seen = Arc<Mutex<Vec<(String, String, serde_json::Value)>>>;
 
 impl std::io::Write for Line {
     fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
@@ -173,7 +173,7 @@ impl Drop for Line {
         let Ok(v) = serde_json::from_slice::<serde_json::Value>(&self.1) else { return };
         let field = |k: &str| v["fields"][k].as_str().map(str::to_string);
         if let (Some(signal), Some(sub)) = (field("signal"), field("subscription")) {
-            self.0.lock().expect("signals").push((signal, sub));
+            self.0.lock().expect("signals").push((signal, sub, v["fields"].clone()));
         }
     }
 }
@@ -230,13 +230,20 @@ async fn a_partition_holding_the_cursor_stops_the_others_at_the_window() {
             .expect("cursor");
         (row.get(0), row.get(1))
     };
+    let window_line = || {
+        let seen = signals.lock().expect("signals");
+        seen.iter().find(|(s, n, _)| s == "subscription_window" && n == "window-check").map(|(.., f)| f.clone())
+    };
     eventually(10, "the signal subscription_window", || {
-        let signals = signals.clone();
-        async move {
-            signals.lock().expect("signals").iter().any(|(s, n)| s == "subscription_window" && n == "window-check")
-        }
+        let found = window_line().is_some();
+        async move { found }
     })
     .await;
+    // It names what holds the cursor: the event in flight.
+    let fields = window_line().expect("the window line");
+    assert_eq!(fields["held_by_event"].as_i64(), Some(held_ids[0]), "{fields}");
+    let message = fields["message"].as_str().unwrap_or_default();
+    assert!(message.contains(&format!("event {} is not settled", held_ids[0])), "{message}");
     let n = seen_ids.len() - 1;
     eprintln!("window: cursor {cursor}, highest read {highest} ({n} events), {settled} settled above the cursor");
     assert!(cursor < held_ids[0], "the event in flight holds the cursor ({cursor})");

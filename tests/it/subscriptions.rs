@@ -379,6 +379,34 @@ async fn the_wal_source_reads_a_subscription_and_one_without_the_trigger_is_refu
     // No sweep for an hour: the stream's wake-ups bring them.
     assert_eq!(ack_all(&mut stream, 5).await, ids);
     stream.finish().await.expect("finish");
+    // Competing mode: two readers woken by the stream, each event once.
+    let competing = || {
+        Consumer::builder(pg_outbox::ConnectOptions::parse(&server.url_for("sub_wal")).expect("url"))
+            .source(SourceKind::Wal)
+            .subscription("audit")
+            .mode(Mode::Competing)
+            .sweep_interval(Duration::from_secs(3600))
+            .start()
+    };
+    let (mut a, mut b) = (competing().await.expect("start a"), competing().await.expect("start b"));
+    let more = insert_seed_events(&c, Uuid::new_v4(), 20).await;
+    let mut got = Vec::new();
+    while got.len() < more.len() {
+        let d = tokio::time::timeout(Duration::from_secs(20), async {
+            tokio::select! {
+                Some(d) = a.next() => d,
+                Some(d) = b.next() => d,
+            }
+        })
+        .await
+        .unwrap_or_else(|_| panic!("competing WAL readers: {} of {} within 20 s", got.len(), more.len()));
+        got.push(d.id);
+        d.ack();
+    }
+    got.sort_unstable();
+    assert_eq!(got, more, "each event once between the two competing readers");
+    a.finish().await.expect("finish a");
+    b.finish().await.expect("finish b");
     let e = wal_consumer("sub_wal_untriggered").await.expect_err("refused").to_string();
     assert!(e.contains("ids to follow transaction ids") && e.contains("--ordering outbox-locked"), "{e}");
     drop((c, admin));

@@ -10,6 +10,7 @@ use tokio::time::Instant;
 use super::Cx;
 use crate::store::SUBSCRIPTION_WINDOW;
 use crate::store::statement::StatementError;
+use crate::store::subscription_lag::WindowHolder;
 
 /// How often an idle named subscription's cursor is moved at most: each
 /// move passes the checkpoint the one before recorded, so an idle
@@ -42,7 +43,12 @@ impl IdleAdvance {
         self.advanced = Some(now);
         let ahead = cx.work.advance_idle(cx.stop()).await?;
         if windowed {
-            self.at_window(ahead, cx.work.reader().subscription());
+            let waiting = ahead.is_some_and(|a| a > SUBSCRIPTION_WINDOW);
+            let holder = match waiting && !self.waiting_at_window {
+                true => Some(cx.work.window_holder(cx.stop()).await?),
+                false => None,
+            };
+            self.at_window(ahead, holder, cx.work.reader().subscription());
         }
         Ok(())
     }
@@ -51,20 +57,23 @@ impl IdleAdvance {
     /// stands `ahead` ids above its cursor: past the window
     /// ([`SUBSCRIPTION_WINDOW`]), its readers wait for the cursor
     /// (docs/subscriptions.md, "Delivering a subscription"). Said once
-    /// when they start waiting (signal `subscription_window`), and once when
-    /// they read on.
-    fn at_window(&mut self, ahead: Option<i64>, subscription: Option<&str>) {
+    /// when they start waiting (signal `subscription_window`), naming what
+    /// `holder` found holds the cursor, and once when they read on.
+    fn at_window(&mut self, ahead: Option<i64>, holder: Option<WindowHolder>, subscription: Option<&str>) {
         let Some(name) = subscription else { return };
         let waiting = ahead.is_some_and(|a| a > SUBSCRIPTION_WINDOW);
         if waiting && !self.waiting_at_window {
+            let holder = holder.unwrap_or_default();
             tracing::warn!(
                 subscription = name,
                 ahead,
                 window = SUBSCRIPTION_WINDOW,
+                held_by_event = holder.event_id,
+                held_by_pid = holder.writer.as_ref().map(|w| w.0),
                 signal = "subscription_window",
                 "subscription {name:?}: its readers wait {SUBSCRIPTION_WINDOW} ids above its cursor, which an event \
                  not yet settled below holds (one in flight on a slow or frozen relay, or a write transaction still \
-                 open in this database); they read on once the cursor moves"
+                 open in this database): {holder}; they read on once the cursor moves"
             );
         } else if !waiting && self.waiting_at_window {
             tracing::info!(subscription = name, "subscription {name:?}: its cursor moved; reading on past the window");

@@ -177,3 +177,73 @@ async fn a_failing_sink_of_a_subscription() {
     super::check_retried(&h.sink.attempts(), 500);
     h.check(&report, 0);
 }
+
+/// A crash of the server (`pg_ctl stop -m immediate`, then crash recovery)
+/// under one producer load, with three relays on one outbox: the default
+/// subscription's, `audit`'s (acknowledging with `synchronous_commit` off,
+/// the default for a named subscription) and `durable`'s (`--durable-acks`).
+/// Each loses nothing and keeps each aggregate in order. audit's
+/// acknowledgements of the last moments before the crash may be lost with
+/// the WAL not yet written: those events come again, at most what the
+/// sink took in the second before the crash on top of the in-flight window.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_crash_loses_no_event_of_a_subscription_that_acknowledges_asynchronously() {
+    const SEED: u64 = 0xFA17_0052;
+    let mut rng = StdRng::seed_from_u64(SEED);
+    let (server, url) = throwaway_migrated("fault_sub_crash").await;
+    let Ok(mut server) = std::sync::Arc::try_unwrap(server) else { panic!("the throwaway server is this test's") };
+    let c = connect(&url, "fault-suite setup", LIVENESS).await;
+    c.batch_execute(
+        "INSERT INTO events.outbox_subscriptions (name, start_id, cursor_id) VALUES ('audit', 0, 0), ('durable', 0, 0)",
+    )
+    .await
+    .expect("create subscriptions");
+    drop(c);
+
+    let mut default = Harness::new("crash_default", SEED, url.clone(), Behavior::Ok, &[]).await;
+    let mut audit = Harness::new("crash_audit", SEED, url.clone(), Behavior::Ok, &[]).await.for_subscription("audit");
+    let mut durable = Harness::new("crash_durable", SEED, url.clone(), Behavior::Ok, &["--durable-acks"])
+        .await
+        .for_subscription("durable");
+    for h in [&mut default, &mut audit, &mut durable] {
+        h.start_relay().await;
+    }
+    let load = Load::spawn(load_spec(&url, SEED, &mut rng));
+    load.reached(load.events / 2).await;
+    for h in [&mut default, &mut audit, &mut durable] {
+        h.assert_relays_running().await;
+    }
+    let crashed_at = Instant::now();
+    let server = tokio::task::spawn_blocking(move || {
+        server.stop().unwrap_or_else(|e| panic!("crash: {}", pg_outbox::error::report(&e)));
+        std::thread::sleep(Duration::from_millis(300));
+        server.start_again().unwrap_or_else(|e| panic!("start again: {}", pg_outbox::error::report(&e)));
+        server
+    })
+    .await
+    .expect("join");
+    println!("fault=subscriptions_crash crash and recovery took {:?}", crashed_at.elapsed());
+    let ledger = load.join().await;
+    // What each sink took in the second before the crash.
+    let last_second = |h: &Harness| {
+        h.sink
+            .attempts()
+            .iter()
+            .filter(|a| a.delivered() && a.at <= crashed_at && a.at + Duration::from_secs(1) > crashed_at)
+            .count()
+    };
+    let (audit_window, durable_window) = (last_second(&audit), last_second(&durable));
+    let report = default.finish(Faults::Injected(1), ledger.clone()).await;
+    default.check(&report, 2 * BATCH + 1);
+    let durable_report = durable.finish(Faults::Injected(1), ledger.clone()).await;
+    durable.check(&durable_report, 2 * BATCH + 1);
+    let audit_report = audit.finish(Faults::Injected(1), ledger).await;
+    audit.check(&audit_report, 2 * BATCH + 1 + audit_window);
+    println!(
+        "fault=subscriptions_crash duplicates: default {}, durable {} (took {durable_window} in the last second), \
+         audit {} (took {audit_window} in the last second)",
+        report.duplicates, durable_report.duplicates, audit_report.duplicates
+    );
+    drop((default, audit, durable));
+    let _ = tokio::task::spawn_blocking(move || drop(server)).await;
+}
