@@ -98,6 +98,22 @@ pub(crate) struct WindowHolder {
     pub(crate) writer: Option<(i32, String, f64)>,
 }
 
+impl WindowHolder {
+    /// What of `self`, read first, `later` still finds: the same lowest
+    /// event not settled, and the same write transaction (one pid, open
+    /// at least as long as before). Whatever changed in between was in
+    /// passing (an event in flight, a producer's short transaction), not
+    /// what holds the cursor.
+    pub(crate) fn still(&self, later: &WindowHolder) -> WindowHolder {
+        let event_id = self.event_id.filter(|id| later.event_id == Some(*id));
+        let writer = match (&self.writer, &later.writer) {
+            (Some(a), Some(b)) if a.0 == b.0 && b.2 >= a.2 => Some(b.clone()),
+            _ => None,
+        };
+        WindowHolder { event_id, writer }
+    }
+}
+
 impl std::fmt::Display for WindowHolder {
     /// "event 41 is not settled; the oldest write transaction open in this
     /// database is pid 77 (psql), open 12 s" (either part alone, or
@@ -111,7 +127,7 @@ impl std::fmt::Display for WindowHolder {
         match (event, writer) {
             (Some(e), Some(w)) => write!(f, "{e}; {w}"),
             (Some(one), None) | (None, Some(one)) => f.write_str(&one),
-            (None, None) => f.write_str("nothing found that holds it"),
+            (None, None) => f.write_str("nothing found that held it across two looks a second apart"),
         }
     }
 }
@@ -162,5 +178,31 @@ pub(crate) async fn set_max_lag<C: GenericClient + Sync>(
     match row {
         Some(_) => Ok(()),
         None => Err(SubscriptionError::Unknown(name.to_string()).into()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::WindowHolder;
+
+    #[test]
+    fn the_window_warning_names_only_what_held_the_cursor_across_both_looks() {
+        let first = WindowHolder { event_id: Some(41), writer: Some((77, "psql".into(), 3.0)) };
+        // The same event and transaction a second later: both named.
+        let later = WindowHolder { event_id: Some(41), writer: Some((77, "psql".into(), 4.0)) };
+        assert_eq!(first.still(&later), later);
+        assert_eq!(
+            first.still(&later).to_string(),
+            "event 41 is not settled (in flight, or failed and waiting); the oldest write transaction open in \
+             this database is pid 77 (psql), open 4 s"
+        );
+        // An event settled meanwhile, and a new transaction on the same
+        // backend (open for less time): neither is named.
+        let passing = WindowHolder { event_id: Some(90), writer: Some((77, "psql".into(), 0.5)) };
+        assert_eq!(first.still(&passing), WindowHolder::default());
+        assert_eq!(first.still(&passing).to_string(), "nothing found that held it across two looks a second apart");
+        // Another backend's transaction: not the one seen first.
+        let other = WindowHolder { event_id: Some(41), writer: Some((78, String::new(), 9.0)) };
+        assert_eq!(first.still(&other), WindowHolder { event_id: Some(41), writer: None });
     }
 }

@@ -729,4 +729,16 @@ async fn a_named_subscription_settles_with_synchronous_commit_off_unless_asked_t
     assert_eq!(settings("fast"), ["off"], "single mode's settlements: {seen:?}");
     assert_eq!(settings("claims"), ["off"], "competing mode's claims: {seen:?}");
     assert_eq!(settings("durable"), ["on"], "durable acknowledgements: {seen:?}");
+
+    // Asked of the default subscription, which always acknowledges
+    // durably: refused by name, from the library and the command line.
+    let e = pg_outbox::Consumer::builder(db.options()).durable_acknowledgements(true).start().await;
+    let e = e.expect_err("refused for the default subscription").to_string();
+    assert!(e.contains("durable acknowledgements apply to a named subscription"), "{e}");
+    for extra in [&[][..], &["--subscription", "default"][..]] {
+        let args = [&["relay", "--durable-acks", "--sink", "stdout"][..], extra].concat();
+        let (code, _, err) = crate::support::cli(&args).url(&db.url()).run().await.parts();
+        assert_eq!(code, Some(1), "{args:?}: {err}");
+        assert!(err.contains("--durable-acks applies to --subscription NAME"), "{args:?}: {err}");
+    }
 }

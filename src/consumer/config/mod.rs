@@ -495,9 +495,10 @@ impl ConsumerBuilder {
     }
 
     /// Whether a named subscription's acknowledgements wait for the WAL
-    /// to reach disk (default `false`; flag `--durable-acks`). Nothing
-    /// changes for the default subscription, whose `published_at` always
-    /// commits as the session says.
+    /// to reach disk (default `false`; flag `--durable-acks`). The default
+    /// subscription's `published_at` always commits as the session says:
+    /// [`ConsumerBuilder::start`] refuses `true` for it with
+    /// [`Error::Config`](crate::Error::Config).
     ///
     /// By default a named subscription's settlements (its cursor moves,
     /// retries and dead letters) commit with `synchronous_commit = off`
@@ -506,7 +507,7 @@ impl ConsumerBuilder {
     /// (docs/performance.md, "Subscriptions"). A server crash, or a
     /// failover even to a synchronous standby, then loses the settlements
     /// of the last moments (up to three times `wal_writer_delay`, 600 ms at
-    /// its default): their events are **delivered again, never lost**,
+    /// its default): their events may be **delivered again, never lost**,
     /// since the WAL keeps its order and what survives is a prefix of it.
     /// With `true` they commit as the session's `synchronous_commit` says
     /// (`on` unless the role, the database or the URL's `options` set it),

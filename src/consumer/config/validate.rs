@@ -2,6 +2,7 @@
 
 use super::{ConsumerBuilder, ConsumerConfig, MAX_STATEMENT_TIMEOUT, Mode};
 use crate::error::{Error, Result};
+use crate::store::AckCommit;
 use crate::store::subscription_admin::check_name;
 
 impl ConsumerBuilder {
@@ -69,9 +70,16 @@ impl ConsumerBuilder {
 ///
 /// # Errors
 /// [`Error::Subscription`] for an invalid name.
+/// [`Error::Config`] for durable acknowledgements asked of the default
+/// subscription, which always acknowledges durably.
 fn check_subscription(c: &ConsumerConfig) -> Result<()> {
     match c.reader.subscription() {
         Some(name) => check_name(name),
+        None if c.ack_commit == AckCommit::Durable => Err(Error::Config(
+            "durable acknowledgements apply to a named subscription: the default subscription always \
+             acknowledges durably (its published_at commits as the session says)"
+                .into(),
+        )),
         None => Ok(()),
     }
 }

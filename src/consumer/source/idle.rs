@@ -28,6 +28,11 @@ pub(super) struct IdleAdvance {
     /// Fetches find nothing while events wait past the window above the
     /// cursor (said once).
     waiting_at_window: bool,
+    /// What seemed to hold the cursor when the readers were first found
+    /// waiting: the warning names only what still holds it a move later
+    /// ([`WindowHolder::still`]), not an event that was merely in flight
+    /// at that instant, or a producer's transaction that has since ended.
+    first_holder: Option<WindowHolder>,
 }
 
 impl IdleAdvance {
@@ -42,42 +47,49 @@ impl IdleAdvance {
         }
         self.advanced = Some(now);
         let ahead = cx.work.advance_idle(cx.stop()).await?;
-        if windowed {
-            let waiting = ahead.is_some_and(|a| a > SUBSCRIPTION_WINDOW);
-            let holder = match waiting && !self.waiting_at_window {
-                true => Some(cx.work.window_holder(cx.stop()).await?),
-                false => None,
-            };
-            self.at_window(ahead, holder, cx.work.reader().subscription());
+        let Some(name) = cx.work.reader().subscription().filter(|_| windowed) else { return Ok(()) };
+        let waiting = ahead.is_some_and(|a| a > SUBSCRIPTION_WINDOW);
+        if !waiting {
+            self.first_holder = None;
+            if std::mem::take(&mut self.waiting_at_window) {
+                tracing::info!(
+                    subscription = name,
+                    "subscription {name:?}: its cursor moved; reading on past the window"
+                );
+            }
+            return Ok(());
+        }
+        if self.waiting_at_window {
+            return Ok(());
+        }
+        let holder = cx.work.window_holder(cx.stop()).await?;
+        match self.first_holder.take() {
+            // Looked at once: look again at the next move.
+            None => self.first_holder = Some(holder),
+            Some(first) => {
+                self.waiting_at_window = true;
+                warn_at_window(name, ahead, &first.still(&holder));
+            }
         }
         Ok(())
     }
+}
 
-    /// A named subscription's fetch found nothing while the highest id
-    /// stands `ahead` ids above its cursor: past the window
-    /// ([`SUBSCRIPTION_WINDOW`]), its readers wait for the cursor
-    /// (docs/subscriptions.md, "Delivering a subscription"). Said once
-    /// when they start waiting (signal `subscription_window`), naming what
-    /// `holder` found holds the cursor, and once when they read on.
-    fn at_window(&mut self, ahead: Option<i64>, holder: Option<WindowHolder>, subscription: Option<&str>) {
-        let Some(name) = subscription else { return };
-        let waiting = ahead.is_some_and(|a| a > SUBSCRIPTION_WINDOW);
-        if waiting && !self.waiting_at_window {
-            let holder = holder.unwrap_or_default();
-            tracing::warn!(
-                subscription = name,
-                ahead,
-                window = SUBSCRIPTION_WINDOW,
-                held_by_event = holder.event_id,
-                held_by_pid = holder.writer.as_ref().map(|w| w.0),
-                signal = "subscription_window",
-                "subscription {name:?}: its readers wait {SUBSCRIPTION_WINDOW} ids above its cursor, which an event \
-                 not yet settled below holds (one in flight on a slow or frozen relay, or a write transaction still \
-                 open in this database): {holder}; they read on once the cursor moves"
-            );
-        } else if !waiting && self.waiting_at_window {
-            tracing::info!(subscription = name, "subscription {name:?}: its cursor moved; reading on past the window");
-        }
-        self.waiting_at_window = waiting;
-    }
+/// A named subscription's readers wait at the window
+/// ([`SUBSCRIPTION_WINDOW`]) while the highest id stands `ahead` ids above
+/// its cursor, which `holder` holds (docs/subscriptions.md, "Delivering a
+/// subscription"): said once (signal `subscription_window`), and at info
+/// once they read on.
+fn warn_at_window(name: &str, ahead: Option<i64>, holder: &WindowHolder) {
+    tracing::warn!(
+        subscription = name,
+        ahead,
+        window = SUBSCRIPTION_WINDOW,
+        held_by_event = holder.event_id,
+        held_by_pid = holder.writer.as_ref().map(|w| w.0),
+        signal = "subscription_window",
+        "subscription {name:?}: its readers wait {SUBSCRIPTION_WINDOW} ids above its cursor, which an event \
+         not yet settled below holds (one in flight on a slow or frozen relay, or a write transaction still \
+         open in this database): {holder}; they read on once the cursor moves"
+    );
 }

@@ -280,6 +280,13 @@ fn check(args: &RelayArgs) -> Result<(), Error> {
              add --mode partitioned, or drop --partitions"
         )));
     }
+    if args.durable_acks && args.subscription == pg_outbox::subscription::DEFAULT {
+        return Err(Error::Config(
+            "--durable-acks applies to --subscription NAME: the default subscription always acknowledges durably \
+             (its published_at commits as the session says); add --subscription NAME, or drop --durable-acks"
+                .into(),
+        ));
+    }
     if args.no_listen && args.source == SourceArg::Wal {
         return Err(Error::Config(
             "--no-listen applies to --source listen: the WAL source never LISTENs (its replication stream wakes it)"
@@ -334,12 +341,17 @@ fn log_start(args: &RelayArgs, target: &str, sink_name: &str, guarantee: pg_outb
         ModeArg::Partitioned => format!("partitioned {}", args.partitions.unwrap_or(DEFAULT_PARTITIONS)),
         ModeArg::Competing => "competing".to_string(),
     };
+    let acks = if args.durable_acks || args.subscription == pg_outbox::subscription::DEFAULT {
+        "durable"
+    } else {
+        "asynchronous"
+    };
     match args.metrics_addr {
         Some(a) => {
-            tracing::info!(signal = "started", database = %target, subscription = %args.subscription, mode = %mode, sink = %sink_name, max_buffered_bytes = %bound, metrics = %format!("http://{a}/metrics"), "relay started; {woken_by}")
+            tracing::info!(signal = "started", database = %target, subscription = %args.subscription, mode = %mode, acknowledgements = acks, sink = %sink_name, max_buffered_bytes = %bound, metrics = %format!("http://{a}/metrics"), "relay started; {woken_by}")
         }
         None => {
-            tracing::info!(signal = "started", database = %target, subscription = %args.subscription, mode = %mode, sink = %sink_name, max_buffered_bytes = %bound, "relay started; {woken_by}")
+            tracing::info!(signal = "started", database = %target, subscription = %args.subscription, mode = %mode, acknowledgements = acks, sink = %sink_name, max_buffered_bytes = %bound, "relay started; {woken_by}")
         }
     }
     tracing::info!(sink = %sink_name, guarantee = %guarantee, max_in_flight = args.max_in_flight, "sink delivery guarantee: {guarantee}");
