@@ -212,8 +212,10 @@ pub fn run_time_statements(server_version_num: i32) -> Vec<(&'static str, String
 /// passes: `subscription_gauges` ([`subscription::GAUGES`]: `$1 text`
 /// name, `$2 bigint` cap), `subscription_list` ([`subscription_admin::LIST`]:
 /// `$1 text` name or NULL for all, `$2 bigint` cap) and `subscription_lags`
-/// ([`subscription_lag::LAGS`]: no parameters, no cap). Each must cost the
-/// same whatever the size of `events.outbox`.
+/// ([`subscription_lag::LAGS`]: no parameters, no cap), and
+/// `subscription_window_holder` ([`subscription_lag::WINDOW_HOLDER`]: `$1
+/// text` name, no cap). Each must cost the same whatever the size of
+/// `events.outbox`.
 #[cfg(feature = "kit")]
 #[doc(hidden)]
 pub fn subscription_read_statements() -> Vec<(&'static str, &'static str, Option<i64>)> {
@@ -221,6 +223,7 @@ pub fn subscription_read_statements() -> Vec<(&'static str, &'static str, Option
         ("subscription_gauges", subscription::GAUGES, Some(STATUS_EXACT_ROWS)),
         ("subscription_list", subscription_admin::LIST, Some(subscription_admin::FAILURES_COUNTED + 1)),
         ("subscription_lags", subscription_lag::LAGS, None),
+        ("subscription_window_holder", subscription_lag::WINDOW_HOLDER, None),
     ]
 }
 

@@ -84,6 +84,7 @@ macro_rules! commit_as {
         )
     };
 }
+pub(crate) use commit_as;
 
 /// How a named subscription's settlements commit: its acknowledgements,
 /// failures and dead letters ([`SUBSCRIPTION_ACK`], [`SUBSCRIPTION_FAIL`],

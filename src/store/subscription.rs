@@ -166,10 +166,12 @@ pub(crate) fn checkpoint_sql() -> String {
 /// subscription is gone (the acknowledgement then fails with P0002). Its
 /// transaction commits as `$5` (`text`) says, as
 /// [`super::settle::SUBSCRIPTION_ACK`]'s `$6`.
-pub(crate) const ADVANCE_IDLE: &str = "SELECT (SELECT count(*) \
+pub(crate) const ADVANCE_IDLE: &str = concat!(
+    "SELECT (SELECT count(*) \
        FROM events.outbox_subscription_ack($1::text, $2::bigint[], true, $3::int8, $4::int8)) AS moved, \
-     (SELECT s.cursor_id FROM events.outbox_subscriptions s WHERE s.name = $1::text) AS cursor_id, \
-     set_config('synchronous_commit', coalesce($5::text, current_setting('synchronous_commit')), true) AS commit_as";
+     (SELECT s.cursor_id FROM events.outbox_subscriptions s WHERE s.name = $1::text) AS cursor_id, ",
+    super::settle::commit_as!("$5")
+);
 
 /// What a named subscription's consumer needs of the database: the
 /// subscription exists, and ids follow transaction ids (the insert trigger

@@ -32,14 +32,26 @@ pub(crate) const SET_MAX_LAG: &str = "UPDATE events.outbox_subscriptions \
 /// cursor, against 33 ms this way.)
 macro_rules! lag_of_s {
     () => {
-        "(SELECT EXTRACT(EPOCH FROM (now() - o.occurred_at))::float8 FROM events.outbox o WHERE o.id = ( \
-           SELECT min(d.id) FROM ( \
-             (SELECT o.id FROM events.outbox o WHERE o.id > s.cursor_id ORDER BY o.id \
-               LIMIT cardinality(s.settled) + 1) \
-             EXCEPT SELECT unnest(s.settled)) d))"
+        concat!(
+            "(SELECT EXTRACT(EPOCH FROM (now() - o.occurred_at))::float8 FROM events.outbox o WHERE o.id = ",
+            $crate::store::subscription_lag::lowest_unsettled_of_s!(),
+            ")"
+        )
     };
 }
 pub(crate) use lag_of_s;
+
+/// The id of the lowest event above subscription row `s`'s cursor that it
+/// has not settled (NULL when there is none), as [`lag_of_s!`] finds it.
+macro_rules! lowest_unsettled_of_s {
+    () => {
+        "(SELECT min(d.id) FROM ( \
+           (SELECT o.id FROM events.outbox o WHERE o.id > s.cursor_id ORDER BY o.id \
+             LIMIT cardinality(s.settled) + 1) \
+           EXCEPT SELECT unnest(s.settled)) d)"
+    };
+}
+pub(crate) use lowest_unsettled_of_s;
 
 /// Mark subscription $1 expired, if it still may and must: its expiry
 /// opted in (`options` key `expire`), not expired yet, and its lag (as in
@@ -78,15 +90,17 @@ pub(crate) const LAGS: &str = concat!(
 /// what the cursor may pass): `pid`, `application_name` and `open_secs`,
 /// NULL when there is none, or when `pg_stat_activity` hides it from this
 /// role. One row, none when the subscription is gone.
-pub(crate) const WINDOW_HOLDER: &str = "SELECT (SELECT min(d.id) FROM ( \
-       (SELECT o.id FROM events.outbox o WHERE o.id > s.cursor_id ORDER BY o.id LIMIT cardinality(s.settled) + 1) \
-       EXCEPT SELECT unnest(s.settled)) d) AS event_id, \
+pub(crate) const WINDOW_HOLDER: &str = concat!(
+    "SELECT ",
+    lowest_unsettled_of_s!(),
+    " AS event_id, \
      w.pid, w.application_name, EXTRACT(EPOCH FROM (now() - w.xact_start))::float8 AS open_secs \
      FROM events.outbox_subscriptions s LEFT JOIN LATERAL ( \
        SELECT a.pid, a.application_name, a.xact_start FROM pg_catalog.pg_stat_activity a \
         WHERE a.datname = current_database() AND a.backend_xid IS NOT NULL AND a.pid <> pg_backend_pid() \
         ORDER BY a.xact_start LIMIT 1) w ON true \
-     WHERE s.name = $1";
+     WHERE s.name = $1"
+);
 
 /// What holds a subscription's cursor ([`WINDOW_HOLDER`]).
 #[derive(Debug, Clone, Default, PartialEq)]
